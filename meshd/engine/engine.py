@@ -1,0 +1,411 @@
+"""Python face of the range-aware engine: models, contexts and samplers over numpy.
+
+Everything a caller passes is checked here first (dtype, shape, byte length,
+token ids, positions, sequence ids, layer range); the native side checks again
+and never aborts on what it can check.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from meshd.engine.native import load
+
+
+class EngineError(Exception):
+    """A native call failed; the message is the engine's own."""
+
+
+class ModelLoadError(EngineError):
+    pass
+
+
+class UnsupportedModel(EngineError):
+    pass
+
+
+class InvalidInput(EngineError, ValueError):
+    pass
+
+
+class KVCacheFull(EngineError):
+    pass
+
+
+def _raise(code: int, what: str) -> None:
+    ffi, lib = load()
+    message = f"{what}: {ffi.string(lib.me_last_error()).decode(errors='replace')}"
+    kinds: dict[int, type[EngineError]] = {
+        lib.ME_ERR_INVALID_ARGUMENT: InvalidInput,
+        lib.ME_ERR_LOAD: ModelLoadError,
+        lib.ME_ERR_UNSUPPORTED: UnsupportedModel,
+        lib.ME_ERR_NO_KV_SPACE: KVCacheFull,
+    }
+    raise kinds.get(code, EngineError)(message)
+
+
+def _init_once() -> None:
+    _, lib = load()
+    levels = {"error": 0, "warn": 1, "info": 2}
+    lib.me_init(levels.get(os.environ.get("MESHD_LLAMA_LOG", "error"), 0))
+
+
+@dataclass(frozen=True)
+class RangeReport:
+    """What a loaded model holds, as the engine reports it from the loaded tensors."""
+
+    layer_begin: int
+    layer_end: int
+    n_layer: int
+    has_input: bool
+    has_output: bool
+    n_tensors: int
+    n_bytes: int
+    n_embd: int
+    n_vocab: int
+    n_ctx_train: int
+    arch: str
+
+    @property
+    def is_head(self) -> bool:
+        return self.has_input
+
+    @property
+    def is_tail(self) -> bool:
+        return self.has_output
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0
+
+
+class Model:
+    """A GGUF loaded for layers [begin, end) only; `layers=None` loads the whole model."""
+
+    def __init__(self, path: str | Path, layers: tuple[int, int | None] | None = None, n_gpu_layers: int = 0) -> None:
+        ffi, lib = load()
+        _init_once()
+        self._ffi, self._lib = ffi, lib
+        self._handle = ffi.NULL
+        self.path = Path(path)
+        begin, end = (0, None) if layers is None else layers
+        if not isinstance(begin, int) or (end is not None and not isinstance(end, int)):
+            raise InvalidInput(f"layer range must be integers, got {layers!r}")
+        if begin < 0:
+            raise InvalidInput(f"layer range [{begin}, {end}) starts below 0")
+        if end is not None and end <= begin:
+            raise InvalidInput(f"layer range [{begin}, {end}) is empty or inverted")
+        if not self.path.exists():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        if not self.path.is_file():
+            raise ModelLoadError(f"model path is not a file: {self.path}")
+        out = ffi.new("me_model **")
+        rc = lib.me_model_load(str(self.path).encode(), begin, -1 if end is None else end, n_gpu_layers, out)
+        if rc != lib.ME_OK:
+            _raise(rc, f"cannot load {self.path.name}")
+        self._handle = out[0]
+        info = ffi.new("me_model_info *")
+        self._check(lib.me_model_get_info(self._handle, info), "model info")
+        self.report = RangeReport(
+            layer_begin=info.layer_begin,
+            layer_end=info.layer_end,
+            n_layer=info.n_layer,
+            has_input=bool(info.has_input),
+            has_output=bool(info.has_output),
+            n_tensors=info.n_tensors,
+            n_bytes=info.n_bytes,
+            n_embd=info.n_embd,
+            n_vocab=info.n_vocab,
+            n_ctx_train=info.n_ctx_train,
+            arch=ffi.string(info.arch).decode(),
+        )
+        want_end = self.report.n_layer if end is None else end
+        if (self.report.layer_begin, self.report.layer_end) != (begin, want_end):
+            got = (self.report.layer_begin, self.report.layer_end)
+            self.close()
+            raise ModelLoadError(f"asked for layers [{begin}, {want_end}) but the engine loaded {list(got)}")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != self._lib.ME_OK:
+            _raise(rc, what)
+
+    @property
+    def handle(self) -> object:
+        if self._handle == self._ffi.NULL:
+            raise EngineError("model is closed")
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle != self._ffi.NULL:
+            self._lib.me_model_free(self._handle)
+            self._handle = self._ffi.NULL
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        ffi, lib = self._ffi, self._lib
+        raw = text.encode()
+        n = ffi.new("int32_t *")
+        capacity = len(raw) + 8
+        while True:
+            buf = ffi.new("int32_t[]", capacity)
+            rc = lib.me_tokenize(self.handle, raw, len(raw), add_special, parse_special, buf, capacity, n)
+            if rc == lib.ME_ERR_BUFFER_TOO_SMALL and n[0] > capacity:
+                capacity = n[0]
+                continue
+            self._check(rc, "tokenize")
+            return list(ffi.unpack(buf, n[0]))
+
+    def detokenize(self, tokens: Sequence[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+        ffi, lib = self._ffi, self._lib
+        ids = self._checked_tokens(tokens)
+        arr = ffi.new("int32_t[]", ids)
+        n = ffi.new("int32_t *")
+        capacity = 8 * len(ids) + 16
+        while True:
+            buf = ffi.new("char[]", capacity)
+            rc = lib.me_detokenize(self.handle, arr, len(ids), remove_special, unparse_special, buf, capacity, n)
+            if rc == lib.ME_ERR_BUFFER_TOO_SMALL and n[0] > capacity:
+                capacity = n[0]
+                continue
+            self._check(rc, "detokenize")
+            return ffi.unpack(buf, n[0]).decode(errors="replace")
+
+    def token_piece(self, token: int, special: bool = False) -> bytes:
+        ffi, lib = self._ffi, self._lib
+        self._checked_tokens([token])
+        n = ffi.new("int32_t *")
+        capacity = 64
+        while True:
+            buf = ffi.new("char[]", capacity)
+            rc = lib.me_token_piece(self.handle, token, special, buf, capacity, n)
+            if rc == lib.ME_ERR_BUFFER_TOO_SMALL and n[0] > capacity:
+                capacity = n[0]
+                continue
+            self._check(rc, "token piece")
+            return ffi.unpack(buf, n[0])
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.me_token_is_eog(self.handle, token))
+
+    def apply_chat(self, messages: Sequence[dict[str, str]], add_assistant: bool = True) -> str:
+        ffi, lib = self._ffi, self._lib
+        keep = []
+        arr = ffi.new("me_chat_message[]", len(messages))
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidInput(f"message {i} needs string 'role' and 'content'")
+            role, content = ffi.new("char[]", m["role"].encode()), ffi.new("char[]", m["content"].encode())
+            keep += [role, content]
+            arr[i].role, arr[i].content = role, content
+        n = ffi.new("int32_t *")
+        capacity = sum(len(m["content"]) + len(m["role"]) for m in messages) * 2 + 256
+        while True:
+            buf = ffi.new("char[]", capacity)
+            rc = lib.me_chat_apply(self.handle, arr, len(messages), add_assistant, buf, capacity, n)
+            if rc == lib.ME_ERR_BUFFER_TOO_SMALL and n[0] > capacity:
+                capacity = n[0]
+                continue
+            self._check(rc, "chat template")
+            return ffi.unpack(buf, n[0]).decode(errors="replace")
+
+    def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in tokens]
+        bad = [t for t in ids if not 0 <= t < self.report.n_vocab]
+        if bad:
+            raise InvalidInput(f"token id {bad[0]} is outside the vocabulary [0, {self.report.n_vocab})")
+        return ids
+
+
+class Context:
+    """KV state and compute for one model range; sequences 0..n_seq_max-1 share its cells."""
+
+    def __init__(self, model: Model, n_ctx: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
+                 n_threads: int | None = None) -> None:
+        ffi, lib = model._ffi, model._lib
+        self._ffi, self._lib, self.model = ffi, lib, model
+        self._handle = ffi.NULL
+        threads = n_threads or int(os.environ.get("MESHD_THREADS", "0")) or (os.cpu_count() or 1)
+        params = ffi.new("me_context_params *", {
+            "n_ctx": n_ctx, "n_seq_max": n_seq_max, "n_batch": n_batch, "n_threads": threads,
+        })
+        out = ffi.new("me_context **")
+        rc = lib.me_context_new(model.handle, params, out)
+        if rc != lib.ME_OK:
+            _raise(rc, "cannot create context")
+        self._handle = out[0]
+        self.n_ctx, self.n_seq_max, self.n_batch, self.n_threads = n_ctx, n_seq_max, n_batch, threads
+        report = model.report
+        self.width = report.n_vocab if report.has_output else report.n_embd
+
+    def close(self) -> None:
+        if self._handle != self._ffi.NULL:
+            self._lib.me_context_free(self._handle)
+            self._handle = self._ffi.NULL
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def forward(
+        self,
+        seq_ids: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        want_output: Sequence[bool] | np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Runs rows through the owned layers, in chunks of n_batch.
+
+        Returns the residual of every row (n x n_embd) before the tail, and at
+        the tail the logits of the rows in `want_output` (default: the last row).
+        """
+        if self._handle == self._ffi.NULL:
+            raise EngineError("context is closed")
+        report = self.model.report
+        seq = np.ascontiguousarray(seq_ids, dtype=np.int32).reshape(-1)
+        pos = np.ascontiguousarray(positions, dtype=np.int32).reshape(-1)
+        n = len(pos)
+        if n == 0:
+            raise InvalidInput("a batch needs at least one row")
+        if len(seq) != n:
+            raise InvalidInput(f"{len(seq)} sequence ids for {n} positions")
+        if seq.min() < 0 or seq.max() >= self.n_seq_max:
+            raise InvalidInput(f"sequence id outside [0, {self.n_seq_max}): {int(seq.min())}..{int(seq.max())}")
+        if pos.min() < 0 or pos.max() >= self.n_ctx:
+            raise InvalidInput(f"position outside [0, {self.n_ctx}): {int(pos.min())}..{int(pos.max())}")
+        tok = self._rows_in(n, tokens, hidden, report)
+        if report.has_output:
+            want = np.zeros(n, dtype=np.int8)
+            if want_output is None:
+                want[-1] = 1
+            else:
+                w = np.asarray(want_output, dtype=bool).reshape(-1)
+                if len(w) != n:
+                    raise InvalidInput(f"{len(w)} output flags for {n} rows")
+                want[:] = w
+        else:
+            want = np.ones(n, dtype=np.int8)
+        rows = int(want.sum())
+        out = np.empty((rows, self.width), dtype=np.float32)
+        done = 0
+        for start in range(0, n, self.n_batch):
+            stop = min(start + self.n_batch, n)
+            done += self._forward_chunk(seq[start:stop], pos[start:stop], tok, start, stop, want[start:stop], out[done:])
+        return out
+
+    def _rows_in(self, n: int, tokens: object, hidden: np.ndarray | None, report: RangeReport) -> np.ndarray:
+        if report.has_input:
+            if hidden is not None or tokens is None:
+                raise InvalidInput("this stage owns the embeddings: give token ids, not residual rows")
+            tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+            if len(tok) != n:
+                raise InvalidInput(f"{len(tok)} tokens for {n} positions")
+            if tok.min() < 0 or tok.max() >= report.n_vocab:
+                bad = int(tok.min()) if tok.min() < 0 else int(tok.max())
+                raise InvalidInput(f"token id {bad} is outside the vocabulary [0, {report.n_vocab})")
+            return tok.astype(np.int32)
+        if tokens is not None or hidden is None:
+            raise InvalidInput("this stage starts after layer 0: give residual rows, not token ids")
+        if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32:
+            raise InvalidInput(f"residual rows must be a float32 array, got {getattr(hidden, 'dtype', type(hidden))}")
+        if hidden.shape != (n, report.n_embd):
+            raise InvalidInput(f"residual has shape {hidden.shape}, this model needs ({n}, {report.n_embd})")
+        return np.ascontiguousarray(hidden)
+
+    def _forward_chunk(self, seq: np.ndarray, pos: np.ndarray, rows_in: np.ndarray, start: int, stop: int,
+                       want: np.ndarray, out: np.ndarray) -> int:
+        ffi, lib = self._ffi, self._lib
+        chunk = rows_in[start:stop]
+        tok_ptr = ffi.cast("int32_t *", chunk.ctypes.data) if chunk.dtype == np.int32 else ffi.NULL
+        emb_ptr = ffi.cast("float *", chunk.ctypes.data) if chunk.dtype == np.float32 else ffi.NULL
+        seq_c, pos_c, want_c = (np.ascontiguousarray(a) for a in (seq, pos, want))
+        n_rows = ffi.new("int32_t *")
+        rc = lib.me_forward(
+            self._handle, stop - start, tok_ptr, emb_ptr,
+            ffi.cast("int32_t *", pos_c.ctypes.data), ffi.cast("int32_t *", seq_c.ctypes.data),
+            ffi.cast("int8_t *", want_c.ctypes.data),
+            ffi.cast("float *", out.ctypes.data), out.size, n_rows,
+        )
+        if rc != lib.ME_OK:
+            _raise(rc, "forward")
+        return n_rows[0]
+
+    def remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        """Frees positions [p0, p1) of a sequence (p1 < 0: to the end); seq_id < 0: all sequences."""
+        if seq_id >= self.n_seq_max:
+            raise InvalidInput(f"sequence id {seq_id} is outside [0, {self.n_seq_max})")
+        rc = self._lib.me_seq_remove(self._handle, seq_id, p0, p1)
+        if rc != self._lib.ME_OK:
+            _raise(rc, "remove sequence")
+
+    def clear(self) -> None:
+        self.remove(-1)
+
+    def pos_max(self, seq_id: int) -> int:
+        out = self._ffi.new("int32_t *")
+        rc = self._lib.me_seq_pos_max(self._handle, seq_id, out)
+        if rc != self._lib.ME_OK:
+            _raise(rc, "sequence position")
+        return out[0]
+
+
+class Sampler:
+    """llama.cpp's sampler chain for one session; seeded, so runs repeat."""
+
+    def __init__(self, model: Model, params: SamplingParams = SamplingParams()) -> None:
+        ffi, lib = model._ffi, model._lib
+        self._ffi, self._lib = ffi, lib
+        self.n_vocab = model.report.n_vocab
+        self._handle = ffi.NULL
+        p = ffi.new("me_sampler_params *", {
+            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+            "min_p": params.min_p, "repeat_penalty": params.repeat_penalty,
+            "repeat_last_n": params.repeat_last_n, "seed": params.seed & 0xFFFFFFFF,
+        })
+        out = ffi.new("me_sampler **")
+        rc = lib.me_sampler_new(model.handle, p, out)
+        if rc != lib.ME_OK:
+            _raise(rc, "sampler")
+        self._handle = out[0]
+
+    def close(self) -> None:
+        if self._handle != self._ffi.NULL:
+            self._lib.me_sampler_free(self._handle)
+            self._handle = self._ffi.NULL
+
+    def __del__(self) -> None:
+        self.close()
+
+    def sample(self, logits: np.ndarray) -> int:
+        row = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
+        if len(row) != self.n_vocab:
+            raise InvalidInput(f"logits have {len(row)} entries, the vocabulary {self.n_vocab}")
+        token = self._ffi.new("int32_t *")
+        rc = self._lib.me_sampler_sample(self._handle, self._ffi.cast("float *", row.ctypes.data), len(row), token)
+        if rc != self._lib.ME_OK:
+            _raise(rc, "sample")
+        return token[0]
+
+    def accept(self, token: int) -> None:
+        rc = self._lib.me_sampler_accept(self._handle, token)
+        if rc != self._lib.ME_OK:
+            _raise(rc, "accept")

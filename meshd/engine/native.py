@@ -1,0 +1,65 @@
+"""cffi ABI-mode binding of libmeshengine: the cdef is read from native/meshengine.h."""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import cffi
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+LIB_NAME = "libmeshengine.so"
+
+
+class EngineUnavailable(Exception):
+    """The native library is missing or was built from another header."""
+
+
+def _library_dir() -> Path:
+    override = os.environ.get("MESHD_ENGINE_DIR")
+    return Path(override) if override else ROOT / "build" / "native"
+
+
+def _cdef_from_header(text: str) -> str:
+    try:
+        body = text.split("/* cdef-begin */", 1)[1].split("/* cdef-end */", 1)[0]
+    except IndexError as exc:
+        raise EngineUnavailable("meshengine.h lacks its cdef markers") from exc
+    return re.sub(r"\bME_API\s+", "", body)
+
+
+@lru_cache(maxsize=1)
+def load() -> tuple[cffi.FFI, object]:
+    """The ffi and the library, loaded once per process."""
+    directory = _library_dir()
+    lib_path = directory / LIB_NAME
+    # The header installed beside the library is the one it was built from.
+    header = directory / "meshengine.h"
+    if not lib_path.exists() or not header.exists():
+        raise EngineUnavailable(
+            f"{lib_path} is missing: build it with `python tools/build_native.py`"
+        )
+    ffi = cffi.FFI()
+    ffi.cdef(_cdef_from_header(header.read_text()))
+    lib = ffi.dlopen(str(lib_path))
+    _check_abi(ffi, lib)
+    return ffi, lib
+
+
+def _check_abi(ffi: cffi.FFI, lib: object) -> None:
+    if lib.me_abi_version() != lib.ME_ABI_VERSION:
+        raise EngineUnavailable(
+            f"{LIB_NAME} speaks ABI {lib.me_abi_version()}, the header {lib.ME_ABI_VERSION}: rebuild it"
+        )
+    structs = {
+        lib.ME_STRUCT_MODEL_INFO: "me_model_info",
+        lib.ME_STRUCT_CONTEXT_PARAMS: "me_context_params",
+        lib.ME_STRUCT_SAMPLER_PARAMS: "me_sampler_params",
+        lib.ME_STRUCT_CHAT_MESSAGE: "me_chat_message",
+    }
+    for which, name in structs.items():
+        native, ours = lib.me_struct_size(which), ffi.sizeof(name)
+        if native != ours:
+            raise EngineUnavailable(f"struct {name} is {native} bytes in {LIB_NAME} but {ours} here: rebuild it")

@@ -1,0 +1,571 @@
+// meshengine: the C API of meshengine.h over the patched llama.cpp.
+//
+// Every entry point validates what it can before llama.cpp sees it, because
+// llama.cpp asserts (aborts) on much of what it considers a programming error.
+
+#include "meshengine.h"
+
+#include "llama.h"
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+struct me_model {
+    llama_model * model;
+    const llama_vocab * vocab;
+    llama_model_range_info range;
+    std::string arch;
+};
+
+struct me_context {
+    me_model * model;
+    llama_context * ctx;
+    me_context_params params;
+    int32_t n_embd;
+    int32_t n_vocab;
+    bool has_input;
+    bool has_output;
+    llama_batch batch;
+};
+
+struct me_sampler {
+    llama_sampler * chain;
+    std::vector<llama_token_data> candidates;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+// llama.cpp reports load failures only through its log; the last error line
+// logged on this thread becomes the message of the failing call.
+thread_local std::string g_last_log_error;
+int32_t g_log_level = 0;
+std::once_flag g_init_once;
+
+int32_t fail(int32_t code, const char * fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    g_last_error = buf;
+    return code;
+}
+
+void log_callback(ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        std::string line(text);
+        while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) {
+            line.pop_back();
+        }
+        if (!line.empty()) {
+            g_last_log_error = line;
+        }
+    }
+    const int32_t rank = level == GGML_LOG_LEVEL_ERROR ? 0
+                       : level == GGML_LOG_LEVEL_WARN  ? 1
+                       : level == GGML_LOG_LEVEL_INFO  ? 2
+                       : 3;
+    if (rank <= g_log_level && level != GGML_LOG_LEVEL_CONT) {
+        fputs(text, stderr);
+    }
+}
+
+// the part of llama.cpp's "func: error loading model: reason" after the last "error ...: "
+std::string load_reason() {
+    std::string msg = g_last_log_error;
+    const std::string marker = "error loading model: ";
+    const auto at = msg.rfind(marker);
+    if (at != std::string::npos) {
+        msg = msg.substr(at + marker.size());
+    }
+    return msg.empty() ? std::string("llama.cpp gave no reason") : msg;
+}
+
+void ensure_init() {
+    std::call_once(g_init_once, [] {
+        llama_log_set(log_callback, nullptr);
+        llama_backend_init();
+    });
+}
+
+bool read_magic(const char * path, char magic[4], long * size) {
+    FILE * f = fopen(path, "rb");
+    if (!f) {
+        return false;
+    }
+    const size_t n = fread(magic, 1, 4, f);
+    fseek(f, 0, SEEK_END);
+    *size = ftell(f);
+    fclose(f);
+    if (n < 4) {
+        memset(magic + n, 0, 4 - n);
+    }
+    return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+uint32_t me_abi_version(void) {
+    return ME_ABI_VERSION;
+}
+
+size_t me_struct_size(int32_t which) {
+    switch (which) {
+        case ME_STRUCT_MODEL_INFO:     return sizeof(me_model_info);
+        case ME_STRUCT_CONTEXT_PARAMS: return sizeof(me_context_params);
+        case ME_STRUCT_SAMPLER_PARAMS: return sizeof(me_sampler_params);
+        case ME_STRUCT_CHAT_MESSAGE:   return sizeof(me_chat_message);
+        default:                       return 0;
+    }
+}
+
+const char * me_last_error(void) {
+    return g_last_error.c_str();
+}
+
+void me_init(int32_t log_level) {
+    g_log_level = log_level;
+    ensure_init();
+}
+
+int32_t me_model_load(const char * path, int32_t layer_begin, int32_t layer_end,
+                      int32_t n_gpu_layers, me_model ** out) {
+    ensure_init();
+    if (!path || !out) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "path and out are required");
+    }
+    *out = nullptr;
+    char magic[4];
+    long size = 0;
+    if (!read_magic(path, magic, &size)) {
+        return fail(ME_ERR_LOAD, "cannot open model file '%s'", path);
+    }
+    if (size == 0) {
+        return fail(ME_ERR_LOAD, "model file '%s' is empty", path);
+    }
+    if (memcmp(magic, "GGUF", 4) != 0) {
+        return fail(ME_ERR_LOAD, "'%s' is not a GGUF file (bad magic)", path);
+    }
+
+    llama_model_params mp = llama_model_default_params();
+    mp.layer_begin = layer_begin;
+    mp.layer_end = layer_end;
+    mp.n_gpu_layers = n_gpu_layers;
+
+    g_last_log_error.clear();
+    llama_model * model = nullptr;
+    try {
+        model = llama_model_load_from_file(path, mp);
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_LOAD, "loading '%s' failed: %s", path, e.what());
+    }
+    if (!model) {
+        const std::string reason = load_reason();
+        const int32_t code = reason.find("does not support partial layer ranges") != std::string::npos
+            ? ME_ERR_UNSUPPORTED
+            : (reason.find("layer range") != std::string::npos ? ME_ERR_INVALID_ARGUMENT : ME_ERR_LOAD);
+        return fail(code, "loading '%s' failed: %s", path, reason.c_str());
+    }
+
+    auto * m = new (std::nothrow) me_model{model, llama_model_get_vocab(model), llama_model_get_range_info(model), ""};
+    if (!m) {
+        llama_model_free(model);
+        return fail(ME_ERR_INTERNAL, "out of memory");
+    }
+    char arch[64] = {0};
+    llama_model_meta_val_str(model, "general.architecture", arch, sizeof arch);
+    m->arch = arch;
+    *out = m;
+    return ME_OK;
+}
+
+void me_model_free(me_model * model) {
+    if (model) {
+        llama_model_free(model->model);
+        delete model;
+    }
+}
+
+int32_t me_model_get_info(const me_model * model, me_model_info * out) {
+    if (!model || !out) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model and out are required");
+    }
+    memset(out, 0, sizeof *out);
+    out->layer_begin = model->range.layer_begin;
+    out->layer_end = model->range.layer_end;
+    out->n_layer = model->range.n_layer;
+    out->has_input = model->range.has_input;
+    out->has_output = model->range.has_output;
+    out->n_embd = llama_model_n_embd(model->model);
+    out->n_vocab = llama_vocab_n_tokens(model->vocab);
+    out->n_ctx_train = llama_model_n_ctx_train(model->model);
+    out->n_tensors = model->range.n_tensors;
+    out->n_bytes = model->range.n_bytes;
+    snprintf(out->arch, sizeof out->arch, "%s", model->arch.c_str());
+    return ME_OK;
+}
+
+int32_t me_context_new(me_model * model, const me_context_params * params, me_context ** out) {
+    if (!model || !params || !out) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model, params and out are required");
+    }
+    *out = nullptr;
+    if (params->n_ctx < 1 || params->n_seq_max < 1 || params->n_batch < 1 || params->n_threads < 1) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "n_ctx, n_seq_max, n_batch and n_threads must be positive");
+    }
+    if (params->n_seq_max > 256) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "n_seq_max %u exceeds 256", params->n_seq_max);
+    }
+    const bool has_output = model->range.has_output;
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = params->n_ctx;
+    cp.n_batch = params->n_batch;
+    cp.n_ubatch = params->n_batch;
+    cp.n_seq_max = params->n_seq_max;
+    cp.n_threads = params->n_threads;
+    cp.n_threads_batch = params->n_threads;
+    cp.no_perf = true;
+    // Before the tail every row's raw residual is the product: embeddings without pooling.
+    cp.embeddings = !has_output;
+    cp.pooling_type = has_output ? LLAMA_POOLING_TYPE_UNSPECIFIED : LLAMA_POOLING_TYPE_NONE;
+    // Sequences share the cells, so one session cannot be starved by a fixed per-sequence slice.
+    cp.kv_unified = true;
+
+    g_last_log_error.clear();
+    llama_context * ctx = nullptr;
+    try {
+        ctx = llama_init_from_model(model->model, cp);
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_INTERNAL, "context creation failed: %s", e.what());
+    }
+    if (!ctx) {
+        return fail(ME_ERR_INTERNAL, "context creation failed: %s", load_reason().c_str());
+    }
+    const int32_t n_embd = llama_model_n_embd(model->model);
+    auto * c = new (std::nothrow) me_context{model, ctx, *params, n_embd,
+                                             llama_vocab_n_tokens(model->vocab),
+                                             (bool) model->range.has_input, has_output, {}};
+    if (!c) {
+        llama_free(ctx);
+        return fail(ME_ERR_INTERNAL, "out of memory");
+    }
+    c->batch = llama_batch_init((int32_t) params->n_batch, c->has_input ? 0 : n_embd, 1);
+    *out = c;
+    return ME_OK;
+}
+
+void me_context_free(me_context * ctx) {
+    if (ctx) {
+        llama_batch_free(ctx->batch);
+        llama_free(ctx->ctx);
+        delete ctx;
+    }
+}
+
+int32_t me_forward(me_context * ctx, int32_t n_tokens,
+                   const int32_t * tokens, const float * embd,
+                   const int32_t * pos, const int32_t * seq_ids, const int8_t * want_output,
+                   float * out, size_t out_capacity, int32_t * out_rows) {
+    if (!ctx || !pos || !seq_ids || !out_rows) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "ctx, pos, seq_ids and out_rows are required");
+    }
+    *out_rows = 0;
+    if (n_tokens < 1 || (uint32_t) n_tokens > ctx->params.n_batch) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "n_tokens %d outside [1, %u]", n_tokens, ctx->params.n_batch);
+    }
+    if (ctx->has_input && !tokens) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "this stage owns the embeddings: it takes token ids");
+    }
+    if (!ctx->has_input && !embd) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "this stage starts after layer 0: it takes residual rows");
+    }
+    if (ctx->has_input && embd) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "give token ids or residual rows, not both");
+    }
+    if (!ctx->has_input && tokens) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "this stage has no token embeddings: it cannot take token ids");
+    }
+    int32_t rows = 0;
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        if (tokens && (tokens[i] < 0 || tokens[i] >= ctx->n_vocab)) {
+            return fail(ME_ERR_INVALID_ARGUMENT, "token id %d at row %d is outside the vocabulary [0, %d)",
+                        tokens[i], i, ctx->n_vocab);
+        }
+        if (seq_ids[i] < 0 || (uint32_t) seq_ids[i] >= ctx->params.n_seq_max) {
+            return fail(ME_ERR_INVALID_ARGUMENT, "sequence id %d at row %d is outside [0, %u)",
+                        seq_ids[i], i, ctx->params.n_seq_max);
+        }
+        if (pos[i] < 0 || (uint32_t) pos[i] >= ctx->params.n_ctx) {
+            return fail(ME_ERR_INVALID_ARGUMENT, "position %d at row %d is outside [0, %u)",
+                        pos[i], i, ctx->params.n_ctx);
+        }
+        if (!ctx->has_output || (want_output && want_output[i])) {
+            rows++;
+        }
+    }
+    const int32_t width = ctx->has_output ? ctx->n_vocab : ctx->n_embd;
+    const size_t need = (size_t) rows * (size_t) width;
+    if (!out || out_capacity < need) {
+        *out_rows = rows;
+        return fail(ME_ERR_BUFFER_TOO_SMALL, "output needs %zu floats, capacity is %zu", need, out ? out_capacity : 0);
+    }
+
+    llama_batch & b = ctx->batch;
+    b.n_tokens = n_tokens;
+    if (tokens) {
+        memcpy(b.token, tokens, sizeof(int32_t) * n_tokens);
+    } else {
+        memcpy(b.embd, embd, sizeof(float) * (size_t) n_tokens * ctx->n_embd);
+    }
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        b.pos[i] = pos[i];
+        b.n_seq_id[i] = 1;
+        b.seq_id[i][0] = seq_ids[i];
+        b.logits[i] = !ctx->has_output || (want_output && want_output[i]);
+    }
+
+    g_last_log_error.clear();
+    int32_t rc;
+    try {
+        rc = llama_decode(ctx->ctx, b);
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_INTERNAL, "decode failed: %s", e.what());
+    }
+    if (rc == 1) {
+        return fail(ME_ERR_NO_KV_SPACE, "no KV cache space for %d tokens", n_tokens);
+    }
+    if (rc != 0) {
+        return fail(ME_ERR_COMPUTE, "decode failed (%d): %s", rc, g_last_log_error.empty() ? "no reason logged" : g_last_log_error.c_str());
+    }
+
+    int32_t row = 0;
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        if (!b.logits[i]) {
+            continue;
+        }
+        const float * src = ctx->has_output ? llama_get_logits_ith(ctx->ctx, i) : llama_get_embeddings_ith(ctx->ctx, i);
+        if (!src) {
+            return fail(ME_ERR_INTERNAL, "no output for row %d", i);
+        }
+        memcpy(out + (size_t) row * width, src, sizeof(float) * width);
+        row++;
+    }
+    *out_rows = row;
+    return ME_OK;
+}
+
+int32_t me_seq_remove(me_context * ctx, int32_t seq_id, int32_t p0, int32_t p1) {
+    if (!ctx) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "ctx is required");
+    }
+    if (seq_id >= (int32_t) ctx->params.n_seq_max) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sequence id %d is outside [0, %u)", seq_id, ctx->params.n_seq_max);
+    }
+    if (!llama_memory_seq_rm(llama_get_memory(ctx->ctx), seq_id, p0, p1)) {
+        return fail(ME_ERR_COMPUTE, "cannot remove positions [%d, %d) of sequence %d", p0, p1, seq_id);
+    }
+    return ME_OK;
+}
+
+int32_t me_seq_pos_max(me_context * ctx, int32_t seq_id, int32_t * out) {
+    if (!ctx || !out) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "ctx and out are required");
+    }
+    if (seq_id < 0 || seq_id >= (int32_t) ctx->params.n_seq_max) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sequence id %d is outside [0, %u)", seq_id, ctx->params.n_seq_max);
+    }
+    *out = llama_memory_seq_pos_max(llama_get_memory(ctx->ctx), seq_id);
+    return ME_OK;
+}
+
+int32_t me_tokenize(const me_model * model, const char * text, int32_t text_len,
+                    int32_t add_special, int32_t parse_special,
+                    int32_t * tokens, int32_t capacity, int32_t * n_tokens) {
+    if (!model || !text || !n_tokens || text_len < 0 || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model, text and n_tokens are required; lengths are non-negative");
+    }
+    const int32_t n = llama_tokenize(model->vocab, text, text_len, tokens, tokens ? capacity : 0,
+                                     add_special != 0, parse_special != 0);
+    if (n == INT32_MIN) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "text too long to tokenize");
+    }
+    if (n < 0) {
+        *n_tokens = -n;
+        return fail(ME_ERR_BUFFER_TOO_SMALL, "tokenize needs %d tokens of room", -n);
+    }
+    *n_tokens = n;
+    return ME_OK;
+}
+
+int32_t me_detokenize(const me_model * model, const int32_t * tokens, int32_t n_tokens,
+                      int32_t remove_special, int32_t unparse_special,
+                      char * buf, int32_t capacity, int32_t * n_bytes) {
+    if (!model || (!tokens && n_tokens > 0) || !n_bytes || n_tokens < 0 || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model, tokens and n_bytes are required");
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(model->vocab);
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            return fail(ME_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary [0, %d)", tokens[i], n_vocab);
+        }
+    }
+    const int32_t n = llama_detokenize(model->vocab, tokens, n_tokens, buf, buf ? capacity : 0,
+                                       remove_special != 0, unparse_special != 0);
+    if (n < 0) {
+        *n_bytes = -n;
+        return fail(ME_ERR_BUFFER_TOO_SMALL, "detokenize needs %d bytes", -n);
+    }
+    *n_bytes = n;
+    return ME_OK;
+}
+
+int32_t me_token_piece(const me_model * model, int32_t token, int32_t special,
+                       char * buf, int32_t capacity, int32_t * n_bytes) {
+    if (!model || !n_bytes || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model and n_bytes are required");
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(model->vocab);
+    if (token < 0 || token >= n_vocab) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary [0, %d)", token, n_vocab);
+    }
+    const int32_t n = llama_token_to_piece(model->vocab, token, buf, buf ? capacity : 0, 0, special != 0);
+    if (n < 0) {
+        *n_bytes = -n;
+        return fail(ME_ERR_BUFFER_TOO_SMALL, "piece needs %d bytes", -n);
+    }
+    *n_bytes = n;
+    return ME_OK;
+}
+
+int32_t me_token_is_eog(const me_model * model, int32_t token) {
+    if (!model || token < 0 || token >= llama_vocab_n_tokens(model->vocab)) {
+        return 0;
+    }
+    return llama_vocab_is_eog(model->vocab, token) ? 1 : 0;
+}
+
+int32_t me_token_bos(const me_model * model) {
+    return model ? llama_vocab_bos(model->vocab) : -1;
+}
+
+int32_t me_chat_apply(const me_model * model, const me_chat_message * messages, int32_t n_messages,
+                      int32_t add_assistant, char * buf, int32_t capacity, int32_t * n_bytes) {
+    if (!model || (!messages && n_messages > 0) || n_messages < 0 || !n_bytes || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model, messages and n_bytes are required");
+    }
+    std::vector<llama_chat_message> chat(n_messages);
+    for (int32_t i = 0; i < n_messages; ++i) {
+        if (!messages[i].role || !messages[i].content) {
+            return fail(ME_ERR_INVALID_ARGUMENT, "message %d lacks a role or content", i);
+        }
+        chat[i] = {messages[i].role, messages[i].content};
+    }
+    const char * tmpl = llama_model_chat_template(model->model, nullptr);
+    if (!tmpl) {
+        return fail(ME_ERR_UNSUPPORTED, "the model has no chat template");
+    }
+    const int32_t n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant != 0,
+                                                buf, buf ? capacity : 0);
+    if (n < 0) {
+        return fail(ME_ERR_UNSUPPORTED, "the model's chat template is not supported by llama.cpp");
+    }
+    *n_bytes = n;
+    if (!buf || n > capacity) {
+        return fail(ME_ERR_BUFFER_TOO_SMALL, "chat needs %d bytes", n);
+    }
+    return ME_OK;
+}
+
+int32_t me_sampler_new(const me_model * model, const me_sampler_params * p, me_sampler ** out) {
+    if (!model || !p || !out) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model, params and out are required");
+    }
+    *out = nullptr;
+    if (!(p->temperature == p->temperature) || !(p->top_p == p->top_p) || !(p->min_p == p->min_p) ||
+        !(p->repeat_penalty == p->repeat_penalty)) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sampler parameters must not be NaN");
+    }
+    if (p->top_p <= 0.0f || p->min_p < 0.0f || p->min_p > 1.0f || p->repeat_penalty <= 0.0f || p->repeat_last_n < -1) {
+        return fail(ME_ERR_INVALID_ARGUMENT,
+                    "need top_p > 0, 0 <= min_p <= 1, repeat_penalty > 0, repeat_last_n >= -1");
+    }
+    llama_sampler_chain_params cp = llama_sampler_chain_default_params();
+    cp.no_perf = true;
+    llama_sampler * chain = llama_sampler_chain_init(cp);
+    if (p->repeat_penalty != 1.0f) {
+        llama_sampler_chain_add(chain, llama_sampler_init_penalties(llama_vocab_n_tokens(model->vocab), p->repeat_last_n, p->repeat_penalty, 0.0f, 0.0f));
+    }
+    if (p->temperature <= 0.0f) {
+        llama_sampler_chain_add(chain, llama_sampler_init_greedy());
+    } else {
+        if (p->top_k > 0) {
+            llama_sampler_chain_add(chain, llama_sampler_init_top_k(p->top_k));
+        }
+        if (p->top_p < 1.0f) {
+            llama_sampler_chain_add(chain, llama_sampler_init_top_p(p->top_p, 1));
+        }
+        if (p->min_p > 0.0f) {
+            llama_sampler_chain_add(chain, llama_sampler_init_min_p(p->min_p, 1));
+        }
+        llama_sampler_chain_add(chain, llama_sampler_init_temp(p->temperature));
+        llama_sampler_chain_add(chain, llama_sampler_init_dist(p->seed));
+    }
+    auto * s = new (std::nothrow) me_sampler{chain, {}};
+    if (!s) {
+        llama_sampler_free(chain);
+        return fail(ME_ERR_INTERNAL, "out of memory");
+    }
+    s->candidates.resize(llama_vocab_n_tokens(model->vocab));
+    *out = s;
+    return ME_OK;
+}
+
+void me_sampler_free(me_sampler * sampler) {
+    if (sampler) {
+        llama_sampler_free(sampler->chain);
+        delete sampler;
+    }
+}
+
+int32_t me_sampler_sample(me_sampler * sampler, const float * logits, int32_t n_vocab, int32_t * token) {
+    if (!sampler || !logits || !token) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sampler, logits and token are required");
+    }
+    if (n_vocab != (int32_t) sampler->candidates.size()) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "logits have %d entries, the vocabulary %zu", n_vocab, sampler->candidates.size());
+    }
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        sampler->candidates[i] = llama_token_data{i, logits[i], 0.0f};
+    }
+    llama_token_data_array arr = {sampler->candidates.data(), sampler->candidates.size(), -1, false};
+    llama_sampler_apply(sampler->chain, &arr);
+    if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
+        return fail(ME_ERR_COMPUTE, "the sampler chain selected no token");
+    }
+    *token = arr.data[arr.selected].id;
+    llama_sampler_accept(sampler->chain, *token);
+    return ME_OK;
+}
+
+int32_t me_sampler_accept(me_sampler * sampler, int32_t token) {
+    if (!sampler) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sampler is required");
+    }
+    if (token < 0 || token >= (int32_t) sampler->candidates.size()) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary", token);
+    }
+    llama_sampler_accept(sampler->chain, token);
+    return ME_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,154 @@
+/* meshengine: a small C API over the range-aware llama.cpp of meshd.
+ *
+ * Opaque handles, plain structs, integer error codes. No llama.cpp type
+ * crosses this header. Buffers follow the query-size-then-fill idiom: call
+ * with a NULL (or too small) buffer to learn the size, then call again.
+ * Every function checks its inputs and reports a code plus a message
+ * (me_last_error) instead of aborting.
+ *
+ * This header is read verbatim by the Python binding (cffi cdef), so it
+ * holds only declarations cffi understands: no preprocessor logic below the
+ * guard other than the export macro, which the binding strips.
+ */
+#ifndef MESHENGINE_H
+#define MESHENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef MESHENGINE_BUILD
+#define ME_API __attribute__((visibility("default")))
+#else
+#define ME_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* cdef-begin */
+
+#define ME_ABI_VERSION 1
+
+enum me_status {
+    ME_OK = 0,
+    ME_ERR_INVALID_ARGUMENT = 1, /* a bad value from the caller; nothing changed */
+    ME_ERR_LOAD = 2,             /* the model file could not be loaded */
+    ME_ERR_UNSUPPORTED = 3,      /* e.g. a partial range of an architecture without range support */
+    ME_ERR_NO_KV_SPACE = 4,      /* the KV cache has no room for the batch */
+    ME_ERR_COMPUTE = 5,          /* llama.cpp refused or failed the batch */
+    ME_ERR_BUFFER_TOO_SMALL = 6, /* the required size was written to the size output */
+    ME_ERR_INTERNAL = 7
+};
+
+enum me_struct_id {
+    ME_STRUCT_MODEL_INFO = 0,
+    ME_STRUCT_CONTEXT_PARAMS = 1,
+    ME_STRUCT_SAMPLER_PARAMS = 2,
+    ME_STRUCT_CHAT_MESSAGE = 3
+};
+
+typedef struct me_model me_model;
+typedef struct me_context me_context;
+typedef struct me_sampler me_sampler;
+
+/* What the loaded model holds, read from the loaded tensors, not from the request. */
+typedef struct me_model_info {
+    int32_t layer_begin;  /* first owned layer */
+    int32_t layer_end;    /* one past the last owned layer */
+    int32_t n_layer;      /* layers of the whole model */
+    int32_t has_input;    /* owns token_embd: takes token ids */
+    int32_t has_output;   /* owns the output head: produces logits */
+    int32_t n_embd;       /* width of the residual stream */
+    int32_t n_vocab;
+    int32_t n_ctx_train;
+    int64_t n_tensors;    /* distinct tensors loaded */
+    uint64_t n_bytes;     /* bytes of the loaded tensors */
+    char arch[32];        /* general.architecture */
+} me_model_info;
+
+typedef struct me_context_params {
+    uint32_t n_ctx;       /* KV cells shared by all sequences */
+    uint32_t n_seq_max;   /* sequence ids run from 0 to n_seq_max - 1 */
+    uint32_t n_batch;     /* most tokens in one me_forward call */
+    int32_t n_threads;
+} me_context_params;
+
+typedef struct me_sampler_params {
+    float temperature;    /* <= 0: greedy */
+    int32_t top_k;        /* <= 0: off */
+    float top_p;          /* >= 1: off */
+    float min_p;          /* <= 0: off */
+    float repeat_penalty; /* 1: off */
+    int32_t repeat_last_n;
+    uint32_t seed;
+} me_sampler_params;
+
+typedef struct me_chat_message {
+    const char * role;
+    const char * content;
+} me_chat_message;
+
+ME_API uint32_t me_abi_version(void);
+ME_API size_t me_struct_size(int32_t which);
+
+/* Thread-local message of the last failing call on this thread. */
+ME_API const char * me_last_error(void);
+
+/* Once per process. level: 0 errors only, 1 warnings, 2 info. */
+ME_API void me_init(int32_t log_level);
+
+/* Loads layers [layer_begin, layer_end) of a GGUF; layer_end < 0 means the last layer. */
+ME_API int32_t me_model_load(const char * path, int32_t layer_begin, int32_t layer_end,
+                             int32_t n_gpu_layers, me_model ** out);
+ME_API void me_model_free(me_model * model);
+ME_API int32_t me_model_get_info(const me_model * model, me_model_info * out);
+
+ME_API int32_t me_context_new(me_model * model, const me_context_params * params, me_context ** out);
+ME_API void me_context_free(me_context * ctx);
+
+/* Runs n_tokens rows through the owned layers.
+ * Input: token ids at a stage that owns the input, residual rows (n_tokens x n_embd f32) elsewhere.
+ * Output: at a stage without the output head, the residual of every row (n_tokens x n_embd);
+ * at the tail, logits (n_vocab floats) for each row whose want_output is non-zero, in row order.
+ * out_capacity counts floats; *out_rows receives the number of output rows. */
+ME_API int32_t me_forward(me_context * ctx, int32_t n_tokens,
+                          const int32_t * tokens, const float * embd,
+                          const int32_t * pos, const int32_t * seq_ids, const int8_t * want_output,
+                          float * out, size_t out_capacity, int32_t * out_rows);
+
+/* Drops positions [p0, p1) of a sequence (p1 < 0: to the end); seq_id < 0: every sequence. */
+ME_API int32_t me_seq_remove(me_context * ctx, int32_t seq_id, int32_t p0, int32_t p1);
+/* Largest position held for the sequence, -1 when empty. */
+ME_API int32_t me_seq_pos_max(me_context * ctx, int32_t seq_id, int32_t * out);
+
+ME_API int32_t me_tokenize(const me_model * model, const char * text, int32_t text_len,
+                           int32_t add_special, int32_t parse_special,
+                           int32_t * tokens, int32_t capacity, int32_t * n_tokens);
+ME_API int32_t me_detokenize(const me_model * model, const int32_t * tokens, int32_t n_tokens,
+                             int32_t remove_special, int32_t unparse_special,
+                             char * buf, int32_t capacity, int32_t * n_bytes);
+/* Bytes of one token's piece (possibly part of a UTF-8 sequence). */
+ME_API int32_t me_token_piece(const me_model * model, int32_t token, int32_t special,
+                              char * buf, int32_t capacity, int32_t * n_bytes);
+ME_API int32_t me_token_is_eog(const me_model * model, int32_t token);
+ME_API int32_t me_token_bos(const me_model * model);
+
+/* Formats messages with the model's own chat template. */
+ME_API int32_t me_chat_apply(const me_model * model, const me_chat_message * messages, int32_t n_messages,
+                             int32_t add_assistant, char * buf, int32_t capacity, int32_t * n_bytes);
+
+ME_API int32_t me_sampler_new(const me_model * model, const me_sampler_params * params, me_sampler ** out);
+ME_API void me_sampler_free(me_sampler * sampler);
+/* Picks a token from one row of logits and records it in the sampler's history. */
+ME_API int32_t me_sampler_sample(me_sampler * sampler, const float * logits, int32_t n_vocab, int32_t * token);
+/* Records a token (e.g. of the prompt) in the history that the repetition penalty sees. */
+ME_API int32_t me_sampler_accept(me_sampler * sampler, int32_t token);
+
+/* cdef-end */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Fetch the pinned llama.cpp, apply our patch series and build libmeshengine.
+
+The source is the llama-cpp-python source distribution named in
+native/llama.lock (it vendors llama.cpp), fetched with pip and checked by
+sha256. Builds are cached outside the checkout, keyed by the hash of the lock,
+the patches, our C API and the build options, so a fresh clone reuses a build
+and only a change to one of those rebuilds.
+
+Prints one clear line and exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "native"
+BUILD = ROOT / "build"
+LIB_NAME = "libmeshengine.so"
+# Files whose content decides what the build produces.
+KEYED_FILES = ["native/llama.lock", "native/meshengine.h", "native/meshengine.cpp", "CMakeLists.txt"]
+
+
+class BuildError(Exception):
+    pass
+
+
+def cache_root() -> Path:
+    base = os.environ.get("MESHD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshd"
+    )
+    return Path(base)
+
+
+def read_lock() -> dict[str, str]:
+    try:
+        lock = tomllib.loads((NATIVE / "llama.lock").read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise BuildError(f"cannot read native/llama.lock: {exc}") from exc
+    for key in ("package", "version", "sha256", "llama_cpp_commit"):
+        if key not in lock:
+            raise BuildError(f"native/llama.lock lacks '{key}'")
+    return lock
+
+
+def patches() -> list[Path]:
+    return sorted((NATIVE / "patches").glob("*.patch"))
+
+
+def cmake_options() -> list[str]:
+    opts = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON"]
+    if os.environ.get("MESHD_CUDA") == "1":
+        opts.append("-DGGML_CUDA=ON")
+    if os.environ.get("MESHD_NATIVE_CPU", "1") == "0":
+        opts.append("-DGGML_NATIVE=OFF")
+    return opts
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    for rel in KEYED_FILES:
+        h.update(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
+    for p in patches():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(" ".join(cmake_options()).encode())
+    return h.hexdigest()[:16]
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_sdist(lock: dict[str, str]) -> Path:
+    dest = cache_root() / "sdist"
+    dest.mkdir(parents=True, exist_ok=True)
+    name = f"{lock['package'].replace('-', '_')}-{lock['version']}.tar.gz"
+    sdist = dest / name
+    if not sdist.exists():
+        with tempfile.TemporaryDirectory(dir=dest) as tmp:
+            cmd = [
+                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                "--no-binary", ":all:", "-d", tmp,
+                f"{lock['package']}=={lock['version']}",
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            got = Path(tmp) / name
+            if not got.exists():
+                # pip may stop at metadata preparation after saving the file; only the file matters.
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise BuildError(f"pip could not download {lock['package']}=={lock['version']}: {tail[0]}")
+            got.rename(sdist)
+    digest = sha256_of(sdist)
+    if digest != lock["sha256"]:
+        sdist.unlink()
+        raise BuildError(
+            f"sha256 mismatch for {name}: expected {lock['sha256']}, got {digest} (file removed)"
+        )
+    return sdist
+
+
+def unpack_and_patch(sdist: Path, lock: dict[str, str], src: Path) -> None:
+    prefix = f"{lock['package'].replace('-', '_')}-{lock['version']}/vendor/llama.cpp/"
+    if src.exists():
+        shutil.rmtree(src)
+    tmp = src.with_name(src.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        members = []
+        for m in tar.getmembers():
+            if not m.name.startswith(prefix) or m.name == prefix.rstrip("/"):
+                continue
+            m.name = m.name[len(prefix):]
+            if m.name.startswith(".git"):
+                continue
+            members.append(m)
+        if not members:
+            raise BuildError(f"{sdist.name} holds no vendor/llama.cpp tree")
+        tar.extractall(tmp, members=members, filter="data")
+    for p in patches():
+        proc = subprocess.run(
+            ["patch", "-p1", "--batch", "--forward", "--silent", "-d", str(tmp), "-i", str(p)],
+            capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            detail = (proc.stdout + proc.stderr).strip().splitlines()[:1] or ["no detail"]
+            raise BuildError(f"patch {p.name} does not apply to llama.cpp {lock['llama_cpp_commit'][:7]}: {detail[0]}")
+    tmp.rename(src)
+
+
+def build(jobs: int, verbose: bool) -> Path:
+    lock = read_lock()
+    key = build_key()
+    out = cache_root() / "native" / key
+    link = BUILD / "native"
+    if not (out / LIB_NAME).exists():
+        sdist = fetch_sdist(lock)
+        src = BUILD / "llama.cpp"
+        stamp = BUILD / "llama.cpp.stamp"
+        want = key_of_sources(lock)
+        if not (stamp.exists() and stamp.read_text() == want and src.exists()):
+            unpack_and_patch(sdist, lock, src)
+            stamp.write_text(want)
+        cmake_dir = BUILD / "cmake"
+        env = dict(os.environ)
+        launcher = []
+        if shutil.which("ccache"):
+            launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+            env.setdefault("CCACHE_BASEDIR", str(ROOT))
+            env.setdefault("CCACHE_DIR", str(cache_root() / "ccache"))
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        configure = ["cmake", "-S", str(ROOT), "-B", str(cmake_dir), *generator,
+                     f"-DLLAMA_SOURCE_DIR={src}", *cmake_options(), *launcher]
+        run(configure, env, verbose, "cmake configure failed")
+        run(["cmake", "--build", str(cmake_dir), "--target", "meshengine", "-j", str(jobs)],
+            env, verbose, "native build failed")
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(cmake_dir / LIB_NAME, out / (LIB_NAME + ".tmp"))
+        shutil.copy2(NATIVE / "meshengine.h", out / "meshengine.h")
+        (out / (LIB_NAME + ".tmp")).rename(out / LIB_NAME)
+    BUILD.mkdir(exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(out)
+    return link / LIB_NAME
+
+
+def key_of_sources(lock: dict[str, str]) -> str:
+    h = hashlib.sha256(lock["sha256"].encode())
+    for p in patches():
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def run(cmd: list[str], env: dict[str, str], verbose: bool, what: str) -> None:
+    if verbose:
+        proc = subprocess.run(cmd, env=env)
+        output = ""
+    else:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        log = BUILD / "native-build.log"
+        log.write_text(output)
+        errors = [ln for ln in output.splitlines() if "error" in ln.lower()]
+        first = errors[0].strip() if errors else f"exit status {proc.returncode}"
+        raise BuildError(f"{what}: {first} (full log: {log})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--print-key", action="store_true", help="print the build key and exit")
+    args = parser.parse_args()
+    try:
+        if args.print_key:
+            print(build_key())
+            return 0
+        lib = build(args.jobs, args.verbose)
+    except BuildError as exc:
+        print(f"build_native: {exc}", file=sys.stderr)
+        return 1
+    print(f"meshengine: {lib.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Typed protocol errors shared by every layer and every peer."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(str, enum.Enum):
+    EPOCH_STALE = "EPOCH_STALE"
+    CACHE_MISS = "CACHE_MISS"
+    OVERLOADED = "OVERLOADED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    PAYLOAD_CORRUPT = "PAYLOAD_CORRUPT"
+    MODEL_MISMATCH = "MODEL_MISMATCH"
+    NOT_FOUND = "NOT_FOUND"
+    UNAUTHORIZED = "UNAUTHORIZED"
+    BAD_REQUEST = "BAD_REQUEST"
+    INTERNAL = "INTERNAL"
+
+    @property
+    def retryable(self) -> bool:
+        """Whether sending the same request again (possibly elsewhere or later) can help."""
+        return self in _RETRYABLE
+
+
+_RETRYABLE = frozenset(
+    {
+        ErrorCode.CACHE_MISS,
+        ErrorCode.OVERLOADED,
+        ErrorCode.DEADLINE_EXCEEDED,
+        ErrorCode.PAYLOAD_CORRUPT,
+        ErrorCode.INTERNAL,
+    }
+)
+
+
+class ProtocolError(Exception):
+    """A typed error that can cross the wire: a code, a message, an optional retry hint."""
+
+    def __init__(self, code: ErrorCode, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+    @property
+    def retryable(self) -> bool:
+        return self.code.retryable
