@@ -43,9 +43,9 @@ struct me_sampler {
 namespace {
 
 thread_local std::string g_last_error;
-// llama.cpp reports load failures only through its log; the last error line
-// logged on this thread becomes the message of the failing call.
-thread_local std::string g_last_log_error;
+// llama.cpp reports load failures only through its log; the error lines
+// logged on this thread since the call began explain its failure.
+thread_local std::vector<std::string> g_log_errors;
 int32_t g_log_level = 0;
 std::once_flag g_init_once;
 
@@ -65,8 +65,8 @@ void log_callback(ggml_log_level level, const char * text, void *) {
         while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) {
             line.pop_back();
         }
-        if (!line.empty()) {
-            g_last_log_error = line;
+        if (!line.empty() && g_log_errors.size() < 16) {
+            g_log_errors.push_back(line);
         }
     }
     const int32_t rank = level == GGML_LOG_LEVEL_ERROR ? 0
@@ -78,15 +78,39 @@ void log_callback(ggml_log_level level, const char * text, void *) {
     }
 }
 
-// the part of llama.cpp's "func: error loading model: reason" after the last "error ...: "
-std::string load_reason() {
-    std::string msg = g_last_log_error;
-    const std::string marker = "error loading model: ";
-    const auto at = msg.rfind(marker);
-    if (at != std::string::npos) {
-        msg = msg.substr(at + marker.size());
+// drops llama.cpp's "function_name: " prefix from a log line
+std::string strip_function(const std::string & line) {
+    const auto colon = line.find(": ");
+    if (colon != std::string::npos && line.find(' ') > colon) {
+        return line.substr(colon + 2);
     }
-    return msg.empty() ? std::string("llama.cpp gave no reason") : msg;
+    return line;
+}
+
+// why the call failed, from the error lines llama.cpp and ggml logged meanwhile
+std::string logged_reason() {
+    if (g_log_errors.empty()) {
+        return "llama.cpp gave no reason";
+    }
+    const std::string marker = "error loading model: ";
+    std::string reason = strip_function(g_log_errors.front());
+    for (const auto & line : g_log_errors) {
+        const auto at = line.rfind(marker);
+        if (at != std::string::npos) {
+            reason = strip_function(line.substr(at + marker.size()));
+            break;
+        }
+    }
+    if (reason.rfind("failed to load model from", 0) == 0) {
+        // the GGUF parser failed; its own line says where
+        for (const auto & line : g_log_errors) {
+            if (line.rfind("gguf_", 0) == 0) {
+                return "invalid GGUF file: " + strip_function(line);
+            }
+        }
+        return "invalid GGUF file: the header or metadata is truncated or corrupt";
+    }
+    return reason;
 }
 
 void ensure_init() {
@@ -162,7 +186,7 @@ int32_t me_model_load(const char * path, int32_t layer_begin, int32_t layer_end,
     mp.layer_end = layer_end;
     mp.n_gpu_layers = n_gpu_layers;
 
-    g_last_log_error.clear();
+    g_log_errors.clear();
     llama_model * model = nullptr;
     try {
         model = llama_model_load_from_file(path, mp);
@@ -170,11 +194,11 @@ int32_t me_model_load(const char * path, int32_t layer_begin, int32_t layer_end,
         return fail(ME_ERR_LOAD, "loading '%s' failed: %s", path, e.what());
     }
     if (!model) {
-        const std::string reason = load_reason();
+        const std::string reason = logged_reason();
         const int32_t code = reason.find("does not support partial layer ranges") != std::string::npos
             ? ME_ERR_UNSUPPORTED
             : (reason.find("layer range") != std::string::npos ? ME_ERR_INVALID_ARGUMENT : ME_ERR_LOAD);
-        return fail(code, "loading '%s' failed: %s", path, reason.c_str());
+        return fail(code, "%s", reason.c_str());
     }
 
     auto * m = new (std::nothrow) me_model{model, llama_model_get_vocab(model), llama_model_get_range_info(model), ""};
@@ -241,7 +265,7 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
     // Sequences share the cells, so one session cannot be starved by a fixed per-sequence slice.
     cp.kv_unified = true;
 
-    g_last_log_error.clear();
+    g_log_errors.clear();
     llama_context * ctx = nullptr;
     try {
         ctx = llama_init_from_model(model->model, cp);
@@ -249,7 +273,7 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
         return fail(ME_ERR_INTERNAL, "context creation failed: %s", e.what());
     }
     if (!ctx) {
-        return fail(ME_ERR_INTERNAL, "context creation failed: %s", load_reason().c_str());
+        return fail(ME_ERR_INTERNAL, "context creation failed: %s", logged_reason().c_str());
     }
     const int32_t n_embd = llama_model_n_embd(model->model);
     auto * c = new (std::nothrow) me_context{model, ctx, *params, n_embd,
@@ -334,7 +358,7 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
         b.logits[i] = !ctx->has_output || (want_output && want_output[i]);
     }
 
-    g_last_log_error.clear();
+    g_log_errors.clear();
     int32_t rc;
     try {
         rc = llama_decode(ctx->ctx, b);
@@ -345,7 +369,7 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
         return fail(ME_ERR_NO_KV_SPACE, "no KV cache space for %d tokens", n_tokens);
     }
     if (rc != 0) {
-        return fail(ME_ERR_COMPUTE, "decode failed (%d): %s", rc, g_last_log_error.empty() ? "no reason logged" : g_last_log_error.c_str());
+        return fail(ME_ERR_COMPUTE, "decode failed (%d): %s", rc, logged_reason().c_str());
     }
 
     int32_t row = 0;

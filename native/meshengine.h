@@ -95,7 +95,7 @@ ME_API size_t me_struct_size(int32_t which);
 /* Thread-local message of the last failing call on this thread. */
 ME_API const char * me_last_error(void);
 
-/* Once per process. level: 0 errors only, 1 warnings, 2 info. */
+/* Once per process. level: -1 silent, 0 errors, 1 warnings, 2 info (llama.cpp log to stderr). */
 ME_API void me_init(int32_t log_level);
 
 /* Loads layers [layer_begin, layer_end) of a GGUF; layer_end < 0 means the last layer. */

@@ -51,8 +51,8 @@ def _raise(code: int, what: str) -> None:
 
 def _init_once() -> None:
     _, lib = load()
-    levels = {"error": 0, "warn": 1, "info": 2}
-    lib.me_init(levels.get(os.environ.get("MESHD_LLAMA_LOG", "error"), 0))
+    levels = {"none": -1, "error": 0, "warn": 1, "info": 2}
+    lib.me_init(levels.get(os.environ.get("MESHD_LLAMA_LOG", "none"), -1))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""What splitting costs inside one process: whole model vs. a chain of ranges, same threads.
+
+Decode: greedy tokens/s over --decode steps after a short prompt.
+Prefill: tokens/s of a --prefill-token prompt in one pass.
+Runs are interleaved (whole, chain, whole, chain, ...) and the median is kept,
+so drift on a shared machine hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from meshd.engine import Sampler  # noqa: E402
+from meshd.engine.chain import LocalChain, parse_ranges  # noqa: E402
+from meshd.models import default_model_path  # noqa: E402
+
+
+def decode_rate(chain: LocalChain, prompt: list[int], steps: int) -> float:
+    for c in chain.contexts:
+        c.clear()
+    sampler = Sampler(chain.head)
+    logits = chain.forward(prompt, 0)
+    pos = len(prompt)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = sampler.sample(logits[-1])
+        logits = chain.forward([token], pos)
+        pos += 1
+    dt = time.perf_counter() - t0
+    sampler.close()
+    return steps / dt
+
+
+def prefill_rate(chain: LocalChain, prompt: list[int]) -> float:
+    for c in chain.contexts:
+        c.clear()
+    t0 = time.perf_counter()
+    chain.forward(prompt, 0)
+    return len(prompt) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--ranges", default="0:10,10:20,20:30")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    path = args.model or default_model_path()
+    whole = LocalChain(path, None, n_ctx=2048, n_threads=args.threads)
+    split = LocalChain(path, parse_ranges(args.ranges), n_ctx=2048, n_threads=args.threads)
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 200)
+    long_prompt = whole.head.tokenize(text)[: args.prefill_tokens]
+    short_prompt = whole.head.tokenize(whole.head.apply_chat([{"role": "user", "content": "Tell me a story."}]),
+                                       add_special=False)
+    results: dict[str, dict[str, list[float]]] = {"whole": {"decode": [], "prefill": []},
+                                                  "split": {"decode": [], "prefill": []}}
+    decode_rate(whole, short_prompt, 8)
+    decode_rate(split, short_prompt, 8)
+    for _ in range(args.repeats):
+        for name, chain in (("whole", whole), ("split", split)):
+            results[name]["decode"].append(decode_rate(chain, short_prompt, args.decode))
+            results[name]["prefill"].append(prefill_rate(chain, long_prompt))
+    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in results.items()}
+    print(f"model {path.name}, {args.threads} threads, split {args.ranges}, median of {args.repeats}")
+    print(f"| metric | whole tok/s | split tok/s | split/whole |")
+    print(f"|---|---|---|---|")
+    for k, label in (("decode", f"decode ({args.decode} steps)"), ("prefill", f"prefill ({len(long_prompt)} tokens)")):
+        w, s = med["whole"][k], med["split"][k]
+        print(f"| {label} | {w:.1f} | {s:.1f} | {s / w:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"model": str(path), "json": str(args.json)},
+                                         "runs": results, "median": med}, indent=2))
+    whole.close()
+    split.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
