@@ -5,6 +5,7 @@
 
 #include "meshengine.h"
 
+#include "ggml-cpu.h"
 #include "llama.h"
 
 #include <algorithm>
@@ -33,6 +34,7 @@ struct me_context {
     bool has_input;
     bool has_output;
     llama_batch batch;
+    ggml_threadpool * threadpool;
 };
 
 struct me_sampler {
@@ -275,12 +277,26 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
     if (!ctx) {
         return fail(ME_ERR_INTERNAL, "context creation failed: %s", logged_reason().c_str());
     }
+    ggml_threadpool * threadpool = nullptr;
+    if (params->poll >= 0) {
+        ggml_threadpool_params tpp = ggml_threadpool_params_default(params->n_threads);
+        tpp.poll = (uint32_t) std::min(params->poll, 100);
+        threadpool = ggml_threadpool_new(&tpp);
+        if (!threadpool) {
+            llama_free(ctx);
+            return fail(ME_ERR_INTERNAL, "cannot create a thread pool of %d threads", params->n_threads);
+        }
+        llama_attach_threadpool(ctx, threadpool, threadpool);
+    }
     const int32_t n_embd = llama_model_n_embd(model->model);
     auto * c = new (std::nothrow) me_context{model, ctx, *params, n_embd,
                                              llama_vocab_n_tokens(model->vocab),
-                                             (bool) model->range.has_input, has_output, {}};
+                                             (bool) model->range.has_input, has_output, {}, threadpool};
     if (!c) {
         llama_free(ctx);
+        if (threadpool) {
+            ggml_threadpool_free(threadpool);
+        }
         return fail(ME_ERR_INTERNAL, "out of memory");
     }
     c->batch = llama_batch_init((int32_t) params->n_batch, c->has_input ? 0 : n_embd, 1);
@@ -292,6 +308,9 @@ void me_context_free(me_context * ctx) {
     if (ctx) {
         llama_batch_free(ctx->batch);
         llama_free(ctx->ctx);
+        if (ctx->threadpool) {
+            ggml_threadpool_free(ctx->threadpool);
+        }
         delete ctx;
     }
 }

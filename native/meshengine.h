@@ -72,6 +72,8 @@ typedef struct me_context_params {
     uint32_t n_seq_max;   /* sequence ids run from 0 to n_seq_max - 1 */
     uint32_t n_batch;     /* most tokens in one me_forward call */
     int32_t n_threads;
+    int32_t poll;         /* how long idle compute threads spin before sleeping, 0..100; < 0: ggml's default.
+                             Stages sharing cores want 0, so a waiting stage leaves the cores to the others. */
 } me_context_params;
 
 typedef struct me_sampler_params {

@@ -12,3 +12,21 @@ from meshd.models import default_model_path
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random-weight GGUFs of each range-capable architecture, by name (see gguf_factory.TINY_SPECS)."""
+    # imported here so that a suite run without the `gguf` test extra fails only the tests that need it
+    from gguf_factory import TINY_SPECS, write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    return {name: write_tiny_gguf(root / f"{name}.gguf", spec) for name, spec in TINY_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def unsupported_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GGUF of an architecture (gpt2) whose graph builder has no layer-range support."""
+    from gguf_factory import UNSUPPORTED_SPEC, write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf-unsupported") / "gpt2.gguf", UNSUPPORTED_SPEC)

@@ -237,13 +237,13 @@ class Context:
     """KV state and compute for one model range; sequences 0..n_seq_max-1 share its cells."""
 
     def __init__(self, model: Model, n_ctx: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
-                 n_threads: int | None = None) -> None:
+                 n_threads: int | None = None, poll: int = -1) -> None:
         ffi, lib = model._ffi, model._lib
         self._ffi, self._lib, self.model = ffi, lib, model
         self._handle = ffi.NULL
         threads = n_threads or int(os.environ.get("MESHD_THREADS", "0")) or (os.cpu_count() or 1)
         params = ffi.new("me_context_params *", {
-            "n_ctx": n_ctx, "n_seq_max": n_seq_max, "n_batch": n_batch, "n_threads": threads,
+            "n_ctx": n_ctx, "n_seq_max": n_seq_max, "n_batch": n_batch, "n_threads": threads, "poll": poll,
         })
         out = ffi.new("me_context **")
         rc = lib.me_context_new(model.handle, params, out)

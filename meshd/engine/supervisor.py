@@ -1,0 +1,241 @@
+"""The daemon's side of the engine worker: start, readiness, health, restart with backoff.
+
+The worker's death is seen at once (its socket closes and the process wait
+returns); a worker that stops answering is killed after a deadline. Every
+restart bumps `generation`, which tells sessions that the KV they held is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+from meshd.engine.engine import RangeReport
+from meshd.engine.workerproto import PREFIX, decode_header, encode_prefix, parse_prefix
+
+
+class WorkerDown(Exception):
+    """The worker died, hung or was restarted: its KV is lost."""
+
+
+class WorkerStartError(Exception):
+    """The worker could not load its model; the message is the engine's."""
+
+
+class WorkerRefused(Exception):
+    """The engine refused a request (bad input); the worker is fine."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: Path
+    layers: tuple[int, int] | None = None
+    n_ctx: int = 4096
+    n_seq_max: int = 16
+    n_batch: int = 512
+    threads: int = 0
+
+    def argv(self, fd: int) -> list[str]:
+        args = [sys.executable, "-m", "meshd.engine.worker", "--fd", str(fd), "--model", str(self.model),
+                "--n-ctx", str(self.n_ctx), "--n-seq-max", str(self.n_seq_max), "--n-batch", str(self.n_batch),
+                "--threads", str(self.threads)]
+        if self.layers is not None:
+            args += ["--layers", f"{self.layers[0]}:{self.layers[1]}"]
+        return args
+
+
+@dataclass
+class EngineSupervisor:
+    spec: WorkerSpec
+    on_up: Callable[[int], None] | None = None
+    on_down: Callable[[int, str], None] | None = None
+    load_timeout: float = 300.0
+    call_timeout: float = 60.0
+    health_interval: float = 1.0
+    health_timeout: float = 10.0
+    backoff_min: float = 0.2
+    backoff_max: float = 10.0
+    generation: int = 0
+    restarts: int = 0
+    report: RangeReport | None = None
+    pid: int | None = None
+    _sock: trio.socket.SocketType | None = field(default=None, repr=False)
+    _lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
+    _up: trio.Event = field(default_factory=trio.Event, repr=False)
+    _proc: trio.Process | None = field(default=None, repr=False)
+
+    @property
+    def is_up(self) -> bool:
+        return self._sock is not None
+
+    async def wait_up(self) -> None:
+        await self._up.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus[RangeReport] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keeps a worker running until cancelled; reports the first load through task_status."""
+        started = False
+        delay = self.backoff_min
+        while True:
+            try:
+                proc, sock, report = await self._start()
+            except WorkerStartError:
+                if not started:
+                    raise
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.backoff_max)
+                continue
+            self._proc, self._sock, self.report, self.pid = proc, sock, report, proc.pid
+            self.generation += 1
+            self._up.set()
+            if self.on_up:
+                self.on_up(self.generation)
+            if not started:
+                task_status.started(report)
+                started = True
+            up_since = trio.current_time()
+            try:
+                reason = await self._supervise(proc)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._stop(proc, sock)
+            self._mark_down()
+            if self.on_down:
+                self.on_down(self.generation, reason)
+            self.restarts += 1
+            if trio.current_time() - up_since > 30.0:
+                delay = self.backoff_min
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.backoff_max)
+
+    async def _start(self) -> tuple[trio.Process, trio.socket.SocketType, RangeReport]:
+        ours, theirs = socket.socketpair()
+        try:
+            proc = await trio.lowlevel.open_process(
+                self.spec.argv(theirs.fileno()), pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL, env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            theirs.close()
+        sock = trio.socket.from_stdlib_socket(ours)
+        ready: dict[str, Any] | None = None
+        with trio.move_on_after(self.load_timeout):
+            try:
+                ready, _ = await _read_frame(sock)
+            except (WorkerDown, OSError):
+                ready = None
+        if not ready or not ready.get("ok"):
+            proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+            sock.close()
+            message = ready.get("message") if ready else "the engine worker exited before it was ready"
+            raise WorkerStartError(message or "the engine worker failed to start")
+        return proc, sock, RangeReport(**ready["report"])
+
+    async def _supervise(self, proc: trio.Process) -> str:
+        async with trio.open_nursery() as nursery:
+            reason = "exited"
+
+            async def watch_exit() -> None:
+                nonlocal reason
+                code = await proc.wait()
+                reason = f"exited with status {code}"
+                nursery.cancel_scope.cancel()
+
+            async def watch_health() -> None:
+                nonlocal reason
+                while True:
+                    await trio.sleep(self.health_interval)
+                    try:
+                        await self.call({"op": "ping"}, timeout=self.health_timeout)
+                    except WorkerDown as exc:
+                        reason = f"failed its health check: {exc}"
+                        proc.kill()
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(watch_exit)
+            nursery.start_soon(watch_health)
+        return reason
+
+    async def _stop(self, proc: trio.Process, sock: trio.socket.SocketType) -> None:
+        self._sock = None
+        sock.close()
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+    async def call(self, header: dict[str, Any], payload: bytes | memoryview = b"",
+                   timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
+        """One request, one reply. Raises WorkerDown if the worker is or goes away."""
+        async with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise WorkerDown("the engine worker is down")
+            with trio.move_on_after(timeout or self.call_timeout) as scope:
+                try:
+                    await _send_all(sock, encode_prefix(header, len(payload)))
+                    if len(payload):
+                        await _send_all(sock, payload)
+                    reply, body = await _read_frame(sock)
+                except (OSError, WorkerDown) as exc:
+                    self._lost(sock)
+                    raise WorkerDown(f"the engine worker went away: {exc}") from exc
+            if scope.cancelled_caught:
+                self._lost(sock)
+                raise WorkerDown(f"the engine worker did not answer {header.get('op')} in time")
+        if not reply.get("ok"):
+            raise WorkerRefused(str(reply.get("kind")), str(reply.get("message")))
+        return reply, body
+
+
+    def _mark_down(self) -> None:
+        # waiters hold the unset event until the next start sets it
+        if self._up.is_set():
+            self._up = trio.Event()
+
+    def _lost(self, sock: trio.socket.SocketType) -> None:
+        # Seen by a caller before the supervising task notices: nobody may use
+        # this worker, or wait_up() on its old readiness, from now on.
+        if self._sock is sock:
+            self._sock = None
+            self._mark_down()
+            if self._proc is not None and self._proc.returncode is None:
+                self._proc.kill()
+
+
+async def _send_all(sock: trio.socket.SocketType, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        sent = await sock.send(view)
+        view = view[sent:]
+
+
+async def _recv_exactly(sock: trio.socket.SocketType, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await sock.recv_into(view[got:], min(n - got, 1 << 22))
+        if k == 0:
+            raise WorkerDown("the engine worker closed its socket")
+        got += k
+    return buf
+
+
+async def _read_frame(sock: trio.socket.SocketType) -> tuple[dict[str, Any], bytearray]:
+    header_len, payload_len = parse_prefix(bytes(await _recv_exactly(sock, PREFIX.size)))
+    header = decode_header(await _recv_exactly(sock, header_len))
+    payload = await _recv_exactly(sock, payload_len) if payload_len else bytearray()
+    return header, payload
