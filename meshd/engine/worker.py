@@ -50,6 +50,12 @@ class Worker:
         unless `return_logits` asks for them.
         """
         report = self.model.report
+        for sid, tokens in h.get("history", []):
+            sampler = self.samplers.get(sid)
+            if sampler is None:
+                raise EngineError(f"no sampler {sid}")
+            for t in tokens:
+                sampler.accept(int(t))
         seq = np.frombuffer(h["seq"], dtype=np.int32)
         pos = np.frombuffer(h["pos"], dtype=np.int32)
         want = np.frombuffer(h["want"], dtype=np.int8) if h.get("want") is not None else None

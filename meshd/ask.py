@@ -1,0 +1,278 @@
+"""The asker's side of a session: check a route, open it, prompt the head, stream the tail's tokens.
+
+The asker keeps every token id (the prompt's, as the head returned them, and
+each generated one), so when a stage fails it can open the session again on a
+new route with a higher epoch and re-prefill exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import trio
+
+from meshd.link import Stream
+from meshd.peers import Peers
+from meshd.stage import new_session_id
+from wire.codec import ErrorMessage, Message, error_from_message
+from wire.errors import ErrorCode, ProtocolError
+from wire.stage import (
+    STAGE_PROTOCOL,
+    Cancel,
+    ChatMessage,
+    Describe,
+    Done,
+    Open,
+    Opened,
+    PeerRef,
+    Prompt,
+    PromptTokens,
+    Released,
+    Sampling,
+    StageInfo,
+    Token,
+)
+
+
+class RouteError(Exception):
+    """The route cannot serve the model: a gap, an overlap, or stages of different models."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    address: str
+    info: StageInfo
+
+
+@dataclass
+class AskRequest:
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    wire_dtype: str = "f32"
+
+
+@dataclass
+class AskResult:
+    prompt_tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    pieces: list[bytes] = field(default_factory=list)
+    reason: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    epochs: int = 0
+
+    @property
+    def text(self) -> str:
+        return b"".join(self.pieces).decode(errors="replace")
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def decode_rate(self) -> float:
+        if self.first_token_at is None or self.finished_at is None or len(self.tokens) < 2:
+            return 0.0
+        return (len(self.tokens) - 1) / max(self.finished_at - self.first_token_at, 1e-9)
+
+
+OnToken = Callable[[int, bytes], Awaitable[None] | None]
+
+
+async def _request(stream: Stream, message: Message) -> Message:
+    await stream.send_message(message)
+    reply = await stream.receive_message()
+    if isinstance(reply, ErrorMessage):
+        raise error_from_message(reply)
+    return reply
+
+
+async def describe(peers: Peers, address: str, timeout: float = 10.0) -> StageInfo:
+    with trio.fail_after(timeout):
+        stream = await peers.open_stream(address, STAGE_PROTOCOL)
+        async with stream:
+            reply = await _request(stream, Describe())
+    if not isinstance(reply, StageInfo):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{address} answered describe with {reply.type!r}")
+    return reply
+
+
+async def describe_route(peers: Peers, addresses: Sequence[str], timeout: float = 10.0) -> list[Stage]:
+    infos: list[StageInfo | None] = [None] * len(addresses)
+    errors: list[str] = []
+
+    async def one(i: int, address: str) -> None:
+        try:
+            infos[i] = await describe(peers, address, timeout)
+        except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            errors.append(f"stage {address} is unreachable: {exc}")
+
+    async with trio.open_nursery() as nursery:
+        for i, address in enumerate(addresses):
+            nursery.start_soon(one, i, address)
+    if errors:
+        raise RouteError(errors[0])
+    return [Stage(a, info) for a, info in zip(addresses, infos) if info is not None]
+
+
+def check_route(stages: Sequence[Stage]) -> None:
+    """Every layer covered exactly once, in order, by stages of one model."""
+    if not stages:
+        raise RouteError("the route is empty")
+    digests = {s.info.model_digest for s in stages}
+    if len(digests) > 1:
+        names = ", ".join(f"{s.address} has {s.info.model_digest[:12]}" for s in stages)
+        raise RouteError(f"stages serve different model files ({names})")
+    n_layer = stages[0].info.n_layer
+    expected = 0
+    for s in stages:
+        begin, end = s.info.layer_begin, s.info.layer_end
+        if begin > expected:
+            raise RouteError(f"the route leaves layers [{expected}, {begin}) uncovered (before {s.address})")
+        if begin < expected:
+            raise RouteError(f"layers [{begin}, {min(expected, end)}) are covered twice ({s.address} overlaps)")
+        expected = end
+    if expected != n_layer:
+        raise RouteError(f"the route leaves layers [{expected}, {n_layer}) uncovered (after the last stage)")
+
+
+async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                      on_token: OnToken | None = None, session_id: str | None = None, epoch: int = 0,
+                      stall_timeout: float = 30.0) -> AskResult:
+    """Runs one epoch of a session; raises ProtocolError if any stage fails it.
+
+    With tokens already in ``result`` (a retry), the head re-prefills prompt and
+    generated tokens and generation continues where it stopped.
+    """
+    session = session_id or new_session_id()
+    result.epochs += 1
+    streams: list[Stream] = []
+    head = PeerRef(address=route[0].address, node_id=route[0].info.node_id)
+    remaining = request.max_tokens - len(result.tokens)
+    async with trio.open_nursery() as nursery:
+        try:
+            opened: list[Stream | None] = [None] * len(route)
+
+            async def open_one(i: int) -> None:
+                stage = route[i]
+                nxt = route[i + 1] if i + 1 < len(route) else None
+                stream = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.info.node_id)
+                opened[i] = stream
+                reply = await _request(stream, Open(
+                    session=session, epoch=epoch, model_digest=stage.info.model_digest,
+                    layer_begin=stage.info.layer_begin, layer_end=stage.info.layer_end,
+                    next=PeerRef(address=nxt.address, node_id=nxt.info.node_id) if nxt else None,
+                    head=head if nxt is None else None, sampling=request.sampling,
+                    max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype))
+                if not isinstance(reply, Opened):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"{stage.address} answered open with {reply.type!r}")
+
+            try:
+                with trio.fail_after(stall_timeout):
+                    async with trio.open_nursery() as opening:
+                        for i in range(len(route)):
+                            opening.start_soon(open_one, i)
+            finally:
+                streams = [s for s in opened if s is not None]
+            head_stream, tail_stream = opened[0], opened[-1]
+            assert head_stream is not None and tail_stream is not None
+            if result.prompt_tokens:
+                prompt = Prompt(session=session, epoch=epoch, tokens=result.prompt_tokens + result.tokens,
+                                generated=len(result.tokens))
+            elif request.messages is not None:
+                prompt = Prompt(session=session, epoch=epoch,
+                                messages=[ChatMessage(**m) for m in request.messages])
+            else:
+                prompt = Prompt(session=session, epoch=epoch, text=request.text or "")
+            await head_stream.send_message(prompt)
+            for stream in opened[1:-1]:
+                assert stream is not None
+                nursery.start_soon(_watch_for_errors, stream)
+            if len(opened) > 1:
+                nursery.start_soon(_receive_prompt_tokens, head_stream, result, stall_timeout)
+            await _receive_tokens(tail_stream, result, on_token, stall_timeout, len(opened) == 1)
+            nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await _release_all(streams, session, epoch)
+    return result
+
+
+async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float) -> None:
+    with trio.fail_after(timeout):
+        msg = await stream.receive_message()
+    _take_prompt_tokens(msg, result)
+    await _watch_for_errors(stream)
+
+
+def _take_prompt_tokens(msg: Message, result: AskResult) -> None:
+    if isinstance(msg, ErrorMessage):
+        raise error_from_message(msg)
+    if not isinstance(msg, PromptTokens):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected the prompt's tokens, got {msg.type!r}")
+    if not result.prompt_tokens:
+        result.prompt_tokens = list(msg.tokens)
+
+
+async def _watch_for_errors(stream: Stream) -> None:
+    """A stage that is not the tail says nothing more unless it fails the session."""
+    msg = await stream.receive_message()
+    if isinstance(msg, ErrorMessage):
+        raise error_from_message(msg)
+    if not isinstance(msg, Released):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} from a stage")
+    raise ProtocolError(ErrorCode.INTERNAL, "a stage released the session before it finished")
+
+
+async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken | None, timeout: float,
+                          tail_is_head: bool) -> None:
+    while True:
+        with trio.fail_after(timeout):
+            msg = await stream.receive_message()
+        if tail_is_head and isinstance(msg, PromptTokens):
+            _take_prompt_tokens(msg, result)
+            continue
+        if isinstance(msg, Token):
+            if result.first_token_at is None:
+                result.first_token_at = time.perf_counter()
+            result.tokens.append(msg.token)
+            result.pieces.append(msg.piece)
+            if on_token is not None:
+                maybe = on_token(msg.token, msg.piece)
+                if maybe is not None:
+                    await maybe
+        elif isinstance(msg, Done):
+            result.reason = msg.reason
+            result.finished_at = time.perf_counter()
+            return
+        elif isinstance(msg, ErrorMessage):
+            raise error_from_message(msg)
+        else:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} from the tail")
+
+
+async def _release_all(streams: Sequence[Stream], session: str, epoch: int) -> None:
+    async def one(stream: Stream) -> None:
+        try:
+            await stream.send_message(Cancel(session=session, epoch=epoch))
+            await stream.send_eof()
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        for stream in streams:
+            nursery.start_soon(one, stream)
+
+
+def stop_trim(text: str, stops: Sequence[str]) -> str:
+    """The answer up to the first stop string."""
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    return text if cut < 0 else text[:cut]
