@@ -152,12 +152,11 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     """
     session = session_id or new_session_id()
     result.epochs += 1
-    streams: list[Stream] = []
     head = PeerRef(address=route[0].address, node_id=route[0].info.node_id)
     remaining = request.max_tokens - len(result.tokens)
-    async with trio.open_nursery() as nursery:
-        try:
-            opened: list[Stream | None] = [None] * len(route)
+    opened: list[Stream | None] = [None] * len(route)
+    try:
+        async with trio.open_nursery() as nursery:
 
             async def open_one(i: int) -> None:
                 stage = route[i]
@@ -173,13 +172,10 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 if not isinstance(reply, Opened):
                     raise ProtocolError(ErrorCode.BAD_REQUEST, f"{stage.address} answered open with {reply.type!r}")
 
-            try:
-                with trio.fail_after(stall_timeout):
-                    async with trio.open_nursery() as opening:
-                        for i in range(len(route)):
-                            opening.start_soon(open_one, i)
-            finally:
-                streams = [s for s in opened if s is not None]
+            with trio.fail_after(stall_timeout):
+                async with trio.open_nursery() as opening:
+                    for i in range(len(route)):
+                        opening.start_soon(open_one, i)
             head_stream, tail_stream = opened[0], opened[-1]
             assert head_stream is not None and tail_stream is not None
             if result.prompt_tokens:
@@ -198,9 +194,11 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 nursery.start_soon(_receive_prompt_tokens, head_stream, result, stall_timeout)
             await _receive_tokens(tail_stream, result, on_token, stall_timeout, len(opened) == 1)
             nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-                await _release_all(streams, session, epoch)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+            await _release_all([s for s in opened if s is not None], session, epoch)
     return result
 
 
@@ -259,10 +257,14 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
 
 async def _release_all(streams: Sequence[Stream], session: str, epoch: int) -> None:
     async def one(stream: Stream) -> None:
+        # waits for the stage's word that the KV is freed, so a caller that returns knows it is
         try:
             await stream.send_message(Cancel(session=session, epoch=epoch))
             await stream.send_eof()
-        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            while not isinstance(await stream.receive_message(), Released):
+                pass
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel,
+                trio.BusyResourceError):
             pass
         finally:
             await stream.aclose()
@@ -270,6 +272,24 @@ async def _release_all(streams: Sequence[Stream], session: str, epoch: int) -> N
     async with trio.open_nursery() as nursery:
         for stream in streams:
             nursery.start_soon(one, stream)
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error that ended a session's tasks, rather than the others' cancellations."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(group)
+    for leaf in leaves:
+        if not isinstance(leaf, (trio.Cancelled, trio.ClosedResourceError)):
+            return leaf
+    return leaves[0]
 
 
 def stop_trim(text: str, stops: Sequence[str]) -> str:

@@ -83,9 +83,14 @@ async def serve(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen, "--listen")
     path = model_path(args.model)
     layers = parse_layers(args.layers) if args.layers else None
-    limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens,
-                         max_total_tokens=args.ctx, ttl=args.ttl)
-    spec = WorkerSpec(path, layers, n_ctx=args.ctx, n_seq_max=args.max_sessions, threads=args.threads)
+    for name in ("max_sessions", "session_tokens", "threads"):
+        if getattr(args, name) < (0 if name == "threads" else 1):
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
+    limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
+                         max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after)
+    spec = WorkerSpec(path, layers, n_ctx=args.max_sessions * args.session_tokens, n_seq_max=args.max_sessions,
+                      threads=args.threads)
     identity = NodeIdentity.generate()
     digest = await trio.to_thread.run_sync(file_digest, path)
     service: StageService | None = None
@@ -182,10 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", help="layer range START:END (default: all layers)")
     s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept peers on")
     s.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
-    s.add_argument("--ctx", type=int, default=4096, help="KV tokens for all sessions together")
-    s.add_argument("--max-sessions", type=int, default=16)
-    s.add_argument("--max-session-tokens", type=int, default=2048)
+    s.add_argument("--max-sessions", type=int, default=8, help="sessions served at once (KV sequences)")
+    s.add_argument("--session-tokens", type=int, default=2048, help="KV tokens one session may hold")
+    s.add_argument("--kv-tokens", type=int, default=0,
+                   help="KV tokens of all sessions together (default: max sessions x session tokens)")
     s.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session keeps its KV")
+    s.add_argument("--evict-after", type=float, default=2.0,
+                   help="seconds idle after which a session may be evicted to make room")
     s.add_argument("--mesh-key-file", type=Path)
 
     a = sub.add_parser("ask", help="ask a question")

@@ -252,6 +252,9 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
     if (params->n_seq_max > 256) {
         return fail(ME_ERR_INVALID_ARGUMENT, "n_seq_max %u exceeds 256", params->n_seq_max);
     }
+    if (params->n_ctx % params->n_seq_max != 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "n_ctx %u is not a multiple of n_seq_max %u", params->n_ctx, params->n_seq_max);
+    }
     const bool has_output = model->range.has_output;
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = params->n_ctx;
@@ -264,8 +267,10 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
     // Before the tail every row's raw residual is the product: embeddings without pooling.
     cp.embeddings = !has_output;
     cp.pooling_type = has_output ? LLAMA_POOLING_TYPE_UNSPECIFIED : LLAMA_POOLING_TYPE_NONE;
-    // Sequences share the cells, so one session cannot be starved by a fixed per-sequence slice.
-    cp.kv_unified = true;
+    // Each sequence keeps its own cells, laid out as if it ran alone, so a session's
+    // results do not depend on which other sessions share the context (a shared
+    // pool fragments, and attention then sums in another order).
+    cp.kv_unified = false;
 
     g_log_errors.clear();
     llama_context * ctx = nullptr;
@@ -348,9 +353,10 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
             return fail(ME_ERR_INVALID_ARGUMENT, "sequence id %d at row %d is outside [0, %u)",
                         seq_ids[i], i, ctx->params.n_seq_max);
         }
-        if (pos[i] < 0 || (uint32_t) pos[i] >= ctx->params.n_ctx) {
+        const uint32_t n_ctx_seq = ctx->params.n_ctx / ctx->params.n_seq_max;
+        if (pos[i] < 0 || (uint32_t) pos[i] >= n_ctx_seq) {
             return fail(ME_ERR_INVALID_ARGUMENT, "position %d at row %d is outside [0, %u)",
-                        pos[i], i, ctx->params.n_ctx);
+                        pos[i], i, n_ctx_seq);
         }
         if (!ctx->has_output || (want_output && want_output[i])) {
             rows++;

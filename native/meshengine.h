@@ -68,7 +68,7 @@ typedef struct me_model_info {
 } me_model_info;
 
 typedef struct me_context_params {
-    uint32_t n_ctx;       /* KV cells shared by all sequences */
+    uint32_t n_ctx;       /* KV cells in all; each sequence owns n_ctx / n_seq_max of them */
     uint32_t n_seq_max;   /* sequence ids run from 0 to n_seq_max - 1 */
     uint32_t n_batch;     /* most tokens in one me_forward call */
     int32_t n_threads;

@@ -234,7 +234,7 @@ class Model:
 
 
 class Context:
-    """KV state and compute for one model range; sequences 0..n_seq_max-1 share its cells."""
+    """KV state and compute for one model range; sequences 0..n_seq_max-1 own n_ctx / n_seq_max cells each."""
 
     def __init__(self, model: Model, n_ctx: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
                  n_threads: int | None = None, poll: int = -1) -> None:
@@ -251,6 +251,7 @@ class Context:
             _raise(rc, "cannot create context")
         self._handle = out[0]
         self.n_ctx, self.n_seq_max, self.n_batch, self.n_threads = n_ctx, n_seq_max, n_batch, threads
+        self.n_ctx_seq = n_ctx // n_seq_max
         report = model.report
         self.width = report.n_vocab if report.has_output else report.n_embd
 
@@ -290,8 +291,8 @@ class Context:
             raise InvalidInput(f"{len(seq)} sequence ids for {n} positions")
         if seq.min() < 0 or seq.max() >= self.n_seq_max:
             raise InvalidInput(f"sequence id outside [0, {self.n_seq_max}): {int(seq.min())}..{int(seq.max())}")
-        if pos.min() < 0 or pos.max() >= self.n_ctx:
-            raise InvalidInput(f"position outside [0, {self.n_ctx}): {int(pos.min())}..{int(pos.max())}")
+        if pos.min() < 0 or pos.max() >= self.n_ctx_seq:
+            raise InvalidInput(f"position outside [0, {self.n_ctx_seq}): {int(pos.min())}..{int(pos.max())}")
         tok = self._rows_in(n, tokens, hidden, report)
         if report.has_output:
             want = np.zeros(n, dtype=np.int8)

@@ -1,0 +1,69 @@
+"""Real `meshd` processes for end-to-end tests: started, awaited until ready, always stopped."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY = re.compile(r"^ready (\S+) pid=(\d+) worker=(\d+)")
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    address: str
+    worker_pid: int
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def meshd_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "meshd.cli", *args]
+
+
+def start_serve(*args: str, timeout: float = 60.0) -> Served:
+    """`meshd serve ARGS --listen 127.0.0.1:0`, returned once it prints its ready line."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(meshd_command("serve", "--listen", "127.0.0.1:0", *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip())
+        m = READY.match(line)
+        if m:
+            return Served(proc, m.group(1), int(m.group(3)), lines)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError("meshd serve did not become ready:\n" + "\n".join(lines))
+
+
+def run_meshd(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(meshd_command(*args), capture_output=True, text=True, timeout=timeout,
+                          env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+
+def copy_with_other_digest(src: Path, dst: Path) -> Path:
+    """The same model with one byte changed in the last tensor's data: loads alike, hashes differently."""
+    data = bytearray(src.read_bytes())
+    data[-7] ^= 0x01
+    dst.write_bytes(bytes(data))
+    return dst

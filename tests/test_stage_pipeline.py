@@ -1,0 +1,165 @@
+"""Three `meshd serve` processes on loopback answer exactly like the whole model, alone and together."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+import trio
+
+from meshd.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session
+from meshd.engine.chain import LocalChain
+from meshd.peers import Peers, open_peers
+from tests.procs import Served, start_serve
+from wire.codec import ErrorMessage
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 10.",
+    "Give me a short recipe for pancakes.",
+]
+NEW_TOKENS = 64
+RANGES = ["0:10", "10:20", "20:30"]
+
+
+@pytest.fixture(scope="module")
+def stages() -> Iterator[list[Served]]:
+    served: list[Served] = []
+    try:
+        for r in RANGES:
+            served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", "12", "--session-tokens", "512"))
+        yield served
+    finally:
+        for s in served:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(default_model: Path) -> dict[str, list[int]]:
+    """Greedy answers of the whole model in one process, the reference for every test here."""
+    chain = LocalChain(default_model, None, n_ctx=1024, n_threads=2)
+    try:
+        out = {}
+        for p in PROMPTS:
+            prompt = chain.head.tokenize(chain.head.apply_chat([{"role": "user", "content": p}]), add_special=False)
+            tokens = list(chain.generate(prompt, NEW_TOKENS))
+            out[p] = [t for t in tokens if not chain.head.is_eog(t)]
+        return out
+    finally:
+        chain.close()
+
+
+@pytest.fixture
+async def peers() -> AsyncIterator[Peers]:
+    async with open_peers(NodeIdentity.generate()) as p:
+        yield p
+
+
+async def route_of(peers: Peers, stages: list[Served]) -> list[Stage]:
+    route = await describe_route(peers, [s.address for s in stages])
+    check_route(route)
+    return route
+
+
+def request(prompt: str, max_tokens: int = NEW_TOKENS) -> AskRequest:
+    return AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
+
+
+async def metrics(peers: Peers, address: str) -> dict[str, float]:
+    stream = await peers.open_stream(address, STAGE_PROTOCOL)
+    async with stream:
+        await stream.send_message(MetricsRequest())
+        reply = await stream.receive_message()
+    assert isinstance(reply, Metrics)
+    return reply.values
+
+
+async def test_pipeline_matches_whole_model_for_each_prompt(stages: list[Served], peers: Peers,
+                                                            expected: dict[str, list[int]]) -> None:
+    route = await route_of(peers, stages)
+    for prompt in PROMPTS:
+        result = await run_session(peers, route, request(prompt), AskResult())
+        assert result.tokens == expected[prompt], prompt
+        assert result.reason == ("max_tokens" if len(result.tokens) == NEW_TOKENS else "eog")
+
+
+async def test_concurrent_sessions_match_solo_runs_and_share_engine_calls(
+        stages: list[Served], peers: Peers, expected: dict[str, list[int]]) -> None:
+    route = await route_of(peers, stages)
+    before = [await metrics(peers, s.address) for s in stages]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    results: list[AskResult | None] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        results[i] = await run_session(peers, route, request(prompts[i]), AskResult())
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    for prompt, result in zip(prompts, results):
+        assert result is not None and result.tokens == expected[prompt], prompt
+    after = [await metrics(peers, s.address) for s in stages]
+    for b, a in zip(before, after):
+        assert a["multi_session_calls"] > b["multi_session_calls"]
+        assert a["max_sessions_per_call"] >= 4
+        assert a["sessions"] == 0 and a["kv_tokens"] == 0
+
+
+async def test_cancel_frees_kv_on_every_stage_at_once(stages: list[Served], peers: Peers) -> None:
+    route = await route_of(peers, stages)
+    seen = 0
+    with trio.move_on_after(30):
+        async def count(token: int, piece: bytes) -> None:
+            nonlocal seen
+            seen += 1
+            if seen == 10:
+                during = [await metrics(peers, s.address) for s in stages]
+                assert all(m["sessions"] == 1 and m["kv_tokens"] > 0 for m in during)
+                raise Cancelled()
+
+        class Cancelled(Exception):
+            pass
+
+        with pytest.raises(Cancelled):
+            await run_session(peers, route, request(PROMPTS[1], max_tokens=500), AskResult(), on_token=count)
+    await trio.sleep(0.2)
+    after = [await metrics(peers, s.address) for s in stages]
+    assert [(m["sessions"], m["kv_tokens"]) for m in after] == [(0.0, 0.0)] * 3
+
+
+async def test_killed_engine_worker_fails_session_fast_then_recovers(
+        stages: list[Served], peers: Peers, expected: dict[str, list[int]]) -> None:
+    route = await route_of(peers, stages)
+    middle = stages[1]
+    killed_at = None
+
+    async def kill_middle_worker(token: int, piece: bytes) -> None:
+        nonlocal killed_at
+        if killed_at is None and len(result.tokens) == 5:
+            os.kill(middle.worker_pid, signal.SIGKILL)
+            killed_at = time.perf_counter()
+
+    result = AskResult()
+    with pytest.raises(ProtocolError) as err:
+        await run_session(peers, route, request(PROMPTS[0], max_tokens=500), result, on_token=kill_middle_worker)
+    waited = time.perf_counter() - killed_at
+    print(f"typed error {err.value.code.value} {waited * 1000:.0f} ms after SIGKILL: {err.value.message}")
+    assert err.value.code in (ErrorCode.INTERNAL, ErrorCode.UNREACHABLE)
+    assert err.value.retryable
+    assert waited < 2.0
+    with trio.fail_after(30):
+        while (await metrics(peers, middle.address))["worker_up"] != 1.0:
+            await trio.sleep(0.1)
+    m = await metrics(peers, middle.address)
+    assert m["worker_restarts"] >= 1
+    again = await run_session(peers, route, request(PROMPTS[0]), AskResult())
+    assert again.tokens == expected[PROMPTS[0]]
