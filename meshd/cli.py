@@ -15,7 +15,9 @@ from typing import Sequence
 
 import trio
 
-from meshd.ask import AskRequest, AskResult, RouteError, check_route, describe_route, run_session, stop_trim
+from meshd.ask import (
+    AskRequest, AskResult, RouteError, check_route, describe_route, first_error, run_session, stop_trim,
+)
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.models import ModelNotFound, default_model_path
@@ -216,20 +218,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return trio.run(COMMANDS[args.command], args)
-    except KeyboardInterrupt:
+    except BaseExceptionGroup as group:
+        return report_failure(args.command, first_error(group))
+    except BaseException as exc:
+        return report_failure(args.command, exc)
+
+
+def report_failure(command: str, exc: BaseException) -> int:
+    """One line for what a user can cause; anything else is a bug and keeps its traceback."""
+    if isinstance(exc, KeyboardInterrupt):
         return 130
-    except (UsageError, RouteError, ModelNotFound, WorkerStartError) as exc:
-        print(f"meshd {args.command}: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
-    except ProtocolError as exc:
-        print(f"meshd {args.command}: {exc.code.value}: {exc.message}", file=sys.stderr)
-        return 1
-    except trio.TooSlowError:
-        print(f"meshd {args.command}: timed out", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"meshd {args.command}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+    if isinstance(exc, (UsageError, RouteError, ModelNotFound, WorkerStartError)):
+        message = str(exc)
+    elif isinstance(exc, ProtocolError):
+        message = f"{exc.code.value}: {exc.message}"
+    elif isinstance(exc, trio.TooSlowError):
+        message = "timed out waiting for a stage"
+    elif isinstance(exc, OSError):
+        message = exc.strerror or str(exc)
+    else:
+        raise exc
+    print(f"meshd {command}: {message}", file=sys.stderr)
+    return 2 if isinstance(exc, UsageError) else 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import trio
 
 from meshd.ask import AskRequest, AskResult, RouteError, Stage, check_route, run_session
 from meshd.link import Stream
-from meshd.peers import Peers, open_peers
+from meshd.peers import Peers, PeersConfig, open_peers
 from meshd.stage import StageLimits, StageNode, stage_node
 from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError
@@ -26,7 +26,7 @@ from wire.tensors import Activation, TensorEntry
 @asynccontextmanager
 async def stage(model: Path, layers: tuple[int, int] | None, **limits: float) -> AsyncIterator[StageNode]:
     lim = StageLimits(**({"max_sessions": 4, "max_session_tokens": 256} | limits))
-    async with stage_node(model, layers, lim, NodeIdentity.generate(), threads=1) as node:
+    async with stage_node(model, layers, lim, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1) as node:
         yield node
 
 
