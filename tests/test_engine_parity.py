@@ -57,7 +57,7 @@ def run_teacher_forced(chain: LocalChain, prompt: list[int], forced: list[int] |
 
 @pytest.fixture(scope="module")
 def whole_runs(default_model: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[np.ndarray]]]:
-    chain = LocalChain(default_model, None, n_ctx=512, n_threads=2)
+    chain = LocalChain(default_model, None, n_ctx=512, n_threads=1)
     try:
         return [run_teacher_forced(chain, p, None) for p in prompts]
     finally:
@@ -67,7 +67,7 @@ def whole_runs(default_model: Path, prompts: list[list[int]]) -> list[tuple[list
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_chain_matches_whole_model_tokens_and_logits(name: str, default_model: Path, prompts: list[list[int]],
                                                      whole_runs: list[tuple[list[int], list[np.ndarray]]]) -> None:
-    chain = LocalChain(default_model, CHAINS[name], n_ctx=512, n_threads=2)
+    chain = LocalChain(default_model, CHAINS[name], n_ctx=512, n_threads=1)
     try:
         worst = 0.0
         for prompt, (whole_tokens, whole_logits) in zip(prompts, whole_runs):

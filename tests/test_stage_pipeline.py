@@ -46,7 +46,7 @@ def stages() -> Iterator[list[Served]]:
 @pytest.fixture(scope="module")
 def expected(default_model: Path) -> dict[str, list[int]]:
     """Greedy answers of the whole model in one process, the reference for every test here."""
-    chain = LocalChain(default_model, None, n_ctx=1024, n_threads=2)
+    chain = LocalChain(default_model, None, n_ctx=1024, n_threads=1)
     try:
         out = {}
         for p in PROMPTS:

@@ -1,0 +1,381 @@
+"""Peer links in trio: real loopback WebSockets, and in-memory transports for faults."""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+import trio
+
+from meshd.link import LinkTimings, Stream
+from meshd.peers import HandshakeFailed, LinkDown, PeerEvent, Peers, PeersConfig, open_peers
+from meshd.transport import MemoryTransport, memory_transport_pair
+from wire.codec import ErrorMessage
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.mux import MuxConfig
+from wire.tensors import Activation, TensorEntry
+
+ALICE = NodeIdentity.from_private_bytes(b"a" * 32)
+BOB = NodeIdentity.from_private_bytes(b"b" * 32)
+CAROL = NodeIdentity.from_private_bytes(b"c" * 32)
+
+
+def activation(step: int, hidden: np.ndarray) -> Activation:
+    return Activation.of(
+        session="s",
+        epoch=0,
+        step=step,
+        pos=step,
+        n_tokens=hidden.shape[0],
+        tensors=[TensorEntry.from_array("hidden_states", hidden)],
+    )
+
+
+async def echo(stream: Stream) -> None:
+    async for message in stream:
+        await stream.send_message(message)
+
+
+async def echo_bytes(stream: Stream) -> None:
+    while data := await stream.receive_some():
+        await stream.send_all(data)
+
+
+# Tests leave streams open at exit; do not wait long for them to finish.
+QUICK = PeersConfig(drain_timeout=0.1)
+
+
+@asynccontextmanager
+async def two_peers(
+    config: PeersConfig | None = None,
+    listener_config: PeersConfig | None = None,
+) -> AsyncIterator[tuple[Peers, Peers, str, list[PeerEvent]]]:
+    """ALICE and BOB; BOB listens on loopback and records its peer events."""
+    events: list[PeerEvent] = []
+    config = config or QUICK
+    async with open_peers(BOB, listener_config or config, observer=events.append) as bob:
+        async with open_peers(ALICE, config) as alice:
+            bob.handle("echo", echo)
+            bob.handle("echo-bytes", echo_bytes)
+            port = await bob.listen("127.0.0.1", 0)
+            yield alice, bob, f"127.0.0.1:{port}", events
+
+
+# ----- over real WebSockets
+
+
+async def test_activations_cross_a_websocket_link_bit_exact() -> None:
+    async with two_peers() as (alice, bob, address, _):
+        stream = await alice.open_stream(address, "echo", node_id=BOB.node_id)
+        assert stream.remote_node_id == BOB.node_id
+        rng = np.random.default_rng(0)
+        for step, rows in enumerate([1, 1, 7, 300]):
+            hidden = rng.standard_normal((rows, 576), dtype=np.float32)
+            await stream.send_message(activation(step, hidden))
+            reply = await stream.receive_message()
+            assert isinstance(reply, Activation) and reply.step == step
+            assert np.array_equal(reply.array(), hidden)
+        await stream.send_eof()
+        with pytest.raises(trio.EndOfChannel):
+            await stream.receive_message()
+        await stream.aclose()
+        # One link per peer pair: a second stream reuses it.
+        again = await alice.open_stream(address, "echo")
+        assert again.link is stream.link and len(alice.links) == 1
+        await again.aclose()
+
+
+async def test_a_wrong_mesh_key_is_refused_on_both_sides_with_a_clear_reason() -> None:
+    async with two_peers(
+        PeersConfig(mesh_key=b"alpha", drain_timeout=0.1),
+        listener_config=PeersConfig(mesh_key=b"beta", drain_timeout=0.1),
+    ) as (alice, _, address, events):
+        with pytest.raises(ProtocolError) as info:
+            await alice.connect(address)
+        assert info.value.code is ErrorCode.UNAUTHORIZED
+        assert "mesh key mismatch" in info.value.message
+        with trio.fail_after(5):
+            while not events:
+                await trio.sleep(0.01)
+        [event] = events
+        assert isinstance(event, HandshakeFailed) and event.inbound
+        assert event.error.code is ErrorCode.UNAUTHORIZED
+        assert "mesh key mismatch" in event.error.message
+
+
+async def test_dialing_an_expected_node_id_and_reaching_another_key_fails() -> None:
+    async with two_peers() as (alice, _, address, _events):
+        with pytest.raises(ProtocolError) as info:
+            await alice.open_stream(address, "echo", node_id=CAROL.node_id)
+        assert info.value.code is ErrorCode.UNAUTHORIZED
+        assert BOB.node_id in info.value.message and CAROL.node_id in info.value.message
+        assert alice.links == []
+
+
+async def test_an_unreachable_address_is_a_typed_error() -> None:
+    async with open_peers(ALICE) as alice:
+        with trio.socket.socket() as probe:
+            await probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        with pytest.raises(ProtocolError) as info:
+            await alice.connect(f"127.0.0.1:{port}")
+        assert info.value.code is ErrorCode.UNREACHABLE and info.value.retryable
+
+
+SMALL_WINDOWS = PeersConfig(
+    mux=MuxConfig(stream_window=64 << 10, link_window=1 << 20), drain_timeout=0.1
+)
+
+
+async def test_a_stalled_reader_does_not_stall_other_streams_and_the_sender_stops_at_its_window() -> None:
+    stalled_streams: list[Stream] = []
+
+    async def never_read(stream: Stream) -> None:
+        stalled_streams.append(stream)
+        await trio.sleep_forever()
+
+    async with two_peers(SMALL_WINDOWS) as (alice, bob, address, _):
+        bob.handle("never-read", never_read)
+        stalled = await alice.open_stream(address, "never-read")
+        chunk = b"z" * 1024
+        accepted = 0
+
+        async def flood() -> None:
+            nonlocal accepted
+            while True:
+                await stalled.send_all(chunk)
+                accepted += len(chunk)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flood)
+            busy = await alice.open_stream(address, "echo")
+            hidden = np.ones((1, 8192), np.float32)
+            with trio.fail_after(10):
+                for step in range(100):
+                    await busy.send_message(activation(step, hidden))
+                    assert (await busy.receive_message()).step == step  # type: ignore[attr-defined]
+            await trio.sleep(0.2)
+            link = stalled.link
+            # The flood stopped at the peer's stream window: nothing beyond it
+            # was accepted, framed, encrypted or queued on this side.
+            assert accepted == 64 << 10
+            assert link.core.mux.send_capacity(stalled.stream_id) == 0
+            assert not link.core.mux.has_output and not link._outbox
+            nursery.cancel_scope.cancel()
+        [remote] = stalled_streams
+        assert sum(len(c) for c in remote._chunks) == 64 << 10
+
+
+async def test_a_bad_message_resets_only_its_stream() -> None:
+    async with two_peers() as (alice, _, address, _events):
+        good = await alice.open_stream(address, "echo")
+        bad = await alice.open_stream(address, "echo")
+        await good.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="one"))
+        assert (await good.receive_message()).message == "one"  # type: ignore[attr-defined]
+        junk = b"\x92\x01\x02"  # a msgpack array, not a map
+        await bad.send_all(struct.pack(">I", len(junk)) + junk)
+        with trio.fail_after(5), pytest.raises(ProtocolError) as info:
+            await bad.receive_message()
+        assert info.value.code is ErrorCode.BAD_REQUEST
+        await good.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="two"))
+        assert (await good.receive_message()).message == "two"  # type: ignore[attr-defined]
+
+
+async def test_a_large_message_is_fragmented_through_small_windows() -> None:
+    async with two_peers(SMALL_WINDOWS) as (alice, _, address, _events):
+        stream = await alice.open_stream(address, "echo")
+        hidden = np.random.default_rng(1).standard_normal((1024, 2048), dtype=np.float32)
+        with trio.fail_after(30):
+            await stream.send_message(activation(0, hidden))
+            reply = await stream.receive_message()
+        assert np.array_equal(reply.array(), hidden)  # type: ignore[attr-defined]
+
+
+async def test_raw_byte_streams_half_close() -> None:
+    async with two_peers() as (alice, _, address, _events):
+        stream = await alice.open_stream(address, "echo-bytes")
+        await stream.send_all(b"hello ")
+        await stream.send_all(b"world")
+        await stream.send_eof()
+        received = b""
+        while data := await stream.receive_some(3):
+            assert len(data) <= 3
+            received += data
+        assert received == b"hello world"
+
+
+async def test_handler_failures_reset_the_stream_with_a_typed_error() -> None:
+    async def refuse(stream: Stream) -> None:
+        raise ProtocolError(ErrorCode.EPOCH_STALE, "epoch 2 is gone")
+
+    async def crash(stream: Stream) -> None:
+        raise RuntimeError("bug")
+
+    async with two_peers() as (alice, bob, address, _):
+        bob.handle("refuse", refuse)
+        bob.handle("crash", crash)
+        expected = {
+            "refuse": ErrorCode.EPOCH_STALE,
+            "crash": ErrorCode.INTERNAL,
+            "nobody-serves-this": ErrorCode.NOT_FOUND,
+        }
+        for protocol, code in expected.items():
+            stream = await alice.open_stream(address, protocol)
+            with trio.fail_after(5), pytest.raises(ProtocolError) as info:
+                await stream.receive_message()
+            assert info.value.code is code
+
+
+async def test_graceful_shutdown_closes_open_streams_with_the_reason() -> None:
+    async def hold(stream: Stream) -> None:
+        await trio.sleep_forever()
+
+    config = PeersConfig(drain_timeout=0.2)
+    async with open_peers(ALICE) as alice:
+        events: list[PeerEvent] = []
+        async with open_peers(BOB, config, observer=events.append) as bob:
+            bob.handle("hold", hold)
+            port = await bob.listen()
+            stream = await alice.open_stream(f"127.0.0.1:{port}", "hold")
+            await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="hi"))
+            await trio.sleep(0.05)
+            await bob.aclose("maintenance window")
+        with trio.fail_after(5), pytest.raises(ProtocolError) as info:
+            await stream.receive_message()
+        assert info.value.code is ErrorCode.UNREACHABLE
+        assert "maintenance window" in info.value.message
+        assert any(isinstance(e, LinkDown) for e in events)
+
+
+async def test_simultaneous_dials_settle_on_one_link_both_sides_agree_on() -> None:
+    async with open_peers(ALICE) as alice, open_peers(BOB) as bob:
+        for peers in (alice, bob):
+            peers.handle("echo", echo)
+        alice_port, bob_port = await alice.listen(), await bob.listen()
+        links = {}
+        async with trio.open_nursery() as nursery:
+
+            async def dial(name: str, peers: Peers, port: int) -> None:
+                links[name] = await peers.connect(f"127.0.0.1:{port}")
+
+            nursery.start_soon(dial, "alice", alice, bob_port)
+            nursery.start_soon(dial, "bob", bob, alice_port)
+        with trio.fail_after(5):
+            while len(alice.links) != 1 or len(bob.links) != 1:
+                await trio.sleep(0.01)
+        [alice_link], [bob_link] = alice.links, bob.links
+        lower = min(ALICE.node_id, BOB.node_id)
+        # Both kept the link dialed by the lower node id.
+        assert alice_link.dialer == (lower == ALICE.node_id)
+        assert bob_link.dialer == (lower == BOB.node_id)
+        for peers, port, other in ((alice, bob_port, BOB), (bob, alice_port, ALICE)):
+            stream = await peers.open_stream(f"127.0.0.1:{port}", "echo", node_id=other.node_id)
+            await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="x"))
+            assert (await stream.receive_message()).message == "x"  # type: ignore[attr-defined]
+            await stream.aclose()
+
+
+# ----- over in-memory transports, with faults injected
+
+
+class Tampering(MemoryTransport):
+    """Passes records through, except that it corrupts, repeats or drops them on cue."""
+
+    def __init__(self, inner: MemoryTransport) -> None:
+        super().__init__(inner._send, inner._receive, inner.remote_address)
+        self.sent = 0
+        self.flip_at: int | None = None
+        self.repeat_at: int | None = None
+        self.black_hole = False
+
+    async def send_record(self, record: bytes) -> None:
+        self.sent += 1
+        if self.black_hole:
+            return
+        if self.sent == self.flip_at:
+            record = bytes([record[0] ^ 0x80]) + record[1:]
+        await super().send_record(record)
+        if self.sent == self.repeat_at:
+            await super().send_record(record)
+
+
+@asynccontextmanager
+async def memory_link(
+    timings: LinkTimings | None = None,
+) -> AsyncIterator[tuple[Peers, Peers, Tampering, list[str]]]:
+    """ALICE dials BOB over a tampering in-memory pipe; BOB's handler logs what it reads."""
+    seen: list[str] = []
+
+    async def record(stream: Stream) -> None:
+        async for message in stream:
+            seen.append(message.message)  # type: ignore[attr-defined]
+
+    config = PeersConfig(timings=timings or LinkTimings(), drain_timeout=0.1)
+    a_end, b_end = memory_transport_pair()
+    tampering = Tampering(a_end)
+    async with open_peers(ALICE, config) as alice, open_peers(BOB, config) as bob:
+        bob.handle("record", record)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(bob.attach, b_end, dialer=False))
+            await alice.attach(tampering, dialer=True, node_id=BOB.node_id)
+        yield alice, bob, tampering, seen
+
+
+async def test_a_flipped_ciphertext_byte_closes_the_link_and_delivers_no_plaintext() -> None:
+    async with memory_link() as (alice, bob, tampering, seen):
+        [link] = alice.links
+        stream = link.open_stream("record")
+        await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="clean"))
+        with trio.fail_after(5):
+            while seen != ["clean"]:
+                await trio.sleep(0.01)
+        tampering.flip_at = tampering.sent + 1
+        await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="tampered"))
+        with trio.fail_after(5):
+            await link.wait_closed()
+            while bob.links:
+                await trio.sleep(0.01)
+        assert seen == ["clean"]
+        with pytest.raises(ProtocolError):
+            await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="after"))
+
+
+async def test_a_replayed_record_closes_the_link() -> None:
+    async with memory_link() as (alice, bob, tampering, seen):
+        [link] = alice.links
+        stream = link.open_stream("record")
+        tampering.repeat_at = tampering.sent + 1
+        await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="once"))
+        with trio.fail_after(5):
+            await link.wait_closed()
+        assert seen in ([], ["once"])
+        assert bob.links == [] and alice.links == []
+
+
+async def test_a_silent_peer_is_declared_dead(autojump_clock: trio.abc.Clock) -> None:
+    timings = LinkTimings(keepalive_interval=1.0, dead_after=3.0)
+    async with memory_link(timings) as (alice, bob, tampering, _):
+        [link] = bob.links
+        stream = link.open_stream("record")
+        start = trio.current_time()
+        tampering.black_hole = True  # ALICE's records stop arriving at BOB
+        with trio.fail_after(10):
+            await link.wait_closed()
+        assert 3.0 <= trio.current_time() - start <= 5.0
+        assert link.error is not None and link.error.code is ErrorCode.UNREACHABLE
+        with pytest.raises(ProtocolError):
+            await stream.receive_message()
+
+
+async def test_keepalive_measures_round_trip_time(autojump_clock: trio.abc.Clock) -> None:
+    timings = LinkTimings(keepalive_interval=1.0, dead_after=3.0)
+    async with memory_link(timings) as (alice, _, _tampering, _):
+        [link] = alice.links
+        await trio.sleep(2.5)
+        assert link.rtt is not None and link.rtt >= 0
+        assert not link.closed  # pings keep an idle link alive
