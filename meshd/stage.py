@@ -17,7 +17,7 @@ import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import trio
@@ -144,7 +144,6 @@ class StageService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.peers.handle(STAGE_PROTOCOL, self.handle_stream)
             nursery.start_soon(self._schedule)
             nursery.start_soon(self._sweep)
             task_status.started()
@@ -158,17 +157,13 @@ class StageService:
         self._queue.clear()
 
     async def handle_stream(self, stream: Stream) -> None:
-        """Serves one stream; a refusal is a typed error message, then the stream ends."""
-        try:
-            await self._handle(stream)
-        except ProtocolError as exc:
-            try:
-                await stream.send_message(error_message(exc))
-            except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        await answer_typed(stream, self.handle_first)
 
-    async def _handle(self, stream: Stream) -> None:
-        first = await stream.receive_message()
+    def holds(self, session: str) -> bool:
+        return session in self.sessions
+
+    async def handle_first(self, stream: Stream, first: Message) -> None:
+        """Serves a stage stream whose first message has been read."""
         if isinstance(first, Describe):
             await stream.send_message(self._info())
         elif isinstance(first, MetricsRequest):
@@ -606,6 +601,17 @@ class StageService:
         s.to_asker.send_nowait(Done(session=s.id, epoch=s.epoch, reason=reason, generated=s.generated))
 
 
+async def answer_typed(stream: Stream, serve: Callable[[Stream, Message], Awaitable[None]]) -> None:
+    """Reads a stream's first message and serves it; a refusal is a typed error message, then the end."""
+    try:
+        await serve(stream, await stream.receive_message())
+    except ProtocolError as exc:
+        try:
+            await stream.send_message(error_message(exc))
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
 @dataclass
 class StageNode:
     address: str
@@ -617,11 +623,11 @@ class StageNode:
 @asynccontextmanager
 async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageLimits, identity: NodeIdentity,
                      config: PeersConfig | None = None, listen: tuple[str, int] = ("127.0.0.1", 0),
-                     threads: int = 0) -> AsyncIterator[StageNode]:
+                     threads: int = 0, poll: int = -1) -> AsyncIterator[StageNode]:
     """A stage serving ``layers`` of ``model`` on ``listen``, with its supervised engine worker."""
     digest = await trio.to_thread.run_sync(file_digest, model)
     spec = WorkerSpec(model, layers, n_ctx=limits.max_sessions * limits.max_session_tokens,
-                      n_seq_max=limits.max_sessions, n_batch=limits.n_batch, threads=threads)
+                      n_seq_max=limits.max_sessions, n_batch=limits.n_batch, threads=threads, poll=poll)
     engine = EngineSupervisor(spec)
     async with trio.open_nursery() as nursery:
         report = await nursery.start(engine.run)
@@ -629,6 +635,7 @@ async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageL
             service = StageService(peers, engine, report, digest, model.name, limits)
             engine.on_down = service.on_worker_down
             await nursery.start(service.run)
+            peers.handle(STAGE_PROTOCOL, service.handle_stream)
             port = await peers.listen(*listen)
             yield StageNode(f"{listen[0]}:{port}", service, engine, peers)
             nursery.cancel_scope.cancel()

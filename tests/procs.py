@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READY = re.compile(r"^ready (\S+) pid=(\d+) worker=(\d+)")
+READY = re.compile(r"^ready (\S+) pid=(\d+) (?:worker|node)=(\w+)")
 
 
 @dataclass
@@ -20,6 +20,7 @@ class Served:
     address: str
     worker_pid: int
     lines: list[str] = field(default_factory=list)
+    node_id: str = ""
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -37,8 +38,17 @@ def meshd_command(*args: str) -> list[str]:
 
 def start_serve(*args: str, timeout: float = 60.0) -> Served:
     """`meshd serve ARGS --listen 127.0.0.1:0`, returned once it prints its ready line."""
+    return start_meshd("serve", *args, timeout=timeout)
+
+
+def start_join(*args: str, timeout: float = 60.0) -> Served:
+    """`meshd join ARGS --listen 127.0.0.1:0`, returned once it prints its ready line."""
+    return start_meshd("join", *args, timeout=timeout)
+
+
+def start_meshd(command: str, *args: str, timeout: float = 60.0) -> Served:
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(meshd_command("serve", "--listen", "127.0.0.1:0", *args), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(meshd_command(command, "--listen", "127.0.0.1:0", *args), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     deadline = time.monotonic() + timeout
@@ -50,7 +60,9 @@ def start_serve(*args: str, timeout: float = 60.0) -> Served:
         lines.append(line.rstrip())
         m = READY.match(line)
         if m:
-            return Served(proc, m.group(1), int(m.group(3)), lines)
+            worker = m.group(3)
+            return (Served(proc, m.group(1), int(worker), lines) if worker.isdigit()
+                    else Served(proc, m.group(1), 0, lines, node_id=worker))
     proc.kill()
     proc.wait()
     raise RuntimeError("meshd serve did not become ready:\n" + "\n".join(lines))

@@ -1,0 +1,402 @@
+"""The mesh daemon: membership and election over peer links, the tracker, and the ranges it serves.
+
+The sans-IO `MeshNode` decides; this trio shell only moves its messages (one
+stream per SWIM message), sleeps until its next timer, and acts on what it
+decided: as tracker it assigns layer ranges; as a volunteer it loads the range
+it was assigned (the new one before releasing the old) and says so in its
+signed record; as any node it plans routes from its own view.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from meshd.assignment import Assignment, AssignmentPolicy, CoverageError, ModelSpec, assign, capacities
+from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
+from meshd.link import Stream
+from meshd.membership import SWIM_MESSAGES, MemberState
+from meshd.mesh import MeshNode, TrackerChanged
+from meshd.models import file_digest, model_info
+from meshd.peers import Peers, PeersConfig, open_peers
+from meshd.records import ROLE_CLIENT, ROLE_RELAY, CapabilityRecord, ModelInfo, ServedRange
+from meshd.routing import NoRouteError, plan_route, stage_options
+from meshd.stage import STAGE_PROTOCOL, StageLimits, StageService, answer_typed
+from wire.codec import ErrorMessage, Message, error_from_message
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.meshrpc import (
+    MESH_PROTOCOL,
+    SWIM_PROTOCOL,
+    AssignmentReply,
+    AssignmentRequest,
+    MemberStatus,
+    ModelCoverage,
+    RouteReply,
+    RouteRequest,
+    RouteStage,
+    StatusReply,
+    StatusRequest,
+)
+from wire.stage import Hop, Open
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    listen: tuple[str, int] = ("127.0.0.1", 0)
+    seeds: tuple[str, ...] = ()
+    model: Path | None = None
+    memory_bytes: int = 1 << 30
+    threads: int = 0
+    limits: StageLimits = field(default_factory=lambda: StageLimits(max_sessions=4, max_session_tokens=1024,
+                                                                    max_total_tokens=4096))
+    client: bool = False
+    relay: bool = False
+    peers: PeersConfig = field(default_factory=PeersConfig)
+    assign_interval: float = 1.0
+    rpc_timeout: float = 5.0
+
+
+@dataclass
+class ServingRange:
+    start: int
+    end: int
+    service: StageService | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+async def rpc(peers: Peers, address: str | None, request: Message, node_id: str | None = None,
+              timeout: float = 5.0) -> Message:
+    """One request on a fresh mesh stream, one reply; a typed error reply is raised."""
+    with trio.fail_after(timeout):
+        stream = await peers.open_stream(address, MESH_PROTOCOL, node_id=node_id)
+        async with stream:
+            await stream.send_message(request)
+            reply = await stream.receive_message()
+    if isinstance(reply, ErrorMessage):
+        raise error_from_message(reply)
+    return reply
+
+
+class MeshDaemon:
+    def __init__(self, identity: NodeIdentity, config: NodeConfig) -> None:
+        self.identity = identity
+        self.config = config
+        self.peers: Peers
+        self.mesh: MeshNode
+        self.address = ""
+        self.model: ModelInfo | None = None
+        self.serving: list[ServingRange] = []
+        self.retiring: list[ServingRange] = []
+        self.assignments: dict[str, Assignment] = {}
+        self._uncovered: set[str] = set()
+        self._seed_addresses: dict[str, str] = {}
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery
+
+    # ----- lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[MeshDaemon] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        if cfg.model is not None:
+            digest = await trio.to_thread.run_sync(file_digest, cfg.model)
+            self.model = await trio.to_thread.run_sync(model_info, cfg.model, digest)
+        async with open_peers(self.identity, cfg.peers) as peers, trio.open_nursery() as nursery:
+            self.peers, self._nursery = peers, nursery
+            peers.handle(SWIM_PROTOCOL, self._on_swim)
+            peers.handle(MESH_PROTOCOL, self._on_rpc)
+            peers.handle(STAGE_PROTOCOL, self._on_stage)
+            port = await peers.listen(*cfg.listen)
+            self.address = f"{cfg.listen[0]}:{port}"
+            roles = ([ROLE_CLIENT] if cfg.client else []) + ([ROLE_RELAY] if cfg.relay else [])
+            record = CapabilityRecord.create(
+                self.identity, int(time.time() * 1000), addresses=[self.address], reachability="public",
+                memory_bytes=0 if cfg.client else cfg.memory_bytes, models=[self.model] if self.model else [],
+                roles=roles, started_at=time.time())
+            self.mesh = MeshNode(self.identity, record, trio.current_time())
+            await self._join_seeds()
+            nursery.start_soon(self._drive)
+            if not cfg.client:
+                nursery.start_soon(self._track)
+            if self.model is not None and not cfg.client:
+                nursery.start_soon(self._volunteer)
+            task_status.started(self)
+
+    async def _join_seeds(self) -> None:
+        ids = []
+        for seed in self.config.seeds:
+            try:
+                link = await self.peers.connect(seed)
+            except (ProtocolError, OSError) as exc:
+                log.warning("seed %s unreachable: %s", seed, exc)
+                continue
+            self._seed_addresses[link.remote_node_id] = seed
+            ids.append(link.remote_node_id)
+        if self.config.seeds and not ids:
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"no seed answered ({', '.join(self.config.seeds)})")
+        self.mesh.join(trio.current_time(), ids)
+        self._flush()
+
+    async def leave(self) -> None:
+        """Says goodbye through gossip and gives it a moment to spread."""
+        self.mesh.leave(trio.current_time())
+        self._flush()
+        with trio.move_on_after(1.0):
+            while True:
+                await trio.sleep(0.1)
+                self.mesh.handle_timer(trio.current_time())
+                self._flush()
+
+    # ----- SWIM transport
+
+    async def _drive(self) -> None:
+        while True:
+            delay = max(0.0, self.mesh.next_timer() - trio.current_time())
+            with trio.move_on_after(delay):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            self.mesh.handle_timer(trio.current_time())
+            self._flush()
+            for event in self.mesh.events():
+                if isinstance(event, TrackerChanged):
+                    log.info("tracker is now %s", event.tracker)
+
+    def _flush(self) -> None:
+        for dest, message in self.mesh.messages_to_send():
+            self._nursery.start_soon(self._send_swim, dest, message)
+
+    def address_of(self, node_id: str) -> str | None:
+        record = self.mesh.membership.record_of(node_id)
+        if record is not None and record.addresses:
+            return record.addresses[0]
+        return self._seed_addresses.get(node_id)
+
+    async def _send_swim(self, dest: str, message: Message) -> None:
+        address = self.address_of(dest)
+        if address is None:
+            return
+        with trio.move_on_after(1.0):
+            try:
+                stream = await self.peers.open_stream(address, SWIM_PROTOCOL, node_id=dest)
+                async with stream:
+                    await stream.send_message(message)
+            except (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    async def _on_swim(self, stream: Stream) -> None:
+        message = await stream.receive_message()
+        if not isinstance(message, SWIM_MESSAGES):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{message.type!r} is not a SWIM message")
+        self.mesh.handle_message(trio.current_time(), stream.remote_node_id, message)
+        self._flush()
+        self._wake.set()
+
+    # ----- RPCs
+
+    async def _on_rpc(self, stream: Stream) -> None:
+        await answer_typed(stream, self._answer)
+
+    async def _answer(self, stream: Stream, request: Message) -> None:
+        if isinstance(request, AssignmentRequest):
+            reply: Message = self._assignment_for(stream.remote_node_id)
+        elif isinstance(request, RouteRequest):
+            reply = self.route(request.model, request.exclude)
+        elif isinstance(request, StatusRequest):
+            reply = self.status()
+        else:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown mesh request {request.type!r}")
+        await stream.send_message(reply)
+
+    def live_records(self) -> list[CapabilityRecord]:
+        return [self.mesh.record, *self.mesh.membership.live_records()]
+
+    def _models(self) -> dict[str, ModelInfo]:
+        out: dict[str, ModelInfo] = {}
+        for record in self.live_records():
+            for m in record.models:
+                out.setdefault(m.digest, m)
+        return out
+
+    def _assignment_for(self, node_id: str) -> AssignmentReply:
+        tracker = self.mesh.tracker
+        if tracker is None or tracker.node_id != self.mesh.node_id:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "this node is not the tracker")
+        for digest, assignment in self.assignments.items():
+            rng = assignment.ranges().get(node_id)
+            if rng is not None:
+                return AssignmentReply(term=tracker.term, model=digest, start=rng[0], end=rng[1])
+        return AssignmentReply(term=tracker.term, reason="no range for this node")
+
+    def route(self, model: str | None, exclude: list[str] | tuple[str, ...] = ()) -> RouteReply:
+        models = self._models()
+        if model is None:
+            if not models:
+                raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
+            model = next(iter(models))
+        info = models.get(model)
+        if info is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {model[:12]}")
+        records = {r.node_id: r for r in self.live_records()}
+        rtt = self.mesh.membership.rtt
+
+        def link_cost(a: str | None, b: str) -> float:
+            return (rtt(b) or 0.0) if a is None or a == self.mesh.node_id else 0.001
+
+        try:
+            found = plan_route(stage_options(records.values(), model), info.n_layers, link_cost, exclude=exclude)
+        except NoRouteError as exc:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}") from None
+        stages = [RouteStage(node_id=s.node_id, address=records[s.node_id].addresses[0], start=s.start, end=s.end)
+                  for s in found.stages]
+        return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
+
+    def status(self) -> StatusReply:
+        tracker = self.mesh.tracker
+        members = [self._member_status(self.mesh.record, "alive")]
+        for m in self.mesh.membership.members():
+            if m.node_id == self.mesh.node_id:
+                continue
+            members.append(self._member_status(m.record, m.state.value if isinstance(m.state, MemberState)
+                                               else str(m.state)))
+        coverage = []
+        for digest, info in self._models().items():
+            served = [(r.node_id, s) for r in self.live_records() for s in r.served if s.model == digest]
+            layers = [0] * info.n_layers
+            for _, s in served:
+                for i in range(s.start, min(s.end, info.n_layers)):
+                    layers[i] += 1
+            coverage.append(ModelCoverage(
+                model=digest, name=info.name, n_layers=info.n_layers, covered_layers=sum(1 for c in layers if c),
+                assigned=[f"{node[:12]} [{s.start}, {s.end})" for node, s in served],
+                replicas=max(0, min(layers) - 1) if layers else 0))
+        return StatusReply(node_id=self.mesh.node_id, tracker=tracker.node_id if tracker else None,
+                           term=tracker.term if tracker else 0, members=members, coverage=coverage)
+
+    def _member_status(self, record: CapabilityRecord, state: str) -> MemberStatus:
+        tracker = self.mesh.tracker
+        roles = list(record.roles) + (["tracker"] if tracker and tracker.node_id == record.node_id else [])
+        return MemberStatus(node_id=record.node_id, address=record.addresses[0] if record.addresses else "",
+                            state=state, roles=roles, reachability=record.reachability,
+                            memory_bytes=record.memory_bytes,
+                            served=[f"{s.model[:12]} [{s.start}, {s.end})" for s in record.served],
+                            models=[m.name for m in record.models])
+
+    # ----- the tracker's duty and the volunteer's
+
+    def _reassign(self) -> None:
+        records = self.live_records()
+        kv_tokens = self.config.limits.max_sessions * self.config.limits.max_session_tokens
+        for digest, info in self._models().items():
+            try:
+                self.assignments[digest] = assign(capacities(records, digest), ModelSpec.from_info(info, kv_tokens),
+                                                  AssignmentPolicy(), self.assignments.get(digest))
+            except CoverageError as exc:
+                if self.assignments.pop(digest, None) is not None or digest not in self._uncovered:
+                    log.warning("model %s cannot be covered: %s", info.name, exc)
+                self._uncovered.add(digest)
+            else:
+                self._uncovered.discard(digest)
+
+    async def _track(self) -> None:
+        while True:
+            await trio.sleep(self.config.assign_interval)
+            tracker = self.mesh.tracker
+            if tracker is not None and tracker.node_id == self.mesh.node_id:
+                self._reassign()
+
+    async def _volunteer(self) -> None:
+        """Asks the tracker for this node's range and serves it; the new range loads before the old goes."""
+        while True:
+            await trio.sleep(self.config.assign_interval)
+            tracker = self.mesh.tracker
+            if tracker is None:
+                continue
+            try:
+                if tracker.node_id == self.mesh.node_id:
+                    reply = self._assignment_for(self.mesh.node_id)
+                else:
+                    address = self.address_of(tracker.node_id)
+                    if address is None:
+                        continue
+                    got = await rpc(self.peers, address, AssignmentRequest(), tracker.node_id, self.config.rpc_timeout)
+                    if not isinstance(got, AssignmentReply):
+                        continue
+                    reply = got
+            except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError):
+                continue
+            want = (reply.start, reply.end) if reply.model is not None else None
+            current = (self.serving[-1].start, self.serving[-1].end) if self.serving else None
+            if want is not None and want != current:
+                await self._serve_range(*want)
+
+    async def _serve_range(self, start: int, end: int) -> None:
+        assert self.model is not None and self.config.model is not None
+        serving = ServingRange(start, end)
+        try:
+            await self._nursery.start(self._run_range, serving)
+        except Exception as exc:
+            log.warning("cannot serve layers [%d, %d): %s", start, end, exc)
+            return
+        old, self.serving = self.serving, [serving]
+        self._publish_served()
+        for previous in old:
+            self.retiring.append(previous)
+            self._nursery.start_soon(self._retire, previous)
+
+    async def _run_range(self, serving: ServingRange, *, task_status: trio.TaskStatus[None]) -> None:
+        cfg, limits = self.config, self.config.limits
+        assert self.model is not None and cfg.model is not None
+        spec = WorkerSpec(cfg.model, None if (serving.start, serving.end) == (0, self.model.n_layers)
+                          else (serving.start, serving.end),
+                          n_ctx=limits.max_sessions * limits.max_session_tokens, n_seq_max=limits.max_sessions,
+                          n_batch=limits.n_batch, threads=cfg.threads)
+        engine = EngineSupervisor(spec)
+        with serving.scope:
+            async with trio.open_nursery() as nursery:
+                report = await nursery.start(engine.run)
+                service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits)
+                engine.on_down = service.on_worker_down
+                await nursery.start(service.run)
+                serving.service = service
+                task_status.started()
+
+    async def _retire(self, serving: ServingRange) -> None:
+        """Lets the old range finish the sessions it holds, then unloads it."""
+        with trio.move_on_after(60.0):
+            while serving.service is not None and serving.service.sessions:
+                await trio.sleep(0.2)
+        serving.scope.cancel()
+        self.retiring.remove(serving)
+
+    def _publish_served(self) -> None:
+        assert self.model is not None
+        served = [ServedRange(model=self.model.digest, start=s.start, end=s.end) for s in self.serving]
+        self.mesh.update_record(trio.current_time(), served=served)
+        self._flush()
+
+    async def _on_stage(self, stream: Stream) -> None:
+        await answer_typed(stream, self._route_stage_stream)
+
+    async def _route_stage_stream(self, stream: Stream, first: Message) -> None:
+        """Picks the range a stage stream is for: sessions stay on the range they opened on."""
+        services = [s.service for s in self.serving if s.service is not None]
+        retiring = [s.service for s in self.retiring if s.service is not None]
+        chosen = services[-1] if services else None
+        if isinstance(first, Open):
+            chosen = next((s for s in services + retiring
+                           if (s.report.layer_begin, s.report.layer_end) == (first.layer_begin, first.layer_end)),
+                          chosen)
+        elif isinstance(first, Hop):
+            chosen = next((s for s in services + retiring if s.holds(first.session)), chosen)
+        if chosen is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "this node serves no layers yet",
+                                retry_after_ms=1000)
+        await chosen.handle_first(stream, first)
+
+
