@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.procs import Served, copy_with_other_digest, run_meshd, start_serve
+from meshd.localmesh import Served, copy_with_other_digest, run_meshd, start_serve
 
 
 def free_port() -> int:
@@ -88,7 +88,7 @@ def test_stages_of_different_model_files_are_one_line(halves: list[Served], defa
     (["serve", "--model", "/nonexistent/model.gguf"], "model file not found"),
     (["serve", "--layers", "20:10"], "empty or inverted"),
     (["serve", "--layers", "0:99"], "out of bounds"),
-    (["ask", "hello"], "--route"),
+    (["ask", "--state-dir", "/nonexistent/state", "hello"], "meshd join"),
     (["ask", "--route", "localhost", "hello"], "not HOST:PORT"),
     (["ask", "--route", "127.0.0.1:1", "--max-tokens", "0", "hello"], "--max-tokens"),
 ])

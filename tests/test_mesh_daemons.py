@@ -15,7 +15,7 @@ from meshd.ask import AskRequest, Stage, ask_with_failover, check_route, describ
 from meshd.engine.chain import LocalChain
 from meshd.node import rpc
 from meshd.peers import Peers, open_peers
-from tests.procs import Served, run_meshd, start_join
+from meshd.localmesh import Served, run_meshd, start_join
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
 
@@ -29,7 +29,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served]]:
     base = tmp_path_factory.mktemp("mesh")
     nodes: list[Served] = []
     try:
-        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed")))
+        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *VOLUNTEER))
         for i in range(5):
             nodes.append(start_join("--seed", nodes[0].address, "--state-dir", str(base / f"v{i}"), *VOLUNTEER))
         yield nodes

@@ -14,7 +14,7 @@ import trio
 from meshd.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session
 from meshd.engine.chain import LocalChain
 from meshd.peers import Peers, open_peers
-from tests.procs import Served, start_serve
+from meshd.localmesh import Served, start_serve
 from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity

@@ -1,58 +1,65 @@
 #!/usr/bin/env python3
-"""Answer one prompt with the default model cut into three layer ranges; print the answer and tokens/s."""
+"""The main job: a local mesh on loopback answers a question.
+
+Starts a seed and three volunteers (`meshd join`) with the default model and
+little memory each, so the tracker must cut the model into layer ranges;
+waits until every layer is served; asks with `meshd ask`; shows `meshd status`;
+then stops every process.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshd.engine import EngineError, SamplingParams  # noqa: E402
-from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
-from meshd.models import ModelNotFound, default_model_path  # noqa: E402
+from meshd.localmesh import Served, run_meshd, start_join  # noqa: E402
+
+VOLUNTEER = ["--memory", "64M", "--max-sessions", "2", "--session-tokens", "512", "--threads", "1"]
+
+
+def wait_for_coverage(seed: Served, timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = run_meshd("status", "--seed", seed.address)
+        if shown.returncode == 0 and "30/30 layers covered" in shown.stdout:
+            return shown.stdout
+        time.sleep(0.5)
+    raise SystemExit("demo: the mesh did not cover the model in time:\n" + shown.stdout + shown.stderr)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("prompt", nargs="?", default="What is the capital of France? Answer in one sentence.")
-    parser.add_argument("--model", type=Path)
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args()
-    try:
-        path = args.model or default_model_path()
-        from meshd.engine import Model
-        with Model(path, (0, 1)) as probe:
-            n_layer = probe.report.n_layer
-        ranges = even_ranges(n_layer, args.stages)
-        chain = LocalChain(path, ranges, n_ctx=1024)
-        prompt = chain.head.tokenize(chain.head.apply_chat([{"role": "user", "content": args.prompt}]),
-                                     add_special=False)
-        print(f"model {path.name}: {n_layer} layers as {' + '.join(f'[{a},{b})' for a, b in ranges)}")
-        print(f"> {args.prompt}")
-        t0 = time.perf_counter()
-        pieces, first = [], None
-        for token in chain.generate(prompt, args.max_tokens, SamplingParams()):
-            first = first or time.perf_counter()
-            if chain.head.is_eog(token):
-                break
-            pieces.append(token)
-            sys.stdout.write(chain.head.token_piece(token).decode(errors="replace"))
-            sys.stdout.flush()
-        t1 = time.perf_counter()
-        n = len(pieces)
-        rate = (n - 1) / (t1 - first) if first and n > 1 else 0.0
-        print(f"\n[{len(prompt)} prompt tokens, {n} new tokens, first token {((first or t1) - t0) * 1000:.0f} ms, "
-              f"{rate:.1f} tokens/s decode]")
-        chain.close()
-    except (EngineError, ModelNotFound, ValueError) as exc:
-        print(f"demo: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("prompt", nargs="?", default="What is the capital of France? Answer in one sentence.")
+    ap.add_argument("--volunteers", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    nodes: list[Served] = []
+    with tempfile.TemporaryDirectory(prefix="meshd-demo-") as state:
+        try:
+            # the tracker plans KV with its own session budget: the seed gets the volunteers' flags
+            nodes.append(start_join("--no-model", "--state-dir", f"{state}/seed", *VOLUNTEER))
+            print(f"$ meshd join --no-model                      # seed on {nodes[0].address}")
+            for i in range(args.volunteers):
+                nodes.append(start_join("--seed", nodes[0].address, "--state-dir", f"{state}/v{i}", *VOLUNTEER))
+                print(f"$ meshd join --seed {nodes[0].address} --memory 64M   # volunteer on {nodes[-1].address}")
+            wait_for_coverage(nodes[0])
+            print(f"\n$ meshd ask --seed {nodes[0].address} \"{args.prompt}\"")
+            asked = run_meshd("ask", "--seed", nodes[0].address, "--max-tokens", str(args.max_tokens), args.prompt)
+            sys.stdout.write(asked.stdout)
+            sys.stdout.write(asked.stderr)
+            print(f"\n$ meshd status --seed {nodes[0].address}")
+            shown = run_meshd("status", "--seed", nodes[0].address)
+            sys.stdout.write(shown.stdout + shown.stderr)
+            return asked.returncode
+        finally:
+            for node in reversed(nodes):
+                node.stop()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Real `meshd` processes for end-to-end tests: started, awaited until ready, always stopped."""
+"""Local `meshd` processes (tests, demo, benchmarks): started, awaited until ready, always stopped."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ class Served:
     worker_pid: int
     lines: list[str] = field(default_factory=list)
     node_id: str = ""
+    log: Path | None = None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -30,6 +32,8 @@ class Served:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.log is not None:
+            self.log.unlink(missing_ok=True)
 
 
 def meshd_command(*args: str) -> list[str]:
@@ -47,25 +51,26 @@ def start_join(*args: str, timeout: float = 60.0) -> Served:
 
 
 def start_meshd(command: str, *args: str, timeout: float = 60.0) -> Served:
+    """Output goes to a log file, not a pipe: a pipe nobody reads would block a chatty daemon."""
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(meshd_command(command, "--listen", "127.0.0.1:0", *args), stdout=subprocess.PIPE,
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"meshd-{command}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(meshd_command(command, "--listen", "127.0.0.1:0", *args), stdout=log,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
     deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        m = READY.match(line)
-        if m:
-            worker = m.group(3)
-            return (Served(proc, m.group(1), int(worker), lines) if worker.isdigit()
-                    else Served(proc, m.group(1), 0, lines, node_id=worker))
+    lines: list[str] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        lines = Path(log.name).read_text().splitlines()
+        for line in lines:
+            m = READY.match(line)
+            if m:
+                worker = m.group(3)
+                return (Served(proc, m.group(1), int(worker), lines, log=Path(log.name)) if worker.isdigit()
+                        else Served(proc, m.group(1), 0, lines, node_id=worker, log=Path(log.name)))
+        time.sleep(0.05)
     proc.kill()
     proc.wait()
-    raise RuntimeError("meshd serve did not become ready:\n" + "\n".join(lines))
+    lines = Path(log.name).read_text().splitlines()
+    raise RuntimeError(f"meshd {command} did not become ready:\n" + "\n".join(lines))
 
 
 def run_meshd(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
