@@ -130,7 +130,7 @@ def test_a_suspect_refutes_by_signing_a_newer_record() -> None:
     nodes[0].handle_message(
         net.now,
         nodes[1].node_id,
-        Gossip(gossip=[Suspect(node=accused.node_id, incarnation=version, accuser=nodes[1].node_id)]),
+        Gossip(version=0, gossip=[Suspect(node=accused.node_id, incarnation=version, accuser=nodes[1].node_id)]),
     )
     assert nodes[0].state(accused.node_id) is MemberState.SUSPECT
     net.run_until(net.now + 3.0)
@@ -143,13 +143,13 @@ def test_lifeguard_suspicion_shrinks_with_independent_confirmations() -> None:
     def time_to_dead(confirmers: int) -> float:
         node = member(0)
         for i in range(1, 10):
-            node.handle_message(0.0, f"peer{i}", Gossip(gossip=[Alive(record=record(i))]))
+            node.handle_message(0.0, f"peer{i}", Gossip(version=0, gossip=[Alive(record=record(i))]))
         target = record(1).node_id
         for accuser in range(2, 3 + confirmers):
             node.handle_message(
                 0.0,
                 "x",
-                Gossip(gossip=[Suspect(node=target, incarnation=1, accuser=record(accuser).node_id)]),
+                Gossip(version=0, gossip=[Suspect(node=target, incarnation=1, accuser=record(accuser).node_id)]),
             )
         t = 0.0
         while node.state(target) is not MemberState.DEAD:
@@ -158,7 +158,7 @@ def test_lifeguard_suspicion_shrinks_with_independent_confirmations() -> None:
             # Every probe is answered, so this node adds no accusation of its own.
             for dest, message in node.messages_to_send():
                 if isinstance(message, Ping):
-                    node.handle_message(t, dest, Ack(seq=message.seq))
+                    node.handle_message(t, dest, Ack(seq=message.seq, version=1))
         return t
 
     n = 10
@@ -191,7 +191,7 @@ def test_forged_and_replayed_gossip_is_dropped() -> None:
     victim = nodes[2]
     observer = nodes[0]
     forged = victim.record.model_copy(update={"version": victim.record.version + 5, "memory_bytes": 1 << 45})
-    observer.handle_message(net.now, nodes[1].node_id, Gossip(gossip=[Alive(record=forged)]))
+    observer.handle_message(net.now, nodes[1].node_id, Gossip(version=0, gossip=[Alive(record=forged)]))
     assert observer.record_of(victim.node_id).memory_bytes == victim.record.memory_bytes
     assert observer.record_stats.forged == 1
     # A crashed node is dead; replaying its last record does not bring a ghost back.
@@ -199,8 +199,23 @@ def test_forged_and_replayed_gossip_is_dropped() -> None:
     net.down.add(victim.node_id)
     net.run_until(net.now + 40.0)
     assert observer.state(victim.node_id) is MemberState.DEAD
-    observer.handle_message(net.now, nodes[1].node_id, Gossip(gossip=[Alive(record=old)]))
+    observer.handle_message(net.now, nodes[1].node_id, Gossip(version=0, gossip=[Alive(record=old)]))
     assert observer.state(victim.node_id) is MemberState.DEAD
+
+
+def test_a_node_that_missed_an_update_pulls_it_from_the_next_message() -> None:
+    net, nodes = mesh(4)
+    net.run_until(5.0)
+    deaf = nodes[0]
+    net.blocked = {(other.node_id, deaf.node_id) for other in nodes[1:]}
+    nodes[2].update_record(net.now, load=0.5)
+    net.run_until(net.now + 2.0)  # the update's retransmissions are spent meanwhile
+    assert deaf.record_of(nodes[2].node_id).load == 0.0
+    net.blocked.clear()
+    net.run_until(net.now + 3.0)  # well before any push-pull
+    for other in nodes[1:]:
+        assert deaf.record_of(other.node_id).version == other.record.version
+    assert any(isinstance(m, Sync) and src == deaf.node_id and len(m.entries) == 1 for _, src, _, m in net.log)
 
 
 def test_accusations_naming_a_version_never_published_are_ignored() -> None:
@@ -210,12 +225,12 @@ def test_accusations_naming_a_version_never_published_are_ignored() -> None:
     version = target.record.version
     # Unsigned accusations at a made-up version would force a refutation above it: dropped.
     inflated = Suspect(node=target.node_id, incarnation=version + 10**9, accuser=nodes[1].node_id)
-    target.handle_message(net.now, nodes[1].node_id, Gossip(gossip=[inflated]))
-    observer.handle_message(net.now, nodes[1].node_id, Gossip(gossip=[inflated]))
+    target.handle_message(net.now, nodes[1].node_id, Gossip(version=0, gossip=[inflated]))
+    observer.handle_message(net.now, nodes[1].node_id, Gossip(version=0, gossip=[inflated]))
     assert target.record.version == version and target.refutations == 0
     assert observer.state(target.node_id) is MemberState.ALIVE
     stale = Dead(node=target.node_id, incarnation=version - 1, accuser=nodes[1].node_id)
-    observer.handle_message(net.now, nodes[1].node_id, Gossip(gossip=[stale]))
+    observer.handle_message(net.now, nodes[1].node_id, Gossip(version=0, gossip=[stale]))
     assert observer.state(target.node_id) is MemberState.ALIVE
 
 
@@ -266,10 +281,10 @@ def test_dead_members_are_retried_so_a_partition_heals() -> None:
 def test_messages_round_trip_through_the_wire_codec() -> None:
     rec = record(1)
     messages = [
-        Ping(seq=1, gossip=[Alive(record=rec)]),
-        Ack(seq=1, gossip=[Suspect(node=rec.node_id, incarnation=1, accuser="b" * 40)]),
-        PingReq(seq=2, target=rec.node_id, gossip=[Dead(node=rec.node_id, incarnation=1, accuser="c" * 40)]),
-        Gossip(gossip=[]),
+        Ping(seq=1, version=1, gossip=[Alive(record=rec)]),
+        Ack(seq=1, version=1, gossip=[Suspect(node=rec.node_id, incarnation=1, accuser="b" * 40)]),
+        PingReq(seq=2, target=rec.node_id, version=1, gossip=[Dead(node=rec.node_id, incarnation=1, accuser="c" * 40)]),
+        Gossip(version=0, gossip=[]),
         Sync(reply=True, entries=[SyncEntry(record=rec, state="alive")]),
     ]
     for message in messages:
@@ -284,10 +299,10 @@ def test_messages_round_trip_through_the_wire_codec() -> None:
     "bad",
     [
         {"type": "swim.ping", "v": 1},
-        {"type": "swim.ping", "v": 2, "seq": 1},
-        {"type": "swim.ping", "v": 1, "seq": -1},
-        {"type": "swim.gossip", "v": 1, "gossip": [{"kind": "alive", "record": {"node_id": "x"}}]},
-        {"type": "swim.gossip", "v": 1, "gossip": [{"kind": "rumour"}]},
+        {"type": "swim.ping", "v": 2, "seq": 1, "version": 1},
+        {"type": "swim.ping", "v": 1, "seq": -1, "version": 1},
+        {"type": "swim.gossip", "v": 1, "version": 1, "gossip": [{"kind": "alive", "record": {"node_id": "x"}}]},
+        {"type": "swim.gossip", "v": 1, "version": 1, "gossip": [{"kind": "rumour"}]},
         {"type": "swim.sync", "v": 1, "reply": True, "entries": [{"record": 1, "state": "alive"}]},
     ],
 )
@@ -300,7 +315,7 @@ def test_malformed_messages_are_typed_errors(bad: dict) -> None:
 def test_the_next_timer_is_the_only_time_anything_happens() -> None:
     node = member(0)
     other = member(1)
-    node.handle_message(0.0, other.node_id, Gossip(gossip=[Alive(record=other.record)]))
+    node.handle_message(0.0, other.node_id, Gossip(version=0, gossip=[Alive(record=other.record)]))
     node.messages_to_send()
     deadline = node.next_timer()
     node.handle_timer(deadline - 1e-6)

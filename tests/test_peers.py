@@ -10,10 +10,11 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from meshd.link import LinkTimings, Stream
 from meshd.peers import HandshakeFailed, LinkDown, PeerEvent, Peers, PeersConfig, open_peers
-from meshd.transport import MemoryTransport, memory_transport_pair
+from meshd.transport import MemoryTransport, StreamTransport, memory_transport_pair
 from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -37,7 +38,7 @@ def activation(step: int, hidden: np.ndarray) -> Activation:
 
 
 async def echo(stream: Stream) -> None:
-    async for message in stream:
+    async for message in stream.messages():
         await stream.send_message(message)
 
 
@@ -46,8 +47,11 @@ async def echo_bytes(stream: Stream) -> None:
         await stream.send_all(data)
 
 
-# Tests leave streams open at exit; do not wait long for them to finish.
-QUICK = PeersConfig(drain_timeout=0.1)
+# Tests leave streams open at exit: do not wait long for them to finish. And
+# keepalives are slowed down so that they cannot mask a lost wake-up: a stall
+# shows up as a test timeout instead.
+CALM = LinkTimings(keepalive_interval=300, dead_after=900)
+QUICK = PeersConfig(drain_timeout=0.1, timings=CALM)
 
 
 @asynccontextmanager
@@ -58,12 +62,13 @@ async def two_peers(
     """ALICE and BOB; BOB listens on loopback and records its peer events."""
     events: list[PeerEvent] = []
     config = config or QUICK
-    async with open_peers(BOB, listener_config or config, observer=events.append) as bob:
-        async with open_peers(ALICE, config) as alice:
-            bob.handle("echo", echo)
-            bob.handle("echo-bytes", echo_bytes)
-            port = await bob.listen("127.0.0.1", 0)
-            yield alice, bob, f"127.0.0.1:{port}", events
+    with trio.fail_after(20):
+        async with open_peers(BOB, listener_config or config, observer=events.append) as bob:
+            async with open_peers(ALICE, config) as alice:
+                bob.handle("echo", echo)
+                bob.handle("echo-bytes", echo_bytes)
+                port = await bob.listen("127.0.0.1", 0)
+                yield alice, bob, f"127.0.0.1:{port}", events
 
 
 # ----- over real WebSockets
@@ -92,8 +97,8 @@ async def test_activations_cross_a_websocket_link_bit_exact() -> None:
 
 async def test_a_wrong_mesh_key_is_refused_on_both_sides_with_a_clear_reason() -> None:
     async with two_peers(
-        PeersConfig(mesh_key=b"alpha", drain_timeout=0.1),
-        listener_config=PeersConfig(mesh_key=b"beta", drain_timeout=0.1),
+        PeersConfig(mesh_key=b"alpha", drain_timeout=0.1, timings=CALM),
+        listener_config=PeersConfig(mesh_key=b"beta", drain_timeout=0.1, timings=CALM),
     ) as (alice, _, address, events):
         with pytest.raises(ProtocolError) as info:
             await alice.connect(address)
@@ -118,7 +123,7 @@ async def test_dialing_an_expected_node_id_and_reaching_another_key_fails() -> N
 
 
 async def test_an_unreachable_address_is_a_typed_error() -> None:
-    async with open_peers(ALICE) as alice:
+    async with open_peers(ALICE, QUICK) as alice:
         with trio.socket.socket() as probe:
             await probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -128,7 +133,7 @@ async def test_an_unreachable_address_is_a_typed_error() -> None:
 
 
 SMALL_WINDOWS = PeersConfig(
-    mux=MuxConfig(stream_window=64 << 10, link_window=1 << 20), drain_timeout=0.1
+    mux=MuxConfig(stream_window=64 << 10, link_window=1 << 20), drain_timeout=0.1, timings=CALM
 )
 
 
@@ -171,6 +176,35 @@ async def test_a_stalled_reader_does_not_stall_other_streams_and_the_sender_stop
         assert sum(len(c) for c in remote._chunks) == 64 << 10
 
 
+async def test_many_concurrent_streams_each_keep_their_messages_in_order() -> None:
+    rng = np.random.default_rng(3)
+    payloads = [
+        [rng.standard_normal((1, int(rng.choice([1, 576, 30_000]))), dtype=np.float32) for _ in range(12)]
+        for _ in range(16)
+    ]
+    async with two_peers(SMALL_WINDOWS) as (alice, _, address, _events):
+
+        async def converse(arrays: list[np.ndarray]) -> None:
+            stream = await alice.open_stream(address, "echo")
+            async with trio.open_nursery() as nursery:
+
+                async def send_all() -> None:
+                    for step, array in enumerate(arrays):
+                        await stream.send_message(activation(step, array))
+                    await stream.send_eof()
+
+                nursery.start_soon(send_all)
+                for step, array in enumerate(arrays):
+                    reply = await stream.receive_message()
+                    assert isinstance(reply, Activation) and reply.step == step
+                    assert np.array_equal(reply.array(), array)
+            await stream.aclose()
+
+        async with trio.open_nursery() as nursery:
+            for arrays in payloads:
+                nursery.start_soon(converse, arrays)
+
+
 async def test_a_bad_message_resets_only_its_stream() -> None:
     async with two_peers() as (alice, _, address, _events):
         good = await alice.open_stream(address, "echo")
@@ -194,6 +228,54 @@ async def test_a_large_message_is_fragmented_through_small_windows() -> None:
             await stream.send_message(activation(0, hidden))
             reply = await stream.receive_message()
         assert np.array_equal(reply.array(), hidden)  # type: ignore[attr-defined]
+
+
+async def test_cancelling_a_large_send_resets_only_that_stream() -> None:
+    async def never_read(stream: Stream) -> None:
+        await trio.sleep_forever()
+
+    async with two_peers(SMALL_WINDOWS) as (alice, bob, address, _events):
+        bob.handle("never-read", never_read)
+        big = await alice.open_stream(address, "never-read")
+        other = await alice.open_stream(address, "echo")
+        hidden = np.ones((512, 1024), np.float32)  # 2 MiB: many windows
+        with trio.move_on_after(0.2) as scope:
+            await big.send_message(activation(0, hidden))
+        assert scope.cancelled_caught
+        with pytest.raises(ProtocolError) as info:
+            await big.send_message(activation(1, hidden[:1]))
+        assert info.value.code is ErrorCode.CANCELLED
+        await other.send_message(activation(2, hidden[:1]))
+        with trio.fail_after(5):
+            assert (await other.receive_message()).step == 2  # type: ignore[attr-defined]
+        assert not other.link.closed
+
+
+async def test_cancelled_small_sends_neither_break_the_link_nor_garble_the_stream() -> None:
+    async with two_peers() as (alice, _, address, _events):
+        stream = await alice.open_stream(address, "echo")
+        for step in range(40):
+            message = ErrorMessage(code=ErrorCode.INTERNAL, message=str(step))
+            if step % 2:
+                with trio.CancelScope() as scope:
+                    scope.cancel()
+                    await stream.send_message(message)
+            else:
+                await stream.send_message(message)
+        with trio.fail_after(5):
+            echoed = [(await stream.receive_message()).message for _ in range(40)]  # type: ignore[attr-defined]
+        # A send cancelled after its record was sealed still delivers it, in order.
+        assert echoed == [str(step) for step in range(40)]
+        assert not stream.link.closed
+
+
+async def test_websocket_records_skip_the_reader_task() -> None:
+    """Guards the hot-path shortcut into trio-websocket against upgrades."""
+    from meshd.transport import _RecordSink
+
+    async with two_peers() as (alice, _, address, _events):
+        link = await alice.connect(address)
+        assert isinstance(link.transport._ws._send_channel, _RecordSink)  # type: ignore[attr-defined]
 
 
 async def test_raw_byte_streams_half_close() -> None:
@@ -235,8 +317,8 @@ async def test_graceful_shutdown_closes_open_streams_with_the_reason() -> None:
     async def hold(stream: Stream) -> None:
         await trio.sleep_forever()
 
-    config = PeersConfig(drain_timeout=0.2)
-    async with open_peers(ALICE) as alice:
+    config = PeersConfig(drain_timeout=0.2, timings=CALM)
+    async with open_peers(ALICE, QUICK) as alice:
         events: list[PeerEvent] = []
         async with open_peers(BOB, config, observer=events.append) as bob:
             bob.handle("hold", hold)
@@ -253,7 +335,7 @@ async def test_graceful_shutdown_closes_open_streams_with_the_reason() -> None:
 
 
 async def test_simultaneous_dials_settle_on_one_link_both_sides_agree_on() -> None:
-    async with open_peers(ALICE) as alice, open_peers(BOB) as bob:
+    async with open_peers(ALICE, QUICK) as alice, open_peers(BOB, QUICK) as bob:
         for peers in (alice, bob):
             peers.handle("echo", echo)
         alice_port, bob_port = await alice.listen(), await bob.listen()
@@ -312,10 +394,10 @@ async def memory_link(
     seen: list[str] = []
 
     async def record(stream: Stream) -> None:
-        async for message in stream:
+        async for message in stream.messages():
             seen.append(message.message)  # type: ignore[attr-defined]
 
-    config = PeersConfig(timings=timings or LinkTimings(), drain_timeout=0.1)
+    config = PeersConfig(timings=timings or CALM, drain_timeout=0.1)
     a_end, b_end = memory_transport_pair()
     tampering = Tampering(a_end)
     async with open_peers(ALICE, config) as alice, open_peers(BOB, config) as bob:
@@ -324,6 +406,26 @@ async def memory_link(
             nursery.start_soon(functools.partial(bob.attach, b_end, dialer=False))
             await alice.attach(tampering, dialer=True, node_id=BOB.node_id)
         yield alice, bob, tampering, seen
+
+
+async def test_a_link_runs_over_any_byte_stream() -> None:
+    """As it will over a relay circuit: records framed on a plain byte stream."""
+    a_end, b_end = trio.testing.memory_stream_pair()
+    async with open_peers(ALICE, QUICK) as alice, open_peers(BOB, QUICK) as bob:
+        bob.handle("echo", echo)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(bob.attach, StreamTransport(b_end, "pipe:alice"), dialer=False)
+            )
+            link = await alice.attach(
+                StreamTransport(a_end, "pipe:bob"), dialer=True, node_id=BOB.node_id
+            )
+        stream = link.open_stream("echo")
+        hidden = np.arange(70_000, dtype=np.float32).reshape(1, -1)  # several records
+        with trio.fail_after(5):
+            await stream.send_message(activation(7, hidden))
+            reply = await stream.receive_message()
+        assert np.array_equal(reply.array(), hidden)  # type: ignore[attr-defined]
 
 
 async def test_a_flipped_ciphertext_byte_closes_the_link_and_delivers_no_plaintext() -> None:
@@ -343,6 +445,19 @@ async def test_a_flipped_ciphertext_byte_closes_the_link_and_delivers_no_plainte
         assert seen == ["clean"]
         with pytest.raises(ProtocolError):
             await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="after"))
+
+
+async def test_a_link_error_reaches_the_peer_as_the_reason_for_closing() -> None:
+    async with memory_link() as (alice, bob, tampering, _):
+        [link], [bob_link] = alice.links, bob.links
+        # Forge a frame of an unknown type, as the peer's mux would see it.
+        link.core.mux._out.append(b"\x63" + bytes(9))
+        await link._flush()
+        with trio.fail_after(5):
+            await link.wait_closed()
+            await bob_link.wait_closed()
+        assert bob_link.error is not None and "unknown frame type 99" in bob_link.error.message
+        assert link.error is not None and "unknown frame type 99" in link.error.message
 
 
 async def test_a_replayed_record_closes_the_link() -> None:

@@ -16,6 +16,10 @@ class ErrorCode(str, enum.Enum):
     UNAUTHORIZED = "UNAUTHORIZED"
     BAD_REQUEST = "BAD_REQUEST"
     INTERNAL = "INTERNAL"
+    # The peer could not be reached, or the link to it was lost or shut down.
+    UNREACHABLE = "UNREACHABLE"
+    # The other end abandoned the exchange (closed its stream before finishing).
+    CANCELLED = "CANCELLED"
 
     @property
     def retryable(self) -> bool:
@@ -30,6 +34,7 @@ _RETRYABLE = frozenset(
         ErrorCode.DEADLINE_EXCEEDED,
         ErrorCode.PAYLOAD_CORRUPT,
         ErrorCode.INTERNAL,
+        ErrorCode.UNREACHABLE,
     }
 )
 

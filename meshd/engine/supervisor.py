@@ -45,11 +45,13 @@ class WorkerSpec:
     n_seq_max: int = 16
     n_batch: int = 512
     threads: int = 0
+    # ggml threadpool busy-poll level 0..100 of idle compute threads; < 0: ggml's default (50)
+    poll: int = -1
 
     def argv(self, fd: int) -> list[str]:
         args = [sys.executable, "-m", "meshd.engine.worker", "--fd", str(fd), "--model", str(self.model),
                 "--n-ctx", str(self.n_ctx), "--n-seq-max", str(self.n_seq_max), "--n-batch", str(self.n_batch),
-                "--threads", str(self.threads)]
+                "--threads", str(self.threads), "--poll", str(self.poll)]
         if self.layers is not None:
             args += ["--layers", f"{self.layers[0]}:{self.layers[1]}"]
         return args
@@ -185,9 +187,7 @@ class EngineSupervisor:
                 raise WorkerDown("the engine worker is down")
             with trio.move_on_after(timeout or self.call_timeout) as scope:
                 try:
-                    await _send_all(sock, encode_prefix(header, len(payload)))
-                    if len(payload):
-                        await _send_all(sock, payload)
+                    await _send_frame(sock, encode_prefix(header, len(payload)), payload)
                     reply, body = await _read_frame(sock)
                 except (OSError, WorkerDown) as exc:
                     self._lost(sock)
@@ -215,11 +215,16 @@ class EngineSupervisor:
                 self._proc.kill()
 
 
-async def _send_all(sock: trio.socket.SocketType, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        sent = await sock.send(view)
-        view = view[sent:]
+async def _send_frame(sock: trio.socket.SocketType, head: bytes, payload: bytes | memoryview) -> None:
+    """Header and payload in one gathered write: the worker wakes once per request, not once per part."""
+    parts = [memoryview(head), memoryview(payload).cast("B")] if len(payload) else [memoryview(head)]
+    while parts:
+        sent = await sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
 
 
 async def _recv_exactly(sock: trio.socket.SocketType, n: int) -> bytearray:

@@ -135,9 +135,19 @@ def serve(sock: socket.socket, worker: Worker) -> None:
         if header is None or payload is None:
             return
         reply, out = worker.handle(decode_header(header), payload)
-        sock.sendall(encode_prefix(reply, len(out)))
-        if len(out):
-            sock.sendall(out)
+        send_frame(sock, encode_prefix(reply, len(out)), out)
+
+
+def send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) -> None:
+    """Header and payload in one gathered write, so the daemon wakes once per reply."""
+    parts = [memoryview(head), memoryview(payload).cast("B")] if len(payload) else [memoryview(head)]
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
 
 
 def main() -> int:
@@ -149,6 +159,7 @@ def main() -> int:
     ap.add_argument("--n-seq-max", type=int, default=16)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--poll", type=int, default=-1)
     args = ap.parse_args()
     sock = socket.socket(fileno=args.fd)
     try:
@@ -158,7 +169,7 @@ def main() -> int:
             layers = (int(a), int(b))
         model = Model(args.model, layers)
         ctx = Context(model, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, n_batch=args.n_batch,
-                      n_threads=args.threads or None)
+                      n_threads=args.threads or None, poll=args.poll)
     except EngineError as exc:
         sock.sendall(encode_prefix({"ok": False, "kind": type(exc).__name__, "message": str(exc)}, 0))
         return 1

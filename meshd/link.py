@@ -1,0 +1,640 @@
+"""A peer link in trio: a ``wire.link.SecureLink`` driven over a record transport.
+
+Arriving records are processed by a reader task, or, when the transport can
+push them (``WebSocketTransport.deliver_to``), by the transport's own task;
+either way data lands in the streams' buffers without blocking. Senders frame,
+encrypt and write in their own task, so the hot path has no hand-off; a writer
+task flushes what arrivals produce (window updates, pongs, resets); a
+keepalive task pings and declares the link dead after silence.
+
+A record, once encrypted, must reach the wire exactly once, in order, or the
+link is unusable (its nonce is spent). Large writes are therefore shielded
+from the caller's cancellation, and closing the link cancels them instead. A
+small record is written unshielded (a shield costs more than the write): a
+cancellation can interrupt it only before its first byte, and then the record
+stays queued for the writer task.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import trio
+
+from wire.codec import DEFAULT_LIMITS, Limits, Message, MessageDecoder, encode
+from wire.errors import ErrorCode, ProtocolError
+from wire.link import SecureLink
+from wire.mux import (
+    CreditAvailable,
+    DataReceived,
+    GoAwayReceived,
+    PongReceived,
+    StreamEnded,
+    StreamOpened,
+    StreamReset,
+)
+
+from meshd.transport import RecordTransport
+
+log = logging.getLogger(__name__)
+
+# Records up to this size are written without a cancellation shield.
+_UNSHIELDED_RECORD = 16 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class LinkTimings:
+    handshake_timeout: float = 10.0
+    keepalive_interval: float = 5.0
+    dead_after: float = 20.0
+    close_timeout: float = 2.0
+
+
+class Stream(trio.abc.HalfCloseableStream):
+    """One bidirectional stream of a link: raw bytes, or length-prefixed messages.
+
+    ``aclose`` ends our side (FIN); if the peer is still sending, the stream is
+    reset with CANCELLED, because nobody will read the rest. A reset from the
+    peer voids unread data unless the peer had already ended its side.
+    """
+
+    def __init__(self, link: Link, stream_id: int, protocol: str, limits: Limits) -> None:
+        self.link = link
+        self.stream_id = stream_id
+        self.protocol = protocol
+        self._chunks: deque[bytes | memoryview] = deque()
+        self._eof = False
+        self._error: ProtocolError | None = None
+        self._closed = False
+        self._send_closed = False
+        self._readable = trio.lowlevel.ParkingLot()
+        self._decoder = MessageDecoder(limits)
+        self._sending = False
+        self._receiving = False
+
+    @property
+    def remote_node_id(self) -> str:
+        return self.link.remote_node_id
+
+    # ----- sending
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        self._sending = True
+        try:
+            await self._send(data)
+        finally:
+            self._sending = False
+
+    async def _send(self, data: bytes | bytearray | memoryview) -> None:
+        link = self.link
+        mux = link.core.mux
+        stream_id = self.stream_id
+        self._check_sendable()
+        size = len(data)
+        if size <= mux.send_capacity(stream_id):
+            # The usual case: the whole message fits in the credit.
+            mux.send_data(stream_id, data)
+            await link._flush()
+            return
+        view = memoryview(data)
+        offset = 0
+        try:
+            while offset < size:
+                capacity = mux.send_capacity(stream_id)
+                if capacity == 0:
+                    await link._credit.park()
+                    self._check_sendable()
+                    continue
+                take = min(capacity, size - offset)
+                mux.send_data(stream_id, view[offset : offset + take])
+                offset += take
+                # Write each window's worth before taking more: nothing beyond
+                # the peer's credit ever waits here.
+                await link._flush()
+        except BaseException:
+            if 0 < offset < size:
+                # Half a write would leave the peer's decoder out of step.
+                self.reset(ProtocolError(ErrorCode.CANCELLED, "a write was interrupted midway"))
+            raise
+
+    def _check_sendable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed or self._send_closed:
+            raise trio.ClosedResourceError("this stream's sending side is closed")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        while not self.link.core.mux.send_capacity(self.stream_id):
+            self._check_sendable()
+            await self.link._credit.park()
+
+    async def send_eof(self) -> None:
+        if self._send_closed or self._error is not None:
+            return
+        self._send_closed = True
+        self.link.core.mux.end_stream(self.stream_id)
+        self.link._forget_if_done(self.stream_id)
+        await self.link._flush()
+
+    async def send_message(self, message: Message) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        self._sending = True
+        try:
+            await self._send(encode(message))
+        finally:
+            self._sending = False
+
+    # ----- receiving
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._receiving:
+            raise trio.BusyResourceError("another task is receiving on this stream")
+        self._receiving = True
+        try:
+            return bytes(await self._next_chunk(max_bytes))
+        finally:
+            self._receiving = False
+
+    async def _next_chunk(self, max_bytes: int | None = None) -> bytes | memoryview:
+        chunks = self._chunks
+        while not chunks:
+            if self._closed:
+                raise trio.ClosedResourceError("this stream is closed")
+            if self._eof:
+                await trio.lowlevel.checkpoint()
+                return b""
+            if self._error is not None:
+                raise self._error
+            await self._readable.park()
+        chunk = chunks.popleft()
+        if max_bytes is not None and len(chunk) > max_bytes:
+            chunks.appendleft(chunk[max_bytes:])
+            chunk = chunk[:max_bytes]
+        self.link._consumed(self.stream_id, len(chunk))
+        return chunk
+
+    async def receive_message(self) -> Message:
+        """The next message; ``trio.EndOfChannel`` when the peer ended the stream cleanly.
+
+        A malformed message resets the stream with the decoding error, which is
+        raised here; other streams of the link are unaffected.
+        """
+        if self._receiving:
+            raise trio.BusyResourceError("another task is receiving on this stream")
+        self._receiving = True
+        decoder = self._decoder
+        try:
+            while True:
+                try:
+                    message = decoder.next_message()
+                except ProtocolError as exc:
+                    self.reset(exc)
+                    raise
+                if message is not None:
+                    return message
+                chunk = await self._next_chunk()
+                if not chunk:
+                    if self._decoder.buffered:
+                        error = ProtocolError(ErrorCode.BAD_REQUEST, "stream ended inside a message")
+                        self.reset(error)
+                        raise error
+                    raise trio.EndOfChannel
+                try:
+                    decoder.feed(chunk)
+                except ProtocolError as exc:
+                    self.reset(exc)
+                    raise
+        finally:
+            self._receiving = False
+
+    async def messages(self) -> AsyncIterator[Message]:
+        """Each message until the peer ends the stream: ``async for m in stream.messages()``.
+
+        (Iterating the stream itself yields raw byte chunks, as for any trio stream.)
+        """
+        while True:
+            try:
+                yield await self.receive_message()
+            except trio.EndOfChannel:
+                return
+
+    # ----- closing
+
+    def reset(self, error: ProtocolError) -> None:
+        """Abort the stream both ways and tell the peer ``error``."""
+        if self._error is None:
+            self.link.core.mux.reset_stream(self.stream_id, error)
+            self.link._forget_if_done(self.stream_id)
+            self.link._want_write()
+        self._fail(error, keep_data=False)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        mux = self.link.core.mux
+        if self._error is None and mux.is_open(self.stream_id):
+            if not self._send_closed:
+                mux.end_stream(self.stream_id)
+            if not self._eof:
+                mux.reset_stream(
+                    self.stream_id,
+                    ProtocolError(ErrorCode.CANCELLED, "the reader closed the stream"),
+                )
+            self.link._forget_if_done(self.stream_id)
+        self._closed = True
+        self._send_closed = True
+        self._drop_unread()
+        self._readable.unpark_all()
+        self.link._credit.unpark_all()
+        await self.link._flush_quietly()
+
+    # ----- called by the link
+
+    def _on_data(self, data: memoryview) -> None:
+        self._chunks.append(data)
+        if self._readable:
+            self._readable.unpark_all()
+
+    def _on_eof(self) -> None:
+        self._eof = True
+        self._readable.unpark_all()
+
+    def _fail(self, error: ProtocolError, keep_data: bool) -> None:
+        if self._error is None:
+            self._error = error
+        if not (keep_data and self._eof):
+            self._eof = False
+            self._drop_unread()
+        self._readable.unpark_all()
+        self.link._credit.unpark_all()
+
+    def _drop_unread(self) -> None:
+        dropped = sum(len(chunk) for chunk in self._chunks)
+        self._chunks.clear()
+        if dropped:
+            self.link._consumed(self.stream_id, dropped)
+
+
+StreamCallback = Callable[[Stream], None]
+
+
+class Link:
+    """A live, authenticated link to one peer, carrying many streams."""
+
+    def __init__(
+        self,
+        core: SecureLink,
+        transport: RecordTransport,
+        *,
+        timings: LinkTimings = LinkTimings(),
+        limits: Limits = DEFAULT_LIMITS,
+        on_stream: StreamCallback | None = None,
+        on_goaway: Callable[[Link], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.transport = transport
+        self.timings = timings
+        self.limits = limits
+        self.address = transport.remote_address
+        self._on_stream = on_stream
+        self._on_goaway = on_goaway
+        self._streams: dict[int, Stream] = {}
+        self._outbox: deque[bytes] = deque()
+        self._sending = False
+        self._send_scope: trio.CancelScope | None = None
+        self._credit = trio.lowlevel.ParkingLot()
+        self._write_wanted = trio.Event()
+        self._stream_gone = trio.lowlevel.ParkingLot()
+        self._error: ProtocolError | None = None
+        self._closed = trio.Event()
+        self._run_scope: trio.CancelScope | None = None
+        self._records_received = 0
+        self._rtt: float | None = None
+        self._goodbye: ProtocolError | None = None
+        self.going_away = False
+
+    # ----- introspection
+
+    @property
+    def dialer(self) -> bool:
+        return self.core.dialer
+
+    @property
+    def remote_node_id(self) -> str:
+        node_id = self.core.remote_node_id
+        assert node_id is not None, "the handshake has not finished"
+        return node_id
+
+    @property
+    def rtt(self) -> float | None:
+        """Round-trip time of the last keepalive ping, in seconds."""
+        return self._rtt
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set() or self._error is not None
+
+    @property
+    def error(self) -> ProtocolError | None:
+        return self._error
+
+    @property
+    def usable(self) -> bool:
+        return not self.closed and not self.going_away and self.core.mux.accepting_streams
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # ----- lifecycle
+
+    async def handshake(self) -> None:
+        """Run the secure-channel handshake; raise ``ProtocolError`` if it fails."""
+        try:
+            with trio.fail_after(self.timings.handshake_timeout):
+                await self._send_handshake_records()
+                while not self.core.established:
+                    try:
+                        record = await self.transport.receive_record()
+                    except (trio.EndOfChannel, trio.BrokenResourceError):
+                        raise ProtocolError(
+                            ErrorCode.UNREACHABLE,
+                            f"{self.address} closed the connection during the handshake",
+                        ) from None
+                    try:
+                        self.core.receive_record(record)
+                    finally:
+                        await self._send_handshake_records()
+        except trio.TooSlowError:
+            raise ProtocolError(
+                ErrorCode.DEADLINE_EXCEEDED, f"handshake with {self.address} timed out"
+            ) from None
+
+    async def _send_handshake_records(self) -> None:
+        try:
+            for record in self.core.records_to_send():
+                await self.transport.send_record(record)
+        except trio.BrokenResourceError:
+            if self.core.error is None:
+                raise ProtocolError(
+                    ErrorCode.UNREACHABLE, f"{self.address} closed the connection"
+                ) from None
+
+    async def run(self) -> None:
+        """Serve the link until it closes; never raises but for cancellation."""
+        try:
+            if self._error is not None:
+                return
+            async with trio.open_nursery() as nursery:
+                self._run_scope = nursery.cancel_scope
+                deliver_to = getattr(self.transport, "deliver_to", None)
+                backlog = None if deliver_to is None else deliver_to(self._deliver, self._hung_up)
+                if backlog is None:
+                    nursery.start_soon(self._reader)
+                else:
+                    for record in backlog:
+                        await self._deliver(record)
+                nursery.start_soon(self._writer)
+                nursery.start_soon(self._keepalive)
+        finally:
+            error = self._error or ProtocolError(ErrorCode.UNREACHABLE, "link closed")
+            self._terminate(error)
+            with trio.move_on_after(self.timings.close_timeout) as scope:
+                scope.shield = True
+                try:
+                    await self.transport.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            self._closed.set()
+
+    async def aclose(self, error: ProtocolError | None = None, grace: float = 0.0) -> None:
+        """Close gracefully: refuse new streams, let open ones finish for up to
+        ``grace`` seconds, then reset the rest with ``error`` and hang up."""
+        error = error or ProtocolError(ErrorCode.UNREACHABLE, "link closed")
+        if not self.closed:
+            self.going_away = True
+            self.core.mux.goaway(error)
+            with trio.move_on_after(grace):
+                await self._flush_quietly()
+                while self.core.mux.stream_count and not self.closed:
+                    await self._stream_gone.park()
+            for stream_id in list(self._streams):
+                self._streams[stream_id].reset(error)
+            with trio.move_on_after(self.timings.close_timeout):
+                await self._flush_quietly()
+            self._close(error)
+        await self._closed.wait()
+
+    def _close(self, error: ProtocolError) -> None:
+        if self._error is None:
+            self._error = error
+        self._terminate(self._error)
+        if self._run_scope is not None:
+            self._run_scope.cancel()
+
+    def _terminate(self, error: ProtocolError) -> None:
+        if self._send_scope is not None:
+            self._send_scope.cancel()
+        for stream in list(self._streams.values()):
+            stream._fail(error, keep_data=True)
+        self._streams.clear()
+        self._credit.unpark_all()
+        self._stream_gone.unpark_all()
+
+    # ----- streams
+
+    def open_stream(self, protocol: str) -> Stream:
+        """A new stream to the peer's handler for ``protocol``; usable at once."""
+        if self._error is not None:
+            raise self._error
+        if self.going_away:
+            raise ProtocolError(ErrorCode.UNREACHABLE, "link is closing")
+        stream_id = self.core.mux.open_stream(protocol)
+        stream = Stream(self, stream_id, protocol, self.limits)
+        self._streams[stream_id] = stream
+        self._want_write()
+        return stream
+
+    def _forget_if_done(self, stream_id: int) -> None:
+        if not self.core.mux.is_open(stream_id):
+            self._streams.pop(stream_id, None)
+            self._stream_gone.unpark_all()
+
+    def _consumed(self, stream_id: int, size: int) -> None:
+        mux = self.core.mux
+        mux.consumed(stream_id, size)
+        if mux.has_output:
+            self._want_write()
+
+    # ----- io
+
+    def _want_write(self) -> None:
+        self._write_wanted.set()
+
+    async def _flush(self) -> None:
+        """Encrypt what the core has queued and write it, in order.
+
+        Whoever is already writing drains the outbox, including records queued
+        meanwhile by others, so concurrent senders keep one order on the wire.
+        """
+        if self._error is not None:
+            raise self._error
+        outbox = self._outbox
+        outbox.extend(self.core.records_to_send())
+        if self._sending or not outbox:
+            await trio.lowlevel.checkpoint()
+            return
+        self._sending = True
+        send = self.transport.send_record
+        try:
+            if len(outbox) == 1 and len(outbox[0]) <= _UNSHIELDED_RECORD:
+                # One small record: a shield would cost more than the write.
+                # A cancellation that interrupts it strikes before any byte
+                # is written (a small write to a writable socket does not
+                # block), so the record stays queued for the writer task and
+                # the nonce sequence holds.
+                try:
+                    await send(outbox[0])
+                except trio.Cancelled:
+                    self._want_write()
+                    raise
+                outbox.popleft()
+            if outbox:
+                # Several records, or more queued by others meanwhile.
+                with trio.CancelScope(shield=True) as scope:
+                    self._send_scope = scope
+                    while outbox:
+                        await send(outbox.popleft())
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._close(ProtocolError(ErrorCode.UNREACHABLE, f"connection to {self.address} lost"))
+        finally:
+            self._sending = False
+            self._send_scope = None
+        if self._error is not None:
+            raise self._error
+
+    async def _flush_quietly(self) -> None:
+        try:
+            await self._flush()
+        except ProtocolError:
+            pass
+
+    async def _writer(self) -> None:
+        while True:
+            await self._write_wanted.wait()
+            self._write_wanted = trio.Event()
+            await self._flush_quietly()
+
+    async def _keepalive(self) -> None:
+        # Silence is measured in keepalive ticks, which spares the reader a
+        # clock read per record.
+        timings = self.timings
+        heard_at = trio.current_time()
+        heard = self._records_received
+        while True:
+            await trio.sleep(timings.keepalive_interval)
+            now = trio.current_time()
+            if self._records_received != heard:
+                heard = self._records_received
+                heard_at = now
+            elif now - heard_at >= timings.dead_after:
+                self._close(
+                    ProtocolError(
+                        ErrorCode.UNREACHABLE,
+                        f"no traffic from {self.address} for {now - heard_at:.1f} s",
+                    )
+                )
+                return
+            self.core.mux.send_ping(now)
+            self._want_write()
+
+    async def _reader(self) -> None:
+        receive = self.transport.receive_record
+        while self._error is None:
+            try:
+                record = await receive()
+            except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
+                self._hung_up()
+                return
+            await self._deliver(record)
+
+    def _hung_up(self) -> None:
+        if self._goodbye is not None:
+            # The peer said why before hanging up (its GOAWAY): pass that on.
+            self._close(
+                ProtocolError(self._goodbye.code, f"peer closed the link: {self._goodbye.message}")
+            )
+        else:
+            self._close(ProtocolError(ErrorCode.UNREACHABLE, f"{self.address} hung up"))
+
+    async def _deliver(self, record: bytes) -> None:
+        """Process one record, from our reader or the transport's (``deliver_to``)."""
+        if self._error is not None:
+            return
+        try:
+            error = self._on_record(record)
+        except Exception:
+            # The transport's task may be running this; never let a bug here
+            # escape into it.
+            log.exception("link %s: failed to process a record", self.address)
+            error = ProtocolError(ErrorCode.INTERNAL, "failed to process a record")
+        if error is not None:
+            log.warning("link %s failed: %s", self.address, error)
+            # Tell the peer why (a GOAWAY, if the channel still works).
+            with trio.move_on_after(self.timings.close_timeout):
+                await self._flush_quietly()
+            self._close(error)
+
+    def _on_record(self, record: bytes) -> ProtocolError | None:
+        """Process one arriving record; the error that must end the link, if any."""
+        self._records_received += 1
+        try:
+            events = self.core.receive_record(record)
+        except ProtocolError as exc:
+            return exc
+        streams = self._streams
+        for event in events:
+            if isinstance(event, DataReceived):
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream._on_data(event.data)
+                else:
+                    self.core.mux.consumed(event.stream_id, len(event.data))
+            elif isinstance(event, CreditAvailable):
+                self._credit.unpark_all()
+            elif isinstance(event, StreamEnded):
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream._on_eof()
+                self._forget_if_done(event.stream_id)
+            elif isinstance(event, StreamOpened):
+                self._accept_stream(event.stream_id, event.protocol)
+            elif isinstance(event, StreamReset):
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream._fail(event.error, keep_data=True)
+                self._forget_if_done(event.stream_id)
+            elif isinstance(event, GoAwayReceived):
+                self.going_away = True
+                self._goodbye = event.error
+                if self._on_goaway is not None:
+                    self._on_goaway(self)
+            elif isinstance(event, PongReceived):
+                self._rtt = trio.current_time() - event.sent_at
+        if self.core.mux.has_output:
+            self._want_write()
+        return None
+
+    def _accept_stream(self, stream_id: int, protocol: str) -> None:
+        stream = Stream(self, stream_id, protocol, self.limits)
+        self._streams[stream_id] = stream
+        if self._on_stream is None:
+            stream.reset(ProtocolError(ErrorCode.NOT_FOUND, "this peer serves no streams"))
+            return
+        self._on_stream(stream)

@@ -1,0 +1,889 @@
+"""SWIM membership with Lifeguard suspicion, as a sans-IO state machine.
+
+The daemon feeds it messages and timer ticks with the current time and sends
+what it asks to send; nothing here reads a clock or touches a socket.
+Destinations and sources are node ids: the daemon's links are authenticated,
+so `src` is who really sent a message, and it dials a member through the
+addresses in the member's signed capability record.
+
+Membership updates ride on probes, acks and a periodic gossip fan-out, and a
+full push-pull state exchange runs now and then and on join. Every "alive"
+update carries the member's signed record; its version is the incarnation, so
+only a node itself can refute a suspicion of itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import Field
+
+from meshd.records import CapabilityRecord, RecordStore, StoreStats, Verdict
+from wire.codec import Message, WireModel, register
+from wire.identity import NodeIdentity
+
+MAX_UPDATES_PER_MESSAGE = 64
+MAX_SYNC_ENTRIES = 16384
+
+_NodeId = Annotated[str, Field(min_length=1, max_length=64)]
+_Seq = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class MemberState(str, enum.Enum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+    LEFT = "left"
+
+
+# Module-level aliases: attribute access on an Enum class is slow, and these are on every path.
+_ALIVE, _SUSPECT, _DEAD, _LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
+_LIVE = (_ALIVE, _SUSPECT)
+_ACCEPTED = Verdict.ACCEPTED
+
+
+# ---- wire messages ----------------------------------------------------------------------------
+# Registered with wire.codec: `codec.encode(message)` and `codec.decode(...)` carry them.
+
+
+class Alive(WireModel):
+    """A member's signed record: it is alive at incarnation `record.version` (or left, if it says so)."""
+
+    kind: Literal["alive"] = "alive"
+    record: CapabilityRecord
+
+
+class Suspect(WireModel):
+    kind: Literal["suspect"] = "suspect"
+    node: _NodeId
+    incarnation: _Seq
+    accuser: _NodeId
+
+
+class Dead(WireModel):
+    kind: Literal["dead"] = "dead"
+    node: _NodeId
+    incarnation: _Seq
+    accuser: _NodeId
+
+
+Update = Annotated[Alive | Suspect | Dead, Field(discriminator="kind")]
+_Updates = Annotated[list[Update], Field(max_length=MAX_UPDATES_PER_MESSAGE)]
+
+
+# Every message but Sync says which version of its record the sender is at, so a receiver that
+# missed it (or never heard of the sender) notices and pulls it, instead of waiting for push-pull.
+
+
+@register
+class Ping(Message):
+    type: Literal["swim.ping"] = "swim.ping"
+    v: Literal[1] = 1
+    seq: _Seq
+    version: _Seq
+    gossip: _Updates = []
+
+
+@register
+class Ack(Message):
+    type: Literal["swim.ack"] = "swim.ack"
+    v: Literal[1] = 1
+    seq: _Seq
+    version: _Seq
+    gossip: _Updates = []
+
+
+@register
+class PingReq(Message):
+    """Ask the receiver to probe `target` and pass the ack back under our `seq`."""
+
+    type: Literal["swim.ping_req"] = "swim.ping_req"
+    v: Literal[1] = 1
+    seq: _Seq
+    target: _NodeId
+    version: _Seq
+    gossip: _Updates = []
+
+
+@register
+class Gossip(Message):
+    type: Literal["swim.gossip"] = "swim.gossip"
+    v: Literal[1] = 1
+    version: _Seq
+    gossip: _Updates
+
+
+class SyncEntry(WireModel):
+    """A member as the sender sees it: its record, and whether it is suspected or dead at that version."""
+
+    record: CapabilityRecord
+    state: Literal["alive", "suspect", "dead", "left"]
+
+
+@register
+class Sync(Message):
+    """Push-pull: the sender's whole view (or just its own record, to pull the receiver's view);
+    `reply` asks the receiver to answer with its whole view."""
+
+    type: Literal["swim.sync"] = "swim.sync"
+    v: Literal[1] = 1
+    reply: bool
+    entries: Annotated[list[SyncEntry], Field(max_length=MAX_SYNC_ENTRIES)]
+
+
+SwimMessage = Ping | Ack | PingReq | Gossip | Sync
+SWIM_MESSAGES = (Ping, Ack, PingReq, Gossip, Sync)
+
+_Made = TypeVar("_Made", bound=WireModel)
+_DEFAULTS = {
+    model: {name: field.default for name, field in model.model_fields.items() if not field.is_required()}
+    for model in (Alive, Suspect, Dead, SyncEntry, *SWIM_MESSAGES)
+}
+
+
+def _made(model: type[_Made], **fields: object) -> _Made:
+    """A message or update built from this node's own state, not validated again (the receiver
+    validates): a gossip round builds many, and validating them was most of its cost."""
+    return model._trusted({**_DEFAULTS[model], **fields})
+
+
+# ---- configuration and events -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SwimConfig:
+    """Defaults from HashiCorp memberlist's LAN profile, with Lifeguard suspicion."""
+
+    probe_interval: float = 1.0
+    probe_timeout: float = 0.5
+    indirect_checks: int = 3
+    # Suspicion lasts suspicion_mult * log10(N) probe intervals once confirmed, up to
+    # suspicion_max_mult times that when nobody else confirms.
+    suspicion_mult: float = 4.0
+    suspicion_max_mult: float = 6.0
+    # Each node passes each update on retransmit_mult * ceil(log10(N + 1)) times, so a node misses
+    # it with odds of about exp(-that). memberlist's 4 leaves a straggler in a few hundred nodes
+    # after a burst of a few hundred record changes, for push-pull to mend minutes later; 5 makes
+    # that rare. Records drive placement and routing here, so they are worth the extra sends.
+    retransmit_mult: int = 5
+    gossip_interval: float = 0.2
+    gossip_nodes: int = 3
+    # Keep gossiping to a dead member this long (one per round), so a falsely declared node hears.
+    gossip_to_dead: float = 30.0
+    push_pull_interval: float = 30.0
+    # Try a push-pull with a random dead member this often: heals partitions.
+    reconnect_interval: float = 30.0
+    # Forget a dead or departed member after this long (its version is kept).
+    reap_after: float = 24 * 3600.0
+    join_retry_interval: float = 2.0
+    max_piggyback: int = 32
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    """A change in this node's view. `joined`: newly live; `alive`: refuted a suspicion or came
+    back; `updated`: a live member published a new record; then `suspect`, `dead`, `left`."""
+
+    kind: Literal["joined", "alive", "updated", "suspect", "dead", "left"]
+    node_id: str
+    record: CapabilityRecord
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    node_id: str
+    state: MemberState
+    incarnation: int
+    record: CapabilityRecord
+    rtt: float | None
+
+
+# ---- internal state ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Member:
+    state: MemberState
+    incarnation: int
+    since: float
+    rtt: float | None = None
+
+
+@dataclass
+class _Suspicion:
+    """Lifeguard: the timeout falls from max to min as independent accusers confirm."""
+
+    incarnation: int
+    start: float
+    min_timeout: float
+    max_timeout: float
+    expected: int
+    accusers: set[str]
+    deadline: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._reschedule()
+
+    def confirm(self, accuser: str) -> bool:
+        if accuser in self.accusers or len(self.accusers) > self.expected:
+            return False
+        self.accusers.add(accuser)
+        self._reschedule()
+        return True
+
+    def _reschedule(self) -> None:
+        confirmations = len(self.accusers) - 1
+        if self.expected < 1:
+            timeout = self.min_timeout
+        else:
+            fraction = math.log(confirmations + 1) / math.log(self.expected + 1)
+            timeout = max(
+                self.min_timeout, self.max_timeout - fraction * (self.max_timeout - self.min_timeout)
+            )
+        self.deadline = self.start + timeout
+
+
+@dataclass
+class _Probe:
+    target: str
+    seq: int
+    sent: float
+    acked: bool = False
+    helpers: tuple[str, ...] = ()
+    indirect_sent: bool = False
+
+
+class _BroadcastQueue:
+    """Updates waiting to ride on outgoing messages: one per node (the newest), least-sent first."""
+
+    def __init__(self) -> None:
+        self._buckets: list[dict[str, Update]] = []  # index: times sent so far
+        self._sent: dict[str, int] = {}
+
+    def put(self, node_id: str, update: Update) -> None:
+        sent = self._sent.get(node_id)
+        if sent is not None:
+            del self._buckets[sent][node_id]
+        if not self._buckets:
+            self._buckets.append({})
+        self._buckets[0][node_id] = update
+        self._sent[node_id] = 0
+
+    def take(self, most: int, limit: int) -> list[Update]:
+        buckets = self._buckets
+        taken: list[tuple[str, Update, int]] = []
+        for sent, bucket in enumerate(buckets):
+            if not bucket:
+                continue
+            if sent >= limit:
+                # The cluster shrank and lowered the limit: these have been sent enough.
+                for node_id in bucket:
+                    del self._sent[node_id]
+                bucket.clear()
+                continue
+            for node_id in bucket:
+                taken.append((node_id, bucket[node_id], sent + 1))
+                if len(taken) == most:
+                    break
+            if len(taken) == most:
+                break
+        sent_counts = self._sent
+        for node_id, update, sent in taken:
+            del buckets[sent - 1][node_id]
+            if sent >= limit:
+                del sent_counts[node_id]
+                continue
+            if sent == len(buckets):
+                buckets.append({})
+            buckets[sent][node_id] = update
+            sent_counts[node_id] = sent
+        return [update for _, update, _ in taken]
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+
+class _RandomSet:
+    """A set with O(1) add, remove and uniform sampling, iterated in a reproducible order."""
+
+    def __init__(self) -> None:
+        self._items: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def add(self, item: str) -> None:
+        if item not in self._index:
+            self._index[item] = len(self._items)
+            self._items.append(item)
+
+    def discard(self, item: str) -> None:
+        index = self._index.pop(item, None)
+        if index is None:
+            return
+        last = self._items.pop()
+        if index < len(self._items):
+            self._items[index] = last
+            self._index[last] = index
+
+    def sample(self, rng: random.Random, k: int, exclude: Iterable[str] = ()) -> list[str]:
+        excluded = set(exclude)
+        wanted = min(k, len(self._items) - sum(1 for item in excluded if item in self._index))
+        if wanted <= 0:
+            return []
+        if wanted * 3 >= len(self._items):
+            return rng.sample([item for item in self._items if item not in excluded], wanted)
+        picked: list[str] = []
+        while len(picked) < wanted:
+            item = self._items[rng.randrange(len(self._items))]
+            if item not in excluded:
+                picked.append(item)
+                excluded.add(item)
+        return picked
+
+    def __getitem__(self, index: int) -> str:
+        return self._items[index]
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._index
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+
+# ---- the state machine ------------------------------------------------------------------------
+
+
+class Membership:
+    """One node's SWIM view of the mesh.
+
+    Drive it with `handle_message` for every membership message received and
+    `handle_timer` whenever `next_timer()` has passed; after either, send
+    `messages_to_send()` and consume `events()`. `refutations` counts the
+    suspicions of this node it has refuted.
+    """
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        record: CapabilityRecord,
+        now: float,
+        config: SwimConfig = SwimConfig(),
+        rng: random.Random | None = None,
+    ) -> None:
+        if record.node_id != identity.node_id or not record.verify():
+            raise ValueError("the node's own record must be signed by its identity")
+        self._identity = identity
+        self._node_id = record.node_id
+        self._record = record
+        self._config = config
+        self._rng = rng or random.Random()
+        self._store = RecordStore()
+        self._members: dict[str, _Member] = {}
+        self._live = _RandomSet()
+        self._dead: dict[str, None] = {}  # ordered, for reproducible picks
+        self._recently_dead: deque[tuple[float, str]] = deque()
+        self._gossip_pool_dead: list[str] | None = None  # recently dead and still dead; None: stale
+        self._suspicions: dict[str, _Suspicion] = {}
+        self._suspicion_heap: list[tuple[float, str]] = []
+        self._broadcasts = _BroadcastQueue()
+        self._outbox: list[tuple[str, SwimMessage]] = []
+        self._events: list[MemberEvent] = []
+        self._seq = 0
+        self._probe: _Probe | None = None
+        self._probe_order: list[str] = []
+        self._probe_index = 0
+        self._relayed: dict[int, tuple[str, int, float]] = {}
+        self._seeds: tuple[str, ...] = ()
+        self._joined = True
+        self._left = False
+        self.refutations = 0
+        # Random phases, so a mesh started at once does not tick in lockstep.
+        self._next_probe = now + self._rng.random() * config.probe_interval
+        self._next_gossip = now + self._rng.random() * config.gossip_interval
+        self._next_push_pull = now + self._rng.random() * config.push_pull_interval
+        self._next_reconnect = now + self._rng.random() * config.reconnect_interval
+        self._next_join = math.inf
+        self._next_pull = now
+
+    # ---- queries ----
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    @property
+    def record(self) -> CapabilityRecord:
+        return self._record
+
+    @property
+    def joined(self) -> bool:
+        """True once a push-pull with the mesh has completed (or when started without seeds)."""
+        return self._joined
+
+    @property
+    def record_stats(self) -> StoreStats:
+        return self._store.stats
+
+    def state(self, node_id: str) -> MemberState | None:
+        if node_id == self._node_id:
+            return _LEFT if self._left else _ALIVE
+        member = self._members.get(node_id)
+        return member.state if member else None
+
+    def record_of(self, node_id: str) -> CapabilityRecord | None:
+        return self._record if node_id == self._node_id else self._store.get(node_id)
+
+    def rtt(self, node_id: str) -> float | None:
+        """Smoothed round-trip time of direct probes to a member, in seconds."""
+        member = self._members.get(node_id)
+        return member.rtt if member else None
+
+    def live_count(self) -> int:
+        """Members believed alive (suspects included), this node included."""
+        return len(self._live) + 1
+
+    def live_records(self) -> list[CapabilityRecord]:
+        """Records of this node and of every member believed alive, suspects included."""
+        records = [self._record]
+        records.extend(self._store.get(node_id) for node_id in self._live)
+        return records
+
+    def members(self) -> list[MemberInfo]:
+        """Every member this node knows of, itself first."""
+        own = MemberInfo(self._node_id, self.state(self._node_id), self._record.version, self._record, None)
+        return [own] + [
+            MemberInfo(node_id, member.state, member.incarnation, self._store.get(node_id), member.rtt)
+            for node_id, member in self._members.items()
+        ]
+
+    # ---- inputs ----
+
+    def join(self, now: float, seeds: Iterable[str]) -> None:
+        """Push-pull with `seeds` (node ids the daemon has links to), again until one answers."""
+        self._seeds = tuple(seed for seed in seeds if seed != self._node_id)
+        if not self._seeds:
+            return
+        self._joined = False
+        self._send_join(now)
+
+    def leave(self, now: float) -> None:
+        """Leave gracefully: sign a last record saying so and spread it. Keep driving the machine
+        for a few gossip intervals afterwards so the news gets out."""
+        if self._left:
+            return
+        self._left = True
+        self._probe = None
+        self._record = self._record.evolve(self._identity, leaving=True)
+        update = _made(Alive, record=self._record)
+        self._broadcasts.put(self._node_id, update)
+        for node_id in self._live.sample(self._rng, self._config.gossip_nodes):
+            self._send(node_id, _made(Gossip, version=self._record.version, gossip=[update]))
+
+    def update_record(self, now: float, **changes: object) -> CapabilityRecord:
+        """Publish a new version of this node's record with `changes` (served ranges, load, ...)."""
+        if self._left:
+            raise RuntimeError("this node has left the mesh")
+        self._record = self._record.evolve(self._identity, **changes)
+        self._broadcasts.put(self._node_id, _made(Alive, record=self._record))
+        return self._record
+
+    def handle_message(self, now: float, src: str, message: SwimMessage) -> None:
+        """A message from `src`, the authenticated node id of the link it came over."""
+        if src == self._node_id:
+            return
+        kind = message.type
+        if kind == "swim.sync":
+            self._handle_sync(now, src, message)
+            return
+        for update in message.gossip:
+            self._apply(now, update)
+        held = self._store.version(src)
+        if (held is None or held < message.version) and now >= self._next_pull and self._joined:
+            # We missed news of the sender: ask for its view (its reply carries its record).
+            self._next_pull = now + self._config.probe_interval
+            own = _made(SyncEntry, record=self._record, state=self.state(self._node_id).value)
+            self._send(src, _made(Sync, reply=True, entries=[own]))
+        if kind == "swim.ping":
+            self._send(src, _made(Ack, version=self._record.version, seq=message.seq, gossip=self._piggyback()))
+        elif kind == "swim.ack":
+            self._handle_ack(now, src, message)
+        elif kind == "swim.ping_req":
+            self._handle_ping_req(now, src, message)
+
+    def handle_timer(self, now: float) -> None:
+        """Run whatever is due by `now`; calling it early or often is harmless."""
+        config = self._config
+        if not self._left and now >= self._next_probe:
+            self._probe_tick(now)
+            self._next_probe = _advance(self._next_probe, config.probe_interval, now)
+        probe = self._probe
+        if probe and not probe.acked and not probe.indirect_sent and now >= probe.sent + config.probe_timeout:
+            self._send_ping_reqs(probe)
+        while self._suspicion_heap and self._suspicion_heap[0][0] <= now:
+            deadline, node_id = heapq.heappop(self._suspicion_heap)
+            suspicion = self._suspicions.get(node_id)
+            if suspicion is not None and suspicion.deadline == deadline:
+                self._apply(
+                    now, _made(Dead, node=node_id, incarnation=suspicion.incarnation, accuser=self._node_id)
+                )
+        if now >= self._next_gossip:
+            self._gossip_round(now)
+            self._next_gossip = _advance(self._next_gossip, config.gossip_interval, now)
+        if now >= self._next_push_pull:
+            self._push_pull_round(now)
+            scaled = _push_pull_scale(config.push_pull_interval, self.live_count())
+            self._next_push_pull = _advance(self._next_push_pull, scaled, now)
+        if now >= self._next_reconnect:
+            self._reconnect_round(now)
+            self._next_reconnect = _advance(self._next_reconnect, config.reconnect_interval, now)
+        if not self._joined and now >= self._next_join:
+            self._send_join(now)
+
+    def next_timer(self) -> float:
+        """When `handle_timer` next has something to do."""
+        deadline = min(self._next_push_pull, self._next_reconnect)
+        if self._broadcasts:
+            # An idle gossip tick would send nothing, so it is only a deadline while updates wait.
+            deadline = min(deadline, self._next_gossip)
+        if not self._left:
+            deadline = min(deadline, self._next_probe)
+        probe = self._probe
+        if probe and not probe.acked and not probe.indirect_sent:
+            deadline = min(deadline, probe.sent + self._config.probe_timeout)
+        if self._suspicion_heap:
+            deadline = min(deadline, self._suspicion_heap[0][0])
+        if not self._joined:
+            deadline = min(deadline, self._next_join)
+        return deadline
+
+    # ---- outputs ----
+
+    def messages_to_send(self) -> list[tuple[str, SwimMessage]]:
+        """(destination node id, message) pairs queued since the last call."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def events(self) -> list[MemberEvent]:
+        out, self._events = self._events, []
+        return out
+
+    # ---- probing ----
+
+    def _probe_tick(self, now: float) -> None:
+        probe = self._probe
+        if probe is not None and not probe.acked:
+            member = self._members.get(probe.target)
+            if member is not None and member.state in _LIVE:
+                self._apply(
+                    now,
+                    _made(Suspect, node=probe.target, incarnation=member.incarnation, accuser=self._node_id),
+                )
+        self._probe = None
+        self._prune_relayed(now)
+        target = self._next_probe_target()
+        if target is None:
+            return
+        self._seq += 1
+        gossip = self._piggyback()
+        member = self._members[target]
+        if member.state is _SUSPECT:
+            # Tell a suspect straight away, so it can refute before the suspicion runs out.
+            gossip.insert(
+                0, _made(Suspect, node=target, incarnation=member.incarnation, accuser=self._node_id)
+            )
+        self._send(target, _made(Ping, version=self._record.version, seq=self._seq, gossip=gossip))
+        self._probe = _Probe(target=target, seq=self._seq, sent=now)
+
+    def _next_probe_target(self) -> str | None:
+        # Round robin over a shuffled list, as SWIM does, so every member is probed within a round.
+        for _ in range(2):
+            while self._probe_index < len(self._probe_order):
+                node_id = self._probe_order[self._probe_index]
+                self._probe_index += 1
+                if node_id in self._live:
+                    return node_id
+            self._probe_order = list(self._live)
+            self._rng.shuffle(self._probe_order)
+            self._probe_index = 0
+        return None
+
+    def _send_ping_reqs(self, probe: _Probe) -> None:
+        probe.indirect_sent = True
+        probe.helpers = tuple(
+            self._live.sample(self._rng, self._config.indirect_checks, exclude=(probe.target,))
+        )
+        for helper in probe.helpers:
+            self._send(helper, _made(PingReq, version=self._record.version, seq=probe.seq, target=probe.target, gossip=self._piggyback()))
+
+    def _handle_ack(self, now: float, src: str, ack: Ack) -> None:
+        probe = self._probe
+        if probe is not None and ack.seq == probe.seq and (src == probe.target or src in probe.helpers):
+            if not probe.acked and src == probe.target:
+                member = self._members.get(src)
+                if member is not None:
+                    sample = now - probe.sent
+                    member.rtt = sample if member.rtt is None else 0.8 * member.rtt + 0.2 * sample
+            probe.acked = True
+            return
+        relayed = self._relayed.pop(ack.seq, None)
+        if relayed is not None:
+            requester, their_seq, _ = relayed
+            self._send(requester, _made(Ack, version=self._record.version, seq=their_seq, gossip=self._piggyback()))
+
+    def _handle_ping_req(self, now: float, src: str, request: PingReq) -> None:
+        if self._store.get(request.target) is None:
+            return  # we could not dial it
+        self._seq += 1
+        self._relayed[self._seq] = (src, request.seq, now + self._config.probe_timeout)
+        self._send(request.target, _made(Ping, version=self._record.version, seq=self._seq, gossip=self._piggyback()))
+
+    def _prune_relayed(self, now: float) -> None:
+        expired = [seq for seq, (_, _, expiry) in self._relayed.items() if expiry <= now]
+        for seq in expired:
+            del self._relayed[seq]
+
+    # ---- dissemination ----
+
+    def _retransmit_limit(self) -> int:
+        return self._config.retransmit_mult * math.ceil(math.log10(self.live_count() + 1))
+
+    def _piggyback(self) -> list[Update]:
+        if not self._broadcasts:
+            return []
+        return self._broadcasts.take(self._config.max_piggyback, self._retransmit_limit())
+
+    def _gossip_round(self, now: float) -> None:
+        if not self._broadcasts:
+            return
+        config = self._config
+        sent: list[Update] = []
+        for target in self._live.sample(self._rng, config.gossip_nodes):
+            updates = self._piggyback()
+            if not updates:
+                break
+            self._send(target, _made(Gossip, version=self._record.version, gossip=updates))
+            sent = sent or updates
+        # One recently dead member also hears the news, so a falsely declared node learns it
+        # must refute. It gets a copy that spends no retransmissions: after a partition most
+        # of the dead are unreachable, and counting sends to them would starve the living.
+        while self._recently_dead and self._recently_dead[0][0] + config.gossip_to_dead <= now:
+            self._recently_dead.popleft()
+            self._gossip_pool_dead = None
+        if self._gossip_pool_dead is None:
+            self._gossip_pool_dead = [node_id for _, node_id in self._recently_dead if node_id in self._dead]
+        if self._gossip_pool_dead:
+            updates = sent or self._piggyback()
+            if updates:
+                self._send(self._rng.choice(self._gossip_pool_dead), _made(Gossip, version=self._record.version, gossip=updates))
+
+    def _sync_state(self) -> list[SyncEntry]:
+        entries = [_made(SyncEntry, record=self._record, state=self.state(self._node_id).value)]
+        for node_id, member in self._members.items():
+            entries.append(_made(SyncEntry, record=self._store.get(node_id), state=member.state.value))
+        return entries
+
+    def _send_join(self, now: float) -> None:
+        state = self._sync_state()
+        for seed in self._seeds:
+            self._send(seed, _made(Sync, reply=True, entries=state))
+        self._next_join = now + self._config.join_retry_interval
+
+    def _push_pull_round(self, now: float) -> None:
+        self._reap(now)
+        targets = self._live.sample(self._rng, 1)
+        if targets:
+            self._send(targets[0], _made(Sync, reply=True, entries=self._sync_state()))
+
+    def _reconnect_round(self, now: float) -> None:
+        if self._dead:
+            target = self._rng.choice(list(self._dead))
+            self._send(target, _made(Sync, reply=True, entries=self._sync_state()))
+
+    def _handle_sync(self, now: float, src: str, sync: Sync) -> None:
+        for entry in sync.entries:
+            node_id = entry.record.node_id
+            if entry.state == "dead" and node_id not in self._members and node_id != self._node_id:
+                self._learn_dead(now, entry)
+                continue
+            self._apply_alive(now, entry.record)
+            # As memberlist does, a remote "dead" about a member we know only makes us suspect it:
+            # we may know better.
+            if entry.state in ("suspect", "dead"):
+                self._apply(now, _made(Suspect, node=node_id, incarnation=entry.record.version, accuser=src))
+        self._joined = True
+        if sync.reply:
+            self._send(src, _made(Sync, reply=False, entries=self._sync_state()))
+
+    def _learn_dead(self, now: float, entry: SyncEntry) -> None:
+        # Nothing contradicts the sender about a node we never knew; keep it only so that the
+        # reconnect loop can try it, as it would after a partition.
+        if self._store.offer(entry.record) is not _ACCEPTED:
+            return
+        self._members[entry.record.node_id] = _Member(_DEAD, entry.record.version, now)
+        self._dead[entry.record.node_id] = None
+
+    def _reap(self, now: float) -> None:
+        expired = [
+            node_id
+            for node_id, member in self._members.items()
+            if member.state in (_DEAD, _LEFT) and member.since + self._config.reap_after <= now
+        ]
+        for node_id in expired:
+            del self._members[node_id]
+            self._dead.pop(node_id, None)
+            self._store.forget(node_id)
+
+    # ---- applying updates ----
+
+    def _apply(self, now: float, update: Update) -> None:
+        kind = update.kind
+        if kind == "alive":
+            self._apply_alive(now, update.record, update)
+        elif update.node == self._node_id:
+            # Only our current version can be suspected: a higher one was never signed, it is forged.
+            if not self._left and update.incarnation == self._record.version:
+                self._refute()
+        elif kind == "suspect":
+            self._apply_suspect(now, update)
+        else:
+            self._apply_dead(now, update)
+
+    def _apply_alive(self, now: float, record: CapabilityRecord, update: Alive | None = None) -> None:
+        node_id = record.node_id
+        if node_id == self._node_id:
+            # A record of ours newer than the one we hold: from a previous run. Supersede it.
+            if not self._left and record.version > self._record.version and record.verify():
+                self._refute(record.version)
+            return
+        if self._store.offer(record) is not _ACCEPTED:
+            return
+        self._broadcasts.put(node_id, update or _made(Alive, record=record))
+        # Accusations name a version we hold (see _accusable), so a newer record beats any of them.
+        member = self._members.get(node_id)
+        previous = member.state if member else None
+        if member is None:
+            member = self._members[node_id] = _Member(_DEAD, record.version, now)
+        member.incarnation = record.version
+        self._end_suspicion(node_id)
+        if record.leaving:
+            self._set_state(now, node_id, member, _LEFT)
+            if previous is not None and previous is not _LEFT:
+                self._events.append(MemberEvent("left", node_id, record))
+            return
+        self._set_state(now, node_id, member, _ALIVE)
+        if previous is None or previous is _LEFT:
+            kind = "joined"
+        elif previous is _ALIVE:
+            kind = "updated"
+        else:
+            kind = "alive"
+        self._events.append(MemberEvent(kind, node_id, record))
+
+    def _accusable(self, update: Suspect | Dead) -> _Member | None:
+        """The live member an accusation is about, if it names the version we hold.
+
+        Accusations are not signed; one naming a version its node never published would
+        force that node to refute above it, so it is dropped rather than believed."""
+        member = self._members.get(update.node)
+        if member is None or member.state not in _LIVE or update.incarnation != member.incarnation:
+            return None
+        return member
+
+    def _apply_suspect(self, now: float, update: Suspect) -> None:
+        node_id = update.node
+        member = self._accusable(update)
+        if member is None:
+            return
+        suspicion = self._suspicions.get(node_id)
+        if suspicion is not None and suspicion.incarnation == update.incarnation:
+            if suspicion.confirm(update.accuser):
+                heapq.heappush(self._suspicion_heap, (suspicion.deadline, node_id))
+                self._broadcasts.put(node_id, update)
+            return
+        n = self.live_count()
+        min_timeout = self._config.suspicion_mult * max(1.0, math.log10(n)) * self._config.probe_interval
+        # Lifeguard expects suspicion_mult - 2 confirmations, when there are enough others to give them.
+        expected = int(self._config.suspicion_mult) - 2
+        if n - 2 < expected:
+            expected = 0
+        suspicion = _Suspicion(
+            incarnation=update.incarnation,
+            start=now,
+            min_timeout=min_timeout,
+            max_timeout=self._config.suspicion_max_mult * min_timeout,
+            expected=expected,
+            accusers={update.accuser},
+        )
+        self._suspicions[node_id] = suspicion
+        heapq.heappush(self._suspicion_heap, (suspicion.deadline, node_id))
+        self._set_state(now, node_id, member, _SUSPECT)
+        self._broadcasts.put(node_id, update)
+        self._events.append(MemberEvent("suspect", node_id, self._store.get(node_id)))
+
+    def _apply_dead(self, now: float, update: Dead) -> None:
+        node_id = update.node
+        member = self._accusable(update)
+        if member is None:
+            return
+        self._end_suspicion(node_id)
+        self._set_state(now, node_id, member, _DEAD)
+        self._broadcasts.put(node_id, update)
+        self._events.append(MemberEvent("dead", node_id, self._store.get(node_id)))
+
+    def _refute(self, superseded: int | None = None) -> None:
+        """Sign a record newer than our current one (and than `superseded`, a previous life's)."""
+        self.refutations += 1
+        version = max(superseded or 0, self._record.version) + 1
+        self._record = self._record.evolve(self._identity, version=version)
+        self._broadcasts.put(self._node_id, _made(Alive, record=self._record))
+
+    def _end_suspicion(self, node_id: str) -> None:
+        # Its heap entry stays behind and is skipped when it comes up.
+        self._suspicions.pop(node_id, None)
+
+    def _set_state(self, now: float, node_id: str, member: _Member, state: MemberState) -> None:
+        if member.state is state:
+            return
+        member.state = state
+        member.since = now
+        if state in _LIVE:
+            if node_id not in self._live:
+                self._live.add(node_id)
+                # Into the rest of this probe round at random, as memberlist does, so a newcomer
+                # is probed as soon as everyone else rather than after a whole round.
+                position = self._rng.randint(self._probe_index, len(self._probe_order))
+                self._probe_order.insert(position, node_id)
+            self._dead.pop(node_id, None)
+        else:
+            self._live.discard(node_id)
+            if state is _DEAD:
+                self._dead[node_id] = None
+                self._recently_dead.append((now, node_id))
+            else:
+                self._dead.pop(node_id, None)
+        self._gossip_pool_dead = None
+
+    def _send(self, dest: str, message: SwimMessage) -> None:
+        self._outbox.append((dest, message))
+
+
+def _advance(deadline: float, interval: float, now: float) -> float:
+    """The next tick of a periodic timer; after a stall, skip the missed ticks rather than burst."""
+    deadline += interval
+    return deadline if deadline > now else now + interval
+
+
+def _push_pull_scale(interval: float, n: int) -> float:
+    # memberlist's scaling: full-state exchanges grow with N, so space them out beyond 32 nodes.
+    if n <= 32:
+        return interval
+    return interval * (math.ceil(math.log2(n) - math.log2(32)) + 1)

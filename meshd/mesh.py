@@ -1,0 +1,130 @@
+"""A node's sans-IO mesh core: SWIM membership with the tracker election on top.
+
+This is the one object the daemon drives:
+
+    node = MeshNode(identity, record, now)
+    node.join(now, [seed_node_id])                # after dialling the seed
+    loop:
+        wait for a message or until node.next_timer()
+        node.handle_message(now, src, msg)  or  node.handle_timer(now)
+        for dest, msg in node.messages_to_send(): send msg to dest
+        for event in node.events(): react (MemberEvent, TrackerChanged)
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from meshd.election import Election, ElectionConfig, Tracker
+from meshd.membership import MemberEvent, Membership, SwimConfig, SwimMessage
+from meshd.records import CapabilityRecord
+from wire.identity import NodeIdentity
+
+_LIVE_EVENTS = frozenset({"joined", "alive", "updated", "suspect"})
+
+
+@dataclass(frozen=True)
+class TrackerChanged:
+    tracker: Tracker | None
+
+
+MeshEvent = MemberEvent | TrackerChanged
+
+
+class MeshNode:
+    """Membership and election of one node, driven as one state machine.
+
+    `record` is the node's own signed record; start its version above any it used
+    before (the wall clock in milliseconds does), so it supersedes its previous life.
+    """
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        record: CapabilityRecord,
+        now: float,
+        swim: SwimConfig = SwimConfig(),
+        election: ElectionConfig = ElectionConfig(),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.membership = Membership(identity, record, now, swim, rng)
+        self.election = Election(record.node_id, now, election)
+        self.election.observe(now, record, live=True)
+        self._own_version = record.version
+        self._tracker: Tracker | None = None
+        self._left = False
+        self._events: list[MeshEvent] = []
+
+    @property
+    def node_id(self) -> str:
+        return self.membership.node_id
+
+    @property
+    def record(self) -> CapabilityRecord:
+        return self.membership.record
+
+    @property
+    def tracker(self) -> Tracker | None:
+        return self._tracker
+
+    def join(self, now: float, seeds: Iterable[str]) -> None:
+        self.membership.join(now, seeds)
+        self._settle(now)
+
+    def leave(self, now: float) -> None:
+        """Leave gracefully; keep driving the node for a second or so, so that the news spreads."""
+        self.membership.leave(now)
+        self._left = True
+
+    def update_record(self, now: float, **changes: object) -> CapabilityRecord:
+        """Publish a new version of this node's record (served ranges, load, models, ...).
+
+        Each version is gossiped to every member: publish load changes at a measured pace,
+        not per request. `tracker_term` belongs to the election and is set here by itself."""
+        self.membership.update_record(now, **changes)
+        self._settle(now)
+        return self.membership.record
+
+    def handle_message(self, now: float, src: str, message: SwimMessage) -> None:
+        self.membership.handle_message(now, src, message)
+        self._settle(now)
+
+    def handle_timer(self, now: float) -> None:
+        self.membership.handle_timer(now)
+        self._observe_members(now)
+        self.election.handle_timer(now, self.membership.joined)
+        self._settle(now)
+
+    def next_timer(self) -> float:
+        deadline = self.membership.next_timer()
+        election = self.election.next_timer()
+        return deadline if election is None else min(deadline, election)
+
+    def messages_to_send(self) -> list[tuple[str, SwimMessage]]:
+        return self.membership.messages_to_send()
+
+    def events(self) -> list[MeshEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def _observe_members(self, now: float) -> None:
+        for event in self.membership.events():
+            self.election.observe(now, event.record, live=event.kind in _LIVE_EVENTS)
+            self._events.append(event)
+
+    def _settle(self, now: float) -> None:
+        """Bring the election up to date and this node's record in line with its claim."""
+        self._observe_members(now)
+        if self._left:
+            return
+        membership, election = self.membership, self.election
+        if membership.record.tracker_term != election.claim:
+            membership.update_record(now, tracker_term=election.claim)
+        if membership.record.version != self._own_version:
+            self._own_version = membership.record.version
+            election.observe(now, membership.record, live=True)
+        if election.tracker != self._tracker:
+            self._tracker = election.tracker
+            self._events.append(TrackerChanged(self._tracker))

@@ -1,0 +1,433 @@
+"""Peers: listen, dial and keep one secure link per peer; route streams to handlers.
+
+Usage::
+
+    async with open_peers(identity, PeersConfig(mesh_key=key)) as peers:
+        peers.handle("stage", serve_stage)            # async def serve_stage(stream)
+        port = await peers.listen("0.0.0.0", 7400)
+        stream = await peers.open_stream("10.0.0.2:7400", "stage", node_id=expected)
+        await stream.send_message(activation)
+        reply = await stream.receive_message()
+
+Links are WebSockets (``ws://host:port``) by default; ``attach`` runs a link
+over any other record transport, such as a relay circuit.
+
+When two peers dial each other at once, both keep the link dialed by the
+lower node id and retire the other gracefully (GOAWAY, open streams finish).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+from trio_websocket import (
+    Endpoint,
+    WebSocketRequest,
+    WebSocketServer,
+    open_websocket_url,
+    serve_websocket,
+)
+
+from wire.codec import DEFAULT_LIMITS, Limits
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.link import SecureLink
+from wire.mux import MuxConfig
+from wire.noise import mesh_key_from_secret
+
+from meshd.link import Link, LinkTimings, Stream
+from meshd.transport import (
+    WS_MAX_MESSAGE,
+    WS_RECEIVE_BUFFER,
+    RecordTransport,
+    WebSocketTransport,
+)
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Stream], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    mesh_key: bytes | None = None
+    mux: MuxConfig = field(default_factory=MuxConfig)
+    timings: LinkTimings = field(default_factory=LinkTimings)
+    limits: Limits = DEFAULT_LIMITS
+    # How long a retired or shutting-down link lets open streams finish.
+    drain_timeout: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class LinkUp:
+    link: Link
+
+
+@dataclass(frozen=True, slots=True)
+class LinkDown:
+    link: Link
+    error: ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeFailed:
+    address: str
+    inbound: bool
+    error: ProtocolError
+
+
+PeerEvent = LinkUp | LinkDown | HandshakeFailed
+Observer = Callable[[PeerEvent], None]
+
+
+def ws_url(address: str) -> str:
+    """``host:port`` or ``ws://host:port[/]`` as a WebSocket URL."""
+    if address.startswith(("ws://", "wss://")):
+        return address
+    if ":" not in address:
+        raise ValueError(f"address {address!r} needs a port (host:port)")
+    return f"ws://{address}/"
+
+
+class Peers:
+    """The node's set of peer links. Create with ``open_peers``."""
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        config: PeersConfig,
+        nursery: trio.Nursery,
+        observer: Observer | None,
+    ) -> None:
+        self.identity = identity
+        self.node_id = identity.node_id
+        self.config = config
+        self._mesh_key = None if config.mesh_key is None else mesh_key_from_secret(config.mesh_key)
+        self._nursery = nursery
+        self._observer = observer
+        self._handlers: dict[str, Handler] = {}
+        self._by_node: dict[str, Link] = {}
+        self._by_address: dict[str, Link] = {}
+        self._dials: dict[str, trio.Event] = {}
+        self._links: set[Link] = set()
+        self._listeners: list[trio.CancelScope] = []
+        self._closing = False
+
+    # ----- serving
+
+    def handle(self, protocol: str, handler: Handler) -> None:
+        """Run ``handler(stream)`` for every stream a peer opens for ``protocol``.
+
+        The stream is closed when the handler returns. A ``ProtocolError`` it
+        raises resets the stream with that error; any other exception resets it
+        with INTERNAL (and is logged), never disturbing the node.
+        """
+        self._handlers[protocol] = handler
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Accept peers on ``ws://host:port``; returns the bound port."""
+        scope = trio.CancelScope()
+        self._listeners.append(scope)
+        timings = self.config.timings
+
+        async def serve(task_status: trio.TaskStatus[WebSocketServer]) -> None:
+            with scope:
+                await serve_websocket(
+                    self._accept_websocket,
+                    host,
+                    port,
+                    None,
+                    handler_nursery=self._nursery,
+                    message_queue_size=4,
+                    max_message_size=WS_MAX_MESSAGE,
+                    receive_buffer_size=WS_RECEIVE_BUFFER,
+                    connect_timeout=timings.handshake_timeout,
+                    disconnect_timeout=timings.close_timeout,
+                    task_status=task_status,
+                )
+
+        server: WebSocketServer = await self._nursery.start(serve)
+        return server.port
+
+    async def _accept_websocket(self, request: WebSocketRequest) -> None:
+        remote = request.remote
+        address = f"{remote.address}:{remote.port}" if isinstance(remote, Endpoint) else remote
+        if self._closing:
+            await request.reject(503)
+            return
+        ws = await request.accept()
+        link = await self._establish(WebSocketTransport(ws, address), dialer=False)
+        if link is not None:
+            await self._serve(link)
+
+    # ----- dialing
+
+    async def connect(self, address: str, *, node_id: str | None = None) -> Link:
+        """The link to the peer at ``address``, dialing it if there is none.
+
+        With ``node_id``, an existing link to that node is reused, and a peer at
+        ``address`` with another identity is refused (UNAUTHORIZED).
+        """
+        url = ws_url(address)
+        while True:
+            for known in (self._by_node.get(node_id or ""), self._by_address.get(url)):
+                if known is not None and known.usable and node_id in (None, known.remote_node_id):
+                    return known
+            pending = self._dials.get(url)
+            if pending is None:
+                break
+            await pending.wait()
+        done = trio.Event()
+        self._dials[url] = done
+        try:
+            link: Link = await self._nursery.start(self._dial, url, node_id)
+            return link
+        finally:
+            del self._dials[url]
+            done.set()
+
+    async def _dial(
+        self,
+        url: str,
+        node_id: str | None,
+        task_status: trio.TaskStatus[Link] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        if self._closing:
+            raise ProtocolError(ErrorCode.UNREACHABLE, "this node is shutting down")
+        timings = self.config.timings
+        started = False
+        try:
+            async with open_websocket_url(
+                url,
+                message_queue_size=4,
+                max_message_size=WS_MAX_MESSAGE,
+                receive_buffer_size=WS_RECEIVE_BUFFER,
+                connect_timeout=timings.handshake_timeout,
+                disconnect_timeout=timings.close_timeout,
+            ) as ws:
+                link = await self._establish(
+                    WebSocketTransport(ws, url), dialer=True, node_id=node_id, raise_errors=True
+                )
+                assert link is not None
+                winner = self._by_node.get(link.remote_node_id, link)
+                self._by_address[url] = winner
+                task_status.started(winner)
+                started = True
+                await self._serve(link)
+        except Exception as exc:
+            if started:
+                # The link is over; how its socket closed matters to nobody.
+                log.debug("closing the connection to %s: %r", url, exc)
+                return
+            if isinstance(exc, ProtocolError):
+                raise
+            cause = exc.__cause__ or exc
+            error = ProtocolError(ErrorCode.UNREACHABLE, f"cannot reach {url}: {cause!r}")
+            self._notify(HandshakeFailed(url, inbound=False, error=error))
+            raise error from None
+
+    async def attach(
+        self, transport: RecordTransport, *, dialer: bool, node_id: str | None = None
+    ) -> Link:
+        """Run a link over ``transport`` (a relay circuit, a pipe), once authenticated.
+
+        ``dialer`` says which end this is; the two ends must disagree. The link
+        lives in this ``Peers`` like any other and is returned after the
+        handshake (or the link to that node that wins over it).
+        """
+        link: Link = await self._nursery.start(self._attach, transport, dialer, node_id)
+        return link
+
+    async def _attach(
+        self,
+        transport: RecordTransport,
+        dialer: bool,
+        node_id: str | None,
+        task_status: trio.TaskStatus[Link] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        link = await self._establish(transport, dialer=dialer, node_id=node_id, raise_errors=True)
+        assert link is not None
+        task_status.started(self._by_node.get(link.remote_node_id, link))
+        await self._serve(link)
+
+    async def _establish(
+        self,
+        transport: RecordTransport,
+        *,
+        dialer: bool,
+        node_id: str | None = None,
+        raise_errors: bool = False,
+    ) -> Link | None:
+        core = SecureLink(
+            self.identity,
+            dialer=dialer,
+            mesh_key=self._mesh_key,
+            expected_node_id=node_id,
+            mux_config=self.config.mux,
+        )
+        link = Link(
+            core,
+            transport,
+            timings=self.config.timings,
+            limits=self.config.limits,
+            on_stream=self._on_stream,
+            on_goaway=self._on_goaway,
+        )
+        try:
+            await link.handshake()
+            if link.remote_node_id == self.node_id:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "dialed this node itself")
+        except ProtocolError as exc:
+            log.info("handshake with %s failed: %s", transport.remote_address, exc)
+            self._notify(HandshakeFailed(transport.remote_address, inbound=not dialer, error=exc))
+            with trio.move_on_after(self.config.timings.close_timeout) as scope:
+                scope.shield = True
+                try:
+                    await transport.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            if raise_errors:
+                raise
+            return None
+        self._register(link)
+        return link
+
+    # ----- links
+
+    def link_to(self, node_id: str) -> Link | None:
+        link = self._by_node.get(node_id)
+        return link if link is not None and link.usable else None
+
+    @property
+    def links(self) -> list[Link]:
+        return [link for link in self._by_node.values() if not link.closed]
+
+    def _register(self, link: Link) -> None:
+        self._links.add(link)
+        node = link.remote_node_id
+        current = self._by_node.get(node)
+        if current is None or current.closed or current.going_away:
+            self._by_node[node] = link
+        elif self._prefer(link, current):
+            self._by_node[node] = link
+            self._retire(current)
+        else:
+            self._retire(link)
+        self._notify(LinkUp(link))
+
+    def _prefer(self, new: Link, current: Link) -> bool:
+        """Both ends pick the same link: the one dialed by the lower node id;
+        between two dialed by the same node, the newer (the old one is stale)."""
+        lower_dialed = self.node_id if self.node_id < new.remote_node_id else new.remote_node_id
+
+        def dialed_by(link: Link) -> str:
+            return self.node_id if link.dialer else link.remote_node_id
+
+        if dialed_by(new) == dialed_by(current):
+            return True
+        return dialed_by(new) == lower_dialed
+
+    def _retire(self, link: Link) -> None:
+        link.going_away = True
+        self._forget(link)
+        self._nursery.start_soon(
+            link.aclose,
+            ProtocolError(ErrorCode.UNREACHABLE, "duplicate link retired"),
+            self.config.drain_timeout,
+        )
+
+    def _forget(self, link: Link) -> None:
+        for table in (self._by_node, self._by_address):
+            for key in [key for key, value in table.items() if value is link]:
+                del table[key]
+
+    def _on_goaway(self, link: Link) -> None:
+        self._forget(link)
+
+    async def _serve(self, link: Link) -> None:
+        try:
+            await link.run()
+        finally:
+            self._forget(link)
+            self._links.discard(link)
+            error = link.error or ProtocolError(ErrorCode.UNREACHABLE, "link closed")
+            self._notify(LinkDown(link, error))
+
+    # ----- streams
+
+    async def open_stream(
+        self, address: str | None, protocol: str, *, node_id: str | None = None
+    ) -> Stream:
+        """Open a stream to ``protocol`` on a peer, reusing or dialing its link.
+
+        Give ``address``, ``node_id`` or both; with only ``node_id`` there must
+        already be a link to that node.
+        """
+        if address is None:
+            if node_id is None:
+                raise ValueError("open_stream needs an address or a node id")
+            link = self.link_to(node_id)
+            if link is None:
+                raise ProtocolError(ErrorCode.UNREACHABLE, f"no link to node {node_id}")
+        else:
+            link = await self.connect(address, node_id=node_id)
+        return link.open_stream(protocol)
+
+    def _on_stream(self, stream: Stream) -> None:
+        handler = self._handlers.get(stream.protocol)
+        if handler is None:
+            stream.reset(ProtocolError(ErrorCode.NOT_FOUND, f"no handler for {stream.protocol!r}"))
+            return
+        self._nursery.start_soon(self._run_handler, handler, stream)
+
+    async def _run_handler(self, handler: Handler, stream: Stream) -> None:
+        try:
+            await handler(stream)
+        except ProtocolError as exc:
+            stream.reset(exc)
+        except trio.EndOfChannel:
+            pass
+        except Exception:
+            log.exception("handler for %r failed", stream.protocol)
+            stream.reset(ProtocolError(ErrorCode.INTERNAL, "the handler failed"))
+        finally:
+            await stream.aclose()
+
+    # ----- shutdown
+
+    async def aclose(self, reason: str = "node shutting down") -> None:
+        """Stop listening; close every link, letting open streams finish within
+        ``drain_timeout``, then resetting them with ``reason``."""
+        self._closing = True
+        for scope in self._listeners:
+            scope.cancel()
+        error = ProtocolError(ErrorCode.UNREACHABLE, reason)
+        async with trio.open_nursery() as nursery:
+            for link in list(self._links):
+                nursery.start_soon(link.aclose, error, self.config.drain_timeout)
+
+    def _notify(self, event: PeerEvent) -> None:
+        if self._observer is not None:
+            self._observer(event)
+
+
+@asynccontextmanager
+async def open_peers(
+    identity: NodeIdentity,
+    config: PeersConfig | None = None,
+    observer: Observer | None = None,
+) -> AsyncIterator[Peers]:
+    """A ``Peers`` whose links and handlers live inside this context."""
+    async with trio.open_nursery() as nursery:
+        peers = Peers(identity, config or PeersConfig(), nursery, observer)
+        try:
+            yield peers
+        finally:
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(peers.config.drain_timeout + 2 * peers.config.timings.close_timeout):
+                    await peers.aclose()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,144 @@
+"""Route planning: the cheapest chain of served stages that carries a token through every layer.
+
+A route uses each stage for its whole range, and consecutive stages must meet
+exactly (one ends at the layer where the next starts), so a route tiles
+[0, n_layers). Its cost is what one decoded token pays: each stage's compute
+time, (end - start) x seconds per layer x (1 + load), plus the round-trip time
+of every link it crosses, from the asker to the head and between stages.
+
+The search is Dijkstra over (layer boundary, node we arrived from): the link
+cost of the next hop depends on where the previous stage runs. Any node can
+plan a route from the records in its own membership view.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+from meshd.records import CapabilityRecord
+
+# RTT in seconds between two nodes; the first is None for an asker that did not say who it is.
+Rtt = Callable[[str | None, str], float]
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """A node serving layers [start, end) of the model, as a route may use it."""
+
+    node_id: str
+    start: int
+    end: int
+    seconds_per_layer: float
+    load: float = 0.0
+
+    @property
+    def compute_seconds(self) -> float:
+        return (self.end - self.start) * self.seconds_per_layer * (1.0 + self.load)
+
+
+@dataclass(frozen=True)
+class Route:
+    stages: tuple[StageOption, ...]
+    seconds: float  # estimated cost of one token along the route
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(stage.node_id for stage in self.stages)
+
+
+class NoRouteError(LookupError):
+    """No chain of the offered stages covers every layer."""
+
+
+def no_rtt(a: str | None, b: str) -> float:
+    return 0.0
+
+
+def stage_options(
+    records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float = 1e-3
+) -> list[StageOption]:
+    """The stages of `model` that the given (live) members say they serve."""
+    options = []
+    for record in records:
+        if record.leaving:
+            continue
+        speed = record.seconds_per_layer or default_seconds_per_layer
+        for served in record.served:
+            if served.model == model:
+                options.append(StageOption(record.node_id, served.start, served.end, speed, record.load))
+    return options
+
+
+def plan_route(
+    stages: Iterable[StageOption],
+    n_layers: int,
+    rtt: Rtt = no_rtt,
+    asker: str | None = None,
+    exclude: Collection[str] = (),
+    max_arrivals: int = 16,
+) -> Route:
+    """The cheapest route through `stages` over layers [0, n_layers), avoiding `exclude`d nodes.
+
+    With many replicas of the same ranges, each layer boundary is left only from its
+    `max_arrivals` cheapest arrivals: that bounds the work at O(arrivals x stages), and
+    misses the optimum only when a costlier arrival has a much shorter next link.
+    """
+    starting: dict[int, list[StageOption]] = defaultdict(list)
+    excluded = set(exclude)
+    for stage in stages:
+        if stage.node_id not in excluded and 0 <= stage.start < stage.end <= n_layers:
+            starting[stage.start].append(stage)
+    for options in starting.values():
+        options.sort(key=lambda stage: (stage.compute_seconds, stage.node_id))
+
+    # Heap entries: (cost, tie, boundary, node we are at, index of the path entry that got us here).
+    paths: list[tuple[StageOption, int]] = []  # (stage, index of previous entry or -1)
+    heap: list[tuple[float, int, int, str | None, int]] = [(0.0, 0, 0, asker, -1)]
+    best: dict[tuple[int, str | None], float] = {(0, asker): 0.0}
+    expanded: dict[int, int] = defaultdict(int)
+    tie = 1
+    while heap:
+        cost, _, boundary, at, path = heapq.heappop(heap)
+        if best.get((boundary, at), float("inf")) < cost:
+            continue
+        if boundary == n_layers:
+            return Route(_unwind(paths, path), cost)
+        if expanded[boundary] >= max_arrivals:
+            continue
+        expanded[boundary] += 1
+        for stage in starting.get(boundary, ()):
+            link = 0.0 if at == stage.node_id else rtt(at, stage.node_id)
+            total = cost + link + stage.compute_seconds
+            key = (stage.end, stage.node_id)
+            if total < best.get(key, float("inf")):
+                best[key] = total
+                paths.append((stage, path))
+                heapq.heappush(heap, (total, tie, stage.end, stage.node_id, len(paths) - 1))
+                tie += 1
+    raise NoRouteError(_gap_message(starting, n_layers, excluded))
+
+
+def _unwind(paths: list[tuple[StageOption, int]], index: int) -> tuple[StageOption, ...]:
+    stages = []
+    while index >= 0:
+        stage, index = paths[index]
+        stages.append(stage)
+    return tuple(reversed(stages))
+
+
+def _gap_message(starting: dict[int, list[StageOption]], n_layers: int, excluded: set[str]) -> str:
+    # The first layer no chain from layer 0 can reach says where coverage breaks.
+    reached = {0}
+    frontier = [0]
+    while frontier:
+        boundary = frontier.pop()
+        for stage in starting.get(boundary, ()):
+            if stage.end not in reached:
+                reached.add(stage.end)
+                frontier.append(stage.end)
+    gap = max(reached)
+    without = f" without {len(excluded)} excluded node(s)" if excluded else ""
+    return f"no route covers all {n_layers} layers{without}: nothing served continues from layer {gap}"

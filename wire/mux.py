@@ -1,0 +1,665 @@
+"""QUIC-like stream multiplexing over one ordered, reliable link (sans-IO).
+
+Frames are a 10-byte header (type u8, flags u8, stream id u32, length u32,
+big-endian) and a payload. Streams are opened by either side without a round
+trip: the dialer uses odd ids, the listener even ones, each increasing.
+
+Flow control is credit based, per stream and per link, as in HTTP/2: each
+side grants windows in its SETTINGS (its first frame) and tops them up with
+WINDOW frames as the application consumes data. ``send_data`` refuses data
+beyond the credit, so a sender never holds more unsent data than its peer
+allowed; ``send_capacity`` says how much may go now.
+
+A fault confined to one stream (overrunning its window, data after its end, a
+bad open) resets that stream; a fault in framing or a control frame is a link
+error: ``receive_data`` raises ``ProtocolError`` and the mux is dead, with a
+GOAWAY carrying the reason left in ``data_to_send`` for the peer.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from wire.errors import ErrorCode, ProtocolError
+
+HEADER = struct.Struct(">BBII")
+HEADER_BYTES = HEADER.size
+
+DATA, OPEN, RESET, WINDOW, PING, PONG, GOAWAY, SETTINGS = range(8)
+FIN = 0x1
+
+MAX_WINDOW = (1 << 31) - 1
+MAX_PROTOCOL_BYTES = 64
+MAX_REASON_BYTES = 1024
+MAX_STREAM_ID = (1 << 32) - 1
+_MAX_OUTSTANDING_PINGS = 16
+
+_SETTING = struct.Struct(">HI")
+_U32 = struct.Struct(">I")
+_PING = struct.Struct(">Q")
+_S_STREAM_WINDOW, _S_LINK_WINDOW, _S_MAX_FRAME, _S_MAX_STREAMS = 1, 2, 3, 4
+_MIN_FRAME, _MAX_FRAME = 64, 16 << 20
+
+_CONTROL_LIMITS = {
+    OPEN: MAX_PROTOCOL_BYTES,
+    RESET: 1 + 32 + MAX_REASON_BYTES,
+    WINDOW: 4,
+    PING: 8,
+    PONG: 8,
+    GOAWAY: 4 + 1 + 32 + MAX_REASON_BYTES,
+    SETTINGS: 16 * _SETTING.size,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MuxConfig:
+    """What this side grants its peer. Windows are in bytes."""
+
+    stream_window: int = 4 << 20
+    link_window: int = 16 << 20
+    max_frame: int = 64 << 10
+    max_streams: int = 256
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.stream_window <= MAX_WINDOW and 1 <= self.link_window <= MAX_WINDOW):
+            raise ValueError("windows must be between 1 and 2**31-1 bytes")
+        if not _MIN_FRAME <= self.max_frame <= _MAX_FRAME:
+            raise ValueError(f"max_frame must be between {_MIN_FRAME} and {_MAX_FRAME}")
+        if not 0 <= self.max_streams <= 1 << 20:
+            raise ValueError("max_streams must be between 0 and 2**20")
+
+
+# Events are plain slotted dataclasses: a frozen one costs twice as much to
+# build, and one is built per received frame.
+
+
+@dataclass(slots=True)
+class StreamOpened:
+    stream_id: int
+    protocol: str
+
+
+@dataclass(slots=True)
+class DataReceived:
+    """Stream data; ``data`` is a read-only view of the received buffer."""
+
+    stream_id: int
+    data: memoryview
+
+
+@dataclass(slots=True)
+class StreamEnded:
+    """The peer will send no more on this stream (half-close)."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
+class StreamReset:
+    """The stream is gone. ``remote`` tells who reset it; unread data is void
+    unless the peer had already ended its side."""
+
+    stream_id: int
+    error: ProtocolError
+    remote: bool
+
+
+@dataclass(slots=True)
+class CreditAvailable:
+    """Send credit grew: for one stream, or (id 0) for the link or after SETTINGS."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
+class PongReceived:
+    """The answer to a ``send_ping(now)``; ``sent_at`` is that ``now``."""
+
+    sent_at: float
+
+
+@dataclass(slots=True)
+class GoAwayReceived:
+    """The peer takes no new streams; ours above ``last_stream_id`` were reset."""
+
+    last_stream_id: int
+    error: ProtocolError
+
+
+Event = (
+    StreamOpened
+    | DataReceived
+    | StreamEnded
+    | StreamReset
+    | CreditAvailable
+    | PongReceived
+    | GoAwayReceived
+)
+
+
+@dataclass(slots=True)
+class _Stream:
+    send_window: int
+    recv_window: int
+    local_open: bool = True
+    remote_open: bool = True
+    unconsumed: int = 0
+    pending_update: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerSettings:
+    stream_window: int
+    link_window: int
+    max_frame: int
+    max_streams: int
+
+
+def _link_error(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+def _pack_error(error: ProtocolError) -> bytes:
+    code = error.code.value.encode("ascii")
+    return bytes([len(code)]) + code + error.message.encode()[:MAX_REASON_BYTES]
+
+
+def _unpack_error(payload: bytes) -> ProtocolError:
+    if not payload or len(payload) < 1 + payload[0]:
+        raise _link_error("truncated error code")
+    end = 1 + payload[0]
+    try:
+        code_text = payload[1:end].decode("ascii")
+        message = payload[end:].decode()
+    except UnicodeDecodeError:
+        raise _link_error("error text is not valid UTF-8") from None
+    try:
+        code = ErrorCode(code_text)
+    except ValueError:
+        return ProtocolError(ErrorCode.INTERNAL, f"{code_text[:32]}: {message}")
+    return ProtocolError(code, message)
+
+
+class Mux:
+    """One side of a multiplexed link. Feed it bytes, send what it queues."""
+
+    def __init__(self, *, dialer: bool, config: MuxConfig | None = None) -> None:
+        self.config = config or MuxConfig()
+        self._dialer = dialer
+        self._next_local_id = 1 if dialer else 2
+        self._last_peer_id = 0
+        self._streams: dict[int, _Stream] = {}
+        self._local_count = 0
+        self._peer_count = 0
+        self._peer: _PeerSettings | None = None
+        self._link_send_window = 0
+        self._link_recv_window = self.config.link_window
+        self._link_unconsumed = 0
+        self._link_pending_update = 0
+        # Credit goes back in batches of half a window: fewer WINDOW frames,
+        # and the sender never runs dry while one is in flight.
+        self._link_update_threshold = max(1, self.config.link_window // 2)
+        self._stream_update_threshold = max(1, self.config.stream_window // 2)
+        self._out: list[bytes | bytearray | memoryview] = []
+        self._inbuf = b""
+        self._pings: dict[bytes, float] = {}
+        self._ping_counter = 0
+        self._goaway_sent = False
+        self._goaway_received: ProtocolError | None = None
+        self._error: ProtocolError | None = None
+        self._queue_settings()
+
+    # ----- introspection
+
+    @property
+    def error(self) -> ProtocolError | None:
+        """The link error that killed this mux, if any."""
+        return self._error
+
+    @property
+    def ready(self) -> bool:
+        """Whether the peer's SETTINGS arrived, so data can flow."""
+        return self._peer is not None
+
+    @property
+    def accepting_streams(self) -> bool:
+        return self._error is None and self._goaway_received is None and not self._goaway_sent
+
+    @property
+    def stream_count(self) -> int:
+        return len(self._streams)
+
+    @property
+    def has_output(self) -> bool:
+        """Whether ``data_to_send`` would return anything."""
+        return bool(self._out)
+
+    def is_open(self, stream_id: int) -> bool:
+        return stream_id in self._streams
+
+    def send_capacity(self, stream_id: int) -> int:
+        """Bytes ``send_data`` will take for this stream right now."""
+        stream = self._streams.get(stream_id)
+        if stream is None or not stream.local_open or self._peer is None or self._error:
+            return 0
+        return max(0, min(stream.send_window, self._link_send_window))
+
+    # ----- sending
+
+    def open_stream(self, protocol: str) -> int:
+        self._check_alive()
+        if self._goaway_received is not None:
+            raise ProtocolError(
+                self._goaway_received.code,
+                f"peer is going away: {self._goaway_received.message}",
+            )
+        if self._goaway_sent:
+            raise ProtocolError(ErrorCode.INTERNAL, "this side is going away")
+        if self._peer is not None and self._local_count >= self._peer.max_streams:
+            raise ProtocolError(
+                ErrorCode.OVERLOADED, f"peer allows {self._peer.max_streams} concurrent streams"
+            )
+        name = protocol.encode()
+        if not 1 <= len(name) <= MAX_PROTOCOL_BYTES:
+            raise ValueError(f"a protocol name is 1 to {MAX_PROTOCOL_BYTES} bytes")
+        stream_id = self._next_local_id
+        if stream_id > MAX_STREAM_ID:
+            raise ProtocolError(ErrorCode.OVERLOADED, "stream ids exhausted; open a new link")
+        self._next_local_id += 2
+        window = self._peer.stream_window if self._peer else 0
+        self._streams[stream_id] = _Stream(send_window=window, recv_window=self.config.stream_window)
+        self._local_count += 1
+        self._frame(OPEN, 0, stream_id, name)
+        return stream_id
+
+    def send_data(
+        self, stream_id: int, data: bytes | bytearray | memoryview, end: bool = False
+    ) -> None:
+        """Queue ``data`` (at most ``send_capacity``) and, if ``end``, half-close.
+
+        The mux keeps a reference to ``data`` until ``data_to_send``: do not
+        change it before then.
+        """
+        self._check_alive()
+        stream = self._streams.get(stream_id)
+        if stream is None or not stream.local_open:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"stream {stream_id} is not open for sending")
+        size = len(data)
+        if size:
+            if size > stream.send_window or size > self._link_send_window or self._peer is None:
+                raise ValueError(
+                    f"{size} bytes exceed the send credit of {self.send_capacity(stream_id)}"
+                )
+            stream.send_window -= size
+            self._link_send_window -= size
+            step = self._peer.max_frame
+            if size <= step:
+                self._frame(DATA, FIN if end else 0, stream_id, data)
+            else:
+                view = memoryview(data)
+                for start in range(0, size, step):
+                    last = start + step >= size
+                    self._frame(
+                        DATA, FIN if end and last else 0, stream_id, view[start : start + step]
+                    )
+        elif end:
+            self._frame(DATA, FIN, stream_id, b"")
+        if end:
+            stream.local_open = False
+            self._maybe_forget(stream_id, stream)
+
+    def end_stream(self, stream_id: int) -> None:
+        self.send_data(stream_id, b"", end=True)
+
+    def reset_stream(self, stream_id: int, error: ProtocolError) -> None:
+        """Abort both directions of a stream and tell the peer why."""
+        if self._error is not None:
+            return
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        self._frame(RESET, 0, stream_id, _pack_error(error))
+        self._forget(stream_id)
+
+    def consumed(self, stream_id: int, size: int) -> None:
+        """The application took ``size`` received bytes off this stream: grant them again.
+
+        Report every received byte once, read or dropped, or the link window
+        shrinks for good. Bytes of a stream that is gone still free link credit.
+        """
+        if self._error is not None or size <= 0:
+            return
+        self._release_link_credit(size)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        if size > stream.unconsumed:
+            size = stream.unconsumed
+        stream.unconsumed -= size
+        if not stream.remote_open:
+            return
+        stream.pending_update += size
+        if stream.pending_update >= self._stream_update_threshold:
+            self._frame(WINDOW, 0, stream_id, _U32.pack(stream.pending_update))
+            stream.recv_window += stream.pending_update
+            stream.pending_update = 0
+
+    def _release_link_credit(self, size: int) -> None:
+        if size > self._link_unconsumed:
+            size = self._link_unconsumed
+        self._link_unconsumed -= size
+        self._link_pending_update += size
+        if self._link_pending_update >= self._link_update_threshold:
+            self._frame(WINDOW, 0, 0, _U32.pack(self._link_pending_update))
+            self._link_recv_window += self._link_pending_update
+            self._link_pending_update = 0
+
+    def send_ping(self, now: float) -> None:
+        """Ask for a PONG; its arrival gives a PongReceived carrying ``now`` back."""
+        self._check_alive()
+        if len(self._pings) >= _MAX_OUTSTANDING_PINGS:
+            self._pings.pop(next(iter(self._pings)))
+        self._ping_counter += 1
+        opaque = _PING.pack(self._ping_counter)
+        self._pings[opaque] = now
+        self._frame(PING, 0, 0, opaque)
+
+    def goaway(self, error: ProtocolError) -> None:
+        """Refuse new streams from now on; existing ones may finish."""
+        if self._error is not None or self._goaway_sent:
+            return
+        self._goaway_sent = True
+        self._frame(GOAWAY, 0, 0, _U32.pack(self._last_peer_id) + _pack_error(error))
+
+    def data_to_send(self) -> bytes:
+        if not self._out:
+            return b""
+        out = b"".join(self._out)
+        self._out.clear()
+        return out
+
+    # ----- receiving
+
+    def receive_data(self, data: bytes) -> list[Event]:
+        """Parse whatever whole frames ``data`` completes; keep the rest."""
+        self._check_alive()
+        buf = self._inbuf + data if self._inbuf else data
+        # DATA payloads are views into ``buf``, not copies.
+        view = memoryview(buf)
+        events: list[Event] = []
+        offset = 0
+        total = len(buf)
+        max_frame = self.config.max_frame
+        try:
+            while total - offset >= HEADER_BYTES:
+                kind, flags, stream_id, length = HEADER.unpack_from(buf, offset)
+                limit = max_frame if kind == DATA else _CONTROL_LIMITS.get(kind)
+                if limit is None:
+                    raise _link_error(f"unknown frame type {kind}")
+                if length > limit:
+                    raise _link_error(f"frame type {kind} of {length} bytes exceeds {limit}")
+                end = offset + HEADER_BYTES + length
+                if end > total:
+                    break
+                if kind == DATA:
+                    self._on_data(flags, stream_id, view[offset + HEADER_BYTES : end], events)
+                else:
+                    payload = bytes(view[offset + HEADER_BYTES : end])
+                    self._on_control(kind, flags, stream_id, payload, events)
+                offset = end
+        except ProtocolError as exc:
+            self._fail(exc)
+            raise
+        self._inbuf = bytes(view[offset:]) if offset < total else b""
+        return events
+
+    def _on_data(
+        self, flags: int, stream_id: int, payload: memoryview, events: list[Event]
+    ) -> None:
+        if flags & ~FIN:
+            raise _link_error(f"unknown DATA flags {flags:#x}")
+        if self._peer is None:
+            raise _link_error("DATA before SETTINGS")
+        size = len(payload)
+        if size > self._link_recv_window:
+            raise _link_error("peer overran the link window")
+        self._link_recv_window -= size
+        self._link_unconsumed += size
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if not self._was_opened(stream_id):
+                raise _link_error(f"DATA on stream {stream_id}, which was never opened")
+            # Data in flight when the stream was reset: drop it, keep the credit flowing.
+            self._release_link_credit(size)
+            return
+        if not stream.remote_open:
+            self._release_link_credit(size)
+            self._stream_error(stream_id, "data after the end of the stream", events)
+            return
+        if size > stream.recv_window:
+            self._release_link_credit(size)
+            self._stream_error(stream_id, "peer overran the stream window", events)
+            return
+        stream.recv_window -= size
+        stream.unconsumed += size
+        if size:
+            events.append(DataReceived(stream_id, payload))
+        if flags & FIN:
+            stream.remote_open = False
+            events.append(StreamEnded(stream_id))
+            self._maybe_forget(stream_id, stream)
+
+    def _on_control(
+        self,
+        kind: int,
+        flags: int,
+        stream_id: int,
+        payload: bytes,
+        events: list[Event],
+    ) -> None:
+        if flags:
+            raise _link_error(f"frame type {kind} carries unknown flags {flags:#x}")
+        if kind == SETTINGS:
+            self._on_settings(stream_id, payload, events)
+            return
+        if self._peer is None:
+            raise _link_error(f"frame type {kind} before SETTINGS")
+        if kind in (OPEN, RESET):
+            if stream_id == 0:
+                raise _link_error(f"frame type {kind} on stream 0")
+            if kind == OPEN:
+                self._on_open(stream_id, payload, events)
+            else:
+                self._on_reset(stream_id, payload, events)
+        elif kind == WINDOW:
+            self._on_window(stream_id, payload, events)
+        elif stream_id != 0:
+            raise _link_error(f"frame type {kind} must be on stream 0")
+        elif kind == PING:
+            if len(payload) != 8:
+                raise _link_error("PING payload must be 8 bytes")
+            self._frame(PONG, 0, 0, payload)
+        elif kind == PONG:
+            if len(payload) != 8:
+                raise _link_error("PONG payload must be 8 bytes")
+            sent_at = self._pings.pop(payload, None)
+            if sent_at is not None:
+                events.append(PongReceived(sent_at))
+        else:
+            self._on_goaway(payload, events)
+
+    def _on_settings(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
+        if stream_id != 0:
+            raise _link_error("SETTINGS must be on stream 0")
+        if self._peer is not None:
+            raise _link_error("SETTINGS sent twice")
+        if len(payload) % _SETTING.size:
+            raise _link_error("SETTINGS payload is not whole entries")
+        values = {
+            _S_STREAM_WINDOW: 0,
+            _S_LINK_WINDOW: 0,
+            _S_MAX_FRAME: 0,
+            _S_MAX_STREAMS: -1,
+        }
+        for offset in range(0, len(payload), _SETTING.size):
+            key, value = _SETTING.unpack_from(payload, offset)
+            if key in values:
+                values[key] = value
+        if not (
+            1 <= values[_S_STREAM_WINDOW] <= MAX_WINDOW
+            and 1 <= values[_S_LINK_WINDOW] <= MAX_WINDOW
+            and _MIN_FRAME <= values[_S_MAX_FRAME] <= _MAX_FRAME
+            and values[_S_MAX_STREAMS] >= 0
+        ):
+            raise _link_error("SETTINGS missing or out of range")
+        self._peer = _PeerSettings(
+            stream_window=values[_S_STREAM_WINDOW],
+            link_window=values[_S_LINK_WINDOW],
+            max_frame=values[_S_MAX_FRAME],
+            max_streams=values[_S_MAX_STREAMS],
+        )
+        self._link_send_window = self._peer.link_window
+        for stream in self._streams.values():
+            stream.send_window = self._peer.stream_window
+        events.append(CreditAvailable(0))
+
+    def _on_open(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
+        if self._is_local(stream_id):
+            raise _link_error(f"peer opened stream {stream_id} with our parity")
+        if stream_id <= self._last_peer_id:
+            raise _link_error(f"peer reopened stream {stream_id}")
+        self._last_peer_id = stream_id
+        try:
+            protocol = payload.decode()
+        except UnicodeDecodeError:
+            protocol = ""
+        refusal = None
+        if not protocol:
+            refusal = ProtocolError(ErrorCode.BAD_REQUEST, "bad protocol name")
+        elif self._goaway_sent:
+            refusal = ProtocolError(ErrorCode.OVERLOADED, "link is going away", retry_after_ms=0)
+        elif self._peer_count >= self.config.max_streams:
+            refusal = ProtocolError(
+                ErrorCode.OVERLOADED, f"at most {self.config.max_streams} concurrent streams"
+            )
+        if refusal is not None:
+            self._frame(RESET, 0, stream_id, _pack_error(refusal))
+            return
+        assert self._peer is not None
+        self._streams[stream_id] = _Stream(
+            send_window=self._peer.stream_window, recv_window=self.config.stream_window
+        )
+        self._peer_count += 1
+        events.append(StreamOpened(stream_id, protocol))
+
+    def _on_reset(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
+        error = _unpack_error(payload)
+        if stream_id not in self._streams:
+            if not self._was_opened(stream_id):
+                raise _link_error(f"RESET of stream {stream_id}, which was never opened")
+            return
+        self._forget(stream_id)
+        events.append(StreamReset(stream_id, error, remote=True))
+
+    def _on_window(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
+        if len(payload) != 4:
+            raise _link_error("WINDOW payload must be 4 bytes")
+        (increment,) = _U32.unpack(payload)
+        if not 1 <= increment <= MAX_WINDOW:
+            raise _link_error(f"window increment {increment} out of range")
+        if stream_id == 0:
+            self._link_send_window += increment
+            if self._link_send_window > MAX_WINDOW:
+                raise _link_error("link window overflow")
+            events.append(CreditAvailable(0))
+            return
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if not self._was_opened(stream_id):
+                raise _link_error(f"WINDOW for stream {stream_id}, which was never opened")
+            return
+        stream.send_window += increment
+        if stream.send_window > MAX_WINDOW:
+            self._stream_error(stream_id, "stream window overflow", events)
+            return
+        events.append(CreditAvailable(stream_id))
+
+    def _on_goaway(self, payload: bytes, events: list[Event]) -> None:
+        if len(payload) < 4:
+            raise _link_error("truncated GOAWAY")
+        (last_stream_id,) = _U32.unpack_from(payload)
+        error = _unpack_error(payload[4:])
+        if self._goaway_received is None:
+            self._goaway_received = error
+        events.append(GoAwayReceived(last_stream_id, error))
+        unprocessed = [
+            sid
+            for sid in self._streams
+            if sid > last_stream_id and self._is_local(sid)
+        ]
+        for sid in unprocessed:
+            self._forget(sid)
+            events.append(
+                StreamReset(
+                    sid,
+                    ProtocolError(ErrorCode.OVERLOADED, f"peer went away: {error.message}"),
+                    remote=True,
+                )
+            )
+
+    # ----- internals
+
+    def _queue_settings(self) -> None:
+        config = self.config
+        payload = b"".join(
+            _SETTING.pack(key, value)
+            for key, value in (
+                (_S_STREAM_WINDOW, config.stream_window),
+                (_S_LINK_WINDOW, config.link_window),
+                (_S_MAX_FRAME, config.max_frame),
+                (_S_MAX_STREAMS, config.max_streams),
+            )
+        )
+        self._frame(SETTINGS, 0, 0, payload)
+
+    def _frame(
+        self, kind: int, flags: int, stream_id: int, payload: bytes | bytearray | memoryview
+    ) -> None:
+        self._out.append(HEADER.pack(kind, flags, stream_id, len(payload)))
+        if payload:
+            self._out.append(payload)
+
+    def _is_local(self, stream_id: int) -> bool:
+        return (stream_id % 2 == 1) == self._dialer
+
+    def _was_opened(self, stream_id: int) -> bool:
+        if self._is_local(stream_id):
+            return stream_id < self._next_local_id
+        return stream_id <= self._last_peer_id
+
+    def _stream_error(self, stream_id: int, message: str, events: list[Event]) -> None:
+        error = ProtocolError(ErrorCode.BAD_REQUEST, message)
+        self._frame(RESET, 0, stream_id, _pack_error(error))
+        self._forget(stream_id)
+        events.append(StreamReset(stream_id, error, remote=False))
+
+    def _maybe_forget(self, stream_id: int, stream: _Stream) -> None:
+        if not stream.local_open and not stream.remote_open:
+            self._forget(stream_id)
+
+    def _forget(self, stream_id: int) -> None:
+        del self._streams[stream_id]
+        if self._is_local(stream_id):
+            self._local_count -= 1
+        else:
+            self._peer_count -= 1
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _fail(self, error: ProtocolError) -> None:
+        self._out.clear()
+        self._frame(GOAWAY, 0, 0, _U32.pack(self._last_peer_id) + _pack_error(error))
+        self._error = error
