@@ -30,3 +30,18 @@ def unsupported_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gguf_factory import UNSUPPORTED_SPEC, write_tiny_gguf
 
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf-unsupported") / "gpt2.gguf", UNSUPPORTED_SPEC)
+
+
+def greedy_reference(model: Path, prompts: list[str], new_tokens: int) -> dict[str, list[int]]:
+    """Greedy answers of the whole model in one process: what every split pipeline must reproduce."""
+    from meshd.engine.chain import LocalChain
+
+    chain = LocalChain(model, None, n_ctx=1024, n_threads=1)
+    try:
+        out = {}
+        for p in prompts:
+            prompt = chain.head.tokenize(chain.head.apply_chat([{"role": "user", "content": p}]), add_special=False)
+            out[p] = [t for t in chain.generate(prompt, new_tokens) if not chain.head.is_eog(t)]
+        return out
+    finally:
+        chain.close()

@@ -12,9 +12,9 @@ import pytest
 import trio
 
 from meshd.ask import AskRequest, Stage, ask_with_failover, check_route, describe_route
-from meshd.engine.chain import LocalChain
 from meshd.node import rpc
 from meshd.peers import Peers, open_peers
+from tests.conftest import greedy_reference
 from meshd.localmesh import Served, run_meshd, start_join
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
@@ -40,12 +40,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served]]:
 
 @pytest.fixture(scope="module")
 def expected(default_model: Path) -> list[int]:
-    chain = LocalChain(default_model, None, n_ctx=1024, n_threads=1)
-    try:
-        prompt = chain.head.tokenize(chain.head.apply_chat([{"role": "user", "content": PROMPT}]), add_special=False)
-        return [t for t in chain.generate(prompt, 128) if not chain.head.is_eog(t)]
-    finally:
-        chain.close()
+    return greedy_reference(default_model, [PROMPT], 128)[PROMPT]
 
 
 @pytest.fixture

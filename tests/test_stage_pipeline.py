@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from meshd.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session
-from meshd.engine.chain import LocalChain
 from meshd.peers import Peers, open_peers
+from tests.conftest import greedy_reference
 from meshd.localmesh import Served, start_serve
 from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
@@ -45,17 +45,7 @@ def stages() -> Iterator[list[Served]]:
 
 @pytest.fixture(scope="module")
 def expected(default_model: Path) -> dict[str, list[int]]:
-    """Greedy answers of the whole model in one process, the reference for every test here."""
-    chain = LocalChain(default_model, None, n_ctx=1024, n_threads=1)
-    try:
-        out = {}
-        for p in PROMPTS:
-            prompt = chain.head.tokenize(chain.head.apply_chat([{"role": "user", "content": p}]), add_special=False)
-            tokens = list(chain.generate(prompt, NEW_TOKENS))
-            out[p] = [t for t in tokens if not chain.head.is_eog(t)]
-        return out
-    finally:
-        chain.close()
+    return greedy_reference(default_model, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture

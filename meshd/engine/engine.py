@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -158,55 +158,41 @@ class Model:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def _fill(self, what: str, ctype: str, capacity: int, call: Callable[[object, int, object], int]) -> list[int] | bytes:
+        """The query-size-then-fill idiom: call(buffer, capacity, size_out), growing once if told to."""
         ffi, lib = self._ffi, self._lib
-        raw = text.encode()
         n = ffi.new("int32_t *")
-        capacity = len(raw) + 8
         while True:
-            buf = ffi.new("int32_t[]", capacity)
-            rc = lib.me_tokenize(self.handle, raw, len(raw), add_special, parse_special, buf, capacity, n)
+            buf = ffi.new(f"{ctype}[]", capacity)
+            rc = call(buf, capacity, n)
             if rc == lib.ME_ERR_BUFFER_TOO_SMALL and n[0] > capacity:
                 capacity = n[0]
                 continue
-            self._check(rc, "tokenize")
-            return list(ffi.unpack(buf, n[0]))
+            self._check(rc, what)
+            return ffi.unpack(buf, n[0])
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        raw = text.encode()
+        return list(self._fill("tokenize", "int32_t", len(raw) + 8, lambda buf, cap, n: self._lib.me_tokenize(
+            self.handle, raw, len(raw), add_special, parse_special, buf, cap, n)))
 
     def detokenize(self, tokens: Sequence[int], remove_special: bool = False, unparse_special: bool = False) -> str:
-        ffi, lib = self._ffi, self._lib
         ids = self._checked_tokens(tokens)
-        arr = ffi.new("int32_t[]", ids)
-        n = ffi.new("int32_t *")
-        capacity = 8 * len(ids) + 16
-        while True:
-            buf = ffi.new("char[]", capacity)
-            rc = lib.me_detokenize(self.handle, arr, len(ids), remove_special, unparse_special, buf, capacity, n)
-            if rc == lib.ME_ERR_BUFFER_TOO_SMALL and n[0] > capacity:
-                capacity = n[0]
-                continue
-            self._check(rc, "detokenize")
-            return ffi.unpack(buf, n[0]).decode(errors="replace")
+        arr = self._ffi.new("int32_t[]", ids)
+        return bytes(self._fill("detokenize", "char", 8 * len(ids) + 16, lambda buf, cap, n: self._lib.me_detokenize(
+            self.handle, arr, len(ids), remove_special, unparse_special, buf, cap, n))).decode(errors="replace")
 
     def token_piece(self, token: int, special: bool = False) -> bytes:
-        ffi, lib = self._ffi, self._lib
         self._checked_tokens([token])
-        n = ffi.new("int32_t *")
-        capacity = 64
-        while True:
-            buf = ffi.new("char[]", capacity)
-            rc = lib.me_token_piece(self.handle, token, special, buf, capacity, n)
-            if rc == lib.ME_ERR_BUFFER_TOO_SMALL and n[0] > capacity:
-                capacity = n[0]
-                continue
-            self._check(rc, "token piece")
-            return ffi.unpack(buf, n[0])
+        return bytes(self._fill("token piece", "char", 64, lambda buf, cap, n: self._lib.me_token_piece(
+            self.handle, token, special, buf, cap, n)))
 
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.me_token_is_eog(self.handle, token))
 
     def apply_chat(self, messages: Sequence[dict[str, str]], add_assistant: bool = True) -> str:
         ffi, lib = self._ffi, self._lib
-        keep = []
+        keep = []  # cffi frees a string once unreferenced; the C call reads them later
         arr = ffi.new("me_chat_message[]", len(messages))
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -214,16 +200,10 @@ class Model:
             role, content = ffi.new("char[]", m["role"].encode()), ffi.new("char[]", m["content"].encode())
             keep += [role, content]
             arr[i].role, arr[i].content = role, content
-        n = ffi.new("int32_t *")
         capacity = sum(len(m["content"]) + len(m["role"]) for m in messages) * 2 + 256
-        while True:
-            buf = ffi.new("char[]", capacity)
-            rc = lib.me_chat_apply(self.handle, arr, len(messages), add_assistant, buf, capacity, n)
-            if rc == lib.ME_ERR_BUFFER_TOO_SMALL and n[0] > capacity:
-                capacity = n[0]
-                continue
-            self._check(rc, "chat template")
-            return ffi.unpack(buf, n[0]).decode(errors="replace")
+        text = self._fill("chat template", "char", capacity, lambda buf, cap, n: lib.me_chat_apply(
+            self.handle, arr, len(messages), add_assistant, buf, cap, n))
+        return bytes(text).decode(errors="replace")
 
     def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
         ids = [int(t) for t in tokens]
