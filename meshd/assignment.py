@@ -148,6 +148,8 @@ def assign(
     """Place `model` on `nodes`; with `current`, move as little as is worth it.
 
     Raises CoverageError when the nodes cannot hold every layer."""
+    # One entry per node (the last wins), or a node could be given two ranges.
+    nodes = list({node.node_id: node for node in nodes}.values())
     measured = [node.seconds_per_layer for node in nodes if node.seconds_per_layer > 0]
     # An unmeasured node is taken to be typical of the mesh, neither favoured nor shunned.
     default_speed = statistics.median(measured) if measured else 1e-3

@@ -9,7 +9,8 @@ addresses in the member's signed capability record.
 Membership updates ride on probes, acks and a periodic gossip fan-out, and a
 full push-pull state exchange runs now and then and on join. Every "alive"
 update carries the member's signed record; its version is the incarnation, so
-only a node itself can refute a suspicion of itself.
+only a node itself can refute a suspicion of itself. Every message also names
+its sender's version, so a node that missed an update pulls it at once.
 """
 
 from __future__ import annotations
@@ -169,10 +170,9 @@ class SwimConfig:
     suspicion_mult: float = 4.0
     suspicion_max_mult: float = 6.0
     # Each node passes each update on retransmit_mult * ceil(log10(N + 1)) times, so a node misses
-    # it with odds of about exp(-that). memberlist's 4 leaves a straggler in a few hundred nodes
-    # after a burst of a few hundred record changes, for push-pull to mend minutes later; 5 makes
-    # that rare. Records drive placement and routing here, so they are worth the extra sends.
-    retransmit_mult: int = 5
+    # it with odds of about exp(-that); the version every message carries lets it pull what it
+    # missed at the next message from that member rather than at the next push-pull.
+    retransmit_mult: int = 4
     gossip_interval: float = 0.2
     gossip_nodes: int = 3
     # Keep gossiping to a dead member this long (one per round), so a falsely declared node hears.
@@ -513,7 +513,9 @@ class Membership:
             own = _made(SyncEntry, record=self._record, state=self.state(self._node_id).value)
             self._send(src, _made(Sync, reply=True, entries=[own]))
         if kind == "swim.ping":
-            self._send(src, _made(Ack, version=self._record.version, seq=message.seq, gossip=self._piggyback()))
+            self._send(
+                src, _made(Ack, version=self._record.version, seq=message.seq, gossip=self._piggyback())
+            )
         elif kind == "swim.ack":
             self._handle_ack(now, src, message)
         elif kind == "swim.ping_req":
@@ -622,7 +624,16 @@ class Membership:
             self._live.sample(self._rng, self._config.indirect_checks, exclude=(probe.target,))
         )
         for helper in probe.helpers:
-            self._send(helper, _made(PingReq, version=self._record.version, seq=probe.seq, target=probe.target, gossip=self._piggyback()))
+            self._send(
+                helper,
+                _made(
+                    PingReq,
+                    version=self._record.version,
+                    seq=probe.seq,
+                    target=probe.target,
+                    gossip=self._piggyback(),
+                ),
+            )
 
     def _handle_ack(self, now: float, src: str, ack: Ack) -> None:
         probe = self._probe
@@ -637,14 +648,18 @@ class Membership:
         relayed = self._relayed.pop(ack.seq, None)
         if relayed is not None:
             requester, their_seq, _ = relayed
-            self._send(requester, _made(Ack, version=self._record.version, seq=their_seq, gossip=self._piggyback()))
+            self._send(
+                requester, _made(Ack, version=self._record.version, seq=their_seq, gossip=self._piggyback())
+            )
 
     def _handle_ping_req(self, now: float, src: str, request: PingReq) -> None:
         if self._store.get(request.target) is None:
             return  # we could not dial it
         self._seq += 1
         self._relayed[self._seq] = (src, request.seq, now + self._config.probe_timeout)
-        self._send(request.target, _made(Ping, version=self._record.version, seq=self._seq, gossip=self._piggyback()))
+        self._send(
+            request.target, _made(Ping, version=self._record.version, seq=self._seq, gossip=self._piggyback())
+        )
 
     def _prune_relayed(self, now: float) -> None:
         expired = [seq for seq, (_, _, expiry) in self._relayed.items() if expiry <= now]
@@ -683,7 +698,10 @@ class Membership:
         if self._gossip_pool_dead:
             updates = sent or self._piggyback()
             if updates:
-                self._send(self._rng.choice(self._gossip_pool_dead), _made(Gossip, version=self._record.version, gossip=updates))
+                self._send(
+                    self._rng.choice(self._gossip_pool_dead),
+                    _made(Gossip, version=self._record.version, gossip=updates),
+                )
 
     def _sync_state(self) -> list[SyncEntry]:
         entries = [_made(SyncEntry, record=self._record, state=self.state(self._node_id).value)]

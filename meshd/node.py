@@ -29,11 +29,18 @@ from meshd.stage import STAGE_PROTOCOL, StageLimits, StageService, answer_typed
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from relay.circuit import enable_circuits
+from relay.limits import RelayLimits
+from relay.protocol import parse_circuit_address
+from relay.reservations import RelayCandidate, ReservationKeeper
+from relay.service import RelayService, Tap
 from wire.meshrpc import (
     MESH_PROTOCOL,
     SWIM_PROTOCOL,
     AssignmentReply,
     AssignmentRequest,
+    DialBackReply,
+    DialBackRequest,
     MemberStatus,
     ModelCoverage,
     RouteReply,
@@ -58,6 +65,11 @@ class NodeConfig:
                                                                     max_total_tokens=4096))
     client: bool = False
     relay: bool = False
+    relay_limits: RelayLimits = field(default_factory=RelayLimits)
+    relay_tap: Tap | None = None
+    # Relays a node behind NAT keeps reservations on.
+    reservations: int = 2
+    dial_back_timeout: float = 3.0
     peers: PeersConfig = field(default_factory=PeersConfig)
     assign_interval: float = 1.0
     rpc_timeout: float = 5.0
@@ -99,6 +111,7 @@ class MeshDaemon:
         self._seed_addresses: dict[str, str] = {}
         self._wake = trio.Event()
         self._nursery: trio.Nursery
+        self.relay: RelayService | None = None
 
     # ----- lifecycle
 
@@ -112,15 +125,27 @@ class MeshDaemon:
             peers.handle(SWIM_PROTOCOL, self._on_swim)
             peers.handle(MESH_PROTOCOL, self._on_rpc)
             peers.handle(STAGE_PROTOCOL, self._on_stage)
+            enable_circuits(peers)
+            if cfg.relay:
+                self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
             port = await peers.listen(*cfg.listen)
             self.address = f"{cfg.listen[0]}:{port}"
             roles = ([ROLE_CLIENT] if cfg.client else []) + ([ROLE_RELAY] if cfg.relay else [])
+            # A relay is public by its operator's word; others learn it from a seed's dial-back.
+            checks = bool(cfg.seeds) and not (cfg.relay or cfg.client)
             record = CapabilityRecord.create(
-                self.identity, int(time.time() * 1000), addresses=[self.address], reachability="public",
+                self.identity, int(time.time() * 1000), addresses=[self.address],
+                reachability="unknown" if checks else "public",
                 memory_bytes=0 if cfg.client else cfg.memory_bytes, models=[self.model] if self.model else [],
                 roles=roles, started_at=time.time())
             self.mesh = MeshNode(self.identity, record, trio.current_time())
             await self._join_seeds()
+            if checks:
+                await self._check_reachability()
+            if self.mesh.record.reachability == "nat":
+                keeper = ReservationKeeper(peers, self._relay_candidates, self._publish_relays,
+                                           want=cfg.reservations)
+                nursery.start_soon(keeper.run)
             nursery.start_soon(self._drive)
             if not cfg.client:
                 nursery.start_soon(self._track)
@@ -173,9 +198,70 @@ class MeshDaemon:
 
     def address_of(self, node_id: str) -> str | None:
         record = self.mesh.membership.record_of(node_id)
-        if record is not None and record.addresses:
-            return record.addresses[0]
+        if record is not None:
+            address = self.dial_address(record)
+            if address is not None:
+                return address
         return self._seed_addresses.get(node_id)
+
+    def dial_address(self, record: CapabilityRecord) -> str | None:
+        """Where to dial a node: its own address or, behind NAT, a circuit through a relay we believe alive."""
+        if record.reachability == "nat" and record.relay_addresses:
+            relays = {a for r in self.live_records() if ROLE_RELAY in r.roles for a in r.addresses}
+            return next((a for a in record.relay_addresses if parse_circuit_address(a)[0] in relays),
+                        record.relay_addresses[0])
+        return record.addresses[0] if record.addresses else None
+
+    # ----- reachability and relays
+
+    async def _check_reachability(self) -> None:
+        """Asks the seeds to dial this node back; if one can it is public, if every one that answers cannot, NAT."""
+        verdicts: list[bool] = []
+        for node_id, address in self._seed_addresses.items():
+            try:
+                reply = await rpc(self.peers, address, DialBackRequest(address=self.address), node_id,
+                                  self.config.dial_back_timeout + 2.0)
+            except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                log.info("seed %s did not dial back: %s", address, exc)
+                continue
+            if isinstance(reply, DialBackReply):
+                verdicts.append(reply.reachable)
+                if not reply.reachable:
+                    log.info("seed %s cannot dial %s: %s", address, self.address, reply.detail)
+        if verdicts:
+            reachability = "public" if any(verdicts) else "nat"
+            log.info("reachability: %s", reachability)
+            self.mesh.update_record(trio.current_time(), reachability=reachability)
+            self._flush()
+
+    async def _dial_back(self, stream: Stream, address: str) -> DialBackReply:
+        # As libp2p's AutoNAT: only the host the request comes from, so nobody can aim us at a third party.
+        observed = stream.link.address.rpartition(":")[0]
+        host, _, port = address.rpartition(":")
+        if host != observed or not port.isdigit():
+            return DialBackReply(reachable=False, detail=f"{address} is not where you dial from ({observed})")
+        with trio.move_on_after(self.config.dial_back_timeout):
+            try:
+                connection = await trio.open_tcp_stream(host, int(port))
+            except OSError as exc:
+                return DialBackReply(reachable=False, detail=f"cannot connect to {address}: {exc.strerror}")
+            await connection.aclose()
+            return DialBackReply(reachable=True)
+        return DialBackReply(reachable=False, detail=f"connecting to {address} timed out")
+
+    def _is_member(self, node_id: str) -> bool:
+        return self.mesh.membership.record_of(node_id) is not None
+
+    def _relay_candidates(self) -> list[RelayCandidate]:
+        records = [r for r in self.live_records() if ROLE_RELAY in r.roles and r.node_id != self.mesh.node_id
+                   and r.reachability == "public" and r.addresses]
+        return [RelayCandidate(r.node_id, r.addresses[0]) for r in sorted(records, key=lambda r: r.node_id)]
+
+    def _publish_relays(self, addresses: list[str]) -> None:
+        log.info("reachable through %s", ", ".join(addresses) or "no relay")
+        self.mesh.update_record(trio.current_time(), relay_addresses=addresses)
+        self._flush()
+        self._wake.set()
 
     async def _send_swim(self, dest: str, message: Message) -> None:
         address = self.address_of(dest)
@@ -209,12 +295,14 @@ class MeshDaemon:
             reply = self.route(request.model, request.exclude)
         elif isinstance(request, StatusRequest):
             reply = self.status()
+        elif isinstance(request, DialBackRequest):
+            reply = await self._dial_back(stream, request.address)
         else:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown mesh request {request.type!r}")
         await stream.send_message(reply)
 
     def live_records(self) -> list[CapabilityRecord]:
-        return [self.mesh.record, *self.mesh.membership.live_records()]
+        return self.mesh.membership.live_records()
 
     def _models(self) -> dict[str, ModelInfo]:
         out: dict[str, ModelInfo] = {}
@@ -252,7 +340,8 @@ class MeshDaemon:
             found = plan_route(stage_options(records.values(), model), info.n_layers, link_cost, exclude=exclude)
         except NoRouteError as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}") from None
-        stages = [RouteStage(node_id=s.node_id, address=records[s.node_id].addresses[0], start=s.start, end=s.end)
+        stages = [RouteStage(node_id=s.node_id, address=self.dial_address(records[s.node_id]) or "",
+                             start=s.start, end=s.end)
                   for s in found.stages]
         return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
 
@@ -283,6 +372,7 @@ class MeshDaemon:
         roles = list(record.roles) + (["tracker"] if tracker and tracker.node_id == record.node_id else [])
         return MemberStatus(node_id=record.node_id, address=record.addresses[0] if record.addresses else "",
                             state=state, roles=roles, reachability=record.reachability,
+                            relay_addresses=list(record.relay_addresses),
                             memory_bytes=record.memory_bytes,
                             served=[f"{s.model[:12]} [{s.start}, {s.end})" for s in record.served],
                             models=[m.name for m in record.models])

@@ -116,6 +116,12 @@ def test_nodes_too_small_for_a_segment_cover_it_together() -> None:
     assert max(stage.layers for stage in group) - min(stage.layers for stage in group) <= 1
 
 
+def test_a_node_listed_twice_gets_one_range() -> None:
+    twice = [node("a", 64, 0.001), node("a", 64, 0.001), node("b", 64)]
+    result = assign(twice, MODEL)
+    assert sorted(stage.node_id for stage in result.stages) == ["a", "b"]
+
+
 def test_unmeasured_nodes_count_as_typical() -> None:
     nodes = [node("a", 16, 0.01), node("b", 16, 0.03), node("new", 16, 0.0)]
     result = assign(nodes, MODEL)

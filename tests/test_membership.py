@@ -130,7 +130,9 @@ def test_a_suspect_refutes_by_signing_a_newer_record() -> None:
     nodes[0].handle_message(
         net.now,
         nodes[1].node_id,
-        Gossip(version=0, gossip=[Suspect(node=accused.node_id, incarnation=version, accuser=nodes[1].node_id)]),
+        Gossip(
+            version=0, gossip=[Suspect(node=accused.node_id, incarnation=version, accuser=nodes[1].node_id)]
+        ),
     )
     assert nodes[0].state(accused.node_id) is MemberState.SUSPECT
     net.run_until(net.now + 3.0)
@@ -149,7 +151,9 @@ def test_lifeguard_suspicion_shrinks_with_independent_confirmations() -> None:
             node.handle_message(
                 0.0,
                 "x",
-                Gossip(version=0, gossip=[Suspect(node=target, incarnation=1, accuser=record(accuser).node_id)]),
+                Gossip(
+                    version=0, gossip=[Suspect(node=target, incarnation=1, accuser=record(accuser).node_id)]
+                ),
             )
         t = 0.0
         while node.state(target) is not MemberState.DEAD:
@@ -215,7 +219,9 @@ def test_a_node_that_missed_an_update_pulls_it_from_the_next_message() -> None:
     net.run_until(net.now + 3.0)  # well before any push-pull
     for other in nodes[1:]:
         assert deaf.record_of(other.node_id).version == other.record.version
-    assert any(isinstance(m, Sync) and src == deaf.node_id and len(m.entries) == 1 for _, src, _, m in net.log)
+    assert any(
+        isinstance(m, Sync) and src == deaf.node_id and len(m.entries) == 1 for _, src, _, m in net.log
+    )
 
 
 def test_accusations_naming_a_version_never_published_are_ignored() -> None:
@@ -283,7 +289,12 @@ def test_messages_round_trip_through_the_wire_codec() -> None:
     messages = [
         Ping(seq=1, version=1, gossip=[Alive(record=rec)]),
         Ack(seq=1, version=1, gossip=[Suspect(node=rec.node_id, incarnation=1, accuser="b" * 40)]),
-        PingReq(seq=2, target=rec.node_id, version=1, gossip=[Dead(node=rec.node_id, incarnation=1, accuser="c" * 40)]),
+        PingReq(
+            seq=2,
+            target=rec.node_id,
+            version=1,
+            gossip=[Dead(node=rec.node_id, incarnation=1, accuser="c" * 40)],
+        ),
         Gossip(version=0, gossip=[]),
         Sync(reply=True, entries=[SyncEntry(record=rec, state="alive")]),
     ]
@@ -301,7 +312,12 @@ def test_messages_round_trip_through_the_wire_codec() -> None:
         {"type": "swim.ping", "v": 1},
         {"type": "swim.ping", "v": 2, "seq": 1, "version": 1},
         {"type": "swim.ping", "v": 1, "seq": -1, "version": 1},
-        {"type": "swim.gossip", "v": 1, "version": 1, "gossip": [{"kind": "alive", "record": {"node_id": "x"}}]},
+        {
+            "type": "swim.gossip",
+            "v": 1,
+            "version": 1,
+            "gossip": [{"kind": "alive", "record": {"node_id": "x"}}],
+        },
         {"type": "swim.gossip", "v": 1, "version": 1, "gossip": [{"kind": "rumour"}]},
         {"type": "swim.sync", "v": 1, "reply": True, "entries": [{"record": 1, "state": "alive"}]},
     ],
