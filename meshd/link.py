@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import trio
 
+from meshd.transport import RecordTransport
 from wire.codec import DEFAULT_LIMITS, Limits, Message, MessageDecoder, encode
 from wire.errors import ErrorCode, ProtocolError
 from wire.link import SecureLink
@@ -36,8 +37,6 @@ from wire.mux import (
     StreamOpened,
     StreamReset,
 )
-
-from meshd.transport import RecordTransport
 
 log = logging.getLogger(__name__)
 
@@ -190,26 +189,19 @@ class Stream(trio.abc.HalfCloseableStream):
         self._receiving = True
         decoder = self._decoder
         try:
-            while True:
-                try:
-                    message = decoder.next_message()
-                except ProtocolError as exc:
-                    self.reset(exc)
-                    raise
-                if message is not None:
-                    return message
+            message = decoder.next_message()
+            while message is None:
                 chunk = await self._next_chunk()
                 if not chunk:
-                    if self._decoder.buffered:
-                        error = ProtocolError(ErrorCode.BAD_REQUEST, "stream ended inside a message")
-                        self.reset(error)
-                        raise error
+                    if decoder.buffered:
+                        raise ProtocolError(ErrorCode.BAD_REQUEST, "stream ended inside a message")
                     raise trio.EndOfChannel
-                try:
-                    decoder.feed(chunk)
-                except ProtocolError as exc:
-                    self.reset(exc)
-                    raise
+                message = decoder.decode_whole(chunk)
+            return message
+        except ProtocolError as exc:
+            if exc is not self._error:
+                self.reset(exc)
+            raise
         finally:
             self._receiving = False
 

@@ -25,19 +25,13 @@ from dataclasses import dataclass, field
 
 import trio
 from trio_websocket import (
+    ConnectionClosed,
     Endpoint,
     WebSocketRequest,
     WebSocketServer,
     open_websocket_url,
     serve_websocket,
 )
-
-from wire.codec import DEFAULT_LIMITS, Limits
-from wire.errors import ErrorCode, ProtocolError
-from wire.identity import NodeIdentity
-from wire.link import SecureLink
-from wire.mux import MuxConfig
-from wire.noise import mesh_key_from_secret
 
 from meshd.link import Link, LinkTimings, Stream
 from meshd.transport import (
@@ -46,10 +40,18 @@ from meshd.transport import (
     RecordTransport,
     WebSocketTransport,
 )
+from wire.codec import DEFAULT_LIMITS, Limits
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.link import SecureLink
+from wire.mux import MuxConfig
+from wire.noise import mesh_key_from_secret
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Stream], Awaitable[None]]
+# Dials an address that is not a WebSocket (a relay circuit): (address, expected node id) -> link.
+Dialer = Callable[[str, "str | None"], Awaitable[Link]]
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Peers:
         self._nursery = nursery
         self._observer = observer
         self._handlers: dict[str, Handler] = {}
+        self._dialers: list[tuple[Callable[[str], bool], Dialer]] = []
         self._by_node: dict[str, Link] = {}
         self._by_address: dict[str, Link] = {}
         self._dials: dict[str, trio.Event] = {}
@@ -159,12 +162,24 @@ class Peers:
         if self._closing:
             await request.reject(503)
             return
-        ws = await request.accept()
-        link = await self._establish(WebSocketTransport(ws, address), dialer=False)
-        if link is not None:
-            await self._serve(link)
+        # trio-websocket runs this in our nursery and lets exceptions through:
+        # nothing a connecting peer does may take the node down.
+        try:
+            ws = await request.accept()
+            link = await self._establish(WebSocketTransport(ws, address), dialer=False)
+            if link is not None:
+                await self._serve(link)
+        except ConnectionClosed:
+            log.debug("%s went away during the WebSocket handshake", address)
+        except Exception:
+            log.exception("inbound connection from %s failed", address)
 
     # ----- dialing
+
+    def add_dialer(self, matches: Callable[[str], bool], dial: Dialer) -> None:
+        """Have ``connect`` reach the addresses ``matches`` accepts with ``dial``
+        (which typically ends in ``attach``) instead of a WebSocket."""
+        self._dialers.append((matches, dial))
 
     async def connect(self, address: str, *, node_id: str | None = None) -> Link:
         """The link to the peer at ``address``, dialing it if there is none.
@@ -172,7 +187,8 @@ class Peers:
         With ``node_id``, an existing link to that node is reused, and a peer at
         ``address`` with another identity is refused (UNAUTHORIZED).
         """
-        url = ws_url(address)
+        custom = next((dial for matches, dial in self._dialers if matches(address)), None)
+        url = address if custom is not None else ws_url(address)
         while True:
             for known in (self._by_node.get(node_id or ""), self._by_address.get(url)):
                 if known is not None and known.usable and node_id in (None, known.remote_node_id):
@@ -184,8 +200,13 @@ class Peers:
         done = trio.Event()
         self._dials[url] = done
         try:
-            link: Link = await self._nursery.start(self._dial, url, node_id)
-            return link
+            if custom is not None:
+                link = await custom(address, node_id)
+                if link.usable:
+                    self._by_address[url] = link
+                return link
+            dialed: Link = await self._nursery.start(self._dial, url, node_id)
+            return dialed
         finally:
             del self._dials[url]
             done.set()
@@ -412,7 +433,10 @@ class Peers:
 
     def _notify(self, event: PeerEvent) -> None:
         if self._observer is not None:
-            self._observer(event)
+            try:
+                self._observer(event)
+            except Exception:
+                log.exception("peer event observer failed on %r", event)
 
 
 @asynccontextmanager
@@ -428,6 +452,8 @@ async def open_peers(
             yield peers
         finally:
             with trio.CancelScope(shield=True):
-                with trio.move_on_after(peers.config.drain_timeout + 2 * peers.config.timings.close_timeout):
+                with trio.move_on_after(
+                    peers.config.drain_timeout + 2 * peers.config.timings.close_timeout
+                ):
                     await peers.aclose()
             nursery.cancel_scope.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import struct
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from trio_websocket import ConnectionClosed, open_websocket_url
 
 from meshd.link import LinkTimings, Stream
 from meshd.peers import HandshakeFailed, LinkDown, PeerEvent, Peers, PeersConfig, open_peers
@@ -113,6 +115,28 @@ async def test_a_wrong_mesh_key_is_refused_on_both_sides_with_a_clear_reason() -
         assert "mesh key mismatch" in event.error.message
 
 
+async def test_garbage_from_strangers_does_not_disturb_the_node() -> None:
+    async with two_peers() as (alice, bob, address, events):
+        host, port = address.split(":")
+        for junk in (b"\x00" * 100, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x16\x03\x01"):
+            tcp = await trio.open_tcp_stream(host, int(port))
+            await tcp.send_all(junk)
+            await tcp.aclose()
+        for records in ([b""], [b"\x01" + bytes(31)], [b"\x02reject", b"x" * 70_000]):
+            async with open_websocket_url(f"ws://{address}/") as ws:
+                with trio.move_on_after(2), contextlib.suppress(ConnectionClosed):
+                    for record in records:
+                        await ws.send_message(record)
+                    while True:  # the node's REJECT, then it hangs up
+                        await ws.get_message()
+        with trio.fail_after(5):
+            while sum(isinstance(e, HandshakeFailed) for e in events) < 3:
+                await trio.sleep(0.01)
+        stream = await alice.open_stream(address, "echo", node_id=BOB.node_id)
+        await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="still here"))
+        assert (await stream.receive_message()).message == "still here"  # type: ignore[attr-defined]
+
+
 async def test_dialing_an_expected_node_id_and_reaching_another_key_fails() -> None:
     async with two_peers() as (alice, _, address, _events):
         with pytest.raises(ProtocolError) as info:
@@ -137,7 +161,7 @@ SMALL_WINDOWS = PeersConfig(
 )
 
 
-async def test_a_stalled_reader_does_not_stall_other_streams_and_the_sender_stops_at_its_window() -> None:
+async def test_a_stalled_stream_neither_blocks_others_nor_buffers_past_its_window() -> None:
     stalled_streams: list[Stream] = []
 
     async def never_read(stream: Stream) -> None:
@@ -179,7 +203,10 @@ async def test_a_stalled_reader_does_not_stall_other_streams_and_the_sender_stop
 async def test_many_concurrent_streams_each_keep_their_messages_in_order() -> None:
     rng = np.random.default_rng(3)
     payloads = [
-        [rng.standard_normal((1, int(rng.choice([1, 576, 30_000]))), dtype=np.float32) for _ in range(12)]
+        [
+            rng.standard_normal((1, int(rng.choice([1, 576, 30_000]))), dtype=np.float32)
+            for _ in range(12)
+        ]
         for _ in range(16)
     ]
     async with two_peers(SMALL_WINDOWS) as (alice, _, address, _events):

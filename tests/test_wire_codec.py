@@ -35,8 +35,8 @@ def frame(obj: object) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-def decode_chunked(data: bytes, cuts: list[int], limits: Limits = Limits()) -> list[Message]:
-    decoder = MessageDecoder(limits)
+def decode_chunked(data: bytes, cuts: list[int]) -> list[Message]:
+    decoder = MessageDecoder()
     out = []
     start = 0
     for cut in sorted(cuts) + [len(data)]:
@@ -142,7 +142,13 @@ def test_collection_and_string_headers_over_the_limits_are_refused() -> None:
     huge_array = b"\xdd\xff\xff\xff\xff"  # array32 claiming 4 billion items
     huge_map = b"\xdf\xff\xff\xff\xff"
     huge_str = b"\xdb\xff\xff\xff\xff"
-    for body in (huge_array, huge_map, huge_str, msgpack.packb(["x"] * 11), msgpack.packb("y" * 17)):
+    for body in (
+        huge_array,
+        huge_map,
+        huge_str,
+        msgpack.packb(["x"] * 11),
+        msgpack.packb("y" * 17),
+    ):
         with pytest.raises(ProtocolError) as info:
             decode(struct.pack(">I", len(body)) + body, limits)
         assert info.value.code is ErrorCode.BAD_REQUEST

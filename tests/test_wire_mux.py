@@ -85,7 +85,15 @@ def random_messages(rng: random.Random, tiny_windows: bool) -> list[Message]:
 
 def run_schedule(seed: int, a_config: MuxConfig, b_config: MuxConfig, n_streams: int) -> None:
     rng = random.Random(seed)
-    tiny_windows = min(a_config.stream_window, b_config.stream_window, a_config.link_window, b_config.link_window) < 1000
+    tiny_windows = (
+        min(
+            a_config.stream_window,
+            b_config.stream_window,
+            a_config.link_window,
+            b_config.link_window,
+        )
+        < 1000
+    )
     sides = {"a": Mux(dialer=True, config=a_config), "b": Mux(dialer=False, config=b_config)}
     other = {"a": "b", "b": "a"}
     wire = {"a": bytearray(), "b": bytearray()}  # bytes in flight from that side
@@ -103,7 +111,9 @@ def run_schedule(seed: int, a_config: MuxConfig, b_config: MuxConfig, n_streams:
             opened[side].add(stream_id)
 
     def done() -> bool:
-        return all(f.ended and f.eof and not f.inbox for f in flows.values()) and not any(wire.values())
+        return all(f.ended and f.eof and not f.inbox for f in flows.values()) and not any(
+            wire.values()
+        )
 
     def stuck() -> bool:
         """Nothing left that any action could move: flow control deadlocked."""
@@ -131,7 +141,9 @@ def run_schedule(seed: int, a_config: MuxConfig, b_config: MuxConfig, n_streams:
             if candidates:
                 stream_id, flow = rng.choice(candidates)
                 capacity = mux.send_capacity(stream_id)
-                take = min(capacity, len(flow.payload) - flow.sent, rng.choice([1, 100, 10_000, 1 << 20]))
+                take = min(
+                    capacity, len(flow.payload) - flow.sent, rng.choice([1, 100, 10_000, 1 << 20])
+                )
                 with pytest.raises(ValueError):
                     mux.send_data(stream_id, b"\0" * (capacity + 1))
                 end = flow.sent + take == len(flow.payload) and rng.random() < 0.5
@@ -154,9 +166,7 @@ def run_schedule(seed: int, a_config: MuxConfig, b_config: MuxConfig, n_streams:
                     elif isinstance(event, StreamEnded):
                         flows[(side, event.stream_id)].eof = True
         else:
-            candidates = [
-                (sid, f) for (s, sid), f in flows.items() if s == other[side] and f.inbox
-            ]
+            candidates = [(sid, f) for (s, sid), f in flows.items() if s == other[side] and f.inbox]
             if candidates:
                 stream_id, flow = rng.choice(candidates)
                 chunk = flow.inbox.pop(0)
@@ -327,6 +337,16 @@ def test_reset_reaches_the_peer_with_its_code_and_reason() -> None:
     assert isinstance(event, StreamReset) and event.remote
     assert (event.error.code, event.error.message) == (ErrorCode.EPOCH_STALE, "epoch 3 < 4")
     assert not a.is_open(stream_id)
+
+
+def test_a_long_non_ascii_reason_is_cut_but_still_delivered() -> None:
+    a, b = connected()
+    stream_id = a.open_stream("x")
+    deliver(a, b)
+    b.reset_stream(stream_id, ProtocolError(ErrorCode.NOT_FOUND, "é" * 2000))
+    [event] = deliver(b, a)
+    assert isinstance(event, StreamReset) and event.error.code is ErrorCode.NOT_FOUND
+    assert event.error.message.startswith("é" * 500)
 
 
 def test_ping_returns_a_pong_with_the_send_time() -> None:

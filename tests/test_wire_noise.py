@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from noise.connection import Keypair, NoiseConnection
+from noise.connection import NoiseConnection
 
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -77,9 +77,7 @@ def test_handshake_authenticates_both_node_ids(key: bytes | None) -> None:
     assert [a.receive_record(r) for r in b.records_to_send()] == [b"pong"]
 
 
-@pytest.mark.parametrize(
-    ("a_key", "b_key"), [(b"one", b"two"), (b"one", None), (None, b"two")]
-)
+@pytest.mark.parametrize(("a_key", "b_key"), [(b"one", b"two"), (b"one", None), (None, b"two")])
 def test_a_wrong_mesh_key_is_refused_on_both_sides_with_a_clear_reason(
     a_key: bytes | None, b_key: bytes | None
 ) -> None:
@@ -218,7 +216,9 @@ def test_mesh_key_is_the_secret_or_its_hash() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.binary(max_size=300), min_size=1, max_size=4), st.booleans())
-def test_random_handshake_records_give_only_typed_errors(records: list[bytes], initiator: bool) -> None:
+def test_random_handshake_records_give_only_typed_errors(
+    records: list[bytes], initiator: bool
+) -> None:
     channel = SecureChannel(ALICE, initiator=initiator, mesh_key=b"m" * 32)
     for record in records:
         try:

@@ -33,7 +33,9 @@ def through_the_wire(entry: TensorEntry) -> np.ndarray:
 
 @FAST
 @given(shape=shapes, codec=codecs, data=st.data())
-def test_f32_is_bit_exact_for_any_shape_and_codec(shape: tuple[int, ...], codec: str, data: st.DataObject) -> None:
+def test_f32_is_bit_exact_for_any_shape_and_codec(
+    shape: tuple[int, ...], codec: str, data: st.DataObject
+) -> None:
     # Arbitrary bit patterns, NaN payloads and signed zeros included.
     bits = data.draw(hnp.arrays(np.uint32, shape))
     array = bits.view(np.float32)
@@ -44,7 +46,9 @@ def test_f32_is_bit_exact_for_any_shape_and_codec(shape: tuple[int, ...], codec:
 
 @FAST
 @given(shape=shapes, codec=codecs, data=st.data())
-def test_f16_is_exact_for_float16_input(shape: tuple[int, ...], codec: str, data: st.DataObject) -> None:
+def test_f16_is_exact_for_float16_input(
+    shape: tuple[int, ...], codec: str, data: st.DataObject
+) -> None:
     bits = data.draw(hnp.arrays(np.uint16, shape))
     array = bits.view(np.float16)
     out = through_the_wire(TensorEntry.from_array("t", array, "f16", codec))  # type: ignore[arg-type]
@@ -77,7 +81,9 @@ def test_bf16_keeps_nan_and_infinity() -> None:
 
 @FAST
 @given(shape=shapes, codec=codecs, data=st.data())
-def test_q8_0_error_is_within_half_a_step_per_block(shape: tuple[int, ...], codec: str, data: st.DataObject) -> None:
+def test_q8_0_error_is_within_half_a_step_per_block(
+    shape: tuple[int, ...], codec: str, data: st.DataObject
+) -> None:
     array = data.draw(hnp.arrays(np.float32, shape, elements=st.floats(-1e5, 1e5, width=32)))
     out = through_the_wire(TensorEntry.from_array("t", array, "q8_0", codec))  # type: ignore[arg-type]
     assert out.dtype == np.float32 and out.shape == array.shape

@@ -126,7 +126,9 @@ async def _run_ws_server(task_status: trio.TaskStatus[WebSocketServer]) -> None:
 async def start_servers(nursery: trio.Nursery, identity: NodeIdentity) -> dict[str, int]:
     stack_port: int = await nursery.start(_run_peers_server, identity)
     ws_server: WebSocketServer = await nursery.start(_run_ws_server)
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, serve_tcp, 0, host="127.0.0.1"))
+    listeners = await nursery.start(
+        functools.partial(trio.serve_tcp, serve_tcp, 0, host="127.0.0.1")
+    )
     return {"stack": stack_port, "ws": ws_server.port, "tcp": listeners[0].socket.getsockname()[1]}
 
 
@@ -161,7 +163,9 @@ async def _timed(rounds: int, warmup: int, once: Callable[[int], Awaitable[None]
     return samples
 
 
-async def bench_stack(port: int, node_id: str, data: np.ndarray, rounds: int, warmup: int) -> list[float]:
+async def bench_stack(
+    port: int, node_id: str, data: np.ndarray, rounds: int, warmup: int
+) -> list[float]:
     async with open_peers(NodeIdentity.generate()) as peers:
         stream = await peers.open_stream(f"127.0.0.1:{port}", "stage", node_id=node_id)
         expected_rows = 1 if data.shape[0] > 1 else data.shape[0]
@@ -210,7 +214,9 @@ async def bench_tcp(port: int, payload: bytes, rounds: int, warmup: int) -> list
         await stream.aclose()
 
 
-async def compare(ports: dict[str, int], node_id: str, data: np.ndarray, rounds: int, warmup: int) -> dict[str, Any]:
+async def compare(
+    ports: dict[str, int], node_id: str, data: np.ndarray, rounds: int, warmup: int
+) -> dict[str, Any]:
     """The same activation through the stack, and its encoded bytes through bare ws and tcp."""
     payload = encode(activation(data, 0))[4:]
     return {
@@ -270,19 +276,20 @@ def render(results: dict[str, Any]) -> str:
         f"{'raw tcp':>17} | {'stack/ws':>8} {'stack/tcp':>9}",
     ]
     for hidden, row in results["latency"].items():
-
-        def cell(name: str) -> str:
-            return f"{row[name]['median_us']:8.1f} / {row[name]['p99_us']:6.1f}"
-
+        cells = " | ".join(
+            f"{row[name]['median_us']:8.1f} / {row[name]['p99_us']:6.1f}"
+            for name in ("stack", "ws", "tcp")
+        )
         lines.append(
-            f"{hidden:>6} {row['message_bytes']:>7} | {cell('stack')} | {cell('ws')} | {cell('tcp')} | "
+            f"{hidden:>6} {row['message_bytes']:>7} | {cells} | "
             f"{row['stack']['median_us'] / row['ws']['median_us']:8.2f} "
             f"{row['stack']['median_us'] / row['tcp']['median_us']:9.2f}"
         )
     bulk = results["throughput"]
     lines += [
         "",
-        f"prefill activation of {bulk['message_bytes'] / (1 << 20):.1f} MiB, one way + small reply; median",
+        f"prefill activation of {bulk['message_bytes'] / (1 << 20):.1f} MiB, "
+        "one way + small reply; median",
         f"{'':>14} {'seconds':>8} {'MiB/s':>8} {'stack time / this':>18}",
     ]
     for name, label in (("stack", "stack"), ("ws", "trio-websocket"), ("tcp", "raw tcp")):
@@ -297,9 +304,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--bulk-rounds", type=int, default=3)
+    parser.add_argument("--bulk-rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, nargs="+", default=[576, 8192])
-    parser.add_argument("--processes", action="store_true", help="run the echo servers in a child process")
+    parser.add_argument(
+        "--processes", action="store_true", help="run the echo servers in a child process"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     load = os.getloadavg()[0]

@@ -14,8 +14,8 @@ refused.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, Self, TypeVar
 
 import msgpack
@@ -237,6 +237,22 @@ class MessageDecoder:
                 self._read_prefix()
                 if self._failed is not None:
                     raise self._failed
+
+    def decode_whole(self, data: bytes | memoryview) -> Message | None:
+        """``feed`` then ``next_message``, short-cut for the usual case where
+        ``data`` is exactly one whole message and nothing is pending."""
+        if self._buffered or self._failed is not None or len(data) < PREFIX_BYTES:
+            self.feed(data)
+            return self.next_message()
+        (length,) = LENGTH_PREFIX.unpack_from(data)
+        if PREFIX_BYTES + length != len(data) or length > self._limits.max_message_bytes:
+            self.feed(data)
+            return self.next_message()
+        try:
+            return decode_body(memoryview(data)[PREFIX_BYTES:], self._limits)
+        except ProtocolError as exc:
+            self._failed = exc
+            raise
 
     def _first(self, at_least: int) -> bytes | memoryview:
         first = self._chunks[0]

@@ -162,7 +162,8 @@ def _link_error(message: str) -> ProtocolError:
 
 def _pack_error(error: ProtocolError) -> bytes:
     code = error.code.value.encode("ascii")
-    return bytes([len(code)]) + code + error.message.encode()[:MAX_REASON_BYTES]
+    reason = error.message.encode()[:MAX_REASON_BYTES]
+    return bytes([len(code)]) + code + reason
 
 
 def _unpack_error(payload: bytes) -> ProtocolError:
@@ -171,9 +172,10 @@ def _unpack_error(payload: bytes) -> ProtocolError:
     end = 1 + payload[0]
     try:
         code_text = payload[1:end].decode("ascii")
-        message = payload[end:].decode()
     except UnicodeDecodeError:
-        raise _link_error("error text is not valid UTF-8") from None
+        raise _link_error("error code is not ASCII") from None
+    # The reason is only for people to read, and may have been cut mid-character.
+    message = payload[end:].decode("utf-8", "replace")
     try:
         code = ErrorCode(code_text)
     except ValueError:
@@ -268,7 +270,9 @@ class Mux:
             raise ProtocolError(ErrorCode.OVERLOADED, "stream ids exhausted; open a new link")
         self._next_local_id += 2
         window = self._peer.stream_window if self._peer else 0
-        self._streams[stream_id] = _Stream(send_window=window, recv_window=self.config.stream_window)
+        self._streams[stream_id] = _Stream(
+            send_window=window, recv_window=self.config.stream_window
+        )
         self._local_count += 1
         self._frame(OPEN, 0, stream_id, name)
         return stream_id
@@ -284,7 +288,9 @@ class Mux:
         self._check_alive()
         stream = self._streams.get(stream_id)
         if stream is None or not stream.local_open:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"stream {stream_id} is not open for sending")
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"stream {stream_id} is not open for sending"
+            )
         size = len(data)
         if size:
             if size > stream.send_window or size > self._link_send_window or self._peer is None:
@@ -593,11 +599,7 @@ class Mux:
         if self._goaway_received is None:
             self._goaway_received = error
         events.append(GoAwayReceived(last_stream_id, error))
-        unprocessed = [
-            sid
-            for sid in self._streams
-            if sid > last_stream_id and self._is_local(sid)
-        ]
+        unprocessed = [sid for sid in self._streams if sid > last_stream_id and self._is_local(sid)]
         for sid in unprocessed:
             self._forget(sid)
             events.append(

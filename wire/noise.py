@@ -227,7 +227,9 @@ class SecureChannel:
             self._state = _State.ESTABLISHED
             return b""
         if kind != _HANDSHAKE:
-            raise self._refuse(ErrorCode.UNAUTHORIZED, f"unexpected record kind {kind} in handshake")
+            raise self._refuse(
+                ErrorCode.UNAUTHORIZED, f"unexpected record kind {kind} in handshake"
+            )
         self._handshake_step(record[1:])
         return b""
 
@@ -273,7 +275,9 @@ class SecureChannel:
             raise self._refuse(ErrorCode.UNAUTHORIZED, "malformed identity proof")
         public_key = payload[1:33]
         if not verify(public_key, SIGNATURE_CONTEXT + remote_static, payload[33:]):
-            raise self._refuse(ErrorCode.UNAUTHORIZED, "identity signature over the static key is invalid")
+            raise self._refuse(
+                ErrorCode.UNAUTHORIZED, "identity signature over the static key is invalid"
+            )
         node_id = node_id_of(public_key)
         if self._expected is not None and node_id != self._expected:
             raise self._refuse(
