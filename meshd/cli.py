@@ -29,6 +29,8 @@ from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.models import ModelNotFound, default_model_path
 from meshd.peers import PeersConfig, open_peers
 from meshd.stage import StageLimits, stage_node
+from relay.circuit import enable_circuits
+from relay.limits import RelayLimits
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import Sampling
@@ -165,6 +167,49 @@ async def join(args: argparse.Namespace) -> int:
     return 0
 
 
+async def relay(args: argparse.Namespace) -> int:
+    listen = parse_address(args.listen, "--listen")
+    seeds = tuple(args.seed or ())
+    for s in seeds:
+        parse_address(s, "--seed")
+    for name in ("max_reservations", "max_circuits_per_peer", "circuit_seconds", "idle_timeout"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    limits = RelayLimits(max_reservations=args.max_reservations, max_circuits_per_peer=args.max_circuits_per_peer,
+                         max_circuit_bytes=parse_size(args.max_circuit_bytes),
+                         max_circuit_seconds=args.circuit_seconds, idle_timeout=args.idle_timeout)
+    directory = state_dir(args.state_dir)
+    try:
+        identity = load_or_create_identity(directory)
+        mesh_key = load_mesh_key(args.mesh_key_file) if args.mesh_key_file else None
+    except IdentityError as exc:
+        raise UsageError(str(exc)) from None
+    tap = None
+    if args.tap is not None:
+        try:
+            tap_file = open(args.tap, "ab", buffering=0)
+        except OSError as exc:
+            raise UsageError(f"cannot open --tap file {args.tap}: {exc.strerror}") from None
+        tap = tap_file.write
+    if args.advertise is not None:
+        parse_address(args.advertise, "--advertise")
+    config = NodeConfig(listen=listen, seeds=seeds, model=None, memory_bytes=0, relay=True, relay_limits=limits,
+                        relay_tap=tap, advertise=args.advertise, peers=PeersConfig(mesh_key=mesh_key))
+    daemon = MeshDaemon(identity, config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        print(f"meshd: relay {identity.node_id[:16]} on {daemon.address}, up to {limits.max_reservations} "
+              f"reservations, {args.max_circuit_bytes} and {limits.max_circuit_seconds:g} s per circuit, "
+              f"seeds: {', '.join(seeds) or 'none (first node)'}", flush=True)
+        print(f"ready {daemon.address} pid={os.getpid()} node={identity.node_id}", flush=True)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        await daemon.leave()
+        nursery.cancel_scope.cancel()
+    return 0
+
+
 def daemon_address(args: argparse.Namespace) -> str:
     """Where to send mesh requests: --seed, else the local daemon of the state directory."""
     if args.seed:
@@ -181,6 +226,7 @@ async def status(args: argparse.Namespace) -> int:
     address = daemon_address(args)
     config = PeersConfig(mesh_key=read_mesh_key(args.mesh_key_file))
     async with open_peers(NodeIdentity.generate(), config) as peers:
+        enable_circuits(peers)
         reply = await rpc(peers, address, StatusRequest(), timeout=args.timeout)
     assert isinstance(reply, StatusReply)
     print_status(reply)
@@ -195,6 +241,8 @@ def print_status(s: StatusReply) -> None:
         memory = f"{m.memory_bytes / (1 << 20):.0f} MiB" if m.memory_bytes else "-"
         print(f"{m.node_id[:16]:<18}{m.address:<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
               f"{'; '.join(m.served) or '-'}")
+        if m.reachability == "nat":
+            print(f"{'':<18}behind NAT, reachable via: {', '.join(m.relay_addresses) or 'no relay yet'}")
     for c in s.coverage:
         print(f"model {c.name} ({c.model[:12]}): {c.covered_layers}/{c.n_layers} layers covered, "
               f"{c.replicas} spare replica(s); stages: {'; '.join(c.assigned) or 'none yet'}")
@@ -214,6 +262,7 @@ async def ask(args: argparse.Namespace) -> int:
 
     on_token = None if args.stop else show
     async with open_peers(NodeIdentity.generate(), config) as peers:
+        enable_circuits(peers)
         if args.route:
             addresses = [a.strip() for a in args.route.split(",") if a.strip()]
             for a in addresses:
@@ -318,6 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--max-sessions", type=int, default=4)
     j.add_argument("--session-tokens", type=int, default=1024)
 
+    r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")
+    r.add_argument("--listen", default="0.0.0.0:7400", help="HOST:PORT to accept peers on (must be dialable)")
+    r.add_argument("--seed", action="append", help="HOST:PORT of a member (repeatable)")
+    r.add_argument("--advertise", help="HOST:PORT members dial (default: the --listen address)")
+    r.add_argument("--state-dir", type=Path, help="where the node key lives (default ~/.local/state/meshd)")
+    r.add_argument("--mesh-key-file", type=Path)
+    r.add_argument("--max-reservations", type=int, default=128, help="nodes this relay serves at once")
+    r.add_argument("--max-circuits-per-peer", type=int, default=16, help="circuits one node may take part in")
+    r.add_argument("--max-circuit-bytes", default="1G", help="bytes one circuit may carry, both ways together")
+    r.add_argument("--circuit-seconds", type=float, default=3600.0, help="how long one circuit may last")
+    r.add_argument("--idle-timeout", type=float, default=120.0, help="seconds of silence that end a circuit")
+    r.add_argument("--tap", type=Path, help="append every byte forwarded to this file (debugging; it is ciphertext)")
+
     st = sub.add_parser("status", help="members, tracker, assignments and coverage")
     st.add_argument("--seed", help="ask this member instead of the local daemon")
     st.add_argument("--state-dir", type=Path)
@@ -343,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status}
+COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "relay": relay}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

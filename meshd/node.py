@@ -65,6 +65,8 @@ class NodeConfig:
                                                                     max_total_tokens=4096))
     client: bool = False
     relay: bool = False
+    # The address others dial, when it is not the listening one (listening on 0.0.0.0, port forwarding).
+    advertise: str | None = None
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
     relay_tap: Tap | None = None
     # Relays a node behind NAT keeps reservations on.
@@ -129,7 +131,7 @@ class MeshDaemon:
             if cfg.relay:
                 self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
             port = await peers.listen(*cfg.listen)
-            self.address = f"{cfg.listen[0]}:{port}"
+            self.address = cfg.advertise or f"{cfg.listen[0]}:{port}"
             roles = ([ROLE_CLIENT] if cfg.client else []) + ([ROLE_RELAY] if cfg.relay else [])
             # A relay is public by its operator's word; others learn it from a seed's dial-back.
             checks = bool(cfg.seeds) and not (cfg.relay or cfg.client)

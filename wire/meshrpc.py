@@ -70,6 +70,7 @@ class MemberStatus(WireModel):
     memory_bytes: int = Field(ge=0)
     served: list[Text] = Field(max_length=16)
     models: list[Text] = Field(max_length=16)
+    relay_addresses: list[Text] = Field(default_factory=list, max_length=16)
 
 
 class ModelCoverage(WireModel):
@@ -96,3 +97,20 @@ class StatusReply(Message):
     term: int = Field(ge=0)
     members: list[MemberStatus] = Field(max_length=4096)
     coverage: list[ModelCoverage] = Field(max_length=64)
+
+
+@register
+class DialBackRequest(Message):
+    """Can you reach me at ``address``? (How a node learns it is behind NAT.)"""
+
+    type: Literal["dial_back_request"] = "dial_back_request"
+    v: Literal[1] = 1
+    address: Annotated[str, Field(min_length=1, max_length=262)]
+
+
+@register
+class DialBackReply(Message):
+    type: Literal["dial_back"] = "dial_back"
+    v: Literal[1] = 1
+    reachable: bool
+    detail: Text = ""

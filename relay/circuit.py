@@ -1,0 +1,119 @@
+"""The two ends of a relay circuit: dialing through a relay, and taking circuits a relay brings.
+
+Each end runs an ordinary link (``Peers.attach``) over the circuit, so the
+Noise handshake is end to end and the relay forwards only ciphertext.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from meshd.link import Link, Stream
+from meshd.peers import Peers
+from meshd.transport import StreamTransport
+from relay.protocol import (
+    HOP_PROTOCOL,
+    STOP_PROTOCOL,
+    Accepted,
+    Connect,
+    Connected,
+    Incoming,
+    is_circuit_address,
+    parse_circuit_address,
+)
+from wire.codec import ErrorMessage, error_from_message
+from wire.errors import ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 10.0
+
+
+class CircuitTransport(StreamTransport):
+    """Records on a relayed stream. A reset of the stream (the relay enforcing a
+    limit, or losing the other end) ends the transport as a hang-up would, and
+    is kept in ``error`` for whoever wants to know why."""
+
+    def __init__(self, stream: Stream, remote_address: str) -> None:
+        super().__init__(stream, remote_address)
+        self.error: ProtocolError | None = None
+        self.closed = trio.Event()
+
+    async def send_record(self, record: bytes) -> None:
+        try:
+            await super().send_record(record)
+        except ProtocolError as exc:
+            self.error = self.error or exc
+            raise trio.BrokenResourceError(str(exc)) from None
+
+    async def receive_record(self) -> bytes:
+        try:
+            return await super().receive_record()
+        except ProtocolError as exc:
+            self.error = self.error or exc
+            raise trio.EndOfChannel from None
+
+    async def aclose(self) -> None:
+        self.closed.set()
+        await super().aclose()
+
+
+async def open_circuit(peers: Peers, address: str) -> CircuitTransport:
+    """A circuit to the node named in ``address``, through the relay it names."""
+    relay, target = parse_circuit_address(address)
+    with trio.fail_after(CONNECT_TIMEOUT):
+        stream = await peers.open_stream(relay, HOP_PROTOCOL)
+        try:
+            await stream.send_message(Connect(target=target))
+            reply = await stream.receive_message()
+        except BaseException:
+            await stream.aclose()
+            raise
+    if isinstance(reply, ErrorMessage):
+        await stream.aclose()
+        raise error_from_message(reply)
+    if not isinstance(reply, Connected):
+        await stream.aclose()
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"relay {relay} answered connect with {reply.type!r}")
+    return CircuitTransport(stream, address)
+
+
+async def dial_circuit(peers: Peers, address: str, node_id: str | None) -> Link:
+    """A link to the node named in ``address``, run through a circuit of the relay it names."""
+    _, target = parse_circuit_address(address)
+    if node_id is not None and node_id != target:
+        raise ProtocolError(ErrorCode.UNAUTHORIZED, f"{address} is a circuit to another node than {node_id[:16]}")
+    try:
+        transport = await open_circuit(peers, address)
+    except trio.TooSlowError:
+        raise ProtocolError(ErrorCode.UNREACHABLE, f"relay gave no circuit to {address} in time") from None
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
+        raise ProtocolError(ErrorCode.UNREACHABLE, f"lost the relay of {address}: {exc!r}") from None
+    return await peers.attach(transport, dialer=True, node_id=target)
+
+
+async def serve_incoming(peers: Peers, stream: Stream) -> None:
+    """A relay brings a circuit: accept it and run a link over it until that link ends."""
+    request = await stream.receive_message()
+    if not isinstance(request, Incoming):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected a relay's incoming circuit, got {request.type!r}")
+    await stream.send_message(Accepted())
+    transport = CircuitTransport(stream, f"circuit from {request.source[:16]} via {stream.remote_node_id[:16]}")
+    # The relay vouches for who dials; the handshake checks it.
+    await peers.attach(transport, dialer=False, node_id=request.source)
+    await transport.closed.wait()
+
+
+def enable_circuits(peers: Peers) -> None:
+    """Let ``peers`` dial circuit addresses (``connect``, ``open_stream``) and take circuits relays bring."""
+
+    async def dial(address: str, node_id: str | None) -> Link:
+        return await dial_circuit(peers, address, node_id)
+
+    async def incoming(stream: Stream) -> None:
+        await serve_incoming(peers, stream)
+
+    peers.add_dialer(is_circuit_address, dial)
+    peers.handle(STOP_PROTOCOL, incoming)

@@ -1,0 +1,163 @@
+"""The relay service: trio shell around ``RelayState``.
+
+It keeps one hop stream per reservation, and for each circuit splices the
+dialer's hop stream to a stop stream it opens on the reserved node's link,
+forwarding bytes it never decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+
+from meshd.link import Link, Stream
+from meshd.peers import Peers
+from relay.limits import Circuit, RelayLimits, RelayState
+from relay.protocol import (
+    HOP_PROTOCOL,
+    STOP_PROTOCOL,
+    Accepted,
+    Connect,
+    Connected,
+    Incoming,
+    Reserve,
+    Reserved,
+)
+from wire.codec import ErrorMessage, error_from_message
+from wire.errors import ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+# Bytes moved per read; a link's records are at most 64 KiB anyway.
+CHUNK = 64 << 10
+STOP_TIMEOUT = 10.0
+
+# Sees every chunk the relay forwards, in order (debugging, and the tests' proof of opacity).
+Tap = Callable[[bytes], None]
+
+
+class RelayService:
+    def __init__(self, peers: Peers, limits: RelayLimits | None = None,
+                 is_member: Callable[[str], bool] = lambda node: True, tap: Tap | None = None) -> None:
+        self.peers = peers
+        self.state = RelayState(limits or RelayLimits())
+        self._is_member = is_member
+        self._tap = tap
+        self._links: dict[str, Link] = {}
+        self.forwarded_bytes = 0
+        peers.handle(HOP_PROTOCOL, self._on_hop)
+
+    @property
+    def limits(self) -> RelayLimits:
+        return self.state.limits
+
+    async def _on_hop(self, stream: Stream) -> None:
+        request = await stream.receive_message()
+        if isinstance(request, Reserve):
+            await self._reserve(stream)
+        elif isinstance(request, Connect):
+            await self._connect(stream, request.target)
+        else:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a relay request")
+
+    async def _reserve(self, stream: Stream) -> None:
+        node = stream.remote_node_id
+        # The link is Noise-authenticated (and, with a mesh key, only members can link at all);
+        # the record check keeps light clients and strangers who hold the key from parking here.
+        if not self._is_member(node):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "only mesh members may reserve on this relay",
+                                retry_after_ms=self.limits.retry_after_ms)
+        reservation = self.state.reserve(node)
+        self._links[node] = stream.link
+        log.info("reservation for %s", node[:16])
+        try:
+            await stream.send_message(Reserved(max_circuit_bytes=self.limits.max_circuit_bytes,
+                                               max_circuit_seconds=self.limits.max_circuit_seconds))
+            # Held until the reserver ends it or its link goes.
+            try:
+                await stream.receive_message()
+            except (trio.EndOfChannel, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        finally:
+            self.state.release(node, reservation)
+            if node not in self.state.reservations:
+                self._links.pop(node, None)
+            log.info("reservation for %s ended", node[:16])
+
+    async def _connect(self, stream: Stream, target: str) -> None:
+        source = stream.remote_node_id
+        link = self._links.get(target)
+        if link is None or not link.usable:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"node {target[:16]} holds no reservation on this relay")
+        circuit = self.state.open_circuit(source, target, trio.current_time())
+        try:
+            stop = link.open_stream(STOP_PROTOCOL)
+            try:
+                with trio.fail_after(STOP_TIMEOUT):
+                    await stop.send_message(Incoming(source=source))
+                    reply = await stop.receive_message()
+                if isinstance(reply, ErrorMessage):
+                    raise error_from_message(reply)
+                if not isinstance(reply, Accepted):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"target answered with {reply.type!r}")
+                await stream.send_message(Connected())
+                await self._splice(circuit, stream, stop)
+            except trio.TooSlowError:
+                raise ProtocolError(ErrorCode.UNREACHABLE, f"node {target[:16]} did not take the circuit") from None
+            except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise ProtocolError(ErrorCode.UNREACHABLE, f"lost node {target[:16]}: {exc!r}") from None
+            finally:
+                await stop.aclose()
+        finally:
+            self.state.close_circuit(circuit.id)
+
+    async def _splice(self, circuit: Circuit, a: Stream, b: Stream) -> None:
+        """Forwards both ways until both ends finish, or a limit or a failure ends the circuit for both."""
+        failure: ProtocolError | None = None
+        running = 2
+
+        async with trio.open_nursery() as nursery:
+
+            def fail(error: ProtocolError) -> None:
+                nonlocal failure
+                failure = failure or error
+                nursery.cancel_scope.cancel()
+
+            async def pump(src: Stream, dst: Stream) -> None:
+                nonlocal running
+                try:
+                    while True:
+                        data = await src.receive_some(CHUNK)
+                        if not data:
+                            await dst.send_eof()
+                            break
+                        self.state.forwarded(circuit.id, len(data), trio.current_time())
+                        self.forwarded_bytes += len(data)
+                        if self._tap is not None:
+                            self._tap(data)
+                        await dst.send_all(data)
+                except ProtocolError as exc:
+                    fail(exc)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    fail(ProtocolError(ErrorCode.UNREACHABLE, f"circuit end went away: {exc!r}"))
+                running -= 1
+                if not running:
+                    nursery.cancel_scope.cancel()
+
+            async def watch() -> None:
+                while True:
+                    await trio.sleep_until(self.state.deadline(circuit.id))
+                    expired = self.state.expired(circuit.id, trio.current_time())
+                    if expired is not None:
+                        fail(expired)
+                        return
+
+            nursery.start_soon(pump, a, b)
+            nursery.start_soon(pump, b, a)
+            nursery.start_soon(watch)
+        if failure is not None:
+            log.info("circuit %s -> %s ended: %s", circuit.source[:16], circuit.target[:16], failure)
+            a.reset(failure)
+            b.reset(failure)

@@ -1,0 +1,321 @@
+"""Volunteers behind real NATs serve through relays: network namespaces, veth pairs, iptables MASQUERADE.
+
+    pub namespace: seed 10.201.0.1, relays .2 and .3, the asker (addresses on its loopback)
+      ├─ veth 10.201.1.0/24 ─ router r1 (MASQUERADE, drops new inbound) ─ 10.202.1.0/24 ─ home h1: volunteer
+      └─ veth 10.201.2.0/24 ─ router r2 (MASQUERADE, drops new inbound) ─ 10.202.2.0/24 ─ home h2: volunteer
+
+The public segment even has routes to the home subnets, so what keeps it out
+is the routers' NAT, as at home. Traffic goes only to addresses inside these
+namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from meshd.localmesh import READY
+
+PROMPT = "Write a short story about a lighthouse keeper named CANARY-5f3a9c-KEEPER."
+CANARY = b"CANARY-5f3a9c"
+NEW_TOKENS = 24
+SEED = "10.201.0.1:7000"
+RELAYS = ("10.201.0.2:7001", "10.201.0.3:7002")
+HOMES = ("10.202.1.2:7100", "10.202.2.2:7100")
+KV = ["--max-sessions", "2", "--session-tokens", "512"]
+# Two volunteers, each too small for the whole model: the tracker splits it across them.
+VOLUNTEER = ["--memory", "110M", "--threads", "1", *KV]
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+    return done
+
+
+def namespaces_unavailable() -> str | None:
+    """Why this machine cannot build the topology, or None. Tries it rather than guessing."""
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = f"meshd-probe-{secrets.token_hex(3)}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip() or 'ip netns add failed'}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None
+
+
+@dataclass
+class Process:
+    name: str
+    proc: subprocess.Popen[str]
+    log: Path
+    address: str = ""
+    node_id: str = ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@dataclass
+class Topology:
+    tag: str
+    base: Path
+    namespaces: dict[str, str] = field(default_factory=dict)
+    veths: list[str] = field(default_factory=list)
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    def ns(self, role: str) -> str:
+        return self.namespaces[role]
+
+    def exec(self, role: str, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", "netns", "exec", self.ns(role), *argv], capture_output=True, text=True,
+                              timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+    def meshd(self, role: str, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+        return self.exec(role, sys.executable, "-m", "meshd.cli", *args, timeout=timeout)
+
+    def start(self, name: str, role: str, *args: str, timeout: float = 90.0) -> Process:
+        log = self.base / f"{name}.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.ns(role), sys.executable, "-m", "meshd.cli", *args],
+                                    stdout=out, stderr=subprocess.STDOUT, text=True,
+                                    env=os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": "INFO"})
+        process = Process(name, proc, log)
+        self.processes[name] = process
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            for line in log.read_text().splitlines():
+                m = READY.match(line)
+                if m:
+                    process.address, process.node_id = m.group(1), m.group(3)
+                    return process
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} did not become ready:\n{log.read_text()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {p.name}\n{p.log.read_text()[-4000:]}" for p in self.processes.values())
+
+
+def build(topo: Topology) -> None:
+    t = topo.tag
+    for role in ("pub", "r1", "r2", "h1", "h2"):
+        name = f"meshd-{t}-{role}"
+        sh("ip", "netns", "add", name)
+        topo.namespaces[role] = name
+        sh("ip", "-n", name, "link", "set", "lo", "up")
+    pub = topo.ns("pub")
+    for address in (SEED, *RELAYS, "10.201.0.4:0"):
+        sh("ip", "-n", pub, "addr", "add", f"{address.split(':')[0]}/32", "dev", "lo")
+
+    def veth(a_role: str, a_addr: str, b_role: str, b_addr: str, label: str) -> tuple[str, str]:
+        a, b = f"m{t}{label}a", f"m{t}{label}b"
+        sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+        topo.veths.append(a)
+        for dev, role, addr in ((a, a_role, a_addr), (b, b_role, b_addr)):
+            sh("ip", "link", "set", dev, "netns", topo.ns(role))
+            sh("ip", "-n", topo.ns(role), "addr", "add", addr, "dev", dev)
+            sh("ip", "-n", topo.ns(role), "link", "set", dev, "up")
+        return a, b
+
+    for i in (1, 2):
+        router, home = topo.ns(f"r{i}"), topo.ns(f"h{i}")
+        _, uplink = veth("pub", f"10.201.{i}.1/24", f"r{i}", f"10.201.{i}.2/24", f"u{i}")
+        veth(f"r{i}", f"10.202.{i}.1/24", f"h{i}", f"10.202.{i}.2/24", f"h{i}")
+        sh("ip", "-n", router, "route", "add", "default", "via", f"10.201.{i}.1")
+        sh("ip", "-n", home, "route", "add", "default", "via", f"10.202.{i}.1")
+        sh("ip", "-n", pub, "route", "add", f"10.202.{i}.0/24", "via", f"10.201.{i}.2")
+        # /proc rather than sysctl(8), which minimal images lack; the setting is per namespace.
+        sh("ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+        ipt = ["ip", "netns", "exec", router, "iptables"]
+        sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", uplink, "-j", "MASQUERADE")
+        sh(*ipt, "-A", "FORWARD", "-i", uplink, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+           "-j", "ACCEPT")
+        sh(*ipt, "-A", "FORWARD", "-i", uplink, "-j", "DROP")
+
+
+def tear_down(topo: Topology) -> None:
+    for process in topo.processes.values():
+        process.stop()
+    for name in topo.namespaces.values():
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    for dev in topo.veths:
+        # Gone with its namespace, unless setup failed before moving it there.
+        subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    reason = namespaces_unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    if shutil.which("iptables") is None:
+        pytest.fail("iptables is missing (tools/dev installs it)")
+    topo = Topology(secrets.token_hex(3), tmp_path_factory.mktemp("netns"))
+    try:
+        build(topo)
+        topo.start("seed", "pub", "join", "--no-model", "--listen", SEED, "--state-dir", str(topo.base / "seed"), *KV)
+        for i, address in enumerate(RELAYS):
+            topo.start(f"relay{i}", "pub", "relay", "--listen", address, "--seed", SEED,
+                       "--state-dir", str(topo.base / f"relay{i}"), "--tap", str(topo.base / f"relay{i}.tap"))
+        for i, address in enumerate(HOMES, start=1):
+            topo.start(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", address,
+                       "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER)
+        yield topo
+    finally:
+        tear_down(topo)
+
+
+@pytest.fixture(scope="module")
+def expected(default_model: Path) -> str:
+    from meshd.engine.chain import LocalChain
+
+    chain = LocalChain(default_model, None, n_ctx=1024, n_threads=1)
+    try:
+        head = chain.head
+        prompt = head.tokenize(head.apply_chat([{"role": "user", "content": PROMPT}]), add_special=False)
+        tokens = [t for t in chain.generate(prompt, NEW_TOKENS) if not head.is_eog(t)]
+        return head.detokenize(tokens)
+    finally:
+        chain.close()
+
+
+def status(topo: Topology) -> str:
+    shown = topo.meshd("pub", "status", "--seed", SEED, "--timeout", "20", timeout=60)
+    return shown.stdout if shown.returncode == 0 else ""
+
+
+def relayed(text: str, through: tuple[str, ...]) -> bool:
+    """Both volunteers are behind NAT and advertise circuits through exactly the relays ``through``."""
+    lines = [line for line in text.splitlines() if "behind NAT, reachable via:" in line]
+    if len(lines) != 2:
+        return False
+    for line in lines:
+        via = line.split("reachable via:")[1].strip()
+        if sorted(a.split("/p2p-circuit/")[0] for a in via.split(", ") if "/p2p-circuit/" in a) != sorted(through):
+            return False
+    return True
+
+
+def wait_for(topo: Topology, ok, what: str, timeout: float) -> tuple[str, float]:
+    began = time.monotonic()
+    text = ""
+    for _ in range(int(timeout)):
+        if time.monotonic() - began > timeout:
+            break
+        text = status(topo)
+        if ok(text):
+            return text, time.monotonic() - began
+        time.sleep(1.0)
+    raise AssertionError(f"{what} not within {timeout:.0f} s; last status:\n{text}\n{topo.logs()}")
+
+
+def tap_bytes(topo: Topology, i: int) -> bytes:
+    path = topo.base / f"relay{i}.tap"
+    return path.read_bytes() if path.exists() else b""
+
+
+def ask(topo: Topology) -> tuple[str, str]:
+    asked = topo.meshd("pub", "ask", "--seed", SEED, "--max-tokens", str(NEW_TOKENS), "--timeout", "60", PROMPT,
+                       timeout=240)
+    assert asked.returncode == 0, f"{asked.stderr}\n{topo.logs()}"
+    return asked.stdout.rstrip("\n"), asked.stderr
+
+
+ROUTE = """
+import sys, trio
+from meshd.node import rpc
+from meshd.peers import open_peers
+from wire.identity import NodeIdentity
+from wire.meshrpc import RouteRequest
+
+async def main():
+    async with open_peers(NodeIdentity.generate()) as peers:
+        reply = await rpc(peers, sys.argv[1], RouteRequest(), timeout=20)
+        for stage in reply.stages:
+            print(stage.start, stage.end, stage.address)
+
+trio.run(main)
+"""
+
+
+def route(topo: Topology) -> list[str]:
+    """The stage addresses the seed hands an asker."""
+    found = topo.exec("pub", sys.executable, "-c", ROUTE, SEED)
+    assert found.returncode == 0, found.stderr
+    return [line.split()[2] for line in found.stdout.splitlines()]
+
+
+def assert_opaque(forwarded: bytes, answer: str) -> None:
+    assert CANARY not in forwarded
+    text = answer.encode()
+    for start in range(0, max(1, len(text) - 16), 8):
+        assert text[start:start + 16] not in forwarded
+
+
+def test_volunteers_behind_nat_serve_through_relays(topology: Topology, expected: str) -> None:
+    topo = topology
+    shown, took = wait_for(topo, lambda s: "30/30 layers covered" in s and relayed(s, RELAYS),
+                           "both volunteers reserved on both relays and the model covered", 180)
+    print(f"\nmesh up, volunteers behind NAT reserved on both relays, model covered {took:.1f} s after the last daemon started")
+    assert shown.count("reachable via") == 2 and "(term" in shown
+    stages = re.search(r"stages: (.*)$", shown, re.M)
+    assert stages is not None and len(stages.group(1).split("; ")) == 2 and "[0, 30)" not in shown, shown
+
+    # The NAT keeps the public segment out, though the volunteers listen and it has a route to them.
+    for i, home in enumerate(HOMES, start=1):
+        host, port = home.split(":")
+        probe = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)\n"
+                 "except OSError as e:\n print('refused', e)\nelse:\n print('connected')")
+        outside = topo.exec("pub", sys.executable, "-c", probe, host, port)
+        inside = topo.exec(f"h{i}", sys.executable, "-c", probe, host, port)
+        assert "refused" in outside.stdout, outside
+        assert "connected" in inside.stdout, inside
+
+    stage_addresses = route(topo)
+    assert len(stage_addresses) == 2 and all("/p2p-circuit/" in a for a in stage_addresses), stage_addresses
+    print(f"route: {stage_addresses}")
+    before = [len(tap_bytes(topo, i)) for i in range(2)]
+    answer, figures = ask(topo)
+    print(f"asked through the relays: {figures.strip()}")
+    assert answer.strip() == expected.strip() and len(answer) > 20
+    taps = [tap_bytes(topo, i) for i in range(2)]
+    grown = [len(taps[i]) - before[i] for i in range(2)]
+    # Hidden states of ~NEW_TOKENS steps cross from head to tail (576 floats a token), then tokens come back.
+    assert sum(grown) > NEW_TOKENS * 576 * 4, grown
+    for forwarded in taps:
+        assert_opaque(forwarded, answer)
+
+    # SIGKILL the relay the volunteers are reached through; they keep only the other, and asks go on.
+    used = max(range(2), key=lambda i: grown[i])
+    victim, spare = topo.processes[f"relay{used}"], RELAYS[1 - used]
+    began = time.monotonic()
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    _, moved = wait_for(topo, lambda s: relayed(s, (spare,)), "volunteers moved to the other relay", 60)
+    print(f"SIGKILL relay {RELAYS[used]}: both volunteers reachable only through {spare} after {moved:.1f} s")
+    before_spare = len(tap_bytes(topo, 1 - used))
+    answer_after, figures = ask(topo)
+    print(f"asked again after the kill ({time.monotonic() - began:.1f} s after it): {figures.strip()}")
+    assert answer_after.strip() == expected.strip()
+    spare_tap = tap_bytes(topo, 1 - used)
+    assert len(spare_tap) - before_spare > NEW_TOKENS * 576 * 4
+    assert_opaque(spare_tap, answer_after)
