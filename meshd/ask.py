@@ -221,9 +221,16 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0))
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
+        failed = True
         raise first_error(group) from None
+    except BaseException:
+        failed = True
+        raise
+    else:
+        failed = False
     finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+        # After a failure some stage may never answer: do not hold the caller's failover up for it.
+        with trio.CancelScope(shield=True), trio.move_on_after(0.3 if failed else 2.0):
             await _release_all([s for s in opened if s is not None], session, epoch)
     return result
 
