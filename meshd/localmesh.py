@@ -25,15 +25,20 @@ class Served:
     log: Path | None = None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         if self.log is not None:
             self.log.unlink(missing_ok=True)
+
+
+def stop_process(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM (a daemon leaves gracefully), then SIGKILL if it takes too long."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def meshd_command(*args: str) -> list[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.localmesh import READY
+from meshd.localmesh import READY, stop_process
 
 PROMPT = "Write a short story about a lighthouse keeper named CANARY-5f3a9c-KEEPER."
 CANARY = b"CANARY-5f3a9c"
@@ -66,13 +66,7 @@ class Process:
     node_id: str = ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
 
 @dataclass
