@@ -343,9 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", help="layer range START:END (default: all layers)")
     s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept peers on")
     s.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
-    s.add_argument("--poll", type=int, default=-1,
-                   help="how eagerly idle compute threads spin for the next step, 0..100 "
-                        "(default: ggml's 50; 0 sleeps at once, kinder to other stages on the same cores)")
+    s.add_argument("--poll", type=int, default=0,
+                   help="how long idle compute threads spin for the next step, 0..100 (default 0: they sleep at "
+                        "once, leaving the cores to other stages; -1: no persistent thread pool, ggml's default)")
     s.add_argument("--max-sessions", type=int, default=8, help="sessions served at once (KV sequences)")
     s.add_argument("--session-tokens", type=int, default=2048, help="KV tokens one session may hold")
     s.add_argument("--kv-tokens", type=int, default=0,

@@ -591,6 +591,8 @@ class Link:
         except ProtocolError as exc:
             return exc
         streams = self._streams
+        # forget ended streams only after a reset in the same record has reached them
+        ended: list[int] = []
         for event in events:
             if isinstance(event, DataReceived):
                 stream = streams.get(event.stream_id)
@@ -604,7 +606,7 @@ class Link:
                 stream = streams.get(event.stream_id)
                 if stream is not None:
                     stream._on_eof()
-                self._forget_if_done(event.stream_id)
+                ended.append(event.stream_id)
             elif isinstance(event, StreamOpened):
                 self._accept_stream(event.stream_id, event.protocol)
             elif isinstance(event, StreamReset):
@@ -619,6 +621,8 @@ class Link:
                     self._on_goaway(self)
             elif isinstance(event, PongReceived):
                 self._rtt = trio.current_time() - event.sent_at
+        for stream_id in ended:
+            self._forget_if_done(stream_id)
         if self.core.mux.has_output:
             self._want_write()
         return None

@@ -623,7 +623,7 @@ class StageNode:
 @asynccontextmanager
 async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageLimits, identity: NodeIdentity,
                      config: PeersConfig | None = None, listen: tuple[str, int] = ("127.0.0.1", 0),
-                     threads: int = 0, poll: int = -1) -> AsyncIterator[StageNode]:
+                     threads: int = 0, poll: int = 0) -> AsyncIterator[StageNode]:
     """A stage serving ``layers`` of ``model`` on ``listen``, with its supervised engine worker."""
     digest = await trio.to_thread.run_sync(file_digest, model)
     spec = WorkerSpec(model, layers, n_ctx=limits.max_sessions * limits.max_session_tokens,

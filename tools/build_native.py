@@ -7,6 +7,13 @@ sha256. Builds are cached outside the checkout, keyed by the hash of the lock,
 the patches, our C API and the build options, so a fresh clone reuses a build
 and only a change to one of those rebuilds.
 
+With --tools it also builds llama.cpp's own `llama-bench` and
+`ggml-rpc-server` from the same patched tree and the same ggml options (RPC on,
+OpenMP off, static), in a build directory of their own (build/cmake-tools), so
+the library's build is never invalidated. They are cached like the library,
+keyed by the lock, the patches and the options, and found at
+build/native-tools/bin/. tools/bench_pipeline.py compares meshd against them.
+
 Prints one clear line and exits non-zero on any failure.
 """
 
@@ -27,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "native"
 BUILD = ROOT / "build"
 LIB_NAME = "libmeshengine.so"
+# llama.cpp's own programs, built from the same patched tree by --tools
+TOOL_TARGETS = ["llama-bench", "ggml-rpc-server"]
 # Files whose content decides what the build produces.
 KEYED_FILES = ["native/llama.lock", "native/meshengine.h", "native/meshengine.cpp", "CMakeLists.txt"]
 
@@ -73,6 +82,22 @@ def build_key() -> str:
     for p in patches():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(" ".join(cmake_options()).encode())
+    return h.hexdigest()[:16]
+
+
+def tools_cmake_options() -> list[str]:
+    """The library's ggml options, with llama.cpp's tools on (what the top CMakeLists forces off)."""
+    return [*cmake_options(), "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=OFF", "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
+
+
+def tools_key() -> str:
+    h = hashlib.sha256(b"tools\0")
+    h.update((ROOT / "native/llama.lock").read_bytes() + b"\0")
+    for p in patches():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(" ".join(tools_cmake_options() + TOOL_TARGETS).encode())
     return h.hexdigest()[:16]
 
 
@@ -143,27 +168,47 @@ def unpack_and_patch(sdist: Path, lock: dict[str, str], src: Path) -> None:
     tmp.rename(src)
 
 
+def patched_source(lock: dict[str, str]) -> Path:
+    """The patched llama.cpp tree at build/llama.cpp, unpacked again only when the lock or a patch changed."""
+    sdist = fetch_sdist(lock)
+    src = BUILD / "llama.cpp"
+    stamp = BUILD / "llama.cpp.stamp"
+    want = key_of_sources(lock)
+    if not (stamp.exists() and stamp.read_text() == want and src.exists()):
+        BUILD.mkdir(exist_ok=True)
+        unpack_and_patch(sdist, lock, src)
+        stamp.write_text(want)
+    return src
+
+
+def build_env() -> tuple[dict[str, str], list[str], list[str]]:
+    """Environment, compiler-launcher options and generator options shared by both builds."""
+    env = dict(os.environ)
+    launcher = []
+    if shutil.which("ccache"):
+        launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+        env.setdefault("CCACHE_BASEDIR", str(ROOT))
+        env.setdefault("CCACHE_DIR", str(cache_root() / "ccache"))
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    return env, launcher, generator
+
+
+def relink(link: Path, target: Path) -> None:
+    BUILD.mkdir(exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target)
+
+
 def build(jobs: int, verbose: bool) -> Path:
     lock = read_lock()
     key = build_key()
     out = cache_root() / "native" / key
     link = BUILD / "native"
     if not (out / LIB_NAME).exists():
-        sdist = fetch_sdist(lock)
-        src = BUILD / "llama.cpp"
-        stamp = BUILD / "llama.cpp.stamp"
-        want = key_of_sources(lock)
-        if not (stamp.exists() and stamp.read_text() == want and src.exists()):
-            unpack_and_patch(sdist, lock, src)
-            stamp.write_text(want)
+        src = patched_source(lock)
         cmake_dir = BUILD / "cmake"
-        env = dict(os.environ)
-        launcher = []
-        if shutil.which("ccache"):
-            launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
-            env.setdefault("CCACHE_BASEDIR", str(ROOT))
-            env.setdefault("CCACHE_DIR", str(cache_root() / "ccache"))
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        env, launcher, generator = build_env()
         configure = ["cmake", "-S", str(ROOT), "-B", str(cmake_dir), *generator,
                      f"-DLLAMA_SOURCE_DIR={src}", *cmake_options(), *launcher]
         run(configure, env, verbose, "cmake configure failed")
@@ -173,11 +218,36 @@ def build(jobs: int, verbose: bool) -> Path:
         shutil.copy2(cmake_dir / LIB_NAME, out / (LIB_NAME + ".tmp"))
         shutil.copy2(NATIVE / "meshengine.h", out / "meshengine.h")
         (out / (LIB_NAME + ".tmp")).rename(out / LIB_NAME)
-    BUILD.mkdir(exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(out)
+    relink(link, out)
     return link / LIB_NAME
+
+
+def build_tools(jobs: int, verbose: bool) -> Path:
+    """llama-bench and ggml-rpc-server of the pinned, patched llama.cpp; returns build/native-tools/bin."""
+    lock = read_lock()
+    out = cache_root() / "native-tools" / tools_key()
+    link = BUILD / "native-tools"
+    if not all((out / "bin" / t).exists() for t in TOOL_TARGETS):
+        src = patched_source(lock)
+        cmake_dir = BUILD / "cmake-tools"
+        env, launcher, generator = build_env()
+        configure = ["cmake", "-S", str(src), "-B", str(cmake_dir), *generator, *tools_cmake_options(), *launcher]
+        run(configure, env, verbose, "cmake configure of llama.cpp's tools failed")
+        run(["cmake", "--build", str(cmake_dir), "--target", *TOOL_TARGETS, "-j", str(jobs)],
+            env, verbose, "build of llama.cpp's tools failed")
+        tmp = out.with_name(out.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "bin").mkdir(parents=True)
+        for t in TOOL_TARGETS:
+            shutil.copy2(cmake_dir / "bin" / t, tmp / "bin" / t)
+        (tmp / "llama_cpp_commit").write_text(lock["llama_cpp_commit"] + "\n")
+        (tmp / "cmake_options").write_text(" ".join(tools_cmake_options()) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    relink(link, out)
+    return link / "bin"
 
 
 def key_of_sources(lock: dict[str, str]) -> str:
@@ -207,16 +277,21 @@ def main() -> int:
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--print-key", action="store_true", help="print the build key and exit")
+    parser.add_argument("--tools", action="store_true",
+                        help="also build llama.cpp's llama-bench and ggml-rpc-server (for tools/bench_pipeline.py)")
     args = parser.parse_args()
     try:
         if args.print_key:
             print(build_key())
             return 0
         lib = build(args.jobs, args.verbose)
+        tools = build_tools(args.jobs, args.verbose) if args.tools else None
     except BuildError as exc:
         print(f"build_native: {exc}", file=sys.stderr)
         return 1
     print(f"meshengine: {lib.resolve()}")
+    if tools is not None:
+        print(f"llama.cpp tools: {tools.resolve()} ({', '.join(TOOL_TARGETS)})")
     return 0
 
 

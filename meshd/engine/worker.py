@@ -159,7 +159,7 @@ def main() -> int:
     ap.add_argument("--n-seq-max", type=int, default=16)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--poll", type=int, default=-1)
+    ap.add_argument("--poll", type=int, default=0)
     args = ap.parse_args()
     sock = socket.socket(fileno=args.fd)
     try:
