@@ -30,7 +30,7 @@ class Served:
             self.log.unlink(missing_ok=True)
 
 
-def stop_process(proc: subprocess.Popen[str]) -> None:
+def stop_process(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
     """SIGTERM (a daemon leaves gracefully), then SIGKILL if it takes too long."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

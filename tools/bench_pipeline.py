@@ -58,7 +58,6 @@ import json
 import os
 import platform
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -76,6 +75,7 @@ import trio  # noqa: E402
 
 from meshd.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session  # noqa: E402
 from meshd.engine.chain import even_ranges  # noqa: E402
+from meshd.localmesh import stop_process  # noqa: E402
 from meshd.models import default_model_path  # noqa: E402
 from meshd.peers import Peers, open_peers  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
@@ -120,13 +120,7 @@ class Proc:
     address: str = ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def proc_status(pid: int) -> dict[str, int]:
