@@ -28,7 +28,7 @@ from meshd.link import Stream
 from meshd.models import file_digest
 from meshd.peers import Peers, PeersConfig, open_peers
 from wire.identity import NodeIdentity
-from wire.codec import ErrorMessage, Message, error_message
+from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.stage import (
     STAGE_PROTOCOL,
@@ -643,7 +643,3 @@ async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageL
 
 def new_session_id() -> str:
     return secrets.token_hex(12)
-
-
-def describe_error(message: Message) -> ProtocolError | None:
-    return ProtocolError(message.code, message.message, message.retry_after_ms) if isinstance(message, ErrorMessage) else None

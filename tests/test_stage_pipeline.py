@@ -15,7 +15,6 @@ from meshd.ask import AskRequest, AskResult, Stage, check_route, describe_route,
 from meshd.peers import Peers, open_peers
 from tests.conftest import greedy_reference
 from meshd.localmesh import Served, start_serve
-from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
