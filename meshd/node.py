@@ -139,6 +139,7 @@ class MeshDaemon:
                 self.identity, int(time.time() * 1000), addresses=[self.address],
                 reachability="unknown" if checks else "public",
                 memory_bytes=0 if cfg.client else cfg.memory_bytes, models=[self.model] if self.model else [],
+                kv_tokens=cfg.limits.max_sessions * cfg.limits.max_session_tokens if self.model else 0,
                 roles=roles, started_at=time.time())
             self.mesh = MeshNode(self.identity, record, trio.current_time())
             await self._join_seeds()
@@ -383,8 +384,10 @@ class MeshDaemon:
 
     def _reassign(self) -> None:
         records = self.live_records()
-        kv_tokens = self.config.limits.max_sessions * self.config.limits.max_session_tokens
         for digest, info in self._models().items():
+            # the volunteers' own session budgets decide the KV each stage holds, not the tracker's
+            kv_tokens = max((r.kv_tokens for r in records if r.model(digest) is not None), default=0) \
+                or self.config.limits.max_sessions * self.config.limits.max_session_tokens
             try:
                 self.assignments[digest] = assign(capacities(records, digest), ModelSpec.from_info(info, kv_tokens),
                                                   AssignmentPolicy(), self.assignments.get(digest))

@@ -84,6 +84,8 @@ class CapabilityRecord(WireModel):
     relay_addresses: Annotated[list[_Address], Field(max_length=MAX_ADDRESSES)] = []
     roles: Annotated[list[_Role], Field(max_length=MAX_ROLES)] = []
     memory_bytes: _Count = 0
+    # KV tokens the node keeps for its sessions (sessions x tokens each); placement counts their memory.
+    kv_tokens: _Count = 0
     # Measured compute time of one layer for one decoded token; 0 until measured.
     seconds_per_layer: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     models: Annotated[list[ModelInfo], Field(max_length=MAX_MODELS)] = []

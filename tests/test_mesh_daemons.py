@@ -29,7 +29,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served]]:
     base = tmp_path_factory.mktemp("mesh")
     nodes: list[Served] = []
     try:
-        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *VOLUNTEER))
+        # the seed keeps its default session budget: placement must use the volunteers'
+        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed")))
         for i in range(5):
             nodes.append(start_join("--seed", nodes[0].address, "--state-dir", str(base / f"v{i}"), *VOLUNTEER))
         yield nodes

@@ -42,8 +42,7 @@ def main() -> int:
     nodes: list[Served] = []
     with tempfile.TemporaryDirectory(prefix="meshd-demo-") as state:
         try:
-            # the tracker plans KV with its own session budget: the seed gets the volunteers' flags
-            nodes.append(start_join("--no-model", "--state-dir", f"{state}/seed", *VOLUNTEER))
+            nodes.append(start_join("--no-model", "--state-dir", f"{state}/seed"))
             print(f"$ meshd join --no-model                      # seed on {nodes[0].address}")
             for i in range(args.volunteers):
                 nodes.append(start_join("--seed", nodes[0].address, "--state-dir", f"{state}/v{i}", *VOLUNTEER))
