@@ -130,60 +130,72 @@ def state_dir(arg: Path | None) -> Path:
     return arg or Path(base) / "meshd"
 
 
-async def join(args: argparse.Namespace) -> int:
-    listen = parse_address(args.listen, "--listen")
+def parse_seeds(args: argparse.Namespace) -> tuple[str, ...]:
     seeds = tuple(args.seed or ())
     for s in seeds:
         parse_address(s, "--seed")
-    model = model_path(args.model) if args.model or not args.no_model else None
-    directory = state_dir(args.state_dir)
+    return seeds
+
+
+def node_identity(args: argparse.Namespace) -> tuple[NodeIdentity, bytes | None]:
+    """The node's lasting key from --state-dir, and the mesh key if one is given."""
     try:
-        identity = load_or_create_identity(directory)
+        identity = load_or_create_identity(state_dir(args.state_dir))
         mesh_key = load_mesh_key(args.mesh_key_file) if args.mesh_key_file else None
     except IdentityError as exc:
         raise UsageError(str(exc)) from None
-    limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
-                         max_total_tokens=args.max_sessions * args.session_tokens)
-    config = NodeConfig(listen=listen, seeds=seeds, model=model, memory_bytes=parse_size(args.memory),
-                        threads=args.threads, limits=limits, peers=PeersConfig(mesh_key=mesh_key))
-    daemon = MeshDaemon(identity, config)
-    control = directory / "daemon.json"
+    return identity, mesh_key
+
+
+async def run_until_signal(daemon: MeshDaemon, banner: str, control: Path | None = None) -> None:
+    """Runs a daemon until SIGTERM or SIGINT, then leaves the mesh gracefully.
+
+    `control`, if given, names the file where local `ask` and `status` find the daemon.
+    """
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
-        control.write_text(json.dumps({"address": daemon.address, "node_id": identity.node_id,
-                                       "pid": os.getpid()}))
+        if control is not None:
+            control.write_text(json.dumps({"address": daemon.address, "node_id": daemon.identity.node_id,
+                                           "pid": os.getpid()}))
         try:
-            what = f"volunteering {model.name}" if model else "without a model"
-            print(f"meshd: node {identity.node_id[:16]} on {daemon.address}, {what}, "
-                  f"memory {args.memory}, seeds: {', '.join(seeds) or 'none (first node)'}", flush=True)
-            print(f"ready {daemon.address} pid={os.getpid()} node={identity.node_id}", flush=True)
+            print(f"meshd: {daemon.identity.node_id[:16]} on {daemon.address}, {banner}", flush=True)
+            print(f"ready {daemon.address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     break
             await daemon.leave()
         finally:
-            control.unlink(missing_ok=True)
+            if control is not None:
+                control.unlink(missing_ok=True)
         nursery.cancel_scope.cancel()
+
+
+async def join(args: argparse.Namespace) -> int:
+    listen = parse_address(args.listen, "--listen")
+    seeds = parse_seeds(args)
+    model = model_path(args.model) if args.model or not args.no_model else None
+    identity, mesh_key = node_identity(args)
+    limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
+                         max_total_tokens=args.max_sessions * args.session_tokens)
+    config = NodeConfig(listen=listen, seeds=seeds, model=model, memory_bytes=parse_size(args.memory),
+                        threads=args.threads, limits=limits, peers=PeersConfig(mesh_key=mesh_key))
+    what = f"volunteering {model.name}" if model else "without a model"
+    await run_until_signal(MeshDaemon(identity, config),
+                           f"{what}, memory {args.memory}, seeds: {', '.join(seeds) or 'none (first node)'}",
+                           state_dir(args.state_dir) / "daemon.json")
     return 0
 
 
 async def relay(args: argparse.Namespace) -> int:
     listen = parse_address(args.listen, "--listen")
-    seeds = tuple(args.seed or ())
-    for s in seeds:
-        parse_address(s, "--seed")
+    seeds = parse_seeds(args)
     for name in ("max_reservations", "max_circuits_per_peer", "circuit_seconds", "idle_timeout"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     limits = RelayLimits(max_reservations=args.max_reservations, max_circuits_per_peer=args.max_circuits_per_peer,
                          max_circuit_bytes=parse_size(args.max_circuit_bytes),
                          max_circuit_seconds=args.circuit_seconds, idle_timeout=args.idle_timeout)
-    directory = state_dir(args.state_dir)
-    try:
-        identity = load_or_create_identity(directory)
-        mesh_key = load_mesh_key(args.mesh_key_file) if args.mesh_key_file else None
-    except IdentityError as exc:
-        raise UsageError(str(exc)) from None
+    identity, mesh_key = node_identity(args)
     tap = None
     if args.tap is not None:
         try:
@@ -195,18 +207,10 @@ async def relay(args: argparse.Namespace) -> int:
         parse_address(args.advertise, "--advertise")
     config = NodeConfig(listen=listen, seeds=seeds, model=None, memory_bytes=0, relay=True, relay_limits=limits,
                         relay_tap=tap, advertise=args.advertise, peers=PeersConfig(mesh_key=mesh_key))
-    daemon = MeshDaemon(identity, config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(daemon.run)
-        print(f"meshd: relay {identity.node_id[:16]} on {daemon.address}, up to {limits.max_reservations} "
-              f"reservations, {args.max_circuit_bytes} and {limits.max_circuit_seconds:g} s per circuit, "
-              f"seeds: {', '.join(seeds) or 'none (first node)'}", flush=True)
-        print(f"ready {daemon.address} pid={os.getpid()} node={identity.node_id}", flush=True)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                break
-        await daemon.leave()
-        nursery.cancel_scope.cancel()
+    await run_until_signal(MeshDaemon(identity, config),
+                           f"relay with up to {limits.max_reservations} reservations, {args.max_circuit_bytes} and "
+                           f"{limits.max_circuit_seconds:g} s per circuit, "
+                           f"seeds: {', '.join(seeds) or 'none (first node)'}")
     return 0
 
 
