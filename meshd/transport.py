@@ -13,7 +13,10 @@ from typing import Protocol
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
+from meshd import wsmask
 from wire.noise import MAX_RECORD, RecordReader
+
+wsmask.install()
 
 # Records are at most 64 KiB, so one WebSocket message never needs more than
 # that; the cap leaves room and bounds what a hostile peer can make us buffer.
