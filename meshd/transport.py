@@ -7,7 +7,7 @@ circuit, a socket) or an in-memory pipe (tests, simulations).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Protocol
 
 import trio
@@ -45,6 +45,9 @@ class RecordTransport(Protocol):
     async def aclose(self) -> None: ...
 
 
+RecordTaker = Callable[[bytes], Coroutine[object, object, None] | None]
+
+
 class WebSocketTransport:
     """One binary WebSocket message per record."""
 
@@ -71,9 +74,7 @@ class WebSocketTransport:
     async def aclose(self) -> None:
         await self._ws.aclose()
 
-    def deliver_to(
-        self, on_record: Callable[[bytes], Awaitable[None]], on_close: Callable[[], None]
-    ) -> list[bytes] | None:
+    def deliver_to(self, on_record: RecordTaker, on_close: Callable[[], None]) -> list[bytes] | None:
         """Have trio-websocket's own reader task hand records to ``on_record``.
 
         A link otherwise needs a reader task of its own between trio-websocket's
@@ -84,6 +85,9 @@ class WebSocketTransport:
         returns None if they are not as expected; the caller then reads with
         ``receive_record`` as usual. Otherwise it returns the records already
         queued, to be processed first, in order.
+
+        ``on_record`` processes a record at once and returns None, or, when
+        the record ends the link, a coroutine to await before reading on.
         """
         ws = self._ws
         queue = getattr(ws, "_recv_channel", None)
@@ -108,14 +112,14 @@ class WebSocketTransport:
 class _RecordSink:
     """Stands in for trio-websocket's message queue; see ``deliver_to``."""
 
-    def __init__(
-        self, on_record: Callable[[bytes], Awaitable[None]], on_close: Callable[[], None]
-    ) -> None:
+    def __init__(self, on_record: RecordTaker, on_close: Callable[[], None]) -> None:
         self._on_record = on_record
         self._on_close = on_close
 
     async def send(self, message: bytes | str) -> None:
-        await self._on_record(message if isinstance(message, bytes) else b"")
+        ending = self._on_record(message if isinstance(message, bytes) else b"")
+        if ending is not None:
+            await ending
 
     async def aclose(self) -> None:
         self._on_close()

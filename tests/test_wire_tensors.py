@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 from wire.codec import Limits, MessageDecoder, decode, encode
 from wire.errors import ErrorCode, ProtocolError
-from wire.tensors import Activation, TensorEntry, wire_size
+from wire.tensors import Activation, TensorEntry, encode_activation, tensor_fields, wire_size
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -267,3 +267,28 @@ def test_mutated_activations_give_only_typed_errors() -> None:
                     tensor.to_array()
         except ProtocolError as exc:
             assert isinstance(exc.code, ErrorCode)
+
+
+@FAST
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(["f32", "f16", "bf16"]),
+    codec=codecs,
+    tokens=st.none() | st.lists(st.integers(0, 1 << 20), max_size=5),
+    deadline=st.none() | st.integers(0, 1 << 20),
+    data=st.data(),
+)
+def test_encoding_an_activation_without_models_gives_the_model_s_bytes(
+    shape: tuple[int, ...],
+    dtype: str,
+    codec: str,
+    tokens: list[int] | None,
+    deadline: int | None,
+    data: st.DataObject,
+) -> None:
+    array = data.draw(hnp.arrays(np.float32, shape, elements=st.floats(-1e4, 1e4, width=32)))
+    header = dict(session="s", epoch=3, step=7, pos=11, n_tokens=2, tokens=tokens, deadline_ms=deadline)
+    model = Activation.of(**header, tensors=[TensorEntry.from_array("t", array, dtype, codec)])  # type: ignore[arg-type]
+    direct = encode_activation(**header, tensors=[tensor_fields("t", array, dtype, codec)])  # type: ignore[arg-type]
+    assert direct == encode(model)
+    assert decode(direct) == model

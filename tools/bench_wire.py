@@ -43,9 +43,9 @@ from meshd.link import Stream  # noqa: E402
 from meshd.peers import open_peers  # noqa: E402
 from meshd.transport import WS_RECEIVE_BUFFER  # noqa: E402
 from meshd.wsmask import stock_masking  # noqa: E402
-from wire.codec import Message, encode  # noqa: E402
+from wire.codec import Message  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
-from wire.tensors import Activation, TensorEntry  # noqa: E402
+from wire.tensors import Activation, encode_activation, tensor_fields  # noqa: E402
 
 PREFILL_SHAPE = (16384, 1024)  # 64 MiB of f32
 BARE_WS_MAX_MESSAGE = 256 << 20
@@ -55,14 +55,15 @@ STOCK_PATH = "/stock"
 SETUPS = {"stack": "stack", "ws": "trio-websocket", "ws_word": "ws+word masker", "tcp": "raw tcp"}
 
 
-def activation(array: np.ndarray, step: int) -> Activation:
-    return Activation.of(
+def activation(array: np.ndarray, step: int) -> bytes:
+    """An encoded activation, built the way a stage sends one (no model)."""
+    return encode_activation(
         session="bench",
         epoch=0,
         step=step,
         pos=step,
         n_tokens=array.shape[0],
-        tensors=[TensorEntry.from_array("hidden_states", array)],
+        tensors=[tensor_fields("hidden_states", array)],
     )
 
 
@@ -75,13 +76,18 @@ def as_activation(message: Message) -> Activation:
 
 
 async def serve_stage(stream: Stream) -> None:
-    async for message in stream.messages():
-        received = as_activation(message)
+    # A receive loop like the stage service's own (meshd.stage), not the
+    # async generator ``stream.messages()``, which costs a few µs a message.
+    while True:
+        try:
+            received = as_activation(await stream.receive_message())
+        except trio.EndOfChannel:
+            return
         array = received.array()
         if array.shape[0] > 1:
             # Prefill: acknowledge with a one-token activation of the last row.
             array = array[-1:]
-        await stream.send_message(activation(array, received.step))
+        await stream.send_all(activation(array, received.step))
 
 
 async def serve_ws(request: WebSocketRequest) -> None:
@@ -180,12 +186,12 @@ async def bench_stack(
         expected_rows = 1 if data.shape[0] > 1 else data.shape[0]
 
         async def once(step: int) -> None:
-            await stream.send_message(activation(data, step))
+            await stream.send_all(activation(data, step))
             reply = as_activation(await stream.receive_message())
             assert reply.step == step and reply.n_tokens == expected_rows
 
         samples = await _timed(rounds, warmup, once)
-        await stream.send_message(activation(data, 0))
+        await stream.send_all(activation(data, 0))
         echoed = as_activation(await stream.receive_message()).array()
         assert np.array_equal(echoed, data[-expected_rows:]), "f32 must cross bit exact"
         await stream.aclose()
@@ -230,17 +236,27 @@ async def bench_tcp(port: int, payload: bytes, rounds: int, warmup: int) -> list
 
 
 async def compare(
-    ports: dict[str, int], node_id: str, data: np.ndarray, rounds: int, warmup: int
+    ports: dict[str, int], node_id: str, data: np.ndarray, rounds: int, warmup: int, passes: int
 ) -> dict[str, Any]:
-    """The same activation through the stack, and its encoded bytes through bare ws and tcp."""
-    payload = encode(activation(data, 0))[4:]
-    return {
-        "message_bytes": len(payload) + 4,
-        "stack": await bench_stack(ports["stack"], node_id, data, rounds, warmup),
-        "ws": await bench_ws(ports["ws"], payload, rounds, warmup),
-        "ws_word": await bench_ws(ports["ws"], payload, rounds, warmup, stock=False),
-        "tcp": await bench_tcp(ports["tcp"], payload, rounds, warmup),
+    """The same activation through the stack, and its encoded bytes through bare ws and tcp.
+
+    The rounds are split over ``passes``, each running every setup in turn in
+    a rotated order, so drift of a shared machine hits all setups alike.
+    """
+    payload = activation(data, 0)[4:]
+    runs: dict[str, Callable[[int], Awaitable[list[float]]]] = {
+        "stack": lambda n: bench_stack(ports["stack"], node_id, data, n, warmup),
+        "ws": lambda n: bench_ws(ports["ws"], payload, n, warmup),
+        "ws_word": lambda n: bench_ws(ports["ws"], payload, n, warmup, stock=False),
+        "tcp": lambda n: bench_tcp(ports["tcp"], payload, n, warmup),
     }
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    per_pass = max(1, rounds // passes)
+    for index in range(passes):
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            samples[name] += await runs[name](per_pass)
+    return {"message_bytes": len(payload) + 4, **samples}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -261,13 +277,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rng = np.random.default_rng(1)
         for hidden in args.hidden:
             data = rng.standard_normal((1, hidden), dtype=np.float32)
-            row = await compare(ports, node_id, data, args.rounds, args.warmup)
+            row = await compare(ports, node_id, data, args.rounds, args.warmup, args.passes)
             results["latency"][hidden] = {
                 "message_bytes": row["message_bytes"],
                 **{name: _summary(row[name]) for name in SETUPS},
             }
         prefill = rng.standard_normal(PREFILL_SHAPE, dtype=np.float32)
-        bulk = await compare(ports, node_id, prefill, args.bulk_rounds, 1)
+        bulk = await compare(ports, node_id, prefill, args.bulk_rounds, 1, args.bulk_rounds)
         results["throughput"] = {"message_bytes": bulk["message_bytes"]}
         for name in SETUPS:
             seconds = statistics.median(bulk[name])
@@ -325,7 +341,8 @@ def render(results: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3000)
-    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=100, help="untimed rounds per pass")
+    parser.add_argument("--passes", type=int, default=5, help="rounds are split over this many passes")
     parser.add_argument("--bulk-rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, nargs="+", default=[576, 8192])
     parser.add_argument(

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import crc32c as _crc32c
 import numpy as np
 import zstandard
 from pydantic import Field, model_validator
 
-from wire.codec import Message, WireModel, register
+from wire.codec import Message, WireModel, encode_fields, register
 from wire.errors import ErrorCode, ProtocolError
 
 TensorDType = Literal["f32", "f16", "bf16", "q8_0"]
@@ -113,24 +113,7 @@ class TensorEntry(WireModel):
         level: int = 1,
     ) -> TensorEntry:
         """Pack ``array`` as ``dtype``. f32 of a float32 array is bit exact."""
-        if not 1 <= len(name) <= 64:
-            raise ValueError("a tensor name is 1 to 64 characters")
-        if array.ndim > MAX_DIMS:
-            raise ValueError(f"at most {MAX_DIMS} dimensions")
-        raw = _to_wire_bytes(array, dtype)
-        if len(raw) > MAX_TENSOR_BYTES:
-            raise ValueError(f"tensor of {len(raw)} bytes exceeds the limit of {MAX_TENSOR_BYTES}")
-        data = raw if codec == "raw" else _compressor(level).compress(raw)
-        return cls._trusted(
-            {
-                "name": name,
-                "dtype": dtype,
-                "shape": list(array.shape),
-                "codec": codec,
-                "crc32c": _crc(data),
-                "data": data,
-            }
-        )
+        return cls._trusted(tensor_fields(name, array, dtype, codec, level))
 
     def to_array(self) -> np.ndarray:
         """The tensor as a read-only numpy array (float32, or float16 for f16)."""
@@ -161,6 +144,33 @@ class TensorEntry(WireModel):
                 ErrorCode.PAYLOAD_CORRUPT, f"zstd gave {len(raw)} bytes, expected {expected}"
             )
         return raw
+
+
+def tensor_fields(
+    name: str,
+    array: np.ndarray,
+    dtype: TensorDType = "f32",
+    codec: TensorCodec = "raw",
+    level: int = 1,
+) -> dict[str, Any]:
+    """The wire fields of ``array`` packed as ``dtype``: a ``TensorEntry``'s, or
+    what ``encode_activation`` packs without building one."""
+    if not 1 <= len(name) <= 64:
+        raise ValueError("a tensor name is 1 to 64 characters")
+    if array.ndim > MAX_DIMS:
+        raise ValueError(f"at most {MAX_DIMS} dimensions")
+    raw = _to_wire_bytes(array, dtype)
+    if len(raw) > MAX_TENSOR_BYTES:
+        raise ValueError(f"tensor of {len(raw)} bytes exceeds the limit of {MAX_TENSOR_BYTES}")
+    data = raw if codec == "raw" else _compressor(level).compress(raw)
+    return {
+        "name": name,
+        "dtype": dtype,
+        "shape": list(array.shape),
+        "codec": codec,
+        "crc32c": _crc(data),
+        "data": data,
+    }
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -258,18 +268,7 @@ class Activation(Message):
         """Build from local values without validating them (the receiver does);
         the constructor validates, at a cost that shows on the per-token path."""
         return cls._trusted(
-            {
-                "type": "activation",
-                "v": 1,
-                "session": session,
-                "epoch": epoch,
-                "step": step,
-                "pos": pos,
-                "n_tokens": n_tokens,
-                "tensors": tensors,
-                "tokens": None if tokens is None else np.asarray(tokens, np.int64).tolist(),
-                "deadline_ms": deadline_ms,
-            }
+            _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms)
         )
 
     def tensor(self, name: str) -> TensorEntry:
@@ -280,3 +279,47 @@ class Activation(Message):
 
     def array(self, name: str = "hidden_states") -> np.ndarray:
         return self.tensor(name).to_array()
+
+
+def _activation_fields(
+    session: str,
+    epoch: int,
+    step: int,
+    pos: int,
+    n_tokens: int,
+    tensors: list[TensorEntry] | list[dict[str, Any]],
+    tokens: Sequence[int] | np.ndarray | None,
+    deadline_ms: int | None,
+) -> dict[str, Any]:
+    # The order is the model's field order: packed as is, it gives the bytes
+    # that packing the model gives.
+    return {
+        "type": "activation",
+        "v": 1,
+        "session": session,
+        "epoch": epoch,
+        "step": step,
+        "pos": pos,
+        "n_tokens": n_tokens,
+        "tensors": tensors,
+        "tokens": None if tokens is None else np.asarray(tokens, np.int64).tolist(),
+        "deadline_ms": deadline_ms,
+    }
+
+
+def encode_activation(
+    *,
+    session: str,
+    epoch: int,
+    step: int,
+    pos: int,
+    n_tokens: int,
+    tensors: list[dict[str, Any]],
+    tokens: Sequence[int] | np.ndarray | None = None,
+    deadline_ms: int | None = None,
+) -> bytes:
+    """The bytes of ``encode(Activation.of(...))`` with ``tensors`` given as
+    ``tensor_fields``, built without any model: the per-token send path."""
+    return encode_fields(
+        _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms)
+    )
