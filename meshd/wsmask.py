@@ -28,11 +28,10 @@ class WordMasker:
     """Drop-in for wsproto's ``XorMaskerSimple``: same output, same key rotation
     across successive chunks of one frame."""
 
-    __slots__ = ("_key", "_word")
+    __slots__ = ("_key",)
 
     def __init__(self, masking_key: bytes | bytearray) -> None:
         self._key = bytes(masking_key)
-        self._word = np.frombuffer(self._key, _WORD)[0]
 
     def process(self, data: bytes | bytearray | memoryview) -> bytearray:
         out = bytearray(data)
@@ -42,14 +41,13 @@ class WordMasker:
             words = n >> 2
             if words:
                 view = np.frombuffer(out, _WORD, count=words)
-                view ^= self._word
+                view ^= int.from_bytes(key, "little")
             shift = n & 3
             if shift:
                 for i in range(words << 2, n):
                     out[i] ^= key[i & 3]
                 # the next chunk of the same frame continues with the next key byte
-                self._key = key = key[shift:] + key[:shift]
-                self._word = np.frombuffer(key, _WORD)[0]
+                self._key = key[shift:] + key[:shift]
         return out
 
 
