@@ -18,7 +18,10 @@ from typing import Any, Callable
 import trio
 
 from meshd.engine.engine import RangeReport
-from meshd.engine.workerproto import PREFIX, decode_header, encode_prefix, parse_prefix
+from meshd.engine.workerproto import PREFIX, FrameError, decode_header, encode_prefix, parse_prefix
+
+# A reply that fits here (every decode step's) arrives in one recv.
+_SCRATCH_BYTES = 64 << 10
 
 
 class WorkerDown(Exception):
@@ -77,7 +80,10 @@ class EngineSupervisor:
     restarts: int = 0
     report: RangeReport | None = None
     pid: int | None = None
-    _sock: trio.socket.SocketType | None = field(default=None, repr=False)
+    # A plain non-blocking socket, driven with trio's wait_readable/wait_writable:
+    # trio's socket methods take a scheduling round per call, three per reply.
+    _sock: socket.socket | None = field(default=None, repr=False)
+    _scratch: bytearray = field(default_factory=lambda: bytearray(_SCRATCH_BYTES), repr=False)
     _lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
     _up: trio.Event = field(default_factory=trio.Event, repr=False)
     _proc: trio.Process | None = field(default=None, repr=False)
@@ -125,7 +131,7 @@ class EngineSupervisor:
             await trio.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
 
-    async def _start(self) -> tuple[trio.Process, trio.socket.SocketType, RangeReport]:
+    async def _start(self) -> tuple[trio.Process, socket.socket, RangeReport]:
         ours, theirs = socket.socketpair()
         try:
             proc = await trio.lowlevel.open_process(
@@ -134,18 +140,19 @@ class EngineSupervisor:
             )
         finally:
             theirs.close()
-        sock = trio.socket.from_stdlib_socket(ours)
+        sock = ours
+        sock.setblocking(False)
         ready: dict[str, Any] | None = None
         with trio.move_on_after(self.load_timeout):
             try:
-                ready, _ = await _read_frame(sock)
-            except (WorkerDown, OSError):
+                ready, _ = await _read_frame(sock, self._scratch)
+            except (WorkerDown, OSError, FrameError):
                 ready = None
         if not ready or not ready.get("ok"):
             proc.kill()
             with trio.CancelScope(shield=True):
                 await proc.wait()
-            sock.close()
+            _close(sock)
             message = ready.get("message") if ready else "the engine worker exited before it was ready"
             raise WorkerStartError(message or "the engine worker failed to start")
         return proc, sock, RangeReport(**ready["report"])
@@ -176,9 +183,9 @@ class EngineSupervisor:
             nursery.start_soon(watch_health)
         return reason
 
-    async def _stop(self, proc: trio.Process, sock: trio.socket.SocketType) -> None:
+    async def _stop(self, proc: trio.Process, sock: socket.socket) -> None:
         self._sock = None
-        sock.close()
+        _close(sock)
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
@@ -186,31 +193,44 @@ class EngineSupervisor:
     async def call(self, header: dict[str, Any], payload: bytes | memoryview = b"",
                    timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
         """One request, one reply. Raises WorkerDown if the worker is or goes away."""
-        async with self._lock:
+        lock = self._lock
+        try:
+            # Uncontended (the usual case), this spares acquire()'s scheduling
+            # round; reading the reply always waits, so the call still checkpoints.
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
             sock = self._sock
             if sock is None:
                 raise WorkerDown("the engine worker is down")
             with trio.move_on_after(timeout or self.call_timeout) as scope:
                 try:
                     await _send_frame(sock, encode_prefix(header, len(payload)), payload)
-                    reply, body = await _read_frame(sock)
-                except (OSError, WorkerDown) as exc:
+                    reply, body = await _read_frame(sock, self._scratch)
+                except (OSError, WorkerDown, FrameError, trio.ClosedResourceError) as exc:
                     self._lost(sock)
                     raise WorkerDown(f"the engine worker went away: {exc}") from exc
+                except BaseException:
+                    # Cut short between request and reply, the socket is out of
+                    # step: the next caller would read this call's reply.
+                    self._lost(sock)
+                    raise
             if scope.cancelled_caught:
                 self._lost(sock)
                 raise WorkerDown(f"the engine worker did not answer {header.get('op')} in time")
+        finally:
+            lock.release()
         if not reply.get("ok"):
             raise WorkerRefused(str(reply.get("kind")), str(reply.get("message")))
         return reply, body
-
 
     def _mark_down(self) -> None:
         # waiters hold the unset event until the next start sets it
         if self._up.is_set():
             self._up = trio.Event()
 
-    def _lost(self, sock: trio.socket.SocketType) -> None:
+    def _lost(self, sock: socket.socket) -> None:
         # Seen by a caller before the supervising task notices: nobody may use
         # this worker, or wait_up() on its old readiness, from now on.
         if self._sock is sock:
@@ -220,11 +240,21 @@ class EngineSupervisor:
                 self._proc.kill()
 
 
-async def _send_frame(sock: trio.socket.SocketType, head: bytes, payload: bytes | memoryview) -> None:
+def _close(sock: socket.socket) -> None:
+    # wakes a task waiting on the socket (with ClosedResourceError) before the fd goes
+    trio.lowlevel.notify_closing(sock)
+    sock.close()
+
+
+async def _send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) -> None:
     """Header and payload in one gathered write: the worker wakes once per request, not once per part."""
     parts = [memoryview(head), memoryview(payload).cast("B")] if len(payload) else [memoryview(head)]
     while parts:
-        sent = await sock.sendmsg(parts)
+        try:
+            sent = sock.sendmsg(parts)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
         while parts and sent >= len(parts[0]):
             sent -= len(parts[0])
             parts.pop(0)
@@ -232,20 +262,45 @@ async def _send_frame(sock: trio.socket.SocketType, head: bytes, payload: bytes 
             parts[0] = parts[0][sent:]
 
 
-async def _recv_exactly(sock: trio.socket.SocketType, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = await sock.recv_into(view[got:], min(n - got, 1 << 22))
+async def _recv_some(sock: socket.socket, view: memoryview) -> int:
+    while True:
+        try:
+            k = sock.recv_into(view)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(sock)
+            continue
         if k == 0:
             raise WorkerDown("the engine worker closed its socket")
-        got += k
-    return buf
+        return k
 
 
-async def _read_frame(sock: trio.socket.SocketType) -> tuple[dict[str, Any], bytearray]:
-    header_len, payload_len = parse_prefix(bytes(await _recv_exactly(sock, PREFIX.size)))
-    header = decode_header(await _recv_exactly(sock, header_len))
-    payload = await _recv_exactly(sock, payload_len) if payload_len else bytearray()
+async def _read_frame(sock: socket.socket, scratch: bytearray) -> tuple[dict[str, Any], bytearray]:
+    """One frame, in a single recv when it fits `scratch`: the worker writes each reply at once.
+
+    The worker answers one request at a time, so nothing follows the frame;
+    bytes beyond it are a broken worker.
+    """
+    # The reply cannot be there yet: wait first rather than try a recv that fails.
+    await trio.lowlevel.wait_readable(sock)
+    view = memoryview(scratch)
+    got = 0
+    while got < PREFIX.size:
+        got += await _recv_some(sock, view[got:])
+    header_len, payload_len = parse_prefix(view[:PREFIX.size])
+    head_end = PREFIX.size + header_len
+    if got > head_end + payload_len:
+        raise FrameError("the engine worker sent more than one frame")
+    if head_end > len(scratch):
+        whole = memoryview(bytearray(head_end))
+        whole[:got] = view[:got]
+        view = whole
+    while got < head_end:
+        got += await _recv_some(sock, view[got:head_end])
+    header = decode_header(view[PREFIX.size:head_end])
+    payload = bytearray(payload_len)
+    have = got - head_end
+    payload[:have] = view[head_end:got]
+    rest = memoryview(payload)
+    while have < payload_len:
+        have += await _recv_some(sock, rest[have:])
     return header, payload

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from meshd.engine.engine import Context, EngineError, Model, Sampler, SamplingParams
-from meshd.engine.workerproto import PREFIX, decode_header, encode_prefix, parse_prefix
+from meshd.engine.workerproto import PREFIX, FrameError, decode_header, encode_prefix, parse_prefix
 
 
 class Worker:
@@ -27,7 +27,7 @@ class Worker:
         self.ctx = ctx
         self.samplers: dict[int, Sampler] = {}
 
-    def handle(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes | memoryview]:
+    def handle(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
         op = h.get("op")
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:
@@ -39,10 +39,10 @@ class Worker:
         except (KeyError, TypeError, ValueError) as exc:
             return {"ok": False, "kind": "InvalidInput", "message": f"bad {op} request: {exc!r}"}, b""
 
-    def op_ping(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+    def op_ping(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True}, b""
 
-    def op_forward(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes | memoryview]:
+    def op_forward(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
         """One batched engine call; at the tail, rows may be sampled right here.
 
         `sample` lists (output row, sampler id): the tail samples those rows and
@@ -79,11 +79,11 @@ class Worker:
             return reply, memoryview(out).cast("B")
         return reply, b""
 
-    def op_remove(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+    def op_remove(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         self.ctx.remove(int(h["seq"]), int(h.get("p0", 0)), int(h.get("p1", -1)))
         return {"ok": True}, b""
 
-    def op_sampler_new(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+    def op_sampler_new(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         sid = int(h["sid"])
         old = self.samplers.pop(sid, None)
         if old:
@@ -94,13 +94,13 @@ class Worker:
         self.samplers[sid] = sampler
         return {"ok": True}, b""
 
-    def op_sampler_free(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+    def op_sampler_free(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         sampler = self.samplers.pop(int(h["sid"]), None)
         if sampler:
             sampler.close()
         return {"ok": True}, b""
 
-    def op_tokenize(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+    def op_tokenize(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         if h.get("messages") is not None:
             text = self.model.apply_chat(h["messages"], add_assistant=True)
             tokens = self.model.tokenize(text, add_special=False, parse_special=True)
@@ -108,32 +108,54 @@ class Worker:
             tokens = self.model.tokenize(h["text"], add_special=True, parse_special=False)
         return {"ok": True, "tokens": tokens}, b""
 
-    def op_detokenize(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+    def op_detokenize(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True, "text": self.model.detokenize(h["tokens"], remove_special=True)}, b""
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytearray | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            return None
-        got += k
-    return buf
+class FrameReader:
+    """Request frames off the daemon's socket, each in one recv when it fits the buffer.
+
+    A request's header and payload are views into the buffer, valid until the
+    next frame is read: the loop handles each request before reading the next.
+    """
+
+    def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
+        self.sock = sock
+        self.buf = bytearray(size)
+
+    def read(self) -> tuple[memoryview, memoryview] | None:
+        """The next frame's header and payload; None once the daemon hangs up."""
+        view = memoryview(self.buf)
+        got = 0
+        while got < PREFIX.size:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                return None
+            got += k
+        header_len, payload_len = parse_prefix(view[:PREFIX.size])
+        end = PREFIX.size + header_len + payload_len
+        if got > end:
+            raise FrameError("the daemon sent a second request before this one's reply")
+        if end > len(self.buf):
+            grown = bytearray(end)
+            grown[:got] = view[:got]
+            self.buf = grown
+            view = memoryview(grown)
+        while got < end:
+            k = self.sock.recv_into(view[got:end])
+            if k == 0:
+                return None
+            got += k
+        return view[PREFIX.size:PREFIX.size + header_len], view[PREFIX.size + header_len:end]
 
 
 def serve(sock: socket.socket, worker: Worker) -> None:
+    reader = FrameReader(sock)
     while True:
-        prefix = recv_exactly(sock, PREFIX.size)
-        if prefix is None:
+        frame = reader.read()
+        if frame is None:
             return
-        header_len, payload_len = parse_prefix(bytes(prefix))
-        header = recv_exactly(sock, header_len)
-        payload = recv_exactly(sock, payload_len) if payload_len else bytearray()
-        if header is None or payload is None:
-            return
+        header, payload = frame
         reply, out = worker.handle(decode_header(header), payload)
         send_frame(sock, encode_prefix(reply, len(out)), out)
 

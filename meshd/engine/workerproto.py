@@ -8,7 +8,6 @@ side copies them more than the socket does.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -22,25 +21,19 @@ class FrameError(Exception):
     pass
 
 
-@dataclass
-class Frame:
-    header: dict[str, Any]
-    payload: bytes | bytearray | memoryview = b""
-
-
 def encode_prefix(header: dict[str, Any], payload_len: int) -> bytes:
     head = msgpack.packb(header, use_bin_type=True)
     return PREFIX.pack(len(head), payload_len) + head
 
 
-def parse_prefix(prefix: bytes) -> tuple[int, int]:
+def parse_prefix(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
     header_len, payload_len = PREFIX.unpack(prefix)
     if header_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
         raise FrameError(f"frame too large: header {header_len}, payload {payload_len}")
     return header_len, payload_len
 
 
-def decode_header(raw: bytes | bytearray) -> dict[str, Any]:
+def decode_header(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
     header = msgpack.unpackb(raw, raw=False)
     if not isinstance(header, dict):
         raise FrameError("frame header is not a map")
