@@ -285,7 +285,7 @@ class Context:
                 want[:] = w
         else:
             want = np.ones(n, dtype=np.int8)
-        rows = int(want.sum())
+        rows = np.count_nonzero(want)
         out = np.empty((rows, self.width), dtype=np.float32)
         done = 0
         for start in range(0, n, self.n_batch):
@@ -316,15 +316,14 @@ class Context:
                        want: np.ndarray, out: np.ndarray) -> int:
         ffi, lib = self._ffi, self._lib
         chunk = rows_in[start:stop]
-        tok_ptr = ffi.cast("int32_t *", chunk.ctypes.data) if chunk.dtype == np.int32 else ffi.NULL
-        emb_ptr = ffi.cast("float *", chunk.ctypes.data) if chunk.dtype == np.float32 else ffi.NULL
-        seq_c, pos_c, want_c = (np.ascontiguousarray(a) for a in (seq, pos, want))
+        # from_buffer, not ffi.cast of .ctypes.data: a fifth of the cost, on every step
+        buf = ffi.from_buffer
+        tok_ptr = buf("int32_t[]", chunk) if chunk.dtype == np.int32 else ffi.NULL
+        emb_ptr = buf("float[]", chunk) if chunk.dtype == np.float32 else ffi.NULL
         n_rows = ffi.new("int32_t *")
         rc = lib.me_forward(
-            self._handle, stop - start, tok_ptr, emb_ptr,
-            ffi.cast("int32_t *", pos_c.ctypes.data), ffi.cast("int32_t *", seq_c.ctypes.data),
-            ffi.cast("int8_t *", want_c.ctypes.data),
-            ffi.cast("float *", out.ctypes.data), out.size, n_rows,
+            self._handle, stop - start, tok_ptr, emb_ptr, buf("int32_t[]", pos), buf("int32_t[]", seq),
+            buf("int8_t[]", want), buf("float[]", out), out.size, n_rows,
         )
         if rc != lib.ME_OK:
             _raise(rc, "forward")
@@ -381,7 +380,7 @@ class Sampler:
         if len(row) != self.n_vocab:
             raise InvalidInput(f"logits have {len(row)} entries, the vocabulary {self.n_vocab}")
         token = self._ffi.new("int32_t *")
-        rc = self._lib.me_sampler_sample(self._handle, self._ffi.cast("float *", row.ctypes.data), len(row), token)
+        rc = self._lib.me_sampler_sample(self._handle, self._ffi.from_buffer("float[]", row), len(row), token)
         if rc != self._lib.ME_OK:
             _raise(rc, "sample")
         return token[0]
