@@ -522,14 +522,14 @@ class StageService:
             self._dispatch(batch, reply, body)
 
     async def _forward(self, batch: list[Work]) -> tuple[dict[str, Any], bytearray]:
-        seq = np.concatenate([np.full(w.n, w.session.slot, dtype=np.int32) for w in batch])
-        pos = np.concatenate([np.arange(w.pos, w.pos + w.n, dtype=np.int32) for w in batch])
+        seq = _joined([np.full(w.n, w.session.slot, dtype=np.int32) for w in batch])
+        pos = _joined([np.arange(w.pos, w.pos + w.n, dtype=np.int32) for w in batch])
         header: dict[str, Any] = {"op": "forward", "seq": seq.tobytes(), "pos": pos.tobytes()}
         payload: bytes | memoryview = b""
         if self.report.has_input:
-            header["tokens"] = np.concatenate([w.tokens for w in batch]).tobytes()
+            header["tokens"] = _joined([w.tokens for w in batch]).tobytes()
         else:
-            payload = memoryview(np.concatenate([w.hidden for w in batch])).cast("B")
+            payload = memoryview(_joined([w.hidden for w in batch])).cast("B")
         if self.report.has_output:
             want = np.zeros(len(pos), dtype=np.int8)
             sample = []
@@ -563,8 +563,8 @@ class StageService:
                 if s.downstream is None or s.failed:
                     continue
                 entry = TensorEntry.from_array(HIDDEN, out, dtype=s.open.wire_dtype)
-                s.downstream.send_nowait(Activation(session=s.id, epoch=s.epoch, step=s.steps, pos=w.pos,
-                                                    n_tokens=w.n, tensors=[entry], tokens=w.carry))
+                s.downstream.send_nowait(Activation.of(session=s.id, epoch=s.epoch, step=s.steps, pos=w.pos,
+                                                       n_tokens=w.n, tensors=[entry], tokens=w.carry))
                 s.steps += 1
             return
         picks = iter(reply.get("picks", []))
@@ -580,7 +580,9 @@ class StageService:
         o = s.open
         if eog:
             return self._finish(s, "eog")
-        s.to_asker.send_nowait(Token(session=s.id, epoch=s.epoch, index=s.generated, token=token, piece=piece))
+        # built unvalidated from our own values (the asker validates): this is per token
+        s.to_asker.send_nowait(Token._trusted({"type": "token", "v": 1, "session": s.id, "epoch": s.epoch,
+                                               "index": s.generated, "token": token, "piece": piece}))
         s.generated += 1
         s.text += piece
         if o.stop and any(stop.encode() in s.text for stop in o.stop):
@@ -591,14 +593,19 @@ class StageService:
             # a whole-model stage is its own ring
             self._enqueue(s, Work(s, s.next_pos, 1, np.asarray([token], dtype=np.int32), None, None))
         elif s.downstream is not None:
-            s.downstream.send_nowait(Activation(session=s.id, epoch=s.epoch, step=s.generated, pos=s.next_pos,
-                                                n_tokens=1, tensors=[], tokens=[token]))
+            s.downstream.send_nowait(Activation.of(session=s.id, epoch=s.epoch, step=s.generated, pos=s.next_pos,
+                                                   n_tokens=1, tensors=[], tokens=[token]))
         s.last_active = trio.current_time()
 
     def _finish(self, s: Session, reason: str) -> None:
         s.done = True
         assert s.to_asker is not None
         s.to_asker.send_nowait(Done(session=s.id, epoch=s.epoch, reason=reason, generated=s.generated))
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    # one session's rows (every step of a lone session) need no copy
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 async def answer_typed(stream: Stream, serve: Callable[[Stream, Message], Awaitable[None]]) -> None:
