@@ -204,7 +204,12 @@ class EngineSupervisor:
             sock = self._sock
             if sock is None:
                 raise WorkerDown("the engine worker is down")
-            with trio.move_on_after(timeout or self.call_timeout) as scope:
+            # Shielded: a caller cancelled mid-call (its session failed, its
+            # asker left) must neither leave the reply unread for the next
+            # caller nor cost every other session the worker. The call's own
+            # deadline still holds, and closing the socket still wakes it.
+            deadline = trio.current_time() + (timeout or self.call_timeout)
+            with trio.CancelScope(deadline=deadline, shield=True) as scope:
                 try:
                     await _send_frame(sock, encode_prefix(header, len(payload)), payload)
                     reply, body = await _read_frame(sock, self._scratch)
@@ -212,8 +217,9 @@ class EngineSupervisor:
                     self._lost(sock)
                     raise WorkerDown(f"the engine worker went away: {exc}") from exc
                 except BaseException:
-                    # Cut short between request and reply, the socket is out of
-                    # step: the next caller would read this call's reply.
+                    # Cut short between request and reply (an interrupt), the
+                    # socket is out of step: the next caller would read this
+                    # call's reply.
                     self._lost(sock)
                     raise
             if scope.cancelled_caught:
