@@ -46,7 +46,7 @@ from wire.stage import (
     StageInfo,
     Token,
 )
-from wire.tensors import Activation, TensorEntry
+from wire.tensors import Activation, encode_activation, tensor_fields
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ class Session:
     done: bool = False
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     to_asker: trio.MemorySendChannel[Message] | None = None
-    downstream: trio.MemorySendChannel[Message] | None = None
+    # encoded activations for the next stage (or the ring to the head)
+    downstream: trio.MemorySendChannel[bytes] | None = None
     hop_info: trio.Event = field(default_factory=trio.Event)
 
 
@@ -323,7 +324,7 @@ class StageService:
 
     async def _downstream(self, session: Session, address: str, node_id: str | None, ring: bool) -> None:
         """Sends this session's output to the next stage (or, at the tail, the ring to the head)."""
-        send, recv = trio.open_memory_channel[Message](math.inf)
+        send, recv = trio.open_memory_channel[bytes](math.inf)
         session.downstream = send
         await session.hop_info.wait()
         try:
@@ -335,8 +336,8 @@ class StageService:
             try:
                 await hop_stream.send_message(Hop(session=session.id, epoch=session.epoch, ring=ring,
                                                   prompt_tokens=session.prompt_len or 0))
-                async for message in recv:
-                    await hop_stream.send_message(message)
+                async for encoded in recv:
+                    await hop_stream.send_all(encoded)
             except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost the next stage {address}: {exc}"))
 
@@ -562,9 +563,9 @@ class StageService:
                 s = w.session
                 if s.downstream is None or s.failed:
                     continue
-                entry = TensorEntry.from_array(HIDDEN, out, dtype=s.open.wire_dtype)
-                s.downstream.send_nowait(Activation.of(session=s.id, epoch=s.epoch, step=s.steps, pos=w.pos,
-                                                       n_tokens=w.n, tensors=[entry], tokens=w.carry))
+                s.downstream.send_nowait(encode_activation(
+                    session=s.id, epoch=s.epoch, step=s.steps, pos=w.pos, n_tokens=w.n,
+                    tensors=[tensor_fields(HIDDEN, out, s.open.wire_dtype)], tokens=w.carry))
                 s.steps += 1
             return
         picks = iter(reply.get("picks", []))
@@ -593,8 +594,8 @@ class StageService:
             # a whole-model stage is its own ring
             self._enqueue(s, Work(s, s.next_pos, 1, np.asarray([token], dtype=np.int32), None, None))
         elif s.downstream is not None:
-            s.downstream.send_nowait(Activation.of(session=s.id, epoch=s.epoch, step=s.generated, pos=s.next_pos,
-                                                   n_tokens=1, tensors=[], tokens=[token]))
+            s.downstream.send_nowait(encode_activation(session=s.id, epoch=s.epoch, step=s.generated,
+                                                       pos=s.next_pos, n_tokens=1, tensors=[], tokens=[token]))
         s.last_active = trio.current_time()
 
     def _finish(self, s: Session, reason: str) -> None:

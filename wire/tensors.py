@@ -319,7 +319,8 @@ def encode_activation(
     deadline_ms: int | None = None,
 ) -> bytes:
     """The bytes of ``encode(Activation.of(...))`` with ``tensors`` given as
-    ``tensor_fields``, built without any model: the per-token send path."""
+    ``tensor_fields``, built without any model: the per-token send path.
+    A stream takes them as they are (``Stream.send_all``)."""
     return encode_fields(
         _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms)
     )
