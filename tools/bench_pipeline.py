@@ -38,8 +38,16 @@ in rotating order, so drift on a shared machine hits all alike):
   model load, which meshd's figure also leaves out.
 * RSS MiB: resident memory. meshd: per stage, daemon + engine worker VmRSS at
   the end of the run (peak VmHWM alongside in the JSON). llama.cpp single:
-  peak RSS of the llama-bench process. RPC: peak VmHWM of each rpc-server
-  (they free their buffers when the client leaves), driving process aside.
+  peak RSS of the llama-bench process (its VmHWM, sampled every 50 ms). RPC:
+  peak VmHWM of each rpc-server (they free their buffers when the client
+  leaves), driving process aside.
+* meshd's engine in one process: the same greedy decode through meshd's own
+  engine binding, every range's context in this process, called one after the
+  other: the compute of a split without IPC, wire or a second process, i.e.
+  the floor under what the stages can reach.
+* where a decoded token's time goes: CPU time of every stage daemon, engine
+  worker and of the asker (this process) over each meshd decode session, per
+  generated token, from /proc/PID/task/*/schedstat.
 * aggregate tok/s: N concurrent greedy sessions of --agg-tokens tokens through
   the 3-stage pipeline; all tokens generated / wall time from the first open to
   the last token. The ratio column divides by single-process llama.cpp decode.
@@ -74,7 +82,8 @@ sys.path.insert(0, str(ROOT))
 import trio  # noqa: E402
 
 from meshd.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session  # noqa: E402
-from meshd.engine.chain import even_ranges  # noqa: E402
+from bench_engine import decode_rate  # noqa: E402
+from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
 from meshd.localmesh import stop_process  # noqa: E402
 from meshd.models import default_model_path  # noqa: E402
 from meshd.peers import Peers, open_peers  # noqa: E402
@@ -121,6 +130,17 @@ class Proc:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of all threads of a live process so far, in ns (0 when it is gone)."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[0])
+    except OSError:
+        pass
+    return total
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -224,15 +244,19 @@ def run_llama_bench(model: Path, threads: int, prompts: list[int], n_gen: int, r
         cmd.append("-v")
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        # Sampled from /proc, not wait4's ru_maxrss: that also counts this
+        # (large) process's memory, which the child had before its exec.
+        peak_kib = 0
+        while proc.poll() is None:
+            peak_kib = max(peak_kib, proc_status(proc.pid)["VmHWM"])
+            time.sleep(0.05)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
     if proc.returncode != 0:
         raise BenchError(f"llama-bench failed ({' '.join(cmd)}): {stderr.strip()[-500:]}")
     tests = json.loads(stdout)
-    result: dict[str, Any] = {"cmd": cmd, "maxrss_kib": usage.ru_maxrss, "tests": {}}
+    result: dict[str, Any] = {"cmd": cmd, "maxrss_kib": peak_kib, "tests": {}}
     for t in tests:
         key = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
         result["tests"][key] = {"avg_ts": t["avg_ts"], "samples_ts": t["samples_ts"]}
@@ -262,6 +286,22 @@ async def meshd_decode(peers: Peers, route: list[Stage], n: int) -> dict[str, fl
     result = AskResult()
     await run_session(peers, route, AskRequest(text=DECODE_TEXT, max_tokens=n), result)
     return {"rate": result.decode_rate, "tokens": float(len(result.tokens))}
+
+
+async def meshd_decode_cpu(peers: Peers, route: list[Stage], stages: list[Proc], n: int) -> dict[str, Any]:
+    """``meshd_decode``, and the CPU each stage's daemon and worker and this asker spent on it."""
+    pids = [pid for s in stages for pid in s.pids]
+    before = [cpu_ns(pid) for pid in pids]
+    asker = time.process_time_ns()
+    d = await meshd_decode(peers, route, n)
+    asker = time.process_time_ns() - asker
+    spent = [cpu_ns(pid) - b for pid, b in zip(pids, before)]
+    return d | {"cpu_ns": spent + [asker]}
+
+
+def engine_decode(chain: LocalChain, prompt: list[int], n: int) -> float:
+    """Greedy decode through meshd's engine with every range in this one process: no IPC, no wire."""
+    return decode_rate(chain, prompt, n)
 
 
 async def meshd_prefill(peers: Peers, route: list[Stage], tokens: list[int]) -> dict[str, float]:
@@ -343,6 +383,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     sessions = [int(x) for x in args.sessions.split(",")]
     splits = {k: even_ranges(n_layer, k) for k in stage_counts}
     procs: list[Proc] = []
+    chains: dict[int, LocalChain] = {}
     out: dict[str, Any] = {
         "model": str(model), "threads": args.threads, "poll": args.poll, "decode_tokens": args.decode,
         "prefill_tokens": args.prefill, "chat_prompt_tokens": n_chat, "repeats": args.repeats,
@@ -352,7 +393,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "llama_cpp_commit": (TOOLS.parent / "llama_cpp_commit").read_text().strip()
         if (TOOLS.parent / "llama_cpp_commit").exists() else None,
         "splits": {str(k): [list(r) for r in v] for k, v in splits.items()},
-        "runs": {}, "rss": {}, "aggregate": {},
+        "runs": {}, "rss": {}, "aggregate": {}, "decode_cpu": {},
     }
     runs: dict[str, dict[str, list[float]]] = out["runs"]
     try:
@@ -381,6 +422,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 raise BenchError(f"-ts {ts} put layers {got} on the RPC servers, not {want}")
             print(f"rpc split over {k} servers (-ts {ts}): {got} (index {n_layer} = output)", file=sys.stderr)
 
+        chains = {k: LocalChain(model, splits[k], n_ctx=2048, n_threads=args.threads) for k in stage_counts}
+        decode_ids = chains[stage_counts[0]].head.tokenize(DECODE_TEXT)
+        for chain in chains.values():
+            engine_decode(chain, decode_ids, 8)
         async with open_peers(NodeIdentity.generate()) as peers:
             routes = {k: await route_of(peers, stages[k]) for k in stage_counts}
             for k in stage_counts:  # warm links, KV and caches
@@ -389,6 +434,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             items: list[tuple[str, int | None]] = [("llama.cpp", None)]
             items += [(f"rpc{k}", k) for k in rpc_counts]
             items += [(f"meshd{k}", k) for k in stage_counts]
+            items += [(f"engine{k}", k) for k in stage_counts]
             for rep in range(args.repeats):
                 order = items[rep % len(items):] + items[:rep % len(items)]
                 for name, k in order:
@@ -404,11 +450,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         rec.setdefault("prefill", []).extend(r["tests"][f"pp{args.prefill}"]["samples_ts"])
                         rec.setdefault("ttft", []).extend(n_chat / x for x in r["tests"][f"pp{n_chat}"]["samples_ts"])
                         rec.setdefault("maxrss_kib", []).append(r["maxrss_kib"])
+                    elif name.startswith("engine"):
+                        chain = chains[k]
+                        rate = await trio.to_thread.run_sync(lambda: engine_decode(chain, decode_ids, args.decode))
+                        rec.setdefault("decode", []).append(rate)
+                        print(f"round {rep + 1}/{args.repeats} {name}: decode {rate:.1f} tok/s", file=sys.stderr)
+                        continue
                     else:
                         route = routes[k]
-                        d = await meshd_decode(peers, route, args.decode)
+                        d = await meshd_decode_cpu(peers, route, stages[k], args.decode)
                         rec.setdefault("decode", []).append(d["rate"])
                         rec.setdefault("decode_tokens", []).append(d["tokens"])
+                        out["decode_cpu"].setdefault(str(k), []).append(d["cpu_ns"])
                         p = await meshd_prefill(peers, route, prefill_ids)
                         rec.setdefault("prefill", []).append(p["rate"])
                         t = await meshd_ttft(peers, route)
@@ -444,6 +497,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for p in procs:
             p.stop()
+        for chain in chains.values():
+            chain.close()
     out["host"]["loadavg_after"] = os.getloadavg()
     out["median"] = {name: {key: median(v) for key, v in rec.items()} for name, rec in runs.items()}
     out["aggregate_median"] = {n: {key: median(v) for key, v in a.items()} for n, a in out["aggregate"].items()}
@@ -488,6 +543,20 @@ def table(out: dict[str, Any]) -> str:
         rss = " / ".join(mib(s["rss_kib"]) for s in out["rss"][f"meshd{k}"])
         splits = "+".join(f"[{a},{b})" for a, b in out["splits"][str(k)])
         row(f"meshd, {k} stage{'s' if k > 1 else ''} {splits}", f"meshd{k}", rss)
+    for k in sorted(int(n[6:]) for n in med if n.startswith("engine")):
+        m = med[f"engine{k}"]
+        d = out["runs"][f"engine{k}"]["decode"]
+        lines.append(f"| meshd's engine, {k} range{'s' if k > 1 else ''} in one process (no IPC, no wire) | "
+                     f"{m['decode']:.1f} ({min(d):.0f}–{max(d):.0f}) | {m['decode'] / base['decode']:.2f} | – | – | – | – |")
+    lines += ["", "Where a decoded token's time goes: CPU ms of each meshd process (all threads) over a whole decode "
+                  "session (open, prompt, tokens) per generated token, median over rounds; wall: ms between "
+                  "streamed tokens",
+              "", "| stages | " + "stage daemon / engine worker, head first | asker | all | wall |", "|---|---|---|---|---|"]
+    for k, samples in sorted(out["decode_cpu"].items(), key=lambda kv: int(kv[0])):
+        tokens = out["runs"][f"meshd{k}"]["decode_tokens"]
+        per = [median([s[i] / 1e6 / max(1.0, t) for s, t in zip(samples, tokens)]) for i in range(len(samples[0]))]
+        pairs = " · ".join(f"{per[2 * i]:.2f} / {per[2 * i + 1]:.2f}" for i in range(int(k)))
+        lines.append(f"| {k} | {pairs} | {per[-1]:.2f} | {sum(per):.2f} | {1000 / med[f'meshd{k}']['decode']:.2f} |")
     lines += ["", f"| concurrent sessions ({max(int(k) for k in out['splits'])} stages) | aggregate tok/s | "
                   f"× llama.cpp decode | median per-session tok/s |", "|---|---|---|---|"]
     for n, a in sorted(out["aggregate_median"].items(), key=lambda kv: int(kv[0])):
