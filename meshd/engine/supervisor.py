@@ -18,7 +18,9 @@ from typing import Any, Callable
 import trio
 
 from meshd.engine.engine import RangeReport
-from meshd.engine.workerproto import PREFIX, FrameError, decode_header, encode_prefix, parse_prefix
+from meshd.engine.workerproto import (
+    PREFIX, FrameError, decode_header, drop_sent, encode_prefix, frame_parts, parse_prefix,
+)
 
 # A reply that fits here (every decode step's) arrives in one recv.
 _SCRATCH_BYTES = 64 << 10
@@ -253,19 +255,12 @@ def _close(sock: socket.socket) -> None:
 
 
 async def _send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) -> None:
-    """Header and payload in one gathered write: the worker wakes once per request, not once per part."""
-    parts = [memoryview(head), memoryview(payload).cast("B")] if len(payload) else [memoryview(head)]
+    parts = frame_parts(head, payload)
     while parts:
         try:
-            sent = sock.sendmsg(parts)
+            drop_sent(parts, sock.sendmsg(parts))
         except BlockingIOError:
             await trio.lowlevel.wait_writable(sock)
-            continue
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts.pop(0)
-        if parts and sent:
-            parts[0] = parts[0][sent:]
 
 
 async def _recv_some(sock: socket.socket, view: memoryview) -> int:

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 
 from meshd.engine.engine import Context, EngineError, Model, Sampler, SamplingParams
-from meshd.engine.workerproto import PREFIX, FrameError, decode_header, encode_prefix, parse_prefix
+from meshd.engine.workerproto import (
+    PREFIX, FrameError, decode_header, drop_sent, encode_prefix, frame_parts, parse_prefix,
+)
 
 
 class Worker:
@@ -161,15 +163,9 @@ def serve(sock: socket.socket, worker: Worker) -> None:
 
 
 def send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) -> None:
-    """Header and payload in one gathered write, so the daemon wakes once per reply."""
-    parts = [memoryview(head), memoryview(payload).cast("B")] if len(payload) else [memoryview(head)]
+    parts = frame_parts(head, payload)
     while parts:
-        sent = sock.sendmsg(parts)
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts.pop(0)
-        if parts and sent:
-            parts[0] = parts[0][sent:]
+        drop_sent(parts, sock.sendmsg(parts))
 
 
 def main() -> int:

@@ -38,3 +38,17 @@ def decode_header(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise FrameError("frame header is not a map")
     return header
+
+
+def frame_parts(head: bytes, payload: bytes | memoryview) -> list[memoryview]:
+    """A frame as the parts of one gathered write (sendmsg), so the peer wakes once per frame."""
+    return [memoryview(head), memoryview(payload).cast("B")] if len(payload) else [memoryview(head)]
+
+
+def drop_sent(parts: list[memoryview], sent: int) -> None:
+    """Takes the ``sent`` bytes a sendmsg wrote off the front of ``parts``."""
+    while parts and sent >= len(parts[0]):
+        sent -= len(parts[0])
+        parts.pop(0)
+    if parts and sent:
+        parts[0] = parts[0][sent:]
