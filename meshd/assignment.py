@@ -419,7 +419,9 @@ def _greedy_cover(nodes: list[_Node], model: ModelSpec, start: int, end: int) ->
         total += cap
         if total >= length and len(chosen) >= 2:
             break
-    if total < length or len(chosen) < 2:
+    # Every stage needs a layer of its own: one layer cannot be split between
+    # a head and a tail that no single node can hold together.
+    if total < length or not 2 <= len(chosen) <= length:
         return None
     # Water-filling, smallest capacity first: each gets an even share of what is left, or its fill.
     share: dict[str, int] = {}

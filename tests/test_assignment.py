@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from instant_net import record
 
@@ -252,8 +252,16 @@ def meshes(draw):
     return model, nodes
 
 
+# One layer, an embedding no node holds together with the output head and a
+# layer: a cover must not split that layer into an empty stage and a full one.
+ONE_LAYER = ModelSpec("m", 1, GB // 4, kv_bytes_per_layer=0, head_bytes=GB, tail_bytes=GB // 4)
+
+
 @settings(max_examples=60, deadline=None)
 @given(meshes())
+@example((ONE_LAYER, [NodeCapacity("n0", GB // 2, 0.0), NodeCapacity("n1", 5 * GB // 4, 0.0)]))
+@example((ONE_LAYER, [NodeCapacity("n0", GB // 2, 0.0), NodeCapacity("n1", 5 * GB // 4, 0.0),
+                      NodeCapacity("n2", 3 * GB // 2, 0.0)]))
 def test_property_assignments_cover_every_layer_within_memory(case) -> None:
     model, nodes = case
     # If every node could carry both the embedding and the output head and still hold enough
