@@ -299,11 +299,6 @@ async def meshd_decode_cpu(peers: Peers, route: list[Stage], stages: list[Proc],
     return d | {"cpu_ns": spent + [asker]}
 
 
-def engine_decode(chain: LocalChain, prompt: list[int], n: int) -> float:
-    """Greedy decode through meshd's engine with every range in this one process: no IPC, no wire."""
-    return decode_rate(chain, prompt, n)
-
-
 async def meshd_prefill(peers: Peers, route: list[Stage], tokens: list[int]) -> dict[str, float]:
     # the prompt travels as token ids (the path a re-prefill after failover takes), so it is exactly len(tokens)
     result = AskResult(prompt_tokens=list(tokens))
@@ -425,7 +420,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         chains = {k: LocalChain(model, splits[k], n_ctx=2048, n_threads=args.threads) for k in stage_counts}
         decode_ids = chains[stage_counts[0]].head.tokenize(DECODE_TEXT)
         for chain in chains.values():
-            engine_decode(chain, decode_ids, 8)
+            decode_rate(chain, decode_ids, 8)
         async with open_peers(NodeIdentity.generate()) as peers:
             routes = {k: await route_of(peers, stages[k]) for k in stage_counts}
             for k in stage_counts:  # warm links, KV and caches
@@ -452,7 +447,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         rec.setdefault("maxrss_kib", []).append(r["maxrss_kib"])
                     elif name.startswith("engine"):
                         chain = chains[k]
-                        rate = await trio.to_thread.run_sync(lambda: engine_decode(chain, decode_ids, args.decode))
+                        rate = await trio.to_thread.run_sync(lambda: decode_rate(chain, decode_ids, args.decode))
                         rec.setdefault("decode", []).append(rate)
                         print(f"round {rep + 1}/{args.repeats} {name}: decode {rate:.1f} tok/s", file=sys.stderr)
                         continue

@@ -126,16 +126,10 @@ def _fields_of(obj: object) -> dict[str, Any]:
 _packer = msgpack.Packer(default=_fields_of, use_bin_type=True)
 
 
-def encode(message: Message) -> bytes:
-    """Length-prefixed msgpack bytes of ``message``."""
+def encode(message: Message | dict[str, Any]) -> bytes:
+    """Length-prefixed msgpack bytes of ``message``: a model, or its plain field
+    map in field order, which packs to the same bytes without a model."""
     body: bytes = _packer.pack(message)
-    return LENGTH_PREFIX.pack(len(body)) + body
-
-
-def encode_fields(fields: dict[str, Any]) -> bytes:
-    """Length-prefixed msgpack bytes of a message given as its plain field map
-    (in field order), as ``encode`` would give for the model holding them."""
-    body: bytes = _packer.pack(fields)
     return LENGTH_PREFIX.pack(len(body)) + body
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import zstandard
 from pydantic import Field, model_validator
 
-from wire.codec import Message, WireModel, encode_fields, register
+from wire.codec import Message, WireModel, encode, register
 from wire.errors import ErrorCode, ProtocolError
 
 TensorDType = Literal["f32", "f16", "bf16", "q8_0"]
@@ -321,6 +321,6 @@ def encode_activation(
     """The bytes of ``encode(Activation.of(...))`` with ``tensors`` given as
     ``tensor_fields``, built without any model: the per-token send path.
     A stream takes them as they are (``Stream.send_all``)."""
-    return encode_fields(
+    return encode(
         _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms)
     )
