@@ -12,27 +12,35 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import trio
 
-from meshd.ask import (
-    AskRequest, AskResult, RouteError, Stage, ask_with_failover, check_route, describe_route, first_error,
-    run_session, stop_trim,
+from meshd.client.ask import (
+    AskRequest,
+    AskResult,
+    RouteError,
+    Stage,
+    ask_with_failover,
+    check_route,
+    describe_route,
+    first_error,
+    run_session,
+    stop_trim,
 )
-from meshd.identity_store import IdentityError, load_mesh_key, load_or_create_identity
-from meshd.node import MeshDaemon, NodeConfig, rpc
-from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
-from meshd.models import ModelNotFound, default_model_path
-from meshd.peers import PeersConfig, open_peers
-from meshd.stage import StageLimits, stage_node
-from relay.circuit import enable_circuits
+from meshd.mesh.models import ModelNotFound, default_model_path
+from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_create_identity
+from meshd.net.peers import PeersConfig, open_peers
+from meshd.relay.circuit import enable_circuits
+from meshd.stage.service import StageLimits, stage_node
 from relay.limits import RelayLimits
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
+from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
 from wire.stage import Sampling
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.models import default_model_path
+from meshd.mesh.models import default_model_path
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ import hashlib
 import random
 from typing import Protocol
 
-from meshd.membership import SwimMessage
-from meshd.records import CapabilityRecord
+from meshd.mesh.membership import SwimMessage
+from meshd.mesh.records import CapabilityRecord
 from wire.identity import NodeIdentity
 
 

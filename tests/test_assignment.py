@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from instant_net import record
 
-from meshd.assignment import (
+from meshd.mesh.assignment import (
     Assignment,
     AssignmentPolicy,
     CoverageError,
@@ -20,7 +20,7 @@ from meshd.assignment import (
     capacities,
     plan_transition,
 )
-from meshd.records import ROLE_CLIENT, ModelInfo
+from meshd.mesh.records import ROLE_CLIENT, ModelInfo
 
 GB = 2**30
 # 32 layers of 0.5 GiB (+ 0.1 GiB of KV each), a 1 GiB embedding and a 1 GiB output head.
@@ -32,7 +32,7 @@ def node(name: str, memory_gib: float, seconds_per_layer: float = 0.01) -> NodeC
 
 
 def segments(assignment: Assignment) -> list[tuple[int, int]]:
-    return list(zip(assignment.boundaries, assignment.boundaries[1:]))
+    return list(zip(assignment.boundaries, assignment.boundaries[1:], strict=False))
 
 
 def check_valid(assignment: Assignment, nodes: list[NodeCapacity], model: ModelSpec) -> None:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
-from meshd.localmesh import Served, copy_with_other_digest, run_meshd, start_serve
+from localmesh import Served, copy_with_other_digest, run_meshd, start_serve
 
 
 def free_port() -> int:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from instant_net import InstantNet, identity, record, rng
 
-from meshd.election import Election, ElectionConfig, Tracker, candidate_key
-from meshd.membership import SwimConfig
-from meshd.mesh import MeshNode, TrackerChanged
-from meshd.records import ROLE_CLIENT
+from meshd.mesh.election import Election, ElectionConfig, Tracker, candidate_key
+from meshd.mesh.membership import SwimConfig
+from meshd.mesh.node import MeshNode, TrackerChanged
+from meshd.mesh.records import ROLE_CLIENT
 
 TIMEOUT = ElectionConfig().election_timeout
 

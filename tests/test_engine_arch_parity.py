@@ -12,8 +12,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from gguf_factory import TINY_SPECS, byte_level_vocab
+
 from meshd.engine import Model, Sampler
 from meshd.engine.chain import LocalChain
 
@@ -84,9 +84,9 @@ def test_chain_of_ranges_matches_whole_model_logits_and_greedy_tokens(
     whole = whole_runs[model_name]
     split = chain_runs(tiny_models[model_name], CHAINS[chain_name], prompts_for(model_name))
     worst = 0.0
-    for p, (a, b) in enumerate(zip(whole, split)):
+    for p, (a, b) in enumerate(zip(whole, split, strict=False)):
         # step by step, so a failure names the first step where the chain left the whole model
-        for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
+        for step, (la, lb) in enumerate(zip(a.logits, b.logits, strict=False)):
             diff = float(np.max(np.abs(la - lb)))
             assert diff <= TOLERANCE, f"prompt {p}, step {step}: max abs logit difference {diff}"
             worst = max(worst, diff)

@@ -13,8 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from gguf_factory import TINY_SPECS, owned_tensors
+
 from meshd.engine import Context, Model, UnsupportedModel
 
 # head, middle, tail and full ranges of each model

@@ -70,11 +70,11 @@ def test_chain_matches_whole_model_tokens_and_logits(name: str, default_model: P
     chain = LocalChain(default_model, CHAINS[name], n_ctx=512, n_threads=1)
     try:
         worst = 0.0
-        for prompt, (whole_tokens, whole_logits) in zip(prompts, whole_runs):
+        for prompt, (whole_tokens, whole_logits) in zip(prompts, whole_runs, strict=False):
             tokens, logits = run_teacher_forced(chain, prompt, whole_tokens)
             assert tokens == whole_tokens
             assert len(logits) == NEW_TOKENS + 1
-            for step, (a, b) in enumerate(zip(whole_logits, logits)):
+            for step, (a, b) in enumerate(zip(whole_logits, logits, strict=False)):
                 diff = float(np.max(np.abs(a - b)))
                 assert diff <= 1e-4, f"step {step}: max abs logit difference {diff}"
                 worst = max(worst, diff)

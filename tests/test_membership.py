@@ -8,7 +8,7 @@ import msgpack
 import pytest
 from instant_net import InstantNet, identity, record, rng
 
-from meshd.membership import (
+from meshd.mesh.membership import (
     SWIM_MESSAGES,
     Ack,
     Alive,

@@ -5,17 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Iterator
 
 import pytest
 import trio
+from localmesh import Served, run_meshd, start_join
 
-from meshd.ask import AskRequest, Stage, ask_with_failover, check_route, describe_route
-from meshd.node import rpc
-from meshd.peers import Peers, open_peers
+from meshd.client.ask import AskRequest, Stage, ask_with_failover, check_route, describe_route
+from meshd.daemon import rpc
+from meshd.net.peers import Peers, open_peers
 from tests.conftest import greedy_reference
-from meshd.localmesh import Served, run_meshd, start_join
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
 

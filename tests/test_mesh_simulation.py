@@ -18,11 +18,11 @@ from collections.abc import Callable
 import trio
 import trio.testing
 
-from meshd.assignment import ModelSpec, assign, capacities
-from meshd.membership import MemberState, SwimMessage
-from meshd.mesh import MeshNode
-from meshd.records import CapabilityRecord, ModelInfo, ServedRange
-from meshd.routing import plan_route, stage_options
+from meshd.mesh.assignment import ModelSpec, assign, capacities
+from meshd.mesh.membership import MemberState, SwimMessage
+from meshd.mesh.node import MeshNode
+from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
+from meshd.mesh.routing import plan_route, stage_options
 from wire.identity import NodeIdentity
 
 N = 200

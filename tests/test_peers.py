@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from memory_transport import MemoryTransport, memory_transport_pair
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from meshd.link import LinkTimings, Stream
-from meshd.peers import HandshakeFailed, LinkDown, PeerEvent, Peers, PeersConfig, open_peers
-from meshd.transport import MemoryTransport, StreamTransport, memory_transport_pair
+from meshd.net.link import LinkTimings, Stream
+from meshd.net.peers import HandshakeFailed, LinkDown, PeerEvent, Peers, PeersConfig, open_peers
+from meshd.net.transport import StreamTransport
 from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -298,7 +299,7 @@ async def test_cancelled_small_sends_neither_break_the_link_nor_garble_the_strea
 
 async def test_websocket_records_skip_the_reader_task() -> None:
     """Guards the hot-path shortcut into trio-websocket against upgrades."""
-    from meshd.transport import _RecordSink
+    from meshd.net.transport import _RecordSink
 
     async with two_peers() as (alice, _, address, _events):
         link = await alice.connect(address)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.identity_store import IdentityError, load_mesh_key, load_or_create_identity
+from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_create_identity
 from wire.noise import mesh_key_from_secret
 
 

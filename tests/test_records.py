@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from instant_net import identity, record
 from pydantic import ValidationError
 
-from meshd.records import CapabilityRecord, ModelInfo, RecordStore, ServedRange, Verdict
+from meshd.mesh.records import CapabilityRecord, ModelInfo, RecordStore, ServedRange, Verdict
 
 MODEL = ModelInfo(
     digest="sha256:abc",

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 import trio
 
-from meshd.link import LinkTimings, Stream
-from meshd.peers import Peers, PeersConfig, open_peers
-from relay.circuit import CircuitTransport, enable_circuits
+from meshd.net.link import LinkTimings, Stream
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.relay.circuit import CircuitTransport, enable_circuits
+from meshd.relay.reservations import RelayCandidate, ReservationKeeper
+from meshd.relay.service import RelayService
 from relay.limits import RelayLimits
 from relay.protocol import HOP_PROTOCOL, Reserve, circuit_address
-from relay.reservations import RelayCandidate, ReservationKeeper
-from relay.service import RelayService
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 

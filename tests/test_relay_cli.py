@@ -6,8 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from meshd.localmesh import run_meshd, start_join, start_meshd
+from localmesh import run_meshd, start_join, start_meshd
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from meshd.localmesh import READY, stop_process
+from localmesh import READY, stop_process
 
 PROMPT = "Write a short story about a lighthouse keeper named CANARY-5f3a9c-KEEPER."
 CANARY = b"CANARY-5f3a9c"
@@ -236,8 +235,8 @@ def ask(topo: Topology) -> tuple[str, str]:
 
 ROUTE = """
 import sys, trio
-from meshd.node import rpc
-from meshd.peers import open_peers
+from meshd.daemon import rpc
+from meshd.net.peers import open_peers
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteRequest
 

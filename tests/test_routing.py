@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from instant_net import record
 
-from meshd.records import ServedRange
-from meshd.routing import NoRouteError, StageOption, plan_route, stage_options
+from meshd.mesh.records import ServedRange
+from meshd.mesh.routing import NoRouteError, StageOption, plan_route, stage_options
 
 
 def stage(node: str, start: int, end: int, speed: float = 0.01, load: float = 0.0) -> StageOption:
@@ -85,10 +85,10 @@ def brute_force(stages: list[StageOption], n: int, rtt, asker: str) -> float:
         for chain in itertools.permutations(stages, k):
             if chain[0].start != 0 or chain[-1].end != n:
                 continue
-            if any(a.end != b.start for a, b in zip(chain, chain[1:])):
+            if any(a.end != b.start for a, b in zip(chain, chain[1:], strict=False)):
                 continue
             cost = sum(s.compute_seconds for s in chain) + rtt(asker, chain[0].node_id)
-            cost += sum(rtt(a.node_id, b.node_id) for a, b in zip(chain, chain[1:]) if a.node_id != b.node_id)
+            cost += sum(rtt(a.node_id, b.node_id) for a, b in zip(chain, chain[1:], strict=False) if a.node_id != b.node_id)
             best = min(best, cost)
     return best
 

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
 
 import numpy as np
 import pytest
 import trio
 
-from meshd.ask import AskRequest, AskResult, RouteError, Stage, check_route, run_session
-from meshd.link import Stream
-from meshd.peers import Peers, PeersConfig, open_peers
-from meshd.stage import StageLimits, StageNode, stage_node
+from meshd.client.ask import AskRequest, AskResult, RouteError, Stage, check_route, run_session
+from meshd.net.link import Stream
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.stage.service import StageLimits, StageNode, stage_node
 from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import (
-    STAGE_PROTOCOL, Cancel, Describe, Hop, Open, Opened, PeerRef, StageInfo,
+    STAGE_PROTOCOL,
+    Cancel,
+    Describe,
+    Hop,
+    Open,
+    Opened,
+    PeerRef,
+    StageInfo,
 )
 from wire.tensors import Activation, TensorEntry
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Iterator
 
 import pytest
 import trio
+from localmesh import Served, start_serve
 
-from meshd.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session
-from meshd.peers import Peers, open_peers
+from meshd.client.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session
+from meshd.net.peers import Peers, open_peers
 from tests.conftest import greedy_reference
-from meshd.localmesh import Served, start_serve
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
@@ -94,10 +94,10 @@ async def test_concurrent_sessions_match_solo_runs_and_share_engine_calls(
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
-    for prompt, result in zip(prompts, results):
+    for prompt, result in zip(prompts, results, strict=False):
         assert result is not None and result.tokens == expected[prompt], prompt
     after = [await metrics(peers, s.address) for s in stages]
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=False):
         assert a["multi_session_calls"] > b["multi_session_calls"]
         assert a["max_sessions_per_call"] >= 4
         assert a["sessions"] == 0 and a["kv_tokens"] == 0

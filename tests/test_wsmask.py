@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import wsproto.frame_protocol as frame_protocol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import wsproto.frame_protocol as frame_protocol
-from meshd import wsmask
-from meshd.wsmask import WordMasker, stock_masking
+from meshd.net import wsmask
+from meshd.net.wsmask import WordMasker, stock_masking
 
 
 @settings(max_examples=300, deadline=None)
@@ -18,7 +18,7 @@ from meshd.wsmask import WordMasker, stock_masking
 )
 def test_word_masker_matches_wsproto_across_chunks(key: bytes, data: bytes, cuts: list[int]) -> None:
     bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
-    chunks = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     stock = wsmask._STOCK(bytearray(key))
     ours = WordMasker(key)
     for chunk in chunks:
@@ -31,7 +31,7 @@ def test_masking_twice_restores_the_payload() -> None:
 
 
 def test_links_use_the_word_masker_and_stock_masking_restores_wsproto_for_a_block() -> None:
-    import meshd.transport  # noqa: F401  (installs the masker)
+    import meshd.net.transport  # noqa: F401  (installs the masker)
 
     assert frame_protocol.XorMaskerSimple is WordMasker
     with stock_masking():

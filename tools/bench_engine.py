@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshd.engine import Sampler  # noqa: E402
 from meshd.engine.chain import LocalChain, parse_ranges  # noqa: E402
-from meshd.models import default_model_path  # noqa: E402
+from meshd.mesh.models import default_model_path  # noqa: E402
 
 
 def decode_rate(chain: LocalChain, prompt: list[int], steps: int) -> float:
@@ -75,8 +75,8 @@ def main() -> int:
             results[name]["prefill"].append(prefill_rate(chain, long_prompt))
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in results.items()}
     print(f"model {path.name}, {args.threads} threads, split {args.ranges}, median of {args.repeats}")
-    print(f"| metric | whole tok/s | split tok/s | split/whole |")
-    print(f"|---|---|---|---|")
+    print("| metric | whole tok/s | split tok/s | split/whole |")
+    print("|---|---|---|---|")
     for k, label in (("decode", f"decode ({args.decode} steps)"), ("prefill", f"prefill ({len(long_prompt)} tokens)")):
         w, s = med["whole"][k], med["split"][k]
         print(f"| {label} | {w:.1f} | {s:.1f} | {s / w:.3f} |")

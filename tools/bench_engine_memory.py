@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from meshd.engine.chain import parse_ranges  # noqa: E402
-from meshd.models import default_model_path  # noqa: E402
+from meshd.mesh.models import default_model_path  # noqa: E402
 
 STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 MIB = 1 << 20

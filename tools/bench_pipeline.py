@@ -62,6 +62,7 @@ Usage: .venv/bin/python tools/bench_pipeline.py [--threads 1] [--repeats 3] [--j
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -80,13 +81,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import trio  # noqa: E402
-
-from meshd.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session  # noqa: E402
 from bench_engine import decode_rate  # noqa: E402
+
+from meshd.client.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session  # noqa: E402
 from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
-from meshd.localmesh import stop_process  # noqa: E402
-from meshd.models import default_model_path  # noqa: E402
-from meshd.peers import Peers, open_peers  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
+from localmesh import stop_process  # noqa: E402
+
+from meshd.mesh.models import default_model_path  # noqa: E402
+from meshd.net.peers import Peers, open_peers  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
 from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest  # noqa: E402
 
@@ -295,7 +299,7 @@ async def meshd_decode_cpu(peers: Peers, route: list[Stage], stages: list[Proc],
     asker = time.process_time_ns()
     d = await meshd_decode(peers, route, n)
     asker = time.process_time_ns() - asker
-    spent = [cpu_ns(pid) - b for pid, b in zip(pids, before)]
+    spent = [cpu_ns(pid) - b for pid, b in zip(pids, before, strict=False)]
     return d | {"cpu_ns": spent + [asker]}
 
 
@@ -406,8 +410,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         out["rpc_layout"] = {}
         for k in rpc_counts:
             ts = tensor_split(splits[k], n_layer)
-            r = await trio.to_thread.run_sync(lambda: run_llama_bench(
-                model, args.threads, [8], 0, 1, args.poll, [s.address for s in servers[:k]], ts, verbose=True))
+            r = await trio.to_thread.run_sync(functools.partial(
+                run_llama_bench, model, args.threads, [8], 0, 1, args.poll, [s.address for s in servers[:k]], ts,
+                verbose=True))
             layout = rpc_layer_devices(r["log"])
             got = sorted((min(v), max(v) + 1) for d, v in layout.items() if d.startswith("RPC"))
             want = [(a, b) for a, b in splits[k]]
@@ -438,16 +443,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     if name == "llama.cpp" or name.startswith("rpc"):
                         rpc = [s.address for s in servers[:k]] if k else None
                         ts = tensor_split(splits[k], n_layer) if k else None
-                        r = await trio.to_thread.run_sync(lambda: run_llama_bench(
-                            model, args.threads, [args.prefill, n_chat], args.decode, args.llama_reps, args.poll,
-                            rpc, ts))
+                        r = await trio.to_thread.run_sync(
+                            run_llama_bench, model, args.threads, [args.prefill, n_chat], args.decode,
+                            args.llama_reps, args.poll, rpc, ts)
                         rec.setdefault("decode", []).extend(r["tests"][f"tg{args.decode}"]["samples_ts"])
                         rec.setdefault("prefill", []).extend(r["tests"][f"pp{args.prefill}"]["samples_ts"])
                         rec.setdefault("ttft", []).extend(n_chat / x for x in r["tests"][f"pp{n_chat}"]["samples_ts"])
                         rec.setdefault("maxrss_kib", []).append(r["maxrss_kib"])
                     elif name.startswith("engine"):
                         chain = chains[k]
-                        rate = await trio.to_thread.run_sync(lambda: decode_rate(chain, decode_ids, args.decode))
+                        rate = await trio.to_thread.run_sync(decode_rate, chain, decode_ids, args.decode)
                         rec.setdefault("decode", []).append(rate)
                         print(f"round {rep + 1}/{args.repeats} {name}: decode {rate:.1f} tok/s", file=sys.stderr)
                         continue
@@ -484,7 +489,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 per.append({"layers": None, "rss_kib": sum(x["VmRSS"] for x in st),
                             "hwm_kib": sum(x["VmHWM"] for x in st),
                             "daemon_rss_kib": st[0]["VmRSS"], "worker_rss_kib": st[1]["VmRSS"]})
-            for p, r in zip(per, splits[k]):
+            for p, r in zip(per, splits[k], strict=False):
                 p["layers"] = list(r)
             out["rss"][f"meshd{k}"] = per
         out["rss"]["rpc_servers"] = [{"hwm_kib": proc_status(s.pids[0])["VmHWM"],
@@ -549,7 +554,7 @@ def table(out: dict[str, Any]) -> str:
               "", "| stages | " + "stage daemon / engine worker, head first | asker | all | wall |", "|---|---|---|---|---|"]
     for k, samples in sorted(out["decode_cpu"].items(), key=lambda kv: int(kv[0])):
         tokens = out["runs"][f"meshd{k}"]["decode_tokens"]
-        per = [median([s[i] / 1e6 / max(1.0, t) for s, t in zip(samples, tokens)]) for i in range(len(samples[0]))]
+        per = [median([s[i] / 1e6 / max(1.0, t) for s, t in zip(samples, tokens, strict=False)]) for i in range(len(samples[0]))]
         pairs = " · ".join(f"{per[2 * i]:.2f} / {per[2 * i + 1]:.2f}" for i in range(int(k)))
         lines.append(f"| {k} | {pairs} | {per[-1]:.2f} | {sum(per):.2f} | {1000 / med[f'meshd{k}']['decode']:.2f} |")
     lines += ["", f"| concurrent sessions ({max(int(k) for k in out['splits'])} stages) | aggregate tok/s | "

@@ -22,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshd.assignment import ModelSpec, NodeCapacity, assign, capacities, plan_transition  # noqa: E402
-from meshd.records import CapabilityRecord, ModelInfo, ServedRange  # noqa: E402
-from meshd.routing import StageOption, plan_route, stage_options  # noqa: E402
+from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign, capacities, plan_transition  # noqa: E402
+from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange  # noqa: E402
+from meshd.mesh.routing import StageOption, plan_route, stage_options  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
 
 GIB = 2**30
@@ -146,7 +146,7 @@ def main() -> None:
             if i < len(ranges)
             else (),
         )
-        for i, (identity, node) in enumerate(zip(identities, nodes))
+        for i, (identity, node) in enumerate(zip(identities, nodes, strict=False))
     ]
 
     def from_view() -> tuple:

@@ -5,7 +5,7 @@ through the whole stack (envelope, codec, mux, Noise, WebSocket on loopback),
 and the throughput of a 64 MiB prefill activation; each next to a bare
 trio-websocket echo and a raw TCP echo of the same bytes, with ratios. The
 bare trio-websocket runs twice: as shipped, and with the faster WebSocket
-masking that our links install (meshd.wsmask), so the stack's own overhead
+masking that our links install (meshd.net.wsmask), so the stack's own overhead
 shows apart from that gain.
 
 The full-stack echo server decodes every activation (validation, CRC, numpy
@@ -39,10 +39,10 @@ from trio_websocket import WebSocketRequest, WebSocketServer, open_websocket_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshd.link import Stream  # noqa: E402
-from meshd.peers import open_peers  # noqa: E402
-from meshd.transport import WS_RECEIVE_BUFFER  # noqa: E402
-from meshd.wsmask import stock_masking  # noqa: E402
+from meshd.net.link import Stream  # noqa: E402
+from meshd.net.peers import open_peers  # noqa: E402
+from meshd.net.transport import WS_RECEIVE_BUFFER  # noqa: E402
+from meshd.net.wsmask import stock_masking  # noqa: E402
 from wire.codec import Message  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
 from wire.tensors import Activation, encode_activation, tensor_fields  # noqa: E402
@@ -76,7 +76,7 @@ def as_activation(message: Message) -> Activation:
 
 
 async def serve_stage(stream: Stream) -> None:
-    # A receive loop like the stage service's own (meshd.stage), not the
+    # A receive loop like the stage service's own (meshd.stage.service), not the
     # async generator ``stream.messages()``, which costs a few µs a message.
     while True:
         try:
@@ -202,7 +202,7 @@ async def bench_ws(
     port: int, payload: bytes, rounds: int, warmup: int, stock: bool = True
 ) -> list[float]:
     """Bare trio-websocket; ``stock``: with wsproto's own masking, as shipped,
-    else with the word masker our links install (meshd.wsmask)."""
+    else with the word masker our links install (meshd.net.wsmask)."""
     path = STOCK_PATH if stock else "/"
     with stock_masking() if stock else contextlib.nullcontext():
         async with open_websocket_url(
@@ -333,7 +333,7 @@ def render(results: dict[str, Any]) -> str:
     lines += [
         "",
         "trio-websocket: as shipped (wsproto's masking); ws+word masker: with the masker",
-        "our links install (meshd.wsmask). Target: stack within 1.5x of trio-websocket.",
+        "our links install (meshd.net.wsmask). Target: stack within 1.5x of trio-websocket.",
     ]
     return "\n".join(lines)
 

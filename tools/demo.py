@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshd.localmesh import Served, run_meshd, start_join  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
+from localmesh import Served, run_meshd, start_join  # noqa: E402
 
 VOLUNTEER = ["--memory", "64M", "--max-sessions", "2", "--session-tokens", "512", "--threads", "1"]
 

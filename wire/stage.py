@@ -8,6 +8,7 @@ stream carries each sampled token from the tail back to the head.
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -177,3 +178,8 @@ class Metrics(Message):
     type: Literal["metrics"] = "metrics"
     v: Literal[1] = 1
     values: dict[Annotated[str, Field(max_length=64)], float] = Field(max_length=64)
+
+
+def new_session_id() -> str:
+    """A fresh session id: 96 random bits, hex, as ``SessionId`` accepts."""
+    return secrets.token_hex(12)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ class LocalChain:
         first, last = self.models[0].report, self.models[-1].report
         if not first.has_input or not last.has_output:
             raise ValueError("a chain must start at layer 0 and end at the last layer")
-        for a, b in zip(self.models, self.models[1:]):
+        for a, b in zip(self.models, self.models[1:], strict=False):
             if a.report.layer_end != b.report.layer_begin:
                 raise ValueError(
                     f"ranges do not tile the model: [{a.report.layer_begin}, {a.report.layer_end}) "

@@ -11,15 +11,22 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
 from meshd.engine.engine import RangeReport
 from meshd.engine.workerproto import (
-    PREFIX, FrameError, decode_header, drop_sent, encode_prefix, frame_parts, parse_prefix,
+    PREFIX,
+    FrameError,
+    decode_header,
+    drop_sent,
+    encode_prefix,
+    frame_parts,
+    parse_prefix,
 )
 
 # A reply that fits here (every decode step's) arrives in one recv.

@@ -19,7 +19,13 @@ import numpy as np
 
 from meshd.engine.engine import Context, EngineError, Model, Sampler, SamplingParams
 from meshd.engine.workerproto import (
-    PREFIX, FrameError, decode_header, drop_sent, encode_prefix, frame_parts, parse_prefix,
+    PREFIX,
+    FrameError,
+    decode_header,
+    drop_sent,
+    encode_prefix,
+    frame_parts,
+    parse_prefix,
 )
 
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-from meshd.records import CapabilityRecord
+from meshd.mesh.records import CapabilityRecord
 
 # RTT in seconds between two nodes; the first is None for an asker that did not say who it is.
 Rtt = Callable[[str | None, str], float]

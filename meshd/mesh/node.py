@@ -17,9 +17,9 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from meshd.election import Election, ElectionConfig, Tracker
-from meshd.membership import MemberEvent, Membership, SwimConfig, SwimMessage
-from meshd.records import CapabilityRecord
+from meshd.mesh.election import Election, ElectionConfig, Tracker
+from meshd.mesh.membership import MemberEvent, Membership, SwimConfig, SwimMessage
+from meshd.mesh.records import CapabilityRecord
 from wire.identity import NodeIdentity
 
 _LIVE_EVENTS = frozenset({"joined", "alive", "updated", "suspect"})

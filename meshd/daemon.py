@@ -16,24 +16,24 @@ from pathlib import Path
 
 import trio
 
-from meshd.assignment import Assignment, AssignmentPolicy, CoverageError, ModelSpec, assign, capacities
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
-from meshd.link import Stream
-from meshd.membership import SWIM_MESSAGES, MemberState
-from meshd.mesh import MeshNode, TrackerChanged
-from meshd.models import file_digest, model_info
-from meshd.peers import Peers, PeersConfig, open_peers
-from meshd.records import ROLE_CLIENT, ROLE_RELAY, CapabilityRecord, ModelInfo, ServedRange
-from meshd.routing import NoRouteError, plan_route, stage_options
-from meshd.stage import STAGE_PROTOCOL, StageLimits, StageService, answer_typed
+from meshd.mesh.assignment import Assignment, AssignmentPolicy, CoverageError, ModelSpec, assign, capacities
+from meshd.mesh.membership import SWIM_MESSAGES, MemberState
+from meshd.mesh.models import file_digest, model_info
+from meshd.mesh.node import MeshNode, TrackerChanged
+from meshd.mesh.records import ROLE_CLIENT, ROLE_RELAY, CapabilityRecord, ModelInfo, ServedRange
+from meshd.mesh.routing import NoRouteError, plan_route, stage_options
+from meshd.net.link import Stream
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.relay.circuit import enable_circuits
+from meshd.relay.reservations import RelayCandidate, ReservationKeeper
+from meshd.relay.service import RelayService, Tap
+from meshd.stage.service import STAGE_PROTOCOL, StageLimits, StageService, answer_typed
+from relay.limits import RelayLimits
+from relay.protocol import parse_circuit_address
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from relay.circuit import enable_circuits
-from relay.limits import RelayLimits
-from relay.protocol import parse_circuit_address
-from relay.reservations import RelayCandidate, ReservationKeeper
-from relay.service import RelayService, Tap
 from wire.meshrpc import (
     MESH_PROTOCOL,
     SWIM_PROTOCOL,

@@ -33,8 +33,8 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from meshd.link import Link, LinkTimings, Stream
-from meshd.transport import (
+from meshd.net.link import Link, LinkTimings, Stream
+from meshd.net.transport import (
     WS_MAX_MESSAGE,
     WS_RECEIVE_BUFFER,
     RecordTransport,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshd.records import ROLE_CLIENT, CapabilityRecord
+from meshd.mesh.records import ROLE_CLIENT, CapabilityRecord
 
 _REACHABILITY_RANK = {"public": 0, "unknown": 1, "nat": 2}
 # Records bound terms below 2**63. A node that claimed the last term keeps it; nobody can outbid it.

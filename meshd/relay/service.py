@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import trio
 
-from meshd.link import Link, Stream
-from meshd.peers import Peers
+from meshd.net.link import Link, Stream
+from meshd.net.peers import Peers
 from relay.limits import Circuit, RelayLimits, RelayState
 from relay.protocol import (
     HOP_PROTOCOL,

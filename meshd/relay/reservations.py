@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.peers import Peers
+from meshd.net.peers import Peers
 from relay.protocol import HOP_PROTOCOL, Reserve, Reserved, circuit_address
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import trio
 
-from meshd.transport import RecordTransport
+from meshd.net.transport import RecordTransport
 from wire.codec import DEFAULT_LIMITS, Limits, Message, MessageDecoder, encode
 from wire.errors import ErrorCode, ProtocolError
 from wire.link import SecureLink

@@ -13,23 +13,23 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import trio
 
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec
-from meshd.link import Stream
-from meshd.models import file_digest
-from meshd.peers import Peers, PeersConfig, open_peers
-from wire.identity import NodeIdentity
+from meshd.mesh.models import file_digest
+from meshd.net.link import Stream
+from meshd.net.peers import Peers, PeersConfig, open_peers
 from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
@@ -648,6 +648,3 @@ async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageL
             yield StageNode(f"{listen[0]}:{port}", service, engine, peers)
             nursery.cancel_scope.cancel()
 
-
-def new_session_id() -> str:
-    return secrets.token_hex(12)

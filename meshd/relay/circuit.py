@@ -10,9 +10,9 @@ import logging
 
 import trio
 
-from meshd.link import Link, Stream
-from meshd.peers import Peers
-from meshd.transport import StreamTransport
+from meshd.net.link import Link, Stream
+from meshd.net.peers import Peers
+from meshd.net.transport import StreamTransport
 from relay.protocol import (
     HOP_PROTOCOL,
     STOP_PROTOCOL,

@@ -35,8 +35,8 @@ from typing import Literal
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from meshd.records import ROLE_CLIENT, CapabilityRecord, ModelInfo
-from meshd.routing import StageOption, plan_route
+from meshd.mesh.records import ROLE_CLIENT, CapabilityRecord, ModelInfo
+from meshd.mesh.routing import StageOption, plan_route
 
 Range = tuple[int, int]
 
@@ -198,7 +198,7 @@ def _repair(
 ) -> Assignment | None:
     present = {node.node_id: node for node in usable}
     boundaries = current.boundaries
-    segments = list(zip(boundaries, boundaries[1:]))
+    segments = list(zip(boundaries, boundaries[1:], strict=False))
     kept = [
         stage
         for stage in current.stages
@@ -241,7 +241,7 @@ def _replicate(
 ) -> list[Stage]:
     """Give each spare node (fastest first) a replica of the weakest segment it can hold."""
     stages = list(stages)
-    segments = list(zip(boundaries, boundaries[1:]))
+    segments = list(zip(boundaries, boundaries[1:], strict=False))
     strength = [0.0] * len(segments)
 
     def segment_of(stage: Stage) -> int:
@@ -376,7 +376,7 @@ def _best_chain(nodes: list[_Node], model: ModelSpec, hop: float) -> list[Stage]
     # Walk the choices back: which node took how many layers in which role.
     placed: list[tuple[int, _Node, int]] = []
     state, count = 3, n
-    for node, (source, taken) in zip(reversed(nodes), reversed(history)):
+    for node, (source, taken) in zip(reversed(nodes), reversed(history), strict=False):
         previous = int(source[state, count])
         if previous < 0:
             continue

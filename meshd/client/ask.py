@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
 
 import trio
 
-from meshd.link import Stream
-from meshd.peers import Peers
-from meshd.stage import new_session_id
+from meshd.net.link import Stream
+from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.stage import (
@@ -34,8 +33,8 @@ from wire.stage import (
     Sampling,
     StageInfo,
     Token,
+    new_session_id,
 )
-
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +142,7 @@ async def describe_route(peers: Peers, addresses: Sequence[str], timeout: float 
             nursery.start_soon(one, i, address)
     if errors:
         raise RouteError(errors[0])
-    return [Stage(a, info) for a, info in zip(addresses, infos) if info is not None]
+    return [Stage(a, info) for a, info in zip(addresses, infos, strict=False) if info is not None]
 
 
 def check_route(stages: Sequence[Stage]) -> None:

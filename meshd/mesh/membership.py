@@ -26,7 +26,7 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import Field
 
-from meshd.records import CapabilityRecord, RecordStore, StoreStats, Verdict
+from meshd.mesh.records import CapabilityRecord, RecordStore, StoreStats, Verdict
 from wire.codec import Message, WireModel, register
 from wire.identity import NodeIdentity
 
