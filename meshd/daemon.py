@@ -114,6 +114,7 @@ class MeshDaemon:
         self._wake = trio.Event()
         self._nursery: trio.Nursery
         self.relay: RelayService | None = None
+        self._keeper: ReservationKeeper | None = None
 
     # ----- lifecycle
 
@@ -146,9 +147,9 @@ class MeshDaemon:
             if checks:
                 await self._check_reachability()
             if self.mesh.record.reachability == "nat":
-                keeper = ReservationKeeper(peers, self._relay_candidates, self._publish_relays,
-                                           want=cfg.reservations)
-                nursery.start_soon(keeper.run)
+                self._keeper = ReservationKeeper(peers, self._relay_candidates, self._publish_relays,
+                                                 want=cfg.reservations)
+                nursery.start_soon(self._keeper.run)
             nursery.start_soon(self._drive)
             if not cfg.client:
                 nursery.start_soon(self._track)
@@ -194,6 +195,8 @@ class MeshDaemon:
             for event in self.mesh.events():
                 if isinstance(event, TrackerChanged):
                     log.info("tracker is now %s", event.tracker)
+                elif self._keeper is not None:  # a member's record came, changed or went: maybe a relay's
+                    self._keeper.candidates_changed()
 
     def _flush(self) -> None:
         for dest, message in self.mesh.messages_to_send():

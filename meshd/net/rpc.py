@@ -44,7 +44,7 @@ async def receive(stream: Stream, expected: type[R], what: str, timeout: float |
     A stream that ends before the message is CANCELLED (the peer gave up on
     the exchange); a timeout is DEADLINE_EXCEEDED.
     """
-    with _deadline(timeout, what):
+    with within(timeout, what):
         try:
             message = await stream.receive_message()
         except trio.EndOfChannel:
@@ -56,7 +56,7 @@ async def request(
     stream: Stream, message: Message, expected: type[R], what: str, timeout: float | None = None
 ) -> R:
     """Send ``message`` on ``stream`` and ``receive`` its reply, both within ``timeout``."""
-    with _deadline(timeout, what):
+    with within(timeout, what):
         await stream.send_message(message)
         reply = await receive(stream, expected, what)
     return reply
@@ -78,7 +78,7 @@ async def call(
     ``Peers.open_stream``.
     """
     what = f"{_tag(type(message))} to {address or (node_id or '?')[:16]}"
-    with _deadline(timeout, what):
+    with within(timeout, what):
         stream = await peers.open_stream(address, protocol, node_id=node_id)
         async with stream:
             reply = await request(stream, message, expected, what)
@@ -86,16 +86,17 @@ async def call(
 
 
 @contextmanager
-def _deadline(timeout: float | None, what: str) -> Iterator[None]:
-    """``trio.move_on_after`` that ends in DEADLINE_EXCEEDED: only this scope's
-    own timeout becomes that error, never an enclosing one's."""
+def within(timeout: float | None, what: str) -> Iterator[None]:
+    """A deadline ``timeout`` seconds from now (None: none) that ends in
+    DEADLINE_EXCEEDED naming ``what``: only this scope's own timeout becomes
+    that error, never an enclosing one's (which stays a cancellation)."""
     if timeout is None:
         yield
         return
     with trio.move_on_after(timeout) as scope:
         yield
     if scope.cancelled_caught:
-        raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, f"{what}: no answer within {timeout:g} s")
+        raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, f"{what}: timed out after {timeout:g} s")
 
 
 def _tag(cls: type[Message]) -> str:
