@@ -29,10 +29,10 @@ def expect(message: Message, expected: type[R], what: str) -> R:
 
     ``what`` names the exchange in the error (``"the relay's answer to reserve"``).
     """
+    if isinstance(message, ErrorMessage) and expected is not ErrorMessage:
+        raise error_from_message(message)
     if isinstance(message, expected):
         return message
-    if isinstance(message, ErrorMessage):
-        raise error_from_message(message)
     raise ProtocolError(
         ErrorCode.BAD_REQUEST, f"{what}: expected {_tag(expected)}, got {message.type!r}"
     )
@@ -41,14 +41,17 @@ def expect(message: Message, expected: type[R], what: str) -> R:
 async def receive(stream: Stream, expected: type[R], what: str, timeout: float | None = None) -> R:
     """The next message on ``stream``, checked by ``expect``, within ``timeout`` seconds.
 
-    A stream that ends before the message is CANCELLED (the peer gave up on
-    the exchange); a timeout is DEADLINE_EXCEEDED.
+    A stream that ends before the message is UNREACHABLE, as a lost link is
+    (the peer went away mid-exchange; asking again, maybe elsewhere, can
+    help); a timeout is DEADLINE_EXCEEDED.
     """
     with within(timeout, what):
         try:
             message = await stream.receive_message()
         except trio.EndOfChannel:
-            raise ProtocolError(ErrorCode.CANCELLED, f"{what}: the peer ended the stream") from None
+            raise ProtocolError(
+                ErrorCode.UNREACHABLE, f"{what}: the peer ended the stream without answering"
+            ) from None
     return expect(message, expected, what)
 
 
