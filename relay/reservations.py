@@ -58,16 +58,19 @@ class ReservationPolicy:
     # The first wait after a failure; each further failure doubles it, up to backoff_max.
     backoff: float = 2.0
     backoff_max: float = 60.0
-    # Renew when this share of the granted lifetime has passed.
+    # Renew when this share of the granted lifetime has passed, but never sooner than
+    # renew_min after a grant: a relay granting a tiny lifetime must not make us spin.
     renew_after: float = 0.5
+    renew_min: float = 1.0
     _candidates: list[RelayCandidate] = field(default_factory=list)
     _held: dict[str, _Held] = field(default_factory=dict)
     _trying: dict[str, RelayCandidate] = field(default_factory=dict)
     _backoff: dict[str, _Backoff] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.want < 0 or not 0 < self.backoff <= self.backoff_max or not 0 < self.renew_after < 1:
-            raise ValueError("want >= 0, 0 < backoff <= backoff_max and 0 < renew_after < 1")
+        if (self.want < 0 or not 0 < self.backoff <= self.backoff_max or not 0 < self.renew_after < 1
+                or self.renew_min <= 0):
+            raise ValueError("want >= 0, 0 < backoff <= backoff_max, 0 < renew_after < 1 and renew_min > 0")
 
     # ----- what the shell tells the policy
 
@@ -85,7 +88,7 @@ class ReservationPolicy:
         if relay is None:
             raise KeyError(f"relay {node_id[:16]} was not asked")
         self._backoff.pop(node_id, None)
-        renew_at = None if lifetime is None else now + lifetime * self.renew_after
+        renew_at = None if lifetime is None else now + max(lifetime * self.renew_after, self.renew_min)
         self._held[node_id] = _Held(relay, renew_at)
 
     def failed(self, node_id: str, now: float, retry_after: float | None = None) -> None:

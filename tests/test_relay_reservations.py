@@ -35,6 +35,14 @@ def test_renews_halfway_through_the_lifetime_once_until_renewed() -> None:
     assert policy.next_timer() == 71.0 and policy.held == [R1]
 
 
+def test_a_relay_granting_a_tiny_lifetime_cannot_make_us_renew_in_a_loop() -> None:
+    policy = ReservationPolicy(want=1, renew_min=1.0)
+    policy.set_candidates([R1])
+    policy.due(0.0)
+    policy.reserved(R1.node_id, 5.0, lifetime=1e-9)
+    assert policy.next_timer() == 6.0 and policy.due(5.5) == []
+
+
 def test_failures_back_off_doubling_up_to_the_cap_or_as_the_relay_says() -> None:
     policy = ReservationPolicy(want=1, backoff=2.0, backoff_max=10.0)
     policy.set_candidates([R1])
@@ -85,7 +93,7 @@ def test_a_relay_that_left_the_candidates_stays_held_until_lost_and_is_not_asked
 
 
 def test_bad_settings_are_refused() -> None:
-    for bad in ({"want": -1}, {"backoff": 0.0}, {"backoff": 5.0, "backoff_max": 1.0}, {"renew_after": 1.0}):
+    for bad in ({"want": -1}, {"backoff": 0.0}, {"backoff": 5.0, "backoff_max": 1.0}, {"renew_after": 1.0}, {"renew_min": 0.0}):
         with pytest.raises(ValueError):
             ReservationPolicy(**bad)
 
