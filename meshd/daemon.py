@@ -23,6 +23,7 @@ from meshd.mesh.models import file_digest, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
 from meshd.mesh.records import ROLE_CLIENT, ROLE_RELAY, CapabilityRecord, ModelInfo, ServedRange
 from meshd.mesh.routing import NoRouteError, plan_route, stage_options
+from meshd.net import rpc as net_rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
@@ -31,7 +32,7 @@ from meshd.relay.service import RelayService, Tap
 from meshd.stage.service import STAGE_PROTOCOL, StageLimits, StageService, answer_typed
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
-from wire.codec import ErrorMessage, Message, error_from_message
+from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import (
@@ -88,14 +89,7 @@ class ServingRange:
 async def rpc(peers: Peers, address: str | None, request: Message, node_id: str | None = None,
               timeout: float = 5.0) -> Message:
     """One request on a fresh mesh stream, one reply; a typed error reply is raised."""
-    with trio.fail_after(timeout):
-        stream = await peers.open_stream(address, MESH_PROTOCOL, node_id=node_id)
-        async with stream:
-            await stream.send_message(request)
-            reply = await stream.receive_message()
-    if isinstance(reply, ErrorMessage):
-        raise error_from_message(reply)
-    return reply
+    return await net_rpc.call(peers, address, MESH_PROTOCOL, request, Message, node_id=node_id, timeout=timeout)
 
 
 class MeshDaemon:
@@ -114,6 +108,7 @@ class MeshDaemon:
         self._wake = trio.Event()
         self._nursery: trio.Nursery
         self.relay: RelayService | None = None
+        self._keeper: ReservationKeeper | None = None
 
     # ----- lifecycle
 
@@ -146,9 +141,9 @@ class MeshDaemon:
             if checks:
                 await self._check_reachability()
             if self.mesh.record.reachability == "nat":
-                keeper = ReservationKeeper(peers, self._relay_candidates, self._publish_relays,
-                                           want=cfg.reservations)
-                nursery.start_soon(keeper.run)
+                self._keeper = ReservationKeeper(peers, self._relay_candidates, self._publish_relays,
+                                                 want=cfg.reservations)
+                nursery.start_soon(self._keeper.run)
             nursery.start_soon(self._drive)
             if not cfg.client:
                 nursery.start_soon(self._track)
@@ -194,6 +189,8 @@ class MeshDaemon:
             for event in self.mesh.events():
                 if isinstance(event, TrackerChanged):
                     log.info("tracker is now %s", event.tracker)
+                elif self._keeper is not None:  # a member's record came, changed or went: maybe a relay's
+                    self._keeper.candidates_changed()
 
     def _flush(self) -> None:
         for dest, message in self.mesh.messages_to_send():

@@ -1,8 +1,8 @@
 """The relay's books, sans IO: reservations, circuits and their quotas.
 
 Every decision takes the current time as a parameter, and ``next_timer`` says
-when a circuit will run out of time, so the trio service only sleeps and
-forwards, and tests run without clocks.
+when a circuit or a reservation will run out of time, so the trio service only
+sleeps and forwards, and tests run without clocks.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ class RelayLimits:
     max_circuit_bytes: int = 1 << 30
     max_circuit_seconds: float = 3600.0
     idle_timeout: float = 120.0
+    # A reservation not renewed within this lifetime ends (a reserver renews halfway).
+    reservation_seconds: float = 900.0
     # What a refused reserver or dialer is told to wait before asking again.
     retry_after_ms: int = 2000
 
@@ -45,26 +47,42 @@ class RelayState:
     limits: RelayLimits = field(default_factory=RelayLimits)
     # node id -> the id of its current reservation (a node re-reserving replaces its old one)
     reservations: dict[str, int] = field(default_factory=dict)
+    # reservation id -> when it ends unless renewed
+    expiry: dict[int, float] = field(default_factory=dict)
     circuits: dict[int, Circuit] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
-    def reserve(self, node: str) -> int:
-        """A reservation for ``node``; raises OVERLOADED when the relay is full."""
+    def reserve(self, node: str, now: float) -> int:
+        """A reservation for ``node`` until ``now`` plus the lifetime, replacing (renewing)
+        any it holds; raises OVERLOADED when the relay is full."""
         if node not in self.reservations and len(self.reservations) >= self.limits.max_reservations:
             raise ProtocolError(ErrorCode.OVERLOADED,
                                 f"this relay holds its maximum of {self.limits.max_reservations} reservations",
                                 retry_after_ms=self.limits.retry_after_ms)
+        old = self.reservations.get(node)
+        if old is not None:
+            del self.expiry[old]
         reservation = next(self._ids)
         self.reservations[node] = reservation
+        self.expiry[reservation] = now + self.limits.reservation_seconds
         return reservation
 
     def release(self, node: str, reservation: int) -> None:
         """Ends ``reservation``, unless a newer one of the same node replaced it."""
         if self.reservations.get(node) == reservation:
             del self.reservations[node]
+            del self.expiry[reservation]
+
+    def reservation_deadline(self, reservation: int) -> float:
+        """When ``reservation`` ends unless renewed; -inf once replaced or released."""
+        return self.expiry.get(reservation, float("-inf"))
+
+    def holds_reservation(self, node: str, now: float) -> bool:
+        reservation = self.reservations.get(node)
+        return reservation is not None and now < self.expiry[reservation]
 
     def open_circuit(self, source: str, target: str, now: float) -> Circuit:
-        if target not in self.reservations:
+        if not self.holds_reservation(target, now):
             raise ProtocolError(ErrorCode.NOT_FOUND, f"node {target[:16]} holds no reservation on this relay")
         if len(self.circuits) >= self.limits.max_circuits:
             raise ProtocolError(ErrorCode.OVERLOADED, "this relay carries its maximum of circuits",
@@ -113,5 +131,8 @@ class RelayState:
         circuit = self.circuits.get(circuit_id)
         return float("inf") if circuit is None else circuit.deadline(self.limits)
 
-    def next_timer(self) -> float:
-        return min((c.deadline(self.limits) for c in self.circuits.values()), default=float("inf"))
+    def next_timer(self) -> float | None:
+        """The next moment a circuit or a reservation runs out; None while nothing can."""
+        times = [c.deadline(self.limits) for c in self.circuits.values()]
+        times.extend(self.expiry.values())
+        return min(times, default=None)

@@ -27,7 +27,8 @@ NodeId = Annotated[str, Field(min_length=1, max_length=64)]
 
 @register
 class Reserve(Message):
-    """To a relay, on a hop stream held open for as long as the reservation lasts."""
+    """To a relay, on a hop stream held open for as long as the reservation lasts;
+    sent again on that stream to renew it."""
 
     type: Literal["relay_reserve"] = "relay_reserve"
     v: Literal[1] = 1
@@ -35,12 +36,15 @@ class Reserve(Message):
 
 @register
 class Reserved(Message):
-    """The reservation holds, under these limits, until either side ends the stream."""
+    """The reservation holds, under these limits, until either side ends the stream
+    or ``lifetime_seconds`` pass (None: no end). Another ``Reserve`` on the same
+    stream renews it, answered by another ``Reserved``."""
 
     type: Literal["relay_reserved"] = "relay_reserved"
     v: Literal[1] = 1
     max_circuit_bytes: int = Field(ge=0)
     max_circuit_seconds: float = Field(ge=0.0)
+    lifetime_seconds: float | None = Field(default=None, gt=0.0)
 
 
 @register

@@ -14,7 +14,7 @@ from meshd.relay.circuit import CircuitTransport, enable_circuits
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService
 from relay.limits import RelayLimits
-from relay.protocol import HOP_PROTOCOL, Reserve, circuit_address
+from relay.protocol import HOP_PROTOCOL, Reserve, Reserved, circuit_address
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 
@@ -68,7 +68,7 @@ async def reserve(nursery: trio.Nursery, target: Node, relays: list[Node], want:
         target.held[:] = addresses
 
     keeper = ReservationKeeper(target.peers, lambda: [RelayCandidate(r.node_id, r.address) for r in relays],
-                               on_change, want=want, check_interval=0.05)
+                               on_change, want=want)
     nursery.start_soon(keeper.run)
     with trio.fail_after(10):
         while len(target.held) < min(want, len(relays)):
@@ -164,9 +164,10 @@ async def test_a_node_moves_its_reservation_when_its_relay_is_lost() -> None:
         target = await start_node(nursery)
         dialer = await start_node(nursery)
         relays = sorted([first, second], key=lambda r: r.node_id)
-        await reserve(nursery, target, relays, want=1)
+        keeper = await reserve(nursery, target, relays, want=1)
         lost, spare = (first, second) if target.held[0].startswith(first.address) else (second, first)
         relays.remove(lost)
+        keeper.candidates_changed()
         began = trio.current_time()
         lost.scope.cancel()
         with trio.fail_after(10):
@@ -175,4 +176,35 @@ async def test_a_node_moves_its_reservation_when_its_relay_is_lost() -> None:
         print(f"reservation moved to the other relay in {trio.current_time() - began:.2f} s")
         with trio.fail_after(10):
             assert await echo_through(dialer.peers, target.held[0], target.node_id, CANARY) == CANARY
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reservation_is_renewed_before_it_runs_out_and_one_never_renewed_ends() -> None:
+    async with trio.open_nursery() as nursery:
+        relay = await start_node(nursery, limits=RelayLimits(reservation_seconds=2.0))
+        assert relay.relay is not None
+        state = relay.relay.state
+        target = await start_node(nursery)
+        dialer = await start_node(nursery)
+        await reserve(nursery, target, [relay])
+        seen = {state.reservations[target.node_id]}
+        with trio.fail_after(10):
+            while len(seen) < 3:  # two renewals (each 1 s after the last grant), within the 2 s lifetime
+                await trio.sleep(0.02)
+                assert target.node_id in state.reservations
+                seen.add(state.reservations[target.node_id])
+        assert target.held == [circuit_address(relay.address, target.node_id)]
+        with trio.fail_after(10):
+            assert await echo_through(dialer.peers, target.held[0], target.node_id, CANARY) == CANARY
+
+        silent = await start_node(nursery)
+        stream = await silent.peers.open_stream(relay.address, HOP_PROTOCOL)
+        with trio.fail_after(10):
+            await stream.send_message(Reserve())
+            granted = await stream.receive_message()
+            assert isinstance(granted, Reserved) and granted.lifetime_seconds == 2.0
+            with pytest.raises(ProtocolError) as ran_out:
+                await stream.receive_message()
+        assert ran_out.value.code is ErrorCode.DEADLINE_EXCEEDED
+        assert silent.node_id not in state.reservations
         nursery.cancel_scope.cancel()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, Message, error_from_message
@@ -58,7 +59,7 @@ async def _from_stage(index: int, work: Awaitable[None]) -> None:
         raise
     except ProtocolError as exc:
         raise StageError(index, exc) from exc
-    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
+    except trio.EndOfChannel as exc:
         raise StageError(index, ProtocolError(ErrorCode.UNREACHABLE, f"lost the stream: {exc!r}")) from exc
     except trio.TooSlowError as exc:
         raise StageError(index, ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the stage stalled")) from exc
@@ -109,22 +110,8 @@ class AskResult:
 OnToken = Callable[[int, bytes], Awaitable[None] | None]
 
 
-async def _request(stream: Stream, message: Message) -> Message:
-    await stream.send_message(message)
-    reply = await stream.receive_message()
-    if isinstance(reply, ErrorMessage):
-        raise error_from_message(reply)
-    return reply
-
-
 async def describe(peers: Peers, address: str, timeout: float = 10.0) -> StageInfo:
-    with trio.fail_after(timeout):
-        stream = await peers.open_stream(address, STAGE_PROTOCOL)
-        async with stream:
-            reply = await _request(stream, Describe())
-    if not isinstance(reply, StageInfo):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{address} answered describe with {reply.type!r}")
-    return reply
+    return await rpc.call(peers, address, STAGE_PROTOCOL, Describe(), StageInfo, timeout=timeout)
 
 
 async def describe_route(peers: Peers, addresses: Sequence[str], timeout: float = 10.0) -> list[Stage]:
@@ -187,14 +174,13 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 nxt = route[i + 1] if i + 1 < len(route) else None
                 stream = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.info.node_id)
                 opened[i] = stream
-                reply = await _request(stream, Open(
+                await rpc.request(stream, Open(
                     session=session, epoch=epoch, model_digest=stage.info.model_digest,
                     layer_begin=stage.info.layer_begin, layer_end=stage.info.layer_end,
                     next=PeerRef(address=nxt.address, node_id=nxt.info.node_id) if nxt else None,
                     head=head if nxt is None else None, sampling=request.sampling,
-                    max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype))
-                if not isinstance(reply, Opened):
-                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"{stage.address} answered open with {reply.type!r}")
+                    max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype),
+                    Opened, f"stage {stage.address} opening the session")
 
             with trio.fail_after(stall_timeout):
                 async with trio.open_nursery() as opening:
@@ -242,21 +228,14 @@ async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: flo
 
 
 def _take_prompt_tokens(msg: Message, result: AskResult) -> None:
-    if isinstance(msg, ErrorMessage):
-        raise error_from_message(msg)
-    if not isinstance(msg, PromptTokens):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected the prompt's tokens, got {msg.type!r}")
+    msg = rpc.expect(msg, PromptTokens, "the head's tokens of the prompt")
     if not result.prompt_tokens:
         result.prompt_tokens = list(msg.tokens)
 
 
 async def _watch_for_errors(stream: Stream) -> None:
     """A stage that is not the tail says nothing more unless it fails the session."""
-    msg = await stream.receive_message()
-    if isinstance(msg, ErrorMessage):
-        raise error_from_message(msg)
-    if not isinstance(msg, Released):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} from a stage")
+    await rpc.receive(stream, Released, "a stage's word on the session")
     raise ProtocolError(ErrorCode.INTERNAL, "a stage released the session before it finished")
 
 

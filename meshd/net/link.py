@@ -4,8 +4,14 @@ Arriving records are processed by a reader task, or, when the transport can
 push them (``WebSocketTransport.deliver_to``), by the transport's own task;
 either way data lands in the streams' buffers without blocking. Senders frame,
 encrypt and write in their own task, so the hot path has no hand-off; a writer
-task flushes what arrivals produce (window updates, pongs, resets); a
-keepalive task pings and declares the link dead after silence.
+task flushes what arrivals produce (window updates, pongs, resets); a timer
+task sleeps until the core's ``next_timer`` and runs its keepalive.
+
+Whatever ends a stream's use, a reset (ours or the peer's) or the loss of its
+link, a ``Stream`` raises as a ``StreamBroken``, and using a stream after
+closing it here raises ``StreamClosed``: both are ``ProtocolError``s (so one
+``except ProtocolError`` covers every failure of an exchange) and also the
+trio errors a ``trio.abc.HalfCloseableStream`` is specified to raise.
 
 A record, once encrypted, must reach the wire exactly once, in order, or the
 link is unusable (its nonce is spent). Large writes are therefore shielded
@@ -18,6 +24,7 @@ stays queued for the writer task.
 from __future__ import annotations
 
 import logging
+import operator
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
@@ -42,6 +49,26 @@ log = logging.getLogger(__name__)
 
 # Records up to this size are written without a cancellation shield.
 _UNSHIELDED_RECORD = 16 << 10
+
+
+class StreamBroken(ProtocolError, trio.BrokenResourceError):
+    """The stream cannot carry on: reset by either side, or its link lost
+    (UNREACHABLE, retryable). ``code`` and ``message`` say why."""
+
+    @classmethod
+    def of(cls, error: ProtocolError) -> StreamBroken:
+        if isinstance(error, StreamBroken):
+            return error
+        broken = cls(error.code, error.message, error.retry_after_ms)
+        broken.__cause__ = error.__cause__
+        return broken
+
+
+class StreamClosed(ProtocolError, trio.ClosedResourceError):
+    """This side closed the stream (or its sending half) and then used it (CANCELLED)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.CANCELLED, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +114,10 @@ class Stream(trio.abc.HalfCloseableStream):
             raise trio.BusyResourceError("another task is sending on this stream")
         self._sending = True
         try:
+            if not data:
+                self._check_sendable()
+                await trio.lowlevel.checkpoint()
+                return
             await self._send(data)
         finally:
             self._sending = False
@@ -118,29 +149,50 @@ class Stream(trio.abc.HalfCloseableStream):
                 # the peer's credit ever waits here.
                 await link._flush()
         except BaseException:
-            if 0 < offset < size:
+            if 0 < offset < size and not self._closed:
                 # Half a write would leave the peer's decoder out of step.
                 self.reset(ProtocolError(ErrorCode.CANCELLED, "a write was interrupted midway"))
             raise
 
     def _check_sendable(self) -> None:
+        # Closing here is checked first: after ``aclose`` every use is ClosedResourceError.
+        if self._closed or self._send_closed:
+            raise StreamClosed("this stream's sending side is closed")
         if self._error is not None:
             raise self._error
-        if self._closed or self._send_closed:
-            raise trio.ClosedResourceError("this stream's sending side is closed")
 
     async def wait_send_all_might_not_block(self) -> None:
-        while not self.link.core.mux.send_capacity(self.stream_id):
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        self._sending = True
+        try:
             self._check_sendable()
-            await self.link._credit.park()
+            if self.link.core.mux.send_capacity(self.stream_id):
+                await trio.lowlevel.checkpoint()
+                return
+            while not self.link.core.mux.send_capacity(self.stream_id):
+                await self.link._credit.park()
+                self._check_sendable()
+        finally:
+            self._sending = False
 
     async def send_eof(self) -> None:
+        """End our side (FIN). Idempotent; on a broken stream there is nothing left to end."""
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        if self._closed:
+            raise StreamClosed("this stream is closed")
         if self._send_closed or self._error is not None:
+            await trio.lowlevel.checkpoint()
             return
-        self._send_closed = True
-        self.link.core.mux.end_stream(self.stream_id)
-        self.link._forget_if_done(self.stream_id)
-        await self.link._flush()
+        self._sending = True
+        try:
+            self._send_closed = True
+            self.link.core.mux.end_stream(self.stream_id)
+            self.link._forget_if_done(self.stream_id)
+            await self.link._flush()
+        finally:
+            self._sending = False
 
     async def send_message(self, message: Message) -> None:
         if self._sending:
@@ -154,10 +206,17 @@ class Stream(trio.abc.HalfCloseableStream):
     # ----- receiving
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be at least 1")
         if self._receiving:
             raise trio.BusyResourceError("another task is receiving on this stream")
         self._receiving = True
         try:
+            if self._chunks:
+                # Data is waiting, but a trio stream is a checkpoint all the same.
+                await trio.lowlevel.checkpoint()
             return bytes(await self._next_chunk(max_bytes))
         finally:
             self._receiving = False
@@ -166,7 +225,7 @@ class Stream(trio.abc.HalfCloseableStream):
         chunks = self._chunks
         while not chunks:
             if self._closed:
-                raise trio.ClosedResourceError("this stream is closed")
+                raise StreamClosed("this stream is closed")
             if self._eof:
                 await trio.lowlevel.checkpoint()
                 return b""
@@ -230,6 +289,9 @@ class Stream(trio.abc.HalfCloseableStream):
         self._fail(error, keep_data=False)
 
     async def aclose(self) -> None:
+        """End the stream here; every later use raises ``StreamClosed``. Always
+        takes effect, even when cancelled (then FIN or RESET go out with the
+        link's next write)."""
         if self._closed:
             await trio.lowlevel.checkpoint()
             return
@@ -272,7 +334,7 @@ class Stream(trio.abc.HalfCloseableStream):
 
     def _fail(self, error: ProtocolError, keep_data: bool) -> None:
         if self._error is None:
-            self._error = error
+            self._error = StreamBroken.of(error)
         if not (keep_data and self._eof):
             self._eof = False
             self._drop_unread()
@@ -319,7 +381,6 @@ class Link:
         self._error: ProtocolError | None = None
         self._closed = trio.Event()
         self._run_scope: trio.CancelScope | None = None
-        self._records_received = 0
         self._rtt: float | None = None
         self._goodbye: ProtocolError | None = None
         self.going_away = False
@@ -405,7 +466,7 @@ class Link:
                     for record in backlog:
                         await self._deliver(record)
                 nursery.start_soon(self._writer)
-                nursery.start_soon(self._keepalive)
+                nursery.start_soon(self._timers)
         finally:
             error = self._error or ProtocolError(ErrorCode.UNREACHABLE, "link closed")
             self._terminate(error)
@@ -437,7 +498,7 @@ class Link:
 
     def _close(self, error: ProtocolError) -> None:
         if self._error is None:
-            self._error = error
+            self._error = StreamBroken.of(error)
         self._terminate(self._error)
         if self._run_scope is not None:
             self._run_scope.cancel()
@@ -458,7 +519,7 @@ class Link:
         if self._error is not None:
             raise self._error
         if self.going_away:
-            raise ProtocolError(ErrorCode.UNREACHABLE, "link is closing")
+            raise StreamBroken(ErrorCode.UNREACHABLE, "link is closing")
         stream_id = self.core.mux.open_stream(protocol)
         stream = Stream(self, stream_id, protocol, self.limits)
         self._streams[stream_id] = stream
@@ -527,7 +588,8 @@ class Link:
         try:
             await self._flush()
         except ProtocolError:
-            pass
+            # A dead link raises before any checkpoint; callers still expect one.
+            await trio.lowlevel.checkpoint()
 
     async def _writer(self) -> None:
         while True:
@@ -535,27 +597,19 @@ class Link:
             self._write_wanted = trio.Event()
             await self._flush_quietly()
 
-    async def _keepalive(self) -> None:
-        # Silence is measured in keepalive ticks, which spares the reader a
-        # clock read per record.
+    async def _timers(self) -> None:
+        """Sleep until the core's next timer, run it, send what it queued."""
+        core = self.core
         timings = self.timings
-        heard_at = trio.current_time()
-        heard = self._records_received
-        while True:
-            await trio.sleep(timings.keepalive_interval)
-            now = trio.current_time()
-            if self._records_received != heard:
-                heard = self._records_received
-                heard_at = now
-            elif now - heard_at >= timings.dead_after:
-                self._close(
-                    ProtocolError(
-                        ErrorCode.UNREACHABLE,
-                        f"no traffic from {self.address} for {now - heard_at:.1f} s",
-                    )
-                )
+        core.start_keepalive(
+            trio.current_time(), interval=timings.keepalive_interval, dead_after=timings.dead_after
+        )
+        while (deadline := core.next_timer()) is not None:
+            await trio.sleep_until(deadline)
+            error = core.handle_timer(trio.current_time())
+            if error is not None:
+                self._close(ProtocolError(error.code, f"{self.address}: {error.message}"))
                 return
-            self.core.mux.send_ping(now)
             self._want_write()
 
     async def _reader(self) -> None:
@@ -609,7 +663,6 @@ class Link:
 
     def _on_record(self, record: bytes) -> ProtocolError | None:
         """Process one arriving record; the error that must end the link, if any."""
-        self._records_received += 1
         try:
             events = self.core.receive_record(record)
         except ProtocolError as exc:

@@ -10,6 +10,7 @@ import logging
 
 import trio
 
+from meshd.net import rpc
 from meshd.net.link import Link, Stream
 from meshd.net.peers import Peers
 from meshd.net.transport import StreamTransport
@@ -23,7 +24,6 @@ from relay.protocol import (
     is_circuit_address,
     parse_circuit_address,
 )
-from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -63,20 +63,14 @@ class CircuitTransport(StreamTransport):
 async def open_circuit(peers: Peers, address: str) -> CircuitTransport:
     """A circuit to the node named in ``address``, through the relay it names."""
     relay, target = parse_circuit_address(address)
-    with trio.fail_after(CONNECT_TIMEOUT):
+    what = f"a circuit to {target[:16]} through relay {relay}"
+    with rpc.within(CONNECT_TIMEOUT, what):
         stream = await peers.open_stream(relay, HOP_PROTOCOL)
         try:
-            await stream.send_message(Connect(target=target))
-            reply = await stream.receive_message()
+            await rpc.request(stream, Connect(target=target), Connected, what)
         except BaseException:
             await stream.aclose()
             raise
-    if isinstance(reply, ErrorMessage):
-        await stream.aclose()
-        raise error_from_message(reply)
-    if not isinstance(reply, Connected):
-        await stream.aclose()
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"relay {relay} answered connect with {reply.type!r}")
     return CircuitTransport(stream, address)
 
 
@@ -85,20 +79,13 @@ async def dial_circuit(peers: Peers, address: str, node_id: str | None) -> Link:
     _, target = parse_circuit_address(address)
     if node_id is not None and node_id != target:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, f"{address} is a circuit to another node than {node_id[:16]}")
-    try:
-        transport = await open_circuit(peers, address)
-    except trio.TooSlowError:
-        raise ProtocolError(ErrorCode.UNREACHABLE, f"relay gave no circuit to {address} in time") from None
-    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
-        raise ProtocolError(ErrorCode.UNREACHABLE, f"lost the relay of {address}: {exc!r}") from None
+    transport = await open_circuit(peers, address)
     return await peers.attach(transport, dialer=True, node_id=target)
 
 
 async def serve_incoming(peers: Peers, stream: Stream) -> None:
     """A relay brings a circuit: accept it and run a link over it until that link ends."""
-    request = await stream.receive_message()
-    if not isinstance(request, Incoming):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected a relay's incoming circuit, got {request.type!r}")
+    request = await rpc.receive(stream, Incoming, "a relay's incoming circuit")
     await stream.send_message(Accepted())
     transport = CircuitTransport(stream, f"circuit from {request.source[:16]} via {stream.remote_node_id[:16]}")
     # The relay vouches for who dials; the handshake checks it.

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import trio
 
+from meshd.net import rpc
 from meshd.net.link import Link, Stream
 from meshd.net.peers import Peers
 from relay.limits import Circuit, RelayLimits, RelayState
@@ -25,7 +26,6 @@ from relay.protocol import (
     Reserve,
     Reserved,
 )
-from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -69,17 +69,25 @@ class RelayService:
         if not self._is_member(node):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "only mesh members may reserve on this relay",
                                 retry_after_ms=self.limits.retry_after_ms)
-        reservation = self.state.reserve(node)
+        reservation = self.state.reserve(node, trio.current_time())
         self._links[node] = stream.link
         log.info("reservation for %s", node[:16])
         try:
-            await stream.send_message(Reserved(max_circuit_bytes=self.limits.max_circuit_bytes,
-                                               max_circuit_seconds=self.limits.max_circuit_seconds))
-            # Held until the reserver ends it or its link goes.
-            try:
-                await stream.receive_message()
-            except (trio.EndOfChannel, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            while True:
+                await stream.send_message(Reserved(max_circuit_bytes=self.limits.max_circuit_bytes,
+                                                   max_circuit_seconds=self.limits.max_circuit_seconds,
+                                                   lifetime_seconds=self.limits.reservation_seconds))
+                # Held until the reserver ends it, its link goes, or it runs out unrenewed.
+                with trio.move_on_at(self.state.reservation_deadline(reservation)):
+                    try:
+                        renewal = await stream.receive_message()
+                    except (trio.EndOfChannel, ProtocolError):
+                        return
+                    if not isinstance(renewal, Reserve):
+                        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{renewal.type!r} does not renew a reservation")
+                    reservation = self.state.reserve(node, trio.current_time())
+                    continue
+                raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the reservation ran out without renewal")
         finally:
             self.state.release(node, reservation)
             if node not in self.state.reservations:
@@ -89,25 +97,16 @@ class RelayService:
     async def _connect(self, stream: Stream, target: str) -> None:
         source = stream.remote_node_id
         link = self._links.get(target)
-        if link is None or not link.usable:
+        if link is None or not link.usable or not self.state.holds_reservation(target, trio.current_time()):
             raise ProtocolError(ErrorCode.NOT_FOUND, f"node {target[:16]} holds no reservation on this relay")
         circuit = self.state.open_circuit(source, target, trio.current_time())
         try:
             stop = link.open_stream(STOP_PROTOCOL)
             try:
-                with trio.fail_after(STOP_TIMEOUT):
-                    await stop.send_message(Incoming(source=source))
-                    reply = await stop.receive_message()
-                if isinstance(reply, ErrorMessage):
-                    raise error_from_message(reply)
-                if not isinstance(reply, Accepted):
-                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"target answered with {reply.type!r}")
+                await rpc.request(stop, Incoming(source=source), Accepted,
+                                  f"node {target[:16]} taking the circuit", STOP_TIMEOUT)
                 await stream.send_message(Connected())
                 await self._splice(circuit, stream, stop)
-            except trio.TooSlowError:
-                raise ProtocolError(ErrorCode.UNREACHABLE, f"node {target[:16]} did not take the circuit") from None
-            except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                raise ProtocolError(ErrorCode.UNREACHABLE, f"lost node {target[:16]}: {exc!r}") from None
             finally:
                 await stop.aclose()
         finally:
@@ -140,8 +139,6 @@ class RelayService:
                         await dst.send_all(data)
                 except ProtocolError as exc:
                     fail(exc)
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    fail(ProtocolError(ErrorCode.UNREACHABLE, f"circuit end went away: {exc!r}"))
                 running -= 1
                 if not running:
                     nursery.cancel_scope.cancel()

@@ -1,0 +1,139 @@
+"""The trio link shell: its streams keep trio's stream contract, its timers follow the core's."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+from memory_transport import MemoryTransport, memory_transport_pair
+
+from meshd.net.link import Link, LinkTimings, Stream, StreamBroken, StreamClosed
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.link import SecureLink
+from wire.mux import MuxConfig
+
+ALICE = NodeIdentity.from_private_bytes(b"a" * 32)
+BOB = NodeIdentity.from_private_bytes(b"b" * 32)
+
+# Keepalives slowed down so that they cannot mask a lost wake-up.
+CALM = LinkTimings(keepalive_interval=300, dead_after=900)
+# A window this small is full after one send, which trio's checks call "clogged".
+SMALL_WINDOW = 1024
+
+
+class LinkPair:
+    """ALICE's and BOB's ends of one running link; BOB's accepted streams queue up."""
+
+    def __init__(self, alice: Link, bob: Link, accepted: trio.MemoryReceiveChannel[Stream]) -> None:
+        self.alice = alice
+        self.bob = bob
+        self._accepted = accepted
+
+    async def stream_pair(self) -> tuple[Stream, Stream]:
+        mine = self.alice.open_stream("test")
+        with trio.fail_after(5):
+            theirs = await self._accepted.receive()
+        return mine, theirs
+
+
+@asynccontextmanager
+async def link_pair(
+    timings: LinkTimings = CALM,
+    mux: MuxConfig | None = None,
+    transports: tuple[MemoryTransport, MemoryTransport] | None = None,
+) -> AsyncIterator[LinkPair]:
+    a_end, b_end = transports or memory_transport_pair()
+    send, accepted = trio.open_memory_channel[Stream](64)
+    alice = Link(SecureLink(ALICE, dialer=True, mux_config=mux), a_end, timings=timings)
+    bob = Link(
+        SecureLink(BOB, dialer=False, mux_config=mux), b_end, timings=timings, on_stream=send.send_nowait
+    )
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as handshakes:
+                handshakes.start_soon(alice.handshake)
+                handshakes.start_soon(bob.handshake)
+        nursery.start_soon(alice.run)
+        nursery.start_soon(bob.run)
+        yield LinkPair(alice, bob, accepted)
+        nursery.cancel_scope.cancel()
+
+
+async def test_streams_pass_trios_half_closeable_stream_checks() -> None:
+    async with link_pair() as roomy, link_pair(mux=MuxConfig(stream_window=SMALL_WINDOW)) as tight:
+
+        async def clogged() -> tuple[Stream, Stream]:
+            mine, theirs = await tight.stream_pair()
+            # Spend each direction's whole credit: the next send waits for the reader.
+            await mine.send_all(b"x" * SMALL_WINDOW)
+            await theirs.send_all(b"x" * SMALL_WINDOW)
+            return mine, theirs
+
+        with trio.fail_after(60):
+            await trio.testing.check_half_closeable_stream(roomy.stream_pair, clogged)
+
+
+async def test_a_lost_link_and_a_local_close_are_protocol_errors_and_trio_errors() -> None:
+    async with link_pair() as pair:
+        mine, _ = await pair.stream_pair()
+        await mine.aclose()
+        with pytest.raises(StreamClosed) as closed:
+            await mine.send_all(b"late")
+        assert isinstance(closed.value, trio.ClosedResourceError)
+        assert isinstance(closed.value, ProtocolError)
+        _, other = await pair.stream_pair()
+        await pair.alice.aclose()
+        with pytest.raises(StreamBroken) as broken:
+            await other.send_all(b"to nobody")
+        assert broken.value.code is ErrorCode.UNREACHABLE and broken.value.retryable
+        assert isinstance(broken.value, trio.BrokenResourceError)
+        with pytest.raises(ProtocolError):
+            pair.alice.open_stream("test")
+
+
+async def test_the_peers_reset_reaches_the_sender_with_its_code() -> None:
+    async with link_pair() as pair:
+        mine, theirs = await pair.stream_pair()
+        theirs.reset(ProtocolError(ErrorCode.OVERLOADED, "too busy"))
+        with trio.fail_after(5), pytest.raises(ProtocolError) as refused:
+            while True:
+                await mine.send_all(b"x")
+        assert refused.value.code is ErrorCode.OVERLOADED and refused.value.message == "too busy"
+        assert isinstance(refused.value, trio.BrokenResourceError)
+
+
+class Mute(MemoryTransport):
+    """Delivers nothing once ``mute`` is set: a peer that went silent."""
+
+    mute = False
+
+    async def send_record(self, record: bytes) -> None:
+        if not self.mute:
+            await super().send_record(record)
+
+
+async def test_the_shell_sleeps_until_the_cores_timer_and_ends_a_silent_link(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    a_end, b_end = memory_transport_pair()
+    mute = Mute(a_end._send, a_end._receive, a_end.remote_address)
+    timings = LinkTimings(keepalive_interval=1.0, dead_after=3.0)
+    async with link_pair(timings, transports=(mute, b_end)) as pair:
+        bob = pair.bob
+        start = trio.current_time()
+        await trio.testing.wait_all_tasks_blocked()
+        assert trio.current_time() == start
+        assert bob.core.next_timer() == pytest.approx(start + 1.0)
+        await trio.sleep(2.5)
+        assert not bob.closed and bob.rtt is not None  # pings answered keep it up
+        mute.mute = True
+        with trio.fail_after(10):
+            await bob.wait_closed()
+        # Silent from about 2.5 s; found at the first tick 3 s later.
+        assert trio.current_time() - start == pytest.approx(6.0)
+        assert bob.error is not None and bob.error.code is ErrorCode.UNREACHABLE
+        assert "no traffic" in bob.error.message
