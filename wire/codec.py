@@ -1,27 +1,40 @@
 """Message framing: a 4-byte big-endian length, then one msgpack map.
 
-Every map carries a ``type`` tag and a schema version ``v``; the pair picks the
-pydantic model that validates it. Untrusted bytes are bounded before anything
-is allocated for them: the length prefix against the message limit, and every
-string, binary, array and map length by msgpack itself. Nesting is bounded by
-msgpack's parser, which keeps a fixed stack (1024 levels, no recursion), and
-then by the models: they are closed, strict schemas, so validation rejects a
-container where none belongs without descending into it. (A registered model
-must therefore not declare free-form ``Any``/``dict`` fields.) Ext types are
-refused.
+Every map begins with a ``type`` tag and a schema version ``v``; the pair picks
+the pydantic model that validates it. Untrusted bytes are bounded before
+anything is built from them, in three steps:
+
+1. the length prefix against the protocol's message cap (``Limits``, per
+   protocol: SWIM, mesh RPC, relay and control small, only the stage
+   protocol, which carries activations, large), before the body is buffered;
+2. the head of the map names the message (``type`` and ``v`` must come first,
+   as ``encode`` writes them), and an unknown one is refused unread;
+3. a walk over the msgpack headers, which builds nothing, checks every
+   string, binary, array and map length, the nesting depth and the total
+   object count against that message's ``Bounds``, derived once from its
+   schema: a string no longer than the longest string field allows, an array
+   no longer than the longest list field, and so on. So a message whose bulk
+   belongs in a ``bin`` field cannot carry megabytes as a string or an array,
+   and a prompt at the schema's limit decodes while one past it is refused.
+
+Only then does msgpack unpack it (with the same bounds) and pydantic validate
+it: models are closed, strict schemas, and every string, binary and container
+field must declare a ``max_length`` (registration refuses one that does not).
+Ext types are refused.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from wire.errors import ErrorCode, ProtocolError
+from wire.types import TokenIds
 
 LENGTH_PREFIX = struct.Struct(">I")
 PREFIX_BYTES = LENGTH_PREFIX.size
@@ -29,15 +42,157 @@ PREFIX_BYTES = LENGTH_PREFIX.size
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Hard bounds applied to untrusted message bytes."""
+    """Hard bounds on the untrusted bytes of one protocol's messages.
+
+    ``max_message_bytes`` is checked at the length prefix, before the body is
+    buffered; ``max_objects`` and ``max_depth`` cap the header walk of any
+    message, whatever its schema would allow. The per-field lengths come from
+    each message's own ``Bounds`` (its schema); the protocol's limits can only
+    tighten them.
+    """
 
     max_message_bytes: int = 128 << 20
-    max_array_len: int = 1 << 20
-    max_map_len: int = 256
-    max_str_len: int = 1 << 16
+    max_objects: int = 1 << 16
+    max_depth: int = 16
+
+    def tightened(self, other: Limits) -> Limits:
+        """The stricter of ``self`` and ``other`` in every bound."""
+        return Limits(
+            max_message_bytes=min(self.max_message_bytes, other.max_message_bytes),
+            max_objects=min(self.max_objects, other.max_objects),
+            max_depth=min(self.max_depth, other.max_depth),
+        )
 
 
 DEFAULT_LIMITS = Limits()
+
+_PROTOCOL_LIMITS: dict[str, Limits] = {}
+
+
+def register_protocol(protocol: str, limits: Limits) -> None:
+    """Declare the caps of the messages carried by streams of ``protocol``."""
+    if _PROTOCOL_LIMITS.get(protocol, limits) != limits:
+        raise ValueError(f"protocol {protocol!r} already has other limits")
+    _PROTOCOL_LIMITS[protocol] = limits
+
+
+def protocol_limits(protocol: str, link_limits: Limits = DEFAULT_LIMITS) -> Limits:
+    """The limits for a stream of ``protocol``: its declared caps, within the link's.
+
+    A protocol nobody declared gets the link's limits (its streams are refused
+    by the peer set unless a handler exists, and every handler's protocol is
+    declared next to its messages)."""
+    declared = _PROTOCOL_LIMITS.get(protocol)
+    return link_limits if declared is None else declared.tightened(link_limits)
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What one message's schema allows, in msgpack terms: the longest string
+    (in UTF-8 bytes: 4 per character the schema counts), binary, array and map
+    anywhere in it, its deepest nesting (the top map is depth 1), and the most
+    objects (every key, value and item) a valid message can hold."""
+
+    str_bytes: int = 0
+    bin_bytes: int = 0
+    array_len: int = 0
+    map_len: int = 0
+    depth: int = 0
+    objects: int = 1
+
+
+# Objects past this are not counted further: a bound that large is no bound,
+# and the protocol's ``max_objects`` caps it.
+_MANY = 1 << 40
+
+
+def _bounds_of_schema(schema: Mapping[str, Any], refs: dict[str, Mapping[str, Any]], where: str) -> Bounds:
+    kind = schema["type"]
+    if kind == "definitions":
+        for definition in schema["definitions"]:
+            refs[definition["ref"]] = definition
+        return _bounds_of_schema(schema["schema"], refs, where)
+    if kind == "definition-ref":
+        ref = schema["schema_ref"]
+        target = refs.get(ref)
+        if target is None:
+            raise TypeError(f"{where}: a recursive schema has no bound")
+        # Mark it while descending: a schema that reaches itself is unbounded.
+        refs[ref] = {"type": "definition-ref", "schema_ref": "<recursion>"}
+        try:
+            return _bounds_of_schema(target, refs, where)
+        finally:
+            refs[ref] = target
+    if kind == "model":
+        return _bounds_of_schema(schema["schema"], refs, schema["cls"].__name__)
+    if kind == "model-fields":
+        fields = schema["fields"]
+        parts = [_bounds_of_schema(f["schema"], refs, f"{where}.{name}") for name, f in fields.items()]
+        objects = 1 + len(fields) + sum(p.objects for p in parts)
+        return _merge(parts, map_len=len(fields), depth=1 + max((p.depth for p in parts), default=0), objects=objects)
+    if kind in ("default", "nullable", "model-field", "function-after", "function-before", "function-wrap"):
+        return _bounds_of_schema(schema["schema"], refs, where)
+    if kind in ("int", "float", "bool", "none"):
+        return Bounds()
+    if kind == "literal":
+        return _literal_bounds(schema["expected"], where)
+    if kind == "enum":
+        return _literal_bounds([member.value for member in schema["members"]], where)
+    if kind in ("str", "bytes"):
+        length = schema.get("max_length")
+        if length is None:
+            raise TypeError(f"{where}: a {kind} field on the wire needs a max_length")
+        return Bounds(str_bytes=4 * length) if kind == "str" else Bounds(bin_bytes=length)
+    if kind == "function-plain":
+        length = schema.get("metadata", {}).get("wire_bin_max")
+        if length is None:
+            raise TypeError(f"{where}: a custom field type on the wire must declare its wire_bin_max")
+        return Bounds(bin_bytes=length)
+    if kind in ("list", "dict"):
+        length = schema.get("max_length")
+        if length is None:
+            raise TypeError(f"{where}: a {kind} field on the wire needs a max_length")
+        if kind == "list":
+            item = _bounds_of_schema(schema["items_schema"], refs, f"{where}[]")
+            return _merge([item], array_len=length, depth=item.depth + 1, objects=1 + length * item.objects)
+        key = _bounds_of_schema(schema["keys_schema"], refs, f"{where}{{key}}")
+        value = _bounds_of_schema(schema["values_schema"], refs, f"{where}{{value}}")
+        return _merge(
+            [key, value],
+            map_len=length,
+            depth=max(key.depth, value.depth) + 1,
+            objects=1 + length * (key.objects + value.objects),
+        )
+    if kind in ("union", "tagged-union"):
+        choices = schema["choices"]
+        options = choices.values() if isinstance(choices, dict) else choices
+        parts = [
+            _bounds_of_schema(option[0] if isinstance(option, tuple) else option, refs, where) for option in options
+        ]
+        return _merge(parts, depth=max(p.depth for p in parts), objects=max(p.objects for p in parts))
+    raise TypeError(f"{where}: cannot bound a {kind!r} field on the wire")
+
+
+def _literal_bounds(values: list[Any], where: str) -> Bounds:
+    if not all(isinstance(value, str | int | bool) for value in values):
+        raise TypeError(f"{where}: literals on the wire are strings or ints")
+    return Bounds(str_bytes=max((len(v.encode()) for v in values if isinstance(v, str)), default=0))
+
+
+def _merge(parts: list[Bounds], *, array_len: int = 0, map_len: int = 0, depth: int, objects: int) -> Bounds:
+    return Bounds(
+        str_bytes=max([p.str_bytes for p in parts], default=0),
+        bin_bytes=max([p.bin_bytes for p in parts], default=0),
+        array_len=max([array_len, *(p.array_len for p in parts)]),
+        map_len=max([map_len, *(p.map_len for p in parts)]),
+        depth=max([depth, *(p.depth for p in parts)]),
+        objects=min(objects, _MANY),
+    )
+
+
+def schema_bounds(model: type[BaseModel]) -> Bounds:
+    """The ``Bounds`` of ``model``'s schema; TypeError if a field is unbounded."""
+    return _bounds_of_schema(model.__pydantic_core_schema__, {}, model.__name__)
 
 
 # Bound once: looking them up on every per-token message shows in the profile.
@@ -51,11 +206,21 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     @classmethod
-    def _trusted(cls, fields: dict[str, Any]) -> Self:
-        """An instance from values this process made itself: every field given,
-        nothing validated (the receiver validates). Does what ``model_construct``
-        does for models without aliases or private attributes, at a third of
-        its cost, which matters on the per-token path."""
+    def unvalidated(cls, fields: dict[str, Any]) -> Self:
+        """An instance built from values that are already valid, without validating them again.
+
+        For data this process made itself or took from a validated model (the
+        receiver validates what it gets): the per-token path and a gossip
+        round build many, and validating them again was most of their cost.
+        ``fields`` must give every field, in the model's field order, and is
+        kept as the instance's field dict (not copied): then the result equals
+        ``model_construct(**fields)`` in fields, fields-set, equality and
+        encoding (tests/test_wire_types.py checks that against pydantic), at
+        a third of its cost. Nothing is checked: invalid values make an
+        invalid instance, which the receiver refuses.
+        """
+        # What model_construct sets for a model without aliases, private
+        # attributes or extras; pydantic is pinned below 3 for this.
         instance = _new(cls)
         _setattr(instance, "__dict__", fields)
         _setattr(instance, "__pydantic_fields_set__", set(fields))
@@ -65,41 +230,76 @@ class WireModel(BaseModel):
 
 
 class Message(WireModel):
-    """A top-level message; subclasses fix ``type`` and ``v`` and are ``register``ed."""
+    """A top-level message. A subclass names its tag and version in its header,
 
-    type: str
-    v: int
+        class Open(Message, tag="open"):          # version 1
+        class Open(Message, tag="open", version=2):
 
+    which fixes its ``type`` and ``v`` fields (the first two of the map),
+    derives its ``Bounds`` from its schema and registers it with the codec.
+    A subclass without a tag is an abstract base for others.
+    """
+
+    type: str = ""
+    v: int = 0
+
+    bounds: ClassVar[Bounds]
+
+    def __init_subclass__(cls, *, tag: str | None = None, version: int = 1, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if tag is None:
+            return
+        if not tag or len(tag) > _MAX_TAG_LEN or not tag.isascii():
+            raise ValueError(f"a message tag is 1 to {_MAX_TAG_LEN} ASCII characters, not {tag!r}")
+        if not 0 <= version <= 0x7F:
+            raise ValueError(f"a message version is 0 to 127, not {version}")
+        key = (tag, version)
+        if key in _REGISTRY:
+            raise ValueError(f"message type {tag!r} v{version} is already registered")
+        # Before pydantic collects the fields: the tag and version become literal fields with
+        # defaults, in the base's place (first), so the map starts with them.
+        if "__annotations__" not in cls.__dict__:
+            cls.__annotations__ = {}
+        cls.__annotations__["type"] = Literal[tag]
+        cls.__annotations__["v"] = Literal[version]
+        cls.type = tag  # type: ignore[assignment]
+        cls.v = version  # type: ignore[assignment]
+        _PENDING[cls] = key
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        key = _PENDING.pop(cls, None)
+        if key is not None:
+            _register(cls, key)
+
+
+_MAX_TAG_LEN = 31  # a fixstr: the head of every message is then a few fixed bytes
 
 MessageT = TypeVar("MessageT", bound=Message)
 
+_PENDING: dict[type[Message], tuple[str, int]] = {}
 _REGISTRY: dict[tuple[str, int], type[Message]] = {}
 # The compiled validators themselves: model_validate adds a Python layer.
 _VALIDATORS: dict[tuple[str, int], Callable[[Any], Message]] = {}
 _KNOWN_TYPES: set[str] = set()
 
 
-def register(model: type[MessageT]) -> type[MessageT]:
-    """Class decorator: make ``model`` decodable under its (type, v) defaults."""
-    tag = model.model_fields["type"].default
-    version = model.model_fields["v"].default
-    if not isinstance(tag, str) or not isinstance(version, int):
-        raise TypeError(f"{model.__name__} needs literal defaults for 'type' and 'v'")
-    key = (tag, version)
-    if _REGISTRY.get(key, model) is not model:
-        raise ValueError(f"message type {tag!r} v{version} is already registered")
+def _register(model: type[Message], key: tuple[str, int]) -> None:
+    model.bounds = schema_bounds(model)
     _REGISTRY[key] = model
     _VALIDATORS[key] = model.__pydantic_validator__.validate_python
-    _KNOWN_TYPES.add(tag)
-    return model
+    _KNOWN_TYPES.add(key[0])
 
 
-@register
-class ErrorMessage(Message):
+def registered(tag: str, version: int = 1) -> type[Message] | None:
+    """The message class registered under ``tag`` and ``version``, if any."""
+    return _REGISTRY.get((tag, version))
+
+
+class ErrorMessage(Message, tag="error"):
     """A typed error sent in place of a reply; see ``error_message``/``error_from_message``."""
 
-    type: Literal["error"] = "error"
-    v: Literal[1] = 1
     code: ErrorCode = Field(strict=False)
     message: str = Field(max_length=1024)
     retry_after_ms: int | None = Field(default=None, ge=0, le=86_400_000)
@@ -115,11 +315,13 @@ def error_from_message(message: ErrorMessage) -> ProtocolError:
     return ProtocolError(message.code, message.message, message.retry_after_ms)
 
 
-def _fields_of(obj: object) -> dict[str, Any]:
+def _fields_of(obj: object) -> Any:
     # A validated model keeps exactly its field values in __dict__, so packing
     # that skips pydantic's serializer, which costs more than the packing.
     if isinstance(obj, WireModel):
         return obj.__dict__
+    if type(obj) is TokenIds:
+        return obj.packed
     raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
 
 
@@ -145,48 +347,217 @@ def _validation_summary(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+# Bytes after the header byte of the fixed-size scalars 0xc0..0xdf: nil,
+# bool, float32/64, (u)int8..64. Absent: ext (refused), 0xc1 (never used) and
+# the variable-length kinds, handled one by one.
+_SCALAR_TAIL = {
+    0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8,
+    0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,
+}  # fmt: skip
+
+
+def _walk(data: bytes | memoryview, pos: int, remaining: int, bounds: Bounds, limits: Limits, name: str) -> None:
+    """Check every header of the msgpack map ``data`` from ``pos`` (inside the
+    top map, ``remaining`` keys and values left) against ``bounds`` and
+    ``limits``, building nothing. Objects are counted at their container's
+    header, so a container claiming more than the budget is refused before
+    any of its items is read.
+
+    Cost (tools/bench_wire.py and a microbenchmark on this machine kind): an
+    activation is ~35 objects, its bulk one ``bin`` skipped in O(1), so the
+    walk takes ~4 us whatever the tensor size, against ~20 us to unpack and
+    validate the same message, and under 2% of the stack's ~250 us decode
+    round trip (measured in tests/test_wire_bounds.py's docstring).
+    """
+    end = len(data)
+    max_objects = min(bounds.objects, limits.max_objects)
+    max_depth = min(bounds.depth, limits.max_depth)
+    max_str = bounds.str_bytes
+    max_bin = bounds.bin_bytes
+    max_array = bounds.array_len
+    max_map = bounds.map_len
+    # The top map's entries are counted already; the head (type and v) is read.
+    objects = 1 + remaining + 4
+    stack: list[int] = []
+    depth = 1
+    while True:
+        if not remaining:
+            if not stack:
+                break
+            remaining = stack.pop()
+            depth -= 1
+            continue
+        remaining -= 1
+        if pos >= end:
+            raise _bad(f"{name}: truncated msgpack")
+        b = data[pos]
+        if b < 0x80 or b >= 0xE0:  # positive and negative fixints
+            pos += 1
+            continue
+        if b >= 0xA0 and b < 0xC0:  # fixstr
+            length = b & 0x1F
+            if length > max_str:
+                raise _bad(f"{name}: a string of {length} bytes exceeds the schema's limit of {max_str}")
+            pos += 1 + length
+            continue
+        if b < 0xA0:  # fixmap or fixarray
+            count = b & 0x0F
+            pos += 1
+            is_map = b < 0x90
+        else:
+            tail = _SCALAR_TAIL.get(b)
+            if tail is not None:
+                pos += 1 + tail
+                continue
+            if b == 0xC4 or b == 0xD9:  # bin8, str8
+                if pos + 2 > end:
+                    raise _bad(f"{name}: truncated msgpack")
+                length = data[pos + 1]
+                pos += 2
+            elif b == 0xC5 or b == 0xDA:  # bin16, str16
+                if pos + 3 > end:
+                    raise _bad(f"{name}: truncated msgpack")
+                (length,) = _U16.unpack_from(data, pos + 1)
+                pos += 3
+            elif b == 0xC6 or b == 0xDB:  # bin32, str32
+                if pos + 5 > end:
+                    raise _bad(f"{name}: truncated msgpack")
+                (length,) = _U32.unpack_from(data, pos + 1)
+                pos += 5
+            elif b == 0xDC or b == 0xDE:  # array16, map16
+                if pos + 3 > end:
+                    raise _bad(f"{name}: truncated msgpack")
+                (count,) = _U16.unpack_from(data, pos + 1)
+                pos += 3
+                is_map = b == 0xDE
+            elif b == 0xDD or b == 0xDF:  # array32, map32
+                if pos + 5 > end:
+                    raise _bad(f"{name}: truncated msgpack")
+                (count,) = _U32.unpack_from(data, pos + 1)
+                pos += 5
+                is_map = b == 0xDF
+            elif b == 0xC1:
+                raise _bad(f"{name}: byte 0xc1 is not msgpack")
+            else:
+                raise _bad(f"{name}: msgpack ext types are not allowed")
+            if b < 0xC7:
+                if length > max_bin:
+                    raise _bad(f"{name}: a binary of {length} bytes exceeds the schema's limit of {max_bin}")
+                pos += length
+                continue
+            if b < 0xDC:
+                if length > max_str:
+                    raise _bad(f"{name}: a string of {length} bytes exceeds the schema's limit of {max_str}")
+                pos += length
+                continue
+        # A container of ``count`` items (maps: keys and values).
+        if is_map:
+            if count > max_map:
+                raise _bad(f"{name}: a map of {count} entries exceeds the schema's limit of {max_map}")
+            count *= 2
+        elif count > max_array:
+            raise _bad(f"{name}: an array of {count} items exceeds the schema's limit of {max_array}")
+        if depth >= max_depth:
+            raise _bad(f"{name}: nesting deeper than {max_depth} levels")
+        objects += count
+        if objects > max_objects:
+            raise _bad(f"{name}: more than {max_objects} msgpack objects")
+        if count:
+            stack.append(remaining)
+            remaining = count
+            depth += 1
+    if pos != end:
+        raise _bad(f"{name}: {'truncated msgpack' if pos > end else 'bytes after the message'}")
+
+
+_TYPE_KEY = b"\xa4type"
+_V_KEY = b"\xa1v"
+
+
+def _head(body: bytes | memoryview) -> tuple[str, int, int, int]:
+    """``(tag, version, position after the head, entries left)`` of a message map."""
+    size = len(body)
+    if not size:
+        raise _bad("an empty message")
+    b = body[0]
+    if 0x80 <= b <= 0x8F:
+        entries, pos = b & 0x0F, 1
+    elif b == 0xDE and size >= 3:
+        entries, pos = _U16.unpack_from(body, 1)[0], 3
+    elif b == 0xDF and size >= 5:
+        entries, pos = _U32.unpack_from(body, 1)[0], 5
+    else:
+        raise _bad("a message must be a msgpack map")
+    if entries < 2 or body[pos : pos + 5] != _TYPE_KEY or pos + 5 >= size:
+        raise _bad("a message map begins with a string 'type' and an int 'v'")
+    pos += 5
+    b = body[pos]
+    if not 0xA0 <= b <= 0xBF:
+        raise _bad(f"a message type is a string of at most {_MAX_TAG_LEN} bytes")
+    end = pos + 1 + (b & 0x1F)
+    try:
+        tag = bytes(body[pos + 1 : end]).decode()
+    except UnicodeDecodeError:
+        raise _bad("a message type is UTF-8") from None
+    if body[end : end + 2] != _V_KEY or end + 2 >= size:
+        raise _bad("a message map begins with a string 'type' and an int 'v'")
+    version = body[end + 2]
+    if version > 0x7F:
+        if 0xCC <= version <= 0xCF:  # an unsigned int, but none is registered that high
+            raise _unsupported(tag, "over 127")
+        raise _bad("a message map begins with a string 'type' and an int 'v'")
+    return tag, version, end + 3, entries - 2
+
+
+def _unsupported(tag: str, version: int | str) -> ProtocolError:
+    if tag in _KNOWN_TYPES:
+        return _bad(f"unsupported version {version} of message type {tag!r}")
+    return _bad(f"unknown message type {tag[:64]!r}")
+
+
 def decode_body(body: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Validate one msgpack map (without its length prefix) into its registered model."""
+    """Validate one msgpack map (without its length prefix) into its registered model.
+
+    Every bound is checked on the headers before anything is unpacked; see the
+    module's docstring."""
     if len(body) > limits.max_message_bytes:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST,
-            f"message of {len(body)} bytes exceeds the limit of {limits.max_message_bytes}",
-        )
+        raise _bad(f"message of {len(body)} bytes exceeds the limit of {limits.max_message_bytes}")
+    tag, version, pos, entries = _head(body)
+    key = (tag, version)
+    model = _REGISTRY.get(key)
+    if model is None:
+        raise _unsupported(tag, version)
+    bounds = model.bounds
+    name = f"{tag} v{version}"
+    if entries + 2 > bounds.map_len:
+        raise _bad(f"{name}: a map of {entries + 2} entries exceeds the schema's limit of {bounds.map_len}")
+    _walk(body, pos, 2 * entries, bounds, limits, name)
     try:
         obj = msgpack.unpackb(
             body,
             raw=False,
             strict_map_key=True,
             ext_hook=_refuse_ext,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_message_bytes,
-            max_array_len=limits.max_array_len,
-            max_map_len=limits.max_map_len,
+            max_str_len=bounds.str_bytes,
+            max_bin_len=bounds.bin_bytes,
+            max_array_len=bounds.array_len,
+            max_map_len=bounds.map_len,
             max_ext_len=0,
         )
     except ProtocolError:
         raise
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {exc}") from None
-    if type(obj) is not dict:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "a message must be a msgpack map")
-    tag = obj.get("type")
-    version = obj.get("v")
-    if type(tag) is not str or type(version) is not int:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "a message needs a string 'type' and an int 'v'")
-    validate = _VALIDATORS.get((tag, version))
-    if validate is None:
-        if tag in _KNOWN_TYPES:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"unsupported version {version} of message type {tag!r}"
-            )
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message type {tag[:64]!r}")
+        raise _bad(f"{name}: undecodable msgpack: {exc}") from None
     try:
-        return validate(obj)
+        return _VALIDATORS[key](obj)
     except ValidationError as exc:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"invalid {tag} v{version} message: {_validation_summary(exc)}"
-        ) from None
+        raise _bad(f"invalid {name} message: {_validation_summary(exc)}") from None
 
 
 def decode(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
