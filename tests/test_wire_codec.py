@@ -146,7 +146,6 @@ def test_collection_and_string_headers_over_the_schema_are_refused() -> None:
         with pytest.raises(ProtocolError) as info:
             decode(struct.pack(">I", len(body)) + body)
         assert info.value.code is ErrorCode.BAD_REQUEST
-        assert "schema's limit" in info.value.message
 
 
 def test_length_prefix_must_match_the_bytes_that_follow() -> None:

@@ -128,6 +128,8 @@ def _bounds_of_schema(schema: Mapping[str, Any], refs: dict[str, Mapping[str, An
     if kind == "model-fields":
         fields = schema["fields"]
         parts = [_bounds_of_schema(f["schema"], refs, f"{where}.{name}") for name, f in fields.items()]
+        # The keys are strings too.
+        parts.append(Bounds(str_bytes=max((len(name.encode()) for name in fields), default=0)))
         objects = 1 + len(fields) + sum(p.objects for p in parts)
         return _merge(parts, map_len=len(fields), depth=1 + max((p.depth for p in parts), default=0), objects=objects)
     if kind in ("default", "nullable", "model-field", "function-after", "function-before", "function-wrap"):
@@ -244,6 +246,9 @@ class Message(WireModel):
     v: int = 0
 
     bounds: ClassVar[Bounds]
+    wire_name: ClassVar[str]
+    counted: ClassVar[bool]
+    wire_validate: ClassVar[Callable[[Any], Message]]
 
     def __init_subclass__(cls, *, tag: str | None = None, version: int = 1, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -276,43 +281,50 @@ class Message(WireModel):
 
 _MAX_TAG_LEN = 31  # a fixstr: the head of every message is then a few fixed bytes
 
+_TYPE_KEY = b"\xa4type"
+_V_KEY = b"\xa1v"
+# The first bytes of every registered message as ``encode`` writes them (a
+# fixmap of its field count, then type and v) -> (model, head length). Most
+# messages are read through this one lookup.
+_HEADS: dict[bytes, tuple[type[Message], int]] = {}
+
+
+def _head_bytes(tag: str, version: int, entries: int) -> bytes:
+    raw = tag.encode()
+    return bytes([0x80 | entries]) + _TYPE_KEY + bytes([0xA0 | len(raw)]) + raw + _V_KEY + bytes([version])
+
+
+
 MessageT = TypeVar("MessageT", bound=Message)
 
 _PENDING: dict[type[Message], tuple[str, int]] = {}
 _REGISTRY: dict[tuple[str, int], type[Message]] = {}
-# The compiled validators themselves: model_validate adds a Python layer.
-_VALIDATORS: dict[tuple[str, int], Callable[[Any], Message]] = {}
 _KNOWN_TYPES: set[str] = set()
 
 
 def _register(model: type[Message], key: tuple[str, int]) -> None:
-    model.bounds = schema_bounds(model)
+    model.bounds = bounds = schema_bounds(model)
+    # The per-token messages (an activation: a few hundred objects, containers of
+    # at most 20 items) are bounded by counting containers as msgpack completes
+    # them, which costs a hook call per container, instead of walking every
+    # header in Python first (~35 objects, some 4-20 us on this machine kind,
+    # too much next to the ~30 us decode). Before the count refuses,
+    # msgpack holds at most the completed containers plus its open ones, each
+    # with at most ``fanout`` items: ``_COUNTED_OBJECTS`` at worst.
+    fanout = max(bounds.array_len, 2 * bounds.map_len)
+    model.counted = (bounds.objects + _MSGPACK_STACK) * fanout <= _COUNTED_OBJECTS
+    model.wire_name = f"{key[0]} v{key[1]}"
+    # The compiled validator itself: model_validate adds a Python layer.
+    model.wire_validate = model.__pydantic_validator__.validate_python
     _REGISTRY[key] = model
-    _VALIDATORS[key] = model.__pydantic_validator__.validate_python
     _KNOWN_TYPES.add(key[0])
+    if len(model.model_fields) <= 0x0F:
+        _HEADS[_head_bytes(*key, len(model.model_fields))] = (model, len(_head_bytes(*key, 0)))
 
 
 def registered(tag: str, version: int = 1) -> type[Message] | None:
     """The message class registered under ``tag`` and ``version``, if any."""
     return _REGISTRY.get((tag, version))
-
-
-class ErrorMessage(Message, tag="error"):
-    """A typed error sent in place of a reply; see ``error_message``/``error_from_message``."""
-
-    code: ErrorCode = Field(strict=False)
-    message: str = Field(max_length=1024)
-    retry_after_ms: int | None = Field(default=None, ge=0, le=86_400_000)
-
-
-def error_message(error: ProtocolError) -> ErrorMessage:
-    return ErrorMessage(
-        code=error.code, message=error.message[:1024], retry_after_ms=error.retry_after_ms
-    )
-
-
-def error_from_message(message: ErrorMessage) -> ProtocolError:
-    return ProtocolError(message.code, message.message, message.retry_after_ms)
 
 
 def _fields_of(obj: object) -> Any:
@@ -369,115 +381,101 @@ def _walk(data: bytes | memoryview, pos: int, remaining: int, bounds: Bounds, li
     header, so a container claiming more than the budget is refused before
     any of its items is read.
 
-    Cost (tools/bench_wire.py and a microbenchmark on this machine kind): an
-    activation is ~35 objects, its bulk one ``bin`` skipped in O(1), so the
-    walk takes ~4 us whatever the tensor size, against ~20 us to unpack and
-    validate the same message, and under 2% of the stack's ~250 us decode
-    round trip (measured in tests/test_wire_bounds.py's docstring).
+    Cost: a bit over 0.1 us an object on this machine kind, payloads skipped
+    in O(1). An activation is ~35 objects (its bulk is one ``bin``) so its
+    walk takes ~4 us whatever its size, next to ~25 us for msgpack and
+    pydantic to build and validate it; tools/bench_wire.py's round trip
+    (two decodes) is the figure the report compares.
     """
-    end = len(data)
     max_objects = min(bounds.objects, limits.max_objects)
     max_depth = min(bounds.depth, limits.max_depth)
     max_str = bounds.str_bytes
     max_bin = bounds.bin_bytes
     max_array = bounds.array_len
     max_map = bounds.map_len
-    # The top map's entries are counted already; the head (type and v) is read.
+    # The top map's entries are counted already; its head (type and v) is read.
     objects = 1 + remaining + 4
     stack: list[int] = []
     depth = 1
-    while True:
-        if not remaining:
-            if not stack:
-                break
-            remaining = stack.pop()
-            depth -= 1
-            continue
-        remaining -= 1
-        if pos >= end:
-            raise _bad(f"{name}: truncated msgpack")
-        b = data[pos]
-        if b < 0x80 or b >= 0xE0:  # positive and negative fixints
-            pos += 1
-            continue
-        if b >= 0xA0 and b < 0xC0:  # fixstr
-            length = b & 0x1F
-            if length > max_str:
-                raise _bad(f"{name}: a string of {length} bytes exceeds the schema's limit of {max_str}")
-            pos += 1 + length
-            continue
-        if b < 0xA0:  # fixmap or fixarray
-            count = b & 0x0F
-            pos += 1
-            is_map = b < 0x90
-        else:
-            tail = _SCALAR_TAIL.get(b)
-            if tail is not None:
-                pos += 1 + tail
+    count = 0
+    try:
+        while True:
+            if not remaining:
+                if not stack:
+                    break
+                remaining = stack.pop()
+                depth -= 1
                 continue
-            if b == 0xC4 or b == 0xD9:  # bin8, str8
-                if pos + 2 > end:
-                    raise _bad(f"{name}: truncated msgpack")
-                length = data[pos + 1]
-                pos += 2
-            elif b == 0xC5 or b == 0xDA:  # bin16, str16
-                if pos + 3 > end:
-                    raise _bad(f"{name}: truncated msgpack")
-                (length,) = _U16.unpack_from(data, pos + 1)
-                pos += 3
-            elif b == 0xC6 or b == 0xDB:  # bin32, str32
-                if pos + 5 > end:
-                    raise _bad(f"{name}: truncated msgpack")
-                (length,) = _U32.unpack_from(data, pos + 1)
-                pos += 5
-            elif b == 0xDC or b == 0xDE:  # array16, map16
-                if pos + 3 > end:
-                    raise _bad(f"{name}: truncated msgpack")
-                (count,) = _U16.unpack_from(data, pos + 1)
-                pos += 3
-                is_map = b == 0xDE
-            elif b == 0xDD or b == 0xDF:  # array32, map32
-                if pos + 5 > end:
-                    raise _bad(f"{name}: truncated msgpack")
-                (count,) = _U32.unpack_from(data, pos + 1)
-                pos += 5
-                is_map = b == 0xDF
-            elif b == 0xC1:
-                raise _bad(f"{name}: byte 0xc1 is not msgpack")
-            else:
-                raise _bad(f"{name}: msgpack ext types are not allowed")
-            if b < 0xC7:
-                if length > max_bin:
-                    raise _bad(f"{name}: a binary of {length} bytes exceeds the schema's limit of {max_bin}")
-                pos += length
+            remaining -= 1
+            b = data[pos]
+            if b < 0x80 or b >= 0xE0:  # positive and negative fixints
+                pos += 1
                 continue
-            if b < 0xDC:
-                if length > max_str:
-                    raise _bad(f"{name}: a string of {length} bytes exceeds the schema's limit of {max_str}")
-                pos += length
-                continue
-        # A container of ``count`` items (maps: keys and values).
-        if is_map:
-            if count > max_map:
-                raise _bad(f"{name}: a map of {count} entries exceeds the schema's limit of {max_map}")
-            count *= 2
-        elif count > max_array:
-            raise _bad(f"{name}: an array of {count} items exceeds the schema's limit of {max_array}")
-        if depth >= max_depth:
-            raise _bad(f"{name}: nesting deeper than {max_depth} levels")
-        objects += count
-        if objects > max_objects:
-            raise _bad(f"{name}: more than {max_objects} msgpack objects")
-        if count:
-            stack.append(remaining)
-            remaining = count
-            depth += 1
-    if pos != end:
-        raise _bad(f"{name}: {'truncated msgpack' if pos > end else 'bytes after the message'}")
-
-
-_TYPE_KEY = b"\xa4type"
-_V_KEY = b"\xa1v"
+            if b >= 0xA0:
+                if b < 0xC0:  # fixstr
+                    length = b & 0x1F
+                    if length > max_str:
+                        raise _bad(f"{name}: a string of {length} bytes exceeds the schema's limit of {max_str}")
+                    pos += 1 + length
+                    continue
+                tail = _SCALAR_TAIL.get(b)
+                if tail is not None:
+                    pos += 1 + tail
+                    continue
+                if b == 0xC4 or b == 0xD9:  # bin8, str8
+                    length = data[pos + 1]
+                    pos += 2
+                elif b == 0xC5 or b == 0xDA:  # bin16, str16
+                    length = _U16.unpack_from(data, pos + 1)[0]
+                    pos += 3
+                elif b == 0xC6 or b == 0xDB:  # bin32, str32
+                    length = _U32.unpack_from(data, pos + 1)[0]
+                    pos += 5
+                elif b == 0xDC or b == 0xDE:  # array16, map16
+                    count = _U16.unpack_from(data, pos + 1)[0]
+                    pos += 3
+                elif b == 0xDD or b == 0xDF:  # array32, map32
+                    count = _U32.unpack_from(data, pos + 1)[0]
+                    pos += 5
+                elif b == 0xC1:
+                    raise _bad(f"{name}: byte 0xc1 is not msgpack")
+                else:
+                    raise _bad(f"{name}: msgpack ext types are not allowed")
+                if b < 0xC7:
+                    if length > max_bin:
+                        raise _bad(f"{name}: a binary of {length} bytes exceeds the schema's limit of {max_bin}")
+                    pos += length
+                    continue
+                if b < 0xDC:
+                    if length > max_str:
+                        raise _bad(f"{name}: a string of {length} bytes exceeds the schema's limit of {max_str}")
+                    pos += length
+                    continue
+                is_map = b >= 0xDE
+            else:  # fixmap, fixarray
+                count = b & 0x0F
+                pos += 1
+                is_map = b < 0x90
+            # A container of ``count`` items (maps: keys and values).
+            if is_map:
+                if count > max_map:
+                    raise _bad(f"{name}: a map of {count} entries exceeds the schema's limit of {max_map}")
+                count *= 2
+            elif count > max_array:
+                raise _bad(f"{name}: an array of {count} items exceeds the schema's limit of {max_array}")
+            if depth >= max_depth:
+                raise _bad(f"{name}: nesting deeper than {max_depth} levels")
+            objects += count
+            if objects > max_objects:
+                raise _bad(f"{name}: more than {max_objects} msgpack objects")
+            if count:
+                stack.append(remaining)
+                remaining = count
+                depth += 1
+    except (IndexError, struct.error):
+        raise _bad(f"{name}: truncated msgpack") from None
+    if pos != len(data):
+        raise _bad(f"{name}: {'truncated msgpack' if pos > len(data) else 'bytes after the message'}")
 
 
 def _head(body: bytes | memoryview) -> tuple[str, int, int, int]:
@@ -494,31 +492,57 @@ def _head(body: bytes | memoryview) -> tuple[str, int, int, int]:
         entries, pos = _U32.unpack_from(body, 1)[0], 5
     else:
         raise _bad("a message must be a msgpack map")
-    if entries < 2 or body[pos : pos + 5] != _TYPE_KEY or pos + 5 >= size:
+    head = bytes(body[pos : pos + 6 + _MAX_TAG_LEN + 3])
+    if entries < 2 or not head.startswith(_TYPE_KEY) or len(head) < 6:
         raise _bad("a message map begins with a string 'type' and an int 'v'")
-    pos += 5
-    b = body[pos]
+    b = head[5]
     if not 0xA0 <= b <= 0xBF:
         raise _bad(f"a message type is a string of at most {_MAX_TAG_LEN} bytes")
-    end = pos + 1 + (b & 0x1F)
+    end = 6 + (b & 0x1F)
     try:
-        tag = bytes(body[pos + 1 : end]).decode()
+        tag = head[6:end].decode()
     except UnicodeDecodeError:
         raise _bad("a message type is UTF-8") from None
-    if body[end : end + 2] != _V_KEY or end + 2 >= size:
+    if head[end : end + 2] != _V_KEY or len(head) < end + 3:
         raise _bad("a message map begins with a string 'type' and an int 'v'")
-    version = body[end + 2]
+    version = head[end + 2]
     if version > 0x7F:
         if 0xCC <= version <= 0xCF:  # an unsigned int, but none is registered that high
             raise _unsupported(tag, "over 127")
         raise _bad("a message map begins with a string 'type' and an int 'v'")
-    return tag, version, end + 3, entries - 2
+    return tag, version, pos + end + 3, entries - 2
 
 
 def _unsupported(tag: str, version: int | str) -> ProtocolError:
     if tag in _KNOWN_TYPES:
         return _bad(f"unsupported version {version} of message type {tag!r}")
     return _bad(f"unknown message type {tag[:64]!r}")
+
+
+# A body this small builds at most this many objects whatever it holds: harmless, so
+# neither walked nor counted (pydantic refuses what the schema does not allow).
+_SMALL_BODY = 4 << 10
+# A schema whose containers are few and narrow enough that this many objects
+# bound everything msgpack can build before it has completed more containers
+# than the schema allows is ``counted`` instead of walked (see ``_register``).
+_COUNTED_OBJECTS = 1 << 16
+# msgpack's parser keeps at most this many containers open (a fixed stack, no recursion).
+_MSGPACK_STACK = 1024
+
+
+def _container_budget(budget: int, name: str) -> Callable[[Any], Any]:
+    """A msgpack ``object_hook``/``list_hook`` that refuses the message once more
+    than ``budget`` containers are complete."""
+    built = 0
+
+    def count(container: Any) -> Any:
+        nonlocal built
+        built += 1
+        if built > budget:
+            raise _bad(f"{name}: more than {budget} msgpack objects")
+        return container
+
+    return count
 
 
 def decode_body(body: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -528,16 +552,27 @@ def decode_body(body: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Me
     module's docstring."""
     if len(body) > limits.max_message_bytes:
         raise _bad(f"message of {len(body)} bytes exceeds the limit of {limits.max_message_bytes}")
-    tag, version, pos, entries = _head(body)
-    key = (tag, version)
-    model = _REGISTRY.get(key)
-    if model is None:
-        raise _unsupported(tag, version)
+    # The usual head (a fixmap, a tag of at most 31 bytes) is a few bytes at fixed places.
+    known = _HEADS.get(bytes(body[: 10 + (body[6] & 0x1F)])) if len(body) > 10 else None
+    if known is not None:
+        model, pos = known
+        entries = (body[0] & 0x0F) - 2
+    else:
+        tag, version, pos, entries = _head(body)
+        found = _REGISTRY.get((tag, version))
+        if found is None:
+            raise _unsupported(tag, version)
+        model = found
     bounds = model.bounds
-    name = f"{tag} v{version}"
+    name = model.wire_name
     if entries + 2 > bounds.map_len:
         raise _bad(f"{name}: a map of {entries + 2} entries exceeds the schema's limit of {bounds.map_len}")
-    _walk(body, pos, 2 * entries, bounds, limits, name)
+    hook: Callable[[Any], Any] | None = None
+    if len(body) > _SMALL_BODY:
+        if model.counted:
+            hook = _container_budget(min(bounds.objects, limits.max_objects), name)
+        else:
+            _walk(body, pos, 2 * entries, bounds, limits, name)
     try:
         obj = msgpack.unpackb(
             body,
@@ -549,13 +584,15 @@ def decode_body(body: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Me
             max_array_len=bounds.array_len,
             max_map_len=bounds.map_len,
             max_ext_len=0,
+            object_hook=hook,
+            list_hook=hook,
         )
     except ProtocolError:
         raise
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         raise _bad(f"{name}: undecodable msgpack: {exc}") from None
     try:
-        return _VALIDATORS[key](obj)
+        return model.wire_validate(obj)
     except ValidationError as exc:
         raise _bad(f"invalid {name} message: {_validation_summary(exc)}") from None
 
@@ -671,3 +708,21 @@ class MessageDecoder:
         # well-formed message has been handed out.
         self._read_prefix()
         return message
+
+
+class ErrorMessage(Message, tag="error"):
+    """A typed error sent in place of a reply; see ``error_message``/``error_from_message``."""
+
+    code: ErrorCode = Field(strict=False)
+    message: str = Field(max_length=1024)
+    retry_after_ms: int | None = Field(default=None, ge=0, le=86_400_000)
+
+
+def error_message(error: ProtocolError) -> ErrorMessage:
+    return ErrorMessage(
+        code=error.code, message=error.message[:1024], retry_after_ms=error.retry_after_ms
+    )
+
+
+def error_from_message(message: ErrorMessage) -> ProtocolError:
+    return ProtocolError(message.code, message.message, message.retry_after_ms)

@@ -90,7 +90,8 @@ class TokenIds(Sequence[int]):
             raise ValueError(f"packed token ids are 4 bytes each, got {len(packed)} bytes")
         if len(packed) > 4 * MAX_TOKENS:
             raise ValueError(f"{len(packed) // 4} token ids exceed the limit of {MAX_TOKENS}")
-        if packed and int(np.frombuffer(packed, _INT32).min()) < 0:
+        # A negative int32 has the top bit of its last (little-endian) byte set.
+        if packed and max(packed[3::4]) >= 0x80:
             raise ValueError("token ids are never negative")
         return cls(packed)
 
@@ -144,10 +145,10 @@ class TokenIds(Sequence[int]):
 
 
 def _validate_tokens(value: object) -> TokenIds:
+    if type(value) is bytes:  # as they arrive: first, this is on the per-token path
+        return TokenIds.unpack(value)
     if isinstance(value, TokenIds):
         return value
-    if isinstance(value, bytes):
-        return TokenIds.unpack(value)
     if isinstance(value, list | tuple | np.ndarray):
         try:
             return TokenIds.of(value)
