@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import struct
 import tracemalloc
-from typing import Literal
 
 import msgpack
 import numpy as np

@@ -267,8 +267,8 @@ class Message(WireModel):
             cls.__annotations__ = {}
         cls.__annotations__["type"] = Literal[tag]
         cls.__annotations__["v"] = Literal[version]
-        cls.type = tag  # type: ignore[assignment]
-        cls.v = version  # type: ignore[assignment]
+        cls.type = tag
+        cls.v = version
         _PENDING[cls] = key
 
     @classmethod

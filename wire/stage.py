@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Limits, Message, WireModel, register_protocol
-from wire.types import Address, Digest, Epoch, Layer, NodeId, SessionId, TokenId, TokenIds
+from wire.types import Address, Digest, Epoch, Layer, NodeId, SessionId, TokenId, Tokens
 
 STAGE_PROTOCOL = "meshd/stage/1"
 
@@ -86,14 +86,14 @@ class Prompt(Message, tag="prompt"):
     epoch: Epoch
     messages: list[ChatMessage] | None = Field(default=None, max_length=256)
     text: str | None = Field(default=None, max_length=1 << 22)
-    tokens: TokenIds | None = None
+    tokens: Tokens | None = None
     generated: int = Field(default=0, ge=0, le=1 << 20)
 
 
 class PromptTokens(Message, tag="prompt_tokens"):
     session: SessionId
     epoch: Epoch
-    tokens: TokenIds
+    tokens: Tokens
 
 
 class Hop(Message, tag="hop"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import crc32c as _crc32c
 import numpy as np
@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from wire.codec import Message, WireModel, encode
 from wire.errors import ErrorCode, ProtocolError
-from wire.types import Count, Epoch, Int32, SessionId, TokenIds
+from wire.types import Count, Epoch, Int32, SessionId, TokenIds, Tokens
 
 TensorDType = Literal["f32", "f16", "bf16", "q8_0"]
 TensorCodec = Literal["raw", "zstd"]
@@ -240,7 +240,7 @@ class Activation(Message, tag="activation"):
     pos: Int32
     n_tokens: Int32
     tensors: list[TensorEntry] = Field(max_length=MAX_TENSORS)
-    tokens: TokenIds | None = None
+    tokens: Tokens | None = None
     deadline_ms: Int32 | None = None
 
     @model_validator(mode="after")

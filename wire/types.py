@@ -10,7 +10,7 @@ schema and the decoder cannot disagree.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Annotated, Any, overload
+from typing import TYPE_CHECKING, Annotated, Any, overload
 
 import numpy as np
 from pydantic import Field, GetCoreSchemaHandler
@@ -155,3 +155,11 @@ def _validate_tokens(value: object) -> TokenIds:
         except (OverflowError, TypeError):
             raise ValueError("token ids are ints from 0 to 2**31 - 1") from None
     raise ValueError(f"token ids are packed int32 bytes or a list of ints, not {type(value).__name__}")
+
+
+if TYPE_CHECKING:
+    # What a field of token ids accepts when a node builds a message (any
+    # sequence of ints) and what it gives (a TokenIds is one).
+    Tokens = Sequence[int]
+else:
+    Tokens = TokenIds
