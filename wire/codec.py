@@ -52,8 +52,8 @@ class Limits:
     """
 
     max_message_bytes: int = 128 << 20
-    max_objects: int = 1 << 16
-    max_depth: int = 16
+    max_objects: int = 1 << 20
+    max_depth: int = 32
 
     def tightened(self, other: Limits) -> Limits:
         """The stricter of ``self`` and ``other`` in every bound."""

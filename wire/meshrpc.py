@@ -14,7 +14,7 @@ __all__ = ["MESH_PROTOCOL", "SWIM_PROTOCOL"]
 
 # Requests are tiny; the largest reply is a status of a big mesh (a few hundred
 # bytes a member): 4 MiB holds some 10,000 members.
-register_protocol(MESH_PROTOCOL, Limits(max_message_bytes=4 << 20, max_objects=1 << 18, max_depth=8))
+register_protocol(MESH_PROTOCOL, Limits(max_message_bytes=4 << 20, max_objects=1 << 17, max_depth=8))
 
 
 class AssignmentRequest(Message, tag="assignment_request"):

@@ -26,9 +26,9 @@ MAX_UPDATES_PER_MESSAGE = 64
 MAX_SYNC_ENTRIES = 16384
 
 # A record is some 60 msgpack objects and a few hundred bytes: a push-pull of
-# 4 MiB and 2**18 objects holds some 4,000 members; probes and gossip are far
+# 4 MiB and 2**17 objects holds some 2,000 members; probes and gossip are far
 # smaller.
-register_protocol(SWIM_PROTOCOL, Limits(max_message_bytes=4 << 20, max_objects=1 << 18, max_depth=8))
+register_protocol(SWIM_PROTOCOL, Limits(max_message_bytes=4 << 20, max_objects=1 << 17, max_depth=8))
 
 # ---- capability records -------------------------------------------------------------------------
 
