@@ -9,17 +9,26 @@ anything is built from them, in three steps:
    protocol, which carries activations, large), before the body is buffered;
 2. the head of the map names the message (``type`` and ``v`` must come first,
    as ``encode`` writes them), and an unknown one is refused unread;
-3. a walk over the msgpack headers, which builds nothing, checks every
-   string, binary, array and map length, the nesting depth and the total
-   object count against that message's ``Bounds``, derived once from its
-   schema: a string no longer than the longest string field allows, an array
-   no longer than the longest list field, and so on. So a message whose bulk
-   belongs in a ``bin`` field cannot carry megabytes as a string or an array,
-   and a prompt at the schema's limit decodes while one past it is refused.
+3. the object count and nesting, against that message's ``Bounds``, derived
+   once from its schema (a string no longer than its longest string field
+   allows, an array no longer than its longest list field, so many objects in
+   all): for a message whose schema admits many objects (SWIM, status, route,
+   prompt) a walk over the msgpack headers, which builds nothing, refuses it
+   before it is unpacked; the per-token messages, whose schemas admit only a
+   few hundred objects in containers of a few items, are counted container by
+   container as msgpack builds them, which bounds what it can build before
+   the refusal to 64 Ki objects and costs a hook call per container instead
+   of a Python walk. A body of at most 4 KiB is neither walked nor counted:
+   it cannot build more than 4 Ki objects whatever it holds.
 
-Only then does msgpack unpack it (with the same bounds) and pydantic validate
-it: models are closed, strict schemas, and every string, binary and container
-field must declare a ``max_length`` (registration refuses one that does not).
+msgpack then unpacks it with the message's string, binary, array and map
+bounds, so a message whose bulk belongs in a ``bin`` field cannot carry
+megabytes as a string or an array, and a prompt at the schema's limit
+decodes while one past it is refused with the limit named.
+
+Pydantic validates last: models are closed, strict schemas, and every string,
+binary and container field must declare a ``max_length`` (registration
+refuses one that does not).
 Ext types are refused.
 """
 
@@ -304,13 +313,13 @@ _KNOWN_TYPES: set[str] = set()
 
 def _register(model: type[Message], key: tuple[str, int]) -> None:
     model.bounds = bounds = schema_bounds(model)
-    # The per-token messages (an activation: a few hundred objects, containers of
-    # at most 20 items) are bounded by counting containers as msgpack completes
-    # them, which costs a hook call per container, instead of walking every
-    # header in Python first (~35 objects, some 4-20 us on this machine kind,
-    # too much next to the ~30 us decode). Before the count refuses,
-    # msgpack holds at most the completed containers plus its open ones, each
-    # with at most ``fanout`` items: ``_COUNTED_OBJECTS`` at worst.
+    # The per-token messages (an activation: a few hundred objects at most, containers
+    # of at most 20 items) are bounded by counting containers as msgpack completes
+    # them, a hook call per container (4 for an activation: ~1-2 us, within this
+    # box's noise on a 16-35 us decode), instead of walking every header in Python
+    # first (9-11 us; see ``_walk``). Before the count refuses, msgpack holds at
+    # most the completed containers plus its open ones, each with at most
+    # ``fanout`` items: ``_COUNTED_OBJECTS`` at worst.
     fanout = max(bounds.array_len, 2 * bounds.map_len)
     model.counted = (bounds.objects + _MSGPACK_STACK) * fanout <= _COUNTED_OBJECTS
     model.wire_name = f"{key[0]} v{key[1]}"
@@ -381,11 +390,13 @@ def _walk(data: bytes | memoryview, pos: int, remaining: int, bounds: Bounds, li
     header, so a container claiming more than the budget is refused before
     any of its items is read.
 
-    Cost: a bit over 0.1 us an object on this machine kind, payloads skipped
-    in O(1). An activation is ~35 objects (its bulk is one ``bin``) so its
-    walk takes ~4 us whatever its size, next to ~25 us for msgpack and
-    pydantic to build and validate it; tools/bench_wire.py's round trip
-    (two decodes) is the figure the report compares.
+    Cost, measured on this project's shared 2-core box (load 6-8, so noisy):
+    ~0.3 us an object, payloads skipped in O(1). A SWIM push-pull bomb at the
+    2**17-object budget is refused after ~45 ms (an unbounded unpack of the
+    same 4 MiB took seconds and hundreds of MiB); an activation (~35 objects,
+    its bulk one ``bin``) would take 9-11 us against 16-35 us for msgpack and
+    pydantic to build and validate it, which is why the per-token messages
+    are counted instead (``_register``) and never walked.
     """
     max_objects = min(bounds.objects, limits.max_objects)
     max_depth = min(bounds.depth, limits.max_depth)
