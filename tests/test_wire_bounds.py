@@ -21,6 +21,7 @@ import wire.meshrpc
 from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Connect
 from wire.codec import (
     DEFAULT_LIMITS,
+    PREFIX_BYTES,
     Bounds,
     Limits,
     Message,
@@ -213,13 +214,20 @@ def test_a_relay_message_over_its_cap_is_refused_at_the_length_prefix() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tag", "limits", "limit"),
-    [("swim.ping", SWIM, 1356), ("dial_back", MESH, 1024), ("hop", STAGE, 512), ("activation", STAGE, 512)],
+    ("tag", "limits", "fragment"),
+    [
+        # Schemas that allow megabytes in all (many records, many tensors), not in one string.
+        ("swim.ping", SWIM, "a string of 1048576 bytes exceeds the schema's limit of 1356"),
+        ("activation", STAGE, "1048576 exceeds max_str_len(512)"),
+        # Schemas whose whole message is smaller than the string.
+        ("dial_back", MESH, "exceeds the 1106 its schema allows"),
+        ("hop", STAGE, "exceeds the 631 its schema allows"),
+    ],
 )
-def test_a_megabyte_string_is_refused_in_a_message_whose_schema_has_none(tag: str, limits: Limits, limit: int) -> None:
+def test_a_megabyte_string_is_refused_in_a_message_whose_schema_has_none(tag: str, limits: Limits, fragment: str) -> None:
     body = head(tag, 3) + msgpack.packb("x") + msgpack.packb("y" * (1 << 20))
     error, peak = refused_with_little_memory(body, limits)
-    assert str(limit) in error.message
+    assert fragment in error.message
     assert peak < 64 << 10
 
 
@@ -332,3 +340,41 @@ def test_decode_body_refuses_a_map_that_does_not_begin_with_its_type() -> None:
     body = msgpack.packb({"v": 1, "type": "error", "code": "INTERNAL", "message": ""})
     with pytest.raises(ProtocolError, match="begins with"):
         decode_body(body)
+
+
+# ----- a message longer than its schema allows is refused at its head, before its body is buffered
+
+
+def test_a_control_message_claiming_megabytes_is_refused_at_its_head() -> None:
+    from wire.stage import Cancel
+
+    assert Cancel.bounds.encoded_bytes < 1 << 10
+    decoder = MessageDecoder(STAGE)
+    body_head = encode(Cancel(session="s", epoch=1))[PREFIX_BYTES:][:20]
+    decoder.feed(_U32.pack(100 << 20))  # within the stage protocol's cap: buffering would begin
+    with pytest.raises(ProtocolError, match="exceeds the 588 its schema allows"):
+        decoder.feed(body_head + b"\x00" * 40)
+    assert decoder.buffered < 100
+
+
+def test_an_unknown_message_claiming_megabytes_is_refused_at_its_head() -> None:
+    decoder = MessageDecoder(STAGE)
+    decoder.feed(_U32.pack(100 << 20) + head("nonesuch", 3))
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        decoder.feed(b"\x00" * 64)
+
+
+def test_a_long_activation_is_buffered_and_decoded() -> None:
+    import numpy as np
+
+    from wire.tensors import TensorEntry
+
+    activation = Activation.of(
+        session="s", epoch=0, step=0, pos=0, n_tokens=64,
+        tensors=[TensorEntry.from_array("hidden_states", np.ones((64, 1024), np.float32))],
+    )
+    data = encode(activation)
+    decoder = MessageDecoder(STAGE)
+    for start in range(0, len(data), 1000):
+        decoder.feed(data[start : start + 1000])
+    assert decoder.next_message() == activation

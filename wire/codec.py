@@ -37,7 +37,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Self, TypeVar
+from typing import Any, ClassVar, Literal, Self
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -99,8 +99,9 @@ def protocol_limits(protocol: str, link_limits: Limits = DEFAULT_LIMITS) -> Limi
 class Bounds:
     """What one message's schema allows, in msgpack terms: the longest string
     (in UTF-8 bytes: 4 per character the schema counts), binary, array and map
-    anywhere in it, its deepest nesting (the top map is depth 1), and the most
-    objects (every key, value and item) a valid message can hold."""
+    anywhere in it, its deepest nesting (the top map is depth 1), the most
+    objects (every key, value and item) a valid message can hold, and the most
+    bytes its encoding can take."""
 
     str_bytes: int = 0
     bin_bytes: int = 0
@@ -108,6 +109,7 @@ class Bounds:
     map_len: int = 0
     depth: int = 0
     objects: int = 1
+    encoded_bytes: int = 9
 
 
 # Objects past this are not counted further: a bound that large is no bound,
@@ -137,10 +139,12 @@ def _bounds_of_schema(schema: Mapping[str, Any], refs: dict[str, Mapping[str, An
     if kind == "model-fields":
         fields = schema["fields"]
         parts = [_bounds_of_schema(f["schema"], refs, f"{where}.{name}") for name, f in fields.items()]
+        objects = 1 + len(fields) + sum(p.objects for p in parts)
+        encoded = 5 + sum(5 + len(name.encode()) + p.encoded_bytes for name, p in zip(fields, parts, strict=True))
+        depth = 1 + max((p.depth for p in parts), default=0)
         # The keys are strings too.
         parts.append(Bounds(str_bytes=max((len(name.encode()) for name in fields), default=0)))
-        objects = 1 + len(fields) + sum(p.objects for p in parts)
-        return _merge(parts, map_len=len(fields), depth=1 + max((p.depth for p in parts), default=0), objects=objects)
+        return _merge(parts, map_len=len(fields), depth=depth, objects=objects, encoded_bytes=encoded)
     if kind in ("default", "nullable", "model-field", "function-after", "function-before", "function-wrap"):
         return _bounds_of_schema(schema["schema"], refs, where)
     if kind in ("int", "float", "bool", "none"):
@@ -153,19 +157,27 @@ def _bounds_of_schema(schema: Mapping[str, Any], refs: dict[str, Mapping[str, An
         length = schema.get("max_length")
         if length is None:
             raise TypeError(f"{where}: a {kind} field on the wire needs a max_length")
-        return Bounds(str_bytes=4 * length) if kind == "str" else Bounds(bin_bytes=length)
+        if kind == "str":
+            return Bounds(str_bytes=4 * length, encoded_bytes=5 + 4 * length)
+        return Bounds(bin_bytes=length, encoded_bytes=5 + length)
     if kind == "function-plain":
         length = schema.get("metadata", {}).get("wire_bin_max")
         if length is None:
             raise TypeError(f"{where}: a custom field type on the wire must declare its wire_bin_max")
-        return Bounds(bin_bytes=length)
+        return Bounds(bin_bytes=length, encoded_bytes=5 + length)
     if kind in ("list", "dict"):
         length = schema.get("max_length")
         if length is None:
             raise TypeError(f"{where}: a {kind} field on the wire needs a max_length")
         if kind == "list":
             item = _bounds_of_schema(schema["items_schema"], refs, f"{where}[]")
-            return _merge([item], array_len=length, depth=item.depth + 1, objects=1 + length * item.objects)
+            return _merge(
+                [item],
+                array_len=length,
+                depth=item.depth + 1,
+                objects=1 + length * item.objects,
+                encoded_bytes=5 + length * item.encoded_bytes,
+            )
         key = _bounds_of_schema(schema["keys_schema"], refs, f"{where}{{key}}")
         value = _bounds_of_schema(schema["values_schema"], refs, f"{where}{{value}}")
         return _merge(
@@ -173,6 +185,7 @@ def _bounds_of_schema(schema: Mapping[str, Any], refs: dict[str, Mapping[str, An
             map_len=length,
             depth=max(key.depth, value.depth) + 1,
             objects=1 + length * (key.objects + value.objects),
+            encoded_bytes=5 + length * (key.encoded_bytes + value.encoded_bytes),
         )
     if kind in ("union", "tagged-union"):
         choices = schema["choices"]
@@ -180,17 +193,25 @@ def _bounds_of_schema(schema: Mapping[str, Any], refs: dict[str, Mapping[str, An
         parts = [
             _bounds_of_schema(option[0] if isinstance(option, tuple) else option, refs, where) for option in options
         ]
-        return _merge(parts, depth=max(p.depth for p in parts), objects=max(p.objects for p in parts))
+        return _merge(
+            parts,
+            depth=max(p.depth for p in parts),
+            objects=max(p.objects for p in parts),
+            encoded_bytes=max(p.encoded_bytes for p in parts),
+        )
     raise TypeError(f"{where}: cannot bound a {kind!r} field on the wire")
 
 
 def _literal_bounds(values: list[Any], where: str) -> Bounds:
     if not all(isinstance(value, str | int | bool) for value in values):
         raise TypeError(f"{where}: literals on the wire are strings or ints")
-    return Bounds(str_bytes=max((len(v.encode()) for v in values if isinstance(v, str)), default=0))
+    longest = max((len(v.encode()) for v in values if isinstance(v, str)), default=0)
+    return Bounds(str_bytes=longest, encoded_bytes=max(9, 5 + longest))
 
 
-def _merge(parts: list[Bounds], *, array_len: int = 0, map_len: int = 0, depth: int, objects: int) -> Bounds:
+def _merge(
+    parts: list[Bounds], *, array_len: int = 0, map_len: int = 0, depth: int, objects: int, encoded_bytes: int
+) -> Bounds:
     return Bounds(
         str_bytes=max([p.str_bytes for p in parts], default=0),
         bin_bytes=max([p.bin_bytes for p in parts], default=0),
@@ -198,6 +219,7 @@ def _merge(parts: list[Bounds], *, array_len: int = 0, map_len: int = 0, depth: 
         map_len=max([map_len, *(p.map_len for p in parts)]),
         depth=max([depth, *(p.depth for p in parts)]),
         objects=min(objects, _MANY),
+        encoded_bytes=min(encoded_bytes, _MANY),
     )
 
 
@@ -302,9 +324,6 @@ def _head_bytes(tag: str, version: int, entries: int) -> bytes:
     raw = tag.encode()
     return bytes([0x80 | entries]) + _TYPE_KEY + bytes([0xA0 | len(raw)]) + raw + _V_KEY + bytes([version])
 
-
-
-MessageT = TypeVar("MessageT", bound=Message)
 
 _PENDING: dict[type[Message], tuple[str, int]] = {}
 _REGISTRY: dict[tuple[str, int], type[Message]] = {}
@@ -576,6 +595,8 @@ def decode_body(body: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Me
         model = found
     bounds = model.bounds
     name = model.wire_name
+    if len(body) > bounds.encoded_bytes:
+        raise _too_large_for(name, len(body), bounds)
     if entries + 2 > bounds.map_len:
         raise _bad(f"{name}: a map of {entries + 2} entries exceeds the schema's limit of {bounds.map_len}")
     hook: Callable[[Any], Any] | None = None
@@ -623,6 +644,25 @@ def decode(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message
     return decode_body(memoryview(data)[PREFIX_BYTES:], limits)
 
 
+def _too_large_for(name: str, length: int, bounds: Bounds) -> ProtocolError:
+    return _bad(f"a {name} message of {length} bytes exceeds the {bounds.encoded_bytes} its schema allows")
+
+
+def _model_at_head(body: bytes) -> type[Message]:
+    tag, version, _, _ = _head(body)
+    model = _REGISTRY.get((tag, version))
+    if model is None:
+        raise _unsupported(tag, version)
+    return model
+
+
+# A message longer than this has its head read as soon as it arrives, so that
+# one whose schema cannot be that long (every control message) is refused
+# before its body is buffered; shorter ones are checked whole.
+_EARLY_HEAD_AFTER = 64 << 10
+_HEAD_PEEK = 5 + 6 + _MAX_TAG_LEN + 3
+
+
 def _oversized(length: int, limits: Limits) -> ProtocolError:
     return ProtocolError(
         ErrorCode.BAD_REQUEST,
@@ -634,8 +674,10 @@ class MessageDecoder:
     """Streaming decoder: feed bytes in any chunking, take whole messages out.
 
     A length prefix over the limit is refused as soon as its four bytes are
-    seen, before any of the body is buffered. After an error the decoder is
-    spent: the stream it reads can no longer be trusted to be in sync.
+    seen, before any of the body is buffered; a long message whose schema
+    cannot be that long, as soon as its head is (``_EARLY_HEAD_AFTER``).
+    After an error the decoder is spent: the stream it reads can no longer be
+    trusted to be in sync.
     """
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -645,6 +687,7 @@ class MessageDecoder:
         self._chunks: list[bytes | memoryview] = []
         self._buffered = 0
         self._need = 0
+        self._head_unread = False
         self._failed: ProtocolError | None = None
 
     @property
@@ -660,8 +703,10 @@ class MessageDecoder:
             self._buffered += len(data)
             if not self._need:
                 self._read_prefix()
-                if self._failed is not None:
-                    raise self._failed
+            if self._head_unread:
+                self._check_head()
+            if self._failed is not None:
+                raise self._failed
 
     def decode_whole(self, data: bytes | memoryview) -> Message | None:
         """``feed`` then ``next_message``, short-cut for the usual case where
@@ -694,6 +739,25 @@ class MessageDecoder:
             self._failed = _oversized(length, self._limits)
         else:
             self._need = PREFIX_BYTES + length
+            self._head_unread = length > _EARLY_HEAD_AFTER
+
+    def _check_head(self) -> None:
+        if self._buffered < PREFIX_BYTES + _HEAD_PEEK:
+            return
+        self._head_unread = False
+        peek = b""
+        for chunk in self._chunks:
+            peek += bytes(chunk[: PREFIX_BYTES + _HEAD_PEEK - len(peek)])
+            if len(peek) >= PREFIX_BYTES + _HEAD_PEEK:
+                break
+        try:
+            model = _model_at_head(peek[PREFIX_BYTES:])
+        except ProtocolError as exc:
+            self._failed = exc
+            return
+        length = self._need - PREFIX_BYTES
+        if length > model.bounds.encoded_bytes:
+            self._failed = _too_large_for(model.wire_name, length, model.bounds)
 
     def next_message(self) -> Message | None:
         """The next whole message, or None until more bytes arrive."""
@@ -710,6 +774,7 @@ class MessageDecoder:
             self._chunks[0] = memoryview(first)[need:]
         self._buffered -= need
         self._need = 0
+        self._head_unread = False
         try:
             message = decode_body(body, self._limits)
         except ProtocolError as exc:
