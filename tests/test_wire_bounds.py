@@ -378,3 +378,16 @@ def test_a_long_activation_is_buffered_and_decoded() -> None:
     for start in range(0, len(data), 1000):
         decoder.feed(data[start : start + 1000])
     assert decoder.next_message() == activation
+
+
+def test_a_bomb_no_longer_than_the_small_body_costs_at_most_its_length() -> None:
+    # Neither walked nor counted (the per-token path pays for neither): 64 KiB of empty
+    # arrays builds at most 64 Ki of them, a few MiB, and is refused.
+    body = _wide_bomb("activation", 64 << 10)
+    assert len(body) <= 64 << 10
+    _, peak = refused_with_little_memory(body, STAGE)
+    assert peak < 8 << 20, f"peak {peak} bytes"
+    # One byte more is counted, and refused at the schema's object count.
+    error, peak = refused_with_little_memory(_wide_bomb("activation", (64 << 10) + 40), STAGE)
+    assert f"more than {Activation.bounds.objects} msgpack objects" in error.message
+    assert peak < 1 << 20

@@ -18,8 +18,10 @@ anything is built from them, in three steps:
    few hundred objects in containers of a few items, are counted container by
    container as msgpack builds them, which bounds what it can build before
    the refusal to 64 Ki objects and costs a hook call per container instead
-   of a Python walk. A body of at most 4 KiB is neither walked nor counted:
-   it cannot build more than 4 Ki objects whatever it holds.
+   of a Python walk. A body of at most 64 KiB is neither walked nor counted:
+   it cannot build more than 64 Ki objects (a few MiB, for a moment)
+   whatever it holds, and so a decode-step activation (up to 16 Ki f32
+   values) pays for neither.
 
 msgpack then unpacks it with the message's string, binary, array and map
 bounds, so a message whose bulk belongs in a ``bin`` field cannot carry
@@ -334,11 +336,11 @@ def _register(model: type[Message], key: tuple[str, int]) -> None:
     model.bounds = bounds = schema_bounds(model)
     # The per-token messages (an activation: a few hundred objects at most, containers
     # of at most 20 items) are bounded by counting containers as msgpack completes
-    # them, a hook call per container (4 for an activation: ~1-2 us, within this
-    # box's noise on a 16-35 us decode), instead of walking every header in Python
-    # first (9-11 us; see ``_walk``). Before the count refuses, msgpack holds at
-    # most the completed containers plus its open ones, each with at most
-    # ``fanout`` items: ``_COUNTED_OBJECTS`` at worst.
+    # them, a hook call per container (3-6 us on a 32 KiB activation), instead of
+    # walking every header in Python first (9-28 us; see ``_walk``), and only
+    # past ``_SMALL_BODY``. Before the count refuses, msgpack holds at most the
+    # completed containers plus its open ones, each with at most ``fanout``
+    # items: ``_COUNTED_OBJECTS`` at worst.
     fanout = max(bounds.array_len, 2 * bounds.map_len)
     model.counted = (bounds.objects + _MSGPACK_STACK) * fanout <= _COUNTED_OBJECTS
     model.wire_name = f"{key[0]} v{key[1]}"
@@ -409,13 +411,13 @@ def _walk(data: bytes | memoryview, pos: int, remaining: int, bounds: Bounds, li
     header, so a container claiming more than the budget is refused before
     any of its items is read.
 
-    Cost, measured on this project's shared 2-core box (load 6-8, so noisy):
+    Cost, measured on this project's shared 2-core box (load 6-14, so noisy):
     ~0.3 us an object, payloads skipped in O(1). A SWIM push-pull bomb at the
     2**17-object budget is refused after ~45 ms (an unbounded unpack of the
-    same 4 MiB took seconds and hundreds of MiB); an activation (~35 objects,
-    its bulk one ``bin``) would take 9-11 us against 16-35 us for msgpack and
-    pydantic to build and validate it, which is why the per-token messages
-    are counted instead (``_register``) and never walked.
+    same 4 MiB took seconds and hundreds of MiB). An activation (~35 objects,
+    its bulk one ``bin``) would take 9-28 us against 14-20 us for msgpack to
+    unpack it, which is why the per-token messages are never walked (see
+    ``_register`` and ``_SMALL_BODY``).
     """
     max_objects = min(bounds.objects, limits.max_objects)
     max_depth = min(bounds.depth, limits.max_depth)
@@ -549,9 +551,13 @@ def _unsupported(tag: str, version: int | str) -> ProtocolError:
     return _bad(f"unknown message type {tag[:64]!r}")
 
 
-# A body this small builds at most this many objects whatever it holds: harmless, so
-# neither walked nor counted (pydantic refuses what the schema does not allow).
-_SMALL_BODY = 4 << 10
+# A body this small builds at most this many objects whatever it holds (some
+# 5 MiB of Python objects, freed when validation refuses them): so it is
+# neither walked nor counted, and a decode-step activation, the per-token
+# path, pays for no bound but its length. Measured on this shared box: the
+# counting hooks cost 3-6 us on a 32 KiB activation's 14-20 us unpack, a walk
+# 9-28 us; the stack's round trip of that activation is 300-800 us.
+_SMALL_BODY = 64 << 10
 # A schema whose containers are few and narrow enough that this many objects
 # bound everything msgpack can build before it has completed more containers
 # than the schema allows is ``counted`` instead of walked (see ``_register``).
