@@ -10,11 +10,10 @@ and everything after it, which the relay cannot read.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 from pydantic import Field
 
-from wire.codec import Message, register
+from wire.codec import Limits, Message, register_protocol
+from wire.types import Count, NodeId
 
 HOP_PROTOCOL = "meshd/relay-hop/1"
 STOP_PROTOCOL = "meshd/relay-stop/1"
@@ -22,63 +21,44 @@ STOP_PROTOCOL = "meshd/relay-stop/1"
 # `relay-host:port/p2p-circuit/<target node id>`, as libp2p spells a relayed address.
 CIRCUIT_MARK = "/p2p-circuit/"
 
-NodeId = Annotated[str, Field(min_length=1, max_length=64)]
+# Relay messages are a few dozen bytes; once a circuit is up the streams carry raw bytes.
+for _protocol in (HOP_PROTOCOL, STOP_PROTOCOL):
+    register_protocol(_protocol, Limits(max_message_bytes=4 << 10, max_objects=64, max_depth=2))
 
 
-@register
-class Reserve(Message):
+class Reserve(Message, tag="relay_reserve"):
     """To a relay, on a hop stream held open for as long as the reservation lasts;
     sent again on that stream to renew it."""
 
-    type: Literal["relay_reserve"] = "relay_reserve"
-    v: Literal[1] = 1
 
-
-@register
-class Reserved(Message):
+class Reserved(Message, tag="relay_reserved"):
     """The reservation holds, under these limits, until either side ends the stream
     or ``lifetime_seconds`` pass (None: no end). Another ``Reserve`` on the same
     stream renews it, answered by another ``Reserved``."""
 
-    type: Literal["relay_reserved"] = "relay_reserved"
-    v: Literal[1] = 1
-    max_circuit_bytes: int = Field(ge=0)
+    max_circuit_bytes: Count
     max_circuit_seconds: float = Field(ge=0.0)
     lifetime_seconds: float | None = Field(default=None, gt=0.0)
 
 
-@register
-class Connect(Message):
+class Connect(Message, tag="relay_connect"):
     """To a relay, on a fresh hop stream: a circuit to ``target``, please."""
 
-    type: Literal["relay_connect"] = "relay_connect"
-    v: Literal[1] = 1
     target: NodeId
 
 
-@register
-class Connected(Message):
+class Connected(Message, tag="relay_connected"):
     """The circuit is up: from now on the hop stream carries the target's bytes."""
 
-    type: Literal["relay_connected"] = "relay_connected"
-    v: Literal[1] = 1
 
-
-@register
-class Incoming(Message):
+class Incoming(Message, tag="relay_incoming"):
     """From a relay to a reserved node: ``source`` (authenticated by the relay) dials you."""
 
-    type: Literal["relay_incoming"] = "relay_incoming"
-    v: Literal[1] = 1
     source: NodeId
 
 
-@register
-class Accepted(Message):
+class Accepted(Message, tag="relay_accepted"):
     """The reserved node takes the circuit: from now on the stop stream carries the dialer's bytes."""
-
-    type: Literal["relay_accepted"] = "relay_accepted"
-    v: Literal[1] = 1
 
 
 def circuit_address(relay_address: str, target: str) -> str:
@@ -91,6 +71,7 @@ def is_circuit_address(address: str) -> bool:
 
 def parse_circuit_address(address: str) -> tuple[str, str]:
     """``(relay address, target node id)``; ValueError if ``address`` is not a circuit address."""
+
     relay, mark, target = address.partition(CIRCUIT_MARK)
     if not mark or not relay or not target or CIRCUIT_MARK in target:
         raise ValueError(f"{address!r} is not RELAY_HOST:PORT{CIRCUIT_MARK}NODE_ID")

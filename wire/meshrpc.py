@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 from pydantic import Field
 
-from wire.codec import Message, WireModel, register
+from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.swim import SWIM_PROTOCOL
+from wire.types import Address, Count, Digest, Label, Layer, NodeId, Text
 
 MESH_PROTOCOL = "meshd/mesh/1"
-SWIM_PROTOCOL = "meshd/swim/1"
 
-NodeId = Annotated[str, Field(min_length=1, max_length=64)]
-Digest = Annotated[str, Field(min_length=1, max_length=128)]
-Layer = Annotated[int, Field(ge=0, le=1 << 20)]
-Text = Annotated[str, Field(max_length=256)]
+__all__ = ["MESH_PROTOCOL", "SWIM_PROTOCOL"]
+
+# Requests are tiny; the largest reply is a status of a big mesh (a few hundred
+# bytes a member): 4 MiB holds some 10,000 members.
+register_protocol(MESH_PROTOCOL, Limits(max_message_bytes=4 << 20, max_objects=1 << 17, max_depth=8))
 
 
-@register
-class AssignmentRequest(Message):
+class AssignmentRequest(Message, tag="assignment_request"):
     """To the tracker: which range should the asking node serve?"""
 
-    type: Literal["assignment_request"] = "assignment_request"
-    v: Literal[1] = 1
 
-
-@register
-class AssignmentReply(Message):
-    type: Literal["assignment"] = "assignment"
-    v: Literal[1] = 1
-    term: int = Field(ge=0)
+class AssignmentReply(Message, tag="assignment"):
+    term: Count
     model: Digest | None = None
     start: Layer = 0
     end: Layer = 0
@@ -38,23 +31,17 @@ class AssignmentReply(Message):
 
 class RouteStage(WireModel):
     node_id: NodeId
-    address: Annotated[str, Field(min_length=1, max_length=262)]
+    address: Address
     start: Layer
     end: Layer
 
 
-@register
-class RouteRequest(Message):
-    type: Literal["route_request"] = "route_request"
-    v: Literal[1] = 1
+class RouteRequest(Message, tag="route_request"):
     model: Digest | None = None
     exclude: list[NodeId] = Field(default_factory=list, max_length=256)
 
 
-@register
-class RouteReply(Message):
-    type: Literal["route"] = "route"
-    v: Literal[1] = 1
+class RouteReply(Message, tag="route"):
     model: Digest
     n_layers: Layer
     stages: list[RouteStage] = Field(max_length=256)
@@ -64,13 +51,13 @@ class RouteReply(Message):
 class MemberStatus(WireModel):
     node_id: NodeId
     address: Text
-    state: Annotated[str, Field(max_length=16)]
-    roles: list[Annotated[str, Field(max_length=32)]] = Field(max_length=16)
-    reachability: Annotated[str, Field(max_length=16)]
-    memory_bytes: int = Field(ge=0)
+    state: Label
+    roles: list[Label] = Field(max_length=16)
+    reachability: Label
+    memory_bytes: Count
     served: list[Text] = Field(max_length=16)
     models: list[Text] = Field(max_length=16)
-    relay_addresses: list[Text] = Field(default_factory=list, max_length=16)
+    relay_addresses: list[Address] = Field(default_factory=list, max_length=16)
 
 
 class ModelCoverage(WireModel):
@@ -79,38 +66,27 @@ class ModelCoverage(WireModel):
     n_layers: Layer
     covered_layers: Layer
     assigned: list[Text] = Field(max_length=1024)
-    replicas: int = Field(ge=0)
+    replicas: Count
 
 
-@register
-class StatusRequest(Message):
-    type: Literal["status_request"] = "status_request"
-    v: Literal[1] = 1
+class StatusRequest(Message, tag="status_request"):
+    pass
 
 
-@register
-class StatusReply(Message):
-    type: Literal["status"] = "status"
-    v: Literal[1] = 1
+class StatusReply(Message, tag="status"):
     node_id: NodeId
     tracker: NodeId | None = None
-    term: int = Field(ge=0)
+    term: Count
     members: list[MemberStatus] = Field(max_length=4096)
     coverage: list[ModelCoverage] = Field(max_length=64)
 
 
-@register
-class DialBackRequest(Message):
+class DialBackRequest(Message, tag="dial_back_request"):
     """Can you reach me at ``address``? (How a node learns it is behind NAT.)"""
 
-    type: Literal["dial_back_request"] = "dial_back_request"
-    v: Literal[1] = 1
-    address: Annotated[str, Field(min_length=1, max_length=262)]
+    address: Address
 
 
-@register
-class DialBackReply(Message):
-    type: Literal["dial_back"] = "dial_back"
-    v: Literal[1] = 1
+class DialBackReply(Message, tag="dial_back"):
     reachable: bool
     detail: Text = ""

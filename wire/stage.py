@@ -13,17 +13,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from wire.codec import Message, WireModel, register
-from wire.tensors import TokenId
-
-SessionId = Annotated[str, Field(min_length=1, max_length=128)]
-Epoch = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
-Address = Annotated[str, Field(min_length=1, max_length=256)]
-NodeId = Annotated[str, Field(max_length=128)]
-Digest = Annotated[str, Field(min_length=1, max_length=128)]
-Layer = Annotated[int, Field(ge=0, le=1 << 20)]
+from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.types import Address, Digest, Epoch, Layer, NodeId, SessionId, TokenId, Tokens
 
 STAGE_PROTOCOL = "meshd/stage/1"
+
+# Control and hop streams: activations are large (in one bin each), every
+# other message is held to its schema's bounds by the codec.
+register_protocol(STAGE_PROTOCOL, Limits(max_message_bytes=128 << 20, max_objects=1 << 16, max_depth=8))
 
 
 class PeerRef(WireModel):
@@ -46,18 +43,11 @@ class ChatMessage(WireModel):
     content: Annotated[str, Field(max_length=1 << 20)]
 
 
-@register
-class Describe(Message):
+class Describe(Message, tag="describe"):
     """Asks a stage what it serves."""
 
-    type: Literal["describe"] = "describe"
-    v: Literal[1] = 1
 
-
-@register
-class StageInfo(Message):
-    type: Literal["stage_info"] = "stage_info"
-    v: Literal[1] = 1
+class StageInfo(Message, tag="stage_info"):
     node_id: NodeId
     model_digest: Digest
     model_name: str = Field(max_length=256)
@@ -68,12 +58,9 @@ class StageInfo(Message):
     ready: bool
 
 
-@register
-class Open(Message):
+class Open(Message, tag="open"):
     """Opens (or, with a higher epoch, re-opens) a session on one stage of a route."""
 
-    type: Literal["open"] = "open"
-    v: Literal[1] = 1
     session: SessionId
     epoch: Epoch
     model_digest: Digest
@@ -87,43 +74,31 @@ class Open(Message):
     wire_dtype: Literal["f32", "f16", "q8_0"] = "f32"
 
 
-@register
-class Opened(Message):
-    type: Literal["opened"] = "opened"
-    v: Literal[1] = 1
+class Opened(Message, tag="opened"):
     session: SessionId
     epoch: Epoch
 
 
-@register
-class Prompt(Message):
+class Prompt(Message, tag="prompt"):
     """To the head: chat messages, raw text or token ids (a re-prefill after a failover)."""
 
-    type: Literal["prompt"] = "prompt"
-    v: Literal[1] = 1
     session: SessionId
     epoch: Epoch
     messages: list[ChatMessage] | None = Field(default=None, max_length=256)
     text: str | None = Field(default=None, max_length=1 << 22)
-    tokens: list[TokenId] | None = Field(default=None, max_length=1 << 20)
+    tokens: Tokens | None = None
     generated: int = Field(default=0, ge=0, le=1 << 20)
 
 
-@register
-class PromptTokens(Message):
-    type: Literal["prompt_tokens"] = "prompt_tokens"
-    v: Literal[1] = 1
+class PromptTokens(Message, tag="prompt_tokens"):
     session: SessionId
     epoch: Epoch
-    tokens: list[TokenId] = Field(max_length=1 << 20)
+    tokens: Tokens
 
 
-@register
-class Hop(Message):
+class Hop(Message, tag="hop"):
     """First message on a stage-to-stage stream: which session it carries."""
 
-    type: Literal["hop"] = "hop"
-    v: Literal[1] = 1
     session: SessionId
     epoch: Epoch
     ring: bool = False
@@ -131,10 +106,7 @@ class Hop(Message):
     prompt_tokens: int = Field(default=0, ge=0, le=1 << 20)
 
 
-@register
-class Token(Message):
-    type: Literal["token"] = "token"
-    v: Literal[1] = 1
+class Token(Message, tag="token"):
     session: SessionId
     epoch: Epoch
     index: int = Field(ge=0, le=1 << 20)
@@ -142,41 +114,27 @@ class Token(Message):
     piece: bytes = Field(max_length=1 << 10)
 
 
-@register
-class Done(Message):
-    type: Literal["done"] = "done"
-    v: Literal[1] = 1
+class Done(Message, tag="done"):
     session: SessionId
     epoch: Epoch
     reason: Literal["eog", "max_tokens", "stop"]
     generated: int = Field(ge=0, le=1 << 20)
 
 
-@register
-class Cancel(Message):
-    type: Literal["cancel"] = "cancel"
-    v: Literal[1] = 1
+class Cancel(Message, tag="cancel"):
     session: SessionId
     epoch: Epoch
 
 
-@register
-class Released(Message):
-    type: Literal["released"] = "released"
-    v: Literal[1] = 1
+class Released(Message, tag="released"):
     session: SessionId
 
 
-@register
-class MetricsRequest(Message):
-    type: Literal["metrics_request"] = "metrics_request"
-    v: Literal[1] = 1
+class MetricsRequest(Message, tag="metrics_request"):
+    pass
 
 
-@register
-class Metrics(Message):
-    type: Literal["metrics"] = "metrics"
-    v: Literal[1] = 1
+class Metrics(Message, tag="metrics"):
     values: dict[Annotated[str, Field(max_length=64)], float] = Field(max_length=64)
 
 

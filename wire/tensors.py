@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import crc32c as _crc32c
 import numpy as np
 import zstandard
 from pydantic import Field, model_validator
 
-from wire.codec import Message, WireModel, encode, register
+from wire.codec import Message, WireModel, encode
 from wire.errors import ErrorCode, ProtocolError
+from wire.types import Count, Epoch, Int32, SessionId, TokenIds, Tokens
 
 TensorDType = Literal["f32", "f16", "bf16", "q8_0"]
 TensorCodec = Literal["raw", "zstd"]
@@ -40,6 +41,7 @@ _F32 = np.dtype("<f4")
 _F16 = np.dtype("<f2")
 _U16 = np.dtype("<u2")
 _U32 = np.dtype("<u4")
+_I32 = np.dtype("<i4")
 _Q8_DTYPE = np.dtype([("d", _F16), ("qs", "i1", (Q8_BLOCK,))])
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 _Q8_MAX = 127.0 * 65504.0  # beyond this the float16 scale overflows
@@ -48,8 +50,7 @@ _crc = _crc32c.crc32c
 _zstd_decompressor = zstandard.ZstdDecompressor()
 _zstd_compressors: dict[int, zstandard.ZstdCompressor] = {}
 
-Dim = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
-TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+Dim = Int32
 
 
 def wire_size(dtype: TensorDType, count: int) -> int:
@@ -72,7 +73,7 @@ class TensorEntry(WireModel):
     shape: list[Dim] = Field(max_length=MAX_DIMS)
     codec: TensorCodec
     crc32c: int = Field(ge=0, le=0xFFFFFFFF)
-    data: bytes
+    data: bytes = Field(max_length=_compress_bound(MAX_TENSOR_BYTES))
 
     @model_validator(mode="after")
     def _check_payload(self) -> TensorEntry:
@@ -113,7 +114,7 @@ class TensorEntry(WireModel):
         level: int = 1,
     ) -> TensorEntry:
         """Pack ``array`` as ``dtype``. f32 of a float32 array is bit exact."""
-        return cls._trusted(tensor_fields(name, array, dtype, codec, level))
+        return cls.unvalidated(tensor_fields(name, array, dtype, codec, level))
 
     def to_array(self) -> np.ndarray:
         """The tensor as a read-only numpy array (float32, or float16 for f16)."""
@@ -226,24 +227,21 @@ def _quantize_q8_0(flat: np.ndarray) -> bytes:
     return out.tobytes()
 
 
-@register
-class Activation(Message):
+class Activation(Message, tag="activation"):
     """Hidden states (and optionally token ids) of one step of one session.
 
     ``deadline_ms`` is the time budget left when sent, relative, because
     volunteers' clocks are not synchronised.
     """
 
-    type: Literal["activation"] = "activation"
-    v: Literal[1] = 1
-    session: str = Field(min_length=1, max_length=128)
-    epoch: int = Field(ge=0, le=(1 << 63) - 1)
-    step: int = Field(ge=0, le=(1 << 63) - 1)
-    pos: int = Field(ge=0, le=(1 << 31) - 1)
-    n_tokens: int = Field(ge=0, le=(1 << 31) - 1)
+    session: SessionId
+    epoch: Epoch
+    step: Count
+    pos: Int32
+    n_tokens: Int32
     tensors: list[TensorEntry] = Field(max_length=MAX_TENSORS)
-    tokens: list[TokenId] | None = Field(default=None, max_length=1 << 20)
-    deadline_ms: int | None = Field(default=None, ge=0, le=(1 << 31) - 1)
+    tokens: Tokens | None = None
+    deadline_ms: Int32 | None = None
 
     @model_validator(mode="after")
     def _unique_names(self) -> Activation:
@@ -267,7 +265,7 @@ class Activation(Message):
     ) -> Activation:
         """Build from local values without validating them (the receiver does);
         the constructor validates, at a cost that shows on the per-token path."""
-        return cls._trusted(
+        return cls.unvalidated(
             _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms)
         )
 
@@ -302,7 +300,8 @@ def _activation_fields(
         "pos": pos,
         "n_tokens": n_tokens,
         "tensors": tensors,
-        "tokens": None if tokens is None else np.asarray(tokens, np.int64).tolist(),
+        # Packed unchecked, as the rest: the receiver validates.
+        "tokens": None if tokens is None else TokenIds(np.asarray(tokens, _I32).tobytes()),
         "deadline_ms": deadline_ms,
     }
 

@@ -22,19 +22,50 @@ import random
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Literal, TypeVar
+from typing import Literal, TypeVar
 
-from pydantic import Field
-
-from meshd.mesh.records import CapabilityRecord, RecordStore, StoreStats, Verdict
-from wire.codec import Message, WireModel, register
+from meshd.mesh.records import RecordStore, StoreStats, Verdict
+from wire.codec import WireModel
 from wire.identity import NodeIdentity
+from wire.swim import (
+    MAX_SYNC_ENTRIES,
+    MAX_UPDATES_PER_MESSAGE,
+    SWIM_MESSAGES,
+    Ack,
+    Alive,
+    CapabilityRecord,
+    Dead,
+    Gossip,
+    Ping,
+    PingReq,
+    Suspect,
+    SwimMessage,
+    Sync,
+    SyncEntry,
+    Update,
+)
 
-MAX_UPDATES_PER_MESSAGE = 64
-MAX_SYNC_ENTRIES = 16384
-
-_NodeId = Annotated[str, Field(min_length=1, max_length=64)]
-_Seq = Annotated[int, Field(ge=0, lt=2**63)]
+__all__ = [
+    "MAX_SYNC_ENTRIES",
+    "MAX_UPDATES_PER_MESSAGE",
+    "SWIM_MESSAGES",
+    "Ack",
+    "Alive",
+    "Dead",
+    "Gossip",
+    "MemberEvent",
+    "MemberInfo",
+    "MemberState",
+    "Membership",
+    "Ping",
+    "PingReq",
+    "Suspect",
+    "SwimConfig",
+    "SwimMessage",
+    "Sync",
+    "SyncEntry",
+    "Update",
+]
 
 
 class MemberState(str, enum.Enum):
@@ -51,96 +82,7 @@ _ACCEPTED = Verdict.ACCEPTED
 
 
 # ---- wire messages ----------------------------------------------------------------------------
-# Registered with wire.codec: `codec.encode(message)` and `codec.decode(...)` carry them.
-
-
-class Alive(WireModel):
-    """A member's signed record: it is alive at incarnation `record.version` (or left, if it says so)."""
-
-    kind: Literal["alive"] = "alive"
-    record: CapabilityRecord
-
-
-class Suspect(WireModel):
-    kind: Literal["suspect"] = "suspect"
-    node: _NodeId
-    incarnation: _Seq
-    accuser: _NodeId
-
-
-class Dead(WireModel):
-    kind: Literal["dead"] = "dead"
-    node: _NodeId
-    incarnation: _Seq
-    accuser: _NodeId
-
-
-Update = Annotated[Alive | Suspect | Dead, Field(discriminator="kind")]
-_Updates = Annotated[list[Update], Field(max_length=MAX_UPDATES_PER_MESSAGE)]
-
-
-# Every message but Sync says which version of its record the sender is at, so a receiver that
-# missed it (or never heard of the sender) notices and pulls it, instead of waiting for push-pull.
-
-
-@register
-class Ping(Message):
-    type: Literal["swim.ping"] = "swim.ping"
-    v: Literal[1] = 1
-    seq: _Seq
-    version: _Seq
-    gossip: _Updates = []
-
-
-@register
-class Ack(Message):
-    type: Literal["swim.ack"] = "swim.ack"
-    v: Literal[1] = 1
-    seq: _Seq
-    version: _Seq
-    gossip: _Updates = []
-
-
-@register
-class PingReq(Message):
-    """Ask the receiver to probe `target` and pass the ack back under our `seq`."""
-
-    type: Literal["swim.ping_req"] = "swim.ping_req"
-    v: Literal[1] = 1
-    seq: _Seq
-    target: _NodeId
-    version: _Seq
-    gossip: _Updates = []
-
-
-@register
-class Gossip(Message):
-    type: Literal["swim.gossip"] = "swim.gossip"
-    v: Literal[1] = 1
-    version: _Seq
-    gossip: _Updates
-
-
-class SyncEntry(WireModel):
-    """A member as the sender sees it: its record, and whether it is suspected or dead at that version."""
-
-    record: CapabilityRecord
-    state: Literal["alive", "suspect", "dead", "left"]
-
-
-@register
-class Sync(Message):
-    """Push-pull: the sender's whole view (or just its own record, to pull the receiver's view);
-    `reply` asks the receiver to answer with its whole view."""
-
-    type: Literal["swim.sync"] = "swim.sync"
-    v: Literal[1] = 1
-    reply: bool
-    entries: Annotated[list[SyncEntry], Field(max_length=MAX_SYNC_ENTRIES)]
-
-
-SwimMessage = Ping | Ack | PingReq | Gossip | Sync
-SWIM_MESSAGES = (Ping, Ack, PingReq, Gossip, Sync)
+# They live in wire.swim, with the record they carry; `codec.encode`/`codec.decode` carry them.
 
 _Made = TypeVar("_Made", bound=WireModel)
 _DEFAULTS = {
@@ -152,7 +94,7 @@ _DEFAULTS = {
 def _made(model: type[_Made], **fields: object) -> _Made:
     """A message or update built from this node's own state, not validated again (the receiver
     validates): a gossip round builds many, and validating them was most of its cost."""
-    return model._trusted({**_DEFAULTS[model], **fields})
+    return model.unvalidated({**_DEFAULTS[model], **fields})
 
 
 # ---- configuration and events -----------------------------------------------------------------

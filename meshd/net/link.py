@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import trio
 
 from meshd.net.transport import RecordTransport
-from wire.codec import DEFAULT_LIMITS, Limits, Message, MessageDecoder, encode
+from wire.codec import DEFAULT_LIMITS, Limits, Message, MessageDecoder, encode, protocol_limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.link import SecureLink
 from wire.mux import (
@@ -99,7 +99,8 @@ class Stream(trio.abc.HalfCloseableStream):
         # The one task reading (reads are exclusive), parked until data comes:
         # a bare reschedule costs a fraction of a ParkingLot's on every message.
         self._parked: trio.lowlevel.Task | None = None
-        self._decoder = MessageDecoder(limits)
+        # Each protocol's caps (SWIM, mesh RPC, relay small; the stage protocol large), within the link's.
+        self._decoder = MessageDecoder(protocol_limits(protocol, limits))
         self._sending = False
         self._receiving = False
 

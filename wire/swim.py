@@ -1,0 +1,237 @@
+"""The SWIM protocol's messages, and the signed capability record they gossip.
+
+A record is signed by its own node over a canonical msgpack encoding, so any
+member can relay it and nobody can alter it. Its ``version`` is also the
+node's SWIM incarnation number: a node refutes a suspicion of itself by
+signing a newer record, which makes "alive" claims unforgeable. The state
+machine that sends and receives these is ``meshd.mesh.membership``; the store
+that admits records is ``meshd.mesh.records``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Annotated, Literal
+
+import msgpack
+from pydantic import Field, model_validator
+
+from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.identity import NodeIdentity, node_id_of, verify
+from wire.types import MAX_LAYERS, Address, Count, Digest, Label, LayerCount, NodeId, Seconds, Text
+
+SWIM_PROTOCOL = "meshd/swim/1"
+
+MAX_UPDATES_PER_MESSAGE = 64
+MAX_SYNC_ENTRIES = 16384
+
+# A record is some 60 msgpack objects and a few hundred bytes: a push-pull of
+# 4 MiB and 2**17 objects holds some 2,000 members; probes and gossip are far
+# smaller.
+register_protocol(SWIM_PROTOCOL, Limits(max_message_bytes=4 << 20, max_objects=1 << 17, max_depth=8))
+
+# ---- capability records -------------------------------------------------------------------------
+
+_SIGNING_DOMAIN = b"meshd-capability-record-v1\x00"
+
+# Bounds on what a peer may make us hold; a record is gossiped to everyone, so it stays small.
+MAX_ADDRESSES = 8
+MAX_ROLES = 8
+MAX_MODELS = 16
+MAX_SERVED = 32
+
+Reachability = Literal["public", "nat", "unknown"]
+
+ROLE_RELAY = "relay"
+# A light client (`meshd ask --seed`) joins briefly: it serves nothing and never runs for tracker.
+ROLE_CLIENT = "client"
+
+
+class ModelInfo(WireModel):
+    """A model file a node holds, described by what placement needs to know."""
+
+    digest: Digest
+    name: Text
+    n_layers: LayerCount
+    bytes_per_layer: Count
+    # KV cache bytes one token occupies in one layer (K and V together).
+    kv_bytes_per_token: Count
+    # Token embedding, owned by the head stage.
+    head_bytes: Count = 0
+    # Output norm and LM head, owned by the tail stage (token_embd again when tied).
+    tail_bytes: Count = 0
+
+
+class ServedRange(WireModel):
+    """A half-open layer range of a model that a node has loaded and serves."""
+
+    model: Digest
+    start: Annotated[int, Field(ge=0, lt=MAX_LAYERS)]
+    end: LayerCount
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> ServedRange:
+        if self.start >= self.end:
+            raise ValueError(f"empty layer range [{self.start}, {self.end})")
+        return self
+
+
+class CapabilityRecord(WireModel):
+    """A node's signed description of itself; also its SWIM alive claim at incarnation `version`.
+
+    A wire model (strict, closed): sequences are lists, as msgpack gives them."""
+
+    node_id: NodeId
+    public_key: Annotated[bytes, Field(min_length=32, max_length=32)]
+    version: Count
+    addresses: Annotated[list[Address], Field(max_length=MAX_ADDRESSES)] = []
+    reachability: Reachability = "unknown"
+    relay_addresses: Annotated[list[Address], Field(max_length=MAX_ADDRESSES)] = []
+    roles: Annotated[list[Label], Field(max_length=MAX_ROLES)] = []
+    memory_bytes: Count = 0
+    # KV tokens the node keeps for its sessions (sessions x tokens each); placement counts their memory.
+    kv_tokens: Count = 0
+    # Measured compute time of one layer for one decoded token; 0 until measured.
+    seconds_per_layer: Seconds = 0.0
+    models: Annotated[list[ModelInfo], Field(max_length=MAX_MODELS)] = []
+    served: Annotated[list[ServedRange], Field(max_length=MAX_SERVED)] = []
+    # Busy fraction of the engine (0 idle, 1 saturated, above 1 queueing).
+    load: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
+    # Unix time the node says it started; the election prefers long-lived nodes.
+    started_at: Annotated[float, Field(allow_inf_nan=False)] = 0.0
+    # A positive term means this node claims to be the tracker for that term.
+    tracker_term: Count = 0
+    # The node's last word: it has left the mesh gracefully.
+    leaving: bool = False
+    signature: Annotated[bytes, Field(max_length=64)] = b""
+
+    @classmethod
+    def create(cls, identity: NodeIdentity, version: int, **fields: object) -> CapabilityRecord:
+        """A new record for `identity`, signed."""
+        unsigned = cls.model_validate(
+            {"node_id": identity.node_id, "public_key": identity.public_key, "version": version, **fields}
+        )
+        return unsigned.model_copy(update={"signature": identity.sign(unsigned.signing_bytes())})
+
+    def evolve(
+        self, identity: NodeIdentity, version: int | None = None, **changes: object
+    ) -> CapabilityRecord:
+        """A newer version of this record (the next one unless `version` says) with `changes`, signed."""
+        if identity.node_id != self.node_id:
+            raise ValueError("only a record's own node can sign its next version")
+        if version is None:
+            version = self.version + 1
+        elif version <= self.version:
+            raise ValueError(f"version {version} is not newer than {self.version}")
+        fields = self.model_dump(exclude={"node_id", "public_key", "version", "signature"})
+        fields.update(changes)
+        return CapabilityRecord.create(identity, version, **fields)
+
+    def signing_bytes(self) -> bytes:
+        # Field order is the schema's, not the sender's, so the encoding is canonical.
+        body = self.model_dump(exclude={"signature"})
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+        return _SIGNING_DOMAIN + packed
+
+    def verify(self) -> bool:
+        """Signed by the key it names, and that key hashes to its node id."""
+        if node_id_of(self.public_key) != self.node_id:
+            return False
+        return _verify_cached(self.public_key, self.signing_bytes(), self.signature)
+
+    def model(self, digest: str) -> ModelInfo | None:
+        return next((m for m in self.models if m.digest == digest), None)
+
+
+_VERIFY_CACHE_SIZE = 8192
+_verified: OrderedDict[tuple[bytes, bytes, bytes], bool] = OrderedDict()
+
+
+def _verify_cached(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    # A record travels through many peers and a rejected one is not stored, so the same
+    # bytes come back; Ed25519 verification (~60 us) dominates gossip handling otherwise.
+    key = (public_key, message, signature)
+    ok = _verified.get(key)
+    if ok is None:
+        ok = verify(public_key, message, signature)
+        _verified[key] = ok
+        if len(_verified) > _VERIFY_CACHE_SIZE:
+            _verified.popitem(last=False)
+    return ok
+
+
+# ---- SWIM messages ------------------------------------------------------------------------------
+
+
+class Alive(WireModel):
+    """A member's signed record: it is alive at incarnation `record.version` (or left, if it says so)."""
+
+    kind: Literal["alive"] = "alive"
+    record: CapabilityRecord
+
+
+class Suspect(WireModel):
+    kind: Literal["suspect"] = "suspect"
+    node: NodeId
+    incarnation: Count
+    accuser: NodeId
+
+
+class Dead(WireModel):
+    kind: Literal["dead"] = "dead"
+    node: NodeId
+    incarnation: Count
+    accuser: NodeId
+
+
+Update = Annotated[Alive | Suspect | Dead, Field(discriminator="kind")]
+_Updates = Annotated[list[Update], Field(max_length=MAX_UPDATES_PER_MESSAGE)]
+
+
+# Every message but Sync says which version of its record the sender is at, so a receiver that
+# missed it (or never heard of the sender) notices and pulls it, instead of waiting for push-pull.
+
+
+class Ping(Message, tag="swim.ping"):
+    seq: Count
+    version: Count
+    gossip: _Updates = []
+
+
+class Ack(Message, tag="swim.ack"):
+    seq: Count
+    version: Count
+    gossip: _Updates = []
+
+
+class PingReq(Message, tag="swim.ping_req"):
+    """Ask the receiver to probe `target` and pass the ack back under our `seq`."""
+
+    seq: Count
+    target: NodeId
+    version: Count
+    gossip: _Updates = []
+
+
+class Gossip(Message, tag="swim.gossip"):
+    version: Count
+    gossip: _Updates
+
+
+class SyncEntry(WireModel):
+    """A member as the sender sees it: its record, and whether it is suspected or dead at that version."""
+
+    record: CapabilityRecord
+    state: Literal["alive", "suspect", "dead", "left"]
+
+
+class Sync(Message, tag="swim.sync"):
+    """Push-pull: the sender's whole view (or just its own record, to pull the receiver's view);
+    `reply` asks the receiver to answer with its whole view."""
+
+    reply: bool
+    entries: Annotated[list[SyncEntry], Field(max_length=MAX_SYNC_ENTRIES)]
+
+
+SwimMessage = Ping | Ack | PingReq | Gossip | Sync
+SWIM_MESSAGES = (Ping, Ack, PingReq, Gossip, Sync)
