@@ -129,22 +129,24 @@ async def test_killed_engine_worker_fails_session_fast_then_recovers(
         stages: list[Served], peers: Peers, expected: dict[str, list[int]]) -> None:
     route = await route_of(peers, stages)
     middle = stages[1]
-    killed_at = None
+    killed = False
 
     async def kill_middle_worker(token: int, piece: bytes) -> None:
-        nonlocal killed_at
-        if killed_at is None and len(result.tokens) == 5:
+        nonlocal killed
+        if not killed and len(result.tokens) == 5:
             os.kill(middle.worker_pid, signal.SIGKILL)
-            killed_at = time.perf_counter()
+            killed = True
 
     result = AskResult()
-    with pytest.raises(ProtocolError) as err:
+    # "fast" is not a time: the stage must see the death itself (its socket or its exit), not
+    # wait out the engine call's deadline; the outer deadline only bounds a hang
+    with pytest.raises(ProtocolError) as err, trio.fail_after(120):
         await run_session(peers, route, request(PROMPTS[0], max_tokens=500), result, on_token=kill_middle_worker)
-    waited = time.perf_counter() - killed_at
-    print(f"typed error {err.value.code.value} {waited * 1000:.0f} ms after SIGKILL: {err.value.message}")
+    print(f"typed error {err.value.code.value} after SIGKILL: {err.value.message}")
+    assert killed
     assert err.value.code in (ErrorCode.INTERNAL, ErrorCode.UNREACHABLE)
     assert err.value.retryable
-    assert waited < 2.0
+    assert "engine worker" in err.value.message and "in time" not in err.value.message, err.value.message
     with trio.fail_after(30):
         while (await metrics(peers, middle.address))["worker_up"] != 1.0:
             await trio.sleep(0.1)
