@@ -69,6 +69,8 @@ def stopped_by_pid(*pids: int) -> Iterator[None]:
         yield
     finally:
         for pid in pids:
+            if pid <= 0:
+                continue  # never 0 or -1: those signal whole groups, this test run's own included
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
