@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from localmesh import Served, run_meshd, start_join
+from localmesh import Served, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, check_route, describe_route
 from meshd.daemon import rpc
@@ -35,8 +35,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served]]:
             nodes.append(start_join("--seed", nodes[0].address, "--state-dir", str(base / f"v{i}"), *VOLUNTEER))
         yield nodes
     finally:
-        for n in nodes:
-            n.stop()
+        stop_all(nodes)
 
 
 @pytest.fixture(scope="module")

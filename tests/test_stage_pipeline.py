@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import trio
-from localmesh import Served, start_serve
+from localmesh import Served, start_serve, stop_all
 
 from meshd.client.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session
 from meshd.net.peers import Peers, open_peers
@@ -38,8 +37,7 @@ def stages() -> Iterator[list[Served]]:
             served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", "12", "--session-tokens", "512"))
         yield served
     finally:
-        for s in served:
-            s.stop()
+        stop_all(served)
 
 
 @pytest.fixture(scope="module")
