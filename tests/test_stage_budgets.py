@@ -29,6 +29,9 @@ from wire.stage import (
 )
 from wire.tensors import Activation, TensorEntry
 
+# every ask ends within this (a bound against hangs, not a speed claim)
+ASK_DEADLINE = 60
+
 
 @asynccontextmanager
 async def stage(model: Path, layers: tuple[int, int] | None, **limits: float) -> AsyncIterator[StageNode]:
@@ -113,14 +116,15 @@ async def test_session_beyond_the_budget_is_overloaded_with_a_retry_hint(default
         # a session that fits still runs to the end
         route = [Stage(node.address, await info_of(asker, node))]
         node.service.limits = StageLimits(max_sessions=2, max_session_tokens=256, evict_after=0.0)
-        result = await run_session(asker, route, AskRequest(text="The sky is", max_tokens=5), AskResult())
+        with trio.fail_after(ASK_DEADLINE):
+            result = await run_session(asker, route, AskRequest(text="The sky is", max_tokens=5), AskResult())
         assert len(result.tokens) == 5
 
 
 async def test_prompt_longer_than_the_session_budget_is_overloaded(default_model: Path, asker: Peers) -> None:
     async with stage(default_model, None, max_session_tokens=16) as node:
         route = [Stage(node.address, await info_of(asker, node))]
-        with pytest.raises(ProtocolError) as err:
+        with pytest.raises(ProtocolError) as err, trio.fail_after(ASK_DEADLINE):
             await run_session(asker, route, AskRequest(text="word " * 40, max_tokens=4), AskResult())
         assert err.value.code == ErrorCode.OVERLOADED
         assert node.service.metric_values()["sessions"] == 0.0

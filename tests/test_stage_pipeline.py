@@ -26,6 +26,8 @@ PROMPTS = [
     "Give me a short recipe for pancakes.",
 ]
 NEW_TOKENS = 64
+# every ask ends within this, however the pipeline breaks (a bound against hangs, not a speed claim)
+ASK_DEADLINE = 120
 RANGES = ["0:10", "10:20", "20:30"]
 
 
@@ -74,7 +76,8 @@ async def test_pipeline_matches_whole_model_for_each_prompt(stages: list[Served]
                                                             expected: dict[str, list[int]]) -> None:
     route = await route_of(peers, stages)
     for prompt in PROMPTS:
-        result = await run_session(peers, route, request(prompt), AskResult())
+        with trio.fail_after(ASK_DEADLINE):
+            result = await run_session(peers, route, request(prompt), AskResult())
         assert result.tokens == expected[prompt], prompt
         assert result.reason == ("max_tokens" if len(result.tokens) == NEW_TOKENS else "eog")
 
@@ -87,7 +90,8 @@ async def test_concurrent_sessions_match_solo_runs_and_share_engine_calls(
     results: list[AskResult | None] = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        results[i] = await run_session(peers, route, request(prompts[i]), AskResult())
+        with trio.fail_after(ASK_DEADLINE):
+            results[i] = await run_session(peers, route, request(prompts[i]), AskResult())
 
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
@@ -138,7 +142,7 @@ async def test_killed_engine_worker_fails_session_fast_then_recovers(
     result = AskResult()
     # "fast" is not a time: the stage must see the death itself (its socket or its exit), not
     # wait out the engine call's deadline; the outer deadline only bounds a hang
-    with pytest.raises(ProtocolError) as err, trio.fail_after(120):
+    with pytest.raises(ProtocolError) as err, trio.fail_after(ASK_DEADLINE):
         await run_session(peers, route, request(PROMPTS[0], max_tokens=500), result, on_token=kill_middle_worker)
     print(f"typed error {err.value.code.value} after SIGKILL: {err.value.message}")
     assert killed
@@ -150,5 +154,6 @@ async def test_killed_engine_worker_fails_session_fast_then_recovers(
             await trio.sleep(0.1)
     m = await metrics(peers, middle.address)
     assert m["worker_restarts"] >= 1
-    again = await run_session(peers, route, request(PROMPTS[0]), AskResult())
+    with trio.fail_after(ASK_DEADLINE):
+        again = await run_session(peers, route, request(PROMPTS[0]), AskResult())
     assert again.tokens == expected[PROMPTS[0]]
