@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -36,7 +37,7 @@ def tiny(tiny_models: dict[str, Path]) -> Path:
 
 
 @asynccontextmanager
-async def supervised(model: Path, **kwargs: float) -> AsyncIterator[EngineSupervisor]:
+async def supervised(model: Path, **kwargs: Any) -> AsyncIterator[EngineSupervisor]:
     sup = EngineSupervisor(WorkerSpec(model, n_ctx=256, n_seq_max=2, n_batch=256, threads=1), **kwargs)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(DEADLINE):
@@ -137,7 +138,7 @@ GARBAGE_HEADERS = {
     "nested 100k deep": b"\x91" * 100_000,
     "ext type": b"\xd4\x05\x00",
 }
-BAD_REQUESTS = {
+BAD_REQUESTS: dict[str, dict[str, Any]] = {
     "no op": {},
     "op not a string": {"op": 7},
     "unknown op": {"op": "format_disk"},
@@ -212,6 +213,21 @@ async def test_a_request_over_the_frame_limit_is_refused_unsent(tiny: Path) -> N
         assert refused.value.kind == "FrameTooLarge"
         reply, _ = await sup.call({"op": "tokenize", "text": "the cat"})
         assert reply["tokens"] and sup.pid == pid and sup.restarts == 0
+
+
+async def test_a_reply_too_large_for_a_frame_is_a_typed_error(tiny: Path) -> None:
+    """Input under the limit that asks for output over it: " the" (4 bytes) for each 3-byte token id."""
+    from gguf_factory import byte_level_vocab
+
+    the = byte_level_vocab()[0].index("Ġthe")
+    n = (MAX_HEADER - 64) // 3
+    async with supervised(tiny) as sup:
+        pid = sup.pid
+        with pytest.raises(WorkerRefused) as refused:
+            await sup.call({"op": "detokenize", "tokens": [the] * n})
+        assert refused.value.kind == "ReplyTooLarge", str(refused.value)
+        reply, _ = await sup.call({"op": "detokenize", "tokens": [the] * 3})
+        assert reply["text"] == " the the the" and sup.pid == pid and sup.restarts == 0
 
 
 async def test_a_cancelled_call_costs_neither_the_worker_nor_the_next_reply(tiny: Path) -> None:
