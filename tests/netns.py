@@ -12,12 +12,15 @@ import re
 import secrets
 import shutil
 import subprocess
+import time
 
 import pytest
 
 PREFIX = "meshd-"
 # meshd-<pid>-...: a maker's PID; older names (meshd-<hex>-<role>, meshd-probe-<hex>) have none
 _OWNED = re.compile(r"^meshd-(\d+)-")
+# longer than any run of the netns tests: an unnamed maker's namespace older than this is a leftover
+LEGACY_MAX_AGE = 3600.0
 
 
 def name(tag: str, role: str) -> str:
@@ -57,13 +60,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _pids_inside(ns: str) -> bool:
-    shown = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-    return bool(shown.stdout.strip())
+def _older_than(ns: str, seconds: float) -> bool:
+    try:
+        made = os.stat(f"/run/netns/{ns}").st_mtime
+    except OSError:
+        return False
+    return time.time() - made > seconds
 
 
 def stale() -> list[str]:
-    """meshd-* namespaces left by killed runs: their maker is dead, or (older names) nothing runs inside."""
+    """meshd-* namespaces left by killed runs: their maker is dead, or (older names, no maker
+    recorded) they are older than any run lasts. An older name without processes is no sign:
+    a router namespace never holds one."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     found = []
     for line in listed.stdout.splitlines():
@@ -71,7 +79,7 @@ def stale() -> list[str]:
         if not ns.startswith(PREFIX):
             continue
         owned = _OWNED.match(ns)
-        if (not _alive(int(owned.group(1)))) if owned else not _pids_inside(ns):
+        if (not _alive(int(owned.group(1)))) if owned else _older_than(ns, LEGACY_MAX_AGE):
             found.append(ns)
     return found
 

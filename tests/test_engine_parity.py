@@ -11,6 +11,8 @@ from parity import assert_same_logits
 from meshd.engine import Model, Sampler
 from meshd.engine.chain import LocalChain
 
+pytestmark = pytest.mark.slow  # the default model, whole and split, 6 prompts x 64 tokens
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

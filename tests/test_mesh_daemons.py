@@ -19,6 +19,8 @@ from tests.conftest import greedy_reference
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
 
+pytestmark = pytest.mark.slow  # six daemons and their workers
+
 PROMPT = "Write a short story about a lighthouse keeper."
 # Small KV budgets and memory, so the default model needs three stages and spare nodes become replicas.
 VOLUNTEER = ["--memory", "62M", "--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]

@@ -28,6 +28,8 @@ import netns
 import pytest
 from localmesh import READY, spawn, stop_process
 
+pytestmark = pytest.mark.slow  # five namespaces, relays and daemons
+
 PROMPT = "Write a short story about a lighthouse keeper named CANARY-5f3a9c-KEEPER."
 CANARY = b"CANARY-5f3a9c"
 NEW_TOKENS = 24

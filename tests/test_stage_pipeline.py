@@ -18,6 +18,8 @@ from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
 
+pytestmark = pytest.mark.slow  # three daemons and their workers
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

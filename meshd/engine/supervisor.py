@@ -285,10 +285,6 @@ class WorkerProcess:
         self.pid = self.popen.pid
         self._pidfd: int | None = os.pidfd_open(self.pid)
 
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.returncode
-
     def kill(self) -> None:
         """SIGKILL unless already reaped (Popen never signals a reaped PID)."""
         self.popen.kill()
