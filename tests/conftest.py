@@ -21,7 +21,10 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.register_profile("dev", deadline=None, stateful_step_count=50)
 settings.register_profile("big", max_examples=5000, stateful_step_count=200, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+_profile = os.environ.get("HYPOTHESIS_PROFILE", "dev")
+if _profile not in ("ci", "dev", "big"):
+    raise pytest.UsageError(f"HYPOTHESIS_PROFILE={_profile!r} is not one of ci, dev, big")
+settings.load_profile(_profile)
 
 
 @pytest.fixture(scope="session")
