@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -48,12 +49,13 @@ def spawn(argv: list[str], **popen: Any) -> subprocess.Popen[Any]:
     """A process of a test in its own process group, SIGKILLed when this process dies.
 
     Its own group: stop_process ends everything it started (a worker, a shell's
-    children) by one group signal. Call it from the main thread: the parent-death
-    signal follows the thread that forks.
+    children) by one group signal. The parent-death signal follows the thread that
+    forks, so it is armed only from the main thread (a worker thread, such as
+    trio.to_thread's, exits when idle and would take the process with it).
     """
+    arm = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
     proc: subprocess.Popen[Any] = subprocess.Popen(argv, start_new_session=True,
-                                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-                                                   **popen)
+                                                   preexec_fn=_die_with_parent if arm else None, **popen)
     _GROUPS.add(proc.pid)
     return proc
 
