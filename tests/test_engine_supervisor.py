@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from meshd.cli import report_restarts
 from meshd.engine.supervisor import EngineSupervisor, WorkerRefused, WorkerSpec, _read_frame, _send_frame
@@ -341,3 +343,61 @@ def test_a_worker_dies_with_its_daemon_even_when_it_cannot_read_its_socket(tiny:
             os.kill(daemon.pid, signal.SIGKILL)
             daemon.wait(DEADLINE)
             trio.run(until_gone, worker)
+
+
+@pytest.fixture(scope="module")
+def raw_worker(tiny_models: dict[str, Path]) -> Iterator[tuple[socket.socket, int]]:
+    """A worker on a blocking socket of this process (no supervisor): bytes in, frames out."""
+    ours, theirs = socket.socketpair()
+    spec = WorkerSpec(tiny_models["llama-gqa-tied"], n_ctx=256, n_seq_max=2, n_batch=256, threads=1)
+    proc = subprocess.Popen(spec.argv(theirs.fileno()), pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+    theirs.close()
+    ours.settimeout(DEADLINE)
+    with stopped_by_pid(proc.pid):
+        assert blocking_frames(ours, 1)[0]["ok"]
+        yield ours, proc.pid
+        ours.close()
+        proc.wait(DEADLINE)
+
+
+def blocking_frames(sock: socket.socket, n: int) -> list[dict[str, Any]]:
+    buf = bytearray()
+    frames: list[dict[str, Any]] = []
+    while len(frames) < n:
+        chunk = sock.recv(1 << 16)
+        assert chunk, "the worker closed its socket"
+        buf += chunk
+        while len(buf) >= PREFIX.size:
+            header_len, payload_len = PREFIX.unpack_from(buf)
+            end = PREFIX.size + header_len + payload_len
+            if len(buf) < end:
+                break
+            frames.append(msgpack.unpackb(bytes(buf[PREFIX.size:PREFIX.size + header_len])))
+            del buf[:end]
+    return frames
+
+
+OPS = ["ping", "forward", "remove", "sampler_new", "sampler_free", "tokenize", "detokenize", "nope"]
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=64),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+requests = st.fixed_dictionaries({"op": st.sampled_from(OPS)}, optional={
+    k: values for k in ("seq", "pos", "tokens", "want", "history", "sample", "sid", "params", "text", "messages",
+                        "p0", "p1", "return_logits")})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.one_of(requests.map(lambda r: msgpack.packb(r, use_bin_type=True)), st.binary(max_size=64)),
+       payload=st.binary(max_size=256))
+@example(header=b"\xc1", payload=b"")
+@example(header=msgpack.packb({"op": "forward", "seq": b"\x00" * 4, "pos": b"\x00" * 4}), payload=b"\x00" * 3)
+def test_no_frame_ends_the_worker(raw_worker: tuple[socket.socket, int], header: bytes, payload: bytes) -> None:
+    """Any header bytes and payload: one reply each, and the worker lives on (then answers a ping)."""
+    sock, pid = raw_worker
+    sock.sendall(PREFIX.pack(len(header), len(payload)) + header + payload + encode_prefix({"op": "ping"}, 0))
+    reply, pong = blocking_frames(sock, 2)
+    assert isinstance(reply.get("ok"), bool) and (reply["ok"] or isinstance(reply.get("kind"), str)), reply
+    assert pong == {"ok": True} and not gone(pid)
