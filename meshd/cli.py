@@ -123,12 +123,12 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def report_restarts(engine: EngineSupervisor) -> None:
+    """One line each time the engine worker goes down (the supervisor restarts it)."""
     seen = engine.restarts
     while True:
-        await trio.sleep(0.5)
-        if engine.restarts != seen:
-            seen = engine.restarts
-            print(f"meshd: engine worker died; restarted (restart {seen}, worker {engine.pid})", file=sys.stderr, flush=True)
+        seen = await engine.wait_restart(seen)
+        print(f"meshd: engine worker {engine.pid} {engine.last_down}; restarting (restart {seen})",
+              file=sys.stderr, flush=True)
 
 
 # ----- join

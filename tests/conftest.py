@@ -1,12 +1,30 @@
-"""Shared fixtures: the default model and what the engine knows of it."""
+"""Shared fixtures: the default model and what the engine knows of it; Hypothesis profiles."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from meshd.mesh.models import default_model_path
+
+# HYPOTHESIS_PROFILE picks one (.ci/run exports "ci"):
+#   ci:  the same examples on every run (derandomized, no example database), so CI
+#        fails for a reason a rerun reproduces; print_blob gives the @reproduce_failure line
+#   dev: Hypothesis's defaults, randomized, with the local database
+#   big: a long randomized run by hand, e.g. HYPOTHESIS_PROFILE=big pytest tests/test_wire_codec.py
+# Every profile caps stateful runs; a test's own @settings(max_examples=...) is its cap.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True, deadline=None,
+                          stateful_step_count=50, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, stateful_step_count=50)
+settings.register_profile("big", max_examples=5000, stateful_step_count=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+_profile = os.environ.get("HYPOTHESIS_PROFILE", "dev")
+if _profile not in ("ci", "dev", "big"):
+    raise pytest.UsageError(f"HYPOTHESIS_PROFILE={_profile!r} is not one of ci, dev, big")
+settings.load_profile(_profile)
 
 
 @pytest.fixture(scope="session")

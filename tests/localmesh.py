@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 READY = re.compile(r"^ready (\S+) pid=(\d+) (?:worker|node)=(\w+)")
 
@@ -30,15 +35,58 @@ class Served:
             self.log.unlink(missing_ok=True)
 
 
+# PIDs that spawn() made leaders of their own process group: stop_process ends the group
+_GROUPS: set[int] = set()
+
+
+def _die_with_parent() -> None:
+    # runs in the child between fork and exec: SIGKILL it when the test process dies,
+    # however it dies (survives exec, and `ip netns exec` execs in place)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def spawn(argv: list[str], **popen: Any) -> subprocess.Popen[Any]:
+    """A process of a test in its own process group, SIGKILLed when this process dies.
+
+    Its own group: stop_process ends everything it started (a worker, a shell's
+    children) by one group signal. The parent-death signal follows the thread that
+    forks, so it is armed only from the main thread (a worker thread, such as
+    trio.to_thread's, exits when idle and would take the process with it).
+    """
+    arm = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
+    proc: subprocess.Popen[Any] = subprocess.Popen(argv, start_new_session=True,
+                                                   preexec_fn=_die_with_parent if arm else None, **popen)
+    _GROUPS.add(proc.pid)
+    return proc
+
+
 def stop_process(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
-    """SIGTERM (a daemon leaves gracefully), then SIGKILL if it takes too long."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    """SIGTERM (a daemon leaves gracefully), then SIGKILL if it takes too long; then its whole group."""
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    finally:
+        if proc.pid in _GROUPS:
+            # whatever the leader left running in its group (by PID: the group is the leader's)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            _GROUPS.discard(proc.pid)
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def stop_all(items: Iterable[Stoppable]) -> None:
+    """Stops every item even if stopping one fails; the first failure is raised after all were tried."""
+    with contextlib.ExitStack() as stack:
+        for item in items:
+            stack.callback(item.stop)
 
 
 def meshd_command(*args: str) -> list[str]:
@@ -59,8 +107,8 @@ def start_meshd(command: str, *args: str, timeout: float = 60.0) -> Served:
     """Output goes to a log file, not a pipe: a pipe nobody reads would block a chatty daemon."""
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"meshd-{command}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(meshd_command(command, "--listen", "127.0.0.1:0", *args), stdout=log,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = spawn(meshd_command(command, "--listen", "127.0.0.1:0", *args), stdout=log,
+                 stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + timeout
     lines: list[str] = []
     while time.monotonic() < deadline and proc.poll() is None:
@@ -72,8 +120,7 @@ def start_meshd(command: str, *args: str, timeout: float = 60.0) -> Served:
                 return (Served(proc, m.group(1), int(worker), lines, log=Path(log.name)) if worker.isdigit()
                         else Served(proc, m.group(1), 0, lines, node_id=worker, log=Path(log.name)))
         time.sleep(0.05)
-    proc.kill()
-    proc.wait()
+    stop_process(proc)
     lines = Path(log.name).read_text().splitlines()
     raise RuntimeError(f"meshd {command} did not become ready:\n" + "\n".join(lines))
 

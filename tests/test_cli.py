@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from localmesh import Served, copy_with_other_digest, run_meshd, start_serve
+from localmesh import Served, copy_with_other_digest, run_meshd, start_serve, stop_all
 
 
 def free_port() -> int:
@@ -24,8 +24,7 @@ def halves() -> Iterator[list[Served]]:
             served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", "2", "--session-tokens", "256"))
         yield served
     finally:
-        for s in served:
-            s.stop()
+        stop_all(served)
 
 
 def one_line_error(result, exit_code: int = 1) -> str:

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf_factory import TINY_SPECS, byte_level_vocab
+from parity import assert_same_logits
 
 from meshd.engine import Model, Sampler
 from meshd.engine.chain import LocalChain
@@ -29,7 +30,6 @@ N_CTX = 128
 # one thread: the tiny models need no more, and ggml's spinning thread barrier can burn
 # tens of seconds when a shared, busy machine deschedules one of two threads
 N_THREADS = 1
-TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -79,22 +79,16 @@ def whole_runs(tiny_models: dict[str, Path]) -> dict[str, list[Run]]:
 @pytest.mark.parametrize("model_name", list(TINY_SPECS))
 def test_chain_of_ranges_matches_whole_model_logits_and_greedy_tokens(
     model_name: str, chain_name: str, tiny_models: dict[str, Path], whole_runs: dict[str, list[Run]],
-    record_property: pytest.RecordProperty,
 ) -> None:
     whole = whole_runs[model_name]
     split = chain_runs(tiny_models[model_name], CHAINS[chain_name], prompts_for(model_name))
-    worst = 0.0
-    for p, (a, b) in enumerate(zip(whole, split, strict=False)):
+    for p, (a, b) in enumerate(zip(whole, split, strict=True)):
+        assert len(a.logits) == len(b.logits) == NEW_TOKENS + 1
         # step by step, so a failure names the first step where the chain left the whole model
-        for step, (la, lb) in enumerate(zip(a.logits, b.logits, strict=False)):
-            diff = float(np.max(np.abs(la - lb)))
-            assert diff <= TOLERANCE, f"prompt {p}, step {step}: max abs logit difference {diff}"
-            worst = max(worst, diff)
+        for step, (la, lb) in enumerate(zip(a.logits, b.logits, strict=True)):
+            assert_same_logits(la, lb, f"prompt {p}, step {step}")
             if step < NEW_TOKENS:
                 assert a.tokens[step] == b.tokens[step], f"prompt {p}, step {step}: greedy token differs"
-    # the bar is 1e-4; on CPU the chain is bit-identical (0.0), recorded so drift shows before it fails
-    record_property("max_abs_logit_diff", worst)
-    print(f"{model_name} {chain_name}: max abs logit difference {worst}")
 
 
 def _bytes(reader: gguf.GGUFReader, names: set[str]) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from localmesh import Served, run_meshd, start_join
+from localmesh import Served, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, check_route, describe_route
 from meshd.daemon import rpc
@@ -18,6 +18,8 @@ from meshd.net.peers import Peers, open_peers
 from tests.conftest import greedy_reference
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+
+pytestmark = pytest.mark.slow  # six daemons and their workers
 
 PROMPT = "Write a short story about a lighthouse keeper."
 # Small KV budgets and memory, so the default model needs three stages and spare nodes become replicas.
@@ -35,8 +37,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served]]:
             nodes.append(start_join("--seed", nodes[0].address, "--state-dir", str(base / f"v{i}"), *VOLUNTEER))
         yield nodes
     finally:
-        for n in nodes:
-            n.stop()
+        stop_all(nodes)
 
 
 @pytest.fixture(scope="module")

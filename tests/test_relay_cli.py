@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from localmesh import run_meshd, start_join, start_meshd
+from localmesh import run_meshd, start_join, start_meshd, stop_all
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -38,6 +38,4 @@ def test_a_relay_joins_the_mesh_with_the_relay_role(tmp_path: Path) -> None:
         else:
             raise AssertionError(f"the relay never showed up with its role:\n{shown}")
     finally:
-        if relay is not None:
-            relay.stop()
-        seed.stop()
+        stop_all([seed] if relay is None else [seed, relay])

@@ -11,6 +11,7 @@ namespaces.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -23,8 +24,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import netns
 import pytest
-from localmesh import READY, stop_process
+from localmesh import READY, spawn, stop_process
+
+pytestmark = pytest.mark.slow  # five namespaces, relays and daemons
 
 PROMPT = "Write a short story about a lighthouse keeper named CANARY-5f3a9c-KEEPER."
 CANARY = b"CANARY-5f3a9c"
@@ -42,18 +46,6 @@ def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
     return done
-
-
-def namespaces_unavailable() -> str | None:
-    """Why this machine cannot build the topology, or None. Tries it rather than guessing."""
-    if shutil.which("ip") is None:
-        return "iproute2 (`ip`) is not installed"
-    probe = f"meshd-probe-{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip() or 'ip netns add failed'}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    return None
 
 
 @dataclass
@@ -89,9 +81,9 @@ class Topology:
     def start(self, name: str, role: str, *args: str, timeout: float = 90.0) -> Process:
         log = self.base / f"{name}.log"
         with log.open("w") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.ns(role), sys.executable, "-m", "meshd.cli", *args],
-                                    stdout=out, stderr=subprocess.STDOUT, text=True,
-                                    env=os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": "INFO"})
+            proc = spawn(["ip", "netns", "exec", self.ns(role), sys.executable, "-m", "meshd.cli", *args],
+                         stdout=out, stderr=subprocess.STDOUT, text=True,
+                         env=os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": "INFO"})
         process = Process(name, proc, log)
         self.processes[name] = process
         deadline = time.monotonic() + timeout
@@ -111,7 +103,7 @@ class Topology:
 def build(topo: Topology) -> None:
     t = topo.tag
     for role in ("pub", "r1", "r2", "h1", "h2"):
-        name = f"meshd-{t}-{role}"
+        name = netns.name(t, role)
         sh("ip", "netns", "add", name)
         topo.namespaces[role] = name
         sh("ip", "-n", name, "link", "set", "lo", "up")
@@ -146,20 +138,22 @@ def build(topo: Topology) -> None:
 
 
 def tear_down(topo: Topology) -> None:
-    for process in topo.processes.values():
-        process.stop()
-    for name in topo.namespaces.values():
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-    for dev in topo.veths:
-        # Gone with its namespace, unless setup failed before moving it there.
-        subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=30)
+    """Every step runs even if one before it fails (first failure raised at the end)."""
+    with contextlib.ExitStack() as stack:
+        # callbacks run last-in first-out: processes, then namespaces, then stray veths
+        for dev in topo.veths:
+            # Gone with its namespace, unless setup failed before moving it there.
+            stack.callback(subprocess.run, ["ip", "link", "del", dev], capture_output=True, timeout=30)
+        for name in topo.namespaces.values():
+            stack.callback(subprocess.run, ["ip", "netns", "del", name], capture_output=True, timeout=30)
+        for process in topo.processes.values():
+            stack.callback(process.stop)
 
 
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    reason = namespaces_unavailable()
-    if reason is not None:
-        pytest.skip(f"network namespaces unavailable: {reason}")
+    netns.require()
+    netns.remove_stale()
     if shutil.which("iptables") is None:
         pytest.fail("iptables is missing (tools/dev installs it)")
     topo = Topology(secrets.token_hex(3), tmp_path_factory.mktemp("netns"))

@@ -29,6 +29,9 @@ from wire.stage import (
 )
 from wire.tensors import Activation, TensorEntry
 
+# every ask ends within this (a bound against hangs, not a speed claim)
+ASK_DEADLINE = 60
+
 
 @asynccontextmanager
 async def stage(model: Path, layers: tuple[int, int] | None, **limits: float) -> AsyncIterator[StageNode]:
@@ -113,14 +116,15 @@ async def test_session_beyond_the_budget_is_overloaded_with_a_retry_hint(default
         # a session that fits still runs to the end
         route = [Stage(node.address, await info_of(asker, node))]
         node.service.limits = StageLimits(max_sessions=2, max_session_tokens=256, evict_after=0.0)
-        result = await run_session(asker, route, AskRequest(text="The sky is", max_tokens=5), AskResult())
+        with trio.fail_after(ASK_DEADLINE):
+            result = await run_session(asker, route, AskRequest(text="The sky is", max_tokens=5), AskResult())
         assert len(result.tokens) == 5
 
 
 async def test_prompt_longer_than_the_session_budget_is_overloaded(default_model: Path, asker: Peers) -> None:
     async with stage(default_model, None, max_session_tokens=16) as node:
         route = [Stage(node.address, await info_of(asker, node))]
-        with pytest.raises(ProtocolError) as err:
+        with pytest.raises(ProtocolError) as err, trio.fail_after(ASK_DEADLINE):
             await run_session(asker, route, AskRequest(text="word " * 40, max_tokens=4), AskResult())
         assert err.value.code == ErrorCode.OVERLOADED
         assert node.service.metric_values()["sessions"] == 0.0
@@ -210,20 +214,3 @@ def test_route_with_gap_or_overlap_is_refused(ranges: list[tuple[int, int]], mes
 def test_route_of_different_model_files_is_refused() -> None:
     with pytest.raises(RouteError, match="different model files"):
         check_route([fake_stage("h:1", 0, 15, "a" * 64), fake_stage("h:2", 15, 30, "b" * 64)])
-
-
-async def test_a_cancelled_engine_call_costs_neither_the_worker_nor_the_next_reply(default_model: Path) -> None:
-    async with stage(default_model, (0, 10)) as node:
-        engine = node.engine
-        n = 256
-        prefill = {"op": "forward", "seq": np.zeros(n, np.int32).tobytes(),
-                   "pos": np.arange(n, dtype=np.int32).tobytes(), "tokens": np.full(n, 42, np.int32).tobytes()}
-        started = trio.current_time()
-        with trio.move_on_after(0.005) as scope:
-            reply, _ = await engine.call(prefill)
-            await trio.lowlevel.checkpoint()
-        assert scope.cancelled_caught
-        # the caller waited for its own reply (shielded), so nothing is left unread
-        assert reply["rows"] == n and trio.current_time() - started > 0.005
-        reply, _ = await engine.call({"op": "tokenize", "text": "Hello"})
-        assert reply["tokens"] and engine.restarts == 0 and engine.is_up

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import trio
-from localmesh import Served, start_serve
+from localmesh import Served, start_serve, stop_all
 
 from meshd.client.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session
 from meshd.net.peers import Peers, open_peers
@@ -18,6 +17,8 @@ from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
+
+pytestmark = pytest.mark.slow  # three daemons and their workers
 
 PROMPTS = [
     "What is the capital of France?",
@@ -27,6 +28,8 @@ PROMPTS = [
     "Give me a short recipe for pancakes.",
 ]
 NEW_TOKENS = 64
+# every ask ends within this, however the pipeline breaks (a bound against hangs, not a speed claim)
+ASK_DEADLINE = 120
 RANGES = ["0:10", "10:20", "20:30"]
 
 
@@ -38,8 +41,7 @@ def stages() -> Iterator[list[Served]]:
             served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", "12", "--session-tokens", "512"))
         yield served
     finally:
-        for s in served:
-            s.stop()
+        stop_all(served)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,8 @@ async def test_pipeline_matches_whole_model_for_each_prompt(stages: list[Served]
                                                             expected: dict[str, list[int]]) -> None:
     route = await route_of(peers, stages)
     for prompt in PROMPTS:
-        result = await run_session(peers, route, request(prompt), AskResult())
+        with trio.fail_after(ASK_DEADLINE):
+            result = await run_session(peers, route, request(prompt), AskResult())
         assert result.tokens == expected[prompt], prompt
         assert result.reason == ("max_tokens" if len(result.tokens) == NEW_TOKENS else "eog")
 
@@ -89,7 +92,8 @@ async def test_concurrent_sessions_match_solo_runs_and_share_engine_calls(
     results: list[AskResult | None] = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        results[i] = await run_session(peers, route, request(prompts[i]), AskResult())
+        with trio.fail_after(ASK_DEADLINE):
+            results[i] = await run_session(peers, route, request(prompts[i]), AskResult())
 
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
@@ -129,26 +133,29 @@ async def test_killed_engine_worker_fails_session_fast_then_recovers(
         stages: list[Served], peers: Peers, expected: dict[str, list[int]]) -> None:
     route = await route_of(peers, stages)
     middle = stages[1]
-    killed_at = None
+    killed = False
 
     async def kill_middle_worker(token: int, piece: bytes) -> None:
-        nonlocal killed_at
-        if killed_at is None and len(result.tokens) == 5:
+        nonlocal killed
+        if not killed and len(result.tokens) == 5:
             os.kill(middle.worker_pid, signal.SIGKILL)
-            killed_at = time.perf_counter()
+            killed = True
 
     result = AskResult()
-    with pytest.raises(ProtocolError) as err:
+    # "fast" is not a time: the stage must see the death itself (its socket or its exit), not
+    # wait out the engine call's deadline; the outer deadline only bounds a hang
+    with pytest.raises(ProtocolError) as err, trio.fail_after(ASK_DEADLINE):
         await run_session(peers, route, request(PROMPTS[0], max_tokens=500), result, on_token=kill_middle_worker)
-    waited = time.perf_counter() - killed_at
-    print(f"typed error {err.value.code.value} {waited * 1000:.0f} ms after SIGKILL: {err.value.message}")
+    print(f"typed error {err.value.code.value} after SIGKILL: {err.value.message}")
+    assert killed
     assert err.value.code in (ErrorCode.INTERNAL, ErrorCode.UNREACHABLE)
     assert err.value.retryable
-    assert waited < 2.0
+    assert "engine worker" in err.value.message and "in time" not in err.value.message, err.value.message
     with trio.fail_after(30):
         while (await metrics(peers, middle.address))["worker_up"] != 1.0:
             await trio.sleep(0.1)
     m = await metrics(peers, middle.address)
     assert m["worker_restarts"] >= 1
-    again = await run_session(peers, route, request(PROMPTS[0]), AskResult())
+    with trio.fail_after(ASK_DEADLINE):
+        again = await run_session(peers, route, request(PROMPTS[0]), AskResult())
     assert again.tokens == expected[PROMPTS[0]]

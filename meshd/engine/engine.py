@@ -169,7 +169,8 @@ class Model:
                 capacity = n[0]
                 continue
             self._check(rc, what)
-            return ffi.unpack(buf, n[0])
+            filled: list[int] | bytes = ffi.unpack(buf, n[0])
+            return filled
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         raw = text.encode()
@@ -327,7 +328,7 @@ class Context:
         )
         if rc != lib.ME_OK:
             _raise(rc, "forward")
-        return n_rows[0]
+        return int(n_rows[0])
 
     def remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         """Frees positions [p0, p1) of a sequence (p1 < 0: to the end); seq_id < 0: all sequences."""
@@ -345,7 +346,7 @@ class Context:
         rc = self._lib.me_seq_pos_max(self._handle, seq_id, out)
         if rc != self._lib.ME_OK:
             _raise(rc, "sequence position")
-        return out[0]
+        return int(out[0])
 
 
 class Sampler:
@@ -383,7 +384,7 @@ class Sampler:
         rc = self._lib.me_sampler_sample(self._handle, self._ffi.from_buffer("float[]", row), len(row), token)
         if rc != self._lib.ME_OK:
             _raise(rc, "sample")
-        return token[0]
+        return int(token[0])
 
     def accept(self, token: int) -> None:
         rc = self._lib.me_sampler_accept(self._handle, token)

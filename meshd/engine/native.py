@@ -6,6 +6,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import cffi
 
@@ -31,8 +32,12 @@ def _cdef_from_header(text: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def load() -> tuple[cffi.FFI, object]:
-    """The ffi and the library, loaded once per process."""
+def load() -> tuple[cffi.FFI, Any]:
+    """The ffi and the library, loaded once per process.
+
+    The library is cffi's dlopen handle, typed Any: its attributes are the
+    header's functions and constants, known only once the cdef is parsed.
+    """
     directory = _library_dir()
     lib_path = directory / LIB_NAME
     # The header installed beside the library is the one it was built from.
@@ -48,7 +53,7 @@ def load() -> tuple[cffi.FFI, object]:
     return ffi, lib
 
 
-def _check_abi(ffi: cffi.FFI, lib: object) -> None:
+def _check_abi(ffi: cffi.FFI, lib: Any) -> None:
     if lib.me_abi_version() != lib.ME_ABI_VERSION:
         raise EngineUnavailable(
             f"{LIB_NAME} speaks ABI {lib.me_abi_version()}, the header {lib.ME_ABI_VERSION}: rebuild it"

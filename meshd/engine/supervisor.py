@@ -20,8 +20,11 @@ import trio
 
 from meshd.engine.engine import RangeReport
 from meshd.engine.workerproto import (
+    MAX_HEADER,
+    MAX_PAYLOAD,
     PREFIX,
     FrameError,
+    FrameTooLarge,
     decode_header,
     drop_sent,
     encode_prefix,
@@ -66,7 +69,8 @@ class WorkerSpec:
     poll: int = 0
 
     def argv(self, fd: int) -> list[str]:
-        args = [sys.executable, "-m", "meshd.engine.worker", "--fd", str(fd), "--model", str(self.model),
+        args = [sys.executable, "-m", "meshd.engine.worker", "--fd", str(fd), "--parent", str(os.getpid()),
+                "--model", str(self.model),
                 "--n-ctx", str(self.n_ctx), "--n-seq-max", str(self.n_seq_max), "--n-batch", str(self.n_batch),
                 "--threads", str(self.threads), "--poll", str(self.poll)]
         if self.layers is not None:
@@ -77,7 +81,6 @@ class WorkerSpec:
 @dataclass
 class EngineSupervisor:
     spec: WorkerSpec
-    on_up: Callable[[int], None] | None = None
     on_down: Callable[[int, str], None] | None = None
     load_timeout: float = 300.0
     call_timeout: float = 60.0
@@ -89,20 +92,30 @@ class EngineSupervisor:
     restarts: int = 0
     report: RangeReport | None = None
     pid: int | None = None
+    # why the last worker went down ("exited with status -9", ...), for logs
+    last_down: str = ""
     # A plain non-blocking socket, driven with trio's wait_readable/wait_writable:
     # trio's socket methods take a scheduling round per call, three per reply.
     _sock: socket.socket | None = field(default=None, repr=False)
     _scratch: bytearray = field(default_factory=lambda: bytearray(_SCRATCH_BYTES), repr=False)
     _lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
-    _up: trio.Event = field(default_factory=trio.Event, repr=False)
-    _proc: trio.Process | None = field(default=None, repr=False)
+    # set (and replaced) each time `restarts` grows: the event wait_restart() waits on
+    _restarted: trio.Event = field(default_factory=trio.Event, repr=False)
+    _proc: WorkerProcess | None = field(default=None, repr=False)
 
     @property
     def is_up(self) -> bool:
         return self._sock is not None
 
-    async def wait_up(self) -> None:
-        await self._up.wait()
+    async def wait_restart(self, seen: int) -> int:
+        """Waits until `restarts` differs from `seen` (a worker went down), then returns it.
+
+        Returns at once if it already differs, so a caller that passes the count it
+        last saw misses no restart between two waits.
+        """
+        while self.restarts == seen:
+            await self._restarted.wait()
+        return self.restarts
 
     async def run(self, *, task_status: trio.TaskStatus[RangeReport] = trio.TASK_STATUS_IGNORED) -> None:
         """Keeps a worker running until cancelled; reports the first load through task_status."""
@@ -119,9 +132,6 @@ class EngineSupervisor:
                 continue
             self._proc, self._sock, self.report, self.pid = proc, sock, report, proc.pid
             self.generation += 1
-            self._up.set()
-            if self.on_up:
-                self.on_up(self.generation)
             if not started:
                 task_status.started(report)
                 started = True
@@ -131,42 +141,48 @@ class EngineSupervisor:
             finally:
                 with trio.CancelScope(shield=True):
                     await self._stop(proc, sock)
-            self._mark_down()
+            self.last_down = reason
             if self.on_down:
                 self.on_down(self.generation, reason)
             self.restarts += 1
+            self._restarted.set()
+            self._restarted = trio.Event()
             if trio.current_time() - up_since > 30.0:
                 delay = self.backoff_min
             await trio.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
 
-    async def _start(self) -> tuple[trio.Process, socket.socket, RangeReport]:
+    async def _start(self) -> tuple[WorkerProcess, socket.socket, RangeReport]:
         ours, theirs = socket.socketpair()
         try:
-            proc = await trio.lowlevel.open_process(
-                self.spec.argv(theirs.fileno()), pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL, env=os.environ | {"PYTHONUNBUFFERED": "1"},
-            )
+            proc = WorkerProcess(self.spec.argv(theirs.fileno()), theirs.fileno())
+        except BaseException:
+            _close(ours)
+            raise
         finally:
             theirs.close()
         sock = ours
         sock.setblocking(False)
         ready: dict[str, Any] | None = None
-        with trio.move_on_after(self.load_timeout):
-            try:
-                ready, _ = await _read_frame(sock, self._scratch)
-            except (WorkerDown, OSError, FrameError):
-                ready = None
+        try:
+            with trio.move_on_after(self.load_timeout):
+                try:
+                    ready, _ = await _read_frame(sock, self._scratch)
+                except (WorkerDown, OSError, FrameError):
+                    ready = None
+        finally:
+            # refused, timed out, or cancelled while it loads: the child never outlives the start
+            if not ready or not ready.get("ok"):
+                proc.kill()
+                with trio.CancelScope(shield=True):
+                    await proc.wait()
+                _close(sock)
         if not ready or not ready.get("ok"):
-            proc.kill()
-            with trio.CancelScope(shield=True):
-                await proc.wait()
-            _close(sock)
             message = ready.get("message") if ready else "the engine worker exited before it was ready"
             raise WorkerStartError(message or "the engine worker failed to start")
         return proc, sock, RangeReport(**ready["report"])
 
-    async def _supervise(self, proc: trio.Process) -> str:
+    async def _supervise(self, proc: WorkerProcess) -> str:
         async with trio.open_nursery() as nursery:
             reason = "exited"
 
@@ -192,16 +208,22 @@ class EngineSupervisor:
             nursery.start_soon(watch_health)
         return reason
 
-    async def _stop(self, proc: trio.Process, sock: socket.socket) -> None:
+    async def _stop(self, proc: WorkerProcess, sock: socket.socket) -> None:
         self._sock = None
         _close(sock)
-        if proc.returncode is None:
-            proc.kill()
+        proc.kill()
         await proc.wait()
 
     async def call(self, header: dict[str, Any], payload: bytes | memoryview = b"",
                    timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
-        """One request, one reply. Raises WorkerDown if the worker is or goes away."""
+        """One request, one reply. Raises WorkerDown if the worker is or goes away.
+
+        A request over the frame limits (a 16 MiB prompt) is refused here, as the
+        worker would refuse it, without sending it.
+        """
+        head = encode_prefix(header, len(payload))
+        if len(head) - PREFIX.size > MAX_HEADER or len(payload) > MAX_PAYLOAD:
+            raise WorkerRefused("FrameTooLarge", str(FrameTooLarge(len(head) - PREFIX.size, len(payload))))
         lock = self._lock
         try:
             # Uncontended (the usual case), this spares acquire()'s scheduling
@@ -220,7 +242,7 @@ class EngineSupervisor:
             deadline = trio.current_time() + (timeout or self.call_timeout)
             with trio.CancelScope(deadline=deadline, shield=True) as scope:
                 try:
-                    await _send_frame(sock, encode_prefix(header, len(payload)), payload)
+                    await _send_frame(sock, head, payload)
                     reply, body = await _read_frame(sock, self._scratch)
                 except (OSError, WorkerDown, FrameError, trio.ClosedResourceError) as exc:
                     self._lost(sock)
@@ -240,19 +262,42 @@ class EngineSupervisor:
             raise WorkerRefused(str(reply.get("kind")), str(reply.get("message")))
         return reply, body
 
-    def _mark_down(self) -> None:
-        # waiters hold the unset event until the next start sets it
-        if self._up.is_set():
-            self._up = trio.Event()
-
     def _lost(self, sock: socket.socket) -> None:
         # Seen by a caller before the supervising task notices: nobody may use
-        # this worker, or wait_up() on its old readiness, from now on.
+        # this worker from now on.
         if self._sock is sock:
             self._sock = None
-            self._mark_down()
-            if self._proc is not None and self._proc.returncode is None:
+            if self._proc is not None:
                 self._proc.kill()
+
+
+class WorkerProcess:
+    """The worker child, forked from the event loop's own thread and awaited through a pidfd.
+
+    Not trio.lowlevel.open_process: that forks from a thread of trio's thread
+    cache, and the worker's parent-death signal (PR_SET_PDEATHSIG) fires when the
+    thread that forked it exits (after 10 idle seconds), not when the daemon dies.
+    """
+
+    def __init__(self, argv: list[str], fd: int) -> None:
+        self.popen = subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL,
+                                      env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        self.pid = self.popen.pid
+        self._pidfd: int | None = os.pidfd_open(self.pid)
+
+    def kill(self) -> None:
+        """SIGKILL unless already reaped (Popen never signals a reaped PID)."""
+        self.popen.kill()
+
+    async def wait(self) -> int:
+        """The exit status, once the child has exited; reaps it."""
+        pidfd = self._pidfd
+        if pidfd is not None:
+            while self.popen.poll() is None:
+                await trio.lowlevel.wait_readable(pidfd)
+            self._pidfd = None
+            os.close(pidfd)
+        return self.popen.wait()
 
 
 def _close(sock: socket.socket) -> None:

@@ -10,23 +10,32 @@ Run as: python -m meshd.engine.worker --fd N --model PATH --layers A:B ...
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from meshd.engine.engine import Context, EngineError, Model, Sampler, SamplingParams
 from meshd.engine.workerproto import (
+    MAX_HEADER,
+    MAX_PAYLOAD,
     PREFIX,
     FrameError,
+    FrameTooLarge,
     decode_header,
     drop_sent,
     encode_prefix,
     frame_parts,
     parse_prefix,
 )
+
+Reply = tuple[dict[str, Any], bytes | memoryview]
+Handler = Callable[[dict[str, Any], memoryview], Reply]
 
 
 class Worker:
@@ -37,14 +46,17 @@ class Worker:
 
     def handle(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
         op = h.get("op")
-        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        handler: Handler | None = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:
             return {"ok": False, "kind": "InvalidInput", "message": f"unknown worker op {op!r}"}, b""
         try:
             return handler(h, payload)
         except EngineError as exc:
             return {"ok": False, "kind": type(exc).__name__, "message": str(exc)}, b""
-        except (KeyError, TypeError, ValueError) as exc:
+        except Exception as exc:
+            # A request's fields are the daemon's, shaped by what peers sent: a wrong
+            # type or size anywhere (KeyError, TypeError, ValueError, AttributeError,
+            # OverflowError, ...) is that request's error, never the worker's end.
             return {"ok": False, "kind": "InvalidInput", "message": f"bad {op} request: {exc!r}"}, b""
 
     def op_ping(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
@@ -74,7 +86,7 @@ class Worker:
             out = self.ctx.forward(seq, pos, hidden=hidden, want_output=want)
         reply: dict[str, Any] = {"ok": True, "rows": int(out.shape[0])}
         if not report.has_output:
-            return reply, memoryview(out).cast("B")
+            return reply, out.data.cast("B")
         picks = []
         for row, sid in h.get("sample", []):
             sampler = self.samplers.get(sid)
@@ -84,7 +96,7 @@ class Worker:
             picks.append([token, self.model.is_eog(token), self.model.token_piece(token)])
         reply["picks"] = picks
         if h.get("return_logits"):
-            return reply, memoryview(out).cast("B")
+            return reply, out.data.cast("B")
         return reply, b""
 
     def op_remove(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
@@ -125,47 +137,93 @@ class FrameReader:
 
     A request's header and payload are views into the buffer, valid until the
     next frame is read: the loop handles each request before reading the next.
+    Bytes that arrive beyond a frame are kept as the start of the next one.
     """
 
     def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
         self.sock = sock
         self.buf = bytearray(size)
+        self.start = 0  # where the unread bytes begin
+        self.got = 0  # where they end
+
+    def _fill(self, need: int) -> bool:
+        """At least `need` unread bytes in the buffer; False once the daemon hangs up."""
+        if self.start == self.got:
+            # nothing unread (the usual case): the next frame lands at the front, in one recv
+            self.start = self.got = 0
+        if self.start + need > len(self.buf):
+            # move the unread rest to the front, in a larger buffer if the frame needs one
+            # (the old buffer may still be viewed by the previous request: never resized)
+            grown = bytearray(max(need, len(self.buf)))
+            grown[:self.got - self.start] = self.buf[self.start:self.got]
+            self.buf, self.got, self.start = grown, self.got - self.start, 0
+        view = memoryview(self.buf)
+        while self.got - self.start < need:
+            k = self.sock.recv_into(view[self.got:])
+            if k == 0:
+                return False
+            self.got += k
+        return True
+
+    def _discard(self, n: int) -> bool:
+        """Drops the next `n` bytes without keeping them; False once the daemon hangs up."""
+        while n:
+            if self.got == self.start:
+                self.start = self.got = 0
+                k = self.sock.recv_into(self.buf, min(n, len(self.buf)))
+                if k == 0:
+                    return False
+                self.got = k
+            take = min(n, self.got - self.start)
+            self.start += take
+            n -= take
+        return True
 
     def read(self) -> tuple[memoryview, memoryview] | None:
-        """The next frame's header and payload; None once the daemon hangs up."""
+        """The next frame's header and payload; None once the daemon hangs up.
+
+        A frame over the limits is read to its end and dropped (so the next
+        frame is found where it starts), then raised as FrameTooLarge.
+        """
+        if not self._fill(PREFIX.size):
+            return None
+        prefix = self.buf[self.start:self.start + PREFIX.size]
+        self.start += PREFIX.size
+        try:
+            header_len, payload_len = parse_prefix(prefix)
+        except FrameTooLarge as exc:
+            if not self._discard(exc.header_len + exc.payload_len):
+                return None
+            raise
+        if not self._fill(header_len + payload_len):
+            return None
         view = memoryview(self.buf)
-        got = 0
-        while got < PREFIX.size:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                return None
-            got += k
-        header_len, payload_len = parse_prefix(view[:PREFIX.size])
-        end = PREFIX.size + header_len + payload_len
-        if got > end:
-            raise FrameError("the daemon sent a second request before this one's reply")
-        if end > len(self.buf):
-            grown = bytearray(end)
-            grown[:got] = view[:got]
-            self.buf = grown
-            view = memoryview(grown)
-        while got < end:
-            k = self.sock.recv_into(view[got:end])
-            if k == 0:
-                return None
-            got += k
-        return view[PREFIX.size:PREFIX.size + header_len], view[PREFIX.size + header_len:end]
+        head_end = self.start + header_len
+        end = head_end + payload_len
+        self.start = end
+        return view[head_end - header_len:head_end], view[head_end:end]
 
 
 def serve(sock: socket.socket, worker: Worker) -> None:
+    """Answers requests until the daemon hangs up; no request, however malformed, ends the loop."""
     reader = FrameReader(sock)
     while True:
-        frame = reader.read()
-        if frame is None:
-            return
-        header, payload = frame
-        reply, out = worker.handle(decode_header(header), payload)
-        send_frame(sock, encode_prefix(reply, len(out)), out)
+        try:
+            frame = reader.read()
+            if frame is None:
+                return
+            header, payload = frame
+            reply, out = worker.handle(decode_header(header), payload)
+        except FrameError as exc:
+            reply, out = {"ok": False, "kind": exc.kind, "message": str(exc)}, b""
+        head = encode_prefix(reply, len(out))
+        if len(head) - PREFIX.size > MAX_HEADER or len(out) > MAX_PAYLOAD:
+            # what the input asked for does not fit one frame (detokenizing millions of tokens)
+            reply, out = {"ok": False, "kind": "ReplyTooLarge", "message": (
+                f"the reply to this request would be {len(head)} + {len(out)} bytes, over the frame limits "
+                f"({MAX_HEADER} + {MAX_PAYLOAD})")}, b""
+            head = encode_prefix(reply, 0)
+        send_frame(sock, head, out)
 
 
 def send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) -> None:
@@ -174,9 +232,27 @@ def send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) ->
         drop_sent(parts, sock.sendmsg(parts))
 
 
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the daemon that started it dies (Linux), however it dies.
+
+    A daemon killed with SIGKILL runs no cleanup, and a worker busy in a long
+    engine call would not see its socket close until the call ends.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        # the daemon died before the signal was armed: nobody would ever send it
+        os._exit(1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--parent", type=int, default=0, help="the daemon's PID: this worker dies with it")
     ap.add_argument("--model", required=True)
     ap.add_argument("--layers", default="")
     ap.add_argument("--n-ctx", type=int, default=4096)
@@ -185,6 +261,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--poll", type=int, default=0)
     args = ap.parse_args()
+    if args.parent:
+        die_with_parent(args.parent)
     sock = socket.socket(fileno=args.fd)
     try:
         layers = None

@@ -18,25 +18,41 @@ MAX_PAYLOAD = 1 << 30
 
 
 class FrameError(Exception):
-    pass
+    """A frame that cannot be read: its kind names it in the worker's typed error reply."""
+
+    kind = "BadFrame"
+
+
+class FrameTooLarge(FrameError):
+    kind = "FrameTooLarge"
+
+    def __init__(self, header_len: int, payload_len: int) -> None:
+        super().__init__(f"frame too large: header {header_len} bytes (limit {MAX_HEADER}), "
+                         f"payload {payload_len} bytes (limit {MAX_PAYLOAD})")
+        self.header_len, self.payload_len = header_len, payload_len
 
 
 def encode_prefix(header: dict[str, Any], payload_len: int) -> bytes:
-    head = msgpack.packb(header, use_bin_type=True)
+    head: bytes = msgpack.packb(header, use_bin_type=True)
     return PREFIX.pack(len(head), payload_len) + head
 
 
 def parse_prefix(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
     header_len, payload_len = PREFIX.unpack(prefix)
     if header_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
-        raise FrameError(f"frame too large: header {header_len}, payload {payload_len}")
+        raise FrameTooLarge(header_len, payload_len)
     return header_len, payload_len
 
 
 def decode_header(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
-    header = msgpack.unpackb(raw, raw=False)
+    """The header map; anything else (bad msgpack, trailing bytes, not a map) is a FrameError."""
+    try:
+        header = msgpack.unpackb(raw, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        # ExtraData, FormatError, StackError and the size limits are all ValueErrors in msgpack >= 1
+        raise FrameError(f"undecodable frame header: {exc}") from exc
     if not isinstance(header, dict):
-        raise FrameError("frame header is not a map")
+        raise FrameError(f"frame header is a {type(header).__name__}, not a map")
     return header
 
 
