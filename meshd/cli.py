@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -66,8 +67,8 @@ class CommandError(Exception):
     """The command could not do its work, for a reason outside meshd (exit 1)."""
 
 
-def plural(n: int, word: str, many: str | None = None) -> str:
-    return f"{n} {word if n == 1 else many or word + 's'}"
+def plural(n: int, word: str) -> str:
+    return f"{n} {word if n == 1 else word + 's'}"
 
 
 def mib(n: int) -> str:
@@ -103,7 +104,7 @@ def layer_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if len(layers) != 1:
         raise argparse.ArgumentTypeError(f"'{text}' is more than one layer range; a stage serves one START:END")
-    (start, end), = layers
+    [(start, end)] = layers
     if start >= end:
         raise argparse.ArgumentTypeError(f"layer range [{start}, {end}) is empty or inverted")
     return start, end
@@ -117,7 +118,7 @@ def size(text: str) -> int:
         value = float(num)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a size (a number with an optional K/M/G/T suffix)") from None
-    if not 0 <= value < 1 << 60:
+    if not 0 <= value * units[unit] < 1 << 60:
         raise argparse.ArgumentTypeError(f"size '{text}' is out of range")
     return int(value * units[unit])
 
@@ -161,7 +162,10 @@ def checked_model(path: Path) -> Path:
     rest, each failing with one line.
     """
     try:
-        with open(path, "rb") as file:
+        # Non-blocking, so a FIFO given by mistake is refused instead of waited on.
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise ModelNotFound(f"{path} is not a regular file")
             head = file.read(GGUF_MIN_HEADER)
     except FileNotFoundError:
         raise ModelNotFound(f"model file not found: {path}") from None
