@@ -396,3 +396,16 @@ def test_a_daemon_killed_outright_leaves_a_socket_the_next_one_replaces(tmp_path
         assert shown.returncode == 0 and second.node_id[:16] in shown.stdout, shown.stderr
     finally:
         second.stop()
+
+
+def test_ctrl_c_stops_a_daemon_cleanly_and_removes_its_socket(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    node = start_join("--no-model", "--state-dir", str(state))
+    try:
+        assert (state / "control.sock").exists()
+        node.proc.send_signal(signal.SIGINT)
+        assert node.proc.wait(10) == 0
+        assert node.log is not None and "Traceback" not in node.log.read_text()
+    finally:
+        node.stop()
+    assert not (state / "control.sock").exists()
