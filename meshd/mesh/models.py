@@ -56,7 +56,21 @@ def _digest(path: str, size: int, mtime_ns: int) -> str:
 
 
 def model_info(path: Path, digest: str) -> ModelInfo:
-    """What placement needs to know of a GGUF, read from its header (no weights are read)."""
+    """What placement needs to know of a GGUF, read from its header (no weights are read).
+
+    A file that is no GGUF, or a damaged or truncated one, raises ModelNotFound saying so.
+    """
+    try:
+        return _read_model_info(path, digest)
+    except ModelNotFound:
+        raise
+    # gguf's reader raises whatever numpy and struct raise on a damaged file; ModelInfo's checks raise ValueError
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
+
+
+def _read_model_info(path: Path, digest: str) -> ModelInfo:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from wire.identity import NodeIdentity
-from wire.noise import mesh_key_from_secret
+from wire.noise import MESH_KEY_BYTES, mesh_key_from_secret
 
 KEY_FILE = "node.key"
 
@@ -64,23 +65,42 @@ def _load(path: Path) -> NodeIdentity:
     return NodeIdentity.from_private_bytes(raw)
 
 
-def load_mesh_key(path: Path) -> bytes:
-    """The 32-byte mesh key from a file.
+# Generous for a passphrase, small enough that pointing --mesh-key-file at a model file fails at once.
+MAX_MESH_KEY_FILE = 4096
 
-    A file of exactly 32 bytes is the key itself; 64 hex digits are decoded;
-    anything else (a passphrase) is hashed. Surrounding whitespace of text is
-    ignored, so an editor's trailing newline does not change the key.
+
+def load_mesh_key(path: Path, warn: Callable[[str], None] | None = None) -> bytes:
+    """The 32-byte mesh key from a file, the same for every command.
+
+    A file of exactly 32 bytes is the key itself (``head -c 32 /dev/urandom``);
+    64 hex digits are decoded (``openssl rand -hex 32``); anything else is a
+    passphrase, hashed (a passphrase of exactly 32 bytes is used as it is, as
+    `mesh_key_from_secret` does). Surrounding whitespace of text is ignored,
+    so an editor's trailing newline does not change the key. A file that
+    others may read or write is used, but `warn` is told.
     """
     try:
-        raw = Path(path).read_bytes()
+        # Non-blocking, so a FIFO given by mistake is refused below instead of waited on.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as file:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise IdentityError(f"the mesh key file {path} is not a regular file")
+            raw = file.read(MAX_MESH_KEY_FILE + 1)
     except OSError as exc:
         raise IdentityError(f"cannot read the mesh key file {path}: {exc.strerror}") from None
-    if len(raw) == 32:
+    if len(raw) > MAX_MESH_KEY_FILE:
+        raise IdentityError(f"the mesh key file {path} is over {MAX_MESH_KEY_FILE} bytes: it should hold "
+                            "64 hex digits, 32 raw bytes or a passphrase")
+    if warn is not None and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        warn(f"warning: the mesh key file {path} is accessible by others (mode {stat.S_IMODE(mode):04o}); "
+             f"run: chmod 600 {path}")
+    if len(raw) == MESH_KEY_BYTES:
         return raw
     text = raw.strip()
     if not text:
         raise IdentityError(f"the mesh key file {path} is empty")
-    if len(text) == 64:
+    if len(text) == 2 * MESH_KEY_BYTES:
         try:
             return bytes.fromhex(text.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
