@@ -57,7 +57,7 @@ _MAX_SUN_PATH = 107
 @dataclass(frozen=True)
 class ControlLimits:
     # A request is a status or route request: a few hundred bytes, at most a list of excluded node ids.
-    request: Limits = Limits(max_message_bytes=64 << 10, max_array_len=1024, max_map_len=32, max_str_len=4096)
+    request: Limits = Limits(max_message_bytes=64 << 10, max_objects=4096, max_depth=4)
     # A reply is the daemon's own status of the whole mesh, read by a client that trusts that daemon.
     reply: Limits = Limits(max_message_bytes=16 << 20)
     # From accept to the reply sent: a client that sends nothing, or never reads, costs at most this.
