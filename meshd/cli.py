@@ -33,6 +33,7 @@ from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.mesh.models import ModelNotFound, default_model_path
+from meshd.mesh.records import is_unspecified, join_address
 from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_create_identity
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
@@ -138,6 +139,16 @@ def state_dir(arg: Path | None) -> Path:
     return arg or Path(base) / "meshd"
 
 
+def parse_advertise(text: str | None) -> str | None:
+    """--advertise: a host others can dial (not 0.0.0.0 or ::) and a port."""
+    if text is None:
+        return None
+    host, port = parse_address(text, "--advertise")
+    if is_unspecified(host.strip("[]")) or port == 0:
+        raise UsageError(f"--advertise '{text}' is not an address others can dial: give this node's host and port")
+    return text
+
+
 def parse_seeds(args: argparse.Namespace) -> tuple[str, ...]:
     seeds = tuple(args.seed or ())
     for s in seeds:
@@ -163,11 +174,14 @@ async def run_until_signal(daemon: MeshDaemon, banner: str, control: Path | None
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
         if control is not None:
-            control.write_text(json.dumps({"address": daemon.address, "node_id": daemon.identity.node_id,
+            control.write_text(json.dumps({"address": daemon.local_address, "node_id": daemon.identity.node_id,
                                            "pid": os.getpid()}))
         try:
-            print(f"meshd: {daemon.identity.node_id[:16]} on {daemon.address}, {banner}", flush=True)
-            print(f"ready {daemon.address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
+            listening = join_address(daemon.config.listen[0], daemon.port)
+            published = daemon.address or "an address its first peers will show"
+            print(f"meshd: {daemon.identity.node_id[:16]} listening on {listening}, published at {published}, "
+                  f"{banner}", flush=True)
+            print(f"ready {daemon.local_address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     break
@@ -180,13 +194,14 @@ async def run_until_signal(daemon: MeshDaemon, banner: str, control: Path | None
 
 async def join(args: argparse.Namespace) -> int:
     listen = parse_address(args.listen, "--listen")
+    advertise = parse_advertise(args.advertise)
     seeds = parse_seeds(args)
     model = model_path(args.model) if args.model or not args.no_model else None
     identity, mesh_key = node_identity(args)
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=args.max_sessions * args.session_tokens)
     config = NodeConfig(listen=listen, seeds=seeds, model=model, memory_bytes=parse_size(args.memory),
-                        threads=args.threads, limits=limits, peers=PeersConfig(mesh_key=mesh_key))
+                        threads=args.threads, limits=limits, advertise=advertise, peers=PeersConfig(mesh_key=mesh_key))
     what = f"volunteering {model.name}" if model else "without a model"
     await run_until_signal(MeshDaemon(identity, config),
                            f"{what}, memory {args.memory}, seeds: {', '.join(seeds) or 'none (first node)'}",
@@ -211,10 +226,8 @@ async def relay(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot open --tap file {args.tap}: {exc.strerror}") from None
         tap = tap_file.write
-    if args.advertise is not None:
-        parse_address(args.advertise, "--advertise")
     config = NodeConfig(listen=listen, seeds=seeds, model=None, memory_bytes=0, relay=True, relay_limits=limits,
-                        relay_tap=tap, advertise=args.advertise, peers=PeersConfig(mesh_key=mesh_key))
+                        relay_tap=tap, advertise=parse_advertise(args.advertise), peers=PeersConfig(mesh_key=mesh_key))
     await run_until_signal(MeshDaemon(identity, config),
                            f"relay with up to {limits.max_reservations} reservations, {args.max_circuit_bytes} and "
                            f"{limits.max_circuit_seconds:g} s per circuit, "
@@ -251,13 +264,15 @@ def print_status(s: StatusReply) -> None:
     print(f"{'node':<18}{'address':<22}{'state':<8}{'roles':<16}{'memory':>10}  serves")
     for m in sorted(s.members, key=lambda m: m.node_id):
         memory = f"{m.memory_bytes / (1 << 20):.0f} MiB" if m.memory_bytes else "-"
-        print(f"{m.node_id[:16]:<18}{m.address:<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
+        print(f"{m.node_id[:16]:<18}{m.address or '-':<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
               f"{'; '.join(m.served) or '-'}")
         if m.reachability == "nat":
             print(f"{'':<18}behind NAT, reachable via: {', '.join(m.relay_addresses) or 'no relay yet'}")
     for c in s.coverage:
         print(f"model {c.name} ({c.model[:12]}): {c.covered_layers}/{c.n_layers} layers covered, "
               f"{c.replicas} spare replica(s); stages: {'; '.join(c.assigned) or 'none yet'}")
+        if c.reason:
+            print(f"  not covered: {c.reason}")
 
 
 # ----- ask
@@ -371,7 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--seed", action="append", help="HOST:PORT of a member (repeatable); none starts a new mesh")
     j.add_argument("--model", type=Path, help="GGUF file to volunteer (default: SmolLM2-135M-Instruct Q4_1)")
     j.add_argument("--no-model", action="store_true", help="volunteer no model (a seed or tracker only)")
-    j.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept peers on")
+    j.add_argument("--listen", default="0.0.0.0:7000",
+                   help="HOST:PORT to accept peers on (default 0.0.0.0:7000: every interface; port 0 picks a free one)")
+    j.add_argument("--advertise",
+                   help="HOST:PORT others dial (default: where the seeds see this node, with the --listen port, "
+                        "once a seed has dialled it back; a first node: its address toward the peers that reach it)")
     j.add_argument("--memory", default="1G", help="memory this node offers, e.g. 512M or 4G")
     j.add_argument("--state-dir", type=Path, help="where the node key lives (default ~/.local/state/meshd)")
     j.add_argument("--mesh-key-file", type=Path)
@@ -382,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")
     r.add_argument("--listen", default="0.0.0.0:7400", help="HOST:PORT to accept peers on (must be dialable)")
     r.add_argument("--seed", action="append", help="HOST:PORT of a member (repeatable)")
-    r.add_argument("--advertise", help="HOST:PORT members dial (default: the --listen address)")
+    r.add_argument("--advertise", help="HOST:PORT members dial (default: where the seeds see this relay, with the "
+                                      "--listen port; the --listen address when it names a host)")
     r.add_argument("--state-dir", type=Path, help="where the node key lives (default ~/.local/state/meshd)")
     r.add_argument("--mesh-key-file", type=Path)
     r.add_argument("--max-reservations", type=int, default=128, help="nodes this relay serves at once")

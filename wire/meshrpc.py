@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from wire.codec import Message, WireModel, register
 
@@ -80,6 +80,8 @@ class ModelCoverage(WireModel):
     covered_layers: Layer
     assigned: list[Text] = Field(max_length=1024)
     replicas: int = Field(ge=0)
+    # Why the members cannot cover the model (empty when they can): memory needed against offered.
+    reason: Annotated[str, Field(max_length=512)] = ""
 
 
 @register
@@ -101,11 +103,21 @@ class StatusReply(Message):
 
 @register
 class DialBackRequest(Message):
-    """Can you reach me at ``address``? (How a node learns it is behind NAT.)"""
+    """Can you reach me? (How a node learns its address, and whether it is behind NAT.)
+
+    With ``port``: at that port of the host you see me from. With ``address``
+    (an operator's ``--advertise``): there, if its host is the one you see."""
 
     type: Literal["dial_back_request"] = "dial_back_request"
     v: Literal[1] = 1
-    address: Annotated[str, Field(min_length=1, max_length=262)]
+    address: Annotated[str, Field(max_length=262)] = ""
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+
+    @model_validator(mode="after")
+    def _one_target(self) -> DialBackRequest:
+        if (self.port is None) == (not self.address):
+            raise ValueError("give exactly one of address and port")
+        return self
 
 
 @register
@@ -114,3 +126,5 @@ class DialBackReply(Message):
     v: Literal[1] = 1
     reachable: bool
     detail: Text = ""
+    # The host the request came from, as the answering node saw it: the asker's address to the mesh.
+    observed: Annotated[str, Field(max_length=253)] = ""

@@ -11,6 +11,7 @@ wall clock in milliseconds), so its new records supersede its old ones.
 from __future__ import annotations
 
 import enum
+import ipaddress
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -18,6 +19,7 @@ from typing import Annotated, Literal
 import msgpack
 from pydantic import Field, model_validator
 
+from relay.protocol import CIRCUIT_MARK
 from wire.codec import WireModel
 from wire.identity import NodeIdentity, node_id_of, verify
 
@@ -103,7 +105,9 @@ class CapabilityRecord(WireModel):
     @classmethod
     def create(cls, identity: NodeIdentity, version: int, **fields: object) -> CapabilityRecord:
         """A new record for `identity`, signed."""
-        unsigned = cls(node_id=identity.node_id, public_key=identity.public_key, version=version, **fields)
+        unsigned = cls.model_validate(
+            {"node_id": identity.node_id, "public_key": identity.public_key, "version": version, **fields}
+        )
         return unsigned.model_copy(update={"signature": identity.sign(unsigned.signing_bytes())})
 
     def evolve(
@@ -123,7 +127,8 @@ class CapabilityRecord(WireModel):
     def signing_bytes(self) -> bytes:
         # Field order is the schema's, not the sender's, so the encoding is canonical.
         body = self.model_dump(exclude={"signature"})
-        return _SIGNING_DOMAIN + msgpack.packb(body, use_bin_type=True)
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+        return _SIGNING_DOMAIN + packed
 
     def verify(self) -> bool:
         """Signed by the key it names, and that key hashes to its node id."""
@@ -133,6 +138,73 @@ class CapabilityRecord(WireModel):
 
     def model(self, digest: str) -> ModelInfo | None:
         return next((m for m in self.models if m.digest == digest), None)
+
+
+# ---- addresses: which a node publishes, and which may go to which peer ------------------------
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` as (host, port); None if it is neither."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return (host, int(port)) if host else None
+
+
+def join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_unspecified(host: str) -> bool:
+    """0.0.0.0 or ``::``: a host to listen on, never one to dial."""
+    ip = _ip(host)
+    return ip is not None and ip.is_unspecified
+
+
+def is_loopback(host: str) -> bool:
+    ip = _ip(host)
+    return host == "localhost" if ip is None else ip.is_loopback
+
+
+def host_of(address: str) -> str:
+    """The host of a peer's address as a link names it (``h:p``, ``[v6]:p`` or ``ws://h:p/``)."""
+    bare = address.removeprefix("ws://").removeprefix("wss://").rstrip("/")
+    parts = split_address(bare)
+    return parts[0] if parts is not None else bare
+
+
+def address_fits(address: str, peer_host: str) -> bool:
+    """Whether ``address`` may be sent to a peer at ``peer_host``.
+
+    It must name a host (0.0.0.0 and ``::`` name none), and a loopback one only
+    to a peer on loopback too: anyone else dialling it would reach itself. A
+    relay circuit fits when its relay's address does."""
+    direct = address.partition(CIRCUIT_MARK)[0]
+    parts = split_address(direct)
+    if parts is None or is_unspecified(parts[0]):
+        return False
+    return not is_loopback(parts[0]) or is_loopback(peer_host)
+
+
+def record_fits(record: CapabilityRecord, peer_host: str) -> bool:
+    """Whether ``record`` may be sent to a peer at ``peer_host``: all its addresses fit that peer.
+
+    A signed record cannot be trimmed on the way, so one with an address the
+    peer must not be told is withheld from it whole. A record without addresses
+    (a node reached only through relays, or not yet knowing its address) fits."""
+    return all(address_fits(a, peer_host) for a in (*record.addresses, *record.relay_addresses))
 
 
 _VERIFY_CACHE_SIZE = 8192
