@@ -385,8 +385,9 @@ class MeshDaemon:
         self._wake.set()
 
     async def _send_swim(self, dest: str, message: Message) -> None:
+        # A node that has not learned its address yet is still reached over the link it dialled.
         address = self.address_of(dest)
-        if address is None:
+        if address is None and self.peers.link_to(dest) is None:
             return
         with trio.move_on_after(1.0):
             try:
