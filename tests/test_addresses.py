@@ -175,3 +175,25 @@ async def test_a_changed_address_is_published_with_its_own_dial_back(monkeypatch
             replies.append(DialBackReply(reachable=False, observed="127.0.0.3", detail="timed out"))
             await node._check_reachability()
             assert node.address == f"127.0.0.2:{port}" and node.mesh.record.reachability == "nat"
+
+
+async def test_a_first_node_keeps_the_first_address_off_loopback_its_peers_show_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sources = {"10.77.0.5": "10.77.0.1", "10.88.0.5": "10.88.0.1", "127.0.0.1": "127.0.0.1"}
+    monkeypatch.setattr(meshd.daemon, "route_source", sources.get)
+    with trio.fail_after(30):
+        async with daemon(NodeConfig(listen=("0.0.0.0", 0))) as seed:
+            port = seed.port
+            seed._learn_address("127.0.0.1:40000")
+            assert seed.address == f"127.0.0.1:{port}"  # better than nothing while only local peers came
+            seed._learn_address("10.77.0.5:40000")
+            assert seed.address == f"10.77.0.1:{port}"
+            # Final: another peer (a stranger on another network) cannot move it, nor can loopback.
+            seed._learn_address("10.88.0.5:40000")
+            seed._learn_address("127.0.0.1:40001")
+            seed._learn_address("ws://10.77.0.5:7000/")
+            assert seed.address == f"10.77.0.1:{port}"
+        # A node told its host, or given --advertise, never learns from peers.
+        async with daemon(NodeConfig(listen=("127.0.0.1", 0))) as fixed:
+            fixed._learn_address("10.77.0.5:40000")
+            assert fixed.address == f"127.0.0.1:{fixed.port}"
