@@ -528,7 +528,8 @@ class MeshDaemon:
         key = (tuple(nodes), spec)
         cached = self._reasons.get(info.digest)
         if cached is None or cached[0] != key:
-            cached = (key, coverage_shortfall(nodes, spec) or "")
+            # bounded as the status field is, whatever the figures
+            cached = (key, (coverage_shortfall(nodes, spec) or "")[:1024])
             self._reasons[info.digest] = cached
         return cached[1]
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from localmesh import READY, stop_process
+from netns import namespaces_unavailable, sh
 
 PROMPT = "Write a short story about a lighthouse keeper named CANARY-5f3a9c-KEEPER."
 CANARY = b"CANARY-5f3a9c"
@@ -35,25 +36,6 @@ HOMES = ("10.202.1.2:7100", "10.202.2.2:7100")
 KV = ["--max-sessions", "2", "--session-tokens", "512"]
 # Two volunteers, each too small for the whole model: the tracker splits it across them.
 VOLUNTEER = ["--memory", "110M", "--threads", "1", *KV]
-
-
-def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
-    return done
-
-
-def namespaces_unavailable() -> str | None:
-    """Why this machine cannot build the topology, or None. Tries it rather than guessing."""
-    if shutil.which("ip") is None:
-        return "iproute2 (`ip`) is not installed"
-    probe = f"meshd-probe-{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip() or 'ip netns add failed'}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    return None
 
 
 @dataclass

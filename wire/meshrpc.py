@@ -81,7 +81,7 @@ class ModelCoverage(WireModel):
     assigned: list[Text] = Field(max_length=1024)
     replicas: int = Field(ge=0)
     # Why the members cannot cover the model (empty when they can): memory needed against offered.
-    reason: Annotated[str, Field(max_length=512)] = ""
+    reason: Annotated[str, Field(max_length=1024)] = ""
 
 
 @register
