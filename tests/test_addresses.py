@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 import trio
+from localmesh import run_meshd
 from pydantic import ValidationError
 
 import meshd.daemon
@@ -197,3 +199,10 @@ async def test_a_first_node_keeps_the_first_address_off_loopback_its_peers_show_
         async with daemon(NodeConfig(listen=("127.0.0.1", 0))) as fixed:
             fixed._learn_address("10.77.0.5:40000")
             assert fixed.address == f"127.0.0.1:{fixed.port}"
+
+
+@pytest.mark.parametrize("advertise", ["0.0.0.0:7000", "[::]:7000", "10.0.0.1:0", "10.0.0.1"])
+def test_join_refuses_an_advertised_address_nobody_can_dial(advertise: str, tmp_path: Path) -> None:
+    done = run_meshd("join", "--no-model", "--advertise", advertise, "--state-dir", str(tmp_path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and "--advertise" in done.stderr, done.stderr
