@@ -38,6 +38,7 @@ from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.mesh.models import ModelNotFound, default_model_path
+from meshd.mesh.records import is_unspecified, join_address
 from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
 from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_create_identity
 from meshd.net.peers import PeersConfig, open_peers
@@ -87,6 +88,14 @@ def host_port(text: str) -> tuple[str, int]:
 
 def address(text: str) -> str:
     host, port = host_port(text)
+    return f"{host}:{port}"
+
+
+def dialable_address(text: str) -> str:
+    """--advertise: a host others can dial (not 0.0.0.0 or ::) and a port."""
+    host, port = host_port(text)
+    if is_unspecified(host.strip("[]")) or port == 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an address others can dial: give this node's host and port")
     return f"{host}:{port}"
 
 
@@ -266,8 +275,11 @@ async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim) -
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
         await nursery.start(serve_control, claim, local_answers(daemon))
-        print(f"meshd: {daemon.identity.node_id[:16]} on {daemon.address}, {banner}", flush=True)
-        print(f"ready {daemon.address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
+        listening = join_address(daemon.config.listen[0], daemon.port)
+        published = daemon.address or "an address its first peers will show"
+        print(f"meshd: {daemon.identity.node_id[:16]} listening on {listening}, published at {published}, "
+              f"{banner}", flush=True)
+        print(f"ready {daemon.local_address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:  # noqa: B007 (the signal that ended the loop is used below)
                 break
@@ -288,7 +300,8 @@ async def join(args: argparse.Namespace) -> int:
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                              max_total_tokens=args.max_sessions * args.session_tokens)
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
-                            threads=args.threads, limits=limits, peers=PeersConfig(mesh_key=args.mesh_key))
+                            threads=args.threads, limits=limits, advertise=args.advertise,
+                            peers=PeersConfig(mesh_key=args.mesh_key))
         what = f"volunteering {model.name}" if model else "without a model"
         await run_until_signal(MeshDaemon(identity, config),
                                f"{what}, memory {mib(args.memory)}, seeds: {seeds_text(args.seed)}", claim)
@@ -345,13 +358,15 @@ def print_status(s: StatusReply) -> None:
     print(f"{'node':<18}{'address':<22}{'state':<8}{'roles':<16}{'memory':>10}  serves")
     for m in sorted(s.members, key=lambda m: m.node_id):
         memory = mib(m.memory_bytes) if m.memory_bytes else "-"
-        print(f"{m.node_id[:16]:<18}{m.address:<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
+        print(f"{m.node_id[:16]:<18}{m.address or '-':<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
               f"{'; '.join(m.served) or '-'}")
         if m.reachability == "nat":
             print(f"{'':<18}behind NAT, reachable via: {', '.join(m.relay_addresses) or 'no relay yet'}")
     for c in s.coverage:
         print(f"model {c.name} ({c.model[:12]}): {c.covered_layers}/{plural(c.n_layers, 'layer')} covered, "
               f"{plural(c.replicas, 'spare replica')}; stages: {'; '.join(c.assigned) or 'none yet'}")
+        if c.reason:
+            print(f"  not covered: {c.reason}")
 
 
 # ----- ask
@@ -479,8 +494,11 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--model", type=gguf_file, help=f"{model_help} to volunteer")
     which.add_argument("--no-model", action="store_true",
                        help="volunteer no model, a seed or tracker only (default: volunteer one)")
-    j.add_argument("--listen", type=host_port, default="127.0.0.1:0",
-                   help="HOST:PORT to accept peers on (default: %(default)s)")
+    j.add_argument("--listen", type=host_port, default="0.0.0.0:7000",
+                   help="HOST:PORT to accept peers on (default: %(default)s, every interface; port 0 picks a free one)")
+    j.add_argument("--advertise", type=dialable_address,
+                   help="HOST:PORT others dial (default: where the seeds see this node, with the --listen port, "
+                        "once a seed has dialled it back; a first node: its address toward the peers that reach it)")
     j.add_argument("--memory", type=size, default="1G", help="memory this node offers, e.g. 512M or 4G (default: %(default)s)")
     add_state_dir(j, "where the node key and the control socket live")
     add_mesh_key(j)
@@ -495,7 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT to accept peers on, must be dialable (default: %(default)s)")
     r.add_argument("--seed", type=address, action="append", default=[],
                    help="HOST:PORT of a member, repeatable (default: none, start a new mesh)")
-    r.add_argument("--advertise", type=address, help="HOST:PORT members dial (default: the --listen address)")
+    r.add_argument("--advertise", type=dialable_address,
+                   help="HOST:PORT members dial (default: where the seeds see this relay, with the --listen port; "
+                        "the --listen address when it names a host)")
     add_state_dir(r, "where the node key and the control socket live")
     add_mesh_key(r)
     r.add_argument("--max-reservations", type=integer(1, 1 << 20), default=128,

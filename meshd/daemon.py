@@ -10,18 +10,41 @@ signed record; as any node it plans routes from its own view.
 from __future__ import annotations
 
 import logging
+import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
-from meshd.mesh.assignment import Assignment, AssignmentPolicy, CoverageError, ModelSpec, assign, capacities
-from meshd.mesh.membership import SWIM_MESSAGES, MemberState
+from meshd.mesh.assignment import (
+    Assignment,
+    AssignmentPolicy,
+    CoverageError,
+    ModelSpec,
+    assign,
+    capacities,
+    coverage_shortfall,
+)
+from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberState, Ping, PingReq, Sync
 from meshd.mesh.models import file_digest, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
-from meshd.mesh.records import ROLE_CLIENT, ROLE_RELAY, CapabilityRecord, ModelInfo, ServedRange
+from meshd.mesh.records import (
+    ROLE_CLIENT,
+    ROLE_RELAY,
+    CapabilityRecord,
+    ModelInfo,
+    ServedRange,
+    address_fits,
+    host_of,
+    is_loopback,
+    is_unspecified,
+    join_address,
+    record_fits,
+    split_address,
+)
 from meshd.mesh.routing import NoRouteError, plan_route, stage_options
 from meshd.net import rpc as net_rpc
 from meshd.net.link import Stream
@@ -29,7 +52,7 @@ from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService, Tap
-from meshd.stage.service import STAGE_PROTOCOL, StageLimits, StageService, answer_typed
+from meshd.stage.service import StageLimits, StageService, answer_typed
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
 from wire.codec import Message
@@ -50,7 +73,7 @@ from wire.meshrpc import (
     StatusReply,
     StatusRequest,
 )
-from wire.stage import Hop, Open
+from wire.stage import STAGE_PROTOCOL, Hop, Open
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +89,16 @@ class NodeConfig:
                                                                     max_total_tokens=4096))
     client: bool = False
     relay: bool = False
-    # The address others dial, when it is not the listening one (listening on 0.0.0.0, port forwarding).
+    # The address others dial, when the operator knows it (port forwarding, a 1:1 NAT, a DNS name);
+    # without it a node publishes where its seeds see it, or, listening on a given host, that host.
     advertise: str | None = None
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
     relay_tap: Tap | None = None
     # Relays a node behind NAT keeps reservations on.
     reservations: int = 2
     dial_back_timeout: float = 3.0
+    # How often a node asks its seeds again where they see it (an address can change: DHCP, roaming).
+    address_check_interval: float = 300.0
     peers: PeersConfig = field(default_factory=PeersConfig)
     assign_interval: float = 1.0
     rpc_timeout: float = 5.0
@@ -98,7 +124,7 @@ class MeshDaemon:
         self.config = config
         self.peers: Peers
         self.mesh: MeshNode
-        self.address = ""
+        self.port = 0
         self.model: ModelInfo | None = None
         self.serving: list[ServingRange] = []
         self.retiring: list[ServingRange] = []
@@ -109,6 +135,7 @@ class MeshDaemon:
         self._nursery: trio.Nursery
         self.relay: RelayService | None = None
         self._keeper: ReservationKeeper | None = None
+        self._reasons: dict[str, tuple[object, str]] = {}
 
     # ----- lifecycle
 
@@ -125,25 +152,22 @@ class MeshDaemon:
             enable_circuits(peers)
             if cfg.relay:
                 self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
-            port = await peers.listen(*cfg.listen)
-            self.address = cfg.advertise or f"{cfg.listen[0]}:{port}"
+            self.port = await peers.listen(*cfg.listen)
             roles = ([ROLE_CLIENT] if cfg.client else []) + ([ROLE_RELAY] if cfg.relay else [])
             # A relay is public by its operator's word; others learn it from a seed's dial-back.
             checks = bool(cfg.seeds) and not (cfg.relay or cfg.client)
             record = CapabilityRecord.create(
-                self.identity, int(time.time() * 1000), addresses=[self.address],
+                self.identity, int(time.time() * 1000), addresses=self._configured_addresses(),
                 reachability="unknown" if checks else "public",
                 memory_bytes=0 if cfg.client else cfg.memory_bytes, models=[self.model] if self.model else [],
                 kv_tokens=cfg.limits.max_sessions * cfg.limits.max_session_tokens if self.model else 0,
                 roles=roles, started_at=time.time())
             self.mesh = MeshNode(self.identity, record, trio.current_time())
             await self._join_seeds()
-            if checks:
+            if cfg.seeds and not cfg.client:
                 await self._check_reachability()
-            if self.mesh.record.reachability == "nat":
-                self._keeper = ReservationKeeper(peers, self._relay_candidates, self._publish_relays,
-                                                 want=cfg.reservations)
-                nursery.start_soon(self._keeper.run)
+                nursery.start_soon(self._recheck_address)
+            self._keep_relays()
             nursery.start_soon(self._drive)
             if not cfg.client:
                 nursery.start_soon(self._track)
@@ -210,44 +234,137 @@ class MeshDaemon:
             relays = {a for r in self.live_records() if ROLE_RELAY in r.roles for a in r.addresses}
             return next((a for a in record.relay_addresses if parse_circuit_address(a)[0] in relays),
                         record.relay_addresses[0])
-        return record.addresses[0] if record.addresses else None
+        # An unspecified address (from an older peer) would dial this very host.
+        return next((a for a in record.addresses if not is_unspecified(host_of(a))), None)
 
-    # ----- reachability and relays
+    # ----- this node's address, reachability and relays
+
+    @property
+    def address(self) -> str:
+        """The address this node publishes ("" until it knows one)."""
+        return self.mesh.record.addresses[0] if self.mesh.record.addresses else ""
+
+    @property
+    def local_address(self) -> str:
+        """Where a command on this host reaches the daemon: the listening host, loopback for a wildcard."""
+        host = self.config.listen[0]
+        if is_unspecified(host):
+            host = "::1" if ":" in host else "127.0.0.1"
+        return join_address(host, self.port)
+
+    def _configured_addresses(self) -> list[str]:
+        """What to publish before any peer has said where it sees this node: --advertise, else the
+        listening host if it is one (never 0.0.0.0 or ::, which nobody can dial), else nothing yet."""
+        if self.config.advertise:
+            return [self.config.advertise]
+        host = self.config.listen[0]
+        return [] if is_unspecified(host) else [join_address(host, self.port)]
+
+    def _learns_from_peers(self) -> bool:
+        # A first node listening on every interface has no seed to ask: the peers that reach it tell it.
+        cfg = self.config
+        return not cfg.advertise and not cfg.seeds and not cfg.client and is_unspecified(cfg.listen[0])
+
+    def _learn_address(self, peer: str) -> None:
+        """Publishes this host's address on the way to `peer` (its route source), when this node has
+        no better one: loopback only while no other peer has come, and a non-loopback one is kept."""
+        if not self._learns_from_peers():
+            return
+        current = self.mesh.record.addresses
+        if current and not is_loopback(host_of(current[0])):
+            return
+        source = route_source(host_of(peer))
+        if source is None or (current and is_loopback(source)):
+            return
+        address = join_address(source, self.port)
+        log.info("peers reach this node at %s", address)
+        self.mesh.update_record(trio.current_time(), addresses=[address])
+        self._flush()
 
     async def _check_reachability(self) -> None:
-        """Asks the seeds to dial this node back; if one can it is public, if every one that answers cannot, NAT."""
+        """Asks the seeds where they see this node and to dial it back there.
+
+        The address a seed sees (with the listening port) becomes the published
+        one once a seed has dialled it; if every seed that answers fails to,
+        the node is behind NAT. `--advertise` is checked but never replaced, and
+        a relay stays public by its operator's word. Called again from time to
+        time: a changed address is published only with its own dial-back.
+        """
+        cfg = self.config
+        request = DialBackRequest(address=cfg.advertise) if cfg.advertise else DialBackRequest(port=self.port)
         verdicts: list[bool] = []
+        seen: Counter[str] = Counter()
         for node_id, address in self._seed_addresses.items():
             try:
-                reply = await rpc(self.peers, address, DialBackRequest(address=self.address), node_id,
-                                  self.config.dial_back_timeout + 2.0)
+                reply = await rpc(self.peers, address, request, node_id, cfg.dial_back_timeout + 2.0)
             except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 log.info("seed %s did not dial back: %s", address, exc)
                 continue
-            if isinstance(reply, DialBackReply):
-                verdicts.append(reply.reachable)
-                if not reply.reachable:
-                    log.info("seed %s cannot dial %s: %s", address, self.address, reply.detail)
-        if verdicts:
-            reachability = "public" if any(verdicts) else "nat"
-            log.info("reachability: %s", reachability)
-            self.mesh.update_record(trio.current_time(), reachability=reachability)
+            if not isinstance(reply, DialBackReply):
+                continue
+            verdicts.append(reply.reachable)
+            if not reply.reachable:
+                log.info("seed %s cannot dial this node: %s", address, reply.detail)
+                continue
+            observed = observed_address(reply.observed, self.port, host_of(address))
+            if observed is not None:
+                seen[observed] += 1
+        if not verdicts:
+            return
+        changes: dict[str, object] = {}
+        if not cfg.relay:
+            changes["reachability"] = "public" if any(verdicts) else "nat"
+        elif not any(verdicts):
+            log.warning("no seed can dial this relay at %s: members behind NAT cannot use it",
+                        self.address or f"port {self.port}")
+        if seen and not cfg.advertise:
+            # The address most seeds agree on: one seed alone cannot move a node that others see elsewhere.
+            changes["addresses"] = [seen.most_common(1)[0][0]]
+        record = self.mesh.record
+        changes = {k: v for k, v in changes.items() if getattr(record, k) != v}
+        if changes:
+            log.info("published %s", ", ".join(f"{k} {v}" for k, v in changes.items()))
+            self.mesh.update_record(trio.current_time(), **changes)
             self._flush()
+            self._wake.set()
 
-    async def _dial_back(self, stream: Stream, address: str) -> DialBackReply:
+    async def _recheck_address(self) -> None:
+        while True:
+            await trio.sleep(self.config.address_check_interval)
+            await self._check_reachability()
+            self._keep_relays()
+
+    def _keep_relays(self) -> None:
+        """Behind NAT, keeps reservations on relays (started once, the first time NAT is found)."""
+        if self.mesh.record.reachability != "nat" or self._keeper is not None:
+            return
+        self._keeper = ReservationKeeper(self.peers, self._relay_candidates, self._publish_relays,
+                                         want=self.config.reservations)
+        self._nursery.start_soon(self._keeper.run)
+
+    async def _dial_back(self, stream: Stream, request: DialBackRequest) -> DialBackReply:
         # As libp2p's AutoNAT: only the host the request comes from, so nobody can aim us at a third party.
-        observed = stream.link.address.rpartition(":")[0]
-        host, _, port = address.rpartition(":")
-        if host != observed or not port.isdigit():
-            return DialBackReply(reachable=False, detail=f"{address} is not where you dial from ({observed})")
+        observed = host_of(stream.link.address)
+        if not is_ip(observed):
+            return DialBackReply(reachable=False, detail="this link has no IP address to dial back")
+        if request.port is not None:
+            host, port = observed, request.port
+        else:
+            parts = split_address(request.address or "")
+            if parts is None or parts[0] != observed:
+                return DialBackReply(reachable=False, observed=observed,
+                                     detail=f"{request.address} is not where you dial from ({observed})")
+            host, port = parts
+        target = join_address(host, port)
         with trio.move_on_after(self.config.dial_back_timeout):
             try:
-                connection = await trio.open_tcp_stream(host, int(port))
+                connection = await trio.open_tcp_stream(host, port)
             except OSError as exc:
-                return DialBackReply(reachable=False, detail=f"cannot connect to {address}: {exc.strerror}")
+                return DialBackReply(reachable=False, observed=observed,
+                                     detail=f"cannot connect to {target}: {exc.strerror}")
             await connection.aclose()
-            return DialBackReply(reachable=True)
-        return DialBackReply(reachable=False, detail=f"connecting to {address} timed out")
+            return DialBackReply(reachable=True, observed=observed)
+        return DialBackReply(reachable=False, observed=observed, detail=f"connecting to {target} timed out")
 
     def _is_member(self, node_id: str) -> bool:
         return self.mesh.membership.record_of(node_id) is not None
@@ -264,18 +381,20 @@ class MeshDaemon:
         self._wake.set()
 
     async def _send_swim(self, dest: str, message: Message) -> None:
+        # A node that has not learned its address yet is still reached over the link it dialled.
         address = self.address_of(dest)
-        if address is None:
+        if address is None and self.peers.link_to(dest) is None:
             return
         with trio.move_on_after(1.0):
             try:
                 stream = await self.peers.open_stream(address, SWIM_PROTOCOL, node_id=dest)
                 async with stream:
-                    await stream.send_message(message)
+                    await stream.send_message(fit_for_peer(message, host_of(stream.link.address)))
             except (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
     async def _on_swim(self, stream: Stream) -> None:
+        self._learn_address(stream.link.address)
         message = await stream.receive_message()
         if not isinstance(message, SWIM_MESSAGES):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{message.type!r} is not a SWIM message")
@@ -286,17 +405,19 @@ class MeshDaemon:
     # ----- RPCs
 
     async def _on_rpc(self, stream: Stream) -> None:
+        self._learn_address(stream.link.address)
         await answer_typed(stream, self._answer)
 
     async def _answer(self, stream: Stream, request: Message) -> None:
+        peer = host_of(stream.link.address)
         if isinstance(request, AssignmentRequest):
             reply: Message = self._assignment_for(stream.remote_node_id)
         elif isinstance(request, RouteRequest):
-            reply = self.route(request.model, request.exclude)
+            reply = self.route(request.model, request.exclude, peer)
         elif isinstance(request, StatusRequest):
-            reply = self.status()
+            reply = self.status(peer)
         elif isinstance(request, DialBackRequest):
-            reply = await self._dial_back(stream, request.address)
+            reply = await self._dial_back(stream, request)
         else:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown mesh request {request.type!r}")
         await stream.send_message(reply)
@@ -321,7 +442,9 @@ class MeshDaemon:
                 return AssignmentReply(term=tracker.term, model=digest, start=rng[0], end=rng[1])
         return AssignmentReply(term=tracker.term, reason="no range for this node")
 
-    def route(self, model: str | None, exclude: list[str] | tuple[str, ...] = ()) -> RouteReply:
+    def route(self, model: str | None, exclude: list[str] | tuple[str, ...] = (),
+              peer: str | None = None) -> RouteReply:
+        """A route for `model`; with `peer` (the asker's host), only through nodes it may be told of."""
         models = self._models()
         if model is None:
             if not models:
@@ -330,7 +453,8 @@ class MeshDaemon:
         info = models.get(model)
         if info is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {model[:12]}")
-        records = {r.node_id: r for r in self.live_records()}
+        records = {r.node_id: r for r in self.live_records()
+                   if self.dial_address(r) is not None and (peer is None or record_fits(r, peer))}
         rtt = self.mesh.membership.rtt
 
         def link_cost(a: str | None, b: str) -> float:
@@ -339,20 +463,23 @@ class MeshDaemon:
         try:
             found = plan_route(stage_options(records.values(), model), info.n_layers, link_cost, exclude=exclude)
         except NoRouteError as exc:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}") from None
+            reason = self._coverage_reason(info)
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
+                                + (f"; {reason}" if reason else "")) from None
         stages = [RouteStage(node_id=s.node_id, address=self.dial_address(records[s.node_id]) or "",
                              start=s.start, end=s.end)
                   for s in found.stages]
         return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
 
-    def status(self) -> StatusReply:
+    def status(self, peer: str | None = None) -> StatusReply:
+        """The mesh as this node sees it; with `peer` (the asker's host), addresses it may be told."""
         tracker = self.mesh.tracker
-        members = [self._member_status(self.mesh.record, "alive")]
+        members = [self._member_status(self.mesh.record, "alive", peer)]
         for m in self.mesh.membership.members():
             if m.node_id == self.mesh.node_id:
                 continue
             members.append(self._member_status(m.record, m.state.value if isinstance(m.state, MemberState)
-                                               else str(m.state)))
+                                               else str(m.state), peer))
         coverage = []
         for digest, info in self._models().items():
             served = [(r.node_id, s) for r in self.live_records() for s in r.served if s.model == digest]
@@ -363,14 +490,18 @@ class MeshDaemon:
             coverage.append(ModelCoverage(
                 model=digest, name=info.name, n_layers=info.n_layers, covered_layers=sum(1 for c in layers if c),
                 assigned=[f"{node[:12]} [{s.start}, {s.end})" for node, s in served],
-                replicas=max(0, min(layers) - 1) if layers else 0))
+                replicas=max(0, min(layers) - 1) if layers else 0,
+                reason=self._coverage_reason(info) if not all(layers) else ""))
         return StatusReply(node_id=self.mesh.node_id, tracker=tracker.node_id if tracker else None,
                            term=tracker.term if tracker else 0, members=members, coverage=coverage)
 
-    def _member_status(self, record: CapabilityRecord, state: str) -> MemberStatus:
+    def _member_status(self, record: CapabilityRecord, state: str, peer: str | None = None) -> MemberStatus:
         tracker = self.mesh.tracker
         roles = list(record.roles) + (["tracker"] if tracker and tracker.node_id == record.node_id else [])
-        return MemberStatus(node_id=record.node_id, address=record.addresses[0] if record.addresses else "",
+        address = record.addresses[0] if record.addresses else ""
+        if address and peer is not None and not address_fits(address, peer):
+            address = ""
+        return MemberStatus(node_id=record.node_id, address=address,
                             state=state, roles=roles, reachability=record.reachability,
                             relay_addresses=list(record.relay_addresses),
                             memory_bytes=record.memory_bytes,
@@ -379,14 +510,30 @@ class MeshDaemon:
 
     # ----- the tracker's duty and the volunteer's
 
+    def _model_spec(self, records: list[CapabilityRecord], info: ModelInfo) -> ModelSpec:
+        # the volunteers' own session budgets decide the KV each stage holds, not the tracker's
+        kv_tokens = max((r.kv_tokens for r in records if r.model(info.digest) is not None), default=0) \
+            or self.config.limits.max_sessions * self.config.limits.max_session_tokens
+        return ModelSpec.from_info(info, kv_tokens)
+
+    def _coverage_reason(self, info: ModelInfo) -> str:
+        """Why the members cannot cover `info` ("" when they can: it is then only loading)."""
+        records = self.live_records()
+        nodes, spec = capacities(records, info.digest), self._model_spec(records, info)
+        # The search behind the reason runs assignment a few dozen times: once per mesh change.
+        key = (tuple(nodes), spec)
+        cached = self._reasons.get(info.digest)
+        if cached is None or cached[0] != key:
+            # bounded as the status field is, whatever the figures
+            cached = (key, (coverage_shortfall(nodes, spec) or "")[:1024])
+            self._reasons[info.digest] = cached
+        return cached[1]
+
     def _reassign(self) -> None:
         records = self.live_records()
         for digest, info in self._models().items():
-            # the volunteers' own session budgets decide the KV each stage holds, not the tracker's
-            kv_tokens = max((r.kv_tokens for r in records if r.model(digest) is not None), default=0) \
-                or self.config.limits.max_sessions * self.config.limits.max_session_tokens
             try:
-                self.assignments[digest] = assign(capacities(records, digest), ModelSpec.from_info(info, kv_tokens),
+                self.assignments[digest] = assign(capacities(records, digest), self._model_spec(records, info),
                                                   AssignmentPolicy(), self.assignments.get(digest))
             except CoverageError as exc:
                 if self.assignments.pop(digest, None) is not None or digest not in self._uncovered:
@@ -492,3 +639,54 @@ class MeshDaemon:
         await chosen.handle_first(stream, first)
 
 
+
+
+# ----- addresses: pure helpers of the shell
+
+
+def is_ip(host: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    except OSError:
+        return False
+    return True
+
+
+def route_source(host: str) -> str | None:
+    """This host's own address on the way to `host`, as the kernel routes it (no packet is sent)."""
+    if not is_ip(host):
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            source: str = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if is_unspecified(source) else source
+
+
+def observed_address(observed: str, port: int, seed_host: str) -> str | None:
+    """The address a seed says it sees this node at, with the listening port, if it is one to publish:
+    an IP (not 0.0.0.0 or ::), and loopback only from a seed that is on loopback itself."""
+    if not is_ip(observed):
+        return None
+    address = join_address(observed, port)
+    return address if address_fits(address, seed_host) else None
+
+
+_GOSSIPING = (Ping, Ack, PingReq, Gossip)
+
+
+def fit_for_peer(message: Message, peer_host: str) -> Message:
+    """`message` without the records that a peer at `peer_host` must not be told (see `record_fits`)."""
+    if isinstance(message, Sync):
+        entries = [entry for entry in message.entries if record_fits(entry.record, peer_host)]
+        if len(entries) == len(message.entries):
+            return message
+        return message.model_copy(update={"entries": entries})
+    if isinstance(message, _GOSSIPING):
+        gossip = [u for u in message.gossip if not isinstance(u, Alive) or record_fits(u.record, peer_host)]
+        if len(gossip) == len(message.gossip):
+            return message
+        return message.model_copy(update={"gossip": gossip})
+    return message

@@ -1,37 +1,51 @@
-"""Network namespaces for tests: whether they can be made, and the leftovers of killed runs.
+"""Network namespaces for tests: "machines" on one bridge, each with its own HOME, and meshd run inside them.
 
-Every namespace a test makes is named ``meshd-<pid>-<tag>-<role>``, <pid> being the
-test process that made it, so a later run can tell a leftover (its maker is dead)
-from the live topology of a run going on beside it.
+Every namespace is named ``meshd-p<pid>-<role>`` after the test process that
+made it, so a later run can tell a stale one (its maker is gone) from one a
+running test still uses, and remove only the stale. Traffic stays inside the
+namespaces: the bridge lives in a namespace of its own, not on the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import shutil
 import subprocess
+import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+from localmesh import READY, stop_process
 
+ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "meshd-"
-# meshd-<pid>-...: a maker's PID; older names (meshd-<hex>-<role>, meshd-probe-<hex>) have none
-_OWNED = re.compile(r"^meshd-(\d+)-")
-# longer than any run of the netns tests: an unnamed maker's namespace older than this is a leftover
-LEGACY_MAX_AGE = 3600.0
+# meshd-p<pid>-... (or meshd-<pid>-...): the PID of the test process that made it
+_OURS = re.compile(r"^meshd-p?(\d+)-")
+# A namespace of another naming (an older test) is stale once it holds no process for this long.
+_LEGACY_STALE_AFTER = 600.0
+
+
+def sh(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+    return done
 
 
 def name(tag: str, role: str) -> str:
-    return f"{PREFIX}{os.getpid()}-{tag}-{role}"
+    return f"{PREFIX}p{os.getpid()}-{tag}-{role}"
 
 
 def unavailable() -> str | None:
-    """Why this machine cannot make network namespaces, or None. Tries it rather than guessing."""
+    """Why this machine cannot build namespaces, or None. Tries it rather than guessing."""
     if shutil.which("ip") is None:
         return "iproute2 (`ip`) is not installed"
-    probe = name(secrets.token_hex(3), "probe")
+    probe = name(secrets.token_hex(2), "probe")
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip() or 'ip netns add failed'}"
@@ -60,40 +74,152 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _older_than(ns: str, seconds: float) -> bool:
-    try:
-        made = os.stat(f"/run/netns/{ns}").st_mtime
-    except OSError:
-        return False
-    return time.time() - made > seconds
-
-
-def stale() -> list[str]:
-    """meshd-* namespaces left by killed runs: their maker is dead, or (older names, no maker
-    recorded) they are older than any run lasts. An older name without processes is no sign:
-    a router namespace never holds one."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    found = []
-    for line in listed.stdout.splitlines():
-        ns = line.split()[0] if line.split() else ""
-        if not ns.startswith(PREFIX):
-            continue
-        owned = _OWNED.match(ns)
-        if (not _alive(int(owned.group(1)))) if owned else _older_than(ns, LEGACY_MAX_AGE):
-            found.append(ns)
-    return found
-
-
 def remove_stale() -> list[str]:
-    """Deletes stale meshd-* namespaces (their veths go with them); returns their names."""
-    gone = stale()
-    for ns in gone:
-        # what still runs inside a dead run's namespace is that run's too
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
-        for pid in pids:
+    """Deletes the ``meshd-*`` namespaces a killed run left behind; returns their names.
+
+    Ours are stale when the test process named in them is gone; others when
+    they hold no process and are old enough that no test is still building them."""
+    listed = sh("ip", "netns", "list", check=False).stdout.split("\n")
+    removed = []
+    for line in listed:
+        name = line.split(" ", 1)[0].strip()
+        if not name.startswith(PREFIX):
+            continue
+        ours = _OURS.match(name)
+        if ours is not None:
+            stale = not _alive(int(ours.group(1)))
+        else:
+            pids = sh("ip", "netns", "pids", name, check=False).stdout.split()
             try:
-                os.kill(int(pid), 9)
-            except (ProcessLookupError, ValueError):
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-    return gone
+                age = time.time() - os.stat(f"/run/netns/{name}").st_mtime
+            except OSError:
+                age = 0.0
+            stale = not pids and age > _LEGACY_STALE_AFTER
+        if stale:
+            for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), 9)
+            sh("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+@dataclass
+class Process:
+    name: str
+    proc: subprocess.Popen[str]
+    log: Path
+    address: str = ""
+    node_id: str = ""
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@dataclass
+class Machine:
+    """A namespace with one address on the bridge and a HOME of its own."""
+
+    role: str
+    namespace: str
+    ip: str
+    home: Path
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+        # The worktree's packages, whatever the cwd of the command.
+        path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        return env | {"HOME": str(self.home), "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Bridge:
+    """Machines ``10.77.0.1``, ``.2``, ... on one bridge (in a namespace of its own)."""
+
+    base: Path
+    subnet: str = "10.77.0"
+    tag: str = field(default_factory=lambda: f"p{os.getpid()}")
+    machines: dict[str, Machine] = field(default_factory=dict)
+    namespaces: list[str] = field(default_factory=list)
+    processes: list[Process] = field(default_factory=list)
+
+    @property
+    def hub(self) -> str:
+        return f"{PREFIX}{self.tag}-br"
+
+    def build(self, roles: list[str]) -> None:
+        self._add_namespace(self.hub)
+        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for index, role in enumerate(roles, start=1):
+            namespace = f"{PREFIX}{self.tag}-{role}"
+            self._add_namespace(namespace)
+            ip = f"{self.subnet}.{index}"
+            # Both ends are made inside the namespaces: nothing appears on the host, even for a moment.
+            sh("ip", "-n", self.hub, "link", "add", f"p{index}", "type", "veth", "peer", "name", "eth0",
+               "netns", namespace)
+            sh("ip", "-n", self.hub, "link", "set", f"p{index}", "master", "br0", "up")
+            sh("ip", "-n", namespace, "addr", "add", f"{ip}/24", "dev", "eth0")
+            sh("ip", "-n", namespace, "link", "set", "eth0", "up")
+            home = self.base / role
+            home.mkdir(parents=True, exist_ok=True)
+            self.machines[role] = Machine(role, namespace, ip, home)
+
+    def _add_namespace(self, name: str) -> None:
+        sh("ip", "netns", "add", name)
+        self.namespaces.append(name)
+        sh("ip", "-n", name, "link", "set", "lo", "up")
+
+    def run(self, role: str, argv: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+        machine = self.machines[role]
+        return subprocess.run(["ip", "netns", "exec", machine.namespace, *argv], capture_output=True, text=True,
+                              timeout=timeout, env=machine.env(), cwd=machine.home)
+
+    def start(self, name: str, role: str, argv: list[str], *, timeout: float = 90.0,
+              env: dict[str, str] | None = None) -> Process:
+        """Starts `argv` in `role`'s namespace; returns once it prints meshd's ready line."""
+        machine = self.machines[role]
+        log = self.base / f"{name}.log"
+        with log.open("w") as out:
+            # `ip netns exec` execs the command: the PID is the daemon's own.
+            proc = subprocess.Popen(["ip", "netns", "exec", machine.namespace, *argv], stdout=out,
+                                    stderr=subprocess.STDOUT, text=True, env=machine.env() | (env or {}),
+                                    cwd=machine.home)
+        process = Process(name, proc, log)
+        self.processes.append(process)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            for line in process.text().splitlines():
+                m = READY.match(line)
+                if m:
+                    process.address, process.node_id = m.group(1), m.group(3)
+                    return process
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} did not become ready:\n{process.text()}")
+
+    def logs(self, tail: int = 4000) -> str:
+        return "\n".join(f"----- {p.name}\n{p.text()[-tail:]}" for p in self.processes)
+
+    def tear_down(self) -> list[str]:
+        """Stops every process by PID, then deletes every namespace; goes on past any error."""
+        errors: list[str] = []
+        for process in self.processes:
+            try:
+                process.stop()
+            except Exception as exc:  # teardown reports and goes on
+                errors.append(f"stopping {process.name}: {exc!r}")
+        for namespace in reversed(self.namespaces):
+            try:
+                sh("ip", "netns", "del", namespace)
+            except Exception as exc:
+                errors.append(f"deleting {namespace}: {exc!r}")
+        return errors
+
+
+def meshd_argv(words: list[str]) -> list[str]:
+    """A `meshd ...` command line as this checkout's interpreter runs it."""
+    assert words[0] == "meshd", words
+    return [sys.executable, "-m", "meshd.cli", *words[1:]]

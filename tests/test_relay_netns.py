@@ -27,6 +27,7 @@ from pathlib import Path
 import netns
 import pytest
 from localmesh import READY, spawn, stop_process
+from netns import sh
 
 pytestmark = pytest.mark.slow  # five namespaces, relays and daemons
 
@@ -39,13 +40,6 @@ HOMES = ("10.202.1.2:7100", "10.202.2.2:7100")
 KV = ["--max-sessions", "2", "--session-tokens", "512"]
 # Two volunteers, each too small for the whole model: the tracker splits it across them.
 VOLUNTEER = ["--memory", "110M", "--threads", "1", *KV]
-
-
-def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
-    return done
 
 
 @dataclass

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from wire.codec import Limits, Message, WireModel, register_protocol
 from wire.swim import SWIM_PROTOCOL
-from wire.types import Address, Count, Digest, Label, Layer, NodeId, Text
+from wire.types import Address, Count, Digest, Host, Label, Layer, NodeId, Port, Prose, Text
 
 MESH_PROTOCOL = "meshd/mesh/1"
 
@@ -67,6 +67,8 @@ class ModelCoverage(WireModel):
     covered_layers: Layer
     assigned: list[Text] = Field(max_length=1024)
     replicas: Count
+    # Why the members cannot cover the model (empty when they can): memory needed against offered.
+    reason: Prose = ""
 
 
 class StatusRequest(Message, tag="status_request"):
@@ -82,11 +84,23 @@ class StatusReply(Message, tag="status"):
 
 
 class DialBackRequest(Message, tag="dial_back_request"):
-    """Can you reach me at ``address``? (How a node learns it is behind NAT.)"""
+    """Can you reach me? (How a node learns its address, and whether it is behind NAT.)
 
-    address: Address
+    With ``port``: at that port of the host you see me from. With ``address``
+    (an operator's ``--advertise``): there, if its host is the one you see."""
+
+    address: Address | None = None
+    port: Port | None = None
+
+    @model_validator(mode="after")
+    def _one_target(self) -> DialBackRequest:
+        if (self.port is None) == (self.address is None):
+            raise ValueError("give exactly one of address and port")
+        return self
 
 
 class DialBackReply(Message, tag="dial_back"):
     reachable: bool
     detail: Text = ""
+    # The host the request came from, as the answering node saw it: the asker's address to the mesh.
+    observed: Host = ""

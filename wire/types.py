@@ -45,6 +45,11 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Int32 = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
 # Free text for people (names, reasons, details).
 Text = Annotated[str, Field(max_length=256)]
+# A sentence for a person (why a model is not covered): longer than a label, still small.
+Prose = Annotated[str, Field(max_length=1024)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+# A host as one peer saw another (an IP literal; DNS names are at most 253 characters).
+Host = Annotated[str, Field(max_length=253)]
 # A short label: a role, a state.
 Label = Annotated[str, Field(max_length=32)]
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]

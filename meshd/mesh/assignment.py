@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -51,6 +51,8 @@ class ModelSpec:
     kv_bytes_per_layer: int = 0  # KV cache of one layer for the planned context x sessions
     head_bytes: int = 0  # token embedding, at the stage owning layer 0
     tail_bytes: int = 0  # output norm and LM head, at the stage owning the last layer
+    kv_tokens: int = 0  # the tokens `kv_bytes_per_layer` is for: what a shortfall names
+    name: str = ""
 
     @classmethod
     def from_info(cls, info: ModelInfo, kv_tokens: int) -> ModelSpec:
@@ -62,7 +64,13 @@ class ModelSpec:
             kv_bytes_per_layer=info.kv_bytes_per_token * kv_tokens,
             head_bytes=info.head_bytes,
             tail_bytes=info.tail_bytes,
+            kv_tokens=kv_tokens,
+            name=info.name,
         )
+
+    def with_kv_tokens(self, kv_tokens: int) -> ModelSpec:
+        per_token = self.kv_bytes_per_layer // self.kv_tokens if self.kv_tokens else 0
+        return replace(self, kv_bytes_per_layer=per_token * kv_tokens, kv_tokens=kv_tokens)
 
     @property
     def layer_bytes(self) -> int:
@@ -149,18 +157,8 @@ def assign(
 
     Raises CoverageError when the nodes cannot hold every layer."""
     # One entry per node (the last wins), or a node could be given two ranges.
-    nodes = list({node.node_id: node for node in nodes}.values())
-    measured = [node.seconds_per_layer for node in nodes if node.seconds_per_layer > 0]
-    # An unmeasured node is taken to be typical of the mesh, neither favoured nor shunned.
-    default_speed = statistics.median(measured) if measured else 1e-3
-    usable = sorted(
-        (
-            _Node(node.node_id, node.memory_bytes, node.seconds_per_layer or default_speed)
-            for node in nodes
-            if node.memory_bytes >= model.layer_bytes
-        ),
-        key=lambda node: (node.speed, -node.memory, node.node_id),
-    )
+    nodes = _distinct(nodes)
+    usable = _usable(nodes, model)
     kept = None
     if current is not None and current.model == model.digest and current.n_layers == model.n_layers:
         kept = _repair(current, usable, model, policy)
@@ -178,19 +176,43 @@ def assign(
 def _fresh(
     usable: list[_Node], nodes: Sequence[NodeCapacity], model: ModelSpec, policy: AssignmentPolicy
 ) -> Assignment:
+    chain = _primary_chain(usable, model, policy)
+    if chain is None:
+        raise CoverageError(_shortfall(nodes, model, policy))
+    boundaries = (0,) + tuple(stage.end for stage in chain)
+    used = {stage.node_id for stage in chain}
+    spare = [node for node in usable if node.node_id not in used]
+    stages = _replicate(chain, boundaries, spare, model, _speeds(usable))
+    return _finish(model, boundaries, stages, usable, policy)
+
+
+def _distinct(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
+    return list({node.node_id: node for node in nodes}.values())
+
+
+def _usable(nodes: Sequence[NodeCapacity], model: ModelSpec) -> list[_Node]:
+    """The nodes that can hold a layer, fastest first."""
+    measured = [node.seconds_per_layer for node in nodes if node.seconds_per_layer > 0]
+    # An unmeasured node is taken to be typical of the mesh, neither favoured nor shunned.
+    default_speed = statistics.median(measured) if measured else 1e-3
+    return sorted(
+        (
+            _Node(node.node_id, node.memory_bytes, node.seconds_per_layer or default_speed)
+            for node in nodes
+            if node.memory_bytes >= model.layer_bytes
+        ),
+        key=lambda node: (node.speed, -node.memory, node.node_id),
+    )
+
+
+def _primary_chain(usable: list[_Node], model: ModelSpec, policy: AssignmentPolicy) -> list[Stage] | None:
     chain = _best_chain(_candidates(usable, policy.candidates), model, policy.hop_seconds)
     if chain is None:
         # The candidates alone fall short (many small nodes): take everyone, largest first.
         chain = _greedy_cover(
             sorted(usable, key=lambda node: (-node.memory, node.speed)), model, 0, model.n_layers
         )
-    if chain is None:
-        raise CoverageError(_shortfall(nodes, model))
-    boundaries = (0,) + tuple(stage.end for stage in chain)
-    used = {stage.node_id for stage in chain}
-    spare = [node for node in usable if node.node_id not in used]
-    stages = _replicate(chain, boundaries, spare, model, _speeds(usable))
-    return _finish(model, boundaries, stages, usable, policy)
+    return chain
 
 
 def _repair(
@@ -456,27 +478,117 @@ def _tiles(ranges: Counter[Range], start: int, end: int) -> bool:
     return start == end
 
 
-def _shortfall(nodes: Sequence[NodeCapacity], model: ModelSpec) -> str:
-    need = model.stage_bytes(0, model.n_layers)
-    total = sum(node.memory_bytes for node in nodes)
+def _covers(nodes: Sequence[NodeCapacity], model: ModelSpec, policy: AssignmentPolicy) -> bool:
+    return _primary_chain(_usable(nodes, model), model, policy) is not None
+
+
+def coverage_shortfall(
+    nodes: Sequence[NodeCapacity], model: ModelSpec, policy: AssignmentPolicy = AssignmentPolicy()
+) -> str | None:
+    """Why `nodes` cannot cover `model` and which flag would change that, or None when they can."""
+    nodes = _distinct(nodes)
+    if nodes and _covers(nodes, model, policy):
+        return None
+    return _shortfall(nodes, model, policy)
+
+
+def _shortfall(nodes: Sequence[NodeCapacity], model: ModelSpec, policy: AssignmentPolicy) -> str:
+    """Memory needed (weights plus KV at the volunteers' session budget) against memory offered,
+    what of the model that holds, and the smallest change of flags that would cover it."""
     if not nodes:
-        return f"no member holds model {model.digest}"
-    held_by = f"the {len(nodes)} node(s) holding it offer {_gib(total)}"
-    if total < need:
-        return (
-            f"model {model.digest} cannot be covered: its {model.n_layers} layers need {_gib(need)} "
-            f"(weights + KV + embedding and output head), {held_by}"
-        )
-    largest = max(node.memory_bytes for node in nodes)
-    return (
-        f"model {model.digest} cannot be covered: {held_by} but no arrangement fits "
-        f"(largest node {_gib(largest)}; a layer needs {_gib(model.layer_bytes)}, "
-        f"the head {_gib(model.head_bytes)}, the tail {_gib(model.tail_bytes)})"
-    )
+        return "no member volunteers the model"
+    n = model.n_layers
+    weights = n * model.bytes_per_layer + model.head_bytes + model.tail_bytes
+    kv = n * model.kv_bytes_per_layer
+    memories = sorted(node.memory_bytes for node in nodes)
+    count = f"{len(nodes)} volunteer{'s' if len(nodes) != 1 else ''}"
+    if memories[0] == memories[-1]:
+        offered = f"{len(nodes)} × {_mib(memories[0])}" if len(nodes) > 1 else _mib(memories[0])
+    else:
+        offered = f"{_mib(sum(memories))} in all (the largest {_mib(memories[-1])})"
+    tokens_text = f" ({model.kv_tokens:,} tokens a stage: --max-sessions × --session-tokens)" \
+        if model.kv_tokens else ""
+    kv_text = f" + {_mib(kv)} of KV{tokens_text}" if kv else ""
+    layer = f"a layer takes {_mib(model.bytes_per_layer)}" + \
+        (f" + {_mib(model.kv_bytes_per_layer)} of KV" if kv else "")
+    need, total = weights + kv, sum(memories)
+    if memories[-1] < model.layer_bytes:
+        what = f", none of which holds one layer ({layer})"
+    elif total < need:
+        what = f" ({_mib(need - total)} short)"
+    elif _layers_held(memories, model) < n:
+        what = (f", which hold {_layers_held(memories, model)} of its {n} layers once the first stage takes the "
+                f"token embedding ({_mib(model.head_bytes)}) and the last the output head "
+                f"({_mib(model.tail_bytes)}); {layer}")
+    elif memories[-1] < model.head_bytes + model.layer_bytes:
+        what = f", none of which holds the first stage: the token embedding ({_mib(model.head_bytes)}) and a layer"
+    elif len(memories) < 2 or memories[-2] < model.tail_bytes + model.layer_bytes:
+        what = (f", and the one that holds the token embedding ({_mib(model.head_bytes)}) cannot hold the output "
+                f"head too: no other holds the last stage ({_mib(model.tail_bytes)} and a layer)")
+    else:
+        what = f", which no arrangement fits ({layer}; the embedding {_mib(model.head_bytes)}, the output head " \
+            f"{_mib(model.tail_bytes)})"
+    fixes = []
+    memory = _memory_to_cover(nodes, model, policy)
+    fixes.append(f"raise --memory to {_flag_size(memory)} on each volunteer")
+    tokens = _kv_to_cover(nodes, model, policy)
+    if tokens is not None:
+        fixes.append(f"lower --max-sessions × --session-tokens to {tokens:,} tokens or fewer")
+    fixes.append("add volunteers")
+    return (f"the model needs {_mib(weights)} of weights{kv_text} but the {count} offer {offered}{what}; "
+            + ", or ".join([", ".join(fixes[:-1]), fixes[-1]] if len(fixes) > 2 else fixes))
 
 
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.2f} GiB"
+def _layers_held(memories: list[int], model: ModelSpec) -> int:
+    """Layers the volunteers hold together, the largest taking the embedding and the next the output head."""
+    extras = [model.head_bytes, model.tail_bytes]
+    held = 0
+    for memory in sorted(memories, reverse=True):
+        extra = extras.pop(0) if extras else 0
+        held += max(0, memory - extra) // model.layer_bytes
+    return held
+
+
+def _memory_to_cover(nodes: Sequence[NodeCapacity], model: ModelSpec, policy: AssignmentPolicy) -> int:
+    """The least --memory (in whole MiB) that, given to every volunteer with less, covers the model."""
+    def covers_with(mib: int) -> bool:
+        raised = [replace(node, memory_bytes=max(node.memory_bytes, mib << 20)) for node in nodes]
+        return _covers(raised, model, policy)
+
+    # One node with the whole model's bytes covers it on its own: the search is bounded.
+    low, high = 0, -(-model.stage_bytes(0, model.n_layers) // (1 << 20))
+    while low + 1 < high:
+        middle = (low + high) // 2
+        if covers_with(middle):
+            high = middle
+        else:
+            low = middle
+    return high << 20
+
+
+def _kv_to_cover(nodes: Sequence[NodeCapacity], model: ModelSpec, policy: AssignmentPolicy) -> int | None:
+    """The most KV tokens a stage can hold with the memory offered and the model covered;
+    None when a smaller session budget would not help (no KV, or none fits even without KV)."""
+    if model.kv_tokens < 1 or not _covers(nodes, model.with_kv_tokens(1), policy):
+        return None
+    low, high = 1, model.kv_tokens  # covers at `low`, not at `high`
+    while low + 1 < high:
+        middle = (low + high) // 2
+        if _covers(nodes, model.with_kv_tokens(middle), policy):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.0f} MiB" if size < 2**30 else f"{size / 2**30:,.1f} GiB"
+
+
+def _flag_size(size: int) -> str:
+    """A --memory value of at least `size`: whole MiB, or tenths of a GiB from 1 GiB on."""
+    mib = -(-size // (1 << 20))
+    return f"{mib}M" if mib < 1024 else f"{-(-mib * 10 // 1024) / 10:g}G"
 
 
 # ---- moving from what is served to an assignment ----------------------------------------------

@@ -11,8 +11,10 @@ so its new records supersede its old ones.
 from __future__ import annotations
 
 import enum
+import ipaddress
 from dataclasses import dataclass, field
 
+from relay.protocol import CIRCUIT_MARK
 from wire.swim import (
     MAX_ADDRESSES,
     MAX_MODELS,
@@ -43,6 +45,73 @@ __all__ = [
     "StoreStats",
     "Verdict",
 ]
+
+
+# ---- addresses: which a node publishes, and which may go to which peer ------------------------
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` as (host, port); None if it is neither."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return (host, int(port)) if host else None
+
+
+def join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_unspecified(host: str) -> bool:
+    """0.0.0.0 or ``::``: a host to listen on, never one to dial."""
+    ip = _ip(host)
+    return ip is not None and ip.is_unspecified
+
+
+def is_loopback(host: str) -> bool:
+    ip = _ip(host)
+    return host == "localhost" if ip is None else ip.is_loopback
+
+
+def host_of(address: str) -> str:
+    """The host of a peer's address as a link names it (``h:p``, ``[v6]:p`` or ``ws://h:p/``)."""
+    bare = address.removeprefix("ws://").removeprefix("wss://").rstrip("/")
+    parts = split_address(bare)
+    return parts[0] if parts is not None else bare
+
+
+def address_fits(address: str, peer_host: str) -> bool:
+    """Whether ``address`` may be sent to a peer at ``peer_host``.
+
+    It must name a host (0.0.0.0 and ``::`` name none), and a loopback one only
+    to a peer on loopback too: anyone else dialling it would reach itself. A
+    relay circuit fits when its relay's address does."""
+    direct = address.partition(CIRCUIT_MARK)[0]
+    parts = split_address(direct)
+    if parts is None or is_unspecified(parts[0]):
+        return False
+    return not is_loopback(parts[0]) or is_loopback(peer_host)
+
+
+def record_fits(record: CapabilityRecord, peer_host: str) -> bool:
+    """Whether ``record`` may be sent to a peer at ``peer_host``: all its addresses fit that peer.
+
+    A signed record cannot be trimmed on the way, so one with an address the
+    peer must not be told is withheld from it whole. A record without addresses
+    (a node reached only through relays, or not yet knowing its address) fits."""
+    return all(address_fits(a, peer_host) for a in (*record.addresses, *record.relay_addresses))
 
 
 class Verdict(str, enum.Enum):
