@@ -136,7 +136,7 @@ def main() -> None:
             models=[MODEL],
             served=[ServedRange(model=MODEL.digest, start=ranges[i][0], end=ranges[i][1])]
             if i < len(ranges)
-            else (),
+            else [],
         )
         for i, (identity, node) in enumerate(zip(identities, nodes, strict=False))
     ]
