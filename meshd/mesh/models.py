@@ -61,7 +61,7 @@ def model_info(path: Path, digest: str) -> ModelInfo:
 
     reader = GGUFReader(str(path))
 
-    def field(key: str) -> object:
+    def field(key: str) -> str | int:
         f = reader.fields.get(key)
         if f is None:
             raise ModelNotFound(f"{path.name} lacks the GGUF key {key}")

@@ -33,6 +33,11 @@ class TrackerChanged:
 MeshEvent = MemberEvent | TrackerChanged
 
 
+def earliest(*deadlines: float | None) -> float | None:
+    """The first of some `next_timer()` deadlines; None when none is set."""
+    return min((d for d in deadlines if d is not None), default=None)
+
+
 class MeshNode:
     """Membership and election of one node, driven as one state machine.
 
@@ -97,10 +102,8 @@ class MeshNode:
         self.election.handle_timer(now, self.membership.joined)
         self._settle(now)
 
-    def next_timer(self) -> float:
-        deadline = self.membership.next_timer()
-        election = self.election.next_timer()
-        return deadline if election is None else min(deadline, election)
+    def next_timer(self) -> float | None:
+        return earliest(self.membership.next_timer(), self.election.next_timer())
 
     def messages_to_send(self) -> list[tuple[str, SwimMessage]]:
         return self.membership.messages_to_send()

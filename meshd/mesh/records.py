@@ -103,7 +103,9 @@ class CapabilityRecord(WireModel):
     @classmethod
     def create(cls, identity: NodeIdentity, version: int, **fields: object) -> CapabilityRecord:
         """A new record for `identity`, signed."""
-        unsigned = cls(node_id=identity.node_id, public_key=identity.public_key, version=version, **fields)
+        unsigned = cls.model_validate(
+            {"node_id": identity.node_id, "public_key": identity.public_key, "version": version, **fields}
+        )
         return unsigned.model_copy(update={"signature": identity.sign(unsigned.signing_bytes())})
 
     def evolve(
@@ -123,7 +125,8 @@ class CapabilityRecord(WireModel):
     def signing_bytes(self) -> bytes:
         # Field order is the schema's, not the sender's, so the encoding is canonical.
         body = self.model_dump(exclude={"signature"})
-        return _SIGNING_DOMAIN + msgpack.packb(body, use_bin_type=True)
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+        return _SIGNING_DOMAIN + packed
 
     def verify(self) -> bool:
         """Signed by the key it names, and that key hashes to its node id."""
