@@ -312,6 +312,9 @@ class _BroadcastQueue:
     def __len__(self) -> int:
         return len(self._sent)
 
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._sent
+
 
 class _RandomSet:
     """A set with O(1) add, remove and uniform sampling, iterated in a reproducible order."""
@@ -431,6 +434,12 @@ class Membership:
     def joined(self) -> bool:
         """True once a push-pull with the mesh has completed (or when started without seeds)."""
         return self._joined
+
+    @property
+    def leave_announced(self) -> bool:
+        """After `leave`: the last record has gone out as often as any update does, or nobody is left
+        to tell. A departing daemon drives the machine until then."""
+        return self._left and (self._node_id not in self._broadcasts or not self._live)
 
     @property
     def record_stats(self) -> StoreStats:

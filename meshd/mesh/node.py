@@ -74,12 +74,17 @@ class MeshNode:
     def tracker(self) -> Tracker | None:
         return self._tracker
 
+    @property
+    def left_announced(self) -> bool:
+        """After `leave`: the news is out (see `Membership.leave_announced`)."""
+        return self.membership.leave_announced
+
     def join(self, now: float, seeds: Iterable[str]) -> None:
         self.membership.join(now, seeds)
         self._settle(now)
 
     def leave(self, now: float) -> None:
-        """Leave gracefully; keep driving the node for a second or so, so that the news spreads."""
+        """Leave gracefully; keep driving the node until `left_announced`, so that the news spreads."""
         self.membership.leave(now)
         self._left = True
 
