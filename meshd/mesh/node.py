@@ -1,6 +1,6 @@
 """A node's sans-IO mesh core: SWIM membership with the tracker election on top.
 
-This is the one object the daemon drives:
+This is the one object `MeshDuty` (meshd/mesh/duty.py) drives for the daemon:
 
     node = MeshNode(identity, record, now)
     node.join(now, [seed_node_id])                # after dialling the seed
