@@ -388,6 +388,8 @@ class MeshDaemon:
         await answer_typed(stream, self._answer)
 
     async def _answer(self, stream: Stream, request: Message) -> None:
+        if self.driver is None:
+            raise ProtocolError(ErrorCode.OVERLOADED, "this node is still starting", retry_after_ms=500)
         if isinstance(request, AssignmentRequest):
             reply: Message = self.duty.assignment_for(stream.remote_node_id)
         elif isinstance(request, RouteRequest):
@@ -455,7 +457,17 @@ class MeshDaemon:
             async with trio.open_nursery() as nursery:
                 report = await nursery.start(engine.run)
                 service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits)
-                engine.on_down = service.on_worker_down
+
+                def down(generation: int, reason: str) -> None:
+                    service.on_worker_down(generation, reason)
+                    self.duty.range_down(trio.current_time(), serving.start, serving.end)
+                    self._flush()
+
+                def up(generation: int) -> None:
+                    self.duty.range_up(trio.current_time(), serving.start, serving.end)
+                    self._flush()
+
+                engine.on_down, engine.on_up = down, up
                 await nursery.start(service.run)
                 serving.service = service
                 task_status.started()

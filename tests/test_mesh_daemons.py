@@ -176,6 +176,24 @@ async def served_ranges(peers: Peers, node: Served) -> dict[str, list[str]]:
     return {m.node_id: [s.split(" ", 1)[1] for s in m.served] for m in view.members if m.state == "alive"}
 
 
+async def test_a_volunteer_whose_worker_dies_stops_offering_its_range_until_the_worker_is_back(
+        mesh: list[Served], peers: Peers) -> None:
+    alive = [n for n in mesh if n.proc.poll() is None]
+    await wait_converged(peers, alive)
+    view = await served_ranges(peers, alive[0])
+    victim = next(n for n in alive if view.get(n.node_id))
+    before = (await served_ranges(peers, victim))[victim.node_id]
+    (worker,) = workers(victim)
+    os.kill(worker, signal.SIGKILL)
+    seen = []
+    with trio.fail_after(60):
+        while not seen or seen[-1] != before or [] not in seen:
+            seen.append((await served_ranges(peers, victim))[victim.node_id])
+            await trio.sleep(0.05)
+    # withdrawn while the supervisor restarted the worker, offered again once it was back
+    assert [] in seen and seen[-1] == before and workers(victim) != [worker]
+
+
 @pytest.mark.slow
 async def test_a_volunteer_joining_mid_answer_moves_every_range_and_the_answer_is_unchanged(
         tmp_path: Path, peers: Peers, expected: list[int]) -> None:

@@ -245,3 +245,25 @@ def test_served_ranges_reach_the_record_only_once_loaded() -> None:
     assert not served(volunteer)
     volunteer.range_loaded(mesh.net.now, load.start, load.end)
     assert volunteer.node.record.served == [ServedRange(model=MODEL.digest, start=load.start, end=load.end)]
+
+
+def test_a_range_whose_worker_is_down_is_not_offered_until_it_is_back() -> None:
+    duties = [duty(i) for i in range(3)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    volunteer = duties[1]
+    rng_ = volunteer.serving
+    assert rng_ is not None and served(volunteer) == [rng_]
+    placements = len(mesh.of(duties[0], AssignmentChanged))
+    volunteer.range_down(mesh.net.now, *rng_)
+    assert served(volunteer) == []
+    mesh.run_until(mesh.net.now + 5.0)
+    # the others no longer see it served; the tracker does not move it for a restart
+    held = duties[2].node.membership.record_of(volunteer.node_id)
+    assert held is not None and held.served == []
+    assert len(mesh.of(duties[0], AssignmentChanged)) == placements
+    volunteer.range_down(mesh.net.now, rng_[0], rng_[1] + 1)  # not the range it serves: nothing to do
+    volunteer.range_up(mesh.net.now, *rng_)
+    mesh.run_until(mesh.net.now + 5.0)
+    held = duties[2].node.membership.record_of(volunteer.node_id)
+    assert held is not None and [(s.start, s.end) for s in held.served] == [rng_]

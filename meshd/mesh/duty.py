@@ -17,7 +17,9 @@ volunteers when to ask again. As a volunteer it asks the tracker for its range
 when the tracker or that count changes (again after a backoff if the ask
 failed), refuses a range beyond its model or its memory, and asks for the
 range to be loaded; the shell loads it beside the old one and says when it
-serves. Any node answers route and status queries from its own view.
+serves, and when its worker goes down and comes back (the range is offered
+only while it can serve). Any node answers route and status queries from its
+own view.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class MeshDuty:
         self.serving: Range | None = None
         self.loading: Range | None = None
         self.wanted: Range | None = None
+        self._down = False  # the served range's worker is restarting
         self._answered: tuple[Tracker, int] | None = None
         self._asking: tuple[Tracker, int] | None = None
         self._ask_at: float | None = None
@@ -184,10 +187,25 @@ class MeshDuty:
         """The range asked for by `LoadRange` serves now: publish it, in place of the old one."""
         if self.loading != (start, end) or self.config.volunteer is None:
             return
-        self.loading, self.serving = None, (start, end)
-        self.node.update_record(now, served=[ServedRange(model=self.config.volunteer.digest, start=start, end=end)])
+        self.loading, self.serving, self._down = None, (start, end), False
+        self._publish(now)
         self._load_wanted()
         self._settle(now)
+
+    def range_down(self, now: float, start: int, end: int) -> None:
+        """The served range's engine worker is down (its supervisor restarts it): stop offering the
+        range, so routes avoid this node meanwhile. The placement stands: a restart is not a move."""
+        if self.serving == (start, end) and not self._down:
+            self._down = True
+            self.node.update_record(now, served=[])
+            self._settle(now)
+
+    def range_up(self, now: float, start: int, end: int) -> None:
+        """The served range's worker is back: offer the range again."""
+        if self.serving == (start, end) and self._down:
+            self._down = False
+            self._publish(now)
+            self._settle(now)
 
     def range_failed(self, now: float, start: int, end: int) -> None:
         """The range could not be loaded: ask again later (the placement may have moved meanwhile)."""
@@ -354,6 +372,11 @@ class MeshDuty:
             return
         self.wanted = (start, end)
         self._load_wanted()
+
+    def _publish(self, now: float) -> None:
+        assert self.config.volunteer is not None and self.serving is not None
+        start, end = self.serving
+        self.node.update_record(now, served=[ServedRange(model=self.config.volunteer.digest, start=start, end=end)])
 
     def _load_wanted(self) -> None:
         if self.loading is None and self.wanted is not None and self.wanted != self.serving:
