@@ -21,7 +21,7 @@ import trio.testing
 
 from meshd.daemon import MeshDriver
 from meshd.mesh.duty import AskAssignment, DutyConfig, DutyEvent, LoadRange, MeshDuty
-from meshd.mesh.membership import MemberEvent, MemberState, SwimMessage
+from meshd.mesh.membership import MemberEvent, MemberState, Ping, SwimMessage
 from meshd.mesh.node import MeshNode
 from meshd.mesh.records import CapabilityRecord, ModelInfo
 from meshd.mesh.routing import plan_route, stage_options
@@ -410,4 +410,31 @@ async def test_a_lone_node_leaves_at_once(autojump_clock: trio.testing.MockClock
         await mesh.start(nursery, 1)
         with trio.fail_after(0.01):
             await mesh.drivers[mesh.ids[0]].leave()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_flood_of_swim_messages_is_dropped_at_the_bound_not_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer sending faster than the state machine takes messages costs at most `inbox` of them."""
+    identity = NodeIdentity.from_private_bytes(hashlib.sha256(b"flooded").digest())
+    node = MeshNode(identity, CapabilityRecord.create(identity, 1), trio.current_time())
+    taken: list[str] = []
+
+    class Counting(MeshDuty):
+        def handle_message(self, now: float, src: str, message: SwimMessage) -> None:
+            taken.append(src)
+            super().handle_message(now, src, message)
+
+    driver = MeshDriver(Counting(node), lambda dest, message: None, lambda event: None, inbox=8)
+    flooder = NodeIdentity.from_private_bytes(hashlib.sha256(b"flooder").digest()).node_id
+    for seq in range(1000):
+        driver.deliver(flooder, Ping(seq=seq, version=1))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(driver.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(taken) == 8
+        driver.deliver(flooder, Ping(seq=1000, version=1))
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(taken) == 9
         nursery.cancel_scope.cancel()
