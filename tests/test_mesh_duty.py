@@ -267,3 +267,19 @@ def test_a_range_whose_worker_is_down_is_not_offered_until_it_is_back() -> None:
     mesh.run_until(mesh.net.now + 5.0)
     held = duties[2].node.membership.record_of(volunteer.node_id)
     assert held is not None and [(s.start, s.end) for s in held.served] == [rng_]
+
+
+def test_after_leaving_nothing_the_shell_reports_signs_a_record() -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.finish_loads = False
+    mesh.run_until(10.0)
+    tracker, volunteer = duties
+    (load,) = mesh.of(volunteer, LoadRange)
+    for d in duties:
+        d.leave(mesh.net.now)
+    version = volunteer.node.record.version
+    volunteer.range_loaded(mesh.net.now, load.start, load.end)
+    volunteer.range_down(mesh.net.now, load.start, load.end)
+    tracker.handle_timer(mesh.net.now + 100.0)
+    assert volunteer.node.record.version == version and not served(volunteer)

@@ -142,6 +142,11 @@ class MeshDuty:
     def left_announced(self) -> bool:
         return self.node.left_announced
 
+    @property
+    def _left(self) -> bool:
+        # a node that said goodbye signs no more records: what the shell reports after that is moot
+        return self.node.record.leaving
+
     def next_timer(self) -> float | None:
         ask_at = self._ask_at if self._ask_at is not None and self._ask_pending() else None
         return earliest(self.node.next_timer(), self._place_at, ask_at)
@@ -185,7 +190,7 @@ class MeshDuty:
 
     def range_loaded(self, now: float, start: int, end: int) -> None:
         """The range asked for by `LoadRange` serves now: publish it, in place of the old one."""
-        if self.loading != (start, end) or self.config.volunteer is None:
+        if self.loading != (start, end) or self.config.volunteer is None or self._left:
             return
         self.loading, self.serving, self._down = None, (start, end), False
         self._publish(now)
@@ -195,14 +200,14 @@ class MeshDuty:
     def range_down(self, now: float, start: int, end: int) -> None:
         """The served range's engine worker is down (its supervisor restarts it): stop offering the
         range, so routes avoid this node meanwhile. The placement stands: a restart is not a move."""
-        if self.serving == (start, end) and not self._down:
+        if self.serving == (start, end) and not self._down and not self._left:
             self._down = True
             self.node.update_record(now, served=[])
             self._settle(now)
 
     def range_up(self, now: float, start: int, end: int) -> None:
         """The served range's worker is back: offer the range again."""
-        if self.serving == (start, end) and self._down:
+        if self.serving == (start, end) and self._down and not self._left:
             self._down = False
             self._publish(now)
             self._settle(now)
@@ -277,7 +282,7 @@ class MeshDuty:
     # ----- the tracker's duty
 
     def _place(self, now: float) -> None:
-        if not self.is_tracker:
+        if not self.is_tracker or self._left:
             return
         live = self.node.membership.live_records()
         changed = False
