@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
-from annotated_types import MaxLen
 from pydantic import BaseModel
 
 from meshd.mesh.election import Tracker
@@ -24,8 +23,8 @@ _T = TypeVar("_T")
 
 def _cut(items: list[_T], model: type[BaseModel], name: str) -> list[_T]:
     """`items` within the schema's bound on the field `name` of `model`."""
-    bound = next(m.max_length for m in model.model_fields[name].metadata if isinstance(m, MaxLen))
-    return items[:bound]
+    bounds = [getattr(m, "max_length", None) for m in model.model_fields[name].metadata]
+    return items[:min(b for b in bounds if isinstance(b, int))]
 
 
 def held_models(records: Iterable[CapabilityRecord]) -> dict[str, ModelInfo]:
