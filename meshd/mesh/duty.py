@@ -108,6 +108,8 @@ def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
 
 
 class MeshDuty:
+    """The duties of one node; see the module's docstring for how it is driven."""
+
     def __init__(self, node: MeshNode, config: DutyConfig = DutyConfig()) -> None:
         self.node = node
         self.config = config
@@ -164,11 +166,6 @@ class MeshDuty:
             self._place_at = None
             self._place(now)
         self._settle(now)
-
-    def update_record(self, now: float, **changes: object) -> CapabilityRecord:
-        record = self.node.update_record(now, **changes)
-        self._settle(now)
-        return record
 
     def leave(self, now: float) -> None:
         self.node.leave(now)
