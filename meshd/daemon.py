@@ -1,34 +1,37 @@
 """The mesh daemon: membership and election over peer links, the tracker, and the ranges it serves.
 
-The sans-IO `MeshNode` decides; this trio shell only moves its messages (one
-stream per SWIM message), sleeps until its next timer, and acts on what it
-decided: as tracker it assigns layer ranges; as a volunteer it loads the range
-it was assigned (the new one before releasing the old) and says so in its
-signed record; as any node it plans routes from its own view.
+The sans-IO `MeshDuty` (membership, election, the tracker's and the volunteer's
+duties) decides; `MeshDriver` runs it in trio, and the daemon only moves its
+messages (one stream per SWIM message) and acts on what it asks: it asks the
+tracker for this node's range, loads that range beside the old one, lets the
+old one finish its sessions, and answers mesh RPCs from the duty's view. The
+simulation runs the same `MeshDriver` and `MeshDuty` over an in-memory network.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
-from meshd.mesh.assignment import (
-    Assignment,
-    AssignmentPolicy,
-    CoverageError,
-    ModelSpec,
-    assign,
-    capacities,
-    coverage_shortfall,
+from meshd.mesh.duty import (
+    AskAssignment,
+    AssignmentChanged,
+    DutyConfig,
+    DutyEvent,
+    LoadRange,
+    MeshDuty,
+    RangeRefused,
 )
-from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberState, Ping, PingReq, Sync
+from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberEvent, Ping, PingReq, SwimMessage, Sync
 from meshd.mesh.models import file_digest, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
 from meshd.mesh.records import (
@@ -36,7 +39,6 @@ from meshd.mesh.records import (
     ROLE_RELAY,
     CapabilityRecord,
     ModelInfo,
-    ServedRange,
     address_fits,
     host_of,
     is_loopback,
@@ -45,7 +47,6 @@ from meshd.mesh.records import (
     record_fits,
     split_address,
 )
-from meshd.mesh.routing import NoRouteError, plan_route, stage_options
 from meshd.net import rpc as net_rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
@@ -65,11 +66,8 @@ from wire.meshrpc import (
     AssignmentRequest,
     DialBackReply,
     DialBackRequest,
-    MemberStatus,
-    ModelCoverage,
     RouteReply,
     RouteRequest,
-    RouteStage,
     StatusReply,
     StatusRequest,
 )
@@ -100,8 +98,15 @@ class NodeConfig:
     # How often a node asks its seeds again where they see it (an address can change: DHCP, roaming).
     address_check_interval: float = 300.0
     peers: PeersConfig = field(default_factory=PeersConfig)
-    assign_interval: float = 1.0
+    # the tracker places this long after the first news of a burst
+    settle: float = 0.5
     rpc_timeout: float = 5.0
+    # an old range serves its sessions at most this long after its replacement is up
+    retire_timeout: float = 60.0
+    # a departing node spreads its goodbye at most this long
+    leave_timeout: float = 2.0
+    # SWIM messages waiting for the state machine; more are dropped (SWIM is built for loss)
+    swim_inbox: int = 256
 
 
 @dataclass
@@ -118,24 +123,92 @@ async def rpc(peers: Peers, address: str | None, request: Message, node_id: str 
     return await net_rpc.call(peers, address, MESH_PROTOCOL, request, Message, node_id=node_id, timeout=timeout)
 
 
+class MeshDriver:
+    """Runs a `MeshDuty` in trio: feeds it what arrives and the time, sleeps until its next timer,
+    and hands on what it sends and asks.
+
+    Transport-agnostic: `send(dest, message)` and `on_event(event)` must not block (start a task,
+    or queue); received messages come in through `deliver`. After calling a duty method from
+    another task, `poke` the loop so it sends what that queued and looks at the timers again.
+    """
+
+    def __init__(self, duty: MeshDuty, send: Callable[[str, SwimMessage], None],
+                 on_event: Callable[[DutyEvent], None], inbox: float = 256) -> None:
+        self.duty = duty
+        self._send = send
+        self._on_event = on_event
+        self._inbox, self._pending = trio.open_memory_channel[tuple[str, SwimMessage] | None](inbox)
+        self._announced = trio.Event()
+
+    def deliver(self, src: str, message: SwimMessage) -> None:
+        try:
+            self._inbox.send_nowait((src, message))
+        except trio.WouldBlock:
+            log.debug("SWIM inbox full: dropped a %s from %s", message.type, src[:12])
+
+    def poke(self) -> None:
+        try:
+            self._inbox.send_nowait(None)
+        except trio.WouldBlock:
+            pass  # a full inbox wakes the loop anyway
+
+    def flush(self) -> None:
+        """Sends what the duty queued and hands on its events."""
+        for dest, message in self.duty.messages_to_send():
+            self._send(dest, message)
+        for event in self.duty.events():
+            self._on_event(event)
+        if self.duty.left_announced:
+            self._announced.set()
+
+    async def run(self) -> None:
+        duty = self.duty
+        while True:
+            deadline = duty.next_timer()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                item = await self._pending.receive()
+                # everything already waiting is taken in this pass: one send-out per wakeup
+                now = trio.current_time()
+                while True:
+                    if item is not None:
+                        duty.handle_message(now, *item)
+                    try:
+                        item = self._pending.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+            now = trio.current_time()
+            deadline = duty.next_timer()
+            if deadline is not None and now >= deadline:
+                duty.handle_timer(now)
+            self.flush()
+
+    async def leave(self) -> None:
+        """Says goodbye and returns once the news is out (`left_announced`); `run` must be running.
+        Bound it with a deadline: with every peer gone, nobody takes the news."""
+        self.duty.leave(trio.current_time())
+        self.flush()
+        self.poke()
+        await self._announced.wait()
+
+
 class MeshDaemon:
     def __init__(self, identity: NodeIdentity, config: NodeConfig) -> None:
         self.identity = identity
         self.config = config
         self.peers: Peers
         self.mesh: MeshNode
+        self.duty: MeshDuty
+        self.driver: MeshDriver | None = None
         self.port = 0
         self.model: ModelInfo | None = None
         self.serving: list[ServingRange] = []
         self.retiring: list[ServingRange] = []
-        self.assignments: dict[str, Assignment] = {}
-        self._uncovered: set[str] = set()
         self._seed_addresses: dict[str, str] = {}
-        self._wake = trio.Event()
         self._nursery: trio.Nursery
+        self._sends = 0
+        self._sent = trio.Event()
         self.relay: RelayService | None = None
         self._keeper: ReservationKeeper | None = None
-        self._reasons: dict[str, tuple[object, str]] = {}
 
     # ----- lifecycle
 
@@ -163,16 +236,17 @@ class MeshDaemon:
                 kv_tokens=cfg.limits.max_sessions * cfg.limits.max_session_tokens if self.model else 0,
                 roles=roles, started_at=time.time())
             self.mesh = MeshNode(self.identity, record, trio.current_time())
+            limits = cfg.limits
+            self.duty = MeshDuty(self.mesh, DutyConfig(
+                volunteer=self.model if not cfg.client else None,
+                kv_tokens=limits.max_sessions * limits.max_session_tokens, settle=cfg.settle))
+            self.driver = MeshDriver(self.duty, self._send, self._on_event, cfg.swim_inbox)
+            nursery.start_soon(self.driver.run)
             await self._join_seeds()
             if cfg.seeds and not cfg.client:
                 await self._check_reachability()
                 nursery.start_soon(self._recheck_address)
             self._keep_relays()
-            nursery.start_soon(self._drive)
-            if not cfg.client:
-                nursery.start_soon(self._track)
-            if self.model is not None and not cfg.client:
-                nursery.start_soon(self._volunteer)
             task_status.started(self)
 
     async def _join_seeds(self) -> None:
@@ -191,34 +265,43 @@ class MeshDaemon:
         self._flush()
 
     async def leave(self) -> None:
-        """Says goodbye through gossip and gives it a moment to spread."""
-        self.mesh.leave(trio.current_time())
-        self._flush()
-        with trio.move_on_after(1.0):
-            while True:
-                await trio.sleep(0.1)
-                self.mesh.handle_timer(trio.current_time())
-                self._flush()
+        """Says goodbye through gossip: returns once the news is out and sent, or after `leave_timeout`."""
+        if self.driver is None:
+            return
+        with trio.move_on_after(self.config.leave_timeout):
+            await self.driver.leave()
+            while self._sends:
+                await self._sent.wait()
+                self._sent = trio.Event()
 
     # ----- SWIM transport
 
-    async def _drive(self) -> None:
-        while True:
-            delay = max(0.0, self.mesh.next_timer() - trio.current_time())
-            with trio.move_on_after(delay):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            self.mesh.handle_timer(trio.current_time())
-            self._flush()
-            for event in self.mesh.events():
-                if isinstance(event, TrackerChanged):
-                    log.info("tracker is now %s", event.tracker)
-                elif self._keeper is not None:  # a member's record came, changed or went: maybe a relay's
-                    self._keeper.candidates_changed()
-
     def _flush(self) -> None:
-        for dest, message in self.mesh.messages_to_send():
-            self._nursery.start_soon(self._send_swim, dest, message)
+        """After a change to the mesh state from outside the driver: send what it queued, look at the timers."""
+        if self.driver is not None:
+            self.driver.flush()
+            self.driver.poke()
+
+    def _on_event(self, event: DutyEvent) -> None:
+        if isinstance(event, TrackerChanged):
+            log.info("tracker is now %s", event.tracker)
+        elif isinstance(event, AssignmentChanged):
+            if event.assignment is None:
+                log.warning("model %s cannot be covered: %s", event.model[:12], event.reason)
+            else:
+                log.info("placed %s on %d nodes", event.model[:12], len(event.assignment.stages))
+        elif isinstance(event, RangeRefused):
+            log.warning("refused layers [%d, %d): %s", event.start, event.end, event.reason)
+        elif isinstance(event, AskAssignment):
+            self._nursery.start_soon(self._ask_tracker, event)
+        elif isinstance(event, LoadRange):
+            self._nursery.start_soon(self._load_range, event)
+        elif isinstance(event, MemberEvent) and self._keeper is not None:
+            self._keeper.candidates_changed()  # a member's record came, changed or went: maybe a relay's
+
+    def _send(self, dest: str, message: SwimMessage) -> None:
+        self._sends += 1
+        self._nursery.start_soon(self._send_swim, dest, message)
 
     def address_of(self, node_id: str) -> str | None:
         record = self.mesh.membership.record_of(node_id)
@@ -326,7 +409,6 @@ class MeshDaemon:
             log.info("published %s", ", ".join(f"{k} {v}" for k, v in changes.items()))
             self.mesh.update_record(trio.current_time(), **changes)
             self._flush()
-            self._wake.set()
 
     async def _recheck_address(self) -> None:
         while True:
@@ -378,29 +460,32 @@ class MeshDaemon:
         log.info("reachable through %s", ", ".join(addresses) or "no relay")
         self.mesh.update_record(trio.current_time(), relay_addresses=addresses)
         self._flush()
-        self._wake.set()
 
     async def _send_swim(self, dest: str, message: Message) -> None:
-        # A node that has not learned its address yet is still reached over the link it dialled.
-        address = self.address_of(dest)
-        if address is None and self.peers.link_to(dest) is None:
-            return
-        with trio.move_on_after(1.0):
-            try:
-                stream = await self.peers.open_stream(address, SWIM_PROTOCOL, node_id=dest)
-                async with stream:
-                    await stream.send_message(fit_for_peer(message, host_of(stream.link.address)))
-            except (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        try:
+            # A node that has not learned its address yet is still reached over the link it dialled.
+            address = self.address_of(dest)
+            if address is None and self.peers.link_to(dest) is None:
+                return
+            with trio.move_on_after(1.0):
+                try:
+                    stream = await self.peers.open_stream(address, SWIM_PROTOCOL, node_id=dest)
+                    async with stream:
+                        await stream.send_message(fit_for_peer(message, host_of(stream.link.address)))
+                except (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        finally:
+            self._sends -= 1
+            if not self._sends:
+                self._sent.set()
 
     async def _on_swim(self, stream: Stream) -> None:
         self._learn_address(stream.link.address)
         message = await stream.receive_message()
         if not isinstance(message, SWIM_MESSAGES):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{message.type!r} is not a SWIM message")
-        self.mesh.handle_message(trio.current_time(), stream.remote_node_id, message)
-        self._flush()
-        self._wake.set()
+        if self.driver is not None:
+            self.driver.deliver(stream.remote_node_id, message)
 
     # ----- RPCs
 
@@ -409,9 +494,11 @@ class MeshDaemon:
         await answer_typed(stream, self._answer)
 
     async def _answer(self, stream: Stream, request: Message) -> None:
+        if self.driver is None:
+            raise ProtocolError(ErrorCode.OVERLOADED, "this node is still starting", retry_after_ms=500)
         peer = host_of(stream.link.address)
         if isinstance(request, AssignmentRequest):
-            reply: Message = self._assignment_for(stream.remote_node_id)
+            reply: Message = self.duty.assignment_for(stream.remote_node_id)
         elif isinstance(request, RouteRequest):
             reply = self.route(request.model, request.exclude, peer)
         elif isinstance(request, StatusRequest):
@@ -425,165 +512,46 @@ class MeshDaemon:
     def live_records(self) -> list[CapabilityRecord]:
         return self.mesh.membership.live_records()
 
-    def _models(self) -> dict[str, ModelInfo]:
-        out: dict[str, ModelInfo] = {}
-        for record in self.live_records():
-            for m in record.models:
-                out.setdefault(m.digest, m)
-        return out
-
-    def _assignment_for(self, node_id: str) -> AssignmentReply:
-        tracker = self.mesh.tracker
-        if tracker is None or tracker.node_id != self.mesh.node_id:
-            raise ProtocolError(ErrorCode.NOT_FOUND, "this node is not the tracker")
-        for digest, assignment in self.assignments.items():
-            rng = assignment.ranges().get(node_id)
-            if rng is not None:
-                return AssignmentReply(term=tracker.term, model=digest, start=rng[0], end=rng[1])
-        return AssignmentReply(term=tracker.term, reason="no range for this node")
-
     def route(self, model: str | None, exclude: list[str] | tuple[str, ...] = (),
               peer: str | None = None) -> RouteReply:
         """A route for `model`; with `peer` (the asker's host), only through nodes it may be told of."""
-        models = self._models()
-        if model is None:
-            if not models:
-                raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
-            model = next(iter(models))
-        info = models.get(model)
-        if info is None:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {model[:12]}")
-        records = {r.node_id: r for r in self.live_records()
-                   if self.dial_address(r) is not None and (peer is None or record_fits(r, peer))}
-        rtt = self.mesh.membership.rtt
-
-        def link_cost(a: str | None, b: str) -> float:
-            return (rtt(b) or 0.0) if a is None or a == self.mesh.node_id else 0.001
-
-        try:
-            found = plan_route(stage_options(records.values(), model), info.n_layers, link_cost, exclude=exclude)
-        except NoRouteError as exc:
-            reason = self._coverage_reason(info)
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
-                                + (f"; {reason}" if reason else "")) from None
-        stages = [RouteStage(node_id=s.node_id, address=self.dial_address(records[s.node_id]) or "",
-                             start=s.start, end=s.end)
-                  for s in found.stages]
-        return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
+        return self.duty.route(model, exclude, self.dial_address,
+                               None if peer is None else lambda record: record_fits(record, peer))
 
     def status(self, peer: str | None = None) -> StatusReply:
-        """The mesh as this node sees it; with `peer` (the asker's host), addresses it may be told."""
-        tracker = self.mesh.tracker
-        members = [self._member_status(self.mesh.record, "alive", peer)]
-        for m in self.mesh.membership.members():
-            if m.node_id == self.mesh.node_id:
-                continue
-            members.append(self._member_status(m.record, m.state.value if isinstance(m.state, MemberState)
-                                               else str(m.state), peer))
-        coverage = []
-        for digest, info in self._models().items():
-            served = [(r.node_id, s) for r in self.live_records() for s in r.served if s.model == digest]
-            layers = [0] * info.n_layers
-            for _, s in served:
-                for i in range(s.start, min(s.end, info.n_layers)):
-                    layers[i] += 1
-            coverage.append(ModelCoverage(
-                model=digest, name=info.name, n_layers=info.n_layers, covered_layers=sum(1 for c in layers if c),
-                assigned=[f"{node[:12]} [{s.start}, {s.end})" for node, s in served],
-                replicas=max(0, min(layers) - 1) if layers else 0,
-                reason=self._coverage_reason(info) if not all(layers) else ""))
-        return StatusReply(node_id=self.mesh.node_id, tracker=tracker.node_id if tracker else None,
-                           term=tracker.term if tracker else 0, members=members, coverage=coverage)
+        """The mesh as this node sees it; with `peer` (the asker's host), only addresses it may be told."""
+        return self.duty.status(None if peer is None else lambda address: address_fits(address, peer))
 
-    def _member_status(self, record: CapabilityRecord, state: str, peer: str | None = None) -> MemberStatus:
-        tracker = self.mesh.tracker
-        roles = list(record.roles) + (["tracker"] if tracker and tracker.node_id == record.node_id else [])
-        address = record.addresses[0] if record.addresses else ""
-        if address and peer is not None and not address_fits(address, peer):
-            address = ""
-        return MemberStatus(node_id=record.node_id, address=address,
-                            state=state, roles=roles, reachability=record.reachability,
-                            relay_addresses=list(record.relay_addresses),
-                            memory_bytes=record.memory_bytes,
-                            served=[f"{s.model[:12]} [{s.start}, {s.end})" for s in record.served],
-                            models=[m.name for m in record.models])
+    # ----- the volunteer's duty, carried out
 
-    # ----- the tracker's duty and the volunteer's
-
-    def _model_spec(self, records: list[CapabilityRecord], info: ModelInfo) -> ModelSpec:
-        # the volunteers' own session budgets decide the KV each stage holds, not the tracker's
-        kv_tokens = max((r.kv_tokens for r in records if r.model(info.digest) is not None), default=0) \
-            or self.config.limits.max_sessions * self.config.limits.max_session_tokens
-        return ModelSpec.from_info(info, kv_tokens)
-
-    def _coverage_reason(self, info: ModelInfo) -> str:
-        """Why the members cannot cover `info` ("" when they can: it is then only loading)."""
-        records = self.live_records()
-        nodes, spec = capacities(records, info.digest), self._model_spec(records, info)
-        # The search behind the reason runs assignment a few dozen times: once per mesh change.
-        key = (tuple(nodes), spec)
-        cached = self._reasons.get(info.digest)
-        if cached is None or cached[0] != key:
-            # bounded as the status field is, whatever the figures
-            cached = (key, (coverage_shortfall(nodes, spec) or "")[:1024])
-            self._reasons[info.digest] = cached
-        return cached[1]
-
-    def _reassign(self) -> None:
-        records = self.live_records()
-        for digest, info in self._models().items():
+    async def _ask_tracker(self, ask: AskAssignment) -> None:
+        reply = None
+        address = self.address_of(ask.tracker.node_id)
+        if address is not None:
             try:
-                self.assignments[digest] = assign(capacities(records, digest), self._model_spec(records, info),
-                                                  AssignmentPolicy(), self.assignments.get(digest))
-            except CoverageError as exc:
-                if self.assignments.pop(digest, None) is not None or digest not in self._uncovered:
-                    log.warning("model %s cannot be covered: %s", info.name, exc)
-                self._uncovered.add(digest)
+                got = await rpc(self.peers, address, AssignmentRequest(), ask.tracker.node_id,
+                                self.config.rpc_timeout)
+            except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                log.info("tracker %s did not say our range: %s", ask.tracker.node_id[:12], exc)
             else:
-                self._uncovered.discard(digest)
-
-    async def _track(self) -> None:
-        while True:
-            await trio.sleep(self.config.assign_interval)
-            tracker = self.mesh.tracker
-            if tracker is not None and tracker.node_id == self.mesh.node_id:
-                self._reassign()
-
-    async def _volunteer(self) -> None:
-        """Asks the tracker for this node's range and serves it; the new range loads before the old goes."""
-        while True:
-            await trio.sleep(self.config.assign_interval)
-            tracker = self.mesh.tracker
-            if tracker is None:
-                continue
-            try:
-                if tracker.node_id == self.mesh.node_id:
-                    reply = self._assignment_for(self.mesh.node_id)
-                else:
-                    address = self.address_of(tracker.node_id)
-                    if address is None:
-                        continue
-                    got = await rpc(self.peers, address, AssignmentRequest(), tracker.node_id, self.config.rpc_timeout)
-                    if not isinstance(got, AssignmentReply):
-                        continue
+                if isinstance(got, AssignmentReply):
                     reply = got
-            except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError):
-                continue
-            want = (reply.start, reply.end) if reply.model is not None else None
-            current = (self.serving[-1].start, self.serving[-1].end) if self.serving else None
-            if want is not None and want != current:
-                await self._serve_range(*want)
+        self.duty.assignment_reply(trio.current_time(), reply)
+        self._flush()
 
-    async def _serve_range(self, start: int, end: int) -> None:
-        assert self.model is not None and self.config.model is not None
-        serving = ServingRange(start, end)
+    async def _load_range(self, load: LoadRange) -> None:
+        """Loads the new range beside the old ones; once it serves, the old ones retire."""
+        serving = ServingRange(load.start, load.end)
         try:
             await self._nursery.start(self._run_range, serving)
         except Exception as exc:
-            log.warning("cannot serve layers [%d, %d): %s", start, end, exc)
+            log.warning("cannot serve layers [%d, %d): %s", load.start, load.end, exc)
+            self.duty.range_failed(trio.current_time(), load.start, load.end)
+            self._flush()
             return
         old, self.serving = self.serving, [serving]
-        self._publish_served()
+        self.duty.range_loaded(trio.current_time(), load.start, load.end)
+        self._flush()
         for previous in old:
             self.retiring.append(previous)
             self._nursery.start_soon(self._retire, previous)
@@ -600,24 +568,28 @@ class MeshDaemon:
             async with trio.open_nursery() as nursery:
                 report = await nursery.start(engine.run)
                 service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits)
-                engine.on_down = service.on_worker_down
+
+                def down(generation: int, reason: str) -> None:
+                    service.on_worker_down(generation, reason)
+                    self.duty.range_down(trio.current_time(), serving.start, serving.end)
+                    self._flush()
+
+                def up(generation: int) -> None:
+                    self.duty.range_up(trio.current_time(), serving.start, serving.end)
+                    self._flush()
+
+                engine.on_down, engine.on_up = down, up
                 await nursery.start(service.run)
                 serving.service = service
                 task_status.started()
 
     async def _retire(self, serving: ServingRange) -> None:
-        """Lets the old range finish the sessions it holds, then unloads it."""
-        with trio.move_on_after(60.0):
-            while serving.service is not None and serving.service.sessions:
-                await trio.sleep(0.2)
+        """Lets the old range finish the sessions it holds (at most `retire_timeout`), then unloads it."""
+        if serving.service is not None:
+            with trio.move_on_after(self.config.retire_timeout):
+                await serving.service.wait_idle()
         serving.scope.cancel()
         self.retiring.remove(serving)
-
-    def _publish_served(self) -> None:
-        assert self.model is not None
-        served = [ServedRange(model=self.model.digest, start=s.start, end=s.end) for s in self.serving]
-        self.mesh.update_record(trio.current_time(), served=served)
-        self._flush()
 
     async def _on_stage(self, stream: Stream) -> None:
         await answer_typed(stream, self._route_stage_stream)
@@ -637,8 +609,6 @@ class MeshDaemon:
             raise ProtocolError(ErrorCode.NOT_FOUND, "this node serves no layers yet",
                                 retry_after_ms=1000)
         await chosen.handle_first(stream, first)
-
-
 
 
 # ----- addresses: pure helpers of the shell

@@ -1,8 +1,8 @@
-"""Layer range assignment and the transition plans that apply it."""
+"""Layer range assignment: coverage, memory, rebalancing."""
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
 from hypothesis import example, given, settings
@@ -15,10 +15,8 @@ from meshd.mesh.assignment import (
     CoverageError,
     ModelSpec,
     NodeCapacity,
-    Stage,
     assign,
     capacities,
-    plan_transition,
 )
 from meshd.mesh.records import ROLE_CLIENT, ModelInfo
 
@@ -184,54 +182,6 @@ def test_a_much_faster_newcomer_triggers_a_fresh_plan() -> None:
     assert after.boundaries == (0, 32) and after.stages[0].node_id == "rocket"
 
 
-def replay(
-    served: dict[str, set[tuple[int, int]]], transition, model: ModelSpec, memory: dict[str, int]
-) -> list[bool]:
-    """Apply a transition phase by phase; report whether every layer was served after each."""
-    held = defaultdict(set, {k: set(v) for k, v in served.items()})
-    covered = []
-    for phase in transition.phases:
-        for step in phase:
-            if step.action == "load":
-                held[step.node_id].add((step.start, step.end))
-                assert sum(model.stage_bytes(*r) for r in held[step.node_id]) <= memory[step.node_id]
-            else:
-                held[step.node_id].remove((step.start, step.end))
-        reach = {0}
-        for start, end in sorted(r for ranges in held.values() for r in ranges):
-            if start in reach:
-                reach.add(end)
-        covered.append(model.n_layers in reach)
-    return covered
-
-
-def test_transition_loads_the_new_range_before_releasing_the_old() -> None:
-    memory = {"a": 30 * GB, "b": 30 * GB}
-    # Today a serves [0, 16) and b [16, 32); the target moves the cut.
-    served = {"a": {(0, 16)}, "b": {(16, 32)}}
-    stages = (Stage("a", 0, 20), Stage("b", 20, 32))
-    target = Assignment("m", 32, (0, 20, 32), stages, stages, 0.0)
-    transition = plan_transition(served, target, MODEL, memory)
-    assert not transition.interrupts_service
-    assert [step.action for step in transition.phases[0]] == ["load", "load"]
-    assert all(step.action == "release" for phase in transition.phases[1:] for step in phase)
-    assert all(replay(served, transition, MODEL, memory))
-
-
-def test_transition_without_memory_headroom_waits_for_a_replica_or_says_it_interrupts() -> None:
-    tight = {"a": int(11 * GB), "b": int(11 * GB), "c": int(11 * GB)}
-    stages = (Stage("a", 0, 16), Stage("b", 16, 32))
-    target = Assignment("m", 32, (0, 16, 32), stages, stages, 0.0)
-    # a and b must swap halves and cannot hold both: with c already serving a copy, nothing breaks.
-    served = {"a": {(16, 32)}, "b": {(0, 16)}, "c": {(0, 16)}}
-    with_copy = plan_transition(served, target, MODEL, tight)
-    assert not with_copy.interrupts_service
-    # Without the copy one half must go before the other arrives, and the plan says so.
-    alone = plan_transition({"a": {(16, 32)}, "b": {(0, 16)}}, target, MODEL, tight)
-    assert alone.interrupts_service
-    assert replay({"a": {(16, 32)}, "b": {(0, 16)}}, alone, MODEL, tight)[-1]
-
-
 @st.composite
 def meshes(draw):
     n_layers = draw(st.integers(1, 48))
@@ -275,6 +225,3 @@ def test_property_assignments_cover_every_layer_within_memory(case) -> None:
         assert "the model needs" in str(error) and "--memory" in str(error)
         return
     check_valid(result, nodes, model)
-    memory = {n.node_id: n.memory_bytes for n in nodes}
-    transition = plan_transition({}, result, model, memory)
-    assert replay({}, transition, model, memory)[-1]

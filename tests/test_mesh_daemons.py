@@ -1,7 +1,8 @@
-"""Real `meshd join` daemons on loopback: one seed, five volunteers, one tracker, failover."""
+"""Real `meshd join` daemons on loopback: one seed, five volunteers, one tracker, failover, a rebalance."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.slow  # six daemons and their workers
 
 PROMPT = "Write a short story about a lighthouse keeper."
 # Small KV budgets and memory, so the default model needs three stages and spare nodes become replicas.
-VOLUNTEER = ["--memory", "62M", "--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]
+SESSIONS = ["--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]
+VOLUNTEER = ["--memory", "62M", *SESSIONS]
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +163,116 @@ async def test_killing_the_tracker_elects_a_new_one_and_asks_keep_working(
     result = await ask_with_failover(peers, finder(peers, rest[0]), AskRequest(
         messages=[{"role": "user", "content": PROMPT}], max_tokens=128))
     assert result.tokens == expected
+
+
+def workers(node: Served) -> list[int]:
+    """The engine workers the daemon runs now: one per range it serves or still retires."""
+    # a child is listed under the thread that started it, which need not be the main one
+    tasks = Path(f"/proc/{node.proc.pid}/task").iterdir()
+    return sorted(int(pid) for task in tasks for pid in (task / "children").read_text().split())
+
+
+async def served_ranges(peers: Peers, node: Served) -> dict[str, list[str]]:
+    view = await status(peers, node)
+    return {m.node_id: [s.split(" ", 1)[1] for s in m.served] for m in view.members if m.state == "alive"}
+
+
+async def test_a_volunteer_whose_worker_dies_stops_offering_its_range_until_the_worker_is_back(
+        mesh: list[Served], peers: Peers) -> None:
+    alive = [n for n in mesh if n.proc.poll() is None]
+    await wait_converged(peers, alive)
+    view = await served_ranges(peers, alive[0])
+    victim = next(n for n in alive if view.get(n.node_id))
+    before = (await served_ranges(peers, victim))[victim.node_id]
+    (worker,) = workers(victim)
+    os.kill(worker, signal.SIGKILL)
+    seen = []
+    with trio.fail_after(60):
+        while not seen or seen[-1] != before or [] not in seen:
+            seen.append((await served_ranges(peers, victim))[victim.node_id])
+            await trio.sleep(0.05)
+    # withdrawn while the supervisor restarted the worker, offered again once it was back
+    assert [] in seen and seen[-1] == before and workers(victim) != [worker]
+
+
+@pytest.mark.slow
+async def test_a_volunteer_joining_mid_answer_moves_every_range_and_the_answer_is_unchanged(
+        tmp_path: Path, peers: Peers, expected: list[int]) -> None:
+    """Three 62M volunteers split the model three ways; after the first token a volunteer that holds
+    it whole joins, and the tracker's fresh placement moves all three (the newcomer takes the whole
+    model, the three regroup as a replica). The session keeps its old ranges to the end.
+
+    So that the rebalance lands while tokens are still to come, whatever the speed of this machine,
+    the tail's engine worker is held (SIGSTOP) until it has landed, let go for a moment every few
+    seconds so that it answers its health checks (10 s) and is not taken for hung."""
+    tokens = 24
+    nodes: list[Served] = []
+    held: list[int] = []
+    try:
+        nodes.append(start_join("--no-model", "--state-dir", str(tmp_path / "seed")))
+        for i in range(3):
+            nodes.append(start_join("--seed", nodes[0].address, "--state-dir", str(tmp_path / f"v{i}"), *VOLUNTEER))
+        await wait_converged(peers, nodes, timeout=90)
+        route = await finder(peers, nodes[0])([])
+        assert len(route) == 3, "three 62M volunteers should need three stages"
+        ranges = {s.info.node_id: f"[{s.info.layer_begin}, {s.info.layer_end})" for s in route}
+        tail = next(n for n in nodes if n.node_id == route[-1].info.node_id)
+        seen: list[int] = []
+        moved: dict[str, list[str]] = {}
+        landed_at: list[int] = []
+        landed = trio.Event()
+
+        async def hold_the_tail() -> None:
+            (worker,) = workers(tail)
+            held.append(worker)
+            while not landed.is_set():
+                os.kill(worker, signal.SIGSTOP)
+                with trio.move_on_after(4.0):
+                    await landed.wait()
+                os.kill(worker, signal.SIGCONT)
+                await trio.sleep(0.2)
+
+        async def rebalance() -> None:
+            nursery.start_soon(hold_the_tail)
+            joiner = await trio.to_thread.run_sync(lambda: start_join(
+                "--seed", nodes[0].address, "--state-dir", str(tmp_path / "joiner"), "--memory", "400M", *SESSIONS))
+            nodes.append(joiner)
+            with trio.fail_after(120):
+                while True:
+                    now_served = await served_ranges(peers, nodes[0])
+                    moved.update({n: now_served[n] for n in ranges if now_served.get(n, [ranges[n]]) != [ranges[n]]})
+                    if len(moved) == len(ranges) and now_served.get(joiner.node_id) == ["[0, 30)"]:
+                        break
+                    await trio.sleep(0.5)
+            # what the tail had sent has arrived by now; the rest is still to be generated
+            await trio.sleep(1.0)
+            landed_at.append(len(seen))
+            landed.set()
+
+        def on_token(token: int, piece: bytes) -> None:
+            seen.append(token)
+            if len(seen) == 1:
+                nursery.start_soon(rebalance)
+
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(300):
+                result = await ask_with_failover(peers, finder(peers, nodes[0]), AskRequest(
+                    messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens), on_token, stall_timeout=120)
+        # every stage of the session moved to a new range while the session still had tokens to give
+        assert set(moved) == set(ranges) and landed_at and landed_at[0] < tokens
+        assert result.tokens == expected[:tokens]
+        assert result.epochs == 1, "the rebalance broke the session: it had to fail over"
+        print(f"\nrebalance landed after {landed_at[0]} of {tokens} tokens; moved {moved}")
+        # the old ranges go once their last session is gone, not at the retiring deadline (60 s)
+        with trio.fail_after(30):
+            while any(len(workers(n)) != 1 for n in nodes[1:4]):
+                await trio.sleep(0.2)
+        again = await ask_with_failover(peers, finder(peers, nodes[0]), AskRequest(
+            messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens))
+        assert again.tokens == expected[:tokens]
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        for n in nodes:
+            n.stop()

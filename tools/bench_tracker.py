@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign, capacities, plan_transition  # noqa: E402
+from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign, capacities  # noqa: E402
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange  # noqa: E402
 from meshd.mesh.routing import StageOption, plan_route, stage_options  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
@@ -101,14 +101,6 @@ def main() -> None:
         f"{sum(1 for n in rebalanced.ranges() if n.startswith('joiner'))} joiners placed"
     )
 
-    served = {node_id: [r] for node_id, r in assignment.ranges().items() if node_id not in gone}
-    memory = {n.node_id: n.memory_bytes for n in churned}
-    transition, median, worst = timed(lambda: plan_transition(served, rebalanced, model, memory), args.repeat)
-    print(
-        f"plan_transition:           {median:8.1f} ms  [{worst:.1f}]  -> {len(transition.phases)} phases, "
-        f"interrupts service: {transition.interrupts_service}"
-    )
-
     speed = {n.node_id: n.seconds_per_layer for n in nodes}
     options = [
         StageOption(s.node_id, s.start, s.end, speed[s.node_id], rng.uniform(0, 1)) for s in assignment.stages
@@ -144,7 +136,7 @@ def main() -> None:
             models=[MODEL],
             served=[ServedRange(model=MODEL.digest, start=ranges[i][0], end=ranges[i][1])]
             if i < len(ranges)
-            else (),
+            else [],
         )
         for i, (identity, node) in enumerate(zip(identities, nodes, strict=False))
     ]

@@ -101,6 +101,9 @@ class CapabilityRecord(WireModel):
     started_at: Annotated[float, Field(allow_inf_nan=False)] = 0.0
     # A positive term means this node claims to be the tracker for that term.
     tracker_term: Count = 0
+    # A tracker counts the changes of its assignment here, so volunteers learn by gossip when to ask
+    # for their range again instead of asking over and over.
+    assignment_version: Count = 0
     # The node's last word: it has left the mesh gracefully.
     leaving: bool = False
     signature: Annotated[bytes, Field(max_length=64)] = b""

@@ -82,6 +82,8 @@ class WorkerSpec:
 class EngineSupervisor:
     spec: WorkerSpec
     on_down: Callable[[int, str], None] | None = None
+    # called with the generation each time a worker serves again after one went down
+    on_up: Callable[[int], None] | None = None
     load_timeout: float = 300.0
     call_timeout: float = 60.0
     health_interval: float = 1.0
@@ -135,6 +137,8 @@ class EngineSupervisor:
             if not started:
                 task_status.started(report)
                 started = True
+            elif self.on_up:
+                self.on_up(self.generation)
             up_since = trio.current_time()
             try:
                 reason = await self._supervise(proc)

@@ -19,18 +19,16 @@ single chain) and gives every segment one or more hosts:
    faster by a clear margin: a layer range is expensive to move.
 
 A node's memory must hold its weights and the KV cache of its layers for the
-planned context and sessions. `plan_transition` then orders the loads and
-releases that move the mesh from what it serves to an assignment, loading the
-new ranges before it releases the old, so sessions in flight keep a route.
+planned context and sessions. Each volunteer moves to its new range itself,
+loading it before it releases the old one, so sessions in flight keep a route.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -592,90 +590,3 @@ def _flag_size(size: int) -> str:
 
 
 # ---- moving from what is served to an assignment ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Step:
-    action: Literal["load", "release"]
-    node_id: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Transition:
-    """Phases to run in order; the steps of one phase run in parallel, and each phase starts
-    when every step of the previous one is done (loaded and serving, or released)."""
-
-    phases: tuple[tuple[Step, ...], ...]
-    # True when some range had to be released before its replacement was loaded, because the
-    # node needed that memory and nobody else served the range: layers go unserved for a while.
-    interrupts_service: bool
-
-
-def plan_transition(
-    served: Mapping[str, Collection[Range]],
-    target: Assignment,
-    model: ModelSpec,
-    memory: Mapping[str, int],
-) -> Transition:
-    """Order the loads and releases that take the mesh from `served` (node -> ranges of this
-    model it serves now) to `target`, keeping every layer served throughout when memory allows."""
-    held: dict[str, set[Range]] = {node_id: set(ranges) for node_id, ranges in served.items()}
-    wanted = target.ranges()
-    loads = {node_id: want for node_id, want in wanted.items() if want not in held.get(node_id, ())}
-    # An insertion-ordered dict as a set: removals are O(1) and the order stays reproducible.
-    releases = {
-        (node_id, held_range): None
-        for node_id, ranges in held.items()
-        for held_range in sorted(ranges)
-        if wanted.get(node_id) != held_range
-    }
-    counts: Counter[Range] = Counter(held_range for ranges in held.values() for held_range in ranges)
-    phases: list[tuple[Step, ...]] = []
-    interrupts = False
-
-    def in_use(node_id: str) -> int:
-        return sum(model.stage_bytes(*held_range) for held_range in held.get(node_id, ()))
-
-    def covered() -> bool:
-        return _tiles(+counts, 0, model.n_layers)
-
-    while loads or releases:
-        fitting = [
-            (node_id, want)
-            for node_id, want in loads.items()
-            if in_use(node_id) + model.stage_bytes(*want) <= memory.get(node_id, 0)
-        ]
-        for node_id, want in fitting:
-            held.setdefault(node_id, set()).add(want)
-            counts[want] += 1
-            del loads[node_id]
-        if fitting:
-            phases.append(tuple(Step("load", node_id, *want) for node_id, want in fitting))
-        released = []
-        was_covered = covered()
-        for node_id, held_range in list(releases):
-            counts[held_range] -= 1
-            # Another copy of the same range keeps the chain; otherwise look for another chain.
-            if counts[held_range] > 0 or not was_covered or covered():
-                held[node_id].discard(held_range)
-                del releases[node_id, held_range]
-                released.append(Step("release", node_id, *held_range))
-            else:
-                counts[held_range] += 1
-        if released:
-            phases.append(tuple(released))
-        if not fitting and not released:
-            # Deadlock: a waiting load needs memory that a sole copy of some range holds.
-            node_id, want = next(iter(loads.items()))
-            forced = [(n, r) for n, r in releases if n == node_id]
-            if not forced:
-                raise ValueError(f"node {node_id} cannot hold layers {want} even with nothing else loaded")
-            for pair in forced:
-                del releases[pair]
-                held[node_id].discard(pair[1])
-                counts[pair[1]] -= 1
-            phases.append(tuple(Step("release", n, *r) for n, r in forced))
-            interrupts = True
-    return Transition(tuple(phases), interrupts)

@@ -22,7 +22,7 @@ import random
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from meshd.mesh.records import RecordStore, StoreStats, Verdict
 from wire.codec import WireModel
@@ -85,7 +85,7 @@ _ACCEPTED = Verdict.ACCEPTED
 # They live in wire.swim, with the record they carry; `codec.encode`/`codec.decode` carry them.
 
 _Made = TypeVar("_Made", bound=WireModel)
-_DEFAULTS = {
+_DEFAULTS: dict[type[WireModel], dict[str, Any]] = {
     model: {name: field.default for name, field in model.model_fields.items() if not field.is_required()}
     for model in (Alive, Suspect, Dead, SyncEntry, *SWIM_MESSAGES)
 }
@@ -128,12 +128,15 @@ class SwimConfig:
     max_piggyback: int = 32
 
 
+EventKind = Literal["joined", "alive", "updated", "suspect", "dead", "left"]
+
+
 @dataclass(frozen=True)
 class MemberEvent:
     """A change in this node's view. `joined`: newly live; `alive`: refuted a suspicion or came
     back; `updated`: a live member published a new record; then `suspect`, `dead`, `left`."""
 
-    kind: Literal["joined", "alive", "updated", "suspect", "dead", "left"]
+    kind: EventKind
     node_id: str
     record: CapabilityRecord
 
@@ -250,6 +253,9 @@ class _BroadcastQueue:
 
     def __len__(self) -> int:
         return len(self._sent)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._sent
 
 
 class _RandomSet:
@@ -372,12 +378,18 @@ class Membership:
         return self._joined
 
     @property
+    def leave_announced(self) -> bool:
+        """After `leave`: the last record has gone out as often as any update does, or nobody is left
+        to tell. A departing daemon drives the machine until then."""
+        return self._left and (self._node_id not in self._broadcasts or not self._live)
+
+    @property
     def record_stats(self) -> StoreStats:
         return self._store.stats
 
     def state(self, node_id: str) -> MemberState | None:
         if node_id == self._node_id:
-            return _LEFT if self._left else _ALIVE
+            return self._own_state()
         member = self._members.get(node_id)
         return member.state if member else None
 
@@ -396,16 +408,22 @@ class Membership:
     def live_records(self) -> list[CapabilityRecord]:
         """Records of this node and of every member believed alive, suspects included."""
         records = [self._record]
-        records.extend(self._store.get(node_id) for node_id in self._live)
+        for node_id in self._live:
+            # a live member's record is always held: it became live by its record
+            record = self._store.get(node_id)
+            if record is not None:
+                records.append(record)
         return records
 
     def members(self) -> list[MemberInfo]:
         """Every member this node knows of, itself first."""
-        own = MemberInfo(self._node_id, self.state(self._node_id), self._record.version, self._record, None)
-        return [own] + [
-            MemberInfo(node_id, member.state, member.incarnation, self._store.get(node_id), member.rtt)
-            for node_id, member in self._members.items()
-        ]
+        own = MemberInfo(self._node_id, self._own_state(), self._record.version, self._record, None)
+        out = [own]
+        for node_id, member in self._members.items():
+            record = self._store.get(node_id)
+            if record is not None:
+                out.append(MemberInfo(node_id, member.state, member.incarnation, record, member.rtt))
+        return out
 
     # ---- inputs ----
 
@@ -434,7 +452,7 @@ class Membership:
         """Publish a new version of this node's record with `changes` (served ranges, load, ...)."""
         if self._left:
             raise RuntimeError("this node has left the mesh")
-        self._record = self._record.evolve(self._identity, **changes)
+        self._record = self._record.evolve(self._identity, None, **changes)
         self._broadcasts.put(self._node_id, _made(Alive, record=self._record))
         return self._record
 
@@ -442,8 +460,7 @@ class Membership:
         """A message from `src`, the authenticated node id of the link it came over."""
         if src == self._node_id:
             return
-        kind = message.type
-        if kind == "swim.sync":
+        if isinstance(message, Sync):
             self._handle_sync(now, src, message)
             return
         for update in message.gossip:
@@ -452,15 +469,15 @@ class Membership:
         if (held is None or held < message.version) and now >= self._next_pull and self._joined:
             # We missed news of the sender: ask for its view (its reply carries its record).
             self._next_pull = now + self._config.probe_interval
-            own = _made(SyncEntry, record=self._record, state=self.state(self._node_id).value)
+            own = _made(SyncEntry, record=self._record, state=self._own_state().value)
             self._send(src, _made(Sync, reply=True, entries=[own]))
-        if kind == "swim.ping":
+        if isinstance(message, Ping):
             self._send(
                 src, _made(Ack, version=self._record.version, seq=message.seq, gossip=self._piggyback())
             )
-        elif kind == "swim.ack":
+        elif isinstance(message, Ack):
             self._handle_ack(now, src, message)
-        elif kind == "swim.ping_req":
+        elif isinstance(message, PingReq):
             self._handle_ping_req(now, src, message)
 
     def handle_timer(self, now: float) -> None:
@@ -492,8 +509,8 @@ class Membership:
         if not self._joined and now >= self._next_join:
             self._send_join(now)
 
-    def next_timer(self) -> float:
-        """When `handle_timer` next has something to do."""
+    def next_timer(self) -> float | None:
+        """When `handle_timer` next has something to do (never None: push-pull always comes round)."""
         deadline = min(self._next_push_pull, self._next_reconnect)
         if self._broadcasts:
             # An idle gossip tick would send nothing, so it is only a deadline while updates wait.
@@ -646,7 +663,7 @@ class Membership:
                 )
 
     def _sync_state(self) -> list[SyncEntry]:
-        entries = [_made(SyncEntry, record=self._record, state=self.state(self._node_id).value)]
+        entries = [_made(SyncEntry, record=self._record, state=self._own_state().value)]
         for node_id, member in self._members.items():
             entries.append(_made(SyncEntry, record=self._store.get(node_id), state=member.state.value))
         return entries
@@ -705,14 +722,13 @@ class Membership:
     # ---- applying updates ----
 
     def _apply(self, now: float, update: Update) -> None:
-        kind = update.kind
-        if kind == "alive":
+        if isinstance(update, Alive):
             self._apply_alive(now, update.record, update)
         elif update.node == self._node_id:
             # Only our current version can be suspected: a higher one was never signed, it is forged.
             if not self._left and update.incarnation == self._record.version:
                 self._refute()
-        elif kind == "suspect":
+        elif isinstance(update, Suspect):
             self._apply_suspect(now, update)
         else:
             self._apply_dead(now, update)
@@ -740,6 +756,7 @@ class Membership:
                 self._events.append(MemberEvent("left", node_id, record))
             return
         self._set_state(now, node_id, member, _ALIVE)
+        kind: EventKind
         if previous is None or previous is _LEFT:
             kind = "joined"
         elif previous is _ALIVE:
@@ -787,7 +804,7 @@ class Membership:
         heapq.heappush(self._suspicion_heap, (suspicion.deadline, node_id))
         self._set_state(now, node_id, member, _SUSPECT)
         self._broadcasts.put(node_id, update)
-        self._events.append(MemberEvent("suspect", node_id, self._store.get(node_id)))
+        self._event("suspect", node_id)
 
     def _apply_dead(self, now: float, update: Dead) -> None:
         node_id = update.node
@@ -797,7 +814,13 @@ class Membership:
         self._end_suspicion(node_id)
         self._set_state(now, node_id, member, _DEAD)
         self._broadcasts.put(node_id, update)
-        self._events.append(MemberEvent("dead", node_id, self._store.get(node_id)))
+        self._event("dead", node_id)
+
+    def _event(self, kind: EventKind, node_id: str) -> None:
+        # an accused member is one we hold a record of (see _accusable)
+        record = self._store.get(node_id)
+        if record is not None:
+            self._events.append(MemberEvent(kind, node_id, record))
 
     def _refute(self, superseded: int | None = None) -> None:
         """Sign a record newer than our current one (and than `superseded`, a previous life's)."""
@@ -831,6 +854,9 @@ class Membership:
             else:
                 self._dead.pop(node_id, None)
         self._gossip_pool_dead = None
+
+    def _own_state(self) -> MemberState:
+        return _LEFT if self._left else _ALIVE
 
     def _send(self, dest: str, message: SwimMessage) -> None:
         self._outbox.append((dest, message))

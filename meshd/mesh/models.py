@@ -75,7 +75,7 @@ def _read_model_info(path: Path, digest: str) -> ModelInfo:
 
     reader = GGUFReader(str(path))
 
-    def field(key: str) -> object:
+    def field(key: str) -> str | int:
         f = reader.fields.get(key)
         if f is None:
             raise ModelNotFound(f"{path.name} lacks the GGUF key {key}")

@@ -1,6 +1,6 @@
 """A node's sans-IO mesh core: SWIM membership with the tracker election on top.
 
-This is the one object the daemon drives:
+This is the one object `MeshDuty` (meshd/mesh/duty.py) drives for the daemon:
 
     node = MeshNode(identity, record, now)
     node.join(now, [seed_node_id])                # after dialling the seed
@@ -31,6 +31,11 @@ class TrackerChanged:
 
 
 MeshEvent = MemberEvent | TrackerChanged
+
+
+def earliest(*deadlines: float | None) -> float | None:
+    """The first of some `next_timer()` deadlines; None when none is set."""
+    return min((d for d in deadlines if d is not None), default=None)
 
 
 class MeshNode:
@@ -69,12 +74,17 @@ class MeshNode:
     def tracker(self) -> Tracker | None:
         return self._tracker
 
+    @property
+    def left_announced(self) -> bool:
+        """After `leave`: the news is out (see `Membership.leave_announced`)."""
+        return self.membership.leave_announced
+
     def join(self, now: float, seeds: Iterable[str]) -> None:
         self.membership.join(now, seeds)
         self._settle(now)
 
     def leave(self, now: float) -> None:
-        """Leave gracefully; keep driving the node for a second or so, so that the news spreads."""
+        """Leave gracefully; keep driving the node until `left_announced`, so that the news spreads."""
         self.membership.leave(now)
         self._left = True
 
@@ -97,10 +107,8 @@ class MeshNode:
         self.election.handle_timer(now, self.membership.joined)
         self._settle(now)
 
-    def next_timer(self) -> float:
-        deadline = self.membership.next_timer()
-        election = self.election.next_timer()
-        return deadline if election is None else min(deadline, election)
+    def next_timer(self) -> float | None:
+        return earliest(self.membership.next_timer(), self.election.next_timer())
 
     def messages_to_send(self) -> list[tuple[str, SwimMessage]]:
         return self.membership.messages_to_send()

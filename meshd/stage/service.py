@@ -138,6 +138,7 @@ class StageService:
         self._dirty: list[tuple[int, int]] = []
         self._queue: collections.deque[Work] = collections.deque()
         self._wake = trio.Event()
+        self._idle = trio.Event()
         self._nursery: trio.Nursery | None = None
 
     # ----- wiring
@@ -162,6 +163,12 @@ class StageService:
 
     def holds(self, session: str) -> bool:
         return session in self.sessions
+
+    async def wait_idle(self) -> None:
+        """Returns once no session is held (a retiring range waits for its last one)."""
+        while self.sessions:
+            await self._idle.wait()
+            self._idle = trio.Event()
 
     async def handle_first(self, stream: Stream, first: Message) -> None:
         """Serves a stage stream whose first message has been read."""
@@ -460,6 +467,8 @@ class StageService:
             self._dirty.append((session.slot, session.generation))
             self._free_slots.append(session.slot)
             self._wake.set()
+            if not self.sessions:
+                self._idle.set()
 
     async def _clear_dirty(self) -> None:
         while self._dirty:

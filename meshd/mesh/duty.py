@@ -1,0 +1,418 @@
+"""A mesh node's duties around its `MeshNode`, as one sans-IO machine: the tracker's and the volunteer's.
+
+The daemon runs it over real SWIM streams and the clock; the simulation runs
+the very same machine over an in-memory network in virtual time:
+
+    duty = MeshDuty(node, config)
+    loop:
+        wait for a message, a local change or until duty.next_timer()
+        duty.handle_message(now, src, msg)  or  duty.handle_timer(now)
+        for dest, msg in duty.messages_to_send(): send msg to dest
+        for event in duty.events(): act on it (AskAssignment, LoadRange) or log it
+
+As tracker it places every model its live members hold once their news has
+settled (a burst of joins costs one assignment), and counts each change of
+placement in its own record (`assignment_version`), so gossip tells the
+volunteers when to ask again. As a volunteer it asks the tracker for its range
+when the tracker or that count changes (again after a backoff if the ask
+failed), refuses a range beyond its model or its memory, and asks for the
+range to be loaded; the shell loads it beside the old one and says when it
+serves, and when its worker goes down and comes back (the range is offered
+only while it can serve). Any node answers route and status queries from its
+own view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from meshd.mesh.assignment import (
+    Assignment,
+    AssignmentPolicy,
+    CoverageError,
+    ModelSpec,
+    assign,
+    capacities,
+    coverage_shortfall,
+)
+from meshd.mesh.election import Tracker
+from meshd.mesh.membership import MemberEvent, SwimMessage
+from meshd.mesh.node import MeshNode, TrackerChanged, earliest
+from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
+from meshd.mesh.routing import NoRouteError, plan_route, stage_options
+from meshd.mesh.status import held_models, status_view
+from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, StatusReply
+
+Range = tuple[int, int]
+# Member news that can change a placement; "suspect" cannot (suspects still count as live).
+_PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
+
+
+@dataclass(frozen=True)
+class DutyConfig:
+    # The model this node offers to serve (its digest), if any.
+    volunteer: ModelInfo | None = None
+    # KV tokens a stage holds when no volunteer of the model says (sessions x tokens each).
+    kv_tokens: int = 4096
+    # The tracker places this long after the first news of a burst, not at each piece of it.
+    settle: float = 0.5
+    # After a failed ask or load, ask again after `retry`, doubling up to `retry_max`.
+    retry: float = 1.0
+    retry_max: float = 30.0
+    policy: AssignmentPolicy = AssignmentPolicy()
+
+
+@dataclass(frozen=True)
+class AskAssignment:
+    """Ask `tracker` for this node's range; answer with `MeshDuty.assignment_reply`."""
+
+    tracker: Tracker
+
+
+@dataclass(frozen=True)
+class LoadRange:
+    """Load layers [start, end) of `model` beside what is served; answer with `range_loaded` or
+    `range_failed`. Sessions on the old range keep it until they end."""
+
+    model: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class AssignmentChanged:
+    """As tracker, this node placed `model` anew; `assignment` None: it cannot be covered, `reason` says why."""
+
+    model: str
+    assignment: Assignment | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RangeRefused:
+    """The tracker assigned a range this node will not load."""
+
+    start: int
+    end: int
+    reason: str
+
+
+DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | AssignmentChanged | RangeRefused
+
+
+def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
+    """What placement reads of a record: a new version that changes none of it needs no new placement."""
+    return (record.memory_bytes, record.kv_tokens, record.seconds_per_layer, record.leaving,
+            tuple(record.roles), tuple(m.digest for m in record.models))
+
+
+class MeshDuty:
+    """The duties of one node; see the module's docstring for how it is driven."""
+
+    def __init__(self, node: MeshNode, config: DutyConfig = DutyConfig()) -> None:
+        self.node = node
+        self.config = config
+        # the tracker's books: soft state, rebuilt from gossip by whoever is tracker next
+        self.assignments: dict[str, Assignment] = {}
+        self.uncovered: dict[str, str] = {}
+        # why a model is not covered, by digest, with the placement inputs it was worked out from
+        self._reasons: dict[str, tuple[object, str]] = {}
+        self._capacity_seen: dict[str, tuple[object, ...]] = {}
+        self._place_at: float | None = None
+        # the volunteer's: which (tracker, assignment_version) the range we hold answers
+        self.serving: Range | None = None
+        self.loading: Range | None = None
+        self.wanted: Range | None = None
+        self._down = False  # the served range's worker is restarting
+        self._answered: tuple[Tracker, int] | None = None
+        self._asking: tuple[Tracker, int] | None = None
+        self._ask_at: float | None = None
+        self._failures = 0
+        self._events: list[DutyEvent] = []
+
+    # ----- queries
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    @property
+    def is_tracker(self) -> bool:
+        tracker = self.node.tracker
+        return tracker is not None and tracker.node_id == self.node.node_id
+
+    @property
+    def left_announced(self) -> bool:
+        return self.node.left_announced
+
+    @property
+    def _left(self) -> bool:
+        # a node that said goodbye signs no more records: what the shell reports after that is moot
+        return self.node.record.leaving
+
+    def next_timer(self) -> float | None:
+        ask_at = self._ask_at if self._ask_at is not None and self._ask_pending() else None
+        return earliest(self.node.next_timer(), self._place_at, ask_at)
+
+    # ----- inputs
+
+    def handle_message(self, now: float, src: str, message: SwimMessage) -> None:
+        self.node.handle_message(now, src, message)
+        self._settle(now)
+
+    def handle_timer(self, now: float) -> None:
+        """Run whatever is due by `now`; calling it early is harmless."""
+        self.node.handle_timer(now)
+        if self._place_at is not None and now >= self._place_at:
+            self._place_at = None
+            self._place(now)
+        self._settle(now)
+
+    def leave(self, now: float) -> None:
+        self.node.leave(now)
+        self._settle(now)
+
+    def assignment_reply(self, now: float, reply: AssignmentReply | None) -> None:
+        """The tracker's answer to the last `AskAssignment`; None when the ask failed."""
+        asked, self._asking = self._asking, None
+        if asked is None:
+            return
+        if reply is None:
+            if self._current_ask() is not None and self.node.tracker == asked[0]:
+                self._failed(now)  # a tracker that changed meanwhile is asked at once, not after a backoff
+        else:
+            self._answered = asked
+            self._failures = 0
+            self._take(reply)
+        self._settle(now)
+
+    def range_loaded(self, now: float, start: int, end: int) -> None:
+        """The range asked for by `LoadRange` serves now: publish it, in place of the old one."""
+        if self.loading != (start, end) or self.config.volunteer is None or self._left:
+            return
+        self.loading, self.serving, self._down = None, (start, end), False
+        self._publish(now)
+        self._load_wanted()
+        self._settle(now)
+
+    def range_down(self, now: float, start: int, end: int) -> None:
+        """The served range's engine worker is down (its supervisor restarts it): stop offering the
+        range, so routes avoid this node meanwhile. The placement stands: a restart is not a move."""
+        if self.serving == (start, end) and not self._down and not self._left:
+            self._down = True
+            self.node.update_record(now, served=[])
+            self._settle(now)
+
+    def range_up(self, now: float, start: int, end: int) -> None:
+        """The served range's worker is back: offer the range again."""
+        if self.serving == (start, end) and self._down and not self._left:
+            self._down = False
+            self._publish(now)
+            self._settle(now)
+
+    def range_failed(self, now: float, start: int, end: int) -> None:
+        """The range could not be loaded: ask again later (the placement may have moved meanwhile)."""
+        if self.loading != (start, end):
+            return
+        self.loading = None
+        self._answered = None
+        self._failed(now)
+        self._settle(now)
+
+    # ----- outputs
+
+    def messages_to_send(self) -> list[tuple[str, SwimMessage]]:
+        return self.node.messages_to_send()
+
+    def events(self) -> list[DutyEvent]:
+        out, self._events = self._events, []
+        return out
+
+    # ----- answers
+
+    def assignment_for(self, node_id: str) -> AssignmentReply:
+        """As tracker: the range `node_id` is to serve."""
+        tracker = self.node.tracker
+        if tracker is None or tracker.node_id != self.node.node_id:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "this node is not the tracker")
+        for digest, assignment in self.assignments.items():
+            rng = assignment.ranges().get(node_id)
+            if rng is not None:
+                return AssignmentReply(term=tracker.term, model=digest, start=rng[0], end=rng[1])
+        return AssignmentReply(term=tracker.term, reason="no range for this node")
+
+    def route(self, model: str | None, exclude: Collection[str],
+              address_of: Callable[[CapabilityRecord], str | None],
+              fits: Callable[[CapabilityRecord], bool] | None = None) -> RouteReply:
+        """The cheapest route for `model` (the mesh's only one if None) from this node's view;
+        `address_of` says where the asker dials each stage, `fits` which members it may be told of."""
+        live = self.node.membership.live_records()
+        models = held_models(live)
+        if model is None:
+            if not models:
+                raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
+            model = next(iter(models))
+        info = models.get(model)
+        if info is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {model[:12]}")
+        records = {r.node_id: r for r in live if address_of(r) is not None and (fits is None or fits(r))}
+        rtt, own = self.node.membership.rtt, self.node.node_id
+
+        def link_cost(a: str | None, b: str) -> float:
+            # from here (the asker's side) a measured RTT; between stages we have no measure
+            return (rtt(b) or 0.0) if a is None or a == own else 0.001
+
+        try:
+            found = plan_route(stage_options(records.values(), model), info.n_layers, link_cost, exclude=exclude)
+        except NoRouteError as exc:
+            reason = self.coverage_reason(info)
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
+                                + (f"; {reason}" if reason else "")) from None
+        stages = []
+        for s in found.stages:
+            address = address_of(records[s.node_id])
+            if address is None:
+                raise ProtocolError(ErrorCode.UNREACHABLE, f"no address to dial {s.node_id[:12]}")
+            stages.append(RouteStage(node_id=s.node_id, address=address, start=s.start, end=s.end))
+        return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
+
+    def status(self, address_fits: Callable[[str], bool] | None = None) -> StatusReply:
+        """The status view; `address_fits` says which addresses the asker may be told (None: all)."""
+        membership = self.node.membership
+        return status_view(self.node.node_id, membership.members(), membership.live_records(), self.node.tracker,
+                           address_fits, self.coverage_reason)
+
+    def coverage_reason(self, info: ModelInfo) -> str:
+        """Why the live members cannot cover `info` ("" when they can: it is then only loading)."""
+        live = self.node.membership.live_records()
+        nodes, spec = capacities(live, info.digest), self._spec(live, info)
+        # The search behind the reason runs assignment a few dozen times: once per change of its inputs.
+        key = (tuple(nodes), spec)
+        cached = self._reasons.get(info.digest)
+        if cached is None or cached[0] != key:
+            cached = (key, (coverage_shortfall(nodes, spec, self.config.policy) or "")[:1024])
+            self._reasons[info.digest] = cached
+        return cached[1]
+
+    def _spec(self, live: list[CapabilityRecord], info: ModelInfo) -> ModelSpec:
+        # the volunteers' own session budgets decide the KV each stage holds, not the tracker's
+        kv_tokens = max((r.kv_tokens for r in live if r.model(info.digest) is not None), default=0) \
+            or self.config.kv_tokens
+        return ModelSpec.from_info(info, kv_tokens)
+
+    # ----- the tracker's duty
+
+    def _place(self, now: float) -> None:
+        if not self.is_tracker or self._left:
+            return
+        live = self.node.membership.live_records()
+        changed = False
+        for digest, info in held_models(live).items():
+            before = self.assignments.get(digest)
+            try:
+                placed = assign(capacities(live, digest), self._spec(live, info), self.config.policy, before)
+            except CoverageError as exc:
+                if before is not None or self.uncovered.get(digest) != str(exc):
+                    self.assignments.pop(digest, None)
+                    self.uncovered[digest] = str(exc)
+                    self._events.append(AssignmentChanged(digest, None, str(exc)))
+                    changed = True
+                continue
+            self.uncovered.pop(digest, None)
+            if placed != before:
+                self.assignments[digest] = placed
+                self._events.append(AssignmentChanged(digest, placed))
+                changed = True
+        if changed:
+            self.node.update_record(now, assignment_version=self.node.record.assignment_version + 1)
+
+    def _news(self, now: float, events: list[MemberEvent | TrackerChanged]) -> None:
+        """Schedule a placement when some news can change it."""
+        news = False
+        for event in events:
+            if isinstance(event, TrackerChanged):
+                news = True
+                self._ask_at, self._failures = None, 0
+                continue
+            if event.kind not in _PLACEMENT_NEWS:
+                continue
+            if event.kind in ("dead", "left"):
+                self._capacity_seen.pop(event.node_id, None)
+                news = True
+                continue
+            key = _capacity_key(event.record)
+            if self._capacity_seen.get(event.node_id) != key:
+                self._capacity_seen[event.node_id] = key
+                news = True
+        if news and self.is_tracker and self._place_at is None:
+            self._place_at = now + self.config.settle
+
+    # ----- the volunteer's duty
+
+    def _current_ask(self) -> tuple[Tracker, int] | None:
+        tracker = self.node.tracker
+        if tracker is None or self.config.volunteer is None or self.node.record.leaving:
+            return None
+        record = self.node.membership.record_of(tracker.node_id)
+        return tracker, record.assignment_version if record is not None else 0
+
+    def _ask_pending(self) -> bool:
+        current = self._current_ask()
+        return current is not None and current != self._answered and self._asking is None
+
+    def _maybe_ask(self, now: float) -> None:
+        current = self._current_ask()
+        if current is None or not self._ask_pending():
+            return
+        if self._ask_at is not None and now < self._ask_at:
+            return
+        self._ask_at = None
+        tracker = current[0]
+        if tracker.node_id == self.node.node_id:
+            self._answered = current
+            self._take(self.assignment_for(self.node.node_id))
+            return
+        self._asking = current
+        self._events.append(AskAssignment(tracker))
+
+    def _failed(self, now: float) -> None:
+        self._failures += 1
+        self._ask_at = now + min(self.config.retry * 2 ** (self._failures - 1), self.config.retry_max)
+
+    def _take(self, reply: AssignmentReply) -> None:
+        info = self.config.volunteer
+        if info is None or reply.model is None:
+            return  # no range for us (yet): keep serving what we serve
+        start, end = reply.start, reply.end
+        if reply.model != info.digest or not 0 <= start < end <= info.n_layers:
+            self._events.append(RangeRefused(start, end, f"not a range of {info.name} ({reply.model[:12]})"))
+            return
+        own = self.node.record
+        need = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens).stage_bytes(start, end)
+        if need > own.memory_bytes:
+            self._events.append(RangeRefused(start, end, f"needs {need} bytes, this node offers {own.memory_bytes}"))
+            return
+        self.wanted = (start, end)
+        self._load_wanted()
+
+    def _publish(self, now: float) -> None:
+        assert self.config.volunteer is not None and self.serving is not None
+        start, end = self.serving
+        self.node.update_record(now, served=[ServedRange(model=self.config.volunteer.digest, start=start, end=end)])
+
+    def _load_wanted(self) -> None:
+        if self.loading is None and self.wanted is not None and self.wanted != self.serving:
+            self.loading = self.wanted
+            assert self.config.volunteer is not None
+            self._events.append(LoadRange(self.config.volunteer.digest, *self.wanted))
+
+    # -----
+
+    def _settle(self, now: float) -> None:
+        events = self.node.events()
+        if events:
+            self._events.extend(events)
+            self._news(now, events)
+        self._maybe_ask(now)

@@ -1,0 +1,82 @@
+"""What `meshd status` shows: one node's view of its members, the tracker and model coverage.
+
+A pure function of that view (member states and records, the tracker), so it is
+tested without a daemon; the daemon only sends the reply. A record may say more
+than a status line holds (32 served ranges, a mesh of more members than a reply
+lists): the view is cut to the reply's bounds, never refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from meshd.mesh.election import Tracker
+from meshd.mesh.membership import MemberInfo
+from meshd.mesh.records import CapabilityRecord, ModelInfo
+from wire.meshrpc import MemberStatus, ModelCoverage, StatusReply
+
+_T = TypeVar("_T")
+
+
+def _cut(items: list[_T], model: type[BaseModel], name: str) -> list[_T]:
+    """`items` within the schema's bound on the field `name` of `model`."""
+    bounds = [getattr(m, "max_length", None) for m in model.model_fields[name].metadata]
+    return items[:min(b for b in bounds if isinstance(b, int))]
+
+
+def held_models(records: Iterable[CapabilityRecord]) -> dict[str, ModelInfo]:
+    """Every model some of `records` hold, by digest (the first description of each wins)."""
+    out: dict[str, ModelInfo] = {}
+    for record in records:
+        for info in record.models:
+            out.setdefault(info.digest, info)
+    return out
+
+
+def status_view(node_id: str, members: Sequence[MemberInfo], live: Sequence[CapabilityRecord],
+                tracker: Tracker | None, address_fits: Callable[[str], bool] | None = None,
+                reason_of: Callable[[ModelInfo], str] | None = None) -> StatusReply:
+    """`members`: every member known, this node included (as `Membership.members()` gives them);
+    `live`: the records of those believed alive, which alone count for coverage; `address_fits`:
+    which addresses the asker may be told (others show as none); `reason_of`: why a model that is
+    not covered cannot be."""
+    shown = [_member_status(m.record, m.state.value, tracker, address_fits) for m in members]
+    return StatusReply(node_id=node_id, tracker=tracker.node_id if tracker else None,
+                       term=tracker.term if tracker else 0, members=_cut(shown, StatusReply, "members"),
+                       coverage=_cut(coverage(live, reason_of), StatusReply, "coverage"))
+
+
+def coverage(live: Sequence[CapabilityRecord],
+             reason_of: Callable[[ModelInfo], str] | None = None) -> list[ModelCoverage]:
+    """Per model: how many of its layers some live member serves, by whom, the spare copies, and
+    (from `reason_of`) why the layers no one serves cannot be."""
+    out = []
+    for digest, info in held_models(live).items():
+        served = [(r.node_id, s) for r in live if not r.leaving for s in r.served if s.model == digest]
+        layers = [0] * info.n_layers
+        for _, s in served:
+            for i in range(s.start, min(s.end, info.n_layers)):
+                layers[i] += 1
+        out.append(ModelCoverage(
+            model=digest, name=info.name, n_layers=info.n_layers, covered_layers=sum(1 for c in layers if c),
+            assigned=_cut([f"{node[:12]} [{s.start}, {s.end})" for node, s in served], ModelCoverage, "assigned"),
+            replicas=max(0, min(layers) - 1),
+            reason=reason_of(info) if reason_of is not None and not all(layers) else ""))
+    return out
+
+
+def _member_status(record: CapabilityRecord, state: str, tracker: Tracker | None,
+                   address_fits: Callable[[str], bool] | None) -> MemberStatus:
+    roles = list(record.roles) + (["tracker"] if tracker and tracker.node_id == record.node_id else [])
+    address = record.addresses[0] if record.addresses else ""
+    if address and address_fits is not None and not address_fits(address):
+        address = ""
+    return MemberStatus(node_id=record.node_id, address=address,
+                        state=state, roles=roles, reachability=record.reachability,
+                        relay_addresses=list(record.relay_addresses), memory_bytes=record.memory_bytes,
+                        served=_cut([f"{s.model[:12]} [{s.start}, {s.end})" for s in record.served],
+                                    MemberStatus, "served"),
+                        models=_cut([m.name for m in record.models], MemberStatus, "models"))

@@ -1,0 +1,285 @@
+"""The tracker's and the volunteer's duties (`MeshDuty`), driven by hand at explicit times, without trio."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+from instant_net import InstantNet, identity, record, rng
+
+from meshd.mesh.duty import (
+    AskAssignment,
+    AssignmentChanged,
+    DutyConfig,
+    DutyEvent,
+    LoadRange,
+    MeshDuty,
+    RangeRefused,
+)
+from meshd.mesh.election import ElectionConfig
+from meshd.mesh.membership import SwimConfig
+from meshd.mesh.node import MeshNode
+from meshd.mesh.records import ModelInfo, ServedRange
+from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import AssignmentReply
+
+# eight layers of 100 bytes: a 500-byte node holds five, so a copy takes two of them
+MODEL = ModelInfo(digest="sha256:m", name="m", n_layers=8, bytes_per_layer=100, kv_bytes_per_token=0)
+SETTLE = 0.5
+
+
+def duty(i: int, memory: int = 500, **config: object) -> MeshDuty:
+    node = MeshNode(identity(i), record(i, reachability="public", started_at=float(i), memory_bytes=memory,
+                                        models=[MODEL]), 0.0, SwimConfig(), ElectionConfig(), rng(i))
+    settings: dict[str, object] = {"volunteer": MODEL, "kv_tokens": 1, "settle": SETTLE} | config
+    return MeshDuty(node, DutyConfig(**settings))  # type: ignore[arg-type]
+
+
+class Mesh:
+    """Duties on an instant network; asks are answered and loads finish at once unless held back."""
+
+    def __init__(self, *duties: MeshDuty) -> None:
+        self.duties = {d.node_id: d for d in duties}
+        self.net = InstantNet(*duties)
+        self.seen: dict[str, list[DutyEvent]] = {d.node_id: [] for d in duties}
+        self.answer_asks = True
+        self.finish_loads = True
+        for d in duties[1:]:
+            d.node.join(0.0, [duties[0].node_id])
+
+    def run_until(self, end: float) -> None:
+        while True:
+            self.net.run_until(min(end, self.net.now + 0.1))
+            self.act()
+            if self.net.now >= end:
+                return
+
+    def act(self) -> None:
+        now = self.net.now
+        for d in self.duties.values():
+            for event in d.events():
+                self.seen[d.node_id].append(event)
+                if isinstance(event, AskAssignment) and self.answer_asks:
+                    d.assignment_reply(now, self.duties[event.tracker.node_id].assignment_for(d.node_id))
+                elif isinstance(event, LoadRange) and self.finish_loads:
+                    d.range_loaded(now, event.start, event.end)
+        self.net.flush()
+
+    def of(self, d: MeshDuty, kind: type) -> list[DutyEvent]:
+        return [e for e in self.seen[d.node_id] if isinstance(e, kind)]
+
+
+def served(d: MeshDuty) -> list[tuple[int, int]]:
+    return [(s.start, s.end) for s in d.node.record.served]
+
+
+def tiles(ranges: Iterable[tuple[int, int]], n: int) -> bool:
+    reach = {0}
+    for start, end in sorted(ranges):
+        if start in reach:
+            reach.add(end)
+    return n in reach
+
+
+def test_the_tracker_places_the_model_and_every_volunteer_loads_and_publishes_its_range() -> None:
+    duties = [duty(i) for i in range(4)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    tracker = duties[0]  # the longest uptime
+    assert tracker.is_tracker and not any(d.is_tracker for d in duties[1:])
+    placed = tracker.assignments[MODEL.digest].ranges()
+    assert set(placed) == {d.node_id for d in duties}
+    for d in duties:
+        assert served(d) == [placed[d.node_id]] and d.serving == placed[d.node_id] and d.loading is None
+    assert tiles(placed.values(), MODEL.n_layers)
+    # the tracker counted its placements in its record; the others asked over the mesh, it asked itself
+    assert tracker.node.record.assignment_version == len(mesh.of(tracker, AssignmentChanged)) >= 1
+    assert mesh.of(tracker, AskAssignment) == [] and all(mesh.of(d, AskAssignment) for d in duties[1:])
+    # a quiet mesh asks nothing more
+    asks = sum(len(mesh.of(d, AskAssignment)) for d in duties)
+    mesh.run_until(40.0)
+    assert sum(len(mesh.of(d, AskAssignment)) for d in duties) == asks
+
+
+def test_a_burst_of_joins_costs_one_placement() -> None:
+    duties = [duty(i) for i in range(6)]
+    mesh = Mesh(*duties[:2])
+    mesh.run_until(10.0)
+    tracker = duties[0]
+    placements = len(mesh.of(tracker, AssignmentChanged))
+    for d in duties[2:]:
+        mesh.net.add(d)
+        mesh.duties[d.node_id] = d
+        mesh.seen[d.node_id] = []
+        d.node.join(mesh.net.now, [tracker.node_id])
+        mesh.run_until(mesh.net.now + SETTLE / 5)
+    mesh.run_until(mesh.net.now + 10.0)
+    # four joins within a settle period, and the ranges they publish afterwards: one placement
+    assert len(mesh.of(tracker, AssignmentChanged)) == placements + 1
+    assert all(served(d) for d in duties)
+
+
+def test_a_dead_volunteer_is_replaced_and_the_others_move_only_if_needed() -> None:
+    duties = [duty(i) for i in range(5)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    tracker = duties[0]
+    before = tracker.assignments[MODEL.digest].ranges()
+    victim = next(d for d in duties[1:] if before.get(d.node_id))
+    mesh.net.down.add(victim.node_id)
+    mesh.run_until(mesh.net.now + 30.0)
+    after = tracker.assignments[MODEL.digest].ranges()
+    assert victim.node_id not in after
+    live = [d for d in duties if d is not victim]
+    assert tiles((after[d.node_id] for d in live if d.node_id in after), MODEL.n_layers)
+    for d in live:
+        assert served(d) == ([after[d.node_id]] if d.node_id in after else served(d))
+
+
+def test_a_failed_ask_is_retried_after_a_doubling_backoff() -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.answer_asks = False
+    mesh.run_until(10.0)
+    volunteer = duties[1]
+    (ask,) = mesh.of(volunteer, AskAssignment)
+    assert ask.tracker.node_id == duties[0].node_id
+    now = mesh.net.now
+    volunteer.assignment_reply(now, None)
+    mesh.run_until(now + 0.9)
+    assert len(mesh.of(volunteer, AskAssignment)) == 1
+    mesh.run_until(now + 1.1)
+    assert len(mesh.of(volunteer, AskAssignment)) == 2
+    volunteer.assignment_reply(mesh.net.now, None)
+    again = mesh.net.now
+    mesh.run_until(again + 1.9)
+    assert len(mesh.of(volunteer, AskAssignment)) == 2
+    mesh.run_until(again + 2.1)
+    assert len(mesh.of(volunteer, AskAssignment)) == 3
+    mesh.answer_asks = True
+    volunteer.assignment_reply(mesh.net.now, duties[0].assignment_for(volunteer.node_id))
+    mesh.run_until(mesh.net.now + 1.0)
+    assert served(volunteer)
+
+
+def test_a_failed_load_is_asked_for_again_later() -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.finish_loads = False
+    mesh.run_until(10.0)
+    volunteer = duties[1]
+    (load,) = mesh.of(volunteer, LoadRange)
+    volunteer.range_failed(mesh.net.now, load.start, load.end)
+    assert volunteer.loading is None and not served(volunteer)
+    mesh.finish_loads = True
+    mesh.run_until(mesh.net.now + 2.0)
+    assert len(mesh.of(volunteer, LoadRange)) == 2 and served(volunteer) == [(load.start, load.end)]
+
+
+@pytest.mark.parametrize("model, start, end", [
+    ("sha256:other", 0, 2),  # not the model it holds
+    (MODEL.digest, 4, 9),  # beyond the model's layers
+    (MODEL.digest, 0, 8),  # 800 bytes, beyond its 500
+])
+def test_a_volunteer_refuses_a_range_beyond_its_model_or_its_memory(model: str, start: int, end: int) -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.answer_asks = False
+    mesh.run_until(10.0)
+    volunteer = duties[1]
+    (ask,) = mesh.of(volunteer, AskAssignment)
+    volunteer.assignment_reply(mesh.net.now, AssignmentReply(term=ask.tracker.term, model=model, start=start, end=end))
+    mesh.run_until(mesh.net.now + 5.0)
+    assert len(mesh.of(volunteer, RangeRefused)) == 1 and not mesh.of(volunteer, LoadRange)
+    assert volunteer.wanted is None and not served(volunteer)
+
+
+def test_only_the_tracker_answers_assignment_asks() -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    with pytest.raises(ProtocolError) as caught:
+        duties[1].assignment_for(duties[0].node_id)
+    assert caught.value.code is ErrorCode.NOT_FOUND
+    stranger = duty(9)
+    reply = duties[0].assignment_for(stranger.node_id)
+    assert reply.model is None and reply.reason
+
+
+def test_a_model_nobody_can_cover_is_reported_once_with_the_reason() -> None:
+    duties = [duty(0, memory=300), duty(1, memory=300)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    changes = mesh.of(duties[0], AssignmentChanged)
+    assert len(changes) == 1 and changes[0].assignment is None and "cannot be covered" in changes[0].reason
+    assert MODEL.digest in duties[0].uncovered and not duties[0].assignments
+    assert not any(mesh.of(d, LoadRange) for d in duties)
+
+
+def test_leaving_is_announced_after_the_last_record_went_round() -> None:
+    duties = [duty(i) for i in range(4)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    leaver = duties[2]
+    leaver.leave(mesh.net.now)
+    assert not leaver.left_announced
+    mesh.run_until(mesh.net.now + 2.0)
+    assert leaver.left_announced
+    assert all(d.node.membership.state(leaver.node_id).value == "left" for d in duties if d is not leaver)
+    # and nobody asks it to serve any more
+    assert leaver.node_id not in duties[0].assignments[MODEL.digest].ranges()
+    alone = duty(7)
+    alone.leave(0.0)
+    assert alone.left_announced
+
+
+def test_served_ranges_reach_the_record_only_once_loaded() -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.finish_loads = False
+    mesh.run_until(10.0)
+    volunteer = duties[1]
+    (load,) = mesh.of(volunteer, LoadRange)
+    assert not served(volunteer) and volunteer.loading == (load.start, load.end)
+    volunteer.range_loaded(mesh.net.now, load.start + 1, load.end)  # not what it was asked to load
+    assert not served(volunteer)
+    volunteer.range_loaded(mesh.net.now, load.start, load.end)
+    assert volunteer.node.record.served == [ServedRange(model=MODEL.digest, start=load.start, end=load.end)]
+
+
+def test_a_range_whose_worker_is_down_is_not_offered_until_it_is_back() -> None:
+    duties = [duty(i) for i in range(3)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    volunteer = duties[1]
+    rng_ = volunteer.serving
+    assert rng_ is not None and served(volunteer) == [rng_]
+    placements = len(mesh.of(duties[0], AssignmentChanged))
+    volunteer.range_down(mesh.net.now, *rng_)
+    assert served(volunteer) == []
+    mesh.run_until(mesh.net.now + 5.0)
+    # the others no longer see it served; the tracker does not move it for a restart
+    held = duties[2].node.membership.record_of(volunteer.node_id)
+    assert held is not None and held.served == []
+    assert len(mesh.of(duties[0], AssignmentChanged)) == placements
+    volunteer.range_down(mesh.net.now, rng_[0], rng_[1] + 1)  # not the range it serves: nothing to do
+    volunteer.range_up(mesh.net.now, *rng_)
+    mesh.run_until(mesh.net.now + 5.0)
+    held = duties[2].node.membership.record_of(volunteer.node_id)
+    assert held is not None and [(s.start, s.end) for s in held.served] == [rng_]
+
+
+def test_after_leaving_nothing_the_shell_reports_signs_a_record() -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.finish_loads = False
+    mesh.run_until(10.0)
+    tracker, volunteer = duties
+    (load,) = mesh.of(volunteer, LoadRange)
+    for d in duties:
+        d.leave(mesh.net.now)
+    version = volunteer.node.record.version
+    volunteer.range_loaded(mesh.net.now, load.start, load.end)
+    volunteer.range_down(mesh.net.now, load.start, load.end)
+    tracker.handle_timer(mesh.net.now + 100.0)
+    assert volunteer.node.record.version == version and not served(volunteer)
