@@ -71,7 +71,7 @@ async def two_peers(
         async with open_peers(BOB, listener_config or config, observer=events.append) as bob:
             async with open_peers(ALICE, config) as alice:
                 bob.handle("echo", echo)
-                bob.handle("echo-bytes", echo_bytes)
+                bob.handle("echo-bytes", echo_bytes, raw=True)
                 port = await bob.listen("127.0.0.1", 0)
                 yield alice, bob, f"127.0.0.1:{port}", events
 
@@ -689,3 +689,73 @@ async def test_inbound_connections_stay_under_the_fd_budget() -> None:
         assert link.usable and bob._admission.inbound == 2
         for s in idle:
             await s.aclose()
+
+
+# ----- what an authenticated peer can make us hold
+
+
+PATIENT = PeersConfig(first_message_timeout=2.0, drain_timeout=0.1, timings=CALM)
+
+
+async def test_a_stream_without_a_first_message_is_reset_at_its_deadline(autojump_clock: trio.abc.Clock) -> None:
+    async with two_peers(listener_config=PATIENT) as (alice, _bob, address, _events):
+        stream = await alice.open_stream(address, "echo", node_id=BOB.node_id)
+        await stream.send_all(struct.pack(">I", 100) + b"\x80")  # a message that never ends
+        opened = trio.current_time()
+        with pytest.raises(ProtocolError) as info:
+            await stream.receive_message()
+        assert info.value.code is ErrorCode.DEADLINE_EXCEEDED
+        assert trio.current_time() - opened == pytest.approx(PATIENT.first_message_timeout, abs=0.5)
+        # raw byte protocols have no first message to wait for
+        raw = await alice.open_stream(address, "echo-bytes", node_id=BOB.node_id)
+        await trio.sleep(2 * PATIENT.first_message_timeout)
+        await raw.send_all(b"still open")
+        assert await raw.receive_some() == b"still open"
+
+
+HOLDING = PeersConfig(
+    mux=MuxConfig(stream_window=256 << 10, link_window=1 << 20, max_held=2 << 20),
+    max_held_bytes=3 << 20,
+    first_message_timeout=2.0,
+    drain_timeout=0.1,
+    timings=CALM,
+)
+
+
+async def test_never_finished_messages_hold_at_most_the_budget_and_are_reset() -> None:
+    """8 streams each sending the start of a 24 MiB message and never the rest."""
+    async with two_peers(listener_config=HOLDING) as (alice, bob, address, _events):
+        link = await alice.connect(address, node_id=BOB.node_id)
+        streams = [link.open_stream("echo") for _ in range(8)]
+        pushed = [0] * len(streams)
+
+        async def push(i: int) -> None:
+            with contextlib.suppress(ProtocolError, trio.ClosedResourceError):
+                await streams[i].send_all(struct.pack(">I", 24 << 20) + b"\xc6" + struct.pack(">I", (24 << 20) - 5))
+                chunk = bytes(64 << 10)
+                while True:
+                    await streams[i].send_all(chunk)
+                    pushed[i] += len(chunk)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(streams)):
+                nursery.start_soon(push, i)
+            with trio.fail_after(5):
+                while not bob.links:
+                    await trio.sleep(0.01)
+            mux = bob.links[0].core.mux
+            with trio.fail_after(10):
+                while mux.held < HOLDING.mux.max_held:
+                    await trio.sleep(0.01)
+            await trio.sleep(0.3)  # the peer has had time to use any credit left
+            bound = HOLDING.mux.link_window + HOLDING.mux.max_held + HOLDING.mux.max_frame
+            assert sum(pushed) <= bound
+            assert mux.held <= bound
+            # the first-message deadline resets them all and frees what they held
+            with trio.fail_after(10):
+                while mux.held or bob._held.held:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        stream = await alice.open_stream(address, "echo", node_id=BOB.node_id)
+        await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="after"))
+        assert (await stream.receive_message()).message == "after"  # type: ignore[attr-defined]

@@ -73,6 +73,9 @@ class Stream(trio.abc.HalfCloseableStream):
         # a bare reschedule costs a fraction of a ParkingLot's on every message.
         self._parked: trio.lowlevel.Task | None = None
         self._decoder = MessageDecoder(limits)
+        # Consumed bytes the decoder holds in an unfinished message, as the mux knows it.
+        self._held = 0
+        self.messages_received = 0
         self._sending = False
         self._receiving = False
 
@@ -200,6 +203,10 @@ class Stream(trio.abc.HalfCloseableStream):
                         raise ProtocolError(ErrorCode.BAD_REQUEST, "stream ended inside a message")
                     raise trio.EndOfChannel
                 message = decoder.decode_whole(chunk)
+                if decoder.buffered or self._held:
+                    self._held = decoder.buffered
+                    self.link.core.mux.set_held(self.stream_id, self._held)
+            self.messages_received += 1
             return message
         except ProtocolError as exc:
             if exc is not self._error:

@@ -46,7 +46,7 @@ from wire.codec import DEFAULT_LIMITS, Limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.link import SecureLink
-from wire.mux import MuxConfig
+from wire.mux import HeldBudget, MuxConfig
 from wire.noise import mesh_key_from_secret
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,11 @@ class PeersConfig:
     # Seconds a dial has, from TCP connect to the end of the Noise handshake.
     dial_timeout: float = 5.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # Bytes all links together may make this node hold in unfinished messages
+    # (each link also has its mux's max_held), and how long a handler waits
+    # for the first whole message of a stream.
+    max_held_bytes: int = 32 << 20
+    first_message_timeout: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +141,8 @@ class Peers:
         self._mesh_key = None if config.mesh_key is None else mesh_key_from_secret(config.mesh_key)
         self._nursery = nursery
         self._observer = observer
-        self._handlers: dict[str, Handler] = {}
+        self._handlers: dict[str, tuple[Handler, bool]] = {}
+        self._held = HeldBudget(config.max_held_bytes)
         self._dialers: list[tuple[Callable[[str], bool], Dialer]] = []
         self._by_node: dict[str, Link] = {}
         self._by_address: dict[str, Link] = {}
@@ -150,14 +156,18 @@ class Peers:
 
     # ----- serving
 
-    def handle(self, protocol: str, handler: Handler) -> None:
+    def handle(self, protocol: str, handler: Handler, *, raw: bool = False) -> None:
         """Run ``handler(stream)`` for every stream a peer opens for ``protocol``.
+
+        Unless the protocol is ``raw`` bytes, the peer's first whole message
+        must arrive within ``first_message_timeout``, or the stream is reset
+        (DEADLINE_EXCEEDED): a stream costs a task and a place in the mux.
 
         The stream is closed when the handler returns. A ``ProtocolError`` it
         raises resets the stream with that error; any other exception resets it
         with INTERNAL (and is logged), never disturbing the node.
         """
-        self._handlers[protocol] = handler
+        self._handlers[protocol] = (handler, raw)
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Accept peers on ``ws://host:port``; returns the bound port.
@@ -397,13 +407,15 @@ class Peers:
         await self._serve(link)
 
     def _core(self, *, dialer: bool, node_id: str | None) -> SecureLink:
-        return SecureLink(
+        core = SecureLink(
             self.identity,
             dialer=dialer,
             mesh_key=self._mesh_key,
             expected_node_id=node_id,
             mux_config=self.config.mux,
         )
+        core.mux.node_budget = self._held
+        return core
 
     async def _establish(
         self, core: SecureLink, transport: RecordTransport, *, raise_errors: bool = False
@@ -491,6 +503,7 @@ class Peers:
         try:
             await link.run()
         finally:
+            link.core.mux.release_held()
             self._forget(link)
             self._links.discard(link)
             error = link.error or ProtocolError(ErrorCode.UNREACHABLE, "link closed")
@@ -517,13 +530,25 @@ class Peers:
         return link.open_stream(protocol)
 
     def _on_stream(self, stream: Stream) -> None:
-        handler = self._handlers.get(stream.protocol)
-        if handler is None:
+        entry = self._handlers.get(stream.protocol)
+        if entry is None:
             stream.reset(ProtocolError(ErrorCode.NOT_FOUND, f"no handler for {stream.protocol!r}"))
             return
-        self._nursery.start_soon(self._run_handler, handler, stream)
+        handler, raw = entry
+        watch = None
+        if not raw:
+            watch = trio.CancelScope()
+            self._nursery.start_soon(self._first_message_deadline, stream, watch)
+        self._nursery.start_soon(self._run_handler, handler, stream, watch)
 
-    async def _run_handler(self, handler: Handler, stream: Stream) -> None:
+    async def _first_message_deadline(self, stream: Stream, watch: trio.CancelScope) -> None:
+        timeout = self.config.first_message_timeout
+        with watch:
+            await trio.sleep(timeout)
+            if not stream.messages_received:
+                stream.reset(ProtocolError(ErrorCode.DEADLINE_EXCEEDED, f"no whole message within {timeout:g} s"))
+
+    async def _run_handler(self, handler: Handler, stream: Stream, watch: trio.CancelScope | None) -> None:
         try:
             await handler(stream)
         except ProtocolError as exc:
@@ -534,6 +559,8 @@ class Peers:
             log.exception("handler for %r failed", stream.protocol)
             stream.reset(ProtocolError(ErrorCode.INTERNAL, "the handler failed"))
         finally:
+            if watch is not None:
+                watch.cancel()
             await stream.aclose()
 
     # ----- shutdown
