@@ -216,7 +216,7 @@ class Peers:
         admission = self._admission
         assert admission is not None
         ticket: Ticket | None
-        ticket, evicted = (None, []) if self._closing else admission.admit(str(peer[0]))
+        ticket, evicted = (None, []) if self._closing else admission.admit(str(peer[0]), trio.current_time())
         for old in evicted:
             pending = self._preauth.pop(old, None)
             if pending is not None:
@@ -236,7 +236,7 @@ class Peers:
         except Exception:
             log.exception("inbound connection from %s failed", address)
         finally:
-            admission.release(ticket)
+            admission.release(ticket, trio.current_time())
             self._preauth.pop(ticket, None)
             await trio.aclose_forcefully(stream)
 
@@ -256,7 +256,7 @@ class Peers:
                 return None
             core = self._core(dialer=False, node_id=None)
             transport = WebSocketTransport(ws, address, established=lambda: core.established)
-            link = await self._establish(core, transport)
+            link = await self._establish(core, transport, graceful=False)
         self._preauth.pop(ticket, None)
         if scope.cancelled_caught:
             log.debug("%s: %s", address, "displaced" if ticket.evicted else "pre-auth deadline passed")
@@ -418,9 +418,13 @@ class Peers:
         return core
 
     async def _establish(
-        self, core: SecureLink, transport: RecordTransport, *, raise_errors: bool = False
+        self, core: SecureLink, transport: RecordTransport, *, raise_errors: bool = False, graceful: bool = True
     ) -> Link | None:
-        """Run the handshake; the link (not yet registered), or None if it failed."""
+        """Run the handshake; the link (not yet registered), or None if it failed.
+
+        Without ``graceful`` a failed transport is left for the caller to cut:
+        an unauthenticated peer gets no close handshake (and no more reading).
+        """
         link = Link(
             core,
             transport,
@@ -436,12 +440,13 @@ class Peers:
         except ProtocolError as exc:
             log.info("handshake with %s failed: %s", transport.remote_address, exc)
             self._notify(HandshakeFailed(transport.remote_address, inbound=not core.dialer, error=exc))
-            # Not shielded: a Ctrl-C must not wait for a peer that does not answer.
-            with trio.move_on_after(self.config.timings.close_timeout):
-                try:
-                    await transport.aclose()
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+            if graceful:
+                # Not shielded: a Ctrl-C must not wait for a peer that does not answer.
+                with trio.move_on_after(self.config.timings.close_timeout):
+                    try:
+                        await transport.aclose()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
             if raise_errors:
                 raise
             return None
