@@ -261,7 +261,8 @@ def _decoder_has_an_object_budget() -> bool:
     try:
         decode_body(memoryview(body))
     except ProtocolError as exc:
-        return "object" in exc.message or "nested" in exc.message or "budget" in exc.message
+        # without a budget it unpacks, and only then fails as "not a map"
+        return "must be a msgpack map" not in exc.message
     return False
 
 
