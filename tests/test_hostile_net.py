@@ -33,13 +33,17 @@ from pathlib import Path
 import pytest
 import trio
 from localmesh import READY, Served, meshd_command, stop_process
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, BytesMessage, Message, Request
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, check_route, describe_route
 from meshd.daemon import rpc
 from meshd.net.identity_store import load_mesh_key
 from meshd.net.peers import PeersConfig, open_peers
 from wire.identity import NodeIdentity
+from wire.link import SecureLink
 from wire.meshrpc import MESH_PROTOCOL, RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.noise import SecureChannel, mesh_key_from_secret
 from wire.stage import STAGE_PROTOCOL
 
 pytestmark = pytest.mark.slow
@@ -404,14 +408,8 @@ async def attack_unfinished(target: str, key: bytes) -> None:
             ready()
 
 
-async def member_handshake(target: str, key: bytes | None) -> tuple[trio.SocketStream, object, object]:
+async def member_handshake(target: str, key: bytes | None) -> tuple[trio.SocketStream, WSConnection, SecureLink]:
     """A member's link by hand (wsproto and the sans-IO core), so that it can stop reading."""
-    from wsproto import ConnectionType, WSConnection
-    from wsproto.events import AcceptConnection, BytesMessage, Message, Request
-
-    from wire.link import SecureLink
-    from wire.noise import mesh_key_from_secret
-
     stream = await raw_connect(target, "127.0.0.1")
     ws = WSConnection(ConnectionType.CLIENT)
     core = SecureLink(NodeIdentity.generate(), dialer=True,
@@ -438,8 +436,6 @@ async def member_handshake(target: str, key: bytes | None) -> tuple[trio.SocketS
 
 async def attack_ping_flood(target: str, key: bytes) -> None:
     """A member that sends PINGs as fast as it can and never reads; it comes back when dropped."""
-    from wsproto.events import Message
-
     announced = False
     while True:
         try:
@@ -452,9 +448,9 @@ async def attack_ping_flood(target: str, key: bytes) -> None:
                 while True:
                     for _ in range(64):
                         now += 1
-                        core.mux.send_ping(now)  # type: ignore[attr-defined]
-                    for record in core.records_to_send():  # type: ignore[attr-defined]
-                        await stream.send_all(ws.send(Message(data=record)))  # type: ignore[attr-defined]
+                        core.mux.send_ping(now)
+                    for record in core.records_to_send():
+                        await stream.send_all(ws.send(Message(data=record)))
         except Exception:
             await trio.sleep(0.05)
 
@@ -482,11 +478,6 @@ async def attack_idle_sockets(target: str, key: bytes) -> None:
 
 async def attack_stranger(target: str, key: bytes) -> None:
     """Handshakes with a guessed key, 8 at a time: each must get a REJECT, never message 2."""
-    from wsproto import ConnectionType, WSConnection
-    from wsproto.events import AcceptConnection, BytesMessage, Message, Request
-
-    from wire.noise import SecureChannel, mesh_key_from_secret
-
     identity = NodeIdentity.generate()
 
     async def one() -> None:
