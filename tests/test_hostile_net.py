@@ -387,7 +387,8 @@ async def attack_unfinished(target: str, key: bytes) -> None:
     """8 streams at a time, each the start of a 24 MiB message that never ends; reopened when reset."""
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=key)) as peers:
         link = await peers.connect(target)
-        prefix = struct.pack(">I", 24 << 20) + b"\xc6" + struct.pack(">I", (24 << 20) - 5)
+        size = 24 << 20
+        prefix = struct.pack(">I", size) + b"\xc6" + struct.pack(">I", size - 5)
         chunk = bytes(64 << 10)
 
         async def one() -> None:
@@ -395,8 +396,11 @@ async def attack_unfinished(target: str, key: bytes) -> None:
                 try:
                     stream = link.open_stream(STAGE_PROTOCOL)
                     await stream.send_all(prefix)
-                    for _ in range(24 << 4):
-                        await stream.send_all(chunk)
+                    left = size - 5 - 1  # all of the message but its last byte
+                    while left:
+                        piece = chunk[: min(len(chunk), left)]
+                        await stream.send_all(piece)
+                        left -= len(piece)
                     await trio.sleep_forever()
                 except Exception:
                     await trio.sleep(0.1)
