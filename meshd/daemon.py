@@ -251,16 +251,20 @@ class MeshDaemon:
 
     async def _join_seeds(self) -> None:
         ids = []
+        failures = []
         for seed in self.config.seeds:
             try:
                 link = await self.peers.connect(seed)
             except (ProtocolError, OSError) as exc:
-                log.warning("seed %s unreachable: %s", seed, exc)
+                failures.append(exc.message if isinstance(exc, ProtocolError) else f"{seed}: {exc}")
                 continue
             self._seed_addresses[link.remote_node_id] = seed
             ids.append(link.remote_node_id)
         if self.config.seeds and not ids:
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"no seed answered ({', '.join(self.config.seeds)})")
+            # one line that says why, for the user who gave the seeds
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"no seed answered: {'; '.join(failures)}")
+        for failure in failures:
+            log.warning("seed unreachable: %s", failure)
         self.mesh.join(trio.current_time(), ids)
         self._flush()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ import trio.testing
 from memory_transport import MemoryTransport, memory_transport_pair
 from trio_websocket import ConnectionClosed, open_websocket_url
 
+from meshd.net.admission import AdmissionConfig
 from meshd.net.link import LinkTimings, Stream
 from meshd.net.peers import HandshakeFailed, LinkDown, PeerEvent, Peers, PeersConfig, open_peers
 from meshd.net.transport import StreamTransport
@@ -69,7 +71,7 @@ async def two_peers(
         async with open_peers(BOB, listener_config or config, observer=events.append) as bob:
             async with open_peers(ALICE, config) as alice:
                 bob.handle("echo", echo)
-                bob.handle("echo-bytes", echo_bytes)
+                bob.handle("echo-bytes", echo_bytes, raw=True)
                 port = await bob.listen("127.0.0.1", 0)
                 yield alice, bob, f"127.0.0.1:{port}", events
 
@@ -522,3 +524,238 @@ async def test_keepalive_measures_round_trip_time(autojump_clock: trio.abc.Clock
         await trio.sleep(2.5)
         assert link.rtt is not None and link.rtt >= 0
         assert not link.closed  # pings keep an idle link alive
+
+
+# ----- bounded dials
+
+
+@asynccontextmanager
+async def silent_listener(upgrade: bool = False) -> AsyncIterator[str]:
+    """A host that accepts TCP and then never says a word (or, with ``upgrade``,
+    completes the WebSocket upgrade and then stays silent)."""
+    held: list[object] = []
+
+    async def hold(stream: trio.SocketStream) -> None:
+        held.append(stream)
+        if upgrade:
+            from trio_websocket import wrap_server_stream
+
+            async with trio.open_nursery() as nursery:
+                request = await wrap_server_stream(nursery, stream)
+                held.append(await request.accept())
+                await trio.sleep_forever()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(functools.partial(trio.serve_tcp, hold, 0, host="127.0.0.1"))
+        yield f"127.0.0.1:{listener.socket.getsockname()[1]}"
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("upgrade", "stage"), [(False, "no WebSocket upgrade from"), (True, "no Noise handshake from")])
+async def test_a_dial_to_a_silent_host_ends_at_its_deadline_naming_the_stage(
+    autojump_clock: trio.abc.Clock, upgrade: bool, stage: str
+) -> None:
+    async with silent_listener(upgrade) as address, open_peers(ALICE, QUICK) as alice:
+        events: list[PeerEvent] = []
+        alice._observer = events.append
+        started = trio.current_time()
+        with pytest.raises(ProtocolError) as info:
+            await alice.connect(address)
+        assert trio.current_time() - started == pytest.approx(QUICK.dial_timeout, abs=0.5)
+        assert info.value.code is ErrorCode.UNREACHABLE
+        assert info.value.message == f"{stage} {address} within 5 s"
+        assert [type(e) for e in events] == [HandshakeFailed]
+        assert alice.links == []
+
+
+async def test_a_dial_whose_syn_is_never_answered_ends_at_its_deadline(autojump_clock: trio.abc.Clock) -> None:
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        address = f"127.0.0.1:{full.getsockname()[1]}"
+        # Fill the accept queue: further SYNs are dropped, so connect() hangs.
+        fillers = []
+        for _ in range(3):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(full.getsockname())
+            fillers.append(sock)
+        try:
+            async with open_peers(ALICE, QUICK) as alice:
+                with pytest.raises(ProtocolError) as info:
+                    await alice.connect(address)
+            assert info.value.message == f"no TCP connection to {address} within 5 s"
+        finally:
+            for sock in fillers:
+                sock.close()
+
+
+@pytest.mark.parametrize("upgrade", [False, True])
+async def test_cancelling_a_hung_dial_returns_at_once(autojump_clock: trio.abc.Clock, upgrade: bool) -> None:
+    """Nothing on the dial path shields itself: Ctrl-C must not wait for a silent host."""
+    async with silent_listener(upgrade) as address, open_peers(ALICE, QUICK) as alice:
+        with trio.CancelScope() as scope:
+            scope.deadline = trio.current_time() + 1.0
+            await alice.connect(address)
+        assert scope.cancelled_caught
+        assert trio.current_time() - scope.deadline < 0.01
+        cancelled_at = trio.current_time()
+    # and leaving open_peers does not wait either
+    assert trio.current_time() - cancelled_at < 0.01
+
+
+# ----- admission
+
+
+async def raw_connect(address: str, source: str = "127.0.0.1") -> trio.SocketStream:
+    host, port = address.rsplit(":", 1)
+    sock = trio.socket.socket()
+    await sock.bind((source, 0))
+    await sock.connect((host, int(port)))
+    return trio.SocketStream(sock)
+
+
+async def closed_by_peer(stream: trio.SocketStream) -> bool:
+    """Whether the node has hung up on ``stream`` (EOF or reset), without sending it anything."""
+    try:
+        while data := await stream.receive_some(65536):
+            del data
+    except trio.BrokenResourceError:
+        pass
+    return True
+
+
+async def test_an_idle_connection_is_dropped_at_the_preauth_deadline(autojump_clock: trio.abc.Clock) -> None:
+    async with two_peers() as (_alice, bob, address, _events):
+        idle = await raw_connect(address)
+        opened = trio.current_time()
+        with trio.fail_after(30):
+            assert await closed_by_peer(idle)
+        assert trio.current_time() - opened == pytest.approx(QUICK.admission.preauth_timeout, abs=0.5)
+        assert bob._admission is not None and bob._admission.preauth == 0
+
+
+async def test_a_big_frame_before_the_handshake_is_refused_early() -> None:
+    """1 MiB − 1 of one WebSocket message from a stranger: the node hangs up
+    after a few KiB instead of buffering it (close code 1009)."""
+    async with two_peers() as (alice, bob, address, _events):
+        async with open_websocket_url(f"ws://{address}/", max_message_size=1 << 20) as ws:
+            with trio.fail_after(5), contextlib.suppress(ConnectionClosed, trio.BrokenResourceError):
+                await ws.send_message(b"\x01" + bytes((1 << 20) - 2))
+                await ws.get_message()
+            assert ws.closed is not None and ws.closed.code == 1009
+        stream = await alice.open_stream(address, "echo", node_id=BOB.node_id)
+        await stream.send_message(activation(0, np.ones((64, 256), np.float32)))
+        assert isinstance(await stream.receive_message(), Activation)
+
+
+CAPPED = PeersConfig(
+    drain_timeout=0.1, timings=CALM, admission=AdmissionConfig(max_preauth=4, max_preauth_per_source=2)
+)
+
+
+async def test_a_flood_of_idle_connections_displaces_itself_and_an_honest_dialer_still_gets_in() -> None:
+    async with two_peers(listener_config=CAPPED) as (alice, bob, address, _events):
+        same_source = [await raw_connect(address) for _ in range(3)]
+        # the third from one source displaces the first
+        with trio.fail_after(5):
+            assert await closed_by_peer(same_source[0])
+        others = [await raw_connect(address, f"127.0.0.{n}") for n in (2, 3, 3)]
+        # all four places are taken by now; the heaviest source gives one up
+        assert bob._admission is not None
+        with trio.fail_after(5):
+            while bob._admission.preauth > 4:
+                await trio.sleep(0.01)
+        assert bob._admission.preauth <= 4
+        stream = await alice.open_stream(address, "echo", node_id=BOB.node_id)
+        await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="in"))
+        assert (await stream.receive_message()).message == "in"  # type: ignore[attr-defined]
+        for s in same_source + others:
+            await s.aclose()
+
+
+async def test_inbound_connections_stay_under_the_fd_budget() -> None:
+    async with two_peers(listener_config=CAPPED) as (alice, bob, address, _events):
+        assert bob._admission is not None
+        bob._admission.max_inbound = 2
+        link = await alice.connect(address, node_id=BOB.node_id)
+        idle = [await raw_connect(address, f"127.0.0.{n}") for n in (2, 3, 4)]
+        with trio.fail_after(5):
+            while bob._admission.inbound > 2:
+                await trio.sleep(0.01)
+        # the authenticated link is never displaced by strangers
+        assert link.usable and bob._admission.inbound == 2
+        for s in idle:
+            await s.aclose()
+
+
+# ----- what an authenticated peer can make us hold
+
+
+PATIENT = PeersConfig(first_message_timeout=2.0, drain_timeout=0.1, timings=CALM)
+
+
+async def test_a_stream_without_a_first_message_is_reset_at_its_deadline(autojump_clock: trio.abc.Clock) -> None:
+    async with two_peers(listener_config=PATIENT) as (alice, _bob, address, _events):
+        stream = await alice.open_stream(address, "echo", node_id=BOB.node_id)
+        await stream.send_all(struct.pack(">I", 100) + b"\x80")  # a message that never ends
+        opened = trio.current_time()
+        with pytest.raises(ProtocolError) as info:
+            await stream.receive_message()
+        assert info.value.code is ErrorCode.DEADLINE_EXCEEDED
+        assert trio.current_time() - opened == pytest.approx(PATIENT.first_message_timeout, abs=0.5)
+        # raw byte protocols have no first message to wait for
+        raw = await alice.open_stream(address, "echo-bytes", node_id=BOB.node_id)
+        await trio.sleep(2 * PATIENT.first_message_timeout)
+        await raw.send_all(b"still open")
+        assert await raw.receive_some() == b"still open"
+
+
+HOLDING = PeersConfig(
+    mux=MuxConfig(stream_window=256 << 10, link_window=1 << 20, max_held=2 << 20),
+    max_held_bytes=3 << 20,
+    first_message_timeout=2.0,
+    drain_timeout=0.1,
+    timings=CALM,
+)
+
+
+async def test_never_finished_messages_hold_at_most_the_budget_and_are_reset() -> None:
+    """8 streams each sending the start of a 24 MiB message and never the rest."""
+    async with two_peers(listener_config=HOLDING) as (alice, bob, address, _events):
+        link = await alice.connect(address, node_id=BOB.node_id)
+        streams = [link.open_stream("echo") for _ in range(8)]
+        pushed = [0] * len(streams)
+
+        async def push(i: int) -> None:
+            with contextlib.suppress(ProtocolError, trio.ClosedResourceError):
+                await streams[i].send_all(struct.pack(">I", 24 << 20) + b"\xc6" + struct.pack(">I", (24 << 20) - 5))
+                chunk = bytes(64 << 10)
+                while True:
+                    await streams[i].send_all(chunk)
+                    pushed[i] += len(chunk)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(streams)):
+                nursery.start_soon(push, i)
+            with trio.fail_after(5):
+                while not bob.links:
+                    await trio.sleep(0.01)
+            mux = bob.links[0].core.mux
+            with trio.fail_after(10):
+                while mux.held < HOLDING.mux.max_held:
+                    await trio.sleep(0.01)
+            await trio.sleep(0.3)  # the peer has had time to use any credit left
+            bound = HOLDING.mux.link_window + HOLDING.mux.max_held + HOLDING.mux.max_frame
+            assert sum(pushed) <= bound
+            assert mux.held <= bound
+            # the first-message deadline resets them all and frees what they held
+            with trio.fail_after(10):
+                while mux.held or bob._held.held:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        stream = await alice.open_stream(address, "echo", node_id=BOB.node_id)
+        await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="after"))
+        assert (await stream.receive_message()).message == "after"  # type: ignore[attr-defined]

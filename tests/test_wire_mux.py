@@ -15,13 +15,17 @@ from wire.codec import ErrorMessage, Message, MessageDecoder, encode
 from wire.errors import ErrorCode, ProtocolError
 from wire.mux import (
     DATA,
+    GOAWAY,
     HEADER,
     OPEN,
+    PING,
+    PONG,
     RESET,
     WINDOW,
     CreditAvailable,
     DataReceived,
     GoAwayReceived,
+    HeldBudget,
     Mux,
     MuxConfig,
     PongReceived,
@@ -429,3 +433,180 @@ def test_mutated_traffic_gives_only_typed_errors() -> None:
             b.data_to_send()
         except ProtocolError as exc:
             assert isinstance(exc.code, ErrorCode)
+
+
+# ----- what a peer can make us queue or hold
+
+
+def frames(data: bytes) -> list[tuple[int, int]]:
+    """(type, stream id) of each frame in ``data``."""
+    out = []
+    offset = 0
+    while offset < len(data):
+        kind, _, stream_id, length = HEADER.unpack_from(data, offset)
+        out.append((kind, stream_id))
+        offset += HEADER.size + length
+    return out
+
+
+def ping(n: int) -> bytes:
+    return HEADER.pack(PING, 0, 0, 8) + struct.pack(">Q", n)
+
+
+def test_pings_beyond_the_budget_go_unanswered_until_the_next_tick() -> None:
+    _, b = connected(b_config=MuxConfig(max_pongs=3, ping_flood=10))
+    b.receive_data(b"".join(ping(n) for n in range(8)))
+    assert [k for k, _ in frames(b.data_to_send())] == [PONG] * 3
+    b.handle_timer(1.0)
+    b.receive_data(ping(9))
+    assert [k for k, _ in frames(b.data_to_send())] == [PONG]
+
+
+def test_a_ping_flood_ends_the_link() -> None:
+    """A peer that pings and never reads (CVE-2019-9512) makes us queue a
+    bounded number of PONGs, then loses the link."""
+    _, b = connected(b_config=MuxConfig(max_pongs=3, ping_flood=10))
+    with pytest.raises(ProtocolError) as info:
+        b.receive_data(b"".join(ping(n) for n in range(1000)))
+    assert info.value.code is ErrorCode.OVERLOADED and "PING flood" in info.value.message
+    assert frames(b.data_to_send()) == [(GOAWAY, 0)]
+
+
+def test_keepalive_pings_of_an_honest_peer_are_always_answered() -> None:
+    a, b = connected()
+    for tick in range(100):
+        a.send_ping(float(tick))
+        deliver(a, b)
+        b.send_ping(float(tick))
+        assert PongReceived(float(tick)) in deliver(b, a)
+        deliver(a, b)
+
+
+def test_a_flood_of_refused_opens_ends_the_link() -> None:
+    """CVE-2019-9514: every refused OPEN queues a RESET for the peer."""
+    _, b = connected(b_config=MuxConfig(max_streams=0, reset_flood=20))
+    opens = b"".join(HEADER.pack(OPEN, 0, 2 * n + 1, 1) + b"x" for n in range(100))
+    with pytest.raises(ProtocolError) as info:
+        b.receive_data(opens)
+    assert "RESET flood" in info.value.message
+    sent = frames(b.data_to_send())
+    assert sent[-1] == (GOAWAY, 0) and len(sent) == 1
+
+
+def test_a_flood_of_opens_the_application_resets_ends_the_link() -> None:
+    _, b = connected(b_config=MuxConfig(reset_flood=5))
+    with pytest.raises(ProtocolError):
+        for n in range(20):
+            (event,) = b.receive_data(HEADER.pack(OPEN, 0, 2 * n + 1, 7) + b"unknown")
+            assert isinstance(event, StreamOpened)
+            b.reset_stream(event.stream_id, ProtocolError(ErrorCode.NOT_FOUND, "no handler"))
+    assert b.error is not None and "RESET flood" in b.error.message
+
+
+def test_resets_from_the_peer_count_towards_the_flood() -> None:
+    a, b = connected(b_config=MuxConfig(reset_flood=5))
+    with pytest.raises(ProtocolError):
+        for _ in range(10):
+            stream_id = a.open_stream("x")
+            a.reset_stream(stream_id, ProtocolError(ErrorCode.CANCELLED, "never mind"))
+            deliver(a, b)
+    assert b.error is not None and "RESET flood" in b.error.message
+
+
+def fill(sender: Mux, receiver: Mux, stream_ids: list[int], chunk: bytes, hold: bool) -> int:
+    """Send until no credit is left, the receiver consuming (and holding) everything."""
+    sent = 0
+    for _ in range(10_000):
+        moved = False
+        for stream_id in stream_ids:
+            room = sender.send_capacity(stream_id)
+            if room:
+                sender.send_data(stream_id, chunk[:room])
+                sent += min(room, len(chunk))
+                moved = True
+        for event in deliver(sender, receiver):
+            if isinstance(event, DataReceived):
+                receiver.consumed(event.stream_id, len(event.data))
+                if hold:
+                    receiver.set_held(event.stream_id, receiver_held(receiver, event.stream_id) + len(event.data))
+        deliver(receiver, sender)
+        if not moved:
+            return sent
+    raise AssertionError("credit never ran out")
+
+
+def receiver_held(mux: Mux, stream_id: int) -> int:
+    return mux._streams[stream_id].held
+
+
+HOLD = MuxConfig(stream_window=256 << 10, link_window=1 << 20, max_held=2 << 20)
+
+
+def test_bytes_held_in_unfinished_messages_are_bounded_per_link() -> None:
+    """8 streams of never-finished messages: the peer can make us keep at most
+    the link window plus the held budget (and one frame: the application reports
+    what it holds just after it consumed it), not a stream window per stream forever."""
+    a, b = connected(b_config=HOLD)
+    streams = [a.open_stream("x") for _ in range(8)]
+    sent = fill(a, b, streams, bytes(64 << 10), hold=True)
+    assert HOLD.max_held <= sent <= HOLD.link_window + HOLD.max_held + HOLD.max_frame
+    assert b.held == sent
+    # the messages finish: the held credit comes back and data flows again
+    for stream_id in streams:
+        b.set_held(stream_id, 0)
+    deliver(b, a)
+    assert a.send_capacity(streams[0]) > 0
+
+
+def test_without_holding_credit_keeps_flowing() -> None:
+    a, b = connected(b_config=HOLD)
+    stream_id = a.open_stream("x")
+    sent = 0
+    for _ in range(100):
+        room = a.send_capacity(stream_id)
+        assert room > 0
+        a.send_data(stream_id, bytes(room))
+        sent += room
+        for event in deliver(a, b):
+            if isinstance(event, DataReceived):
+                b.consumed(stream_id, len(event.data))
+        deliver(b, a)
+    assert sent > HOLD.link_window + HOLD.max_held
+
+
+def test_one_message_up_to_the_budget_completes() -> None:
+    a, b = connected(b_config=HOLD)
+    stream_id = a.open_stream("x")
+    message = HOLD.max_held + HOLD.link_window // 2
+    sent = 0
+    for _ in range(10_000):
+        room = min(a.send_capacity(stream_id), message - sent)
+        if sent == message:
+            break
+        assert room > 0, f"stalled after {sent} of {message} bytes"
+        a.send_data(stream_id, bytes(room))
+        sent += room
+        for event in deliver(a, b):
+            if isinstance(event, DataReceived):
+                b.consumed(stream_id, len(event.data))
+                b.set_held(stream_id, receiver_held(b, stream_id) + len(event.data))
+        deliver(b, a)
+    assert sent == message
+
+
+def test_the_node_budget_is_shared_by_its_links_and_freed_when_a_link_ends() -> None:
+    budget = HeldBudget(1 << 20)
+    first_sender, first = connected(b_config=HOLD)
+    second_sender, second = connected(b_config=HOLD)
+    first.node_budget = second.node_budget = budget
+    one = [first_sender.open_stream("x") for _ in range(4)]
+    two = [second_sender.open_stream("x") for _ in range(4)]
+    sent = fill(first_sender, first, one, bytes(64 << 10), hold=True)
+    sent += fill(second_sender, second, two, bytes(64 << 10), hold=True)
+    assert sent <= 2 * (HOLD.link_window + HOLD.max_frame) + budget.limit
+    assert budget.held == first.held + second.held == sent
+    first.release_held()
+    assert budget.held == second.held
+    # a reset stream holds nothing any more
+    second.reset_stream(two[0], ProtocolError(ErrorCode.CANCELLED, "gone"))
+    assert budget.held == second.held < sent

@@ -7,6 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from noise.backends.default import diffie_hellmans
 from noise.connection import NoiseConnection
 
 from wire.errors import ErrorCode, ProtocolError
@@ -23,6 +24,7 @@ from wire.noise import (
 ALICE = NodeIdentity.from_private_bytes(bytes(range(32)))
 BOB = NodeIdentity.from_private_bytes(bytes(range(1, 33)))
 MALLORY = NodeIdentity.from_private_bytes(bytes(range(2, 34)))
+STRANGER = NodeIdentity.from_private_bytes(bytes(range(3, 35)))
 
 
 def pump(a: SecureChannel, b: SecureChannel) -> None:
@@ -87,6 +89,70 @@ def test_a_wrong_mesh_key_is_refused_on_both_sides_with_a_clear_reason(
         assert error.code is ErrorCode.UNAUTHORIZED
         assert "mesh key mismatch" in error.message
     assert not a.established and not b.established
+
+
+@pytest.mark.parametrize("stranger_key", [None, b"a guess"])
+def test_a_stranger_without_the_mesh_key_costs_no_dh_and_learns_nothing(
+    stranger_key: bytes | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listener = SecureChannel(BOB, initiator=False, mesh_key=mesh_key_from_secret(b"the key"))
+    # Warm the per-identity static key first: it is made and signed once per node.
+    SecureChannel(STRANGER, initiator=True).records_to_send()
+    stranger = SecureChannel(
+        STRANGER,
+        initiator=True,
+        mesh_key=None if stranger_key is None else mesh_key_from_secret(stranger_key),
+    )
+    (first,) = stranger.records_to_send()
+    work: list[str] = []
+    for name in ("dh", "generate_keypair"):
+        original = getattr(diffie_hellmans.ED25519, name)
+        monkeypatch.setattr(
+            diffie_hellmans.ED25519,
+            name,
+            lambda self, *args, _n=name, _o=original: work.append(_n) or _o(self, *args),
+        )
+    monkeypatch.setattr(
+        NodeIdentity, "sign", lambda self, message: work.append("sign") or b"\0" * 64
+    )
+    with pytest.raises(ProtocolError) as info:
+        listener.receive_record(first)
+    assert info.value.code is ErrorCode.UNAUTHORIZED
+    assert work == []
+    (reply,) = listener.records_to_send()
+    assert reply[0] == 2  # a REJECT, never message 2
+    assert BOB.public_key not in reply and BOB.node_id.encode() not in reply
+    with pytest.raises(ProtocolError) as refused:
+        stranger.receive_record(reply)
+    assert "mesh key mismatch" in refused.value.message
+    assert stranger.remote_node_id is None and stranger.remote_public_key is None
+
+
+def test_the_mesh_key_authenticates_message_one() -> None:
+    a, b = pair(b"k", b"k")
+    (first,) = a.records_to_send()
+    tampered = bytearray(first)
+    tampered[-1] ^= 1  # the tag over message 1's empty payload
+    with pytest.raises(ProtocolError):
+        b.receive_record(bytes(tampered))
+    assert [r[0] for r in b.records_to_send()] == [2]
+
+
+def test_a_node_signs_its_static_key_once_not_per_handshake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fresh, other = NodeIdentity.generate(), NodeIdentity.generate()
+    signed: list[bytes] = []
+    original = NodeIdentity.sign
+    monkeypatch.setattr(
+        NodeIdentity, "sign", lambda self, message: signed.append(message) or original(self, message)
+    )
+    for _ in range(3):
+        a = SecureChannel(other, initiator=True, expected_node_id=fresh.node_id)
+        b = SecureChannel(fresh, initiator=False)
+        pump(a, b)
+        assert a.established and a.remote_node_id == fresh.node_id
+    assert len([m for m in signed if m.startswith(b"meshd-noise-static:")]) == 2
 
 
 def test_reaching_a_different_node_than_expected_fails() -> None:

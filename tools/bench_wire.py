@@ -40,14 +40,19 @@ from trio_websocket import WebSocketRequest, WebSocketServer, open_websocket_url
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshd.net.link import Stream  # noqa: E402
-from meshd.net.peers import open_peers  # noqa: E402
+from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
 from meshd.net.transport import WS_RECEIVE_BUFFER  # noqa: E402
 from meshd.net.wsmask import stock_masking  # noqa: E402
 from wire.codec import Message  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
+from wire.mux import MuxConfig  # noqa: E402
 from wire.tensors import Activation, encode_activation, tensor_fields  # noqa: E402
 
 PREFILL_SHAPE = (16384, 1024)  # 64 MiB of f32
+# A peer may make a node hold only so much of unfinished messages (32 MiB by
+# default); the 64 MiB prefill needs a budget that admits it, as a stage of a
+# model that large would be given.
+PEERS = PeersConfig(mux=MuxConfig(max_held=96 << 20), max_held_bytes=96 << 20)
 BARE_WS_MAX_MESSAGE = 256 << 20
 _LEN = struct.Struct(">I")
 _BULK = 1 << 20  # echo servers answer messages this large with a small ack
@@ -120,7 +125,7 @@ async def serve_tcp(stream: trio.SocketStream) -> None:
 
 
 async def _run_peers_server(identity: NodeIdentity, task_status: trio.TaskStatus[int]) -> None:
-    async with open_peers(identity) as peers:
+    async with open_peers(identity, PEERS) as peers:
         peers.handle("stage", serve_stage)
         task_status.started(await peers.listen("127.0.0.1", 0))
         await trio.sleep_forever()
@@ -181,7 +186,7 @@ async def _timed(rounds: int, warmup: int, once: Callable[[int], Awaitable[None]
 async def bench_stack(
     port: int, node_id: str, data: np.ndarray, rounds: int, warmup: int
 ) -> list[float]:
-    async with open_peers(NodeIdentity.generate()) as peers:
+    async with open_peers(NodeIdentity.generate(), PEERS) as peers:
         stream = await peers.open_stream(f"127.0.0.1:{port}", "stage", node_id=node_id)
         expected_rows = 1 if data.shape[0] > 1 else data.shape[0]
 

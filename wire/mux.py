@@ -14,6 +14,20 @@ A fault confined to one stream (overrunning its window, data after its end, a
 bad open) resets that stream; a fault in framing or a control frame is a link
 error: ``receive_data`` raises ``ProtocolError`` and the mux is dead, with a
 GOAWAY carrying the reason left in ``data_to_send`` for the peer.
+
+What a peer can make us queue or hold is bounded (the HTTP/2 CVE-2019-9512
+and -9514 class, and unfinished messages):
+
+* Between two timer ticks (``handle_timer(now)``, or ``send_ping(now)``, once
+  per keepalive interval) at most ``max_pongs`` PINGs are answered; the rest
+  go unanswered, and ``ping_flood`` of them end the link. Refused OPENs,
+  RESETs received and RESETs we send on the peer's streams count towards
+  ``reset_flood``, which ends the link too: a peer that never reads cannot
+  make our outbound queue grow.
+* Bytes the application consumed but still holds in an unfinished message
+  (``set_held``) are not granted again as link credit beyond ``max_held`` per
+  link and, with a shared ``HeldBudget``, the node's ``limit``: what a peer
+  can make us keep is at most the link window plus that budget.
 """
 
 from __future__ import annotations
@@ -60,6 +74,13 @@ class MuxConfig:
     link_window: int = 16 << 20
     max_frame: int = 64 << 10
     max_streams: int = 256
+    # Bytes held in unfinished messages that are granted again as credit.
+    max_held: int = 16 << 20
+    # Per timer tick (a keepalive interval): PINGs answered, PINGs tolerated,
+    # and refused OPENs plus RESETs either way tolerated.
+    max_pongs: int = 8
+    ping_flood: int = 64
+    reset_flood: int = 512
 
     def __post_init__(self) -> None:
         if not (1 <= self.stream_window <= MAX_WINDOW and 1 <= self.link_window <= MAX_WINDOW):
@@ -68,6 +89,20 @@ class MuxConfig:
             raise ValueError(f"max_frame must be between {_MIN_FRAME} and {_MAX_FRAME}")
         if not 0 <= self.max_streams <= 1 << 20:
             raise ValueError("max_streams must be between 0 and 2**20")
+        if self.max_held < 0 or not 0 <= self.max_pongs <= self.ping_flood or self.reset_flood < 1:
+            raise ValueError("max_held, max_pongs <= ping_flood and reset_flood must be sensible")
+
+
+class HeldBudget:
+    """Bytes held in unfinished messages across all of a node's links."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError("a held-bytes budget is not negative")
+        self.limit = limit
+        self.held = 0
 
 
 # Events are plain slotted dataclasses: a frozen one costs twice as much to
@@ -146,6 +181,7 @@ class _Stream:
     remote_open: bool = True
     unconsumed: int = 0
     pending_update: int = 0
+    held: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +222,20 @@ def _unpack_error(payload: bytes) -> ProtocolError:
 class Mux:
     """One side of a multiplexed link. Feed it bytes, send what it queues."""
 
-    def __init__(self, *, dialer: bool, config: MuxConfig | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        dialer: bool,
+        config: MuxConfig | None = None,
+        node_budget: HeldBudget | None = None,
+    ) -> None:
         self.config = config or MuxConfig()
+        # Shared by the node's links; may be set after construction, before data flows.
+        self.node_budget = node_budget
+        self._held = 0
+        self._pongs = 0
+        self._pings_seen = 0
+        self._resets = 0
         self._dialer = dialer
         self._next_local_id = 1 if dialer else 2
         self._last_peer_id = 0
@@ -239,6 +287,11 @@ class Mux:
 
     def is_open(self, stream_id: int) -> bool:
         return stream_id in self._streams
+
+    @property
+    def held(self) -> int:
+        """Bytes of this link the application holds in unfinished messages."""
+        return self._held
 
     def send_capacity(self, stream_id: int) -> int:
         """Bytes ``send_data`` will take for this stream right now."""
@@ -327,6 +380,39 @@ class Mux:
             return
         self._frame(RESET, 0, stream_id, _pack_error(error))
         self._forget(stream_id)
+        if not self._is_local(stream_id):
+            # Not raised here (the application is resetting): the peer's next
+            # OPEN or RESET ends the link if it made us reset too many.
+            self._resets += 1
+
+    def set_held(self, stream_id: int, held: int) -> None:
+        """The application holds ``held`` consumed bytes of this stream in an
+        unfinished message (0 once it is whole). Credit for held bytes beyond
+        the budget waits until they are let go; a stream that is gone holds
+        nothing."""
+        stream = self._streams.get(stream_id)
+        if stream is None or self._error is not None:
+            return
+        change = max(0, held) - stream.held
+        if change:
+            stream.held += change
+            self._add_held(change)
+            if change < 0:
+                self._grant_link_credit()
+
+    def release_held(self) -> None:
+        """The link is over: whatever its streams held no longer counts against the node."""
+        for stream in self._streams.values():
+            stream.held = 0
+        if self._held:
+            self._add_held(-self._held)
+
+    def handle_timer(self, now: float) -> None:
+        """A timer tick (once per keepalive interval): the flood budgets start
+        afresh, and credit held back for the node's budget is looked at again."""
+        self._pongs = self._pings_seen = self._resets = 0
+        if self._error is None:
+            self._grant_link_credit()
 
     def consumed(self, stream_id: int, size: int) -> None:
         """The application took ``size`` received bytes off this stream: grant them again.
@@ -357,13 +443,44 @@ class Mux:
         self._link_unconsumed -= size
         self._link_pending_update += size
         if self._link_pending_update >= self._link_update_threshold:
-            self._frame(WINDOW, 0, 0, _U32.pack(self._link_pending_update))
-            self._link_recv_window += self._link_pending_update
-            self._link_pending_update = 0
+            self._grant_link_credit()
+
+    def _grant_link_credit(self) -> None:
+        # What the peer can make us keep is the credit it has, what is not
+        # consumed yet and what is held: window - pending + held. Keeping
+        # ``pending >= held - allowance`` bounds it by window + allowance.
+        grant = self._link_pending_update
+        if self._held:
+            grant -= max(0, self._held - self._held_allowance())
+        # Held back credit goes out as soon as any of it may: the peer may
+        # have run dry waiting for it.
+        if grant >= self._link_update_threshold or (
+            grant > 0 and self._link_pending_update >= self._link_update_threshold
+        ):
+            self._frame(WINDOW, 0, 0, _U32.pack(grant))
+            self._link_recv_window += grant
+            self._link_pending_update -= grant
+
+    def _held_allowance(self) -> int:
+        allowance = self.config.max_held
+        budget = self.node_budget
+        if budget is not None:
+            others = budget.held - self._held
+            allowance = min(allowance, max(0, budget.limit - others))
+        return allowance
+
+    def _add_held(self, change: int) -> None:
+        self._held += change
+        if self.node_budget is not None:
+            self.node_budget.held += change
 
     def send_ping(self, now: float) -> None:
-        """Ask for a PONG; its arrival gives a PongReceived carrying ``now`` back."""
+        """Ask for a PONG; its arrival gives a PongReceived carrying ``now`` back.
+
+        Also a timer tick (see ``handle_timer``).
+        """
         self._check_alive()
+        self.handle_timer(now)
         if len(self._pings) >= _MAX_OUTSTANDING_PINGS:
             self._pings.pop(next(iter(self._pings)))
         self._ping_counter += 1
@@ -485,7 +602,12 @@ class Mux:
         elif kind == PING:
             if len(payload) != 8:
                 raise _link_error("PING payload must be 8 bytes")
-            self._frame(PONG, 0, 0, payload)
+            self._pings_seen += 1
+            if self._pings_seen > self.config.ping_flood:
+                raise ProtocolError(ErrorCode.OVERLOADED, f"PING flood ({self._pings_seen} in one interval)")
+            if self._pongs < self.config.max_pongs:
+                self._pongs += 1
+                self._frame(PONG, 0, 0, payload)
         elif kind == PONG:
             if len(payload) != 8:
                 raise _link_error("PONG payload must be 8 bytes")
@@ -531,6 +653,7 @@ class Mux:
         events.append(CreditAvailable(0))
 
     def _on_open(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
+        self._count_reset(0)
         if self._is_local(stream_id):
             raise _link_error(f"peer opened stream {stream_id} with our parity")
         if stream_id <= self._last_peer_id:
@@ -550,6 +673,7 @@ class Mux:
                 ErrorCode.OVERLOADED, f"at most {self.config.max_streams} concurrent streams"
             )
         if refusal is not None:
+            self._count_reset()
             self._frame(RESET, 0, stream_id, _pack_error(refusal))
             return
         assert self._peer is not None
@@ -560,6 +684,7 @@ class Mux:
         events.append(StreamOpened(stream_id, protocol))
 
     def _on_reset(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
+        self._count_reset()
         error = _unpack_error(payload)
         if stream_id not in self._streams:
             if not self._was_opened(stream_id):
@@ -640,7 +765,15 @@ class Mux:
             return stream_id < self._next_local_id
         return stream_id <= self._last_peer_id
 
+    def _count_reset(self, count: int = 1) -> None:
+        self._resets += count
+        if self._resets > self.config.reset_flood:
+            raise ProtocolError(
+                ErrorCode.OVERLOADED, f"RESET flood ({self._resets} refused or reset streams in one interval)"
+            )
+
     def _stream_error(self, stream_id: int, message: str, events: list[Event]) -> None:
+        self._count_reset()
         error = ProtocolError(ErrorCode.BAD_REQUEST, message)
         self._frame(RESET, 0, stream_id, _pack_error(error))
         self._forget(stream_id)
@@ -651,7 +784,11 @@ class Mux:
             self._forget(stream_id)
 
     def _forget(self, stream_id: int) -> None:
-        del self._streams[stream_id]
+        stream = self._streams.pop(stream_id)
+        if stream.held:
+            self._add_held(-stream.held)
+            if self._error is None:
+                self._grant_link_credit()
         if self._is_local(stream_id):
             self._local_count -= 1
         else:
@@ -662,6 +799,7 @@ class Mux:
             raise self._error
 
     def _fail(self, error: ProtocolError) -> None:
+        self.release_held()
         self._out.clear()
         self._frame(GOAWAY, 0, 0, _U32.pack(self._last_peer_id) + _pack_error(error))
         self._error = error

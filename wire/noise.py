@@ -1,9 +1,11 @@
 """The secure channel: a Noise XX handshake binding each side's Ed25519 identity.
 
-``Noise_XX_25519_ChaChaPoly_BLAKE2s``, or ``Noise_XXpsk3_...`` keyed with the
+``Noise_XX_25519_ChaChaPoly_BLAKE2s``, or ``Noise_XXpsk0_...`` keyed with the
 mesh key. As in libp2p, each side proves its node identity by signing its
 Noise static key (``"meshd-noise-static:" + static``) with its Ed25519 key in
 the handshake payload; the payload is encrypted, so only the peer sees it.
+Also as in libp2p, a node has one static key per identity, signed once, so a
+handshake costs the responder one signature-free DH per message it answers.
 
 The channel works on records (one Noise message each, at most 65535 bytes),
 which a transport carries with their boundaries: one WebSocket message per
@@ -16,9 +18,12 @@ Records during the handshake start with a kind byte:
   on-path attacker could forge it, but could as well just cut the link);
 * CONFIRM: the responder accepted message 3; an AEAD record of nothing.
 
-With psk3 the mesh key enters only in message 3, so a wrong key is noticed by
-the responder, which says so in a REJECT; the initiator waits for CONFIRM
-before it calls the channel established, so both sides learn the reason.
+With psk0 the mesh key enters before message 1, whose (empty) payload is
+then encrypted: a dialer without the key fails the responder's first AEAD
+check, before any DH, key generation or signature, and gets a REJECT instead
+of message 2, so it learns nothing of the node (not even its id). The
+initiator waits for CONFIRM before it calls the channel established, so both
+sides learn the reason of any later refusal.
 After that every record is a bare ChaCha20-Poly1305 ciphertext under a
 counter nonce: a replayed, reordered, dropped or altered record fails
 authentication and kills the channel, and its plaintext is never released.
@@ -29,12 +34,15 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+import weakref
+from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from noise.connection import Keypair, NoiseConnection
+from noise.backends.default.keypairs import KeyPair25519
+from noise.connection import NoiseConnection
 from noise.exceptions import (
     NoiseHandshakeError,
     NoiseInvalidMessage,
@@ -46,7 +54,7 @@ from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity, node_id_of, verify
 
 PROTOCOL = b"Noise_XX_25519_ChaChaPoly_BLAKE2s"
-PROTOCOL_PSK = b"Noise_XXpsk3_25519_ChaChaPoly_BLAKE2s"
+PROTOCOL_PSK = b"Noise_XXpsk0_25519_ChaChaPoly_BLAKE2s"
 PROLOGUE = b"meshd/secure-channel/1"
 SIGNATURE_CONTEXT = b"meshd-noise-static:"
 MAX_RECORD = 65535
@@ -83,6 +91,31 @@ def mesh_key_from_secret(secret: bytes) -> bytes:
     if len(secret) == MESH_KEY_BYTES:
         return secret
     return hashlib.blake2s(secret, person=b"meshkey1").digest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Static:
+    """A node's Noise static key and its identity's signature over it."""
+
+    keypair: KeyPair25519
+    public: bytes
+    proof: bytes
+
+
+_STATICS: weakref.WeakKeyDictionary[NodeIdentity, _Static] = weakref.WeakKeyDictionary()
+
+
+def _static_of(identity: NodeIdentity) -> _Static:
+    static = _STATICS.get(identity)
+    if static is None:
+        private = X25519PrivateKey.generate()
+        public_key = private.public_key()
+        public = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        signature = identity.sign(SIGNATURE_CONTEXT + public)
+        proof = bytes([_PAYLOAD_VERSION]) + identity.public_key + signature
+        static = _Static(KeyPair25519(private, public_key, public), public, proof)
+        _STATICS[identity] = static
+    return static
 
 
 class CipherState:
@@ -135,7 +168,6 @@ class SecureChannel:
     ) -> None:
         if mesh_key is not None and len(mesh_key) != MESH_KEY_BYTES:
             raise ValueError("a mesh key is 32 bytes; see mesh_key_from_secret")
-        self._identity = identity
         self._initiator = initiator
         self._expected = expected_node_id
         self._state = _State.HANDSHAKE
@@ -146,23 +178,15 @@ class SecureChannel:
         self.remote_public_key: bytes | None = None
         self.remote_node_id: str | None = None
 
-        static = X25519PrivateKey.generate()
-        self._static_public = static.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
+        self._static = _static_of(identity)
         self._noise = NoiseConnection.from_name(PROTOCOL if mesh_key is None else PROTOCOL_PSK)
         if initiator:
             self._noise.set_as_initiator()
         else:
             self._noise.set_as_responder()
-        self._noise.set_keypair_from_private_bytes(
-            Keypair.STATIC,
-            static.private_bytes(
-                serialization.Encoding.Raw,
-                serialization.PrivateFormat.Raw,
-                serialization.NoEncryption(),
-            ),
-        )
+        # The cached key pair, not set_keypair_from_private_bytes: that would
+        # derive the public key again (a scalar multiplication) per connection.
+        self._noise.noise_protocol.keypairs["s"] = self._static.keypair
         self._noise.set_prologue(PROLOGUE)
         if mesh_key is not None:
             self._noise.set_psks(psk=mesh_key)
@@ -267,8 +291,7 @@ class SecureChannel:
         self._decryptor = CipherState(protocol.cipher_state_decrypt.k)
 
     def _proof(self) -> bytes:
-        signature = self._identity.sign(SIGNATURE_CONTEXT + self._static_public)
-        return bytes([_PAYLOAD_VERSION]) + self._identity.public_key + signature
+        return self._static.proof
 
     def _check_proof(self, payload: bytes, remote_static: bytes) -> None:
         if len(payload) != _PAYLOAD_BYTES or payload[0] != _PAYLOAD_VERSION:

@@ -101,6 +101,9 @@ class Stream(trio.abc.HalfCloseableStream):
         self._parked: trio.lowlevel.Task | None = None
         # Each protocol's caps (SWIM, mesh RPC, relay small; the stage protocol large), within the link's.
         self._decoder = MessageDecoder(protocol_limits(protocol, limits))
+        # Consumed bytes the decoder holds in an unfinished message, as the mux knows it.
+        self._held = 0
+        self.messages_received = 0
         self._sending = False
         self._receiving = False
 
@@ -260,6 +263,10 @@ class Stream(trio.abc.HalfCloseableStream):
                         raise ProtocolError(ErrorCode.BAD_REQUEST, "stream ended inside a message")
                     raise trio.EndOfChannel
                 message = decoder.decode_whole(chunk)
+                if decoder.buffered or self._held:
+                    self._held = decoder.buffered
+                    self.link.core.mux.set_held(self.stream_id, self._held)
+            self.messages_received += 1
             return message
         except ProtocolError as exc:
             if exc is not self._error:

@@ -14,6 +14,12 @@ over any other record transport, such as a relay circuit.
 
 When two peers dial each other at once, both keep the link dialed by the
 lower node id and retire the other gracefully (GOAWAY, open streams finish).
+
+Every dial ends within ``dial_timeout`` (TCP, WebSocket upgrade and Noise
+handshake together) with a ``ProtocolError`` naming the address and the stage
+that hung; nothing on the dial path shields itself from cancellation. Inbound
+connections pass ``meshd.net.admission`` first and must authenticate within
+its ``preauth_timeout``, under a small message cap until then.
 """
 
 from __future__ import annotations
@@ -22,29 +28,25 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import trio
-from trio_websocket import (
-    ConnectionClosed,
-    Endpoint,
-    WebSocketRequest,
-    WebSocketServer,
-    open_websocket_url,
-    serve_websocket,
-)
+from trio_websocket import ConnectionClosed
 
+from meshd.net.admission import Admission, AdmissionConfig, Ticket, fd_budget, raise_fd_limit
 from meshd.net.link import Link, LinkTimings, Stream
 from meshd.net.transport import (
-    WS_MAX_MESSAGE,
-    WS_RECEIVE_BUFFER,
     RecordTransport,
+    UpgradeFailed,
     WebSocketTransport,
+    client_websocket,
+    server_websocket,
 )
 from wire.codec import DEFAULT_LIMITS, Limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.link import SecureLink
-from wire.mux import MuxConfig
+from wire.mux import HeldBudget, MuxConfig
 from wire.noise import mesh_key_from_secret
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,14 @@ class PeersConfig:
     limits: Limits = DEFAULT_LIMITS
     # How long a retired or shutting-down link lets open streams finish.
     drain_timeout: float = 5.0
+    # Seconds a dial has, from TCP connect to the end of the Noise handshake.
+    dial_timeout: float = 5.0
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # Bytes all links together may make this node hold in unfinished messages
+    # (each link also has its mux's max_held), and how long a handler waits
+    # for the first whole message of a stream.
+    max_held_bytes: int = 32 << 20
+    first_message_timeout: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +105,26 @@ def ws_url(address: str) -> str:
     return f"ws://{address}/"
 
 
+def _split_url(url: str) -> tuple[str, int, str]:
+    parts = urlsplit(url)
+    if parts.scheme != "ws" or not parts.hostname:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot dial {url!r}: only ws://host:port is supported")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot dial {url!r}: it needs a port")
+    return parts.hostname, port, parts.path or "/"
+
+
+_STAGE_TIMEOUTS = {
+    "tcp": "no TCP connection to {address} within {timeout:g} s",
+    "upgrade": "no WebSocket upgrade from {address} within {timeout:g} s",
+    "handshake": "no Noise handshake from {address} within {timeout:g} s",
+}
+
+
 class Peers:
     """The node's set of peer links. Create with ``open_peers``."""
 
@@ -111,68 +141,134 @@ class Peers:
         self._mesh_key = None if config.mesh_key is None else mesh_key_from_secret(config.mesh_key)
         self._nursery = nursery
         self._observer = observer
-        self._handlers: dict[str, Handler] = {}
+        self._handlers: dict[str, tuple[Handler, bool]] = {}
+        self._held = HeldBudget(config.max_held_bytes)
         self._dialers: list[tuple[Callable[[str], bool], Dialer]] = []
         self._by_node: dict[str, Link] = {}
         self._by_address: dict[str, Link] = {}
         self._dials: dict[str, trio.Event] = {}
         self._links: set[Link] = set()
         self._listeners: list[trio.CancelScope] = []
+        self._admission: Admission | None = None
+        # The cancel scope of each inbound connection still authenticating.
+        self._preauth: dict[Ticket, trio.CancelScope] = {}
         self._closing = False
 
     # ----- serving
 
-    def handle(self, protocol: str, handler: Handler) -> None:
+    def handle(self, protocol: str, handler: Handler, *, raw: bool = False) -> None:
         """Run ``handler(stream)`` for every stream a peer opens for ``protocol``.
+
+        Unless the protocol is ``raw`` bytes, the peer's first whole message
+        must arrive within ``first_message_timeout``, or the stream is reset
+        (DEADLINE_EXCEEDED): a stream costs a task and a place in the mux.
 
         The stream is closed when the handler returns. A ``ProtocolError`` it
         raises resets the stream with that error; any other exception resets it
         with INTERNAL (and is logged), never disturbing the node.
         """
-        self._handlers[protocol] = handler
+        self._handlers[protocol] = (handler, raw)
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Accept peers on ``ws://host:port``; returns the bound port."""
+        """Accept peers on ``ws://host:port``; returns the bound port.
+
+        The first call lifts the process's file-descriptor limit to its hard
+        limit and derives from it how many inbound connections to take.
+        """
+        if self._admission is None:
+            limit = raise_fd_limit()
+            self._admission = Admission(self.config.admission, fd_budget(limit, self.config.admission))
+        listeners = await trio.open_tcp_listeners(port, host=host)
         scope = trio.CancelScope()
         self._listeners.append(scope)
-        timings = self.config.timings
 
-        async def serve(task_status: trio.TaskStatus[WebSocketServer]) -> None:
+        async def serve(task_status: trio.TaskStatus[None]) -> None:
             with scope:
-                await serve_websocket(
-                    self._accept_websocket,
-                    host,
-                    port,
-                    None,
-                    handler_nursery=self._nursery,
-                    message_queue_size=4,
-                    max_message_size=WS_MAX_MESSAGE,
-                    receive_buffer_size=WS_RECEIVE_BUFFER,
-                    connect_timeout=timings.handshake_timeout,
-                    disconnect_timeout=timings.close_timeout,
-                    task_status=task_status,
-                )
+                async with trio.open_nursery() as nursery:
+                    for listener in listeners:
+                        nursery.start_soon(self._accept_loop, listener)
+                    task_status.started()
 
-        server: WebSocketServer = await self._nursery.start(serve)
-        return server.port
+        await self._nursery.start(serve)
+        bound: int = listeners[0].socket.getsockname()[1]
+        return bound
 
-    async def _accept_websocket(self, request: WebSocketRequest) -> None:
-        remote = request.remote
-        address = f"{remote.address}:{remote.port}" if isinstance(remote, Endpoint) else remote
-        if self._closing:
-            await request.reject(503)
-            return
-        # trio-websocket runs this in our nursery and lets exceptions through:
-        # nothing a connecting peer does may take the node down.
+    async def _accept_loop(self, listener: trio.SocketListener) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    # Out of file descriptors or memory: the reserve is for
+                    # other work, so wait for connections to end.
+                    log.warning("accepting a connection failed: %s", exc)
+                    await trio.sleep(0.1)
+                    continue
+                self._nursery.start_soon(self._accept, stream)
+
+    async def _accept(self, stream: trio.SocketStream) -> None:
         try:
-            ws = await request.accept()
-            link = await self._establish(WebSocketTransport(ws, address), dialer=False)
-            if link is not None:
-                await self._serve(link)
-        except ConnectionClosed:
-            log.debug("%s went away during the WebSocket handshake", address)
+            peer = stream.socket.getpeername()
+        except OSError:
+            await trio.aclose_forcefully(stream)
+            return
+        address = f"{peer[0]}:{peer[1]}"
+        admission = self._admission
+        assert admission is not None
+        ticket: Ticket | None
+        ticket, evicted = (None, []) if self._closing else admission.admit(str(peer[0]), trio.current_time())
+        for old in evicted:
+            pending = self._preauth.pop(old, None)
+            if pending is not None:
+                pending.cancel()
+        if ticket is None:
+            log.debug("refused a connection from %s: too many connections", address)
+            await trio.aclose_forcefully(stream)
+            return
+        # trio runs this in our nursery and lets exceptions through: nothing a
+        # connecting peer does may take the node down.
+        try:
+            async with trio.open_nursery() as connection:
+                link = await self._admit(connection, stream, address, ticket)
+                if link is not None:
+                    await self._serve(link)
+                connection.cancel_scope.cancel()
         except Exception:
             log.exception("inbound connection from %s failed", address)
+        finally:
+            admission.release(ticket, trio.current_time())
+            self._preauth.pop(ticket, None)
+            await trio.aclose_forcefully(stream)
+
+    async def _admit(
+        self, connection: trio.Nursery, stream: trio.SocketStream, address: str, ticket: Ticket
+    ) -> Link | None:
+        """Upgrade and authenticate an inbound connection within the pre-auth
+        deadline; None if it failed, timed out or was displaced."""
+        assert self._admission is not None
+        with trio.CancelScope() as scope:
+            self._preauth[ticket] = scope
+            scope.deadline = trio.current_time() + self.config.admission.preauth_timeout
+            try:
+                ws = await server_websocket(connection, stream)
+            except (UpgradeFailed, ConnectionClosed) as exc:
+                log.debug("%s: no WebSocket upgrade: %s", address, exc)
+                return None
+            core = self._core(dialer=False, node_id=None)
+            transport = WebSocketTransport(ws, address, established=lambda: core.established)
+            link = await self._establish(core, transport, graceful=False)
+        self._preauth.pop(ticket, None)
+        if scope.cancelled_caught:
+            log.debug("%s: %s", address, "displaced" if ticket.evicted else "pre-auth deadline passed")
+            return None
+        if link is None:
+            return None
+        transport.authenticated()
+        if not self._admission.authenticated(ticket):
+            log.info("%s: refused an authenticated link: this node takes no more", address)
+            return None
+        self._register(link)
+        return link
 
     # ----- dialing
 
@@ -219,37 +315,70 @@ class Peers:
     ) -> None:
         if self._closing:
             raise ProtocolError(ErrorCode.UNREACHABLE, "this node is shutting down")
-        timings = self.config.timings
-        started = False
-        try:
-            async with open_websocket_url(
-                url,
-                message_queue_size=4,
-                max_message_size=WS_MAX_MESSAGE,
-                receive_buffer_size=WS_RECEIVE_BUFFER,
-                connect_timeout=timings.handshake_timeout,
-                disconnect_timeout=timings.close_timeout,
-            ) as ws:
-                link = await self._establish(
-                    WebSocketTransport(ws, url), dialer=True, node_id=node_id, raise_errors=True
-                )
-                assert link is not None
+        host, port, resource = _split_url(url)
+        link: Link | None = None
+        error: ProtocolError | None = None
+        async with trio.open_nursery() as connection:
+            try:
+                link = await self._dial_link(connection, url, host, port, resource, node_id)
+            except ProtocolError as exc:
+                error = exc
+                connection.cancel_scope.cancel()
+            if link is not None:
                 winner = self._by_node.get(link.remote_node_id, link)
                 self._by_address[url] = winner
                 task_status.started(winner)
-                started = True
                 await self._serve(link)
-        except Exception as exc:
-            if started:
-                # The link is over; how its socket closed matters to nobody.
-                log.debug("closing the connection to %s: %r", url, exc)
-                return
-            if isinstance(exc, ProtocolError):
-                raise
-            cause = exc.__cause__ or exc
-            error = ProtocolError(ErrorCode.UNREACHABLE, f"cannot reach {url}: {cause!r}")
+                connection.cancel_scope.cancel()
+        if error is not None:
+            raise error
+
+    async def _dial_link(
+        self,
+        connection: trio.Nursery,
+        url: str,
+        host: str,
+        port: int,
+        resource: str,
+        node_id: str | None,
+    ) -> Link:
+        """TCP, WebSocket upgrade and Noise handshake, all within ``dial_timeout``."""
+        address = f"{host}:{port}"
+        timeout = self.config.dial_timeout
+        stage = "tcp"
+        stream: trio.SocketStream | None = None
+        link: Link | None = None
+        failure: str | None = None
+        try:
+            with trio.fail_after(timeout):
+                stream = await trio.open_tcp_stream(host, port)
+                stage = "upgrade"
+                host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                ws = await client_websocket(connection, stream, host_header, resource)
+                stage = "handshake"
+                core = self._core(dialer=True, node_id=node_id)
+                transport = WebSocketTransport(ws, url, established=lambda: core.established)
+                link = await self._establish(core, transport, raise_errors=True)
+        except trio.TooSlowError:
+            failure = _STAGE_TIMEOUTS[stage].format(address=address, timeout=timeout)
+        except OSError as exc:
+            failure = f"cannot reach {address}: {exc.strerror or exc or type(exc).__name__}"
+        except (UpgradeFailed, ConnectionClosed) as exc:
+            failure = f"{address} {exc if isinstance(exc, UpgradeFailed) else 'closed the connection'}"
+        except BaseException:
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+            raise
+        if failure is not None:
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+            error = ProtocolError(ErrorCode.UNREACHABLE, failure)
             self._notify(HandshakeFailed(url, inbound=False, error=error))
-            raise error from None
+            raise error
+        assert link is not None
+        transport.authenticated()
+        self._register(link)
+        return link
 
     async def attach(
         self, transport: RecordTransport, *, dialer: bool, node_id: str | None = None
@@ -270,19 +399,14 @@ class Peers:
         node_id: str | None,
         task_status: trio.TaskStatus[Link] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        link = await self._establish(transport, dialer=dialer, node_id=node_id, raise_errors=True)
+        core = self._core(dialer=dialer, node_id=node_id)
+        link = await self._establish(core, transport, raise_errors=True)
         assert link is not None
+        self._register(link)
         task_status.started(self._by_node.get(link.remote_node_id, link))
         await self._serve(link)
 
-    async def _establish(
-        self,
-        transport: RecordTransport,
-        *,
-        dialer: bool,
-        node_id: str | None = None,
-        raise_errors: bool = False,
-    ) -> Link | None:
+    def _core(self, *, dialer: bool, node_id: str | None) -> SecureLink:
         core = SecureLink(
             self.identity,
             dialer=dialer,
@@ -290,6 +414,17 @@ class Peers:
             expected_node_id=node_id,
             mux_config=self.config.mux,
         )
+        core.mux.node_budget = self._held
+        return core
+
+    async def _establish(
+        self, core: SecureLink, transport: RecordTransport, *, raise_errors: bool = False, graceful: bool = True
+    ) -> Link | None:
+        """Run the handshake; the link (not yet registered), or None if it failed.
+
+        Without ``graceful`` a failed transport is left for the caller to cut:
+        an unauthenticated peer gets no close handshake (and no more reading).
+        """
         link = Link(
             core,
             transport,
@@ -304,17 +439,17 @@ class Peers:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "dialed this node itself")
         except ProtocolError as exc:
             log.info("handshake with %s failed: %s", transport.remote_address, exc)
-            self._notify(HandshakeFailed(transport.remote_address, inbound=not dialer, error=exc))
-            with trio.move_on_after(self.config.timings.close_timeout) as scope:
-                scope.shield = True
-                try:
-                    await transport.aclose()
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+            self._notify(HandshakeFailed(transport.remote_address, inbound=not core.dialer, error=exc))
+            if graceful:
+                # Not shielded: a Ctrl-C must not wait for a peer that does not answer.
+                with trio.move_on_after(self.config.timings.close_timeout):
+                    try:
+                        await transport.aclose()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
             if raise_errors:
                 raise
             return None
-        self._register(link)
         return link
 
     # ----- links
@@ -373,6 +508,7 @@ class Peers:
         try:
             await link.run()
         finally:
+            link.core.mux.release_held()
             self._forget(link)
             self._links.discard(link)
             error = link.error or ProtocolError(ErrorCode.UNREACHABLE, "link closed")
@@ -399,13 +535,25 @@ class Peers:
         return link.open_stream(protocol)
 
     def _on_stream(self, stream: Stream) -> None:
-        handler = self._handlers.get(stream.protocol)
-        if handler is None:
+        entry = self._handlers.get(stream.protocol)
+        if entry is None:
             stream.reset(ProtocolError(ErrorCode.NOT_FOUND, f"no handler for {stream.protocol!r}"))
             return
-        self._nursery.start_soon(self._run_handler, handler, stream)
+        handler, raw = entry
+        watch = None
+        if not raw:
+            watch = trio.CancelScope()
+            self._nursery.start_soon(self._first_message_deadline, stream, watch)
+        self._nursery.start_soon(self._run_handler, handler, stream, watch)
 
-    async def _run_handler(self, handler: Handler, stream: Stream) -> None:
+    async def _first_message_deadline(self, stream: Stream, watch: trio.CancelScope) -> None:
+        timeout = self.config.first_message_timeout
+        with watch:
+            await trio.sleep(timeout)
+            if not stream.messages_received:
+                stream.reset(ProtocolError(ErrorCode.DEADLINE_EXCEEDED, f"no whole message within {timeout:g} s"))
+
+    async def _run_handler(self, handler: Handler, stream: Stream, watch: trio.CancelScope | None) -> None:
         try:
             await handler(stream)
         except ProtocolError as exc:
@@ -416,6 +564,8 @@ class Peers:
             log.exception("handler for %r failed", stream.protocol)
             stream.reset(ProtocolError(ErrorCode.INTERNAL, "the handler failed"))
         finally:
+            if watch is not None:
+                watch.cancel()
             await stream.aclose()
 
     # ----- shutdown

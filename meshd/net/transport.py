@@ -7,23 +7,35 @@ circuit, a socket) or an in-memory pipe (tests, simulations).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Protocol, TypeVar
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
+from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnection
+from wsproto import ConnectionType, WSConnection
 
 from meshd.net import wsmask
 from wire.noise import MAX_RECORD, RecordReader
 
 wsmask.install()
 
-# Records are at most 64 KiB, so one WebSocket message never needs more than
-# that; the cap leaves room and bounds what a hostile peer can make us buffer.
-WS_MAX_MESSAGE = 1 << 20
+# One WebSocket message carries one record, at most 64 KiB; trio-websocket
+# buffers a message whole before handing it on, so this bounds what a peer can
+# make a connection hold.
+WS_MAX_MESSAGE = MAX_RECORD + 1
+# Until the Noise handshake ends only handshake records (under 600 bytes) are
+# due: a stranger can make an unauthenticated connection hold no more than this.
+WS_PREAUTH_MAX_MESSAGE = 4 << 10
 # trio-websocket reads 4 KiB at a time by default, which splits every
 # activation into many reads; read up to what a socket delivers at once.
 WS_RECEIVE_BUFFER = 64 << 10
+WS_MESSAGE_QUEUE = 4
+
+T = TypeVar("T")
+
+
+class UpgradeFailed(Exception):
+    """The peer refused the WebSocket upgrade or hung up before it."""
 
 
 class RecordTransport(Protocol):
@@ -48,14 +60,107 @@ class RecordTransport(Protocol):
 RecordTaker = Callable[[bytes], Coroutine[object, object, None] | None]
 
 
+async def client_websocket(
+    nursery: trio.Nursery, stream: trio.abc.Stream, host: str, resource: str
+) -> WebSocketConnection:
+    """Upgrade a connection we dialed; the reader task runs in ``nursery``.
+
+    With the small pre-authentication message cap (see ``WebSocketTransport.
+    authenticated``). Raises ``UpgradeFailed`` as soon as the peer refuses or
+    hangs up; it does not time out by itself.
+    """
+    ws = WebSocketConnection(
+        stream,
+        WSConnection(ConnectionType.CLIENT),
+        host=host,
+        path=resource,
+        message_queue_size=WS_MESSAGE_QUEUE,
+        max_message_size=WS_PREAUTH_MAX_MESSAGE,
+        receive_buffer_size=WS_RECEIVE_BUFFER,
+    )
+    await _until_open(nursery, ws, ws._open_handshake.wait)
+    return ws
+
+
+async def server_websocket(nursery: trio.Nursery, stream: trio.abc.Stream) -> WebSocketConnection:
+    """Accept the upgrade of a connection a peer dialed; see ``client_websocket``."""
+    ws = WebSocketConnection(
+        stream,
+        WSConnection(ConnectionType.SERVER),
+        message_queue_size=WS_MESSAGE_QUEUE,
+        max_message_size=WS_PREAUTH_MAX_MESSAGE,
+        receive_buffer_size=WS_RECEIVE_BUFFER,
+    )
+    request = await _until_open(nursery, ws, ws._get_request)
+    return await request.accept()
+
+
+async def _until_open(
+    nursery: trio.Nursery, ws: WebSocketConnection, opened: Callable[[], Awaitable[T]]
+) -> T:
+    """Run ``ws``'s reader task in ``nursery``; wait for ``opened`` or the reader's end.
+
+    trio-websocket's own wrappers wait for the upgrade forever when the peer
+    hangs up first, and let a refusal escape from the reader task into the
+    nursery; here both end the wait with ``UpgradeFailed``.
+    """
+    ended = trio.Event()
+    refusal: list[str] = []
+
+    async def read() -> None:
+        try:
+            await ws._reader_task()
+        except ConnectionRejected as exc:
+            refusal.append(f"refused the WebSocket upgrade (HTTP {exc.status_code})")
+        finally:
+            ended.set()
+
+    nursery.start_soon(read)
+    result: list[T] = []
+    async with trio.open_nursery() as race:
+
+        async def wait_opened() -> None:
+            result.append(await opened())
+            race.cancel_scope.cancel()
+
+        async def wait_ended() -> None:
+            await ended.wait()
+            race.cancel_scope.cancel()
+
+        race.start_soon(wait_opened)
+        race.start_soon(wait_ended)
+    if not result:
+        raise UpgradeFailed(refusal[0] if refusal else "closed the connection before the WebSocket upgrade")
+    return result[0]
+
+
 class WebSocketTransport:
     """One binary WebSocket message per record."""
 
-    def __init__(self, ws: WebSocketConnection, remote_address: str) -> None:
+    def __init__(
+        self,
+        ws: WebSocketConnection,
+        remote_address: str,
+        established: Callable[[], bool] | None = None,
+    ) -> None:
         self._ws = ws
         self.remote_address = remote_address
+        self._established = established
+
+    def authenticated(self) -> None:
+        """Lift the message cap from the pre-authentication size to a whole record's.
+
+        Before the handshake ends, a stranger may make us hold only a few KiB.
+        """
+        self._established = None
+        self._ws._max_message_size = WS_MAX_MESSAGE
 
     async def send_record(self, record: bytes) -> None:
+        # The responder's last handshake record (CONFIRM) is the first it
+        # sends once ``established`` holds; the peer sends whole records only
+        # after that, so the cap goes up just before it.
+        if self._established is not None and self._established():
+            self.authenticated()
         try:
             await self._ws.send_message(record if type(record) is bytes else bytes(record))
         except ConnectionClosed as exc:
