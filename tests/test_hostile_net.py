@@ -30,8 +30,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import pytest
 import trio
+from attacks import unfinished_activation
 from localmesh import READY, Served, meshd_command, stop_process
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Message, Request
@@ -252,22 +254,7 @@ def test_a_stranger_without_the_mesh_key(mesh: Mesh, baseline: Baseline) -> None
 
 
 def test_a_nested_array_bomb_on_a_member_stream(mesh: Mesh, baseline: Baseline) -> None:
-    if not _decoder_has_an_object_budget():
-        pytest.xfail("wire/codec.py has no total object budget yet (issue 11 item 4, another change)")
     check_under_attack("bomb", mesh, baseline)
-
-
-def _decoder_has_an_object_budget() -> bool:
-    from wire.codec import decode_body
-    from wire.errors import ProtocolError
-
-    body = b"\xdd" + struct.pack(">I", 1 << 19) + b"\x90" * (1 << 19)
-    try:
-        decode_body(memoryview(body))
-    except ProtocolError as exc:
-        # without a budget it unpacks, and only then fails as "not a map"
-        return "must be a msgpack map" not in exc.message
-    return False
 
 
 def silent_host() -> socket.socket:
@@ -387,20 +374,15 @@ async def attack_unfinished(target: str, key: bytes) -> None:
     """8 streams at a time, each the start of a 24 MiB message that never ends; reopened when reset."""
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=key)) as peers:
         link = await peers.connect(target)
-        size = 24 << 20
-        prefix = struct.pack(">I", size) + b"\xc6" + struct.pack(">I", size - 5)
-        chunk = bytes(64 << 10)
+        message = unfinished_activation(24 << 20)
+        chunk = 64 << 10
 
         async def one() -> None:
             while True:
                 try:
                     stream = link.open_stream(STAGE_PROTOCOL)
-                    await stream.send_all(prefix)
-                    left = size - 5 - 1  # all of the message but its last byte
-                    while left:
-                        piece = chunk[: min(len(chunk), left)]
-                        await stream.send_all(piece)
-                        left -= len(piece)
+                    for start in range(0, len(message), chunk):
+                        await stream.send_all(message[start:start + chunk])
                     await trio.sleep_forever()
                 except Exception:
                     await trio.sleep(0.1)
@@ -516,14 +498,19 @@ async def attack_stranger(target: str, key: bytes) -> None:
 
 
 async def attack_bomb(target: str, key: bytes) -> None:
-    """Messages of nested empty arrays just under the 8 MiB mark, one after another, on member streams."""
-    body = b"\xdc\x00\x08" + (b"\xdd" + struct.pack(">I", 1 << 20) + b"\x90" * (1 << 20)) * 8
-    message = struct.pack(">I", len(body)) + body
+    """Messages of empty arrays just under the 8 MiB mark, one after another, on member streams, each
+    behind the well-formed head of a message whose schema holds lists (a prompt, a status), so the
+    decoder cannot refuse it by its first bytes alone."""
+    bomb = b"\xdc\x00\x08" + (b"\xdd" + struct.pack(">I", 1 << 20) + b"\x90" * (1 << 20)) * 8
+    messages = {}
+    for protocol, tag in ((STAGE_PROTOCOL, "prompt"), (MESH_PROTOCOL, "status")):
+        body = b"\x83" + b"".join(msgpack.packb(x) for x in ("type", tag, "v", 1, "messages")) + bomb
+        messages[protocol] = struct.pack(">I", len(body)) + body
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=key)) as peers:
         link = await peers.connect(target)
         announced = False
         while True:
-            for protocol in (STAGE_PROTOCOL, MESH_PROTOCOL):
+            for protocol, message in messages.items():
                 try:
                     stream = link.open_stream(protocol)
                     await stream.send_all(message)

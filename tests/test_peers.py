@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from attacks import unfinished_activation
 from memory_transport import MemoryTransport, memory_transport_pair
 from trio_websocket import ConnectionClosed, open_websocket_url
 
@@ -729,13 +730,15 @@ async def test_never_finished_messages_hold_at_most_the_budget_and_are_reset() -
         streams = [link.open_stream("echo") for _ in range(8)]
         pushed = [0] * len(streams)
 
+        message = unfinished_activation(24 << 20)
+        chunk = 64 << 10
+
         async def push(i: int) -> None:
             with contextlib.suppress(ProtocolError, trio.ClosedResourceError):
-                await streams[i].send_all(struct.pack(">I", 24 << 20) + b"\xc6" + struct.pack(">I", (24 << 20) - 5))
-                chunk = bytes(64 << 10)
-                while True:
-                    await streams[i].send_all(chunk)
-                    pushed[i] += len(chunk)
+                for start in range(0, len(message), chunk):
+                    await streams[i].send_all(message[start:start + chunk])
+                    pushed[i] += min(chunk, len(message) - start)
+                await trio.sleep_forever()
 
         async with trio.open_nursery() as nursery:
             for i in range(len(streams)):
