@@ -23,9 +23,9 @@ from meshd.client.ask import (
     RouteError,
     Stage,
     ask_with_failover,
-    check_route,
-    describe_route,
     first_error,
+    route_at,
+    route_from_reply,
     run_session,
     stop_trim,
 )
@@ -279,19 +279,16 @@ async def ask(args: argparse.Namespace) -> int:
             addresses = [a.strip() for a in args.route.split(",") if a.strip()]
             for a in addresses:
                 parse_address(a, "route stage")
-            route = await describe_route(peers, addresses, timeout=args.timeout)
-            check_route(route)
             result = AskResult()
-            await run_session(peers, route, request, result, on_token=on_token, stall_timeout=args.timeout)
+            await run_session(peers, route_at(addresses), request, result, on_token=on_token,
+                              stall_timeout=args.timeout)
         else:
             via = daemon_address(args)
 
             async def find_route(excluded: list[str]) -> list[Stage]:
                 reply = await rpc(peers, via, RouteRequest(exclude=excluded), timeout=args.timeout)
                 assert isinstance(reply, RouteReply)
-                route = await describe_route(peers, [s.address for s in reply.stages], timeout=args.timeout)
-                check_route(route)
-                return route
+                return route_from_reply(reply)
 
             result = await ask_with_failover(peers, find_route, request, on_token, stall_timeout=args.timeout)
     if args.stop:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Message, WireModel, register
-from wire.tensors import TokenId
+from wire.tensors import TensorCodec, TokenId
 
 SessionId = Annotated[str, Field(min_length=1, max_length=128)]
 Epoch = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
@@ -46,18 +46,9 @@ class ChatMessage(WireModel):
     content: Annotated[str, Field(max_length=1 << 20)]
 
 
-@register
-class Describe(Message):
-    """Asks a stage what it serves."""
+class StageInfo(WireModel):
+    """What a stage serves, as its ``Opened`` says."""
 
-    type: Literal["describe"] = "describe"
-    v: Literal[1] = 1
-
-
-@register
-class StageInfo(Message):
-    type: Literal["stage_info"] = "stage_info"
-    v: Literal[1] = 1
     node_id: NodeId
     model_digest: Digest
     model_name: str = Field(max_length=256)
@@ -76,15 +67,20 @@ class Open(Message):
     v: Literal[1] = 1
     session: SessionId
     epoch: Epoch
-    model_digest: Digest
-    layer_begin: Layer
-    layer_end: Layer
+    # what the asker expects the stage to serve (from the route); None: whatever it serves,
+    # and the asker checks the ``StageInfo`` in ``Opened``
+    model_digest: Digest | None = None
+    layer_begin: Layer | None = None
+    layer_end: Layer | None = None
     next: PeerRef | None = None
     head: PeerRef | None = None
     sampling: Sampling = Sampling()
     max_tokens: int = Field(default=256, ge=1, le=1 << 20)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)
+    # how this session's hidden states travel on every hop: a stage sends them so and refuses
+    # anything else before it decompresses or dequantises a byte
     wire_dtype: Literal["f32", "f16", "q8_0"] = "f32"
+    wire_codec: TensorCodec = "raw"
 
 
 @register
@@ -93,6 +89,7 @@ class Opened(Message):
     v: Literal[1] = 1
     session: SessionId
     epoch: Epoch
+    info: StageInfo
 
 
 @register
