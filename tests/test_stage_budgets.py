@@ -227,8 +227,20 @@ async def test_unreachable_next_stage_fails_the_open(default_model: Path, asker:
         s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
         await s.send_message(Open(session="s", epoch=0, next=PeerRef(address=f"127.0.0.1:{port}")))
         err = await next_error(s)
-        assert err.code == ErrorCode.UNREACHABLE and f"127.0.0.1:{port}" in err.message
+        assert err.code == ErrorCode.UNREACHABLE and f"next stage 127.0.0.1:{port} is unreachable" in err.message
         assert node.service.metric_values()["sessions"] == 0.0
+
+
+async def test_open_without_the_next_hop_says_what_the_stage_serves_but_takes_no_prompt(
+        default_model: Path, asker: Asker) -> None:
+    async with stage(default_model, (0, 10)) as node:
+        s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
+        await s.send_message(Open(session="s", epoch=0))
+        reply = await s.receive_message()
+        assert isinstance(reply, Opened) and (reply.info.layer_begin, reply.info.layer_end) == (0, 10)
+        await s.send_message(Prompt(session="s", epoch=0, text="hello"))
+        err = await next_error(s)
+        assert err.code == ErrorCode.BAD_REQUEST and "needs the next stage's address" in err.message
 
 
 async def test_hop_for_unknown_session_is_not_found(default_model: Path, asker: Asker) -> None:

@@ -183,6 +183,10 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     With tokens already in ``result`` (a retry), the head re-prefills prompt and
     generated tokens and generation continues where it stopped.
     """
+    repeated = next((s.address for i, s in enumerate(route) if s.address in [r.address for r in route[:i]]), None)
+    if repeated is not None:
+        # one stage cannot hold the same session twice
+        raise RouteError(f"{repeated} is in the route twice, so its layers would be covered twice")
     session = session_id or new_session_id()
     result.epochs += 1
     head = PeerRef(address=route[0].address, node_id=route[0].node_id)
@@ -197,7 +201,11 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 # dialled its next hop before it answers.
                 stage = route[i]
                 nxt = route[i + 1] if i + 1 < len(route) else None
-                stream = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+                try:
+                    stream = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+                except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+                    raise ProtocolError(ErrorCode.UNREACHABLE, f"stage {stage.address} is unreachable: "
+                                                               f"{getattr(exc, 'message', exc)}") from exc
                 opened[i] = stream
                 layers = stage.layers or (None, None)
                 reply = await _request(stream, Open(

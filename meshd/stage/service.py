@@ -201,10 +201,6 @@ class StageService:
         if wanted != (None, None) and wanted != (r.layer_begin, r.layer_end):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"this stage serves layers [{r.layer_begin}, {r.layer_end}), "
                                                        f"not [{msg.layer_begin}, {msg.layer_end})")
-        if not r.has_output and msg.next is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage before the tail needs the next stage's address")
-        if r.has_output and not r.has_input and msg.head is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the tail needs the head's address for the token ring")
         if not self.engine.is_up:
             raise ProtocolError(ErrorCode.OVERLOADED, "the engine worker is restarting",
                                 retry_after_ms=self.limits.retry_after_ms)
@@ -212,12 +208,19 @@ class StageService:
     def _downstream_target(self, msg: Open) -> tuple[PeerRef, bool] | None:
         """Where this stage's output goes: the next stage, or (the tail) the ring to the head."""
         if not self.report.has_output:
-            assert msg.next is not None
-            return msg.next, False
+            return None if msg.next is None else (msg.next, False)
         if not self.report.has_input:
-            assert msg.head is not None
-            return msg.head, True
+            return None if msg.head is None else (msg.head, True)
         return None
+
+    def _check_downstream(self, session: Session) -> None:
+        """Work needs somewhere to go. An Open without it is still answered, with what this stage
+        serves, so an asker given bare addresses can tell what its route leaves uncovered."""
+        if session.downstream is not None or self.report.has_input and self.report.has_output:
+            return
+        if not self.report.has_output:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage before the tail needs the next stage's address")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "the tail needs the head's address for the token ring")
 
     async def _serve_session(self, stream: Stream, msg: Open) -> None:
         self._check_open(msg)
@@ -230,6 +233,7 @@ class StageService:
         self._sessions[book] = session
         self._changed()
         hop_stream: Stream | None = None
+        downstream: trio.MemoryReceiveChannel[bytes] | None = None
         try:
             with session.scope:
                 await self._engine_call({"op": "remove", "seq": book.slot})
@@ -243,12 +247,14 @@ class StageService:
                 # cold route pays its handshake while the others pay theirs.
                 if target is not None:
                     hop_stream = await self._open_hop(target[0], target[1])
+                    session.downstream, downstream = trio.open_memory_channel[bytes](math.inf)
                 self.books.opened(book)
                 await stream.send_message(Opened(session=book.id, epoch=book.epoch, info=self.info()))
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, to_asker_recv, stream)
-                    if hop_stream is not None and target is not None:
-                        nursery.start_soon(self._downstream, session, hop_stream, target[0].address, target[1])
+                    if hop_stream is not None and target is not None and downstream is not None:
+                        nursery.start_soon(self._downstream, session, hop_stream, target[0].address, target[1],
+                                           downstream)
                     await self._control_loop(stream, session)
                     nursery.cancel_scope.cancel()
             # off the books before the asker hears of the failure
@@ -271,10 +277,10 @@ class StageService:
             with trio.fail_after(self.limits.hop_timeout):
                 return await self.peers.open_stream(target.address, STAGE_PROTOCOL, node_id=target.node_id)
         except trio.TooSlowError:
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"cannot reach {what} {target.address} within "
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: no link within "
                                                        f"{self.limits.hop_timeout:g} s") from None
         except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"cannot reach {what} {target.address}: {exc}") from exc
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: {exc}") from exc
 
     async def _control_loop(self, stream: Stream, session: Session) -> None:
         try:
@@ -305,6 +311,7 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only the head stage takes the prompt")
         if book.prompt_len is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has its prompt")
+        self._check_downstream(session)
         given = [msg.messages is not None, msg.text is not None, msg.tokens is not None]
         if sum(given) != 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a prompt has exactly one of messages, text or tokens")
@@ -340,10 +347,9 @@ class StageService:
         async for message in channel:
             await stream.send_message(message)
 
-    async def _downstream(self, session: Session, hop_stream: Stream, address: str, ring: bool) -> None:
+    async def _downstream(self, session: Session, hop_stream: Stream, address: str, ring: bool,
+                          recv: trio.MemoryReceiveChannel[bytes]) -> None:
         """Sends this session's output to the next stage (or, at the tail, the ring to the head)."""
-        send, recv = trio.open_memory_channel[bytes](math.inf)
-        session.downstream = send
         book = session.book
         await session.hop_info.wait()
         try:
@@ -364,6 +370,7 @@ class StageService:
         if hop.ring != self.report.has_input:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "ring streams go to the head, hop streams elsewhere")
         try:
+            self._check_downstream(session)
             if not hop.ring:
                 self.books.set_prompt(book, hop.prompt_tokens)
                 session.hop_info.set()
