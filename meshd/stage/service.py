@@ -120,6 +120,7 @@ class StageService:
         self._sessions: dict[SessionBook, Session] = {}
         self._wake = trio.Event()
         self._timer_wake = trio.Event()
+        self._timer_at: float | None = None
         # one decode thread: zstd's module-level decompressor is not for concurrent use
         self._decoder = trio.CapacityLimiter(1)
 
@@ -434,15 +435,17 @@ class StageService:
         """Sleeps until the books' next timer, or until a session opens or goes idle."""
         while True:
             self._timer_wake = trio.Event()
-            deadline = self.books.next_timer()
-            with trio.move_on_at(math.inf if deadline is None else deadline):
+            self._timer_at = self.books.next_timer()
+            with trio.move_on_at(math.inf if self._timer_at is None else self._timer_at):
                 await self._timer_wake.wait()
             for book in self.books.handle_timer(trio.current_time()):
                 self._ended(book)
 
     def _changed(self) -> None:
-        """A session opened or went idle: the next expiry may be earlier."""
-        self._timer_wake.set()
+        """A session opened or went idle. Its expiry (now + TTL) is never before one already set,
+        so only a timer task that sleeps without a deadline needs waking."""
+        if self._timer_at is None:
+            self._timer_wake.set()
 
     def _fail(self, session: Session, error: ProtocolError) -> None:
         self.books.fail(session.book, error)
