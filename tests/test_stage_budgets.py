@@ -13,13 +13,23 @@ import numpy as np
 import pytest
 import trio
 
-from meshd.client.ask import AskRequest, AskResult, RouteError, Stage, check_route, run_session
+from meshd.client.ask import (
+    AskRequest,
+    AskResult,
+    RouteError,
+    Stage,
+    check_opened,
+    check_route,
+    route_from_reply,
+    run_session,
+)
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.service import StageLimits, StageNode, stage_node
 from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.meshrpc import RouteReply, RouteStage
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
@@ -336,6 +346,22 @@ def test_route_with_gap_or_overlap_is_refused(ranges: list[tuple[int, int]], mes
 def test_route_of_different_model_files_is_refused() -> None:
     with pytest.raises(RouteError, match="different model files"):
         check_route([Stage("h:1"), Stage("h:2")], [fake_info(0, 15, "a" * 64), fake_info(15, 30, "b" * 64)])
+
+
+def test_a_planned_route_is_opened_with_what_it_expects_and_a_stage_serving_otherwise_is_refused() -> None:
+    reply = RouteReply(model="d" * 64, n_layers=30, seconds_per_token=0.1, stages=[
+        RouteStage(node_id="n1", address="h:1", start=0, end=12), RouteStage(node_id="n2", address="h:2", start=12,
+                                                                                end=30)])
+    route = route_from_reply(reply)
+    assert route == [Stage("h:1", "n1", "d" * 64, (0, 12)), Stage("h:2", "n2", "d" * 64, (12, 30))]
+    check_opened(route[0], fake_info(0, 12).model_copy(update={"node_id": "n1"}))
+    with pytest.raises(ProtocolError) as other_model:
+        check_opened(route[0], fake_info(0, 12, "e" * 64).model_copy(update={"node_id": "n1"}))
+    assert other_model.value.code is ErrorCode.MODEL_MISMATCH
+    with pytest.raises(ProtocolError, match=r"serves layers \[0, 10\), the route has \[0, 12\)"):
+        check_opened(route[0], fake_info(0, 10).model_copy(update={"node_id": "n1"}))
+    with pytest.raises(ProtocolError, match="says it is node"):
+        check_opened(route[0], fake_info(0, 12))
 
 
 async def test_a_route_that_does_not_cover_the_model_is_refused_after_opening_and_released(
