@@ -189,10 +189,14 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
         raise RouteError(f"{repeated} is in the route twice, so its layers would be covered twice")
     session = session_id or new_session_id()
     result.epochs += 1
-    head = PeerRef(address=route[0].address, node_id=route[0].node_id)
     remaining = request.max_tokens - len(result.tokens)
     opened: list[Stream | None] = [None] * len(route)
     infos: list[StageInfo | None] = [None] * len(route)
+    # Each stage's node id as its handshake with us proved it: every Open names its
+    # neighbours by id, so a stage reuses a link it already has to them (and a two-stage
+    # route's ring does not race the head's hop with a duplicate link).
+    node_ids: list[str | None] = [s.node_id for s in route]
+    linked = [trio.Event() for _ in route]
     try:
         async with trio.open_nursery() as nursery:
 
@@ -207,12 +211,18 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                     raise ProtocolError(ErrorCode.UNREACHABLE, f"stage {stage.address} is unreachable: "
                                                                f"{getattr(exc, 'message', exc)}") from exc
                 opened[i] = stream
+                node_ids[i] = stream.remote_node_id
+                linked[i].set()
+                # the neighbour this stage dials: the next stage, or (the tail) the head
+                other = i + 1 if nxt is not None else 0
+                await linked[other].wait()
+                ref = PeerRef(address=route[other].address, node_id=node_ids[other])
                 layers = stage.layers or (None, None)
                 reply = await _request(stream, Open(
                     session=session, epoch=epoch, model_digest=stage.model_digest,
                     layer_begin=layers[0], layer_end=layers[1],
-                    next=PeerRef(address=nxt.address, node_id=nxt.node_id) if nxt else None,
-                    head=head if nxt is None else None, sampling=request.sampling,
+                    next=ref if nxt is not None else None,
+                    head=ref if nxt is None else None, sampling=request.sampling,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
                     wire_codec=request.wire_codec))
                 if not isinstance(reply, Opened):

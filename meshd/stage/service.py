@@ -244,18 +244,21 @@ class StageService:
                         "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                         "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed}})
                 target = self._downstream_target(msg)
-                # Dialled now, not once the prompt's length is known: every stage of a
-                # cold route pays its handshake while the others pay theirs.
                 if target is not None:
-                    hop_stream = await self._open_hop(target[0], target[1])
+                    # The next stage is dialled now, not once the prompt's length is
+                    # known: every stage of a cold route pays its handshake while the
+                    # others pay theirs. The ring waits for the prompt: in a two-stage
+                    # route the head is dialling this stage right now, and the ring then
+                    # reuses that link instead of racing it with a duplicate.
+                    if not target[1]:
+                        hop_stream = await self._open_hop(target[0], False)
                     session.downstream, downstream = trio.open_memory_channel[bytes](math.inf)
                 self.books.opened(book)
                 await stream.send_message(Opened(session=book.id, epoch=book.epoch, info=self.info()))
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, to_asker_recv, stream)
-                    if hop_stream is not None and target is not None and downstream is not None:
-                        nursery.start_soon(self._downstream, session, hop_stream, target[0].address, target[1],
-                                           downstream)
+                    if target is not None and downstream is not None:
+                        nursery.start_soon(self._downstream, session, target[0], target[1], hop_stream, downstream)
                     await self._control_loop(stream, session)
                     nursery.cancel_scope.cancel()
             # off the books before the asker hears of the failure
@@ -348,18 +351,33 @@ class StageService:
         async for message in channel:
             await stream.send_message(message)
 
-    async def _downstream(self, session: Session, hop_stream: Stream, address: str, ring: bool,
+    async def _downstream(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream | None,
                           recv: trio.MemoryReceiveChannel[bytes]) -> None:
         """Sends this session's output to the next stage (or, at the tail, the ring to the head)."""
-        book = session.book
         await session.hop_info.wait()
+        if hop_stream is None:
+            try:
+                hop_stream = await self._open_hop(target, ring)
+            except ProtocolError as exc:
+                self._fail(session, exc)
+                return
+            # this task dialled it, so it closes it
+            async with hop_stream:
+                await self._downstream_to(session, target, ring, hop_stream, recv)
+        else:
+            await self._downstream_to(session, target, ring, hop_stream, recv)
+
+    async def _downstream_to(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream,
+                             recv: trio.MemoryReceiveChannel[bytes]) -> None:
+        book = session.book
         try:
             await hop_stream.send_message(Hop(session=book.id, epoch=book.epoch, ring=ring,
                                               prompt_tokens=book.prompt_len or 0))
             async for encoded in recv:
                 await hop_stream.send_all(encoded)
         except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost the next stage {address}: {exc}"))
+            what = "the head" if ring else "the next stage"
+            self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost {what} {target.address}: {exc}"))
 
     async def _serve_hop(self, stream: Stream, hop: Hop) -> None:
         book = self.books.sessions.get(hop.session)
