@@ -197,6 +197,17 @@ def test_max_tokens_ends_after_exactly_that_many() -> None:
     assert b.emit(a, False, b"z", 0.0) is None and a.generated == 2
 
 
+def test_a_lost_worker_fails_every_session_and_drops_queued_work() -> None:
+    b = books()
+    a = opened(b, "a", 0.0)
+    b.set_prompt(a, 4)
+    b.enqueue(a, 0, 4, None, 0.0)
+    c = opened(b, "c", 0.0)
+    failed = b.fail_all(ProtocolError(ErrorCode.INTERNAL, "worker died"))
+    assert failed == [a, c] and all(s.phase is Phase.FAILED and s.in_flight == 0 for s in failed)
+    assert b.next_batch() == [] and not b.queued
+
+
 # ----- the state machine
 
 
