@@ -28,9 +28,9 @@ from meshd.client.ask import (
     RouteError,
     Stage,
     ask_with_failover,
-    check_route,
-    describe_route,
     first_error,
+    route_at,
+    route_from_reply,
     run_session,
     stop_trim,
 )
@@ -385,10 +385,9 @@ async def ask(args: argparse.Namespace) -> int:
     async with open_peers(NodeIdentity.generate(), config) as peers:
         enable_circuits(peers)
         if args.route:
-            route = await describe_route(peers, args.route, timeout=args.timeout)
-            check_route(route)
             result = AskResult()
-            await run_session(peers, route, request, result, on_token=on_token, stall_timeout=args.timeout)
+            await run_session(peers, route_at(args.route), request, result, on_token=on_token,
+                              stall_timeout=args.timeout)
         else:
             async def ask_route(excluded: list[str]) -> Message:
                 if args.seed is None:
@@ -397,9 +396,7 @@ async def ask(args: argparse.Namespace) -> int:
 
             async def find_route(excluded: list[str]) -> list[Stage]:
                 reply = expect(await ask_route(excluded), RouteReply, args.seed or "the local meshd")
-                route = await describe_route(peers, [s.address for s in reply.stages], timeout=args.timeout)
-                check_route(route)
-                return route
+                return route_from_reply(reply)
 
             result = await ask_with_failover(peers, find_route, request, on_token, stall_timeout=args.timeout)
     if args.stop:

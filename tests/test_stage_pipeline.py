@@ -11,7 +11,7 @@ import pytest
 import trio
 from localmesh import Served, start_serve, stop_all
 
-from meshd.client.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session
+from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
 from meshd.net.peers import Peers, open_peers
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
@@ -55,10 +55,8 @@ async def peers() -> AsyncIterator[Peers]:
         yield p
 
 
-async def route_of(peers: Peers, stages: list[Served]) -> list[Stage]:
-    route = await describe_route(peers, [s.address for s in stages])
-    check_route(route)
-    return route
+def route_of(stages: list[Served]) -> list[Stage]:
+    return route_at([s.address for s in stages])
 
 
 def request(prompt: str, max_tokens: int = NEW_TOKENS) -> AskRequest:
@@ -76,7 +74,7 @@ async def metrics(peers: Peers, address: str) -> dict[str, float]:
 
 async def test_pipeline_matches_whole_model_for_each_prompt(stages: list[Served], peers: Peers,
                                                             expected: dict[str, list[int]]) -> None:
-    route = await route_of(peers, stages)
+    route = route_of(stages)
     for prompt in PROMPTS:
         with trio.fail_after(ASK_DEADLINE):
             result = await run_session(peers, route, request(prompt), AskResult())
@@ -86,7 +84,7 @@ async def test_pipeline_matches_whole_model_for_each_prompt(stages: list[Served]
 
 async def test_concurrent_sessions_match_solo_runs_and_share_engine_calls(
         stages: list[Served], peers: Peers, expected: dict[str, list[int]]) -> None:
-    route = await route_of(peers, stages)
+    route = route_of(stages)
     before = [await metrics(peers, s.address) for s in stages]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     results: list[AskResult | None] = [None] * len(prompts)
@@ -108,30 +106,34 @@ async def test_concurrent_sessions_match_solo_runs_and_share_engine_calls(
 
 
 async def test_cancel_frees_kv_on_every_stage_at_once(stages: list[Served], peers: Peers) -> None:
-    route = await route_of(peers, stages)
-    seen = 0
-    with trio.move_on_after(30):
-        async def count(token: int, piece: bytes) -> None:
-            nonlocal seen
-            seen += 1
-            if seen == 10:
-                during = [await metrics(peers, s.address) for s in stages]
-                assert all(m["sessions"] == 1 and m["kv_tokens"] > 0 for m in during)
-                raise Cancelled()
+    route = route_of(stages)
+    seen: list[int] = []
+    during: list[dict[str, float]] = []
 
-        class Cancelled(Exception):
-            pass
+    class Cancelled(Exception):
+        pass
 
-        with pytest.raises(Cancelled):
-            await run_session(peers, route, request(PROMPTS[1], max_tokens=500), AskResult(), on_token=count)
-    await trio.sleep(0.2)
+    async def count(token: int, piece: bytes) -> None:
+        seen.append(token)
+        if len(seen) == 10:
+            during.extend([await metrics(peers, s.address) for s in stages])
+            raise Cancelled()
+
+    result = AskResult()
+    # a hang is a failure here, not a pass
+    with trio.fail_after(60), pytest.raises(Cancelled):
+        await run_session(peers, route, request(PROMPTS[1], max_tokens=500), result, on_token=count)
+    assert len(seen) == 10 and result.tokens == seen
+    assert [(m["sessions"], m["kv_tokens"] > len(result.prompt_tokens)) for m in during] == [(1.0, True)] * 3
+    # run_session returns once every stage has said Released: the KV is off every stage's books
     after = [await metrics(peers, s.address) for s in stages]
     assert [(m["sessions"], m["kv_tokens"]) for m in after] == [(0.0, 0.0)] * 3
+    assert all(a["released"] == d["released"] + 1 for a, d in zip(after, during, strict=True))
 
 
 async def test_killed_engine_worker_fails_session_fast_then_recovers(
         stages: list[Served], peers: Peers, expected: dict[str, list[int]]) -> None:
-    route = await route_of(peers, stages)
+    route = route_of(stages)
     middle = stages[1]
     killed = False
 

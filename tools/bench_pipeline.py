@@ -83,7 +83,7 @@ sys.path.insert(0, str(ROOT))
 import trio  # noqa: E402
 from bench_engine import decode_rate  # noqa: E402
 
-from meshd.client.ask import AskRequest, AskResult, Stage, check_route, describe_route, run_session  # noqa: E402
+from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session  # noqa: E402
 from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
@@ -281,9 +281,7 @@ def rpc_layer_devices(log: str) -> dict[str, list[int]]:
 
 
 async def route_of(peers: Peers, stages: list[Proc]) -> list[Stage]:
-    route = await describe_route(peers, [s.address for s in stages])
-    check_route(route)
-    return route
+    return route_at([s.address for s in stages])
 
 
 async def meshd_decode(peers: Peers, route: list[Stage], n: int) -> dict[str, float]:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.tensors import TensorCodec
 from wire.types import Address, Digest, Epoch, Layer, NodeId, SessionId, TokenId, Tokens
 
 STAGE_PROTOCOL = "meshd/stage/1"
@@ -43,11 +44,9 @@ class ChatMessage(WireModel):
     content: Annotated[str, Field(max_length=1 << 20)]
 
 
-class Describe(Message, tag="describe"):
-    """Asks a stage what it serves."""
+class StageInfo(WireModel):
+    """What a stage serves, as its ``Opened`` says."""
 
-
-class StageInfo(Message, tag="stage_info"):
     node_id: NodeId
     model_digest: Digest
     model_name: str = Field(max_length=256)
@@ -63,20 +62,26 @@ class Open(Message, tag="open"):
 
     session: SessionId
     epoch: Epoch
-    model_digest: Digest
-    layer_begin: Layer
-    layer_end: Layer
+    # what the asker expects the stage to serve (from the route); None: whatever it serves,
+    # and the asker checks the ``StageInfo`` in ``Opened``
+    model_digest: Digest | None = None
+    layer_begin: Layer | None = None
+    layer_end: Layer | None = None
     next: PeerRef | None = None
     head: PeerRef | None = None
     sampling: Sampling = Sampling()
     max_tokens: int = Field(default=256, ge=1, le=1 << 20)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)
+    # how this session's hidden states travel on every hop: a stage sends them so and refuses
+    # anything else before it decompresses or dequantises a byte
     wire_dtype: Literal["f32", "f16", "q8_0"] = "f32"
+    wire_codec: TensorCodec = "raw"
 
 
 class Opened(Message, tag="opened"):
     session: SessionId
     epoch: Epoch
+    info: StageInfo
 
 
 class Prompt(Message, tag="prompt"):

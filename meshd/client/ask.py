@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import trio
 
@@ -19,12 +20,14 @@ from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import RouteReply
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
     ChatMessage,
-    Describe,
     Done,
+    Metrics,
+    MetricsRequest,
     Open,
     Opened,
     PeerRef,
@@ -67,8 +70,25 @@ async def _from_stage(index: int, work: Awaitable[None]) -> None:
 
 @dataclass(frozen=True)
 class Stage:
+    """One stop of a route: where to dial, and what the asker expects there (None: whatever it serves).
+
+    The stage's own account (``StageInfo``) comes back in its ``Opened``.
+    """
+
     address: str
-    info: StageInfo
+    node_id: str | None = None
+    model_digest: str | None = None
+    layers: tuple[int, int] | None = None
+
+
+def route_at(addresses: Sequence[str]) -> list[Stage]:
+    """A route given by the user as addresses: each stage says what it serves when it opens."""
+    return [Stage(address) for address in addresses]
+
+
+def route_from_reply(reply: RouteReply) -> list[Stage]:
+    """The route a member planned: it already says who serves which layers of which model."""
+    return [Stage(s.address, s.node_id, reply.model, (s.start, s.end)) for s in reply.stages]
 
 
 @dataclass
@@ -78,7 +98,8 @@ class AskRequest:
     sampling: Sampling = field(default_factory=Sampling)
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
-    wire_dtype: str = "f32"
+    wire_dtype: Literal["f32", "f16", "q8_0"] = "f32"
+    wire_codec: Literal["raw", "zstd"] = "raw"
 
 
 @dataclass
@@ -91,6 +112,8 @@ class AskResult:
     first_token_at: float | None = None
     finished_at: float | None = None
     epochs: int = 0
+    # what each stage of the last epoch's route said it serves
+    route: list[StageInfo] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -110,40 +133,32 @@ class AskResult:
 OnToken = Callable[[int, bytes], Awaitable[None] | None]
 
 
-async def describe(peers: Peers, address: str, timeout: float = 10.0) -> StageInfo:
-    return await rpc.call(peers, address, STAGE_PROTOCOL, Describe(), StageInfo, timeout=timeout)
+def check_opened(stage: Stage, info: StageInfo) -> None:
+    """The stage serves what the route said it does."""
+    if stage.node_id is not None and info.node_id != stage.node_id:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{stage.address} says it is node {info.node_id[:16]}, "
+                                                   f"the route has {stage.node_id[:16]}")
+    if stage.model_digest is not None and info.model_digest != stage.model_digest:
+        raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"{stage.address} serves model {info.model_digest[:12]}, "
+                                                      f"the route has {stage.model_digest[:12]}")
+    if stage.layers is not None and (info.layer_begin, info.layer_end) != stage.layers:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{stage.address} serves layers [{info.layer_begin}, "
+                                                   f"{info.layer_end}), the route has [{stage.layers[0]}, "
+                                                   f"{stage.layers[1]})")
 
 
-async def describe_route(peers: Peers, addresses: Sequence[str], timeout: float = 10.0) -> list[Stage]:
-    infos: list[StageInfo | None] = [None] * len(addresses)
-    errors: list[str] = []
-
-    async def one(i: int, address: str) -> None:
-        try:
-            infos[i] = await describe(peers, address, timeout)
-        except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-            errors.append(f"stage {address} is unreachable: {exc}")
-
-    async with trio.open_nursery() as nursery:
-        for i, address in enumerate(addresses):
-            nursery.start_soon(one, i, address)
-    if errors:
-        raise RouteError(errors[0])
-    return [Stage(a, info) for a, info in zip(addresses, infos, strict=False) if info is not None]
-
-
-def check_route(stages: Sequence[Stage]) -> None:
+def check_route(route: Sequence[Stage], infos: Sequence[StageInfo]) -> None:
     """Every layer covered exactly once, in order, by stages of one model."""
-    if not stages:
+    if not infos:
         raise RouteError("the route is empty")
-    digests = {s.info.model_digest for s in stages}
+    digests = {info.model_digest for info in infos}
     if len(digests) > 1:
-        names = ", ".join(f"{s.address} has {s.info.model_digest[:12]}" for s in stages)
+        names = ", ".join(f"{s.address} has {i.model_digest[:12]}" for s, i in zip(route, infos, strict=True))
         raise RouteError(f"stages serve different model files ({names})")
-    n_layer = stages[0].info.n_layer
+    n_layer = infos[0].n_layer
     expected = 0
-    for s in stages:
-        begin, end = s.info.layer_begin, s.info.layer_end
+    for s, info in zip(route, infos, strict=True):
+        begin, end = info.layer_begin, info.layer_end
         if begin > expected:
             raise RouteError(f"the route leaves layers [{expected}, {begin}) uncovered (before {s.address})")
         if begin < expected:
@@ -161,31 +176,57 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     With tokens already in ``result`` (a retry), the head re-prefills prompt and
     generated tokens and generation continues where it stopped.
     """
+    repeated = next((s.address for i, s in enumerate(route) if s.address in [r.address for r in route[:i]]), None)
+    if repeated is not None:
+        # one stage cannot hold the same session twice
+        raise RouteError(f"{repeated} is in the route twice, so its layers would be covered twice")
     session = session_id or new_session_id()
     result.epochs += 1
-    head = PeerRef(address=route[0].address, node_id=route[0].info.node_id)
     remaining = request.max_tokens - len(result.tokens)
     opened: list[Stream | None] = [None] * len(route)
+    infos: list[StageInfo | None] = [None] * len(route)
+    # Each stage's node id as its handshake with us proved it: every Open names its
+    # neighbours by id, so a stage reuses a link it already has to them (and a two-stage
+    # route's ring does not race the head's hop with a duplicate link).
+    node_ids: list[str | None] = [s.node_id for s in route]
+    linked = [trio.Event() for _ in route]
     try:
         async with trio.open_nursery() as nursery:
 
             async def open_one(i: int) -> None:
+                # One round trip: the stage answers with what it serves, and has
+                # dialled its next hop before it answers.
                 stage = route[i]
                 nxt = route[i + 1] if i + 1 < len(route) else None
-                stream = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.info.node_id)
+                try:
+                    stream = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+                except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+                    raise ProtocolError(ErrorCode.UNREACHABLE, f"stage {stage.address} is unreachable: "
+                                                               f"{getattr(exc, 'message', exc)}") from exc
                 opened[i] = stream
-                await rpc.request(stream, Open(
-                    session=session, epoch=epoch, model_digest=stage.info.model_digest,
-                    layer_begin=stage.info.layer_begin, layer_end=stage.info.layer_end,
-                    next=PeerRef(address=nxt.address, node_id=nxt.info.node_id) if nxt else None,
-                    head=head if nxt is None else None, sampling=request.sampling,
-                    max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype),
-                    Opened, f"stage {stage.address} opening the session")
+                node_ids[i] = stream.remote_node_id
+                linked[i].set()
+                # the neighbour this stage dials: the next stage, or (the tail) the head
+                other = i + 1 if nxt is not None else 0
+                await linked[other].wait()
+                ref = PeerRef(address=route[other].address, node_id=node_ids[other])
+                layers = stage.layers or (None, None)
+                reply = await rpc.request(stream, Open(
+                    session=session, epoch=epoch, model_digest=stage.model_digest,
+                    layer_begin=layers[0], layer_end=layers[1],
+                    next=ref if nxt is not None else None,
+                    head=ref if nxt is None else None, sampling=request.sampling,
+                    max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
+                    wire_codec=request.wire_codec), Opened, f"stage {stage.address} opening the session")
+                check_opened(stage, reply.info)
+                infos[i] = reply.info
 
             with trio.fail_after(stall_timeout):
                 async with trio.open_nursery() as opening:
                     for i in range(len(route)):
                         opening.start_soon(_from_stage, i, open_one(i))
+            result.route = [info for info in infos if info is not None]
+            check_route(route, result.route)
             head_stream, tail_stream = opened[0], opened[-1]
             assert head_stream is not None and tail_stream is not None
             if result.prompt_tokens:
@@ -307,8 +348,10 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             if not exc.retryable or epoch == attempts - 1:
                 raise
             culprit = await _culprit(peers, route, exc.index)
+            if culprit.node_id is None:
+                raise
             log.info("stage %s failed (%s); routing around it", culprit.address, exc)
-            excluded.append(culprit.info.node_id)
+            excluded.append(culprit.node_id)
     raise AssertionError("unreachable")
 
 
@@ -317,11 +360,13 @@ async def _culprit(peers: Peers, route: Sequence[Stage], reporter: int) -> Stage
     alive = [False] * len(route)
 
     async def probe(i: int) -> None:
+        # the handshake proves the node; its metrics say whether its engine is up
         try:
-            info = await describe(peers, route[i].address, timeout=1.5)
-            alive[i] = info.ready and info.node_id == route[i].info.node_id
-        except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError):
-            pass
+            reply = await rpc.call(peers, route[i].address, STAGE_PROTOCOL, MetricsRequest(), Metrics,
+                                   node_id=route[i].node_id, timeout=1.5)
+        except ProtocolError:
+            return
+        alive[i] = reply.values.get("worker_up") == 1.0
 
     async with trio.open_nursery() as nursery:
         for i in range(len(route)):

@@ -103,6 +103,10 @@ class Worker:
         self.ctx.remove(int(h["seq"]), int(h.get("p0", 0)), int(h.get("p1", -1)))
         return {"ok": True}, b""
 
+    def op_seq_pos_max(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """The last position a sequence holds in llama.cpp's KV, -1 when it holds none."""
+        return {"ok": True, "pos_max": self.ctx.pos_max(int(h["seq"]))}, b""
+
     def op_sampler_new(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         sid = int(h["sid"])
         old = self.samplers.pop(sid, None)

@@ -6,6 +6,10 @@ elsewhere); one scheduler task puts the ready work of all sessions into one
 engine call per step (continuous batching) and hands each session's rows on:
 downstream as an activation, or at the tail as a sampled token that goes to
 the asker and around the ring to the head.
+
+What is decided (slots, budgets, eviction, expiry, batches, when a session
+ends) lives in the sans-IO books (``books.py``); this file moves streams,
+channels and engine calls, and sleeps until the books' next timer.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,78 +31,62 @@ from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused,
 from meshd.mesh.models import file_digest
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
 from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
-    Describe,
     Done,
     Hop,
     Metrics,
     MetricsRequest,
     Open,
     Opened,
+    PeerRef,
     Prompt,
     PromptTokens,
     Released,
     StageInfo,
     Token,
 )
-from wire.tensors import Activation, encode_activation, tensor_fields
+from wire.tensors import Activation, TensorEntry, encode_activation, tensor_fields
+
+__all__ = ["STAGE_PROTOCOL", "StageLimits", "StageNode", "StageService", "answer_typed", "stage_node"]
 
 log = logging.getLogger(__name__)
 
 HIDDEN = "hidden_states"
+# Hidden states up to this size (float32, decoded) are decoded on the event
+# loop: a decode step's row costs less than the hop to a thread. Larger ones
+# (prefill chunks) go to a thread.
+INLINE_DECODE_BYTES = 256 << 10
 
 
-@dataclass(frozen=True)
-class StageLimits:
-    """KV budgets: sessions (llama.cpp sequences), tokens per session and in all, idle time."""
+@dataclass(eq=False)
+class Rows:
+    """What one work item carries into the engine: token ids (head) or hidden states."""
 
-    max_sessions: int = 16
-    max_session_tokens: int = 2048
-    max_total_tokens: int = 4096
-    ttl: float = 300.0
-    # an idle session this old may be evicted to make room for a new one
-    evict_after: float = 2.0
-    prefill_chunk: int = 128
-    n_batch: int = 512
-    retry_after_ms: int = 1000
-
-
-@dataclass
-class Work:
     session: Session
-    pos: int
-    n: int
     tokens: np.ndarray | None
     hidden: np.ndarray | None
-    carry: list[int] | None
+    # token ids riding along: the prompt's, for the tail's repetition-penalty history
+    carry: Sequence[int] | None
 
 
 @dataclass(eq=False)
 class Session:
-    id: str
-    epoch: int
-    slot: int
+    """The trio side of a session: its streams, channels and cancel scope."""
+
+    book: SessionBook
     open: Open
-    generation: int
-    last_active: float
-    next_pos: int = 0
-    prompt_len: int | None = None
-    generated: int = 0
-    text: bytearray = field(default_factory=bytearray)
-    in_flight: int = 0
-    steps: int = 0
-    failed: ProtocolError | None = None
-    done: bool = False
+    to_asker: trio.MemorySendChannel[Message]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    to_asker: trio.MemorySendChannel[Message] | None = None
     # encoded activations for the next stage (or the ring to the head)
     downstream: trio.MemorySendChannel[bytes] | None = None
     hop_info: trio.Event = field(default_factory=trio.Event)
+    steps: int = 0
 
 
 class StageMetrics:
@@ -108,10 +96,6 @@ class StageMetrics:
         self.session_slots = 0
         self.multi_session_calls = 0
         self.max_sessions_per_call = 0
-        self.evictions = 0
-        self.expirations = 0
-        self.overloaded = 0
-        self.released = 0
         self.step_ms: collections.deque[float] = collections.deque(maxlen=512)
 
     def record_call(self, sessions: int, rows: int, seconds: float) -> None:
@@ -131,38 +115,44 @@ class StageService:
         self.report = report
         self.digest = model_digest
         self.model_name = model_name
-        self.limits = limits
-        self.sessions: dict[str, Session] = {}
+        self.books: StageBooks[Rows] = StageBooks(limits)
         self.metrics = StageMetrics()
-        self._free_slots = list(range(limits.max_sessions))
-        self._dirty: list[tuple[int, int]] = []
-        self._queue: collections.deque[Work] = collections.deque()
+        self._sessions: dict[SessionBook, Session] = {}
         self._wake = trio.Event()
         self._idle = trio.Event()
-        self._nursery: trio.Nursery | None = None
+        self._timer_wake = trio.Event()
+        self._timer_at: float | None = None
+        # one decode thread: zstd's module-level decompressor is not for concurrent use
+        self._decoder = trio.CapacityLimiter(1)
+
+    @property
+    def limits(self) -> StageLimits:
+        return self.books.limits
+
+    @property
+    def sessions(self) -> dict[str, SessionBook]:
+        return self.books.sessions
 
     # ----- wiring
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             nursery.start_soon(self._schedule)
-            nursery.start_soon(self._sweep)
+            nursery.start_soon(self._expire)
             task_status.started()
 
     def on_worker_down(self, generation: int, reason: str) -> None:
         """The worker's KV is gone: every session on it fails, typed and retryable."""
         error = ProtocolError(ErrorCode.INTERNAL, f"stage [{self.report.layer_begin}, {self.report.layer_end}) "
                                                    f"lost its engine worker ({reason})")
-        for session in list(self.sessions.values()):
-            self._fail(session, error)
-        self._queue.clear()
+        for book in self.books.fail_all(error):
+            self._ended(book)
 
     async def handle_stream(self, stream: Stream) -> None:
         await answer_typed(stream, self.handle_first)
 
     def holds(self, session: str) -> bool:
-        return session in self.sessions
+        return session in self.books.sessions
 
     async def wait_idle(self) -> None:
         """Returns once no session is held (a retiring range waits for its last one)."""
@@ -172,9 +162,7 @@ class StageService:
 
     async def handle_first(self, stream: Stream, first: Message) -> None:
         """Serves a stage stream whose first message has been read."""
-        if isinstance(first, Describe):
-            await stream.send_message(self._info())
-        elif isinstance(first, MetricsRequest):
+        if isinstance(first, MetricsRequest):
             await stream.send_message(Metrics(values=self.metric_values()))
         elif isinstance(first, Open):
             await self._serve_session(stream, first)
@@ -183,18 +171,18 @@ class StageService:
         else:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"a stage stream cannot start with {first.type!r}")
 
-    def _info(self) -> StageInfo:
+    def info(self) -> StageInfo:
         r = self.report
         return StageInfo(node_id=self.peers.node_id, model_digest=self.digest, model_name=self.model_name,
                          layer_begin=r.layer_begin, layer_end=r.layer_end, n_layer=r.n_layer, n_embd=r.n_embd,
                          ready=self.engine.is_up)
 
     def metric_values(self) -> dict[str, float]:
-        m = self.metrics
+        m, counts = self.metrics, self.books.counts
         steps = sorted(m.step_ms)
         return {
-            "sessions": float(len(self.sessions)),
-            "kv_tokens": float(sum(s.next_pos for s in self.sessions.values())),
+            "sessions": float(len(self.books.sessions)),
+            "kv_tokens": float(self.books.total_tokens),
             "engine_calls": float(m.engine_calls),
             "rows": float(m.rows),
             "sessions_per_call": m.session_slots / m.engine_calls if m.engine_calls else 0.0,
@@ -202,10 +190,10 @@ class StageService:
             "multi_session_calls": float(m.multi_session_calls),
             "step_ms_p50": steps[len(steps) // 2] if steps else 0.0,
             "step_ms_p99": steps[min(len(steps) - 1, math.ceil(len(steps) * 0.99) - 1)] if steps else 0.0,
-            "evictions": float(m.evictions),
-            "expirations": float(m.expirations),
-            "overloaded": float(m.overloaded),
-            "released": float(m.released),
+            "evictions": float(counts.evictions),
+            "expirations": float(counts.expirations),
+            "overloaded": float(counts.overloaded),
+            "released": float(counts.released),
             "worker_restarts": float(self.engine.restarts),
             "worker_up": float(self.engine.is_up),
         }
@@ -214,61 +202,96 @@ class StageService:
 
     def _check_open(self, msg: Open) -> None:
         r = self.report
-        if msg.model_digest != self.digest:
+        if msg.model_digest is not None and msg.model_digest != self.digest:
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"this stage serves model {self.digest[:16]}, "
                                                           f"not {msg.model_digest[:16]}")
-        if (msg.layer_begin, msg.layer_end) != (r.layer_begin, r.layer_end):
+        wanted = (msg.layer_begin, msg.layer_end)
+        if wanted != (None, None) and wanted != (r.layer_begin, r.layer_end):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"this stage serves layers [{r.layer_begin}, {r.layer_end}), "
                                                        f"not [{msg.layer_begin}, {msg.layer_end})")
-        if not r.has_output and msg.next is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage before the tail needs the next stage's address")
-        if r.has_output and not r.has_input and msg.head is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the tail needs the head's address for the token ring")
         if not self.engine.is_up:
             raise ProtocolError(ErrorCode.OVERLOADED, "the engine worker is restarting",
                                 retry_after_ms=self.limits.retry_after_ms)
-        old = self.sessions.get(msg.session)
-        if old is not None and old.epoch >= msg.epoch:
-            raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {msg.session} is at epoch {old.epoch}")
+
+    def _downstream_target(self, msg: Open) -> tuple[PeerRef, bool] | None:
+        """Where this stage's output goes: the next stage, or (the tail) the ring to the head."""
+        if not self.report.has_output:
+            return None if msg.next is None else (msg.next, False)
+        if not self.report.has_input:
+            return None if msg.head is None else (msg.head, True)
+        return None
+
+    def _check_downstream(self, session: Session) -> None:
+        """Work needs somewhere to go. An Open without it is still answered, with what this stage
+        serves, so an asker given bare addresses can tell what its route leaves uncovered."""
+        if session.downstream is not None or self.report.has_input and self.report.has_output:
+            return
+        if not self.report.has_output:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage before the tail needs the next stage's address")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "the tail needs the head's address for the token ring")
 
     async def _serve_session(self, stream: Stream, msg: Open) -> None:
         self._check_open(msg)
-        old = self.sessions.get(msg.session)
-        if old is not None:
-            self._fail(old, ProtocolError(ErrorCode.EPOCH_STALE, f"replaced by epoch {msg.epoch}"))
-            self._detach(old)
-        slot = self._take_slot()
-        now = trio.current_time()
-        session = Session(id=msg.session, epoch=msg.epoch, slot=slot, open=msg,
-                          generation=self.engine.generation, last_active=now)
+        book, gone = self.books.open(msg.session, msg.epoch, self.engine.generation, msg.max_tokens, msg.stop,
+                                     trio.current_time())
+        for other in gone:
+            self._ended(other)
         to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
-        session.to_asker = to_asker_send
-        self.sessions[session.id] = session
+        session = Session(book=book, open=msg, to_asker=to_asker_send)
+        self._sessions[book] = session
+        self._changed()
+        hop_stream: Stream | None = None
+        downstream: trio.MemoryReceiveChannel[bytes] | None = None
         try:
-            await self._engine_call({"op": "remove", "seq": slot})
-            if self.report.has_output:
-                s = msg.sampling
-                await self._engine_call({"op": "sampler_new", "sid": slot, "params": {
-                    "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-                    "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed}})
-            await stream.send_message(Opened(session=session.id, epoch=session.epoch))
             with session.scope:
+                await self._engine_call({"op": "remove", "seq": book.slot})
+                if self.report.has_output:
+                    s = msg.sampling
+                    await self._engine_call({"op": "sampler_new", "sid": book.slot, "params": {
+                        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                        "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed}})
+                target = self._downstream_target(msg)
+                if target is not None:
+                    # The next stage is dialled now, not once the prompt's length is
+                    # known: every stage of a cold route pays its handshake while the
+                    # others pay theirs. The ring waits for the prompt: in a two-stage
+                    # route the head is dialling this stage right now, and the ring then
+                    # reuses that link instead of racing it with a duplicate.
+                    if not target[1]:
+                        hop_stream = await self._open_hop(target[0], False)
+                    session.downstream, downstream = trio.open_memory_channel[bytes](math.inf)
+                self.books.opened(book)
+                await stream.send_message(Opened(session=book.id, epoch=book.epoch, info=self.info()))
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, to_asker_recv, stream)
-                    if not self.report.has_output:
-                        nursery.start_soon(self._downstream, session, msg.next.address, msg.next.node_id, False)
-                    elif not self.report.has_input:
-                        nursery.start_soon(self._downstream, session, msg.head.address, msg.head.node_id, True)
+                    if target is not None and downstream is not None:
+                        nursery.start_soon(self._downstream, session, target[0], target[1], hop_stream, downstream)
                     await self._control_loop(stream, session)
                     nursery.cancel_scope.cancel()
-            if session.failed is not None:
-                await stream.send_message(error_message(session.failed))
+            # off the books before the asker hears of the failure
+            self._detach(session)
+            if book.failure is not None:
+                await stream.send_message(error_message(book.failure))
         finally:
+            with trio.CancelScope(shield=True):
+                if hop_stream is not None:
+                    await hop_stream.aclose()
             self._detach(session)
         try:
-            await stream.send_message(Released(session=session.id))
+            await stream.send_message(Released(session=book.id))
         except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
             pass
+
+    async def _open_hop(self, target: PeerRef, ring: bool) -> Stream:
+        what = "the head" if ring else "the next stage"
+        try:
+            with trio.fail_after(self.limits.hop_timeout):
+                return await self.peers.open_stream(target.address, STAGE_PROTOCOL, node_id=target.node_id)
+        except trio.TooSlowError:
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: no link within "
+                                                       f"{self.limits.hop_timeout:g} s") from None
+        except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: {exc}") from exc
 
     async def _control_loop(self, stream: Stream, session: Session) -> None:
         try:
@@ -277,115 +300,130 @@ class StageService:
             self._fail(session, exc)
 
     async def _control_messages(self, stream: Stream, session: Session) -> None:
+        book = session.book
         while True:
             try:
                 msg = await stream.receive_message()
             except trio.EndOfChannel:
                 return
-            session.last_active = trio.current_time()
+            self.books.touch(book, trio.current_time())
             if isinstance(msg, Cancel):
                 return
             if isinstance(msg, Prompt):
-                if msg.session != session.id or msg.epoch != session.epoch:
+                if msg.session != book.id or msg.epoch != book.epoch:
                     raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt for another session or epoch")
                 await self._prompt(session, msg)
             else:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a session stream")
 
     async def _prompt(self, session: Session, msg: Prompt) -> None:
+        book = session.book
         if not self.report.has_input:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only the head stage takes the prompt")
-        if session.prompt_len is not None:
+        if book.prompt_len is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has its prompt")
+        self._check_downstream(session)
         given = [msg.messages is not None, msg.text is not None, msg.tokens is not None]
         if sum(given) != 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a prompt has exactly one of messages, text or tokens")
         if msg.tokens is not None:
             tokens = list(msg.tokens)
+            self.books.set_prompt(book, len(tokens))
             bad = [t for t in tokens if t >= self.report.n_vocab]
             if bad:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
         else:
+            # Bounded before the engine worker sees it: the text must fit the session budget.
             request: dict[str, Any] = {"op": "tokenize"}
             if msg.messages is not None:
+                self.books.check_prompt_bytes(sum(len(m.role.encode()) + len(m.content.encode())
+                                                  for m in msg.messages))
                 request["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
             else:
+                assert msg.text is not None
+                self.books.check_prompt_bytes(len(msg.text.encode()))
                 request["text"] = msg.text
             reply, _ = await self._engine_call(request)
             tokens = reply["tokens"]
-        if not tokens:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt is empty")
-        session.prompt_len = len(tokens)
+            self.books.set_prompt(book, len(tokens))
         session.hop_info.set()
-        assert session.to_asker is not None
-        session.to_asker.send_nowait(PromptTokens(session=session.id, epoch=session.epoch, tokens=tokens))
+        session.to_asker.send_nowait(PromptTokens(session=book.id, epoch=book.epoch, tokens=tokens))
         arr = np.asarray(tokens, dtype=np.int32)
         chunk = self.limits.prefill_chunk
         for start in range(0, len(arr), chunk):
             part = arr[start:start + chunk]
-            self._enqueue(session, Work(session, start, len(part), part, None, part.tolist()))
+            self._enqueue(session, start, len(part), Rows(session, part, None, part.tolist()))
 
     async def _pump(self, channel: trio.MemoryReceiveChannel[Message], stream: Stream) -> None:
         async for message in channel:
             await stream.send_message(message)
 
-    async def _downstream(self, session: Session, address: str, node_id: str | None, ring: bool) -> None:
+    async def _downstream(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream | None,
+                          recv: trio.MemoryReceiveChannel[bytes]) -> None:
         """Sends this session's output to the next stage (or, at the tail, the ring to the head)."""
-        send, recv = trio.open_memory_channel[bytes](math.inf)
-        session.downstream = send
         await session.hop_info.wait()
-        try:
-            hop_stream = await self.peers.open_stream(address, STAGE_PROTOCOL, node_id=node_id)
-        except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
-            self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"cannot reach the next stage {address}: {exc}"))
-            return
-        async with hop_stream:
+        if hop_stream is None:
             try:
-                await hop_stream.send_message(Hop(session=session.id, epoch=session.epoch, ring=ring,
-                                                  prompt_tokens=session.prompt_len or 0))
-                async for encoded in recv:
-                    await hop_stream.send_all(encoded)
-            except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost the next stage {address}: {exc}"))
-
-    async def _serve_hop(self, stream: Stream, hop: Hop) -> None:
-        session = self.sessions.get(hop.session)
-        if session is None:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no session {hop.session} on this stage")
-        if hop.epoch != session.epoch:
-            raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {hop.session} is at epoch {session.epoch}")
-        if hop.ring != self.report.has_input:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "ring streams go to the head, hop streams elsewhere")
-        if not hop.ring:
-            session.prompt_len = hop.prompt_tokens
-            session.hop_info.set()
-        while True:
-            try:
-                msg = await stream.receive_message()
-            except trio.EndOfChannel:
-                return
-            if session.done or session.failed or self.sessions.get(session.id) is not session:
-                return
-            if not isinstance(msg, Activation):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a hop stream")
-            try:
-                self._accept_activation(session, msg)
+                hop_stream = await self._open_hop(target, ring)
             except ProtocolError as exc:
                 self._fail(session, exc)
-                raise
+                return
+            # this task dialled it, so it closes it
+            async with hop_stream:
+                await self._downstream_to(session, target, ring, hop_stream, recv)
+        else:
+            await self._downstream_to(session, target, ring, hop_stream, recv)
 
-    def _accept_activation(self, session: Session, msg: Activation) -> None:
-        if msg.session != session.id:
+    async def _downstream_to(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream,
+                             recv: trio.MemoryReceiveChannel[bytes]) -> None:
+        book = session.book
+        try:
+            await hop_stream.send_message(Hop(session=book.id, epoch=book.epoch, ring=ring,
+                                              prompt_tokens=book.prompt_len or 0))
+            async for encoded in recv:
+                await hop_stream.send_all(encoded)
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            what = "the head" if ring else "the next stage"
+            self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost {what} {target.address}: {exc}"))
+
+    async def _serve_hop(self, stream: Stream, hop: Hop) -> None:
+        book = self.books.sessions.get(hop.session)
+        session = None if book is None else self._sessions.get(book)
+        if book is None or session is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no session {hop.session} on this stage")
+        if hop.epoch != book.epoch:
+            raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {hop.session} is at epoch {book.epoch}")
+        if hop.ring != self.report.has_input:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "ring streams go to the head, hop streams elsewhere")
+        try:
+            self._check_downstream(session)
+            if not hop.ring:
+                self.books.set_prompt(book, hop.prompt_tokens)
+                session.hop_info.set()
+            while True:
+                try:
+                    msg = await stream.receive_message()
+                except trio.EndOfChannel:
+                    return
+                if not self.books.holds(book) or book.phase not in LIVE:
+                    return
+                if not isinstance(msg, Activation):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a hop stream")
+                await self._accept_activation(session, msg)
+        except ProtocolError as exc:
+            self._fail(session, exc)
+            raise
+
+    async def _accept_activation(self, session: Session, msg: Activation) -> None:
+        """Checks an activation against the session before decoding a byte of it, then queues it."""
+        book = session.book
+        if msg.session != book.id:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "activation for another session")
-        if msg.epoch != session.epoch:
-            raise ProtocolError(ErrorCode.EPOCH_STALE, f"activation of epoch {msg.epoch}, session is at {session.epoch}")
-        if msg.pos != session.next_pos:
-            raise ProtocolError(ErrorCode.CACHE_MISS, f"activation at position {msg.pos}, this stage holds "
-                                                      f"positions up to {session.next_pos}")
-        if msg.n_tokens < 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "an activation carries at least one token")
+        if msg.epoch != book.epoch:
+            raise ProtocolError(ErrorCode.EPOCH_STALE, f"activation of epoch {msg.epoch}, session is at {book.epoch}")
         if msg.tokens is not None and len(msg.tokens) != msg.n_tokens:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for {msg.n_tokens} rows")
+        self.books.check_rows(book, msg.pos, msg.n_tokens)
         if self.report.has_input:
             if msg.tokens is None or msg.tensors:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
@@ -393,86 +431,69 @@ class StageService:
             if bad:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
             tokens = np.asarray(msg.tokens, dtype=np.int32)
-            self._enqueue(session, Work(session, msg.pos, msg.n_tokens, tokens, None, None))
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, None))
             return
         entry = msg.tensor(HIDDEN)
+        o = session.open
+        if (entry.dtype, entry.codec) != (o.wire_dtype, o.wire_codec):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states as {entry.dtype}/{entry.codec}, this "
+                                                       f"session travels as {o.wire_dtype}/{o.wire_codec}")
         want = (msg.n_tokens, self.report.n_embd)
         if tuple(entry.shape) != want:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states of shape {tuple(entry.shape)}, "
                                                        f"this stage needs {want}")
-        hidden = np.ascontiguousarray(entry.to_array(), dtype=np.float32)
-        if not np.isfinite(hidden).all():
-            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "hidden states hold NaN or infinity")
-        self._enqueue(session, Work(session, msg.pos, msg.n_tokens, None, hidden, msg.tokens))
+        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.n_embd <= INLINE_DECODE_BYTES:
+            hidden = _decoded(entry)
+        else:
+            hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
+        if self.books.holds(book) and book.phase in LIVE:
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens))
 
-    def _enqueue(self, session: Session, work: Work) -> None:
-        self._reserve(session, work.n)
-        session.next_pos = work.pos + work.n
-        session.in_flight += 1
-        session.last_active = trio.current_time()
-        self._queue.append(work)
+    def _enqueue(self, session: Session, pos: int, n: int, rows: Rows) -> None:
+        for other in self.books.enqueue(session.book, pos, n, rows, trio.current_time()):
+            self._ended(other)
         self._wake.set()
 
-    # ----- budgets
+    # ----- ends of sessions
 
-    def _take_slot(self) -> int:
-        if not self._free_slots:
-            self._evict_one(f"all {self.limits.max_sessions} session slots are busy")
-        slot = self._free_slots.pop(0)
-        # the new session clears the slot itself; a pending clear would wipe its KV later
-        self._dirty = [(s, g) for s, g in self._dirty if s != slot]
-        return slot
-
-    def _reserve(self, session: Session, n: int) -> None:
-        if session.next_pos + n > self.limits.max_session_tokens:
-            self.metrics.overloaded += 1
-            raise ProtocolError(ErrorCode.OVERLOADED, f"session needs {session.next_pos + n} tokens, "
-                                                      f"the limit per session is {self.limits.max_session_tokens}",
-                                retry_after_ms=self.limits.retry_after_ms)
-        while sum(s.next_pos for s in self.sessions.values()) + n > self.limits.max_total_tokens:
-            self._evict_one(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", keep=session)
-
-    def _evict_one(self, why: str, keep: Session | None = None) -> None:
-        now = trio.current_time()
-        idle = [s for s in self.sessions.values()
-                if s is not keep and s.in_flight == 0 and now - s.last_active >= self.limits.evict_after]
-        if not idle:
-            self.metrics.overloaded += 1
-            raise ProtocolError(ErrorCode.OVERLOADED, why, retry_after_ms=self.limits.retry_after_ms)
-        victim = min(idle, key=lambda s: s.last_active)
-        self.metrics.evictions += 1
-        self._fail(victim, ProtocolError(ErrorCode.CACHE_MISS, f"evicted (least recently used) because {why}"))
-        self._detach(victim)
-
-    async def _sweep(self) -> None:
+    async def _expire(self) -> None:
+        """Sleeps until the books' next timer, or until a session opens or goes idle."""
         while True:
-            await trio.sleep(min(1.0, self.limits.ttl / 4))
-            now = trio.current_time()
-            for s in list(self.sessions.values()):
-                if s.in_flight == 0 and now - s.last_active > self.limits.ttl:
-                    self.metrics.expirations += 1
-                    self._fail(s, ProtocolError(ErrorCode.CACHE_MISS, f"expired after {self.limits.ttl:.0f} s idle"))
-                    self._detach(s)
+            self._timer_wake = trio.Event()
+            self._timer_at = self.books.next_timer()
+            with trio.move_on_at(math.inf if self._timer_at is None else self._timer_at):
+                await self._timer_wake.wait()
+            for book in self.books.handle_timer(trio.current_time()):
+                self._ended(book)
+
+    def _changed(self) -> None:
+        """A session opened or went idle. Its expiry (now + TTL) is never before one already set,
+        so only a timer task that sleeps without a deadline needs waking."""
+        if self._timer_at is None:
+            self._timer_wake.set()
 
     def _fail(self, session: Session, error: ProtocolError) -> None:
-        if session.failed is None and not session.done:
-            session.failed = error
+        self.books.fail(session.book, error)
         session.scope.cancel()
+
+    def _ended(self, book: SessionBook) -> None:
+        """The books failed or released ``book``: its task ends, the scheduler clears its KV."""
+        session = self._sessions.get(book)
+        if session is not None:
+            session.scope.cancel()
+        self._wake.set()
 
     def _detach(self, session: Session) -> None:
         """Takes the session off the books now; the scheduler clears its KV before the next engine call."""
-        if self.sessions.get(session.id) is session:
-            del self.sessions[session.id]
-            self.metrics.released += 1
-            self._dirty.append((session.slot, session.generation))
-            self._free_slots.append(session.slot)
-            self._wake.set()
-            if not self.sessions:
-                self._idle.set()
+        self.books.release(session.book)
+        if self._sessions.get(session.book) is session:
+            del self._sessions[session.book]
+        self._wake.set()
+        if not self.books.sessions:
+            self._idle.set()
 
     async def _clear_dirty(self) -> None:
-        while self._dirty:
-            slot, generation = self._dirty.pop()
+        for slot, generation in self.books.take_dirty():
             if generation != self.engine.generation:
                 continue
             try:
@@ -492,33 +513,13 @@ class StageService:
 
     # ----- continuous batching
 
-    def _next_batch(self) -> list[Work]:
-        """Ready work of all sessions, one item per session so prefill chunks pipeline downstream."""
-        batch: list[Work] = []
-        taken: set[int] = set()
-        rows = 0
-        rest: collections.deque[Work] = collections.deque()
-        while self._queue:
-            work = self._queue.popleft()
-            live = self.sessions.get(work.session.id) is work.session and not work.session.failed
-            if not live:
-                continue
-            if id(work.session) in taken or rows + work.n > self.limits.n_batch:
-                rest.append(work)
-                continue
-            batch.append(work)
-            taken.add(id(work.session))
-            rows += work.n
-        self._queue = rest
-        return batch
-
     async def _schedule(self) -> None:
         while True:
-            if not self._queue and not self._dirty:
+            if not self.books.queued and not self.books.dirty:
                 self._wake = trio.Event()
                 await self._wake.wait()
             await self._clear_dirty()
-            batch = self._next_batch()
+            batch = self.books.next_batch()
             if not batch:
                 continue
             t0 = trio.current_time()
@@ -526,91 +527,95 @@ class StageService:
                 reply, body = await self._forward(batch)
             except ProtocolError as exc:
                 for work in batch:
-                    self._fail(work.session, exc)
+                    self.books.ran(work, trio.current_time())
+                    self._fail(work.payload.session, exc)
                 continue
             self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0)
             self._dispatch(batch, reply, body)
+            self._changed()
 
-    async def _forward(self, batch: list[Work]) -> tuple[dict[str, Any], bytearray]:
+    async def _forward(self, batch: list[Work[Rows]]) -> tuple[dict[str, Any], bytearray]:
         seq = _joined([np.full(w.n, w.session.slot, dtype=np.int32) for w in batch])
         pos = _joined([np.arange(w.pos, w.pos + w.n, dtype=np.int32) for w in batch])
         header: dict[str, Any] = {"op": "forward", "seq": seq.tobytes(), "pos": pos.tobytes()}
         payload: bytes | memoryview = b""
         if self.report.has_input:
-            header["tokens"] = _joined([w.tokens for w in batch]).tobytes()
+            header["tokens"] = _joined([w.payload.tokens for w in batch if w.payload.tokens is not None]).tobytes()
         else:
-            payload = memoryview(_joined([w.hidden for w in batch])).cast("B")
+            payload = _joined([w.payload.hidden for w in batch if w.payload.hidden is not None]).data.cast("B")
         if self.report.has_output:
             want = np.zeros(len(pos), dtype=np.int8)
             sample = []
             row, out_row = 0, 0
             for w in batch:
                 row += w.n
-                if self._samples(w):
+                if self.books.samples(w):
                     want[row - 1] = 1
                     sample.append([out_row, w.session.slot])
                     out_row += 1
             header["want"] = want.tobytes()
             header["sample"] = sample
-            header["history"] = [[w.session.slot, w.carry[:max(0, w.session.prompt_len - w.pos)]]
-                                 for w in batch if w.carry and w.session.prompt_len is not None
-                                 and w.pos < w.session.prompt_len]
+            header["history"] = [[w.session.slot, w.payload.carry[:self.books.history(w)]]
+                                 for w in batch if w.payload.carry and self.books.history(w)]
         return await self._engine_call(header, payload)
 
-    def _samples(self, work: Work) -> bool:
-        prompt_len = work.session.prompt_len
-        return prompt_len is not None and work.pos + work.n >= prompt_len
-
-    def _dispatch(self, batch: list[Work], reply: dict[str, Any], body: bytearray) -> None:
+    def _dispatch(self, batch: list[Work[Rows]], reply: dict[str, Any], body: bytearray) -> None:
+        now = trio.current_time()
         if not self.report.has_output:
             hidden = np.frombuffer(body, dtype=np.float32).reshape(-1, self.report.n_embd)
             row = 0
             for w in batch:
-                w.session.in_flight -= 1
+                self.books.ran(w, now)
                 out = hidden[row:row + w.n]
                 row += w.n
-                s = w.session
-                if s.downstream is None or s.failed:
+                s = w.payload.session
+                if s.downstream is None or w.session.phase not in LIVE:
                     continue
                 s.downstream.send_nowait(encode_activation(
-                    session=s.id, epoch=s.epoch, step=s.steps, pos=w.pos, n_tokens=w.n,
-                    tensors=[tensor_fields(HIDDEN, out, s.open.wire_dtype)], tokens=w.carry))
+                    session=w.session.id, epoch=w.session.epoch, step=s.steps, pos=w.pos, n_tokens=w.n,
+                    tensors=[tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)],
+                    tokens=w.payload.carry))
                 s.steps += 1
             return
         picks = iter(reply.get("picks", []))
         for w in batch:
-            w.session.in_flight -= 1
-            if self._samples(w):
+            self.books.ran(w, now)
+            if self.books.samples(w):
                 token, eog, piece = next(picks)
-                self._emit(w.session, token, eog, bytes(piece))
+                self._emit(w.payload.session, token, eog, bytes(piece), now)
 
-    def _emit(self, s: Session, token: int, eog: bool, piece: bytes) -> None:
-        if s.failed or s.done or s.to_asker is None:
+    def _emit(self, s: Session, token: int, eog: bool, piece: bytes, now: float) -> None:
+        book = s.book
+        emitted = self.books.emit(book, eog, piece, now)
+        if emitted is None:
             return
-        o = s.open
-        if eog:
-            return self._finish(s, "eog")
-        # built unvalidated from our own values (the asker validates): this is per token
-        s.to_asker.send_nowait(Token.unvalidated({"type": "token", "v": 1, "session": s.id, "epoch": s.epoch,
-                                               "index": s.generated, "token": token, "piece": piece}))
-        s.generated += 1
-        s.text += piece
-        if o.stop and any(stop.encode() in s.text for stop in o.stop):
-            return self._finish(s, "stop")
-        if s.generated >= o.max_tokens:
-            return self._finish(s, "max_tokens")
+        if emitted.index is not None:
+            # built unvalidated from our own values (the asker validates): this is per token
+            s.to_asker.send_nowait(Token.unvalidated({"type": "token", "v": 1, "session": book.id,
+                                                   "epoch": book.epoch, "index": emitted.index, "token": token,
+                                                   "piece": piece}))
+        if emitted.done is not None:
+            s.to_asker.send_nowait(Done(session=book.id, epoch=book.epoch, reason=emitted.done,
+                                        generated=book.generated))
+        if not emitted.feed:
+            return
         if self.report.has_input:
             # a whole-model stage is its own ring
-            self._enqueue(s, Work(s, s.next_pos, 1, np.asarray([token], dtype=np.int32), None, None))
+            try:
+                self._enqueue(s, book.next_pos, 1, Rows(s, np.asarray([token], dtype=np.int32), None, None))
+            except ProtocolError as exc:
+                self._fail(s, exc)
         elif s.downstream is not None:
-            s.downstream.send_nowait(encode_activation(session=s.id, epoch=s.epoch, step=s.generated,
-                                                       pos=s.next_pos, n_tokens=1, tensors=[], tokens=[token]))
-        s.last_active = trio.current_time()
+            s.downstream.send_nowait(encode_activation(session=book.id, epoch=book.epoch, step=book.generated,
+                                                       pos=book.next_pos, n_tokens=1, tensors=[], tokens=[token]))
 
-    def _finish(self, s: Session, reason: str) -> None:
-        s.done = True
-        assert s.to_asker is not None
-        s.to_asker.send_nowait(Done(session=s.id, epoch=s.epoch, reason=reason, generated=s.generated))
+
+def _decoded(entry: TensorEntry) -> np.ndarray:
+    """An activation's hidden states as float32 rows; its shape, dtype and codec were checked."""
+    hidden = np.ascontiguousarray(entry.to_array(), dtype=np.float32)
+    if not np.isfinite(hidden).all():
+        raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "hidden states hold NaN or infinity")
+    return hidden
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:

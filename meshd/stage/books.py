@@ -1,0 +1,342 @@
+"""The stage's books, sans-IO: KV slots, token budgets, LRU eviction, TTL and batch assembly.
+
+A stage serves many sessions, each in one llama.cpp sequence (a *slot*). These
+books decide who gets a slot, how many KV tokens each session and all of them
+may hold, whom to evict when they run out (the least recently used idle
+session), when an idle session expires, which queued work goes into the next
+engine call, and when a sampled token ends a session. They take the time as
+``now`` and report ``next_timer()``; the trio service around them moves
+streams, channels and engine calls, and sleeps until that timer.
+
+A session's phase::
+
+    OPENING ─opened()─► PREFILL ─all prompt positions queued─► DECODE ─eog/stop/max─► DONE
+       └──────────────────────┴───────────── fail() ──────────────┴──► FAILED
+
+A session leaves the books (``release``) in any phase; its slot is free at
+once and its KV is listed dirty until the service has cleared it.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
+
+from wire.errors import ErrorCode, ProtocolError
+
+T = TypeVar("T")
+
+# The longest token piece a tokenizer we load has is far below this; a prompt
+# of more bytes than this many per token of the session budget cannot fit it,
+# and is refused before anyone tokenizes it.
+MAX_TOKEN_BYTES = 256
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """KV budgets: sessions (llama.cpp sequences), tokens per session and in all, idle time."""
+
+    max_sessions: int = 16
+    max_session_tokens: int = 2048
+    max_total_tokens: int = 4096
+    ttl: float = 300.0
+    # an idle session this old may be evicted to make room for a new one
+    evict_after: float = 2.0
+    prefill_chunk: int = 128
+    n_batch: int = 512
+    retry_after_ms: int = 1000
+    # how long opening a session's stream to the next stage may take
+    hop_timeout: float = 10.0
+
+
+class Phase(enum.Enum):
+    OPENING = "opening"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+    FAILED = "failed"
+
+
+LIVE = frozenset({Phase.PREFILL, Phase.DECODE})
+
+
+@dataclass(eq=False)
+class SessionBook:
+    """One session's entry: its slot, positions, generation state and failure."""
+
+    id: str
+    epoch: int
+    slot: int
+    # the engine worker generation whose KV the slot is in
+    generation: int
+    max_tokens: int
+    stop: tuple[bytes, ...]
+    last_used: float
+    phase: Phase = Phase.OPENING
+    next_pos: int = 0
+    prompt_len: int | None = None
+    generated: int = 0
+    in_flight: int = 0
+    failure: ProtocolError | None = None
+    # the end of the generated text, long enough to hold any stop string but the last byte
+    tail: bytes = b""
+
+
+@dataclass(eq=False)
+class Work(Generic[T]):
+    """Rows of one session for one engine call: positions [pos, pos + n) and what they carry."""
+
+    session: SessionBook
+    pos: int
+    n: int
+    payload: T
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """What to do with a sampled token: send it (as number ``index``), finish, feed it back."""
+
+    index: int | None
+    done: Literal["eog", "stop", "max_tokens"] | None
+    feed: bool
+
+
+@dataclass
+class Counts:
+    evictions: int = 0
+    expirations: int = 0
+    overloaded: int = 0
+    released: int = 0
+
+
+@dataclass
+class StageBooks(Generic[T]):
+    limits: StageLimits
+    sessions: dict[str, SessionBook] = field(default_factory=dict)
+    counts: Counts = field(default_factory=Counts)
+    # (slot, generation) of released sessions whose KV the engine still holds
+    dirty: list[tuple[int, int]] = field(default_factory=list)
+    total_tokens: int = 0
+    _free: list[int] = field(default_factory=list)
+    _queue: collections.deque[Work[T]] = field(default_factory=collections.deque)
+
+    def __post_init__(self) -> None:
+        self._free = list(range(self.limits.max_sessions))
+
+    # ----- sessions
+
+    def open(self, session: str, epoch: int, generation: int, max_tokens: int, stop: Iterable[str],
+             now: float) -> tuple[SessionBook, list[SessionBook]]:
+        """A new session in a slot, and the sessions that left the books to make room (failed).
+
+        Raises EPOCH_STALE for an epoch not above the one held, OVERLOADED when no slot frees.
+        """
+        old = self.sessions.get(session)
+        if old is not None and old.epoch >= epoch:
+            raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {session} is at epoch {old.epoch}")
+        gone: list[SessionBook] = []
+        if old is not None:
+            self.fail(old, ProtocolError(ErrorCode.EPOCH_STALE, f"replaced by epoch {epoch}"))
+            self.release(old)
+            gone.append(old)
+        if not self._free:
+            gone.append(self._evict(f"all {self.limits.max_sessions} session slots are busy", now, None))
+        slot = self._free.pop(0)
+        # the new session clears the slot itself; a pending clear would wipe its KV later
+        self.dirty = [(s, g) for s, g in self.dirty if s != slot]
+        book = SessionBook(id=session, epoch=epoch, slot=slot, generation=generation, max_tokens=max_tokens,
+                           stop=tuple(s.encode() for s in stop), last_used=now)
+        self.sessions[session] = book
+        return book, gone
+
+    def opened(self, book: SessionBook) -> None:
+        """The engine has cleared the slot (and set up sampling): work may come."""
+        if book.phase is Phase.OPENING:
+            book.phase = Phase.PREFILL
+
+    def holds(self, book: SessionBook) -> bool:
+        return self.sessions.get(book.id) is book
+
+    def touch(self, book: SessionBook, now: float) -> None:
+        book.last_used = max(book.last_used, now)
+
+    def fail(self, book: SessionBook, error: ProtocolError) -> bool:
+        """Marks the session failed with ``error``; False if it had already finished or failed."""
+        if book.phase in (Phase.DONE, Phase.FAILED):
+            return False
+        book.phase = Phase.FAILED
+        book.failure = error
+        return True
+
+    def release(self, book: SessionBook) -> bool:
+        """Takes the session off the books: its slot is free, its KV dirty. False if it was not on them."""
+        if not self.holds(book):
+            return False
+        del self.sessions[book.id]
+        self.total_tokens -= book.next_pos
+        self.counts.released += 1
+        self.dirty.append((book.slot, book.generation))
+        self._free.append(book.slot)
+        return True
+
+    def fail_all(self, error: ProtocolError) -> list[SessionBook]:
+        """The KV is gone (the engine worker died): every session fails, nothing queued runs."""
+        self._queue.clear()
+        for book in self.sessions.values():
+            book.in_flight = 0
+            self.fail(book, error)
+        return list(self.sessions.values())
+
+    def take_dirty(self) -> list[tuple[int, int]]:
+        dirty, self.dirty = self.dirty, []
+        return dirty
+
+    # ----- prompt and rows
+
+    def check_prompt_bytes(self, size: int) -> None:
+        """Refuses a prompt text that cannot fit the session budget, before it is tokenized."""
+        limit = self.limits.max_session_tokens * MAX_TOKEN_BYTES
+        if size > limit:
+            self.counts.overloaded += 1
+            raise ProtocolError(ErrorCode.OVERLOADED, f"prompt of {size} bytes exceeds what this stage's session "
+                                                      f"budget of {self.limits.max_session_tokens} tokens "
+                                                      f"(--session-tokens) can hold ({limit} bytes)")
+
+    def set_prompt(self, book: SessionBook, n_tokens: int) -> None:
+        """The session's prompt length, which decides where sampling begins."""
+        if book.prompt_len is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has its prompt")
+        if n_tokens < 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt is empty")
+        if n_tokens > self.limits.max_session_tokens:
+            self.counts.overloaded += 1
+            raise ProtocolError(ErrorCode.OVERLOADED, f"prompt of {n_tokens} tokens exceeds this stage's session "
+                                                      f"budget of {self.limits.max_session_tokens} tokens "
+                                                      f"(--session-tokens)")
+        book.prompt_len = n_tokens
+
+    def check_rows(self, book: SessionBook, pos: int, n: int) -> None:
+        """Checks rows a peer sends before anything is decoded: position, count, the session's budget."""
+        if book.phase not in LIVE:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {book.id} takes no rows ({book.phase.value})")
+        if pos != book.next_pos:
+            raise ProtocolError(ErrorCode.CACHE_MISS, f"activation at position {pos}, this stage holds "
+                                                      f"positions up to {book.next_pos}")
+        if n < 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "an activation carries at least one token")
+        if book.next_pos + n > self.limits.max_session_tokens:
+            self.counts.overloaded += 1
+            raise ProtocolError(ErrorCode.OVERLOADED, f"session needs {book.next_pos + n} tokens, this stage's "
+                                                      f"session budget is {self.limits.max_session_tokens} "
+                                                      f"(--session-tokens)")
+
+    def enqueue(self, book: SessionBook, pos: int, n: int, payload: T, now: float) -> list[SessionBook]:
+        """Queues rows for the engine and reserves their KV; returns the sessions evicted for it."""
+        self.check_rows(book, pos, n)
+        gone = []
+        while self.total_tokens + n > self.limits.max_total_tokens:
+            gone.append(self._evict(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", now, book))
+        book.next_pos = pos + n
+        self.total_tokens += n
+        book.in_flight += 1
+        self.touch(book, now)
+        if book.phase is Phase.PREFILL and book.prompt_len is not None and book.next_pos >= book.prompt_len:
+            book.phase = Phase.DECODE
+        self._queue.append(Work(book, pos, n, payload))
+        return gone
+
+    def _evict(self, why: str, now: float, keep: SessionBook | None) -> SessionBook:
+        idle = [s for s in self.sessions.values()
+                if s is not keep and s.in_flight == 0 and now - s.last_used >= self.limits.evict_after]
+        if not idle:
+            self.counts.overloaded += 1
+            raise ProtocolError(ErrorCode.OVERLOADED, why, retry_after_ms=self.limits.retry_after_ms)
+        victim = min(idle, key=lambda s: s.last_used)
+        self.counts.evictions += 1
+        self.fail(victim, ProtocolError(ErrorCode.CACHE_MISS, f"evicted (least recently used) because {why}"))
+        self.release(victim)
+        return victim
+
+    # ----- time
+
+    def next_timer(self) -> float | None:
+        """When the next idle session expires; None while none is idle."""
+        idle = [s.last_used for s in self.sessions.values() if s.in_flight == 0]
+        return min(idle) + self.limits.ttl if idle else None
+
+    def handle_timer(self, now: float) -> list[SessionBook]:
+        """Expires (fails and releases) every session idle for the TTL; returns them."""
+        ttl = self.limits.ttl
+        expired = [s for s in self.sessions.values() if s.in_flight == 0 and now - s.last_used >= ttl]
+        for book in expired:
+            self.counts.expirations += 1
+            self.fail(book, ProtocolError(ErrorCode.CACHE_MISS, f"expired after {ttl:g} s idle"))
+            self.release(book)
+        return expired
+
+    # ----- continuous batching
+
+    @property
+    def queued(self) -> bool:
+        return bool(self._queue)
+
+    def next_batch(self) -> list[Work[T]]:
+        """Ready work of all sessions, one item per session so prefill chunks pipeline downstream."""
+        batch: list[Work[T]] = []
+        taken: set[int] = set()
+        rows = 0
+        rest: collections.deque[Work[T]] = collections.deque()
+        while self._queue:
+            work = self._queue.popleft()
+            book = work.session
+            if not self.holds(book) or book.phase is Phase.FAILED:
+                continue
+            if id(book) in taken or rows + work.n > self.limits.n_batch:
+                rest.append(work)
+                continue
+            batch.append(work)
+            taken.add(id(book))
+            rows += work.n
+        self._queue = rest
+        return batch
+
+    def ran(self, work: Work[T], now: float) -> None:
+        """The engine has run ``work``'s rows."""
+        work.session.in_flight = max(0, work.session.in_flight - 1)
+        self.touch(work.session, now)
+
+    def samples(self, work: Work[T]) -> bool:
+        """Whether the tail samples after ``work``'s last row (it reaches the end of the prompt)."""
+        prompt_len = work.session.prompt_len
+        return prompt_len is not None and work.pos + work.n >= prompt_len
+
+    def history(self, work: Work[T]) -> int:
+        """How many of ``work``'s rows are prompt tokens (the sampler's penalty history)."""
+        prompt_len = work.session.prompt_len
+        return 0 if prompt_len is None else max(0, min(work.n, prompt_len - work.pos))
+
+    def emit(self, book: SessionBook, eog: bool, piece: bytes, now: float) -> Emitted | None:
+        """Decides what a sampled token does; None if the session takes no more tokens."""
+        if book.phase is not Phase.DECODE:
+            return None
+        self.touch(book, now)
+        if eog:
+            book.phase = Phase.DONE
+            return Emitted(index=None, done="eog", feed=False)
+        index = book.generated
+        book.generated += 1
+        if book.stop:
+            # a stop string newly complete ends inside this piece: look only at what precedes it
+            text = book.tail + piece
+            keep = max(len(s) for s in book.stop) - 1
+            book.tail = text[-keep:] if keep else b""
+            if any(s in text for s in book.stop):
+                book.phase = Phase.DONE
+                return Emitted(index=index, done="stop", feed=False)
+        if book.generated >= book.max_tokens:
+            book.phase = Phase.DONE
+            return Emitted(index=index, done="max_tokens", feed=False)
+        return Emitted(index=index, done=None, feed=True)
