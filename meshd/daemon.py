@@ -384,7 +384,7 @@ class MeshDaemon:
         for node_id, address in self._seed_addresses.items():
             try:
                 reply = await rpc(self.peers, address, request, node_id, cfg.dial_back_timeout + 2.0)
-            except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            except ProtocolError as exc:
                 log.info("seed %s did not dial back: %s", address, exc)
                 continue
             if not isinstance(reply, DialBackReply):
@@ -476,7 +476,7 @@ class MeshDaemon:
                     stream = await self.peers.open_stream(address, SWIM_PROTOCOL, node_id=dest)
                     async with stream:
                         await stream.send_message(fit_for_peer(message, host_of(stream.link.address)))
-                except (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                except ProtocolError:
                     pass
         finally:
             self._sends -= 1
@@ -535,7 +535,7 @@ class MeshDaemon:
             try:
                 got = await rpc(self.peers, address, AssignmentRequest(), ask.tracker.node_id,
                                 self.config.rpc_timeout)
-            except (ProtocolError, OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            except ProtocolError as exc:
                 log.info("tracker %s did not say our range: %s", ask.tracker.node_id[:12], exc)
             else:
                 if isinstance(got, AssignmentReply):

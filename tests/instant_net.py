@@ -16,7 +16,7 @@ class Driven(Protocol):
 
     def handle_message(self, now: float, src: str, message: SwimMessage) -> None: ...
     def handle_timer(self, now: float) -> None: ...
-    def next_timer(self) -> float: ...
+    def next_timer(self) -> float | None: ...
     def messages_to_send(self) -> list[tuple[str, SwimMessage]]: ...
 
 
@@ -70,12 +70,13 @@ class InstantNet:
         self.flush()
         while True:
             live = [node for node_id, node in self.nodes.items() if node_id not in self.down]
-            due = min((node.next_timer() for node in live), default=float("inf"))
-            if due > end:
+            timers = [t for t in (node.next_timer() for node in live) if t is not None]
+            if not timers or min(timers) > end:
                 break
-            self.now = max(self.now, due)
+            self.now = max(self.now, min(timers))
             for node in live:
-                if node.next_timer() <= self.now:
+                timer = node.next_timer()
+                if timer is not None and timer <= self.now:
                     node.handle_timer(self.now)
             self.flush()
         self.now = end

@@ -38,7 +38,7 @@ from localmesh import READY, Served, meshd_command, stop_process
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Message, Request
 
-from meshd.client.ask import AskRequest, Stage, ask_with_failover, check_route, describe_route
+from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
 from meshd.daemon import rpc
 from meshd.net.identity_store import load_mesh_key
 from meshd.net.peers import PeersConfig, open_peers
@@ -144,9 +144,7 @@ async def honest_ask(mesh: Mesh) -> list[int]:
         async def find(excluded: list[str]) -> list[Stage]:
             reply = await rpc(peers, mesh.seed.address, RouteRequest(exclude=excluded), timeout=20.0)
             assert isinstance(reply, RouteReply)
-            route = await describe_route(peers, [s.address for s in reply.stages])
-            check_route(route)
-            return route
+            return route_from_reply(reply)
 
         with trio.fail_after(60):
             result = await ask_with_failover(

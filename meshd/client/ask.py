@@ -200,7 +200,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 nxt = route[i + 1] if i + 1 < len(route) else None
                 try:
                     stream = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
-                except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+                except ProtocolError as exc:
                     raise ProtocolError(ErrorCode.UNREACHABLE, f"stage {stage.address} is unreachable: "
                                                                f"{getattr(exc, 'message', exc)}") from exc
                 opened[i] = stream

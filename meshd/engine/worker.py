@@ -10,6 +10,7 @@ Run as: python -m meshd.engine.worker --fd N --model PATH --layers A:B ...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
@@ -265,6 +266,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--poll", type=int, default=0)
     args = ap.parse_args()
+    # Ctrl-C at a terminal reaches the whole process group; the daemon decides when its worker ends
+    # (it closes the socket, or the parent-death signal does), so the worker leaves no traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.parent:
         die_with_parent(args.parent)
     sock = socket.socket(fileno=args.fd)
@@ -277,7 +281,8 @@ def main() -> int:
         ctx = Context(model, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, n_batch=args.n_batch,
                       n_threads=args.threads or None, poll=args.poll)
     except EngineError as exc:
-        sock.sendall(encode_prefix({"ok": False, "kind": type(exc).__name__, "message": str(exc)}, 0))
+        with contextlib.suppress(OSError):  # a daemon gone while we loaded hears nothing, and minds nothing
+            sock.sendall(encode_prefix({"ok": False, "kind": type(exc).__name__, "message": str(exc)}, 0))
         return 1
     r = model.report
     ready = {"ok": True, "pid": os.getpid(), "report": {
@@ -285,10 +290,10 @@ def main() -> int:
         "has_input": r.has_input, "has_output": r.has_output, "n_tensors": r.n_tensors,
         "n_bytes": r.n_bytes, "n_embd": r.n_embd, "n_vocab": r.n_vocab, "n_ctx_train": r.n_ctx_train,
         "arch": r.arch}}
-    sock.sendall(encode_prefix(ready, 0))
     try:
+        sock.sendall(encode_prefix(ready, 0))
         serve(sock, Worker(model, ctx))
-    except (ConnectionError, OSError):
+    except OSError:
         pass
     return 0
 

@@ -279,7 +279,7 @@ class StageService:
             self._detach(session)
         try:
             await stream.send_message(Released(session=book.id))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
+        except ProtocolError:
             pass
 
     async def _open_hop(self, target: PeerRef, ring: bool) -> Stream:
@@ -290,7 +290,7 @@ class StageService:
         except trio.TooSlowError:
             raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: no link within "
                                                        f"{self.limits.hop_timeout:g} s") from None
-        except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+        except ProtocolError as exc:
             raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: {exc}") from exc
 
     async def _control_loop(self, stream: Stream, session: Session) -> None:
@@ -382,7 +382,7 @@ class StageService:
                                               prompt_tokens=book.prompt_len or 0))
             async for encoded in recv:
                 await hop_stream.send_all(encoded)
-        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except (ProtocolError, trio.ClosedResourceError) as exc:  # the stream, or our own channel closed
             what = "the head" if ring else "the next stage"
             self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost {what} {target.address}: {exc}"))
 
@@ -630,7 +630,7 @@ async def answer_typed(stream: Stream, serve: Callable[[Stream, Message], Awaita
     except ProtocolError as exc:
         try:
             await stream.send_message(error_message(exc))
-        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+        except ProtocolError:
             pass
 
 
