@@ -213,8 +213,9 @@ async def test_a_volunteer_joining_mid_answer_moves_every_range_and_the_answer_i
         await wait_converged(peers, nodes, timeout=90)
         route = await finder(peers, nodes[0])([])
         assert len(route) == 3, "three 62M volunteers should need three stages"
-        ranges = {s.info.node_id: f"[{s.info.layer_begin}, {s.info.layer_end})" for s in route}
-        tail = next(n for n in nodes if n.node_id == route[-1].info.node_id)
+        assert all(s.node_id is not None and s.layers is not None for s in route)
+        ranges = {s.node_id: f"[{s.layers[0]}, {s.layers[1]})" for s in route if s.layers is not None}
+        tail = next(n for n in nodes if n.node_id == route[-1].node_id)
         seen: list[int] = []
         moved: dict[str, list[str]] = {}
         landed_at: list[int] = []
