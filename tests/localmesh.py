@@ -136,3 +136,12 @@ def copy_with_other_digest(src: Path, dst: Path) -> Path:
     data[-7] ^= 0x01
     dst.write_bytes(bytes(data))
     return dst
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaped yet: it runs no more."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

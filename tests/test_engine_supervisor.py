@@ -24,6 +24,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from localmesh import gone
 
 from meshd.cli import report_restarts
 from meshd.engine.supervisor import EngineSupervisor, WorkerRefused, WorkerSpec, _read_frame, _send_frame
@@ -48,15 +49,6 @@ async def supervised(model: Path, **kwargs: Any) -> AsyncIterator[EngineSupervis
             yield sup
         finally:
             nursery.cancel_scope.cancel()
-
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie nobody reaped yet: it runs no more."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 async def until_gone(pid: int) -> None:
@@ -111,22 +103,27 @@ async def raw_exchange(sup: EngineSupervisor, frame: bytes) -> list[dict[str, ob
     return replies
 
 
-async def read_frames(sock: socket.socket, n: int) -> list[dict[str, object]]:
+def take_frames(buf: bytearray, frames: list[dict[str, Any]]) -> None:
+    """Moves every whole frame at the front of `buf` (its header, decoded) onto `frames`."""
+    while len(buf) >= PREFIX.size:
+        header_len, payload_len = PREFIX.unpack_from(buf)
+        end = PREFIX.size + header_len + payload_len
+        if len(buf) < end:
+            return
+        frames.append(msgpack.unpackb(bytes(buf[PREFIX.size:PREFIX.size + header_len])))
+        del buf[:end]
+
+
+async def read_frames(sock: socket.socket, n: int) -> list[dict[str, Any]]:
     """`n` reply frames, however the worker's writes arrive (the supervisor's reader takes one per recv)."""
     buf = bytearray()
-    frames: list[dict[str, object]] = []
+    frames: list[dict[str, Any]] = []
     while len(frames) < n:
         await trio.lowlevel.wait_readable(sock)
         chunk = sock.recv(1 << 16)
         assert chunk, "the worker closed its socket"
         buf += chunk
-        while len(buf) >= PREFIX.size:
-            header_len, payload_len = PREFIX.unpack_from(buf)
-            end = PREFIX.size + header_len + payload_len
-            if len(buf) < end:
-                break
-            frames.append(msgpack.unpackb(bytes(buf[PREFIX.size:PREFIX.size + header_len])))
-            del buf[:end]
+        take_frames(buf, frames)
     return frames
 
 
@@ -367,13 +364,7 @@ def blocking_frames(sock: socket.socket, n: int) -> list[dict[str, Any]]:
         chunk = sock.recv(1 << 16)
         assert chunk, "the worker closed its socket"
         buf += chunk
-        while len(buf) >= PREFIX.size:
-            header_len, payload_len = PREFIX.unpack_from(buf)
-            end = PREFIX.size + header_len + payload_len
-            if len(buf) < end:
-                break
-            frames.append(msgpack.unpackb(bytes(buf[PREFIX.size:PREFIX.size + header_len])))
-            del buf[:end]
+        take_frames(buf, frames)
     return frames
 
 

@@ -13,19 +13,10 @@ from pathlib import Path
 
 import netns
 import pytest
-from localmesh import Served, spawn, start_serve, stop_process
+from localmesh import Served, gone, spawn, start_serve, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 60.0
-
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie: it runs no more."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def wait_gone(*pids: int) -> list[int]:

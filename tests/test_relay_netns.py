@@ -26,8 +26,8 @@ from pathlib import Path
 
 import netns
 import pytest
-from localmesh import READY, spawn, stop_process
-from netns import sh
+from localmesh import READY, spawn
+from netns import Process, sh
 
 pytestmark = pytest.mark.slow  # five namespaces, relays and daemons
 
@@ -40,18 +40,6 @@ HOMES = ("10.202.1.2:7100", "10.202.2.2:7100")
 KV = ["--max-sessions", "2", "--session-tokens", "512"]
 # Two volunteers, each too small for the whole model: the tracker splits it across them.
 VOLUNTEER = ["--memory", "110M", "--threads", "1", *KV]
-
-
-@dataclass
-class Process:
-    name: str
-    proc: subprocess.Popen[str]
-    log: Path
-    address: str = ""
-    node_id: str = ""
-
-    def stop(self) -> None:
-        stop_process(self.proc)
 
 
 @dataclass
