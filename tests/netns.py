@@ -118,6 +118,18 @@ class Process:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def wait_ready(self, timeout: float) -> Process:
+        """Returns once meshd's ready line is in the log (its address and node id taken from it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            for line in self.text().splitlines():
+                m = READY.match(line)
+                if m:
+                    self.address, self.node_id = m.group(1), m.group(3)
+                    return self
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} did not become ready:\n{self.text()}")
+
 
 @dataclass
 class Machine:
@@ -190,15 +202,7 @@ class Bridge:
                                     cwd=machine.home)
         process = Process(name, proc, log)
         self.processes.append(process)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            for line in process.text().splitlines():
-                m = READY.match(line)
-                if m:
-                    process.address, process.node_id = m.group(1), m.group(3)
-                    return process
-            time.sleep(0.1)
-        raise RuntimeError(f"{name} did not become ready:\n{process.text()}")
+        return process.wait_ready(timeout)
 
     def logs(self, tail: int = 4000) -> str:
         return "\n".join(f"----- {p.name}\n{p.text()[-tail:]}" for p in self.processes)

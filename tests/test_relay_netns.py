@@ -26,7 +26,7 @@ from pathlib import Path
 
 import netns
 import pytest
-from localmesh import READY, spawn
+from localmesh import spawn
 from netns import Process, sh
 
 pytestmark = pytest.mark.slow  # five namespaces, relays and daemons
@@ -68,15 +68,7 @@ class Topology:
                          env=os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": "INFO"})
         process = Process(name, proc, log)
         self.processes[name] = process
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            for line in log.read_text().splitlines():
-                m = READY.match(line)
-                if m:
-                    process.address, process.node_id = m.group(1), m.group(3)
-                    return process
-            time.sleep(0.1)
-        raise RuntimeError(f"{name} did not become ready:\n{log.read_text()}")
+        return process.wait_ready(timeout)
 
     def logs(self) -> str:
         return "\n".join(f"----- {p.name}\n{p.log.read_text()[-4000:]}" for p in self.processes.values())
