@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf_dense import DENSE_SPECS, DenseSpec, write_dense_gguf
-from gguf_factory import TINY_SPECS, byte_level_vocab
+from gguf_factory import TINY_SPECS, byte_level_vocab, owned_tensors
 from parity import assert_same_logits
 
 from meshd.engine import Model, UnsupportedModel
@@ -73,14 +73,23 @@ def test_three_stage_chain_gives_the_whole_models_logits(name: str, dense_models
             assert_same_logits(la, lb, f"{name}, prompt {p}, step {step}")
 
 
-@pytest.mark.parametrize("name", list(DENSE_SPECS))
-def test_each_stage_loads_only_its_layers_and_ends(name: str, dense_models: dict[str, Path]) -> None:
+# tensors outside any block that every layer's graph references: each stage holds its own copy
+SHARED_BY_EVERY_STAGE = {"rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+@pytest.mark.parametrize("name", [n for n, s in DENSE_SPECS.items() if not s.n_nextn])  # nextn: its own test
+def test_each_stage_loads_exactly_its_own_tensors(name: str, dense_models: dict[str, Path]) -> None:
     spec = DENSE_SPECS[name]
+    reader = gguf.GGUFReader(dense_models[name])
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    shared = {n: sizes[n] for n in SHARED_BY_EVERY_STAGE if n in sizes}
     for begin, end in spec.chain:
+        want = owned_tensors(reader, (begin, end)) | shared
         with Model(dense_models[name], (begin, end)) as m:
             r = m.report
         assert (r.arch, r.n_layer, r.layer_begin, r.layer_end) == (name, spec.n_layer, begin, end)
         assert (r.has_input, r.has_output) == (begin == 0, end == spec.n_layer)
+        assert (r.n_tensors, r.n_bytes) == (len(want), sum(want.values())), f"[{begin}, {end}): {sorted(want)}"
 
 
 def test_mtp_layers_are_owned_by_no_stage_as_the_whole_model_runs_none(dense_models: dict[str, Path]) -> None:
