@@ -136,3 +136,18 @@ def test_supported_architectures_are_exactly_the_tested_ones() -> None:
     supported = _supported_archs()
     assert supported - tested == set(), "accepted without a parity test"
     assert tested - supported == set(), "tested but refused"
+
+
+def test_the_tracker_plans_the_trunk_without_the_mtp_layers(dense_models: dict[str, Path]) -> None:
+    # block_count counts the nextn layer; a plan over it would hand the tail a range the engine refuses
+    from meshd.mesh.models import model_info
+
+    spec = DENSE_SPECS["exaone4"]
+    path = dense_models["exaone4"]
+    info = model_info(path, "exaone4")
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    trunk = sum(v for n, v in sizes.items() if n.startswith("blk.") and int(n.split(".")[1]) < spec.n_layer)
+    assert info.n_layers == spec.n_layer
+    assert info.bytes_per_layer == -(-trunk // spec.n_layer)
+    with Model(path, (spec.chain[-1][0], info.n_layers)) as m:
+        assert m.report.has_output

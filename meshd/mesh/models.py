@@ -83,13 +83,15 @@ def _read_model_info(path: Path, digest: str) -> ModelInfo:
         return bytes(value).decode() if f.types and f.types[0].name == "STRING" else int(value[0])
 
     arch = str(field("general.architecture"))
-    n_layers = int(field(f"{arch}.block_count"))
+    # MTP (nextn) blocks follow the trunk in block_count; no stage runs them, so no range covers them
+    n_nextn = int(field(f"{arch}.nextn_predict_layers")) if f"{arch}.nextn_predict_layers" in reader.fields else 0
+    n_layers = int(field(f"{arch}.block_count")) - n_nextn
     n_embd = int(field(f"{arch}.embedding_length"))
     n_head = int(field(f"{arch}.attention.head_count"))
     n_head_kv = int(field(f"{arch}.attention.head_count_kv")) if f"{arch}.attention.head_count_kv" in reader.fields else n_head
     head_dim = int(field(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" in reader.fields else n_embd // n_head
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    blocks = sum(size for name, size in sizes.items() if name.startswith("blk."))
+    blocks = sum(size for name, size in sizes.items() if name.startswith("blk.") and int(name.split(".")[1]) < n_layers)
     embd = sizes.get("token_embd.weight", 0)
     tail = sizes.get("output_norm.weight", 0) + sizes.get("output.weight", embd)
     name = reader.fields.get("general.name")
