@@ -34,6 +34,7 @@ NEW_TOKENS = 24
 class Mesh:
     seed: Served
     url: str
+    volunteers: list[Served]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         for i in range(3):
             nodes.append(start_join("--seed", nodes[0].address, "--state-dir", str(base / f"v{i}"), *VOLUNTEER))
         wait_covered(url)
-        yield Mesh(nodes[0], url)
+        yield Mesh(nodes[0], url, nodes[1:])
     finally:
         stop_all(nodes)
 
@@ -202,3 +203,25 @@ async def test_models_list_the_mesh_model_with_its_coverage(mesh: Mesh) -> None:
 async def test_the_key_is_required(mesh: Mesh) -> None:
     with pytest.raises(openai.AuthenticationError):
         await openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+async def test_a_volunteer_gone_makes_the_model_uncovered_503_with_the_reason(mesh: Mesh) -> None:
+    """Last in this module: it takes a volunteer away, and two of 64 MiB cannot hold the model."""
+    await trio.to_thread.run_sync(mesh.volunteers[-1].stop)
+    async with httpx2.AsyncClient(base_url=mesh.url, headers={"authorization": f"Bearer {KEY}"}, timeout=60) as client:
+        with trio.fail_after(60):
+            while True:
+                r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                    "max_tokens": 2})
+                if r.status_code != 200:
+                    break
+                await trio.sleep(0.5)
+        anthropic_reply = await client.post("/v1/messages", json={"max_tokens": 2,
+                                                                  "messages": [{"role": "user", "content": "Hi"}]})
+        models = (await client.get("/v1/models")).json()["data"]
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["type"] == "service_unavailable" and "is not covered" in error["message"]
+    reason = models[0]["coverage"]["reason"]
+    assert reason and reason in error["message"] and not models[0]["coverage"]["covered"]
+    assert anthropic_reply.status_code == 503 and reason in anthropic_reply.json()["error"]["message"]
