@@ -38,10 +38,7 @@ from meshd.client.ask import (
 from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
-from meshd.front.app import build_app
-from meshd.front.door import FrontDoor, load_api_keys
-from meshd.front.mesh import DaemonMesh
-from meshd.front.server import serve_front
+from meshd.front.door import load_api_keys
 from meshd.mesh.models import ModelNotFound, default_model_path
 from meshd.mesh.records import is_loopback, is_unspecified, join_address
 from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
@@ -309,6 +306,12 @@ def api_config(args: argparse.Namespace) -> ApiConfig | None:
 async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, *,
                     task_status: trio.TaskStatus[str]) -> None:
     """The HTTP front door: asks go out from a peer identity of its own, as `meshd ask`'s do."""
+    # Imported here: Starlette and Hypercorn cost every other command a second of start-up on a busy machine.
+    from meshd.front.app import build_app
+    from meshd.front.door import FrontDoor
+    from meshd.front.mesh import DaemonMesh
+    from meshd.front.server import serve_front
+
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
         enable_circuits(peers)
         front = FrontDoor(DaemonMesh(daemon, peers), api.keys)
