@@ -14,14 +14,16 @@ import httpx2
 import openai
 import pytest
 import trio
+import trio.testing
 from api_fakes import DIGEST, NAME, FakeMesh, coverage, fails_with
+from starlette.requests import Request
 
 from meshd import cli
 from meshd.front.app import build_app
-from meshd.front.door import FrontDoor, load_api_keys
-from meshd.front.http import MAX_BODY_BYTES
+from meshd.front.door import MAX_KEY_FILE_BYTES, ApiError, FrontDoor, load_api_keys
+from meshd.front.http import BODY_SECONDS, MAX_BODY_BYTES, read_body
 from meshd.front.mesh import DaemonMesh
-from meshd.front.server import serve_front
+from meshd.front.server import MAX_HEAD_BYTES, serve_front
 from meshd.front.text import AnswerText
 from wire.errors import ErrorCode, ProtocolError
 
@@ -394,3 +396,47 @@ def test_no_route_is_not_coverage_once_failed_stages_are_avoided() -> None:
     with pytest.raises(ProtocolError) as failover:
         mesh.find_route(DIGEST, ["ef" * 32])
     assert failover.value.code is ErrorCode.UNREACHABLE and "around the 1 stage(s)" in failover.value.message
+
+
+# ----- bounds, attacked
+
+
+async def test_a_body_that_never_ends_is_refused_after_its_time(autojump_clock: trio.testing.MockClock) -> None:
+    async def receive() -> dict[str, object]:
+        if not sent:
+            sent.append(True)
+            return {"type": "http.request", "body": b'{"messages": [', "more_body": True}
+        await trio.sleep_forever()
+        raise AssertionError
+
+    sent: list[bool] = []
+    request = Request({"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}, receive)
+    start = trio.current_time()
+    with pytest.raises(ApiError) as refused:
+        await read_body(request)
+    assert refused.value.status == 400 and "did not arrive within 30 s" in refused.value.message
+    assert trio.current_time() - start == pytest.approx(BODY_SECONDS)
+
+
+def test_a_key_file_too_large_is_refused_unread(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_bytes(b"k" * (MAX_KEY_FILE_BYTES + 1))
+    with pytest.raises(ValueError, match="not an API key file"):
+        load_api_keys(keys)
+
+
+async def test_a_request_head_too_large_is_refused_by_the_server() -> None:
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_front, build_app(FrontDoor(FakeMesh())), "127.0.0.1", 0)
+        port = int(url.rsplit(":", 1)[1])
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        # a head that goes on and on, never ending: refused once its bytes pass the bound
+        head = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + b"x-junk: aaaaaaaa\r\n" * (MAX_HEAD_BYTES // 16 + 64)
+        with trio.fail_after(10):
+            await stream.send_all(head)
+            reply = b""
+            while chunk := await stream.receive_some(65536):
+                reply += chunk
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:300]  # Request Header Fields Too Large

@@ -13,9 +13,10 @@ load on the machine falls on every contestant alike:
 
 `meshd ask` dials every stage anew (Noise handshakes included in its first token), as a
 user's command does; the front door keeps its links from one request to the next, so
-its first token pays HTTP and the prompt, not the links. Ratios are API ÷ `meshd ask` for tokens/s and `meshd ask` ÷ API for the first
-token (both ≥ 1 when the API is the faster; the goal is ≥ 0.97). Then 8 concurrent
-API streams: their tokens in all over the wall time, against one stream alone.
+its first token pays HTTP and the prompt, not the links. Ratios are API ÷ `meshd ask`
+for tokens/s and `meshd ask` ÷ API for the first token (both ≥ 1 when the API is the
+faster; the goal is ≥ 0.97). Then 8 concurrent API streams: their tokens in all over
+the wall time, against one stream alone.
 
 Usage: .venv/bin/python tools/bench_api.py [--rounds 5] [--tokens 64] [--json bench-out/api.json]
 """
