@@ -43,7 +43,7 @@ def whole_answer(result: AskResult, stops: list[str]) -> Answer:
 async def ask_whole(front: FrontDoor, request: Request, model: ModelCoverage, ask: AskRequest,
                     dialect: str) -> Answer | None:
     """The whole answer of a request that is not streamed; None if its client hung up first."""
-    result = await unless_gone(request, lambda: front.ask(model, ask, dialect, False))
+    result = await unless_gone(request.receive, lambda: front.ask(model, ask, dialect, False))
     return None if result is None else whole_answer(result, ask.stop)
 
 

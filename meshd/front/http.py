@@ -58,11 +58,12 @@ async def read_json(request: Request, model: type[ModelT]) -> ModelT:
         raise invalid(exc) from None
 
 
-async def unless_gone(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
-    """`work()`'s result, or None (its work cancelled) if the client hangs up first: an answer
+async def unless_gone(receive: Receive, work: Callable[[], Awaitable[T]]) -> T | None:
+    """`work()`'s result, or None (`work` cancelled) if the client hangs up first: an answer
     nobody waits for would hold its sessions on every stage to the end."""
     done: list[T] = []
     failed: list[ApiError] = []
+    left = False
     async with trio.open_nursery() as nursery:
 
         async def run() -> None:
@@ -73,16 +74,20 @@ async def unless_gone(request: Request, work: Callable[[], Awaitable[T]]) -> T |
             nursery.cancel_scope.cancel()
 
         async def watch() -> None:
+            nonlocal left
             # the body was read: what comes now is the client's hang-up
-            while (await request.receive())["type"] != "http.disconnect":
+            while (await receive())["type"] != "http.disconnect":
                 pass
+            left = True
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(run)
         nursery.start_soon(watch)
+    if left:
+        return None
     if failed:
         raise failed[0]
-    return done[0] if done else None
+    return done[0]
 
 
 def invalid(exc: pydantic.ValidationError) -> ApiError:
@@ -136,7 +141,13 @@ class AskStream(Response):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(produce)
-            first = await _first_event(events, receive)
+            async def first_event() -> ServerSentEvent | trio.EndOfChannel:
+                try:
+                    return await events.receive()
+                except trio.EndOfChannel as end:
+                    return end
+
+            first = await unless_gone(receive, first_event)
             if first is None:
                 # the client left while the prompt was read
                 nursery.cancel_scope.cancel()
@@ -149,32 +160,6 @@ class AskStream(Response):
                 response = EventSourceResponse(_chain(first, events), ping=15)
             await response(scope, receive, send)
             nursery.cancel_scope.cancel()
-
-
-async def _first_event(events: trio.MemoryReceiveChannel[ServerSentEvent], receive: Receive) \
-        -> ServerSentEvent | trio.EndOfChannel | None:
-    """The first event, or the end of the events; None if the client disconnects first."""
-    got: list[ServerSentEvent | trio.EndOfChannel] = []
-    left = False
-    async with trio.open_nursery() as nursery:
-
-        async def first() -> None:
-            try:
-                got.append(await events.receive())
-            except trio.EndOfChannel as end:
-                got.append(end)
-            nursery.cancel_scope.cancel()
-
-        async def disconnect() -> None:
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(first)
-        nursery.start_soon(disconnect)
-    return None if left or not got else got[0]
 
 
 async def _chain(first: ServerSentEvent, rest: trio.MemoryReceiveChannel[ServerSentEvent]) \
