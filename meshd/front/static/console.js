@@ -107,7 +107,7 @@ function renderModel(m) {
     el("span", { class: "mono", title: m.digest }, short(m.digest)),
     el("span", { class: "coverage-status" }, m.covered ? "covered" : "not covered"),
     el("span", { class: "coverage-count" }, `${m.covered_layers} of ${m.n_layers} layers`),
-    el("span", {}, `${m.replicas} spare ${m.replicas === 1 ? "copy" : "copies"}`));
+    el("span", {}, `${m.replicas} ${m.replicas === 1 ? "replica" : "replicas"}`));
   const box = el("div", { class: "model", "data-digest": m.digest, "data-covered": m.covered }, head,
     drawLayers(m));
   if (m.why.length) {
