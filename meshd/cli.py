@@ -17,6 +17,7 @@ import signal
 import stat
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -37,8 +38,12 @@ from meshd.client.ask import (
 from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
+from meshd.front.app import build_app
+from meshd.front.door import FrontDoor, load_api_keys
+from meshd.front.mesh import DaemonMesh
+from meshd.front.server import serve_front
 from meshd.mesh.models import ModelNotFound, default_model_path
-from meshd.mesh.records import is_unspecified, join_address
+from meshd.mesh.records import is_loopback, is_unspecified, join_address
 from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
 from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_create_identity
 from meshd.net.peers import PeersConfig, open_peers
@@ -97,6 +102,11 @@ def dialable_address(text: str) -> str:
     if is_unspecified(host.strip("[]")) or port == 0:
         raise argparse.ArgumentTypeError(f"'{text}' is not an address others can dial: give this node's host and port")
     return f"{host}:{port}"
+
+
+def api_address(text: str) -> tuple[str, int]:
+    """--api: HOST:PORT, or a port alone on loopback."""
+    return ("127.0.0.1", integer(0, 65535)(text)) if text.isdigit() else host_port(text)
 
 
 def route_addresses(text: str) -> list[str]:
@@ -270,11 +280,51 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
     return answer
 
 
-async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim) -> None:
-    """Runs a daemon, and its control socket, until SIGTERM or SIGINT, then leaves the mesh gracefully."""
+@dataclass(frozen=True)
+class ApiConfig:
+    host: str
+    port: int
+    keys: list[str] | None
+
+
+def api_config(args: argparse.Namespace) -> ApiConfig | None:
+    """--api and --api-key-file, checked together: beyond loopback only with a key."""
+    if args.api is None:
+        if args.api_key_file is not None:
+            raise UsageError("--api-key-file needs --api HOST:PORT")
+        return None
+    host, port = args.api
+    keys = None
+    if args.api_key_file is not None:
+        try:
+            keys = load_api_keys(args.api_key_file)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if keys is None and not is_loopback(host.strip("[]")):
+        raise UsageError(f"--api {join_address(host.strip('[]'), port)} is beyond loopback: give --api-key-file FILE "
+                         f"so only holders of a key may ask (or bind 127.0.0.1)")
+    return ApiConfig(host.strip("[]"), port, keys)
+
+
+async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, *,
+                    task_status: trio.TaskStatus[str]) -> None:
+    """The HTTP front door: asks go out from a peer identity of its own, as `meshd ask`'s do."""
+    async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
+        enable_circuits(peers)
+        front = FrontDoor(DaemonMesh(daemon, peers), api.keys)
+        await serve_front(build_app(front), api.host, api.port, task_status=task_status)
+
+
+async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim, api: ApiConfig | None = None) -> None:
+    """Runs a daemon, its control socket and its HTTP front door (with `api`) until SIGTERM or SIGINT,
+    then leaves the mesh gracefully."""
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
         await nursery.start(serve_control, claim, local_answers(daemon))
+        if api is not None:
+            url = await nursery.start(serve_api, daemon, api, daemon.config.peers.mesh_key)
+            print(f"meshd: HTTP API on {url} (OpenAI /v1/chat/completions, Anthropic /v1/messages)"
+                  + ("" if api.keys is None else ", API key required"), flush=True)
         listening = join_address(daemon.config.listen[0], daemon.port)
         published = daemon.address or "an address its first peers will show"
         print(f"meshd: {daemon.identity.node_id[:16]} listening on {listening}, published at {published}, "
@@ -294,6 +344,7 @@ def seeds_text(seeds: Sequence[str]) -> str:
 
 
 async def join(args: argparse.Namespace) -> int:
+    api = api_config(args)
     model = None if args.no_model else model_or_default(args.model)
     with claim_state_dir(args.state_dir) as claim:
         identity = node_identity(args.state_dir)
@@ -304,7 +355,7 @@ async def join(args: argparse.Namespace) -> int:
                             peers=PeersConfig(mesh_key=args.mesh_key))
         what = f"volunteering {model.name}" if model else "without a model"
         await run_until_signal(MeshDaemon(identity, config),
-                               f"{what}, memory {mib(args.memory)}, seeds: {seeds_text(args.seed)}", claim)
+                               f"{what}, memory {mib(args.memory)}, seeds: {seeds_text(args.seed)}", claim, api)
     return 0
 
 
@@ -504,6 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions served at once, KV sequences (default: %(default)s)")
     j.add_argument("--session-tokens", type=tokens, default=1024,
                    help="KV tokens one session may hold (default: %(default)s)")
+    j.add_argument("--api", type=api_address, metavar="HOST:PORT",
+                   help="serve the HTTP API (OpenAI and Anthropic) here; a port alone means 127.0.0.1 "
+                        "(default: none)")
+    j.add_argument("--api-key-file", type=Path, metavar="FILE",
+                   help="API keys, one a line, that requests must carry (Authorization: Bearer or x-api-key); "
+                        "required to bind --api beyond loopback (default: none, anyone on loopback may ask)")
 
     r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")
     r.add_argument("--listen", type=host_port, default="0.0.0.0:7400",

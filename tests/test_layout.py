@@ -23,8 +23,9 @@ RANK = {
     "meshd.stage": 3,
     "meshd.relay": 3,
     "meshd.daemon": 4,
-    "meshd.cli": 5,
-    "meshd.__main__": 6,
+    "meshd.front": 5,
+    "meshd.cli": 6,
+    "meshd.__main__": 7,
 }
 SANS_IO = ("wire", "relay", "meshd.mesh", "meshd.stage.books")
 

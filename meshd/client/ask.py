@@ -331,13 +331,14 @@ RouteFinder = Callable[[list[str]], Awaitable[list[Stage]]]
 
 async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskRequest,
                             on_token: OnToken | None = None, attempts: int = 4,
-                            stall_timeout: float = 30.0) -> AskResult:
+                            stall_timeout: float = 30.0, result: AskResult | None = None) -> AskResult:
     """Runs a session; when a stage fails it, routes around that node and re-prefills at a new epoch.
 
     Greedy answers come out as if nothing had failed: the new route gets the
-    prompt and every token generated so far, and continues from there.
+    prompt and every token generated so far, and continues from there. A caller
+    that passes `result` sees it fill as the session runs (the prompt's tokens, each new one).
     """
-    result = AskResult()
+    result = AskResult() if result is None else result
     session = new_session_id()
     excluded: list[str] = []
     for epoch in range(attempts):

@@ -1,0 +1,63 @@
+"""What the two dialects share: the answer's text and why it ended, sampling from a request, endpoint wrapping."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from meshd.client.ask import AskResult
+from meshd.front.door import ApiError, FrontDoor
+from meshd.front.text import AnswerText
+from wire.stage import Sampling
+
+# Most new tokens one request may ask for (the stages' session budgets are the real bound).
+MAX_NEW_TOKENS = 1 << 20
+# A stop string longer than this is not one a client means.
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    # "eog" (the model ended its turn), "stop" (a stop string), "max_tokens"
+    reason: str
+    stop: str | None
+    prompt_tokens: int
+    new_tokens: int
+
+
+def whole_answer(result: AskResult, stops: list[str]) -> Answer:
+    text = AnswerText(stops)
+    for piece in result.pieces:
+        text.feed(piece)
+    text.finish()
+    return answer_of(result, text)
+
+
+def answer_of(result: AskResult, text: AnswerText) -> Answer:
+    reason = "stop" if text.stopped_by is not None else (result.reason or "eog")
+    return Answer(text.text, reason, text.stopped_by, len(result.prompt_tokens), len(result.tokens))
+
+
+def sampling(temperature: float, top_p: float | None, top_k: int | None, seed: int | None) -> Sampling:
+    """A request's sampling; without a seed, a fresh one (each answer at a temperature differs, as clients expect)."""
+    return Sampling(temperature=temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k or 0,
+                    seed=secrets.randbits(32) if seed is None else seed & 0xFFFF_FFFF)
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def guarded(front: FrontDoor, endpoint: Endpoint, error_response: Callable[[ApiError], Response]) -> Endpoint:
+    """`endpoint` behind the key check, with every ApiError answered in the dialect's shape."""
+    async def run(request: Request) -> Response:
+        try:
+            front.check_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
+            return await endpoint(request)
+        except ApiError as exc:
+            return error_response(exc)
+    return run
