@@ -14,8 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.testclient import TestClient
 
+from meshd.client.ask import AskResult
 from meshd.front import console
-from meshd.front.console import Console, routes
+from meshd.front.app import build_app
+from meshd.front.console import Console, console_routes
+from meshd.front.door import Asking, FrontDoor
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberInfo, MemberState
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
@@ -23,6 +26,7 @@ from meshd.mesh.status import status_view
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteStage, StatusReply
+from wire.stage import StageInfo
 
 MODEL = ModelInfo(digest="ab" * 32, name="SmolLM2-135M", n_layers=30, bytes_per_layer=1 << 20, kv_bytes_per_token=64)
 REASON = "memory needed 190 MiB (weights + KV) against 2 × 64 MiB offered (62 MiB short)"
@@ -188,7 +192,7 @@ HOSTILE = "<img src=x onerror=alert(1)>"
 
 
 def app(mesh: FakeMesh, guard: console.Guard | None = None) -> Starlette:
-    return Starlette(routes=routes(Console(mesh), guard))
+    return Starlette(routes=console_routes(Console(mesh), guard))
 
 
 def test_the_page_its_assets_and_the_state_are_served_from_the_package() -> None:
@@ -216,6 +220,26 @@ def test_a_member_s_markup_reaches_the_page_as_json_text_only() -> None:
     script = (console.files("meshd.front") / "static" / "console.js").read_text()
     # the page builds its DOM from text nodes: nothing a member names is parsed as HTML
     assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "document.write" not in script
+
+
+def test_on_the_front_door_the_state_wants_its_api_key_and_shows_its_asks_in_flight() -> None:
+    mesh, ids = three_stages()
+    front = FrontDoor(mesh, api_keys=["right"])  # type: ignore[arg-type]  # the fake has no ask: none is made
+    result = AskResult(prompt_tokens=[1, 2, 3], tokens=[7, 8], epochs=1, route=[
+        StageInfo(node_id=ids[0], model_digest=MODEL.digest, model_name=MODEL.name, layer_begin=0, layer_end=10,
+                  n_layer=30, n_embd=576, ready=True)])
+    front.asking[5] = Asking(5, MODEL.digest, "openai", True, 0.0, result)
+    with TestClient(build_app(front), backend="trio") as client:
+        assert client.get("/").status_code == 200
+        refused = client.get("/console/state")
+        assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+        assert mesh.polls == []
+        for headers in ({"Authorization": "Bearer right"}, {"x-api-key": "right"}):
+            got = client.get("/console/state", headers=headers)
+            assert got.status_code == 200
+        [ask] = got.json()["asks"]
+        assert (ask["id"], ask["dialect"], ask["prompt_tokens"], ask["tokens"], ask["epochs"]) == (5, "openai", 3, 2, 1)
+        assert ask["route"] == [{"node_id": ids[0], "start": 0, "end": 10}]
 
 
 def test_the_guard_refuses_the_state_but_not_the_page() -> None:

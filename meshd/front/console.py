@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 from starlette.requests import Request
@@ -32,6 +32,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from meshd.daemon import MeshDaemon
+from meshd.front import openai_api
+from meshd.front.door import ApiError, Asking, FrontDoor, Mesh
+from meshd.front.mesh import DaemonMesh
 from meshd.mesh.membership import MemberInfo, MemberState
 from meshd.mesh.records import CapabilityRecord
 from meshd.net import rpc as net_rpc
@@ -45,6 +49,8 @@ REFRESH = 0.9
 MAX_POLLED = 64
 POLL_CONCURRENCY = 8
 METRICS_TIMEOUT = 1.0
+# The front door's asks in flight shown (it runs at most door.MAX_ASKS at once).
+MAX_ASKS_SHOWN = 64
 # A figure a member reports beyond this is not believed.
 MAX_FIGURE = 1e15
 
@@ -58,6 +64,7 @@ PAGE_HEADERS = {
 }
 
 
+@runtime_checkable
 class MeshSource(Protocol):
     """What the console reads of a member: the daemon is one (`DaemonSource`); tests use a fake."""
 
@@ -79,37 +86,57 @@ class MeshSource(Protocol):
 
 
 class DaemonSource:
-    """The console's view of the `MeshDaemon` it runs beside: its own stages read directly,
+    """The console's view of the `MeshDaemon` it runs beside: its own stage read directly,
     the others' asked over the stage protocol."""
 
-    def __init__(self, daemon: Any) -> None:
-        # Any, not MeshDaemon: the front door is started by the daemon's caller, and this keeps
-        # the console free of the daemon's import cost in its unit tests.
+    def __init__(self, daemon: MeshDaemon) -> None:
         self.daemon = daemon
 
     def status(self) -> StatusReply:
-        reply: StatusReply = self.daemon.status()
-        return reply
+        return self.daemon.status()
 
     def members(self) -> list[MemberInfo]:
-        members: list[MemberInfo] = self.daemon.mesh.membership.members()
-        return members
+        return self.daemon.mesh.membership.members()
 
     def route(self, model: str) -> RouteReply:
-        reply: RouteReply = self.daemon.route(model)
-        return reply
+        return self.daemon.route(model)
 
     async def stage_metrics(self, node_id: str) -> dict[str, float]:
         if node_id == self.daemon.identity.node_id:
             services = [s.service for s in self.daemon.serving if s.service is not None]
             if not services:
                 raise ProtocolError(ErrorCode.NOT_FOUND, "this node serves no layers yet")
-            values: dict[str, float] = services[-1].metric_values()
-            return values
+            return services[-1].metric_values()
         address = self.daemon.address_of(node_id)
         reply = await net_rpc.call(self.daemon.peers, address, STAGE_PROTOCOL, MetricsRequest(), Metrics,
                                    node_id=node_id, timeout=METRICS_TIMEOUT)
         return dict(reply.values)
+
+
+class StatusSource:
+    """A front door's mesh that offers only its status view (a mesh of fakes): the console shows the
+    status and says it has no routes or figures, instead of refusing to mount."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def status(self) -> StatusReply:
+        return self.mesh.status()
+
+    def members(self) -> list[MemberInfo]:
+        return []
+
+    def route(self, model: str) -> RouteReply:
+        raise ProtocolError(ErrorCode.NOT_FOUND, "this front door's mesh plans no routes")
+
+    async def stage_metrics(self, node_id: str) -> dict[str, float]:
+        raise ProtocolError(ErrorCode.NOT_FOUND, "this front door's mesh reads no stage figures")
+
+
+def source_of(mesh: Mesh) -> MeshSource:
+    if isinstance(mesh, DaemonMesh):
+        return DaemonSource(mesh.daemon)
+    return mesh if isinstance(mesh, MeshSource) else StatusSource(mesh)
 
 
 # ----- stage figures: believed only in bounds, tok/s from successive readings
@@ -156,9 +183,10 @@ LIVE_STATES = (MemberState.ALIVE, MemberState.SUSPECT)
 
 
 def snapshot(status: StatusReply, members: Sequence[MemberInfo], stages: dict[str, dict[str, Any]],
-             route_of: Callable[[str], RouteReply], now: float) -> dict[str, Any]:
+             route_of: Callable[[str], RouteReply], asks: Sequence[Asking], now: float) -> dict[str, Any]:
     """The console's JSON: `stages` holds each polled member's `stage_figures`; `route_of` gives a
-    covered model's route (a ProtocolError says why there is none); `now` is Unix time."""
+    covered model's route (a ProtocolError says why there is none); `asks` are the front door's
+    asks in flight; `now` is Unix time."""
     info = {m.node_id: m for m in members}
     rows = []
     for shown in status.members:
@@ -176,7 +204,16 @@ def snapshot(status: StatusReply, members: Sequence[MemberInfo], stages: dict[st
             "stage": stages.get(shown.node_id),
         })
     return {"node_id": status.node_id, "tracker": status.tracker, "term": status.term, "time": now,
-            "members": rows, "models": [_model(c, members, route_of) for c in status.coverage]}
+            "members": rows, "models": [_model(c, members, route_of) for c in status.coverage],
+            "asks": [_ask(a, now) for a in asks[:MAX_ASKS_SHOWN]]}
+
+
+def _ask(a: Asking, now: float) -> dict[str, Any]:
+    r = a.result
+    return {"id": a.id, "model": a.model, "dialect": a.dialect, "stream": a.stream,
+            "seconds": max(0.0, now - a.started), "prompt_tokens": len(r.prompt_tokens), "tokens": len(r.tokens),
+            "epochs": r.epochs,
+            "route": [{"node_id": s.node_id, "start": s.layer_begin, "end": s.layer_end} for s in r.route]}
 
 
 def _served(record: CapabilityRecord | None) -> list[dict[str, Any]]:
@@ -219,8 +256,10 @@ def _model(c: ModelCoverage, members: Sequence[MemberInfo], route_of: Callable[[
 # ----- the console: one snapshot shared by every viewer
 
 class Console:
-    def __init__(self, source: MeshSource) -> None:
+    def __init__(self, source: MeshSource, asking: Mapping[int, Asking] | None = None) -> None:
         self.source = source
+        # the front door's asks in flight: its own sessions and the routes they run on
+        self.asking: Mapping[int, Asking] = asking if asking is not None else {}
         self._rates = Rates()
         self._lock = trio.Lock()
         self._snapshot: dict[str, Any] | None = None
@@ -250,7 +289,7 @@ class Console:
             count = figure(values, "decode_rows")
             stages[node_id] = stage_figures(values, self._rates.rate(node_id, now, count) if count is not None else 0.0)
         self._rates.keep(set(readings))
-        return snapshot(status, members, stages, self.source.route, time.time())
+        return snapshot(status, members, stages, self.source.route, list(self.asking.values()), time.time())
 
     async def _poll(self, node_id: str, limiter: trio.CapacityLimiter, out: dict[str, dict[str, float]]) -> None:
         async with limiter:
@@ -268,8 +307,21 @@ class Console:
 Guard = Callable[[Request], Response | None]
 
 
-def routes(console: Console, guard: Guard | None = None) -> list[BaseRoute]:
-    """The console's routes: the page at `/`, its assets, and the state it polls."""
+def routes(front: FrontDoor) -> list[BaseRoute]:
+    """The console on the front door's app: the state is guarded by the API's own keys."""
+
+    def guard(request: Request) -> Response | None:
+        try:
+            front.check_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        except ApiError as exc:
+            return openai_api.error_response(exc)
+        return None
+
+    return console_routes(Console(source_of(front.mesh), front.asking), guard)
+
+
+def console_routes(console: Console, guard: Guard | None = None) -> list[BaseRoute]:
+    """The page at `/`, its assets, and the state it polls."""
     page = (files("meshd.front") / "static" / "index.html").read_bytes()
 
     async def index(request: Request) -> Response:
