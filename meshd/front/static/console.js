@@ -33,6 +33,7 @@ function authHeaders() {
 // ----- state
 
 let models = [];
+let drawn = "";
 
 async function poll() {
   let wait = document.hidden ? HIDDEN_POLL_MS : POLL_MS;
@@ -67,9 +68,14 @@ function render(state) {
   $("tracker").title = state.tracker || "";
   $("term").textContent = String(state.term);
   $("updated").textContent = new Date(state.time * 1000).toLocaleTimeString();
+  // redrawn only when something changed: a redraw replaces the nodes a reader may be selecting
+  const key = JSON.stringify([state.members, state.models, state.asks]);
+  if (key === drawn) return;
+  drawn = key;
   models = state.models;
   renderMembers(state.members);
   renderModels(state.models);
+  renderAsks(state.asks);
   renderModelChoice();
 }
 
@@ -92,8 +98,24 @@ function renderMembers(members) {
       el("td", { class: "num" }, num(m.ms_per_layer, 2)),
       el("td", { class: "num sessions" }, stage.sessions == null ? "–" : String(stage.sessions)),
       el("td", { class: "num" }, stage.kv_tokens == null ? "–" : String(stage.kv_tokens)),
+      el("td", { class: "num" }, stage.step_ms_p50 ? `${num(stage.step_ms_p50, 1)} ms` : "–"),
       el("td", { class: "num tok-s" }, m.stage ? num(stage.tok_s, 1) : "–"));
   }));
+}
+
+function renderAsks(asks) {
+  const names = new Map(models.map((m) => [m.digest, m.name]));
+  $("no-asks").hidden = asks.length > 0;
+  $("asks").hidden = asks.length === 0;
+  document.querySelector("#asks tbody").replaceChildren(...asks.map((a) => el("tr", { "data-ask": a.id },
+    el("td", { class: "num" }, `#${a.id}`),
+    el("td", {}, names.get(a.model) || short(a.model)),
+    el("td", {}, `${a.dialect}${a.stream ? ", streamed" : ""}`),
+    el("td", { class: "num" }, `${num(a.seconds, 1)} s`),
+    el("td", { class: "num" }, String(a.prompt_tokens)),
+    el("td", { class: "num" }, String(a.tokens)),
+    el("td", { class: "num" }, String(a.epochs)),
+    el("td", { class: "mono" }, a.route.map((s) => `${short(s.node_id)} [${s.start}, ${s.end})`).join(" → ") || "–"))));
 }
 
 function renderModels(list) {
