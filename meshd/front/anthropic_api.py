@@ -66,8 +66,10 @@ class Message(BaseModel):
 
 
 class Thinking(BaseModel):
+    """No thinking budget can be honoured; "adaptive" leaves it to the model, which here thinks aloud or not."""
+
     model_config = ConfigDict(extra="ignore")
-    type: Literal["disabled"]
+    type: Literal["disabled", "adaptive"]
 
 
 class MessagesRequest(BaseModel):
@@ -79,6 +81,7 @@ class MessagesRequest(BaseModel):
     system: Content | Blocks | None = None
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
                               Field(max_length=16)] | None = None
+    # newer clients send these only through extra_body; older ones and plain HTTP still do
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None

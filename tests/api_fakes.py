@@ -1,0 +1,71 @@
+"""A fake mesh for the front door's unit tests: canned answers, recorded requests, failures on demand."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from meshd.client.ask import AskRequest, AskResult, OnToken
+from wire.errors import ProtocolError
+from wire.meshrpc import ModelCoverage, StatusReply
+
+DIGEST = "ab" * 32
+NAME = "Fake Model"
+
+
+def coverage(name: str = NAME, digest: str = DIGEST, covered: int = 30, reason: str = "") -> ModelCoverage:
+    return ModelCoverage(model=digest, name=name, n_layers=30, covered_layers=covered, assigned=[], replicas=0,
+                         reason=reason)
+
+
+@dataclass
+class FakeMesh:
+    """Answers every ask with `pieces` (then `reason`), or raises `error` after `fail_after` pieces."""
+
+    pieces: Sequence[bytes] = (b"Hel", b"lo", b" wor", b"ld")
+    reason: str = "eog"
+    prompt_tokens: int = 5
+    models: list[ModelCoverage] = field(default_factory=lambda: [coverage()])
+    error: Exception | None = None
+    fail_after: int = 0
+    # each piece waits here, so a test can hold an answer mid-stream
+    gate: trio.Event | None = None
+    asked: list[tuple[str, AskRequest]] = field(default_factory=list)
+    cancelled: int = 0
+    started: trio.Event = field(default_factory=trio.Event)
+
+    def status(self) -> StatusReply:
+        return StatusReply(node_id="cd" * 32, term=1, members=[], coverage=self.models)
+
+    async def ask(self, model: str, request: AskRequest, on_token: OnToken | None, result: AskResult) -> AskResult:
+        self.asked.append((model, request))
+        self.started.set()
+        try:
+            result.prompt_tokens = list(range(self.prompt_tokens))
+            for i, piece in enumerate(self.pieces[:request.max_tokens]):
+                if self.error is not None and i == self.fail_after:
+                    raise self.error
+                if self.gate is not None and i > 0:
+                    await self.gate.wait()
+                await trio.lowlevel.checkpoint()
+                result.tokens.append(i)
+                result.pieces.append(piece)
+                if on_token is not None:
+                    maybe = on_token(i, piece)
+                    if maybe is not None:
+                        await maybe
+            if self.error is not None and self.fail_after >= len(self.pieces):
+                raise self.error
+            # as the tail: the budget ends an answer that the model would have gone on with
+            cut = len(self.pieces) >= request.max_tokens and self.reason == "eog"
+            result.reason = "max_tokens" if cut else self.reason
+            return result
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+
+
+def fails_with(error: ProtocolError, after: int = 0) -> FakeMesh:
+    return FakeMesh(error=error, fail_after=after)

@@ -1,0 +1,359 @@
+"""The front door's HTTP behaviour against a fake mesh (named FakeMesh): each dialect's shapes, its
+error JSON and status codes, keys, bounds. The official clients talk to the ASGI app in process;
+the tests that need a real socket (a client that goes away mid-stream) use Hypercorn on loopback."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
+
+import anthropic
+import httpx2
+import openai
+import pytest
+import trio
+from api_fakes import DIGEST, NAME, FakeMesh, coverage, fails_with
+
+from meshd import cli
+from meshd.front.app import build_app
+from meshd.front.door import FrontDoor, load_api_keys
+from meshd.front.http import MAX_BODY_BYTES
+from meshd.front.server import serve_front
+from meshd.front.text import AnswerText
+from wire.errors import ErrorCode, ProtocolError
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def http(front: FrontDoor) -> httpx2.AsyncClient:
+    return httpx2.AsyncClient(transport=httpx2.ASGITransport(app=build_app(front)), base_url="http://front")
+
+
+def oai(front: FrontDoor, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://front/v1", api_key=key, max_retries=0, http_client=http(front))
+
+
+def claude(front: FrontDoor, key: str = "none") -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url="http://front", api_key=key, max_retries=0, http_client=http(front))
+
+
+# ----- the answer's text
+
+
+def test_stop_string_split_across_pieces_is_cut_and_never_shown() -> None:
+    text = AnswerText(["END"])
+    shown = [text.feed(p) for p in (b"one E", b"N", b"D and more")]
+    assert "".join(shown) == "one " and text.stopped_by == "END" and text.finish() == ""
+    assert shown[0] == "one "  # "E" could start the stop string: held back
+
+
+def test_held_back_text_that_is_no_stop_comes_out() -> None:
+    text = AnswerText(["END"])
+    assert text.feed(b"an E") == "an "
+    assert text.feed(b"dge") == "Edge"
+    assert text.feed(b" E") == " "
+    assert text.finish() == "E" and text.stopped_by is None and text.text == "an Edge E"
+
+
+def test_a_character_split_between_pieces_comes_out_whole() -> None:
+    text = AnswerText()
+    euro = "€".encode()
+    assert text.feed(euro[:1]) == ""
+    assert text.feed(euro[1:] + b"!") == "€!"
+
+
+# ----- OpenAI
+
+
+async def test_chat_completion_with_usage_and_finish_reason() -> None:
+    mesh = FakeMesh()
+    reply = await oai(FrontDoor(mesh)).chat.completions.create(
+        model=NAME, messages=[{"role": "system", "content": "be brief"}, *USER,
+                              {"role": "assistant", "content": [{"type": "text", "text": "yes?"}]},
+                              {"role": "developer", "content": "plain"}],
+        temperature=0.5, top_p=0.9, seed=7, max_completion_tokens=50, stop="zzz")
+    assert reply.choices[0].message.content == "Hello world" and reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (5, 4)
+    model, asked = mesh.asked[0]
+    assert model == DIGEST and asked.max_tokens == 50 and asked.stop == ["zzz"]
+    assert asked.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "yes?"}, {"role": "system", "content": "plain"}]
+    assert (asked.sampling.temperature, asked.sampling.top_p, asked.sampling.seed) == (0.5, 0.9, 7)
+
+
+async def test_budget_reached_is_length_and_the_default_budget_applies() -> None:
+    mesh = FakeMesh()
+    front = FrontDoor(mesh, default_max_tokens=3)
+    reply = await oai(front).chat.completions.create(model=NAME, messages=USER)
+    assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content == "Hello wor"
+    assert mesh.asked[0][1].max_tokens == 3 and mesh.asked[0][1].sampling.temperature == 1.0
+
+
+async def test_chat_stream_with_usage_and_done() -> None:
+    mesh = FakeMesh(pieces=(b"Hi", b" the", b"re", b"STOP", b"x"), reason="stop")
+    stream = await oai(FrontDoor(mesh)).chat.completions.create(
+        model=DIGEST[:12], messages=USER, stream=True, stop=["STOP"], stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hi there"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_stream_ends_with_done_line() -> None:
+    async with http(FrontDoor(FakeMesh())) as client:
+        r = await client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    data = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and "usage" not in json.loads(data[0])
+
+
+async def test_completions_raw_text_default_budget_and_stream() -> None:
+    mesh = FakeMesh(pieces=[b"x"] * 40)
+    client = oai(FrontDoor(mesh))
+    reply = await client.completions.create(model=NAME, prompt="Once upon")
+    assert reply.choices[0].text == "x" * 16 and reply.choices[0].finish_reason == "length"
+    assert mesh.asked[0][1].text == "Once upon" and mesh.asked[0][1].messages is None
+    stream = await client.completions.create(model=NAME, prompt=["Once"], max_tokens=3, stream=True)
+    assert "".join([c.choices[0].text async for c in stream]) == "xxx"
+
+
+async def test_models_list_coverage_in_each_dialect() -> None:
+    front = FrontDoor(FakeMesh(models=[coverage(), coverage("Other", "ef" * 32, covered=10, reason="needs 2 GiB")]))
+    listed = [m async for m in oai(front).models.list()]
+    assert [m.id for m in listed] == [NAME, "Other"]
+    other = listed[1].model_dump()
+    assert other["digest"] == "ef" * 32 and other["coverage"]["covered"] is False
+    assert other["coverage"]["reason"] == "needs 2 GiB"
+    assert [m.id async for m in claude(front).models.list()] == [NAME, "Other"]
+
+
+# ----- Anthropic
+
+
+async def test_message_with_system_stop_sequence_and_usage() -> None:
+    mesh = FakeMesh(pieces=(b"Hel", b"lo", b" wor", b"ld"), reason="stop")
+    reply = await claude(FrontDoor(mesh)).messages.create(
+        model=NAME, max_tokens=20, system=[{"type": "text", "text": "be brief"}], stop_sequences=["wor"],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        # this client version no longer has these as arguments; the API still takes them
+        extra_body={"temperature": 0.0, "top_k": 5})
+    assert reply.content[0].type == "text" and reply.content[0].text == "Hello "
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "wor")
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (5, 4)
+    asked = mesh.asked[0][1]
+    assert asked.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert (asked.max_tokens, asked.sampling.temperature, asked.sampling.top_k) == (20, 0.0, 5)
+
+
+async def test_message_stream_events_in_order() -> None:
+    mesh = FakeMesh()
+    async with claude(FrontDoor(mesh)).messages.stream(model=NAME, max_tokens=2, messages=USER) as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert [k for k in kinds if k not in ("text",)] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "message_delta", "message_stop"]
+    assert final.content[0].type == "text" and final.content[0].text == "Hello"
+    assert final.stop_reason == "max_tokens" and (final.usage.input_tokens, final.usage.output_tokens) == (5, 2)
+
+
+# ----- errors in each dialect's shape
+
+
+async def test_unknown_model_is_404_in_each_dialect() -> None:
+    front = FrontDoor(FakeMesh())
+    with pytest.raises(openai.NotFoundError) as o:
+        await oai(front).chat.completions.create(model="gpt-4o", messages=USER)
+    assert o.value.status_code == 404 and "gpt-4o" in o.value.message and NAME in o.value.message
+    assert o.value.body["type"] == "not_found_error" and o.value.code == "model_not_found"
+    with pytest.raises(anthropic.NotFoundError) as a:
+        await claude(front).messages.create(model="claude-x", max_tokens=5, messages=USER)
+    assert a.value.body["type"] == "error" and a.value.body["error"]["type"] == "not_found_error"
+
+
+async def test_several_models_and_none_named_is_400() -> None:
+    front = FrontDoor(FakeMesh(models=[coverage(), coverage("Other", "ef" * 32)]))
+    async with http(front) as client:
+        r = await client.post("/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "Other" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"messages": USER, "temperature": 3}, "temperature"),
+    ({"messages": USER, "top_p": 0}, "top_p"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
+    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": USER, "logprobs": True}, "logprobs"),
+    ({"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+])
+async def test_bad_openai_parameters_are_400_naming_the_field(body: dict[str, object], where: str) -> None:
+    mesh = FakeMesh()
+    async with http(FrontDoor(mesh)) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and where.split(".")[0] in error["message"]
+    assert mesh.asked == []
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"messages": USER}, "max_tokens"),
+    ({"max_tokens": 5, "messages": USER, "temperature": 1.5}, "temperature"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "content"),
+    ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+])
+async def test_bad_anthropic_parameters_are_400_in_its_shape(body: dict[str, object], where: str) -> None:
+    async with http(FrontDoor(FakeMesh())) as client:
+        r = await client.post("/v1/messages", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert where in r.json()["error"]["message"]
+
+
+async def test_not_json_and_too_large_bodies() -> None:
+    async with http(FrontDoor(FakeMesh())) as client:
+        bad = await client.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
+        big = await client.post("/v1/chat/completions", content=b"x" * (MAX_BODY_BYTES + 1))
+        # no Content-Length to refuse by: the body is counted as it comes
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(MAX_BODY_BYTES // 65536 + 2):
+                yield b" " * 65536
+        streamed = await client.post("/v1/chat/completions", content=chunks())
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+    assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
+    assert streamed.status_code == 413
+
+
+async def test_uncovered_model_is_503_with_the_reason_in_each_dialect() -> None:
+    reason = "no route for Fake Model: layers [8, 30) have no stage; the members offer 64 MiB, the model needs 180 MiB"
+    front = FrontDoor(fails_with(ProtocolError(ErrorCode.NOT_FOUND, reason)))
+    with pytest.raises(openai.InternalServerError) as o:
+        await oai(front).chat.completions.create(model=NAME, messages=USER, stream=True)
+    assert o.value.status_code == 503 and "needs 180 MiB" in o.value.message
+    with pytest.raises(anthropic.APIStatusError) as a:
+        await claude(front).messages.create(model=NAME, max_tokens=5, messages=USER)
+    assert a.value.status_code == 503 and "needs 180 MiB" in a.value.body["error"]["message"]
+
+
+async def test_busy_mesh_is_429_with_retry_after() -> None:
+    front = FrontDoor(fails_with(ProtocolError(ErrorCode.OVERLOADED, "all 8 session slots are busy",
+                                               retry_after_ms=1500)))
+    async with http(front) as client:
+        r = await client.post("/v1/messages", json={"max_tokens": 5, "messages": USER})
+    assert r.status_code == 429 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+async def test_a_front_door_full_of_asks_refuses_more() -> None:
+    mesh = FakeMesh(gate=trio.Event())
+    front = FrontDoor(mesh, max_asks=1)
+    async with http(front) as client, trio.open_nursery() as nursery:
+        nursery.start_soon(partial(client.post, "/v1/chat/completions", json={"messages": USER}))
+        await mesh.started.wait()
+        r = await client.post("/v1/chat/completions", json={"messages": USER})
+        assert r.status_code == 429 and "1 requests at once" in r.json()["error"]["message"]
+        mesh.gate.set()
+    assert front.asking == {}
+
+
+async def test_failure_mid_stream_is_an_error_event_in_each_dialect() -> None:
+    front = FrontDoor(fails_with(ProtocolError(ErrorCode.UNREACHABLE, "stage 127.0.0.1:9 is gone"), after=2))
+    stream = await oai(front).chat.completions.create(model=NAME, messages=USER, stream=True)
+    got = []
+    with pytest.raises(openai.APIError, match="stage 127.0.0.1:9 is gone"):
+        async for chunk in stream:
+            got.append(chunk.choices[0].delta.content)
+    assert "".join(g or "" for g in got) == "Hello"
+    async with http(front) as client:
+        r = await client.post("/v1/messages", json={"max_tokens": 9, "messages": USER, "stream": True})
+    events = [line.removeprefix("event: ") for line in r.text.splitlines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "error"
+    assert "overloaded_error" in r.text.split("event: error")[-1]
+
+
+async def test_unknown_path_and_method_in_json() -> None:
+    async with http(FrontDoor(FakeMesh())) as client:
+        missing = await client.get("/v1/nothing")
+        wrong = await client.get("/v1/messages")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert wrong.status_code == 405 and wrong.json()["type"] == "error"
+
+
+# ----- keys
+
+
+async def test_keys_are_checked_in_each_dialect(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("\nfirst-key\n  second-key  \n")
+    front = FrontDoor(FakeMesh(), load_api_keys(keys))
+    with pytest.raises(openai.AuthenticationError) as o:
+        await oai(front, "wrong").chat.completions.create(model=NAME, messages=USER)
+    assert o.value.status_code == 401 and o.value.body["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError) as a:
+        await claude(front, "first-ke").messages.create(model=NAME, max_tokens=5, messages=USER)
+    assert a.value.body["error"]["type"] == "authentication_error"
+    assert (await oai(front, "second-key").chat.completions.create(model=NAME, messages=USER)).choices
+    assert (await claude(front, "first-key").messages.create(model=NAME, max_tokens=5, messages=USER)).content
+    async with http(front) as client:
+        assert (await client.get("/v1/models")).status_code == 401
+        assert (await client.get("/v1/models", headers={"authorization": "Basic first-key"})).status_code == 401
+        assert (await client.get("/v1/models", headers={"x-api-key": "first-key"})).status_code == 200
+
+
+@pytest.mark.parametrize("content, why", [("", "holds no API key"), ("\n  \n", "holds no API key")])
+def test_a_key_file_without_keys_is_refused(tmp_path: Path, content: str, why: str) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(content)
+    with pytest.raises(ValueError, match=why):
+        load_api_keys(keys)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--api", "0.0.0.0:8080"], "meshd join: --api 0.0.0.0:8080 is beyond loopback: give --api-key-file FILE"),
+    (["--api", "[::]:8080"], "meshd join: --api [::]:8080 is beyond loopback"),
+    (["--api", "192.0.2.1:80"], "meshd join: --api 192.0.2.1:80 is beyond loopback"),
+    (["--api-key-file", "keys"], "meshd join: --api-key-file needs --api HOST:PORT"),
+    (["--api", "localhost:8080", "--api-key-file", "/nonexistent/keys"], "meshd join: cannot read the API key file"),
+    (["--api", "70000"], "meshd join: argument --api: must be a whole number from 0 to 65535"),
+])
+def test_api_beyond_loopback_without_a_key_is_refused_at_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], line: str) -> None:
+    try:
+        code = cli.main(["join", "--no-model", "--state-dir", str(tmp_path / "state"), *argv])
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
+    assert not (tmp_path / "state").exists()  # refused before anything started
+
+
+# ----- a client that goes away
+
+
+async def test_client_gone_mid_stream_cancels_the_ask() -> None:
+    mesh = FakeMesh(gate=trio.Event())
+    front = FrontDoor(mesh)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_front, build_app(front), "127.0.0.1", 0)
+        async with httpx2.AsyncClient(base_url=url) as client:
+            async with client.stream("POST", "/v1/messages", json={"max_tokens": 9, "messages": USER,
+                                                                    "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if "content_block_delta" in line:
+                        break
+        with trio.fail_after(10):
+            while mesh.cancelled == 0 or front.asking:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert mesh.cancelled == 1 and not mesh.gate.is_set()
