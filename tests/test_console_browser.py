@@ -34,6 +34,8 @@ SCREENSHOT = ROOT / "bench-out" / "console.png"
 VOLUNTEER = ["--memory", "64M", "--max-sessions", "2", "--session-tokens", "512", "--threads", "1"]
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 24
+# the members table's sessions column
+SESSIONS = 8
 # bounds on waiting for the real mesh and browser, not speed claims
 FORMED = 180
 ANSWERED = 120
@@ -138,7 +140,9 @@ def test_the_console_shows_the_mesh_streams_a_chat_answer_and_says_why_a_model_i
 
     def formed(page: dict[str, Any]) -> bool:
         alive = {m["node"] for m in page["members"] if m["state"] == "alive"}
-        return alive >= ids and len(page["models"]) == 1 and page["models"][0]["covered"] \
+        # every volunteer's stage figures, its own read in place and the others' over the stage protocol
+        figures = all(m["cells"][SESSIONS].isdigit() for m in page["members"] if m["node"] != seed.node_id)
+        return alive >= ids and figures and len(page["models"]) == 1 and page["models"][0]["covered"] \
             and bool(page["models"][0]["route"])
 
     page = until(chrome, FORMED, "every member alive and the model covered", formed)

@@ -155,8 +155,12 @@ async def test_a_covered_model_without_a_route_says_why(autojump_clock: trio.tes
 async def test_a_member_s_unbelievable_figures_are_dropped(bad: float, autojump_clock: trio.testing.MockClock) -> None:
     mesh, ids = three_stages()
     mesh.figures = {ids[0]: {"sessions": bad, "kv_tokens": bad, "decode_rows": bad, "step_ms_p50": bad}}
+    liar = mesh.add([(25, 40), (31, 32)])  # layers the model does not have
     state = await Console(mesh).state()
     json.dumps(state, allow_nan=False)
+    [model] = state["models"]
+    assert len(model["depth"]) == 30 and {"node_id": liar, "start": 25, "end": 30, "state": "alive"} in model["ranges"]
+    assert all(r["start"] < r["end"] <= 30 for r in model["ranges"])
     stage = by_node(state, ids[0])["stage"]
     assert (stage["sessions"], stage["kv_tokens"], stage["step_ms_p50"], stage["tok_s"]) == (None, None, None, 0.0)
 

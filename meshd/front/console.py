@@ -226,7 +226,7 @@ def _model(c: ModelCoverage, members: Sequence[MemberInfo], route_of: Callable[[
         live = m.state in LIVE_STATES and not m.record.leaving
         state = "leaving" if m.record.leaving and m.state in LIVE_STATES else m.state.value
         for s in m.record.served:
-            if s.model != c.model:
+            if s.model != c.model or s.start >= c.n_layers:
                 continue
             ranges.append({"node_id": m.node_id, "start": s.start, "end": min(s.end, c.n_layers), "state": state})
             if live:
