@@ -96,6 +96,10 @@ def api_url(node: Served) -> str:
     raise AssertionError("the front door printed no URL:\n" + "\n".join(node.lines))
 
 
+def severe(chrome: webdriver.Chrome) -> list[dict[str, Any]]:
+    return [e for e in chrome.get_log("browser") if e["level"] == "SEVERE"]
+
+
 # The page as one read in its own script turn: it redraws every second, so elements found one call
 # apart may be gone; this reads them all before the next redraw.
 READ_PAGE = """
@@ -190,7 +194,18 @@ def test_the_console_shows_the_mesh_streams_a_chat_answer_and_says_why_a_model_i
     gone = next(line for line in model["why"] if leaver.node_id[:12] in line)
     assert re.fullmatch(rf"unreachable: {leaver.node_id[:12]} \((leaving|left|dead)\) served layers \[\d+, \d+\)", gone)
 
+    # the page ran without a script error or a refused resource (reading the log empties it)
+    assert severe(chrome) == []
+
+    # and the chat box shows the front door's refusal, which says the same
+    chrome.find_element(By.ID, "chat-input").send_keys(PROMPT)
+    chrome.find_element(By.ID, "chat-send").click()
+    page = until(chrome, ANSWERED, "the chat's refusal", lambda page: bool(page["errors"]))
+    assert "not covered" in page["errors"][0] and "volunteers offer" in page["errors"][0], page["errors"]
+    assert len(page["answers"]) == 1  # the refused turn leaves no empty answer behind
+
     SCREENSHOT.parent.mkdir(exist_ok=True)
     assert chrome.save_screenshot(str(SCREENSHOT))
-    # the page ran without a script error or a refused resource
-    assert [e for e in chrome.get_log("browser") if e["level"] == "SEVERE"] == []
+    # the refusal is the only thing the browser complains of
+    [refused] = severe(chrome)
+    assert refused["source"] == "network" and "/v1/chat/completions" in refused["message"] and "503" in refused["message"]
