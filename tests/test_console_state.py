@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import trio
 import trio.testing
+from api_fakes import FakeMesh as StatusOnlyMesh  # the front door's fake: a status view and canned asks
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -258,3 +259,11 @@ def test_the_guard_refuses_the_state_but_not_the_page() -> None:
         assert client.get("/console/state").status_code == 401
         assert mesh.polls == []
         assert client.get("/console/state", headers={"Authorization": "Bearer right"}).status_code == 200
+
+
+def test_a_front_door_whose_mesh_only_has_a_status_view_still_shows_it() -> None:
+    with TestClient(build_app(FrontDoor(StatusOnlyMesh())), backend="trio") as client:
+        state = client.get("/console/state").json()
+    [model] = state["models"]
+    assert (model["name"], model["covered"], model["route"]) == ("Fake Model", True, None)
+    assert model["route_error"] == "this front door's mesh plans no routes"
