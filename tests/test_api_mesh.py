@@ -1,0 +1,204 @@
+"""The HTTP API of a real mesh: a `meshd join --no-model --api` member (it only asks) in front of three
+volunteers that split the default model, asked with the official `openai` and `anthropic` clients."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import anthropic
+import httpx2
+import openai
+import pytest
+import trio
+from localmesh import Served, run_meshd, start_join, stop_all
+
+from meshd.daemon import rpc
+from meshd.net import rpc as net_rpc
+from meshd.net.peers import Peers, open_peers
+from wire.identity import NodeIdentity
+from wire.meshrpc import RouteReply, RouteRequest
+from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
+
+pytestmark = pytest.mark.slow  # four daemons, three engine workers
+
+KEY = "test-key-7c1d"
+# Small KV budgets and memory, so the default model needs three stages; eight sessions each, for eight asks.
+VOLUNTEER = ["--memory", "64M", "--threads", "1", "--max-sessions", "8", "--session-tokens", "256"]
+PROMPT = "What is the capital of France? Answer in one sentence."
+NEW_TOKENS = 24
+
+
+@dataclass
+class Mesh:
+    seed: Served
+    url: str
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    base = tmp_path_factory.mktemp("apimesh")
+    (base / "keys").write_text(KEY + "\n")
+    nodes: list[Served] = []
+    try:
+        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), "--api", "127.0.0.1:0",
+                                "--api-key-file", str(base / "keys")))
+        url = next(line.split()[4] for line in nodes[0].lines if line.startswith("meshd: HTTP API on "))
+        for i in range(3):
+            nodes.append(start_join("--seed", nodes[0].address, "--state-dir", str(base / f"v{i}"), *VOLUNTEER))
+        wait_covered(url)
+        yield Mesh(nodes[0], url)
+    finally:
+        stop_all(nodes)
+
+
+def wait_covered(url: str, timeout: float = 120.0) -> None:
+    """Polls /v1/models (with the key) until the model is covered by three stages."""
+    deadline = time.monotonic() + timeout
+    with httpx2.Client(base_url=url, headers={"authorization": f"Bearer {KEY}"}) as client:
+        while time.monotonic() < deadline:
+            models = client.get("/v1/models").json()["data"]
+            if models and models[0]["coverage"]["covered"] and len(models[0]["coverage"]["stages"]) == 3:
+                return
+            time.sleep(0.5)
+    raise AssertionError(f"the model was not covered by three stages in {timeout:g} s: {models}")
+
+
+def oai(mesh: Mesh) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def claude(mesh: Mesh) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=mesh.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+async def meshd_ask(mesh: Mesh, prompt: str, *args: str) -> str:
+    done = await trio.to_thread.run_sync(lambda: run_meshd("ask", "--seed", mesh.seed.address, "--max-tokens",
+                                                           str(NEW_TOKENS), *args, prompt))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("\n")
+    return done.stdout[:-1]
+
+
+async def openai_chat(mesh: Mesh, prompt: str, stream: bool) -> str:
+    client = oai(mesh)
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        reply = await client.chat.completions.create(model="", messages=messages, temperature=0,  # type: ignore[arg-type]
+                                                     max_tokens=NEW_TOKENS)
+        assert reply.usage is not None and reply.usage.completion_tokens <= NEW_TOKENS
+        return reply.choices[0].message.content or ""
+    chunks = await client.chat.completions.create(model="", messages=messages, temperature=0,  # type: ignore[arg-type]
+                                                  max_tokens=NEW_TOKENS, stream=True)
+    return "".join([c.choices[0].delta.content or "" async for c in chunks])
+
+
+async def anthropic_message(mesh: Mesh, prompt: str, stream: bool) -> str:
+    client = claude(mesh)
+    messages = [{"role": "user", "content": prompt}]
+    extra = {"temperature": 0.0}
+    if not stream:
+        reply = await client.messages.create(model="", messages=messages, max_tokens=NEW_TOKENS,  # type: ignore[arg-type]
+                                             extra_body=extra)
+        block = reply.content[0]
+        assert block.type == "text"
+        return block.text
+    async with client.messages.stream(model="", messages=messages, max_tokens=NEW_TOKENS,  # type: ignore[arg-type]
+                                      extra_body=extra) as events:
+        return "".join([text async for text in events.text_stream])
+
+
+ASKS = {
+    "openai": lambda mesh, prompt: openai_chat(mesh, prompt, stream=False),
+    "openai-stream": lambda mesh, prompt: openai_chat(mesh, prompt, stream=True),
+    "anthropic": lambda mesh, prompt: anthropic_message(mesh, prompt, stream=False),
+    "anthropic-stream": lambda mesh, prompt: anthropic_message(mesh, prompt, stream=True),
+}
+
+
+async def test_greedy_answer_equals_meshd_ask_in_each_dialect_streamed_and_not(mesh: Mesh) -> None:
+    expected = await meshd_ask(mesh, PROMPT)
+    assert expected  # the model says something
+    assert {how: await ask(mesh, PROMPT) for how, ask in ASKS.items()} == dict.fromkeys(ASKS, expected)
+
+
+async def test_completion_equals_meshd_ask_raw(mesh: Mesh) -> None:
+    prompt = "The three primary colours are"
+    expected = await meshd_ask(mesh, prompt, "--raw")
+    reply = await oai(mesh).completions.create(model="", prompt=prompt, temperature=0, max_tokens=NEW_TOKENS)
+    assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "length"
+
+
+async def test_eight_concurrent_requests_each_equal_their_solo_run(mesh: Mesh) -> None:
+    prompts = [f"Name {n} animals that live in the {place}." for n, place in
+               zip(range(2, 10), ["sea", "desert", "forest", "arctic", "jungle", "mountains", "savanna", "sky"],
+                   strict=False)]
+    kinds = list(ASKS)
+    solo = [await ASKS[kinds[i % 4]](mesh, p) for i, p in enumerate(prompts)]
+    together: list[str] = [""] * len(prompts)
+
+    async def one(i: int) -> None:
+        together[i] = await ASKS[kinds[i % 4]](mesh, prompts[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    assert together == solo
+    assert len(set(solo)) == len(solo)  # eight different answers, not one repeated
+
+
+async def stage_metrics(peers: Peers, route: RouteReply) -> list[dict[str, float]]:
+    values = []
+    for stage in route.stages:
+        reply = await net_rpc.call(peers, stage.address, STAGE_PROTOCOL, MetricsRequest(), Metrics,
+                                   node_id=stage.node_id, timeout=10)
+        values.append(reply.values)
+    return values
+
+
+async def test_client_gone_mid_stream_frees_the_kv_on_every_stage(mesh: Mesh) -> None:
+    budget = 200
+    async with open_peers(NodeIdentity.generate()) as peers:
+        route = await rpc(peers, mesh.seed.address, RouteRequest(), timeout=10)
+        assert isinstance(route, RouteReply) and len(route.stages) == 3
+        before = await stage_metrics(peers, route)
+        async with httpx2.AsyncClient(base_url=mesh.url, headers={"x-api-key": KEY}, timeout=60) as client:
+            body = {"max_tokens": budget, "stream": True, "temperature": 0,
+                    "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}]}
+            async with client.stream("POST", "/v1/messages", json=body) as r:
+                assert r.status_code == 200
+                deltas = 0
+                async for line in r.aiter_lines():
+                    deltas += line.startswith("event: content_block_delta")
+                    if deltas == 2:
+                        break
+        # the front door cancels the ask; the asker's release frees the session on every stage
+        with trio.fail_after(20):
+            while True:
+                after = await stage_metrics(peers, route)
+                if all(a["sessions"] == 0 and a["kv_tokens"] == 0 for a in after):
+                    break
+                await trio.sleep(0.1)
+    for b, a in zip(before, after, strict=True):
+        assert a["released"] > b["released"]
+        # cut short: the whole answer would have run prompt + budget - 1 rows through every stage
+        assert a["rows"] - b["rows"] < budget // 2
+
+
+async def test_models_list_the_mesh_model_with_its_coverage(mesh: Mesh) -> None:
+    listed = [m async for m in oai(mesh).models.list()]
+    assert len(listed) == 1
+    entry = listed[0].model_dump()
+    assert entry["coverage"]["covered_layers"] == entry["coverage"]["n_layers"] == 30
+    assert len(entry["digest"]) == 64
+    # the model by its listed name and by its digest's prefix
+    for name in (listed[0].id, entry["digest"][:12]):
+        reply = await oai(mesh).chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                                        max_tokens=2)
+        assert reply.model == listed[0].id
+
+
+async def test_the_key_is_required(mesh: Mesh) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="wrong", max_retries=0).models.list()
