@@ -135,6 +135,7 @@ def until(chrome: webdriver.Chrome, timeout: float, what: str, check: Callable[[
         raise AssertionError(f"the console never showed {what}; it showed {seen}") from None
 
 
+@pytest.mark.timeout(FORMED + 2 * ANSWERED + NOTICED + 60)
 def test_the_console_shows_the_mesh_streams_a_chat_answer_and_says_why_a_model_is_not_covered(
         mesh: list[Served], chrome: webdriver.Chrome) -> None:
     seed, door, _, leaver = mesh
