@@ -20,6 +20,7 @@ from meshd import cli
 from meshd.front.app import build_app
 from meshd.front.door import FrontDoor, load_api_keys
 from meshd.front.http import MAX_BODY_BYTES
+from meshd.front.mesh import DaemonMesh
 from meshd.front.server import serve_front
 from meshd.front.text import AnswerText
 from wire.errors import ErrorCode, ProtocolError
@@ -357,3 +358,39 @@ async def test_client_gone_mid_stream_cancels_the_ask() -> None:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert mesh.cancelled == 1 and not mesh.gate.is_set()
+
+
+async def test_client_gone_before_a_whole_answer_cancels_the_ask() -> None:
+    mesh = FakeMesh(gate=trio.Event())
+    front = FrontDoor(mesh)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_front, build_app(front), "127.0.0.1", 0)
+        async with httpx2.AsyncClient(base_url=url) as client, trio.open_nursery() as asking:
+            asking.start_soon(partial(client.post, "/v1/chat/completions", json={"messages": USER}))
+            await mesh.started.wait()
+            asking.cancel_scope.cancel()  # the client hangs up while the answer is made
+        with trio.fail_after(10):
+            while mesh.cancelled == 0 or front.asking:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert mesh.cancelled == 1 and not mesh.gate.is_set()
+
+
+class FakeDaemon:
+    """Routes nothing: the duty's own words for a model it cannot route."""
+
+    def status(self) -> None:
+        raise AssertionError("not asked")
+
+    def route(self, model: str | None, exclude: list[str]) -> None:
+        raise ProtocolError(ErrorCode.NOT_FOUND, "no route for Fake Model: layers [8, 30) have no stage")
+
+
+def test_no_route_is_not_coverage_once_failed_stages_are_avoided() -> None:
+    mesh = DaemonMesh(FakeDaemon(), peers=None)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError) as first:
+        mesh.find_route(DIGEST, [])
+    assert first.value.code is ErrorCode.NOT_FOUND  # the front door says "not covered", with the reason
+    with pytest.raises(ProtocolError) as failover:
+        mesh.find_route(DIGEST, ["ef" * 32])
+    assert failover.value.code is ErrorCode.UNREACHABLE and "around the 1 stage(s)" in failover.value.message

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from meshd.client.ask import AskRequest, AskResult
-from meshd.front.dialect import MAX_NEW_TOKENS, MAX_STOP_CHARS, Answer, answer_of, guarded, sampling, whole_answer
+from meshd.front.dialect import CLIENT_GONE, MAX_NEW_TOKENS, MAX_STOP_CHARS, Answer, answer_of, ask_whole, guarded, sampling
 from meshd.front.door import ApiError, FrontDoor, Problem
 from meshd.front.http import AskStream, Emit, read_json, retry_headers
 from meshd.front.text import AnswerText
@@ -146,7 +146,9 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
         message_id = f"msg_{secrets.token_hex(12)}"
         if body.stream:
             return stream(model, ask, message_id)
-        answer = whole_answer(await front.ask(model, ask, DIALECT, False), ask.stop)
+        answer = await ask_whole(front, request, model, ask, DIALECT)
+        if answer is None:
+            return Response(status_code=CLIENT_GONE)
         reply = message(message_id, model, [{"type": "text", "text": answer.text}], STOP_REASONS[answer.reason],
                         answer.stop)
         reply["usage"] = usage(answer)

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshd.client.ask import AskResult
+from meshd.client.ask import AskRequest, AskResult
 from meshd.front.door import ApiError, FrontDoor
+from meshd.front.http import unless_gone
 from meshd.front.text import AnswerText
+from wire.meshrpc import ModelCoverage
 from wire.stage import Sampling
 
 # Most new tokens one request may ask for (the stages' session budgets are the real bound).
@@ -36,6 +38,17 @@ def whole_answer(result: AskResult, stops: list[str]) -> Answer:
         text.feed(piece)
     text.finish()
     return answer_of(result, text)
+
+
+async def ask_whole(front: FrontDoor, request: Request, model: ModelCoverage, ask: AskRequest,
+                    dialect: str) -> Answer | None:
+    """The whole answer of a request that is not streamed; None if its client hung up first."""
+    result = await unless_gone(request, lambda: front.ask(model, ask, dialect, False))
+    return None if result is None else whole_answer(result, ask.stop)
+
+
+# nginx's "client closed request": nobody reads it, but the access log of a proxy in front may
+CLIENT_GONE = 499
 
 
 def answer_of(result: AskResult, text: AnswerText) -> Answer:

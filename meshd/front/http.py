@@ -29,6 +29,7 @@ BODY_SECONDS = 30.0
 STREAM_BUFFER = 64
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+T = TypeVar("T")
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES, seconds: float = BODY_SECONDS) -> bytes:
@@ -55,6 +56,33 @@ async def read_json(request: Request, model: type[ModelT]) -> ModelT:
         return model.model_validate_json(body)
     except pydantic.ValidationError as exc:
         raise invalid(exc) from None
+
+
+async def unless_gone(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
+    """`work()`'s result, or None (its work cancelled) if the client hangs up first: an answer
+    nobody waits for would hold its sessions on every stage to the end."""
+    done: list[T] = []
+    failed: list[ApiError] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            try:
+                done.append(await work())
+            except ApiError as exc:  # raised below, not as a group of one
+                failed.append(exc)
+            nursery.cancel_scope.cancel()
+
+        async def watch() -> None:
+            # the body was read: what comes now is the client's hang-up
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(run)
+        nursery.start_soon(watch)
+    if failed:
+        raise failed[0]
+    return done[0] if done else None
 
 
 def invalid(exc: pydantic.ValidationError) -> ApiError:

@@ -3,17 +3,27 @@ and asks from a peer identity of the front door's own (as `meshd ask` makes them
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from meshd.client.ask import AskRequest, AskResult, OnToken, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import MeshDaemon
 from meshd.net.peers import Peers
-from wire.meshrpc import StatusReply
+from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import RouteReply, StatusReply
 
 # Seconds a stage may stay silent before the asker gives up on it and fails over, as `meshd ask`'s default.
 STALL_TIMEOUT = 30.0
 
 
+class Daemon(Protocol):
+    """What of a `MeshDaemon` the front door uses."""
+
+    def status(self) -> StatusReply: ...
+
+    def route(self, model: str | None, exclude: list[str]) -> RouteReply: ...
+
+
 class DaemonMesh:
-    def __init__(self, daemon: MeshDaemon, peers: Peers, stall_timeout: float = STALL_TIMEOUT) -> None:
+    def __init__(self, daemon: Daemon, peers: Peers, stall_timeout: float = STALL_TIMEOUT) -> None:
         self.daemon = daemon
         self.peers = peers
         self.stall_timeout = stall_timeout
@@ -21,9 +31,19 @@ class DaemonMesh:
     def status(self) -> StatusReply:
         return self.daemon.status()
 
+    def find_route(self, model: str, excluded: list[str]) -> list[Stage]:
+        try:
+            return route_from_reply(self.daemon.route(model, excluded))
+        except ProtocolError as exc:
+            if not excluded or exc.code is not ErrorCode.NOT_FOUND:
+                raise
+            # the model is covered: the stages that failed this answer are what is missing, not coverage
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"no route is left around the {len(excluded)} "
+                                                       f"stage(s) that failed this answer: {exc.message}") from None
+
     async def ask(self, model: str, request: AskRequest, on_token: OnToken | None, result: AskResult) -> AskResult:
         async def find_route(excluded: list[str]) -> list[Stage]:
-            return route_from_reply(self.daemon.route(model, excluded))
+            return self.find_route(model, excluded)
 
         return await ask_with_failover(self.peers, find_route, request, on_token, stall_timeout=self.stall_timeout,
                                        result=result)

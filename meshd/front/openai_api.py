@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from meshd.client.ask import AskRequest, AskResult
 from meshd.front import anthropic_api
-from meshd.front.dialect import MAX_NEW_TOKENS, MAX_STOP_CHARS, Answer, answer_of, guarded, sampling, whole_answer
+from meshd.front.dialect import CLIENT_GONE, MAX_NEW_TOKENS, MAX_STOP_CHARS, Answer, answer_of, ask_whole, guarded, sampling
 from meshd.front.door import ApiError, FrontDoor, Problem
 from meshd.front.http import AskStream, Emit, read_json, retry_headers
 from meshd.front.text import AnswerText
@@ -185,7 +185,9 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
         chunk = Chunk("chat.completion.chunk", model)
         if body.stream:
             return stream(model, ask, body, chunk)
-        answer = whole_answer(await front.ask(model, ask, DIALECT, False), ask.stop)
+        answer = await ask_whole(front, request, model, ask, DIALECT)
+        if answer is None:
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse({
             "id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": model.name,
             "system_fingerprint": model.model[:12],
@@ -200,7 +202,9 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
         chunk = Chunk("text_completion", model)
         if body.stream:
             return stream(model, ask, body, chunk)
-        answer = whole_answer(await front.ask(model, ask, DIALECT, False), ask.stop)
+        answer = await ask_whole(front, request, model, ask, DIALECT)
+        if answer is None:
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse({
             "id": chunk.id, "object": "text_completion", "created": chunk.created, "model": model.name,
             "system_fingerprint": model.model[:12],
