@@ -134,7 +134,7 @@ class StatusSource:
 
 
 def source_of(mesh: Mesh) -> MeshSource:
-    if isinstance(mesh, DaemonMesh):
+    if isinstance(mesh, DaemonMesh) and isinstance(mesh.daemon, MeshDaemon):
         return DaemonSource(mesh.daemon)
     return mesh if isinstance(mesh, MeshSource) else StatusSource(mesh)
 
