@@ -14,10 +14,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
-from meshd.front import anthropic_api, openai_api
+from meshd.front import anthropic_api, console, openai_api
 from meshd.front.door import ApiError, FrontDoor, Problem
 
-PARTS: tuple[Callable[[FrontDoor], list[BaseRoute]], ...] = (openai_api.routes, anthropic_api.routes)
+PARTS: tuple[Callable[[FrontDoor], list[BaseRoute]], ...] = (openai_api.routes, anthropic_api.routes, console.routes)
 
 PROBLEMS = {400: Problem.BAD_REQUEST, 401: Problem.UNAUTHORIZED, 404: Problem.NOT_FOUND, 413: Problem.TOO_LARGE,
             429: Problem.BUSY, 503: Problem.UNAVAILABLE, 504: Problem.TIMEOUT}

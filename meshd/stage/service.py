@@ -93,14 +93,17 @@ class StageMetrics:
     def __init__(self) -> None:
         self.engine_calls = 0
         self.rows = 0
+        # rows past their session's prompt: one per generated token, the console's live tok/s
+        self.decode_rows = 0
         self.session_slots = 0
         self.multi_session_calls = 0
         self.max_sessions_per_call = 0
         self.step_ms: collections.deque[float] = collections.deque(maxlen=512)
 
-    def record_call(self, sessions: int, rows: int, seconds: float) -> None:
+    def record_call(self, sessions: int, rows: int, seconds: float, decode_rows: int = 0) -> None:
         self.engine_calls += 1
         self.rows += rows
+        self.decode_rows += decode_rows
         self.session_slots += sessions
         self.multi_session_calls += sessions > 1
         self.max_sessions_per_call = max(self.max_sessions_per_call, sessions)
@@ -185,6 +188,7 @@ class StageService:
             "kv_tokens": float(self.books.total_tokens),
             "engine_calls": float(m.engine_calls),
             "rows": float(m.rows),
+            "decode_rows": float(m.decode_rows),
             "sessions_per_call": m.session_slots / m.engine_calls if m.engine_calls else 0.0,
             "max_sessions_per_call": float(m.max_sessions_per_call),
             "multi_session_calls": float(m.multi_session_calls),
@@ -530,7 +534,8 @@ class StageService:
                     self.books.ran(work, trio.current_time())
                     self._fail(work.payload.session, exc)
                 continue
-            self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0)
+            self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0,
+                                     sum(w.n - self.books.history(w) for w in batch))
             self._dispatch(batch, reply, body)
             self._changed()
 
