@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hmac
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ import trio
 from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import ModelCoverage, StatusReply
+
+log = logging.getLogger(__name__)
 
 # Digest prefixes shorter than this are too easy to collide (status shows 12).
 MIN_DIGEST_PREFIX = 12
@@ -170,13 +173,17 @@ class FrontDoor:
         try:
             return await self.mesh.ask(model.model, request, on_token, asking.result)
         except ProtocolError as exc:
-            raise api_error(model, exc) from None
+            error = api_error(model, exc)
         except RouteError as exc:
-            raise ApiError(Problem.UNAVAILABLE, f"{model.name} cannot be served: {exc}") from None
+            error = ApiError(Problem.UNAVAILABLE, f"{model.name} cannot be served: {exc}")
         except trio.TooSlowError:
-            raise ApiError(Problem.TIMEOUT, "the mesh did not answer in time") from None
+            error = ApiError(Problem.TIMEOUT, "the mesh did not answer in time")
         finally:
             del self.asking[asking.id]
+        # the operator's record of what the client is told
+        log.log(logging.WARNING if error.status >= 500 else logging.INFO, "%s request failed (%d): %s", dialect,
+                error.status, error.message)
+        raise error
 
 
 def api_error(model: ModelCoverage, exc: ProtocolError) -> ApiError:
