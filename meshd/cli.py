@@ -48,7 +48,7 @@ from relay.limits import RelayLimits
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import FetchProgress, RouteReply, RouteRequest, StatusReply, StatusRequest
 from wire.stage import Sampling
 
 # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences (sessions).
@@ -190,6 +190,14 @@ def checked_model(path: Path) -> Path:
     return path
 
 
+def model_id(text: str) -> str:
+    """--model-id: a model id (the hex hash of a manifest) or a model name the mesh knows."""
+    text = text.strip()
+    if not text or len(text) > 256 or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a model id (64 hex digits) nor a model name")
+    return text
+
+
 def gguf_file(text: str) -> Path:
     try:
         return checked_model(Path(text))
@@ -294,15 +302,22 @@ def seeds_text(seeds: Sequence[str]) -> str:
 
 
 async def join(args: argparse.Namespace) -> int:
-    model = None if args.no_model else model_or_default(args.model)
+    if args.model_id is not None and not args.seed:
+        raise UsageError("--model-id fetches the model from the members of a mesh: give --seed HOST:PORT too")
+    if args.disk is not None and args.model_id is None:
+        raise UsageError("--disk bounds what a node fetches: it goes with --model-id")
+    model = None if args.no_model or args.model_id is not None else model_or_default(args.model)
     with claim_state_dir(args.state_dir) as claim:
         identity = node_identity(args.state_dir)
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                              max_total_tokens=args.max_sessions * args.session_tokens)
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
                             threads=args.threads, limits=limits, advertise=args.advertise,
-                            peers=PeersConfig(mesh_key=args.mesh_key))
-        what = f"volunteering {model.name}" if model else "without a model"
+                            peers=PeersConfig(mesh_key=args.mesh_key), state_dir=args.state_dir,
+                            model_id=args.model_id, disk_bytes=args.disk,
+                            progress=sys.stderr.isatty())
+        what = (f"volunteering {model.name}" if model else
+                f"fetching its range of model {args.model_id[:16]}" if args.model_id else "without a model")
         await run_until_signal(MeshDaemon(identity, config),
                                f"{what}, memory {mib(args.memory)}, seeds: {seeds_text(args.seed)}", claim)
     return 0
@@ -337,6 +352,12 @@ async def relay(args: argparse.Namespace) -> int:
 # ----- status
 
 async def status(args: argparse.Namespace) -> int:
+    print_status(await ask_status(args))
+    return 0
+
+
+async def ask_status(args: argparse.Namespace) -> StatusReply:
+    """The status view of the local daemon, or of the member `--seed` names."""
     if args.seed is None:
         reply = await control_request(args.state_dir, StatusRequest(), timeout=args.timeout)
         what = "the local meshd"
@@ -348,7 +369,31 @@ async def status(args: argparse.Namespace) -> int:
             except trio.TooSlowError:
                 raise CommandError(f"{args.seed} did not answer within {args.timeout:g} s") from None
         what = args.seed
-    print_status(expect(reply, StatusReply, what))
+    return expect(reply, StatusReply, what)
+
+
+def fetch_line(f: FetchProgress) -> str:
+    """One fetch as people read it: how far, how fast, how long still."""
+    done = f"{mib(f.done_bytes)} of {mib(f.total_bytes)}"
+    left = f.total_bytes - f.done_bytes
+    eta = f", {left / f.rate:.0f} s left" if f.rate > 0 and left > 0 and f.state == "fetching" else ""
+    rate = f" at {f.rate / (1 << 20):.1f} MiB/s" if f.rate > 0 else ""
+    return (f"fetch {f.name} ({f.model[:12]}) layers [{f.start}, {f.end}): {done}{rate}{eta} "
+            f"from {plural(f.sources, 'source')}; {f.state}")
+
+
+async def models(args: argparse.Namespace) -> int:
+    s = await ask_status(args)
+    if not s.coverage:
+        print("no member holds or fetches a model yet")
+    for c in s.coverage:
+        print(f"{c.name}  id {c.model}")
+        print(f"  {c.n_layers} layers: {c.held_layers} held on disk by some member, {c.covered_layers} served; "
+              f"{plural(c.replicas, 'spare replica')}")
+        print(f"  sources: {'; '.join(c.holders) or 'none'}")
+        print(f"  stages: {'; '.join(c.assigned) or 'none yet'}")
+        if c.reason:
+            print(f"  not covered: {c.reason}")
     return 0
 
 
@@ -367,6 +412,8 @@ def print_status(s: StatusReply) -> None:
               f"{plural(c.replicas, 'spare replica')}; stages: {'; '.join(c.assigned) or 'none yet'}")
         if c.reason:
             print(f"  not covered: {c.reason}")
+    for f in s.fetches:
+        print(fetch_line(f))
 
 
 # ----- ask
@@ -491,12 +538,18 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--model", type=gguf_file, help=f"{model_help} to volunteer")
     which.add_argument("--no-model", action="store_true",
                        help="volunteer no model, a seed or tracker only (default: volunteer one)")
+    which.add_argument("--model-id", type=model_id, metavar="ID",
+                       help="volunteer a model the mesh has, by its id (meshd models) or name, with no file: "
+                            "fetch the layers assigned from the members that hold them (default: --model)")
     j.add_argument("--listen", type=host_port, default="0.0.0.0:7000",
                    help="HOST:PORT to accept peers on (default: %(default)s, every interface; port 0 picks a free one)")
     j.add_argument("--advertise", type=dialable_address,
                    help="HOST:PORT others dial (default: where the seeds see this node, with the --listen port, "
                         "once a seed has dialled it back; a first node: its address toward the peers that reach it)")
     j.add_argument("--memory", type=size, default="1G", help="memory this node offers, e.g. 512M or 4G (default: %(default)s)")
+    j.add_argument("--disk", type=size,
+                   help="with --model-id: disk the fetched layers may fill, e.g. 20G; layers no longer served "
+                        "are dropped to stay within it (default: no limit, what is fetched stays to serve others)")
     add_state_dir(j, "where the node key and the control socket live")
     add_mesh_key(j)
     j.add_argument("--threads", type=threads, default=0, help="compute threads (default: 0, all cores)")
@@ -528,12 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tap", type=Path,
                    help="append every byte forwarded to this file, for debugging; it is ciphertext (default: none)")
 
-    st = sub.add_parser("status", help="members, tracker, assignments and coverage")
-    st.add_argument("--seed", type=address, help="HOST:PORT of a member to ask (default: the local daemon)")
-    add_state_dir(st, "the local daemon's state directory, used without --seed")
-    add_mesh_key(st)
-    st.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
-                    help="seconds to wait for the answer (default: %(default)s)")
+    for name, text in (("status", "members, tracker, assignments, coverage and this node's fetches"),
+                       ("models", "the models the mesh knows: their ids, sources and coverage")):
+        st = sub.add_parser(name, help=text)
+        st.add_argument("--seed", type=address, help="HOST:PORT of a member to ask (default: the local daemon)")
+        add_state_dir(st, "the local daemon's state directory, used without --seed")
+        add_mesh_key(st)
+        st.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
+                        help="seconds to wait for the answer (default: %(default)s)")
 
     a = sub.add_parser("ask", help="ask a question")
     a.add_argument("prompt")
@@ -565,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "relay": relay}
+COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models": models, "relay": relay}
 
 
 def log_level(text: str) -> int:
