@@ -48,7 +48,7 @@ from relay.limits import RelayLimits
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import FetchProgress, RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import FetchStatus, RouteReply, RouteRequest, StatusReply, StatusRequest
 from wire.stage import Sampling
 
 # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences (sessions).
@@ -372,7 +372,7 @@ async def ask_status(args: argparse.Namespace) -> StatusReply:
     return expect(reply, StatusReply, what)
 
 
-def fetch_line(f: FetchProgress) -> str:
+def fetch_line(f: FetchStatus) -> str:
     """One fetch as people read it: how far, how fast, how long still."""
     done = f"{mib(f.done_bytes)} of {mib(f.total_bytes)}"
     left = f.total_bytes - f.done_bytes

@@ -74,7 +74,7 @@ class ModelCoverage(WireModel):
     held_layers: Layer = 0
 
 
-class FetchProgress(WireModel):
+class FetchStatus(WireModel):
     """A fetch the answering node runs: the tensors of its range, from the members that hold them."""
 
     model: Digest
@@ -101,7 +101,7 @@ class StatusReply(Message, tag="status"):
     members: list[MemberStatus] = Field(max_length=4096)
     coverage: list[ModelCoverage] = Field(max_length=64)
     # The answering node's own fetches, newest last.
-    fetches: list[FetchProgress] = Field(default_factory=list, max_length=8)
+    fetches: list[FetchStatus] = Field(default_factory=list, max_length=8)
 
 
 class DialBackRequest(Message, tag="dial_back_request"):

@@ -1,11 +1,9 @@
-"""Where model files come from: the default model and model digests."""
+"""Where model files come from: the default model, and what placement needs to know of one."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-from functools import lru_cache
 from pathlib import Path
 
 from meshd.mesh.records import ModelInfo
@@ -38,21 +36,6 @@ def default_model_path() -> Path:
         if candidate.is_file():
             return candidate
     raise ModelNotFound(f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_PACKAGE} package")
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of the model file: stages of one pipeline must run the same bytes."""
-    st = Path(path).stat()
-    return _digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
-
-
-@lru_cache(maxsize=32)
-def _digest(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_info(path: Path, digest: str) -> ModelInfo:
