@@ -49,12 +49,11 @@ from meshd.mesh.duty import (
 from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberEvent, Ping, PingReq, SwimMessage, Sync
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
-from meshd.mesh.status import held_models
 from meshd.mesh.records import (
+    MAX_HELD,
     ROLE_CLIENT,
     ROLE_RELAY,
     CapabilityRecord,
-    MAX_HELD,
     HeldRange,
     ModelInfo,
     address_fits,
@@ -65,6 +64,7 @@ from meshd.mesh.records import (
     record_fits,
     split_address,
 )
+from meshd.mesh.status import held_models
 from meshd.net import rpc as net_rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
