@@ -692,7 +692,10 @@ class MeshDaemon:
         path = cfg.state_dir / "models" / f"{digest}.gguf"
         sparse = await trio.to_thread.run_sync(SparseFile.open, path, manifest)
         self.manifest, self.sparse, self.model_path = manifest, sparse, path
-        await self._fetch(digest, manifest.header_chunks_list(), "header", 0, 0)
+        try:
+            await self._fetch(digest, manifest.header_chunks_list(), "header", 0, 0)
+        except (FetchFailed, ProtocolError) as exc:
+            raise ModelNotFound(f"cannot fetch the header of model {digest[:16]}: {exc}") from None
         info = (await trio.to_thread.run_sync(model_info, path, digest)).model_copy(update={"whole": False})
         self.model = info
         self.source.offer(sparse)
@@ -704,32 +707,10 @@ class MeshDaemon:
         log.info("volunteering %s (%s), fetching the layers assigned", info.name, digest[:12])
 
     def _held(self) -> list[HeldRange]:
-        """The layer ranges whose every chunk the sparse file holds verified (what fetchers may ask for)."""
+        """What the sparse file holds verified, as layer ranges (what fetchers may ask this node for)."""
         assert self.sparse is not None and self.model is not None and self.manifest is not None
-        sparse, manifest, n = self.sparse, self.manifest, self.model.n_layers
-
-        def has(chunks: list[Chunk]) -> bool:
-            return all(sparse.has(c.index) for c in chunks)
-
-        blocks = [has(manifest.chunks_of(t for t in manifest.tensor_names if t.startswith(f"blk.{i}.")))
-                  for i in range(n)]
-        held: list[HeldRange] = []
-        layer = 0
-        while layer < n:
-            if not blocks[layer]:
-                layer += 1
-                continue
-            run_end = layer
-            while run_end < n and blocks[run_end]:
-                run_end += 1
-            # a run that reaches layer 0 or the last holds the head's or the tail's tensors only if fetched too
-            candidates = [(layer, run_end), (layer + (layer == 0), run_end), (layer, run_end - (run_end == n)),
-                          (layer + (layer == 0), run_end - (run_end == n))]
-            found = next(((a, b) for a, b in candidates if a < b and has(range_chunks(manifest, n, a, b))), None)
-            if found is not None:
-                held.append(HeldRange(model=manifest.model_id, start=found[0], end=found[1]))
-            layer = run_end
-        return held[:MAX_HELD]
+        ranges = held_layer_ranges(self.manifest, self.model.n_layers, self.sparse.has)
+        return [HeldRange(model=self.manifest.model_id, start=a, end=b) for a, b in ranges[:MAX_HELD]]
 
     async def _fetch_range(self, start: int, end: int) -> None:
         """Fetches the tensors of layers [start, end) the sparse file lacks (a re-assignment: only the
@@ -755,8 +736,8 @@ class MeshDaemon:
         def progress(p: FetchProgress) -> None:
             bar.update(p.done_bytes - bar.n)
             self.fetches[index] = status.model_copy(update={
-                "done_bytes": p.done_bytes, "total_bytes": p.total_bytes, "rate": max(0.0, p.rate),
-                "sources": p.sources})
+                "done_bytes": p.done_bytes, "total_bytes": p.total_bytes, "fetched_bytes": p.fetched_bytes,
+                "rate": max(0.0, p.rate), "sources": p.sources})
 
         t0 = time.monotonic()
         try:
@@ -765,7 +746,8 @@ class MeshDaemon:
         except (FetchFailed, ProtocolError, OSError) as exc:
             self.fetches[index] = self.fetches[index].model_copy(update={"state": f"failed: {exc}"[:256]})
             raise
-        done = self.fetches[index].model_copy(update={"state": "done", "done_bytes": status.total_bytes})
+        done = self.fetches[index].model_copy(update={"state": "done", "done_bytes": status.total_bytes,
+                                                      "fetched_bytes": report.fetched_bytes})
         self.fetches[index] = done
         log.info("fetched %s [%d, %d): %d bytes over the network, %d already here, in %.1f s", what, start, end,
                  report.fetched_bytes, report.reused_bytes, time.monotonic() - t0)
@@ -806,6 +788,41 @@ class MeshDaemon:
             raise ProtocolError(ErrorCode.NOT_FOUND, "this node serves no layers yet",
                                 retry_after_ms=1000)
         await chosen.handle_first(stream, first)
+
+
+# ----- what a sparse file holds
+
+def held_layer_ranges(manifest: Manifest, n_layers: int, has: Callable[[int], bool]) -> list[tuple[int, int]]:
+    """The maximal layer ranges whose every chunk (`has(index)`: held verified) a range loader of them
+    reads: the header, their blocks, the head's tensors for one from layer 0, the tail's for one to
+    the last layer."""
+
+    def holds(chunks: list[Chunk]) -> bool:
+        return all(has(c.index) for c in chunks)
+
+    by_layer: dict[int, list[str]] = {}
+    for name in manifest.tensor_names:
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
+            by_layer.setdefault(int(parts[1]), []).append(name)
+    blocks = [holds(manifest.chunks_of(by_layer.get(i, []))) for i in range(n_layers)]
+    held: list[tuple[int, int]] = []
+    layer = 0
+    while layer < n_layers:
+        if not blocks[layer]:
+            layer += 1
+            continue
+        end = layer
+        while end < n_layers and blocks[end]:
+            end += 1
+        # a run reaching layer 0 (or the last) holds the head's (tail's) tensors only if they were fetched too
+        lo, hi = layer + (layer == 0), end - (end == n_layers)
+        found = next(((a, b) for a, b in ((layer, end), (lo, end), (layer, hi), (lo, hi))
+                      if a < b and holds(range_chunks(manifest, n_layers, a, b))), None)
+        if found is not None:
+            held.append(found)
+        layer = end
+    return held
 
 
 # ----- addresses: pure helpers of the shell

@@ -81,8 +81,11 @@ class FetchStatus(WireModel):
     name: Text
     start: Layer
     end: Layer
+    # verified so far (fetched now, or held before), of the total asked for
     done_bytes: Count
     total_bytes: Count
+    # over the network in this fetch
+    fetched_bytes: Count = 0
     # Bytes a second over the last few seconds; 0 before there is a measure.
     rate: float = Field(ge=0.0, allow_inf_nan=False)
     sources: Count = 0

@@ -1,0 +1,247 @@
+"""Volunteers that join by model id with no file: each fetches exactly its range's tensors from the
+members that hold them, into a sparse file, and serves; the mesh answers like the whole model.
+
+Real `meshd join` daemons on loopback: a seed, one volunteer holding the default GGUF and three that
+join with `--model-id` only (64M each, so the tracker splits the model across them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import trio
+from localmesh import Served, run_meshd, start_join, stop_all
+
+from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
+from meshd.daemon import held_layer_ranges, rpc
+from meshd.net.peers import Peers, open_peers
+from meshd.store.manifest import Manifest, manifest_for
+from meshd.store.ranges import range_chunks
+from tests.conftest import greedy_reference
+from wire.identity import NodeIdentity
+from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+
+PROMPT = "Write a short story about a lighthouse keeper."
+TOKENS = 32
+SESSIONS = ["--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]
+VOLUNTEER = ["--memory", "64M", *SESSIONS]
+# What a fetcher may keep on disk: one range of the model (at most some 55 MB at 64M), not two.
+BUDGET = 60 << 20
+DISK = ["--disk", "60M"]
+# Block rounding at the edges of each run of tensors, and the journal's fsyncs: a few percent at most.
+SLACK = 0.04
+RANGE = re.compile(r"\[(\d+), (\d+)\)")
+
+
+@dataclass
+class Fetcher:
+    node: Served
+    state_dir: Path
+    joined_at: float
+    serving_after: float | None = None
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class FetchMesh:
+    seed: Served
+    holder: Served
+    fetchers: list[Fetcher]
+
+    @property
+    def nodes(self) -> list[Served]:
+        return [self.seed, self.holder, *(f.node for f in self.fetchers)]
+
+
+@pytest.fixture(scope="module")
+def manifest(default_model: Path) -> Manifest:
+    return manifest_for(default_model)
+
+
+@pytest.fixture(scope="module")
+def expected(default_model: Path) -> list[int]:
+    return greedy_reference(default_model, [PROMPT], TOKENS)[PROMPT]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> Iterator[FetchMesh]:
+    base = tmp_path_factory.mktemp("fetch-mesh")
+    started: list[Served] = []
+    try:
+        seed = start_join("--no-model", "--state-dir", str(base / "seed"))
+        started.append(seed)
+        holder = start_join("--seed", seed.address, "--state-dir", str(base / "holder"), *VOLUNTEER)
+        started.append(holder)
+        fetchers = []
+        for i in range(3):
+            state = base / f"fetcher{i}"
+            joined_at = time.monotonic()
+            node = start_join("--seed", seed.address, "--state-dir", str(state), "--model-id", manifest.model_id,
+                              *VOLUNTEER, *DISK)
+            started.append(node)
+            fetchers.append(Fetcher(node, state, joined_at))
+        yield FetchMesh(seed, holder, fetchers)
+    finally:
+        stop_all(started)
+
+
+def test_held_layer_ranges_are_the_runs_a_range_loader_could_load(manifest: Manifest) -> None:
+    n = 30
+
+    def holding(*ranges: tuple[int, int]) -> set[int]:
+        return {c.index for r in ranges for c in range_chunks(manifest, n, *r)}
+
+    assert held_layer_ranges(manifest, n, holding((0, 30)).__contains__) == [(0, 30)]
+    assert held_layer_ranges(manifest, n, holding((10, 20)).__contains__) == [(10, 20)]
+    assert held_layer_ranges(manifest, n, holding((0, 10), (20, 30)).__contains__) == [(0, 10), (20, 30)]
+    # adjacent fetched ranges join into one
+    assert held_layer_ranges(manifest, n, holding((0, 10), (10, 20)).__contains__) == [(0, 20)]
+    # layer 0's blocks without the token embedding: [1, 10) is all a loader could use
+    no_head = holding((0, 10)) - {c.index for c in manifest.chunks_of(["token_embd.weight"])}
+    assert held_layer_ranges(manifest, n, no_head.__contains__) == [(1, 10)]
+    # one chunk of a block missing splits the run; without the header nothing is held
+    blk15 = {c.index for c in manifest.chunks_of([t for t in manifest.tensor_names if t.startswith("blk.15.")][:1])}
+    assert held_layer_ranges(manifest, n, (holding((10, 20)) - blk15).__contains__) == [(10, 15), (16, 20)]
+    header = {c.index for c in manifest.header_chunks_list()}
+    assert held_layer_ranges(manifest, n, (holding((10, 20)) - header).__contains__) == []
+
+
+@pytest.fixture
+async def peers() -> AsyncIterator[Peers]:
+    async with open_peers(NodeIdentity.generate()) as p:
+        yield p
+
+
+async def status(peers: Peers, node: Served) -> StatusReply:
+    reply = await rpc(peers, node.address, StatusRequest(), timeout=20.0)
+    assert isinstance(reply, StatusReply)
+    return reply
+
+
+def served(view: StatusReply) -> dict[str, list[tuple[int, int]]]:
+    """Per live member, the ranges it serves (as the status view names them)."""
+    out = {}
+    for m in view.members:
+        if m.state == "alive":
+            out[m.node_id] = [(int(a), int(b)) for s in m.served for a, b in RANGE.findall(s)]
+    return out
+
+
+def sparse_path(fetcher: Fetcher, manifest: Manifest) -> Path:
+    return fetcher.state_dir / "models" / f"{manifest.model_id}.gguf"
+
+
+def owned_bytes(manifest: Manifest, start: int, end: int) -> int:
+    """The header and every tensor the range [start, end) loads: all it should fetch and keep."""
+    return manifest.bytes_of(range_chunks(manifest, 30, start, end))
+
+
+async def wait_serving(peers: Peers, mesh: FetchMesh, timeout: float = 240.0) -> dict[str, list[tuple[int, int]]]:
+    """Until every volunteer serves a range and the model is covered; notes when each fetcher began to serve."""
+    with trio.fail_after(timeout):
+        while True:
+            view = await status(peers, mesh.seed)
+            now = time.monotonic()
+            ranges = served(view)
+            for f in mesh.fetchers:
+                if ranges.get(f.node.node_id) and f.serving_after is None:
+                    f.serving_after = now - f.joined_at
+            volunteers = [mesh.holder, *(f.node for f in mesh.fetchers)]
+            if all(ranges.get(v.node_id) for v in volunteers) and view.coverage and \
+                    view.coverage[0].covered_layers == view.coverage[0].n_layers:
+                return ranges
+            await trio.sleep(0.5)
+
+
+def finder(peers: Peers, via: Served):
+    async def find(excluded: list[str]) -> list[Stage]:
+        reply = await rpc(peers, via.address, RouteRequest(exclude=excluded), timeout=20.0)
+        assert isinstance(reply, RouteReply)
+        return route_from_reply(reply)
+    return find
+
+
+@pytest.mark.slow
+async def test_volunteers_that_join_by_model_id_fetch_only_their_ranges_and_answer_like_the_whole_model(
+        mesh: FetchMesh, peers: Peers, manifest: Manifest, expected: list[int]) -> None:
+    ranges = await wait_serving(peers, mesh)
+    print()
+    for f in mesh.fetchers:
+        (rng,) = ranges[f.node.node_id]
+        f.ranges = [rng]
+        view = await status(peers, f.node)
+        fetched = sum(x.fetched_bytes for x in view.fetches)
+        owned = owned_bytes(manifest, *rng)
+        allocated = os.stat(sparse_path(f, manifest)).st_blocks * 512
+        print(f"fetcher {f.node.node_id[:12]} layers {list(rng)}: owned {owned} B, fetched {fetched} B, "
+              f"allocated {allocated} B of a {manifest.file_size} B file; serving {f.serving_after:.1f} s after join")
+        assert all(x.state == "done" for x in view.fetches), view.fetches
+        # exactly the range's chunks went over the network, once each
+        assert fetched == owned
+        assert owned * (1 - SLACK) <= allocated <= owned * (1 + SLACK)
+        assert owned < manifest.file_size
+    assert {r for f in mesh.fetchers for r in f.ranges} != {(0, 30)}
+    result = await ask_with_failover(peers, finder(peers, mesh.seed), AskRequest(
+        messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS))
+    assert result.tokens == expected
+    route_nodes = {s.node_id for s in await finder(peers, mesh.seed)([])}
+    assert route_nodes & {f.node.node_id for f in mesh.fetchers}, "no fetched range is on the route"
+    shown = run_meshd("models", "--seed", mesh.seed.address)
+    assert shown.returncode == 0, shown.stderr
+    assert manifest.model_id in shown.stdout and "30 layers: 30 held on disk" in shown.stdout
+    assert mesh.holder.node_id[:12] + " [0, 30)" in shown.stdout
+
+
+@pytest.mark.slow
+async def test_a_reassigned_fetcher_fetches_only_the_new_tensors_and_drops_the_old_under_its_disk_budget(
+        mesh: FetchMesh, peers: Peers, manifest: Manifest, expected: list[int], default_model: Path,
+        tmp_path: Path) -> None:
+    """A volunteer holding the whole model with memory for all of it joins: the tracker's fresh placement
+    gives it [0, 30) and regroups the four small ones as one more copy, which moves fetchers to new
+    ranges (as in test_mesh_daemons' rebalance)."""
+    before = await wait_serving(peers, mesh)
+    big = start_join("--seed", mesh.seed.address, "--state-dir", str(tmp_path / "big"), "--memory", "400M",
+                     "--model", str(default_model), *SESSIONS)
+    try:
+        moved: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
+        with trio.fail_after(240):
+            while True:
+                now = served(await status(peers, mesh.seed))
+                settled = now.get(big.node_id) == [(0, 30)] and all(len(now.get(f.node.node_id, [])) == 1
+                                                                       for f in mesh.fetchers)
+                if settled:
+                    moved = {f.node.node_id: (before[f.node.node_id][0], now[f.node.node_id][0])
+                             for f in mesh.fetchers if now[f.node.node_id] != before[f.node.node_id]}
+                    views = {f.node.node_id: await status(peers, f.node) for f in mesh.fetchers}
+                    # a moved fetcher's last fetch is of its new range, and done
+                    if moved and all(views[n].fetches[-1].state == "done" and
+                                     (views[n].fetches[-1].start, views[n].fetches[-1].end) == new
+                                     for n, (_, new) in moved.items()):
+                        break
+                await trio.sleep(0.5)
+        print()
+        for node_id, (old, new) in moved.items():
+            f = next(f for f in mesh.fetchers if f.node.node_id == node_id)
+            last = views[node_id].fetches[-1]
+            had = {c.index for c in range_chunks(manifest, 30, *old)}
+            difference = manifest.bytes_of(c for c in range_chunks(manifest, 30, *new) if c.index not in had)
+            print(f"fetcher {node_id[:12]} moved {list(old)} -> {list(new)}: fetched {last.fetched_bytes} B, "
+                  f"new tensors {difference} B")
+            assert last.fetched_bytes == difference
+            # once the old range retired, what the new one does not read is punched out as far as
+            # --disk 60M needs; the new range stays whole
+            with trio.fail_after(60):
+                while os.stat(sparse_path(f, manifest)).st_blocks * 512 > BUDGET * (1 + SLACK):
+                    await trio.sleep(0.5)
+            assert os.stat(sparse_path(f, manifest)).st_blocks * 512 >= owned_bytes(manifest, *new) * (1 - SLACK)
+        result = await ask_with_failover(peers, finder(peers, mesh.seed), AskRequest(
+            messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS))
+        assert result.tokens == expected
+    finally:
+        big.stop()
