@@ -350,3 +350,18 @@ def test_a_fetcher_refuses_a_range_beyond_its_disk_budget() -> None:
     (refused,) = mesh.of(small, RangeRefused)
     assert "bytes of disk" in refused.reason and "--disk" in refused.reason
     assert mesh.of(small, LoadRange) == []
+
+
+def test_a_route_is_asked_for_by_model_id_or_by_the_name_of_one_model() -> None:
+    duties = [duty(i) for i in range(3)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+
+    def address(r: object) -> str:
+        return "10.0.0.1:7400"
+
+    by_id = duties[1].route(MODEL.digest, (), address)
+    by_name = duties[1].route(MODEL.name, (), address)
+    assert by_name == by_id and by_name.model == MODEL.digest
+    with pytest.raises(ProtocolError, match="no member holds model"):
+        duties[1].route("another", (), address)

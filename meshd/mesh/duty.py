@@ -276,7 +276,12 @@ class MeshDuty:
             model = next(iter(models))
         info = models.get(model)
         if info is None:
+            # a model's name stands for its id when it names one model only
+            named = [i for i in models.values() if i.name == model]
+            info = named[0] if len(named) == 1 else None
+        if info is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {model[:12]}")
+        model = info.digest
         records = {r.node_id: r for r in live if address_of(r) is not None and (fits is None or fits(r))}
         rtt, own = self.node.membership.rtt, self.node.node_id
 
