@@ -73,7 +73,7 @@ class Uploaded:
     refused: int = 0
 
 
-class _Bucket:
+class UploadBucket:
     """A token bucket on trio's clock: ``take`` waits until the bytes are earned (debt allowed, paid by waiting)."""
 
     def __init__(self, rate: float, burst: int) -> None:
@@ -100,7 +100,7 @@ class ChunkSource:
         self._streams = 0
         self._per_peer: dict[str, int] = {}
         self._uploaded: OrderedDict[str, Uploaded] = OrderedDict()
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._buckets: OrderedDict[str, UploadBucket] = OrderedDict()
 
     def offer(self, holding: Holding) -> None:
         """Serve ``holding`` under its manifest's model id (replacing an earlier one of the same model)."""
@@ -132,12 +132,12 @@ class ChunkSource:
         self._uploaded.move_to_end(peer)
         return entry
 
-    def _bucket(self, peer: str) -> _Bucket | None:
+    def _bucket(self, peer: str) -> UploadBucket | None:
         if self.config.upload_rate is None:
             return None
         bucket = self._buckets.get(peer)
         if bucket is None:
-            bucket = self._buckets[peer] = _Bucket(self.config.upload_rate, self.config.upload_burst)
+            bucket = self._buckets[peer] = UploadBucket(self.config.upload_rate, self.config.upload_burst)
             while len(self._buckets) > _MAX_PEERS_KEPT:
                 self._buckets.popitem(last=False)
         self._buckets.move_to_end(peer)

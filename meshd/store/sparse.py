@@ -157,12 +157,20 @@ class SparseFile:
         """Verify ``data`` against ``chunk`` (BadChunk if it does not match), write it and record it.
 
         The record reaches the journal at the next ``flush``."""
+        self.store(chunk, data)
+        self.record(chunk)
+
+    def store(self, chunk: Chunk, data: bytes) -> None:
+        """``write`` without the record: the part that may run in a worker thread, beside others."""
         if self._manifest.chunks[chunk.index] != chunk:
             raise KeyError(chunk.index)
         verify(chunk, data)
         written = os.pwrite(self._fd, data, chunk.offset)
         if written != len(data):
             raise OSError(errno.EIO, f"short write at {chunk.offset}")
+
+    def record(self, chunk: Chunk) -> None:
+        """Count a stored chunk as verified (one thread only: the bitmap is not locked)."""
         self._bitmap[chunk.index >> 3] |= 1 << (chunk.index & 7)
         self._unsaved = True
 
@@ -172,13 +180,21 @@ class SparseFile:
         return os.pread(self._fd, chunk.size, chunk.offset)
 
     def flush(self) -> None:
-        """Make every recorded chunk durable, then the journal that records them."""
+        """Make every recorded chunk durable, then the journal that records them.
+
+        The bitmap is taken before the data is synced, so a chunk recorded
+        meanwhile (by another thread) waits for the next flush."""
         if not self._unsaved:
             return
-        os.fdatasync(self._fd)
-        journal = self.path.with_name(self.path.name + JOURNAL_SUFFIX)
-        _write_atomic(journal, msgpack.packb([_JOURNAL_VERSION, self._manifest.model_id, bytes(self._bitmap)]))
         self._unsaved = False
+        snapshot = bytes(self._bitmap)
+        try:
+            os.fdatasync(self._fd)
+            journal = self.path.with_name(self.path.name + JOURNAL_SUFFIX)
+            _write_atomic(journal, msgpack.packb([_JOURNAL_VERSION, self._manifest.model_id, snapshot]))
+        except BaseException:
+            self._unsaved = True
+            raise
 
     def punch(self, chunks: Iterable[Chunk]) -> int:
         """Drop these chunks: forget them, then free their blocks. Returns the bytes released."""
