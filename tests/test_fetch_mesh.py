@@ -179,7 +179,7 @@ async def test_volunteers_that_join_by_model_id_fetch_only_their_ranges_and_answ
         fetched = sum(x.fetched_bytes for x in view.fetches)
         owned = owned_bytes(manifest, *rng)
         allocated = os.stat(sparse_path(f, manifest)).st_blocks * 512
-        print(f"fetcher {f.node.node_id[:12]} layers {list(rng)}: owned {owned} B, fetched {fetched} B, "
+        print(f"fetcher {f.node.node_id[:12]} layers [{rng[0]}, {rng[1]}): owned {owned} B, fetched {fetched} B, "
               f"allocated {allocated} B of a {manifest.file_size} B file; serving {f.serving_after:.1f} s after join")
         assert all(x.state == "done" for x in view.fetches), view.fetches
         # exactly the range's chunks went over the network, once each
@@ -231,7 +231,7 @@ async def test_a_reassigned_fetcher_fetches_only_the_new_tensors_and_drops_the_o
             last = views[node_id].fetches[-1]
             had = {c.index for c in range_chunks(manifest, 30, *old)}
             difference = manifest.bytes_of(c for c in range_chunks(manifest, 30, *new) if c.index not in had)
-            print(f"fetcher {node_id[:12]} moved {list(old)} -> {list(new)}: fetched {last.fetched_bytes} B, "
+            print(f"fetcher {node_id[:12]} moved [{old[0]}, {old[1]}) -> [{new[0]}, {new[1]}): fetched {last.fetched_bytes} B, "
                   f"new tensors {difference} B")
             assert last.fetched_bytes == difference
             # once the old range retired, what the new one does not read is punched out as far as
