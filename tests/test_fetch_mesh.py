@@ -206,8 +206,10 @@ async def test_a_reassigned_fetcher_fetches_only_the_new_tensors_and_drops_the_o
     gives it [0, 30) and regroups the four small ones as one more copy, which moves fetchers to new
     ranges (as in test_mesh_daemons' rebalance)."""
     before = await wait_serving(peers, mesh)
-    big = start_join("--seed", mesh.seed.address, "--state-dir", str(tmp_path / "big"), "--memory", "400M",
-                     "--model", str(default_model), *SESSIONS)
+    # in a thread: the links of `peers` keep answering while the process starts
+    big = await trio.to_thread.run_sync(lambda: start_join(
+        "--seed", mesh.seed.address, "--state-dir", str(tmp_path / "big"), "--memory", "400M",
+        "--model", str(default_model), *SESSIONS))
     try:
         moved: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
         with trio.fail_after(240):
