@@ -618,9 +618,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     pl = sub.add_parser("pull", help="fetch a layer range of a model from members, by hand")
     pl.add_argument("model_id", type=model_id, metavar="ID", help="the model id (64 hex digits)")
-    pl.add_argument("--layers", type=layer_range, required=True, help="layer range START:END to fetch")
+    pl.add_argument("--layers", type=layer_range, required=True, help="layer range START:END to fetch (no default: required)")
     pl.add_argument("--seed", type=address, action="append", required=True,
-                    help="HOST:PORT of a member holding the model (all of it or part), repeatable: each is a source")
+                    help="HOST:PORT of a member holding the model (all of it or part), repeatable: each is a source "
+                         "(no default: at least one)")
     pl.add_argument("--out", type=Path,
                     help="the sparse file to fetch into, resumed if it is a partial download of this model "
                          "(default: STATE_DIR/models/ID.gguf)")
