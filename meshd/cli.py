@@ -37,6 +37,7 @@ from meshd.client.ask import (
 from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
+from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_manifest, fetch_range
 from meshd.mesh.models import ModelNotFound, default_model_path
 from meshd.mesh.records import is_unspecified, join_address
 from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
@@ -44,6 +45,9 @@ from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_creat
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
 from meshd.stage.service import StageLimits, stage_node
+from meshd.store.manifest import ManifestError
+from meshd.store.ranges import RangeError
+from meshd.store.sparse import SparseError
 from relay.limits import RelayLimits
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
@@ -132,6 +136,13 @@ def size(text: str) -> int:
     return int(value * units[unit])
 
 
+def model_id(text: str) -> str:
+    t = text.strip().lower()
+    if len(t) != 64 or any(c not in "0123456789abcdef" for c in t):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a model id (64 hex digits)")
+    return t
+
+
 def integer(low: int, high: int) -> Callable[[str], int]:
     def convert(text: str) -> int:
         try:
@@ -190,8 +201,8 @@ def checked_model(path: Path) -> Path:
     return path
 
 
-def model_id(text: str) -> str:
-    """--model-id: a model id (the hex hash of a manifest) or a model name the mesh knows."""
+def model_id_or_name(text: str) -> str:
+    """join --model-id: a model id (the hex hash of a manifest) or a model name the mesh knows."""
     text = text.strip()
     if not text or len(text) > 256 or not text.isprintable():
         raise argparse.ArgumentTypeError(f"'{text}' is neither a model id (64 hex digits) nor a model name")
@@ -397,6 +408,49 @@ async def models(args: argparse.Namespace) -> int:
     return 0
 
 
+async def pull(args: argparse.Namespace) -> int:
+    out: Path = args.out or args.state_dir / "models" / f"{args.model_id}.gguf"
+    sources = [SourceRef(seed) for seed in args.seed]
+    short = args.model_id[:16]
+    from tqdm import tqdm
+
+    bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"pulling {short}", disable=not sys.stderr.isatty(),
+               leave=False)
+
+    def show(p: FetchProgress) -> None:
+        bar.total = p.total_bytes
+        bar.n = p.done_bytes
+        bar.refresh()
+
+    # Errors become one line inside the peers' context: out of it they would come wrapped in its nursery's group.
+    async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
+        enable_circuits(peers)
+        try:
+            try:
+                manifest = await fetch_manifest(peers, sources, args.model_id, timeout=args.timeout)
+            except ProtocolError as exc:
+                raise CommandError(f"no seed gave model {short}: {exc.message}") from None
+            report = await fetch_range(peers, sources, manifest, out, args.layers, progress=show)
+        except FetchFailed as exc:
+            raise CommandError(str(exc)) from None
+        except ManifestError as exc:
+            raise CommandError(f"model {short}: {exc}") from None
+        except SparseError as exc:
+            raise CommandError(exc.strerror or str(exc)) from None
+        except RangeError as exc:
+            # The layers are checked against the model's layer count, which the fetched header says.
+            raise UsageError(f"--layers: {exc}") from None
+        finally:
+            bar.close()
+    start, end = args.layers
+    print(f"layers {start}:{end} of {short} in {out}: {mib(report.fetched_bytes)} fetched "
+          f"({plural(report.fetched_chunks, 'chunk')}, {plural(len(report.by_source), 'source')}), "
+          f"{mib(report.reused_bytes)} already there")
+    for node, why in report.excluded.items():
+        print(f"meshd pull: source {node[:16]} was excluded: {why}", file=sys.stderr)
+    return 0
+
+
 def print_status(s: StatusReply) -> None:
     print(f"tracker: {s.tracker[:16] if s.tracker else 'none elected'} (term {s.term}); "
           f"{plural(len(s.members), 'member')}; asked node {s.node_id[:16]}")
@@ -538,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--model", type=gguf_file, help=f"{model_help} to volunteer")
     which.add_argument("--no-model", action="store_true",
                        help="volunteer no model, a seed or tracker only (default: volunteer one)")
-    which.add_argument("--model-id", type=model_id, metavar="ID",
+    which.add_argument("--model-id", type=model_id_or_name, metavar="ID",
                        help="volunteer a model the mesh has, by its id (meshd models) or name, with no file: "
                             "fetch the layers assigned from the members that hold them (default: --model)")
     j.add_argument("--listen", type=host_port, default="0.0.0.0:7000",
@@ -617,10 +671,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activations on the wire (default: %(default)s)")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
+    pl = sub.add_parser("pull", help="fetch a layer range of a model from members, by hand")
+    pl.add_argument("model_id", type=model_id, metavar="ID", help="the model id (64 hex digits)")
+    pl.add_argument("--layers", type=layer_range, required=True, help="layer range START:END to fetch (no default: required)")
+    pl.add_argument("--seed", type=address, action="append", required=True,
+                    help="HOST:PORT of a member holding the model (all of it or part), repeatable: each is a source "
+                         "(no default: at least one)")
+    pl.add_argument("--out", type=Path,
+                    help="the sparse file to fetch into, resumed if it is a partial download of this model "
+                         "(default: STATE_DIR/models/ID.gguf)")
+    add_state_dir(pl, "where pulled models go without --out")
+    add_mesh_key(pl)
+    pl.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
+                    help="seconds to wait for the manifest (default: %(default)s)")
     return p
 
 
-COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models": models, "relay": relay}
+COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models": models, "relay": relay,
+            "pull": pull}
 
 
 def log_level(text: str) -> int:

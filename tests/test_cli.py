@@ -213,7 +213,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_flag_has_help_that_names_its_default() -> None:
     parser = build_parser()
     commands = subcommands(parser)
-    assert set(commands) == {"serve", "join", "relay", "status", "models", "ask"}
+    assert set(commands) == {"serve", "join", "relay", "status", "models", "ask", "pull"}
     for name, command in commands.items():
         for action in command._actions:
             if not action.option_strings or action.dest == "help":
@@ -237,7 +237,7 @@ def test_every_command_reads_a_mesh_key_file_as_the_same_key(tmp_path: Path, con
     flags = ["--mesh-key-file", str(key_file)]
     keys = {command: parser.parse_args([command, *flags, *extra]).mesh_key
             for command, extra in [("serve", []), ("join", ["--no-model"]), ("relay", []), ("status", []),
-                                   ("ask", ["hi"])]}
+                                   ("ask", ["hi"]), ("pull", ["ab" * 32, "--layers", "0:1", "--seed", "h:1"])]}
     expected = load_mesh_key(key_file)
     assert keys == dict.fromkeys(keys, expected)
     assert len(expected) == 32 and mesh_key_from_secret(expected) == expected

@@ -17,7 +17,7 @@ from parity import assert_same_logits
 
 from meshd.engine import Context, Model
 from meshd.store.manifest import Manifest, compute
-from meshd.store.ranges import owned_tensors, range_chunks
+from meshd.store.ranges import RangeError, owned_tensors, range_chunks
 from meshd.store.sparse import SparseFile
 
 SMALL_CHUNK = 4 << 10
@@ -85,5 +85,5 @@ def test_the_tied_head_goes_to_the_tail_and_an_untied_one_does_not_need_the_embe
     assert owned_tensors(untied, 4, 1, 3) == ["blk.1.attn_q.weight", "blk.2.attn_q.weight"]
     # A tensor of no known family (rope_freqs) goes to every range, rather than a load that lacks it.
     assert "rope_freqs.weight" in owned_tensors(["rope_freqs.weight", *blocks], 4, 1, 2)
-    with pytest.raises(ValueError, match="not a range"):
+    with pytest.raises(RangeError, match="not a range"):
         owned_tensors(tied, 4, 3, 5)

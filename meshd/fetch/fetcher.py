@@ -206,15 +206,19 @@ class _Fetch:
         self._changed.set()
 
     async def run(self, sources: Sequence[SourceRef]) -> FetchReport:
-        if not self.plan.done:
-            async with trio.open_nursery() as nursery:
-                self.connecting = len(sources)
-                for ref in sources:
-                    nursery.start_soon(self._source, ref)
-                nursery.start_soon(self._flusher)
-                await self._coordinate()
-                nursery.cancel_scope.cancel()
-        await trio.to_thread.run_sync(self.target.flush)
+        try:
+            if not self.plan.done:
+                async with trio.open_nursery() as nursery:
+                    self.connecting = len(sources)
+                    for ref in sources:
+                        nursery.start_soon(self._source, ref)
+                    nursery.start_soon(self._flusher)
+                    await self._coordinate()
+                    nursery.cancel_scope.cancel()
+        finally:
+            # Cancelled or not, what was verified is journalled: a fetch started again skips it.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.target.flush)
         self.report.excluded = dict(self.plan.excluded)
         self.report.lost = dict(self.plan.lost)
         if not self.plan.done:

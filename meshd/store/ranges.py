@@ -23,10 +23,14 @@ TIED_HEAD = "token_embd.weight"
 OUTPUT_HEAD = "output.weight"
 
 
+class RangeError(ValueError):
+    """Layers that are not a range of the model."""
+
+
 def owned_tensors(names: list[str], n_layers: int, start: int, end: int) -> list[str]:
     """The names among ``names`` that the range ``[start, end)`` of an ``n_layers`` model loads, in order."""
     if not 0 <= start < end <= n_layers:
-        raise ValueError(f"layers {start}:{end} are not a range of a {n_layers}-layer model")
+        raise RangeError(f"layers {start}:{end} are not a range of a {n_layers}-layer model")
     head, tail = start == 0, end == n_layers
     tied = OUTPUT_HEAD not in names
     owned = []
