@@ -72,6 +72,7 @@ from meshd.relay.circuit import enable_circuits
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService, Tap
 from meshd.stage.service import StageLimits, StageService, answer_typed, model_manifest
+from meshd.store.gguf_header import GGUFError, read_layout
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import Chunk, Manifest
 from meshd.store.ranges import range_chunks
@@ -256,7 +257,7 @@ class MeshDaemon:
         if cfg.model is not None:
             # the model id hashes the manifest, computed once (a progress bar on a TTY) and cached
             self.manifest = await trio.to_thread.run_sync(model_manifest, cfg.model, cfg.state_dir)
-            self.model = await trio.to_thread.run_sync(model_info, cfg.model, self.manifest.model_id)
+            self.model = await trio.to_thread.run_sync(describe_model, cfg.model, self.manifest.model_id)
             self.model_path = cfg.model
             self.source.offer(WholeFile(cfg.model, self.manifest))
         async with open_peers(self.identity, cfg.peers) as peers, trio.open_nursery() as nursery:
@@ -696,7 +697,7 @@ class MeshDaemon:
             await self._fetch(digest, manifest.header_chunks_list(), "header", 0, 0)
         except (FetchFailed, ProtocolError) as exc:
             raise ModelNotFound(f"cannot fetch the header of model {digest[:16]}: {exc}") from None
-        info = (await trio.to_thread.run_sync(model_info, path, digest)).model_copy(update={"whole": False})
+        info = (await trio.to_thread.run_sync(describe_model, path, digest)).model_copy(update={"whole": False})
         self.model = info
         self.source.offer(sparse)
         limits, now = cfg.limits, trio.current_time()
@@ -790,7 +791,20 @@ class MeshDaemon:
         await chosen.handle_first(stream, first)
 
 
-# ----- what a sparse file holds
+# ----- what a model file holds
+
+def describe_model(path: Path, digest: str) -> ModelInfo:
+    """What placement needs to know of the GGUF at `path` (whole, or a sparse file with its header),
+    read from the header alone; ModelNotFound, naming the file, if it is no usable GGUF."""
+    try:
+        with open(path, "rb") as f:
+            layout = read_layout(f)
+    except (GGUFError, OSError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
+    return model_info(digest, path.name, layout.metadata, {t.name: t.size for t in layout.tensors})
+
+
 
 def held_layer_ranges(manifest: Manifest, n_layers: int, has: Callable[[int], bool]) -> list[tuple[int, int]]:
     """The maximal layer ranges whose every chunk (`has(index)`: held verified) a range loader of them

@@ -19,7 +19,8 @@ import trio
 from localmesh import Served, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import held_layer_ranges, rpc
+from meshd.daemon import describe_model, held_layer_ranges, rpc
+from meshd.mesh.models import ModelNotFound, model_info
 from meshd.net.peers import Peers, open_peers
 from meshd.store.manifest import Manifest, manifest_for
 from meshd.store.ranges import range_chunks
@@ -89,6 +90,28 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> Iterat
         yield FetchMesh(seed, holder, fetchers)
     finally:
         stop_all(started)
+
+
+def test_a_model_is_described_from_its_header_alone_and_a_sparse_copy_of_the_header_says_the_same(
+        default_model: Path, manifest: Manifest, tmp_path: Path) -> None:
+    whole = describe_model(default_model, manifest.model_id)
+    assert (whole.n_layers, whole.bytes_per_layer, whole.kv_bytes_per_token) == (30, 2216448, 768)
+    assert whole.head_bytes == whole.tail_bytes - manifest.tensor("output_norm.weight").size  # tied head
+    # a file of the original size holding the header only, as a fetcher has it before any tensor
+    sparse = tmp_path / "header-only.gguf"
+    with open(default_model, "rb") as src, open(sparse, "wb") as dst:
+        dst.write(src.read(manifest.header_size))
+        dst.truncate(manifest.file_size)
+    assert describe_model(sparse, manifest.model_id) == whole
+    assert os.stat(sparse).st_blocks * 512 < 2 * manifest.header_size
+    metadata = {"general.architecture": "llama", "llama.block_count": 2, "llama.embedding_length": 8}
+    with pytest.raises(ModelNotFound, match="x.gguf lacks the GGUF key llama.attention.head_count"):
+        model_info("id", "x.gguf", metadata, {})
+    with pytest.raises(ModelNotFound, match="x.gguf is not a usable GGUF model"):
+        model_info("id", "x.gguf", {**metadata, "llama.block_count": 0, "llama.attention.head_count": 1}, {})
+    with pytest.raises(ModelNotFound, match="header-only.gguf is not a usable GGUF model"):
+        sparse.write_bytes(b"GGUF" + bytes(20))
+        describe_model(sparse, manifest.model_id)
 
 
 def test_held_layer_ranges_are_the_runs_a_range_loader_could_load(manifest: Manifest) -> None:

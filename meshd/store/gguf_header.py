@@ -10,7 +10,7 @@ from a peer (checked against the manifest, but read here all the same).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -46,6 +46,8 @@ class GGUFLayout:
     tensors: tuple[TensorInfo, ...]  # in file order
     architecture: str
     block_count: int | None
+    # every scalar and string of the metadata (arrays are skipped): what placement reads of a model
+    metadata: dict[str, int | float | bool | str] = field(default_factory=dict)
 
 
 class _Reader:
@@ -149,4 +151,4 @@ def read_layout(f: BinaryIO) -> GGUFLayout:
                            key=lambda t: t.offset))
     arch = scalars.get("general.architecture", "")
     blocks = scalars.get(f"{arch}.block_count")
-    return GGUFLayout(data_start, tensors, str(arch), int(blocks) if isinstance(blocks, int) else None)
+    return GGUFLayout(data_start, tensors, str(arch), int(blocks) if isinstance(blocks, int) else None, scalars)
