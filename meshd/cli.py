@@ -389,7 +389,8 @@ def fetch_line(f: FetchStatus) -> str:
     left = f.total_bytes - f.done_bytes
     eta = f", {left / f.rate:.0f} s left" if f.rate > 0 and left > 0 and f.state == "fetching" else ""
     rate = f" at {f.rate / (1 << 20):.1f} MiB/s" if f.rate > 0 else ""
-    return (f"fetch {f.name} ({f.model[:12]}) layers [{f.start}, {f.end}): {done}{rate}{eta} "
+    what = f"layers [{f.start}, {f.end})" if f.end else "header"
+    return (f"fetch {f.name} ({f.model[:12]}) {what}: {done}{rate}{eta} "
             f"from {plural(f.sources, 'source')}; {f.state}")
 
 

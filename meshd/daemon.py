@@ -725,7 +725,8 @@ class MeshDaemon:
 
     async def _fetch(self, digest: str, chunks: list[Chunk], what: str, start: int, end: int) -> None:
         assert self.sparse is not None and self.model_path is not None
-        name = self.model.name if self.model is not None else self.model_path.name
+        # before the header is here the model is known by what the user named it
+        name = self.model.name if self.model is not None else (self.config.model_id or digest)
         status = FetchStatus(model=digest, name=name[:256], start=start, end=end, done_bytes=0,
                              total_bytes=sum(c.size for c in chunks), rate=0.0)
         self.fetches = [*self.fetches[-7:], status]

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from localmesh import Served, copy_with_other_digest, meshd_command, run_meshd, start_join, start_serve, stop_all
 
-from meshd.cli import build_parser, expect, main, print_figures, print_status
+from meshd.cli import build_parser, expect, fetch_line, main, print_figures, print_status
 from meshd.client.ask import AskResult
 from meshd.net.identity_store import load_mesh_key
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import ModelCoverage, RouteReply, StatusReply
+from wire.meshrpc import FetchStatus, ModelCoverage, RouteReply, StatusReply
 from wire.noise import mesh_key_from_secret
 
 
@@ -273,6 +273,17 @@ def test_figures_and_status_count_in_proper_plurals(capsys: pytest.CaptureFixtur
         model="d" * 64, name="m", n_layers=1, covered_layers=1, assigned=[], replicas=1)]))
     out = capsys.readouterr().out
     assert "0 members" in out and "1/1 layer covered, 1 spare replica;" in out
+
+
+def test_a_fetch_is_shown_with_its_bytes_rate_and_time_left(capsys: pytest.CaptureFixture[str]) -> None:
+    running = FetchStatus(model="d" * 64, name="m", start=10, end=20, done_bytes=8 << 20, total_bytes=24 << 20,
+                          fetched_bytes=8 << 20, rate=float(4 << 20), sources=2)
+    assert fetch_line(running) == ("fetch m (dddddddddddd) layers [10, 20): 8 MiB of 24 MiB at 4.0 MiB/s, "
+                                   "4 s left from 2 sources; fetching")
+    header = running.model_copy(update={"start": 0, "end": 0, "rate": 0.0, "state": "done", "sources": 1})
+    assert fetch_line(header) == "fetch m (dddddddddddd) header: 8 MiB of 24 MiB from 1 source; done"
+    print_status(StatusReply(node_id="n" * 40, term=1, members=[], coverage=[], fetches=[running]))
+    assert capsys.readouterr().out.splitlines()[-1] == fetch_line(running)
 
 
 # ----- Ctrl-C while a dial hangs
