@@ -675,7 +675,12 @@ class MeshDaemon:
         assert cfg.state_dir is not None, "a node that fetches needs a state directory"
         digest = None
         with trio.move_on_after(cfg.model_wait):
-            while (digest := self._resolve(wanted)) is None:
+            for waited in range(math.ceil(cfg.model_wait) + 1):
+                if (digest := self._resolve(wanted)) is not None:
+                    break
+                if waited == 10:
+                    log.warning("no member holds model '%s' yet; waiting up to %g s for one (meshd models lists "
+                                "what the mesh has)", wanted, cfg.model_wait)
                 await trio.sleep(1.0)
         if digest is None:
             raise ModelNotFound(f"no member of the mesh holds model '{wanted}' (waited {cfg.model_wait:g} s); "
