@@ -110,6 +110,10 @@ class FetchFailed(Exception):
 Progress = Callable[[FetchProgress], None]
 
 
+# Tasks verifying and writing chunks (in threads: sha256 and pwrite release the GIL).
+_STORERS = 2
+
+
 class _Liar(Exception):
     """The source broke the protocol or the manifest: it is excluded."""
 
@@ -201,6 +205,8 @@ class _Fetch:
         self.connecting = 0
         self._changed = trio.Event()
         self.started = trio.current_time()
+        # Whole chunks received, waiting to be verified and written: a couple per storer at most.
+        self._to_store, self._stored = trio.open_memory_channel[tuple[_Worker, Chunk, bytes]](_STORERS)
 
     def changed(self) -> None:
         self._changed.set()
@@ -213,6 +219,8 @@ class _Fetch:
                     for ref in sources:
                         nursery.start_soon(self._source, ref)
                     nursery.start_soon(self._flusher)
+                    for _ in range(_STORERS):
+                        nursery.start_soon(self._storer)
                     await self._coordinate()
                     nursery.cancel_scope.cancel()
         finally:
@@ -271,7 +279,7 @@ class _Fetch:
                 self.changed()
                 with worker.scope:
                     await self._receive(worker)
-        except (_Liar, BadChunk) as exc:
+        except _Liar as exc:
             log.warning("fetch source %s excluded: %s", key[:16], exc)
             self.plan.exclude(key, str(exc))
         except (StreamBroken, _Lost) as exc:
@@ -293,6 +301,8 @@ class _Fetch:
 
     async def _receive(self, worker: _Worker) -> None:
         # Ends by an exception of the source's, or by cancellation (a timeout, or the fetch done).
+        # A whole chunk goes to the storers and the next is read meanwhile: hashing and writing one
+        # chunk overlaps receiving the next, and the stream's credit keeps flowing.
         while True:
             chunk = await worker.next_chunk(self.model)
             data = await self._read_chunk(worker.stream, chunk)
@@ -300,10 +310,21 @@ class _Fetch:
                 self.plan.chunk_missing(worker.key, chunk)
                 self.changed()
                 continue
-            await trio.to_thread.run_sync(self.target.store, chunk, data)
+            await self._to_store.send((worker, chunk, data))
+
+    async def _storer(self) -> None:
+        async for worker, chunk, data in self._stored:
+            try:
+                await trio.to_thread.run_sync(self.target.store, chunk, data)
+            except BadChunk as exc:
+                log.warning("fetch source %s excluded: %s", worker.key[:16], exc)
+                self.plan.chunk_bad(worker.key, chunk, str(exc))
+                self._end(worker.key)
+                self.changed()
+                continue
             self.target.record(chunk)
-            self.plan.chunk_verified(worker.key, chunk)
-            self.report.fetched_chunks += 1
+            if self.plan.chunk_verified(worker.key, chunk):
+                self.report.fetched_chunks += 1
             self.report.fetched_bytes += chunk.size
             self.report.by_source[worker.key] = self.report.by_source.get(worker.key, 0) + chunk.size
             self.changed()
