@@ -10,7 +10,7 @@ import trio
 from fetchnet import peers_node, source_node
 
 from meshd.fetch.fetcher import FetchConfig, FetchFailed, SourceRef, fetch_chunks, fetch_manifest, fetch_range
-from meshd.fetch.source import SourceConfig, UploadBucket
+from meshd.fetch.source import ChunkSource, SourceConfig, UploadBucket, activity
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.store.holding import WholeFile
@@ -231,3 +231,31 @@ async def test_a_rate_limited_source_still_delivers_everything(model: tuple[Path
         target.close()
     assert report.fetched_bytes == sum(c.size for c in manifest.chunks)
     assert (tmp_path / "mine.gguf").read_bytes() == path.read_bytes()
+
+
+async def test_activity_is_busy_while_the_counter_moved_within_the_window(autojump_clock: trio.abc.Clock) -> None:
+    calls = [0]
+    busy = activity(lambda: calls[0], window=1.0)
+    assert not busy()
+    calls[0] += 1
+    assert busy()
+    await trio.sleep(0.9)
+    assert busy()
+    await trio.sleep(0.2)
+    assert not busy()
+
+
+async def test_a_busy_source_trickles_and_the_fetch_leans_on_the_idle_one(
+    model: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    path, manifest = model
+    busy = ChunkSource(SourceConfig(busy_upload_rate=float(16 << 10)), busy=lambda: True)
+    async with (source_node(WholeFile(path, manifest)) as (idle_peers, idle_at, _),
+                source_node(WholeFile(path, manifest), source=busy) as (busy_peers, busy_at, _),
+                peers_node() as me):
+        target = SparseFile.open(tmp_path / "mine.gguf", manifest)
+        with trio.fail_after(60):
+            report = await fetch_chunks(me, [SourceRef(busy_at), SourceRef(idle_at)], target, manifest.chunks)
+        target.close()
+    assert (tmp_path / "mine.gguf").read_bytes() == path.read_bytes()
+    assert report.by_source[idle_peers.node_id] > 4 * report.by_source.get(busy_peers.node_id, 0)

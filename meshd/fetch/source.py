@@ -70,6 +70,12 @@ class SourceConfig:
     # then trickle instead of taking the CPU and the link from the activations of a decode.
     busy_upload_rate: float = float(4 << 20)
 
+    def __post_init__(self) -> None:
+        if min(self.max_streams, self.max_streams_per_peer, self.upload_burst) < 1 or self.idle_timeout <= 0:
+            raise ValueError("stream bounds, the burst and the idle timeout are positive")
+        if self.busy_upload_rate <= 0 or (self.upload_rate is not None and self.upload_rate <= 0):
+            raise ValueError("upload rates are positive")
+
 
 @dataclass
 class Uploaded:
@@ -121,7 +127,8 @@ class ChunkSource:
         """``busy()`` says whether the node is computing for someone now (see ``activity``)."""
         self.config = config
         self._busy = busy
-        self._busy_bucket = UploadBucket(config.busy_upload_rate, FRAME_BYTES)
+        # A quarter second's worth at most goes out at once while busy (and never more than a frame).
+        self._busy_bucket = UploadBucket(config.busy_upload_rate, min(FRAME_BYTES, int(config.busy_upload_rate / 4)))
         self._holdings: dict[str, Holding] = {}
         self._streams = 0
         self._per_peer: dict[str, int] = {}
