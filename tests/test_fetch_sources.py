@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -136,6 +137,8 @@ async def test_with_only_liars_the_fetch_fails_saying_why(model: tuple[Path, Man
         target.close()
     assert failed.value.report.fetched_chunks == 0
     assert target.verified_bytes() == 0
+    # The liar's bytes were written as they came, then punched out once they failed their hash.
+    assert os.stat(tmp_path / "mine.gguf").st_blocks == 0
 
 
 async def test_a_manifest_that_does_not_hash_to_the_id_is_refused(

@@ -10,8 +10,9 @@ The planner (``meshd.store.plan``) decides which source gets which chunk;
 this shell moves the bytes: one stream per source with up to
 ``in_flight_per_source`` requests pipelined on it, each chunk's frames
 checked as they come (offset exactly where the last frame ended, never past
-the chunk) and the whole chunk hashed against the manifest before it is
-written (``SparseFile.write``, in a thread). A source that sends a bad chunk,
+the chunk), hashed and written at their offsets; the chunk counts (is
+recorded, served, journalled) only once its hash matches the manifest's, and
+a chunk that does not is punched out again. A source that sends a bad chunk,
 an oversize or out-of-place frame or a malformed message is excluded for the
 rest of the fetch; one that dies or times out has its in-flight chunks
 re-queued elsewhere. Verified chunks are journalled, so a fetch resumed after
@@ -20,6 +21,7 @@ a crash (or started again with other sources) fetches only what is missing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections import deque
@@ -108,10 +110,6 @@ class FetchFailed(Exception):
 
 
 Progress = Callable[[FetchProgress], None]
-
-
-# Tasks verifying and writing chunks (in threads: sha256 and pwrite release the GIL).
-_STORERS = 2
 
 
 class _Liar(Exception):
@@ -205,8 +203,8 @@ class _Fetch:
         self.connecting = 0
         self._changed = trio.Event()
         self.started = trio.current_time()
-        # Whole chunks received, waiting to be verified and written: a couple per storer at most.
-        self._to_store, self._stored = trio.open_memory_channel[tuple[_Worker, Chunk, bytes]](_STORERS)
+        # Chunks some of whose bytes were written here (verified or not).
+        self._touched: set[int] = set()
 
     def changed(self) -> None:
         self._changed.set()
@@ -219,13 +217,16 @@ class _Fetch:
                     for ref in sources:
                         nursery.start_soon(self._source, ref)
                     nursery.start_soon(self._flusher)
-                    for _ in range(_STORERS):
-                        nursery.start_soon(self._storer)
                     await self._coordinate()
                     nursery.cancel_scope.cancel()
         finally:
             # Cancelled or not, what was verified is journalled: a fetch started again skips it.
+            # Chunks written in part and never verified (a source lost or lying mid-chunk) are
+            # punched out now that no task writes any more: their blocks hold nothing trusted.
             with trio.CancelScope(shield=True):
+                for index in self._touched:
+                    if not self.target.has(index):
+                        self.target.discard(self.target.manifest.chunks[index])
                 await trio.to_thread.run_sync(self.target.flush)
         self.report.excluded = dict(self.plan.excluded)
         self.report.lost = dict(self.plan.lost)
@@ -279,7 +280,7 @@ class _Fetch:
                 self.changed()
                 with worker.scope:
                     await self._receive(worker)
-        except _Liar as exc:
+        except (_Liar, BadChunk) as exc:
             log.warning("fetch source %s excluded: %s", key[:16], exc)
             self.plan.exclude(key, str(exc))
         except (StreamBroken, _Lost) as exc:
@@ -301,25 +302,10 @@ class _Fetch:
 
     async def _receive(self, worker: _Worker) -> None:
         # Ends by an exception of the source's, or by cancellation (a timeout, or the fetch done).
-        # A whole chunk goes to the storers and the next is read meanwhile: hashing and writing one
-        # chunk overlaps receiving the next, and the stream's credit keeps flowing.
         while True:
             chunk = await worker.next_chunk(self.model)
-            data = await self._read_chunk(worker.stream, chunk)
-            if data is None:
+            if not await self._read_chunk(worker.stream, chunk):
                 self.plan.chunk_missing(worker.key, chunk)
-                self.changed()
-                continue
-            await self._to_store.send((worker, chunk, data))
-
-    async def _storer(self) -> None:
-        async for worker, chunk, data in self._stored:
-            try:
-                await trio.to_thread.run_sync(self.target.store, chunk, data)
-            except BadChunk as exc:
-                log.warning("fetch source %s excluded: %s", worker.key[:16], exc)
-                self.plan.chunk_bad(worker.key, chunk, str(exc))
-                self._end(worker.key)
                 self.changed()
                 continue
             self.target.record(chunk)
@@ -331,28 +317,40 @@ class _Fetch:
             if self.progress is not None:
                 self.progress(self._progress())
 
-    async def _read_chunk(self, stream: Stream, chunk: Chunk) -> bytes | None:
-        """The chunk's bytes as the source sends them, frames checked as they come; None if it lacks it."""
-        data = bytearray()
+    async def _read_chunk(self, stream: Stream, chunk: Chunk) -> bool:
+        """Receive the chunk into the target, frames checked as they come and hashed; False if the source lacks it.
+
+        Each frame is hashed and written at its offset as it arrives (a frame's
+        worth of work on the event loop, no thread, no 4 MiB copy); the chunk
+        counts only once the whole hash matches (BadChunk otherwise, and its
+        bytes are punched out again)."""
+        hasher = hashlib.sha256()
+        got = 0
         # Every frame adds at least one byte, so this ends within chunk.size frames.
-        while len(data) < chunk.size:
+        while got < chunk.size:
             try:
                 message = await stream.receive_message()
             except trio.EndOfChannel:
                 raise _Lost("the source ended its stream mid-chunk") from None
             if isinstance(message, ErrorMessage):
                 error = error_from_message(message)
-                if error.code is ErrorCode.NOT_FOUND and not data:
-                    return None
+                if error.code is ErrorCode.NOT_FOUND and not got:
+                    return False
                 raise _Lost(f"the source refused chunk {chunk.index}: {error}")
             if not isinstance(message, ChunkData):
                 raise _Liar(f"it answered a chunk request with {message.type!r}")
-            if message.offset != chunk.offset + len(data):
-                raise _Liar(f"a frame at {message.offset} where chunk {chunk.index} continues at {chunk.offset + len(data)}")
-            if len(data) + len(message.data) > chunk.size:
+            if message.offset != chunk.offset + got:
+                raise _Liar(f"a frame at {message.offset} where chunk {chunk.index} continues at {chunk.offset + got}")
+            data = message.data
+            if got + len(data) > chunk.size:
                 raise _Liar(f"more than the {chunk.size} bytes of chunk {chunk.index}")
-            data += message.data
-        return bytes(data)
+            hasher.update(data)
+            self._touched.add(chunk.index)
+            self.target.write_piece(chunk, got, data)
+            got += len(data)
+        if hasher.digest() != chunk.sha256:
+            raise BadChunk(f"the bytes of chunk {chunk.index} at {chunk.offset} do not match the manifest")
+        return True
 
     def _progress(self) -> FetchProgress:
         elapsed = max(trio.current_time() - self.started, 1e-9)
