@@ -11,7 +11,7 @@ import trio
 from fetchnet import peers_node, source_node
 
 from meshd.fetch.fetcher import FetchConfig, FetchFailed, SourceRef, fetch_chunks, fetch_manifest, fetch_range
-from meshd.fetch.source import ChunkSource, SourceConfig, UploadBucket, activity
+from meshd.fetch.source import ChunkSource, SourceConfig, UploadBucket, activity, register
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.store.holding import WholeFile
@@ -262,3 +262,21 @@ async def test_a_busy_source_trickles_and_the_fetch_leans_on_the_idle_one(
         target.close()
     assert (tmp_path / "mine.gguf").read_bytes() == path.read_bytes()
     assert report.by_source[idle_peers.node_id] > 4 * report.by_source.get(busy_peers.node_id, 0)
+
+
+async def test_what_a_volunteer_fetched_it_serves_to_the_next(model: tuple[Path, Manifest], tmp_path: Path) -> None:
+    path, manifest = model
+    async with (source_node(WholeFile(path, manifest)) as (_, first_at, _), peers_node() as me, peers_node() as next_):
+        mine = SparseFile.open(tmp_path / "mine.gguf", manifest)
+        source = ChunkSource()
+        register(me, source)
+        source.offer(mine)  # served while it is being fetched: only verified chunks
+        my_at = f"127.0.0.1:{await me.listen('127.0.0.1', 0)}"
+        with trio.fail_after(30):
+            await fetch_range(me, [SourceRef(first_at)], manifest, mine, (2, 5))
+            # The next volunteer knows only this one.
+            report = await fetch_range(next_, [SourceRef(my_at)], manifest, tmp_path / "next.gguf", (3, 5))
+        mine.close()
+    assert list(report.by_source) == [me.node_id]
+    assert report.fetched_chunks == len(range_chunks(manifest, N_LAYERS, 3, 5))
+    assert_holds_exactly(tmp_path / "next.gguf", path, range_chunks(manifest, N_LAYERS, 3, 5))

@@ -386,30 +386,39 @@ async def fetch_range(
     peers: Peers,
     sources: Sequence[SourceRef],
     manifest: Manifest,
-    path: Path,
+    target: SparseFile | Path,
     layers: tuple[int, int],
     *,
     config: FetchConfig = FetchConfig(),
     progress: Progress | None = None,
     keep_unowned: bool = False,
 ) -> FetchReport:
-    """Fetch the header and exactly the tensors ``layers`` (half-open) owns into the sparse file ``path``.
+    """Fetch the header and exactly the tensors ``layers`` (half-open) owns into the sparse file ``target``.
 
-    The header comes first (it says how many layers the model has). Unless
-    ``keep_unowned``, chunks of tensors the range does not own are punched out,
-    so a re-assignment fetches only the difference and gives back what it dropped."""
-    target = await trio.to_thread.run_sync(SparseFile.open, path, manifest)
-    try:
-        report = await fetch_chunks(peers, sources, target, manifest.header_chunks_list(), config=config)
-        n_layers = await trio.to_thread.run_sync(_block_count, path)
-        wanted = range_chunks(manifest, n_layers, *layers)
-        if not keep_unowned:
-            keep = {c.index for c in wanted}
-            await trio.to_thread.run_sync(target.punch, [c for c in manifest.chunks if c.index not in keep])
-        report.add(await fetch_chunks(peers, sources, target, wanted, config=config, progress=progress))
-        return report
-    finally:
-        await trio.to_thread.run_sync(target.close)
+    ``target`` is an open ``SparseFile`` (which a ``ChunkSource`` may be
+    serving meanwhile: each chunk is offered to others as soon as it is
+    verified), or a path opened, resumed and closed here. The header comes first
+    (it says how many layers the model has). Unless ``keep_unowned``, chunks of
+    tensors the range does not own are punched out, so a re-assignment fetches
+    only the difference and gives back what it dropped. RangeError if ``layers``
+    is not a range of the model."""
+    if isinstance(target, Path):
+        sparse = await trio.to_thread.run_sync(SparseFile.open, target, manifest)
+        try:
+            return await fetch_range(peers, sources, manifest, sparse, layers, config=config, progress=progress,
+                                     keep_unowned=keep_unowned)
+        finally:
+            await trio.to_thread.run_sync(sparse.close)
+    if target.manifest.model_id != manifest.model_id:
+        raise ValueError("the sparse file is of another model")
+    report = await fetch_chunks(peers, sources, target, manifest.header_chunks_list(), config=config)
+    n_layers = await trio.to_thread.run_sync(_block_count, target.path)
+    wanted = range_chunks(manifest, n_layers, *layers)
+    if not keep_unowned:
+        keep = {c.index for c in wanted}
+        await trio.to_thread.run_sync(target.punch, [c for c in manifest.chunks if c.index not in keep])
+    report.add(await fetch_chunks(peers, sources, target, wanted, config=config, progress=progress))
+    return report
 
 
 def _block_count(path: Path) -> int:
