@@ -44,11 +44,12 @@ async def peers_node(config: PeersConfig = CALM) -> AsyncIterator[Peers]:
 
 @asynccontextmanager
 async def source_node(
-    holding: Holding, config: SourceConfig = SourceConfig(), peers_config: PeersConfig = CALM
+    holding: Holding, config: SourceConfig = SourceConfig(), peers_config: PeersConfig = CALM,
+    source: ChunkSource | None = None,
 ) -> AsyncIterator[tuple[Peers, str, ChunkSource]]:
-    """A node on loopback serving ``holding``: its peers, its address and its source."""
+    """A node on loopback serving ``holding`` (with ``source``, or one of ``config``): its peers, address, source."""
     async with peers_node(peers_config) as peers:
-        source = ChunkSource(config)
+        source = source or ChunkSource(config)
         register(peers, source)
         source.offer(holding)
         port = await peers.listen("127.0.0.1", 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import trio
 from fetchnet import peers_node, source_node
 
 from meshd.fetch.fetcher import FetchConfig, FetchFailed, SourceRef, fetch_chunks, fetch_manifest, fetch_range
-from meshd.fetch.source import SourceConfig, UploadBucket
+from meshd.fetch.source import ChunkSource, SourceConfig, UploadBucket, activity, register
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.store.holding import WholeFile
@@ -136,6 +137,8 @@ async def test_with_only_liars_the_fetch_fails_saying_why(model: tuple[Path, Man
         target.close()
     assert failed.value.report.fetched_chunks == 0
     assert target.verified_bytes() == 0
+    # The liar's bytes were written as they came, then punched out once they failed their hash.
+    assert os.stat(tmp_path / "mine.gguf").st_blocks == 0
 
 
 async def test_a_manifest_that_does_not_hash_to_the_id_is_refused(
@@ -231,3 +234,49 @@ async def test_a_rate_limited_source_still_delivers_everything(model: tuple[Path
         target.close()
     assert report.fetched_bytes == sum(c.size for c in manifest.chunks)
     assert (tmp_path / "mine.gguf").read_bytes() == path.read_bytes()
+
+
+async def test_activity_is_busy_while_the_counter_moved_within_the_window(autojump_clock: trio.abc.Clock) -> None:
+    calls = [0]
+    busy = activity(lambda: calls[0], window=1.0)
+    assert not busy()
+    calls[0] += 1
+    assert busy()
+    await trio.sleep(0.9)
+    assert busy()
+    await trio.sleep(0.2)
+    assert not busy()
+
+
+async def test_a_busy_source_trickles_and_the_fetch_leans_on_the_idle_one(
+    model: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    path, manifest = model
+    busy = ChunkSource(SourceConfig(busy_upload_rate=float(16 << 10)), busy=lambda: True)
+    async with (source_node(WholeFile(path, manifest)) as (idle_peers, idle_at, _),
+                source_node(WholeFile(path, manifest), source=busy) as (busy_peers, busy_at, _),
+                peers_node() as me):
+        target = SparseFile.open(tmp_path / "mine.gguf", manifest)
+        with trio.fail_after(60):
+            report = await fetch_chunks(me, [SourceRef(busy_at), SourceRef(idle_at)], target, manifest.chunks)
+        target.close()
+    assert (tmp_path / "mine.gguf").read_bytes() == path.read_bytes()
+    assert report.by_source[idle_peers.node_id] > 4 * report.by_source.get(busy_peers.node_id, 0)
+
+
+async def test_what_a_volunteer_fetched_it_serves_to_the_next(model: tuple[Path, Manifest], tmp_path: Path) -> None:
+    path, manifest = model
+    async with (source_node(WholeFile(path, manifest)) as (_, first_at, _), peers_node() as me, peers_node() as next_):
+        mine = SparseFile.open(tmp_path / "mine.gguf", manifest)
+        source = ChunkSource()
+        register(me, source)
+        source.offer(mine)  # served while it is being fetched: only verified chunks
+        my_at = f"127.0.0.1:{await me.listen('127.0.0.1', 0)}"
+        with trio.fail_after(30):
+            await fetch_range(me, [SourceRef(first_at)], manifest, mine, (2, 5))
+            # The next volunteer knows only this one.
+            report = await fetch_range(next_, [SourceRef(my_at)], manifest, tmp_path / "next.gguf", (3, 5))
+        mine.close()
+    assert list(report.by_source) == [me.node_id]
+    assert report.fetched_chunks == len(range_chunks(manifest, N_LAYERS, 3, 5))
+    assert_holds_exactly(tmp_path / "next.gguf", path, range_chunks(manifest, N_LAYERS, 3, 5))

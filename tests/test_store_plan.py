@@ -46,12 +46,15 @@ def test_a_lost_source_has_its_chunks_fetched_elsewhere_and_verified_ones_stay_d
     assert [c.index for c in back] == [2]
     plan.chunk_verified("b", CHUNKS[1])
     assert by_source(plan.assign(1.0)) == {"b": [2]}
-    # A late answer from the lost source changes nothing.
-    plan.chunk_verified("a", CHUNKS[2])
-    assert plan.verified == 2
+    # b's slot for chunk 2 is freed when its answer comes (below), verified or not.
+    # A late answer from the lost source, verified, counts: chunk 2 is not fetched again.
+    assert plan.chunk_verified("a", CHUNKS[2])
+    assert not plan.chunk_verified("b", CHUNKS[2])
+    assert plan.verified == 3
     seen = {0, 1, 2, 3}
     for c in plan.in_flight("b"):
         plan.chunk_verified("b", c)
+    assert plan.in_flight("b") == []
     for _ in range(len(CHUNKS)):
         for a in plan.assign(2.0):
             assert a.chunk.index not in seen, "a verified chunk was fetched again"

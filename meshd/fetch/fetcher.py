@@ -10,8 +10,9 @@ The planner (``meshd.store.plan``) decides which source gets which chunk;
 this shell moves the bytes: one stream per source with up to
 ``in_flight_per_source`` requests pipelined on it, each chunk's frames
 checked as they come (offset exactly where the last frame ended, never past
-the chunk) and the whole chunk hashed against the manifest before it is
-written (``SparseFile.write``, in a thread). A source that sends a bad chunk,
+the chunk), hashed and written at their offsets; the chunk counts (is
+recorded, served, journalled) only once its hash matches the manifest's, and
+a chunk that does not is punched out again. A source that sends a bad chunk,
 an oversize or out-of-place frame or a malformed message is excluded for the
 rest of the fetch; one that dies or times out has its in-flight chunks
 re-queued elsewhere. Verified chunks are journalled, so a fetch resumed after
@@ -20,6 +21,7 @@ a crash (or started again with other sources) fetches only what is missing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections import deque
@@ -201,6 +203,8 @@ class _Fetch:
         self.connecting = 0
         self._changed = trio.Event()
         self.started = trio.current_time()
+        # Chunks some of whose bytes were written here (verified or not).
+        self._touched: set[int] = set()
 
     def changed(self) -> None:
         self._changed.set()
@@ -217,7 +221,12 @@ class _Fetch:
                     nursery.cancel_scope.cancel()
         finally:
             # Cancelled or not, what was verified is journalled: a fetch started again skips it.
+            # Chunks written in part and never verified (a source lost or lying mid-chunk) are
+            # punched out now that no task writes any more: their blocks hold nothing trusted.
             with trio.CancelScope(shield=True):
+                for index in self._touched:
+                    if not self.target.has(index):
+                        self.target.discard(self.target.manifest.chunks[index])
                 await trio.to_thread.run_sync(self.target.flush)
         self.report.excluded = dict(self.plan.excluded)
         self.report.lost = dict(self.plan.lost)
@@ -295,43 +304,53 @@ class _Fetch:
         # Ends by an exception of the source's, or by cancellation (a timeout, or the fetch done).
         while True:
             chunk = await worker.next_chunk(self.model)
-            data = await self._read_chunk(worker.stream, chunk)
-            if data is None:
+            if not await self._read_chunk(worker.stream, chunk):
                 self.plan.chunk_missing(worker.key, chunk)
                 self.changed()
                 continue
-            await trio.to_thread.run_sync(self.target.store, chunk, data)
             self.target.record(chunk)
-            self.plan.chunk_verified(worker.key, chunk)
-            self.report.fetched_chunks += 1
+            if self.plan.chunk_verified(worker.key, chunk):
+                self.report.fetched_chunks += 1
             self.report.fetched_bytes += chunk.size
             self.report.by_source[worker.key] = self.report.by_source.get(worker.key, 0) + chunk.size
             self.changed()
             if self.progress is not None:
                 self.progress(self._progress())
 
-    async def _read_chunk(self, stream: Stream, chunk: Chunk) -> bytes | None:
-        """The chunk's bytes as the source sends them, frames checked as they come; None if it lacks it."""
-        data = bytearray()
+    async def _read_chunk(self, stream: Stream, chunk: Chunk) -> bool:
+        """Receive the chunk into the target, frames checked as they come and hashed; False if the source lacks it.
+
+        Each frame is hashed and written at its offset as it arrives (a frame's
+        worth of work on the event loop, no thread, no 4 MiB copy); the chunk
+        counts only once the whole hash matches (BadChunk otherwise, and its
+        bytes are punched out again)."""
+        hasher = hashlib.sha256()
+        got = 0
         # Every frame adds at least one byte, so this ends within chunk.size frames.
-        while len(data) < chunk.size:
+        while got < chunk.size:
             try:
                 message = await stream.receive_message()
             except trio.EndOfChannel:
                 raise _Lost("the source ended its stream mid-chunk") from None
             if isinstance(message, ErrorMessage):
                 error = error_from_message(message)
-                if error.code is ErrorCode.NOT_FOUND and not data:
-                    return None
+                if error.code is ErrorCode.NOT_FOUND and not got:
+                    return False
                 raise _Lost(f"the source refused chunk {chunk.index}: {error}")
             if not isinstance(message, ChunkData):
                 raise _Liar(f"it answered a chunk request with {message.type!r}")
-            if message.offset != chunk.offset + len(data):
-                raise _Liar(f"a frame at {message.offset} where chunk {chunk.index} continues at {chunk.offset + len(data)}")
-            if len(data) + len(message.data) > chunk.size:
+            if message.offset != chunk.offset + got:
+                raise _Liar(f"a frame at {message.offset} where chunk {chunk.index} continues at {chunk.offset + got}")
+            data = message.data
+            if got + len(data) > chunk.size:
                 raise _Liar(f"more than the {chunk.size} bytes of chunk {chunk.index}")
-            data += message.data
-        return bytes(data)
+            hasher.update(data)
+            self._touched.add(chunk.index)
+            self.target.write_piece(chunk, got, data)
+            got += len(data)
+        if hasher.digest() != chunk.sha256:
+            raise BadChunk(f"the bytes of chunk {chunk.index} at {chunk.offset} do not match the manifest")
+        return True
 
     def _progress(self) -> FetchProgress:
         elapsed = max(trio.current_time() - self.started, 1e-9)
@@ -367,30 +386,39 @@ async def fetch_range(
     peers: Peers,
     sources: Sequence[SourceRef],
     manifest: Manifest,
-    path: Path,
+    target: SparseFile | Path,
     layers: tuple[int, int],
     *,
     config: FetchConfig = FetchConfig(),
     progress: Progress | None = None,
     keep_unowned: bool = False,
 ) -> FetchReport:
-    """Fetch the header and exactly the tensors ``layers`` (half-open) owns into the sparse file ``path``.
+    """Fetch the header and exactly the tensors ``layers`` (half-open) owns into the sparse file ``target``.
 
-    The header comes first (it says how many layers the model has). Unless
-    ``keep_unowned``, chunks of tensors the range does not own are punched out,
-    so a re-assignment fetches only the difference and gives back what it dropped."""
-    target = await trio.to_thread.run_sync(SparseFile.open, path, manifest)
-    try:
-        report = await fetch_chunks(peers, sources, target, manifest.header_chunks_list(), config=config)
-        n_layers = await trio.to_thread.run_sync(_block_count, path)
-        wanted = range_chunks(manifest, n_layers, *layers)
-        if not keep_unowned:
-            keep = {c.index for c in wanted}
-            await trio.to_thread.run_sync(target.punch, [c for c in manifest.chunks if c.index not in keep])
-        report.add(await fetch_chunks(peers, sources, target, wanted, config=config, progress=progress))
-        return report
-    finally:
-        await trio.to_thread.run_sync(target.close)
+    ``target`` is an open ``SparseFile`` (which a ``ChunkSource`` may be
+    serving meanwhile: each chunk is offered to others as soon as it is
+    verified), or a path opened, resumed and closed here. The header comes first
+    (it says how many layers the model has). Unless ``keep_unowned``, chunks of
+    tensors the range does not own are punched out, so a re-assignment fetches
+    only the difference and gives back what it dropped. RangeError if ``layers``
+    is not a range of the model."""
+    if isinstance(target, Path):
+        sparse = await trio.to_thread.run_sync(SparseFile.open, target, manifest)
+        try:
+            return await fetch_range(peers, sources, manifest, sparse, layers, config=config, progress=progress,
+                                     keep_unowned=keep_unowned)
+        finally:
+            await trio.to_thread.run_sync(sparse.close)
+    if target.manifest.model_id != manifest.model_id:
+        raise ValueError("the sparse file is of another model")
+    report = await fetch_chunks(peers, sources, target, manifest.header_chunks_list(), config=config)
+    n_layers = await trio.to_thread.run_sync(_block_count, target.path)
+    wanted = range_chunks(manifest, n_layers, *layers)
+    if not keep_unowned:
+        keep = {c.index for c in wanted}
+        await trio.to_thread.run_sync(target.punch, [c for c in manifest.chunks if c.index not in keep])
+    report.add(await fetch_chunks(peers, sources, target, wanted, config=config, progress=progress))
+    return report
 
 
 def _block_count(path: Path) -> int:

@@ -14,6 +14,8 @@ buffer is one chunk. Bounded everywhere a peer can push:
   of them per peer; more are refused OVERLOADED (with a retry hint);
 * a per-peer upload budget (a token bucket of ``upload_rate`` bytes a second,
   ``upload_burst`` deep): a peer past it waits, others do not;
+* while the node is busy computing (a ``busy`` callable, e.g. ``activity`` of a
+  stage's engine calls), all uploads together trickle at ``busy_upload_rate``;
 * a stream that sends no request for ``idle_timeout`` seconds is ended;
 * every offset and size is checked against the manifest: a request that is
   not exactly one chunk, or a chunk not held verified, is refused typed.
@@ -27,7 +29,9 @@ in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -62,6 +66,15 @@ class SourceConfig:
     upload_rate: float | None = None
     upload_burst: int = 16 << 20
     idle_timeout: float = 30.0
+    # Bytes a second for all peers together while the node is busy computing (``busy``): chunks
+    # then trickle instead of taking the CPU and the link from the activations of a decode.
+    busy_upload_rate: float = float(4 << 20)
+
+    def __post_init__(self) -> None:
+        if min(self.max_streams, self.max_streams_per_peer, self.upload_burst) < 1 or self.idle_timeout <= 0:
+            raise ValueError("stream bounds, the burst and the idle timeout are positive")
+        if self.busy_upload_rate <= 0 or (self.upload_rate is not None and self.upload_rate <= 0):
+            raise ValueError("upload rates are positive")
 
 
 @dataclass
@@ -71,6 +84,22 @@ class Uploaded:
     bytes: int = 0
     chunks: int = 0
     refused: int = 0
+
+
+def activity(counter: Callable[[], int], window: float = 1.0) -> Callable[[], bool]:
+    """A ``busy`` for ``ChunkSource``: True while ``counter()`` (say, a stage's engine calls) changed
+    within the last ``window`` seconds."""
+    last = counter()
+    changed_at = -math.inf
+
+    def busy() -> bool:
+        nonlocal last, changed_at
+        now = counter()
+        if now != last:
+            last, changed_at = now, trio.current_time()
+        return trio.current_time() - changed_at < window
+
+    return busy
 
 
 class UploadBucket:
@@ -94,8 +123,12 @@ class UploadBucket:
 class ChunkSource:
     """Serves every ``offer``ed holding to any peer that asks (see the module docstring)."""
 
-    def __init__(self, config: SourceConfig = SourceConfig()) -> None:
+    def __init__(self, config: SourceConfig = SourceConfig(), busy: Callable[[], bool] | None = None) -> None:
+        """``busy()`` says whether the node is computing for someone now (see ``activity``)."""
         self.config = config
+        self._busy = busy
+        # A quarter second's worth at most goes out at once while busy (and never more than a frame).
+        self._busy_bucket = UploadBucket(config.busy_upload_rate, min(FRAME_BYTES, int(config.busy_upload_rate / 4)))
         self._holdings: dict[str, Holding] = {}
         self._streams = 0
         self._per_peer: dict[str, int] = {}
@@ -221,7 +254,10 @@ class ChunkSource:
             log.warning("cannot read chunk %d of %s: %s", chunk.index, request.model[:16], exc)
             raise ProtocolError(ErrorCode.NOT_FOUND, f"chunk {chunk.index} is no longer readable here") from None
         view = memoryview(data)
+        busy = self._busy
         for start in range(0, chunk.size, FRAME_BYTES):
+            if busy is not None and busy():
+                await self._busy_bucket.take(min(FRAME_BYTES, chunk.size - start))
             # Each frame is one message written before the next is built: activation records
             # queued on the link meanwhile go out between two frames (send_message checkpoints).
             await stream.send_message(ChunkData(offset=chunk.offset + start, data=bytes(view[start : start + FRAME_BYTES])))

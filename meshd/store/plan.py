@@ -122,9 +122,15 @@ class FetchPlan:
         del entry.in_flight[chunk.index]
         return entry
 
-    def chunk_verified(self, source: str, chunk: Chunk) -> None:
-        if self._finish(source, chunk) is not None:
-            self._verified.add(chunk.index)
+    def chunk_verified(self, source: str, chunk: Chunk) -> bool:
+        """A chunk verified and written; True unless it was already. A lost source's late but
+        verified answer counts too: the chunk is not fetched again."""
+        self._finish(source, chunk)
+        if chunk.index not in self._chunks or chunk.index in self._verified:
+            return False
+        self._pending.discard(chunk.index)
+        self._verified.add(chunk.index)
+        return True
 
     def chunk_missing(self, source: str, chunk: Chunk) -> None:
         """The source does not hold this chunk (NOT_FOUND): asked elsewhere, never of it again."""

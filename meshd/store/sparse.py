@@ -11,7 +11,9 @@ either recorded and intact or refetched, never trusted unwritten.
 ``punch`` gives the blocks of chunks no longer wanted back to the filesystem
 (``fallocate(PUNCH_HOLE)``) and forgets them.
 
-This is blocking file IO: the trio shell calls ``write`` and ``read`` in a thread.
+This is blocking file IO: the trio shell calls ``read`` (4 MiB) in a thread; the
+fetcher writes a chunk's pieces as they arrive (``write_piece``, a frame at a
+time, fast to the page cache) and ``record``s it once its hash matches.
 """
 
 from __future__ import annotations
@@ -168,6 +170,22 @@ class SparseFile:
         written = os.pwrite(self._fd, data, chunk.offset)
         if written != len(data):
             raise OSError(errno.EIO, f"short write at {chunk.offset}")
+
+    def write_piece(self, chunk: Chunk, start: int, data: bytes) -> None:
+        """Write bytes of ``chunk`` from its byte ``start`` as they arrive, unverified.
+
+        Safe because only recorded chunks are trusted (read, served, journalled):
+        the caller hashes the pieces and ``record``s the chunk once the hash
+        matches, or ``discard``s it."""
+        if self._manifest.chunks[chunk.index] != chunk or start < 0 or start + len(data) > chunk.size:
+            raise KeyError(chunk.index)
+        if os.pwrite(self._fd, data, chunk.offset + start) != len(data):
+            raise OSError(errno.EIO, f"short write at {chunk.offset + start}")
+
+    def discard(self, chunk: Chunk) -> None:
+        """Free the blocks of an unrecorded chunk's bytes (a bad chunk's, half written)."""
+        if not self.has(chunk.index):
+            punch_hole(self._fd, chunk.offset, chunk.size)
 
     def record(self, chunk: Chunk) -> None:
         """Count a stored chunk as verified (one thread only: the bitmap is not locked)."""
