@@ -280,3 +280,24 @@ async def test_what_a_volunteer_fetched_it_serves_to_the_next(model: tuple[Path,
     assert list(report.by_source) == [me.node_id]
     assert report.fetched_chunks == len(range_chunks(manifest, N_LAYERS, 3, 5))
     assert_holds_exactly(tmp_path / "next.gguf", path, range_chunks(manifest, N_LAYERS, 3, 5))
+
+
+async def silent(stream: Stream, req: ChunkRequest, data: bytes) -> None:
+    await trio.sleep_forever()
+
+
+async def test_a_source_that_goes_silent_is_lost_and_its_chunks_come_from_another(
+    model: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    path, manifest = model
+    async with (source_node(WholeFile(path, manifest)) as (_, honest_at, _), peers_node() as mute,
+                peers_node() as me):
+        mute.handle(FETCH_PROTOCOL, lying_handler(manifest, path.read_bytes(), silent, []))
+        mute_at = f"127.0.0.1:{await mute.listen('127.0.0.1', 0)}"
+        target = SparseFile.open(tmp_path / "mine.gguf", manifest)
+        with trio.fail_after(30):
+            report = await fetch_chunks(me, [SourceRef(mute_at), SourceRef(honest_at)], target, manifest.chunks,
+                                        config=FetchConfig(request_timeout=0.5))
+        target.close()
+    assert "sent nothing" in report.lost[mute.node_id] and report.excluded == {}
+    assert (tmp_path / "mine.gguf").read_bytes() == path.read_bytes()

@@ -96,21 +96,32 @@ def test_a_partial_source_is_asked_only_for_what_it_holds_and_a_missing_chunk_go
     assert 6 in by_source(plan.assign(0.0))["whole"]
 
 
-def test_a_request_past_its_deadline_loses_the_source() -> None:
-    plan = FetchPlan(CHUNKS, in_flight=1, request_timeout=5.0)
+def test_a_source_silent_past_its_deadline_is_lost_and_progress_keeps_a_slow_one() -> None:
+    plan = FetchPlan(CHUNKS, in_flight=2, request_timeout=5.0)
     assert plan.next_timer() is None
+    plan.add_source("silent")
     plan.add_source("slow")
-    plan.add_source("quick")
     plan.assign(10.0)
     assert plan.next_timer() == 15.0
-    plan.chunk_verified("quick", CHUNKS[1])
-    plan.assign(12.0)
+    # The slow one sends a frame now and then: its deadline moves; the silent one's does not.
+    plan.progressed("slow", 14.0)
+    plan.progressed("slow", 18.0)
     assert plan.handle_timer(14.9) == []
-    assert plan.handle_timer(15.0) == ["slow"]
-    assert plan.lost["slow"] == "a chunk request timed out"
-    assert by_source(plan.assign(16.0)) == {}  # quick is busy with chunk 2
-    plan.chunk_verified("quick", CHUNKS[2])
-    assert by_source(plan.assign(16.0)) == {"quick": [0]}
+    assert plan.handle_timer(15.0) == ["silent"]
+    assert plan.lost["silent"] == "sent nothing for 5 s while owing chunks"
+    assert plan.next_timer() == 23.0
+    plan.chunk_verified("slow", CHUNKS[1])
+    plan.chunk_verified("slow", CHUNKS[3])
+    # Nothing in flight: no deadline, however long it stays quiet.
+    assert plan.next_timer() is None and plan.handle_timer(1000.0) == []
+    assert by_source(plan.assign(1000.0)) == {"slow": [0, 2]}
+    assert plan.next_timer() == 1005.0
+
+
+def test_a_source_lost_before_it_was_added_is_still_named() -> None:
+    plan = FetchPlan(CHUNKS)
+    plan.source_lost("never", "this node holds no model")
+    assert plan.lost == {"never": "this node holds no model"}
 
 
 def test_with_no_source_left_the_rest_is_stuck() -> None:

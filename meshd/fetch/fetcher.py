@@ -61,8 +61,8 @@ class SourceRef:
 @dataclass(frozen=True)
 class FetchConfig:
     in_flight_per_source: int = 4
-    # A chunk request not fully answered within this is a failure of that source (re-queued elsewhere).
-    request_timeout: float = 60.0
+    # A source owing chunks that sends nothing for this long is lost (its chunks re-queued elsewhere).
+    request_timeout: float = 30.0
     # Seconds a dial and the have/manifest exchanges may take.
     connect_timeout: float = 10.0
     # Journal the verified chunks at least this often (seconds) and at the end.
@@ -304,7 +304,7 @@ class _Fetch:
         # Ends by an exception of the source's, or by cancellation (a timeout, or the fetch done).
         while True:
             chunk = await worker.next_chunk(self.model)
-            if not await self._read_chunk(worker.stream, chunk):
+            if not await self._read_chunk(worker, chunk):
                 self.plan.chunk_missing(worker.key, chunk)
                 self.changed()
                 continue
@@ -317,7 +317,7 @@ class _Fetch:
             if self.progress is not None:
                 self.progress(self._progress())
 
-    async def _read_chunk(self, stream: Stream, chunk: Chunk) -> bool:
+    async def _read_chunk(self, worker: _Worker, chunk: Chunk) -> bool:
         """Receive the chunk into the target, frames checked as they come and hashed; False if the source lacks it.
 
         Each frame is hashed and written at its offset as it arrives (a frame's
@@ -329,7 +329,7 @@ class _Fetch:
         # Every frame adds at least one byte, so this ends within chunk.size frames.
         while got < chunk.size:
             try:
-                message = await stream.receive_message()
+                message = await worker.stream.receive_message()
             except trio.EndOfChannel:
                 raise _Lost("the source ended its stream mid-chunk") from None
             if isinstance(message, ErrorMessage):
@@ -344,6 +344,7 @@ class _Fetch:
             data = message.data
             if got + len(data) > chunk.size:
                 raise _Liar(f"more than the {chunk.size} bytes of chunk {chunk.index}")
+            self.plan.progressed(worker.key, trio.current_time())
             hasher.update(data)
             self._touched.add(chunk.index)
             self.target.write_piece(chunk, got, data)

@@ -7,8 +7,10 @@ which requests to send next (``assign``) and when its next timeout falls due
 
 * each source has at most ``in_flight`` requests outstanding, and takes the
   lowest-offset pending chunk it holds (so several sources share one range);
-* a source that is lost (its link died, a request timed out) has its in-flight
-  chunks re-queued for the others; it may be added again later;
+* a source that is lost (its link died, or it sent nothing for
+  ``request_timeout`` seconds while owing chunks: a slow uplink is not a dead
+  one, as long as frames keep coming) has its in-flight chunks re-queued for
+  the others; it may be added again later;
 * a source that sent a bad chunk is excluded for good: its in-flight chunks are
   re-queued and it is never asked again;
 * a source that says it lacks a chunk is not asked for that chunk again.
@@ -41,7 +43,9 @@ class Assign:
 class _Source:
     have: bytes | None  # None: every chunk
     heap: list[int]
-    in_flight: dict[int, float] = field(default_factory=dict)  # chunk index -> deadline
+    in_flight: dict[int, None] = field(default_factory=dict)  # chunk indices, in request order
+    # When the source is lost unless it makes progress: set while it has requests in flight.
+    deadline: float | None = None
     lacks: set[int] = field(default_factory=set)
 
     def holds(self, index: int) -> bool:
@@ -76,9 +80,8 @@ class FetchPlan:
 
     def source_lost(self, source: str, reason: str) -> list[Chunk]:
         """The source is gone (link lost, timed out): its in-flight chunks go back to the queue."""
-        if source not in self._sources:
-            return []
-        self.lost[source] = reason
+        if source not in self.excluded:
+            self.lost[source] = reason
         return self._drop(source)
 
     def exclude(self, source: str, reason: str) -> list[Chunk]:
@@ -120,6 +123,8 @@ class FetchPlan:
         del self._owner[chunk.index]
         entry = self._sources[source]
         del entry.in_flight[chunk.index]
+        if not entry.in_flight:
+            entry.deadline = None
         return entry
 
     def chunk_verified(self, source: str, chunk: Chunk) -> bool:
@@ -159,7 +164,9 @@ class FetchPlan:
                     continue
                 self._pending.discard(index)
                 self._owner[index] = name
-                entry.in_flight[index] = now + self._timeout
+                if not entry.in_flight:
+                    entry.deadline = now + self._timeout
+                entry.in_flight[index] = None
                 out.append(Assign(name, self._chunks[index]))
                 progress = True
         return out
@@ -172,15 +179,22 @@ class FetchPlan:
                 return index
         return None
 
+    def progressed(self, source: str, now: float) -> None:
+        """The source sent something (a frame): it has ``request_timeout`` again to send the next."""
+        entry = self._sources.get(source)
+        if entry is not None and entry.in_flight:
+            entry.deadline = now + self._timeout
+
     def next_timer(self) -> float | None:
-        deadlines = [d for e in self._sources.values() for d in e.in_flight.values()]
+        deadlines = [e.deadline for e in self._sources.values() if e.deadline is not None]
         return min(deadlines) if deadlines else None
 
     def handle_timer(self, now: float) -> list[str]:
-        """Sources with a request past its deadline: lost (their chunks re-queued). The shell drops their streams."""
-        late = [name for name, e in self._sources.items() if any(d <= now for d in e.in_flight.values())]
+        """Sources silent past their deadline while owing answers: lost (their chunks re-queued).
+        The shell drops their streams."""
+        late = [name for name, e in self._sources.items() if e.deadline is not None and e.deadline <= now]
         for name in late:
-            self.source_lost(name, "a chunk request timed out")
+            self.source_lost(name, f"sent nothing for {self._timeout:g} s while owing chunks")
         return late
 
     # ----- state
