@@ -756,8 +756,9 @@ class MeshDaemon:
         done = self.fetches[index].model_copy(update={"state": "done", "done_bytes": status.total_bytes,
                                                       "fetched_bytes": report.fetched_bytes})
         self.fetches[index] = done
-        log.info("fetched %s [%d, %d): %d bytes over the network, %d already here, in %.1f s", what, start, end,
-                 report.fetched_bytes, report.reused_bytes, time.monotonic() - t0)
+        log.info("fetched %s: %d bytes over the network, %d already here, in %.1f s",
+                 f"{what} [{start}, {end})" if end else what, report.fetched_bytes, report.reused_bytes,
+                 time.monotonic() - t0)
 
     async def _trim_disk(self, keep: list[Chunk] | None = None) -> None:
         """Under a disk budget: drops (punches) the chunks of tensors that no range loaded or about to be
