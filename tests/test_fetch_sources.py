@@ -20,7 +20,7 @@ from meshd.store.ranges import range_chunks
 from meshd.store.sparse import SparseFile
 from wire.codec import ErrorMessage, encode
 from wire.errors import ErrorCode, ProtocolError
-from wire.fetch import FETCH_PROTOCOL, FRAME_BYTES, ChunkData, ChunkRequest, Have, HaveRequest
+from wire.fetch import FETCH_PROTOCOL, FRAME_BYTES, ChunkData, ChunkRequest, Have, HaveRequest, ManifestPiece, ManifestRequest
 
 SMALL_CHUNK = 4 << 10
 N_LAYERS = 6
@@ -301,3 +301,25 @@ async def test_a_source_that_goes_silent_is_lost_and_its_chunks_come_from_anothe
         target.close()
     assert "sent nothing" in report.lost[mute.node_id] and report.excluded == {}
     assert (tmp_path / "mine.gguf").read_bytes() == path.read_bytes()
+
+
+async def test_manifest_pieces_that_do_not_fit_together_are_refused_and_another_source_asked(
+    model: tuple[Path, Manifest]
+) -> None:
+    path, manifest = model
+
+    async def dribble(stream: Stream) -> None:
+        # One byte a piece: a source that would make the fetcher loop for every byte of the manifest.
+        async for message in stream.messages():
+            if isinstance(message, ManifestRequest):
+                await stream.send_message(ManifestPiece(model=message.model, total=len(manifest.encoded),
+                                                        offset=message.offset, data=manifest.encoded[:1]))
+
+    async with (source_node(WholeFile(path, manifest)) as (_, honest_at, _), peers_node() as liar,
+                peers_node() as me):
+        liar.handle(FETCH_PROTOCOL, dribble)
+        liar_at = f"127.0.0.1:{await liar.listen('127.0.0.1', 0)}"
+        with trio.fail_after(30):
+            with pytest.raises(ProtocolError, match="do not fit together"):
+                await fetch_manifest(me, [SourceRef(liar_at)], manifest.model_id)
+            assert await fetch_manifest(me, [SourceRef(liar_at), SourceRef(honest_at)], manifest.model_id) == manifest

@@ -193,9 +193,16 @@ class SparseFile:
         self._unsaved = True
 
     def read(self, chunk: Chunk) -> bytes:
+        """A verified chunk's bytes; KeyError if it is not (or stops being) held.
+
+        Checked again after the read: ``punch`` forgets a chunk before it frees its
+        blocks, so a read that raced a punch (and may hold zeros) is refused, never served."""
         if not self.has(chunk.index) or self._manifest.chunks[chunk.index] != chunk:
             raise KeyError(chunk.index)
-        return os.pread(self._fd, chunk.size, chunk.offset)
+        data = os.pread(self._fd, chunk.size, chunk.offset)
+        if not self.has(chunk.index):
+            raise KeyError(chunk.index)
+        return data
 
     def flush(self) -> None:
         """Make every recorded chunk durable, then the journal that records them.
