@@ -38,6 +38,7 @@ from meshd.client.ask import (
 from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
+from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_manifest, fetch_range
 from meshd.front.door import load_api_keys
 from meshd.mesh.models import ModelNotFound, default_model_path
 from meshd.mesh.records import is_loopback, is_unspecified, join_address
@@ -46,11 +47,14 @@ from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_creat
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
 from meshd.stage.service import StageLimits, stage_node
+from meshd.store.manifest import ManifestError
+from meshd.store.ranges import RangeError
+from meshd.store.sparse import SparseError
 from relay.limits import RelayLimits
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import FetchStatus, RouteReply, RouteRequest, StatusReply, StatusRequest
 from wire.stage import Sampling
 
 # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences (sessions).
@@ -139,6 +143,13 @@ def size(text: str) -> int:
     return int(value * units[unit])
 
 
+def model_id(text: str) -> str:
+    t = text.strip().lower()
+    if len(t) != 64 or any(c not in "0123456789abcdef" for c in t):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a model id (64 hex digits)")
+    return t
+
+
 def integer(low: int, high: int) -> Callable[[str], int]:
     def convert(text: str) -> int:
         try:
@@ -195,6 +206,14 @@ def checked_model(path: Path) -> Path:
     if version not in (2, 3):
         raise ModelNotFound(f"{path} is GGUF version {version}; llama.cpp reads versions 2 and 3")
     return path
+
+
+def model_id_or_name(text: str) -> str:
+    """join --model-id: a model id (the hex hash of a manifest) or a model name the mesh knows."""
+    text = text.strip()
+    if not text or len(text) > 256 or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a model id (64 hex digits) nor a model name")
+    return text
 
 
 def gguf_file(text: str) -> Path:
@@ -348,15 +367,22 @@ def seeds_text(seeds: Sequence[str]) -> str:
 
 async def join(args: argparse.Namespace) -> int:
     api = api_config(args)
-    model = None if args.no_model else model_or_default(args.model)
+    if args.model_id is not None and not args.seed:
+        raise UsageError("--model-id fetches the model from the members of a mesh: give --seed HOST:PORT too")
+    if args.disk is not None and args.model_id is None:
+        raise UsageError("--disk bounds what a node fetches: it goes with --model-id")
+    model = None if args.no_model or args.model_id is not None else model_or_default(args.model)
     with claim_state_dir(args.state_dir) as claim:
         identity = node_identity(args.state_dir)
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                              max_total_tokens=args.max_sessions * args.session_tokens)
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
                             threads=args.threads, limits=limits, advertise=args.advertise,
-                            peers=PeersConfig(mesh_key=args.mesh_key))
-        what = f"volunteering {model.name}" if model else "without a model"
+                            peers=PeersConfig(mesh_key=args.mesh_key), state_dir=args.state_dir,
+                            model_id=args.model_id, disk_bytes=args.disk,
+                            progress=sys.stderr.isatty())
+        what = (f"volunteering {model.name}" if model else
+                f"fetching its range of model {args.model_id[:16]}" if args.model_id else "without a model")
         await run_until_signal(MeshDaemon(identity, config),
                                f"{what}, memory {mib(args.memory)}, seeds: {seeds_text(args.seed)}", claim, api)
     return 0
@@ -391,6 +417,12 @@ async def relay(args: argparse.Namespace) -> int:
 # ----- status
 
 async def status(args: argparse.Namespace) -> int:
+    print_status(await ask_status(args))
+    return 0
+
+
+async def ask_status(args: argparse.Namespace) -> StatusReply:
+    """The status view of the local daemon, or of the member `--seed` names."""
     if args.seed is None:
         reply = await control_request(args.state_dir, StatusRequest(), timeout=args.timeout)
         what = "the local meshd"
@@ -402,7 +434,75 @@ async def status(args: argparse.Namespace) -> int:
             except trio.TooSlowError:
                 raise CommandError(f"{args.seed} did not answer within {args.timeout:g} s") from None
         what = args.seed
-    print_status(expect(reply, StatusReply, what))
+    return expect(reply, StatusReply, what)
+
+
+def fetch_line(f: FetchStatus) -> str:
+    """One fetch as people read it: how far, how fast, how long still."""
+    done = f"{mib(f.done_bytes)} of {mib(f.total_bytes)}"
+    left = f.total_bytes - f.done_bytes
+    eta = f", {left / f.rate:.0f} s left" if f.rate > 0 and left > 0 and f.state == "fetching" else ""
+    rate = f" at {f.rate / (1 << 20):.1f} MiB/s" if f.rate > 0 else ""
+    what = f"layers [{f.start}, {f.end})" if f.end else "header"
+    return (f"fetch {f.name} ({f.model[:12]}) {what}: {done}{rate}{eta} "
+            f"from {plural(f.sources, 'source')}; {f.state}")
+
+
+async def models(args: argparse.Namespace) -> int:
+    s = await ask_status(args)
+    if not s.coverage:
+        print("no member holds or fetches a model yet")
+    for c in s.coverage:
+        print(f"{c.name}  id {c.model}")
+        print(f"  {c.n_layers} layers: {c.held_layers} held on disk by some member, {c.covered_layers} served; "
+              f"{plural(c.replicas, 'spare replica')}")
+        print(f"  sources: {'; '.join(c.holders) or 'none'}")
+        print(f"  stages: {'; '.join(c.assigned) or 'none yet'}")
+        if c.reason:
+            print(f"  not covered: {c.reason}")
+    return 0
+
+
+async def pull(args: argparse.Namespace) -> int:
+    out: Path = args.out or args.state_dir / "models" / f"{args.model_id}.gguf"
+    sources = [SourceRef(seed) for seed in args.seed]
+    short = args.model_id[:16]
+    from tqdm import tqdm
+
+    bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"pulling {short}", disable=not sys.stderr.isatty(),
+               leave=False)
+
+    def show(p: FetchProgress) -> None:
+        bar.total = p.total_bytes
+        bar.n = p.done_bytes
+        bar.refresh()
+
+    # Errors become one line inside the peers' context: out of it they would come wrapped in its nursery's group.
+    async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
+        enable_circuits(peers)
+        try:
+            try:
+                manifest = await fetch_manifest(peers, sources, args.model_id, timeout=args.timeout)
+            except ProtocolError as exc:
+                raise CommandError(f"no seed gave model {short}: {exc.message}") from None
+            report = await fetch_range(peers, sources, manifest, out, args.layers, progress=show)
+        except FetchFailed as exc:
+            raise CommandError(str(exc)) from None
+        except ManifestError as exc:
+            raise CommandError(f"model {short}: {exc}") from None
+        except SparseError as exc:
+            raise CommandError(exc.strerror or str(exc)) from None
+        except RangeError as exc:
+            # The layers are checked against the model's layer count, which the fetched header says.
+            raise UsageError(f"--layers: {exc}") from None
+        finally:
+            bar.close()
+    start, end = args.layers
+    print(f"layers {start}:{end} of {short} in {out}: {mib(report.fetched_bytes)} fetched "
+          f"({plural(report.fetched_chunks, 'chunk')}, {plural(len(report.by_source), 'source')}), "
+          f"{mib(report.reused_bytes)} already there")
+    for node, why in report.excluded.items():
+        print(f"meshd pull: source {node[:16]} was excluded: {why}", file=sys.stderr)
     return 0
 
 
@@ -421,6 +521,8 @@ def print_status(s: StatusReply) -> None:
               f"{plural(c.replicas, 'spare replica')}; stages: {'; '.join(c.assigned) or 'none yet'}")
         if c.reason:
             print(f"  not covered: {c.reason}")
+    for f in s.fetches:
+        print(fetch_line(f))
 
 
 # ----- ask
@@ -545,12 +647,18 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--model", type=gguf_file, help=f"{model_help} to volunteer")
     which.add_argument("--no-model", action="store_true",
                        help="volunteer no model, a seed or tracker only (default: volunteer one)")
+    which.add_argument("--model-id", type=model_id_or_name, metavar="ID",
+                       help="volunteer a model the mesh has, by its id (meshd models) or name, with no file: "
+                            "fetch the layers assigned from the members that hold them (default: --model)")
     j.add_argument("--listen", type=host_port, default="0.0.0.0:7000",
                    help="HOST:PORT to accept peers on (default: %(default)s, every interface; port 0 picks a free one)")
     j.add_argument("--advertise", type=dialable_address,
                    help="HOST:PORT others dial (default: where the seeds see this node, with the --listen port, "
                         "once a seed has dialled it back; a first node: its address toward the peers that reach it)")
     j.add_argument("--memory", type=size, default="1G", help="memory this node offers, e.g. 512M or 4G (default: %(default)s)")
+    j.add_argument("--disk", type=size,
+                   help="with --model-id: disk the fetched layers may fill, e.g. 20G; layers no longer served "
+                        "are dropped to stay within it (default: no limit, what is fetched stays to serve others)")
     add_state_dir(j, "where the node key and the control socket live")
     add_mesh_key(j)
     j.add_argument("--threads", type=threads, default=0, help="compute threads (default: 0, all cores)")
@@ -588,12 +696,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tap", type=Path,
                    help="append every byte forwarded to this file, for debugging; it is ciphertext (default: none)")
 
-    st = sub.add_parser("status", help="members, tracker, assignments and coverage")
-    st.add_argument("--seed", type=address, help="HOST:PORT of a member to ask (default: the local daemon)")
-    add_state_dir(st, "the local daemon's state directory, used without --seed")
-    add_mesh_key(st)
-    st.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
-                    help="seconds to wait for the answer (default: %(default)s)")
+    for name, text in (("status", "members, tracker, assignments, coverage and this node's fetches"),
+                       ("models", "the models the mesh knows: their ids, sources and coverage")):
+        st = sub.add_parser(name, help=text)
+        st.add_argument("--seed", type=address, help="HOST:PORT of a member to ask (default: the local daemon)")
+        add_state_dir(st, "the local daemon's state directory, used without --seed")
+        add_mesh_key(st)
+        st.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
+                        help="seconds to wait for the answer (default: %(default)s)")
 
     a = sub.add_parser("ask", help="ask a question")
     a.add_argument("prompt")
@@ -622,10 +732,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activations on the wire (default: %(default)s)")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
+    pl = sub.add_parser("pull", help="fetch a layer range of a model from members, by hand")
+    pl.add_argument("model_id", type=model_id, metavar="ID", help="the model id (64 hex digits)")
+    pl.add_argument("--layers", type=layer_range, required=True, help="layer range START:END to fetch (no default: required)")
+    pl.add_argument("--seed", type=address, action="append", required=True,
+                    help="HOST:PORT of a member holding the model (all of it or part), repeatable: each is a source "
+                         "(no default: at least one)")
+    pl.add_argument("--out", type=Path,
+                    help="the sparse file to fetch into, resumed if it is a partial download of this model "
+                         "(default: STATE_DIR/models/ID.gguf)")
+    add_state_dir(pl, "where pulled models go without --out")
+    add_mesh_key(pl)
+    pl.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
+                    help="seconds to wait for the manifest (default: %(default)s)")
     return p
 
 
-COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "relay": relay}
+COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models": models, "relay": relay,
+            "pull": pull}
 
 
 def log_level(text: str) -> int:

@@ -6,6 +6,15 @@ messages (one stream per SWIM message) and acts on what it asks: it asks the
 tracker for this node's range, loads that range beside the old one, lets the
 old one finish its sessions, and answers mesh RPCs from the duty's view. The
 simulation runs the same `MeshDriver` and `MeshDuty` over an in-memory network.
+
+Model files: a node started with a file serves its bytes to fetchers (the
+chunk source, meshd.fetch) under the file's model id, the hash of its
+manifest. A node started with `model_id` and no file learns the manifest and
+the header from the members holding the model, announces it can serve it, and
+on each assignment fetches exactly the tensors of its range into a sparse file
+in its state directory before it loads it; what it has fetched it serves to
+others in turn, and under a disk budget it drops (punches) what it no longer
+serves once the old range has retired.
 """
 
 from __future__ import annotations
@@ -13,15 +22,21 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
+from tqdm import tqdm
 
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
+from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
+from meshd.fetch.source import ChunkSource, register
+from meshd.mesh.assignment import held_ranges
 from meshd.mesh.duty import (
     AskAssignment,
     AssignmentChanged,
@@ -32,12 +47,14 @@ from meshd.mesh.duty import (
     RangeRefused,
 )
 from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberEvent, Ping, PingReq, SwimMessage, Sync
-from meshd.mesh.models import file_digest, model_info
+from meshd.mesh.models import ModelNotFound, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
 from meshd.mesh.records import (
+    MAX_HELD,
     ROLE_CLIENT,
     ROLE_RELAY,
     CapabilityRecord,
+    HeldRange,
     ModelInfo,
     address_fits,
     host_of,
@@ -47,13 +64,19 @@ from meshd.mesh.records import (
     record_fits,
     split_address,
 )
+from meshd.mesh.status import held_models
 from meshd.net import rpc as net_rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService, Tap
-from meshd.stage.service import StageLimits, StageService, answer_typed
+from meshd.stage.service import StageLimits, StageService, answer_typed, model_manifest
+from meshd.store.gguf_header import GGUFError, read_layout
+from meshd.store.holding import WholeFile
+from meshd.store.manifest import Chunk, Manifest
+from meshd.store.ranges import range_chunks
+from meshd.store.sparse import SparseFile
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
 from wire.codec import Message
@@ -66,6 +89,7 @@ from wire.meshrpc import (
     AssignmentRequest,
     DialBackReply,
     DialBackRequest,
+    FetchStatus,
     RouteReply,
     RouteRequest,
     StatusReply,
@@ -107,6 +131,16 @@ class NodeConfig:
     leave_timeout: float = 2.0
     # SWIM messages waiting for the state machine; more are dropped (SWIM is built for loss)
     swim_inbox: int = 256
+    # Where the node keeps what it fetches (and a model's manifest when it cannot go beside the file).
+    state_dir: Path | None = None
+    # Volunteer this model (an id, or a name the mesh knows) without a file: fetch the range assigned.
+    model_id: str | None = None
+    # Disk the fetched layers may fill; None: no limit (what was fetched stays, to serve others).
+    disk_bytes: int | None = None
+    # How long a node joining by model id waits for a member that holds the model.
+    model_wait: float = 600.0
+    # A progress bar for the fetches (on a TTY).
+    progress: bool = False
 
 
 @dataclass
@@ -201,6 +235,12 @@ class MeshDaemon:
         self.driver: MeshDriver | None = None
         self.port = 0
         self.model: ModelInfo | None = None
+        # the file the ranges load: the one given, or the sparse one fetched into
+        self.model_path: Path | None = None
+        self.manifest: Manifest | None = None
+        self.sparse: SparseFile | None = None
+        self.source = ChunkSource()
+        self.fetches: list[FetchStatus] = []
         self.serving: list[ServingRange] = []
         self.retiring: list[ServingRange] = []
         self._seed_addresses: dict[str, str] = {}
@@ -215,13 +255,17 @@ class MeshDaemon:
     async def run(self, *, task_status: trio.TaskStatus[MeshDaemon] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         if cfg.model is not None:
-            digest = await trio.to_thread.run_sync(file_digest, cfg.model)
-            self.model = await trio.to_thread.run_sync(model_info, cfg.model, digest)
+            # the model id hashes the manifest, computed once (a progress bar on a TTY) and cached
+            self.manifest = await trio.to_thread.run_sync(model_manifest, cfg.model, cfg.state_dir)
+            self.model = await trio.to_thread.run_sync(describe_model, cfg.model, self.manifest.model_id)
+            self.model_path = cfg.model
+            self.source.offer(WholeFile(cfg.model, self.manifest))
         async with open_peers(self.identity, cfg.peers) as peers, trio.open_nursery() as nursery:
             self.peers, self._nursery = peers, nursery
             peers.handle(SWIM_PROTOCOL, self._on_swim)
             peers.handle(MESH_PROTOCOL, self._on_rpc)
             peers.handle(STAGE_PROTOCOL, self._on_stage)
+            register(peers, self.source)
             enable_circuits(peers)
             if cfg.relay:
                 self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
@@ -247,6 +291,8 @@ class MeshDaemon:
                 await self._check_reachability()
                 nursery.start_soon(self._recheck_address)
             self._keep_relays()
+            if cfg.model_id is not None and not cfg.client:
+                nursery.start_soon(self._fetch_model, cfg.model_id)
             task_status.started(self)
 
     async def _join_seeds(self) -> None:
@@ -524,7 +570,8 @@ class MeshDaemon:
 
     def status(self, peer: str | None = None) -> StatusReply:
         """The mesh as this node sees it; with `peer` (the asker's host), only addresses it may be told."""
-        return self.duty.status(None if peer is None else lambda address: address_fits(address, peer))
+        reply = self.duty.status(None if peer is None else lambda address: address_fits(address, peer))
+        return reply.model_copy(update={"fetches": self.fetches[-8:]}) if self.fetches else reply
 
     # ----- the volunteer's duty, carried out
 
@@ -544,9 +591,12 @@ class MeshDaemon:
         self._flush()
 
     async def _load_range(self, load: LoadRange) -> None:
-        """Loads the new range beside the old ones; once it serves, the old ones retire."""
+        """Fetches the new range's tensors if this node fetches its model, loads the range beside the
+        old ones; once it serves, the old ones retire."""
         serving = ServingRange(load.start, load.end)
         try:
+            if self.sparse is not None:
+                await self._fetch_range(load.start, load.end)
             await self._nursery.start(self._run_range, serving)
         except Exception as exc:
             log.warning("cannot serve layers [%d, %d): %s", load.start, load.end, exc)
@@ -562,8 +612,8 @@ class MeshDaemon:
 
     async def _run_range(self, serving: ServingRange, *, task_status: trio.TaskStatus[None]) -> None:
         cfg, limits = self.config, self.config.limits
-        assert self.model is not None and cfg.model is not None
-        spec = WorkerSpec(cfg.model, None if (serving.start, serving.end) == (0, self.model.n_layers)
+        assert self.model is not None and self.model_path is not None
+        spec = WorkerSpec(self.model_path, None if (serving.start, serving.end) == (0, self.model.n_layers)
                           else (serving.start, serving.end),
                           n_ctx=limits.max_sessions * limits.max_session_tokens, n_seq_max=limits.max_sessions,
                           n_batch=limits.n_batch, threads=cfg.threads)
@@ -594,6 +644,139 @@ class MeshDaemon:
                 await serving.service.wait_idle()
         serving.scope.cancel()
         self.retiring.remove(serving)
+        if self.sparse is not None:
+            await self._trim_disk()
+
+    # ----- a model fetched range by range
+
+    def _sources(self, digest: str) -> list[SourceRef]:
+        """The other live members that hold some layers of `digest` on disk, whole files first."""
+        found = []
+        for record in self.live_records():
+            held = held_ranges(record, digest)
+            address = self.dial_address(record)
+            if record.node_id != self.mesh.node_id and held and not record.leaving and address is not None:
+                info = record.model(digest)
+                found.append((not (info is not None and info.whole), record.node_id, address))
+        return [SourceRef(address, node_id) for _, node_id, address in sorted(found)]
+
+    def _resolve(self, wanted: str) -> str | None:
+        """The id of the model `wanted` names (an id, or a name the mesh knows), once a member holds it."""
+        models = held_models(r for r in self.live_records() if r.node_id != self.mesh.node_id)
+        ids = sorted(d for d, info in models.items() if wanted in (d, info.name))
+        if len(ids) > 1:
+            raise ModelNotFound(f"'{wanted}' names {len(ids)} models of the mesh ({', '.join(i[:16] for i in ids)}); "
+                                "give --model-id with the id of one (meshd models lists them)")
+        return ids[0] if ids and self._sources(ids[0]) else None
+
+    async def _fetch_model(self, wanted: str) -> None:
+        """Learns the model from its holders (manifest, header), then volunteers it."""
+        cfg = self.config
+        assert cfg.state_dir is not None, "a node that fetches needs a state directory"
+        digest = None
+        with trio.move_on_after(cfg.model_wait):
+            for waited in range(math.ceil(cfg.model_wait) + 1):
+                if (digest := self._resolve(wanted)) is not None:
+                    break
+                if waited == 10:
+                    log.warning("no member holds model '%s' yet; waiting up to %g s for one (meshd models lists "
+                                "what the mesh has)", wanted, cfg.model_wait)
+                await trio.sleep(1.0)
+        if digest is None:
+            raise ModelNotFound(f"no member of the mesh holds model '{wanted}' (waited {cfg.model_wait:g} s); "
+                                "meshd models lists what it has")
+        manifest = None
+        with trio.move_on_after(cfg.model_wait):
+            while manifest is None:
+                try:
+                    manifest = await fetch_manifest(self.peers, self._sources(digest), digest)
+                except ProtocolError as exc:
+                    log.info("no manifest of %s yet: %s", digest[:12], exc)
+                    await trio.sleep(1.0)
+        if manifest is None:
+            raise ModelNotFound(f"no member sent the manifest of model {digest[:16]} (waited {cfg.model_wait:g} s)")
+        path = cfg.state_dir / "models" / f"{digest}.gguf"
+        sparse = await trio.to_thread.run_sync(SparseFile.open, path, manifest)
+        self.manifest, self.sparse, self.model_path = manifest, sparse, path
+        try:
+            await self._fetch(digest, manifest.header_chunks_list(), "header", 0, 0)
+        except (FetchFailed, ProtocolError) as exc:
+            raise ModelNotFound(f"cannot fetch the header of model {digest[:16]}: {exc}") from None
+        info = (await trio.to_thread.run_sync(describe_model, path, digest)).model_copy(update={"whole": False})
+        self.model = info
+        self.source.offer(sparse)
+        limits, now = cfg.limits, trio.current_time()
+        self.mesh.update_record(now, models=[info], kv_tokens=limits.max_sessions * limits.max_session_tokens)
+        self.duty.volunteer(now, info)
+        self.duty.held(now, self._held())
+        self._flush()
+        log.info("volunteering %s (%s), fetching the layers assigned", info.name, digest[:12])
+
+    def _held(self) -> list[HeldRange]:
+        """What the sparse file holds verified, as layer ranges (what fetchers may ask this node for)."""
+        assert self.sparse is not None and self.model is not None and self.manifest is not None
+        ranges = held_layer_ranges(self.manifest, self.model.n_layers, self.sparse.has)
+        return [HeldRange(model=self.manifest.model_id, start=a, end=b) for a, b in ranges[:MAX_HELD]]
+
+    async def _fetch_range(self, start: int, end: int) -> None:
+        """Fetches the tensors of layers [start, end) the sparse file lacks (a re-assignment: only the
+        difference), within the disk budget, and publishes what it then holds."""
+        assert self.sparse is not None and self.manifest is not None and self.model is not None
+        chunks = range_chunks(self.manifest, self.model.n_layers, start, end)
+        await self._trim_disk(keep=chunks)
+        await self._fetch(self.manifest.model_id, chunks, "layers", start, end)
+        self.duty.held(trio.current_time(), self._held())
+        self._flush()
+
+    async def _fetch(self, digest: str, chunks: list[Chunk], what: str, start: int, end: int) -> None:
+        assert self.sparse is not None and self.model_path is not None
+        # before the header is here the model is known by what the user named it
+        name = self.model.name if self.model is not None else (self.config.model_id or digest)
+        status = FetchStatus(model=digest, name=name[:256], start=start, end=end, done_bytes=0,
+                             total_bytes=sum(c.size for c in chunks), rate=0.0)
+        self.fetches = [*self.fetches[-7:], status]
+        index = len(self.fetches) - 1
+        bar: Any = tqdm(total=status.total_bytes, unit="B", unit_scale=True, file=sys.stderr,
+                        desc=f"fetch {what} [{start}, {end})" if end else f"fetch {what}",
+                        disable=not self.config.progress, leave=False)
+
+        def progress(p: FetchProgress) -> None:
+            bar.update(p.done_bytes - bar.n)
+            self.fetches[index] = status.model_copy(update={
+                "done_bytes": p.done_bytes, "total_bytes": p.total_bytes, "fetched_bytes": p.fetched_bytes,
+                "rate": max(0.0, p.rate), "sources": p.sources})
+
+        t0 = time.monotonic()
+        try:
+            with bar:
+                report = await fetch_chunks(self.peers, self._sources(digest), self.sparse, chunks, progress=progress)
+        except (FetchFailed, ProtocolError, OSError) as exc:
+            self.fetches[index] = self.fetches[index].model_copy(update={"state": f"failed: {exc}"[:256]})
+            raise
+        done = self.fetches[index].model_copy(update={"state": "done", "done_bytes": status.total_bytes,
+                                                      "fetched_bytes": report.fetched_bytes})
+        self.fetches[index] = done
+        log.info("fetched %s: %d bytes over the network, %d already here, in %.1f s",
+                 f"{what} [{start}, {end})" if end else what, report.fetched_bytes, report.reused_bytes,
+                 time.monotonic() - t0)
+
+    async def _trim_disk(self, keep: list[Chunk] | None = None) -> None:
+        """Under a disk budget: drops (punches) the chunks of tensors that no range loaded or about to be
+        loaded (`keep`) reads, once their bytes plus what is still to fetch exceed the budget."""
+        budget, sparse, manifest, model = self.config.disk_bytes, self.sparse, self.manifest, self.model
+        if budget is None or sparse is None or manifest is None or model is None:
+            return
+        needed = {c.index for c in keep or ()}
+        for r in [*self.serving, *self.retiring]:
+            needed.update(c.index for c in range_chunks(manifest, model.n_layers, r.start, r.end))
+        missing = sum(c.size for c in keep or () if not sparse.has(c.index))
+        if sparse.verified_bytes() + missing <= budget:
+            return
+        spare = [c for c in manifest.chunks if c.index not in needed and sparse.has(c.index)]
+        released = await trio.to_thread.run_sync(sparse.punch, spare)
+        log.info("dropped %d bytes of layers no longer served (--disk %d)", released, budget)
+        self.duty.held(trio.current_time(), self._held())
+        self._flush()
 
     async def _on_stage(self, stream: Stream) -> None:
         await answer_typed(stream, self._route_stage_stream)
@@ -613,6 +796,54 @@ class MeshDaemon:
             raise ProtocolError(ErrorCode.NOT_FOUND, "this node serves no layers yet",
                                 retry_after_ms=1000)
         await chosen.handle_first(stream, first)
+
+
+# ----- what a model file holds
+
+def describe_model(path: Path, digest: str) -> ModelInfo:
+    """What placement needs to know of the GGUF at `path` (whole, or a sparse file with its header),
+    read from the header alone; ModelNotFound, naming the file, if it is no usable GGUF."""
+    try:
+        with open(path, "rb") as f:
+            layout = read_layout(f)
+    except (GGUFError, OSError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
+    return model_info(digest, path.name, layout.metadata, {t.name: t.size for t in layout.tensors})
+
+
+
+def held_layer_ranges(manifest: Manifest, n_layers: int, has: Callable[[int], bool]) -> list[tuple[int, int]]:
+    """The maximal layer ranges whose every chunk (`has(index)`: held verified) a range loader of them
+    reads: the header, their blocks, the head's tensors for one from layer 0, the tail's for one to
+    the last layer."""
+
+    def holds(chunks: list[Chunk]) -> bool:
+        return all(has(c.index) for c in chunks)
+
+    by_layer: dict[int, list[str]] = {}
+    for name in manifest.tensor_names:
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
+            by_layer.setdefault(int(parts[1]), []).append(name)
+    blocks = [holds(manifest.chunks_of(by_layer.get(i, []))) for i in range(n_layers)]
+    held: list[tuple[int, int]] = []
+    layer = 0
+    while layer < n_layers:
+        if not blocks[layer]:
+            layer += 1
+            continue
+        end = layer
+        while end < n_layers and blocks[end]:
+            end += 1
+        # a run reaching layer 0 (or the last) holds the head's (tail's) tensors only if they were fetched too
+        lo, hi = layer + (layer == 0), end - (end == n_layers)
+        found = next(((a, b) for a, b in ((layer, end), (lo, end), (layer, hi), (lo, hi))
+                      if a < b and holds(range_chunks(manifest, n_layers, a, b))), None)
+        if found is not None:
+            held.append(found)
+        layer = end
+    return held
 
 
 # ----- addresses: pure helpers of the shell

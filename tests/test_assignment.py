@@ -17,8 +17,10 @@ from meshd.mesh.assignment import (
     NodeCapacity,
     assign,
     capacities,
+    held_ranges,
+    unheld_layers,
 )
-from meshd.mesh.records import ROLE_CLIENT, ModelInfo
+from meshd.mesh.records import ROLE_CLIENT, HeldRange, ModelInfo
 
 GB = 2**30
 # 32 layers of 0.5 GiB (+ 0.1 GiB of KV each), a 1 GiB embedding and a 1 GiB output head.
@@ -146,7 +148,7 @@ def test_capacities_come_from_the_records_of_nodes_holding_the_model() -> None:
         record(3, memory_bytes=8 * GB, models=[info], roles=[ROLE_CLIENT]),
         record(4, memory_bytes=8 * GB, models=[info], leaving=True),
     ]
-    assert capacities(records, "m") == [NodeCapacity(records[0].node_id, 8 * GB, 0.01)]
+    assert capacities(records, "m") == [NodeCapacity(records[0].node_id, 8 * GB, 0.01, ((0, 32),))]
     spec = ModelSpec.from_info(info, kv_tokens=4096)
     assert spec.kv_bytes_per_layer == 40960 and spec.n_layers == 32
 
@@ -172,6 +174,36 @@ def test_rebalancing_on_leave_replaces_only_the_departed_host() -> None:
     for stage in before.stages:
         if stage.node_id != departed.node_id:
             assert after.ranges()[stage.node_id] == (stage.start, stage.end)
+
+
+def test_a_departed_hosts_segment_goes_to_a_spare_that_holds_its_layers_before_one_that_would_fetch() -> None:
+    nodes = [node(f"n{i}", 8, 0.01) for i in range(3)]
+    before = assign(nodes, MODEL)
+    departed = before.stages[1]
+    segment = (departed.start, departed.end)
+    # two alike spares: the one first in line would have to fetch the segment, the other fetched it earlier
+    fetcher = node("fetcher", 16, 0.01)
+    holder = NodeCapacity("holder", 16 * GB, 0.01, holds=((0, 2), (segment[0], segment[1] + 1)))
+    remaining = [n for n in nodes if n.node_id != departed.node_id] + [fetcher, holder]
+    after = assign(remaining, MODEL, current=before)
+    check_valid(after, remaining, MODEL)
+    assert after.ranges()["holder"] == segment
+    # with nothing held the first in line gets it
+    plain = [n for n in remaining if n.node_id != "holder"] + [node("holder", 16, 0.01)]
+    assert assign(plain, MODEL, current=before).ranges()["fetcher"] == segment
+
+
+def test_only_layers_some_member_holds_on_disk_can_be_placed() -> None:
+    info = ModelInfo(digest="m", name="m", n_layers=8, bytes_per_layer=1, kv_bytes_per_token=0)
+    fetching = info.model_copy(update={"whole": False})
+    holds = [HeldRange(model="m", start=0, end=3), HeldRange(model="m", start=5, end=6),
+             HeldRange(model="other", start=0, end=8)]
+    records = [record(1, models=[fetching], holds=holds), record(2, models=[fetching]),
+               record(3, models=[fetching], holds=[HeldRange(model="m", start=2, end=4)], leaving=True)]
+    assert held_ranges(records[0], "m") == ((0, 3), (5, 6)) and held_ranges(records[1], "m") == ()
+    assert unheld_layers(records, "m", 8) == [(3, 5), (6, 8)]
+    assert unheld_layers([*records, record(4, models=[info])], "m", 8) == []
+    assert [c.holds for c in capacities(records, "m")] == [((0, 3), (5, 6)), ()]
 
 
 def test_a_much_faster_newcomer_triggers_a_fresh_plan() -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from localmesh import Served, copy_with_other_digest, meshd_command, run_meshd, start_join, start_serve, stop_all
 
-from meshd.cli import build_parser, expect, main, print_figures, print_status
+from meshd.cli import build_parser, expect, fetch_line, main, print_figures, print_status
 from meshd.client.ask import AskResult
 from meshd.net.identity_store import load_mesh_key
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import ModelCoverage, RouteReply, StatusReply
+from wire.meshrpc import FetchStatus, ModelCoverage, RouteReply, StatusReply
 from wire.noise import mesh_key_from_secret
 
 
@@ -145,6 +145,13 @@ def bad_models(tmp_path_factory: pytest.TempPathFactory, default_model: Path) ->
     (["join", "--no-model", "--model", "x.gguf"], "model file not found"),
     (["join", "--model", "/nonexistent/model.gguf"], "model file not found"),
     (["join", "--mesh-key-file", "/nonexistent/key"], "cannot read the mesh key file"),
+    (["join", "--model-id", "ab" * 32], "give --seed HOST:PORT too"),
+    (["join", "--model-id", "ab" * 32, "--model", "x.gguf"], "model file not found"),
+    (["join", "--model-id", "ab" * 32, "--no-model"], "not allowed with"),
+    (["join", "--model-id", ""], "neither a model id"),
+    (["join", "--disk", "1G"], "goes with --model-id"),
+    (["join", "--seed", "127.0.0.1:1", "--model-id", "ab" * 32, "--disk", "lots"], "not a size"),
+    (["models", "--seed", "7000"], "not HOST:PORT"),
     (["relay", "--max-reservations", "0"], "--max-reservations"),
     (["relay", "--advertise", "public"], "not HOST:PORT"),
     ([], "required: COMMAND"),
@@ -206,7 +213,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_flag_has_help_that_names_its_default() -> None:
     parser = build_parser()
     commands = subcommands(parser)
-    assert set(commands) == {"serve", "join", "relay", "status", "ask"}
+    assert set(commands) == {"serve", "join", "relay", "status", "models", "ask", "pull"}
     for name, command in commands.items():
         for action in command._actions:
             if not action.option_strings or action.dest == "help":
@@ -230,7 +237,7 @@ def test_every_command_reads_a_mesh_key_file_as_the_same_key(tmp_path: Path, con
     flags = ["--mesh-key-file", str(key_file)]
     keys = {command: parser.parse_args([command, *flags, *extra]).mesh_key
             for command, extra in [("serve", []), ("join", ["--no-model"]), ("relay", []), ("status", []),
-                                   ("ask", ["hi"])]}
+                                   ("ask", ["hi"]), ("pull", ["ab" * 32, "--layers", "0:1", "--seed", "h:1"])]}
     expected = load_mesh_key(key_file)
     assert keys == dict.fromkeys(keys, expected)
     assert len(expected) == 32 and mesh_key_from_secret(expected) == expected
@@ -266,6 +273,17 @@ def test_figures_and_status_count_in_proper_plurals(capsys: pytest.CaptureFixtur
         model="d" * 64, name="m", n_layers=1, covered_layers=1, assigned=[], replicas=1)]))
     out = capsys.readouterr().out
     assert "0 members" in out and "1/1 layer covered, 1 spare replica;" in out
+
+
+def test_a_fetch_is_shown_with_its_bytes_rate_and_time_left(capsys: pytest.CaptureFixture[str]) -> None:
+    running = FetchStatus(model="d" * 64, name="m", start=10, end=20, done_bytes=8 << 20, total_bytes=24 << 20,
+                          fetched_bytes=8 << 20, rate=float(4 << 20), sources=2)
+    assert fetch_line(running) == ("fetch m (dddddddddddd) layers [10, 20): 8 MiB of 24 MiB at 4.0 MiB/s, "
+                                   "4 s left from 2 sources; fetching")
+    header = running.model_copy(update={"start": 0, "end": 0, "rate": 0.0, "state": "done", "sources": 1})
+    assert fetch_line(header) == "fetch m (dddddddddddd) header: 8 MiB of 24 MiB from 1 source; done"
+    print_status(StatusReply(node_id="n" * 40, term=1, members=[], coverage=[], fetches=[running]))
+    assert capsys.readouterr().out.splitlines()[-1] == fetch_line(running)
 
 
 # ----- Ctrl-C while a dial hangs

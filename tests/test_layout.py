@@ -19,15 +19,17 @@ RANK = {
     "meshd.engine": 1,
     "meshd.net": 2,
     "meshd.mesh": 2,
+    "meshd.store": 2,
     "meshd.client": 3,
     "meshd.stage": 3,
     "meshd.relay": 3,
+    "meshd.fetch": 3,
     "meshd.daemon": 4,
     "meshd.front": 5,
     "meshd.cli": 6,
     "meshd.__main__": 7,
 }
-SANS_IO = ("wire", "relay", "meshd.mesh", "meshd.stage.books")
+SANS_IO = ("wire", "relay", "meshd.mesh", "meshd.store", "meshd.stage.books")
 
 
 def module_name(path: Path) -> str:

@@ -19,7 +19,7 @@ from meshd.mesh.duty import (
 from meshd.mesh.election import ElectionConfig
 from meshd.mesh.membership import SwimConfig
 from meshd.mesh.node import MeshNode
-from meshd.mesh.records import ModelInfo, ServedRange
+from meshd.mesh.records import HeldRange, ModelInfo, ServedRange
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply
 
@@ -283,3 +283,85 @@ def test_after_leaving_nothing_the_shell_reports_signs_a_record() -> None:
     volunteer.range_down(mesh.net.now, load.start, load.end)
     tracker.handle_timer(mesh.net.now + 100.0)
     assert volunteer.node.record.version == version and not served(volunteer)
+
+
+# ----- volunteers that fetch their range instead of holding the file
+
+FETCHED = MODEL.model_copy(update={"whole": False})
+
+
+def fetcher(i: int, memory: int = 500, **config: object) -> MeshDuty:
+    """A volunteer with no file: it offers the model once it knows it (`volunteer`), holding nothing yet."""
+    node = MeshNode(identity(i), record(i, reachability="public", started_at=float(i), memory_bytes=memory),
+                    0.0, SwimConfig(), ElectionConfig(), rng(i))
+    settings: dict[str, object] = {"kv_tokens": 1, "settle": SETTLE} | config
+    return MeshDuty(node, DutyConfig(**settings))  # type: ignore[arg-type]
+
+
+def offer(d: MeshDuty, now: float) -> None:
+    d.node.update_record(now, models=[FETCHED], kv_tokens=1)
+    d.volunteer(now, FETCHED)
+
+
+def test_volunteers_without_the_file_are_assigned_ranges_once_a_member_holds_every_layer() -> None:
+    # a 300-byte holder takes three of the eight layers: the rest must go to the fetchers
+    holder, fetchers = duty(0, memory=300), [fetcher(i) for i in range(1, 4)]
+    mesh = Mesh(holder, *fetchers)
+    mesh.run_until(5.0)
+    assert all(mesh.of(d, LoadRange) == [] and mesh.of(d, AskAssignment) == [] for d in fetchers)
+    for d in fetchers:
+        offer(d, mesh.net.now)
+    mesh.run_until(mesh.net.now + 10.0)
+    placed = holder.assignments[MODEL.digest].ranges()
+    assert {d.node_id for d in fetchers} <= set(placed) and tiles(placed.values(), MODEL.n_layers)
+    for d in fetchers:
+        assert [(e.start, e.end) for e in mesh.of(d, LoadRange)] == [placed[d.node_id]]
+
+
+def test_a_model_whose_layers_no_member_holds_is_not_placed_and_status_says_why() -> None:
+    # only fetchers: nobody could serve the bytes they would fetch
+    fetchers = [fetcher(i) for i in range(3)]
+    mesh = Mesh(*fetchers)
+    mesh.run_until(5.0)
+    for d in fetchers:
+        offer(d, mesh.net.now)
+    mesh.run_until(mesh.net.now + 10.0)
+    tracker = next(d for d in fetchers if d.is_tracker)
+    assert MODEL.digest not in tracker.assignments
+    assert "no member holds layers [0, 8) on disk" in tracker.uncovered[MODEL.digest]
+    assert all(mesh.of(d, LoadRange) == [] for d in fetchers)
+    (coverage,) = tracker.status().coverage
+    assert coverage.held_layers == 0 and coverage.holders == []
+    assert "no member holds layers [0, 8)" in coverage.reason
+    # one fetcher announces what it fetched of layers [0, 4): [4, 8) is still held by nobody
+    fetchers[0].held(mesh.net.now, [HeldRange(model=MODEL.digest, start=0, end=4)])
+    mesh.run_until(mesh.net.now + 5.0)
+    assert "no member holds layers [4, 8) on disk" in tracker.uncovered[MODEL.digest]
+    (coverage,) = tracker.status().coverage
+    assert coverage.held_layers == 4 and coverage.holders == [f"{fetchers[0].node_id[:12]} [0, 4)"]
+
+
+def test_a_fetcher_refuses_a_range_beyond_its_disk_budget() -> None:
+    holder, small = duty(0, memory=300), fetcher(1, disk_bytes=250)
+    mesh = Mesh(holder, small)
+    mesh.run_until(5.0)
+    offer(small, mesh.net.now)
+    mesh.run_until(mesh.net.now + 10.0)
+    (refused,) = mesh.of(small, RangeRefused)
+    assert "bytes of disk" in refused.reason and "--disk" in refused.reason
+    assert mesh.of(small, LoadRange) == []
+
+
+def test_a_route_is_asked_for_by_model_id_or_by_the_name_of_one_model() -> None:
+    duties = [duty(i) for i in range(3)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+
+    def address(r: object) -> str:
+        return "10.0.0.1:7400"
+
+    by_id = duties[1].route(MODEL.digest, (), address)
+    by_name = duties[1].route(MODEL.name, (), address)
+    assert by_name == by_id and by_name.model == MODEL.digest
+    with pytest.raises(ProtocolError, match="no member holds model"):
+        duties[1].route("another", (), address)

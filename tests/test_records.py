@@ -9,7 +9,16 @@ from hypothesis import strategies as st
 from instant_net import identity, record
 from pydantic import ValidationError
 
-from meshd.mesh.records import CapabilityRecord, ModelInfo, RecordStore, ServedRange, Verdict
+from meshd.mesh.records import (
+    MAX_HELD,
+    MAX_LAYERS,
+    CapabilityRecord,
+    HeldRange,
+    ModelInfo,
+    RecordStore,
+    ServedRange,
+    Verdict,
+)
 
 MODEL = ModelInfo(
     digest="sha256:abc",
@@ -121,6 +130,8 @@ _MUTATIONS = {
     "memory_bytes": 16 << 30,
     "seconds_per_layer": 0.001,
     "served": [ServedRange(model=MODEL.digest, start=15, end=30)],
+    "holds": [HeldRange(model=MODEL.digest, start=0, end=30)],
+    "models": [MODEL.model_copy(update={"whole": False})],
     "load": 0.0,
     "started_at": 0.0,
     "tracker_term": 7,
@@ -141,6 +152,13 @@ def test_untrusted_records_are_bounded() -> None:
         CapabilityRecord.model_validate({**fields, "addresses": [f"h{i}:1" for i in range(100)]})
     with pytest.raises(ValidationError):
         CapabilityRecord.model_validate({**fields, "served": [{"model": "m", "start": 5, "end": 5}]})
+    held = {"model": "m", "start": 0, "end": 1}
+    with pytest.raises(ValidationError):
+        CapabilityRecord.model_validate({**fields, "holds": [held] * (MAX_HELD + 1)})
+    with pytest.raises(ValidationError):
+        CapabilityRecord.model_validate({**fields, "holds": [{**held, "end": 0}]})
+    with pytest.raises(ValidationError):
+        CapabilityRecord.model_validate({**fields, "holds": [{**held, "end": MAX_LAYERS + 1}]})
     with pytest.raises(ValidationError):
         CapabilityRecord.model_validate({**fields, "public_key": b"short"})
     with pytest.raises(ValidationError):

@@ -69,6 +69,28 @@ class ModelCoverage(WireModel):
     replicas: Count
     # Why the members cannot cover the model (empty when they can): memory needed against offered.
     reason: Prose = ""
+    # Who holds which of its layers on disk, the sources a fetching volunteer takes them from.
+    holders: list[Text] = Field(default_factory=list, max_length=1024)
+    held_layers: Layer = 0
+
+
+class FetchStatus(WireModel):
+    """A fetch the answering node runs: the tensors of its range, from the members that hold them."""
+
+    model: Digest
+    name: Text
+    start: Layer
+    end: Layer
+    # verified so far (fetched now, or held before), of the total asked for
+    done_bytes: Count
+    total_bytes: Count
+    # over the network in this fetch
+    fetched_bytes: Count = 0
+    # Bytes a second over the last few seconds; 0 before there is a measure.
+    rate: float = Field(ge=0.0, allow_inf_nan=False)
+    sources: Count = 0
+    # "fetching", "loading", "done" or "failed: ..." (why).
+    state: Text = "fetching"
 
 
 class StatusRequest(Message, tag="status_request"):
@@ -81,6 +103,8 @@ class StatusReply(Message, tag="status"):
     term: Count
     members: list[MemberStatus] = Field(max_length=4096)
     coverage: list[ModelCoverage] = Field(max_length=64)
+    # The answering node's own fetches, newest last.
+    fetches: list[FetchStatus] = Field(default_factory=list, max_length=8)
 
 
 class DialBackRequest(Message, tag="dial_back_request"):

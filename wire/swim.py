@@ -39,6 +39,8 @@ MAX_ADDRESSES = 8
 MAX_ROLES = 8
 MAX_MODELS = 16
 MAX_SERVED = 32
+# Layer ranges whose bytes a node keeps on disk for fetchers (a whole file is one range per model).
+MAX_HELD = 32
 
 Reachability = Literal["public", "nat", "unknown"]
 
@@ -48,8 +50,10 @@ ROLE_CLIENT = "client"
 
 
 class ModelInfo(WireModel):
-    """A model file a node holds, described by what placement needs to know."""
+    """A model a node can serve (it holds the file, or fetches its range of it from the others),
+    described by what placement needs to know."""
 
+    # The model id: the hash of the GGUF's manifest (meshd.store.manifest), not of the whole file.
     digest: Digest
     name: Text
     n_layers: LayerCount
@@ -60,6 +64,9 @@ class ModelInfo(WireModel):
     head_bytes: Count = 0
     # Output norm and LM head, owned by the tail stage (token_embd again when tied).
     tail_bytes: Count = 0
+    # The node holds the whole file; if not, it fetches the range it is assigned from the members
+    # that hold it, and the record's `holds` says what it has so far.
+    whole: bool = True
 
 
 class ServedRange(WireModel):
@@ -74,6 +81,11 @@ class ServedRange(WireModel):
         if self.start >= self.end:
             raise ValueError(f"empty layer range [{self.start}, {self.end})")
         return self
+
+
+class HeldRange(ServedRange):
+    """Layers of a model whose tensors (and the GGUF header) a node holds on disk and serves to
+    members that fetch them: a whole file is [0, n_layers); a fetched range is what it fetched."""
 
 
 class CapabilityRecord(WireModel):
@@ -95,6 +107,8 @@ class CapabilityRecord(WireModel):
     seconds_per_layer: Seconds = 0.0
     models: Annotated[list[ModelInfo], Field(max_length=MAX_MODELS)] = []
     served: Annotated[list[ServedRange], Field(max_length=MAX_SERVED)] = []
+    # What fetchers may ask this node for (meshd.fetch): the sources of each model's layers.
+    holds: Annotated[list[HeldRange], Field(max_length=MAX_HELD)] = []
     # Busy fraction of the engine (0 idle, 1 saturated, above 1 queueing).
     load: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     # Unix time the node says it started; the election prefers long-lived nodes.

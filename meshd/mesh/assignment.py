@@ -18,6 +18,14 @@ single chain) and gives every segment one or more hosts:
    are replaced and newcomers become replicas) unless a fresh plan would be
    faster by a clear margin: a layer range is expensive to move.
 
+A volunteer need not hold the model's file: it may fetch its range from the
+members that do (meshd.fetch) before it serves. A placement keeps ranges where
+they are (3.), and a segment to host goes first to a spare node that already
+holds its layers, so a fetch is planned only where no holder can take it; a
+model whose layers no live member holds on disk is not placed at all (nobody
+could fetch them). Routes use served ranges alone, so a stage still fetching
+is assigned but never routed to.
+
 A node's memory must hold its weights and the KV cache of its layers for the
 planned context and sessions. Each volunteer moves to its new range itself,
 loading it before it releases the old one, so sessions in flight keep a route.
@@ -74,6 +82,15 @@ class ModelSpec:
     def layer_bytes(self) -> int:
         return self.bytes_per_layer + self.kv_bytes_per_layer
 
+    def weight_bytes(self, start: int, end: int) -> int:
+        """Bytes of the tensors a stage serving layers [start, end) loads (what it fetches)."""
+        size = (end - start) * self.bytes_per_layer
+        if start == 0:
+            size += self.head_bytes
+        if end == self.n_layers:
+            size += self.tail_bytes
+        return size
+
     def stage_bytes(self, start: int, end: int) -> int:
         """Memory a stage serving layers [start, end) needs."""
         size = (end - start) * self.layer_bytes
@@ -89,6 +106,8 @@ class NodeCapacity:
     node_id: str
     memory_bytes: int
     seconds_per_layer: float  # 0 when not measured yet
+    # Layer ranges of the model it holds on disk: serving one of them needs no fetch.
+    holds: tuple[Range, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,12 +149,41 @@ class CoverageError(ValueError):
 
 
 def capacities(records: Iterable[CapabilityRecord], digest: str) -> list[NodeCapacity]:
-    """The nodes that can serve `digest`: they hold the file, stay, and are not light clients."""
+    """The nodes that can serve `digest`: they hold the file or fetch their range of it, stay, and
+    are not light clients."""
     return [
-        NodeCapacity(record.node_id, record.memory_bytes, record.seconds_per_layer)
+        NodeCapacity(record.node_id, record.memory_bytes, record.seconds_per_layer, held_ranges(record, digest))
         for record in records
         if not record.leaving and ROLE_CLIENT not in record.roles and record.model(digest) is not None
     ]
+
+
+def held_ranges(record: CapabilityRecord, digest: str) -> tuple[Range, ...]:
+    """The layers of `digest` that `record`'s node holds on disk: all of a whole file, or what it fetched."""
+    info = record.model(digest)
+    if info is not None and info.whole:
+        return ((0, info.n_layers),)
+    return tuple((held.start, held.end) for held in record.holds if held.model == digest)
+
+
+def unheld_layers(records: Iterable[CapabilityRecord], digest: str, n_layers: int) -> list[Range]:
+    """The layer ranges of `digest` that none of `records` (the live ones) holds on disk: a range
+    there can be neither served nor fetched."""
+    held = [False] * n_layers
+    for record in records:
+        if record.leaving:
+            continue
+        for start, end in held_ranges(record, digest):
+            held[start:min(end, n_layers)] = [True] * (min(end, n_layers) - start)
+    gaps: list[Range] = []
+    for layer, ok in enumerate(held):
+        if ok:
+            continue
+        if gaps and gaps[-1][1] == layer:
+            gaps[-1] = (gaps[-1][0], layer + 1)
+        else:
+            gaps.append((layer, layer + 1))
+    return gaps
 
 
 @dataclass(frozen=True)
@@ -143,6 +191,10 @@ class _Node:
     node_id: str
     memory: int
     speed: float  # seconds per layer, unmeasured ones estimated
+    holds: tuple[Range, ...] = ()
+
+    def holds_range(self, start: int, end: int) -> bool:
+        return any(a <= start and end <= b for a, b in self.holds)
 
 
 def assign(
@@ -195,7 +247,7 @@ def _usable(nodes: Sequence[NodeCapacity], model: ModelSpec) -> list[_Node]:
     default_speed = statistics.median(measured) if measured else 1e-3
     return sorted(
         (
-            _Node(node.node_id, node.memory_bytes, node.seconds_per_layer or default_speed)
+            _Node(node.node_id, node.memory_bytes, node.seconds_per_layer or default_speed, node.holds)
             for node in nodes
             if node.memory_bytes >= model.layer_bytes
         ),
@@ -244,11 +296,13 @@ def _repair(
 
 
 def _host_segment(spare: list[_Node], model: ModelSpec, start: int, end: int) -> list[Stage] | None:
-    """The fastest spare node that holds the whole segment, or else a group of them."""
+    """The fastest spare node that can take the whole segment, one that holds its layers on disk
+    before one that would fetch them; or else a group of them."""
     need = model.stage_bytes(start, end)
-    for node in spare:  # fastest first
-        if node.memory >= need:
-            return [Stage(node.node_id, start, end)]
+    fitting = [node for node in spare if node.memory >= need]  # fastest first
+    if fitting:
+        chosen = next((node for node in fitting if node.holds_range(start, end)), fitting[0])
+        return [Stage(chosen.node_id, start, end)]
     return _greedy_cover(sorted(spare, key=lambda node: (-node.memory, node.speed)), model, start, end)
 
 

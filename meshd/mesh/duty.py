@@ -25,7 +25,7 @@ own view.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshd.mesh.assignment import (
     Assignment,
@@ -35,11 +35,12 @@ from meshd.mesh.assignment import (
     assign,
     capacities,
     coverage_shortfall,
+    unheld_layers,
 )
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
-from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
+from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
 from meshd.mesh.routing import NoRouteError, plan_route, stage_options
 from meshd.mesh.status import held_models, status_view
 from wire.errors import ErrorCode, ProtocolError
@@ -52,8 +53,10 @@ _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
 @dataclass(frozen=True)
 class DutyConfig:
-    # The model this node offers to serve (its digest), if any.
+    # The model this node offers to serve, if any (a node that fetches it learns it later: `volunteer`).
     volunteer: ModelInfo | None = None
+    # Disk a node that fetches its range may fill (None: no limit, or it holds the whole file).
+    disk_bytes: int | None = None
     # KV tokens a stage holds when no volunteer of the model says (sessions x tokens each).
     kv_tokens: int = 4096
     # The tracker places this long after the first news of a burst, not at each piece of it.
@@ -105,7 +108,8 @@ DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | Assignmen
 def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
     """What placement reads of a record: a new version that changes none of it needs no new placement."""
     return (record.memory_bytes, record.kv_tokens, record.seconds_per_layer, record.leaving,
-            tuple(record.roles), tuple(m.digest for m in record.models))
+            tuple(record.roles), tuple((m.digest, m.whole) for m in record.models),
+            tuple((h.model, h.start, h.end) for h in record.holds))
 
 
 class MeshDuty:
@@ -172,6 +176,22 @@ class MeshDuty:
 
     def leave(self, now: float) -> None:
         self.node.leave(now)
+        self._settle(now)
+
+    def volunteer(self, now: float, info: ModelInfo) -> None:
+        """From now on this node offers to serve `info` (one it fetches, known once its manifest and
+        header are here); the shell has put it in the record."""
+        self.config = replace(self.config, volunteer=info)
+        self._settle(now)
+
+    def held(self, now: float, holds: list[HeldRange]) -> None:
+        """What this node holds on disk for fetchers changed: publish it; as tracker, place anew
+        (a layer nobody held may be coverable now)."""
+        if self._left:
+            return
+        self.node.update_record(now, holds=holds)
+        if self.is_tracker and self._place_at is None:
+            self._place_at = now + self.config.settle
         self._settle(now)
 
     def assignment_reply(self, now: float, reply: AssignmentReply | None) -> None:
@@ -256,7 +276,12 @@ class MeshDuty:
             model = next(iter(models))
         info = models.get(model)
         if info is None:
+            # a model's name stands for its id when it names one model only
+            named = [i for i in models.values() if i.name == model]
+            info = named[0] if len(named) == 1 else None
+        if info is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {model[:12]}")
+        model = info.digest
         records = {r.node_id: r for r in live if address_of(r) is not None and (fits is None or fits(r))}
         rtt, own = self.node.membership.rtt, self.node.node_id
 
@@ -285,8 +310,11 @@ class MeshDuty:
                            address_fits, self.coverage_reason)
 
     def coverage_reason(self, info: ModelInfo) -> str:
-        """Why the live members cannot cover `info` ("" when they can: it is then only loading)."""
+        """Why the live members cannot cover `info` ("" when they can: it is then only loading or fetching)."""
         live = self.node.membership.live_records()
+        unheld = unheld_layers(live, info.digest, info.n_layers)
+        if unheld:
+            return _unheld_reason(unheld)
         nodes, spec = capacities(live, info.digest), self._spec(live, info)
         # The search behind the reason runs assignment a few dozen times: once per change of its inputs.
         key = (tuple(nodes), spec)
@@ -312,6 +340,9 @@ class MeshDuty:
         for digest, info in held_models(live).items():
             before = self.assignments.get(digest)
             try:
+                unheld = unheld_layers(live, digest, info.n_layers)
+                if unheld:
+                    raise CoverageError(_unheld_reason(unheld))
                 placed = assign(capacities(live, digest), self._spec(live, info), self.config.policy, before)
             except CoverageError as exc:
                 if before is not None or self.uncovered.get(digest) != str(exc):
@@ -390,9 +421,15 @@ class MeshDuty:
             self._events.append(RangeRefused(start, end, f"not a range of {info.name} ({reply.model[:12]})"))
             return
         own = self.node.record
-        need = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens).stage_bytes(start, end)
+        spec = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens)
+        need = spec.stage_bytes(start, end)
         if need > own.memory_bytes:
             self._events.append(RangeRefused(start, end, f"needs {need} bytes, this node offers {own.memory_bytes}"))
+            return
+        disk = self.config.disk_bytes
+        if not info.whole and disk is not None and spec.weight_bytes(start, end) > disk:
+            self._events.append(RangeRefused(start, end, f"needs {spec.weight_bytes(start, end)} bytes of disk, "
+                                                         f"this node offers {disk} (--disk)"))
             return
         self.wanted = (start, end)
         self._load_wanted()
@@ -416,3 +453,8 @@ class MeshDuty:
             self._events.extend(events)
             self._news(now, events)
         self._maybe_ask(now)
+
+
+def _unheld_reason(unheld: list[Range]) -> str:
+    layers = ", ".join(f"[{start}, {end})" for start, end in unheld[:8]) + (", ..." if len(unheld) > 8 else "")
+    return f"no member holds layers {layers} on disk, so nobody can serve or fetch them"

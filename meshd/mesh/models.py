@@ -1,11 +1,10 @@
-"""Where model files come from: the default model and model digests."""
+"""Where model files come from: the default model, and what placement needs to know of one."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-from functools import lru_cache
+from collections.abc import Mapping
 from pathlib import Path
 
 from meshd.mesh.records import ModelInfo
@@ -40,68 +39,48 @@ def default_model_path() -> Path:
     raise ModelNotFound(f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_PACKAGE} package")
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of the model file: stages of one pipeline must run the same bytes."""
-    st = Path(path).stat()
-    return _digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+def model_info(digest: str, file_name: str, metadata: Mapping[str, int | float | bool | str],
+               sizes: Mapping[str, int]) -> ModelInfo:
+    """What placement needs to know of a GGUF, from its header's scalar metadata and its tensors'
+    sizes (``meshd.store.gguf_header`` reads both in one pass over the header, no weight read).
 
-
-@lru_cache(maxsize=32)
-def _digest(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def model_info(path: Path, digest: str) -> ModelInfo:
-    """What placement needs to know of a GGUF, read from its header (no weights are read).
-
-    A file that is no GGUF, or a damaged or truncated one, raises ModelNotFound saying so.
+    A key missing or a value out of bounds raises ModelNotFound naming the file.
     """
+    def field(key: str) -> int:
+        value = metadata.get(key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ModelNotFound(f"{file_name} lacks the GGUF key {key}")
+        return value
+
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelNotFound(f"{file_name} lacks the GGUF key general.architecture")
     try:
-        return _read_model_info(path, digest)
-    except ModelNotFound:
-        raise
-    # gguf's reader raises whatever numpy and struct raise on a damaged file; ModelInfo's checks raise ValueError
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError) as exc:
+        # MTP (nextn) blocks follow the trunk in block_count; no stage runs them, so no range covers them
+        n_nextn = field(f"{arch}.nextn_predict_layers") if f"{arch}.nextn_predict_layers" in metadata else 0
+        n_layers = field(f"{arch}.block_count") - n_nextn
+        n_embd = field(f"{arch}.embedding_length")
+        n_head = field(f"{arch}.attention.head_count")
+        # a per-layer array of KV heads (read as absent) falls back to the query heads: an overestimate
+        n_head_kv = field(f"{arch}.attention.head_count_kv") if f"{arch}.attention.head_count_kv" in metadata \
+            else n_head
+        head_dim = field(f"{arch}.attention.key_length") if f"{arch}.attention.key_length" in metadata \
+            else n_embd // n_head
+        blocks = sum(size for name, size in sizes.items() if name.startswith("blk.") and int(name.split(".")[1]) < n_layers)
+        embd = sizes.get("token_embd.weight", 0)
+        name = metadata.get("general.name")
+        return ModelInfo(
+            digest=digest,
+            name=(name if isinstance(name, str) and name else Path(file_name).stem)[:256],
+            n_layers=n_layers,
+            bytes_per_layer=-(-blocks // n_layers),
+            # K and V in f16, llama.cpp's default cache type
+            kv_bytes_per_token=2 * n_head_kv * head_dim * 2,
+            head_bytes=embd,
+            tail_bytes=sizes.get("output_norm.weight", 0) + sizes.get("output.weight", embd),
+        )
+    # ModelInfo's checks raise ValueError (a negative or huge count); a zero count divides by zero
+    except (ValueError, ZeroDivisionError) as exc:
         reason = " ".join(str(exc).split())[:200]
-        raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
+        raise ModelNotFound(f"{file_name} is not a usable GGUF model ({reason})") from None
 
-
-def _read_model_info(path: Path, digest: str) -> ModelInfo:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-
-    def field(key: str) -> str | int:
-        f = reader.fields.get(key)
-        if f is None:
-            raise ModelNotFound(f"{path.name} lacks the GGUF key {key}")
-        value = f.parts[f.data[0]]
-        return bytes(value).decode() if f.types and f.types[0].name == "STRING" else int(value[0])
-
-    arch = str(field("general.architecture"))
-    # MTP (nextn) blocks follow the trunk in block_count; no stage runs them, so no range covers them
-    n_nextn = int(field(f"{arch}.nextn_predict_layers")) if f"{arch}.nextn_predict_layers" in reader.fields else 0
-    n_layers = int(field(f"{arch}.block_count")) - n_nextn
-    n_embd = int(field(f"{arch}.embedding_length"))
-    n_head = int(field(f"{arch}.attention.head_count"))
-    n_head_kv = int(field(f"{arch}.attention.head_count_kv")) if f"{arch}.attention.head_count_kv" in reader.fields else n_head
-    head_dim = int(field(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" in reader.fields else n_embd // n_head
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    blocks = sum(size for name, size in sizes.items() if name.startswith("blk.") and int(name.split(".")[1]) < n_layers)
-    embd = sizes.get("token_embd.weight", 0)
-    tail = sizes.get("output_norm.weight", 0) + sizes.get("output.weight", embd)
-    name = reader.fields.get("general.name")
-    return ModelInfo(
-        digest=digest,
-        name=(bytes(name.parts[name.data[0]]).decode() if name else path.stem)[:256],
-        n_layers=n_layers,
-        bytes_per_layer=-(-blocks // n_layers),
-        # K and V in f16, llama.cpp's default cache type
-        kv_bytes_per_token=2 * n_head_kv * head_dim * 2,
-        head_bytes=embd,
-        tail_bytes=tail,
-    )

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from relay.protocol import CIRCUIT_MARK
 from wire.swim import (
     MAX_ADDRESSES,
+    MAX_HELD,
     MAX_MODELS,
     MAX_ROLES,
     MAX_SERVED,
     ROLE_CLIENT,
     ROLE_RELAY,
     CapabilityRecord,
+    HeldRange,
     ModelInfo,
     Reachability,
     ServedRange,
@@ -31,6 +33,7 @@ from wire.types import MAX_LAYERS
 
 __all__ = [
     "MAX_ADDRESSES",
+    "MAX_HELD",
     "MAX_LAYERS",
     "MAX_MODELS",
     "MAX_ROLES",
@@ -38,6 +41,7 @@ __all__ = [
     "ROLE_CLIENT",
     "ROLE_RELAY",
     "CapabilityRecord",
+    "HeldRange",
     "ModelInfo",
     "Reachability",
     "RecordStore",

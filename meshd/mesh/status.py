@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
+from meshd.mesh.assignment import held_ranges
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberInfo
 from meshd.mesh.records import CapabilityRecord, ModelInfo
@@ -60,11 +61,17 @@ def coverage(live: Sequence[CapabilityRecord],
         for _, s in served:
             for i in range(s.start, min(s.end, info.n_layers)):
                 layers[i] += 1
+        holders = [(r.node_id, held) for r in live if not r.leaving for held in held_ranges(r, digest)]
+        held = [False] * info.n_layers
+        for _, (start, end) in holders:
+            held[start:min(end, info.n_layers)] = [True] * (min(end, info.n_layers) - start)
         out.append(ModelCoverage(
             model=digest, name=info.name, n_layers=info.n_layers, covered_layers=sum(1 for c in layers if c),
             assigned=_cut([f"{node[:12]} [{s.start}, {s.end})" for node, s in served], ModelCoverage, "assigned"),
             replicas=max(0, min(layers) - 1),
-            reason=reason_of(info) if reason_of is not None and not all(layers) else ""))
+            reason=reason_of(info) if reason_of is not None and not all(layers) else "",
+            holders=_cut([f"{node[:12]} [{start}, {end})" for node, (start, end) in holders], ModelCoverage, "holders"),
+            held_layers=sum(held)))
     return out
 
 

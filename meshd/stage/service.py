@@ -28,10 +28,11 @@ import trio
 
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec
-from meshd.mesh.models import file_digest
+from meshd.mesh.models import ModelNotFound
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
+from meshd.store.manifest import Manifest, manifest_for
 from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -647,12 +648,22 @@ class StageNode:
     peers: Peers
 
 
+def model_manifest(path: Path, state_dir: Path | None) -> Manifest:
+    """The manifest of a model file, whose hash is the model id the mesh knows it by (computed once,
+    with a progress bar on a TTY, then cached); ModelNotFound, naming the file, if it is no usable GGUF."""
+    try:
+        return manifest_for(path, state_dir)
+    except (ValueError, OSError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
+
+
 @asynccontextmanager
 async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageLimits, identity: NodeIdentity,
                      config: PeersConfig | None = None, listen: tuple[str, int] = ("127.0.0.1", 0),
                      threads: int = 0, poll: int = 0) -> AsyncIterator[StageNode]:
     """A stage serving ``layers`` of ``model`` on ``listen``, with its supervised engine worker."""
-    digest = await trio.to_thread.run_sync(file_digest, model)
+    digest = (await trio.to_thread.run_sync(model_manifest, model, None)).model_id
     spec = WorkerSpec(model, layers, n_ctx=limits.max_sessions * limits.max_session_tokens,
                       n_seq_max=limits.max_sessions, n_batch=limits.n_batch, threads=threads, poll=poll)
     engine = EngineSupervisor(spec)

@@ -1,0 +1,154 @@
+"""The layout of a GGUF file read from its header alone: where the tensor data starts, each tensor's bytes.
+
+``gguf.GGUFReader`` builds every metadata value as numpy (seconds for a 49k-token
+vocabulary); content addressing needs only the tensor infos, a few scalars and
+the alignment, so this walks the header once and skips the rest. Every count
+and length is bounded before it is used: the header of a fetched file came
+from a peer (checked against the manifest, but read here all the same).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+MAGIC = b"GGUF"
+_MAX_KEY = 1 << 16
+_MAX_STRING = 1 << 26
+_MAX_ARRAY = 1 << 26
+_MAX_KVS = 1 << 16
+_MAX_TENSORS = 1 << 16
+_MAX_DIMS = 8
+_DEFAULT_ALIGNMENT = 32
+
+# GGUF value types: fixed-width scalars by their struct format.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    offset: int  # absolute in the file
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFLayout:
+    header_size: int  # every byte before the tensor data (metadata, tensor infos, alignment padding)
+    tensors: tuple[TensorInfo, ...]  # in file order
+    architecture: str
+    block_count: int | None
+    # every scalar and string of the metadata (arrays are skipped): what placement reads of a model
+    metadata: dict[str, int | float | bool | str] = field(default_factory=dict)
+
+
+class _Reader:
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.pos = 0
+
+    def take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise GGUFError(f"the header ends early, at byte {self.pos + len(data)}")
+        self.pos += n
+        return data
+
+    def unpack(self, fmt: str) -> int | float | bool:
+        value: int | float | bool = struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+        return value
+
+    def u32(self) -> int:
+        return int(self.unpack("<I"))
+
+    def u64(self) -> int:
+        return int(self.unpack("<Q"))
+
+    def string(self, limit: int = _MAX_STRING) -> str:
+        length = self.u64()
+        if length > limit:
+            raise GGUFError(f"a header string of {length} bytes exceeds {limit}")
+        try:
+            return self.take(length).decode()
+        except UnicodeDecodeError:
+            raise GGUFError("a header string is not UTF-8") from None
+
+    def skip_value(self, kind: int) -> int | float | bool | str | None:
+        """Read a value of ``kind``: scalars and strings are returned, arrays skipped (None)."""
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise GGUFError(f"unknown GGUF value type {kind}")
+        item, count = self.u32(), self.u64()
+        if count > _MAX_ARRAY:
+            raise GGUFError(f"a header array of {count} items exceeds {_MAX_ARRAY}")
+        if item in _SCALARS:
+            self.take(count * struct.calcsize(_SCALARS[item]))
+        elif item == _STRING:
+            for _ in range(count):
+                self.string()
+        else:
+            raise GGUFError(f"GGUF arrays of type {item} are not supported")
+        return None
+
+
+def _tensor_bytes(dims: list[int], ggml_type: int) -> int:
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise GGUFError(f"unknown ggml tensor type {ggml_type}") from None
+    elements = 1
+    for d in dims:
+        elements *= d
+    if dims and dims[0] % block:
+        raise GGUFError(f"a row of {dims[0]} is not whole blocks of {block}")
+    return elements // block * type_size
+
+
+def read_layout(f: BinaryIO) -> GGUFLayout:
+    """The layout of the GGUF read from ``f`` (positioned at its start); GGUFError if it is not one."""
+    r = _Reader(f)
+    if r.take(4) != MAGIC:
+        raise GGUFError("not a GGUF file (bad magic)")
+    version = r.u32()
+    if version not in (2, 3):
+        raise GGUFError(f"GGUF version {version} is not supported")
+    n_tensors, n_kvs = r.u64(), r.u64()
+    if n_tensors > _MAX_TENSORS or n_kvs > _MAX_KVS:
+        raise GGUFError(f"{n_tensors} tensors and {n_kvs} metadata keys exceed the limits")
+    alignment = _DEFAULT_ALIGNMENT
+    scalars: dict[str, int | float | bool | str] = {}
+    for _ in range(n_kvs):
+        key = r.string(_MAX_KEY)
+        value = r.skip_value(r.u32())
+        if value is not None:
+            scalars[key] = value
+    if "general.alignment" in scalars:
+        alignment = int(scalars["general.alignment"])
+        if alignment < 1 or alignment & (alignment - 1) or alignment > 1 << 20:
+            raise GGUFError(f"alignment {alignment} is not a power of two")
+    infos = []
+    for _ in range(n_tensors):
+        name = r.string(_MAX_KEY)
+        n_dims = r.u32()
+        if n_dims > _MAX_DIMS:
+            raise GGUFError(f"tensor {name!r} has {n_dims} dimensions")
+        dims = [r.u64() for _ in range(n_dims)]
+        ggml_type, offset = r.u32(), r.u64()
+        infos.append((name, offset, _tensor_bytes(dims, ggml_type)))
+    data_start = -(-r.pos // alignment) * alignment
+    tensors = tuple(sorted((TensorInfo(name, data_start + off, size) for name, off, size in infos),
+                           key=lambda t: t.offset))
+    arch = scalars.get("general.architecture", "")
+    blocks = scalars.get(f"{arch}.block_count")
+    return GGUFLayout(data_start, tensors, str(arch), int(blocks) if isinstance(blocks, int) else None, scalars)
