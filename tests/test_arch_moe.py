@@ -1,0 +1,126 @@
+"""The MoE families and GLM-4: chains of three layer ranges give exactly the whole model's logits and tokens.
+
+Tiny random-weight GGUFs (tests/gguf_moe.py) of qwen3moe, qwen2moe with its
+gated shared expert, Mixtral-style llama, deepseek2 (MLA with a q LoRA, two
+dense-lead layers, shared expert, sigmoid gating with a selection bias, one
+nextn block), gpt-oss (sliding window on every other layer, attention sinks,
+biased experts), glm4moe (dense lead, shared expert, nextn) and glm4 (nextn).
+The cuts sit where each architecture is tricky: right after the dense lead,
+on either side of a sliding layer, one layer before the nextn block.
+
+The nextn (MTP) block belongs to the tail (llama_hparams::owns_layer in
+native/patches/0004), so a split keeps its MTP head where llama.cpp's
+load_mtp asks for it. meshengine never sets load_mtp (nor does it for the
+whole model), so here no stage holds those tensors and each stage's report is
+exactly its blocks and endpoints, the tail's cut right beside the nextn block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf_factory import byte_level_vocab, owned_tensors
+from gguf_moe import MOE_SPECS, UNSUPPORTED_MOE_SPEC, write_moe_gguf
+from parity import assert_same_logits
+from test_engine_arch_parity import NEW_TOKENS, PROMPT_LENGTHS, Run, chain_runs
+
+from meshd.engine import Model, UnsupportedModel
+
+Chain = list[tuple[int, int]]
+
+CHAINS: dict[str, list[Chain]] = {
+    "qwen3moe": [[(0, 2), (2, 4), (4, 6)], [(0, 1), (1, 5), (5, 6)]],
+    "qwen2moe-shexp": [[(0, 2), (2, 4), (4, 6)], [(0, 1), (1, 5), (5, 6)]],
+    "mixtral": [[(0, 2), (2, 4), (4, 6)]],
+    # dense lead is layers 0-1: a cut right after it, one inside it; a one-layer tail beside the nextn block
+    "deepseek2-mla": [[(0, 2), (2, 4), (4, 6)], [(0, 1), (1, 3), (3, 5), (5, 6)]],
+    # even layers slide, odd ones attend fully: stages that start on either kind
+    "gpt-oss": [[(0, 1), (1, 3), (3, 6)], [(0, 2), (2, 5), (5, 6)]],
+    "glm4moe": [[(0, 1), (1, 4), (4, 6)], [(0, 2), (2, 5), (5, 6)]],
+    "glm4": [[(0, 2), (2, 4), (4, 6)], [(0, 1), (1, 5), (5, 6)]],
+}
+CASES = [(name, chain) for name, chains in CHAINS.items() for chain in chains]
+
+
+def _case_id(case: tuple[str, Chain]) -> str:
+    name, chain = case
+    return f"{name}-" + "-".join(str(end) for _, end in chain[:-1])
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-moe")
+    return {name: write_moe_gguf(root / f"{name}.gguf", spec) for name, spec in MOE_SPECS.items()}
+
+
+def prompts_for(name: str) -> list[list[int]]:
+    # random ids, control tokens included: parity must hold for any input
+    rng = np.random.default_rng(MOE_SPECS[name].seed + 1000)
+    n_vocab = len(byte_level_vocab()[0])
+    return [rng.integers(0, n_vocab, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def moe_whole_runs(moe_models: dict[str, Path]) -> dict[str, list[Run]]:
+    return {name: chain_runs(path, None, prompts_for(name)) for name, path in moe_models.items()}
+
+
+def test_every_architecture_has_a_chain_of_at_least_three_stages() -> None:
+    assert set(CHAINS) == set(MOE_SPECS)
+    for name, chains in CHAINS.items():
+        n_layer = MOE_SPECS[name].n_layer
+        assert any(len(c) >= 3 for c in chains), name
+        for c in chains:
+            assert c[0][0] == 0 and c[-1][1] == n_layer, (name, c)
+            assert all(a[1] == b[0] for a, b in zip(c, c[1:], strict=False)), (name, c)
+
+
+@pytest.mark.parametrize(("model_name", "ranges"), CASES, ids=[_case_id(c) for c in CASES])
+def test_chain_of_ranges_matches_whole_model_logits_and_greedy_tokens(
+    model_name: str, ranges: Chain, moe_models: dict[str, Path], moe_whole_runs: dict[str, list[Run]],
+) -> None:
+    whole = moe_whole_runs[model_name]
+    split = chain_runs(moe_models[model_name], ranges, prompts_for(model_name))
+    for p, (a, b) in enumerate(zip(whole, split, strict=True)):
+        assert len(a.logits) == len(b.logits) == NEW_TOKENS + 1
+        for step, (la, lb) in enumerate(zip(a.logits, b.logits, strict=True)):
+            assert_same_logits(la, lb, f"prompt {p}, step {step}")
+            if step < NEW_TOKENS:
+                assert a.tokens[step] == b.tokens[step], f"prompt {p}, step {step}: greedy token differs"
+
+
+def test_greedy_runs_wander_over_the_vocabulary(moe_whole_runs: dict[str, list[Run]]) -> None:
+    # a model stuck on one token would let a broken split pass on tokens alone
+    for name, runs in moe_whole_runs.items():
+        assert max(len(set(r.tokens)) for r in runs) >= 4, name
+
+
+@pytest.mark.parametrize("model_name", list(CHAINS))
+def test_each_stage_loads_exactly_its_blocks_and_endpoints(model_name: str, moe_models: dict[str, Path]) -> None:
+    path = moe_models[model_name]
+    spec = MOE_SPECS[model_name]
+    reader = gguf.GGUFReader(path)
+    nextn = {t.name for t in reader.tensors if t.name.startswith(f"blk.{spec.n_layer}.")}
+    assert bool(nextn) == bool(spec.n_nextn)
+    for layers in [(0, spec.n_layer), *CHAINS[model_name][-1]]:
+        expected = owned_tensors(reader, layers)
+        assert not nextn & set(expected)
+        with Model(path, layers) as m:
+            r = m.report
+        assert (r.arch, r.n_layer, r.layer_begin, r.layer_end) == (spec.arch, spec.n_layer, *layers)
+        assert (r.has_input, r.has_output) == (layers[0] == 0, layers[1] == spec.n_layer)
+        assert (r.n_tensors, r.n_bytes) == (len(expected), sum(expected.values())), layers
+
+
+@pytest.mark.parametrize("layers", [(0, 3), (3, 6), (2, 4)], ids=["head", "tail", "middle"])
+def test_partial_range_of_an_untested_moe_architecture_is_refused_by_name(
+    layers: tuple[int, int], tmp_path: Path,
+) -> None:
+    path = write_moe_gguf(tmp_path / "deepseek.gguf", UNSUPPORTED_MOE_SPEC)
+    with pytest.raises(UnsupportedModel, match="architecture 'deepseek' does not support partial layer ranges"):
+        Model(path, layers)
+    with Model(path, None) as m:
+        assert (m.report.arch, m.report.has_input, m.report.has_output) == ("deepseek", True, True)
