@@ -40,6 +40,7 @@ class MoeSpec:
     n_dense_lead: int = 0
     n_nextn: int = 0
     n_swa: int = 0  # gpt-oss: window of its sliding layers (every other one)
+    rope_sections: tuple[int, ...] = ()  # glm4/glm4moe: M-RoPE, as the vision variants have it
     tied: bool = False
     weight_dtype: type[np.floating] = np.float16
     n_ctx: int = 256
@@ -51,6 +52,8 @@ KV_LORA_RANK = 16
 QK_ROPE_DIM = 8
 QK_NOPE_DIM = 16
 V_HEAD_DIM = 16
+# llama4: every second layer is MoE
+LLAMA4_MOE_STEP = 2
 
 MOE_SPECS: dict[str, MoeSpec] = {
     "qwen3moe": MoeSpec("qwen3moe", seed=27, head_dim=32),
@@ -61,6 +64,8 @@ MOE_SPECS: dict[str, MoeSpec] = {
     "gpt-oss": MoeSpec("gpt-oss", seed=15, n_swa=8),
     "glm4moe": MoeSpec("glm4moe", seed=20, n_ff_shexp=32, n_dense_lead=1, n_nextn=1, tied=True),
     "glm4": MoeSpec("glm4", seed=21, n_expert=0, n_expert_used=0, n_nextn=1),
+    # MoE on every second layer (1, 3, 5), one routed expert beside the shared one; layer 3 has no RoPE
+    "llama4": MoeSpec("llama4", seed=19, n_expert_used=1, n_ff_shexp=32),
 }
 # DeepSeek V1: a MoE sibling of deepseek2 whose graph has no range support, so partial loads are refused
 UNSUPPORTED_MOE_SPEC = MoeSpec("deepseek", seed=18, n_ff_shexp=32, n_dense_lead=1)
@@ -167,12 +172,20 @@ def _kv_glm4(w: gguf.GGUFWriter, spec: MoeSpec) -> None:
     w.add_value_length(spec.head_dim)
     # GLM rotates half of each head
     w.add_rope_dimension_count(spec.head_dim // 2)
+    if spec.rope_sections:
+        w.add_rope_dimension_sections(list(spec.rope_sections))
     if spec.n_expert:
         w.add_leading_dense_block_count(spec.n_dense_lead)
         w.add_expert_shared_count(spec.n_ff_shexp // spec.n_ff_exp)
         w.add_expert_weights_scale(1.5)
         w.add_expert_weights_norm(True)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _kv_llama4(w: gguf.GGUFWriter, spec: MoeSpec) -> None:
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_interleave_moe_layer_step(LLAMA4_MOE_STEP)
 
 
 def _attn_qkvo(w: gguf.GGUFWriter, rng: np.random.Generator, blk: str, spec: MoeSpec,
@@ -295,6 +308,16 @@ def _block_glm4(w: gguf.GGUFWriter, rng: np.random.Generator, blk: str, il: int,
     w.add_tensor(f"{blk}.post_ffw_norm.weight", _norm(rng, e))
 
 
+def _block_llama4(w: gguf.GGUFWriter, rng: np.random.Generator, blk: str, il: int, spec: MoeSpec) -> None:
+    _attn_qkvo(w, rng, blk, spec)
+    w.add_tensor(f"{blk}.ffn_norm.weight", _norm(rng, spec.n_embd))
+    if (il + 1) % LLAMA4_MOE_STEP:
+        _dense_ffn(w, rng, blk, spec)
+        return
+    _experts(w, rng, blk, spec)
+    _shared_expert(w, rng, blk, spec)
+
+
 def _add_nextn(w: gguf.GGUFWriter, rng: np.random.Generator, blk: str, spec: MoeSpec) -> None:
     """The MTP head's own tensors, beside the full decoder block it also has."""
     e = spec.n_embd
@@ -313,6 +336,7 @@ ARCH_KV: dict[str, Callable[[gguf.GGUFWriter, MoeSpec], None]] = {
     "gpt-oss": _kv_gpt_oss,
     "glm4moe": _kv_glm4,
     "glm4": _kv_glm4,
+    "llama4": _kv_llama4,
 }
 ARCH_BLOCK: dict[str, Block] = {
     "qwen3moe": _block_classic,
@@ -323,4 +347,5 @@ ARCH_BLOCK: dict[str, Block] = {
     "gpt-oss": _block_gpt_oss,
     "glm4moe": _block_glm4moe,
     "glm4": _block_glm4,
+    "llama4": _block_llama4,
 }

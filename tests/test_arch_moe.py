@@ -4,7 +4,8 @@ Tiny random-weight GGUFs (tests/gguf_moe.py) of qwen3moe, qwen2moe with its
 gated shared expert, Mixtral-style llama, deepseek2 (MLA with a q LoRA, two
 dense-lead layers, shared expert, sigmoid gating with a selection bias, one
 nextn block), gpt-oss (sliding window on every other layer, attention sinks,
-biased experts), glm4moe (dense lead, shared expert, nextn) and glm4 (nextn).
+biased experts), glm4moe (dense lead, shared expert, nextn), glm4 (nextn) and
+llama4 (MoE on every second layer, chunked attention with a no-RoPE layer).
 The cuts sit where each architecture is tricky: right after the dense lead,
 on either side of a sliding layer, one layer before the nextn block.
 
@@ -17,6 +18,7 @@ exactly its blocks and endpoints, the tail's cut right beside the nextn block.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -41,6 +43,9 @@ CHAINS: dict[str, list[Chain]] = {
     "gpt-oss": [[(0, 1), (1, 3), (3, 6)], [(0, 2), (2, 5), (5, 6)]],
     "glm4moe": [[(0, 1), (1, 4), (4, 6)], [(0, 2), (2, 5), (5, 6)]],
     "glm4": [[(0, 2), (2, 4), (4, 6)], [(0, 1), (1, 5), (5, 6)]],
+    # layers 0-2 and 4-5 chunked, 3 full without RoPE; MoE on 1, 3, 5: a head without a no-RoPE layer
+    # (so without the temperature input), then the no-RoPE layer as a stage of its own
+    "llama4": [[(0, 2), (2, 4), (4, 6)], [(0, 3), (3, 4), (4, 6)]],
 }
 CASES = [(name, chain) for name, chains in CHAINS.items() for chain in chains]
 
@@ -124,3 +129,14 @@ def test_partial_range_of_an_untested_moe_architecture_is_refused_by_name(
         Model(path, layers)
     with Model(path, None) as m:
         assert (m.report.arch, m.report.has_input, m.report.has_output) == ("deepseek", True, True)
+
+
+@pytest.mark.parametrize("arch", ["glm4", "glm4moe"])
+def test_partial_range_of_an_m_rope_vision_variant_is_refused_by_name(arch: str, tmp_path: Path) -> None:
+    # a later stage's rows carry one position each, M-RoPE needs four: refused, not misplaced
+    spec = dataclasses.replace(MOE_SPECS[arch], rope_sections=(2, 1, 1, 0))
+    path = write_moe_gguf(tmp_path / f"{arch}-mrope.gguf", spec)
+    with pytest.raises(UnsupportedModel, match=f"architecture '{arch}' with M-RoPE .* does not support partial"):
+        Model(path, (2, 4))
+    with Model(path, None) as m:
+        assert (m.report.arch, m.report.has_input, m.report.has_output) == (arch, True, True)
