@@ -24,12 +24,18 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import trio
 from gguf_factory import byte_level_vocab, owned_tensors
 from gguf_moe import MOE_SPECS, UNSUPPORTED_MOE_SPEC, write_moe_gguf
+from localmesh import Served, run_meshd, start_serve, stop_all
 from parity import assert_same_logits
 from test_engine_arch_parity import NEW_TOKENS, PROMPT_LENGTHS, Run, chain_runs
 
+from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.engine import Model, UnsupportedModel
+from meshd.net.peers import open_peers
+from tests.conftest import greedy_reference
+from wire.identity import NodeIdentity
 
 Chain = list[tuple[int, int]]
 
@@ -140,3 +146,44 @@ def test_partial_range_of_an_m_rope_vision_variant_is_refused_by_name(arch: str,
         Model(path, (2, 4))
     with Model(path, None) as m:
         assert (m.report.arch, m.report.has_input, m.report.has_output) == (arch, True, True)
+
+
+# a prompt both tiny models answer at length, without an early end-of-generation token
+PIPELINE_PROMPT = "What is the capital of France?"
+PIPELINE_TOKENS = 24
+# every ask ends within this, however the pipeline breaks (a bound against hangs, not a speed claim)
+ASK_DEADLINE = 120
+
+
+@pytest.mark.slow  # three daemons and their workers per model
+@pytest.mark.parametrize("model_name", ["qwen3moe", "deepseek2-mla"])
+async def test_three_serve_processes_answer_token_for_token_like_the_whole_model(
+    model_name: str, moe_models: dict[str, Path],
+) -> None:
+    path = moe_models[model_name]
+    want = greedy_reference(path, [PIPELINE_PROMPT], PIPELINE_TOKENS)[PIPELINE_PROMPT]
+    with Model(path) as m:
+        want_text = m.detokenize(want)
+    stages: list[Served] = []
+    try:
+        for r in ("0:2", "2:4", "4:6"):
+            stages.append(start_serve("--model", str(path), "--layers", r, "--threads", "1",
+                                      "--max-sessions", "1", "--session-tokens", "128"))
+        route = [s.address for s in stages]
+        # the user's path: `meshd ask` prints the answer, then one line of figures
+        asked = await trio.to_thread.run_sync(lambda: run_meshd(
+            "ask", "--route", ",".join(route), "--max-tokens", str(PIPELINE_TOKENS), PIPELINE_PROMPT,
+            timeout=ASK_DEADLINE))
+        # the same pipeline token by token: random weights make much of the text U+FFFD, tokens they do not
+        request = AskRequest(messages=[{"role": "user", "content": PIPELINE_PROMPT}], max_tokens=PIPELINE_TOKENS)
+        async with open_peers(NodeIdentity.generate()) as peers:
+            with trio.fail_after(ASK_DEADLINE):
+                result = await run_session(peers, route_at(route), request, AskResult())
+    finally:
+        stop_all(stages)
+    assert len(want) == PIPELINE_TOKENS
+    assert result.tokens == want
+    assert [(s.layer_begin, s.layer_end) for s in result.route] == [(0, 2), (2, 4), (4, 6)]
+    assert asked.returncode == 0, asked.stderr
+    assert asked.stdout == want_text + "\n"
+    assert f"{len(want)} new tokens" in asked.stderr
