@@ -5,7 +5,8 @@ gated shared expert, Mixtral-style llama, deepseek2 (MLA with a q LoRA, two
 dense-lead layers, shared expert, sigmoid gating with a selection bias, one
 nextn block), gpt-oss (sliding window on every other layer, attention sinks,
 biased experts), glm4moe (dense lead, shared expert, nextn), glm4 (nextn) and
-llama4 (MoE on every second layer, chunked attention with a no-RoPE layer).
+llama4 (MoE on every second layer, chunked attention with a no-RoPE layer;
+a slow case runs past its 8192-token attention chunk and temperature floor).
 The cuts sit where each architecture is tricky: right after the dense lead,
 on either side of a sliding layer, one layer before the nextn block.
 
@@ -32,7 +33,8 @@ from parity import assert_same_logits
 from test_engine_arch_parity import NEW_TOKENS, PROMPT_LENGTHS, Run, chain_runs
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
-from meshd.engine import Model, UnsupportedModel
+from meshd.engine import Model, Sampler, UnsupportedModel
+from meshd.engine.chain import LocalChain
 from meshd.net.peers import open_peers
 from tests.conftest import greedy_reference
 from wire.identity import NodeIdentity
@@ -187,3 +189,32 @@ async def test_three_serve_processes_answer_token_for_token_like_the_whole_model
     assert asked.returncode == 0, asked.stderr
     assert asked.stdout == want_text + "\n"
     assert f"{len(want)} new tokens" in asked.stderr
+
+
+# llama4's attention chunk and temperature floor are fixed at 8192 positions by the loader: only a prompt
+# past them reaches the chunk boundary and the temperature step, on both sides of a cut
+LLAMA4_LONG_PROMPT = 8200
+LLAMA4_LONG_STEPS = 4
+
+
+@pytest.mark.slow  # a prompt of 8200 tokens through the whole model and through a chain
+def test_llama4_chain_matches_whole_model_past_the_attention_chunk(tmp_path: Path) -> None:
+    # two heads instead of four: the cost is attention over the long prompt, the shapes stay llama4's
+    spec = dataclasses.replace(MOE_SPECS["llama4"], n_head=2, n_head_kv=1, n_ctx=16384)
+    path = write_moe_gguf(tmp_path / "llama4-long.gguf", spec)
+    prompt = np.random.default_rng(spec.seed).integers(0, len(byte_level_vocab()[0]), LLAMA4_LONG_PROMPT).tolist()
+    runs = []
+    for ranges in (None, [(0, 3), (3, 4), (4, 6)]):
+        chain = LocalChain(path, ranges, n_ctx=LLAMA4_LONG_PROMPT + 64, n_threads=1)
+        sampler = Sampler(chain.head)
+        try:
+            logits = [chain.forward(prompt, 0)[-1].copy()]
+            for step in range(LLAMA4_LONG_STEPS):
+                token = sampler.sample(logits[-1])
+                logits.append(chain.forward([token], LLAMA4_LONG_PROMPT + step)[-1].copy())
+        finally:
+            sampler.close()
+            chain.close()
+        runs.append(logits)
+    for step, (a, b) in enumerate(zip(*runs, strict=True)):
+        assert_same_logits(a, b, f"step {step}")
