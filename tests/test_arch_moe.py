@@ -1,4 +1,4 @@
-"""The MoE families and GLM-4: chains of three layer ranges give exactly the whole model's logits and tokens.
+"""The MoE families and GLM-4: chains of three or more layer ranges give exactly the whole model's logits and tokens.
 
 Tiny random-weight GGUFs (tests/gguf_moe.py) of qwen3moe, qwen2moe with its
 gated shared expert, Mixtral-style llama, deepseek2 (MLA with a q LoRA, two
