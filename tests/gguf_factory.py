@@ -188,7 +188,10 @@ def owned_tensors(reader: gguf.GGUFReader, layers: tuple[int, int]) -> dict[str,
     there is no output.weight (tied head); output_norm.* and output.* at the tail.
     """
     begin, end = layers
-    n_layer = int(reader.fields[f"{_arch(reader)}.block_count"].contents())
+    arch = _arch(reader)
+    # the nextn (MTP) blocks after the trunk are not layers a range counts
+    nextn = reader.fields.get(f"{arch}.nextn_predict_layers")
+    n_layer = int(reader.fields[f"{arch}.block_count"].contents()) - (int(nextn.contents()) if nextn else 0)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     tied = "output.weight" not in sizes
     owned: dict[str, int] = {}
