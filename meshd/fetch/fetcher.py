@@ -418,7 +418,9 @@ async def fetch_range(
     if not keep_unowned:
         keep = {c.index for c in wanted}
         await trio.to_thread.run_sync(target.punch, [c for c in manifest.chunks if c.index not in keep])
-    report.add(await fetch_chunks(peers, sources, target, wanted, config=config, progress=progress))
+    # The header's chunks are in hand already: the body is the rest (so the report counts none twice).
+    body = [c for c in wanted if c.tensor is not None]
+    report.add(await fetch_chunks(peers, sources, target, body, config=config, progress=progress))
     return report
 
 
