@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib.metadata
-import logging
 import math
 import os
 import signal
@@ -37,6 +36,7 @@ from meshd.client.ask import (
 from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
+from meshd.logs import DEFAULT_LEVEL, LEVELS, level_of, setup_logging
 from meshd.mesh.models import ModelNotFound, default_model_path
 from meshd.mesh.records import is_unspecified, join_address
 from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
@@ -454,6 +454,21 @@ def add_state_dir(p: argparse.ArgumentParser, what: str) -> None:
                    help=f"{what} (default: %(default)s)")
 
 
+def log_level(text: str) -> int:
+    try:
+        return level_of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_logging(p: argparse.ArgumentParser) -> None:
+    """The log flags of the long-running commands."""
+    p.add_argument("--log-level", type=log_level, metavar="LEVEL",
+                   help=f"least severe records logged: {', '.join(LEVELS)} (default: $MESHD_LOG, else {DEFAULT_LEVEL})")
+    p.add_argument("--log-json", action="store_true",
+                   help="log one JSON object per line (time, level, logger, message) instead of text (default: text)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="meshd", description="Run one GGUF model across many machines.")
     p.add_argument("--version", action="version", version=f"meshd {version()}")
@@ -483,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--evict-after", type=number(0, 86400), default=2.0,
                    help="seconds idle after which a session may be evicted to make room (default: %(default)s)")
     add_mesh_key(s)
+    add_logging(s)
 
     j = sub.add_parser("join", help="join a mesh as a volunteer (or start one without --seed)")
     j.add_argument("--seed", type=address, action="append", default=[],
@@ -504,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions served at once, KV sequences (default: %(default)s)")
     j.add_argument("--session-tokens", type=tokens, default=1024,
                    help="KV tokens one session may hold (default: %(default)s)")
+    add_logging(j)
 
     r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")
     r.add_argument("--listen", type=host_port, default="0.0.0.0:7400",
@@ -527,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of silence that end a circuit (default: %(default)s)")
     r.add_argument("--tap", type=Path,
                    help="append every byte forwarded to this file, for debugging; it is ciphertext (default: none)")
+    add_logging(r)
 
     st = sub.add_parser("status", help="members, tracker, assignments and coverage")
     st.add_argument("--seed", type=address, help="HOST:PORT of a member to ask (default: the local daemon)")
@@ -568,26 +586,27 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "relay": relay}
 
 
-def log_level(text: str) -> int:
-    levels = logging.getLevelNamesMapping()
-    if text.upper() in levels:
-        return levels[text.upper()]
-    if text.isdigit():
-        return int(text)
-    raise UsageError(f"MESHD_LOG={text} is not a log level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+def log_setup(args: argparse.Namespace) -> None:
+    """Logging as the flags say (join, serve, relay), else as $MESHD_LOG says, else warnings and worse."""
+    level = getattr(args, "log_level", None)
+    if level is None:
+        text = os.environ.get("MESHD_LOG", DEFAULT_LEVEL)
+        try:
+            level = level_of(text)
+        except ValueError:
+            raise UsageError(f"MESHD_LOG={text} is not a log level ({', '.join(LEVELS)})") from None
+    setup_logging(level, json_lines=getattr(args, "log_json", False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        level = log_level(os.environ.get("MESHD_LOG", "WARNING"))
-    except UsageError as exc:
-        print(f"meshd: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    try:
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:
         return report_failure("", KeyboardInterrupt())
+    try:
+        log_setup(args)
+    except UsageError as exc:
+        return report_failure(args.command, exc)
     try:
         return trio.run(COMMANDS[args.command], args)
     except BaseExceptionGroup as group:

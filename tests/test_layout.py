@@ -15,13 +15,16 @@ PACKAGES = ("wire", "relay", "meshd")
 # except where listed in SIDEWAYS.
 RANK = {
     "wire": 0,
+    "meshd.logs": 0,
     "relay": 1,
     "meshd.engine": 1,
     "meshd.net": 2,
+    "meshd.progress": 2,
     "meshd.mesh": 2,
     "meshd.client": 3,
     "meshd.stage": 3,
     "meshd.relay": 3,
+    "meshd.status_table": 3,
     "meshd.daemon": 4,
     "meshd.cli": 5,
     "meshd.__main__": 6,
