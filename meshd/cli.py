@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib.metadata
+import json
 import math
 import os
 import signal
@@ -21,6 +22,7 @@ from typing import NoReturn, TypeVar
 
 import trio
 
+from meshd import status_table
 from meshd.client.ask import (
     AskRequest,
     AskResult,
@@ -348,25 +350,12 @@ async def status(args: argparse.Namespace) -> int:
             except trio.TooSlowError:
                 raise CommandError(f"{args.seed} did not answer within {args.timeout:g} s") from None
         what = args.seed
-    print_status(expect(reply, StatusReply, what))
+    print_status(expect(reply, StatusReply, what), args.json)
     return 0
 
 
-def print_status(s: StatusReply) -> None:
-    print(f"tracker: {s.tracker[:16] if s.tracker else 'none elected'} (term {s.term}); "
-          f"{plural(len(s.members), 'member')}; asked node {s.node_id[:16]}")
-    print(f"{'node':<18}{'address':<22}{'state':<8}{'roles':<16}{'memory':>10}  serves")
-    for m in sorted(s.members, key=lambda m: m.node_id):
-        memory = mib(m.memory_bytes) if m.memory_bytes else "-"
-        print(f"{m.node_id[:16]:<18}{m.address or '-':<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
-              f"{'; '.join(m.served) or '-'}")
-        if m.reachability == "nat":
-            print(f"{'':<18}behind NAT, reachable via: {', '.join(m.relay_addresses) or 'no relay yet'}")
-    for c in s.coverage:
-        print(f"model {c.name} ({c.model[:12]}): {c.covered_layers}/{plural(c.n_layers, 'layer')} covered, "
-              f"{plural(c.replicas, 'spare replica')}; stages: {'; '.join(c.assigned) or 'none yet'}")
-        if c.reason:
-            print(f"  not covered: {c.reason}")
+def print_status(s: StatusReply, as_json: bool = False) -> None:
+    print(json.dumps(status_table.as_json(s), indent=2) if as_json else status_table.render(s))
 
 
 # ----- ask
@@ -552,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_mesh_key(st)
     st.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
                     help="seconds to wait for the answer (default: %(default)s)")
+    st.add_argument("--json", action="store_true",
+                    help="print the status as one JSON document for scripts (keys in the README) (default: a table)")
 
     a = sub.add_parser("ask", help="ask a question")
     a.add_argument("prompt")
