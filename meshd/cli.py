@@ -16,13 +16,13 @@ import os
 import signal
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import trio
 
-from meshd import status_table
+from meshd import progress, status_table
 from meshd.client.ask import (
     AskRequest,
     AskResult,
@@ -230,8 +230,11 @@ async def serve(args: argparse.Namespace) -> int:
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after)
     config = PeersConfig(mesh_key=args.mesh_key)
-    async with stage_node(path, args.layers, limits, NodeIdentity.generate(), config, args.listen, args.threads,
-                          args.poll) as node:
+    layers = f"layers [{args.layers[0]}, {args.layers[1]})" if args.layers else "all layers"
+    async with progress.waiting(f"loading {layers} of {path.name}") as loading, \
+            stage_node(path, args.layers, limits, NodeIdentity.generate(), config, args.listen, args.threads,
+                       args.poll) as node:
+        loading.done()
         report = node.service.report
         print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
               f"({node.service.digest[:12]}) on {node.address} as node {node.peers.node_id[:16]}", flush=True)
@@ -274,14 +277,18 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
 
 async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim) -> None:
     """Runs a daemon, and its control socket, until SIGTERM or SIGINT, then leaves the mesh gracefully."""
+    seeds = daemon.config.seeds
     async with trio.open_nursery() as nursery:
-        await nursery.start(daemon.run)
+        async with progress.waiting(f"joining the mesh through {', '.join(seeds)}" if seeds else "starting a mesh"):
+            await nursery.start(daemon.run)
         await nursery.start(serve_control, claim, local_answers(daemon))
         listening = join_address(daemon.config.listen[0], daemon.port)
         published = daemon.address or "an address its first peers will show"
         print(f"meshd: {daemon.identity.node_id[:16]} listening on {listening}, published at {published}, "
               f"{banner}", flush=True)
         print(f"ready {daemon.local_address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
+        if daemon.model is not None:
+            nursery.start_soon(show_range_wait, daemon)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:  # noqa: B007 (the signal that ended the loop is used below)
                 break
@@ -289,6 +296,24 @@ async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim) -
         with trio.move_on_after(LEAVE_ON_INTERRUPT if signum == signal.SIGINT else math.inf):
             await daemon.leave()
         nursery.cancel_scope.cancel()
+
+
+async def show_range_wait(daemon: MeshDaemon) -> None:
+    """On a terminal, until the volunteer serves its first range: what it waits for (the tracker's word,
+    the load, or why the mesh cannot cover the model yet)."""
+    assert daemon.model is not None
+    async with progress.waiting("waiting for the tracker to assign this node its layers") as line:
+        while line.shown and daemon.duty.serving is None:
+            line.say(range_wait(daemon.duty.loading, daemon.duty.uncovered.get(daemon.model.digest), daemon.model.name))
+            await trio.sleep(progress.REDRAW)
+
+
+def range_wait(loading: tuple[int, int] | None, uncovered: str | None, model: str) -> str:
+    if loading is not None:
+        return f"loading layers [{loading[0]}, {loading[1]}) of {model}"
+    if uncovered:
+        return f"waiting for the mesh to cover {model}: {uncovered}"
+    return "waiting for the tracker to assign this node its layers"
 
 
 def seeds_text(seeds: Sequence[str]) -> str:
@@ -384,8 +409,8 @@ async def ask(args: argparse.Namespace) -> int:
                 return await rpc(peers, args.seed, RouteRequest(exclude=excluded), timeout=args.timeout)
 
             async def find_route(excluded: list[str]) -> list[Stage]:
-                reply = expect(await ask_route(excluded), RouteReply, args.seed or "the local meshd")
-                return route_from_reply(reply)
+                return await route_when_covered(lambda: ask_route(excluded), args.seed or "the local meshd",
+                                                args.wait)
 
             result = await ask_with_failover(peers, find_route, request, on_token, stall_timeout=args.timeout)
     if args.stop:
@@ -396,6 +421,33 @@ async def ask(args: argparse.Namespace) -> int:
     out.flush()
     print_figures(result)
     return 0
+
+
+# How often `ask --wait` asks again for a route while the mesh cannot cover the model.
+COVERAGE_POLL = 1.0
+
+
+async def route_when_covered(ask_route: Callable[[], Awaitable[Message]], what: str, wait: float) -> list[Stage]:
+    """A route, asked for again while the mesh has none to give (NOT_FOUND) for up to `wait` seconds;
+    on a terminal the wait shows what is missing. Any other error, or the last NOT_FOUND, is raised."""
+    deadline = trio.current_time() + wait
+    try:
+        return route_from_reply(expect(await ask_route(), RouteReply, what))
+    except ProtocolError as exc:
+        if exc.code is not ErrorCode.NOT_FOUND or wait < COVERAGE_POLL:
+            raise
+        missing = exc.message
+    async with progress.waiting(f"waiting for the mesh to cover the model: {missing}") as line:
+        # the last round raises: it ends within one poll of the deadline
+        for _ in range(int(wait / COVERAGE_POLL)):
+            await trio.sleep(COVERAGE_POLL)
+            try:
+                return route_from_reply(expect(await ask_route(), RouteReply, what))
+            except ProtocolError as exc:
+                if exc.code is not ErrorCode.NOT_FOUND or trio.current_time() + COVERAGE_POLL > deadline:
+                    raise
+                line.say(f"waiting for the mesh to cover the model: {exc.message}")
+    raise CommandError(f"the mesh did not cover the model within {wait:g} s")
 
 
 def build_request(args: argparse.Namespace) -> AskRequest:
@@ -571,6 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activations on the wire (default: %(default)s)")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
+    a.add_argument("--wait", type=number(0, 86400), default=0.0,
+                   help="seconds to wait for the mesh to cover the model, asking again each second, with "
+                        "progress on a terminal (default: %(default)s, say at once what is missing)")
     return p
 
 
