@@ -222,3 +222,17 @@ def test_join_shows_the_join_on_a_terminal(modelless: Served, tmp_path: Path) ->
         assert f"joining the mesh through {modelless.address} 00:0" in shown, shown
     finally:
         stop_process(proc)
+
+
+@pytest.mark.slow
+def test_a_volunteer_shows_its_wait_for_a_range_and_the_load(modelless: Served, tmp_path: Path) -> None:
+    """Last in this file: it gives the model-less mesh a volunteer (which leaves again)."""
+    argv = meshd_command("join", "--listen", "127.0.0.1:0", "--seed", modelless.address, "--threads", "1",
+                         "--memory", "1G", "--max-sessions", "1", "--session-tokens", "256",
+                         "--state-dir", str(tmp_path / "state"))
+    proc, out, shown = run_on_pty(argv, lambda _, shown: "loading layers [0, 30) of" in shown, 120)
+    try:
+        assert "ready " in out, (out, shown)
+        assert "loading layers [0, 30) of Smollm2 135M" in shown, shown
+    finally:
+        stop_process(proc)
