@@ -1,7 +1,7 @@
 """Progress of the long waits (loading a model, joining a mesh, waiting for coverage) on a terminal.
 
 A tqdm line on stderr that says what is awaited and for how long, redrawn by a
-trio task, and cleared when the wait ends. Where stderr is no terminal (a pipe,
+trio task, and cleared when the wait ends; log records meanwhile go above it. Where stderr is no terminal (a pipe,
 a file, a service's journal) nothing is written at all: logs and the one-line
 errors stay as they are.
 """
@@ -16,6 +16,7 @@ from typing import IO
 
 import trio
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 # How often the elapsed time is redrawn: often enough to look alive, rarely enough to cost nothing.
 REDRAW = 0.5
@@ -75,10 +76,12 @@ async def waiting(what: str, stream: IO[str] | None = None) -> AsyncIterator[Wai
                           ncols=None if sized else 80, nrows=None if sized else 24, bar_format="{desc} {elapsed}",
                           mininterval=0))
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(handle.redraw_until_done)
-            yield handle
-            handle.done()
+        # log records meanwhile are written above the line (tqdm clears and redraws it), not into it
+        with logging_redirect_tqdm():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(handle.redraw_until_done)
+                yield handle
+                handle.done()
     finally:
         handle.done()
 

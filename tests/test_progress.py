@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import fcntl
 import io
+import logging
 import os
 import pty
 import re
 import select
 import struct
 import subprocess
+import sys
 import termios
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,6 +24,7 @@ from localmesh import READY, Served, meshd_command, spawn, start_join, stop_proc
 
 from meshd import progress
 from meshd.cli import range_wait, route_when_covered
+from meshd.logs import setup_logging
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, RouteStage
@@ -66,6 +69,25 @@ async def test_a_wait_on_a_terminal_shows_what_and_how_long_then_clears(
     # redrawn in place, never a new line; cleared at the end (leave=False)
     assert shown.count("\r") >= 3 and "\n" not in shown.replace("\r\n", "")
     assert shown.rstrip(" ").endswith("\r")
+
+
+async def test_a_record_logged_during_a_wait_goes_above_the_line(
+        terminal: tuple[io.TextIOWrapper, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    stream, screen = terminal
+    monkeypatch.setattr(sys, "stderr", stream)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        setup_logging(logging.INFO)
+        async with progress.waiting("loading"):
+            logging.getLogger("meshd.test").info("seed answered")
+            await trio.sleep(progress.REDRAW * 1.5)
+    finally:
+        root.handlers[:], root.level = handlers, level
+    shown = read_screen(screen)
+    before, record, after = re.split(r"(\S+Z INFO meshd\.test: seed answered\r?\n)", shown)
+    # the line is cleared before the record and drawn again after it
+    assert "loading 00:00" in before and before.endswith("\r") and "loading 00:0" in after
 
 
 async def test_a_wait_off_a_terminal_writes_nothing() -> None:
