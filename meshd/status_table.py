@@ -152,9 +152,10 @@ def member_lines(m: MemberStatus, width: int) -> list[str]:
 
 
 def coverage_lines(c: ModelCoverage, width: int) -> list[str]:
-    head = f"model {clean(c.name)} ({short(c.model, 12)}): {c.covered_layers}/{plural(c.n_layers, 'layer')} " \
-           f"covered, {plural(c.replicas, 'spare replica')};"
-    lines = wrap(head, width, "", "  ")
+    # the figures stay whole on one line, however the name wraps: scripts and people look for "30/30 layers covered"
+    words = ["model", *clean(c.name).split(), f"({short(c.model, 12)}):",
+             f"{c.covered_layers}/{plural(c.n_layers, 'layer')} covered,", f"{plural(c.replicas, 'spare replica')};"]
+    lines = fill(words, width, "", "  ")
     lines.extend(wrap_items(list(c.assigned) or ["none yet"], "; ", width, "  stages: ", "    "))
     if c.reason:
         lines.extend(wrap(c.reason, width, "  not covered: ", "    "))

@@ -153,3 +153,11 @@ def test_meshd_status_prints_the_table_and_json_from_a_daemon(first_node: tuple[
     doc = json.loads(scripted.stdout)
     assert set(doc) == KEYS and doc["node_id"] == served.node_id
     assert [m["node_id"] for m in doc["members"]] == [served.node_id]
+
+
+def test_the_coverage_figures_stay_whole_however_the_name_wraps() -> None:
+    for name in ["m", "Smollm2 135M 8k Lc100K Mix1 Ep2", "a very long model name " * 5, "x" * 200]:
+        s = small_mesh().model_copy(update={"coverage": [ModelCoverage(
+            model="d" * 64, name=name, n_layers=30, covered_layers=30, replicas=2, assigned=[])]})
+        lines = render(s).splitlines()
+        assert any("30/30 layers covered, 2 spare replicas;" in line for line in lines), lines
