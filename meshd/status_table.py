@@ -154,7 +154,7 @@ def member_lines(m: MemberStatus, width: int) -> list[str]:
 def coverage_lines(c: ModelCoverage, width: int) -> list[str]:
     # the figures stay whole on one line, however the name wraps: scripts and people look for "30/30 layers covered"
     words = ["model", *clean(c.name).split(), f"({short(c.model, 12)}):",
-             f"{c.covered_layers}/{plural(c.n_layers, 'layer')} covered,", f"{plural(c.replicas, 'spare replica')};"]
+             f"{c.covered_layers}/{plural(c.n_layers, 'layer')} covered, {plural(c.replicas, 'spare replica')};"]
     lines = fill(words, width, "", "  ")
     lines.extend(wrap_items(list(c.assigned) or ["none yet"], "; ", width, "  stages: ", "    "))
     if c.reason:
