@@ -10,19 +10,20 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib.metadata
-import logging
+import json
 import math
 import os
 import signal
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import trio
 
+from meshd import progress, status_table
 from meshd.client.ask import (
     AskRequest,
     AskResult,
@@ -40,6 +41,7 @@ from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_manifest, fetch_range
 from meshd.front.door import load_api_keys
+from meshd.logs import DEFAULT_LEVEL, LEVELS, level_of, setup_logging
 from meshd.mesh.models import ModelNotFound, default_model_path
 from meshd.mesh.records import is_loopback, is_unspecified, join_address
 from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
@@ -254,8 +256,11 @@ async def serve(args: argparse.Namespace) -> int:
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after)
     config = PeersConfig(mesh_key=args.mesh_key)
-    async with stage_node(path, args.layers, limits, NodeIdentity.generate(), config, args.listen, args.threads,
-                          args.poll) as node:
+    layers = f"layers [{args.layers[0]}, {args.layers[1]})" if args.layers else "all layers"
+    async with progress.waiting(f"loading {layers} of {path.name}") as loading, \
+            stage_node(path, args.layers, limits, NodeIdentity.generate(), config, args.listen, args.threads,
+                       args.poll) as node:
+        loading.done()
         report = node.service.report
         print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
               f"({node.service.digest[:12]}) on {node.address} as node {node.peers.node_id[:16]}", flush=True)
@@ -340,8 +345,10 @@ async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, 
 async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim, api: ApiConfig | None = None) -> None:
     """Runs a daemon, its control socket and its HTTP front door (with `api`) until SIGTERM or SIGINT,
     then leaves the mesh gracefully."""
+    seeds = daemon.config.seeds
     async with trio.open_nursery() as nursery:
-        await nursery.start(daemon.run)
+        async with progress.waiting(f"joining the mesh through {', '.join(seeds)}" if seeds else "starting a mesh"):
+            await nursery.start(daemon.run)
         await nursery.start(serve_control, claim, local_answers(daemon))
         if api is not None:
             url = await nursery.start(serve_api, daemon, api, daemon.config.peers.mesh_key)
@@ -352,6 +359,8 @@ async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim, a
         print(f"meshd: {daemon.identity.node_id[:16]} listening on {listening}, published at {published}, "
               f"{banner}", flush=True)
         print(f"ready {daemon.local_address} pid={os.getpid()} node={daemon.identity.node_id}", flush=True)
+        if daemon.model is not None:
+            nursery.start_soon(show_range_wait, daemon)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:  # noqa: B007 (the signal that ended the loop is used below)
                 break
@@ -359,6 +368,24 @@ async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim, a
         with trio.move_on_after(LEAVE_ON_INTERRUPT if signum == signal.SIGINT else math.inf):
             await daemon.leave()
         nursery.cancel_scope.cancel()
+
+
+async def show_range_wait(daemon: MeshDaemon) -> None:
+    """On a terminal, until the volunteer serves its first range: what it waits for (the tracker's word,
+    the load, or why the mesh cannot cover the model yet)."""
+    assert daemon.model is not None
+    async with progress.waiting("waiting for the tracker to assign this node its layers") as line:
+        while line.shown and daemon.duty.serving is None:
+            line.say(range_wait(daemon.duty.loading, daemon.duty.uncovered.get(daemon.model.digest), daemon.model.name))
+            await trio.sleep(progress.REDRAW)
+
+
+def range_wait(loading: tuple[int, int] | None, uncovered: str | None, model: str) -> str:
+    if loading is not None:
+        return f"loading layers [{loading[0]}, {loading[1]}) of {model}"
+    if uncovered:
+        return f"waiting for the mesh to cover {model}: {uncovered}"
+    return "waiting for the tracker to assign this node its layers"
 
 
 def seeds_text(seeds: Sequence[str]) -> str:
@@ -417,7 +444,7 @@ async def relay(args: argparse.Namespace) -> int:
 # ----- status
 
 async def status(args: argparse.Namespace) -> int:
-    print_status(await ask_status(args))
+    print_status(await ask_status(args), args.json)
     return 0
 
 
@@ -506,21 +533,11 @@ async def pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_status(s: StatusReply) -> None:
-    print(f"tracker: {s.tracker[:16] if s.tracker else 'none elected'} (term {s.term}); "
-          f"{plural(len(s.members), 'member')}; asked node {s.node_id[:16]}")
-    print(f"{'node':<18}{'address':<22}{'state':<8}{'roles':<16}{'memory':>10}  serves")
-    for m in sorted(s.members, key=lambda m: m.node_id):
-        memory = mib(m.memory_bytes) if m.memory_bytes else "-"
-        print(f"{m.node_id[:16]:<18}{m.address or '-':<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
-              f"{'; '.join(m.served) or '-'}")
-        if m.reachability == "nat":
-            print(f"{'':<18}behind NAT, reachable via: {', '.join(m.relay_addresses) or 'no relay yet'}")
-    for c in s.coverage:
-        print(f"model {c.name} ({c.model[:12]}): {c.covered_layers}/{plural(c.n_layers, 'layer')} covered, "
-              f"{plural(c.replicas, 'spare replica')}; stages: {'; '.join(c.assigned) or 'none yet'}")
-        if c.reason:
-            print(f"  not covered: {c.reason}")
+def print_status(s: StatusReply, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps(status_table.as_json(s), indent=2))
+        return
+    print(status_table.render(s))
     for f in s.fetches:
         print(fetch_line(f))
 
@@ -551,8 +568,8 @@ async def ask(args: argparse.Namespace) -> int:
                 return await rpc(peers, args.seed, RouteRequest(exclude=excluded), timeout=args.timeout)
 
             async def find_route(excluded: list[str]) -> list[Stage]:
-                reply = expect(await ask_route(excluded), RouteReply, args.seed or "the local meshd")
-                return route_from_reply(reply)
+                return await route_when_covered(lambda: ask_route(excluded), args.seed or "the local meshd",
+                                                args.wait)
 
             result = await ask_with_failover(peers, find_route, request, on_token, stall_timeout=args.timeout)
     if args.stop:
@@ -563,6 +580,33 @@ async def ask(args: argparse.Namespace) -> int:
     out.flush()
     print_figures(result)
     return 0
+
+
+# How often `ask --wait` asks again for a route while the mesh cannot cover the model.
+COVERAGE_POLL = 1.0
+
+
+async def route_when_covered(ask_route: Callable[[], Awaitable[Message]], what: str, wait: float) -> list[Stage]:
+    """A route, asked for again while the mesh has none to give (NOT_FOUND) for up to `wait` seconds;
+    on a terminal the wait shows what is missing. Any other error, or the last NOT_FOUND, is raised."""
+    deadline = trio.current_time() + wait
+    try:
+        return route_from_reply(expect(await ask_route(), RouteReply, what))
+    except ProtocolError as exc:
+        if exc.code is not ErrorCode.NOT_FOUND or wait < COVERAGE_POLL:
+            raise
+        missing = exc.message
+    async with progress.waiting(f"waiting for the mesh to cover the model: {missing}") as line:
+        # the last round raises: it ends within one poll of the deadline
+        for _ in range(int(wait / COVERAGE_POLL)):
+            await trio.sleep(COVERAGE_POLL)
+            try:
+                return route_from_reply(expect(await ask_route(), RouteReply, what))
+            except ProtocolError as exc:
+                if exc.code is not ErrorCode.NOT_FOUND or trio.current_time() + COVERAGE_POLL > deadline:
+                    raise
+                line.say(f"waiting for the mesh to cover the model: {exc.message}")
+    raise CommandError(f"the mesh did not cover the model within {wait:g} s")
 
 
 def build_request(args: argparse.Namespace) -> AskRequest:
@@ -610,6 +654,21 @@ def add_state_dir(p: argparse.ArgumentParser, what: str) -> None:
                    help=f"{what} (default: %(default)s)")
 
 
+def log_level(text: str) -> int:
+    try:
+        return level_of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_logging(p: argparse.ArgumentParser) -> None:
+    """The log flags of the long-running commands."""
+    p.add_argument("--log-level", type=log_level, metavar="LEVEL",
+                   help=f"least severe records logged: {', '.join(LEVELS)} (default: $MESHD_LOG, else {DEFAULT_LEVEL})")
+    p.add_argument("--log-json", action="store_true",
+                   help="log one JSON object per line (time, level, logger, message) instead of text (default: text)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="meshd", description="Run one GGUF model across many machines.")
     p.add_argument("--version", action="version", version=f"meshd {version()}")
@@ -639,6 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--evict-after", type=number(0, 86400), default=2.0,
                    help="seconds idle after which a session may be evicted to make room (default: %(default)s)")
     add_mesh_key(s)
+    add_logging(s)
 
     j = sub.add_parser("join", help="join a mesh as a volunteer (or start one without --seed)")
     j.add_argument("--seed", type=address, action="append", default=[],
@@ -672,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--api-key-file", type=Path, metavar="FILE",
                    help="API keys, one a line, that requests must carry (Authorization: Bearer or x-api-key); "
                         "required to bind --api beyond loopback (default: none, anyone on loopback may ask)")
+    add_logging(j)
 
     r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")
     r.add_argument("--listen", type=host_port, default="0.0.0.0:7400",
@@ -695,6 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of silence that end a circuit (default: %(default)s)")
     r.add_argument("--tap", type=Path,
                    help="append every byte forwarded to this file, for debugging; it is ciphertext (default: none)")
+    add_logging(r)
 
     for name, text in (("status", "members, tracker, assignments, coverage and this node's fetches"),
                        ("models", "the models the mesh knows: their ids, sources and coverage")):
@@ -704,6 +766,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_mesh_key(st)
         st.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
                         help="seconds to wait for the answer (default: %(default)s)")
+        if name == "status":
+            st.add_argument("--json", action="store_true",
+                            help="print the status as one JSON document for scripts (keys in the README) "
+                                 "(default: a table)")
 
     a = sub.add_parser("ask", help="ask a question")
     a.add_argument("prompt")
@@ -732,6 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activations on the wire (default: %(default)s)")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
+    a.add_argument("--wait", type=number(0, 86400), default=0.0,
+                   help="seconds to wait for the mesh to cover the model, asking again each second, with "
+                        "progress on a terminal (default: %(default)s, say at once what is missing)")
     pl = sub.add_parser("pull", help="fetch a layer range of a model from members, by hand")
     pl.add_argument("model_id", type=model_id, metavar="ID", help="the model id (64 hex digits)")
     pl.add_argument("--layers", type=layer_range, required=True, help="layer range START:END to fetch (no default: required)")
@@ -752,26 +821,27 @@ COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models"
             "pull": pull}
 
 
-def log_level(text: str) -> int:
-    levels = logging.getLevelNamesMapping()
-    if text.upper() in levels:
-        return levels[text.upper()]
-    if text.isdigit():
-        return int(text)
-    raise UsageError(f"MESHD_LOG={text} is not a log level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+def log_setup(args: argparse.Namespace) -> None:
+    """Logging as the flags say (join, serve, relay), else as $MESHD_LOG says, else warnings and worse."""
+    level = getattr(args, "log_level", None)
+    if level is None:
+        text = os.environ.get("MESHD_LOG", DEFAULT_LEVEL)
+        try:
+            level = level_of(text)
+        except ValueError:
+            raise UsageError(f"MESHD_LOG={text} is not a log level ({', '.join(LEVELS)})") from None
+    setup_logging(level, json_lines=getattr(args, "log_json", False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        level = log_level(os.environ.get("MESHD_LOG", "WARNING"))
-    except UsageError as exc:
-        print(f"meshd: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    try:
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:
         return report_failure("", KeyboardInterrupt())
+    try:
+        log_setup(args)
+    except UsageError as exc:
+        return report_failure(args.command, exc)
     try:
         return trio.run(COMMANDS[args.command], args)
     except BaseExceptionGroup as group:

@@ -15,15 +15,18 @@ PACKAGES = ("wire", "relay", "meshd")
 # except where listed in SIDEWAYS.
 RANK = {
     "wire": 0,
+    "meshd.logs": 0,
     "relay": 1,
     "meshd.engine": 1,
     "meshd.net": 2,
+    "meshd.progress": 2,
     "meshd.mesh": 2,
     "meshd.store": 2,
     "meshd.client": 3,
     "meshd.stage": 3,
     "meshd.relay": 3,
     "meshd.fetch": 3,
+    "meshd.status_table": 3,
     "meshd.daemon": 4,
     "meshd.front": 5,
     "meshd.cli": 6,

@@ -10,7 +10,8 @@ from typing import Any
 
 import cffi
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
 LIB_NAME = "libmeshengine.so"
 
 
@@ -18,9 +19,21 @@ class EngineUnavailable(Exception):
     """The native library is missing or was built from another header."""
 
 
-def _library_dir() -> Path:
+def library_dirs() -> list[Path]:
+    """Where the library is looked for, in order: beside the package (an installed wheel), then
+    $MESHD_ENGINE_DIR, then the checkout's build/native (tools/build_native.py, editable installs)."""
     override = os.environ.get("MESHD_ENGINE_DIR")
-    return Path(override) if override else ROOT / "build" / "native"
+    return [HERE, *([Path(override)] if override else []), ROOT / "build" / "native"]
+
+
+def _library_dir() -> Path:
+    """The first of library_dirs() that holds the library and its header."""
+    places = library_dirs()
+    for directory in places:
+        if (directory / LIB_NAME).exists() and (directory / "meshengine.h").exists():
+            return directory
+    raise EngineUnavailable(f"{LIB_NAME} is in none of {', '.join(map(str, places))}: "
+                            "build it with `python tools/build_native.py`, or install a meshd wheel")
 
 
 def _cdef_from_header(text: str) -> str:
@@ -42,10 +55,6 @@ def load() -> tuple[cffi.FFI, Any]:
     lib_path = directory / LIB_NAME
     # The header installed beside the library is the one it was built from.
     header = directory / "meshengine.h"
-    if not lib_path.exists() or not header.exists():
-        raise EngineUnavailable(
-            f"{lib_path} is missing: build it with `python tools/build_native.py`"
-        )
     ffi = cffi.FFI()
     ffi.cdef(_cdef_from_header(header.read_text()))
     lib = ffi.dlopen(str(lib_path))
