@@ -19,7 +19,12 @@ single chain) and gives every segment one or more hosts:
    faster by a clear margin: a layer range is expensive to move.
 
 A node's memory must hold its weights and the KV cache of its layers for the
-planned context and sessions. Each volunteer moves to its new range itself,
+planned context and sessions. Layers differ in size (a MoE layer outweighs a
+dense lead layer many times): a stage's exact bytes are the sum of its own
+layers', and the chain search counts every layer at the largest layer's size,
+so what it places fits. A node that offloads (`gpu_layers`) keeps the last of
+its layers, their KV and, at the tail, the output head in GPU memory, as the
+engine does; the rest, the token embedding always, sits in RAM. Each volunteer moves to its new range itself,
 loading it before it releases the old one, so sessions in flight keep a route.
 """
 
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -45,12 +50,20 @@ class ModelSpec:
 
     digest: str
     n_layers: int
-    bytes_per_layer: int
+    bytes_per_layer: int  # the largest layer's weights: what the chain search counts for every layer
     kv_bytes_per_layer: int = 0  # KV cache of one layer for the planned context x sessions
     head_bytes: int = 0  # token embedding, at the stage owning layer 0
     tail_bytes: int = 0  # output norm and LM head, at the stage owning the last layer
     kv_tokens: int = 0  # the tokens `kv_bytes_per_layer` is for: what a shortfall names
     name: str = ""
+    layer_sizes: tuple[int, ...] = ()  # weights of each layer; empty: every one `bytes_per_layer`
+
+    def __post_init__(self) -> None:
+        if self.layer_sizes and len(self.layer_sizes) != self.n_layers:
+            raise ValueError(f"{len(self.layer_sizes)} layer sizes for {self.n_layers} layers")
+        # prefix sums: any stage's weights in one subtraction
+        sums = np.concatenate(([0], np.cumsum(self.layer_sizes, dtype=np.int64))) if self.layer_sizes else None
+        object.__setattr__(self, "_sums", sums)
 
     @classmethod
     def from_info(cls, info: ModelInfo, kv_tokens: int) -> ModelSpec:
@@ -64,6 +77,7 @@ class ModelSpec:
             tail_bytes=info.tail_bytes,
             kv_tokens=kv_tokens,
             name=info.name,
+            layer_sizes=tuple(info.layer_bytes),
         )
 
     def with_kv_tokens(self, kv_tokens: int) -> ModelSpec:
@@ -74,14 +88,43 @@ class ModelSpec:
     def layer_bytes(self) -> int:
         return self.bytes_per_layer + self.kv_bytes_per_layer
 
+    def weights(self, start: int, end: int) -> int:
+        """Weight bytes of layers [start, end)."""
+        sums = self._sums  # type: ignore[attr-defined]
+        return int(sums[end] - sums[start]) if sums is not None else (end - start) * self.bytes_per_layer
+
     def stage_bytes(self, start: int, end: int) -> int:
-        """Memory a stage serving layers [start, end) needs."""
-        size = (end - start) * self.layer_bytes
-        if start == 0:
-            size += self.head_bytes
-        if end == self.n_layers:
-            size += self.tail_bytes
-        return size
+        """Memory a stage serving layers [start, end) needs, RAM and GPU together."""
+        ram, gpu = self.stage_split(start, end, 0)
+        return ram + gpu
+
+    def stage_split(self, start: int, end: int, gpu_layers: int) -> tuple[int, int]:
+        """(RAM, GPU memory) a stage serving [start, end) needs when it offloads `gpu_layers`."""
+        return self.split(end - start, start == 0, end == self.n_layers, gpu_layers,
+                          self.weights(start, end), lambda k: self.weights(end - k, end))
+
+    def split(self, count: int, head: bool, tail: bool, gpu_layers: int, weights: int,
+              last_weights: Callable[[int], int]) -> tuple[int, int]:
+        """(RAM, GPU memory) of a stage of `count` layers weighing `weights`, the last k of them `last_weights(k)`.
+
+        As the engine counts: the last layers of the range go to the GPU with their KV, at the tail
+        the output head is one more (the last), -1 offloads them all; the token embedding stays in RAM."""
+        on_gpu, head_out = offload_plan(count, tail, gpu_layers)
+        gpu = last_weights(on_gpu) + on_gpu * self.kv_bytes_per_layer + (self.tail_bytes if head_out else 0)
+        ram = weights - last_weights(on_gpu) + (count - on_gpu) * self.kv_bytes_per_layer
+        ram += (self.head_bytes if head else 0) + (self.tail_bytes if tail and not head_out else 0)
+        return ram, gpu
+
+
+def offload_plan(count: int, tail: bool, gpu_layers: int) -> tuple[int, bool]:
+    """How many of a stage's `count` layers (its last ones) go to the GPU, and whether its output head does.
+
+    The engine's rule: `gpu_layers` counts from the end of the range, at the tail the output head
+    is one more (the last); -1, or as many as there are, offloads them all."""
+    slots = count + tail
+    offload = slots if gpu_layers < 0 else min(gpu_layers, slots)
+    head_out = tail and offload > 0
+    return offload - head_out, head_out
 
 
 @dataclass(frozen=True)
@@ -89,6 +132,22 @@ class NodeCapacity:
     node_id: str
     memory_bytes: int
     seconds_per_layer: float  # 0 when not measured yet
+    gpu_memory_bytes: int = 0
+    gpu_layers: int = 0  # layers of its range it offloads, from the range's end; -1: all
+
+    def fits(self, model: ModelSpec, start: int, end: int) -> bool:
+        """Whether layers [start, end) fit this node's RAM and GPU memory."""
+        return stage_fits(model, start, end, self.memory_bytes, self.gpu_memory_bytes, self.gpu_layers) is None
+
+
+def stage_fits(model: ModelSpec, start: int, end: int, memory: int, gpu_memory: int, gpu_layers: int) -> str | None:
+    """Why layers [start, end) do not fit this memory (RAM, GPU and the offload), or None when they do."""
+    ram, gpu = model.stage_split(start, end, gpu_layers)
+    if ram > memory:
+        return f"needs {ram} bytes of RAM, this node offers {memory}"
+    if gpu > gpu_memory:
+        return f"needs {gpu} bytes of GPU memory for its {gpu_layers} offloaded layers, this node offers {gpu_memory}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -132,7 +191,8 @@ class CoverageError(ValueError):
 def capacities(records: Iterable[CapabilityRecord], digest: str) -> list[NodeCapacity]:
     """The nodes that can serve `digest`: they hold the file, stay, and are not light clients."""
     return [
-        NodeCapacity(record.node_id, record.memory_bytes, record.seconds_per_layer)
+        NodeCapacity(record.node_id, record.memory_bytes, record.seconds_per_layer,
+                     record.gpu_memory_bytes, record.gpu_layers)
         for record in records
         if not record.leaving and ROLE_CLIENT not in record.roles and record.model(digest) is not None
     ]
@@ -143,6 +203,32 @@ class _Node:
     node_id: str
     memory: int
     speed: float  # seconds per layer, unmeasured ones estimated
+    gpu_memory: int = 0
+    gpu_layers: int = 0
+
+    @property
+    def total(self) -> int:
+        """RAM and GPU memory together: what ranks nodes by size."""
+        return self.memory + self.gpu_memory
+
+    def fits(self, model: ModelSpec, start: int, end: int) -> bool:
+        return stage_fits(model, start, end, self.memory, self.gpu_memory, self.gpu_layers) is None
+
+    def cap(self, model: ModelSpec, head: bool, tail: bool) -> int:
+        """The most layers it holds as a stage with these ends, every layer at the largest layer's size."""
+        def fits(count: int) -> bool:
+            ram, gpu = model.split(count, head, tail, self.gpu_layers, count * model.bytes_per_layer,
+                                   lambda k: k * model.bytes_per_layer)
+            return ram <= self.memory and gpu <= self.gpu_memory
+
+        low, high = 0, model.n_layers  # memory only grows with the layers held: bisect
+        while low < high:
+            middle = (low + high + 1) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
 
 def assign(
@@ -193,13 +279,14 @@ def _usable(nodes: Sequence[NodeCapacity], model: ModelSpec) -> list[_Node]:
     measured = [node.seconds_per_layer for node in nodes if node.seconds_per_layer > 0]
     # An unmeasured node is taken to be typical of the mesh, neither favoured nor shunned.
     default_speed = statistics.median(measured) if measured else 1e-3
+    candidates = (
+        _Node(node.node_id, node.memory_bytes, node.seconds_per_layer or default_speed,
+              node.gpu_memory_bytes, node.gpu_layers)
+        for node in nodes
+    )
     return sorted(
-        (
-            _Node(node.node_id, node.memory_bytes, node.seconds_per_layer or default_speed)
-            for node in nodes
-            if node.memory_bytes >= model.layer_bytes
-        ),
-        key=lambda node: (node.speed, -node.memory, node.node_id),
+        (node for node in candidates if node.cap(model, False, False) >= 1),
+        key=lambda node: (node.speed, -node.total, node.node_id),
     )
 
 
@@ -208,7 +295,7 @@ def _primary_chain(usable: list[_Node], model: ModelSpec, policy: AssignmentPoli
     if chain is None:
         # The candidates alone fall short (many small nodes): take everyone, largest first.
         chain = _greedy_cover(
-            sorted(usable, key=lambda node: (-node.memory, node.speed)), model, 0, model.n_layers
+            sorted(usable, key=lambda node: (-node.total, node.speed)), model, 0, model.n_layers
         )
     return chain
 
@@ -223,7 +310,7 @@ def _repair(
         stage
         for stage in current.stages
         if stage.node_id in present
-        and model.stage_bytes(stage.start, stage.end) <= present[stage.node_id].memory
+        and present[stage.node_id].fits(model, stage.start, stage.end)
         and any(start <= stage.start and stage.end <= end for start, end in segments)
     ]
     used = {stage.node_id for stage in kept}
@@ -245,11 +332,10 @@ def _repair(
 
 def _host_segment(spare: list[_Node], model: ModelSpec, start: int, end: int) -> list[Stage] | None:
     """The fastest spare node that holds the whole segment, or else a group of them."""
-    need = model.stage_bytes(start, end)
     for node in spare:  # fastest first
-        if node.memory >= need:
+        if node.fits(model, start, end):
             return [Stage(node.node_id, start, end)]
-    return _greedy_cover(sorted(spare, key=lambda node: (-node.memory, node.speed)), model, start, end)
+    return _greedy_cover(sorted(spare, key=lambda node: (-node.total, node.speed)), model, start, end)
 
 
 def _replicate(
@@ -276,7 +362,7 @@ def _replicate(
     by_need = sorted(range(len(segments)), key=lambda i: need[i])
     leftover: list[_Node] = []
     for node in spare:
-        fits = [i for i in by_need if need[i] <= node.memory]
+        fits = [i for i in by_need if node.fits(model, *segments[i])]
         if not fits:
             leftover.append(node)
             continue
@@ -285,7 +371,7 @@ def _replicate(
         stages.append(Stage(node.node_id, start, end))
         strength[index] += 1.0 / ((end - start) * node.speed)
     # Nodes too small for any segment on their own cover one together, weakest segment first.
-    leftover.sort(key=lambda node: (-node.memory, node.speed))
+    leftover.sort(key=lambda node: (-node.total, node.speed))
     open_segments = set(range(len(segments)))
     while leftover and open_segments:
         index = min(open_segments, key=lambda i: (strength[i], i))
@@ -324,10 +410,10 @@ def _finish(
 
 def _candidates(usable: list[_Node], count: int) -> list[_Node]:
     """The fastest and the largest nodes: the only ones a cheapest chain is likely to use."""
-    largest = sorted(usable, key=lambda node: (-node.memory, node.speed, node.node_id))[:count]
+    largest = sorted(usable, key=lambda node: (-node.total, node.speed, node.node_id))[:count]
     chosen = {node.node_id: node for node in usable[:count]}  # usable is sorted fastest first
     chosen.update((node.node_id, node) for node in largest)
-    return sorted(chosen.values(), key=lambda node: (node.speed, -node.memory, node.node_id))
+    return sorted(chosen.values(), key=lambda node: (node.speed, -node.total, node.node_id))
 
 
 _MID, _HEAD, _TAIL = 0, 1, 2
@@ -340,10 +426,9 @@ def _best_chain(nodes: list[_Node], model: ModelSpec, hop: float) -> list[Stage]
     a node hosts l layers as the head, the tail or a middle stage, at cost
     l x speed + hop. Positions come afterwards: head, middles, tail."""
     n = model.n_layers
-    per_layer = model.layer_bytes
     best_single = None
     for node in nodes:
-        if node.memory >= model.stage_bytes(0, n):
+        if node.fits(model, 0, n):
             cost = n * node.speed + hop
             if best_single is None or cost < best_single[0]:
                 best_single = (cost, node)
@@ -354,9 +439,9 @@ def _best_chain(nodes: list[_Node], model: ModelSpec, hop: float) -> list[Stage]
     history: list[tuple[np.ndarray, np.ndarray]] = []  # per node: (source state, layers taken)
     for node in nodes:
         caps = {
-            _MID: node.memory // per_layer,
-            _HEAD: (node.memory - model.head_bytes) // per_layer,
-            _TAIL: (node.memory - model.tail_bytes) // per_layer,
+            _MID: node.cap(model, False, False),
+            _HEAD: node.cap(model, True, False),
+            _TAIL: node.cap(model, False, True),
         }
         new = dp.copy()
         source = np.full((4, n + 1), -1, dtype=np.int8)
@@ -420,19 +505,16 @@ def _greedy_cover(nodes: list[_Node], model: ModelSpec, start: int, end: int) ->
     largest the output head if it ends at the last layer."""
     need_head, need_tail = start == 0, end == model.n_layers
     length = end - start
-    if nodes and nodes[0].memory >= model.stage_bytes(start, end):
+    if nodes and nodes[0].fits(model, start, end):
         return [Stage(nodes[0].node_id, start, end)]
     chosen: list[tuple[_Node, int]] = []  # (node, layers it can hold in its role)
     total = 0
     for node in nodes:
-        extra = 0
-        if need_head and not chosen:
-            extra = model.head_bytes
-        elif need_tail and len(chosen) == (1 if need_head else 0):
-            extra = model.tail_bytes
-        cap = min((node.memory - extra) // model.layer_bytes, length)
+        as_head = need_head and not chosen
+        as_tail = not as_head and need_tail and len(chosen) == (1 if need_head else 0)
+        cap = min(node.cap(model, as_head, as_tail), length)
         if cap < 1:
-            if extra:
+            if as_head or as_tail:
                 return None  # the largest remaining node cannot take the head or tail: none can
             continue
         chosen.append((node, cap))

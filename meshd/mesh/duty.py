@@ -35,6 +35,7 @@ from meshd.mesh.assignment import (
     assign,
     capacities,
     coverage_shortfall,
+    stage_fits,
 )
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberEvent, SwimMessage
@@ -104,8 +105,8 @@ DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | Assignmen
 
 def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
     """What placement reads of a record: a new version that changes none of it needs no new placement."""
-    return (record.memory_bytes, record.kv_tokens, record.seconds_per_layer, record.leaving,
-            tuple(record.roles), tuple(m.digest for m in record.models))
+    return (record.memory_bytes, record.gpu_memory_bytes, record.gpu_layers, record.kv_tokens,
+            record.seconds_per_layer, record.leaving, tuple(record.roles), tuple(m.digest for m in record.models))
 
 
 class MeshDuty:
@@ -390,9 +391,10 @@ class MeshDuty:
             self._events.append(RangeRefused(start, end, f"not a range of {info.name} ({reply.model[:12]})"))
             return
         own = self.node.record
-        need = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens).stage_bytes(start, end)
-        if need > own.memory_bytes:
-            self._events.append(RangeRefused(start, end, f"needs {need} bytes, this node offers {own.memory_bytes}"))
+        spec = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens)
+        refused = stage_fits(spec, start, end, own.memory_bytes, own.gpu_memory_bytes, own.gpu_layers)
+        if refused is not None:
+            self._events.append(RangeRefused(start, end, refused))
             return
         self.wanted = (start, end)
         self._load_wanted()

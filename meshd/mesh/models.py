@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
@@ -88,18 +89,48 @@ def _read_model_info(path: Path, digest: str) -> ModelInfo:
     n_head = int(field(f"{arch}.attention.head_count"))
     n_head_kv = int(field(f"{arch}.attention.head_count_kv")) if f"{arch}.attention.head_count_kv" in reader.fields else n_head
     head_dim = int(field(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" in reader.fields else n_embd // n_head
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    blocks = sum(size for name, size in sizes.items() if name.startswith("blk."))
-    embd = sizes.get("token_embd.weight", 0)
-    tail = sizes.get("output_norm.weight", 0) + sizes.get("output.weight", embd)
+    # MTP / nextn layers follow the repeating ones in the block count; no range is cut through them
+    nextn_key = f"{arch}.nextn_predict_layers"
+    n_nextn = int(field(nextn_key)) if nextn_key in reader.fields else 0
+    if not 0 <= n_nextn < n_layers:
+        raise ModelNotFound(f"{path.name} has {n_nextn} nextn layers of {n_layers} blocks")
+    layers, head, tail = weight_budget({t.name: int(t.n_bytes) for t in reader.tensors}, n_layers - n_nextn)
     name = reader.fields.get("general.name")
     return ModelInfo(
         digest=digest,
         name=(bytes(name.parts[name.data[0]]).decode() if name else path.stem)[:256],
-        n_layers=n_layers,
-        bytes_per_layer=-(-blocks // n_layers),
+        n_layers=n_layers - n_nextn,
+        bytes_per_layer=max(layers),
         # K and V in f16, llama.cpp's default cache type
         kv_bytes_per_token=2 * n_head_kv * head_dim * 2,
-        head_bytes=embd,
+        head_bytes=head,
         tail_bytes=tail,
+        layer_bytes=layers,
     )
+
+
+def weight_budget(sizes: Mapping[str, int], n_layers: int) -> tuple[list[int], int, int]:
+    """Weight bytes of each of `n_layers` layers, of the head's extra and of the tail's, from tensor sizes.
+
+    A layer holds its blk.N.* tensors. The head adds every tensor outside the blocks that is not
+    the output's (token_embd, with any position or type embedding and its norm); the tail adds
+    output_norm.* and output.* (token_embd again when no output.weight ties the head to it) and
+    the blocks past the last layer (MTP / nextn), so no estimate falls short of a load.
+    """
+    layers = [0] * n_layers
+    head = tail = 0
+    for name, size in sizes.items():
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            block = int(parts[1])
+            if block < n_layers:
+                layers[block] += size
+            else:
+                tail += size
+        elif parts[0] in ("output", "output_norm"):
+            tail += size
+        else:
+            head += size
+    if "output.weight" not in sizes:
+        tail += sizes.get("token_embd.weight", 0)
+    return layers, head, tail

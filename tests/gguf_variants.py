@@ -1,0 +1,161 @@
+"""Tiny GGUFs that take the loader's other paths, made from tests/gguf_factory.py's models.
+
+Each variant rewrites a tiny model's tensors (the metadata is copied as it is):
+per-tensor `.scale` tensors as NVFP4/FP8 quantisers write them, a fused `attn_qkv`
+with its bias, and layers of different sizes. `write_dense_lead_moe` writes the
+header and tensors of a DeepSeek-style model (dense lead layers, then routed and
+shared experts) for what reads a file's sizes without loading it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf_factory import CHAT_TEMPLATE, CONTROL_TOKENS, TinySpec, _bias, _norm, _weight, byte_level_vocab, write_tiny_gguf
+
+Tensors = Iterator[tuple[str, np.ndarray]]
+# (name, array) of one tensor of the source -> the tensors the variant writes in its place
+Transform = Callable[[str, np.ndarray], Tensors]
+
+# the projections whose per-tensor scales llama.cpp's generic pass loads
+SCALED = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def rewrite_gguf(src: Path, dst: Path, transform: Transform) -> Path:
+    """`src` with its metadata as it is and each tensor replaced by what `transform` makes of it."""
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(dst, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), kind, sub_type=sub)
+    for tensor in reader.tensors:
+        for name, array in transform(tensor.name, np.array(tensor.data)):
+            w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def with_scales(src: Path, dst: Path, seed: int = 11) -> Path:
+    """Every projection of every layer followed by its per-tensor `.scale` (shape {1}, f32, not 1)."""
+    rng = np.random.default_rng(seed)
+
+    def transform(name: str, array: np.ndarray) -> Tensors:
+        yield name, array
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in SCALED and parts[3] == "weight":
+            yield f"blk.{parts[1]}.{parts[2]}.scale", rng.uniform(0.5, 1.5, size=1).astype(np.float32)
+
+    return rewrite_gguf(src, dst, transform)
+
+
+def with_fused_qkv(src: Path, dst: Path, seed: int = 12) -> Path:
+    """attn_q, attn_k and attn_v of every layer as one attn_qkv.weight with an attn_qkv.bias."""
+    rng = np.random.default_rng(seed)
+    held: dict[str, np.ndarray] = {}
+
+    def transform(name: str, array: np.ndarray) -> Tensors:
+        parts = name.split(".")
+        if parts[0] != "blk" or parts[2] not in ("attn_q", "attn_k", "attn_v"):
+            yield name, array
+            return
+        held[parts[2]] = array
+        if len(held) == 3:
+            qkv = np.concatenate([held.pop("attn_q"), held.pop("attn_k"), held.pop("attn_v")], axis=0)
+            yield f"blk.{parts[1]}.attn_qkv.weight", qkv
+            yield f"blk.{parts[1]}.attn_qkv.bias", _bias(rng, qkv.shape[0])
+
+    return rewrite_gguf(src, dst, transform)
+
+
+def with_uneven_layers(src: Path, dst: Path, seed: int = 13) -> Path:
+    """Layers of different sizes that llama still loads: odd layers' projections widened to f32, even
+    layers given the optional output and FFN biases."""
+    rng = np.random.default_rng(seed)
+
+    def transform(name: str, array: np.ndarray) -> Tensors:
+        parts = name.split(".")
+        if parts[0] != "blk":
+            yield name, array
+            return
+        layer = int(parts[1])
+        yield name, array.astype(np.float32) if layer % 2 and array.ndim == 2 else array
+        if layer % 2 == 0 and parts[2] == "attn_output":
+            yield f"blk.{layer}.attn_output.bias", _bias(rng, array.shape[0])
+        if layer % 2 == 0 and parts[2] == "ffn_down":
+            yield f"blk.{layer}.ffn_down.bias", _bias(rng, array.shape[0])
+
+    return rewrite_gguf(src, dst, transform)
+
+
+def write_variant(tmp: Path, spec: TinySpec, variant: Callable[[Path, Path], Path]) -> Path:
+    base = write_tiny_gguf(tmp / f"{spec.arch}-{spec.seed}-base.gguf", spec)
+    return variant(base, tmp / f"{spec.arch}-{spec.seed}-{variant.__name__}.gguf")
+
+
+def write_dense_lead_moe(path: Path, n_layer: int = 6, n_dense: int = 2, n_expert: int = 8,
+                         n_embd: int = 64, n_ff: int = 128, n_ff_exp: int = 32, seed: int = 14) -> Path:
+    """A DeepSeek-style file: `n_dense` dense lead layers, then layers of `n_expert` routed experts
+    and one shared expert, and a nextn (MTP) block past the last layer."""
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = byte_level_vocab()
+    n_vocab = len(tokens)
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_name("tiny-dense-lead-moe")
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer + 1)
+    w.add_uint32("deepseek2.nextn_predict_layers", 1)
+    w.add_feed_forward_length(n_ff)
+    w.add_expert_feed_forward_length(n_ff_exp)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_leading_dense_block_count(n_dense)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(2)
+    w.add_expert_shared_count(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
+    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_tensor("token_embd.weight", _weight(rng, n_vocab, n_embd, np.float16))
+    w.add_tensor("output_norm.weight", _norm(rng, n_embd))
+    w.add_tensor("output.weight", _weight(rng, n_vocab, n_embd, np.float16))
+    for i in range(n_layer + 1):
+        blk = f"blk.{i}"
+        w.add_tensor(f"{blk}.attn_norm.weight", _norm(rng, n_embd))
+        for proj in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(f"{blk}.{proj}.weight", _weight(rng, n_embd, n_embd, np.float16))
+        w.add_tensor(f"{blk}.ffn_norm.weight", _norm(rng, n_embd))
+        if i < n_dense:
+            w.add_tensor(f"{blk}.ffn_gate.weight", _weight(rng, n_ff, n_embd, np.float16))
+            w.add_tensor(f"{blk}.ffn_up.weight", _weight(rng, n_ff, n_embd, np.float16))
+            w.add_tensor(f"{blk}.ffn_down.weight", _weight(rng, n_embd, n_ff, np.float16))
+            continue
+        w.add_tensor(f"{blk}.ffn_gate_inp.weight", _weight(rng, n_expert, n_embd, np.float32))
+        experts = (0.1 * rng.standard_normal((n_expert, n_ff_exp, n_embd))).astype(np.float16)
+        w.add_tensor(f"{blk}.ffn_gate_exps.weight", experts)
+        w.add_tensor(f"{blk}.ffn_up_exps.weight", experts.copy())
+        w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(experts.transpose(0, 2, 1)))
+        w.add_tensor(f"{blk}.ffn_gate_shexp.weight", _weight(rng, n_ff_exp, n_embd, np.float16))
+        w.add_tensor(f"{blk}.ffn_up_shexp.weight", _weight(rng, n_ff_exp, n_embd, np.float16))
+        w.add_tensor(f"{blk}.ffn_down_shexp.weight", _weight(rng, n_embd, n_ff_exp, np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
