@@ -476,9 +476,11 @@ def offload_text(report: RangeReport) -> str:
     begin, end = report.gpu_layers
     if end <= begin and not report.gpu_output:
         return ""
-    what = f"layers [{begin}, {end})" if end > begin else "no layers"
-    head = " and the output head" if report.gpu_output else ""
-    return f"; {what}{head} offloaded ({mib(report.n_bytes_gpu)} in GPU memory)"
+    what = (f"layers [{begin}, {end})" if end > begin else "") + \
+        (" and " if end > begin and report.gpu_output else "") + ("the output head" if report.gpu_output else "")
+    if not report.n_bytes_gpu:
+        return f"; no GPU took {what} (this build has none): all in RAM"
+    return f"; {what} on the GPU ({mib(report.n_bytes_gpu)})"
 
 
 def build_parser() -> argparse.ArgumentParser:

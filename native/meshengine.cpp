@@ -426,8 +426,13 @@ int32_t me_seq_remove(me_context * ctx, int32_t seq_id, int32_t p0, int32_t p1) 
     if (seq_id >= (int32_t) ctx->params.n_seq_max) {
         return fail(ME_ERR_INVALID_ARGUMENT, "sequence id %d is outside [0, %u)", seq_id, ctx->params.n_seq_max);
     }
-    if (!llama_memory_seq_rm(llama_get_memory(ctx->ctx), seq_id, p0, p1)) {
-        return fail(ME_ERR_COMPUTE, "cannot remove positions [%d, %d) of sequence %d", p0, p1, seq_id);
+    // one sequence at a time: a recurrent memory takes no "every sequence" id
+    const int32_t first = seq_id < 0 ? 0 : seq_id;
+    const int32_t last = seq_id < 0 ? (int32_t) ctx->params.n_seq_max - 1 : seq_id;
+    for (int32_t s = first; s <= last; ++s) {
+        if (!llama_memory_seq_rm(llama_get_memory(ctx->ctx), s, p0, p1)) {
+            return fail(ME_ERR_COMPUTE, "cannot remove positions [%d, %d) of sequence %d", p0, p1, s);
+        }
     }
     return ME_OK;
 }

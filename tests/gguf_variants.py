@@ -107,8 +107,7 @@ def write_dense_lead_moe(path: Path, n_layer: int = 6, n_dense: int = 2, n_exper
     """A DeepSeek-style file: `n_dense` dense lead layers, then layers of `n_expert` routed experts
     and one shared expert, and a nextn (MTP) block past the last layer."""
     rng = np.random.default_rng(seed)
-    tokens, types, merges = byte_level_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(byte_level_vocab()[0])
     w = gguf.GGUFWriter(path, "deepseek2")
     w.add_name("tiny-dense-lead-moe")
     w.add_context_length(256)
@@ -126,12 +125,7 @@ def write_dense_lead_moe(path: Path, n_layer: int = 6, n_dense: int = 2, n_exper
     w.add_expert_used_count(2)
     w.add_expert_shared_count(1)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_chat_template(CHAT_TEMPLATE)
+    _add_vocab(w)
     w.add_tensor("token_embd.weight", _weight(rng, n_vocab, n_embd, np.float16))
     w.add_tensor("output_norm.weight", _norm(rng, n_embd))
     w.add_tensor("output.weight", _weight(rng, n_vocab, n_embd, np.float16))
@@ -154,6 +148,67 @@ def write_dense_lead_moe(path: Path, n_layer: int = 6, n_dense: int = 2, n_exper
         w.add_tensor(f"{blk}.ffn_gate_shexp.weight", _weight(rng, n_ff_exp, n_embd, np.float16))
         w.add_tensor(f"{blk}.ffn_up_shexp.weight", _weight(rng, n_ff_exp, n_embd, np.float16))
         w.add_tensor(f"{blk}.ffn_down_shexp.weight", _weight(rng, n_embd, n_ff_exp, np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_vocab(w: gguf.GGUFWriter) -> None:
+    """gguf_factory's byte-level BPE, so the tokenizer loads as it does for the tiny models."""
+    tokens, types, merges = byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(CONTROL_TOKENS.index("<|im_start|>"))
+    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_mamba2(path: Path, n_layer: int = 6, n_embd: int = 64, d_state: int = 16, n_head: int = 8,
+                 n_group: int = 1, d_conv: int = 4, tied: bool = False, seed: int = 15) -> Path:
+    """A Mamba-2 as llama.cpp's converter writes one: d_inner = 2 * n_embd, A = -exp(A_log), an
+    untied head in f32 while the projections are f16."""
+    rng = np.random.default_rng(seed)
+    n_vocab = len(byte_level_vocab()[0])
+    d_inner = 2 * n_embd
+    conv_dim = d_inner + 2 * n_group * d_state
+    d_in_proj = d_inner + conv_dim + n_head
+    w = gguf.GGUFWriter(path, "mamba2")
+    w.add_name("tiny-mamba2")
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(n_head)
+    w.add_ssm_group_count(n_group)
+    w.add_layer_norm_rms_eps(1e-5)
+    _add_vocab(w)
+    w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, n_embd))).astype(np.float16))
+    w.add_tensor("output_norm.weight", _norm(rng, n_embd))
+    if not tied:
+        w.add_tensor("output.weight", _weight(rng, n_vocab, n_embd, np.float32))
+    for i in range(n_layer):
+        blk = f"blk.{i}"
+        w.add_tensor(f"{blk}.attn_norm.weight", _norm(rng, n_embd))
+        w.add_tensor(f"{blk}.ssm_in.weight", _weight(rng, d_in_proj, n_embd, np.float16))
+        w.add_tensor(f"{blk}.ssm_conv1d.weight", (0.5 * rng.standard_normal((conv_dim, d_conv))).astype(np.float32))
+        w.add_tensor(f"{blk}.ssm_conv1d.bias", _bias(rng, conv_dim))
+        # softplus(dt + bias) between about 0.001 and 0.1, as Mamba-2 initialises it
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=n_head))
+        w.add_tensor(f"{blk}.ssm_dt.bias", np.log(np.expm1(dt)).astype(np.float32))
+        w.add_tensor(f"{blk}.ssm_a", -np.exp(rng.uniform(0.0, 2.0, size=(n_head, 1))).astype(np.float32))
+        w.add_tensor(f"{blk}.ssm_d", (1.0 + 0.1 * rng.standard_normal((n_head, 1))).astype(np.float32))
+        w.add_tensor(f"{blk}.ssm_norm.weight", _norm(rng, d_inner).reshape(n_group, d_inner // n_group))
+        w.add_tensor(f"{blk}.ssm_out.weight", _weight(rng, n_embd, d_inner, np.float16))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

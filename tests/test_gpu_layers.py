@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 from gguf_factory import TINY_SPECS
+from localmesh import start_serve
 
 from meshd.cli import main
 from meshd.engine import InvalidInput, Model
@@ -112,3 +113,17 @@ def test_join_needs_gpu_memory_for_gpu_layers(tmp_path: Path, model: Path, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "--gpu-layers needs --gpu-memory" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_serve_says_what_it_offloaded(model: Path) -> None:
+    served = start_serve("--model", str(model), "--layers", "0:4", "--gpu-layers", "1", "--threads", "1",
+                         "--max-sessions", "1", "--session-tokens", "64")
+    try:
+        banner = next(line for line in served.lines if line.startswith("meshd: serving layers [0, 4)"))
+    finally:
+        served.stop()
+    if ON_GPU:
+        assert banner.endswith("MiB)") and "; layers [3, 4) on the GPU (" in banner
+    else:
+        assert banner.endswith("; no GPU took layers [3, 4) (this build has none): all in RAM")
