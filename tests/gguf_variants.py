@@ -214,3 +214,47 @@ def write_mamba2(path: Path, n_layer: int = 6, n_embd: int = 64, d_state: int = 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_mamba(path: Path, n_layer: int = 6, n_embd: int = 64, d_state: int = 16, dt_rank: int = 4,
+                d_conv: int = 4, tied: bool = False, seed: int = 16) -> Path:
+    """A Mamba (v1) as llama.cpp's converter writes one: d_inner = 2 * n_embd, A = -exp(A_log)."""
+    rng = np.random.default_rng(seed)
+    n_vocab = len(byte_level_vocab()[0])
+    d_inner = 2 * n_embd
+    w = gguf.GGUFWriter(path, "mamba")
+    w.add_name("tiny-mamba")
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_layer_norm_rms_eps(1e-5)
+    _add_vocab(w)
+    w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, n_embd))).astype(np.float16))
+    w.add_tensor("output_norm.weight", _norm(rng, n_embd))
+    if not tied:
+        w.add_tensor("output.weight", _weight(rng, n_vocab, n_embd, np.float32))
+    for i in range(n_layer):
+        blk = f"blk.{i}"
+        w.add_tensor(f"{blk}.attn_norm.weight", _norm(rng, n_embd))
+        w.add_tensor(f"{blk}.ssm_in.weight", _weight(rng, 2 * d_inner, n_embd, np.float16))
+        w.add_tensor(f"{blk}.ssm_conv1d.weight", (0.5 * rng.standard_normal((d_inner, d_conv))).astype(np.float32))
+        w.add_tensor(f"{blk}.ssm_conv1d.bias", _bias(rng, d_inner))
+        w.add_tensor(f"{blk}.ssm_x.weight", _weight(rng, dt_rank + 2 * d_state, d_inner, np.float16))
+        w.add_tensor(f"{blk}.ssm_dt.weight", _weight(rng, d_inner, dt_rank, np.float32))
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=d_inner))
+        w.add_tensor(f"{blk}.ssm_dt.bias", np.log(np.expm1(dt)).astype(np.float32))
+        a = np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))  # S4D-real initialisation
+        w.add_tensor(f"{blk}.ssm_a", -a)
+        w.add_tensor(f"{blk}.ssm_d", (1.0 + 0.1 * rng.standard_normal(d_inner)).astype(np.float32))
+        w.add_tensor(f"{blk}.ssm_out.weight", _weight(rng, n_embd, d_inner, np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,4 +1,4 @@
-"""A recurrent architecture split by layer ranges: Mamba-2, bit-identical to the whole model.
+"""Recurrent architectures split by layer ranges: Mamba and Mamba-2, bit-identical to the whole model.
 
 Each stage keeps the recurrent state (conv and SSM state) of its own layers only: the
 recurrent memory is built with the range as its layer filter, as the hybrid memories
@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf_factory import owned_tensors
-from gguf_variants import write_mamba2
+from gguf_variants import write_mamba, write_mamba2
 from parity import assert_same_logits
 
 from meshd.engine import Model, Sampler
@@ -26,10 +26,13 @@ PROMPT_LENGTHS = (1, 9, 40)
 DECODE_STEPS = 16
 
 
-@pytest.fixture(scope="module", params=["untied", "tied"])
-def mamba2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_mamba2(tmp_path_factory.mktemp("mamba2") / f"mamba2-{request.param}.gguf",
-                        N_LAYER, tied=request.param == "tied")
+WRITERS = {"mamba": write_mamba, "mamba2": write_mamba2}
+
+
+@pytest.fixture(scope="module", params=["mamba-untied", "mamba2-untied", "mamba2-tied"])
+def recurrent(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch, head = request.param.split("-")
+    return WRITERS[arch](tmp_path_factory.mktemp(arch) / f"{request.param}.gguf", N_LAYER, tied=head == "tied")
 
 
 def runs(path: Path, ranges: list[tuple[int, int]] | None) -> list[list[np.ndarray]]:
@@ -54,16 +57,16 @@ def runs(path: Path, ranges: list[tuple[int, int]] | None) -> list[list[np.ndarr
 
 
 @pytest.mark.parametrize("chain_name", sorted(CHAINS))
-def test_mamba2_chain_matches_the_whole_model(mamba2: Path, chain_name: str) -> None:
-    whole, split = runs(mamba2, None), runs(mamba2, CHAINS[chain_name])
+def test_a_chain_of_ranges_matches_the_whole_model(recurrent: Path, chain_name: str) -> None:
+    whole, split = runs(recurrent, None), runs(recurrent, CHAINS[chain_name])
     for p, (a, b) in enumerate(zip(whole, split, strict=True)):
         for step, (want, got) in enumerate(zip(a, b, strict=True)):
             assert_same_logits(want, got, f"prompt {p}, step {step}")
 
 
 @pytest.mark.parametrize("layers", [(0, 1), (1, 5), (5, 6)])
-def test_a_mamba2_stage_loads_its_own_tensors(mamba2: Path, layers: tuple[int, int]) -> None:
-    own = owned_tensors(gguf.GGUFReader(mamba2), layers)
-    with Model(mamba2, layers) as m:
+def test_a_stage_loads_its_own_tensors(recurrent: Path, layers: tuple[int, int]) -> None:
+    own = owned_tensors(gguf.GGUFReader(recurrent), layers)
+    with Model(recurrent, layers) as m:
         assert (m.report.n_tensors, m.report.n_bytes) == (len(own), sum(own.values()))
-        assert m.report.stage_width == 64 and m.report.arch == "mamba2"
+        assert m.report.stage_width == 64 and m.report.arch == recurrent.name.split("-")[0]

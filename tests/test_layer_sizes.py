@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 from gguf_factory import TINY_SPECS
-from gguf_variants import with_uneven_layers, write_dense_lead_moe, write_variant
+from gguf_variants import with_uneven_layers, write_dense_lead_moe, write_mamba2, write_variant
 
 from meshd.engine import Model
 from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign
@@ -99,3 +99,8 @@ def test_layer_sizes_on_the_wire_must_match_the_layers() -> None:
         ModelInfo(digest="d", name="m", n_layers=2, bytes_per_layer=4, kv_bytes_per_token=0, layer_bytes=[5, 3])
     with pytest.raises(ValueError):
         ModelInfo(digest="d", name="m", n_layers=2, bytes_per_layer=5, kv_bytes_per_token=0, layer_bytes=[5, -1])
+
+
+def test_a_model_without_attention_has_no_kv_per_token(tmp_path: Path) -> None:
+    info = model_info(write_mamba2(tmp_path / "mamba2.gguf", N_LAYER), "d")
+    assert info.kv_bytes_per_token == 0 and len(info.layer_bytes) == N_LAYER

@@ -88,7 +88,9 @@ def _read_model_info(path: Path, digest: str) -> ModelInfo:
     n_embd = int(field(f"{arch}.embedding_length"))
     n_head = int(field(f"{arch}.attention.head_count"))
     n_head_kv = int(field(f"{arch}.attention.head_count_kv")) if f"{arch}.attention.head_count_kv" in reader.fields else n_head
-    head_dim = int(field(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" in reader.fields else n_embd // n_head
+    # no attention heads (Mamba): no KV cache; its recurrent state is per sequence, not per token
+    head_dim = int(field(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" in reader.fields \
+        else n_embd // n_head if n_head else 0
     # MTP / nextn layers follow the repeating ones in the block count; no range is cut through them
     nextn_key = f"{arch}.nextn_predict_layers"
     n_nextn = int(field(nextn_key)) if nextn_key in reader.fields else 0
