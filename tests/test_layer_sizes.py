@@ -104,3 +104,10 @@ def test_layer_sizes_on_the_wire_must_match_the_layers() -> None:
 def test_a_model_without_attention_has_no_kv_per_token(tmp_path: Path) -> None:
     info = model_info(write_mamba2(tmp_path / "mamba2.gguf", N_LAYER), "d")
     assert info.kv_bytes_per_token == 0 and len(info.layer_bytes) == N_LAYER
+
+
+def test_a_model_whose_layers_weigh_nothing_still_places() -> None:
+    # a record's word: bytes_per_layer may be 0, which must not divide the tracker by zero
+    spec = ModelSpec("m", 4, 0, head_bytes=10, tail_bytes=10)
+    placed = assign([NodeCapacity("a", 100, 1e-3), NodeCapacity("b", 5, 1e-3)], spec)
+    assert [(s.start, s.end) for s in placed.chain] == [(0, 4)]

@@ -24,8 +24,9 @@ dense lead layer many times): a stage's exact bytes are the sum of its own
 layers', and the chain search counts every layer at the largest layer's size,
 so what it places fits. A node that offloads (`gpu_layers`) keeps the last of
 its layers, their KV and, at the tail, the output head in GPU memory, as the
-engine does; the rest, the token embedding always, sits in RAM. Each volunteer moves to its new range itself,
-loading it before it releases the old one, so sessions in flight keep a route.
+engine does; the rest, the token embedding always, sits in RAM. Each volunteer
+moves to its new range itself, loading it before it releases the old one, so
+sessions in flight keep a route.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -61,9 +63,11 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.layer_sizes and len(self.layer_sizes) != self.n_layers:
             raise ValueError(f"{len(self.layer_sizes)} layer sizes for {self.n_layers} layers")
-        # prefix sums: any stage's weights in one subtraction
-        sums = np.concatenate(([0], np.cumsum(self.layer_sizes, dtype=np.int64))) if self.layer_sizes else None
-        object.__setattr__(self, "_sums", sums)
+
+    @cached_property
+    def _sums(self) -> np.ndarray | None:
+        """Prefix sums of the layer sizes: any stage's weights in one subtraction."""
+        return np.concatenate(([0], np.cumsum(self.layer_sizes, dtype=np.int64))) if self.layer_sizes else None
 
     @classmethod
     def from_info(cls, info: ModelInfo, kv_tokens: int) -> ModelSpec:
@@ -90,7 +94,7 @@ class ModelSpec:
 
     def weights(self, start: int, end: int) -> int:
         """Weight bytes of layers [start, end)."""
-        sums = self._sums  # type: ignore[attr-defined]
+        sums = self._sums
         return int(sums[end] - sums[start]) if sums is not None else (end - start) * self.bytes_per_layer
 
     def stage_bytes(self, start: int, end: int) -> int:
@@ -216,6 +220,12 @@ class _Node:
 
     def cap(self, model: ModelSpec, head: bool, tail: bool) -> int:
         """The most layers it holds as a stage with these ends, every layer at the largest layer's size."""
+        if self.gpu_layers == 0:  # all in RAM: one division (the usual case, and the tracker's hot path)
+            extra = (model.head_bytes if head else 0) + (model.tail_bytes if tail else 0)
+            if model.layer_bytes == 0:  # a record may say its layers weigh nothing: then only the ends count
+                return model.n_layers if self.memory >= extra else 0
+            return max(0, min(model.n_layers, (self.memory - extra) // model.layer_bytes))
+
         def fits(count: int) -> bool:
             ram, gpu = model.split(count, head, tail, self.gpu_layers, count * model.bytes_per_layer,
                                    lambda k: k * model.bytes_per_layer)
@@ -625,7 +635,7 @@ def _layers_held(memories: list[int], model: ModelSpec) -> int:
     held = 0
     for memory in sorted(memories, reverse=True):
         extra = extras.pop(0) if extras else 0
-        held += max(0, memory - extra) // model.layer_bytes
+        held += max(0, memory - extra) // max(1, model.layer_bytes)
     return held
 
 
