@@ -258,3 +258,74 @@ def write_mamba(path: Path, n_layer: int = 6, n_embd: int = 64, d_state: int = 1
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_qwen3next(path: Path, n_layer: int = 8, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                    head_dim: int = 16, n_expert: int = 4, n_ff_exp: int = 32, seed: int = 17) -> Path:
+    """A Qwen3-Next: gated delta-net (linear attention) layers with a full-attention layer every
+    fourth, each with routed experts and a gated shared expert."""
+    rng = np.random.default_rng(seed)
+    n_vocab = len(byte_level_vocab()[0])
+    head_k, n_k_heads, n_v_heads = 16, 2, 4  # the delta net's key heads and value heads
+    key_dim, value_dim = head_k * n_k_heads, head_k * n_v_heads
+    conv_dim = 2 * key_dim + value_dim
+    w = gguf.GGUFWriter(path, "qwen3next")
+    w.add_name("tiny-qwen3next")
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(4 * n_embd)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(n_ff_exp)
+    w.add_expert_shared_feed_forward_length(n_ff_exp)
+    w.add_ssm_conv_kernel(4)
+    w.add_ssm_inner_size(value_dim)
+    w.add_ssm_state_size(head_k)
+    w.add_ssm_time_step_rank(n_v_heads)
+    w.add_ssm_group_count(n_k_heads)
+    w.add_uint32("qwen3next.full_attention_interval", 4)
+    _add_vocab(w)
+    w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, n_embd))).astype(np.float16))
+    w.add_tensor("output_norm.weight", _norm(rng, n_embd))
+    w.add_tensor("output.weight", _weight(rng, n_vocab, n_embd, np.float32))
+    f16 = np.float16
+    for i in range(n_layer):
+        blk = f"blk.{i}"
+        w.add_tensor(f"{blk}.attn_norm.weight", _norm(rng, n_embd))
+        w.add_tensor(f"{blk}.post_attention_norm.weight", _norm(rng, n_embd))
+        if (i + 1) % 4 == 0:
+            w.add_tensor(f"{blk}.attn_q.weight", _weight(rng, 2 * n_head * head_dim, n_embd, f16))  # query and gate
+            w.add_tensor(f"{blk}.attn_k.weight", _weight(rng, n_head_kv * head_dim, n_embd, f16))
+            w.add_tensor(f"{blk}.attn_v.weight", _weight(rng, n_head_kv * head_dim, n_embd, f16))
+            w.add_tensor(f"{blk}.attn_output.weight", _weight(rng, n_embd, n_head * head_dim, f16))
+            w.add_tensor(f"{blk}.attn_q_norm.weight", _norm(rng, head_dim))
+            w.add_tensor(f"{blk}.attn_k_norm.weight", _norm(rng, head_dim))
+        else:
+            w.add_tensor(f"{blk}.attn_qkv.weight", _weight(rng, conv_dim, n_embd, f16))
+            w.add_tensor(f"{blk}.attn_gate.weight", _weight(rng, value_dim, n_embd, f16))
+            w.add_tensor(f"{blk}.ssm_conv1d.weight", (0.5 * rng.standard_normal((conv_dim, 4))).astype(np.float32))
+            w.add_tensor(f"{blk}.ssm_dt.bias", _bias(rng, n_v_heads))
+            w.add_tensor(f"{blk}.ssm_a", -np.exp(rng.uniform(0.0, 1.0, size=n_v_heads)).astype(np.float32))
+            w.add_tensor(f"{blk}.ssm_ba.weight", _weight(rng, 2 * n_v_heads, n_embd, f16))
+            w.add_tensor(f"{blk}.ssm_norm.weight", _norm(rng, head_k))
+            w.add_tensor(f"{blk}.ssm_out.weight", _weight(rng, n_embd, value_dim, f16))
+        w.add_tensor(f"{blk}.ffn_gate_inp.weight", _weight(rng, n_expert, n_embd, np.float32))
+        w.add_tensor(f"{blk}.ffn_gate_exps.weight", (rng.standard_normal((n_expert, n_ff_exp, n_embd)) / 8).astype(f16))
+        w.add_tensor(f"{blk}.ffn_up_exps.weight", (rng.standard_normal((n_expert, n_ff_exp, n_embd)) / 8).astype(f16))
+        w.add_tensor(f"{blk}.ffn_down_exps.weight", (rng.standard_normal((n_expert, n_embd, n_ff_exp)) / 6).astype(f16))
+        w.add_tensor(f"{blk}.ffn_gate_inp_shexp.weight", _bias(rng, n_embd).astype(f16))
+        w.add_tensor(f"{blk}.ffn_gate_shexp.weight", _weight(rng, n_ff_exp, n_embd, f16))
+        w.add_tensor(f"{blk}.ffn_up_shexp.weight", _weight(rng, n_ff_exp, n_embd, f16))
+        w.add_tensor(f"{blk}.ffn_down_shexp.weight", _weight(rng, n_embd, n_ff_exp, f16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,9 +1,10 @@
-"""Recurrent architectures split by layer ranges: Mamba and Mamba-2, bit-identical to the whole model.
+"""Recurrent and hybrid architectures split by layer ranges, bit-identical to the whole model.
 
-Each stage keeps the recurrent state (conv and SSM state) of its own layers only: the
-recurrent memory is built with the range as its layer filter, as the hybrid memories
-build their recurrent part. Cuts right after the first layer, before the last and
-through the middle; prefill of one, a few and many tokens; 16 greedy decode steps.
+Mamba and Mamba-2 (recurrent state only) and Qwen3-Next (gated delta-net layers, a
+full-attention layer every fourth). Each stage keeps the recurrent states and the KV
+cache of its own layers only: the memories are built with the range as their layer
+filter. Qwen3-Next's cuts make stages with no attention layer, with only one, and
+mixed. Prefill of one, a few and many tokens; 16 greedy decode steps.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf_factory import owned_tensors
-from gguf_variants import write_mamba, write_mamba2
+from gguf_variants import write_mamba, write_mamba2, write_qwen3next
 from parity import assert_same_logits
 
 from meshd.engine import Model, Sampler
@@ -22,6 +23,11 @@ from meshd.engine.chain import LocalChain
 
 N_LAYER = 6
 CHAINS = {"thin-ends": [(0, 1), (1, 5), (5, 6)], "thirds": [(0, 2), (2, 4), (4, 6)]}
+# Qwen3-Next's 8 layers: full attention at 3 and 7, the delta net elsewhere
+HYBRID_CHAINS = {
+    "recurrent-only, attention-only, mixed": [(0, 3), (3, 4), (4, 8)],
+    "mixed, recurrent-only, mixed": [(0, 4), (4, 6), (6, 8)],
+}
 PROMPT_LENGTHS = (1, 9, 40)
 DECODE_STEPS = 16
 
@@ -70,3 +76,23 @@ def test_a_stage_loads_its_own_tensors(recurrent: Path, layers: tuple[int, int])
     with Model(recurrent, layers) as m:
         assert (m.report.n_tensors, m.report.n_bytes) == (len(own), sum(own.values()))
         assert m.report.stage_width == 64 and m.report.arch == recurrent.name.split("-")[0]
+
+
+@pytest.fixture(scope="module")
+def qwen3next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_qwen3next(tmp_path_factory.mktemp("qwen3next") / "qwen3next.gguf", n_layer=8)
+
+
+@pytest.mark.parametrize("chain_name", sorted(HYBRID_CHAINS))
+def test_a_hybrid_chain_matches_the_whole_model(qwen3next: Path, chain_name: str) -> None:
+    whole, split = runs(qwen3next, None), runs(qwen3next, HYBRID_CHAINS[chain_name])
+    for p, (a, b) in enumerate(zip(whole, split, strict=True)):
+        for step, (want, got) in enumerate(zip(a, b, strict=True)):
+            assert_same_logits(want, got, f"prompt {p}, step {step}")
+
+
+@pytest.mark.parametrize("layers", [(0, 3), (3, 4), (4, 8)])
+def test_a_hybrid_stage_loads_its_own_tensors(qwen3next: Path, layers: tuple[int, int]) -> None:
+    own = owned_tensors(gguf.GGUFReader(qwen3next), layers)
+    with Model(qwen3next, layers) as m:
+        assert (m.report.n_tensors, m.report.n_bytes) == (len(own), sum(own.values()))

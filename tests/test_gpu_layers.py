@@ -17,7 +17,7 @@ import trio
 from gguf_factory import TINY_SPECS
 from localmesh import start_serve
 
-from meshd.cli import main
+from meshd.cli import build_parser, main
 from meshd.engine import InvalidInput, Model
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.mesh.assignment import ModelSpec, NodeCapacity, offload_plan, stage_fits
@@ -127,3 +127,9 @@ def test_serve_says_what_it_offloaded(model: Path) -> None:
         assert banner.endswith("MiB)") and "; layers [3, 4) on the GPU (" in banner
     else:
         assert banner.endswith("; no GPU took layers [3, 4) (this build has none): all in RAM")
+
+
+def test_cli_takes_minus_one_for_every_owned_layer() -> None:
+    assert build_parser().parse_args(["serve", "--gpu-layers", "-1"]).gpu_layers == -1
+    args = build_parser().parse_args(["join", "--gpu-layers", "-1", "--gpu-memory", "8G"])
+    assert (args.gpu_layers, args.gpu_memory) == (-1, 8 << 30)
