@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from gguf_factory import TINY_SPECS, UNSUPPORTED_SPEC, owned_tensors, write_tiny_gguf
 from gguf_variants import with_fused_qkv, with_scales, write_variant
+from localmesh import run_meshd
 from parity import assert_same_logits
 
 from meshd.engine import Model, Sampler, UnsupportedModel
@@ -86,3 +87,12 @@ def test_an_untested_architecture_is_refused_at_load_by_name(tmp_path: Path, lay
     message = str(refused.value)
     assert "'gpt2' does not support partial layer ranges" in message and "\n" not in message
 
+
+
+@pytest.mark.slow
+def test_serve_refuses_an_untested_architecture_in_one_line(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "gpt2.gguf", UNSUPPORTED_SPEC)
+    done = run_meshd("serve", "--model", str(path), "--layers", "0:3", "--threads", "1", "--listen", "127.0.0.1:0")
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'gpt2' does not support partial layer ranges" in lines[0], done.stderr
