@@ -99,8 +99,12 @@ class ModelSpec:
 
     def stage_bytes(self, start: int, end: int) -> int:
         """Memory a stage serving layers [start, end) needs, RAM and GPU together."""
-        ram, gpu = self.stage_split(start, end, 0)
-        return ram + gpu
+        size = self.weights(start, end) + (end - start) * self.kv_bytes_per_layer
+        if start == 0:
+            size += self.head_bytes
+        if end == self.n_layers:
+            size += self.tail_bytes
+        return size
 
     def stage_split(self, start: int, end: int, gpu_layers: int) -> tuple[int, int]:
         """(RAM, GPU memory) a stage serving [start, end) needs when it offloads `gpu_layers`."""
@@ -216,6 +220,8 @@ class _Node:
         return self.memory + self.gpu_memory
 
     def fits(self, model: ModelSpec, start: int, end: int) -> bool:
+        if self.gpu_layers == 0:  # all in RAM: the tracker's hot path
+            return model.stage_bytes(start, end) <= self.memory
         return stage_fits(model, start, end, self.memory, self.gpu_memory, self.gpu_layers) is None
 
     def cap(self, model: ModelSpec, head: bool, tail: bool) -> int:
