@@ -37,6 +37,7 @@ from meshd.client.ask import (
     stop_trim,
 )
 from meshd.daemon import MeshDaemon, NodeConfig, rpc
+from meshd.engine import RangeReport
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_manifest, fetch_range
@@ -58,6 +59,7 @@ from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import FetchStatus, RouteReply, RouteRequest, StatusReply, StatusRequest
 from wire.stage import Sampling
+from wire.types import MAX_LAYERS
 
 # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences (sessions).
 MAX_SESSIONS = 256
@@ -259,11 +261,12 @@ async def serve(args: argparse.Namespace) -> int:
     layers = f"layers [{args.layers[0]}, {args.layers[1]})" if args.layers else "all layers"
     async with progress.waiting(f"loading {layers} of {path.name}") as loading, \
             stage_node(path, args.layers, limits, NodeIdentity.generate(), config, args.listen, args.threads,
-                       args.poll) as node:
+                       args.poll, args.gpu_layers) as node:
         loading.done()
         report = node.service.report
         print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
-              f"({node.service.digest[:12]}) on {node.address} as node {node.peers.node_id[:16]}", flush=True)
+              f"({node.service.digest[:12]}) on {node.address} as node {node.peers.node_id[:16]}"
+              f"{offload_text(report)}", flush=True)
         print(f"ready {node.address} pid={os.getpid()} worker={node.engine.pid}", flush=True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(report_restarts, node.engine)
@@ -394,6 +397,8 @@ def seeds_text(seeds: Sequence[str]) -> str:
 
 async def join(args: argparse.Namespace) -> int:
     api = api_config(args)
+    if args.gpu_layers and not args.gpu_memory:
+        raise UsageError("--gpu-layers needs --gpu-memory: how much GPU memory this node offers the layers")
     if args.model_id is not None and not args.seed:
         raise UsageError("--model-id fetches the model from the members of a mesh: give --seed HOST:PORT too")
     if args.disk is not None and args.model_id is None:
@@ -404,14 +409,16 @@ async def join(args: argparse.Namespace) -> int:
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                              max_total_tokens=args.max_sessions * args.session_tokens)
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
+                            gpu_memory_bytes=args.gpu_memory, gpu_layers=args.gpu_layers,
                             threads=args.threads, limits=limits, advertise=args.advertise,
                             peers=PeersConfig(mesh_key=args.mesh_key), state_dir=args.state_dir,
                             model_id=args.model_id, disk_bytes=args.disk,
                             progress=sys.stderr.isatty())
         what = (f"volunteering {model.name}" if model else
                 f"fetching its range of model {args.model_id[:16]}" if args.model_id else "without a model")
+        gpu = f", GPU memory {mib(args.gpu_memory)} for {gpu_layers_text(args.gpu_layers)}" if args.gpu_layers else ""
         await run_until_signal(MeshDaemon(identity, config),
-                               f"{what}, memory {mib(args.memory)}, seeds: {seeds_text(args.seed)}", claim, api)
+                               f"{what}, memory {mib(args.memory)}{gpu}, seeds: {seeds_text(args.seed)}", claim, api)
     return 0
 
 
@@ -669,6 +676,28 @@ def add_logging(p: argparse.ArgumentParser) -> None:
                    help="log one JSON object per line (time, level, logger, message) instead of text (default: text)")
 
 
+def add_gpu_layers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-layers", type=integer(-1, MAX_LAYERS + 1), default=0, metavar="N",
+                   help="offload the last N layers of this node's range to the GPU (at the tail the output head "
+                        "counts as one more, the last); -1: all of them (default: 0, none; needs a CUDA build)")
+
+
+def gpu_layers_text(n: int) -> str:
+    return "all its layers" if n < 0 else plural(n, "layer")
+
+
+def offload_text(report: RangeReport) -> str:
+    """What the load put on the GPU, as the engine reports it."""
+    begin, end = report.gpu_layers
+    if end <= begin and not report.gpu_output:
+        return ""
+    what = (f"layers [{begin}, {end})" if end > begin else "") + \
+        (" and " if end > begin and report.gpu_output else "") + ("the output head" if report.gpu_output else "")
+    if not report.n_bytes_gpu:
+        return f"; no GPU took {what} (this build has none): all in RAM"
+    return f"; {what} on the GPU ({mib(report.n_bytes_gpu)})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="meshd", description="Run one GGUF model across many machines.")
     p.add_argument("--version", action="version", version=f"meshd {version()}")
@@ -684,6 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", type=host_port, default="127.0.0.1:0",
                    help="HOST:PORT to accept peers on (default: %(default)s)")
     s.add_argument("--threads", type=threads, default=0, help="compute threads (default: 0, all cores)")
+    add_gpu_layers(s)
     s.add_argument("--poll", type=integer(-1, 100), default=0,
                    help="how long idle compute threads spin for the next step, 0..100 (default 0: they sleep at "
                         "once, leaving the cores to other stages; -1: no persistent thread pool, ggml's default)")
@@ -721,7 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "are dropped to stay within it (default: no limit, what is fetched stays to serve others)")
     add_state_dir(j, "where the node key and the control socket live")
     add_mesh_key(j)
+    j.add_argument("--gpu-memory", type=size, default="0",
+                   help="GPU memory this node offers for --gpu-layers, e.g. 8G (default: %(default)s)")
     j.add_argument("--threads", type=threads, default=0, help="compute threads (default: 0, all cores)")
+    add_gpu_layers(j)
     j.add_argument("--max-sessions", type=sessions, default=4,
                    help="sessions served at once, KV sequences (default: %(default)s)")
     j.add_argument("--session-tokens", type=tokens, default=1024,

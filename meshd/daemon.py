@@ -106,6 +106,9 @@ class NodeConfig:
     seeds: tuple[str, ...] = ()
     model: Path | None = None
     memory_bytes: int = 1 << 30
+    # GPU memory offered, and the layers of the assigned range offloaded there (from its end; -1: all)
+    gpu_memory_bytes: int = 0
+    gpu_layers: int = 0
     threads: int = 0
     limits: StageLimits = field(default_factory=lambda: StageLimits(max_sessions=4, max_session_tokens=1024,
                                                                     max_total_tokens=4096))
@@ -277,6 +280,7 @@ class MeshDaemon:
                 self.identity, int(time.time() * 1000), addresses=self._configured_addresses(),
                 reachability="unknown" if checks else "public",
                 memory_bytes=0 if cfg.client else cfg.memory_bytes, models=[self.model] if self.model else [],
+                gpu_memory_bytes=0 if cfg.client else cfg.gpu_memory_bytes, gpu_layers=0 if cfg.client else cfg.gpu_layers,
                 kv_tokens=cfg.limits.max_sessions * cfg.limits.max_session_tokens if self.model else 0,
                 roles=roles, started_at=time.time())
             self.mesh = MeshNode(self.identity, record, trio.current_time())
@@ -616,7 +620,7 @@ class MeshDaemon:
         spec = WorkerSpec(self.model_path, None if (serving.start, serving.end) == (0, self.model.n_layers)
                           else (serving.start, serving.end),
                           n_ctx=limits.max_sessions * limits.max_session_tokens, n_seq_max=limits.max_sessions,
-                          n_batch=limits.n_batch, threads=cfg.threads)
+                          n_batch=limits.n_batch, threads=cfg.threads, gpu_layers=cfg.gpu_layers)
         engine = EngineSupervisor(spec)
         with serving.scope:
             async with trio.open_nursery() as nursery:

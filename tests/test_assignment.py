@@ -148,7 +148,7 @@ def test_capacities_come_from_the_records_of_nodes_holding_the_model() -> None:
         record(3, memory_bytes=8 * GB, models=[info], roles=[ROLE_CLIENT]),
         record(4, memory_bytes=8 * GB, models=[info], leaving=True),
     ]
-    assert capacities(records, "m") == [NodeCapacity(records[0].node_id, 8 * GB, 0.01, ((0, 32),))]
+    assert capacities(records, "m") == [NodeCapacity(records[0].node_id, 8 * GB, 0.01, holds=((0, 32),))]
     spec = ModelSpec.from_info(info, kv_tokens=4096)
     assert spec.kv_bytes_per_layer == 40960 and spec.n_layers == 32
 

@@ -333,7 +333,7 @@ async def test_unknown_first_message_resets_only_that_stream(default_model: Path
 
 def fake_info(begin: int, end: int, digest: str = "d" * 64, n_layer: int = 30) -> StageInfo:
     return StageInfo(node_id="n", model_digest=digest, model_name="m", layer_begin=begin, layer_end=end,
-                     n_layer=n_layer, n_embd=576, ready=True)
+                     n_layer=n_layer, stage_width=576, ready=True)
 
 
 @pytest.mark.parametrize(("ranges", "message"), [

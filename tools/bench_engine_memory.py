@@ -57,7 +57,7 @@ def child(model: Path, layers: tuple[int, int] | None, n_ctx: int, threads: int,
             c.forward(seq, pos, tokens=[(7 * i + 1) % r.n_vocab for i in range(prompt_len)])
         else:
             # a residual of realistic scale: what the previous stage would hand on
-            hidden = np.random.default_rng(0).standard_normal((prompt_len, r.n_embd)).astype(np.float32)
+            hidden = np.random.default_rng(0).standard_normal((prompt_len, r.stage_width)).astype(np.float32)
             c.forward(seq, pos, hidden=hidden)
         role = {(True, True): "full", (True, False): "head", (False, True): "tail", (False, False): "middle"}
         row.update(role=role[(r.has_input, r.has_output)], n_tensors=r.n_tensors, owned_bytes=r.n_bytes)

@@ -53,7 +53,8 @@ class StageInfo(WireModel):
     layer_begin: Layer
     layer_end: Layer
     n_layer: Layer
-    n_embd: int = Field(ge=1, le=1 << 20)
+    # floats per token row the stage takes and puts out (the engine's, from the loaded model)
+    stage_width: int = Field(ge=1, le=1 << 20)
     ready: bool
 
 

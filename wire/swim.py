@@ -25,9 +25,9 @@ SWIM_PROTOCOL = "meshd/swim/1"
 MAX_UPDATES_PER_MESSAGE = 64
 MAX_SYNC_ENTRIES = 16384
 
-# A record is some 60 msgpack objects and a few hundred bytes: a push-pull of
-# 4 MiB and 2**17 objects holds some 2,000 members; probes and gossip are far
-# smaller.
+# A record is some 60 msgpack objects and a few hundred bytes, plus one per layer
+# of each model it holds: a push-pull of 4 MiB and 2**17 objects holds some
+# 1,000 members of a 60-layer model; probes and gossip are far smaller.
 register_protocol(SWIM_PROTOCOL, Limits(max_message_bytes=4 << 20, max_objects=1 << 17, max_depth=8))
 
 # ---- capability records -------------------------------------------------------------------------
@@ -57,6 +57,7 @@ class ModelInfo(WireModel):
     digest: Digest
     name: Text
     n_layers: LayerCount
+    # The largest layer's weight bytes (every layer's, where `layer_bytes` is empty).
     bytes_per_layer: Count
     # KV cache bytes one token occupies in one layer (K and V together).
     kv_bytes_per_token: Count
@@ -67,6 +68,16 @@ class ModelInfo(WireModel):
     # The node holds the whole file; if not, it fetches the range it is assigned from the members
     # that hold it, and the record's `holds` says what it has so far.
     whole: bool = True
+    # Weight bytes of each layer, from the file's tensors (MoE layers outweigh dense ones many times).
+    layer_bytes: Annotated[list[Count], Field(max_length=MAX_LAYERS)] = []
+
+    @model_validator(mode="after")
+    def _one_size_per_layer(self) -> ModelInfo:
+        if self.layer_bytes and len(self.layer_bytes) != self.n_layers:
+            raise ValueError(f"{len(self.layer_bytes)} layer sizes for {self.n_layers} layers")
+        if self.layer_bytes and max(self.layer_bytes) != self.bytes_per_layer:
+            raise ValueError("bytes_per_layer is not the largest of the layer sizes")
+        return self
 
 
 class ServedRange(WireModel):
@@ -101,6 +112,10 @@ class CapabilityRecord(WireModel):
     relay_addresses: Annotated[list[Address], Field(max_length=MAX_ADDRESSES)] = []
     roles: Annotated[list[Label], Field(max_length=MAX_ROLES)] = []
     memory_bytes: Count = 0
+    # GPU memory the node offers, and how many layers of its range it offloads there (counted from
+    # the range's end, the output head at the tail one more; -1: all of them).
+    gpu_memory_bytes: Count = 0
+    gpu_layers: Annotated[int, Field(ge=-1, le=MAX_LAYERS + 1)] = 0
     # KV tokens the node keeps for its sessions (sessions x tokens each); placement counts their memory.
     kv_tokens: Count = 0
     # Measured compute time of one layer for one decoded token; 0 until measured.

@@ -7,10 +7,12 @@ and never aborts on what it can check.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +72,22 @@ class RangeReport:
     n_vocab: int
     n_ctx_train: int
     arch: str
+    # floats per token row between two stages: what a stage after the first takes and one
+    # before the last puts out (n_embd for most architectures, wider where the layers carry more)
+    stage_width: int
+    # the owned layers [begin, end) that the load's --gpu-layers offloads, whether or not the
+    # build has a GPU; n_bytes_gpu says what did land in GPU memory
+    gpu_layers: tuple[int, int]
+    gpu_output: bool
+    n_bytes_gpu: int
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> RangeReport:
+        """The report as a worker's ready message carries it (msgpack turns tuples into lists)."""
+        return cls(**{**fields, "gpu_layers": tuple(fields["gpu_layers"])})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     @property
     def is_head(self) -> bool:
@@ -92,7 +110,11 @@ class SamplingParams:
 
 
 class Model:
-    """A GGUF loaded for layers [begin, end) only; `layers=None` loads the whole model."""
+    """A GGUF loaded for layers [begin, end) only; `layers=None` loads the whole model.
+
+    `n_gpu_layers` counts over the owned layers, from the end of the range (at the tail the
+    output head is one more, the last); -1 offloads all of them, 0 none.
+    """
 
     def __init__(self, path: str | Path, layers: tuple[int, int | None] | None = None, n_gpu_layers: int = 0) -> None:
         ffi, lib = load()
@@ -107,6 +129,8 @@ class Model:
             raise InvalidInput(f"layer range [{begin}, {end}) starts below 0")
         if end is not None and end <= begin:
             raise InvalidInput(f"layer range [{begin}, {end}) is empty or inverted")
+        if not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
+            raise InvalidInput(f"gpu layers must be -1 (all owned layers) or a count from 0, got {n_gpu_layers!r}")
         if not self.path.exists():
             raise ModelLoadError(f"model file not found: {self.path}")
         if not self.path.is_file():
@@ -130,6 +154,10 @@ class Model:
             n_vocab=info.n_vocab,
             n_ctx_train=info.n_ctx_train,
             arch=ffi.string(info.arch).decode(),
+            stage_width=info.stage_width,
+            gpu_layers=(info.gpu_layer_begin, info.gpu_layer_end),
+            gpu_output=bool(info.gpu_output),
+            n_bytes_gpu=info.n_bytes_gpu,
         )
         want_end = self.report.n_layer if end is None else end
         if (self.report.layer_begin, self.report.layer_end) != (begin, want_end):
@@ -234,7 +262,7 @@ class Context:
         self.n_ctx, self.n_seq_max, self.n_batch, self.n_threads = n_ctx, n_seq_max, n_batch, threads
         self.n_ctx_seq = n_ctx // n_seq_max
         report = model.report
-        self.width = report.n_vocab if report.has_output else report.n_embd
+        self.width = report.n_vocab if report.has_output else report.stage_width
 
     def close(self) -> None:
         if self._handle != self._ffi.NULL:
@@ -257,7 +285,7 @@ class Context:
     ) -> np.ndarray:
         """Runs rows through the owned layers, in chunks of n_batch.
 
-        Returns the residual of every row (n x n_embd) before the tail, and at
+        Returns the residual of every row (n x stage_width) before the tail, and at
         the tail the logits of the rows in `want_output` (default: the last row).
         """
         if self._handle == self._ffi.NULL:
@@ -309,8 +337,8 @@ class Context:
             raise InvalidInput("this stage starts after layer 0: give residual rows, not token ids")
         if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32:
             raise InvalidInput(f"residual rows must be a float32 array, got {getattr(hidden, 'dtype', type(hidden))}")
-        if hidden.shape != (n, report.n_embd):
-            raise InvalidInput(f"residual has shape {hidden.shape}, this model needs ({n}, {report.n_embd})")
+        if hidden.shape != (n, report.stage_width):
+            raise InvalidInput(f"residual has shape {hidden.shape}, this model needs ({n}, {report.stage_width})")
         return np.ascontiguousarray(hidden)
 
     def _forward_chunk(self, seq: np.ndarray, pos: np.ndarray, rows_in: np.ndarray, start: int, stop: int,

@@ -27,16 +27,23 @@ could fetch them). Routes use served ranges alone, so a stage still fetching
 is assigned but never routed to.
 
 A node's memory must hold its weights and the KV cache of its layers for the
-planned context and sessions. Each volunteer moves to its new range itself,
-loading it before it releases the old one, so sessions in flight keep a route.
+planned context and sessions. Layers differ in size (a MoE layer outweighs a
+dense lead layer many times): a stage's exact bytes are the sum of its own
+layers', and the chain search counts every layer at the largest layer's size,
+so what it places fits. A node that offloads (`gpu_layers`) keeps the last of
+its layers, their KV and, at the tail, the output head in GPU memory, as the
+engine does; the rest, the token embedding always, sits in RAM. Each volunteer
+moves to its new range itself, loading it before it releases the old one, so
+sessions in flight keep a route.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -53,12 +60,22 @@ class ModelSpec:
 
     digest: str
     n_layers: int
-    bytes_per_layer: int
+    bytes_per_layer: int  # the largest layer's weights: what the chain search counts for every layer
     kv_bytes_per_layer: int = 0  # KV cache of one layer for the planned context x sessions
     head_bytes: int = 0  # token embedding, at the stage owning layer 0
     tail_bytes: int = 0  # output norm and LM head, at the stage owning the last layer
     kv_tokens: int = 0  # the tokens `kv_bytes_per_layer` is for: what a shortfall names
     name: str = ""
+    layer_sizes: tuple[int, ...] = ()  # weights of each layer; empty: every one `bytes_per_layer`
+
+    def __post_init__(self) -> None:
+        if self.layer_sizes and len(self.layer_sizes) != self.n_layers:
+            raise ValueError(f"{len(self.layer_sizes)} layer sizes for {self.n_layers} layers")
+
+    @cached_property
+    def _sums(self) -> np.ndarray | None:
+        """Prefix sums of the layer sizes: any stage's weights in one subtraction."""
+        return np.concatenate(([0], np.cumsum(self.layer_sizes, dtype=np.int64))) if self.layer_sizes else None
 
     @classmethod
     def from_info(cls, info: ModelInfo, kv_tokens: int) -> ModelSpec:
@@ -72,6 +89,7 @@ class ModelSpec:
             tail_bytes=info.tail_bytes,
             kv_tokens=kv_tokens,
             name=info.name,
+            layer_sizes=tuple(info.layer_bytes),
         )
 
     def with_kv_tokens(self, kv_tokens: int) -> ModelSpec:
@@ -82,9 +100,14 @@ class ModelSpec:
     def layer_bytes(self) -> int:
         return self.bytes_per_layer + self.kv_bytes_per_layer
 
+    def weights(self, start: int, end: int) -> int:
+        """Weight bytes of layers [start, end)."""
+        sums = self._sums
+        return int(sums[end] - sums[start]) if sums is not None else (end - start) * self.bytes_per_layer
+
     def weight_bytes(self, start: int, end: int) -> int:
         """Bytes of the tensors a stage serving layers [start, end) loads (what it fetches)."""
-        size = (end - start) * self.bytes_per_layer
+        size = self.weights(start, end)
         if start == 0:
             size += self.head_bytes
         if end == self.n_layers:
@@ -92,13 +115,41 @@ class ModelSpec:
         return size
 
     def stage_bytes(self, start: int, end: int) -> int:
-        """Memory a stage serving layers [start, end) needs."""
-        size = (end - start) * self.layer_bytes
+        """Memory a stage serving layers [start, end) needs, RAM and GPU together."""
+        size = self.weights(start, end) + (end - start) * self.kv_bytes_per_layer
         if start == 0:
             size += self.head_bytes
         if end == self.n_layers:
             size += self.tail_bytes
         return size
+
+    def stage_split(self, start: int, end: int, gpu_layers: int) -> tuple[int, int]:
+        """(RAM, GPU memory) a stage serving [start, end) needs when it offloads `gpu_layers`."""
+        return self.split(end - start, start == 0, end == self.n_layers, gpu_layers,
+                          self.weights(start, end), lambda k: self.weights(end - k, end))
+
+    def split(self, count: int, head: bool, tail: bool, gpu_layers: int, weights: int,
+              last_weights: Callable[[int], int]) -> tuple[int, int]:
+        """(RAM, GPU memory) of a stage of `count` layers weighing `weights`, the last k of them `last_weights(k)`.
+
+        As the engine counts: the last layers of the range go to the GPU with their KV, at the tail
+        the output head is one more (the last), -1 offloads them all; the token embedding stays in RAM."""
+        on_gpu, head_out = offload_plan(count, tail, gpu_layers)
+        gpu = last_weights(on_gpu) + on_gpu * self.kv_bytes_per_layer + (self.tail_bytes if head_out else 0)
+        ram = weights - last_weights(on_gpu) + (count - on_gpu) * self.kv_bytes_per_layer
+        ram += (self.head_bytes if head else 0) + (self.tail_bytes if tail and not head_out else 0)
+        return ram, gpu
+
+
+def offload_plan(count: int, tail: bool, gpu_layers: int) -> tuple[int, bool]:
+    """How many of a stage's `count` layers (its last ones) go to the GPU, and whether its output head does.
+
+    The engine's rule: `gpu_layers` counts from the end of the range, at the tail the output head
+    is one more (the last); -1, or as many as there are, offloads them all."""
+    slots = count + tail
+    offload = slots if gpu_layers < 0 else min(gpu_layers, slots)
+    head_out = tail and offload > 0
+    return offload - head_out, head_out
 
 
 @dataclass(frozen=True)
@@ -106,8 +157,24 @@ class NodeCapacity:
     node_id: str
     memory_bytes: int
     seconds_per_layer: float  # 0 when not measured yet
+    gpu_memory_bytes: int = 0
+    gpu_layers: int = 0  # layers of its range it offloads, from the range's end; -1: all
     # Layer ranges of the model it holds on disk: serving one of them needs no fetch.
     holds: tuple[Range, ...] = ()
+
+    def fits(self, model: ModelSpec, start: int, end: int) -> bool:
+        """Whether layers [start, end) fit this node's RAM and GPU memory."""
+        return stage_fits(model, start, end, self.memory_bytes, self.gpu_memory_bytes, self.gpu_layers) is None
+
+
+def stage_fits(model: ModelSpec, start: int, end: int, memory: int, gpu_memory: int, gpu_layers: int) -> str | None:
+    """Why layers [start, end) do not fit this memory (RAM, GPU and the offload), or None when they do."""
+    ram, gpu = model.stage_split(start, end, gpu_layers)
+    if ram > memory:
+        return f"needs {ram} bytes of RAM, this node offers {memory}"
+    if gpu > gpu_memory:
+        return f"needs {gpu} bytes of GPU memory for its {gpu_layers} offloaded layers, this node offers {gpu_memory}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -152,7 +219,8 @@ def capacities(records: Iterable[CapabilityRecord], digest: str) -> list[NodeCap
     """The nodes that can serve `digest`: they hold the file or fetch their range of it, stay, and
     are not light clients."""
     return [
-        NodeCapacity(record.node_id, record.memory_bytes, record.seconds_per_layer, held_ranges(record, digest))
+        NodeCapacity(record.node_id, record.memory_bytes, record.seconds_per_layer,
+                     record.gpu_memory_bytes, record.gpu_layers, held_ranges(record, digest))
         for record in records
         if not record.leaving and ROLE_CLIENT not in record.roles and record.model(digest) is not None
     ]
@@ -191,10 +259,44 @@ class _Node:
     node_id: str
     memory: int
     speed: float  # seconds per layer, unmeasured ones estimated
+    gpu_memory: int = 0
+    gpu_layers: int = 0
     holds: tuple[Range, ...] = ()
 
     def holds_range(self, start: int, end: int) -> bool:
         return any(a <= start and end <= b for a, b in self.holds)
+
+    @property
+    def total(self) -> int:
+        """RAM and GPU memory together: what ranks nodes by size."""
+        return self.memory + self.gpu_memory
+
+    def fits(self, model: ModelSpec, start: int, end: int) -> bool:
+        if self.gpu_layers == 0:  # all in RAM: the tracker's hot path
+            return model.stage_bytes(start, end) <= self.memory
+        return stage_fits(model, start, end, self.memory, self.gpu_memory, self.gpu_layers) is None
+
+    def cap(self, model: ModelSpec, head: bool, tail: bool) -> int:
+        """The most layers it holds as a stage with these ends, every layer at the largest layer's size."""
+        if self.gpu_layers == 0:  # all in RAM: one division (the usual case, and the tracker's hot path)
+            extra = (model.head_bytes if head else 0) + (model.tail_bytes if tail else 0)
+            if model.layer_bytes == 0:  # a record may say its layers weigh nothing: then only the ends count
+                return model.n_layers if self.memory >= extra else 0
+            return max(0, min(model.n_layers, (self.memory - extra) // model.layer_bytes))
+
+        def fits(count: int) -> bool:
+            ram, gpu = model.split(count, head, tail, self.gpu_layers, count * model.bytes_per_layer,
+                                   lambda k: k * model.bytes_per_layer)
+            return ram <= self.memory and gpu <= self.gpu_memory
+
+        low, high = 0, model.n_layers  # memory only grows with the layers held: bisect
+        while low < high:
+            middle = (low + high + 1) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
 
 def assign(
@@ -245,13 +347,14 @@ def _usable(nodes: Sequence[NodeCapacity], model: ModelSpec) -> list[_Node]:
     measured = [node.seconds_per_layer for node in nodes if node.seconds_per_layer > 0]
     # An unmeasured node is taken to be typical of the mesh, neither favoured nor shunned.
     default_speed = statistics.median(measured) if measured else 1e-3
+    candidates = (
+        _Node(node.node_id, node.memory_bytes, node.seconds_per_layer or default_speed,
+              node.gpu_memory_bytes, node.gpu_layers, node.holds)
+        for node in nodes
+    )
     return sorted(
-        (
-            _Node(node.node_id, node.memory_bytes, node.seconds_per_layer or default_speed, node.holds)
-            for node in nodes
-            if node.memory_bytes >= model.layer_bytes
-        ),
-        key=lambda node: (node.speed, -node.memory, node.node_id),
+        (node for node in candidates if node.cap(model, False, False) >= 1),
+        key=lambda node: (node.speed, -node.total, node.node_id),
     )
 
 
@@ -260,7 +363,7 @@ def _primary_chain(usable: list[_Node], model: ModelSpec, policy: AssignmentPoli
     if chain is None:
         # The candidates alone fall short (many small nodes): take everyone, largest first.
         chain = _greedy_cover(
-            sorted(usable, key=lambda node: (-node.memory, node.speed)), model, 0, model.n_layers
+            sorted(usable, key=lambda node: (-node.total, node.speed)), model, 0, model.n_layers
         )
     return chain
 
@@ -275,7 +378,7 @@ def _repair(
         stage
         for stage in current.stages
         if stage.node_id in present
-        and model.stage_bytes(stage.start, stage.end) <= present[stage.node_id].memory
+        and present[stage.node_id].fits(model, stage.start, stage.end)
         and any(start <= stage.start and stage.end <= end for start, end in segments)
     ]
     used = {stage.node_id for stage in kept}
@@ -298,12 +401,11 @@ def _repair(
 def _host_segment(spare: list[_Node], model: ModelSpec, start: int, end: int) -> list[Stage] | None:
     """The fastest spare node that can take the whole segment, one that holds its layers on disk
     before one that would fetch them; or else a group of them."""
-    need = model.stage_bytes(start, end)
-    fitting = [node for node in spare if node.memory >= need]  # fastest first
+    fitting = [node for node in spare if node.fits(model, start, end)]  # fastest first
     if fitting:
         chosen = next((node for node in fitting if node.holds_range(start, end)), fitting[0])
         return [Stage(chosen.node_id, start, end)]
-    return _greedy_cover(sorted(spare, key=lambda node: (-node.memory, node.speed)), model, start, end)
+    return _greedy_cover(sorted(spare, key=lambda node: (-node.total, node.speed)), model, start, end)
 
 
 def _replicate(
@@ -330,7 +432,7 @@ def _replicate(
     by_need = sorted(range(len(segments)), key=lambda i: need[i])
     leftover: list[_Node] = []
     for node in spare:
-        fits = [i for i in by_need if need[i] <= node.memory]
+        fits = [i for i in by_need if node.fits(model, *segments[i])]
         if not fits:
             leftover.append(node)
             continue
@@ -339,7 +441,7 @@ def _replicate(
         stages.append(Stage(node.node_id, start, end))
         strength[index] += 1.0 / ((end - start) * node.speed)
     # Nodes too small for any segment on their own cover one together, weakest segment first.
-    leftover.sort(key=lambda node: (-node.memory, node.speed))
+    leftover.sort(key=lambda node: (-node.total, node.speed))
     open_segments = set(range(len(segments)))
     while leftover and open_segments:
         index = min(open_segments, key=lambda i: (strength[i], i))
@@ -378,10 +480,10 @@ def _finish(
 
 def _candidates(usable: list[_Node], count: int) -> list[_Node]:
     """The fastest and the largest nodes: the only ones a cheapest chain is likely to use."""
-    largest = sorted(usable, key=lambda node: (-node.memory, node.speed, node.node_id))[:count]
+    largest = sorted(usable, key=lambda node: (-node.total, node.speed, node.node_id))[:count]
     chosen = {node.node_id: node for node in usable[:count]}  # usable is sorted fastest first
     chosen.update((node.node_id, node) for node in largest)
-    return sorted(chosen.values(), key=lambda node: (node.speed, -node.memory, node.node_id))
+    return sorted(chosen.values(), key=lambda node: (node.speed, -node.total, node.node_id))
 
 
 _MID, _HEAD, _TAIL = 0, 1, 2
@@ -394,10 +496,9 @@ def _best_chain(nodes: list[_Node], model: ModelSpec, hop: float) -> list[Stage]
     a node hosts l layers as the head, the tail or a middle stage, at cost
     l x speed + hop. Positions come afterwards: head, middles, tail."""
     n = model.n_layers
-    per_layer = model.layer_bytes
     best_single = None
     for node in nodes:
-        if node.memory >= model.stage_bytes(0, n):
+        if node.fits(model, 0, n):
             cost = n * node.speed + hop
             if best_single is None or cost < best_single[0]:
                 best_single = (cost, node)
@@ -408,9 +509,9 @@ def _best_chain(nodes: list[_Node], model: ModelSpec, hop: float) -> list[Stage]
     history: list[tuple[np.ndarray, np.ndarray]] = []  # per node: (source state, layers taken)
     for node in nodes:
         caps = {
-            _MID: node.memory // per_layer,
-            _HEAD: (node.memory - model.head_bytes) // per_layer,
-            _TAIL: (node.memory - model.tail_bytes) // per_layer,
+            _MID: node.cap(model, False, False),
+            _HEAD: node.cap(model, True, False),
+            _TAIL: node.cap(model, False, True),
         }
         new = dp.copy()
         source = np.full((4, n + 1), -1, dtype=np.int8)
@@ -474,19 +575,16 @@ def _greedy_cover(nodes: list[_Node], model: ModelSpec, start: int, end: int) ->
     largest the output head if it ends at the last layer."""
     need_head, need_tail = start == 0, end == model.n_layers
     length = end - start
-    if nodes and nodes[0].memory >= model.stage_bytes(start, end):
+    if nodes and nodes[0].fits(model, start, end):
         return [Stage(nodes[0].node_id, start, end)]
     chosen: list[tuple[_Node, int]] = []  # (node, layers it can hold in its role)
     total = 0
     for node in nodes:
-        extra = 0
-        if need_head and not chosen:
-            extra = model.head_bytes
-        elif need_tail and len(chosen) == (1 if need_head else 0):
-            extra = model.tail_bytes
-        cap = min((node.memory - extra) // model.layer_bytes, length)
+        as_head = need_head and not chosen
+        as_tail = not as_head and need_tail and len(chosen) == (1 if need_head else 0)
+        cap = min(node.cap(model, as_head, as_tail), length)
         if cap < 1:
-            if extra:
+            if as_head or as_tail:
                 return None  # the largest remaining node cannot take the head or tail: none can
             continue
         chosen.append((node, cap))
@@ -597,7 +695,7 @@ def _layers_held(memories: list[int], model: ModelSpec) -> int:
     held = 0
     for memory in sorted(memories, reverse=True):
         extra = extras.pop(0) if extras else 0
-        held += max(0, memory - extra) // model.layer_bytes
+        held += max(0, memory - extra) // max(1, model.layer_bytes)
     return held
 
 

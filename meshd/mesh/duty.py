@@ -35,6 +35,7 @@ from meshd.mesh.assignment import (
     assign,
     capacities,
     coverage_shortfall,
+    stage_fits,
     unheld_layers,
 )
 from meshd.mesh.election import Tracker
@@ -107,8 +108,9 @@ DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | Assignmen
 
 def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
     """What placement reads of a record: a new version that changes none of it needs no new placement."""
-    return (record.memory_bytes, record.kv_tokens, record.seconds_per_layer, record.leaving,
-            tuple(record.roles), tuple((m.digest, m.whole) for m in record.models),
+    return (record.memory_bytes, record.gpu_memory_bytes, record.gpu_layers, record.kv_tokens,
+            record.seconds_per_layer, record.leaving, tuple(record.roles),
+            tuple((m.digest, m.whole) for m in record.models),
             tuple((h.model, h.start, h.end) for h in record.holds))
 
 
@@ -422,9 +424,9 @@ class MeshDuty:
             return
         own = self.node.record
         spec = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens)
-        need = spec.stage_bytes(start, end)
-        if need > own.memory_bytes:
-            self._events.append(RangeRefused(start, end, f"needs {need} bytes, this node offers {own.memory_bytes}"))
+        refused = stage_fits(spec, start, end, own.memory_bytes, own.gpu_memory_bytes, own.gpu_layers)
+        if refused is not None:
+            self._events.append(RangeRefused(start, end, refused))
             return
         disk = self.config.disk_bytes
         if not info.whole and disk is not None and spec.weight_bytes(start, end) > disk:

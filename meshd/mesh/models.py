@@ -57,30 +57,61 @@ def model_info(digest: str, file_name: str, metadata: Mapping[str, int | float |
         raise ModelNotFound(f"{file_name} lacks the GGUF key general.architecture")
     try:
         # MTP (nextn) blocks follow the trunk in block_count; no stage runs them, so no range covers them
-        n_nextn = field(f"{arch}.nextn_predict_layers") if f"{arch}.nextn_predict_layers" in metadata else 0
-        n_layers = field(f"{arch}.block_count") - n_nextn
+        n_blocks = field(f"{arch}.block_count")
+        nextn_key = f"{arch}.nextn_predict_layers"
+        n_nextn = field(nextn_key) if nextn_key in metadata else 0
+        if not 0 <= n_nextn < n_blocks:
+            raise ModelNotFound(f"{file_name} has {n_nextn} nextn layers of {n_blocks} blocks")
+        n_layers = n_blocks - n_nextn
         n_embd = field(f"{arch}.embedding_length")
         n_head = field(f"{arch}.attention.head_count")
         # a per-layer array of KV heads (read as absent) falls back to the query heads: an overestimate
         n_head_kv = field(f"{arch}.attention.head_count_kv") if f"{arch}.attention.head_count_kv" in metadata \
             else n_head
+        # no attention heads (Mamba): no KV cache; its recurrent state is per sequence, not per token
         head_dim = field(f"{arch}.attention.key_length") if f"{arch}.attention.key_length" in metadata \
-            else n_embd // n_head
-        blocks = sum(size for name, size in sizes.items() if name.startswith("blk.") and int(name.split(".")[1]) < n_layers)
-        embd = sizes.get("token_embd.weight", 0)
+            else n_embd // n_head if n_head else 0
+        layers, head, tail = weight_budget(sizes, n_layers)
         name = metadata.get("general.name")
         return ModelInfo(
             digest=digest,
             name=(name if isinstance(name, str) and name else Path(file_name).stem)[:256],
             n_layers=n_layers,
-            bytes_per_layer=-(-blocks // n_layers),
+            bytes_per_layer=max(layers),
             # K and V in f16, llama.cpp's default cache type
             kv_bytes_per_token=2 * n_head_kv * head_dim * 2,
-            head_bytes=embd,
-            tail_bytes=sizes.get("output_norm.weight", 0) + sizes.get("output.weight", embd),
+            head_bytes=head,
+            tail_bytes=tail,
+            layer_bytes=layers,
         )
     # ModelInfo's checks raise ValueError (a negative or huge count); a zero count divides by zero
     except (ValueError, ZeroDivisionError) as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ModelNotFound(f"{file_name} is not a usable GGUF model ({reason})") from None
 
+
+def weight_budget(sizes: Mapping[str, int], n_layers: int) -> tuple[list[int], int, int]:
+    """Weight bytes of each of `n_layers` layers, of the head's extra and of the tail's, from tensor sizes.
+
+    A layer holds its blk.N.* tensors. The head adds every tensor outside the blocks that is not
+    the output's (token_embd, with any position or type embedding and its norm); the tail adds
+    output_norm.* and output.* (token_embd again when no output.weight ties the head to it) and
+    the blocks past the last layer (MTP / nextn), so no estimate falls short of a load.
+    """
+    layers = [0] * n_layers
+    head = tail = 0
+    for name, size in sizes.items():
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            block = int(parts[1])
+            if block < n_layers:
+                layers[block] += size
+            else:
+                tail += size
+        elif parts[0] in ("output", "output_norm"):
+            tail += size
+        else:
+            head += size
+    if "output.weight" not in sizes:
+        tail += sizes.get("token_embd.weight", 0)
+    return layers, head, tail

@@ -178,7 +178,7 @@ class StageService:
     def info(self) -> StageInfo:
         r = self.report
         return StageInfo(node_id=self.peers.node_id, model_digest=self.digest, model_name=self.model_name,
-                         layer_begin=r.layer_begin, layer_end=r.layer_end, n_layer=r.n_layer, n_embd=r.n_embd,
+                         layer_begin=r.layer_begin, layer_end=r.layer_end, n_layer=r.n_layer, stage_width=r.stage_width,
                          ready=self.engine.is_up)
 
     def metric_values(self) -> dict[str, float]:
@@ -443,11 +443,11 @@ class StageService:
         if (entry.dtype, entry.codec) != (o.wire_dtype, o.wire_codec):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states as {entry.dtype}/{entry.codec}, this "
                                                        f"session travels as {o.wire_dtype}/{o.wire_codec}")
-        want = (msg.n_tokens, self.report.n_embd)
+        want = (msg.n_tokens, self.report.stage_width)
         if tuple(entry.shape) != want:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states of shape {tuple(entry.shape)}, "
                                                        f"this stage needs {want}")
-        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.n_embd <= INLINE_DECODE_BYTES:
+        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.stage_width <= INLINE_DECODE_BYTES:
             hidden = _decoded(entry)
         else:
             hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
@@ -568,7 +568,7 @@ class StageService:
     def _dispatch(self, batch: list[Work[Rows]], reply: dict[str, Any], body: bytearray) -> None:
         now = trio.current_time()
         if not self.report.has_output:
-            hidden = np.frombuffer(body, dtype=np.float32).reshape(-1, self.report.n_embd)
+            hidden = np.frombuffer(body, dtype=np.float32).reshape(-1, self.report.stage_width)
             row = 0
             for w in batch:
                 self.books.ran(w, now)
@@ -661,11 +661,14 @@ def model_manifest(path: Path, state_dir: Path | None) -> Manifest:
 @asynccontextmanager
 async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageLimits, identity: NodeIdentity,
                      config: PeersConfig | None = None, listen: tuple[str, int] = ("127.0.0.1", 0),
-                     threads: int = 0, poll: int = 0) -> AsyncIterator[StageNode]:
-    """A stage serving ``layers`` of ``model`` on ``listen``, with its supervised engine worker."""
+                     threads: int = 0, poll: int = 0, gpu_layers: int = 0) -> AsyncIterator[StageNode]:
+    """A stage serving ``layers`` of ``model`` on ``listen``, with its supervised engine worker.
+
+    ``gpu_layers`` of the range (counted from its end) go to a GPU; -1: all of them."""
     digest = (await trio.to_thread.run_sync(model_manifest, model, None)).model_id
     spec = WorkerSpec(model, layers, n_ctx=limits.max_sessions * limits.max_session_tokens,
-                      n_seq_max=limits.max_sessions, n_batch=limits.n_batch, threads=threads, poll=poll)
+                      n_seq_max=limits.max_sessions, n_batch=limits.n_batch, threads=threads, poll=poll,
+                      gpu_layers=gpu_layers)
     engine = EngineSupervisor(spec)
     async with trio.open_nursery() as nursery:
         report = await nursery.start(engine.run)

@@ -1,0 +1,135 @@
+"""`--gpu-layers N` counts over the owned range, from its end; at the tail the output head is one more.
+
+llama.cpp counts n_gpu_layers from the end of the whole model, so a head stage
+offloaded none of its own layers. The engine's load report says which owned layers
+the request puts on a GPU whether or not the build has one, so the counting is
+tested on CPU; the tracker's estimate (meshd.mesh.assignment.offload_plan) follows
+the same rule, and the flag reaches the engine through the worker and the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+from gguf_factory import TINY_SPECS
+from localmesh import start_serve
+
+from meshd.cli import build_parser, main
+from meshd.engine import InvalidInput, Model
+from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
+from meshd.mesh.assignment import ModelSpec, NodeCapacity, offload_plan, stage_fits
+
+N_LAYER = TINY_SPECS["llama-gqa-untied"].n_layer
+ON_GPU = os.environ.get("MESHD_CUDA") == "1"
+
+# (range, --gpu-layers) -> (offloaded owned layers, output head offloaded)
+CASES = [
+    (None, 0, (N_LAYER, N_LAYER), False),
+    (None, -1, (0, N_LAYER), True),
+    (None, 1, (N_LAYER, N_LAYER), True),  # as llama.cpp: the output head is the first to go
+    (None, 3, (4, N_LAYER), True),
+    ((0, 2), 1, (1, 2), False),  # the head stage offloads its own last layer
+    ((0, 2), -1, (0, 2), False),  # no output head to offload before the tail
+    ((0, 2), 9, (0, 2), False),
+    ((2, 4), 1, (3, 4), False),
+    ((2, 4), 2, (2, 4), False),
+    ((4, 6), 1, (6, 6), True),
+    ((4, 6), 2, (5, 6), True),
+    ((4, 6), -1, (4, 6), True),
+]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama-gqa-untied"]
+
+
+@pytest.mark.parametrize(("layers", "gpu_layers", "offloaded", "head"), CASES)
+def test_the_load_report_says_which_owned_layers_are_offloaded(
+    model: Path, layers: tuple[int, int] | None, gpu_layers: int, offloaded: tuple[int, int], head: bool,
+) -> None:
+    with Model(model, layers, n_gpu_layers=gpu_layers) as m:
+        r = m.report
+    assert (r.gpu_layers, r.gpu_output) == (offloaded, head)
+    if not ON_GPU:
+        assert r.n_bytes_gpu == 0  # a CPU build plans, and keeps everything in RAM
+    elif offloaded[1] > offloaded[0] or head:
+        assert 0 < r.n_bytes_gpu <= r.n_bytes
+
+
+@pytest.mark.parametrize(("layers", "gpu_layers", "offloaded", "head"), CASES)
+def test_the_tracker_counts_offload_as_the_engine_does(
+    layers: tuple[int, int] | None, gpu_layers: int, offloaded: tuple[int, int], head: bool,
+) -> None:
+    start, end = layers or (0, N_LAYER)
+    on_gpu, head_out = offload_plan(end - start, end == N_LAYER, gpu_layers)
+    assert ((end - on_gpu, end), head_out) == (offloaded if offloaded[1] > offloaded[0] else (end, end), head)
+
+
+def test_gpu_memory_holds_the_offloaded_layers_and_ram_the_rest() -> None:
+    spec = ModelSpec("m", N_LAYER, 100, kv_bytes_per_layer=10, head_bytes=1000, tail_bytes=500)
+    # the head keeps its embedding in RAM however much it offloads
+    assert spec.stage_split(0, 2, -1) == (1000, 220)
+    assert spec.stage_split(0, 2, 1) == (1110, 110)
+    assert spec.stage_split(4, 6, 1) == (220, 500)  # the output head alone
+    assert spec.stage_split(4, 6, 0) == (720, 0)
+    small_ram = NodeCapacity("n", memory_bytes=300, seconds_per_layer=0.0, gpu_memory_bytes=10_000, gpu_layers=-1)
+    assert small_ram.fits(spec, 2, 6) and not small_ram.fits(spec, 0, 6)  # the embedding needs RAM
+    assert not NodeCapacity("n", 300, 0.0, 10_000, gpu_layers=0).fits(spec, 2, 6)
+    assert "GPU memory" in (stage_fits(spec, 2, 6, 10_000, 100, -1) or "")
+
+
+async def test_the_worker_loads_with_the_spec_gpu_layers(model: Path) -> None:
+    engine = EngineSupervisor(WorkerSpec(model, (0, 4), n_ctx=64, n_seq_max=1, n_batch=16, threads=1, gpu_layers=2))
+    async with trio.open_nursery() as nursery:
+        report = await nursery.start(engine.run)
+        assert (report.gpu_layers, report.gpu_output) == ((2, 4), False)
+        assert report.stage_width == TINY_SPECS["llama-gqa-untied"].n_embd
+        nursery.cancel_scope.cancel()
+
+
+def test_a_bad_gpu_layer_count_is_refused(model: Path) -> None:
+    with pytest.raises(InvalidInput, match="gpu layers"):
+        Model(model, (0, 2), n_gpu_layers=-2)
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--gpu-layers", "-2"],
+    ["join", "--gpu-layers", "x"],
+])
+def test_cli_refuses_a_bad_gpu_layer_count_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--gpu-layers" in err and len(err.splitlines()) == 1
+
+
+def test_join_needs_gpu_memory_for_gpu_layers(tmp_path: Path, model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["join", "--model", str(model), "--gpu-layers", "2", "--state-dir", str(tmp_path / "state")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--gpu-layers needs --gpu-memory" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_serve_says_what_it_offloaded(model: Path) -> None:
+    served = start_serve("--model", str(model), "--layers", "0:4", "--gpu-layers", "1", "--threads", "1",
+                         "--max-sessions", "1", "--session-tokens", "64")
+    try:
+        banner = next(line for line in served.lines if line.startswith("meshd: serving layers [0, 4)"))
+    finally:
+        served.stop()
+    if ON_GPU:
+        assert banner.endswith("MiB)") and "; layers [3, 4) on the GPU (" in banner
+    else:
+        assert banner.endswith("; no GPU took layers [3, 4) (this build has none): all in RAM")
+
+
+def test_cli_takes_minus_one_for_every_owned_layer() -> None:
+    assert build_parser().parse_args(["serve", "--gpu-layers", "-1"]).gpu_layers == -1
+    args = build_parser().parse_args(["join", "--gpu-layers", "-1", "--gpu-memory", "8G"])
+    assert (args.gpu_layers, args.gpu_memory) == (-1, 8 << 30)
