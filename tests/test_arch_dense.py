@@ -140,11 +140,11 @@ def test_supported_architectures_are_exactly_the_tested_ones() -> None:
 
 def test_the_tracker_plans_the_trunk_without_the_mtp_layers(dense_models: dict[str, Path]) -> None:
     # block_count counts the nextn layer; a plan over it would hand the tail a range the engine refuses
-    from meshd.mesh.models import model_info
+    from meshd.daemon import describe_model
 
     spec = DENSE_SPECS["exaone4"]
     path = dense_models["exaone4"]
-    info = model_info(path, "exaone4")
+    info = describe_model(path, "exaone4")
     sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
     trunk = sum(v for n, v in sizes.items() if n.startswith("blk.") and int(n.split(".")[1]) < spec.n_layer)
     assert info.n_layers == spec.n_layer

@@ -21,9 +21,9 @@ import pytest
 from localmesh import run_meshd, start_serve, stop_all
 from parity import assert_same_logits
 
+from meshd.daemon import describe_model
 from meshd.engine.chain import LocalChain
 from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign
-from meshd.mesh.models import model_info
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAIN = [(0, 4), (4, 11), (11, 18)]
@@ -88,11 +88,11 @@ def _stage_footprint(path: Path, start: int, end: int) -> tuple[int, float]:
     return int(json.loads(proc.stdout.splitlines()[-1])["n_bytes"]), kv_mib
 
 
-# model_info parses the header with gguf's reader, which walks the 262144-entry vocabulary in Python
+# each stage of the plan is loaded in a fresh process to read its real footprint
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_trackers_assignment_fits_each_volunteers_memory(gemma3: Path) -> None:
-    spec = ModelSpec.from_info(model_info(gemma3, "gemma3-270m"), kv_tokens=N_CTX)
+    spec = ModelSpec.from_info(describe_model(gemma3, "gemma3-270m"), kv_tokens=N_CTX)
     # each volunteer holds the 178 MB embedding and about six layers: no two of them hold the model
     memory = spec.head_bytes + 6 * spec.layer_bytes
     volunteers = [NodeCapacity(f"v{i}", memory, 0.0) for i in range(3)]

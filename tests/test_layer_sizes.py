@@ -16,9 +16,10 @@ import pytest
 from gguf_factory import TINY_SPECS
 from gguf_variants import with_uneven_layers, write_dense_lead_moe, write_mamba2, write_variant
 
+from meshd.daemon import describe_model
 from meshd.engine import Model
 from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign
-from meshd.mesh.models import model_info, weight_budget
+from meshd.mesh.models import weight_budget
 from wire.swim import ModelInfo
 
 N_LAYER, N_DENSE = 6, 2
@@ -37,7 +38,7 @@ def uneven_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_each_layer_weighs_its_own_tensors(moe_file: Path) -> None:
     reader = gguf.GGUFReader(moe_file)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    info = model_info(moe_file, "d")
+    info = describe_model(moe_file, "d")
     # the nextn block past the last layer is no layer of a range: the tail holds it
     assert info.n_layers == N_LAYER
     for i, size in enumerate(info.layer_bytes):
@@ -59,7 +60,7 @@ def test_a_tied_head_is_counted_at_the_tail_too() -> None:
 
 @pytest.mark.parametrize("layers", [(0, 1), (0, 3), (1, 4), (2, 5), (3, 6), (5, 6)])
 def test_a_stage_estimate_is_what_the_engine_loads(uneven_file: Path, layers: tuple[int, int]) -> None:
-    info = model_info(uneven_file, "d")
+    info = describe_model(uneven_file, "d")
     assert len(set(info.layer_bytes)) > 1  # the file's layers differ
     spec = ModelSpec.from_info(info, kv_tokens=0)
     with Model(uneven_file, layers) as m:
@@ -67,14 +68,14 @@ def test_a_stage_estimate_is_what_the_engine_loads(uneven_file: Path, layers: tu
 
 
 def test_the_whole_model_estimate_holds_what_it_loads(uneven_file: Path) -> None:
-    spec = ModelSpec.from_info(model_info(uneven_file, "d"), kv_tokens=0)
+    spec = ModelSpec.from_info(describe_model(uneven_file, "d"), kv_tokens=0)
     with Model(uneven_file) as m:
         # a tied head is one tensor that both ends hold, so a single stage may count it twice, never short
         assert m.report.n_bytes <= spec.stage_bytes(0, N_LAYER)
 
 
 def test_a_moe_assignment_fits_where_an_even_spread_would_not(moe_file: Path) -> None:
-    info = model_info(moe_file, "d")
+    info = describe_model(moe_file, "d")
     spec = ModelSpec.from_info(info, kv_tokens=64)
     # six equal nodes, each two and a half MoE layers and the embedding
     memory = 5 * (info.layer_bytes[-1] + spec.kv_bytes_per_layer) // 2 + info.head_bytes
@@ -102,7 +103,7 @@ def test_layer_sizes_on_the_wire_must_match_the_layers() -> None:
 
 
 def test_a_model_without_attention_has_no_kv_per_token(tmp_path: Path) -> None:
-    info = model_info(write_mamba2(tmp_path / "mamba2.gguf", N_LAYER), "d")
+    info = describe_model(write_mamba2(tmp_path / "mamba2.gguf", N_LAYER), "d")
     assert info.kv_bytes_per_token == 0 and len(info.layer_bytes) == N_LAYER
 
 
