@@ -33,6 +33,8 @@ DECODE_STEPS = 16
 
 
 WRITERS = {"mamba": write_mamba, "mamba2": write_mamba2}
+# every recurrent or hybrid architecture this file checks for parity (qwen3next has its own tests below)
+RECURRENT_ARCHS = (*WRITERS, "qwen3next")
 
 
 @pytest.fixture(scope="module", params=["mamba-untied", "mamba2-untied", "mamba2-tied"])
