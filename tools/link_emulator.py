@@ -131,7 +131,10 @@ class LinkEmulator:
     _open: int = 0
 
     async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        await self.serve_on(await trio.open_tcp_listeners(port, host=host), task_status=task_status)
+
+    async def serve_on(self, listeners: list[trio.SocketListener], *,
+                       task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         rng = random.Random(self.seed)
         async with trio.open_nursery() as nursery:
             task_status.started(listeners[0].socket.getsockname()[1])
@@ -166,6 +169,10 @@ class LinkEmulator:
 # ----- command line
 
 
+class CommandError(Exception):
+    """What stops the command, said in one line."""
+
+
 def host_port(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -193,6 +200,12 @@ def positive(text: str) -> float:
     return value
 
 
+def count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65536:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 65536, not '{text}'")
+    return int(text)
+
+
 async def run(args: argparse.Namespace) -> None:
     spec = LinkSpec(delay=args.delay_ms, jitter=args.jitter_ms,
                     rate=args.rate_mbit * 1e6 / 8 if args.rate_mbit else None,
@@ -202,12 +215,12 @@ async def run(args: argparse.Namespace) -> None:
         print(f"closed: {up.bytes} bytes up, {down.bytes} bytes down", flush=True)
 
     emulator = LinkEmulator(args.to, spec, max_connections=args.max_connections, seed=args.seed, on_close=closed)
+    try:
+        listeners = await trio.open_tcp_listeners(args.listen[1], host=args.listen[0])
+    except OSError as exc:
+        raise CommandError(f"cannot listen on {args.listen[0]}:{args.listen[1]}: {exc.strerror}") from None
     async with trio.open_nursery() as nursery:
-        try:
-            port = await nursery.start(emulator.serve, *args.listen)
-        except OSError as exc:
-            raise SystemExit(f"link_emulator: cannot listen on {args.listen[0]}:{args.listen[1]}: {exc.strerror}") \
-                from None
+        port = await nursery.start(emulator.serve_on, listeners)
         print(f"ready {args.listen[0]}:{port} to {args.to[0]}:{args.to[1]} delay {spec.delay * 1000:g} ms", flush=True)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
@@ -223,12 +236,15 @@ def main() -> int:
     ap.add_argument("--jitter-ms", type=milliseconds, default=0.0, help="extra delay, uniform in [0, this)")
     ap.add_argument("--rate-mbit", type=positive, default=None, help="bandwidth cap per direction, Mbit/s")
     ap.add_argument("--buffer-kib", type=positive, default=4096, help="bytes in flight per direction, KiB")
-    ap.add_argument("--max-connections", type=int, default=64, help="connections carried at once")
+    ap.add_argument("--max-connections", type=count, default=64, help="connections carried at once")
     ap.add_argument("--seed", type=int, default=None, help="jitter seed")
     args = ap.parse_args()
     try:
         trio.run(run, args)
-    except KeyboardInterrupt:
+    except CommandError as exc:
+        print(f"link_emulator: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the signal handler is in place
         return 130
     return 0
 
