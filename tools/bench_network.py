@@ -197,7 +197,8 @@ async def one_delay(args: argparse.Namespace, model: Path, delay_ms: float | Non
             for name in order:
                 if name == "meshd":
                     m = await meshd_decode_cpu(peers, route, stages + stage_links, args.decode)
-                    p = await meshd_prefill(peers, route, prefill_ids)
+                    # the whole prompt is one wait for the first token: on a busy box at 20 ms it can pass 30 s
+                    p = await meshd_prefill(peers, route, prefill_ids, stall_timeout=args.stall_timeout)
                     t = await meshd_ttft(peers, route)
                     per_token = [ns / 1000 / max(1.0, m["tokens"]) for ns in m["cpu_ns"]]
                     # meshd_decode_cpu lists the watched processes' pids, then the asker
@@ -300,6 +301,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                   ts, logdir, i)
             rec["round"] = rep
             out["rounds"].append(rec)
+            write_json(args.json, out)  # what is measured so far survives a later failure
             label = "direct" if delay is None else f"{delay:g} ms"
             print(f"round {rep + 1}/{args.repeats} {label}: meshd {rec['meshd']['decode']:.1f} tok/s "
                   f"(floor {rec['floor']['decode']:.1f}, hop {rec['meshd']['hop_overhead_ms']:.2f} ms), "
@@ -313,6 +315,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     out["host"]["loadavg_after"] = os.getloadavg()
     out["median"] = medians(out["rounds"])
     return out
+
+
+def write_json(path: Path, out: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
 
 
 def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -412,6 +419,7 @@ def main() -> int:
     ap.add_argument("--session-tokens", type=int, default=1024, help="KV tokens per session on each stage")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all delays; medians are reported")
     ap.add_argument("--llama-reps", type=int, default=2, help="llama-bench -r")
+    ap.add_argument("--stall-timeout", type=float, default=300.0, help="seconds the asker waits for a token")
     ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "network.json", help="where the JSON goes")
     args = ap.parse_args()
     if args.agg_delay not in args.delays:
@@ -424,8 +432,7 @@ def main() -> int:
     text = table(out)
     print(text)
     out["table"] = text
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0
 
 
