@@ -132,7 +132,7 @@ async def test_connections_beyond_the_limit_are_closed_on_arrival() -> None:
             assert await extra.receive_some() == b""
             assert emulator.refused == 1
             await kept[0].aclose()
-            while emulator._open > 1:  # the proxy notices the close
+            while emulator.carrying > 1:  # the proxy notices the close
                 await trio.sleep(0.01)
             again = await trio.open_tcp_stream("127.0.0.1", proxy)
             await again.send_all(b"y")

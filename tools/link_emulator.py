@@ -128,7 +128,7 @@ class LinkEmulator:
     refused: int = 0
     up: Counter = field(default_factory=Counter)  # client to target, all connections, as read
     down: Counter = field(default_factory=Counter)
-    _open: int = 0
+    carrying: int = 0  # connections open now
 
     async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         await self.serve_on(await trio.open_tcp_listeners(port, host=host), task_status=task_status)
@@ -142,10 +142,10 @@ class LinkEmulator:
 
     async def _handle(self, client: trio.abc.HalfCloseableStream, rng: random.Random) -> None:
         async with client:
-            if self._open >= self.max_connections:
+            if self.carrying >= self.max_connections:
                 self.refused += 1
                 return
-            self._open += 1
+            self.carrying += 1
             self.connections += 1
             up, down = Counter(), Counter()
             try:
@@ -161,7 +161,7 @@ class LinkEmulator:
                     except* (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass  # one side reset: both are closed on the way out
             finally:
-                self._open -= 1
+                self.carrying -= 1
                 if self.on_close is not None:
                     self.on_close(up, down)
 
