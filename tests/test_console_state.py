@@ -232,7 +232,7 @@ def test_on_the_front_door_the_state_wants_its_api_key_and_shows_its_asks_in_fli
     front = FrontDoor(mesh, api_keys=["right"])  # type: ignore[arg-type]  # the fake has no ask: none is made
     result = AskResult(prompt_tokens=[1, 2, 3], tokens=[7, 8], epochs=1, route=[
         StageInfo(node_id=ids[0], model_digest=MODEL.digest, model_name=MODEL.name, layer_begin=0, layer_end=10,
-                  n_layer=30, n_embd=576, ready=True)])
+                  n_layer=30, stage_width=576, ready=True)])
     front.asking[5] = Asking(5, MODEL.digest, "openai", True, 0.0, result)
     with TestClient(build_app(front), backend="trio") as client:
         assert client.get("/").status_code == 200

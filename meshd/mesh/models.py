@@ -61,7 +61,7 @@ def model_info(digest: str, file_name: str, metadata: Mapping[str, int | float |
         nextn_key = f"{arch}.nextn_predict_layers"
         n_nextn = field(nextn_key) if nextn_key in metadata else 0
         if not 0 <= n_nextn < n_blocks:
-            raise ModelNotFound(f"{file_name} has {n_nextn} nextn layers of {n_blocks} blocks")
+            raise ModelNotFound(f"{file_name} is not a usable GGUF model ({n_nextn} nextn layers of {n_blocks} blocks)")
         n_layers = n_blocks - n_nextn
         n_embd = field(f"{arch}.embedding_length")
         n_head = field(f"{arch}.attention.head_count")
