@@ -17,7 +17,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf_factory import CHAT_TEMPLATE, CONTROL_TOKENS, _bias, _norm, _weight, byte_level_vocab
+from gguf_factory import _bias, _norm, _weight, add_byte_level_vocab
 
 WEIGHT_DTYPE = np.float16
 # shorter than the longer test prompts, so a sliding-window layer really masks
@@ -345,20 +345,6 @@ def _arch_kv(w: gguf.GGUFWriter, spec: DenseSpec) -> None:
         w.add_uint32(f"{a}.nextn_predict_layers", spec.n_nextn)
 
 
-def _vocab(w: gguf.GGUFWriter) -> int:
-    tokens, types, merges = byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(CONTROL_TOKENS.index("<|im_start|>"))
-    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_unk_token_id(CONTROL_TOKENS.index("<|endoftext|>"))
-    w.add_pad_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
-    return len(tokens)
 
 
 def write_dense_gguf(path: Path, spec: DenseSpec, extra_kv: dict[str, object] | None = None) -> Path:
@@ -387,7 +373,7 @@ def write_dense_gguf(path: Path, spec: DenseSpec, extra_kv: dict[str, object] | 
     w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _arch_kv(w, replace(spec, kv={**spec.kv, **(extra_kv or {})}))
-    n_vocab = _vocab(w)
+    n_vocab = add_byte_level_vocab(w)
 
     t = _Tensors(w, rng, spec)
     w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, e))).astype(np.float16))

@@ -70,6 +70,24 @@ def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, list(MERGES)
 
 
+def add_byte_level_vocab(w: gguf.GGUFWriter) -> int:
+    """Writes the tokenizer of byte_level_vocab() (bos/eos/unk/pad at SmolLM2's ids, the ChatML
+    template), so every tiny model's vocabulary loads alike; returns n_vocab."""
+    tokens, types, merges = byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(CONTROL_TOKENS.index("<|im_start|>"))
+    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
+    w.add_unk_token_id(CONTROL_TOKENS.index("<|endoftext|>"))
+    w.add_pad_token_id(CONTROL_TOKENS.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    return len(tokens)
+
+
 def _weight(rng: np.random.Generator, n_out: int, n_in: int, dtype: type[np.floating]) -> np.ndarray:
     # 1/sqrt(fan_in) scaling: every layer moves the residual by O(1), so a skipped,
     # repeated or misordered layer shows up in the logits instead of vanishing in noise
@@ -88,8 +106,7 @@ def _bias(rng: np.random.Generator, n: int) -> np.ndarray:
 def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
     """Writes a model of `spec` to `path`; the same spec always gives the same bytes."""
     rng = np.random.default_rng(spec.seed)
-    tokens, types, merges = byte_level_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(byte_level_vocab()[0])
     arch, e, d = spec.arch, spec.n_embd, spec.n_embd_head
     q_dim, kv_dim = spec.n_head * d, spec.n_head_kv * d
 
@@ -112,17 +129,7 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
         w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.weight_dtype == np.float16 else gguf.LlamaFileType.ALL_F32)
 
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(CONTROL_TOKENS.index("<|im_start|>"))
-    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_unk_token_id(CONTROL_TOKENS.index("<|endoftext|>"))
-    w.add_pad_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_byte_level_vocab(w)
 
     # small embeddings: the layers, not the input token, decide the residual, so greedy decoding
     # wanders over the vocabulary instead of repeating the prompt's last token (as a tied head would)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf_factory import CHAT_TEMPLATE, CONTROL_TOKENS, _bias, _norm, _weight, byte_level_vocab
+from gguf_factory import _bias, _norm, _weight, add_byte_level_vocab, byte_level_vocab
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,7 @@ UNSUPPORTED_MOE_SPEC = MoeSpec("deepseek", seed=18, n_ff_shexp=32, n_dense_lead=
 def write_moe_gguf(path: Path, spec: MoeSpec) -> Path:
     """Writes a model of `spec` to `path`; the same spec always gives the same bytes."""
     rng = np.random.default_rng(spec.seed)
-    tokens, types, merges = byte_level_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(byte_level_vocab()[0])
     e = spec.n_embd
 
     w = gguf.GGUFWriter(path, spec.arch)
@@ -98,17 +97,7 @@ def write_moe_gguf(path: Path, spec: MoeSpec) -> Path:
         w.add_nextn_predict_layers(spec.n_nextn)
     ARCH_KV[spec.arch](w, spec)
 
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(CONTROL_TOKENS.index("<|im_start|>"))
-    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_unk_token_id(CONTROL_TOKENS.index("<|endoftext|>"))
-    w.add_pad_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_byte_level_vocab(w)
 
     # small embeddings, as in gguf_factory: the layers, not the input token, decide the residual
     w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, e))).astype(np.float16))

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf_factory import CHAT_TEMPLATE, CONTROL_TOKENS, TinySpec, _bias, _norm, _weight, byte_level_vocab, write_tiny_gguf
+from gguf_factory import (
+    TinySpec,
+    _bias,
+    _norm,
+    _weight,
+    add_byte_level_vocab,
+    byte_level_vocab,
+    write_tiny_gguf,
+)
 
 Tensors = Iterator[tuple[str, np.ndarray]]
 # (name, array) of one tensor of the source -> the tensors the variant writes in its place
@@ -125,7 +133,7 @@ def write_dense_lead_moe(path: Path, n_layer: int = 6, n_dense: int = 2, n_exper
     w.add_expert_used_count(2)
     w.add_expert_shared_count(1)
     w.add_layer_norm_rms_eps(1e-5)
-    _add_vocab(w)
+    add_byte_level_vocab(w)
     w.add_tensor("token_embd.weight", _weight(rng, n_vocab, n_embd, np.float16))
     w.add_tensor("output_norm.weight", _norm(rng, n_embd))
     w.add_tensor("output.weight", _weight(rng, n_vocab, n_embd, np.float16))
@@ -155,18 +163,6 @@ def write_dense_lead_moe(path: Path, n_layer: int = 6, n_dense: int = 2, n_exper
     return path
 
 
-def _add_vocab(w: gguf.GGUFWriter) -> None:
-    """gguf_factory's byte-level BPE, so the tokenizer loads as it does for the tiny models."""
-    tokens, types, merges = byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(CONTROL_TOKENS.index("<|im_start|>"))
-    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
 
 
 def write_mamba2(path: Path, n_layer: int = 6, n_embd: int = 64, d_state: int = 16, n_head: int = 8,
@@ -191,7 +187,7 @@ def write_mamba2(path: Path, n_layer: int = 6, n_embd: int = 64, d_state: int = 
     w.add_ssm_time_step_rank(n_head)
     w.add_ssm_group_count(n_group)
     w.add_layer_norm_rms_eps(1e-5)
-    _add_vocab(w)
+    add_byte_level_vocab(w)
     w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, n_embd))).astype(np.float16))
     w.add_tensor("output_norm.weight", _norm(rng, n_embd))
     if not tied:
@@ -234,7 +230,7 @@ def write_mamba(path: Path, n_layer: int = 6, n_embd: int = 64, d_state: int = 1
     w.add_ssm_state_size(d_state)
     w.add_ssm_time_step_rank(dt_rank)
     w.add_layer_norm_rms_eps(1e-5)
-    _add_vocab(w)
+    add_byte_level_vocab(w)
     w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, n_embd))).astype(np.float16))
     w.add_tensor("output_norm.weight", _norm(rng, n_embd))
     if not tied:
@@ -291,7 +287,7 @@ def write_qwen3next(path: Path, n_layer: int = 8, n_embd: int = 64, n_head: int 
     w.add_ssm_time_step_rank(n_v_heads)
     w.add_ssm_group_count(n_k_heads)
     w.add_uint32("qwen3next.full_attention_interval", 4)
-    _add_vocab(w)
+    add_byte_level_vocab(w)
     w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, n_embd))).astype(np.float16))
     w.add_tensor("output_norm.weight", _norm(rng, n_embd))
     w.add_tensor("output.weight", _weight(rng, n_vocab, n_embd, np.float32))
