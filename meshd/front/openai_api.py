@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -175,6 +176,20 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
 
         return AskStream(produce, error_response, error_event)
 
+    async def respond(request: Request, body: CommonRequest, model: ModelCoverage, ask: AskRequest, chunk: Chunk,
+                      kind: str, content: Callable[[Answer], dict[str, Any]]) -> Response:
+        """A streamed answer as chunks, or the whole one as one `kind` object, its choice's `content` added."""
+        if body.stream:
+            return stream(model, ask, body, chunk)
+        answer = await ask_whole(front, request, model, ask, DIALECT)
+        if answer is None:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse({
+            "id": chunk.id, "object": kind, "created": chunk.created, "model": model.name,
+            "system_fingerprint": model.model[:12],
+            "choices": [{"index": 0, **content(answer), "logprobs": None, "finish_reason": finish_reason(answer)}],
+            "usage": usage(answer)})
+
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, ChatRequest)
         model = front.resolve(body.model)
@@ -182,34 +197,15 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
                     for m in body.messages]
         ask = ask_request(body, body.max_completion_tokens or body.max_tokens, front.default_max_tokens,
                           messages=messages)
-        chunk = Chunk("chat.completion.chunk", model)
-        if body.stream:
-            return stream(model, ask, body, chunk)
-        answer = await ask_whole(front, request, model, ask, DIALECT)
-        if answer is None:
-            return Response(status_code=CLIENT_GONE)
-        return JSONResponse({
-            "id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": model.name,
-            "system_fingerprint": model.model[:12],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
-                         "logprobs": None, "finish_reason": finish_reason(answer)}],
-            "usage": usage(answer)})
+        return await respond(request, body, model, ask, Chunk("chat.completion.chunk", model), "chat.completion",
+                             lambda answer: {"message": {"role": "assistant", "content": answer.text}})
 
     async def completions(request: Request) -> Response:
         body = await read_json(request, CompletionRequest)
         model = front.resolve(body.model)
         ask = ask_request(body, body.max_tokens, COMPLETIONS_MAX_TOKENS, text=body.text())
-        chunk = Chunk("text_completion", model)
-        if body.stream:
-            return stream(model, ask, body, chunk)
-        answer = await ask_whole(front, request, model, ask, DIALECT)
-        if answer is None:
-            return Response(status_code=CLIENT_GONE)
-        return JSONResponse({
-            "id": chunk.id, "object": "text_completion", "created": chunk.created, "model": model.name,
-            "system_fingerprint": model.model[:12],
-            "choices": [{"index": 0, "text": answer.text, "logprobs": None, "finish_reason": finish_reason(answer)}],
-            "usage": usage(answer)})
+        return await respond(request, body, model, ask, Chunk("text_completion", model), "text_completion",
+                             lambda answer: {"text": answer.text})
 
     async def models(request: Request) -> Response:
         if "anthropic-version" in request.headers:
