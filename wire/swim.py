@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from wire.codec import Limits, Message, WireModel, register_protocol
 from wire.identity import NodeIdentity, node_id_of, verify
-from wire.types import MAX_LAYERS, Address, Count, Digest, Label, LayerCount, NodeId, Seconds, Text
+from wire.types import MAX_LAYERS, MAX_NODE_ID_LEN, Address, Count, Digest, Label, LayerCount, NodeId, Seconds, Text
 
 SWIM_PROTOCOL = "meshd/swim/1"
 
@@ -101,6 +101,10 @@ class CapabilityRecord(WireModel):
     started_at: Annotated[float, Field(allow_inf_nan=False)] = 0.0
     # A positive term means this node claims to be the tracker for that term.
     tracker_term: Count = 0
+    # This node's vote in the tracker election: the claim (term, candidate) it backs; 0: none.
+    # A claim is the tracker only once the votes of a majority of live members name it.
+    vote_term: Count = 0
+    vote_for: Annotated[str, Field(max_length=MAX_NODE_ID_LEN)] = ""
     # A tracker counts the changes of its assignment here, so volunteers learn by gossip when to ask
     # for their range again instead of asking over and over.
     assignment_version: Count = 0

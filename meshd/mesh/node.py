@@ -92,7 +92,7 @@ class MeshNode:
         """Publish a new version of this node's record (served ranges, load, models, ...).
 
         Each version is gossiped to every member: publish load changes at a measured pace,
-        not per request. `tracker_term` belongs to the election and is set here by itself."""
+        not per request. `tracker_term` and the vote belong to the election and are set here by themselves."""
         self.membership.update_record(now, **changes)
         self._settle(now)
         return self.membership.record
@@ -128,8 +128,11 @@ class MeshNode:
         if self._left:
             return
         membership, election = self.membership, self.election
-        if membership.record.tracker_term != election.claim:
-            membership.update_record(now, tracker_term=election.claim)
+        vote = election.vote
+        vote_term, vote_for = (vote.term, vote.node_id) if vote is not None else (0, "")
+        own = membership.record
+        if (own.tracker_term, own.vote_term, own.vote_for) != (election.claim, vote_term, vote_for):
+            membership.update_record(now, tracker_term=election.claim, vote_term=vote_term, vote_for=vote_for)
         if membership.record.version != self._own_version:
             self._own_version = membership.record.version
             election.observe(now, membership.record, live=True)
