@@ -11,7 +11,7 @@ that admits records is ``meshd.mesh.records``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 import msgpack
 from pydantic import Field, model_validator
@@ -177,18 +177,40 @@ class Alive(WireModel):
     record: CapabilityRecord
 
 
-class Suspect(WireModel):
+_ACCUSATION_DOMAIN = b"meshd-accusation-v1\x00"
+
+
+class _Accusation(WireModel):
+    """An accusation about `node` at `incarnation`, signed by its `accuser`, so that whoever passes
+    it on cannot pass off its own accusations as others' (Lifeguard counts accusers)."""
+
+    node: NodeId
+    incarnation: Count
+    accuser: NodeId
+    signature: Annotated[bytes, Field(max_length=64)] = b""
+
+    def signing_bytes(self) -> bytes:
+        body = [self.model_dump()["kind"], self.node, self.incarnation, self.accuser]
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+        return _ACCUSATION_DOMAIN + packed
+
+    def signed(self, identity: NodeIdentity) -> Self:
+        """This accusation signed by `identity`, which must be its accuser."""
+        if identity.node_id != self.accuser:
+            raise ValueError("only the accuser can sign its accusation")
+        return self.model_copy(update={"signature": identity.sign(self.signing_bytes())})
+
+    def verify(self, public_key: bytes) -> bool:
+        """Signed by `public_key`, the key of the accuser's record."""
+        return bool(self.signature) and _verify_cached(public_key, self.signing_bytes(), self.signature)
+
+
+class Suspect(_Accusation):
     kind: Literal["suspect"] = "suspect"
-    node: NodeId
-    incarnation: Count
-    accuser: NodeId
 
 
-class Dead(WireModel):
+class Dead(_Accusation):
     kind: Literal["dead"] = "dead"
-    node: NodeId
-    incarnation: Count
-    accuser: NodeId
 
 
 Update = Annotated[Alive | Suspect | Dead, Field(discriminator="kind")]
