@@ -25,8 +25,8 @@ lowest node id): the best one in a node's view after one timeout, the next
 after two, and so on, so a best candidate that is gone without being
 detected yet does not stall the election. A claim not carried within a
 timeout (votes split) is renewed at the next term by the best claimant;
-a candidate steps down when a believable higher claim, or another carried
-tracker, is live.
+a candidate steps down when it votes for another claim, or another tracker
+is carried.
 """
 
 from __future__ import annotations
@@ -225,9 +225,10 @@ class Election:
         tracker = max(carried, default=None)
         if self._claim:
             own = Tracker(self._claim, self._node_id)
-            higher = any(Tracker(term, node_id) > own for node_id, term in claims.items())
-            if (tracker is not None and tracker != own) or higher:
-                self._claim = 0  # another tracker is carried, or a believable higher claim is live
+            # Another tracker is carried, or we voted for a better claim (`_cast` backs a higher one
+            # only once its candidate's turn has come, so a newcomer's higher claims unseat nobody).
+            if (tracker is not None and tracker != own) or self._vote != own:
+                self._claim = 0
         if tracker is not None:
             # Endorse the tracker we follow, so it keeps a majority as the mesh grows.
             self._vote = tracker
