@@ -117,6 +117,7 @@ class MeshDuty:
         # the tracker's books: soft state, rebuilt from gossip by whoever is tracker next
         self.assignments: dict[str, Assignment] = {}
         self.uncovered: dict[str, str] = {}
+        self._placed_before: dict[str, Assignment] = {}  # the placement each model had before the last
         # why a model is not covered, by digest, with the placement inputs it was worked out from
         self._reasons: dict[str, tuple[object, str]] = {}
         self._capacity_seen: dict[str, tuple[object, ...]] = {}
@@ -182,6 +183,11 @@ class MeshDuty:
         if reply is None:
             if self._current_ask() is not None and self.node.tracker == asked[0]:
                 self._failed(now)  # a tracker that changed meanwhile is asked at once, not after a backoff
+        elif self.node.tracker != asked[0] or reply.term != asked[0].term:
+            # Not from the tracker we follow now, or for another term: the asker's rpc reached the
+            # node it named, but that node no longer speaks for the mesh. Ask the current one.
+            self._events.append(RangeRefused(reply.start, reply.end,
+                                             f"from term {reply.term}, not the tracker followed"))
         else:
             self._answered = asked
             self._failures = 0
@@ -265,7 +271,8 @@ class MeshDuty:
             return (rtt(b) or 0.0) if a is None or a == own else 0.001
 
         try:
-            found = plan_route(stage_options(records.values(), model), info.n_layers, link_cost, exclude=exclude)
+            found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model)),
+                               info.n_layers, link_cost, exclude=exclude)
         except NoRouteError as exc:
             reason = self.coverage_reason(info)
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
@@ -277,6 +284,19 @@ class MeshDuty:
                 raise ProtocolError(ErrorCode.UNREACHABLE, f"no address to dial {s.node_id[:12]}")
             stages.append(RouteStage(node_id=s.node_id, address=address, start=s.start, end=s.end))
         return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
+
+    def _assigned(self, model: str) -> dict[str, set[Range]] | None:
+        """As tracker, the ranges it placed for `model`, now and before its last move (a volunteer
+        serves its old range until the new one loads): routes go only over those. None where this
+        node holds no placement (not the tracker, or not placed yet): routes follow the records."""
+        placed = self.assignments.get(model)
+        if not self.is_tracker or placed is None:
+            return None
+        out: dict[str, set[Range]] = {}
+        for assignment in (placed, self._placed_before.get(model)):
+            for node_id, rng in (assignment.ranges() if assignment is not None else {}).items():
+                out.setdefault(node_id, set()).add(rng)
+        return out
 
     def status(self, address_fits: Callable[[str], bool] | None = None) -> StatusReply:
         """The status view; `address_fits` says which addresses the asker may be told (None: all)."""
@@ -322,6 +342,8 @@ class MeshDuty:
                 continue
             self.uncovered.pop(digest, None)
             if placed != before:
+                if before is not None:
+                    self._placed_before[digest] = before
                 self.assignments[digest] = placed
                 self._events.append(AssignmentChanged(digest, placed))
                 changed = True
