@@ -91,6 +91,13 @@ def address(text: str) -> str:
     return f"{host}:{port}"
 
 
+def model_name(text: str) -> str:
+    """--model of ask: a model's name or digest, as the route request carries it."""
+    if not 0 < len(text) <= 128:
+        raise argparse.ArgumentTypeError("a model name or digest is 1 to 128 characters")
+    return text
+
+
 def dialable_address(text: str) -> str:
     """--advertise: a host others can dial (not 0.0.0.0 or ::) and a port."""
     host, port = host_port(text)
@@ -390,9 +397,10 @@ async def ask(args: argparse.Namespace) -> int:
                               stall_timeout=args.timeout)
         else:
             async def ask_route(excluded: list[str]) -> Message:
+                wanted = RouteRequest(model=args.model, exclude=excluded)
                 if args.seed is None:
-                    return await control_request(args.state_dir, RouteRequest(exclude=excluded), timeout=args.timeout)
-                return await rpc(peers, args.seed, RouteRequest(exclude=excluded), timeout=args.timeout)
+                    return await control_request(args.state_dir, wanted, timeout=args.timeout)
+                return await rpc(peers, args.seed, wanted, timeout=args.timeout)
 
             async def find_route(excluded: list[str]) -> list[Stage]:
                 reply = expect(await ask_route(excluded), RouteReply, args.seed or "the local meshd")
@@ -544,6 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HOST:PORT of a member to ask for a route (default: the local daemon)")
     add_state_dir(a, "the local daemon's state directory, used without --seed or --route")
     add_mesh_key(a)
+    a.add_argument("--model", type=model_name, metavar="NAME|DIGEST",
+                   help="the model to ask, by name or digest (default: the mesh's only model)")
     a.add_argument("--max-tokens", type=tokens, default=256, help="most new tokens (default: %(default)s)")
     a.add_argument("--temperature", type=number(0, 100), default=0.0,
                    help="sampling temperature, 0 for greedy (default: %(default)s)")

@@ -24,7 +24,7 @@ own view.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from meshd.mesh.assignment import (
@@ -106,6 +106,35 @@ def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
     """What placement reads of a record: a new version that changes none of it needs no new placement."""
     return (record.memory_bytes, record.kv_tokens, record.seconds_per_layer, record.leaving,
             tuple(record.roles), tuple(m.digest for m in record.models))
+
+
+def pick_model(models: dict[str, ModelInfo], wanted: str | None) -> ModelInfo:
+    """The model an asker means: by digest, or by name if one digest alone bears it; with none
+    named, the mesh's only model. Never the first one heard of: any member can add a model (a
+    made-up digest under a real model's name), so an ambiguous ask fails listing the candidates."""
+    if wanted is not None:
+        if wanted in models:
+            return models[wanted]
+        named = [info for info in models.values() if info.name == wanted]
+        if len(named) == 1:
+            return named[0]
+        if not named:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {wanted[:64]}; "
+                                f"the mesh holds: {_listed(models.values())}")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(named)} models are named {wanted[:64]}: "
+                            f"{_listed(named)}; name one by its digest")
+    if not models:
+        raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
+    if len(models) > 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the mesh holds {len(models)} models: "
+                            f"{_listed(models.values())}; name one with --model")
+    return next(iter(models.values()))
+
+
+def _listed(models: Iterable[ModelInfo], most: int = 8) -> str:
+    shown = list(models)
+    text = ", ".join(f"{info.name[:40]} ({info.digest})" for info in shown[:most])
+    return text + (f" and {len(shown) - most} more" if len(shown) > most else "")
 
 
 class MeshDuty:
@@ -252,17 +281,11 @@ class MeshDuty:
     def route(self, model: str | None, exclude: Collection[str],
               address_of: Callable[[CapabilityRecord], str | None],
               fits: Callable[[CapabilityRecord], bool] | None = None) -> RouteReply:
-        """The cheapest route for `model` (the mesh's only one if None) from this node's view;
+        """The cheapest route for `model` (a digest or a name; None: the mesh's only one) from this node's view;
         `address_of` says where the asker dials each stage, `fits` which members it may be told of."""
         live = self.node.membership.live_records()
-        models = held_models(live)
-        if model is None:
-            if not models:
-                raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
-            model = next(iter(models))
-        info = models.get(model)
-        if info is None:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {model[:12]}")
+        info = pick_model(held_models(live), model)
+        model = info.digest
         records = {r.node_id: r for r in live if address_of(r) is not None and (fits is None or fits(r))}
         rtt, own = self.node.membership.rtt, self.node.node_id
 

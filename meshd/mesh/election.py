@@ -31,6 +31,7 @@ is carried.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -84,6 +85,11 @@ class Election:
         self._node_id = node_id
         self._config = config
         self._live: dict[str, CapabilityRecord] = {}
+        # Kept as records come and go, so that a record costs O(claims), not O(members): the claims
+        # of other live eligible members, and every live member's vote with their tally.
+        self._claiming: dict[str, int] = {}
+        self._votes_of: dict[str, Tracker] = {}
+        self._tally: Counter[Tracker] = Counter()
         # When this node first saw each live member live: the uptime the election trusts.
         self._first_seen: dict[str, float] = {node_id: now}
         self._highest_term = 0
@@ -112,6 +118,12 @@ class Election:
 
     def observe(self, now: float, record: CapabilityRecord, live: bool) -> None:
         node_id = record.node_id
+        if node_id != self._node_id:
+            self._count_vote(node_id, Tracker(record.vote_term, record.vote_for) if live and record.vote_term else None)
+            if live and record.tracker_term > 0 and eligible(record):
+                self._claiming[node_id] = record.tracker_term
+            else:
+                self._claiming.pop(node_id, None)
         if live:
             self._live[node_id] = record
             self._first_seen.setdefault(node_id, now)
@@ -121,6 +133,16 @@ class Election:
                 # A member that comes back starts its observed uptime afresh.
                 self._first_seen.pop(node_id, None)
         self._refresh(now)
+
+    def _count_vote(self, voter: str, vote: Tracker | None) -> None:
+        old = self._votes_of.pop(voter, None)
+        if old is not None:
+            self._tally[old] -= 1
+            if not self._tally[old]:
+                del self._tally[old]
+        if vote is not None:
+            self._votes_of[voter] = vote
+            self._tally[vote] += 1
 
     def handle_timer(self, now: float, joined: bool) -> None:
         if self._deadline is None or now < self._deadline:
@@ -187,16 +209,11 @@ class Election:
             count += other_reach < reach or (other_reach == reach and self._first_seen.get(other, seen) < seen)
         return count
 
-    def _claimants(self) -> list[str]:
-        claims = [node_id for node_id, record in self._live.items()
-                  if node_id != self._node_id and record.tracker_term > 0 and eligible(record)]
-        return claims + [self._node_id] if self._claim else claims
-
     def _claims(self) -> tuple[dict[str, int], list[Tracker]]:
         """Believable claims of live eligible members, this node's own (`_claim`) included, and
         the carried ones. A carried claim is believed at any term: a majority of live members
         backs it (which is how a newcomer learns the term), and voters back only believable ones."""
-        claims = {node_id: self._live[node_id].tracker_term for node_id in self._claimants()}
+        claims = dict(self._claiming)
         if self._claim:
             claims[self._node_id] = self._claim  # our record may lag behind a step-down
         live = len(self._live)
@@ -208,14 +225,8 @@ class Election:
         return believable, carried
 
     def _votes(self, claim: Tracker) -> int:
-        votes = 0
-        for node_id, record in self._live.items():
-            if node_id == self._node_id:
-                vote = self._vote
-            else:
-                vote = Tracker(record.vote_term, record.vote_for) if record.vote_term else None
-            votes += vote == claim
-        return votes
+        own = self._node_id in self._live and self._vote == claim
+        return self._tally[claim] + own
 
     def _wait(self, deadline: float) -> None:
         self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)

@@ -62,13 +62,13 @@ def no_rtt(a: str | None, b: str) -> float:
 MAX_SPEEDUP_OVER_MEDIAN = 4.0
 
 
-def speed_floor(records: Iterable[CapabilityRecord], model: str) -> float:
-    """The fastest seconds per layer a member serving `model` is believed to run at (0: no reports).
+def speed_floor(records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float) -> float:
+    """The fastest seconds per layer a member serving `model` is believed to run at (0: none serves it).
 
-    Self-reports are all there is to go on until the tracker measures stages; the median of them is
-    what honest members (a majority) say, so one liar cannot move it."""
-    reports = sorted(record.seconds_per_layer for record in records
-                     if record.seconds_per_layer > 0 and any(s.model == model for s in record.served))
+    Self-reports are all there is to go on until the tracker measures stages (an unmeasured one counts
+    at the default); their median is what the honest majority says, so one liar cannot move it."""
+    reports = sorted(record.seconds_per_layer or default_seconds_per_layer for record in records
+                     if any(s.model == model for s in record.served))
     return reports[len(reports) // 2] / MAX_SPEEDUP_OVER_MEDIAN if reports else 0.0
 
 
@@ -84,7 +84,7 @@ def stage_options(
     a member declaring a range it was not given gets no route through it. Speeds are self-reports
     raised to `speed_floor`."""
     live = [record for record in records if not record.leaving]
-    floor = speed_floor(live, model)
+    floor = speed_floor(live, model, default_seconds_per_layer)
     options = []
     for record in live:
         speed = max(record.seconds_per_layer or default_seconds_per_layer, floor)
