@@ -16,7 +16,7 @@ import os
 import signal
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -48,7 +48,7 @@ from relay.limits import RelayLimits
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import MemberStatus, RouteReply, RouteRequest, StatusReply, StatusRequest
 from wire.stage import Sampling
 
 # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences (sessions).
@@ -270,7 +270,7 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
     """What the daemon tells `meshd status` and `meshd ask` on its own machine."""
     async def answer(request: Message) -> Message:
         if isinstance(request, StatusRequest):
-            return daemon.status()
+            return daemon.status(offset=request.offset)
         if isinstance(request, RouteRequest):
             return daemon.route(request.model, request.exclude)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
@@ -343,27 +343,40 @@ async def relay(args: argparse.Namespace) -> int:
 
 # ----- status
 
+# pages a status asks for at most: the member table's cap over a page, and one more
+MAX_STATUS_PAGES = 8
+
+
 async def status(args: argparse.Namespace) -> int:
+    async def pages(ask: Callable[[StatusRequest], Awaitable[Message]], what: str) -> list[StatusReply]:
+        got = [expect(await ask(StatusRequest()), StatusReply, what)]
+        members = len(got[0].members)
+        # Bounded: a node that keeps promising more members gets at most MAX_STATUS_PAGES asks.
+        while members < got[0].total_members and got[-1].members and len(got) < MAX_STATUS_PAGES:
+            got.append(expect(await ask(StatusRequest(offset=members)), StatusReply, what))
+            members += len(got[-1].members)
+        return got
+
     if args.seed is None:
-        reply = await control_request(args.state_dir, StatusRequest(), timeout=args.timeout)
-        what = "the local meshd"
+        replies = await pages(lambda r: control_request(args.state_dir, r, timeout=args.timeout), "the local meshd")
     else:
         async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
             enable_circuits(peers)
             try:
-                reply = await rpc(peers, args.seed, StatusRequest(), timeout=args.timeout)
+                replies = await pages(lambda r: rpc(peers, args.seed, r, timeout=args.timeout), args.seed)
             except trio.TooSlowError:
                 raise CommandError(f"{args.seed} did not answer within {args.timeout:g} s") from None
-        what = args.seed
-    print_status(expect(reply, StatusReply, what))
+    print_status(replies[0], [m for reply in replies for m in reply.members])
     return 0
 
 
-def print_status(s: StatusReply) -> None:
+def print_status(s: StatusReply, members: list[MemberStatus] | None = None) -> None:
+    """`s`: the first page; `members`: every page's members (default: the first page's)."""
+    members = s.members if members is None else members
     print(f"tracker: {s.tracker[:16] if s.tracker else 'none elected'} (term {s.term}); "
-          f"{plural(len(s.members), 'member')}; asked node {s.node_id[:16]}")
+          f"{plural(len(members), 'member')}; asked node {s.node_id[:16]}")
     print(f"{'node':<18}{'address':<22}{'state':<8}{'roles':<16}{'memory':>10}  serves")
-    for m in sorted(s.members, key=lambda m: m.node_id):
+    for m in sorted(members, key=lambda m: m.node_id):
         memory = mib(m.memory_bytes) if m.memory_bytes else "-"
         print(f"{m.node_id[:16]:<18}{m.address or '-':<22}{m.state:<8}{','.join(m.roles) or '-':<16}{memory:>10}  "
               f"{'; '.join(m.served) or '-'}")

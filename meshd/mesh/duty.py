@@ -321,11 +321,12 @@ class MeshDuty:
                 out.setdefault(node_id, set()).add(rng)
         return out
 
-    def status(self, address_fits: Callable[[str], bool] | None = None) -> StatusReply:
-        """The status view; `address_fits` says which addresses the asker may be told (None: all)."""
+    def status(self, address_fits: Callable[[str], bool] | None = None, offset: int = 0) -> StatusReply:
+        """The status view from member `offset` on; `address_fits` says which addresses the asker may
+        be told (None: all)."""
         membership = self.node.membership
         return status_view(self.node.node_id, membership.members(), membership.live_records(), self.node.tracker,
-                           address_fits, self.coverage_reason)
+                           address_fits, self.coverage_reason, offset)
 
     def coverage_reason(self, info: ModelInfo) -> str:
         """Why the live members cannot cover `info` ("" when they can: it is then only loading)."""
