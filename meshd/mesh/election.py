@@ -63,6 +63,11 @@ def candidate_key(record: CapabilityRecord, first_seen: float) -> tuple[int, flo
     return (_REACHABILITY_RANK[record.reachability], first_seen, record.node_id)
 
 
+def _says(record: CapabilityRecord) -> tuple[object, ...]:
+    """What the election reads of a record."""
+    return (record.tracker_term, record.vote_term, record.vote_for, record.reachability, eligible(record))
+
+
 def believable_terms(terms: Iterable[int], highest: int) -> int:
     """The highest term reachable from `highest` by claims each at most one above the last."""
     for term in sorted(terms):
@@ -118,6 +123,10 @@ class Election:
 
     def observe(self, now: float, record: CapabilityRecord, live: bool) -> None:
         node_id = record.node_id
+        held = self._live.get(node_id)
+        if live and held is not None and _says(held) == _says(record):
+            self._live[node_id] = record  # a new version saying nothing new to the election: most are
+            return
         if node_id != self._node_id:
             self._count_vote(node_id, Tracker(record.vote_term, record.vote_for) if live and record.vote_term else None)
             if live and record.tracker_term > 0 and eligible(record):
