@@ -7,13 +7,15 @@ import pytest
 from instant_net import identity, record, rng
 from test_mesh_duty import MODEL, Mesh, duty
 
-from meshd.mesh.duty import DutyConfig, MeshDuty
+from meshd.cli import build_parser
+from meshd.mesh.duty import AskAssignment, DutyConfig, LoadRange, MeshDuty, RangeRefused
 from meshd.mesh.election import ElectionConfig
 from meshd.mesh.membership import SwimConfig
 from meshd.mesh.node import MeshNode
 from meshd.mesh.records import ModelInfo, ServedRange
 from meshd.mesh.routing import MAX_SPEEDUP_OVER_MEDIAN, stage_options
 from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import AssignmentReply
 
 FAKE = ModelInfo(digest="sha256:made-up", name=MODEL.name, n_layers=MODEL.n_layers, bytes_per_layer=100,
                  kv_bytes_per_token=0)
@@ -93,3 +95,29 @@ def test_with_one_model_in_the_mesh_it_is_the_default_and_its_name_works() -> No
     mesh.run_until(10.0)
     assert mesh.tracker.route(None, (), dial).model == MODEL.digest
     assert mesh.tracker.route(MODEL.name, (), dial).model == MODEL.digest
+
+
+def test_ask_takes_the_model_by_name_or_digest() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["ask", "--model", MODEL.digest, "hi"]).model == MODEL.digest
+    assert parser.parse_args(["ask", "hi"]).model is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ask", "--model", "x" * 129, "hi"])
+
+
+def test_a_volunteer_ignores_an_assignment_from_another_term_or_a_tracker_it_does_not_follow() -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.answer_asks = False
+    mesh.run_until(10.0)
+    volunteer = mesh.volunteers[0]
+    (ask,) = mesh.of(volunteer, AskAssignment)
+    # An answer naming a term the followed tracker does not hold (as a hijacker's would): refused.
+    volunteer.assignment_reply(mesh.net.now, AssignmentReply(term=ask.tracker.term + 7, model=MODEL.digest,
+                                                             start=0, end=4))
+    assert volunteer.wanted is None and not mesh.of(volunteer, LoadRange)
+    assert any("not the tracker followed" in e.reason for e in volunteer.events() if isinstance(e, RangeRefused))
+    # Unasked answers are dropped outright.
+    volunteer.assignment_reply(mesh.net.now, AssignmentReply(term=ask.tracker.term, model=MODEL.digest,
+                                                             start=0, end=4))
+    assert volunteer.wanted is None

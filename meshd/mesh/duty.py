@@ -214,9 +214,12 @@ class MeshDuty:
                 self._failed(now)  # a tracker that changed meanwhile is asked at once, not after a backoff
         elif self.node.tracker != asked[0] or reply.term != asked[0].term:
             # Not from the tracker we follow now, or for another term: the asker's rpc reached the
-            # node it named, but that node no longer speaks for the mesh. Ask the current one.
+            # node it named, but that node no longer speaks for the mesh (or lies about its term):
+            # ask again after the backoff a failed ask gets (at once if the tracker changed).
             self._events.append(RangeRefused(reply.start, reply.end,
                                              f"from term {reply.term}, not the tracker followed"))
+            if self.node.tracker == asked[0]:
+                self._failed(now)
         else:
             self._answered = asked
             self._failures = 0
