@@ -101,6 +101,7 @@ class Election:
         self._claim = 0
         self._claimed_at = 0.0
         self._vote: Tracker | None = None
+        self._voted_at = 0.0
         self._tracker: Tracker | None = None
         self._vacant_since: float | None = now
         self._deadline: float | None = now + config.election_timeout
@@ -153,6 +154,13 @@ class Election:
             self._votes_of[voter] = vote
             self._tally[vote] += 1
 
+    def joined(self, now: float) -> None:
+        """This node has joined the mesh (or founded it): its own uptime counts from now, as the
+        others observe it from about now. Counted from its start, every joiner would rank itself
+        ahead of the members it has only just heard of."""
+        self._first_seen[self._node_id] = now
+        self._refresh(now)
+
     def handle_timer(self, now: float, joined: bool) -> None:
         if self._deadline is None or now < self._deadline:
             return
@@ -180,6 +188,12 @@ class Election:
                 self._refresh(now)
                 return
         else:
+            vote = self._vote
+            if vote is not None and self._claims()[0].get(vote.node_id) == vote.term \
+                    and now < self._voted_at + timeout:
+                # We back someone's live claim: give its votes a timeout to gather before running.
+                self._wait(self._voted_at + timeout)
+                return
             due = self._vacant_since + timeout * (1 + self._rank(self._node_id))
             if now < due:
                 # Better candidates may die meanwhile and lower our rank: look again a timeout from now.
@@ -284,5 +298,6 @@ class Election:
                 best = option
         if best is not None:
             self._vote = Tracker(-best[0], best[1][2])
+            self._voted_at = now
         elif pending is not None:
             self._wait(pending)

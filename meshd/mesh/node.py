@@ -58,6 +58,7 @@ class MeshNode:
         self.election = Election(record.node_id, now, election)
         self.election.observe(now, record, live=True)
         self._own_version = record.version
+        self._joined = False  # told the election yet that this node joined
         self._tracker: Tracker | None = None
         self._left = False
         self._events: list[MeshEvent] = []
@@ -128,6 +129,9 @@ class MeshNode:
         if self._left:
             return
         membership, election = self.membership, self.election
+        if not self._joined and membership.joined:
+            self._joined = True
+            election.joined(now)
         vote = election.vote
         vote_term, vote_for = (vote.term, vote.node_id) if vote is not None else (0, "")
         own = membership.record
