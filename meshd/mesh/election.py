@@ -218,19 +218,19 @@ class Election:
         key = self._key(node_id)
         return sum(1 for other, record in self._live.items() if eligible(record) and self._key(other) < key)
 
-    def _outranked(self, node_id: str) -> int:
-        """How many eligible live members are clearly better candidates than `node_id`: better
+    def _outranked(self, node_id: str) -> bool:
+        """Whether some eligible live member is clearly a better candidate than `node_id`: better
         reachable, or seen live at least a timeout longer. Views differ by gossip delays, so a
         voter holds back only for candidates that are better beyond doubt."""
         reach = _REACHABILITY_RANK[self._live[node_id].reachability]
         seen = self._first_seen.get(node_id, float("inf")) - self._config.election_timeout
-        count = 0
         for other, record in self._live.items():
             if other == node_id or not eligible(record):
                 continue
             other_reach = _REACHABILITY_RANK[record.reachability]
-            count += other_reach < reach or (other_reach == reach and self._first_seen.get(other, seen) < seen)
-        return count
+            if other_reach < reach or (other_reach == reach and self._first_seen.get(other, seen) < seen):
+                return True
+        return False
 
     def _claims(self) -> tuple[dict[str, int], list[Tracker]]:
         """Believable claims of live eligible members, this node's own (`_claim`) included, and
@@ -278,26 +278,27 @@ class Election:
             self._wait(now + self._config.election_timeout)
 
     def _cast(self, now: float, claims: dict[str, int]) -> None:
-        """With no tracker carried: vote for the best believable claim above our last vote whose
-        candidate's turn has come (one clearly outranked by r others may claim r timeouts into
-        the vacancy): a newcomer rushing to claim is not backed while its elders may still."""
+        """With no tracker carried: vote for the best candidate's believable claim above our last
+        vote. A candidate some member clearly outranks is backed only two timeouts into the
+        vacancy, after the best candidates have claimed (one timeout in): a newcomer rushing to
+        claim, at however high a term, is not backed while its elders run."""
         voted = self._vote.term if self._vote is not None else 0
         vacant_since = self._vacant_since if self._vacant_since is not None else now
         timeout = self._config.election_timeout
-        best: tuple[int, tuple[int, float, str]] | None = None
+        best: tuple[tuple[int, float, str], int] | None = None
         pending: float | None = None
         for node_id, term in claims.items():
             if term <= voted:
                 continue
-            due = vacant_since + timeout * self._outranked(node_id)
+            due = vacant_since + 2 * timeout if self._outranked(node_id) else now
             if now < due:
                 pending = due if pending is None else min(pending, due)
                 continue
-            option = (-term, self._key(node_id))
+            option = (self._key(node_id), -term)
             if best is None or option < best:
                 best = option
         if best is not None:
-            self._vote = Tracker(-best[0], best[1][2])
+            self._vote = Tracker(-best[1], best[0][2])
             self._voted_at = now
         elif pending is not None:
             self._wait(pending)
