@@ -101,6 +101,13 @@ def address(text: str) -> str:
     return f"{host}:{port}"
 
 
+def model_name(text: str) -> str:
+    """--model of ask: a model's name or digest, as the route request carries it."""
+    if not 0 < len(text) <= 128:
+        raise argparse.ArgumentTypeError("a model name or digest is 1 to 128 characters")
+    return text
+
+
 def dialable_address(text: str) -> str:
     """--advertise: a host others can dial (not 0.0.0.0 or ::) and a port."""
     host, port = host_port(text)
@@ -297,7 +304,7 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
     """What the daemon tells `meshd status` and `meshd ask` on its own machine."""
     async def answer(request: Message) -> Message:
         if isinstance(request, StatusRequest):
-            return daemon.status()
+            return daemon.status(offset=request.offset)
         if isinstance(request, RouteRequest):
             return daemon.route(request.model, request.exclude)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
@@ -450,25 +457,40 @@ async def relay(args: argparse.Namespace) -> int:
 
 # ----- status
 
+# pages a status asks for at most: the member table's cap over a page, and one more
+MAX_STATUS_PAGES = 8
+
+
 async def status(args: argparse.Namespace) -> int:
     print_status(await ask_status(args), args.json)
     return 0
 
 
 async def ask_status(args: argparse.Namespace) -> StatusReply:
-    """The status view of the local daemon, or of the member `--seed` names."""
+    """The status view of the local daemon, or of the member `--seed` names, with every page of its
+    members in one reply (coverage and fetches ride on the first page)."""
+    async def pages(ask: Callable[[StatusRequest], Awaitable[Message]], what: str) -> StatusReply:
+        first = expect(await ask(StatusRequest()), StatusReply, what)
+        members = list(first.members)
+        asked = 1
+        # Bounded: a node that keeps promising more members gets at most MAX_STATUS_PAGES asks.
+        while len(members) < first.total_members and asked < MAX_STATUS_PAGES:
+            page = expect(await ask(StatusRequest(offset=len(members))), StatusReply, what)
+            asked += 1
+            if not page.members:
+                break
+            members += page.members
+        # a view for this command only (it may hold more members than one message does)
+        return first.model_copy(update={"members": members})
+
     if args.seed is None:
-        reply = await control_request(args.state_dir, StatusRequest(), timeout=args.timeout)
-        what = "the local meshd"
-    else:
-        async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
-            enable_circuits(peers)
-            try:
-                reply = await rpc(peers, args.seed, StatusRequest(), timeout=args.timeout)
-            except trio.TooSlowError:
-                raise CommandError(f"{args.seed} did not answer within {args.timeout:g} s") from None
-        what = args.seed
-    return expect(reply, StatusReply, what)
+        return await pages(lambda r: control_request(args.state_dir, r, timeout=args.timeout), "the local meshd")
+    async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
+        enable_circuits(peers)
+        try:
+            return await pages(lambda r: rpc(peers, args.seed, r, timeout=args.timeout), args.seed)
+        except trio.TooSlowError:
+            raise CommandError(f"{args.seed} did not answer within {args.timeout:g} s") from None
 
 
 def fetch_line(f: FetchStatus) -> str:
@@ -570,9 +592,10 @@ async def ask(args: argparse.Namespace) -> int:
                               stall_timeout=args.timeout)
         else:
             async def ask_route(excluded: list[str]) -> Message:
+                wanted = RouteRequest(model=args.model, exclude=excluded)
                 if args.seed is None:
-                    return await control_request(args.state_dir, RouteRequest(exclude=excluded), timeout=args.timeout)
-                return await rpc(peers, args.seed, RouteRequest(exclude=excluded), timeout=args.timeout)
+                    return await control_request(args.state_dir, wanted, timeout=args.timeout)
+                return await rpc(peers, args.seed, wanted, timeout=args.timeout)
 
             async def find_route(excluded: list[str]) -> list[Stage]:
                 return await route_when_covered(lambda: ask_route(excluded), args.seed or "the local meshd",
@@ -813,6 +836,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HOST:PORT of a member to ask for a route (default: the local daemon)")
     add_state_dir(a, "the local daemon's state directory, used without --seed or --route")
     add_mesh_key(a)
+    a.add_argument("--model", type=model_name, metavar="NAME|DIGEST",
+                   help="the model to ask, by name or digest (default: the mesh's only model)")
     a.add_argument("--max-tokens", type=tokens, default=256, help="most new tokens (default: %(default)s)")
     a.add_argument("--temperature", type=number(0, 100), default=0.0,
                    help="sampling temperature, 0 for greedy (default: %(default)s)")

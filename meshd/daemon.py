@@ -556,7 +556,7 @@ class MeshDaemon:
         elif isinstance(request, RouteRequest):
             reply = self.route(request.model, request.exclude, peer)
         elif isinstance(request, StatusRequest):
-            reply = self.status(peer)
+            reply = self.status(peer, request.offset)
         elif isinstance(request, DialBackRequest):
             reply = await self._dial_back(stream, request)
         else:
@@ -572,9 +572,10 @@ class MeshDaemon:
         return self.duty.route(model, exclude, self.dial_address,
                                None if peer is None else lambda record: record_fits(record, peer))
 
-    def status(self, peer: str | None = None) -> StatusReply:
-        """The mesh as this node sees it; with `peer` (the asker's host), only addresses it may be told."""
-        reply = self.duty.status(None if peer is None else lambda address: address_fits(address, peer))
+    def status(self, peer: str | None = None, offset: int = 0) -> StatusReply:
+        """The mesh as this node sees it, from member `offset` on; with `peer` (the asker's host), only
+        addresses it may be told."""
+        reply = self.duty.status(None if peer is None else lambda address: address_fits(address, peer), offset)
         return reply.model_copy(update={"fetches": self.fetches[-8:]}) if self.fetches else reply
 
     # ----- the volunteer's duty, carried out

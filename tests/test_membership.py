@@ -152,7 +152,10 @@ def test_lifeguard_suspicion_shrinks_with_independent_confirmations() -> None:
                 0.0,
                 "x",
                 Gossip(
-                    version=0, gossip=[Suspect(node=target, incarnation=1, accuser=record(accuser).node_id)]
+                    version=0,
+                    # each signed by its accuser: relayed by "x", they count as independent accusers
+                    gossip=[Suspect(node=target, incarnation=1, accuser=record(accuser).node_id).signed(
+                        identity(accuser))],
                 ),
             )
         t = 0.0

@@ -60,10 +60,26 @@ class Mesh:
             for event in d.events():
                 self.seen[d.node_id].append(event)
                 if isinstance(event, AskAssignment) and self.answer_asks:
-                    d.assignment_reply(now, self.duties[event.tracker.node_id].assignment_for(d.node_id))
+                    # As the daemon's rpc does: a tracker that does not see its own election carried
+                    # yet (its votes still on their way) answers NOT_FOUND, and the ask failed.
+                    try:
+                        reply: AssignmentReply | None = self.duties[event.tracker.node_id].assignment_for(d.node_id)
+                    except ProtocolError:
+                        reply = None
+                    d.assignment_reply(now, reply)
                 elif isinstance(event, LoadRange) and self.finish_loads:
                     d.range_loaded(now, event.start, event.end)
         self.net.flush()
+
+    @property
+    def tracker(self) -> MeshDuty:
+        """The elected tracker (all start together, so the lowest node id wins: uptime is as observed)."""
+        (tracker,) = [d for d in self.duties.values() if d.is_tracker]
+        return tracker
+
+    @property
+    def volunteers(self) -> list[MeshDuty]:
+        return [d for d in self.duties.values() if not d.is_tracker]
 
     def of(self, d: MeshDuty, kind: type) -> list[DutyEvent]:
         return [e for e in self.seen[d.node_id] if isinstance(e, kind)]
@@ -85,8 +101,8 @@ def test_the_tracker_places_the_model_and_every_volunteer_loads_and_publishes_it
     duties = [duty(i) for i in range(4)]
     mesh = Mesh(*duties)
     mesh.run_until(10.0)
-    tracker = duties[0]  # the longest uptime
-    assert tracker.is_tracker and not any(d.is_tracker for d in duties[1:])
+    tracker = mesh.tracker
+    assert not any(d.is_tracker for d in mesh.volunteers)
     placed = tracker.assignments[MODEL.digest].ranges()
     assert set(placed) == {d.node_id for d in duties}
     for d in duties:
@@ -94,7 +110,7 @@ def test_the_tracker_places_the_model_and_every_volunteer_loads_and_publishes_it
     assert tiles(placed.values(), MODEL.n_layers)
     # the tracker counted its placements in its record; the others asked over the mesh, it asked itself
     assert tracker.node.record.assignment_version == len(mesh.of(tracker, AssignmentChanged)) >= 1
-    assert mesh.of(tracker, AskAssignment) == [] and all(mesh.of(d, AskAssignment) for d in duties[1:])
+    assert mesh.of(tracker, AskAssignment) == [] and all(mesh.of(d, AskAssignment) for d in mesh.volunteers)
     # a quiet mesh asks nothing more
     asks = sum(len(mesh.of(d, AskAssignment)) for d in duties)
     mesh.run_until(40.0)
@@ -105,7 +121,7 @@ def test_a_burst_of_joins_costs_one_placement() -> None:
     duties = [duty(i) for i in range(6)]
     mesh = Mesh(*duties[:2])
     mesh.run_until(10.0)
-    tracker = duties[0]
+    tracker = mesh.tracker
     placements = len(mesh.of(tracker, AssignmentChanged))
     for d in duties[2:]:
         mesh.net.add(d)
@@ -123,9 +139,9 @@ def test_a_dead_volunteer_is_replaced_and_the_others_move_only_if_needed() -> No
     duties = [duty(i) for i in range(5)]
     mesh = Mesh(*duties)
     mesh.run_until(10.0)
-    tracker = duties[0]
+    tracker = mesh.tracker
     before = tracker.assignments[MODEL.digest].ranges()
-    victim = next(d for d in duties[1:] if before.get(d.node_id))
+    victim = next(d for d in mesh.volunteers if before.get(d.node_id))
     mesh.net.down.add(victim.node_id)
     mesh.run_until(mesh.net.now + 30.0)
     after = tracker.assignments[MODEL.digest].ranges()
@@ -141,9 +157,9 @@ def test_a_failed_ask_is_retried_after_a_doubling_backoff() -> None:
     mesh = Mesh(*duties)
     mesh.answer_asks = False
     mesh.run_until(10.0)
-    volunteer = duties[1]
+    volunteer = mesh.volunteers[0]
     (ask,) = mesh.of(volunteer, AskAssignment)
-    assert ask.tracker.node_id == duties[0].node_id
+    assert ask.tracker.node_id == mesh.tracker.node_id
     now = mesh.net.now
     volunteer.assignment_reply(now, None)
     mesh.run_until(now + 0.9)
@@ -157,7 +173,7 @@ def test_a_failed_ask_is_retried_after_a_doubling_backoff() -> None:
     mesh.run_until(again + 2.1)
     assert len(mesh.of(volunteer, AskAssignment)) == 3
     mesh.answer_asks = True
-    volunteer.assignment_reply(mesh.net.now, duties[0].assignment_for(volunteer.node_id))
+    volunteer.assignment_reply(mesh.net.now, mesh.tracker.assignment_for(volunteer.node_id))
     mesh.run_until(mesh.net.now + 1.0)
     assert served(volunteer)
 
@@ -167,7 +183,7 @@ def test_a_failed_load_is_asked_for_again_later() -> None:
     mesh = Mesh(*duties)
     mesh.finish_loads = False
     mesh.run_until(10.0)
-    volunteer = duties[1]
+    volunteer = mesh.volunteers[0]
     (load,) = mesh.of(volunteer, LoadRange)
     volunteer.range_failed(mesh.net.now, load.start, load.end)
     assert volunteer.loading is None and not served(volunteer)
@@ -186,7 +202,7 @@ def test_a_volunteer_refuses_a_range_beyond_its_model_or_its_memory(model: str, 
     mesh = Mesh(*duties)
     mesh.answer_asks = False
     mesh.run_until(10.0)
-    volunteer = duties[1]
+    volunteer = mesh.volunteers[0]
     (ask,) = mesh.of(volunteer, AskAssignment)
     volunteer.assignment_reply(mesh.net.now, AssignmentReply(term=ask.tracker.term, model=model, start=start, end=end))
     mesh.run_until(mesh.net.now + 5.0)
@@ -199,10 +215,10 @@ def test_only_the_tracker_answers_assignment_asks() -> None:
     mesh = Mesh(*duties)
     mesh.run_until(10.0)
     with pytest.raises(ProtocolError) as caught:
-        duties[1].assignment_for(duties[0].node_id)
+        mesh.volunteers[0].assignment_for(mesh.tracker.node_id)
     assert caught.value.code is ErrorCode.NOT_FOUND
     stranger = duty(9)
-    reply = duties[0].assignment_for(stranger.node_id)
+    reply = mesh.tracker.assignment_for(stranger.node_id)
     assert reply.model is None and reply.reason
 
 
@@ -210,9 +226,9 @@ def test_a_model_nobody_can_cover_is_reported_once_with_the_reason() -> None:
     duties = [duty(0, memory=300), duty(1, memory=300)]
     mesh = Mesh(*duties)
     mesh.run_until(10.0)
-    changes = mesh.of(duties[0], AssignmentChanged)
+    changes = mesh.of(mesh.tracker, AssignmentChanged)
     assert len(changes) == 1 and changes[0].assignment is None and "raise --memory" in changes[0].reason
-    assert MODEL.digest in duties[0].uncovered and not duties[0].assignments
+    assert MODEL.digest in mesh.tracker.uncovered and not mesh.tracker.assignments
     assert not any(mesh.of(d, LoadRange) for d in duties)
 
 
@@ -220,14 +236,14 @@ def test_leaving_is_announced_after_the_last_record_went_round() -> None:
     duties = [duty(i) for i in range(4)]
     mesh = Mesh(*duties)
     mesh.run_until(10.0)
-    leaver = duties[2]
+    leaver = mesh.volunteers[1]
     leaver.leave(mesh.net.now)
     assert not leaver.left_announced
     mesh.run_until(mesh.net.now + 2.0)
     assert leaver.left_announced
     assert all(d.node.membership.state(leaver.node_id).value == "left" for d in duties if d is not leaver)
     # and nobody asks it to serve any more
-    assert leaver.node_id not in duties[0].assignments[MODEL.digest].ranges()
+    assert leaver.node_id not in mesh.tracker.assignments[MODEL.digest].ranges()
     alone = duty(7)
     alone.leave(0.0)
     assert alone.left_announced
@@ -238,7 +254,7 @@ def test_served_ranges_reach_the_record_only_once_loaded() -> None:
     mesh = Mesh(*duties)
     mesh.finish_loads = False
     mesh.run_until(10.0)
-    volunteer = duties[1]
+    volunteer = mesh.volunteers[0]
     (load,) = mesh.of(volunteer, LoadRange)
     assert not served(volunteer) and volunteer.loading == (load.start, load.end)
     volunteer.range_loaded(mesh.net.now, load.start + 1, load.end)  # not what it was asked to load
@@ -251,21 +267,22 @@ def test_a_range_whose_worker_is_down_is_not_offered_until_it_is_back() -> None:
     duties = [duty(i) for i in range(3)]
     mesh = Mesh(*duties)
     mesh.run_until(10.0)
-    volunteer = duties[1]
+    volunteer = mesh.volunteers[0]
     rng_ = volunteer.serving
     assert rng_ is not None and served(volunteer) == [rng_]
-    placements = len(mesh.of(duties[0], AssignmentChanged))
+    observer = mesh.volunteers[1]
+    placements = len(mesh.of(mesh.tracker, AssignmentChanged))
     volunteer.range_down(mesh.net.now, *rng_)
     assert served(volunteer) == []
     mesh.run_until(mesh.net.now + 5.0)
     # the others no longer see it served; the tracker does not move it for a restart
-    held = duties[2].node.membership.record_of(volunteer.node_id)
+    held = observer.node.membership.record_of(volunteer.node_id)
     assert held is not None and held.served == []
-    assert len(mesh.of(duties[0], AssignmentChanged)) == placements
+    assert len(mesh.of(mesh.tracker, AssignmentChanged)) == placements
     volunteer.range_down(mesh.net.now, rng_[0], rng_[1] + 1)  # not the range it serves: nothing to do
     volunteer.range_up(mesh.net.now, *rng_)
     mesh.run_until(mesh.net.now + 5.0)
-    held = duties[2].node.membership.record_of(volunteer.node_id)
+    held = observer.node.membership.record_of(volunteer.node_id)
     assert held is not None and [(s.start, s.end) for s in held.served] == [rng_]
 
 
@@ -274,7 +291,7 @@ def test_after_leaving_nothing_the_shell_reports_signs_a_record() -> None:
     mesh = Mesh(*duties)
     mesh.finish_loads = False
     mesh.run_until(10.0)
-    tracker, volunteer = duties
+    tracker, volunteer = mesh.tracker, mesh.volunteers[0]
     (load,) = mesh.of(volunteer, LoadRange)
     for d in duties:
         d.leave(mesh.net.now)

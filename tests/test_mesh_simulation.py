@@ -317,9 +317,12 @@ async def test_200_nodes_converge_and_the_tracker_duty_serves_the_model_through_
         assert len(before.stages) >= N - 1
         mesh.routes_everywhere(mesh.ids[::40])
 
-        # Ten members die (hosts of the fastest chain first, never the tracker) and ten join.
-        victims = [s.node_id for s in before.chain if s.node_id != tracker.node_id]
-        victims += [node_id for node_id in mesh.ids if node_id not in victims and node_id != tracker.node_id]
+        # Ten members die (hosts of the fastest chain first, never the tracker nor node 0, the seed the
+        # joiners dial: the tracker is elected by observed uptime and node id, so it need not be node 0)
+        # and ten join.
+        spared = {tracker.node_id, mesh.ids[0]}
+        victims = [s.node_id for s in before.chain if s.node_id not in spared]
+        victims += [node_id for node_id in mesh.ids if node_id not in victims and node_id not in spared]
         for node_id in victims[:10]:
             mesh.kill(node_id)
         joiners = [mesh.add(memory_gib=8) for _ in range(10)]
@@ -373,7 +376,10 @@ async def test_partition_gives_one_tracker_per_side_and_healing_leaves_one_servi
         healed = await mesh.wait_served(mesh.ids, limit=90)
         print(f"\npartition: sides served after {split:.0f} s; healed mesh served after {healed:.0f} s")
         assert len(mesh.claimants()) == 1
-        assert mesh.nodes[mesh.ids[0]].tracker == max(trackers)
+        # Each side's tracker has half the votes of the healed mesh, a majority of none: a new
+        # election carries one of them (or another) at a new term.
+        healed_tracker = mesh.nodes[mesh.ids[0]].tracker
+        assert healed_tracker is not None and healed_tracker.term > max(trackers).term
         mesh.routes_everywhere(mesh.ids[::40])
         nursery.cancel_scope.cancel()
 

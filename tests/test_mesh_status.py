@@ -51,14 +51,18 @@ def test_coverage_counts_live_serving_layers_and_spare_copies() -> None:
     assert (half.covered_layers, half.replicas) == (4, 0)
 
 
-def test_a_view_larger_than_a_reply_is_cut_to_its_bounds_not_refused() -> None:
-    # 32 served ranges fit a record; a status line lists 16. 4100 members; a reply lists 4096.
+def test_a_view_larger_than_a_reply_comes_in_pages_of_whole_records() -> None:
+    # 32 served ranges fit a record and a status line. 4100 members: pages of 1024.
     wide = record(1, models=[MODEL], served=[ServedRange(model=f"sha256:{i}", start=0, end=1) for i in range(32)])
     members = [info(wide)] * 4100
     view = status_view(wide.node_id, members, [wide], None)
-    assert len(view.members) == 4096 and len(view.members[0].served) == 16
+    assert len(view.members) == 1024 and len(view.members[0].served) == 32 and view.total_members == 4100
+    assert view.coverage
     again = decode(encode(view))
     assert isinstance(again, StatusReply) and again == view
+    last = status_view(wide.node_id, members, [wide], None, offset=4096)
+    assert len(last.members) == 4 and not last.coverage
+    assert status_view(wide.node_id, members, [wide], None, offset=5000).members == []
 
 
 def test_held_models_lists_each_digest_once() -> None:

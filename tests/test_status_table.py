@@ -11,6 +11,7 @@ from localmesh import Served, run_meshd, start_join
 
 from meshd.status_table import WIDTH, as_json, clean, columns, render, size
 from wire.meshrpc import MemberStatus, ModelCoverage, StatusReply
+from wire.swim import MAX_ADDRESSES, MAX_MODELS, MAX_ROLES, MAX_SERVED
 from wire.types import MAX_ADDRESS_LEN, MAX_NODE_ID_LEN
 
 KEYS = {"node_id", "tracker", "term", "members", "coverage", "fetches"}
@@ -44,12 +45,12 @@ def wide_mesh() -> StatusReply:
             node_id=f"{i:0{MAX_NODE_ID_LEN}x}",
             address=[f"[2001:db8:ffff:ffff:ffff:ffff:ffff:{i:04x}]:65535", long_host, "", "1.2.3.4:5"][i % 4],
             state=["alive", "suspect", "dead", "left"][i % 4],
-            roles=[("role-" + "x" * 27)[:32]] * 16 if i % 3 == 0 else ["volunteer", "relay"],
+            roles=[("role-" + "x" * 27)[:32]] * (MAX_ROLES + 1) if i % 3 == 0 else ["volunteer", "relay"],
             reachability="nat" if i % 2 else "direct",
             memory_bytes=[(1 << 63) - 1, 0, 9999 << 30, 123][i % 4],
-            served=[f"{'e' * 12} [{k}, {k + 1})" for k in range(16)],
-            models=["m" * 256] * 16,
-            relay_addresses=[relay[:MAX_ADDRESS_LEN]] * 16 if i % 2 else []))
+            served=[f"{'e' * 12} [{k}, {k + 1})" for k in range(MAX_SERVED)],
+            models=["m" * 256] * MAX_MODELS,
+            relay_addresses=[relay[:MAX_ADDRESS_LEN]] * MAX_ADDRESSES if i % 2 else []))
     coverage = [ModelCoverage(
         model="c" * 128, name=("模型" * 200)[:256] if k % 2 else "\x1b[2J\x1b]0;pwned\x07" + "n" * 230,
         n_layers=4096, covered_layers=k, replicas=(1 << 63) - 1,

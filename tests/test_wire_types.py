@@ -258,12 +258,13 @@ def test_token_ids_out_of_bounds_are_refused(tokens: object, fragment: str) -> N
 # ----- the wire format stays byte-identical (hex produced by the code before the change; in
 # wire_pins.txt, `open` and `record_ping` were made anew when Open gained wire_codec and the
 # record assignment_version, and `record_ping` again when the record gained `holds`, gpu_memory_bytes
-# and gpu_layers and ModelInfo `whole` and layer_bytes)
+# and gpu_layers, ModelInfo `whole` and layer_bytes, and the election vote)
 
 _PINNED = {
     "error": "0000003d85a474797065a56572726f72a17601a4636f6465aa4f5645524c4f41444544a76d657373616765a46275"
     "7379ae72657472795f61667465725f6d73ccfa",
-    "status_request": "0000001882a474797065ae7374617475735f72657175657374a17601",
+    # made anew when StatusRequest gained its offset (status comes in pages)
+    "status_request": "0000002083a474797065ae7374617475735f72657175657374a17601a66f666673657400",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from wire.codec import Limits, Message, WireModel, register_protocol
-from wire.swim import SWIM_PROTOCOL
+from wire.swim import MAX_ADDRESSES, MAX_MODELS, MAX_ROLES, MAX_SERVED, SWIM_PROTOCOL
 from wire.types import Address, Count, Digest, Host, Label, Layer, NodeId, Port, Prose, Text
 
 MESH_PROTOCOL = "meshd/mesh/1"
@@ -52,12 +52,14 @@ class MemberStatus(WireModel):
     node_id: NodeId
     address: Text
     state: Label
-    roles: list[Label] = Field(max_length=16)
+    # A status line holds whatever a record may (its roles and "tracker"): the reply's bounds are the
+    # record's, so no valid record can break `meshd status`.
+    roles: list[Label] = Field(max_length=MAX_ROLES + 1)
     reachability: Label
     memory_bytes: Count
-    served: list[Text] = Field(max_length=16)
-    models: list[Text] = Field(max_length=16)
-    relay_addresses: list[Address] = Field(default_factory=list, max_length=16)
+    served: list[Text] = Field(max_length=MAX_SERVED)
+    models: list[Text] = Field(max_length=MAX_MODELS)
+    relay_addresses: list[Address] = Field(default_factory=list, max_length=MAX_ADDRESSES)
 
 
 class ModelCoverage(WireModel):
@@ -93,18 +95,26 @@ class FetchStatus(WireModel):
     state: Text = "fetching"
 
 
+# Members per status reply: a page of the widest records fits a mesh message (4 MiB) with room.
+STATUS_PAGE = 1024
+
+
 class StatusRequest(Message, tag="status_request"):
-    pass
+    """The page of members from `offset` on (in the answering node's order; coverage on the first)."""
+
+    offset: Count = 0
 
 
 class StatusReply(Message, tag="status"):
     node_id: NodeId
     tracker: NodeId | None = None
     term: Count
-    members: list[MemberStatus] = Field(max_length=4096)
+    members: list[MemberStatus] = Field(max_length=STATUS_PAGE)
     coverage: list[ModelCoverage] = Field(max_length=64)
     # The answering node's own fetches, newest last.
     fetches: list[FetchStatus] = Field(default_factory=list, max_length=8)
+    # Members the answering node knows in all; `members` is the page of them from the asked offset.
+    total_members: Count = 0
 
 
 class DialBackRequest(Message, tag="dial_back_request"):

@@ -11,14 +11,14 @@ that admits records is ``meshd.mesh.records``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 import msgpack
 from pydantic import Field, model_validator
 
 from wire.codec import Limits, Message, WireModel, register_protocol
 from wire.identity import NodeIdentity, node_id_of, verify
-from wire.types import MAX_LAYERS, Address, Count, Digest, Label, LayerCount, NodeId, Seconds, Text
+from wire.types import MAX_LAYERS, MAX_NODE_ID_LEN, Address, Count, Digest, Label, LayerCount, NodeId, Seconds, Text
 
 SWIM_PROTOCOL = "meshd/swim/1"
 
@@ -130,6 +130,10 @@ class CapabilityRecord(WireModel):
     started_at: Annotated[float, Field(allow_inf_nan=False)] = 0.0
     # A positive term means this node claims to be the tracker for that term.
     tracker_term: Count = 0
+    # This node's vote in the tracker election: the claim (term, candidate) it backs; 0: none.
+    # A claim is the tracker only once the votes of a majority of live members name it.
+    vote_term: Count = 0
+    vote_for: Annotated[str, Field(max_length=MAX_NODE_ID_LEN)] = ""
     # A tracker counts the changes of its assignment here, so volunteers learn by gossip when to ask
     # for their range again instead of asking over and over.
     assignment_version: Count = 0
@@ -202,18 +206,40 @@ class Alive(WireModel):
     record: CapabilityRecord
 
 
-class Suspect(WireModel):
+_ACCUSATION_DOMAIN = b"meshd-accusation-v1\x00"
+
+
+class _Accusation(WireModel):
+    """An accusation about `node` at `incarnation`, signed by its `accuser`, so that whoever passes
+    it on cannot pass off its own accusations as others' (Lifeguard counts accusers)."""
+
+    node: NodeId
+    incarnation: Count
+    accuser: NodeId
+    signature: Annotated[bytes, Field(max_length=64)] = b""
+
+    def signing_bytes(self) -> bytes:
+        body = [self.model_dump()["kind"], self.node, self.incarnation, self.accuser]
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+        return _ACCUSATION_DOMAIN + packed
+
+    def signed(self, identity: NodeIdentity) -> Self:
+        """This accusation signed by `identity`, which must be its accuser."""
+        if identity.node_id != self.accuser:
+            raise ValueError("only the accuser can sign its accusation")
+        return self.model_copy(update={"signature": identity.sign(self.signing_bytes())})
+
+    def verify(self, public_key: bytes) -> bool:
+        """Signed by `public_key`, the key of the accuser's record."""
+        return bool(self.signature) and _verify_cached(public_key, self.signing_bytes(), self.signature)
+
+
+class Suspect(_Accusation):
     kind: Literal["suspect"] = "suspect"
-    node: NodeId
-    incarnation: Count
-    accuser: NodeId
 
 
-class Dead(WireModel):
+class Dead(_Accusation):
     kind: Literal["dead"] = "dead"
-    node: NodeId
-    incarnation: Count
-    accuser: NodeId
 
 
 Update = Annotated[Alive | Suspect | Dead, Field(discriminator="kind")]

@@ -24,7 +24,7 @@ own view.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 
 from meshd.mesh.assignment import (
@@ -114,6 +114,35 @@ def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
             tuple((h.model, h.start, h.end) for h in record.holds))
 
 
+def pick_model(models: dict[str, ModelInfo], wanted: str | None) -> ModelInfo:
+    """The model an asker means: by digest, or by name if one digest alone bears it; with none
+    named, the mesh's only model. Never the first one heard of: any member can add a model (a
+    made-up digest under a real model's name), so an ambiguous ask fails listing the candidates."""
+    if wanted is not None:
+        if wanted in models:
+            return models[wanted]
+        named = [info for info in models.values() if info.name == wanted]
+        if len(named) == 1:
+            return named[0]
+        if not named:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {wanted[:64]}; "
+                                f"the mesh holds: {_listed(models.values())}")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(named)} models are named {wanted[:64]}: "
+                            f"{_listed(named)}; name one by its digest")
+    if not models:
+        raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
+    if len(models) > 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the mesh holds {len(models)} models: "
+                            f"{_listed(models.values())}; name one with --model")
+    return next(iter(models.values()))
+
+
+def _listed(models: Iterable[ModelInfo], most: int = 8) -> str:
+    shown = list(models)
+    text = ", ".join(f"{info.name[:40]} ({info.digest})" for info in shown[:most])
+    return text + (f" and {len(shown) - most} more" if len(shown) > most else "")
+
+
 class MeshDuty:
     """The duties of one node; see the module's docstring for how it is driven."""
 
@@ -123,6 +152,7 @@ class MeshDuty:
         # the tracker's books: soft state, rebuilt from gossip by whoever is tracker next
         self.assignments: dict[str, Assignment] = {}
         self.uncovered: dict[str, str] = {}
+        self._placed_before: dict[str, Assignment] = {}  # the placement each model had before the last
         # why a model is not covered, by digest, with the placement inputs it was worked out from
         self._reasons: dict[str, tuple[object, str]] = {}
         self._capacity_seen: dict[str, tuple[object, ...]] = {}
@@ -204,6 +234,14 @@ class MeshDuty:
         if reply is None:
             if self._current_ask() is not None and self.node.tracker == asked[0]:
                 self._failed(now)  # a tracker that changed meanwhile is asked at once, not after a backoff
+        elif self.node.tracker != asked[0] or reply.term != asked[0].term:
+            # Not from the tracker we follow now, or for another term: the asker's rpc reached the
+            # node it named, but that node no longer speaks for the mesh (or lies about its term):
+            # ask again after the backoff a failed ask gets (at once if the tracker changed).
+            self._events.append(RangeRefused(reply.start, reply.end,
+                                             f"from term {reply.term}, not the tracker followed"))
+            if self.node.tracker == asked[0]:
+                self._failed(now)
         else:
             self._answered = asked
             self._failures = 0
@@ -268,21 +306,10 @@ class MeshDuty:
     def route(self, model: str | None, exclude: Collection[str],
               address_of: Callable[[CapabilityRecord], str | None],
               fits: Callable[[CapabilityRecord], bool] | None = None) -> RouteReply:
-        """The cheapest route for `model` (the mesh's only one if None) from this node's view;
+        """The cheapest route for `model` (a digest or a name; None: the mesh's only one) from this node's view;
         `address_of` says where the asker dials each stage, `fits` which members it may be told of."""
         live = self.node.membership.live_records()
-        models = held_models(live)
-        if model is None:
-            if not models:
-                raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
-            model = next(iter(models))
-        info = models.get(model)
-        if info is None:
-            # a model's name stands for its id when it names one model only
-            named = [i for i in models.values() if i.name == model]
-            info = named[0] if len(named) == 1 else None
-        if info is None:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {model[:12]}")
+        info = pick_model(held_models(live), model)
         model = info.digest
         records = {r.node_id: r for r in live if address_of(r) is not None and (fits is None or fits(r))}
         rtt, own = self.node.membership.rtt, self.node.node_id
@@ -292,7 +319,8 @@ class MeshDuty:
             return (rtt(b) or 0.0) if a is None or a == own else 0.001
 
         try:
-            found = plan_route(stage_options(records.values(), model), info.n_layers, link_cost, exclude=exclude)
+            found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model)),
+                               info.n_layers, link_cost, exclude=exclude)
         except NoRouteError as exc:
             reason = self.coverage_reason(info)
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
@@ -305,11 +333,25 @@ class MeshDuty:
             stages.append(RouteStage(node_id=s.node_id, address=address, start=s.start, end=s.end))
         return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
 
-    def status(self, address_fits: Callable[[str], bool] | None = None) -> StatusReply:
-        """The status view; `address_fits` says which addresses the asker may be told (None: all)."""
+    def _assigned(self, model: str) -> dict[str, set[Range]] | None:
+        """As tracker, the ranges it placed for `model`, now and before its last move (a volunteer
+        serves its old range until the new one loads): routes go only over those. None where this
+        node holds no placement (not the tracker, or not placed yet): routes follow the records."""
+        placed = self.assignments.get(model)
+        if not self.is_tracker or placed is None:
+            return None
+        out: dict[str, set[Range]] = {}
+        for assignment in (placed, self._placed_before.get(model)):
+            for node_id, rng in (assignment.ranges() if assignment is not None else {}).items():
+                out.setdefault(node_id, set()).add(rng)
+        return out
+
+    def status(self, address_fits: Callable[[str], bool] | None = None, offset: int = 0) -> StatusReply:
+        """The status view from member `offset` on; `address_fits` says which addresses the asker may
+        be told (None: all)."""
         membership = self.node.membership
         return status_view(self.node.node_id, membership.members(), membership.live_records(), self.node.tracker,
-                           address_fits, self.coverage_reason)
+                           address_fits, self.coverage_reason, offset)
 
     def coverage_reason(self, info: ModelInfo) -> str:
         """Why the live members cannot cover `info` ("" when they can: it is then only loading or fetching)."""
@@ -355,6 +397,8 @@ class MeshDuty:
                 continue
             self.uncovered.pop(digest, None)
             if placed != before:
+                if before is not None:
+                    self._placed_before[digest] = before
                 self.assignments[digest] = placed
                 self._events.append(AssignmentChanged(digest, placed))
                 changed = True

@@ -1,26 +1,44 @@
 """Tracker election over the membership view, as a sans-IO state machine.
 
 A tracker claim is the `tracker_term` field of the claimant's own signed
-capability record, so it spreads (and is rebuilt after a restart) like any
-other record, cannot be forged for someone else, and the tracker's heartbeat
-is its SWIM liveness. Everyone follows the highest live (term, node id).
+capability record, and a vote is the `vote_term`/`vote_for` pair of the
+voter's own signed record: both spread (and are rebuilt after a restart) like
+any other record and cannot be forged for someone else. A claim is the
+tracker only once the votes of a majority of live members carry it, so one
+member cannot make itself tracker by saying so.
 
-When no live tracker has been seen for the election timeout, candidates claim
-term + 1 in order of merit (directly reachable, longest uptime, lowest node
-id): the best one in a node's view after one timeout, the next after two, and
-so on, so a best candidate that is gone without being detected yet does not
-stall the election. Two claims racing (or two trackers meeting when a
-partition heals) resolve to the higher (term, id); the other steps down.
+Members are strangers, so a claim counts only when it is believable:
+
+- its term is at most one above the highest term seen (a carried claim's term
+  counts as seen), so a claim of 2**63-1 is ignored rather than followed, and
+  nobody is locked out above it;
+- its candidate is eligible (no light client, no departing node);
+- a voter grants it only while no carried tracker is live (a live tracker is
+  not unseated by a newcomer's claim), once per term, and only once the
+  candidate's rank in the voter's own view has come due;
+- uptime is what this node observed (when it first saw the member live), not
+  the `started_at` a member says of itself.
+
+When no carried tracker is live for the election timeout, candidates claim
+term + 1 in order of merit (directly reachable, longest observed uptime,
+lowest node id): the best one in a node's view after one timeout, the next
+after two, and so on, so a best candidate that is gone without being
+detected yet does not stall the election. A claim not carried within a
+timeout (votes split) is renewed at the next term by the best claimant;
+a candidate steps down when it votes for another claim, or another tracker
+is carried.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshd.mesh.records import ROLE_CLIENT, CapabilityRecord
 
 _REACHABILITY_RANK = {"public": 0, "unknown": 1, "nat": 2}
-# Records bound terms below 2**63. A node that claimed the last term keeps it; nobody can outbid it.
+# The largest term a record can carry; a claim is capped there rather than overflowing.
 _LAST_TERM = 2**63 - 1
 
 
@@ -40,26 +58,50 @@ def eligible(record: CapabilityRecord) -> bool:
     return ROLE_CLIENT not in record.roles and not record.leaving
 
 
-def candidate_key(record: CapabilityRecord) -> tuple[int, float, str]:
-    """Smaller is better: directly reachable first, then longest uptime, then lowest node id."""
-    return (_REACHABILITY_RANK[record.reachability], record.started_at, record.node_id)
+def candidate_key(record: CapabilityRecord, first_seen: float) -> tuple[int, float, str]:
+    """Smaller is better: directly reachable first, then longest observed uptime, then lowest node id."""
+    return (_REACHABILITY_RANK[record.reachability], first_seen, record.node_id)
+
+
+def _says(record: CapabilityRecord) -> tuple[object, ...]:
+    """What the election reads of a record."""
+    return (record.tracker_term, record.vote_term, record.vote_for, record.reachability, eligible(record))
+
+
+def believable_terms(terms: Iterable[int], highest: int) -> int:
+    """The highest term reachable from `highest` by claims each at most one above the last."""
+    for term in sorted(terms):
+        if term > highest + 1:
+            break
+        highest = max(highest, term)
+    return highest
 
 
 class Election:
-    """One node's view of who the tracker is, and whether this node should claim the role.
+    """One node's view of who the tracker is, whom it votes for, and whether it should claim the role.
 
     Feed it every record this node learns with `observe` (live: alive or suspect),
     and call `handle_timer` when `next_timer()` has passed. `claim` is the
-    tracker term this node's own record must carry (0: none).
+    tracker term this node's own record must carry (0: none), `vote` the
+    (term, candidate) its record must name (None: none yet).
     """
 
     def __init__(self, node_id: str, now: float, config: ElectionConfig = ElectionConfig()) -> None:
         self._node_id = node_id
         self._config = config
         self._live: dict[str, CapabilityRecord] = {}
-        self._claims: dict[str, int] = {}  # other live members claiming a term
+        # Kept as records come and go, so that a record costs O(claims), not O(members): the claims
+        # of other live eligible members, and every live member's vote with their tally.
+        self._claiming: dict[str, int] = {}
+        self._votes_of: dict[str, Tracker] = {}
+        self._tally: Counter[Tracker] = Counter()
+        # When this node first saw each live member live: the uptime the election trusts.
+        self._first_seen: dict[str, float] = {node_id: now}
         self._highest_term = 0
         self._claim = 0
+        self._claimed_at = 0.0
+        self._vote: Tracker | None = None
+        self._voted_at = 0.0
         self._tracker: Tracker | None = None
         self._vacant_since: float | None = now
         self._deadline: float | None = now + config.election_timeout
@@ -72,58 +114,191 @@ class Election:
     def claim(self) -> int:
         return self._claim
 
+    @property
+    def vote(self) -> Tracker | None:
+        return self._vote
+
+    @property
+    def highest_term(self) -> int:
+        return self._highest_term
+
     def observe(self, now: float, record: CapabilityRecord, live: bool) -> None:
         node_id = record.node_id
-        self._highest_term = max(self._highest_term, record.tracker_term)
+        held = self._live.get(node_id)
+        if live and held is not None and _says(held) == _says(record):
+            self._live[node_id] = record  # a new version saying nothing new to the election: most are
+            return
+        if node_id != self._node_id:
+            self._count_vote(node_id, Tracker(record.vote_term, record.vote_for) if live and record.vote_term else None)
+            if live and record.tracker_term > 0 and eligible(record):
+                self._claiming[node_id] = record.tracker_term
+            else:
+                self._claiming.pop(node_id, None)
         if live:
             self._live[node_id] = record
+            self._first_seen.setdefault(node_id, now)
         else:
             self._live.pop(node_id, None)
-        # Our own claim is `_claim`; the record echoing it may lag behind a step-down.
-        if node_id != self._node_id:
-            if live and record.tracker_term > 0:
-                self._claims[node_id] = record.tracker_term
-            else:
-                self._claims.pop(node_id, None)
+            if node_id != self._node_id:
+                # A member that comes back starts its observed uptime afresh.
+                self._first_seen.pop(node_id, None)
+        self._refresh(now)
+
+    def _count_vote(self, voter: str, vote: Tracker | None) -> None:
+        old = self._votes_of.pop(voter, None)
+        if old is not None:
+            self._tally[old] -= 1
+            if not self._tally[old]:
+                del self._tally[old]
+        if vote is not None:
+            self._votes_of[voter] = vote
+            self._tally[vote] += 1
+
+    def joined(self, now: float) -> None:
+        """This node has joined the mesh (or founded it): its own uptime counts from now, as the
+        others observe it from about now. Counted from its start, every joiner would rank itself
+        ahead of the members it has only just heard of."""
+        self._first_seen[self._node_id] = now
         self._refresh(now)
 
     def handle_timer(self, now: float, joined: bool) -> None:
-        if self._deadline is None or now < self._deadline or self._vacant_since is None:
+        if self._deadline is None or now < self._deadline:
             return
-        if self._highest_term >= _LAST_TERM:
-            self._deadline = None
+        self._deadline = None
+        self._refresh(now)
+        if self._vacant_since is None:
             return
         own = self._live.get(self._node_id)
         # A node still joining has not seen the mesh yet; claiming now would unseat its tracker.
         if not joined or own is None or not eligible(own):
-            self._deadline = now + self._config.election_timeout
+            self._wait(now + self._config.election_timeout)
             return
-        key = candidate_key(own)
-        rank = sum(1 for record in self._live.values() if eligible(record) and candidate_key(record) < key)
-        due = self._vacant_since + self._config.election_timeout * (1 + rank)
-        if now < due:
-            # Better candidates may die meanwhile and lower our rank: look again a timeout from now.
-            self._deadline = min(due, now + self._config.election_timeout)
-            return
-        self._highest_term += 1
-        self._claim = self._highest_term
+        timeout = self._config.election_timeout
+        if self._claim:
+            if now < self._claimed_at + timeout:
+                self._wait(self._claimed_at + timeout)
+                return
+            # Not carried within a timeout: the votes split. The claimant with the most votes
+            # (then the lowest node id: something every view agrees on) renews, the others withdraw.
+            claims, _ = self._claims()
+            best = min(claims, key=lambda node_id: (-self._votes(Tracker(claims[node_id], node_id)), node_id))
+            if best != self._node_id:
+                self._claim = 0
+                self._wait(now + timeout)
+                self._refresh(now)
+                return
+        else:
+            vote = self._vote
+            if vote is not None and self._claims()[0].get(vote.node_id) == vote.term \
+                    and now < self._voted_at + timeout:
+                # We back someone's live claim: give its votes a timeout to gather before running.
+                self._wait(self._voted_at + timeout)
+                return
+            due = self._vacant_since + timeout * (1 + self._rank(self._node_id))
+            if now < due:
+                # Better candidates may die meanwhile and lower our rank: look again a timeout from now.
+                self._wait(min(due, now + timeout))
+                return
+        self._claim = min(self._highest_term + 1, _LAST_TERM)
+        self._claimed_at = now
+        self._vote = Tracker(self._claim, self._node_id)
+        self._wait(now + timeout)
         self._refresh(now)
 
     def next_timer(self) -> float | None:
         return self._deadline
 
+    # ----- the view
+
+    def _key(self, node_id: str) -> tuple[int, float, str]:
+        return candidate_key(self._live[node_id], self._first_seen.get(node_id, float("inf")))
+
+    def _rank(self, node_id: str) -> int:
+        """How many eligible live members are better candidates than `node_id`, in this node's view."""
+        key = self._key(node_id)
+        return sum(1 for other, record in self._live.items() if eligible(record) and self._key(other) < key)
+
+    def _outranked(self, node_id: str) -> bool:
+        """Whether some eligible live member is clearly a better candidate than `node_id`: better
+        reachable, or seen live at least a timeout longer. Views differ by gossip delays, so a
+        voter holds back only for candidates that are better beyond doubt."""
+        reach = _REACHABILITY_RANK[self._live[node_id].reachability]
+        seen = self._first_seen.get(node_id, float("inf")) - self._config.election_timeout
+        for other, record in self._live.items():
+            if other == node_id or not eligible(record):
+                continue
+            other_reach = _REACHABILITY_RANK[record.reachability]
+            if other_reach < reach or (other_reach == reach and self._first_seen.get(other, seen) < seen):
+                return True
+        return False
+
+    def _claims(self) -> tuple[dict[str, int], list[Tracker]]:
+        """Believable claims of live eligible members, this node's own (`_claim`) included, and
+        the carried ones. A carried claim is believed at any term: a majority of live members
+        backs it (which is how a newcomer learns the term), and voters back only believable ones."""
+        claims = dict(self._claiming)
+        if self._claim:
+            claims[self._node_id] = self._claim  # our record may lag behind a step-down
+        live = len(self._live)
+        carried = [Tracker(term, node_id) for node_id, term in claims.items()
+                   if 2 * self._votes(Tracker(term, node_id)) > live]
+        highest = max((claim.term for claim in carried), default=0)
+        self._highest_term = believable_terms(claims.values(), max(self._highest_term, highest))
+        believable = {node_id: term for node_id, term in claims.items() if term <= self._highest_term}
+        return believable, carried
+
+    def _votes(self, claim: Tracker) -> int:
+        own = self._node_id in self._live and self._vote == claim
+        return self._tally[claim] + own
+
+    def _wait(self, deadline: float) -> None:
+        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+
     def _refresh(self, now: float) -> None:
-        best = max((Tracker(term, node_id) for node_id, term in self._claims.items()), default=None)
+        claims, carried = self._claims()
+        tracker = max(carried, default=None)
         if self._claim:
             own = Tracker(self._claim, self._node_id)
-            if best is None or own > best:
-                best = own
-            else:
-                self._claim = 0  # a higher claim is live: step down
-        self._tracker = best
-        if best is not None:
+            # Another tracker is carried, or we voted for a better claim (`_cast` backs a higher one
+            # only once its candidate's turn has come, so a newcomer's higher claims unseat nobody).
+            if (tracker is not None and tracker != own) or self._vote != own:
+                self._claim = 0
+        if tracker is not None:
+            # Endorse the tracker we follow, so it keeps a majority as the mesh grows.
+            self._vote = tracker
+        else:
+            self._cast(now, claims)
+        self._tracker = tracker
+        if tracker is not None:
             self._vacant_since = None
             self._deadline = None
         elif self._vacant_since is None:
             self._vacant_since = now
-            self._deadline = now + self._config.election_timeout
+            self._deadline = None
+            self._wait(now + self._config.election_timeout)
+
+    def _cast(self, now: float, claims: dict[str, int]) -> None:
+        """With no tracker carried: vote for the best candidate's believable claim above our last
+        vote. A candidate some member clearly outranks is backed only two timeouts into the
+        vacancy, after the best candidates have claimed (one timeout in): a newcomer rushing to
+        claim, at however high a term, is not backed while its elders run."""
+        voted = self._vote.term if self._vote is not None else 0
+        vacant_since = self._vacant_since if self._vacant_since is not None else now
+        timeout = self._config.election_timeout
+        best: tuple[tuple[int, float, str], int] | None = None
+        pending: float | None = None
+        for node_id, term in claims.items():
+            if term <= voted:
+                continue
+            due = vacant_since + 2 * timeout if self._outranked(node_id) else now
+            if now < due:
+                pending = due if pending is None else min(pending, due)
+                continue
+            option = (self._key(node_id), -term)
+            if best is None or option < best:
+                best = option
+        if best is not None:
+            self._vote = Tracker(-best[1], best[0][2])
+            self._voted_at = now
+        elif pending is not None:
+            self._wait(pending)

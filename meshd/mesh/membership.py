@@ -126,6 +126,12 @@ class SwimConfig:
     reap_after: float = 24 * 3600.0
     join_retry_interval: float = 2.0
     max_piggyback: int = 32
+    # Members are strangers: the table holds at most this many others (a status reply lists them
+    # all), and one sender introduces at most a burst of `introductions` members it alone vouches
+    # for, refilled at `introductions_per_second`: two Syncs cannot plant ten thousand members.
+    max_members: int = 4095
+    introductions: int = 1024
+    introductions_per_second: float = 32.0
 
 
 EventKind = Literal["joined", "alive", "updated", "suspect", "dead", "left"]
@@ -350,6 +356,7 @@ class Membership:
         self._probe_order: list[str] = []
         self._probe_index = 0
         self._relayed: dict[int, tuple[str, int, float]] = {}
+        self._introductions: dict[str, tuple[float, float]] = {}  # sender: (tokens, when counted)
         self._seeds: tuple[str, ...] = ()
         self._joined = True
         self._left = False
@@ -464,7 +471,7 @@ class Membership:
             self._handle_sync(now, src, message)
             return
         for update in message.gossip:
-            self._apply(now, update)
+            self._apply(now, update, src)
         held = self._store.version(src)
         if (held is None or held < message.version) and now >= self._next_pull and self._joined:
             # We missed news of the sender: ask for its view (its reply carries its record).
@@ -493,9 +500,7 @@ class Membership:
             deadline, node_id = heapq.heappop(self._suspicion_heap)
             suspicion = self._suspicions.get(node_id)
             if suspicion is not None and suspicion.deadline == deadline:
-                self._apply(
-                    now, _made(Dead, node=node_id, incarnation=suspicion.incarnation, accuser=self._node_id)
-                )
+                self._apply(now, self._accuse(Dead, node_id, suspicion.incarnation))
         if now >= self._next_gossip:
             self._gossip_round(now)
             self._next_gossip = _advance(self._next_gossip, config.gossip_interval, now)
@@ -544,10 +549,7 @@ class Membership:
         if probe is not None and not probe.acked:
             member = self._members.get(probe.target)
             if member is not None and member.state in _LIVE:
-                self._apply(
-                    now,
-                    _made(Suspect, node=probe.target, incarnation=member.incarnation, accuser=self._node_id),
-                )
+                self._apply(now, self._accuse(Suspect, probe.target, member.incarnation))
         self._probe = None
         self._prune_relayed(now)
         target = self._next_probe_target()
@@ -558,9 +560,7 @@ class Membership:
         member = self._members[target]
         if member.state is _SUSPECT:
             # Tell a suspect straight away, so it can refute before the suspicion runs out.
-            gossip.insert(
-                0, _made(Suspect, node=target, incarnation=member.incarnation, accuser=self._node_id)
-            )
+            gossip.insert(0, self._accuse(Suspect, target, member.incarnation))
         self._send(target, _made(Ping, version=self._record.version, seq=self._seq, gossip=gossip))
         self._probe = _Probe(target=target, seq=self._seq, sent=now)
 
@@ -689,20 +689,22 @@ class Membership:
         for entry in sync.entries:
             node_id = entry.record.node_id
             if entry.state == "dead" and node_id not in self._members and node_id != self._node_id:
-                self._learn_dead(now, entry)
+                self._learn_dead(now, src, entry)
                 continue
-            self._apply_alive(now, entry.record)
+            self._apply_alive(now, entry.record, src=src)
             # As memberlist does, a remote "dead" about a member we know only makes us suspect it:
-            # we may know better.
+            # we may know better. It is the sender's accusation, unsigned: counted as the sender's.
             if entry.state in ("suspect", "dead"):
-                self._apply(now, _made(Suspect, node=node_id, incarnation=entry.record.version, accuser=src))
+                self._apply(now, _made(Suspect, node=node_id, incarnation=entry.record.version, accuser=src), src)
         self._joined = True
         if sync.reply:
             self._send(src, _made(Sync, reply=False, entries=self._sync_state()))
 
-    def _learn_dead(self, now: float, entry: SyncEntry) -> None:
+    def _learn_dead(self, now: float, src: str, entry: SyncEntry) -> None:
         # Nothing contradicts the sender about a node we never knew; keep it only so that the
-        # reconnect loop can try it, as it would after a partition.
+        # reconnect loop can try it, as it would after a partition. A full table keeps no dead.
+        if len(self._members) >= self._config.max_members or not self._introduce(now, src):
+            return
         if self._store.offer(entry.record) is not _ACCEPTED:
             return
         self._members[entry.record.node_id] = _Member(_DEAD, entry.record.version, now)
@@ -721,25 +723,81 @@ class Membership:
 
     # ---- applying updates ----
 
-    def _apply(self, now: float, update: Update) -> None:
+    def _apply(self, now: float, update: Update, src: str | None = None) -> None:
+        """`src`: the authenticated sender it came from; None for this node's own updates."""
         if isinstance(update, Alive):
-            self._apply_alive(now, update.record, update)
+            self._apply_alive(now, update.record, update, src)
         elif update.node == self._node_id:
             # Only our current version can be suspected: a higher one was never signed, it is forged.
             if not self._left and update.incarnation == self._record.version:
                 self._refute()
         elif isinstance(update, Suspect):
-            self._apply_suspect(now, update)
-        else:
+            self._apply_suspect(now, update, self._accuser(update, src))
+        elif src is None:
             self._apply_dead(now, update)
+        else:
+            # Lifeguard: someone else's "dead" is a suspicion (one more accuser) until our own
+            # suspicion times out, sooner the more independent accusers confirm it.
+            self._apply_suspect(now, update, self._accuser(update, src))
 
-    def _apply_alive(self, now: float, record: CapabilityRecord, update: Alive | None = None) -> None:
+    def _accuse(self, kind: type[Suspect] | type[Dead], node_id: str, incarnation: int) -> Suspect | Dead:
+        return _made(kind, node=node_id, incarnation=incarnation, accuser=self._node_id).signed(self._identity)
+
+    def _accuser(self, update: Suspect | Dead, src: str | None) -> str:
+        """Who an accusation counts for: its named accuser when that member signed it, else the
+        authenticated sender it came from (one peer's word counts once, whatever it names)."""
+        if src is None:
+            return self._node_id
+        if update.accuser == src:
+            return src
+        record = self._store.get(update.accuser)
+        return update.accuser if record is not None and update.verify(record.public_key) else src
+
+    def _introduce(self, now: float, src: str) -> bool:
+        """Whether `src` may introduce one more member now (a token bucket per sender)."""
+        config = self._config
+        tokens, at = self._introductions.get(src, (float(config.introductions), now))
+        tokens = min(float(config.introductions), tokens + (now - at) * config.introductions_per_second)
+        if tokens < 1.0:
+            self._introductions[src] = (tokens, now)
+            return False
+        self._introductions[src] = (tokens - 1.0, now)
+        if len(self._introductions) > 2 * config.max_members:
+            # Forget the senders that have been quiet longest; their buckets would be full again.
+            for stale in list(self._introductions)[: config.max_members]:
+                del self._introductions[stale]
+        return True
+
+    def _make_room(self, now: float, src: str | None, node_id: str) -> bool:
+        """Whether a member we hold no entry for may be added: within `src`'s introductions (its own
+        record always is) and the table's cap, for which the longest dead member makes way."""
+        if src is not None and src != node_id and not self._introduce(now, src):
+            return False
+        if len(self._members) < self._config.max_members:
+            return True
+        if not self._dead:
+            return False
+        oldest = next(iter(self._dead))
+        del self._members[oldest]
+        del self._dead[oldest]
+        self._store.forget(oldest)
+        self._gossip_pool_dead = None
+        return True
+
+    def _apply_alive(
+        self, now: float, record: CapabilityRecord, update: Alive | None = None, src: str | None = None
+    ) -> None:
         node_id = record.node_id
         if node_id == self._node_id:
             # A record of ours newer than the one we hold: from a previous run. Supersede it.
             if not self._left and record.version > self._record.version and record.verify():
                 self._refute(record.version)
             return
+        if node_id not in self._members:
+            # Checked before the signature: a flood of fresh records costs no verification.
+            held = self._store.version(node_id)
+            if (held is None or record.version > held) and not self._make_room(now, src, node_id):
+                return
         if self._store.offer(record) is not _ACCEPTED:
             return
         self._broadcasts.put(node_id, update or _made(Alive, record=record))
@@ -768,21 +826,21 @@ class Membership:
     def _accusable(self, update: Suspect | Dead) -> _Member | None:
         """The live member an accusation is about, if it names the version we hold.
 
-        Accusations are not signed; one naming a version its node never published would
-        force that node to refute above it, so it is dropped rather than believed."""
+        One naming a version its node never published would force that node to refute
+        above it, so it is dropped rather than believed."""
         member = self._members.get(update.node)
         if member is None or member.state not in _LIVE or update.incarnation != member.incarnation:
             return None
         return member
 
-    def _apply_suspect(self, now: float, update: Suspect) -> None:
+    def _apply_suspect(self, now: float, update: Suspect | Dead, accuser: str) -> None:
         node_id = update.node
         member = self._accusable(update)
         if member is None:
             return
         suspicion = self._suspicions.get(node_id)
         if suspicion is not None and suspicion.incarnation == update.incarnation:
-            if suspicion.confirm(update.accuser):
+            if suspicion.confirm(accuser):
                 heapq.heappush(self._suspicion_heap, (suspicion.deadline, node_id))
                 self._broadcasts.put(node_id, update)
             return
@@ -798,7 +856,7 @@ class Membership:
             min_timeout=min_timeout,
             max_timeout=self._config.suspicion_max_mult * min_timeout,
             expected=expected,
-            accusers={update.accuser},
+            accusers={accuser},
         )
         self._suspicions[node_id] = suspicion
         heapq.heappush(self._suspicion_heap, (suspicion.deadline, node_id))

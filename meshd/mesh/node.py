@@ -58,6 +58,7 @@ class MeshNode:
         self.election = Election(record.node_id, now, election)
         self.election.observe(now, record, live=True)
         self._own_version = record.version
+        self._joined = False  # told the election yet that this node joined
         self._tracker: Tracker | None = None
         self._left = False
         self._events: list[MeshEvent] = []
@@ -92,7 +93,7 @@ class MeshNode:
         """Publish a new version of this node's record (served ranges, load, models, ...).
 
         Each version is gossiped to every member: publish load changes at a measured pace,
-        not per request. `tracker_term` belongs to the election and is set here by itself."""
+        not per request. `tracker_term` and the vote belong to the election and are set here by themselves."""
         self.membership.update_record(now, **changes)
         self._settle(now)
         return self.membership.record
@@ -128,8 +129,14 @@ class MeshNode:
         if self._left:
             return
         membership, election = self.membership, self.election
-        if membership.record.tracker_term != election.claim:
-            membership.update_record(now, tracker_term=election.claim)
+        if not self._joined and membership.joined:
+            self._joined = True
+            election.joined(now)
+        vote = election.vote
+        vote_term, vote_for = (vote.term, vote.node_id) if vote is not None else (0, "")
+        own = membership.record
+        if (own.tracker_term, own.vote_term, own.vote_for) != (election.claim, vote_term, vote_for):
+            membership.update_record(now, tracker_term=election.claim, vote_term=vote_term, vote_for=vote_for)
         if membership.record.version != self._own_version:
             self._own_version = membership.record.version
             election.observe(now, membership.record, live=True)

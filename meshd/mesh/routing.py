@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from meshd.mesh.records import CapabilityRecord
@@ -57,18 +57,43 @@ def no_rtt(a: str | None, b: str) -> float:
     return 0.0
 
 
+# A member's own speed report is believed up to this many times faster than the median report for
+# the model: a self-report of 1e-9 s/layer cannot buy the route, a really faster node still wins.
+MAX_SPEEDUP_OVER_MEDIAN = 4.0
+
+
+def speed_floor(records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float) -> float:
+    """The fastest seconds per layer a member serving `model` is believed to run at (0: none serves it).
+
+    Self-reports are all there is to go on until the tracker measures stages (an unmeasured one counts
+    at the default); their median is what the honest majority says, so one liar cannot move it."""
+    reports = sorted(record.seconds_per_layer or default_seconds_per_layer for record in records
+                     if any(s.model == model for s in record.served))
+    return reports[len(reports) // 2] / MAX_SPEEDUP_OVER_MEDIAN if reports else 0.0
+
+
 def stage_options(
-    records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float = 1e-3
+    records: Iterable[CapabilityRecord],
+    model: str,
+    default_seconds_per_layer: float = 1e-3,
+    assigned: Mapping[str, Collection[tuple[int, int]]] | None = None,
 ) -> list[StageOption]:
-    """The stages of `model` that the given (live) members say they serve."""
+    """The stages of `model` that the given (live) members say they serve.
+
+    With `assigned` (the tracker's placement: node id to its ranges), only ranges placed there count:
+    a member declaring a range it was not given gets no route through it. Speeds are self-reports
+    raised to `speed_floor`."""
+    live = [record for record in records if not record.leaving]
+    floor = speed_floor(live, model, default_seconds_per_layer)
     options = []
-    for record in records:
-        if record.leaving:
-            continue
-        speed = record.seconds_per_layer or default_seconds_per_layer
+    for record in live:
+        speed = max(record.seconds_per_layer or default_seconds_per_layer, floor)
         for served in record.served:
-            if served.model == model:
-                options.append(StageOption(record.node_id, served.start, served.end, speed, record.load))
+            if served.model != model:
+                continue
+            if assigned is not None and (served.start, served.end) not in assigned.get(record.node_id, ()):
+                continue
+            options.append(StageOption(record.node_id, served.start, served.end, speed, record.load))
     return options
 
 

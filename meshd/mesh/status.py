@@ -3,7 +3,7 @@
 A pure function of that view (member states and records, the tracker), so it is
 tested without a daemon; the daemon only sends the reply. A record may say more
 than a status line holds (32 served ranges, a mesh of more members than a reply
-lists): the view is cut to the reply's bounds, never refused.
+lists): the view is cut to the reply's bounds, never refused, and the members come in pages.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from meshd.mesh.assignment import held_ranges
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberInfo
 from meshd.mesh.records import CapabilityRecord, ModelInfo
-from wire.meshrpc import MemberStatus, ModelCoverage, StatusReply
+from wire.meshrpc import STATUS_PAGE, MemberStatus, ModelCoverage, StatusReply
 
 _T = TypeVar("_T")
 
@@ -39,15 +39,16 @@ def held_models(records: Iterable[CapabilityRecord]) -> dict[str, ModelInfo]:
 
 def status_view(node_id: str, members: Sequence[MemberInfo], live: Sequence[CapabilityRecord],
                 tracker: Tracker | None, address_fits: Callable[[str], bool] | None = None,
-                reason_of: Callable[[ModelInfo], str] | None = None) -> StatusReply:
+                reason_of: Callable[[ModelInfo], str] | None = None, offset: int = 0) -> StatusReply:
     """`members`: every member known, this node included (as `Membership.members()` gives them);
     `live`: the records of those believed alive, which alone count for coverage; `address_fits`:
     which addresses the asker may be told (others show as none); `reason_of`: why a model that is
-    not covered cannot be."""
-    shown = [_member_status(m.record, m.state.value, tracker, address_fits) for m in members]
+    not covered cannot be; `offset`: the first member of the page (coverage comes with the first)."""
+    page = members[offset:offset + STATUS_PAGE]
+    shown = [_member_status(m.record, m.state.value, tracker, address_fits) for m in page]
     return StatusReply(node_id=node_id, tracker=tracker.node_id if tracker else None,
-                       term=tracker.term if tracker else 0, members=_cut(shown, StatusReply, "members"),
-                       coverage=_cut(coverage(live, reason_of), StatusReply, "coverage"))
+                       term=tracker.term if tracker else 0, members=shown, total_members=len(members),
+                       coverage=_cut(coverage(live, reason_of), StatusReply, "coverage") if offset == 0 else [])
 
 
 def coverage(live: Sequence[CapabilityRecord],
