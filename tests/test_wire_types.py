@@ -179,6 +179,7 @@ def test_unvalidated_activation_matches_model_construct(
         "tensors": [TensorEntry.unvalidated(dict(entry_fields))],
         "tokens": None if tokens is None else TokenIds.of(tokens),
         "deadline_ms": deadline_ms,
+        "drafts": 0,
     }
     _same_as_model_construct(Activation, fields)
     # The model-free send path gives the same bytes.
