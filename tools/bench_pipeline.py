@@ -301,11 +301,12 @@ async def meshd_decode_cpu(peers: Peers, route: list[Stage], stages: list[Proc],
     return d | {"cpu_ns": spent + [asker]}
 
 
-async def meshd_prefill(peers: Peers, route: list[Stage], tokens: list[int]) -> dict[str, float]:
+async def meshd_prefill(peers: Peers, route: list[Stage], tokens: list[int],
+                        stall_timeout: float = 30.0) -> dict[str, float]:
     # the prompt travels as token ids (the path a re-prefill after failover takes), so it is exactly len(tokens)
     result = AskResult(prompt_tokens=list(tokens))
     result.started = time.perf_counter()
-    await run_session(peers, route, AskRequest(text="", max_tokens=1), result)
+    await run_session(peers, route, AskRequest(text="", max_tokens=1), result, stall_timeout=stall_timeout)
     assert result.ttft is not None
     return {"rate": len(tokens) / result.ttft, "ttft": result.ttft}
 
