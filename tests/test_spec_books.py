@@ -123,3 +123,20 @@ def test_draft_length_adapts_to_acceptance() -> None:
     assert k.k == 3
     k.record(3, 0)
     assert k.k == 1 and (k.drafted, k.accepted) == (23, 14)
+
+
+def test_drafting_pauses_longer_after_each_step_whose_drafts_all_failed() -> None:
+    k = DraftLength(max_k=8)
+    assert k.next_k() == 4
+    k.record(4, 0)
+    assert [k.next_k() for _ in range(2)] == [0, 1]
+    k.record(1, 0)
+    assert [k.next_k() for _ in range(3)] == [0, 0, 1]
+    k.record(1, 1)
+    assert k.pause == 0 and k.next_k() == 2
+
+
+def test_a_single_recurring_token_drafts_nothing() -> None:
+    d = NgramDrafter()
+    d.extend([5, 1, 6, 7, 1])
+    assert d.draft(4) == []

@@ -645,7 +645,7 @@ class StageService:
         if s.drafter is not None and s.draft_length is not None:
             # drafts never run past the session's budget or its last token
             room = min(self.limits.max_session_tokens - pos, book.max_tokens - book.generated) - 1
-            s.drafts = s.drafter.draft(min(s.draft_length.k, room))
+            s.drafts = s.drafter.draft(min(s.draft_length.next_k(), room))
             tokens += s.drafts
         if self.report.has_input:
             # a whole-model stage is its own ring
