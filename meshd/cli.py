@@ -643,18 +643,20 @@ def build_request(args: argparse.Namespace) -> AskRequest:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
     if args.raw:
         return AskRequest(text=args.prompt, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop or [],
-                          wire_dtype=args.wire_dtype)
+                          wire_dtype=args.wire_dtype, speculate=args.speculate)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     return AskRequest(messages=messages, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop or [],
-                      wire_dtype=args.wire_dtype)
+                      wire_dtype=args.wire_dtype, speculate=args.speculate)
 
 
 def print_figures(result: AskResult) -> None:
     prompt = plural(len(result.prompt_tokens), "prompt token")
     ttft = result.ttft
+    rate = result.acceptance
+    drafts = "" if rate is None else f", {result.accepted}/{result.drafted} drafts accepted ({rate:.0%})"
     print(f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "
-          f"{result.decode_rate:.1f} tokens/s, stopped by {result.reason or 'error'}]" if ttft is not None else
+          f"{result.decode_rate:.1f} tokens/s{drafts}, stopped by {result.reason or 'error'}]" if ttft is not None else
           f"[{prompt}, no new tokens, stopped by {result.reason}]",
           file=sys.stderr, flush=True)
 
@@ -854,6 +856,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--stop", action="append", help="stop string, repeatable (default: none)")
     a.add_argument("--wire-dtype", choices=["f32", "f16", "q8_0"], default="f32",
                    help="activations on the wire (default: %(default)s)")
+    a.add_argument("--speculate", choices=["off", "ngram"], default="off",
+                   help="speculative decoding: the tail drafts tokens by prompt lookup and the ring checks "
+                        "them in one pass; greedy only, the answer is the same (default: %(default)s)")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     a.add_argument("--wait", type=number(0, 86400), default=0.0,

@@ -179,6 +179,7 @@ def test_unvalidated_activation_matches_model_construct(
         "tensors": [TensorEntry.unvalidated(dict(entry_fields))],
         "tokens": None if tokens is None else TokenIds.of(tokens),
         "deadline_ms": deadline_ms,
+        "drafts": 0,
     }
     _same_as_model_construct(Activation, fields)
     # The model-free send path gives the same bytes.
@@ -257,8 +258,9 @@ def test_token_ids_out_of_bounds_are_refused(tokens: object, fragment: str) -> N
 
 # ----- the wire format stays byte-identical (hex produced by the code before the change; in
 # wire_pins.txt, `open` and `record_ping` were made anew when Open gained wire_codec and the
-# record assignment_version, and `record_ping` again when the record gained `holds`, gpu_memory_bytes
-# and gpu_layers, ModelInfo `whole` and layer_bytes, and the election vote)
+# record assignment_version; `record_ping` again when the record gained `holds`, gpu_memory_bytes
+# and gpu_layers, ModelInfo `whole` and layer_bytes, and the election vote; `open`, `activation`
+# and `activation_fields` when Open gained speculate and max_draft and Activation drafts)
 
 _PINNED = {
     "error": "0000003d85a474797065a56572726f72a17601a4636f6465aa4f5645524c4f41444544a76d657373616765a46275"

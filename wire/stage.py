@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Limits, Message, WireModel, register_protocol
-from wire.tensors import TensorCodec
+from wire.tensors import MAX_DRAFT, TensorCodec
 from wire.types import Address, Digest, Epoch, Layer, NodeId, SessionId, TokenId, Tokens
 
 STAGE_PROTOCOL = "meshd/stage/1"
@@ -77,6 +77,10 @@ class Open(Message, tag="open"):
     # anything else before it decompresses or dequantises a byte
     wire_dtype: Literal["f32", "f16", "q8_0"] = "f32"
     wire_codec: TensorCodec = "raw"
+    # speculative decoding: the tail drafts up to ``max_draft`` tokens by prompt lookup (n-grams
+    # of the session's own tokens); it only does under greedy sampling, where it is exact
+    speculate: Literal["off", "ngram"] = "off"
+    max_draft: int = Field(default=8, ge=1, le=MAX_DRAFT)
 
 
 class Opened(Message, tag="opened"):
@@ -125,6 +129,9 @@ class Done(Message, tag="done"):
     epoch: Epoch
     reason: Literal["eog", "max_tokens", "stop"]
     generated: int = Field(ge=0, le=1 << 20)
+    # speculative decoding at the tail: tokens drafted, and how many of them its sampler agreed with
+    drafted: int = Field(default=0, ge=0, le=1 << 24)
+    accepted: int = Field(default=0, ge=0, le=1 << 24)
 
 
 class Cancel(Message, tag="cancel"):

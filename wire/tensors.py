@@ -34,6 +34,8 @@ TensorCodec = Literal["raw", "zstd"]
 MAX_TENSOR_BYTES = 256 << 20
 MAX_DIMS = 8
 MAX_TENSORS = 16
+# drafted tokens one speculative step may carry: each is a row every stage runs
+MAX_DRAFT = 16
 Q8_BLOCK = 32
 _Q8_BLOCK_BYTES = 2 + Q8_BLOCK
 # dtype objects, not strings: numpy parses a string on every call.
@@ -242,12 +244,17 @@ class Activation(Message, tag="activation"):
     tensors: list[TensorEntry] = Field(max_length=MAX_TENSORS)
     tokens: Tokens | None = None
     deadline_ms: Int32 | None = None
+    # speculative decoding: the last ``drafts`` rows are drafted tokens, unverified; the
+    # stage drops their KV when a later activation starts at one of their positions
+    drafts: int = Field(default=0, ge=0, le=MAX_DRAFT)
 
     @model_validator(mode="after")
     def _unique_names(self) -> Activation:
         tensors = self.tensors
         if len(tensors) > 1 and len({t.name for t in tensors}) != len(tensors):
             raise ValueError("tensor names must be unique")
+        if self.drafts and self.drafts >= self.n_tokens:
+            raise ValueError("drafted rows follow at least one verified row")
         return self
 
     @classmethod
@@ -262,11 +269,12 @@ class Activation(Message, tag="activation"):
         tensors: list[TensorEntry],
         tokens: Sequence[int] | np.ndarray | None = None,
         deadline_ms: int | None = None,
+        drafts: int = 0,
     ) -> Activation:
         """Build from local values without validating them (the receiver does);
         the constructor validates, at a cost that shows on the per-token path."""
         return cls.unvalidated(
-            _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms)
+            _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms, drafts)
         )
 
     def tensor(self, name: str) -> TensorEntry:
@@ -288,6 +296,7 @@ def _activation_fields(
     tensors: list[TensorEntry] | list[dict[str, Any]],
     tokens: Sequence[int] | np.ndarray | None,
     deadline_ms: int | None,
+    drafts: int,
 ) -> dict[str, Any]:
     # The order is the model's field order: packed as is, it gives the bytes
     # that packing the model gives.
@@ -303,6 +312,7 @@ def _activation_fields(
         # Packed unchecked, as the rest: the receiver validates.
         "tokens": None if tokens is None else TokenIds(np.asarray(tokens, _I32).tobytes()),
         "deadline_ms": deadline_ms,
+        "drafts": drafts,
     }
 
 
@@ -316,10 +326,11 @@ def encode_activation(
     tensors: list[dict[str, Any]],
     tokens: Sequence[int] | np.ndarray | None = None,
     deadline_ms: int | None = None,
+    drafts: int = 0,
 ) -> bytes:
     """The bytes of ``encode(Activation.of(...))`` with ``tensors`` given as
     ``tensor_fields``, built without any model: the per-token send path.
     A stream takes them as they are (``Stream.send_all``)."""
     return encode(
-        _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms)
+        _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms, drafts)
     )

@@ -100,6 +100,9 @@ class AskRequest:
     stop: list[str] = field(default_factory=list)
     wire_dtype: Literal["f32", "f16", "q8_0"] = "f32"
     wire_codec: Literal["raw", "zstd"] = "raw"
+    # speculative decoding by the tail (greedy sampling only; exact): prompt lookup, up to max_draft a step
+    speculate: Literal["off", "ngram"] = "off"
+    max_draft: int = 8
 
 
 @dataclass
@@ -114,6 +117,13 @@ class AskResult:
     epochs: int = 0
     # what each stage of the last epoch's route said it serves
     route: list[StageInfo] = field(default_factory=list)
+    # speculative decoding, over every epoch: tokens the tail drafted, and those its sampler accepted
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def text(self) -> str:
@@ -217,7 +227,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                     next=ref if nxt is not None else None,
                     head=ref if nxt is None else None, sampling=request.sampling,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
-                    wire_codec=request.wire_codec), Opened, f"stage {stage.address} opening the session")
+                    wire_codec=request.wire_codec, speculate=request.speculate,
+                    max_draft=request.max_draft), Opened, f"stage {stage.address} opening the session")
                 check_opened(stage, reply.info)
                 infos[i] = reply.info
 
@@ -299,6 +310,8 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
                     await maybe
         elif isinstance(msg, Done):
             result.reason = msg.reason
+            result.drafted += msg.drafted
+            result.accepted += msg.accepted
             result.finished_at = time.perf_counter()
             return
         elif isinstance(msg, ErrorMessage):

@@ -83,6 +83,9 @@ class SessionBook:
     failure: ProtocolError | None = None
     # the end of the generated text, long enough to hold any stop string but the last byte
     tail: bytes = b""
+    # speculative decoding: positions [draft_from, next_pos) hold drafted tokens not yet verified;
+    # the next rows may start at any of them, and the KV from there on is dropped
+    draft_from: int | None = None
 
 
 @dataclass(eq=False)
@@ -93,6 +96,8 @@ class Work(Generic[T]):
     pos: int
     n: int
     payload: T
+    # the last ``drafts`` rows are drafted tokens: the tail samples after each of them too
+    drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class Counts:
     expirations: int = 0
     overloaded: int = 0
     released: int = 0
+    # rejected drafts dropped (speculative decoding)
+    rewinds: int = 0
 
 
 @dataclass
@@ -119,6 +126,8 @@ class StageBooks(Generic[T]):
     counts: Counts = field(default_factory=Counts)
     # (slot, generation) of released sessions whose KV the engine still holds
     dirty: list[tuple[int, int]] = field(default_factory=list)
+    # (slot, generation, position): KV of rejected drafts to drop, from position on, before the next batch
+    trims: list[tuple[int, int, int]] = field(default_factory=list)
     total_tokens: int = 0
     _free: list[int] = field(default_factory=list)
     _queue: collections.deque[Work[T]] = field(default_factory=collections.deque)
@@ -147,6 +156,7 @@ class StageBooks(Generic[T]):
         slot = self._free.pop(0)
         # the new session clears the slot itself; a pending clear would wipe its KV later
         self.dirty = [(s, g) for s, g in self.dirty if s != slot]
+        self.trims = [t for t in self.trims if t[0] != slot]
         book = SessionBook(id=session, epoch=epoch, slot=slot, generation=generation, max_tokens=max_tokens,
                            stop=tuple(s.encode() for s in stop), last_used=now)
         self.sessions[session] = book
@@ -177,6 +187,8 @@ class StageBooks(Generic[T]):
             return False
         del self.sessions[book.id]
         self.total_tokens -= book.next_pos
+        # the whole sequence is cleared: no trim of it is due any more
+        self.trims = [t for t in self.trims if t[0] != book.slot]
         self.counts.released += 1
         self.dirty.append((book.slot, book.generation))
         self._free.append(book.slot)
@@ -193,6 +205,10 @@ class StageBooks(Generic[T]):
     def take_dirty(self) -> list[tuple[int, int]]:
         dirty, self.dirty = self.dirty, []
         return dirty
+
+    def take_trims(self) -> list[tuple[int, int, int]]:
+        trims, self.trims = self.trims, []
+        return trims
 
     # ----- prompt and rows
 
@@ -218,34 +234,54 @@ class StageBooks(Generic[T]):
                                                       f"(--session-tokens)")
         book.prompt_len = n_tokens
 
-    def check_rows(self, book: SessionBook, pos: int, n: int) -> None:
-        """Checks rows a peer sends before anything is decoded: position, count, the session's budget."""
+    def check_rows(self, book: SessionBook, pos: int, n: int, drafts: int = 0) -> None:
+        """Checks rows a peer sends before anything is decoded: position, count, drafts, the session's budget.
+
+        Rows start where the stage's KV ends, or (speculation) at one of the drafted
+        positions of the rows before, once those have run: the drafts from there on were rejected.
+        """
         if book.phase not in LIVE:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {book.id} takes no rows ({book.phase.value})")
-        if pos != book.next_pos:
+        if pos != book.next_pos and not self._rewinds(book, pos):
             raise ProtocolError(ErrorCode.CACHE_MISS, f"activation at position {pos}, this stage holds "
                                                       f"positions up to {book.next_pos}")
         if n < 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "an activation carries at least one token")
-        if book.next_pos + n > self.limits.max_session_tokens:
+        if drafts and (drafts >= n or book.prompt_len is None or pos < book.prompt_len):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{drafts} drafted rows of {n} at position {pos}: drafts "
+                                                       f"follow a verified row, after the prompt")
+        if pos + n > self.limits.max_session_tokens:
             self.counts.overloaded += 1
-            raise ProtocolError(ErrorCode.OVERLOADED, f"session needs {book.next_pos + n} tokens, this stage's "
+            raise ProtocolError(ErrorCode.OVERLOADED, f"session needs {pos + n} tokens, this stage's "
                                                       f"session budget is {self.limits.max_session_tokens} "
                                                       f"(--session-tokens)")
 
-    def enqueue(self, book: SessionBook, pos: int, n: int, payload: T, now: float) -> list[SessionBook]:
-        """Queues rows for the engine and reserves their KV; returns the sessions evicted for it."""
-        self.check_rows(book, pos, n)
+    def _rewinds(self, book: SessionBook, pos: int) -> bool:
+        return book.draft_from is not None and book.draft_from <= pos < book.next_pos and book.in_flight == 0
+
+    def enqueue(self, book: SessionBook, pos: int, n: int, payload: T, now: float,
+                drafts: int = 0) -> list[SessionBook]:
+        """Queues rows for the engine and reserves their KV; returns the sessions evicted for it.
+
+        Rows that start inside the drafts before drop those drafts' KV first (``trims``).
+        """
+        self.check_rows(book, pos, n, drafts)
+        if pos < book.next_pos:
+            self.total_tokens -= book.next_pos - pos
+            self.trims.append((book.slot, book.generation, pos))
+            self.counts.rewinds += 1
+            book.next_pos = pos
         gone = []
         while self.total_tokens + n > self.limits.max_total_tokens:
             gone.append(self._evict(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", now, book))
         book.next_pos = pos + n
+        book.draft_from = pos + n - drafts if drafts else None
         self.total_tokens += n
         book.in_flight += 1
         self.touch(book, now)
         if book.phase is Phase.PREFILL and book.prompt_len is not None and book.next_pos >= book.prompt_len:
             book.phase = Phase.DECODE
-        self._queue.append(Work(book, pos, n, payload))
+        self._queue.append(Work(book, pos, n, payload, drafts))
         return gone
 
     def _evict(self, why: str, now: float, keep: SessionBook | None) -> SessionBook:
@@ -312,6 +348,10 @@ class StageBooks(Generic[T]):
         """Whether the tail samples after ``work``'s last row (it reaches the end of the prompt)."""
         prompt_len = work.session.prompt_len
         return prompt_len is not None and work.pos + work.n >= prompt_len
+
+    def sampled_rows(self, work: Work[T]) -> int:
+        """How many of ``work``'s last rows the tail samples after: the last, and one per draft before it."""
+        return work.drafts + 1 if self.samples(work) else 0
 
     def history(self, work: Work[T]) -> int:
         """How many of ``work``'s rows are prompt tokens (the sampler's penalty history)."""

@@ -32,6 +32,7 @@ from meshd.mesh.models import ModelNotFound
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
+from meshd.stage.draft import DraftLength, NgramDrafter
 from meshd.store.manifest import Manifest, manifest_for
 from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
@@ -88,6 +89,10 @@ class Session:
     downstream: trio.MemorySendChannel[bytes] | None = None
     hop_info: trio.Event = field(default_factory=trio.Event)
     steps: int = 0
+    # the tail's speculation: its drafter over the session's tokens, k, and the drafts in flight
+    drafter: NgramDrafter | None = None
+    draft_length: DraftLength | None = None
+    drafts: list[int] = field(default_factory=list)
 
 
 class StageMetrics:
@@ -199,6 +204,7 @@ class StageService:
             "expirations": float(counts.expirations),
             "overloaded": float(counts.overloaded),
             "released": float(counts.released),
+            "draft_rewinds": float(counts.rewinds),
             "worker_restarts": float(self.engine.restarts),
             "worker_up": float(self.engine.is_up),
         }
@@ -243,6 +249,11 @@ class StageService:
             self._ended(other)
         to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
         session = Session(book=book, open=msg, to_asker=to_asker_send)
+        if self.report.has_output and msg.speculate == "ngram" and msg.sampling.temperature == 0.0:
+            # greedy only: a seeded sampler draws once per row, so verifying drafts would move
+            # its random state away from what the same answer without speculation draws
+            session.drafter = NgramDrafter()
+            session.draft_length = DraftLength(msg.max_draft)
         self._sessions[book] = session
         self._changed()
         hop_stream: Stream | None = None
@@ -428,7 +439,7 @@ class StageService:
             raise ProtocolError(ErrorCode.EPOCH_STALE, f"activation of epoch {msg.epoch}, session is at {book.epoch}")
         if msg.tokens is not None and len(msg.tokens) != msg.n_tokens:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for {msg.n_tokens} rows")
-        self.books.check_rows(book, msg.pos, msg.n_tokens)
+        self.books.check_rows(book, msg.pos, msg.n_tokens, msg.drafts)
         if self.report.has_input:
             if msg.tokens is None or msg.tensors:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
@@ -436,7 +447,7 @@ class StageService:
             if bad:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
             tokens = np.asarray(msg.tokens, dtype=np.int32)
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, None))
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, None), msg.drafts)
             return
         entry = msg.tensor(HIDDEN)
         o = session.open
@@ -452,10 +463,10 @@ class StageService:
         else:
             hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
         if self.books.holds(book) and book.phase in LIVE:
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens))
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens), msg.drafts)
 
-    def _enqueue(self, session: Session, pos: int, n: int, rows: Rows) -> None:
-        for other in self.books.enqueue(session.book, pos, n, rows, trio.current_time()):
+    def _enqueue(self, session: Session, pos: int, n: int, rows: Rows, drafts: int = 0) -> None:
+        for other in self.books.enqueue(session.book, pos, n, rows, trio.current_time(), drafts):
             self._ended(other)
         self._wake.set()
 
@@ -498,13 +509,18 @@ class StageService:
             self._idle.set()
 
     async def _clear_dirty(self) -> None:
-        for slot, generation in self.books.take_dirty():
-            if generation != self.engine.generation:
-                continue
+        """Clears released slots and drops rejected drafts' KV; rows queued meanwhile wait for their trim."""
+        while self.books.dirty or self.books.trims:
             try:
-                await self._engine_call({"op": "remove", "seq": slot})
-                if self.report.has_output:
-                    await self._engine_call({"op": "sampler_free", "sid": slot})
+                for slot, generation, pos in self.books.take_trims():
+                    if generation == self.engine.generation:
+                        await self._engine_call({"op": "remove", "seq": slot, "p0": pos, "p1": -1})
+                for slot, generation in self.books.take_dirty():
+                    if generation != self.engine.generation:
+                        continue
+                    await self._engine_call({"op": "remove", "seq": slot})
+                    if self.report.has_output:
+                        await self._engine_call({"op": "sampler_free", "sid": slot})
             except ProtocolError:
                 return
 
@@ -555,8 +571,8 @@ class StageService:
             row, out_row = 0, 0
             for w in batch:
                 row += w.n
-                if self.books.samples(w):
-                    want[row - 1] = 1
+                for r in range(row - self.books.sampled_rows(w), row):
+                    want[r] = 1
                     sample.append([out_row, w.session.slot])
                     out_row += 1
             header["want"] = want.tobytes()
@@ -580,40 +596,74 @@ class StageService:
                 s.downstream.send_nowait(encode_activation(
                     session=w.session.id, epoch=w.session.epoch, step=s.steps, pos=w.pos, n_tokens=w.n,
                     tensors=[tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)],
-                    tokens=w.payload.carry))
+                    tokens=w.payload.carry, drafts=w.drafts))
                 s.steps += 1
             return
         picks = iter(reply.get("picks", []))
         for w in batch:
             self.books.ran(w, now)
-            if self.books.samples(w):
-                token, eog, piece = next(picks)
-                self._emit(w.payload.session, token, eog, bytes(piece), now)
+            s = w.payload.session
+            if s.drafter is not None and w.payload.carry:
+                s.drafter.extend(list(w.payload.carry[:self.books.history(w)]))
+            rows = [next(picks) for _ in range(self.books.sampled_rows(w))]
+            if rows:
+                self._verified(s, w, rows, now)
 
-    def _emit(self, s: Session, token: int, eog: bool, piece: bytes, now: float) -> None:
+    def _verified(self, s: Session, w: Work[Rows], picks: list[Any], now: float) -> None:
+        """Emits the sampled tokens the drafts agree with, and the one after them."""
+        accepted = 0
+        if w.drafts:
+            drafts, s.drafts = s.drafts, []
+            while accepted < w.drafts and picks[accepted][0] == drafts[accepted]:
+                accepted += 1
+            if s.draft_length is not None:
+                s.draft_length.record(w.drafts, accepted)
+        for token, eog, piece in picks[:accepted + 1]:
+            if not self._emit(s, token, eog, bytes(piece), now):
+                return
+        # the last token emitted goes at the first position the drafts did not get right
+        self._feed(s, token, w.pos + w.n - w.drafts + accepted)
+
+    def _emit(self, s: Session, token: int, eog: bool, piece: bytes, now: float) -> bool:
+        """Sends a sampled token to the asker; True if the session goes on after it."""
         book = s.book
         emitted = self.books.emit(book, eog, piece, now)
         if emitted is None:
-            return
+            return False
+        if s.drafter is not None and not eog:
+            s.drafter.extend([token])
         if emitted.index is not None:
             # built unvalidated from our own values (the asker validates): this is per token
             s.to_asker.send_nowait(Token.unvalidated({"type": "token", "v": 1, "session": book.id,
                                                    "epoch": book.epoch, "index": emitted.index, "token": token,
                                                    "piece": piece}))
         if emitted.done is not None:
+            length = s.draft_length
             s.to_asker.send_nowait(Done(session=book.id, epoch=book.epoch, reason=emitted.done,
-                                        generated=book.generated))
-        if not emitted.feed:
-            return
+                                        generated=book.generated, drafted=length.drafted if length else 0,
+                                        accepted=length.accepted if length else 0))
+        return emitted.feed
+
+    def _feed(self, s: Session, token: int, pos: int) -> None:
+        """Sends the token (at ``pos``) around the ring, with drafts after it."""
+        book = s.book
+        tokens = [token]
+        if s.drafter is not None and s.draft_length is not None:
+            # drafts never run past the session's budget or its last token
+            room = min(self.limits.max_session_tokens - pos, book.max_tokens - book.generated) - 1
+            s.drafts = s.drafter.draft(min(s.draft_length.next_k(), room))
+            tokens += s.drafts
         if self.report.has_input:
             # a whole-model stage is its own ring
             try:
-                self._enqueue(s, book.next_pos, 1, Rows(s, np.asarray([token], dtype=np.int32), None, None))
+                self._enqueue(s, pos, len(tokens), Rows(s, np.asarray(tokens, dtype=np.int32), None, None),
+                              len(tokens) - 1)
             except ProtocolError as exc:
                 self._fail(s, exc)
         elif s.downstream is not None:
             s.downstream.send_nowait(encode_activation(session=book.id, epoch=book.epoch, step=book.generated,
-                                                       pos=book.next_pos, n_tokens=1, tensors=[], tokens=[token]))
+                                                       pos=pos, n_tokens=len(tokens), tensors=[], tokens=tokens,
+                                                       drafts=len(tokens) - 1))
 
 
 def _decoded(entry: TensorEntry) -> np.ndarray:
