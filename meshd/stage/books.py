@@ -70,6 +70,10 @@ class SessionBook:
     id: str
     epoch: int
     slot: int
+    # the authenticated node that opened the session: only it may re-open or drive it
+    owner: str
+    # the only node whose hop (or ring) stream this session takes
+    upstream: str
     # the engine worker generation whose KV the slot is in
     generation: int
     max_tokens: int
@@ -129,12 +133,17 @@ class StageBooks(Generic[T]):
     # ----- sessions
 
     def open(self, session: str, epoch: int, generation: int, max_tokens: int, stop: Iterable[str],
-             now: float) -> tuple[SessionBook, list[SessionBook]]:
-        """A new session in a slot, and the sessions that left the books to make room (failed).
+             now: float, owner: str = "", upstream: str | None = None) -> tuple[SessionBook, list[SessionBook]]:
+        """A new session of node ``owner`` in a slot, and the sessions that left the books to make room.
 
-        Raises EPOCH_STALE for an epoch not above the one held, OVERLOADED when no slot frees.
+        ``upstream`` is the node whose hop stream feeds it (None: the owner feeds it itself).
+        Raises UNAUTHORIZED for a session another node holds, EPOCH_STALE for an epoch not above
+        the one held, OVERLOADED when no slot frees.
         """
         old = self.sessions.get(session)
+        if old is not None and old.owner != owner:
+            # a session id is no credential: who opened it is
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"session {session} belongs to another node")
         if old is not None and old.epoch >= epoch:
             raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {session} is at epoch {old.epoch}")
         gone: list[SessionBook] = []
@@ -147,8 +156,9 @@ class StageBooks(Generic[T]):
         slot = self._free.pop(0)
         # the new session clears the slot itself; a pending clear would wipe its KV later
         self.dirty = [(s, g) for s, g in self.dirty if s != slot]
-        book = SessionBook(id=session, epoch=epoch, slot=slot, generation=generation, max_tokens=max_tokens,
-                           stop=tuple(s.encode() for s in stop), last_used=now)
+        book = SessionBook(id=session, epoch=epoch, slot=slot, owner=owner, upstream=upstream or owner,
+                           generation=generation, max_tokens=max_tokens, stop=tuple(s.encode() for s in stop),
+                           last_used=now)
         self.sessions[session] = book
         return book, gone
 
@@ -156,6 +166,11 @@ class StageBooks(Generic[T]):
         """The engine has cleared the slot (and set up sampling): work may come."""
         if book.phase is Phase.OPENING:
             book.phase = Phase.PREFILL
+
+    def check_upstream(self, book: SessionBook, sender: str) -> None:
+        """Refuses a hop (or ring) stream from any node but the upstream the opener named."""
+        if sender != book.upstream:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"session {book.id} takes its rows from another node")
 
     def holds(self, book: SessionBook) -> bool:
         return self.sessions.get(book.id) is book

@@ -233,7 +233,7 @@ class StageService:
     async def _serve_session(self, stream: Stream, msg: Open) -> None:
         self._check_open(msg)
         book, gone = self.books.open(msg.session, msg.epoch, self.engine.generation, msg.max_tokens, msg.stop,
-                                     trio.current_time())
+                                     trio.current_time(), owner=stream.remote_node_id, upstream=msg.upstream)
         for other in gone:
             self._ended(other)
         to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
@@ -329,9 +329,7 @@ class StageService:
         if msg.tokens is not None:
             tokens = list(msg.tokens)
             self.books.set_prompt(book, len(tokens))
-            bad = [t for t in tokens if t >= self.report.n_vocab]
-            if bad:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
+            self._check_vocab(tokens)
         else:
             # Bounded before the engine worker sees it: the text must fit the session budget.
             request: dict[str, Any] = {"op": "tokenize"}
@@ -391,6 +389,8 @@ class StageService:
         session = None if book is None else self._sessions.get(book)
         if book is None or session is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no session {hop.session} on this stage")
+        # refused without failing the session: a stranger's hop must not end someone else's work
+        self.books.check_upstream(book, stream.remote_node_id)
         if hop.epoch != book.epoch:
             raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {hop.session} is at epoch {book.epoch}")
         if hop.ring != self.report.has_input:
@@ -427,12 +427,13 @@ class StageService:
         if self.report.has_input:
             if msg.tokens is None or msg.tensors:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
-            bad = [t for t in msg.tokens if t >= self.report.n_vocab]
-            if bad:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
+            self._check_vocab(msg.tokens)
             tokens = np.asarray(msg.tokens, dtype=np.int32)
             self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, None))
             return
+        if msg.tokens is not None:
+            # carried ids reach the tail's sampler in the same engine call as everyone's rows
+            self._check_vocab(msg.tokens)
         entry = msg.tensor(HIDDEN)
         o = session.open
         if (entry.dtype, entry.codec) != (o.wire_dtype, o.wire_codec):
@@ -448,6 +449,12 @@ class StageService:
             hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
         if self.books.holds(book) and book.phase in LIVE:
             self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens))
+
+    def _check_vocab(self, tokens: Sequence[int]) -> None:
+        n_vocab = self.report.n_vocab
+        bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad} is outside the vocabulary [0, {n_vocab})")
 
     def _enqueue(self, session: Session, pos: int, n: int, rows: Rows) -> None:
         for other in self.books.enqueue(session.book, pos, n, rows, trio.current_time()):
@@ -522,17 +529,29 @@ class StageService:
             batch = self.books.next_batch()
             if not batch:
                 continue
-            t0 = trio.current_time()
-            try:
-                reply, body = await self._forward(batch)
-            except ProtocolError as exc:
-                for work in batch:
-                    self.books.ran(work, trio.current_time())
-                    self._fail(work.payload.session, exc)
-                continue
-            self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0)
-            self._dispatch(batch, reply, body)
+            await self._run_batch(batch)
             self._changed()
+
+    async def _run_batch(self, batch: list[Work[Rows]]) -> None:
+        """One engine call for ``batch``. The engine refuses bad input before it computes, so a
+        refused call of several sessions is run again one session at a time: only the offender fails."""
+        t0 = trio.current_time()
+        try:
+            reply, body = await self._forward(batch)
+        except ProtocolError as exc:
+            if exc.code is ErrorCode.BAD_REQUEST and len(batch) > 1:
+                for work in batch:
+                    if self.books.holds(work.session) and work.session.phase in LIVE:
+                        await self._run_batch([work])
+                    else:
+                        self.books.ran(work, trio.current_time())
+                return
+            for work in batch:
+                self.books.ran(work, trio.current_time())
+                self._fail(work.payload.session, exc)
+            return
+        self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0)
+        self._dispatch(batch, reply, body)
 
     async def _forward(self, batch: list[Work[Rows]]) -> tuple[dict[str, Any], bytearray]:
         seq = _joined([np.full(w.n, w.session.slot, dtype=np.int32) for w in batch])
