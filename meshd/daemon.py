@@ -71,7 +71,7 @@ from wire.meshrpc import (
     StatusReply,
     StatusRequest,
 )
-from wire.stage import STAGE_PROTOCOL, Hop, Open
+from wire.stage import STAGE_PROTOCOL, Hop, Open, PeerRef
 
 log = logging.getLogger(__name__)
 
@@ -516,6 +516,18 @@ class MeshDaemon:
     def live_records(self) -> list[CapabilityRecord]:
         return self.mesh.membership.live_records()
 
+    def may_dial(self, ref: PeerRef) -> None:
+        """A stage dials for a session only a live member, at an address its signed record names."""
+        if ref.node_id is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage dials only a member named by its node id")
+        record = next((r for r in self.live_records() if r.node_id == ref.node_id), None)
+        if record is None:
+            # retryable: gossip may not have brought the record here yet
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"node {ref.node_id[:16]} is not a live member here")
+        if ref.address not in (*record.addresses, *record.relay_addresses):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"{ref.address} is not an address node "
+                                                        f"{ref.node_id[:16]} signed")
+
     def route(self, model: str | None, exclude: list[str] | tuple[str, ...] = (),
               peer: str | None = None) -> RouteReply:
         """A route for `model`; with `peer` (the asker's host), only through nodes it may be told of."""
@@ -571,7 +583,8 @@ class MeshDaemon:
         with serving.scope:
             async with trio.open_nursery() as nursery:
                 report = await nursery.start(engine.run)
-                service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits)
+                service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits,
+                                       may_dial=self.may_dial)
 
                 def down(generation: int, reason: str) -> None:
                     service.on_worker_down(generation, reason)

@@ -134,3 +134,49 @@ async def test_an_out_of_vocabulary_carried_token_fails_only_its_own_session(
         assert "token id 1000000 is outside the vocabulary" in err.message
 
     assert await honest_ask(stages, attack=carry_bad_id) == before
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:{port}/admin", "ws://127.0.0.1:{port}/status?x=1",
+                                    "http://127.0.0.1:{port}", "127.0.0.1"])
+async def test_an_open_naming_a_url_with_a_path_is_refused_before_anything_is_dialled(
+        stages: list[Served], attacker: tuple[Peers, PeerRef], target: str) -> None:
+    peers, _ = attacker
+    hits: list[int] = []
+
+    async def web(stream: trio.SocketStream) -> None:
+        hits.append(1)
+        await stream.send_all(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, web, 0)
+        port = listeners[0].socket.getsockname()[1]
+        control = await peers.open_stream(stages[0].address, STAGE_PROTOCOL)
+        async with control:
+            await control.send_message(Open(session=new_session_id(), epoch=0,
+                                            next=PeerRef(address=target.format(port=port))))
+            err = await typed_error(control)
+        nursery.cancel_scope.cancel()
+    assert err.code == ErrorCode.BAD_REQUEST and err.message == "a stage dials only host:port addresses"
+    assert hits == []
+
+
+async def test_an_unreachable_next_stage_is_reported_without_what_the_far_side_said(
+        stages: list[Served], attacker: tuple[Peers, PeerRef]) -> None:
+    peers, _ = attacker
+
+    async def web(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"HTTP/1.1 403 Forbidden: secret-internal-reason\r\nContent-Length: 0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, web, 0)
+        port = listeners[0].socket.getsockname()[1]
+        control = await peers.open_stream(stages[0].address, STAGE_PROTOCOL)
+        async with control:
+            await control.send_message(Open(session=new_session_id(), epoch=0,
+                                            next=PeerRef(address=f"127.0.0.1:{port}")))
+            err = await typed_error(control)
+        nursery.cancel_scope.cancel()
+    assert err.code == ErrorCode.UNREACHABLE
+    assert err.message == f"the next stage 127.0.0.1:{port} is unreachable"
+    assert "403" not in err.message and "secret" not in err.message
+    assert await honest_ask(stages) == await honest_ask(stages)

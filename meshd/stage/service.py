@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import trio
@@ -32,6 +33,7 @@ from meshd.mesh.models import file_digest
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
+from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -89,6 +91,25 @@ class Session:
     steps: int = 0
 
 
+# Whether a stage may dial a peer an Open names (its next stage, or the head for the
+# ring): returns quietly, or raises a ProtocolError saying why not.
+DialCheck = Callable[[PeerRef], None]
+
+
+def plain_address(ref: PeerRef) -> None:
+    """Without a member table (a bare stage): ``host:port`` or a relay circuit, never a URL with a
+    path, a query or another scheme, so an Open cannot aim the stage at some other service."""
+    relay, mark, _ = ref.address.partition(CIRCUIT_MARK)
+    address = relay if mark else ref.address
+    try:
+        parts = urlsplit(address if address.startswith("ws://") else f"ws://{address}")
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None or not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage dials only host:port addresses")
+
+
 class StageMetrics:
     def __init__(self) -> None:
         self.engine_calls = 0
@@ -109,8 +130,9 @@ class StageMetrics:
 
 class StageService:
     def __init__(self, peers: Peers, engine: EngineSupervisor, report: RangeReport, model_digest: str,
-                 model_name: str, limits: StageLimits = StageLimits()) -> None:
+                 model_name: str, limits: StageLimits = StageLimits(), may_dial: DialCheck = plain_address) -> None:
         self.peers = peers
+        self.may_dial = may_dial
         self.engine = engine
         self.report = report
         self.digest = model_digest
@@ -232,6 +254,9 @@ class StageService:
 
     async def _serve_session(self, stream: Stream, msg: Open) -> None:
         self._check_open(msg)
+        target = self._downstream_target(msg)
+        if target is not None:
+            self.may_dial(target[0])
         book, gone = self.books.open(msg.session, msg.epoch, self.engine.generation, msg.max_tokens, msg.stop,
                                      trio.current_time(), owner=stream.remote_node_id, upstream=msg.upstream)
         for other in gone:
@@ -250,7 +275,6 @@ class StageService:
                     await self._engine_call({"op": "sampler_new", "sid": book.slot, "params": {
                         "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                         "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed}})
-                target = self._downstream_target(msg)
                 if target is not None:
                     # The next stage is dialled now, not once the prompt's length is
                     # known: every stage of a cold route pays its handshake while the
@@ -287,11 +311,10 @@ class StageService:
         try:
             with trio.fail_after(self.limits.hop_timeout):
                 return await self.peers.open_stream(target.address, STAGE_PROTOCOL, node_id=target.node_id)
-        except trio.TooSlowError:
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: no link within "
-                                                       f"{self.limits.hop_timeout:g} s") from None
-        except ProtocolError as exc:
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: {exc}") from exc
+        except (trio.TooSlowError, ProtocolError):
+            # what the far side said (a status, a reason) stays here: an Open must not make this
+            # stage a probe of other services
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable") from None
 
     async def _control_loop(self, stream: Stream, session: Session) -> None:
         try:
