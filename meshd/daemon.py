@@ -222,7 +222,7 @@ class MeshDaemon:
             peers.handle(SWIM_PROTOCOL, self._on_swim)
             peers.handle(MESH_PROTOCOL, self._on_rpc)
             peers.handle(STAGE_PROTOCOL, self._on_stage)
-            enable_circuits(peers)
+            enable_circuits(peers, self._reserved_on)
             if cfg.relay:
                 self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
             self.port = await peers.listen(*cfg.listen)
@@ -515,6 +515,9 @@ class MeshDaemon:
 
     def live_records(self) -> list[CapabilityRecord]:
         return self.mesh.membership.live_records()
+
+    def _reserved_on(self, relay: str) -> bool:
+        return self._keeper is not None and self._keeper.reserved_on(relay)
 
     def may_dial(self, ref: PeerRef) -> None:
         """A stage dials for a session only a live member, at an address its signed record names."""

@@ -15,6 +15,7 @@ import trio
 from meshd.net import rpc
 from meshd.net.link import Link, Stream
 from meshd.net.peers import Peers
+from meshd.relay.circuit import CircuitTransport
 from relay.limits import Circuit, RelayLimits, RelayState
 from relay.protocol import (
     HOP_PROTOCOL,
@@ -54,6 +55,9 @@ class RelayService:
         return self.state.limits
 
     async def _on_hop(self, stream: Stream) -> None:
+        if isinstance(stream.link.transport, CircuitTransport):
+            # a circuit is relayed once: a reservation or a dial through a circuit would nest links
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "no circuit runs inside a circuit")
         request = await stream.receive_message()
         if isinstance(request, Reserve):
             await self._reserve(stream)
