@@ -453,7 +453,11 @@ class MeshDaemon:
         return DialBackReply(reachable=False, observed=observed, detail=f"connecting to {target} timed out")
 
     def _is_member(self, node_id: str) -> bool:
-        return self.mesh.membership.record_of(node_id) is not None
+        """A live member this node has itself probed (a round trip measured): a record planted by
+        someone's Sync, of a node nobody here has heard from, does not count."""
+        membership = self.mesh.membership
+        live = any(r.node_id == node_id for r in membership.live_records())
+        return live and membership.rtt(node_id) is not None
 
     def _relay_candidates(self) -> list[RelayCandidate]:
         records = [r for r in self.live_records() if ROLE_RELAY in r.roles and r.node_id != self.mesh.node_id
