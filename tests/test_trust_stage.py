@@ -57,7 +57,7 @@ async def attacker() -> AsyncIterator[tuple[Peers, PeerRef]]:
 async def honest_ask(stages: list[Served], session: str | None = None,
                      attack: Callable[[], Awaitable[None]] | None = None) -> list[int]:
     """An honest asker of its own identity; ``attack`` runs once, awaited, at its first token."""
-    ran = []
+    ran: list[int] = []
 
     async def on_token(token: int, piece: bytes) -> None:
         if attack is not None and not ran:

@@ -7,6 +7,8 @@ idle long enough for least-recently-used eviction), or holds most of the KV.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from meshd.stage.books import Phase, SessionBook, StageBooks, StageLimits
@@ -15,7 +17,7 @@ from wire.errors import ErrorCode, ProtocolError
 ATTACKER, BYSTANDER, OTHER = "attacker", "bystander", "other"
 
 
-def books(**limits: float) -> StageBooks[None]:
+def books(**limits: Any) -> StageBooks[None]:
     return StageBooks(StageLimits(**({"max_sessions": 4, "max_session_tokens": 64, "max_total_tokens": 256,
                                       "ttl": 300.0, "evict_after": 2.0} | limits)))
 
