@@ -1,4 +1,5 @@
-"""The stage's books against an attacking member: stolen sessions, forged upstreams, slot and KV hogs.
+"""The stage's books against an attacking member: stolen sessions, forged upstreams, slot and KV hogs;
+and the daemon's word on whom a stage may dial.
 
 The attacker here is a node id in the books (sans-IO, no clock): it opens the
 most sessions it can and keeps each one warm (a row a second, so none is ever
@@ -7,12 +8,15 @@ idle long enough for least-recently-used eviction), or holds most of the KV.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from meshd.daemon import MeshDaemon
 from meshd.stage.books import Phase, SessionBook, StageBooks, StageLimits
 from wire.errors import ErrorCode, ProtocolError
+from wire.stage import PeerRef
 
 ATTACKER, BYSTANDER, OTHER = "attacker", "bystander", "other"
 
@@ -114,3 +118,15 @@ def test_the_heaviest_nodes_session_goes_before_a_lighter_nodes_older_idle_one()
     step(b, heavy[0], 9.0)
     _, gone = b.open("o", 0, 1, 16, (), 20.0, owner=OTHER)
     assert gone == [heavy[1]] and b.holds(light)
+
+
+def test_a_daemon_stage_dials_only_a_live_member_at_an_address_its_record_names() -> None:
+    member = SimpleNamespace(node_id="m" * 40, addresses=["10.0.0.2:7000"], relay_addresses=[])
+    daemon = SimpleNamespace(live_records=lambda: [member])
+    MeshDaemon.may_dial(daemon, PeerRef(address="10.0.0.2:7000", node_id=member.node_id))  # type: ignore[arg-type]
+    for ref, code in ((PeerRef(address="127.0.0.1:8080/admin", node_id=member.node_id), ErrorCode.UNAUTHORIZED),
+                      (PeerRef(address="10.0.0.2:7000", node_id="x" * 40), ErrorCode.UNREACHABLE),
+                      (PeerRef(address="10.0.0.2:7000"), ErrorCode.BAD_REQUEST)):
+        with pytest.raises(ProtocolError) as err:
+            MeshDaemon.may_dial(daemon, ref)  # type: ignore[arg-type]
+        assert err.value.code is code
