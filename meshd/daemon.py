@@ -95,7 +95,7 @@ from wire.meshrpc import (
     StatusReply,
     StatusRequest,
 )
-from wire.stage import STAGE_PROTOCOL, Hop, Open
+from wire.stage import STAGE_PROTOCOL, Hop, Open, PeerRef
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class MeshDaemon:
             peers.handle(MESH_PROTOCOL, self._on_rpc)
             peers.handle(STAGE_PROTOCOL, self._on_stage)
             register(peers, self.source)
-            enable_circuits(peers)
+            enable_circuits(peers, self._reserved_on)
             if cfg.relay:
                 self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
             self.port = await peers.listen(*cfg.listen)
@@ -503,7 +503,11 @@ class MeshDaemon:
         return DialBackReply(reachable=False, observed=observed, detail=f"connecting to {target} timed out")
 
     def _is_member(self, node_id: str) -> bool:
-        return self.mesh.membership.record_of(node_id) is not None
+        """A live member this node has itself probed (a round trip measured): a record planted by
+        someone's Sync, of a node nobody here has heard from, does not count."""
+        membership = self.mesh.membership
+        live = any(r.node_id == node_id for r in membership.live_records())
+        return live and membership.rtt(node_id) is not None
 
     def _relay_candidates(self) -> list[RelayCandidate]:
         records = [r for r in self.live_records() if ROLE_RELAY in r.roles and r.node_id != self.mesh.node_id
@@ -566,6 +570,21 @@ class MeshDaemon:
     def live_records(self) -> list[CapabilityRecord]:
         return self.mesh.membership.live_records()
 
+    def _reserved_on(self, relay: str) -> bool:
+        return self._keeper is not None and self._keeper.reserved_on(relay)
+
+    def may_dial(self, ref: PeerRef) -> None:
+        """A stage dials for a session only a live member, at an address its signed record names."""
+        if ref.node_id is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage dials only a member named by its node id")
+        record = next((r for r in self.live_records() if r.node_id == ref.node_id), None)
+        if record is None:
+            # retryable: gossip may not have brought the record here yet
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"node {ref.node_id[:16]} is not a live member here")
+        if ref.address not in (*record.addresses, *record.relay_addresses):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"{ref.address} is not an address node "
+                                                        f"{ref.node_id[:16]} signed")
+
     def route(self, model: str | None, exclude: list[str] | tuple[str, ...] = (),
               peer: str | None = None) -> RouteReply:
         """A route for `model`; with `peer` (the asker's host), only through nodes it may be told of."""
@@ -626,7 +645,8 @@ class MeshDaemon:
         with serving.scope:
             async with trio.open_nursery() as nursery:
                 report = await nursery.start(engine.run)
-                service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits)
+                service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits,
+                                       may_dial=self.may_dial)
 
                 def down(generation: int, reason: str) -> None:
                     service.on_worker_down(generation, reason)

@@ -16,6 +16,8 @@ from wire.errors import ErrorCode, ProtocolError
 @dataclass(frozen=True)
 class RelayLimits:
     max_reservations: int = 128
+    # Reservations from one source address: identities are free, addresses are not.
+    max_reservations_per_address: int = 4
     max_circuits: int = 1024
     # Circuits one node takes part in, at either end.
     max_circuits_per_peer: int = 16
@@ -50,15 +52,24 @@ class RelayState:
     # reservation id -> when it ends unless renewed
     expiry: dict[int, float] = field(default_factory=dict)
     circuits: dict[int, Circuit] = field(default_factory=dict)
+    # node id -> the source address (host) its reservation came from
+    hosts: dict[str, str] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
-    def reserve(self, node: str, now: float) -> int:
-        """A reservation for ``node`` until ``now`` plus the lifetime, replacing (renewing)
-        any it holds; raises OVERLOADED when the relay is full."""
+    def reserve(self, node: str, now: float, host: str = "") -> int:
+        """A reservation for ``node`` (reserving from ``host``) until ``now`` plus the lifetime,
+        replacing (renewing) any it holds; raises OVERLOADED when the relay, or its share for
+        ``host``, is full."""
         if node not in self.reservations and len(self.reservations) >= self.limits.max_reservations:
             raise ProtocolError(ErrorCode.OVERLOADED,
                                 f"this relay holds its maximum of {self.limits.max_reservations} reservations",
                                 retry_after_ms=self.limits.retry_after_ms)
+        same_host = sum(1 for n, h in self.hosts.items() if h == host and n != node)
+        if same_host >= self.limits.max_reservations_per_address:
+            raise ProtocolError(ErrorCode.OVERLOADED,
+                                f"this relay holds its maximum of {self.limits.max_reservations_per_address} "
+                                f"reservations from one address", retry_after_ms=self.limits.retry_after_ms)
+        self.hosts[node] = host
         old = self.reservations.get(node)
         if old is not None:
             del self.expiry[old]
@@ -72,6 +83,7 @@ class RelayState:
         if self.reservations.get(node) == reservation:
             del self.reservations[node]
             del self.expiry[reservation]
+            self.hosts.pop(node, None)
 
     def reservation_deadline(self, reservation: int) -> float:
         """When ``reservation`` ends unless renewed; -inf once replaced or released."""

@@ -37,6 +37,10 @@ class Node:
     scope: trio.CancelScope
     relay: RelayService | None = None
     held: list[str] = field(default_factory=list)
+    keeper: ReservationKeeper | None = None
+
+    def reserved_on(self, relay: str) -> bool:
+        return self.keeper is not None and self.keeper.reserved_on(relay)
 
     @property
     def node_id(self) -> str:
@@ -48,13 +52,14 @@ async def start_node(nursery: trio.Nursery, config: PeersConfig = CONFIG, limits
     async def run(task_status: trio.TaskStatus[Node]) -> None:
         with trio.CancelScope() as scope:
             async with open_peers(NodeIdentity.generate(), config) as peers:
-                enable_circuits(peers)
                 peers.handle(ECHO, echo_bytes)
                 relay = None
                 if limits is not None:
                     relay = RelayService(peers, limits, is_member, None if tap is None else tap.append)
                 port = await peers.listen("127.0.0.1", 0)
-                task_status.started(Node(peers, f"127.0.0.1:{port}", scope, relay))
+                node = Node(peers, f"127.0.0.1:{port}", scope, relay)
+                enable_circuits(peers, node.reserved_on)
+                task_status.started(node)
                 await trio.sleep_forever()
 
     node: Node = await nursery.start(run)
@@ -69,6 +74,7 @@ async def reserve(nursery: trio.Nursery, target: Node, relays: list[Node], want:
 
     keeper = ReservationKeeper(target.peers, lambda: [RelayCandidate(r.node_id, r.address) for r in relays],
                                on_change, want=want)
+    target.keeper = keeper
     nursery.start_soon(keeper.run)
     with trio.fail_after(10):
         while len(target.held) < min(want, len(relays)):

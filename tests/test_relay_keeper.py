@@ -44,9 +44,9 @@ def recording_reserve(service: RelayService) -> list[float]:
     times: list[float] = []
     reserve = service.state.reserve
 
-    def record(node: str, now: float) -> int:
+    def record(node: str, now: float, host: str = "") -> int:
         times.append(now)
-        return reserve(node, now)
+        return reserve(node, now, host)
 
     service.state.reserve = record  # type: ignore[method-assign]
     return times

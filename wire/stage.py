@@ -70,6 +70,9 @@ class Open(Message, tag="open"):
     layer_end: Layer | None = None
     next: PeerRef | None = None
     head: PeerRef | None = None
+    # the one node whose hop (or, at the head, ring) stream feeds this session: the
+    # previous stage (at the head, the tail); None: the opener feeds it itself
+    upstream: NodeId | None = None
     sampling: Sampling = Sampling()
     max_tokens: int = Field(default=256, ge=1, le=1 << 20)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)

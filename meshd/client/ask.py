@@ -218,14 +218,18 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 linked[i].set()
                 # the neighbour this stage dials: the next stage, or (the tail) the head
                 other = i + 1 if nxt is not None else 0
+                # the neighbour whose hop (at the head, the ring) feeds this stage: only it may
+                prev = (i - 1) % len(route)
                 await linked[other].wait()
+                await linked[prev].wait()
                 ref = PeerRef(address=route[other].address, node_id=node_ids[other])
                 layers = stage.layers or (None, None)
                 reply = await rpc.request(stream, Open(
                     session=session, epoch=epoch, model_digest=stage.model_digest,
                     layer_begin=layers[0], layer_end=layers[1],
                     next=ref if nxt is not None else None,
-                    head=ref if nxt is None else None, sampling=request.sampling,
+                    head=ref if nxt is None else None, upstream=node_ids[prev] if len(route) > 1 else None,
+                    sampling=request.sampling,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
                     wire_codec=request.wire_codec, speculate=request.speculate,
                     max_draft=request.max_draft), Opened, f"stage {stage.address} opening the session")

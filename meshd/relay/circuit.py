@@ -7,6 +7,7 @@ Noise handshake is end to end and the relay forwards only ciphertext.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -83,8 +84,25 @@ async def dial_circuit(peers: Peers, address: str, node_id: str | None) -> Link:
     return await peers.attach(transport, dialer=True, node_id=target)
 
 
-async def serve_incoming(peers: Peers, stream: Stream) -> None:
-    """A relay brings a circuit: accept it and run a link over it until that link ends."""
+# Whether a node (the relay, by its node id) holds a reservation of ours, so may bring us circuits.
+ReservedOn = Callable[[str], bool]
+
+
+def reserved_nowhere(relay: str) -> bool:
+    return False
+
+
+async def serve_incoming(peers: Peers, stream: Stream, reserved_on: ReservedOn = reserved_nowhere) -> None:
+    """A relay brings a circuit: accept it and run a link over it until that link ends.
+
+    Only a relay we hold a reservation on may (anyone else would run links into us that
+    no reservation of ours invited), and never over a link that is itself a circuit: a
+    circuit inside a circuit would let a peer carry a second full link inside a stream.
+    """
+    if isinstance(stream.link.transport, CircuitTransport):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "no circuit runs inside a circuit")
+    if not reserved_on(stream.remote_node_id):
+        raise ProtocolError(ErrorCode.UNAUTHORIZED, "this node holds no reservation on that relay")
     request = await rpc.receive(stream, Incoming, "a relay's incoming circuit")
     await stream.send_message(Accepted())
     transport = CircuitTransport(stream, f"circuit from {request.source[:16]} via {stream.remote_node_id[:16]}")
@@ -93,14 +111,15 @@ async def serve_incoming(peers: Peers, stream: Stream) -> None:
     await transport.closed.wait()
 
 
-def enable_circuits(peers: Peers) -> None:
-    """Let ``peers`` dial circuit addresses (``connect``, ``open_stream``) and take circuits relays bring."""
+def enable_circuits(peers: Peers, reserved_on: ReservedOn = reserved_nowhere) -> None:
+    """Let ``peers`` dial circuit addresses (``connect``, ``open_stream``) and take circuits the
+    relays ``reserved_on`` names bring (by default none: a node with no reservation takes none)."""
 
     async def dial(address: str, node_id: str | None) -> Link:
         return await dial_circuit(peers, address, node_id)
 
     async def incoming(stream: Stream) -> None:
-        await serve_incoming(peers, stream)
+        await serve_incoming(peers, stream, reserved_on)
 
     peers.add_dialer(is_circuit_address, dial)
     peers.handle(STOP_PROTOCOL, incoming)

@@ -55,6 +55,10 @@ class ReservationKeeper:
         """The circuit addresses held, oldest first."""
         return [circuit_address(relay.address, self.peers.node_id) for relay in self.policy.held]
 
+    def reserved_on(self, relay: str) -> bool:
+        """Whether relay ``relay`` (a node id) holds a reservation of ours now: only it may bring circuits."""
+        return relay in self._streams
+
     def candidates_changed(self) -> None:
         self._wake.set()
 

@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 import trio
 
+from meshd.mesh.records import host_of
 from meshd.net import rpc
 from meshd.net.link import Link, Stream
 from meshd.net.peers import Peers
+from meshd.relay.circuit import CircuitTransport
 from relay.limits import Circuit, RelayLimits, RelayState
 from relay.protocol import (
     HOP_PROTOCOL,
@@ -54,6 +56,9 @@ class RelayService:
         return self.state.limits
 
     async def _on_hop(self, stream: Stream) -> None:
+        if isinstance(stream.link.transport, CircuitTransport):
+            # a circuit is relayed once: a reservation or a dial through a circuit would nest links
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "no circuit runs inside a circuit")
         request = await stream.receive_message()
         if isinstance(request, Reserve):
             await self._reserve(stream)
@@ -69,7 +74,8 @@ class RelayService:
         if not self._is_member(node):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "only mesh members may reserve on this relay",
                                 retry_after_ms=self.limits.retry_after_ms)
-        reservation = self.state.reserve(node, trio.current_time())
+        host = host_of(stream.link.address)
+        reservation = self.state.reserve(node, trio.current_time(), host)
         self._links[node] = stream.link
         log.info("reservation for %s", node[:16])
         try:
@@ -85,7 +91,7 @@ class RelayService:
                         return
                     if not isinstance(renewal, Reserve):
                         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{renewal.type!r} does not renew a reservation")
-                    reservation = self.state.reserve(node, trio.current_time())
+                    reservation = self.state.reserve(node, trio.current_time(), host)
                     continue
                 raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the reservation ran out without renewal")
         finally:

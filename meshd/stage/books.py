@@ -2,8 +2,8 @@
 
 A stage serves many sessions, each in one llama.cpp sequence (a *slot*). These
 books decide who gets a slot, how many KV tokens each session and all of them
-may hold, whom to evict when they run out (the least recently used idle
-session), when an idle session expires, which queued work goes into the next
+may hold, whom to evict when they run out (the heaviest node's session
+first, else the least recently used idle one), when an idle session expires, which queued work goes into the next
 engine call, and when a sampled token ends a session. They take the time as
 ``now`` and report ``next_timer()``; the trio service around them moves
 streams, channels and engine calls, and sleeps until that timer.
@@ -70,6 +70,10 @@ class SessionBook:
     id: str
     epoch: int
     slot: int
+    # the authenticated node that opened the session: only it may re-open or drive it
+    owner: str
+    # the only node whose hop (or ring) stream this session takes
+    upstream: str
     # the engine worker generation whose KV the slot is in
     generation: int
     max_tokens: int
@@ -138,12 +142,17 @@ class StageBooks(Generic[T]):
     # ----- sessions
 
     def open(self, session: str, epoch: int, generation: int, max_tokens: int, stop: Iterable[str],
-             now: float) -> tuple[SessionBook, list[SessionBook]]:
-        """A new session in a slot, and the sessions that left the books to make room (failed).
+             now: float, owner: str = "", upstream: str | None = None) -> tuple[SessionBook, list[SessionBook]]:
+        """A new session of node ``owner`` in a slot, and the sessions that left the books to make room.
 
-        Raises EPOCH_STALE for an epoch not above the one held, OVERLOADED when no slot frees.
+        ``upstream`` is the node whose hop stream feeds it (None: the owner feeds it itself).
+        Raises UNAUTHORIZED for a session another node holds, EPOCH_STALE for an epoch not above
+        the one held, OVERLOADED when no slot frees.
         """
         old = self.sessions.get(session)
+        if old is not None and old.owner != owner:
+            # a session id is no credential: who opened it is
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"session {session} belongs to another node")
         if old is not None and old.epoch >= epoch:
             raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {session} is at epoch {old.epoch}")
         gone: list[SessionBook] = []
@@ -152,13 +161,15 @@ class StageBooks(Generic[T]):
             self.release(old)
             gone.append(old)
         if not self._free:
-            gone.append(self._evict(f"all {self.limits.max_sessions} session slots are busy", now, None))
+            gone.append(self._evict(f"all {self.limits.max_sessions} session slots are busy", now, None, owner,
+                                    self._sessions_by_owner(), 1))
         slot = self._free.pop(0)
         # the new session clears the slot itself; a pending clear would wipe its KV later
         self.dirty = [(s, g) for s, g in self.dirty if s != slot]
         self.trims = [t for t in self.trims if t[0] != slot]
-        book = SessionBook(id=session, epoch=epoch, slot=slot, generation=generation, max_tokens=max_tokens,
-                           stop=tuple(s.encode() for s in stop), last_used=now)
+        book = SessionBook(id=session, epoch=epoch, slot=slot, owner=owner, upstream=upstream or owner,
+                           generation=generation, max_tokens=max_tokens, stop=tuple(s.encode() for s in stop),
+                           last_used=now)
         self.sessions[session] = book
         return book, gone
 
@@ -166,6 +177,11 @@ class StageBooks(Generic[T]):
         """The engine has cleared the slot (and set up sampling): work may come."""
         if book.phase is Phase.OPENING:
             book.phase = Phase.PREFILL
+
+    def check_upstream(self, book: SessionBook, sender: str) -> None:
+        """Refuses a hop (or ring) stream from any node but the upstream the opener named."""
+        if sender != book.upstream:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"session {book.id} takes its rows from another node")
 
     def holds(self, book: SessionBook) -> bool:
         return self.sessions.get(book.id) is book
@@ -273,7 +289,8 @@ class StageBooks(Generic[T]):
             book.next_pos = pos
         gone = []
         while self.total_tokens + n > self.limits.max_total_tokens:
-            gone.append(self._evict(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", now, book))
+            gone.append(self._evict(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", now, book,
+                                    book.owner, self._tokens_by_owner(), n))
         book.next_pos = pos + n
         book.draft_from = pos + n - drafts if drafts else None
         self.total_tokens += n
@@ -284,15 +301,41 @@ class StageBooks(Generic[T]):
         self._queue.append(Work(book, pos, n, payload, drafts))
         return gone
 
-    def _evict(self, why: str, now: float, keep: SessionBook | None) -> SessionBook:
-        idle = [s for s in self.sessions.values()
-                if s is not keep and s.in_flight == 0 and now - s.last_used >= self.limits.evict_after]
+    def _sessions_by_owner(self) -> collections.Counter[str]:
+        return collections.Counter(s.owner for s in self.sessions.values())
+
+    def _tokens_by_owner(self) -> collections.Counter[str]:
+        held: collections.Counter[str] = collections.Counter()
+        for s in self.sessions.values():
+            held[s.owner] += s.next_pos
+        return held
+
+    def _evict(self, why: str, now: float, keep: SessionBook | None, claimant: str, held: collections.Counter[str],
+               need: int) -> SessionBook:
+        """Frees room for ``claimant``, which needs ``need`` more of what ``held`` counts per node.
+
+        The heaviest user pays first: a node holding more than the claimant would after this
+        loses its least recently used session even if that session is busy, so no one peer
+        (opening many sessions, each kept warm) can lock the others out. Otherwise an idle
+        session goes, the heaviest node's first, then the least recently used.
+        """
+        movable = [s for s in self.sessions.values() if s is not keep and s.in_flight == 0]
+        if movable:
+            heaviest = max(movable, key=lambda s: (held[s.owner], -s.last_used)).owner
+            if heaviest != claimant and held[heaviest] > held[claimant] + need:
+                victim = min((s for s in movable if s.owner == heaviest), key=lambda s: s.last_used)
+                return self._evicted(victim, f"evicted because {why} and its node held the most of them "
+                                             f"({held[heaviest]})")
+        idle = [s for s in movable if now - s.last_used >= self.limits.evict_after]
         if not idle:
             self.counts.overloaded += 1
             raise ProtocolError(ErrorCode.OVERLOADED, why, retry_after_ms=self.limits.retry_after_ms)
-        victim = min(idle, key=lambda s: s.last_used)
+        victim = min(idle, key=lambda s: (-held[s.owner], s.last_used))
+        return self._evicted(victim, f"evicted (least recently used) because {why}")
+
+    def _evicted(self, victim: SessionBook, why: str) -> SessionBook:
         self.counts.evictions += 1
-        self.fail(victim, ProtocolError(ErrorCode.CACHE_MISS, f"evicted (least recently used) because {why}"))
+        self.fail(victim, ProtocolError(ErrorCode.CACHE_MISS, why))
         self.release(victim)
         return victim
 

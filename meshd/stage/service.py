@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import trio
@@ -34,6 +35,7 @@ from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.draft import DraftLength, NgramDrafter
 from meshd.store.manifest import Manifest, manifest_for
+from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -95,6 +97,25 @@ class Session:
     drafts: list[int] = field(default_factory=list)
 
 
+# Whether a stage may dial a peer an Open names (its next stage, or the head for the
+# ring): returns quietly, or raises a ProtocolError saying why not.
+DialCheck = Callable[[PeerRef], None]
+
+
+def plain_address(ref: PeerRef) -> None:
+    """Without a member table (a bare stage): ``host:port`` or a relay circuit, never a URL with a
+    path, a query or another scheme, so an Open cannot aim the stage at some other service."""
+    relay, mark, _ = ref.address.partition(CIRCUIT_MARK)
+    address = relay if mark else ref.address
+    try:
+        parts = urlsplit(address if address.startswith("ws://") else f"ws://{address}")
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None or not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage dials only host:port addresses")
+
+
 class StageMetrics:
     def __init__(self) -> None:
         self.engine_calls = 0
@@ -118,8 +139,9 @@ class StageMetrics:
 
 class StageService:
     def __init__(self, peers: Peers, engine: EngineSupervisor, report: RangeReport, model_digest: str,
-                 model_name: str, limits: StageLimits = StageLimits()) -> None:
+                 model_name: str, limits: StageLimits = StageLimits(), may_dial: DialCheck = plain_address) -> None:
         self.peers = peers
+        self.may_dial = may_dial
         self.engine = engine
         self.report = report
         self.digest = model_digest
@@ -243,8 +265,11 @@ class StageService:
 
     async def _serve_session(self, stream: Stream, msg: Open) -> None:
         self._check_open(msg)
+        target = self._downstream_target(msg)
+        if target is not None:
+            self.may_dial(target[0])
         book, gone = self.books.open(msg.session, msg.epoch, self.engine.generation, msg.max_tokens, msg.stop,
-                                     trio.current_time())
+                                     trio.current_time(), owner=stream.remote_node_id, upstream=msg.upstream)
         for other in gone:
             self._ended(other)
         to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
@@ -266,7 +291,6 @@ class StageService:
                     await self._engine_call({"op": "sampler_new", "sid": book.slot, "params": {
                         "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                         "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed}})
-                target = self._downstream_target(msg)
                 if target is not None:
                     # The next stage is dialled now, not once the prompt's length is
                     # known: every stage of a cold route pays its handshake while the
@@ -303,11 +327,10 @@ class StageService:
         try:
             with trio.fail_after(self.limits.hop_timeout):
                 return await self.peers.open_stream(target.address, STAGE_PROTOCOL, node_id=target.node_id)
-        except trio.TooSlowError:
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: no link within "
-                                                       f"{self.limits.hop_timeout:g} s") from None
-        except ProtocolError as exc:
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable: {exc}") from exc
+        except (trio.TooSlowError, ProtocolError):
+            # what the far side said (a status, a reason) stays here: an Open must not make this
+            # stage a probe of other services
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"{what} {target.address} is unreachable") from None
 
     async def _control_loop(self, stream: Stream, session: Session) -> None:
         try:
@@ -345,9 +368,7 @@ class StageService:
         if msg.tokens is not None:
             tokens = list(msg.tokens)
             self.books.set_prompt(book, len(tokens))
-            bad = [t for t in tokens if t >= self.report.n_vocab]
-            if bad:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
+            self._check_vocab(tokens)
         else:
             # Bounded before the engine worker sees it: the text must fit the session budget.
             request: dict[str, Any] = {"op": "tokenize"}
@@ -407,6 +428,8 @@ class StageService:
         session = None if book is None else self._sessions.get(book)
         if book is None or session is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no session {hop.session} on this stage")
+        # refused without failing the session: a stranger's hop must not end someone else's work
+        self.books.check_upstream(book, stream.remote_node_id)
         if hop.epoch != book.epoch:
             raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {hop.session} is at epoch {book.epoch}")
         if hop.ring != self.report.has_input:
@@ -443,12 +466,13 @@ class StageService:
         if self.report.has_input:
             if msg.tokens is None or msg.tensors:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
-            bad = [t for t in msg.tokens if t >= self.report.n_vocab]
-            if bad:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
+            self._check_vocab(msg.tokens)
             tokens = np.asarray(msg.tokens, dtype=np.int32)
             self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, None), msg.drafts)
             return
+        if msg.tokens is not None:
+            # carried ids reach the tail's sampler in the same engine call as everyone's rows
+            self._check_vocab(msg.tokens)
         entry = msg.tensor(HIDDEN)
         o = session.open
         if (entry.dtype, entry.codec) != (o.wire_dtype, o.wire_codec):
@@ -464,6 +488,12 @@ class StageService:
             hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
         if self.books.holds(book) and book.phase in LIVE:
             self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens), msg.drafts)
+
+    def _check_vocab(self, tokens: Sequence[int]) -> None:
+        n_vocab = self.report.n_vocab
+        bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad} is outside the vocabulary [0, {n_vocab})")
 
     def _enqueue(self, session: Session, pos: int, n: int, rows: Rows, drafts: int = 0) -> None:
         for other in self.books.enqueue(session.book, pos, n, rows, trio.current_time(), drafts):
@@ -543,18 +573,29 @@ class StageService:
             batch = self.books.next_batch()
             if not batch:
                 continue
-            t0 = trio.current_time()
-            try:
-                reply, body = await self._forward(batch)
-            except ProtocolError as exc:
-                for work in batch:
-                    self.books.ran(work, trio.current_time())
-                    self._fail(work.payload.session, exc)
-                continue
-            self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0,
-                                     sum(w.n - self.books.history(w) for w in batch))
-            self._dispatch(batch, reply, body)
+            await self._run_batch(batch)
             self._changed()
+
+    async def _run_batch(self, batch: list[Work[Rows]]) -> None:
+        """One engine call for ``batch``. The engine refuses bad input before it computes, so a
+        refused call of several sessions is run again one session at a time: only the offender fails."""
+        t0 = trio.current_time()
+        try:
+            reply, body = await self._forward(batch)
+        except ProtocolError as exc:
+            if exc.code is ErrorCode.BAD_REQUEST and len(batch) > 1:
+                for work in batch:
+                    if self.books.holds(work.session) and work.session.phase in LIVE:
+                        await self._run_batch([work])
+                    else:
+                        self.books.ran(work, trio.current_time())
+                return
+            for work in batch:
+                self.books.ran(work, trio.current_time())
+                self._fail(work.payload.session, exc)
+            return
+        self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0)
+        self._dispatch(batch, reply, body)
 
     async def _forward(self, batch: list[Work[Rows]]) -> tuple[dict[str, Any], bytearray]:
         seq = _joined([np.full(w.n, w.session.slot, dtype=np.int32) for w in batch])

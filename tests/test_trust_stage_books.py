@@ -1,0 +1,132 @@
+"""The stage's books against an attacking member: stolen sessions, forged upstreams, slot and KV hogs;
+and the daemon's word on whom a stage may dial.
+
+The attacker here is a node id in the books (sans-IO, no clock): it opens the
+most sessions it can and keeps each one warm (a row a second, so none is ever
+idle long enough for least-recently-used eviction), or holds most of the KV.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from meshd.daemon import MeshDaemon
+from meshd.stage.books import Phase, SessionBook, StageBooks, StageLimits
+from wire.errors import ErrorCode, ProtocolError
+from wire.stage import PeerRef
+
+ATTACKER, BYSTANDER, OTHER = "attacker", "bystander", "other"
+
+
+def books(**limits: Any) -> StageBooks[None]:
+    return StageBooks(StageLimits(**({"max_sessions": 4, "max_session_tokens": 64, "max_total_tokens": 256,
+                                      "ttl": 300.0, "evict_after": 2.0} | limits)))
+
+
+def opened(b: StageBooks[None], name: str, owner: str, now: float, epoch: int = 0) -> SessionBook:
+    book, _ = b.open(name, epoch, 1, 16, (), now, owner=owner)
+    b.opened(book)
+    b.set_prompt(book, 1)
+    return book
+
+
+def step(b: StageBooks[None], book: SessionBook, now: float, n: int = 1) -> None:
+    """One row (or ``n``) of ``book`` queued and run at ``now``: the session is warm, not idle."""
+    b.enqueue(book, book.next_pos, n, None, now)
+    for work in b.next_batch():
+        b.ran(work, now)
+
+
+def test_an_open_of_a_held_session_id_by_another_node_is_refused_and_the_session_lives() -> None:
+    b = books()
+    honest = opened(b, "s", BYSTANDER, 0.0)
+    with pytest.raises(ProtocolError) as err:
+        b.open("s", 9, 1, 16, (), 1.0, owner=ATTACKER)
+    assert err.value.code is ErrorCode.UNAUTHORIZED
+    assert b.holds(honest) and honest.phase is Phase.PREFILL and honest.epoch == 0
+    # its own opener may still re-open it at a higher epoch (failover)
+    again, gone = b.open("s", 1, 1, 16, (), 2.0, owner=BYSTANDER)
+    assert gone == [honest] and again.epoch == 1
+
+
+def test_rows_come_only_from_the_named_upstream_or_else_from_the_opener() -> None:
+    b = books()
+    named, _ = b.open("a", 0, 1, 16, (), 0.0, owner=BYSTANDER, upstream=OTHER)
+    b.check_upstream(named, OTHER)
+    for sender in (ATTACKER, BYSTANDER):
+        with pytest.raises(ProtocolError) as err:
+            b.check_upstream(named, sender)
+        assert err.value.code is ErrorCode.UNAUTHORIZED
+    own, _ = b.open("b", 0, 1, 16, (), 0.0, owner=BYSTANDER)
+    b.check_upstream(own, BYSTANDER)
+    with pytest.raises(ProtocolError):
+        b.check_upstream(own, ATTACKER)
+
+
+def test_four_warm_attacker_sessions_do_not_lock_bystanders_out_of_four_slots() -> None:
+    b = books()
+    hogs = [opened(b, f"hog{i}", ATTACKER, 0.0) for i in range(4)]
+    now = 0.0
+    for _ in range(5):
+        now += 1.0
+        for hog in hogs:
+            step(b, hog, now)
+    first, gone = b.open("by1", 0, 1, 16, (), now, owner=BYSTANDER)
+    assert len(gone) == 1 and gone[0].owner == ATTACKER and gone[0].phase is Phase.FAILED
+    assert gone[0].failure is not None and gone[0].failure.code is ErrorCode.CACHE_MISS
+    assert "held the most" in gone[0].failure.message
+    second, gone = b.open("by2", 0, 1, 16, (), now, owner=OTHER)
+    assert [g.owner for g in gone] == [ATTACKER]
+    # now the attacker holds 2 of 4: re-opening costs it its own turn, not a bystander's
+    with pytest.raises(ProtocolError) as err:
+        b.open("hog9", 0, 1, 16, (), now, owner=ATTACKER)
+    assert err.value.code is ErrorCode.OVERLOADED
+    assert b.holds(first) and b.holds(second)
+    assert sorted(s.owner for s in b.sessions.values()) == [ATTACKER, ATTACKER, BYSTANDER, OTHER]
+
+
+def test_a_node_alone_keeps_its_busy_sessions_and_is_told_it_is_overloaded() -> None:
+    b = books()
+    mine = [opened(b, f"m{i}", BYSTANDER, 0.0) for i in range(4)]
+    for book in mine:
+        step(b, book, 1.0)
+    with pytest.raises(ProtocolError) as err:
+        b.open("m9", 0, 1, 16, (), 1.5, owner=BYSTANDER)
+    assert err.value.code is ErrorCode.OVERLOADED and err.value.retry_after_ms
+    assert all(b.holds(book) for book in mine)
+
+
+def test_the_kv_hog_loses_a_session_before_a_bystander_is_refused_tokens() -> None:
+    b = books(max_total_tokens=128)
+    hogs = [opened(b, f"hog{i}", ATTACKER, 0.0) for i in range(2)]
+    for hog in hogs:
+        step(b, hog, 1.0, n=60)
+    bystander = opened(b, "by", BYSTANDER, 1.0)
+    step(b, bystander, 1.5, n=8)
+    gone = b.enqueue(bystander, bystander.next_pos, 8, None, 1.5)
+    assert [g.owner for g in gone] == [ATTACKER]
+    assert b.total_tokens <= 128 and b.holds(bystander)
+
+
+def test_the_heaviest_nodes_session_goes_before_a_lighter_nodes_older_idle_one() -> None:
+    b = books()
+    light = opened(b, "l", BYSTANDER, 0.0)
+    heavy = [opened(b, f"h{i}", ATTACKER, 1.0) for i in range(3)]
+    step(b, heavy[0], 9.0)
+    _, gone = b.open("o", 0, 1, 16, (), 20.0, owner=OTHER)
+    assert gone == [heavy[1]] and b.holds(light)
+
+
+def test_a_daemon_stage_dials_only_a_live_member_at_an_address_its_record_names() -> None:
+    member = SimpleNamespace(node_id="m" * 40, addresses=["10.0.0.2:7000"], relay_addresses=[])
+    daemon = SimpleNamespace(live_records=lambda: [member])
+    MeshDaemon.may_dial(daemon, PeerRef(address="10.0.0.2:7000", node_id=member.node_id))  # type: ignore[arg-type]
+    for ref, code in ((PeerRef(address="127.0.0.1:8080/admin", node_id=member.node_id), ErrorCode.UNAUTHORIZED),
+                      (PeerRef(address="10.0.0.2:7000", node_id="x" * 40), ErrorCode.UNREACHABLE),
+                      (PeerRef(address="10.0.0.2:7000"), ErrorCode.BAD_REQUEST)):
+        with pytest.raises(ProtocolError) as err:
+            MeshDaemon.may_dial(daemon, ref)  # type: ignore[arg-type]
+        assert err.value.code is code
