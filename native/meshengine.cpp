@@ -29,7 +29,7 @@ struct me_context {
     me_model * model;
     llama_context * ctx;
     me_context_params params;
-    int32_t n_embd;
+    int32_t stage_width; // floats per residual row in and out
     int32_t n_vocab;
     bool has_input;
     bool has_output;
@@ -233,6 +233,12 @@ int32_t me_model_get_info(const me_model * model, me_model_info * out) {
     out->has_input = model->range.has_input;
     out->has_output = model->range.has_output;
     out->n_embd = llama_model_n_embd(model->model);
+    out->stage_width = model->range.n_embd_stage;
+    out->gpu_layer_begin = model->range.gpu_layer_begin;
+    out->gpu_layer_end = model->range.gpu_layer_end;
+    out->gpu_output = model->range.gpu_output;
+    out->n_bytes_gpu = model->range.n_bytes_gpu;
+    out->needs_tokens = model->range.needs_tokens;
     out->n_vocab = llama_vocab_n_tokens(model->vocab);
     out->n_ctx_train = llama_model_n_ctx_train(model->model);
     out->n_tensors = model->range.n_tensors;
@@ -293,8 +299,9 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
         }
         llama_attach_threadpool(ctx, threadpool, threadpool);
     }
-    const int32_t n_embd = llama_model_n_embd(model->model);
-    auto * c = new (std::nothrow) me_context{model, ctx, *params, n_embd,
+    // the rows that cross a stage boundary, in and out
+    const int32_t stage_width = model->range.n_embd_stage;
+    auto * c = new (std::nothrow) me_context{model, ctx, *params, stage_width,
                                              llama_vocab_n_tokens(model->vocab),
                                              (bool) model->range.has_input, has_output, {}, threadpool};
     if (!c) {
@@ -304,7 +311,15 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
         }
         return fail(ME_ERR_INTERNAL, "out of memory");
     }
-    c->batch = llama_batch_init((int32_t) params->n_batch, c->has_input ? 0 : n_embd, 1);
+    c->batch = llama_batch_init((int32_t) params->n_batch, c->has_input ? 0 : stage_width, 1);
+    if (model->range.needs_tokens) {
+        // an embedding batch has no token array; llama_batch_free frees this one with the rest
+        c->batch.token = (llama_token *) malloc(sizeof(llama_token) * params->n_batch);
+        if (!c->batch.token) {
+            me_context_free(c);
+            return fail(ME_ERR_INTERNAL, "out of memory");
+        }
+    }
     *out = c;
     return ME_OK;
 }
@@ -340,7 +355,11 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
     if (ctx->has_input && embd) {
         return fail(ME_ERR_INVALID_ARGUMENT, "give token ids or residual rows, not both");
     }
-    if (!ctx->has_input && tokens) {
+    const bool needs_tokens = ctx->model->range.needs_tokens;
+    if (needs_tokens && !tokens) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "this stage routes experts by token id: it takes the token ids too");
+    }
+    if (!ctx->has_input && !needs_tokens && tokens) {
         return fail(ME_ERR_INVALID_ARGUMENT, "this stage has no token embeddings: it cannot take token ids");
     }
     int32_t rows = 0;
@@ -362,7 +381,7 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
             rows++;
         }
     }
-    const int32_t width = ctx->has_output ? ctx->n_vocab : ctx->n_embd;
+    const int32_t width = ctx->has_output ? ctx->n_vocab : ctx->stage_width;
     const size_t need = (size_t) rows * (size_t) width;
     if (!out || out_capacity < need) {
         *out_rows = rows;
@@ -373,8 +392,9 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
     b.n_tokens = n_tokens;
     if (tokens) {
         memcpy(b.token, tokens, sizeof(int32_t) * n_tokens);
-    } else {
-        memcpy(b.embd, embd, sizeof(float) * (size_t) n_tokens * ctx->n_embd);
+    }
+    if (embd) {
+        memcpy(b.embd, embd, sizeof(float) * (size_t) n_tokens * ctx->stage_width);
     }
     for (int32_t i = 0; i < n_tokens; ++i) {
         b.pos[i] = pos[i];
@@ -420,8 +440,13 @@ int32_t me_seq_remove(me_context * ctx, int32_t seq_id, int32_t p0, int32_t p1) 
     if (seq_id >= (int32_t) ctx->params.n_seq_max) {
         return fail(ME_ERR_INVALID_ARGUMENT, "sequence id %d is outside [0, %u)", seq_id, ctx->params.n_seq_max);
     }
-    if (!llama_memory_seq_rm(llama_get_memory(ctx->ctx), seq_id, p0, p1)) {
-        return fail(ME_ERR_COMPUTE, "cannot remove positions [%d, %d) of sequence %d", p0, p1, seq_id);
+    // one sequence at a time: a recurrent memory takes no "every sequence" id
+    const int32_t first = seq_id < 0 ? 0 : seq_id;
+    const int32_t last = seq_id < 0 ? (int32_t) ctx->params.n_seq_max - 1 : seq_id;
+    for (int32_t s = first; s <= last; ++s) {
+        if (!llama_memory_seq_rm(llama_get_memory(ctx->ctx), s, p0, p1)) {
+            return fail(ME_ERR_COMPUTE, "cannot remove positions [%d, %d) of sequence %d", p0, p1, s);
+        }
     }
     return ME_OK;
 }

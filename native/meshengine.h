@@ -28,7 +28,7 @@ extern "C" {
 
 /* cdef-begin */
 
-#define ME_ABI_VERSION 1
+#define ME_ABI_VERSION 3
 
 enum me_status {
     ME_OK = 0,
@@ -59,12 +59,20 @@ typedef struct me_model_info {
     int32_t n_layer;      /* layers of the whole model */
     int32_t has_input;    /* owns token_embd: takes token ids */
     int32_t has_output;   /* owns the output head: produces logits */
-    int32_t n_embd;       /* width of the residual stream */
+    int32_t n_embd;       /* the model's hidden size */
     int32_t n_vocab;
     int32_t n_ctx_train;
     int64_t n_tensors;    /* distinct tensors loaded */
     uint64_t n_bytes;     /* bytes of the loaded tensors */
     char arch[32];        /* general.architecture */
+    int32_t stage_width;  /* floats per token row between two stages: what a stage after the first takes
+                             and one before the last puts out (n_embd for most architectures) */
+    int32_t gpu_layer_begin; /* owned layers [gpu_layer_begin, gpu_layer_end) that n_gpu_layers offloads, */
+    int32_t gpu_layer_end;   /* whether or not the build has a GPU (then n_bytes_gpu says what did) */
+    int32_t gpu_output;      /* the output head is offloaded too */
+    uint64_t n_bytes_gpu;    /* bytes of the loaded tensors in GPU memory */
+    int32_t needs_tokens;    /* a stage after the first whose layers read token ids (DeepSeek V4's hash-routed
+                                layers): me_forward takes the token ids with the residual rows */
 } me_model_info;
 
 typedef struct me_context_params {
@@ -100,7 +108,9 @@ ME_API const char * me_last_error(void);
 /* Once per process. level: -1 silent, 0 errors, 1 warnings, 2 info (llama.cpp log to stderr). */
 ME_API void me_init(int32_t log_level);
 
-/* Loads layers [layer_begin, layer_end) of a GGUF; layer_end < 0 means the last layer. */
+/* Loads layers [layer_begin, layer_end) of a GGUF; layer_end < 0 means the last layer.
+ * n_gpu_layers counts over the owned layers, from the end of the range (as llama.cpp counts over the
+ * whole model); at the tail the output head is one more, the last. < 0: every owned layer and the head. */
 ME_API int32_t me_model_load(const char * path, int32_t layer_begin, int32_t layer_end,
                              int32_t n_gpu_layers, me_model ** out);
 ME_API void me_model_free(me_model * model);
@@ -110,8 +120,9 @@ ME_API int32_t me_context_new(me_model * model, const me_context_params * params
 ME_API void me_context_free(me_context * ctx);
 
 /* Runs n_tokens rows through the owned layers.
- * Input: token ids at a stage that owns the input, residual rows (n_tokens x n_embd f32) elsewhere.
- * Output: at a stage without the output head, the residual of every row (n_tokens x n_embd);
+ * Input: token ids at a stage that owns the input, residual rows (n_tokens x stage_width f32) elsewhere,
+ * and both at a stage whose needs_tokens is set.
+ * Output: at a stage without the output head, the residual of every row (n_tokens x stage_width);
  * at the tail, logits (n_vocab floats) for each row whose want_output is non-zero, in row order.
  * out_capacity counts floats; *out_rows receives the number of output rows. */
 ME_API int32_t me_forward(me_context * ctx, int32_t n_tokens,

@@ -7,10 +7,12 @@ and never aborts on what it can check.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +72,25 @@ class RangeReport:
     n_vocab: int
     n_ctx_train: int
     arch: str
+    # floats per token row between two stages: what a stage after the first takes and one
+    # before the last puts out (n_embd for most architectures, wider where the layers carry more)
+    stage_width: int
+    # the owned layers [begin, end) that the load's --gpu-layers offloads, whether or not the
+    # build has a GPU; n_bytes_gpu says what did land in GPU memory
+    gpu_layers: tuple[int, int]
+    gpu_output: bool
+    n_bytes_gpu: int
+    # a stage after the first whose layers read token ids (DeepSeek V4's hash-routed layers):
+    # it takes the token ids with the residual rows
+    needs_tokens: bool = False
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> RangeReport:
+        """The report as a worker's ready message carries it (msgpack turns tuples into lists)."""
+        return cls(**{**fields, "gpu_layers": tuple(fields["gpu_layers"])})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     @property
     def is_head(self) -> bool:
@@ -92,7 +113,11 @@ class SamplingParams:
 
 
 class Model:
-    """A GGUF loaded for layers [begin, end) only; `layers=None` loads the whole model."""
+    """A GGUF loaded for layers [begin, end) only; `layers=None` loads the whole model.
+
+    `n_gpu_layers` counts over the owned layers, from the end of the range (at the tail the
+    output head is one more, the last); -1 offloads all of them, 0 none.
+    """
 
     def __init__(self, path: str | Path, layers: tuple[int, int | None] | None = None, n_gpu_layers: int = 0) -> None:
         ffi, lib = load()
@@ -107,6 +132,8 @@ class Model:
             raise InvalidInput(f"layer range [{begin}, {end}) starts below 0")
         if end is not None and end <= begin:
             raise InvalidInput(f"layer range [{begin}, {end}) is empty or inverted")
+        if not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
+            raise InvalidInput(f"gpu layers must be -1 (all owned layers) or a count from 0, got {n_gpu_layers!r}")
         if not self.path.exists():
             raise ModelLoadError(f"model file not found: {self.path}")
         if not self.path.is_file():
@@ -130,6 +157,11 @@ class Model:
             n_vocab=info.n_vocab,
             n_ctx_train=info.n_ctx_train,
             arch=ffi.string(info.arch).decode(),
+            stage_width=info.stage_width,
+            gpu_layers=(info.gpu_layer_begin, info.gpu_layer_end),
+            gpu_output=bool(info.gpu_output),
+            n_bytes_gpu=info.n_bytes_gpu,
+            needs_tokens=bool(info.needs_tokens),
         )
         want_end = self.report.n_layer if end is None else end
         if (self.report.layer_begin, self.report.layer_end) != (begin, want_end):
@@ -234,7 +266,7 @@ class Context:
         self.n_ctx, self.n_seq_max, self.n_batch, self.n_threads = n_ctx, n_seq_max, n_batch, threads
         self.n_ctx_seq = n_ctx // n_seq_max
         report = model.report
-        self.width = report.n_vocab if report.has_output else report.n_embd
+        self.width = report.n_vocab if report.has_output else report.stage_width
 
     def close(self) -> None:
         if self._handle != self._ffi.NULL:
@@ -257,7 +289,7 @@ class Context:
     ) -> np.ndarray:
         """Runs rows through the owned layers, in chunks of n_batch.
 
-        Returns the residual of every row (n x n_embd) before the tail, and at
+        Returns the residual of every row (n x stage_width) before the tail, and at
         the tail the logits of the rows in `want_output` (default: the last row).
         """
         if self._handle == self._ffi.NULL:
@@ -274,7 +306,7 @@ class Context:
             raise InvalidInput(f"sequence id outside [0, {self.n_seq_max}): {int(seq.min())}..{int(seq.max())}")
         if pos.min() < 0 or pos.max() >= self.n_ctx_seq:
             raise InvalidInput(f"position outside [0, {self.n_ctx_seq}): {int(pos.min())}..{int(pos.max())}")
-        tok = self._rows_in(n, tokens, hidden, report)
+        tok, emb = self._rows_in(n, tokens, hidden, report)
         if report.has_output:
             want = np.zeros(n, dtype=np.int8)
             if want_output is None:
@@ -291,36 +323,47 @@ class Context:
         done = 0
         for start in range(0, n, self.n_batch):
             stop = min(start + self.n_batch, n)
-            done += self._forward_chunk(seq[start:stop], pos[start:stop], tok, start, stop, want[start:stop], out[done:])
+            done += self._forward_chunk(seq[start:stop], pos[start:stop], tok, emb, start, stop, want[start:stop],
+                                        out[done:])
         return out
 
-    def _rows_in(self, n: int, tokens: object, hidden: np.ndarray | None, report: RangeReport) -> np.ndarray:
+    def _rows_in(self, n: int, tokens: object, hidden: np.ndarray | None,
+                 report: RangeReport) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The token ids and the residual rows this stage takes, checked (None where it takes none)."""
         if report.has_input:
             if hidden is not None or tokens is None:
                 raise InvalidInput("this stage owns the embeddings: give token ids, not residual rows")
-            tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
-            if len(tok) != n:
-                raise InvalidInput(f"{len(tok)} tokens for {n} positions")
-            if tok.min() < 0 or tok.max() >= report.n_vocab:
-                bad = int(tok.min()) if tok.min() < 0 else int(tok.max())
-                raise InvalidInput(f"token id {bad} is outside the vocabulary [0, {report.n_vocab})")
-            return tok.astype(np.int32)
-        if tokens is not None or hidden is None:
+            return self._token_ids(n, tokens, report), None
+        if hidden is None:
+            raise InvalidInput("this stage starts after layer 0: give residual rows")
+        if report.needs_tokens and tokens is None:
+            raise InvalidInput("this stage routes experts by token id: give the token ids with the residual rows")
+        if not report.needs_tokens and tokens is not None:
             raise InvalidInput("this stage starts after layer 0: give residual rows, not token ids")
         if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32:
             raise InvalidInput(f"residual rows must be a float32 array, got {getattr(hidden, 'dtype', type(hidden))}")
-        if hidden.shape != (n, report.n_embd):
-            raise InvalidInput(f"residual has shape {hidden.shape}, this model needs ({n}, {report.n_embd})")
-        return np.ascontiguousarray(hidden)
+        if hidden.shape != (n, report.stage_width):
+            raise InvalidInput(f"residual has shape {hidden.shape}, this model needs ({n}, {report.stage_width})")
+        tok = self._token_ids(n, tokens, report) if report.needs_tokens else None
+        return tok, np.ascontiguousarray(hidden)
 
-    def _forward_chunk(self, seq: np.ndarray, pos: np.ndarray, rows_in: np.ndarray, start: int, stop: int,
-                       want: np.ndarray, out: np.ndarray) -> int:
+    @staticmethod
+    def _token_ids(n: int, tokens: object, report: RangeReport) -> np.ndarray:
+        tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tok) != n:
+            raise InvalidInput(f"{len(tok)} tokens for {n} positions")
+        if tok.min() < 0 or tok.max() >= report.n_vocab:
+            bad = int(tok.min()) if tok.min() < 0 else int(tok.max())
+            raise InvalidInput(f"token id {bad} is outside the vocabulary [0, {report.n_vocab})")
+        return tok.astype(np.int32)
+
+    def _forward_chunk(self, seq: np.ndarray, pos: np.ndarray, tok: np.ndarray | None, emb: np.ndarray | None,
+                       start: int, stop: int, want: np.ndarray, out: np.ndarray) -> int:
         ffi, lib = self._ffi, self._lib
-        chunk = rows_in[start:stop]
         # from_buffer, not ffi.cast of .ctypes.data: a fifth of the cost, on every step
         buf = ffi.from_buffer
-        tok_ptr = buf("int32_t[]", chunk) if chunk.dtype == np.int32 else ffi.NULL
-        emb_ptr = buf("float[]", chunk) if chunk.dtype == np.float32 else ffi.NULL
+        tok_ptr = buf("int32_t[]", tok[start:stop]) if tok is not None else ffi.NULL
+        emb_ptr = buf("float[]", emb[start:stop]) if emb is not None else ffi.NULL
         n_rows = ffi.new("int32_t *")
         rc = lib.me_forward(
             self._handle, stop - start, tok_ptr, emb_ptr, buf("int32_t[]", pos), buf("int32_t[]", seq),

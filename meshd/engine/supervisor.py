@@ -56,6 +56,8 @@ class WorkerRefused(Exception):
 class WorkerSpec:
     model: Path
     layers: tuple[int, int] | None = None
+    # owned layers to offload to a GPU, counted from the end of the range; -1: all of them
+    gpu_layers: int = 0
     n_ctx: int = 4096
     n_seq_max: int = 16
     n_batch: int = 512
@@ -72,7 +74,7 @@ class WorkerSpec:
         args = [sys.executable, "-m", "meshd.engine.worker", "--fd", str(fd), "--parent", str(os.getpid()),
                 "--model", str(self.model),
                 "--n-ctx", str(self.n_ctx), "--n-seq-max", str(self.n_seq_max), "--n-batch", str(self.n_batch),
-                "--threads", str(self.threads), "--poll", str(self.poll)]
+                "--threads", str(self.threads), "--poll", str(self.poll), "--gpu-layers", str(self.gpu_layers)]
         if self.layers is not None:
             args += ["--layers", f"{self.layers[0]}:{self.layers[1]}"]
         return args
@@ -184,7 +186,7 @@ class EngineSupervisor:
         if not ready or not ready.get("ok"):
             message = ready.get("message") if ready else "the engine worker exited before it was ready"
             raise WorkerStartError(message or "the engine worker failed to start")
-        return proc, sock, RangeReport(**ready["report"])
+        return proc, sock, RangeReport.from_dict(ready["report"])
 
     async def _supervise(self, proc: WorkerProcess) -> str:
         async with trio.open_nursery() as nursery:

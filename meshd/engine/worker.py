@@ -4,7 +4,7 @@ Native code runs here, not in the daemon, so an abort inside llama.cpp ends
 only this process; the daemon notices and restarts it. The loop is plain
 blocking IO on one socket: the daemon sends one request at a time.
 
-Run as: python -m meshd.engine.worker --fd N --model PATH --layers A:B ...
+Run as: python -m meshd.engine.worker --fd N --model PATH --layers A:B --gpu-layers N ...
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ class Worker:
         if report.has_input:
             out = self.ctx.forward(seq, pos, tokens=np.frombuffer(h["tokens"], dtype=np.int32), want_output=want)
         else:
-            hidden = np.frombuffer(payload, dtype=np.float32).reshape(len(pos), report.n_embd)
-            out = self.ctx.forward(seq, pos, hidden=hidden, want_output=want)
+            hidden = np.frombuffer(payload, dtype=np.float32).reshape(len(pos), report.stage_width)
+            # a stage with hash-routed layers (deepseek4) takes the token ids with the residual
+            ids = np.frombuffer(h["tokens"], dtype=np.int32) if report.needs_tokens else None
+            out = self.ctx.forward(seq, pos, tokens=ids, hidden=hidden, want_output=want)
         reply: dict[str, Any] = {"ok": True, "rows": int(out.shape[0])}
         if not report.has_output:
             return reply, out.data.cast("B")
@@ -260,6 +262,7 @@ def main() -> int:
     ap.add_argument("--parent", type=int, default=0, help="the daemon's PID: this worker dies with it")
     ap.add_argument("--model", required=True)
     ap.add_argument("--layers", default="")
+    ap.add_argument("--gpu-layers", type=int, default=0)
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--n-seq-max", type=int, default=16)
     ap.add_argument("--n-batch", type=int, default=512)
@@ -277,19 +280,14 @@ def main() -> int:
         if args.layers:
             a, b = args.layers.split(":")
             layers = (int(a), int(b))
-        model = Model(args.model, layers)
+        model = Model(args.model, layers, n_gpu_layers=args.gpu_layers)
         ctx = Context(model, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, n_batch=args.n_batch,
                       n_threads=args.threads or None, poll=args.poll)
     except EngineError as exc:
         with contextlib.suppress(OSError):  # a daemon gone while we loaded hears nothing, and minds nothing
             sock.sendall(encode_prefix({"ok": False, "kind": type(exc).__name__, "message": str(exc)}, 0))
         return 1
-    r = model.report
-    ready = {"ok": True, "pid": os.getpid(), "report": {
-        "layer_begin": r.layer_begin, "layer_end": r.layer_end, "n_layer": r.n_layer,
-        "has_input": r.has_input, "has_output": r.has_output, "n_tensors": r.n_tensors,
-        "n_bytes": r.n_bytes, "n_embd": r.n_embd, "n_vocab": r.n_vocab, "n_ctx_train": r.n_ctx_train,
-        "arch": r.arch}}
+    ready = {"ok": True, "pid": os.getpid(), "report": model.report.to_dict()}
     try:
         sock.sendall(encode_prefix(ready, 0))
         serve(sock, Worker(model, ctx))

@@ -436,18 +436,26 @@ class StageService:
             if bad:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
             tokens = np.asarray(msg.tokens, dtype=np.int32)
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, None))
+            # the ids ride on downstream: a later stage with hash-routed layers (deepseek4) reads them
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, list(msg.tokens)))
             return
         entry = msg.tensor(HIDDEN)
         o = session.open
         if (entry.dtype, entry.codec) != (o.wire_dtype, o.wire_codec):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states as {entry.dtype}/{entry.codec}, this "
                                                        f"session travels as {o.wire_dtype}/{o.wire_codec}")
-        want = (msg.n_tokens, self.report.n_embd)
+        if self.report.needs_tokens:
+            if msg.tokens is None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "this stage routes experts by token id: "
+                                                           "the activation must carry the token ids")
+            bad = [t for t in msg.tokens if t >= self.report.n_vocab]
+            if bad:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary")
+        want = (msg.n_tokens, self.report.stage_width)
         if tuple(entry.shape) != want:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states of shape {tuple(entry.shape)}, "
                                                        f"this stage needs {want}")
-        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.n_embd <= INLINE_DECODE_BYTES:
+        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.stage_width <= INLINE_DECODE_BYTES:
             hidden = _decoded(entry)
         else:
             hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
@@ -549,6 +557,9 @@ class StageService:
             header["tokens"] = _joined([w.payload.tokens for w in batch if w.payload.tokens is not None]).tobytes()
         else:
             payload = _joined([w.payload.hidden for w in batch if w.payload.hidden is not None]).data.cast("B")
+            if self.report.needs_tokens:
+                header["tokens"] = _joined([np.asarray(w.payload.carry, dtype=np.int32) for w in batch
+                                            if w.payload.carry is not None]).tobytes()
         if self.report.has_output:
             want = np.zeros(len(pos), dtype=np.int8)
             sample = []
@@ -568,7 +579,7 @@ class StageService:
     def _dispatch(self, batch: list[Work[Rows]], reply: dict[str, Any], body: bytearray) -> None:
         now = trio.current_time()
         if not self.report.has_output:
-            hidden = np.frombuffer(body, dtype=np.float32).reshape(-1, self.report.n_embd)
+            hidden = np.frombuffer(body, dtype=np.float32).reshape(-1, self.report.stage_width)
             row = 0
             for w in batch:
                 self.books.ran(w, now)
