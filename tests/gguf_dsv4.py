@@ -28,12 +28,12 @@ SQRT_SOFTPLUS = 4
 class Dsv4Spec:
     seed: int = 41
     n_layer: int = 6
-    n_embd: int = 64
-    n_head: int = 4
-    head_dim: int = 16
+    n_embd: int = 128
+    n_head: int = 2
+    head_dim: int = 64
     q_lora_rank: int = 32
     o_groups: int = 2
-    o_lora_rank: int = 8
+    o_lora_rank: int = 16
     hc_mult: int = 4
     n_hash_layers: int = 3
     n_expert: int = 4
@@ -41,7 +41,7 @@ class Dsv4Spec:
     n_ff_exp: int = 32
     n_swa: int = 8
     indexer_heads: int = 2
-    indexer_dim: int = 16
+    indexer_dim: int = 64
     # per layer: 0 plain, 4 compressed with the indexer, 128 heavily compressed
     compress_ratios: tuple[int, ...] = (0, 4, 0, 128, 4, 0)
     n_ctx: int = 256
@@ -115,7 +115,6 @@ def write_dsv4_gguf(path: Path, spec: Dsv4Spec = DSV4_SPEC) -> Path:
 
     f32 = np.float32
     hc, hc_dim = spec.hc_mult, spec.hc_mult * e
-    hc_mix = (2 + hc) * hc
     w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, e))).astype(f32))
     w.add_tensor("output_norm.weight", _norm(rng, e))
     w.add_tensor("output.weight", _weight(rng, n_vocab, e, f32))

@@ -25,7 +25,7 @@ from gguf_dsv4 import DSV4_SPEC, stage_width, write_dsv4_gguf
 from gguf_factory import byte_level_vocab, owned_tensors
 from localmesh import Served, run_meshd, start_serve, stop_all
 from parity import assert_same_logits
-from test_engine_arch_parity import NEW_TOKENS, PROMPT_LENGTHS, N_CTX, Run, chain_runs
+from test_engine_arch_parity import N_CTX, NEW_TOKENS, PROMPT_LENGTHS, Run, chain_runs
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.engine import Context, InvalidInput, Model
@@ -92,7 +92,15 @@ def test_each_stage_reports_its_width_its_token_need_and_loads_exactly_its_tenso
 ) -> None:
     import gguf
 
-    expected = owned_tensors(gguf.GGUFReader(dsv4_model), layers)
+    reader = gguf.GGUFReader(dsv4_model)
+    expected = owned_tensors(reader, layers)
+    # the hyper-connection head (output_hc_*) mixes the streams at the tail, beside output_norm
+    hc_head = {t.name: int(t.n_bytes) for t in reader.tensors if t.name.startswith("output_hc_")}
+    assert len(hc_head) == 3
+    if layers[1] == DSV4_SPEC.n_layer:
+        expected |= hc_head
+    else:
+        assert not set(hc_head) & set(expected)
     with Model(dsv4_model, layers) as m:
         r = m.report
     assert (r.arch, r.layer_begin, r.layer_end, r.n_embd) == ("deepseek4", *layers, DSV4_SPEC.n_embd)
@@ -108,7 +116,7 @@ def test_a_hash_routed_stage_refuses_rows_without_their_token_ids(dsv4_model: Pa
             ctx.forward([0, 0], [0, 1], hidden=rows)
         with pytest.raises(InvalidInput, match="outside the vocabulary"):
             ctx.forward([0, 0], [0, 1], tokens=[1, m.report.n_vocab], hidden=rows)
-        with pytest.raises(InvalidInput, match=r"needs \(2, 256\)"):
+        with pytest.raises(InvalidInput, match=r"needs \(2, 512\)"):
             ctx.forward([0, 0], [0, 1], tokens=[1, 2], hidden=np.zeros((2, DSV4_SPEC.n_embd), dtype=np.float32))
     # right behind the hash-routed layers the ids are not taken: a caller that sends them is told so
     with Model(dsv4_model, (3, 6)) as m, Context(m, n_ctx=N_CTX, n_threads=1) as ctx:
