@@ -334,12 +334,10 @@ class Context:
             if hidden is not None or tokens is None:
                 raise InvalidInput("this stage owns the embeddings: give token ids, not residual rows")
             return self._token_ids(n, tokens, report), None
-        if hidden is None:
-            raise InvalidInput("this stage starts after layer 0: give residual rows")
-        if report.needs_tokens and tokens is None:
-            raise InvalidInput("this stage routes experts by token id: give the token ids with the residual rows")
-        if not report.needs_tokens and tokens is not None:
+        if not report.needs_tokens and (tokens is not None or hidden is None):
             raise InvalidInput("this stage starts after layer 0: give residual rows, not token ids")
+        if report.needs_tokens and (tokens is None or hidden is None):
+            raise InvalidInput("this stage routes experts by token id: give the token ids with the residual rows")
         if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32:
             raise InvalidInput(f"residual rows must be a float32 array, got {getattr(hidden, 'dtype', type(hidden))}")
         if hidden.shape != (n, report.stage_width):
