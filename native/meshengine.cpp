@@ -238,6 +238,7 @@ int32_t me_model_get_info(const me_model * model, me_model_info * out) {
     out->gpu_layer_end = model->range.gpu_layer_end;
     out->gpu_output = model->range.gpu_output;
     out->n_bytes_gpu = model->range.n_bytes_gpu;
+    out->needs_tokens = model->range.needs_tokens;
     out->n_vocab = llama_vocab_n_tokens(model->vocab);
     out->n_ctx_train = llama_model_n_ctx_train(model->model);
     out->n_tensors = model->range.n_tensors;
@@ -311,6 +312,14 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
         return fail(ME_ERR_INTERNAL, "out of memory");
     }
     c->batch = llama_batch_init((int32_t) params->n_batch, c->has_input ? 0 : stage_width, 1);
+    if (model->range.needs_tokens) {
+        // an embedding batch has no token array; llama_batch_free frees this one with the rest
+        c->batch.token = (llama_token *) malloc(sizeof(llama_token) * params->n_batch);
+        if (!c->batch.token) {
+            me_context_free(c);
+            return fail(ME_ERR_INTERNAL, "out of memory");
+        }
+    }
     *out = c;
     return ME_OK;
 }
@@ -346,7 +355,11 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
     if (ctx->has_input && embd) {
         return fail(ME_ERR_INVALID_ARGUMENT, "give token ids or residual rows, not both");
     }
-    if (!ctx->has_input && tokens) {
+    const bool needs_tokens = ctx->model->range.needs_tokens;
+    if (needs_tokens && !tokens) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "this stage routes experts by token id: it takes the token ids too");
+    }
+    if (!ctx->has_input && !needs_tokens && tokens) {
         return fail(ME_ERR_INVALID_ARGUMENT, "this stage has no token embeddings: it cannot take token ids");
     }
     int32_t rows = 0;
@@ -379,7 +392,8 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
     b.n_tokens = n_tokens;
     if (tokens) {
         memcpy(b.token, tokens, sizeof(int32_t) * n_tokens);
-    } else {
+    }
+    if (embd) {
         memcpy(b.embd, embd, sizeof(float) * (size_t) n_tokens * ctx->stage_width);
     }
     for (int32_t i = 0; i < n_tokens; ++i) {

@@ -28,7 +28,7 @@ extern "C" {
 
 /* cdef-begin */
 
-#define ME_ABI_VERSION 2
+#define ME_ABI_VERSION 3
 
 enum me_status {
     ME_OK = 0,
@@ -71,6 +71,8 @@ typedef struct me_model_info {
     int32_t gpu_layer_end;   /* whether or not the build has a GPU (then n_bytes_gpu says what did) */
     int32_t gpu_output;      /* the output head is offloaded too */
     uint64_t n_bytes_gpu;    /* bytes of the loaded tensors in GPU memory */
+    int32_t needs_tokens;    /* a stage after the first whose layers read token ids (DeepSeek V4's hash-routed
+                                layers): me_forward takes the token ids with the residual rows */
 } me_model_info;
 
 typedef struct me_context_params {
@@ -118,7 +120,8 @@ ME_API int32_t me_context_new(me_model * model, const me_context_params * params
 ME_API void me_context_free(me_context * ctx);
 
 /* Runs n_tokens rows through the owned layers.
- * Input: token ids at a stage that owns the input, residual rows (n_tokens x stage_width f32) elsewhere.
+ * Input: token ids at a stage that owns the input, residual rows (n_tokens x stage_width f32) elsewhere,
+ * and both at a stage whose needs_tokens is set.
  * Output: at a stage without the output head, the residual of every row (n_tokens x stage_width);
  * at the tail, logits (n_vocab floats) for each row whose want_output is non-zero, in row order.
  * out_capacity counts floats; *out_rows receives the number of output rows. */

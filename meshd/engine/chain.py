@@ -76,7 +76,9 @@ class LocalChain:
             if i == 0:
                 out = ctx.forward(seq, pos, tokens=tokens, want_output=want if last else None)
             else:
-                out = ctx.forward(seq, pos, hidden=hidden, want_output=want if last else None)
+                # a stage whose layers route by token id takes the ids with the residual
+                ids = tokens if ctx.model.report.needs_tokens else None
+                out = ctx.forward(seq, pos, tokens=ids, hidden=hidden, want_output=want if last else None)
             hidden = out
         assert hidden is not None
         return hidden

@@ -80,6 +80,9 @@ class RangeReport:
     gpu_layers: tuple[int, int]
     gpu_output: bool
     n_bytes_gpu: int
+    # a stage after the first whose layers read token ids (DeepSeek V4's hash-routed layers):
+    # it takes the token ids with the residual rows
+    needs_tokens: bool = False
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> RangeReport:
@@ -158,6 +161,7 @@ class Model:
             gpu_layers=(info.gpu_layer_begin, info.gpu_layer_end),
             gpu_output=bool(info.gpu_output),
             n_bytes_gpu=info.n_bytes_gpu,
+            needs_tokens=bool(info.needs_tokens),
         )
         want_end = self.report.n_layer if end is None else end
         if (self.report.layer_begin, self.report.layer_end) != (begin, want_end):
@@ -302,7 +306,7 @@ class Context:
             raise InvalidInput(f"sequence id outside [0, {self.n_seq_max}): {int(seq.min())}..{int(seq.max())}")
         if pos.min() < 0 or pos.max() >= self.n_ctx_seq:
             raise InvalidInput(f"position outside [0, {self.n_ctx_seq}): {int(pos.min())}..{int(pos.max())}")
-        tok = self._rows_in(n, tokens, hidden, report)
+        tok, emb = self._rows_in(n, tokens, hidden, report)
         if report.has_output:
             want = np.zeros(n, dtype=np.int8)
             if want_output is None:
@@ -319,36 +323,45 @@ class Context:
         done = 0
         for start in range(0, n, self.n_batch):
             stop = min(start + self.n_batch, n)
-            done += self._forward_chunk(seq[start:stop], pos[start:stop], tok, start, stop, want[start:stop], out[done:])
+            done += self._forward_chunk(seq[start:stop], pos[start:stop], tok, emb, start, stop, want[start:stop],
+                                        out[done:])
         return out
 
-    def _rows_in(self, n: int, tokens: object, hidden: np.ndarray | None, report: RangeReport) -> np.ndarray:
+    def _rows_in(self, n: int, tokens: object, hidden: np.ndarray | None,
+                 report: RangeReport) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The token ids and the residual rows this stage takes, checked (None where it takes none)."""
         if report.has_input:
             if hidden is not None or tokens is None:
                 raise InvalidInput("this stage owns the embeddings: give token ids, not residual rows")
-            tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
-            if len(tok) != n:
-                raise InvalidInput(f"{len(tok)} tokens for {n} positions")
-            if tok.min() < 0 or tok.max() >= report.n_vocab:
-                bad = int(tok.min()) if tok.min() < 0 else int(tok.max())
-                raise InvalidInput(f"token id {bad} is outside the vocabulary [0, {report.n_vocab})")
-            return tok.astype(np.int32)
-        if tokens is not None or hidden is None:
+            return self._token_ids(n, tokens, report), None
+        if not report.needs_tokens and (tokens is not None or hidden is None):
             raise InvalidInput("this stage starts after layer 0: give residual rows, not token ids")
+        if report.needs_tokens and (tokens is None or hidden is None):
+            raise InvalidInput("this stage routes experts by token id: give the token ids with the residual rows")
         if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32:
             raise InvalidInput(f"residual rows must be a float32 array, got {getattr(hidden, 'dtype', type(hidden))}")
         if hidden.shape != (n, report.stage_width):
             raise InvalidInput(f"residual has shape {hidden.shape}, this model needs ({n}, {report.stage_width})")
-        return np.ascontiguousarray(hidden)
+        tok = self._token_ids(n, tokens, report) if report.needs_tokens else None
+        return tok, np.ascontiguousarray(hidden)
 
-    def _forward_chunk(self, seq: np.ndarray, pos: np.ndarray, rows_in: np.ndarray, start: int, stop: int,
-                       want: np.ndarray, out: np.ndarray) -> int:
+    @staticmethod
+    def _token_ids(n: int, tokens: object, report: RangeReport) -> np.ndarray:
+        tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tok) != n:
+            raise InvalidInput(f"{len(tok)} tokens for {n} positions")
+        if tok.min() < 0 or tok.max() >= report.n_vocab:
+            bad = int(tok.min()) if tok.min() < 0 else int(tok.max())
+            raise InvalidInput(f"token id {bad} is outside the vocabulary [0, {report.n_vocab})")
+        return tok.astype(np.int32)
+
+    def _forward_chunk(self, seq: np.ndarray, pos: np.ndarray, tok: np.ndarray | None, emb: np.ndarray | None,
+                       start: int, stop: int, want: np.ndarray, out: np.ndarray) -> int:
         ffi, lib = self._ffi, self._lib
-        chunk = rows_in[start:stop]
         # from_buffer, not ffi.cast of .ctypes.data: a fifth of the cost, on every step
         buf = ffi.from_buffer
-        tok_ptr = buf("int32_t[]", chunk) if chunk.dtype == np.int32 else ffi.NULL
-        emb_ptr = buf("float[]", chunk) if chunk.dtype == np.float32 else ffi.NULL
+        tok_ptr = buf("int32_t[]", tok[start:stop]) if tok is not None else ffi.NULL
+        emb_ptr = buf("float[]", emb[start:stop]) if emb is not None else ffi.NULL
         n_rows = ffi.new("int32_t *")
         rc = lib.me_forward(
             self._handle, stop - start, tok_ptr, emb_ptr, buf("int32_t[]", pos), buf("int32_t[]", seq),

@@ -84,7 +84,9 @@ class Worker:
             out = self.ctx.forward(seq, pos, tokens=np.frombuffer(h["tokens"], dtype=np.int32), want_output=want)
         else:
             hidden = np.frombuffer(payload, dtype=np.float32).reshape(len(pos), report.stage_width)
-            out = self.ctx.forward(seq, pos, hidden=hidden, want_output=want)
+            # a stage with hash-routed layers (deepseek4) takes the token ids with the residual
+            ids = np.frombuffer(h["tokens"], dtype=np.int32) if report.needs_tokens else None
+            out = self.ctx.forward(seq, pos, tokens=ids, hidden=hidden, want_output=want)
         reply: dict[str, Any] = {"ok": True, "rows": int(out.shape[0])}
         if not report.has_output:
             return reply, out.data.cast("B")

@@ -468,7 +468,8 @@ class StageService:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
             self._check_vocab(msg.tokens)
             tokens = np.asarray(msg.tokens, dtype=np.int32)
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, None), msg.drafts)
+            # the ids ride on downstream: a later stage with hash-routed layers (deepseek4) reads them
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, list(msg.tokens)), msg.drafts)
             return
         if msg.tokens is not None:
             # carried ids reach the tail's sampler in the same engine call as everyone's rows
@@ -478,6 +479,9 @@ class StageService:
         if (entry.dtype, entry.codec) != (o.wire_dtype, o.wire_codec):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states as {entry.dtype}/{entry.codec}, this "
                                                        f"session travels as {o.wire_dtype}/{o.wire_codec}")
+        if self.report.needs_tokens and msg.tokens is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "this stage routes experts by token id: "
+                                                       "the activation must carry the token ids")
         want = (msg.n_tokens, self.report.stage_width)
         if tuple(entry.shape) != want:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states of shape {tuple(entry.shape)}, "
@@ -606,6 +610,9 @@ class StageService:
             header["tokens"] = _joined([w.payload.tokens for w in batch if w.payload.tokens is not None]).tobytes()
         else:
             payload = _joined([w.payload.hidden for w in batch if w.payload.hidden is not None]).data.cast("B")
+            if self.report.needs_tokens:
+                header["tokens"] = _joined([np.asarray(w.payload.carry, dtype=np.int32) for w in batch
+                                            if w.payload.carry is not None]).tobytes()
         if self.report.has_output:
             want = np.zeros(len(pos), dtype=np.int8)
             sample = []
