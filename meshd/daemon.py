@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
-from meshd.fetch.source import ChunkSource, register
+from meshd.fetch.source import ChunkSource, activity, register
 from meshd.mesh.assignment import held_ranges
 from meshd.mesh.duty import (
     AskAssignment,
@@ -242,10 +242,11 @@ class MeshDaemon:
         self.model_path: Path | None = None
         self.manifest: Manifest | None = None
         self.sparse: SparseFile | None = None
-        self.source = ChunkSource()
         self.fetches: list[FetchStatus] = []
         self.serving: list[ServingRange] = []
         self.retiring: list[ServingRange] = []
+        # uploads trickle while this node's stages compute, so chunks served never starve decode
+        self.source = ChunkSource(busy=activity(self._engine_calls))
         self._seed_addresses: dict[str, str] = {}
         self._nursery: trio.Nursery
         self._sends = 0
@@ -356,6 +357,9 @@ class MeshDaemon:
     def _send(self, dest: str, message: SwimMessage) -> None:
         self._sends += 1
         self._nursery.start_soon(self._send_swim, dest, message)
+
+    def _engine_calls(self) -> int:
+        return sum(r.service.metrics.engine_calls for r in [*self.serving, *self.retiring] if r.service is not None)
 
     def address_of(self, node_id: str) -> str | None:
         record = self.mesh.membership.record_of(node_id)
