@@ -17,7 +17,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf_factory import CHAT_TEMPLATE, CONTROL_TOKENS, _norm, _weight, byte_level_vocab
+from gguf_factory import _norm, _weight, add_byte_level_vocab, byte_level_vocab
 
 ARCH = "deepseek4"
 # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS, the only scoring deepseek4 loads
@@ -59,8 +59,7 @@ def write_dsv4_gguf(path: Path, spec: Dsv4Spec = DSV4_SPEC) -> Path:
     """Writes the model of `spec` to `path`; the same spec always gives the same bytes."""
     assert len(spec.compress_ratios) == spec.n_layer
     rng = np.random.default_rng(spec.seed)
-    tokens, types, merges = byte_level_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(byte_level_vocab()[0])
     e, hd = spec.n_embd, spec.head_dim
 
     w = gguf.GGUFWriter(path, ARCH)
@@ -101,17 +100,7 @@ def write_dsv4_gguf(path: Path, spec: Dsv4Spec = DSV4_SPEC) -> Path:
     w.add_uint32(f"{ARCH}.hash_layer_count", spec.n_hash_layers)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(CONTROL_TOKENS.index("<|im_start|>"))
-    w.add_eos_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_unk_token_id(CONTROL_TOKENS.index("<|endoftext|>"))
-    w.add_pad_token_id(CONTROL_TOKENS.index("<|im_end|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_byte_level_vocab(w)
 
     f32 = np.float32
     hc, hc_dim = spec.hc_mult, spec.hc_mult * e
