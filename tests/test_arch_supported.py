@@ -18,11 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _supported_archs() -> set[str]:
-    """Architectures llm_arch_supports_layer_range accepts, read from the patched tree that was built."""
-    src = (ROOT / "build/llama.cpp/src/llama-arch.cpp").read_text()
+    """Architectures llm_arch_supports_layer_range accepts, read from the patched source the library
+    was built from (tools/build_native.py keeps it beside the library)."""
+    src = (ROOT / "build/native/llama-arch.cpp").read_text()
     names = dict(re.findall(r'\{\s*(LLM_ARCH_\w+),\s*"([^"]+)"\s*\}', src))
     body = re.search(r"bool llm_arch_supports_layer_range\(.*?\{(.*?)\n\}", src, re.S)
-    assert body, "llm_arch_supports_layer_range not found in build/llama.cpp"
+    assert body, "llm_arch_supports_layer_range not found in build/native/llama-arch.cpp"
     return {names[c] for c in re.findall(r"case (LLM_ARCH_\w+):", body.group(1))}
 
 

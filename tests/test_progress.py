@@ -16,6 +16,7 @@ import termios
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -174,13 +175,17 @@ def run_on_pty(argv: list[str], until: Callable[[str, str], bool], timeout: floa
     assert proc.stdout is not None
     out, shown = b"", ""
     deadline = time.monotonic() + timeout
+    watched: list[Any] = [proc.stdout, screen]
     while time.monotonic() < deadline:
-        ready = select.select([proc.stdout, screen], [], [], 0.1)[0]
+        ready = select.select(watched, [], [], 0.1)[0]
         if proc.stdout in ready:
-            out += os.read(proc.stdout.fileno(), 65536)
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            out += chunk
+            if not chunk:  # end of file stays readable: stop watching it, or the loop spins to its deadline
+                watched.remove(proc.stdout)
         if screen in ready:
             shown += read_screen(screen)
-        if until(out.decode(), shown) or (proc.poll() is not None and not ready):
+        if until(out.decode(), shown) or (proc.poll() is not None and proc.stdout not in watched):
             break
     shown += read_screen(screen)
     os.close(screen)

@@ -36,6 +36,12 @@ BUILD = ROOT / "build"
 LIB_NAME = "libmeshengine.so"
 # llama.cpp's own programs, built from the same patched tree by --tools
 TOOL_TARGETS = ["llama-bench", "ggml-rpc-server"]
+# The built tree's architecture table and range-support list, kept beside the library: a
+# fresh clone that finds its build cached has no unpacked tree, and tests read which
+# architectures this build accepts from it.
+ARCH_SOURCE = "llama-arch.cpp"
+# What a cache entry holds; part of the key, so an entry from before a file was added is rebuilt.
+CACHE_LAYOUT = 2
 # Files whose content decides what the build produces.
 KEYED_FILES = ["native/llama.lock", "native/meshengine.h", "native/meshengine.cpp", "CMakeLists.txt"]
 
@@ -82,6 +88,7 @@ def build_key() -> str:
     for p in patches():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(" ".join(cmake_options()).encode())
+    h.update(f"\0layout {CACHE_LAYOUT}".encode())
     return h.hexdigest()[:16]
 
 
@@ -217,6 +224,7 @@ def build(jobs: int, verbose: bool) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy2(cmake_dir / LIB_NAME, out / (LIB_NAME + ".tmp"))
         shutil.copy2(NATIVE / "meshengine.h", out / "meshengine.h")
+        shutil.copy2(src / "src" / ARCH_SOURCE, out / ARCH_SOURCE)
         (out / (LIB_NAME + ".tmp")).rename(out / LIB_NAME)
     relink(link, out)
     return link / LIB_NAME

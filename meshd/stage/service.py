@@ -127,7 +127,7 @@ class StageMetrics:
         self.max_sessions_per_call = 0
         self.step_ms: collections.deque[float] = collections.deque(maxlen=512)
 
-    def record_call(self, sessions: int, rows: int, seconds: float, decode_rows: int = 0) -> None:
+    def record_call(self, sessions: int, rows: int, seconds: float, decode_rows: int) -> None:
         self.engine_calls += 1
         self.rows += rows
         self.decode_rows += decode_rows
@@ -598,7 +598,8 @@ class StageService:
                 self.books.ran(work, trio.current_time())
                 self._fail(work.payload.session, exc)
             return
-        self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0)
+        self.metrics.record_call(len(batch), sum(w.n for w in batch), trio.current_time() - t0,
+                                 sum(w.n - self.books.history(w) for w in batch))
         self._dispatch(batch, reply, body)
 
     async def _forward(self, batch: list[Work[Rows]]) -> tuple[dict[str, Any], bytearray]:
