@@ -71,8 +71,14 @@ MOE_SPECS: dict[str, MoeSpec] = {
 UNSUPPORTED_MOE_SPEC = MoeSpec("deepseek", seed=18, n_ff_shexp=32, n_dense_lead=1)
 
 
-def write_moe_gguf(path: Path, spec: MoeSpec) -> Path:
-    """Writes a model of `spec` to `path`; the same spec always gives the same bytes."""
+Block = Callable[[gguf.GGUFWriter, np.random.Generator, str, int, MoeSpec], None]
+ArchKv = Callable[[gguf.GGUFWriter, MoeSpec], None]
+
+
+def write_moe_gguf(path: Path, spec: MoeSpec, kv: ArchKv | None = None, block: Block | None = None) -> Path:
+    """Writes a model of `spec` to `path`; the same spec always gives the same bytes.
+
+    `kv` and `block` stand in for the architecture's own writers (tests/gguf_dsa.py builds on deepseek2's)."""
     rng = np.random.default_rng(spec.seed)
     n_vocab = len(byte_level_vocab()[0])
     e = spec.n_embd
@@ -95,7 +101,7 @@ def write_moe_gguf(path: Path, spec: MoeSpec) -> Path:
         w.add_expert_feed_forward_length(spec.n_ff_exp)
     if spec.n_nextn:
         w.add_nextn_predict_layers(spec.n_nextn)
-    ARCH_KV[spec.arch](w, spec)
+    (kv or ARCH_KV[spec.arch])(w, spec)
 
     add_byte_level_vocab(w)
 
@@ -105,7 +111,7 @@ def write_moe_gguf(path: Path, spec: MoeSpec) -> Path:
     if not spec.tied:
         w.add_tensor("output.weight", _weight(rng, n_vocab, e, np.float32))
     for i in range(spec.n_layer + spec.n_nextn):
-        ARCH_BLOCK[spec.arch](w, rng, f"blk.{i}", i, spec)
+        (block or ARCH_BLOCK[spec.arch])(w, rng, f"blk.{i}", i, spec)
         if i >= spec.n_layer:
             _add_nextn(w, rng, f"blk.{i}", spec)
 
@@ -114,9 +120,6 @@ def write_moe_gguf(path: Path, spec: MoeSpec) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-Block = Callable[[gguf.GGUFWriter, np.random.Generator, str, int, MoeSpec], None]
 
 
 def _kv_qwen(w: gguf.GGUFWriter, spec: MoeSpec) -> None:
@@ -316,7 +319,7 @@ def _add_nextn(w: gguf.GGUFWriter, rng: np.random.Generator, blk: str, spec: Moe
     w.add_tensor(f"{blk}.nextn.shared_head_norm.weight", _norm(rng, e))
 
 
-ARCH_KV: dict[str, Callable[[gguf.GGUFWriter, MoeSpec], None]] = {
+ARCH_KV: dict[str, ArchKv] = {
     "qwen3moe": _kv_qwen,
     "qwen2moe": _kv_qwen,
     "llama": _kv_qwen,
