@@ -21,7 +21,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf_factory import _bias, _norm, _weight, add_byte_level_vocab, byte_level_vocab
+from gguf_factory import _bias, _norm, _weight, add_byte_level_vocab
 from gguf_moe import (
     KV_LORA_RANK,
     QK_NOPE_DIM,
@@ -47,6 +47,7 @@ DELTA_HEAD, DELTA_K_HEADS, DELTA_V_HEADS, DELTA_CONV = 16, 2, 4, 4
 
 # Kimi Linear: MLA at every fourth layer and the last, KDA elsewhere
 KIMI_MLA_STEP = 4
+KIMI_N_LAYER = 7
 KDA_HEAD_DIM = 16
 KDA_CONV = 4
 
@@ -153,11 +154,11 @@ def write_qwen35(path: Path, moe: bool, n_layer: int = 8, seed: int = 31) -> Pat
     return _finish(w, path)
 
 
-def kimi_is_attention(il: int, n_layer: int) -> bool:
+def kimi_is_attention(il: int, n_layer: int = KIMI_N_LAYER) -> bool:
     return (il + 1) % KIMI_MLA_STEP == 0 or il == n_layer - 1
 
 
-def write_kimi_linear(path: Path, n_layer: int = 7, seed: int = 32) -> Path:
+def write_kimi_linear(path: Path, n_layer: int = KIMI_N_LAYER, seed: int = 32) -> Path:
     """A Kimi Linear: KDA layers, MLA at layers 3 and 6, layer 0 a dense lead, MoE after it."""
     w, rng, n_vocab = _begin(path, "kimi-linear", n_layer, seed)
     e, h = SHAPE.n_embd, SHAPE.n_head
@@ -255,7 +256,3 @@ def write_lfm2(path: Path, n_layer: int = 7, n_swa: int = 0, seed: int = 33) -> 
         w.add_tensor(f"{blk}.ffn_norm.weight", _norm(rng, e))
         _dense_ffn(w, rng, blk, SHAPE)
     return _finish(w, path)
-
-
-def n_vocab() -> int:
-    return len(byte_level_vocab()[0])

@@ -15,12 +15,18 @@ holds no recurrent layer, and cuts fall on both sides of an attention layer:
   convolution-only, attention-only; the sliding-window variant takes the hybrid-iswa memory.
 
 Prompts of one, a few and many tokens, 24 greedy decode steps, logits compared at every step.
+llama.cpp's own log of each stage's memories shows the KV cache holding only the stage's
+attention layers and no recurrent state allocated where the stage has no recurrent layer.
 The MTP block belongs to the tail; meshengine never sets load_mtp, so no stage loads it and each
 stage's report is exactly its own blocks and endpoints.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +34,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf_factory import byte_level_vocab, owned_tensors
-from gguf_hybrid_a import write_kimi_linear, write_lfm2, write_qwen35
+from gguf_hybrid_a import LFM2_ATTENTION, kimi_is_attention, qwen35_is_attention, write_kimi_linear, write_lfm2, write_qwen35
 from parity import assert_same_logits
 from test_engine_arch_parity import NEW_TOKENS, PROMPT_LENGTHS, Run, chain_runs
 
@@ -55,6 +61,26 @@ CHAINS: dict[str, list[Chain]] = {
     "lfm2-swa": [[(0, 2), (2, 3), (3, 7)], [(0, 3), (3, 5), (5, 7)]],
 }
 CASES = [(name, chain) for name, chains in CHAINS.items() for chain in chains]
+ROOT = Path(__file__).resolve().parent.parent
+IS_ATTENTION: dict[str, Callable[[int], bool]] = {
+    "qwen35": qwen35_is_attention,
+    "qwen35moe": qwen35_is_attention,
+    "kimi-linear": kimi_is_attention,
+    "lfm2": lambda il: il in LFM2_ATTENTION,
+    "lfm2-swa": lambda il: il in LFM2_ATTENTION,
+}
+# loads each (path, begin, end) read from stdin and makes its context: the memories log their sizes
+MEMORY_PROBE = """
+import sys
+from pathlib import Path
+from meshd.engine import Context, Model
+for line in sys.stdin:
+    path, begin, end = line.split()
+    print(f"=== {path} {begin} {end}", file=sys.stderr, flush=True)
+    with Model(Path(path), (int(begin), int(end))) as m:
+        Context(m, n_ctx=64).close()
+    sys.stderr.flush()
+"""
 
 
 def _case_id(case: tuple[str, Chain]) -> str:
@@ -114,3 +140,21 @@ def test_each_stage_loads_its_own_tensors(name: str, models: dict[str, Path]) ->
             with Model(models[name], layers) as m:
                 assert (m.report.n_tensors, m.report.n_bytes) == (len(own), sum(own.values())), layers
                 assert m.report.arch == arch and m.report.stage_width == 64
+
+
+def test_each_stage_keeps_the_memory_of_its_own_layers(models: dict[str, Path]) -> None:
+    """The stage's KV caches (both of the SWA variant's) hold exactly its attention layers; a stage
+    without a recurrent layer allocates no recurrent state, one with them does."""
+    stages = [(name, layers) for name, chains in CHAINS.items() for chain in chains for layers in chain]
+    env = {**os.environ, "MESHD_LLAMA_LOG": "info", "PYTHONPATH": str(ROOT)}
+    probe = subprocess.run([sys.executable, "-c", MEMORY_PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                           input="".join(f"{models[n]} {b} {e}\n" for n, (b, e) in stages), timeout=120, check=False)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    logs = probe.stderr.split("=== ")[1:]
+    assert len(logs) == len(stages)
+    for (name, (begin, end)), log in zip(stages, logs, strict=True):
+        attention = sum(IS_ATTENTION[name](il) for il in range(begin, end))
+        kv_layers = [int(n) for n in re.findall(r"llama_kv_cache: size = .*?cells, +(\d+) layers", log)]
+        assert kv_layers and sum(kv_layers) == attention, f"{name} {begin}-{end}: KV layers {kv_layers}"
+        has_state = "RS buffer size" in log
+        assert has_state == (attention < end - begin), f"{name} {begin}-{end}: recurrent state {has_state}"
