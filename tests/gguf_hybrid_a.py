@@ -9,7 +9,8 @@
   dense lead layer, then routed experts with a shared expert and a selection bias.
 - lfm2 (LFM2): short-convolution layers and GQA attention layers with q/k norms, a tied
   head, the output norm under LFM2's own name (token_embd_norm); optionally a sliding window
-  on its attention layers, which takes the hybrid-iswa memory.
+  on its attention layers, which takes the hybrid-iswa memory. lfm2moe (LFM2-MoE) runs the same
+  graph with two dense lead layers, then routed experts.
 
 Shapes follow what llama.cpp's converters write (conversion/*.py in the pinned tree).
 """
@@ -54,6 +55,7 @@ KDA_CONV = 4
 # LFM2: which layers attend (the rest are short convolutions), the convolution's cache length
 LFM2_ATTENTION = (2, 5, 6)
 LFM2_L_CACHE = 3
+LFM2MOE_DENSE_LEAD = 2
 
 
 def _begin(path: Path, arch: str, n_layer: int, seed: int) -> tuple[gguf.GGUFWriter, np.random.Generator, int]:
@@ -223,10 +225,11 @@ def write_kimi_linear(path: Path, n_layer: int = KIMI_N_LAYER, seed: int = 32) -
     return _finish(w, path)
 
 
-def write_lfm2(path: Path, n_layer: int = 7, n_swa: int = 0, seed: int = 33) -> Path:
+def write_lfm2(path: Path, n_layer: int = 7, n_swa: int = 0, moe: bool = False, seed: int = 33) -> Path:
     """An LFM2: attention at LFM2_ATTENTION, short convolutions elsewhere, a tied head; with `n_swa`
-    its attention layers slide over that many positions."""
-    w, rng, n_vocab = _begin(path, "lfm2", n_layer, seed)
+    its attention layers slide over that many positions; with `moe` an LFM2-MoE (lfm2moe), whose
+    layers after LFM2MOE_DENSE_LEAD dense ones route experts by sigmoid with a selection bias."""
+    w, rng, n_vocab = _begin(path, "lfm2moe" if moe else "lfm2", n_layer, seed)
     e, h, h_kv = SHAPE.n_embd, SHAPE.n_head, SHAPE.n_head_kv
     d = e // h
     w.add_feed_forward_length(SHAPE.n_ff)
@@ -235,6 +238,13 @@ def write_lfm2(path: Path, n_layer: int = 7, n_swa: int = 0, seed: int = 33) -> 
     w.add_shortconv_l_cache(LFM2_L_CACHE)
     if n_swa:
         w.add_sliding_window(n_swa)
+    if moe:
+        w.add_leading_dense_block_count(LFM2MOE_DENSE_LEAD)
+        w.add_expert_count(SHAPE.n_expert)
+        w.add_expert_used_count(SHAPE.n_expert_used)
+        w.add_expert_feed_forward_length(SHAPE.n_ff_exp)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_tensor("token_embd.weight", (0.1 * rng.standard_normal((n_vocab, e))).astype(F16))
     # LFM2's final norm, under the name its converter gives it
     w.add_tensor("token_embd_norm.weight", _norm(rng, e))
@@ -254,5 +264,9 @@ def write_lfm2(path: Path, n_layer: int = 7, n_swa: int = 0, seed: int = 33) -> 
             w.add_tensor(f"{blk}.shortconv.in_proj.weight", _weight(rng, 3 * e, e, F16))
             w.add_tensor(f"{blk}.shortconv.out_proj.weight", _weight(rng, e, e, F16))
         w.add_tensor(f"{blk}.ffn_norm.weight", _norm(rng, e))
-        _dense_ffn(w, rng, blk, SHAPE)
+        if moe and i >= LFM2MOE_DENSE_LEAD:
+            _experts(w, rng, blk, SHAPE)
+            w.add_tensor(f"{blk}.exp_probs_b.bias", _bias(rng, SHAPE.n_expert))
+        else:
+            _dense_ffn(w, rng, blk, SHAPE)
     return _finish(w, path)

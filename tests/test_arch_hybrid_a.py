@@ -1,4 +1,4 @@
-"""qwen35, qwen35moe, kimi-linear and lfm2 split by layer ranges, bit-identical to the whole model.
+"""qwen35, qwen35moe, kimi-linear, lfm2 and lfm2moe split by layer ranges, bit-identical to the whole model.
 
 Tiny random-weight GGUFs (tests/gguf_hybrid_a.py). Each stage keeps the recurrent states and
 the KV cache of its own layers only (native/patches/0009: the range composed into the hybrid
@@ -12,7 +12,8 @@ holds no recurrent layer, and cuts fall on both sides of an attention layer:
 - kimi-linear (MLA at 3 and 6, layer 0 a dense lead): the dense lead alone, KDA-only, mixed;
   and KDA-only, MLA-only, mixed.
 - lfm2 (attention at 2, 5, 6): convolution-only, attention-only, mixed; and mixed,
-  convolution-only, attention-only; the sliding-window variant takes the hybrid-iswa memory.
+  convolution-only, attention-only; the sliding-window variant takes the hybrid-iswa memory;
+  lfm2moe (two dense lead layers, then experts) is cut right after its dense lead too.
 
 Prompts of one, a few and many tokens, 24 greedy decode steps, logits compared at every step.
 llama.cpp's own log of each stage's memories shows the KV cache holding only the stage's
@@ -48,9 +49,10 @@ WRITERS: dict[str, Callable[[Path], Path]] = {
     "kimi-linear": write_kimi_linear,
     "lfm2": write_lfm2,
     "lfm2-swa": lambda p: write_lfm2(p, n_swa=4),
+    "lfm2moe": lambda p: write_lfm2(p, moe=True),
 }
 # every architecture this file checks for parity (tests/test_arch_supported.py counts them)
-HYBRID_A_ARCHS = ("qwen35", "qwen35moe", "kimi-linear", "lfm2")
+HYBRID_A_ARCHS = ("qwen35", "qwen35moe", "kimi-linear", "lfm2", "lfm2moe")
 
 _QWEN35: list[Chain] = [[(0, 3), (3, 4), (4, 8)], [(0, 4), (4, 6), (6, 8)]]
 CHAINS: dict[str, list[Chain]] = {
@@ -59,6 +61,8 @@ CHAINS: dict[str, list[Chain]] = {
     "kimi-linear": [[(0, 1), (1, 3), (3, 7)], [(0, 3), (3, 4), (4, 7)]],
     "lfm2": [[(0, 2), (2, 3), (3, 7)], [(0, 3), (3, 5), (5, 7)]],
     "lfm2-swa": [[(0, 2), (2, 3), (3, 7)], [(0, 3), (3, 5), (5, 7)]],
+    # the first cut falls right after the dense lead (layers 0-1)
+    "lfm2moe": [[(0, 2), (2, 3), (3, 7)], [(0, 1), (1, 5), (5, 7)]],
 }
 CASES = [(name, chain) for name, chains in CHAINS.items() for chain in chains]
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +72,7 @@ IS_ATTENTION: dict[str, Callable[[int], bool]] = {
     "kimi-linear": kimi_is_attention,
     "lfm2": lambda il: il in LFM2_ATTENTION,
     "lfm2-swa": lambda il: il in LFM2_ATTENTION,
+    "lfm2moe": lambda il: il in LFM2_ATTENTION,
 }
 # loads each (path, begin, end) read from stdin and makes its context: the memories log their sizes
 MEMORY_PROBE = """
