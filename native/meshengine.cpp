@@ -33,6 +33,8 @@ struct me_context {
     int32_t n_vocab;
     bool has_input;
     bool has_output;
+    // positions per row of a residual-only batch: an M-RoPE model reads that many, section-major
+    int32_t n_pos_per_row;
     llama_batch batch;
     ggml_threadpool * threadpool;
 };
@@ -303,7 +305,7 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
     const int32_t stage_width = model->range.n_embd_stage;
     auto * c = new (std::nothrow) me_context{model, ctx, *params, stage_width,
                                              llama_vocab_n_tokens(model->vocab),
-                                             (bool) model->range.has_input, has_output, {}, threadpool};
+                                             (bool) model->range.has_input, has_output, 1, {}, threadpool};
     if (!c) {
         llama_free(ctx);
         if (threadpool) {
@@ -312,6 +314,18 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
         return fail(ME_ERR_INTERNAL, "out of memory");
     }
     c->batch = llama_batch_init((int32_t) params->n_batch, c->has_input ? 0 : stage_width, 1);
+    const llama_rope_type rope = llama_model_rope_type(model->model);
+    if (!c->has_input && !model->range.needs_tokens && (rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE)) {
+        // a batch of embeddings alone carries every M-RoPE section of every row (llama.cpp reads them as an
+        // image's); the rows here are text, so they get what llama.cpp gives a text token at the head
+        c->n_pos_per_row = GGML_MROPE_SECTIONS;
+        free(c->batch.pos);
+        c->batch.pos = (llama_pos *) malloc(sizeof(llama_pos) * params->n_batch * GGML_MROPE_SECTIONS);
+        if (!c->batch.pos) {
+            me_context_free(c);
+            return fail(ME_ERR_INTERNAL, "out of memory");
+        }
+    }
     if (model->range.needs_tokens) {
         // an embedding batch has no token array; llama_batch_free frees this one with the rest
         c->batch.token = (llama_token *) malloc(sizeof(llama_token) * params->n_batch);
@@ -398,6 +412,10 @@ int32_t me_forward(me_context * ctx, int32_t n_tokens,
     }
     for (int32_t i = 0; i < n_tokens; ++i) {
         b.pos[i] = pos[i];
+        // a text row's M-RoPE sections: the position three times, then 0
+        for (int32_t j = 1; j < ctx->n_pos_per_row; ++j) {
+            b.pos[j * n_tokens + i] = j < ctx->n_pos_per_row - 1 ? pos[i] : 0;
+        }
         b.n_seq_id[i] = 1;
         b.seq_id[i][0] = seq_ids[i];
         b.logits[i] = !ctx->has_output || (want_output && want_output[i]);
