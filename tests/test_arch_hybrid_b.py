@@ -27,7 +27,7 @@ from gguf_factory import byte_level_vocab, owned_tensors
 from gguf_hybrid_b import HYBRID_B_SPECS, HybridSpec, write_hybrid_b_gguf
 from parity import assert_same_logits
 
-from meshd.engine import Model
+from meshd.engine import Context, Model
 from meshd.engine.chain import LocalChain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,6 +99,41 @@ def test_a_stage_loads_its_own_tensors(models: dict[str, Path], name: str, layer
         r = m.report
         assert (r.n_tensors, r.n_bytes) == (len(own), sum(own.values()))
         assert (r.arch, r.stage_width, r.n_layer) == (HYBRID_B_SPECS[name].arch, 64, HYBRID_B_SPECS[name].n_layer)
+
+
+def _two_sessions(path: Path, ranges: list[tuple[int, int]] | None, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Two sessions on one set of stages, as a stage serves them: each prefilled on its own sequence, then
+    decoded together, one row of each in every batch. The logits of both rows after each step."""
+    models = [Model(path, r) for r in (ranges or [None])]
+    contexts = [Context(m, n_ctx=2 * N_CTX, n_seq_max=2, n_threads=1) for m in models]
+    try:
+        def run(seq: list[int], pos: list[int], tokens: list[int], want: list[bool] | None) -> np.ndarray:
+            out = contexts[0].forward(seq, pos, tokens=tokens, want_output=want if len(contexts) == 1 else None)
+            for i, ctx in enumerate(contexts[1:], start=2):
+                out = ctx.forward(seq, pos, hidden=out, want_output=want if i == len(contexts) else None)
+            return out
+
+        last = [run([s] * len(p), list(range(len(p))), p, None)[-1] for s, p in enumerate(prompts)]
+        seen = [np.stack(last)]
+        for step in range(DECODE_STEPS):
+            tokens = [int(np.argmax(row)) for row in seen[-1]]
+            seen.append(run([0, 1], [len(p) + step for p in prompts], tokens, [True, True]).copy())
+        return seen
+    finally:
+        for c in contexts:
+            c.close()
+        for m in models:
+            m.close()
+
+
+@pytest.mark.parametrize("name", list(HYBRID_B_SPECS))
+def test_two_sessions_decoded_in_one_batch_match_the_whole_model(models: dict[str, Path], name: str) -> None:
+    # each stage's recurrent states and KV cells are per sequence: a batch mixing two must keep them apart
+    spec = HYBRID_B_SPECS[name]
+    prompts = _prompts(spec)[1:]
+    whole, split = _two_sessions(models[name], None, prompts), _two_sessions(models[name], list(spec.chains[0]), prompts)
+    for step, (want, got) in enumerate(zip(whole, split, strict=True)):
+        assert_same_logits(want, got, f"{name}: step {step}")
 
 
 # run in a child: llama.cpp's log level is set once per process, and only its info lines say what a memory holds
