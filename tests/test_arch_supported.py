@@ -14,6 +14,7 @@ from gguf_dsv4 import ARCH as DSV4_ARCH
 from gguf_factory import TINY_SPECS
 from gguf_moe import MOE_SPECS
 from test_arch_hybrid_a import HYBRID_A_ARCHS
+from test_arch_hybrid_b import HYBRID_B_ARCHS
 from test_arch_recurrent import RECURRENT_ARCHS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ def _supported_archs() -> set[str]:
 def test_supported_architectures_are_exactly_the_tested_ones() -> None:
     tested = ({s.arch for s in TINY_SPECS.values()} | {s.arch for s in DENSE_SPECS.values()}
               | {s.arch for s in MOE_SPECS.values()} | set(RECURRENT_ARCHS) | {DSV4_ARCH} | set(DSA_SPECS)
-              | set(HYBRID_A_ARCHS))
+              | set(HYBRID_A_ARCHS) | set(HYBRID_B_ARCHS))
     supported = _supported_archs()
     assert supported - tested == set(), "accepted without a parity test"
     assert tested - supported == set(), "tested but refused"
