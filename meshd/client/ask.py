@@ -399,6 +399,8 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
 
     for epoch in range(attempts):
         route = await find_route(list(result.excluded))
+        log.debug("epoch %d of session %s: route %s", epoch, session[:12],
+                  " ".join(f"{s.node_id or s.address}{list(s.layers or ())}" for s in route))
         try:
             await run_session(peers, route, request, result, on_progress, session, epoch, stall_timeout)
         except (StageError, trio.TooSlowError) as exc:
