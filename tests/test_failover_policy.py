@@ -4,6 +4,7 @@ the route answer's exclusions before SWIM has declared anyone dead, and what `me
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -81,10 +82,13 @@ class FakeMesh:
 
 
 async def test_one_replica_of_every_range_dead_at_once_costs_one_failover(
-        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture) -> None:
     fake = FakeMesh(monkeypatch, dead={"a0", "b0", "c0"})
     asked: list[list[str]] = []
-    result = await ask_with_failover(None, fake_tracker(asked), AskRequest())  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, "meshd.client.ask"):
+        result = await ask_with_failover(None, fake_tracker(asked), AskRequest())  # type: ignore[arg-type]
+    # lost: from the last progress (the start) through the failed epoch's 1 s and the next one's 1 s (fake clock)
+    assert "answered after 1 failover(s) around 3 stage(s), 2.0 s lost" in caplog.text
     assert result.tokens == [0, 1, 2, 3] and result.reason == "length"
     assert asked == [[], ["a0", "b0", "c0"]]
     assert fake.routes[-1] == ["a1", "b1", "c1"]
