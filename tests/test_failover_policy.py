@@ -130,11 +130,51 @@ async def test_a_stage_error_naming_its_culprit_excludes_it_without_probing(
     assert fake.probes == 0 and result.excluded == ["b0"] and fake.routes == [["a0", "b1", "c0"]]
 
 
+async def test_a_middle_stage_that_stalls_but_answers_probes_is_blamed_on_the_second_stall(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set())
+
+    async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+        if "b0" in [s.node_id for s in route]:
+            fake.routes.append([s.node_id for s in route])
+            # the tail waits for rows that never come: it is the one whose stream times out
+            await trio.sleep(stall_timeout)
+            raise StageError(len(route) - 1, ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the stage stalled"))
+        return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
+
+    monkeypatch.setattr(ask, "run_session", session)
+    result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
+    # the honest tail first; then the stages both stalled routes share, the staller among them
+    assert fake.routes == [["a0", "b0", "c0"], ["a0", "b0", "c1"], ["a1", "b1", "c1"]]
+    assert result.excluded == ["c0", "a0", "b0"] and result.failovers == 2 and result.tokens == [0, 1, 2, 3]
+
+
+async def test_a_stall_at_opening_is_retried_once_and_then_blames_the_whole_route(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set())
+
+    async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+        if "b0" in [s.node_id for s in route]:
+            fake.routes.append([s.node_id for s in route])
+            await trio.sleep(stall_timeout)
+            raise trio.TooSlowError
+        return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
+
+    monkeypatch.setattr(ask, "run_session", session)
+    result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
+    assert fake.routes == [["a0", "b0", "c0"], ["a0", "b0", "c0"], ["a1", "b1", "c1"]]
+    assert result.excluded == ["a0", "b0", "c0"] and result.failovers == 2
+
+
 async def test_with_every_stage_alive_the_reporter_is_blamed_and_a_stall_at_opening_blames_nobody() -> None:
     route = list(REPLICAS.values())[::2]
     assert blamed(route, [True, False, False], 0) == ["b0", "c0"]
     assert blamed(route, [True, True, True], 1) == ["b0"]
     assert blamed(route, [True, True, True], None) == []
+    assert blamed(route, [True, True, True], 2, suspects={"a0", "b0", "x"}) == ["a0", "b0"]
+    assert blamed(route, [True, False, True], 2, suspects={"a0"}) == ["b0"]
     # a route given by addresses names no node to exclude
     assert blamed([Stage("10.0.0.9:7000")], [False], 0) == []
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -382,6 +382,8 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
     last_progress = trio.current_time()
     stalled_since: float | None = None
     deadline: float | None = None
+    # the live stages of the last route that stalled: a stage that stalls but answers probes is among them
+    suspects: set[str] = set()
 
     def progressed() -> None:
         nonlocal last_progress, stalled_since
@@ -415,8 +417,14 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 log.warning("giving up after %d failover(s) in %.1f s: %s", result.failovers,
                             trio.current_time() - stalled_since, exc)
                 raise
-            culprits = [c for c in await _culprits(peers, route, exc) if c not in result.excluded]
-            if not culprits:
+            culprits = [c for c in await _culprits(peers, route, exc, suspects) if c not in result.excluded]
+            retry = False
+            if isinstance(exc, trio.TooSlowError) or exc.code is ErrorCode.DEADLINE_EXCEEDED:
+                # Nobody is dead, so who stalled is unknown: the reporter is blamed first, and the
+                # stages this route shares with the next one that stalls are blamed then.
+                retry = not suspects
+                suspects = {s.node_id for s in route if s.node_id is not None} - set(culprits) - set(result.excluded)
+            if not culprits and not (retry and suspects):
                 raise
             log.info("epoch %d failed (%s); routing around %s", epoch, exc, ", ".join(c[:12] for c in culprits))
             result.excluded.extend(culprits)
@@ -431,21 +439,27 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
     raise AssertionError("unreachable")
 
 
-async def _culprits(peers: Peers, route: Sequence[Stage], exc: BaseException) -> list[str]:
+async def _culprits(peers: Peers, route: Sequence[Stage], exc: BaseException,
+                    suspects: Collection[str] = ()) -> list[str]:
     """The node ids to route around after `exc` failed `route`: the proven culprit if the error names
-    one; else every stage a probe finds dead; else the stage that reported the failure."""
+    one; else as `blamed` says, from a probe of every stage."""
     if isinstance(exc, StageError) and exc.culprit is not None:
         return [exc.culprit]
     alive = await _probe(peers, route)
-    return blamed(route, alive, exc.index if isinstance(exc, StageError) else None)
+    return blamed(route, alive, exc.index if isinstance(exc, StageError) else None, suspects)
 
 
-def blamed(route: Sequence[Stage], alive: Sequence[bool], reporter: int | None) -> list[str]:
-    """Every stage found dead; none dead: the reporter (None where no stage reported: a stall at opening).
-    Stages the route names without a node id cannot be excluded (a route given by addresses)."""
+def blamed(route: Sequence[Stage], alive: Sequence[bool], reporter: int | None,
+           suspects: Collection[str] = ()) -> list[str]:
+    """Every stage found dead. None dead: the stages the route shares with the last one that stalled
+    (`suspects`), else the reporter (None where no stage reported: a stall at opening). Stages the
+    route names without a node id cannot be excluded (a route given by addresses)."""
     dead = [s.node_id for s, up in zip(route, alive, strict=True) if not up and s.node_id is not None]
     if dead:
         return dead
+    shared = [s.node_id for s in route if s.node_id is not None and s.node_id in suspects]
+    if shared:
+        return shared
     reported = None if reporter is None else route[reporter].node_id
     return [] if reported is None else [reported]
 
