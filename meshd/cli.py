@@ -28,6 +28,7 @@ from meshd.client.ask import (
     AskRequest,
     AskResult,
     RouteError,
+    RouteSources,
     Stage,
     ask_with_failover,
     first_error,
@@ -598,10 +599,18 @@ async def ask(args: argparse.Namespace) -> int:
                 return await rpc(peers, args.seed, wanted, timeout=args.timeout)
 
             async def find_route(excluded: list[str]) -> list[Stage]:
+                # mid-failover the model is covered: a missing route means the failed stages were the
+                # last of their ranges, which no waiting for coverage brings back
                 return await route_when_covered(lambda: ask_route(excluded), args.seed or "the local meshd",
-                                                args.wait)
+                                                0.0 if excluded else args.wait)
 
-            result = await ask_with_failover(peers, find_route, request, on_token, stall_timeout=args.timeout)
+            async def ask_member(member: Stage, excluded: list[str]) -> list[Stage]:
+                reply = await rpc(peers, member.address, RouteRequest(model=args.model, exclude=excluded),
+                                  member.node_id, timeout=args.timeout)
+                return route_from_reply(expect(reply, RouteReply, f"member {member.address}"))
+
+            result = await ask_with_failover(peers, RouteSources(find_route, ask_member), request, on_token,
+                                             stall_timeout=args.timeout)
     if args.stop:
         out.write(stop_trim(result.text, args.stop))
     else:
@@ -651,14 +660,22 @@ def build_request(args: argparse.Namespace) -> AskRequest:
 
 
 def print_figures(result: AskResult) -> None:
+    print(figures_line(result), file=sys.stderr, flush=True)
+
+
+def figures_line(result: AskResult) -> str:
+    """What `meshd ask` says after the answer: tokens, speed, drafts, and what failing over cost."""
     prompt = plural(len(result.prompt_tokens), "prompt token")
     ttft = result.ttft
     rate = result.acceptance
     drafts = "" if rate is None else f", {result.accepted}/{result.drafted} drafts accepted ({rate:.0%})"
-    print(f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "
-          f"{result.decode_rate:.1f} tokens/s{drafts}, stopped by {result.reason or 'error'}]" if ttft is not None else
-          f"[{prompt}, no new tokens, stopped by {result.reason}]",
-          file=sys.stderr, flush=True)
+    failover = "" if not result.failovers else \
+        f", failed over {plural(result.failovers, 'time')} ({plural(len(result.excluded), 'stage')} " \
+        f"routed around, {result.failover_seconds:.1f} s lost)"
+    if ttft is None:
+        return f"[{prompt}, no new tokens{failover}, stopped by {result.reason}]"
+    return (f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "
+            f"{result.decode_rate:.1f} tokens/s{drafts}{failover}, stopped by {result.reason or 'error'}]")
 
 
 # ----- parser

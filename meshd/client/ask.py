@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,7 +48,12 @@ class RouteError(Exception):
 
 
 class StageError(ProtocolError):
-    """A typed error, and which stage of the route it came from."""
+    """A typed error, and which stage of the route it came from.
+
+    A subclass that knows which node is to blame (a proven liar) sets ``culprit`` to its node id:
+    failover excludes that node without probing the route."""
+
+    culprit: str | None = None
 
     def __init__(self, index: int, error: ProtocolError) -> None:
         super().__init__(error.code, error.message, error.retry_after_ms)
@@ -120,6 +125,11 @@ class AskResult:
     # speculative decoding, over every epoch: tokens the tail drafted, and those its sampler accepted
     drafted: int = 0
     accepted: int = 0
+    # failover: how many times the answer moved to a new route, the seconds that cost it (from the
+    # last token before each failure to the first one after), and the nodes it routed around
+    failovers: int = 0
+    failover_seconds: float = 0.0
+    excluded: list[str] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float | None:
@@ -345,11 +355,22 @@ async def _release_all(streams: Sequence[Stream], session: str, epoch: int) -> N
 
 RouteFinder = Callable[[list[str]], Awaitable[list[Stage]]]
 
+# The failover budget of one answer: at most this many epochs (routes tried), and no new one begun
+# later than this many seconds past the stall timeout after the answer last made progress (a stall
+# itself costs the stall timeout before it is noticed). Several stages dying at once cost one epoch
+# when the probes find them all; each later failure found costs one more.
+FAILOVER_ATTEMPTS = 8
+FAILOVER_SECONDS = 60.0
+# How long a probe of one stage may take: a partitioned stage costs this once (all are probed at once).
+PROBE_TIMEOUT = 1.5
+
 
 async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskRequest,
-                            on_token: OnToken | None = None, attempts: int = 4,
-                            stall_timeout: float = 30.0, result: AskResult | None = None) -> AskResult:
-    """Runs a session; when a stage fails it, routes around that node and re-prefills at a new epoch.
+                            on_token: OnToken | None = None, attempts: int = FAILOVER_ATTEMPTS,
+                            stall_timeout: float = 30.0, result: AskResult | None = None,
+                            budget_seconds: float = FAILOVER_SECONDS) -> AskResult:
+    """Runs a session; when stages fail it, routes around every one found dead or lying and
+    re-prefills at a new epoch, within the failover budget.
 
     Greedy answers come out as if nothing had failed: the new route gets the
     prompt and every token generated so far, and continues from there. A caller
@@ -357,31 +378,100 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
     """
     result = AskResult() if result is None else result
     session = new_session_id()
-    excluded: list[str] = []
+    # when the answer last made progress, and (while recovering from a failure) since when it stalls
+    last_progress = trio.current_time()
+    stalled_since: float | None = None
+    deadline: float | None = None
+    # the live stages of the last route that stalled: a stage that stalls but answers probes is among them
+    suspects: set[str] = set()
+
+    def progressed() -> None:
+        nonlocal last_progress, stalled_since
+        last_progress = trio.current_time()
+        if stalled_since is not None:
+            result.failover_seconds += last_progress - stalled_since
+            stalled_since = None
+
+    async def on_progress(token: int, piece: bytes) -> None:
+        progressed()
+        if on_token is not None:
+            maybe = on_token(token, piece)
+            if maybe is not None:
+                await maybe
+
     for epoch in range(attempts):
-        route = await find_route(excluded)
+        route = await find_route(list(result.excluded))
+        log.debug("epoch %d of session %s: route %s", epoch, session[:12],
+                  " ".join(f"{s.node_id or s.address}{list(s.layers or ())}" for s in route))
         try:
-            return await run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
-        except StageError as exc:
-            if not exc.retryable or epoch == attempts - 1:
+            await run_session(peers, route, request, result, on_progress, session, epoch, stall_timeout)
+        except (StageError, trio.TooSlowError) as exc:
+            if stalled_since is None:
+                stalled_since = last_progress
+            if deadline is None:
+                deadline = last_progress + stall_timeout + budget_seconds
+            # a proven liar is routed around whatever its error says; any other error, if it may pass
+            if isinstance(exc, StageError) and exc.culprit is None and not exc.retryable:
                 raise
-            culprit = await _culprit(peers, route, exc.index)
-            if culprit.node_id is None:
+            if epoch == attempts - 1 or trio.current_time() > deadline:
+                log.warning("giving up after %d failover(s) in %.1f s: %s", result.failovers,
+                            trio.current_time() - stalled_since, exc)
                 raise
-            log.info("stage %s failed (%s); routing around it", culprit.address, exc)
-            excluded.append(culprit.node_id)
+            culprits = [c for c in await _culprits(peers, route, exc, suspects) if c not in result.excluded]
+            retry = False
+            if isinstance(exc, trio.TooSlowError) or exc.code is ErrorCode.DEADLINE_EXCEEDED:
+                # Nobody is dead, so who stalled is unknown: the reporter is blamed first, and the
+                # stages this route shares with the next one that stalls are blamed then.
+                retry = not suspects
+                suspects = {s.node_id for s in route if s.node_id is not None} - set(culprits) - set(result.excluded)
+            if not culprits and not (retry and suspects):
+                raise
+            log.info("epoch %d failed (%s); routing around %s", epoch, exc, ", ".join(c[:12] for c in culprits))
+            result.excluded.extend(culprits)
+            result.failovers += 1
+        else:
+            progressed()
+            if result.failovers:
+                # the front door's log says what `meshd ask`'s figures line does
+                log.info("answered after %d failover(s) around %d stage(s), %.1f s lost", result.failovers,
+                         len(result.excluded), result.failover_seconds)
+            return result
     raise AssertionError("unreachable")
 
 
-async def _culprit(peers: Peers, route: Sequence[Stage], reporter: int) -> Stage:
-    """The stage that died, if one did; else the one that reported the failure."""
+async def _culprits(peers: Peers, route: Sequence[Stage], exc: BaseException,
+                    suspects: Collection[str] = ()) -> list[str]:
+    """The node ids to route around after `exc` failed `route`: the proven culprit if the error names
+    one; else as `blamed` says, from a probe of every stage."""
+    if isinstance(exc, StageError) and exc.culprit is not None:
+        return [exc.culprit]
+    alive = await _probe(peers, route)
+    return blamed(route, alive, exc.index if isinstance(exc, StageError) else None, suspects)
+
+
+def blamed(route: Sequence[Stage], alive: Sequence[bool], reporter: int | None,
+           suspects: Collection[str] = ()) -> list[str]:
+    """Every stage found dead. None dead: the stages the route shares with the last one that stalled
+    (`suspects`), else the reporter (None where no stage reported: a stall at opening). Stages the
+    route names without a node id cannot be excluded (a route given by addresses)."""
+    dead = [s.node_id for s, up in zip(route, alive, strict=True) if not up and s.node_id is not None]
+    if dead:
+        return dead
+    shared = [s.node_id for s in route if s.node_id is not None and s.node_id in suspects]
+    if shared:
+        return shared
+    reported = None if reporter is None else route[reporter].node_id
+    return [] if reported is None else [reported]
+
+
+async def _probe(peers: Peers, route: Sequence[Stage]) -> list[bool]:
+    """Which stages of `route` are up: the handshake proves the node, its metrics that its engine is."""
     alive = [False] * len(route)
 
     async def probe(i: int) -> None:
-        # the handshake proves the node; its metrics say whether its engine is up
         try:
             reply = await rpc.call(peers, route[i].address, STAGE_PROTOCOL, MetricsRequest(), Metrics,
-                                   node_id=route[i].node_id, timeout=1.5)
+                                   node_id=route[i].node_id, timeout=PROBE_TIMEOUT)
         except ProtocolError:
             return
         alive[i] = reply.values.get("worker_up") == 1.0
@@ -389,8 +479,57 @@ async def _culprit(peers: Peers, route: Sequence[Stage], reporter: int) -> Stage
     async with trio.open_nursery() as nursery:
         for i in range(len(route)):
             nursery.start_soon(probe, i)
-    dead = [route[i] for i in range(len(route)) if not alive[i]]
-    return dead[0] if dead else route[reporter]
+    return alive
+
+
+# Members the asker keeps as other places to ask for a route, learned from the routes it was given.
+MAX_ROUTE_SOURCES = 32
+# A route source that cannot be reached (the others are asked in turn); any other error is its answer.
+_SOURCE_DOWN = (ErrorCode.UNREACHABLE, ErrorCode.DEADLINE_EXCEEDED)
+
+AskMember = Callable[[Stage, list[str]], Awaitable[list[Stage]]]
+
+
+class RouteSources:
+    """A route finder that survives its source: it asks `first` (the seed or the local daemon, say
+    the tracker) and, once that cannot be reached, the members it learned of from the routes it was
+    given (the stages), in turn, through `ask_member`. Any member plans a route from its own view,
+    and the tracker's successor is among them once it is elected."""
+
+    def __init__(self, first: RouteFinder, ask_member: AskMember) -> None:
+        self.first = first
+        self.ask_member = ask_member
+        self.first_down = False
+        self.members: dict[str, Stage] = {}
+
+    async def __call__(self, excluded: list[str]) -> list[Stage]:
+        failure: ProtocolError | None = None
+        if not self.first_down:
+            try:
+                return self._learn(await self.first(excluded))
+            except ProtocolError as exc:
+                if exc.code not in _SOURCE_DOWN or not self.members:
+                    raise
+                log.info("the route source is down (%s); asking the members", exc)
+                self.first_down = True
+                failure = exc
+        for node_id, member in list(self.members.items()):
+            if node_id in excluded:
+                continue
+            try:
+                return self._learn(await self.ask_member(member, excluded))
+            except ProtocolError as exc:
+                if exc.code not in _SOURCE_DOWN:
+                    raise
+                failure = exc
+                del self.members[node_id]
+        raise failure or ProtocolError(ErrorCode.UNREACHABLE, "no member is left to ask for a route")
+
+    def _learn(self, route: list[Stage]) -> list[Stage]:
+        for stage in route:
+            if stage.node_id is not None and len(self.members) < MAX_ROUTE_SOURCES:
+                self.members.setdefault(stage.node_id, stage)
+        return route
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

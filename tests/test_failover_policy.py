@@ -1,0 +1,335 @@
+"""The asker's failover policy with fake sessions and fake probes: whom it blames, how many it routes
+around at once, its budget of attempts and time, where it asks for routes when the tracker is gone,
+the route answer's exclusions before SWIM has declared anyone dead, and what `meshd ask` says after."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import pytest
+import trio
+from test_mesh_duty import MODEL, Mesh, duty
+
+from meshd.cli import figures_line
+from meshd.client import ask
+from meshd.client.ask import (
+    FAILOVER_ATTEMPTS,
+    FAILOVER_SECONDS,
+    AskRequest,
+    AskResult,
+    RouteSources,
+    Stage,
+    StageError,
+    ask_with_failover,
+    blamed,
+)
+from wire.errors import ErrorCode, ProtocolError
+
+# Three ranges served twice: node "a0" and "a1" serve [0, 10), "b0" and "b1" [10, 20), "c0" and "c1" [20, 30).
+REPLICAS = {name: Stage(f"10.0.0.{i}:7000", name, "sha256:m", ((ord(name[0]) - 97) * 10, (ord(name[0]) - 96) * 10))
+            for i, name in enumerate(["a0", "a1", "b0", "b1", "c0", "c1"], start=1)}
+
+
+def fake_tracker(asked: list[list[str]]) -> ask.RouteFinder:
+    """A fake route source: the first replica of each range that is not excluded."""
+    async def find(excluded: list[str]) -> list[Stage]:
+        asked.append(list(excluded))
+        route = []
+        for r in "abc":
+            options = [s for name, s in REPLICAS.items() if name[0] == r and name not in excluded]
+            if not options:
+                raise ProtocolError(ErrorCode.NOT_FOUND, f"no route: nothing serves range {r}")
+            route.append(options[0])
+        return route
+    return find
+
+
+class FakeMesh:
+    """Fake sessions and probes: a session fails at its first stage that is in `dead` (raising from
+    the stage after it, as a neighbour of a dead stage reports), else yields `tokens` new tokens."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, dead: set[str], tokens: int = 4) -> None:
+        self.dead = dead
+        self.tokens = tokens
+        self.routes: list[list[str | None]] = []
+        self.probes = 0
+        self.kill_between: list[set[str]] = []
+        monkeypatch.setattr(ask, "run_session", self.run_session)
+        monkeypatch.setattr(ask, "_probe", self.probe)
+
+    async def run_session(self, peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                          on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+        self.routes.append([s.node_id for s in route])
+        result.epochs += 1
+        await trio.sleep(1.0)
+        for i, stage in enumerate(route):
+            if stage.node_id in self.dead:
+                raise StageError(min(i + 1, len(route) - 1),
+                                 ProtocolError(ErrorCode.UNREACHABLE, f"stage {stage.address} is unreachable"))
+        while len(result.tokens) < self.tokens:
+            result.tokens.append(len(result.tokens))
+            await on_token(result.tokens[-1], b"x")  # type: ignore[misc]
+            if self.kill_between:
+                self.dead |= self.kill_between.pop(0)
+                raise StageError(0, ProtocolError(ErrorCode.UNREACHABLE, "lost the stream"))
+        result.reason = "length"
+        return result
+
+    async def probe(self, peers: object, route: Sequence[Stage]) -> list[bool]:
+        self.probes += 1
+        return [s.node_id not in self.dead for s in route]
+
+
+async def test_one_replica_of_every_range_dead_at_once_costs_one_failover(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakeMesh(monkeypatch, dead={"a0", "b0", "c0"})
+    asked: list[list[str]] = []
+    with caplog.at_level(logging.INFO, "meshd.client.ask"):
+        result = await ask_with_failover(None, fake_tracker(asked), AskRequest())  # type: ignore[arg-type]
+    # lost: from the last progress (the start) through the failed epoch's 1 s and the next one's 1 s (fake clock)
+    assert "answered after 1 failover(s) around 3 stage(s), 2.0 s lost" in caplog.text
+    assert result.tokens == [0, 1, 2, 3] and result.reason == "length"
+    assert asked == [[], ["a0", "b0", "c0"]]
+    assert fake.routes[-1] == ["a1", "b1", "c1"]
+    assert result.failovers == 1 and result.excluded == ["a0", "b0", "c0"]
+
+
+async def test_stages_dying_one_after_another_are_each_routed_around_and_the_time_counted(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set(), tokens=6)
+    fake.kill_between = [{"b0"}, {"c0"}]
+    result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
+    assert result.tokens == list(range(6))
+    assert fake.routes == [["a0", "b0", "c0"], ["a0", "b1", "c0"], ["a0", "b1", "c1"]]
+    assert result.failovers == 2 and result.excluded == ["b0", "c0"]
+    # each fake epoch spends 1 s (on the mock clock) before its first token
+    assert result.failover_seconds == pytest.approx(2.0)
+
+
+async def test_a_stage_error_naming_its_culprit_excludes_it_without_probing(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set())
+
+    class FakeLied(StageError):
+        culprit = "b0"
+
+    calls = 0
+
+    async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            # the tail reports it, but the proof names the middle stage
+            raise FakeLied(2, ProtocolError(ErrorCode.BAD_REQUEST, "the hop's input hash does not match"))
+        return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
+
+    monkeypatch.setattr(ask, "run_session", session)
+    result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
+    assert fake.probes == 0 and result.excluded == ["b0"] and fake.routes == [["a0", "b1", "c0"]]
+
+
+async def test_a_middle_stage_that_stalls_but_answers_probes_is_blamed_on_the_second_stall(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set())
+
+    async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+        if "b0" in [s.node_id for s in route]:
+            fake.routes.append([s.node_id for s in route])
+            # the tail waits for rows that never come: it is the one whose stream times out
+            await trio.sleep(stall_timeout)
+            raise StageError(len(route) - 1, ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the stage stalled"))
+        return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
+
+    monkeypatch.setattr(ask, "run_session", session)
+    result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
+    # the honest tail first; then the stages both stalled routes share, the staller among them
+    assert fake.routes == [["a0", "b0", "c0"], ["a0", "b0", "c1"], ["a1", "b1", "c1"]]
+    assert result.excluded == ["c0", "a0", "b0"] and result.failovers == 2 and result.tokens == [0, 1, 2, 3]
+
+
+async def test_a_stall_at_opening_is_retried_once_and_then_blames_the_whole_route(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set())
+
+    async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+        if "b0" in [s.node_id for s in route]:
+            fake.routes.append([s.node_id for s in route])
+            await trio.sleep(stall_timeout)
+            raise trio.TooSlowError
+        return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
+
+    monkeypatch.setattr(ask, "run_session", session)
+    result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
+    assert fake.routes == [["a0", "b0", "c0"], ["a0", "b0", "c0"], ["a1", "b1", "c1"]]
+    assert result.excluded == ["a0", "b0", "c0"] and result.failovers == 2
+
+
+async def test_with_every_stage_alive_the_reporter_is_blamed_and_a_stall_at_opening_blames_nobody() -> None:
+    route = list(REPLICAS.values())[::2]
+    assert blamed(route, [True, False, False], 0) == ["b0", "c0"]
+    assert blamed(route, [True, True, True], 1) == ["b0"]
+    assert blamed(route, [True, True, True], None) == []
+    assert blamed(route, [True, True, True], 2, suspects={"a0", "b0", "x"}) == ["a0", "b0"]
+    assert blamed(route, [True, False, True], 2, suspects={"a0"}) == ["b0"]
+    # a route given by addresses names no node to exclude
+    assert blamed([Stage("10.0.0.9:7000")], [False], 0) == []
+
+
+async def test_failover_gives_up_after_its_attempts(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    # more dead replicas than attempts: each epoch finds one more
+    many = {f"b{i}": Stage(f"10.0.1.{i}:7000", f"b{i}", "sha256:m", (10, 20)) for i in range(2, 12)}
+    monkeypatch.setattr("test_failover_policy.REPLICAS", REPLICAS | many)
+    fake = FakeMesh(monkeypatch, dead=set())
+
+    async def probe(peers: object, route: Sequence[Stage]) -> list[bool]:
+        fake.probes += 1
+        return [False if s.layers == (10, 20) else True for s in route]
+
+    async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+        fake.routes.append([s.node_id for s in route])
+        raise StageError(1, ProtocolError(ErrorCode.UNREACHABLE, "gone"))
+
+    monkeypatch.setattr(ask, "run_session", session)
+    monkeypatch.setattr(ask, "_probe", probe)
+    with pytest.raises(StageError, match="gone"):
+        await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
+    assert len(fake.routes) == FAILOVER_ATTEMPTS
+
+
+async def test_failover_gives_up_past_its_time_budget(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set())
+
+    async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+        fake.routes.append([s.node_id for s in route])
+        # every epoch stalls for the whole stall timeout, and each is blamed on a fresh node
+        await trio.sleep(stall_timeout)
+        raise StageError(0, ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the stage stalled"))
+
+    names = iter(range(100))
+
+    async def find(excluded: list[str]) -> list[Stage]:
+        return [Stage(f"10.0.2.1:{7000 + (n := next(names))}", f"n{n}", "sha256:m", (0, 30))]
+
+    async def probe(peers: object, route: Sequence[Stage]) -> list[bool]:
+        return [True] * len(route)
+
+    monkeypatch.setattr(ask, "run_session", session)
+    monkeypatch.setattr(ask, "_probe", probe)
+    began = trio.current_time()
+    with pytest.raises(StageError, match="stalled"):
+        await ask_with_failover(None, find, AskRequest(), stall_timeout=30.0)  # type: ignore[arg-type]
+    # epochs at 30, 60, 90 s fail; the one failing at 120 s is past 30 + 60 s after the last progress (0 s)
+    assert len(fake.routes) == 4 < FAILOVER_ATTEMPTS
+    assert trio.current_time() - began == pytest.approx(30.0 * 4)
+    assert FAILOVER_SECONDS == 60.0
+
+
+async def test_a_non_retryable_error_is_not_failed_over(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set())
+
+    async def session(*args: object) -> AskResult:
+        raise StageError(0, ProtocolError(ErrorCode.BAD_REQUEST, "the prompt is too long"))
+
+    monkeypatch.setattr(ask, "run_session", session)
+    with pytest.raises(StageError, match="too long"):
+        await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
+    assert fake.probes == 0
+
+
+async def test_with_the_tracker_unreachable_the_route_is_asked_of_the_members_it_named(
+        autojump_clock: trio.abc.Clock) -> None:
+    tracker_up = True
+    asked_members: list[tuple[str | None, list[str]]] = []
+    tracker = fake_tracker([])
+    tracker_asked = 0
+
+    async def first(excluded: list[str]) -> list[Stage]:
+        nonlocal tracker_asked
+        tracker_asked += 1
+        if not tracker_up:
+            raise ProtocolError(ErrorCode.UNREACHABLE, "connection refused")
+        return await tracker(excluded)
+
+    async def ask_member(member: Stage, excluded: list[str]) -> list[Stage]:
+        asked_members.append((member.node_id, excluded))
+        if member.node_id == "b0":
+            raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "no answer")
+        return await tracker(excluded)
+
+    sources = RouteSources(first, ask_member)
+    assert [s.node_id for s in await sources([])] == ["a0", "b0", "c0"]
+    tracker_up = False
+    # a0 is excluded (it died), b0 cannot be reached, so c0 answers
+    route = await sources(["a0"])
+    assert [s.node_id for s in route] == ["a1", "b0", "c0"]
+    assert asked_members == [("b0", ["a0"]), ("c0", ["a0"])]
+    # once down, the tracker is not asked again (each ask would cost its timeout)
+    await sources(["a0"])
+    assert tracker_asked == 2 and asked_members[-1] == ("c0", ["a0"])
+
+
+async def test_a_route_source_that_answers_is_believed_even_when_it_has_no_route() -> None:
+    async def first(excluded: list[str]) -> list[Stage]:
+        raise ProtocolError(ErrorCode.NOT_FOUND, "no route covers all 30 layers")
+
+    async def ask_member(member: Stage, excluded: list[str]) -> list[Stage]:
+        raise AssertionError("asked a member although the route source answered")
+
+    sources = RouteSources(first, ask_member)
+    sources.members["a0"] = REPLICAS["a0"]
+    with pytest.raises(ProtocolError, match="no route covers"):
+        await sources([])
+
+
+def test_the_members_a_route_source_learns_are_bounded() -> None:
+    sources = RouteSources(fake_tracker([]), fake_tracker([]))  # type: ignore[arg-type]
+    route = [Stage(f"10.0.3.{i % 250}:{7000 + i}", f"{i:064x}", None, (i, i + 1)) for i in range(256)]
+    sources._learn(route)
+    assert len(sources.members) == ask.MAX_ROUTE_SOURCES
+
+
+def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive() -> None:
+    duties = [duty(i, memory=400) for i in range(6)]
+    mesh = Mesh(*duties)
+    mesh.run_until(20.0)
+    tracker = mesh.tracker
+
+    def dial(record: object) -> str:
+        return "10.0.0.1:7400"
+
+    first = tracker.route(MODEL.digest, (), dial)
+    used = [s.node_id for s in first.stages]
+    alive = {r.node_id for r in tracker.node.membership.live_records()}
+    assert set(used) <= alive
+    # every stage of the route is excluded at once, all of them still alive to SWIM
+    second = tracker.route(MODEL.digest, used, dial)
+    assert not set(used) & {s.node_id for s in second.stages}
+    assert [(s.start, s.end) for s in second.stages][-1][1] == MODEL.n_layers
+    everyone = [d.node_id for d in duties]
+    with pytest.raises(ProtocolError, match="excluded") as refused:
+        tracker.route(MODEL.digest, everyone, dial)
+    assert refused.value.code is ErrorCode.NOT_FOUND
+
+
+def test_the_figures_line_says_when_and_at_what_cost_the_answer_failed_over() -> None:
+    result = AskResult(prompt_tokens=[1, 2, 3], tokens=[4, 5, 6], reason="length", started=0.0,
+                       first_token_at=0.25, finished_at=1.25)
+    assert "failed over" not in figures_line(result)
+    result.failovers, result.failover_seconds, result.excluded = 2, 3.04, ["a0", "b0", "c0"]
+    line = figures_line(result)
+    assert line == ("[3 prompt tokens, 3 new tokens, first token 250 ms, 2.0 tokens/s, failed over 2 times "
+                    "(3 stages routed around, 3.0 s lost), stopped by length]")
+    result.failovers, result.excluded = 1, ["b0"]
+    assert "failed over 1 time (1 stage routed around, 3.0 s lost)" in figures_line(result)
+    silent = AskResult(prompt_tokens=[1], reason="stop", failovers=1, failover_seconds=0.5, excluded=["a0"])
+    assert figures_line(silent) == "[1 prompt token, no new tokens, failed over 1 time (1 stage routed around, " \
+                                   "0.5 s lost), stopped by stop]"
