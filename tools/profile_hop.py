@@ -215,6 +215,13 @@ def report(out: dict[str, Any]) -> str:
         lines += ["", "top functions by own time per token (µs, calls per token):"]
         for tt, nc, name in sorted(rows, reverse=True)[:30]:
             lines.append(f"  {tt / tokens * 1e6:8.1f} {nc / tokens:6.1f}  {name}")
+        # a task's step is entered anew at each resumption, so a coroutine's cumulative time is per step
+        ours = [(ct, nc, f"{Path(filename).parent.name}/{Path(filename).name}:{line}({func})")
+                for (filename, line, func), (_cc, nc, _tt, ct, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+                if any(k in filename for k in ("meshd/", "wire/", "trio_websocket"))]
+        lines += ["", "meshd, wire and trio-websocket functions by time including callees, per token (µs, calls):"]
+        for ct, nc, name in sorted(ours, reverse=True)[:30]:
+            lines.append(f"  {ct / tokens * 1e6:8.1f} {nc / tokens:6.1f}  {name}")
     return "\n".join(lines)
 
 
