@@ -39,6 +39,7 @@ sessions in flight keep a route.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -623,7 +624,7 @@ def _greedy_cover(nodes: list[_Node], model: ModelSpec, start: int, end: int) ->
     at some layers, the fewest nodes that cover it cut there."""
     if model.cuts is not None:
         found = _first_cut_chain(_orders(nodes), model, start, end)
-        return None if found is None else found[1]
+        return found[1] if found is not None else _every_cover(nodes, model, start, end)
     need_head, need_tail = start == 0, end == model.n_layers
     length = end - start
     if nodes and nodes[0].fits(model, start, end):
@@ -685,6 +686,35 @@ def _first_cut_chain(orders: list[list[_Node]], model: ModelSpec, start: int, en
     """The chain of fewest stages over [start, end), cut only where the model allows, of each of `orders`."""
     found = [chain for order in orders if (chain := _cut_chain(order, model, start, end, 1.0, fewest=True))]
     return min(found, key=lambda chain: chain[0]) if found else None
+
+
+# The most allowed cuts inside a range for which `_every_cover` tries every way of cutting it (2**8).
+_EVERY_COVER_CUTS = 8
+
+
+def _every_cover(nodes: list[_Node], model: ModelSpec, start: int, end: int) -> list[Stage] | None:
+    """The fewest of `nodes` covering [start, end) at allowed cuts, trying every way of cutting it: what
+    `_cut_chain`'s orders can miss (one node too large for the head and too small for the piece after it
+    may be needed there), where the cuts are few enough to try them all; None where none covers it."""
+    inner = model.points(start, end)[1:-1]
+    if len(inner) > _EVERY_COVER_CUTS:
+        return None
+    by_size = sorted(nodes, key=lambda node: (node.total, node.speed, node.node_id))
+    for count in range(min(len(inner), len(nodes) - 1) + 1):
+        for chosen in itertools.combinations(inner, count):
+            points = [start, *chosen, end]
+            # the piece needing most takes the smallest node that holds it, and so on down
+            pieces = sorted(zip(points, points[1:], strict=False), key=lambda piece: -model.stage_bytes(*piece))
+            free, stages = list(by_size), []
+            for piece in pieces:
+                host = next((node for node in free if node.fits(model, *piece)), None)
+                if host is None:
+                    break
+                free.remove(host)
+                stages.append(Stage(host.node_id, *piece))
+            else:
+                return sorted(stages, key=lambda stage: stage.start)
+    return None
 
 
 def _cut_chain(nodes: list[_Node], model: ModelSpec, start: int, end: int, hop: float,
