@@ -9,7 +9,10 @@ small for the smallest piece gets none, and the coverage reason says why in one 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,33 +58,37 @@ def check_cut_where_allowed(result: Assignment, nodes: list[NodeCapacity], model
     for stage in result.stages:
         assert {stage.start, stage.end} <= ends, stage
         assert model.stage_bytes(stage.start, stage.end) <= memory[stage.node_id], stage
-        assert any(a <= stage.start < stage.end <= b for a, b in zip(result.boundaries, result.boundaries[1:]))
+        assert any(a <= stage.start < stage.end <= b for a, b in zip(result.boundaries, result.boundaries[1:], strict=False))
     assert [s.start for s in result.chain] == [0] + [s.end for s in result.chain[:-1]]
     assert result.chain[-1].end == model.n_layers
 
 
 def coverable(nodes: list[NodeCapacity], model: ModelSpec) -> bool:
-    """Brute force: some partition of the layers at the allowed cuts whose ranges go to distinct nodes that
-    hold them (a matching, by augmenting paths)."""
+    """Brute force: some partition of the layers at the allowed cuts whose ranges go to distinct nodes
+    that hold them."""
     inner = list(model.cuts or ())
     for k in range(len(inner) + 1):
         for chosen in itertools.combinations(inner, k):
             points = [0, *chosen, model.n_layers]
-            ranges = list(zip(points, points[1:]))
-            owner: dict[int, int] = {}
-
-            def place(r: int, seen: set[int], ranges: list[tuple[int, int]] = ranges) -> bool:
-                for j, n in enumerate(nodes):
-                    if j not in seen and model.stage_bytes(*ranges[r]) <= n.memory_bytes:
-                        seen.add(j)
-                        if j not in owner or place(owner[j], seen):
-                            owner[j] = r
-                            return True
-                return False
-
-            if all(place(r, set()) for r in range(len(ranges))):
+            if matched(list(zip(points, points[1:], strict=False)), nodes, model):
                 return True
     return False
+
+
+def matched(ranges: list[tuple[int, int]], nodes: list[NodeCapacity], model: ModelSpec) -> bool:
+    """Whether each range gets a distinct node that holds it (a bipartite matching, by augmenting paths)."""
+    owner: dict[int, int] = {}
+
+    def place(r: int, seen: set[int]) -> bool:
+        for j, n in enumerate(nodes):
+            if j not in seen and model.stage_bytes(*ranges[r]) <= n.memory_bytes:
+                seen.add(j)
+                if j not in owner or place(owner[j], seen):
+                    owner[j] = r
+                    return True
+        return False
+
+    return all(place(r, set()) for r in range(len(ranges)))
 
 
 def test_assorted_volunteers_get_ranges_only_between_allowed_cuts() -> None:
@@ -104,7 +111,7 @@ def test_without_cuts_the_same_volunteers_are_cut_anywhere() -> None:
     assert not set(free.boundaries) <= ENDS
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.5, 10.0), st.sampled_from([0.005, 0.01, 0.02])), min_size=1, max_size=6))
 def test_any_volunteers_are_placed_at_allowed_cuts_whenever_some_placement_exists(
     volunteers: list[tuple[float, float]],
@@ -220,6 +227,32 @@ def test_the_header_gives_glm_dsa_its_cuts_and_deepseek32_none(dsa_files: dict[s
     assert describe_model(dsa_files["deepseek32"], "cd" * 32).cuts is None
 
 
+def test_the_header_keeps_only_short_integer_arrays_and_boundedly_many(tmp_path: Path) -> None:
+    # a hostile header's arrays: each of up to 512 items is kept while fewer than 16384 items are, none longer,
+    # none of floats
+    import gguf
+
+    from meshd.store.gguf_header import read_layout
+
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    for i in range(40):
+        w.add_array(f"x.many.{i:02}", list(range(500)))
+    w.add_array("x.long", list(range(513)))
+    w.add_array("x.floats", [0.5, 1.5])
+    w.add_array("x.short", [3, 1, 2])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "rb") as f:
+        arrays = read_layout(f).arrays
+    assert sum(len(v) for v in arrays.values()) <= 1 << 14
+    assert arrays["x.many.31"] == tuple(range(500)) and "x.many.32" not in arrays
+    assert "x.long" not in arrays and "x.floats" not in arrays
+    assert arrays["x.short"] == (3, 1, 2)  # what room the many left is still for short ones
+
+
 def test_the_cut_rule_follows_the_engine_defaults() -> None:
     meta = {"glm-dsa.context_length": 4096}
     key = "glm-dsa.attention.indexer.types"
@@ -242,3 +275,49 @@ def test_a_glm_dsa_file_whose_indexer_types_do_not_fit_its_layers_is_no_usable_m
     with pytest.raises(ModelNotFound, match="x.gguf is not a usable GGUF model .*has 2 entries for 4 layers"):
         model_info("id", "x.gguf", metadata, {}, {"glm-dsa.attention.indexer.types": (1, 1)})
     assert model_info("id", "x.gguf", metadata, {}, {"glm-dsa.attention.indexer.types": (1, 0, 1, 0)}).cuts == [2]
+
+
+# ----- a real mesh of the tiny glm-dsa: the tracker cuts it where the engine loads it
+
+PROMPT = "What is the capital of France?"
+NEW_TOKENS = 16
+# At 2 sessions of 512 tokens the chain search counts a layer at 0.2 MiB: 1000K holds 4 layers as the head
+# or the tail, 1400K holds 6, neither the whole 8. Cut anywhere, 4:4 would be a chain; at glm-dsa's cuts
+# (1, 2, 5 and 7) only 0:5 + 5:8 or 0:2 + 2:8 are.
+VOLUNTEERS = [["--memory", "1000K"], ["--memory", "1400K"]]
+SESSIONS = ["--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]
+
+
+@pytest.mark.slow  # a seed, two volunteers and their workers
+def test_a_seed_and_two_volunteers_serve_the_tiny_glm_dsa_cut_where_it_may_be_like_the_whole_model(
+    dsa_files: dict[str, Path], tmp_path: Path,
+) -> None:
+    from localmesh import Served, run_meshd, start_join, stop_all
+
+    from meshd.engine import Model
+    from tests.conftest import greedy_reference
+
+    path = dsa_files["glm-dsa"]
+    want = greedy_reference(path, [PROMPT], NEW_TOKENS)[PROMPT]
+    with Model(path) as m:
+        want_text = m.detokenize(want)
+    nodes: list[Served] = []
+    try:
+        nodes.append(start_join("--no-model", "--state-dir", str(tmp_path / "seed")))
+        # the volunteers start side by side: each waits only for its own ready line
+        with ThreadPoolExecutor(len(VOLUNTEERS)) as pool:
+            starting = [pool.submit(start_join, "--seed", nodes[0].address, "--model", str(path), "--state-dir",
+                                    str(tmp_path / f"v{i}"), *memory, *SESSIONS) for i, memory in enumerate(VOLUNTEERS)]
+            for future in starting:
+                with contextlib.suppress(RuntimeError):  # one that did not start fails the ask below
+                    nodes.append(future.result())
+        # `ask --seed` waits for the mesh to cover the model, then asks along the tracker's chain
+        asked = run_meshd("ask", "--seed", nodes[0].address, "--max-tokens", str(NEW_TOKENS), PROMPT, timeout=120)
+        shown = run_meshd("status", "--seed", nodes[0].address, "--json")
+    finally:
+        stop_all(nodes)
+    assert len(nodes) == 1 + len(VOLUNTEERS)
+    assert asked.returncode == 0, asked.stderr
+    assert asked.stdout == want_text + "\n"
+    served = sorted(r.split(" ", 1)[1] for member in json.loads(shown.stdout)["members"] for r in member["served"])
+    assert served in (["[0, 5)", "[5, 8)"], ["[0, 2)", "[2, 8)"]), served
