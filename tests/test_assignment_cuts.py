@@ -321,3 +321,25 @@ def test_a_seed_and_two_volunteers_serve_the_tiny_glm_dsa_cut_where_it_may_be_li
     assert asked.stdout == want_text + "\n"
     served = sorted(r.split(" ", 1)[1] for member in json.loads(shown.stdout)["members"] for r in member["served"])
     assert served in (["[0, 5)", "[5, 8)"], ["[0, 2)", "[2, 8)"]), served
+
+
+def test_a_volunteer_refuses_a_range_cut_where_its_model_may_not_be() -> None:
+    from test_mesh_duty import MODEL as DUTY_MODEL
+    from test_mesh_duty import Mesh, duty
+
+    from meshd.mesh.duty import LoadRange, RangeRefused
+    from wire.meshrpc import AssignmentReply
+
+    cut = DUTY_MODEL.model_copy(update={"cuts": [2, 5, 7]})
+    mesh = Mesh(*(duty(i, volunteer=cut) for i in range(2)))
+    mesh.answer_asks = False
+    mesh.run_until(10.0)
+    volunteer = mesh.volunteers[0]
+    term = volunteer.node.tracker.term  # type: ignore[union-attr]
+    volunteer.assignment_reply(mesh.net.now, AssignmentReply(term=term, model=cut.digest, start=0, end=4))
+    mesh.run_until(mesh.net.now + 5.0)
+    (refused,) = mesh.of(volunteer, RangeRefused)
+    assert refused.reason == "m may be cut only before layers 2, 5, 7" and not mesh.of(volunteer, LoadRange)
+    volunteer.assignment_reply(mesh.net.now, AssignmentReply(term=term, model=cut.digest, start=0, end=5))
+    mesh.run_until(mesh.net.now + 5.0)
+    assert [(load.start, load.end) for load in mesh.of(volunteer, LoadRange)] == [(0, 5)]
