@@ -35,6 +35,13 @@ its layers, their KV and, at the tail, the output head in GPU memory, as the
 engine does; the rest, the token embedding always, sits in RAM. Each volunteer
 moves to its new range itself, loading it before it releases the old one, so
 sessions in flight keep a route.
+
+Some models may be cut only at some layers (glm-dsa: just before a full-indexer
+layer, `ModelSpec.cuts`, from the file). Then every range starts and ends at an
+allowed cut or an end of the model: the chain search is a shortest path over the
+cut points with the nodes along the chain in a few orders, a segment too large
+for one node is covered at the cuts, and a node too small for the smallest piece
+between two cuts gets none.
 """
 
 from __future__ import annotations
