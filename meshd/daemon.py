@@ -838,7 +838,7 @@ def describe_model(path: Path, digest: str) -> ModelInfo:
     except (GGUFError, OSError) as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
-    return model_info(digest, path.name, layout.metadata, {t.name: t.size for t in layout.tensors})
+    return model_info(digest, path.name, layout.metadata, {t.name: t.size for t in layout.tensors}, layout.arrays)
 
 
 

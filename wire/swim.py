@@ -70,6 +70,10 @@ class ModelInfo(WireModel):
     whole: bool = True
     # Weight bytes of each layer, from the file's tensors (MoE layers outweigh dense ones many times).
     layer_bytes: Annotated[list[Count], Field(max_length=MAX_LAYERS)] = []
+    # The layers a chain may be cut just before, ascending, from the file (glm-dsa's shared-indexer
+    # layers reuse the top-k of the layer before them, so a stage may start only at a full-indexer
+    # one); None: any layer. The engine refuses any other cut at load.
+    cuts: Annotated[list[LayerCount], Field(max_length=MAX_LAYERS)] | None = None
 
     @model_validator(mode="after")
     def _one_size_per_layer(self) -> ModelInfo:
@@ -77,6 +81,11 @@ class ModelInfo(WireModel):
             raise ValueError(f"{len(self.layer_bytes)} layer sizes for {self.n_layers} layers")
         if self.layer_bytes and max(self.layer_bytes) != self.bytes_per_layer:
             raise ValueError("bytes_per_layer is not the largest of the layer sizes")
+        if self.cuts is not None:
+            if any(not 0 < cut < self.n_layers for cut in self.cuts):
+                raise ValueError(f"a cut outside the {self.n_layers} layers' inner boundaries 1..{self.n_layers - 1}")
+            if any(a >= b for a, b in zip(self.cuts, self.cuts[1:], strict=False)):
+                raise ValueError("the cuts are not strictly increasing")
         return self
 
 

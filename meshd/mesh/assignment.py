@@ -35,10 +35,18 @@ its layers, their KV and, at the tail, the output head in GPU memory, as the
 engine does; the rest, the token embedding always, sits in RAM. Each volunteer
 moves to its new range itself, loading it before it releases the old one, so
 sessions in flight keep a route.
+
+Some models may be cut only at some layers (glm-dsa: just before a full-indexer
+layer, `ModelSpec.cuts`, from the file). Then every range starts and ends at an
+allowed cut or an end of the model: the chain search is a shortest path over the
+cut points with the nodes along the chain in a few orders, a segment too large
+for one node is covered at the cuts, and a node too small for the smallest piece
+between two cuts gets none.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -67,10 +75,32 @@ class ModelSpec:
     kv_tokens: int = 0  # the tokens `kv_bytes_per_layer` is for: what a shortfall names
     name: str = ""
     layer_sizes: tuple[int, ...] = ()  # weights of each layer; empty: every one `bytes_per_layer`
+    # The layers a chain may be cut just before, ascending (glm-dsa: its full-indexer layers); None: any.
+    cuts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.layer_sizes and len(self.layer_sizes) != self.n_layers:
             raise ValueError(f"{len(self.layer_sizes)} layer sizes for {self.n_layers} layers")
+        if self.cuts is not None and list(self.cuts) != sorted(set(self.cuts) & set(range(1, self.n_layers))):
+            raise ValueError(f"cuts {list(self.cuts)[:8]} are not ascending layers inside the {self.n_layers}")
+
+    def allows(self, start: int, end: int) -> bool:
+        """Whether a stage may serve [start, end): both its ends are the model's ends or allowed cuts."""
+        return self.cuts is None or all(b in (0, self.n_layers) or b in self._cut_set for b in (start, end))
+
+    @cached_property
+    def _cut_set(self) -> frozenset[int]:
+        return frozenset(self.cuts or ())
+
+    def points(self, start: int, end: int) -> list[int]:
+        """Where [start, end) may be cut: its ends and the allowed cuts inside it, ascending."""
+        inside = range(start + 1, end) if self.cuts is None else [c for c in self.cuts if start < c < end]
+        return [start, *inside, end]
+
+    def pieces(self) -> list[Range]:
+        """The smallest ranges a stage may serve: from each allowed cut to the next."""
+        points = self.points(0, self.n_layers)
+        return list(zip(points, points[1:], strict=False))
 
     @cached_property
     def _sums(self) -> np.ndarray | None:
@@ -90,6 +120,7 @@ class ModelSpec:
             kv_tokens=kv_tokens,
             name=info.name,
             layer_sizes=tuple(info.layer_bytes),
+            cuts=None if info.cuts is None else tuple(info.cuts),
         )
 
     def with_kv_tokens(self, kv_tokens: int) -> ModelSpec:
@@ -353,12 +384,34 @@ def _usable(nodes: Sequence[NodeCapacity], model: ModelSpec) -> list[_Node]:
         for node in nodes
     )
     return sorted(
-        (node for node in candidates if node.cap(model, False, False) >= 1),
+        (node for node in candidates if _holds_a_piece(node, model)),
         key=lambda node: (node.speed, -node.total, node.node_id),
     )
 
 
+def _holds_a_piece(node: _Node, model: ModelSpec) -> bool:
+    """Whether the node holds the smallest range a stage of `model` may serve: a layer, or where
+    the model may be cut only at some layers, one of the pieces between them."""
+    if model.cuts is None:
+        return node.cap(model, False, False) >= 1
+    return any(end - start <= node.cap(model, start == 0, end == model.n_layers) for start, end in _fewest_pieces(model))
+
+
+def _fewest_pieces(model: ModelSpec) -> list[Range]:
+    """The shortest piece of each kind (head, middle, tail, the whole): if a node holds none of these, it
+    holds no piece, since what it holds depends only on a piece's length and ends."""
+    shortest: dict[tuple[bool, bool], Range] = {}
+    for start, end in model.pieces():
+        kind = (start == 0, end == model.n_layers)
+        if kind not in shortest or end - start < shortest[kind][1] - shortest[kind][0]:
+            shortest[kind] = (start, end)
+    return list(shortest.values())
+
+
 def _primary_chain(usable: list[_Node], model: ModelSpec, policy: AssignmentPolicy) -> list[Stage] | None:
+    if model.cuts is not None:
+        return _best_cut_chain(_candidates(usable, policy.candidates), model, policy.hop_seconds) or \
+            _greedy_cover(sorted(usable, key=lambda node: (-node.total, node.speed)), model, 0, model.n_layers)
     chain = _best_chain(_candidates(usable, policy.candidates), model, policy.hop_seconds)
     if chain is None:
         # The candidates alone fall short (many small nodes): take everyone, largest first.
@@ -373,6 +426,8 @@ def _repair(
 ) -> Assignment | None:
     present = {node.node_id: node for node in usable}
     boundaries = current.boundaries
+    if not all(model.allows(start, end) for start, end in zip(boundaries, boundaries[1:], strict=False)):
+        return None  # placed before the model's cuts were known: only a fresh plan cuts where it may
     segments = list(zip(boundaries, boundaries[1:], strict=False))
     kept = [
         stage
@@ -572,7 +627,11 @@ def _greedy_cover(nodes: list[_Node], model: ModelSpec, start: int, end: int) ->
     """Cover [start, end) with the fewest of `nodes` (sorted largest first), layers spread evenly.
 
     The largest node takes the embedding if the range starts at layer 0, the next
-    largest the output head if it ends at the last layer."""
+    largest the output head if it ends at the last layer. Where the model may be cut only
+    at some layers, the fewest nodes that cover it cut there."""
+    if model.cuts is not None:
+        found = _first_cut_chain(_orders(nodes), model, start, end)
+        return found[1] if found is not None else _every_cover(nodes, model, start, end)
     need_head, need_tail = start == 0, end == model.n_layers
     length = end - start
     if nodes and nodes[0].fits(model, start, end):
@@ -610,6 +669,100 @@ def _greedy_cover(nodes: list[_Node], model: ModelSpec, start: int, end: int) ->
         stages.append(Stage(node.node_id, position, position + share[node.node_id]))
         position += share[node.node_id]
     return stages
+
+
+def _orders(nodes: list[_Node]) -> list[list[_Node]]:
+    """The orders a chain at the model's cuts tries its nodes in, which is their order along the chain:
+    as given, and largest first with each of the three largest in front (the head's embedding and the
+    piece after it differ in size, so the largest node is not always best at the head); and each of
+    these with its largest remaining node last, for the output head."""
+    largest = sorted(nodes, key=lambda node: (-node.total, node.speed, node.node_id))
+    fronts = [[front] + [node for node in largest if node is not front] for front in largest[:3]]
+    orders = [nodes, *fronts, *(order[:1] + order[2:] + order[1:2] for order in fronts if len(order) > 2)]
+    return list({tuple(node.node_id for node in order): order for order in orders}.values())
+
+
+def _best_cut_chain(nodes: list[_Node], model: ModelSpec, hop: float) -> list[Stage] | None:
+    """The cheapest of the chains over every layer cut only where the model allows, in each of `_orders`."""
+    found = [chain for order in _orders(nodes) if (chain := _cut_chain(order, model, 0, model.n_layers, hop))]
+    return min(found, key=lambda chain: chain[0])[1] if found else None
+
+
+def _first_cut_chain(orders: list[list[_Node]], model: ModelSpec, start: int, end: int
+                     ) -> tuple[float, list[Stage]] | None:
+    """The chain of fewest stages over [start, end), cut only where the model allows, of each of `orders`."""
+    found = [chain for order in orders if (chain := _cut_chain(order, model, start, end, 1.0, fewest=True))]
+    return min(found, key=lambda chain: chain[0]) if found else None
+
+
+# The most allowed cuts inside a range for which `_every_cover` tries every way of cutting it (2**8).
+_EVERY_COVER_CUTS = 8
+
+
+def _every_cover(nodes: list[_Node], model: ModelSpec, start: int, end: int) -> list[Stage] | None:
+    """The fewest of `nodes` covering [start, end) at allowed cuts, trying every way of cutting it: what
+    `_cut_chain`'s orders can miss (one node too large for the head and too small for the piece after it
+    may be needed there), where the cuts are few enough to try them all; None where none covers it."""
+    inner = model.points(start, end)[1:-1]
+    if len(inner) > _EVERY_COVER_CUTS:
+        return None
+    by_size = sorted(nodes, key=lambda node: (node.total, node.speed, node.node_id))
+    for count in range(min(len(inner), len(nodes) - 1) + 1):
+        for chosen in itertools.combinations(inner, count):
+            points = [start, *chosen, end]
+            # the piece needing most takes the smallest node that holds it, and so on down
+            pieces = sorted(zip(points, points[1:], strict=False), key=lambda piece: -model.stage_bytes(*piece))
+            free, stages = list(by_size), []
+            for piece in pieces:
+                host = next((node for node in free if node.fits(model, *piece)), None)
+                if host is None:
+                    break
+                free.remove(host)
+                stages.append(Stage(host.node_id, *piece))
+            else:
+                return sorted(stages, key=lambda stage: stage.start)
+    return None
+
+
+def _cut_chain(nodes: list[_Node], model: ModelSpec, start: int, end: int, hop: float,
+               fewest: bool = False) -> tuple[float, list[Stage]] | None:
+    """(cost, stages) of the cheapest chain over [start, end) whose every stage starts and ends where
+    the model may be cut, the nodes along the chain in the order given, each used at most once.
+
+    A shortest path over the cut points, one node at a time (a 0/1 choice each, as `_best_chain`):
+    dp[j] is the least cost of covering [start, points[j]), and a node takes [points[i], points[j])
+    when its length is within what the node holds with those ends, every layer at the largest
+    layer's size, so what it places fits. Cost: layers x seconds per layer + `hop` a stage; with
+    `fewest`, `hop` a stage alone."""
+    points = np.array(model.points(start, end), dtype=np.int64)
+    m = len(points)
+    length = points[None, :] - points[:, None]  # of the range [points[i], points[j])
+    from_head = (points == 0)[:, None]  # the range starts at the model's first layer: the embedding
+    to_tail = (points == model.n_layers)[None, :]  # ends at its last: the output head
+    dp = np.full(m, np.inf)
+    dp[0] = 0.0
+    history: list[np.ndarray] = []  # per node: the point it took its range from, -1 where it took none
+    for node in nodes:
+        speed = 0.0 if fewest else node.speed
+        caps = {(h, t): node.cap(model, h, t) for h in (False, True) for t in (False, True)}
+        cap = np.where(from_head, np.where(to_tail, caps[True, True], caps[True, False]),
+                       np.where(to_tail, caps[False, True], caps[False, False]))
+        cost = np.where((length >= 1) & (length <= cap), dp[:, None] + length * speed + hop, np.inf)
+        best = cost.argmin(axis=0)
+        candidate = cost[best, np.arange(m)]
+        better = candidate < dp
+        history.append(np.where(better, best, -1))
+        dp = np.where(better, candidate, dp)
+    if not np.isfinite(dp[-1]):
+        return None
+    stages: list[Stage] = []
+    position = m - 1
+    for node, source in zip(reversed(nodes), reversed(history), strict=True):
+        if position > 0 and source[position] >= 0:
+            stages.append(Stage(node.node_id, int(points[source[position]]), int(points[position])))
+            position = int(source[position])
+    stages.reverse()
+    return float(dp[-1]), stages
 
 
 def _tiles(ranges: Counter[Range], start: int, end: int) -> bool:
@@ -678,6 +831,16 @@ def _shortfall(nodes: Sequence[NodeCapacity], model: ModelSpec, policy: Assignme
     else:
         what = f", which no arrangement fits ({layer}; the embedding {_mib(model.head_bytes)}, the output head " \
             f"{_mib(model.tail_bytes)})"
+    if model.cuts is not None:
+        rule = f"it may be cut only before layer{'s' if len(model.cuts) != 1 else ''} {_listing(model.cuts)}" \
+            if model.cuts else "it may not be cut"
+        start, end = min(model.pieces(), key=lambda piece: model.stage_bytes(*piece))
+        smallest = model.stage_bytes(start, end)
+        if memories[-1] < smallest:
+            what = f", none of which holds the smallest piece it may be cut into (layers {start}:{end}, " \
+                f"{_mib(smallest)}: {rule})"
+        else:
+            what += f"; {rule}"
     fixes = []
     memory = _memory_to_cover(nodes, model, policy)
     fixes.append(f"raise --memory to {_flag_size(memory)} on each volunteer")
@@ -729,6 +892,15 @@ def _kv_to_cover(nodes: Sequence[NodeCapacity], model: ModelSpec, policy: Assign
         else:
             high = middle
     return low
+
+
+def _listing(numbers: Sequence[int], most: int = 8) -> str:
+    """`numbers` in words: "2, 5 and 7"; past `most`, the first of them, the last and how many."""
+    if len(numbers) == 1:
+        return str(numbers[0])
+    if len(numbers) > most:
+        return f"{', '.join(map(str, numbers[:most - 1]))}, … and {numbers[-1]} ({len(numbers)} in all)"
+    return f"{', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
 
 
 def _mib(size: int) -> str:

@@ -468,6 +468,12 @@ class MeshDuty:
             return
         own = self.node.record
         spec = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens)
+        if not spec.allows(start, end):
+            # the engine would refuse it at load: a tracker that placed it does not know the model's cuts
+            rule = f"may be cut only before layers {', '.join(map(str, info.cuts))[:200]}" if info.cuts \
+                else "may not be cut"
+            self._events.append(RangeRefused(start, end, f"{info.name} {rule}"))
+            return
         refused = stage_fits(spec, start, end, own.memory_bytes, own.gpu_memory_bytes, own.gpu_layers)
         if refused is not None:
             self._events.append(RangeRefused(start, end, refused))

@@ -40,9 +40,10 @@ def default_model_path() -> Path:
 
 
 def model_info(digest: str, file_name: str, metadata: Mapping[str, int | float | bool | str],
-               sizes: Mapping[str, int]) -> ModelInfo:
-    """What placement needs to know of a GGUF, from its header's scalar metadata and its tensors'
-    sizes (``meshd.store.gguf_header`` reads both in one pass over the header, no weight read).
+               sizes: Mapping[str, int], arrays: Mapping[str, tuple[int, ...]] | None = None) -> ModelInfo:
+    """What placement needs to know of a GGUF, from its header's scalar metadata, its short integer
+    arrays and its tensors' sizes (``meshd.store.gguf_header`` reads them in one pass over the
+    header, no weight read).
 
     A key missing or a value out of bounds raises ModelNotFound naming the file.
     """
@@ -72,6 +73,7 @@ def model_info(digest: str, file_name: str, metadata: Mapping[str, int | float |
         head_dim = field(f"{arch}.attention.key_length") if f"{arch}.attention.key_length" in metadata \
             else n_embd // n_head if n_head else 0
         layers, head, tail = weight_budget(sizes, n_layers)
+        cuts = allowed_cuts(arch, metadata, arrays or {}, n_layers)
         name = metadata.get("general.name")
         return ModelInfo(
             digest=digest,
@@ -83,6 +85,7 @@ def model_info(digest: str, file_name: str, metadata: Mapping[str, int | float |
             head_bytes=head,
             tail_bytes=tail,
             layer_bytes=layers,
+            cuts=cuts,
         )
     # ModelInfo's checks raise ValueError (a negative or huge count); a zero count divides by zero
     except (ValueError, ZeroDivisionError) as exc:
@@ -115,3 +118,39 @@ def weight_budget(sizes: Mapping[str, int], n_layers: int) -> tuple[list[int], i
     if "output.weight" not in sizes:
         tail += sizes.get("token_embd.weight", 0)
     return layers, head, tail
+
+
+# glm-dsa without indexer types: GLM 5 and 5.1 (a trained context under 2**20) index every layer, GLM 5.2
+# has full indexers on layers 0 and 1 and then on every fourth from 2 up to its 78th (the pinned tree's
+# glm-dsa.cpp, GLM_5_2_DEFAULT_INDEXER_TYPES, zeros past it)
+_GLM_5_2_CONTEXT = 1 << 20
+_GLM_5_2_LAYERS = 78
+
+
+def allowed_cuts(arch: str, metadata: Mapping[str, int | float | bool | str],
+                 arrays: Mapping[str, tuple[int, ...]], n_layers: int) -> list[int] | None:
+    """The layers a chain of `arch` may be cut just before, ascending; None where any layer may be.
+
+    glm-dsa's shared-indexer layers reuse the top-k of the full-indexer layer before them inside one
+    stage, so a stage may start only at a full-indexer layer: the rule the engine enforces at load
+    (native/patches/0008), read from the same key with the same defaults. Every other architecture
+    splits anywhere. ValueError where the file's indexer types do not fit its layers."""
+    if arch != "glm-dsa":
+        return None
+    key = f"{arch}.attention.indexer.types"
+    scalar = metadata.get(key)
+    if key in arrays:
+        types = arrays[key]
+        if len(types) != n_layers:
+            raise ValueError(f"{key} has {len(types)} entries for {n_layers} layers")
+    elif isinstance(scalar, int):
+        types = (scalar,) * n_layers
+    elif key in metadata:
+        raise ValueError(f"{key} is not an integer")
+    else:
+        context = metadata.get(f"{arch}.context_length")
+        if isinstance(context, int) and context < _GLM_5_2_CONTEXT:
+            return None
+        types = tuple(int(il < 2 or (il < _GLM_5_2_LAYERS and (il - 2) % 4 == 0)) for il in range(n_layers))
+    cuts = [il for il in range(1, n_layers) if types[il]]
+    return None if len(cuts) == n_layers - 1 else cuts

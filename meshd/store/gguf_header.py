@@ -23,6 +23,11 @@ _MAX_KVS = 1 << 16
 _MAX_TENSORS = 1 << 16
 _MAX_DIMS = 8
 _DEFAULT_ALIGNMENT = 32
+# Integer arrays up to one item per layer (llama.cpp's LLAMA_MAX_LAYERS) are kept, per-layer metadata
+# such as glm-dsa's indexer types; longer ones (the vocabulary's token types) are skipped, and so is
+# any past the first _MAX_KEPT_ITEMS items kept in all, so a hostile header cannot make us hold more.
+_MAX_KEPT_ARRAY = 512
+_MAX_KEPT_ITEMS = 1 << 14
 
 # GGUF value types: fixed-width scalars by their struct format.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -46,8 +51,10 @@ class GGUFLayout:
     tensors: tuple[TensorInfo, ...]  # in file order
     architecture: str
     block_count: int | None
-    # every scalar and string of the metadata (arrays are skipped): what placement reads of a model
+    # every scalar and string of the metadata: what placement reads of a model
     metadata: dict[str, int | float | bool | str] = field(default_factory=dict)
+    # the short integer arrays of the metadata (at most _MAX_KEPT_ARRAY items each), per-layer values
+    arrays: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class _Reader:
@@ -81,8 +88,9 @@ class _Reader:
         except UnicodeDecodeError:
             raise GGUFError("a header string is not UTF-8") from None
 
-    def skip_value(self, kind: int) -> int | float | bool | str | None:
-        """Read a value of ``kind``: scalars and strings are returned, arrays skipped (None)."""
+    def skip_value(self, kind: int, keep: int = 0) -> int | float | bool | str | tuple[int, ...] | None:
+        """Read a value of ``kind``: scalars and strings are returned, an integer array of at most
+        ``keep`` items as a tuple, other arrays skipped (None)."""
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
         if kind == _STRING:
@@ -93,7 +101,10 @@ class _Reader:
         if count > _MAX_ARRAY:
             raise GGUFError(f"a header array of {count} items exceeds {_MAX_ARRAY}")
         if item in _SCALARS:
-            self.take(count * struct.calcsize(_SCALARS[item]))
+            fmt = _SCALARS[item]
+            data = self.take(count * struct.calcsize(fmt))
+            if count <= keep and fmt[1] in "BbHhIiQq":
+                return tuple(int(v) for v in struct.unpack(f"<{count}{fmt[1]}", data))
         elif item == _STRING:
             for _ in range(count):
                 self.string()
@@ -128,10 +139,15 @@ def read_layout(f: BinaryIO) -> GGUFLayout:
         raise GGUFError(f"{n_tensors} tensors and {n_kvs} metadata keys exceed the limits")
     alignment = _DEFAULT_ALIGNMENT
     scalars: dict[str, int | float | bool | str] = {}
+    arrays: dict[str, tuple[int, ...]] = {}
+    kept = 0
     for _ in range(n_kvs):
         key = r.string(_MAX_KEY)
-        value = r.skip_value(r.u32())
-        if value is not None:
+        value = r.skip_value(r.u32(), min(_MAX_KEPT_ARRAY, _MAX_KEPT_ITEMS - kept))
+        if isinstance(value, tuple):
+            arrays[key] = value
+            kept += len(value)
+        elif value is not None:
             scalars[key] = value
     if "general.alignment" in scalars:
         alignment = int(scalars["general.alignment"])
@@ -151,4 +167,5 @@ def read_layout(f: BinaryIO) -> GGUFLayout:
                            key=lambda t: t.offset))
     arch = scalars.get("general.architecture", "")
     blocks = scalars.get(f"{arch}.block_count")
-    return GGUFLayout(data_start, tensors, str(arch), int(blocks) if isinstance(blocks, int) else None, scalars)
+    return GGUFLayout(data_start, tensors, str(arch), int(blocks) if isinstance(blocks, int) else None, scalars,
+                      arrays)
