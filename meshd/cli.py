@@ -858,7 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activations on the wire (default: %(default)s)")
     a.add_argument("--speculate", choices=["off", "ngram"], default="off",
                    help="speculative decoding: the tail drafts tokens by prompt lookup and the ring checks "
-                        "them in one pass; greedy only, the answer is the same (default: %(default)s)")
+                        "them in one pass; greedy or seeded, the answer is the same (default: %(default)s)")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     a.add_argument("--wait", type=number(0, 86400), default=0.0,

@@ -113,16 +113,26 @@ async def test_whole_model_stage_speculates_as_its_own_ring(default_model: Path,
         assert spec.tokens == plain.tokens and spec.accepted > 0
 
 
-async def test_sampling_at_a_temperature_does_not_speculate(default_model: Path, peers: Peers) -> None:
+async def test_seeded_sampling_gives_the_same_answer_with_and_without_speculation(
+        default_model: Path, tiny_models: dict[str, Path], peers: Peers) -> None:
+    """A seeded sampler at a temperature draws the same tokens with drafts, accepted and rejected ones."""
     from wire.stage import Sampling
 
     async with ring(default_model, [(0, 15), (15, 30)]) as nodes:
-        request = AskRequest(messages=[{"role": "user", "content": REWRITE}], max_tokens=16, speculate="ngram",
-                             sampling=Sampling(temperature=0.8, seed=7))
-        plain = await ask(peers, nodes, AskRequest(messages=request.messages, max_tokens=16,
-                                                   sampling=request.sampling))
-        spec = await ask(peers, nodes, request)
-        assert spec.tokens == plain.tokens and spec.drafted == 0
+        sampling = Sampling(temperature=0.5, seed=7)
+        plain = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=24,
+                                                   sampling=sampling))
+        spec = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=24,
+                                                  sampling=sampling, speculate="ngram"), check_at=24)
+        assert spec.tokens == plain.tokens
+        assert 0 < spec.accepted < spec.drafted
+    text = "a b c a b c a b c a b d a b c a b c"
+    async with ring(tiny_models["llama-gqa-tied"], [(0, 3), (3, 6)]) as nodes:
+        sampling = Sampling(temperature=0.7, seed=11, top_k=4)
+        plain = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, sampling=sampling))
+        spec = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, sampling=sampling, speculate="ngram"),
+                         check_at=48)
+        assert spec.tokens == plain.tokens and spec.drafted > spec.accepted
 
 
 async def test_failover_in_the_middle_of_a_speculative_answer_gives_the_same_answer(

@@ -274,9 +274,9 @@ class StageService:
             self._ended(other)
         to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
         session = Session(book=book, open=msg, to_asker=to_asker_send)
-        if self.report.has_output and msg.speculate == "ngram" and msg.sampling.temperature == 0.0:
-            # greedy only: a seeded sampler draws once per row, so verifying drafts would move
-            # its random state away from what the same answer without speculation draws
+        if self.report.has_output and msg.speculate == "ngram":
+            # exact for seeded sampling too: the worker samples a step's rows in order and stops
+            # at the first pick that is not the draft, so the sampler draws what it would without drafts
             session.drafter = NgramDrafter()
             session.draft_length = DraftLength(msg.max_draft)
         self._sessions[book] = session
@@ -620,9 +620,12 @@ class StageService:
             row, out_row = 0, 0
             for w in batch:
                 row += w.n
-                for r in range(row - self.books.sampled_rows(w), row):
+                drafts = w.payload.session.drafts
+                for i, r in enumerate(range(row - self.books.sampled_rows(w), row)):
                     want[r] = 1
-                    sample.append([out_row, w.session.slot])
+                    # a drafted row names the draft after it: the sampler stops at the first it does not pick
+                    sample.append([out_row, w.session.slot, drafts[i] if i < len(drafts) else -1]
+                                  if i < w.drafts else [out_row, w.session.slot])
                     out_row += 1
             header["want"] = want.tobytes()
             header["sample"] = sample
@@ -659,11 +662,12 @@ class StageService:
                 self._verified(s, w, rows, now)
 
     def _verified(self, s: Session, w: Work[Rows], picks: list[Any], now: float) -> None:
-        """Emits the sampled tokens the drafts agree with, and the one after them."""
+        """Emits the sampled tokens the drafts agree with, and the one after them (the rows past
+        that one were not sampled)."""
         accepted = 0
         if w.drafts:
             drafts, s.drafts = s.drafts, []
-            while accepted < w.drafts and picks[accepted][0] == drafts[accepted]:
+            while accepted < min(w.drafts, len(drafts)) and picks[accepted][0] == drafts[accepted]:
                 accepted += 1
             if s.draft_length is not None:
                 s.draft_length.record(w.drafts, accepted)
