@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import os
 import signal
 import socket
@@ -147,6 +148,15 @@ class Worker:
 
     def op_detokenize(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True, "text": self.model.detokenize(h["tokens"], remove_special=True)}, b""
+
+    def op_vocab_digest(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """A hash of every token's bytes and end-of-generation flag, in id order: two models draft
+        for each other only where it is the same."""
+        digest = hashlib.sha256()
+        for token in range(self.model.report.n_vocab):
+            piece = self.model.token_piece(token, special=True)
+            digest.update(len(piece).to_bytes(4, "little") + piece + bytes([self.model.is_eog(token)]))
+        return {"ok": True, "digest": digest.hexdigest()}, b""
 
 
 class FrameReader:
