@@ -269,7 +269,7 @@ async def serve(args: argparse.Namespace) -> int:
     layers = f"layers [{args.layers[0]}, {args.layers[1]})" if args.layers else "all layers"
     async with progress.waiting(f"loading {layers} of {path.name}") as loading, \
             stage_node(path, args.layers, limits, NodeIdentity.generate(), config, args.listen, args.threads,
-                       args.poll, args.gpu_layers) as node:
+                       args.poll, args.gpu_layers, args.draft_model) as node:
         loading.done()
         report = node.service.report
         print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
@@ -769,6 +769,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle session keeps its KV (default: %(default)s)")
     s.add_argument("--evict-after", type=number(0, 86400), default=2.0,
                    help="seconds idle after which a session may be evicted to make room (default: %(default)s)")
+    s.add_argument("--draft-model", type=gguf_file, default=None,
+                   help="a tail's draft model for ask --speculate model: a small GGUF of the same vocabulary, "
+                        "run whole beside the range (default: none)")
     add_mesh_key(s)
     add_logging(s)
 
@@ -873,9 +876,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--stop", action="append", help="stop string, repeatable (default: none)")
     a.add_argument("--wire-dtype", choices=["f32", "f16", "q8_0"], default="f32",
                    help="activations on the wire (default: %(default)s)")
-    a.add_argument("--speculate", choices=["off", "ngram"], default="off",
-                   help="speculative decoding: the tail drafts tokens by prompt lookup and the ring checks "
-                        "them in one pass; greedy only, the answer is the same (default: %(default)s)")
+    a.add_argument("--speculate", choices=["off", "ngram", "model"], default="off",
+                   help="speculative decoding: the tail drafts tokens by prompt lookup (ngram) or with its draft "
+                        "model (model: meshd serve --draft-model) and the ring checks them in one pass; greedy or "
+                        "seeded, the answer is the same (default: %(default)s)")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     a.add_argument("--wait", type=number(0, 86400), default=0.0,

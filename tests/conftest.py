@@ -43,6 +43,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_draft_model(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    """A tiny random-weight llama with the default model's vocabulary: a draft model for it."""
+    from gguf_factory import TINY_SPECS, write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tiny-draft") / "draft-llama.gguf"
+    return write_tiny_gguf(path, TINY_SPECS["llama-gqa-tied"], vocab_of=default_model)
+
+
+@pytest.fixture(scope="session")
 def unsupported_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GGUF of an architecture (gpt2) whose graph builder has no layer-range support."""
     from gguf_factory import UNSUPPORTED_SPEC, write_tiny_gguf

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -103,10 +104,37 @@ def _bias(rng: np.random.Generator, n: int) -> np.ndarray:
     return (0.1 * rng.standard_normal(n)).astype(np.float32)
 
 
-def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
-    """Writes a model of `spec` to `path`; the same spec always gives the same bytes."""
+def tokenizer_of(source: Path) -> dict[str, Any]:
+    """The tokenizer fields of the GGUF at `source` (a real model's), by key."""
+    return {key: field.contents() for key, field in gguf.GGUFReader(source).fields.items()
+            if key.startswith("tokenizer.")}
+
+
+def add_vocab_of(w: gguf.GGUFWriter, tokenizer: dict[str, Any]) -> int:
+    """Writes a tokenizer_of() another model, so a tiny model can stand in for a small model of that
+    vocabulary (a draft model); returns n_vocab."""
+    for key, value in tokenizer.items():
+        if key == "tokenizer.ggml.tokens":
+            w.add_token_list(value)
+        elif key == "tokenizer.ggml.token_type":
+            w.add_token_types(value)
+        elif key == "tokenizer.ggml.merges":
+            w.add_token_merges(value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+    return len(tokenizer["tokenizer.ggml.tokens"])
+
+
+def write_tiny_gguf(path: Path, spec: TinySpec, vocab_of: Path | None = None) -> Path:
+    """Writes a model of `spec` to `path`; the same spec always gives the same bytes. With `vocab_of`,
+    the tokenizer is that GGUF's instead of the tiny byte-level one."""
     rng = np.random.default_rng(spec.seed)
-    n_vocab = len(byte_level_vocab()[0])
+    tokenizer = None if vocab_of is None else tokenizer_of(vocab_of)
+    n_vocab = len(byte_level_vocab()[0] if tokenizer is None else tokenizer["tokenizer.ggml.tokens"])
     arch, e, d = spec.arch, spec.n_embd, spec.n_embd_head
     q_dim, kv_dim = spec.n_head * d, spec.n_head_kv * d
 
@@ -129,7 +157,10 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> Path:
         w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.weight_dtype == np.float16 else gguf.LlamaFileType.ALL_F32)
 
-    add_byte_level_vocab(w)
+    if tokenizer is None:
+        add_byte_level_vocab(w)
+    else:
+        add_vocab_of(w, tokenizer)
 
     # small embeddings: the layers, not the input token, decide the residual, so greedy decoding
     # wanders over the vocabulary instead of repeating the prompt's last token (as a tied head would)

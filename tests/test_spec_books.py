@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from meshd.stage.books import StageBooks, StageLimits
-from meshd.stage.draft import DraftLength, NgramDrafter
+from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
 from wire.errors import ErrorCode, ProtocolError
 from wire.tensors import MAX_DRAFT, Activation
 
@@ -140,3 +140,19 @@ def test_a_single_recurring_token_drafts_nothing() -> None:
     d = NgramDrafter()
     d.extend([5, 1, 6, 7, 1])
     assert d.draft(4) == []
+
+
+def test_draft_model_kv_keeps_the_held_prefix_and_feeds_the_rest() -> None:
+    kv = DraftModelKV()
+    # nothing held: the whole prompt is fed
+    assert kv.plan([1, 2, 3]) == (0, [1, 2, 3])
+    kv.ran([1, 2, 3], [4, 5, 6])
+    # it ran 4 and 5 (6 was never fed); the ring accepted 4 and picked 9 after it
+    assert kv.held == [1, 2, 3, 4, 5]
+    assert kv.plan([1, 2, 3, 4, 9]) == (4, [9])
+    # every draft accepted, and the token after: the last draft and that token are fed
+    kv.ran([1, 2, 3, 4, 9], [7, 8])
+    assert kv.plan([1, 2, 3, 4, 9, 7, 8, 10]) == (6, [8, 10])
+    # the session's tokens all held (a step without drafts): the last is fed again for its logits
+    kv.held = [1, 2, 3]
+    assert kv.plan([1, 2, 3]) == (2, [3])

@@ -19,6 +19,7 @@ import trio
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_at, run_session
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.service import StageLimits, StageNode, stage_node
+from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
 
 pytestmark = pytest.mark.slow  # three engine workers
@@ -33,13 +34,16 @@ EDIT = f"Repeat the following passage word for word, but call the keeper Tom.\n\
 
 
 @asynccontextmanager
-async def ring(model: Path, ranges: Sequence[tuple[int, int]]) -> AsyncIterator[list[StageNode]]:
+async def ring(model: Path, ranges: Sequence[tuple[int, int]],
+               draft_model: Path | None = None) -> AsyncIterator[list[StageNode]]:
+    """Stages of ``ranges``; the last (the tail) runs ``draft_model`` if given."""
     limits = StageLimits(max_sessions=4, max_session_tokens=512)
     async with AsyncExitStack() as stack:
         nodes = []
-        for layers in ranges:
+        for i, layers in enumerate(ranges):
             nodes.append(await stack.enter_async_context(stage_node(
-                model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1)))
+                model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1,
+                draft_model=draft_model if i == len(ranges) - 1 else None)))
         yield nodes
 
 
@@ -113,16 +117,48 @@ async def test_whole_model_stage_speculates_as_its_own_ring(default_model: Path,
         assert spec.tokens == plain.tokens and spec.accepted > 0
 
 
-async def test_sampling_at_a_temperature_does_not_speculate(default_model: Path, peers: Peers) -> None:
+async def test_seeded_sampling_gives_the_same_answer_with_and_without_speculation(
+        default_model: Path, tiny_models: dict[str, Path], peers: Peers) -> None:
+    """A seeded sampler at a temperature draws the same tokens with drafts, accepted and rejected ones."""
     from wire.stage import Sampling
 
     async with ring(default_model, [(0, 15), (15, 30)]) as nodes:
-        request = AskRequest(messages=[{"role": "user", "content": REWRITE}], max_tokens=16, speculate="ngram",
-                             sampling=Sampling(temperature=0.8, seed=7))
-        plain = await ask(peers, nodes, AskRequest(messages=request.messages, max_tokens=16,
-                                                   sampling=request.sampling))
-        spec = await ask(peers, nodes, request)
-        assert spec.tokens == plain.tokens and spec.drafted == 0
+        sampling = Sampling(temperature=0.5, seed=7)
+        plain = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=24,
+                                                   sampling=sampling))
+        spec = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=24,
+                                                  sampling=sampling, speculate="ngram"), check_at=24)
+        assert spec.tokens == plain.tokens
+        assert 0 < spec.accepted < spec.drafted
+    text = "a b c a b c a b c a b d a b c a b c"
+    async with ring(tiny_models["llama-gqa-tied"], [(0, 3), (3, 6)]) as nodes:
+        sampling = Sampling(temperature=0.7, seed=11, top_k=4)
+        plain = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, sampling=sampling))
+        spec = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, sampling=sampling, speculate="ngram"),
+                         check_at=48)
+        assert spec.tokens == plain.tokens and spec.drafted > spec.accepted
+
+
+async def test_a_draft_model_at_the_tail_gives_the_same_answer(
+        default_model: Path, tiny_draft_model: Path, tiny_models: dict[str, Path], peers: Peers) -> None:
+    """A tiny random draft model of the same vocabulary: its drafts are mostly wrong, rejected and rolled
+    back on every stage and in its own KV, and the answer is the one without speculation."""
+    from wire.stage import Sampling
+
+    async with ring(default_model, [(0, 15), (15, 30)], draft_model=tiny_draft_model) as nodes:
+        for sampling in (Sampling(), Sampling(temperature=0.5, seed=7)):
+            request = AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=20, sampling=sampling)
+            plain = await ask(peers, nodes, request)
+            # the KV is checked at the last token of an answer cut by its length (one ended by eog fed its last)
+            spec = await ask(peers, nodes, AskRequest(messages=request.messages, max_tokens=20, sampling=sampling,
+                                                      speculate="model"),
+                             check_at=20 if plain.reason == "max_tokens" else None)
+            assert spec.tokens == plain.tokens and spec.drafted > 0
+        assert all(r > 0 for r in rewinds(nodes))
+    # a tail without a draft model refuses such a session at the open
+    async with ring(tiny_models["llama-gqa-tied"], [(0, 6)]) as bare:
+        with pytest.raises(ProtocolError, match="no draft model"):
+            await ask(peers, bare, AskRequest(text="hello", max_tokens=2, speculate="model"))
 
 
 async def test_failover_in_the_middle_of_a_speculative_answer_gives_the_same_answer(

@@ -7,12 +7,13 @@ sha256. Builds are cached outside the checkout, keyed by the hash of the lock,
 the patches, our C API and the build options, so a fresh clone reuses a build
 and only a change to one of those rebuilds.
 
-With --tools it also builds llama.cpp's own `llama-bench` and
-`ggml-rpc-server` from the same patched tree and the same ggml options (RPC on,
+With --tools it also builds llama.cpp's own `llama-bench`, `ggml-rpc-server`
+and `llama-batched-bench` from the same patched tree and the same ggml options (RPC on,
 OpenMP off, static), in a build directory of their own (build/cmake-tools), so
 the library's build is never invalidated. They are cached like the library,
 keyed by the lock, the patches and the options, and found at
-build/native-tools/bin/. tools/bench_pipeline.py compares meshd against them.
+build/native-tools/bin/. tools/bench_pipeline.py, bench_network.py and
+bench_throughput.py compare meshd against them.
 
 Prints one clear line and exits non-zero on any failure.
 """
@@ -35,7 +36,7 @@ NATIVE = ROOT / "native"
 BUILD = ROOT / "build"
 LIB_NAME = "libmeshengine.so"
 # llama.cpp's own programs, built from the same patched tree by --tools
-TOOL_TARGETS = ["llama-bench", "ggml-rpc-server"]
+TOOL_TARGETS = ["llama-bench", "ggml-rpc-server", "llama-batched-bench"]
 # The built tree's architecture table and range-support list, kept beside the library: a
 # fresh clone that finds its build cached has no unpacked tree, and tests read which
 # architectures this build accepts from it.
@@ -231,7 +232,7 @@ def build(jobs: int, verbose: bool) -> Path:
 
 
 def build_tools(jobs: int, verbose: bool) -> Path:
-    """llama-bench and ggml-rpc-server of the pinned, patched llama.cpp; returns build/native-tools/bin."""
+    """llama.cpp's TOOL_TARGETS of the pinned, patched tree; returns build/native-tools/bin."""
     lock = read_lock()
     out = cache_root() / "native-tools" / tools_key()
     link = BUILD / "native-tools"
@@ -286,7 +287,8 @@ def main() -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--print-key", action="store_true", help="print the build key and exit")
     parser.add_argument("--tools", action="store_true",
-                        help="also build llama.cpp's llama-bench and ggml-rpc-server (for tools/bench_pipeline.py)")
+                        help="also build llama.cpp's llama-bench, ggml-rpc-server and llama-batched-bench "
+                             "(for the tools/bench_*.py that compare against llama.cpp)")
     args = parser.parse_args()
     try:
         if args.print_key:

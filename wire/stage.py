@@ -81,8 +81,8 @@ class Open(Message, tag="open"):
     wire_dtype: Literal["f32", "f16", "q8_0"] = "f32"
     wire_codec: TensorCodec = "raw"
     # speculative decoding: the tail drafts up to ``max_draft`` tokens by prompt lookup (n-grams
-    # of the session's own tokens); it only does under greedy sampling, where it is exact
-    speculate: Literal["off", "ngram"] = "off"
+    # of the session's own tokens) or with its draft model; exact under greedy and seeded sampling alike
+    speculate: Literal["off", "ngram", "model"] = "off"
     max_draft: int = Field(default=8, ge=1, le=MAX_DRAFT)
 
 

@@ -105,8 +105,9 @@ class AskRequest:
     stop: list[str] = field(default_factory=list)
     wire_dtype: Literal["f32", "f16", "q8_0"] = "f32"
     wire_codec: Literal["raw", "zstd"] = "raw"
-    # speculative decoding by the tail (greedy sampling only; exact): prompt lookup, up to max_draft a step
-    speculate: Literal["off", "ngram"] = "off"
+    # speculative decoding by the tail (exact, greedy or seeded sampling): prompt lookup, or the tail's
+    # draft model (meshd serve --draft-model), up to max_draft a step
+    speculate: Literal["off", "ngram", "model"] = "off"
     max_draft: int = 8
 
 

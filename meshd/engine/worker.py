@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import os
 import signal
 import socket
@@ -66,9 +67,13 @@ class Worker:
     def op_forward(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
         """One batched engine call; at the tail, rows may be sampled right here.
 
-        `sample` lists (output row, sampler id): the tail samples those rows and
-        returns token ids, so full logits never cross the process boundary
-        unless `return_logits` asks for them.
+        `sample` lists (output row, sampler id[, draft]): the tail samples those
+        rows and returns token ids, so full logits never cross the process
+        boundary unless `return_logits` asks for them. A row with a draft (the
+        token drafted after it) is a speculative one: once a sampler picks
+        something else, that sampler's later rows of this call stay unsampled
+        (their pick is None), so it draws and records exactly what it would have
+        without speculation: the same random draws, in the same order.
         """
         report = self.model.report
         for sid, tokens in h.get("history", []):
@@ -90,13 +95,19 @@ class Worker:
         reply: dict[str, Any] = {"ok": True, "rows": int(out.shape[0])}
         if not report.has_output:
             return reply, out.data.cast("B")
-        picks = []
-        for row, sid in h.get("sample", []):
+        picks: list[list[Any] | None] = []
+        rejected: set[int] = set()
+        for row, sid, *draft in h.get("sample", []):
             sampler = self.samplers.get(sid)
             if sampler is None:
                 raise EngineError(f"no sampler {sid}")
+            if sid in rejected:
+                picks.append(None)
+                continue
             token = sampler.sample(out[row])
             picks.append([token, self.model.is_eog(token), self.model.token_piece(token)])
+            if draft and token != draft[0]:
+                rejected.add(sid)
         reply["picks"] = picks
         if h.get("return_logits"):
             return reply, out.data.cast("B")
@@ -137,6 +148,15 @@ class Worker:
 
     def op_detokenize(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True, "text": self.model.detokenize(h["tokens"], remove_special=True)}, b""
+
+    def op_vocab_digest(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """A hash of every token's bytes and end-of-generation flag, in id order: two models draft
+        for each other only where it is the same."""
+        digest = hashlib.sha256()
+        for token in range(self.model.report.n_vocab):
+            piece = self.model.token_piece(token, special=True)
+            digest.update(len(piece).to_bytes(4, "little") + piece + bytes([self.model.is_eog(token)]))
+        return {"ok": True, "digest": digest.hexdigest()}, b""
 
 
 class FrameReader:

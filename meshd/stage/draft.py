@@ -6,6 +6,10 @@ its prompt (rewriting, summarising, editing code) drafts well, and no second
 model is needed. How many it drafts adapts to how many the sampler accepted,
 and after drafts that all fail it stops drafting for a while: each drafted row
 costs every stage compute, which free-form text rarely pays back.
+
+With a draft model (a small GGUF of the same vocabulary, run by the tail in an
+engine worker of its own) the drafts are that model's greedy continuation;
+``DraftModelKV`` keeps its KV in step with the session's tokens.
 """
 
 from __future__ import annotations
@@ -79,3 +83,28 @@ class DraftLength:
         else:
             self.pause = min(MAX_PAUSE, max(1, self.pause * 2))
             self._paused = self.pause
+
+
+@dataclass
+class DraftModelKV:
+    """What a draft model's KV holds of one session, and what it must be fed before it drafts.
+
+    The draft model reads the session's tokens as the stages do; after a step, its KV
+    holds the drafts it ran, of which the ring may have rejected some. The next step
+    keeps the longest prefix it holds of the session's tokens, drops the rest and
+    feeds the tokens from there (at least the last one: its logits give the first draft).
+    """
+
+    held: list[int] = field(default_factory=list)
+
+    def plan(self, tokens: list[int]) -> tuple[int, list[int]]:
+        """(the position to drop the KV from, the tokens to feed from that position)."""
+        keep = 0
+        most = min(len(self.held), len(tokens) - 1)
+        while keep < most and self.held[keep] == tokens[keep]:
+            keep += 1
+        return keep, tokens[keep:]
+
+    def ran(self, tokens: list[int], drafts: list[int]) -> None:
+        """The model was fed ``tokens`` and drafted ``drafts`` (the last draft was never fed)."""
+        self.held = tokens + drafts[:-1]

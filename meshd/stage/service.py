@@ -33,7 +33,7 @@ from meshd.mesh.models import ModelNotFound
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
-from meshd.stage.draft import DraftLength, NgramDrafter
+from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
 from meshd.store.manifest import Manifest, manifest_for
 from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, error_message
@@ -95,6 +95,16 @@ class Session:
     drafter: NgramDrafter | None = None
     draft_length: DraftLength | None = None
     drafts: list[int] = field(default_factory=list)
+    # with a draft model: what its KV holds of this session (of which worker generation), and the
+    # steps (token, position, k) waiting for its drafts
+    draft_kv: DraftModelKV | None = None
+    draft_generation: int = -1
+    to_draft: trio.MemorySendChannel[tuple[int, int, int]] | None = None
+
+
+# how the draft model picks its drafts: its most likely token
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 0,
+          "seed": 0}
 
 
 # Whether a stage may dial a peer an Open names (its next stage, or the head for the
@@ -139,8 +149,11 @@ class StageMetrics:
 
 class StageService:
     def __init__(self, peers: Peers, engine: EngineSupervisor, report: RangeReport, model_digest: str,
-                 model_name: str, limits: StageLimits = StageLimits(), may_dial: DialCheck = plain_address) -> None:
+                 model_name: str, limits: StageLimits = StageLimits(), may_dial: DialCheck = plain_address,
+                 draft_engine: EngineSupervisor | None = None) -> None:
         self.peers = peers
+        # the tail's draft model (same vocabulary), for sessions that speculate with "model"
+        self.draft_engine = draft_engine
         self.may_dial = may_dial
         self.engine = engine
         self.report = report
@@ -274,9 +287,17 @@ class StageService:
             self._ended(other)
         to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
         session = Session(book=book, open=msg, to_asker=to_asker_send)
-        if self.report.has_output and msg.speculate == "ngram" and msg.sampling.temperature == 0.0:
-            # greedy only: a seeded sampler draws once per row, so verifying drafts would move
-            # its random state away from what the same answer without speculation draws
+        draft_recv: trio.MemoryReceiveChannel[tuple[int, int, int]] | None = None
+        if self.report.has_output and msg.speculate != "off":
+            # exact for seeded sampling too: the worker samples a step's rows in order and stops
+            # at the first pick that is not the draft, so the sampler draws what it would without drafts
+            if msg.speculate == "model":
+                if self.draft_engine is None:
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, "this tail has no draft model (meshd serve "
+                                                               "--draft-model); speculate with ngram")
+                session.draft_kv = DraftModelKV()
+                session.to_draft, draft_recv = trio.open_memory_channel[tuple[int, int, int]](math.inf)
+            # the model drafter keeps the session's tokens in it too
             session.drafter = NgramDrafter()
             session.draft_length = DraftLength(msg.max_draft)
         self._sessions[book] = session
@@ -304,6 +325,8 @@ class StageService:
                 await stream.send_message(Opened(session=book.id, epoch=book.epoch, info=self.info()))
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, to_asker_recv, stream)
+                    if draft_recv is not None:
+                        nursery.start_soon(self._model_drafts, session, draft_recv)
                     if target is not None and downstream is not None:
                         nursery.start_soon(self._downstream, session, target[0], target[1], hop_stream, downstream)
                     await self._control_loop(stream, session)
@@ -620,9 +643,12 @@ class StageService:
             row, out_row = 0, 0
             for w in batch:
                 row += w.n
-                for r in range(row - self.books.sampled_rows(w), row):
+                drafts = w.payload.session.drafts
+                for i, r in enumerate(range(row - self.books.sampled_rows(w), row)):
                     want[r] = 1
-                    sample.append([out_row, w.session.slot])
+                    # a drafted row names the draft after it: the sampler stops at the first it does not pick
+                    sample.append([out_row, w.session.slot, drafts[i] if i < len(drafts) else -1]
+                                  if i < w.drafts else [out_row, w.session.slot])
                     out_row += 1
             header["want"] = want.tobytes()
             header["sample"] = sample
@@ -659,11 +685,12 @@ class StageService:
                 self._verified(s, w, rows, now)
 
     def _verified(self, s: Session, w: Work[Rows], picks: list[Any], now: float) -> None:
-        """Emits the sampled tokens the drafts agree with, and the one after them."""
+        """Emits the sampled tokens the drafts agree with, and the one after them (the rows past
+        that one were not sampled)."""
         accepted = 0
         if w.drafts:
             drafts, s.drafts = s.drafts, []
-            while accepted < w.drafts and picks[accepted][0] == drafts[accepted]:
+            while accepted < min(w.drafts, len(drafts)) and picks[accepted][0] == drafts[accepted]:
                 accepted += 1
             if s.draft_length is not None:
                 s.draft_length.record(w.drafts, accepted)
@@ -696,12 +723,68 @@ class StageService:
     def _feed(self, s: Session, token: int, pos: int) -> None:
         """Sends the token (at ``pos``) around the ring, with drafts after it."""
         book = s.book
-        tokens = [token]
+        k = 0
         if s.drafter is not None and s.draft_length is not None:
             # drafts never run past the session's budget or its last token
             room = min(self.limits.max_session_tokens - pos, book.max_tokens - book.generated) - 1
-            s.drafts = s.drafter.draft(min(s.draft_length.next_k(), room))
-            tokens += s.drafts
+            k = max(0, min(s.draft_length.next_k(), room))
+        if s.to_draft is not None:
+            # the draft model's calls are awaited in the session's own task, off the scheduler
+            s.to_draft.send_nowait((token, pos, k))
+            return
+        self._send_step(s, token, pos, s.drafter.draft(k) if s.drafter is not None else [])
+
+    async def _model_drafts(self, s: Session, steps: trio.MemoryReceiveChannel[tuple[int, int, int]]) -> None:
+        async for token, pos, k in steps:
+            drafts = await self._draft_with_model(s, k) if k else []
+            if self.books.holds(s.book) and s.book.phase in LIVE:
+                self._send_step(s, token, pos, drafts)
+
+    async def _draft_with_model(self, s: Session, k: int) -> list[int]:
+        """Up to ``k`` greedy tokens of the draft model after the session's tokens; none if its worker
+        fails (the step then goes on without drafts: a draft is only ever a guess)."""
+        engine, kv, slot = self.draft_engine, s.draft_kv, s.book.slot
+        assert engine is not None and kv is not None and s.drafter is not None
+        tokens = list(s.drafter.tokens)
+        try:
+            if s.draft_generation != engine.generation:
+                # a new draft worker (or a slot another session used before): nothing of ours in its KV
+                s.draft_generation = engine.generation
+                kv.held = []
+                await self._draft_call(engine, {"op": "sampler_new", "sid": slot, "params": GREEDY})
+            keep, feed = kv.plan(tokens)
+            await self._draft_call(engine, {"op": "remove", "seq": slot, "p0": keep, "p1": -1})
+            drafts: list[int] = []
+            pos = keep
+            while len(drafts) < k:
+                chunk = feed[:self.limits.n_batch] if feed else drafts[-1:]
+                feed = feed[len(chunk):]
+                reply = await self._draft_call(engine, {
+                    "op": "forward", "seq": np.full(len(chunk), slot, dtype=np.int32).tobytes(),
+                    "pos": np.arange(pos, pos + len(chunk), dtype=np.int32).tobytes(),
+                    "tokens": np.asarray(chunk, dtype=np.int32).tobytes(),
+                    "want": np.eye(1, len(chunk), len(chunk) - 1, dtype=np.int8).tobytes(),
+                    "sample": [[0, slot]] if not feed else []})
+                pos += len(chunk)
+                if not feed:
+                    drafts.append(int(reply["picks"][0][0]))
+        except (ProtocolError, KeyError, IndexError, TypeError, ValueError):
+            s.draft_generation = -1
+            return []
+        kv.ran(tokens, drafts)
+        return drafts
+
+    async def _draft_call(self, engine: EngineSupervisor, header: dict[str, Any]) -> dict[str, Any]:
+        try:
+            reply, _ = await engine.call(header)
+        except (WorkerDown, WorkerRefused) as exc:
+            raise ProtocolError(ErrorCode.INTERNAL, f"draft model: {exc}") from exc
+        return reply
+
+    def _send_step(self, s: Session, token: int, pos: int, drafts: list[int]) -> None:
+        book = s.book
+        s.drafts = drafts
+        tokens = [token, *drafts]
         if self.report.has_input:
             # a whole-model stage is its own ring
             try:
@@ -757,13 +840,25 @@ def model_manifest(path: Path, state_dir: Path | None) -> Manifest:
         raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
 
 
+class DraftModelMismatch(ModelNotFound):
+    """The draft model cannot draft for this stage's model."""
+
+
+async def vocab_digest(engine: EngineSupervisor) -> str:
+    reply, _ = await engine.call({"op": "vocab_digest"})
+    return str(reply["digest"])
+
+
 @asynccontextmanager
 async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageLimits, identity: NodeIdentity,
                      config: PeersConfig | None = None, listen: tuple[str, int] = ("127.0.0.1", 0),
-                     threads: int = 0, poll: int = 0, gpu_layers: int = 0) -> AsyncIterator[StageNode]:
+                     threads: int = 0, poll: int = 0, gpu_layers: int = 0,
+                     draft_model: Path | None = None) -> AsyncIterator[StageNode]:
     """A stage serving ``layers`` of ``model`` on ``listen``, with its supervised engine worker.
 
-    ``gpu_layers`` of the range (counted from its end) go to a GPU; -1: all of them."""
+    ``gpu_layers`` of the range (counted from its end) go to a GPU; -1: all of them. A tail may
+    run ``draft_model`` (the whole of a small GGUF of the same vocabulary) in a worker of its own,
+    to draft for the sessions that speculate with "model"."""
     digest = (await trio.to_thread.run_sync(model_manifest, model, None)).model_id
     spec = WorkerSpec(model, layers, n_ctx=limits.max_sessions * limits.max_session_tokens,
                       n_seq_max=limits.max_sessions, n_batch=limits.n_batch, threads=threads, poll=poll,
@@ -771,8 +866,22 @@ async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageL
     engine = EngineSupervisor(spec)
     async with trio.open_nursery() as nursery:
         report = await nursery.start(engine.run)
+        drafter: EngineSupervisor | None = None
+        if draft_model is not None:
+            if not report.has_output:
+                raise DraftModelMismatch(f"a draft model drafts at the tail: layers [{report.layer_begin}, "
+                                         f"{report.layer_end}) of {model.name} end before its last layer")
+            drafter = EngineSupervisor(WorkerSpec(draft_model, None, n_ctx=spec.n_ctx, n_seq_max=spec.n_seq_max,
+                                                  n_batch=spec.n_batch, threads=threads, poll=poll))
+            draft_report = await nursery.start(drafter.run)
+            same_count = draft_report.n_vocab == report.n_vocab
+            if not same_count or await vocab_digest(drafter) != await vocab_digest(engine):
+                detail = "the same number of tokens, but other ones" if same_count else \
+                    f"{draft_report.n_vocab} tokens, not {report.n_vocab}"
+                raise DraftModelMismatch(f"draft model {draft_model.name} has another vocabulary than "
+                                         f"{model.name} ({detail})")
         async with open_peers(identity, config) as peers:
-            service = StageService(peers, engine, report, digest, model.name, limits)
+            service = StageService(peers, engine, report, digest, model.name, limits, draft_engine=drafter)
             engine.on_down = service.on_worker_down
             await nursery.start(service.run)
             peers.handle(STAGE_PROTOCOL, service.handle_stream)
