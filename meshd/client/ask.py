@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import trio
 
@@ -21,11 +21,13 @@ from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply
+from wire.receipt import Receipts
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
     ChatMessage,
     Done,
+    Inputs,
     Metrics,
     MetricsRequest,
     Open,
@@ -40,6 +42,9 @@ from wire.stage import (
     new_session_id,
 )
 
+if TYPE_CHECKING:
+    from meshd.client.verify import Inbox, Verifier
+
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +54,11 @@ class RouteError(Exception):
 
 class StageError(ProtocolError):
     """A typed error, and which stage of the route it came from."""
+
+    # the node the failure is laid at, where a check proved or a stage reported who (else None:
+    # failover finds out who died); and the first position whose output is not to be trusted
+    culprit: str | None = None
+    untrusted_from: int | None = None
 
     def __init__(self, index: int, error: ProtocolError) -> None:
         super().__init__(error.code, error.message, error.retry_after_ms)
@@ -180,12 +190,17 @@ def check_route(route: Sequence[Stage], infos: Sequence[StageInfo]) -> None:
 
 async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest, result: AskResult,
                       on_token: OnToken | None = None, session_id: str | None = None, epoch: int = 0,
-                      stall_timeout: float = 30.0) -> AskResult:
+                      stall_timeout: float = 30.0, verifier: Verifier | None = None) -> AskResult:
     """Runs one epoch of a session; raises ProtocolError if any stage fails it.
 
     With tokens already in ``result`` (a retry), the head re-prefills prompt and
-    generated tokens and generation continues where it stopped.
+    generated tokens and generation continues where it stopped. With a ``verifier``
+    (meshd.client.verify) every stage signs receipts the asker checks, and spot checks
+    run on replicas; a lie fails the epoch with a StageError naming its culprit.
     """
+    if len(route) < 2:
+        # one stage is the whole model: nobody to check it against on the way
+        verifier = None
     repeated = next((s.address for i, s in enumerate(route) if s.address in [r.address for r in route[:i]]), None)
     if repeated is not None:
         # one stage cannot hold the same session twice
@@ -232,7 +247,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                     sampling=request.sampling,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
                     wire_codec=request.wire_codec, speculate=request.speculate,
-                    max_draft=request.max_draft), Opened, f"stage {stage.address} opening the session")
+                    max_draft=request.max_draft, receipts=verifier is not None), Opened,
+                    f"stage {stage.address} opening the session")
                 check_opened(stage, reply.info)
                 infos[i] = reply.info
 
@@ -244,6 +260,11 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             check_route(route, result.route)
             head_stream, tail_stream = opened[0], opened[-1]
             assert head_stream is not None and tail_stream is not None
+            if verifier is not None:
+                verifier.begin(session, epoch, route, node_ids, result.route[0].n_layer, result,
+                               len(result.prompt_tokens) + len(result.tokens) if result.prompt_tokens else None,
+                               opened, request.sampling)
+                nursery.start_soon(verifier.run_checks)
             if result.prompt_tokens:
                 prompt = Prompt(session=session, epoch=epoch, tokens=result.prompt_tokens + result.tokens,
                                 generated=len(result.tokens))
@@ -256,14 +277,23 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             last = len(opened) - 1
             for i, stream in enumerate(opened[1:-1], start=1):
                 assert stream is not None
-                nursery.start_soon(_from_stage, i, _watch_for_errors(stream))
+                nursery.start_soon(_from_stage, i, _watch_for_errors(stream, _inbox(verifier, i)))
             if last > 0:
-                nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout))
-            await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0))
+                nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout,
+                                                                          verifier))
+            await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0,
+                                                    verifier))
+            if verifier is not None:
+                # the tail's stream still brings the inputs that the last spot checks ask it for
+                nursery.start_soon(_from_stage, last, _watch_for_errors(tail_stream, _inbox(verifier, last)))
+                await verifier.settle(stall_timeout)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         failed = True
-        raise first_error(group) from None
+        error = first_error(group)
+        if verifier is not None and isinstance(error, StageError):
+            error = verifier.blame(error, node_ids)
+        raise error from None
     except BaseException:
         failed = True
         raise
@@ -276,34 +306,58 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     return result
 
 
-async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float) -> None:
+async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float,
+                                 verifier: Verifier | None = None) -> None:
     with trio.fail_after(timeout):
         msg = await stream.receive_message()
-    _take_prompt_tokens(msg, result)
+    _take_prompt_tokens(msg, result, verifier)
     await _watch_for_errors(stream)
 
 
-def _take_prompt_tokens(msg: Message, result: AskResult) -> None:
+def _take_prompt_tokens(msg: Message, result: AskResult, verifier: Verifier | None = None) -> None:
     msg = rpc.expect(msg, PromptTokens, "the head's tokens of the prompt")
     if not result.prompt_tokens:
         result.prompt_tokens = list(msg.tokens)
+    if verifier is not None:
+        verifier.prompt_known(len(msg.tokens))
 
 
-async def _watch_for_errors(stream: Stream) -> None:
-    """A stage that is not the tail says nothing more unless it fails the session."""
-    await rpc.receive(stream, Released, "a stage's word on the session")
+def _inbox(verifier: Verifier | None, index: int) -> Inbox | None:
+    return None if verifier is None else verifier.inbox(index)
+
+
+async def _watch_for_errors(stream: Stream, inbox: Inbox | None = None) -> None:
+    """A stage that is not the tail says nothing more unless it fails the session (or, with an
+    ``inbox``, hands over the inputs a spot check asked it for)."""
+    while inbox is not None:
+        msg = await stream.receive_message()
+        if not isinstance(msg, Inputs):
+            rpc.expect(msg, Released, "a stage's word on the session")
+            break
+        await inbox.send.send(msg)
+    else:
+        await rpc.receive(stream, Released, "a stage's word on the session")
     raise ProtocolError(ErrorCode.INTERNAL, "a stage released the session before it finished")
 
 
 async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken | None, timeout: float,
-                          tail_is_head: bool) -> None:
+                          tail_is_head: bool, verifier: Verifier | None = None) -> None:
+    inbox = None if verifier is None else verifier.inbox(-1 if tail_is_head else len(result.route) - 1)
     while True:
         with trio.fail_after(timeout):
             msg = await stream.receive_message()
         if tail_is_head and isinstance(msg, PromptTokens):
             _take_prompt_tokens(msg, result)
             continue
+        if verifier is not None and isinstance(msg, Receipts):
+            verifier.on_chain(msg)
+            continue
+        if inbox is not None and isinstance(msg, Inputs):
+            await inbox.send.send(msg)
+            continue
         if isinstance(msg, Token):
+            if verifier is not None:
+                verifier.on_token(msg.token)
             if result.first_token_at is None:
                 result.first_token_at = time.perf_counter()
             result.tokens.append(msg.token)
@@ -313,6 +367,8 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
                 if maybe is not None:
                     await maybe
         elif isinstance(msg, Done):
+            if verifier is not None:
+                verifier.finish(msg.reason)
             result.reason = msg.reason
             result.drafted += msg.drafted
             result.accepted += msg.accepted
@@ -348,7 +404,8 @@ RouteFinder = Callable[[list[str]], Awaitable[list[Stage]]]
 
 async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskRequest,
                             on_token: OnToken | None = None, attempts: int = 4,
-                            stall_timeout: float = 30.0, result: AskResult | None = None) -> AskResult:
+                            stall_timeout: float = 30.0, result: AskResult | None = None,
+                            verifier: Verifier | None = None) -> AskResult:
     """Runs a session; when a stage fails it, routes around that node and re-prefills at a new epoch.
 
     Greedy answers come out as if nothing had failed: the new route gets the
@@ -361,10 +418,20 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
     for epoch in range(attempts):
         route = await find_route(excluded)
         try:
-            return await run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
+            return await run_session(peers, route, request, result, on_token, session, epoch, stall_timeout,
+                                     verifier)
         except StageError as exc:
             if not exc.retryable or epoch == attempts - 1:
                 raise
+            if exc.culprit is not None:
+                # a check laid the failure at one node: route around it, and generate again what it touched
+                log.info("node %s lied (%s); routing around it", exc.culprit[:16], exc)
+                excluded.append(exc.culprit)
+                if exc.untrusted_from is not None:
+                    keep = max(0, exc.untrusted_from - len(result.prompt_tokens) + 1)
+                    del result.tokens[keep:]
+                    del result.pieces[keep:]
+                continue
             culprit = await _culprit(peers, route, exc.index)
             if culprit.node_id is None:
                 raise
