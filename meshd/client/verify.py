@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 NO_TOKENS = row_hash(b"")
 DEFAULT_VERIFY = 16
+MAX_PROOFS = 16
 
 
 class StageLied(StageError):
@@ -169,8 +170,12 @@ class Audit:
         self.last_tail = last
         self.next_pos = pos + n
         self.steps += 1
-        for channel in self.on_step:
-            channel.send_nowait(self.next_pos)
+        for channel in list(self.on_step):
+            try:
+                channel.send_nowait(self.next_pos)
+            except trio.BrokenResourceError:
+                # that range's checks have ended (no replica left that answers)
+                self.on_step.remove(channel)
 
     def on_token(self, token: int) -> None:
         expected, self.awaiting_token = self.awaiting_token, None
@@ -436,6 +441,8 @@ class Verifier:
         self.audit: Audit | None = None
         # nodes this ask caught lying: never a replica again
         self.liars: set[str] = set()
+        # the proofs those lies left, for the tracker (bounded: an ask fails over a few times at most)
+        self.proofs: list[Proof] = []
         self.replicas: dict[int, list[Stage]] = {}
         self.inboxes: dict[int, Inbox] = {}
         self._checks: list[tuple[RangeCheck, trio.MemoryReceiveChannel[int]]] = []
@@ -490,6 +497,8 @@ class Verifier:
         error = blamed(error, node_ids)
         if error.culprit is not None:
             self.liars.add(error.culprit)
+        if isinstance(error, StageLied) and error.proof is not None and len(self.proofs) < MAX_PROOFS:
+            self.proofs.append(error.proof)
         return error
 
     def on_chain(self, msg: Receipts) -> None:
