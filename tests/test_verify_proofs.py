@@ -7,8 +7,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from meshd.client.verify import Audit, StageLied, blamed
 from meshd.client.ask import AskResult, StageError
+from meshd.client.verify import Audit, StageLied, blamed
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.verify import ChainHeld, receipts_message
