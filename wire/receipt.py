@@ -23,6 +23,7 @@ from pydantic import Field
 
 from wire.codec import Message, WireModel
 from wire.identity import NodeIdentity, node_id_of, verify
+from wire.stage import Sampling
 from wire.types import MAX_TOKENS, Digest, Epoch, Int32, Layer, NodeId, SessionId
 
 HASH_BYTES = 16
@@ -46,6 +47,12 @@ def history_start(model: str, layer_begin: int, layer_end: int, sampling: bytes 
     """The history hash before a session's first step: what computes (model, range) and, at the
     tail, how it samples (its sampling parameters and where sampling begins)."""
     return row_hash(_HIST_DOMAIN + msgpack.packb([model, layer_begin, layer_end, sampling], use_bin_type=True))
+
+
+def sampling_bytes(sampling: Sampling, prompt_len: int) -> bytes:
+    """What decides a tail's output besides its input rows: how it samples, and from where."""
+    packed: bytes = msgpack.packb([sampling.model_dump(), prompt_len], use_bin_type=True)
+    return packed
 
 
 def history_next(hist: bytes, pos: int, n_tokens: int, h_in: bytes) -> bytes:
@@ -120,3 +127,10 @@ class ProofGossip(Message, tag="proof"):
     """A proof passed from node to node (the tracker excludes its culprit)."""
 
     proof: Proof
+
+
+class ProofAccepted(Message, tag="proof_accepted"):
+    """The answer to a ``ProofGossip`` that held: whether its culprit was news to the node."""
+
+    culprit: NodeId
+    news: bool

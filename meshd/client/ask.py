@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import trio
 
@@ -41,9 +41,6 @@ from wire.stage import (
     Token,
     new_session_id,
 )
-
-if TYPE_CHECKING:
-    from meshd.client.verify import Inbox, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +150,32 @@ class AskResult:
 OnToken = Callable[[int, bytes], Awaitable[None] | None]
 
 
+class Verifier(Protocol):
+    """What a session asks of output verification (``meshd.client.verify.Verifier``) at each point of an epoch."""
+
+    async def prepare(self, route: Sequence[Stage]) -> None: ...
+
+    def begin(self, session: str, epoch: int, route: Sequence[Stage], node_ids: Sequence[str | None], n_layer: int,
+              result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None],
+              sampling: Sampling) -> None: ...
+
+    def prompt_known(self, prompt_len: int) -> None: ...
+
+    def inbox(self, index: int) -> trio.MemorySendChannel[Inputs] | None: ...
+
+    async def run_checks(self) -> None: ...
+
+    async def settle(self, timeout: float) -> None: ...
+
+    def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError: ...
+
+    def on_chain(self, msg: Receipts) -> None: ...
+
+    def on_token(self, token: int) -> None: ...
+
+    def finish(self, reason: str) -> None: ...
+
+
 def check_opened(stage: Stage, info: StageInfo) -> None:
     """The stage serves what the route said it does."""
     if stage.node_id is not None and info.node_id != stage.node_id:
@@ -201,6 +224,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     if len(route) < 2:
         # one stage is the whole model: nobody to check it against on the way
         verifier = None
+    if verifier is not None:
+        await verifier.prepare(route)
     repeated = next((s.address for i, s in enumerate(route) if s.address in [r.address for r in route[:i]]), None)
     if repeated is not None:
         # one stage cannot hold the same session twice
@@ -322,11 +347,11 @@ def _take_prompt_tokens(msg: Message, result: AskResult, verifier: Verifier | No
         verifier.prompt_known(len(msg.tokens))
 
 
-def _inbox(verifier: Verifier | None, index: int) -> Inbox | None:
+def _inbox(verifier: Verifier | None, index: int) -> trio.MemorySendChannel[Inputs] | None:
     return None if verifier is None else verifier.inbox(index)
 
 
-async def _watch_for_errors(stream: Stream, inbox: Inbox | None = None) -> None:
+async def _watch_for_errors(stream: Stream, inbox: trio.MemorySendChannel[Inputs] | None = None) -> None:
     """A stage that is not the tail says nothing more unless it fails the session (or, with an
     ``inbox``, hands over the inputs a spot check asked it for)."""
     while inbox is not None:
@@ -334,7 +359,7 @@ async def _watch_for_errors(stream: Stream, inbox: Inbox | None = None) -> None:
         if not isinstance(msg, Inputs):
             rpc.expect(msg, Released, "a stage's word on the session")
             break
-        await inbox.send.send(msg)
+        await inbox.send(msg)
     else:
         await rpc.receive(stream, Released, "a stage's word on the session")
     raise ProtocolError(ErrorCode.INTERNAL, "a stage released the session before it finished")
@@ -353,7 +378,7 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
             verifier.on_chain(msg)
             continue
         if inbox is not None and isinstance(msg, Inputs):
-            await inbox.send.send(msg)
+            await inbox.send(msg)
             continue
         if isinstance(msg, Token):
             if verifier is not None:

@@ -35,15 +35,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from meshd.client.ask import AskResult, Stage, StageError, check_opened
+from meshd.client.ask import AskResult, RouteError, RouteFinder, Stage, StageError, check_opened
 from meshd.mesh.proofs import BrokenChain, Step, check_chain
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
-from meshd.stage.verify import sampling_bytes
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
-from wire.receipt import Proof, Receipt, Receipts, history_next, history_start, row_hash
+from wire.receipt import Proof, Receipt, Receipts, history_next, history_start, row_hash, sampling_bytes
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
@@ -62,6 +61,8 @@ log = logging.getLogger(__name__)
 
 NO_TOKENS = row_hash(b"")
 DEFAULT_VERIFY = 16
+# replicas looked for per range: one to check on, and a third node to settle a mismatch
+REPLICAS_WANTED = 2
 MAX_PROOFS = 16
 
 
@@ -435,9 +436,11 @@ class _Replay:
 class Verifier:
     """Output verification for an ask: what ``run_session`` calls at each point of an epoch."""
 
-    def __init__(self, peers: Peers, plan: CheckPlan | None = None) -> None:
+    def __init__(self, peers: Peers, plan: CheckPlan | None = None, find_route: RouteFinder | None = None) -> None:
         self.peers = peers
         self.plan = plan or CheckPlan()
+        # where replicas come from when the plan names none: routes that avoid one stage of the route
+        self.find_route = find_route
         self.audit: Audit | None = None
         # nodes this ask caught lying: never a replica again
         self.liars: set[str] = set()
@@ -446,6 +449,26 @@ class Verifier:
         self.replicas: dict[int, list[Stage]] = {}
         self.inboxes: dict[int, Inbox] = {}
         self._checks: list[tuple[RangeCheck, trio.MemoryReceiveChannel[int]]] = []
+
+    async def prepare(self, route: Sequence[Stage]) -> None:
+        """Finds replicas for the route's ranges (a second and a third node for each, where the mesh has them)."""
+        if self.find_route is None or self.plan.every <= 0:
+            return
+        found: list[Stage] = []
+        for stage in route:
+            excluded = [stage.node_id] if stage.node_id else []
+            excluded += self.liars
+            for _ in range(REPLICAS_WANTED):
+                try:
+                    other = await self.find_route(excluded)
+                except (ProtocolError, RouteError):
+                    break
+                match = next((s for s in other if s.layers == stage.layers and s.node_id), None)
+                if match is None or match.node_id is None:
+                    break
+                found.append(match)
+                excluded.append(match.node_id)
+        self.plan.candidates = found
 
     def begin(self, session: str, epoch: int, route: Sequence[Stage], node_ids: Sequence[str | None], n_layer: int,
               result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None], sampling: Sampling) -> None:
@@ -461,7 +484,7 @@ class Verifier:
             for index, replicas in self.replicas.items():
                 send, receive = trio.open_memory_channel[int](math.inf)
                 self.audit.on_step.append(send)
-                check = RangeCheck(self.peers, self.audit, index, streams[index], self.inbox(index), replicas,
+                check = RangeCheck(self.peers, self.audit, index, streams[index], self.inboxes.get(index), replicas,
                                    sampling, self.plan)
                 self._checks.append((check, receive))
         if prompt_len is not None:
@@ -472,8 +495,9 @@ class Verifier:
         if self.audit.prompt_len is None:
             self.audit.prompt_known(prompt_len)
 
-    def inbox(self, index: int) -> Inbox | None:
-        return self.inboxes.get(index)
+    def inbox(self, index: int) -> trio.MemorySendChannel[Inputs] | None:
+        box = self.inboxes.get(index)
+        return None if box is None else box.send
 
     async def run_checks(self) -> None:
         """The spot checks of every range with a replica, each fed the position each step reaches."""

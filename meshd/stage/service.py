@@ -35,13 +35,13 @@ from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.draft import DraftLength, NgramDrafter
 from meshd.stage.receipts import SessionReceipts, Signer
-from meshd.stage.verify import ChainHeld, check_incoming, receipts_message, sampling_bytes
+from meshd.stage.verify import ChainHeld, check_incoming, receipts_message
 from meshd.store.manifest import Manifest, manifest_for
 from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import Receipt, Receipts, row_hash
+from wire.receipt import Receipt, Receipts, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,

@@ -8,12 +8,9 @@ the asker reads as the sender's fault: an honest sender checked what it forwards
 
 from __future__ import annotations
 
-import msgpack
-
 from meshd.mesh.proofs import BrokenChain, Step, check_chain
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import Receipt, Receipts
-from wire.stage import Sampling
 from wire.tensors import Activation
 
 
@@ -72,9 +69,3 @@ def receipts_message(session: str, epoch: int, chain: tuple[Receipt, ...]) -> Re
     # built unvalidated from receipts this stage checked or signed: this is per token
     return Receipts.unvalidated({"type": "receipts", "v": 1, "session": session, "epoch": epoch,
                                  "chain": list(chain)})
-
-
-def sampling_bytes(sampling: Sampling, prompt_len: int) -> bytes:
-    """What decides a tail's output besides its input rows: how it samples, and from where."""
-    packed: bytes = msgpack.packb([sampling.model_dump(), prompt_len], use_bin_type=True)
-    return packed
