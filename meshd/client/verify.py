@@ -446,6 +446,8 @@ class Verifier:
         self.liars: set[str] = set()
         # the proofs those lies left, for the tracker (bounded: an ask fails over a few times at most)
         self.proofs: list[Proof] = []
+        # how many steps of its epoch the asker had seen when each lie was laid at a node (a figure)
+        self.caught_at: list[int] = []
         self.replicas: dict[int, list[Stage]] = {}
         self.inboxes: dict[int, Inbox] = {}
         self._checks: list[tuple[RangeCheck, trio.MemoryReceiveChannel[int]]] = []
@@ -521,6 +523,8 @@ class Verifier:
         error = blamed(error, node_ids)
         if error.culprit is not None:
             self.liars.add(error.culprit)
+            if self.audit is not None:
+                self.caught_at.append(self.audit.steps)
         if isinstance(error, StageLied) and error.proof is not None and len(self.proofs) < MAX_PROOFS:
             self.proofs.append(error.proof)
         return error
