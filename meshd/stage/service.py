@@ -15,6 +15,7 @@ channels and engine calls, and sleeps until the books' next timer.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -172,7 +173,11 @@ class StageService:
         self._timer_at: float | None = None
         # one decode thread: zstd's module-level decompressor is not for concurrent use
         self._decoder = trio.CapacityLimiter(1)
-        self.signer = Signer(peers.identity)
+
+    @functools.cached_property
+    def signer(self) -> Signer:
+        """This node's key for receipts, worked out when a session first asks for them."""
+        return Signer(self.peers.identity)
 
     @property
     def limits(self) -> StageLimits:
