@@ -449,13 +449,14 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             if not exc.retryable or epoch == attempts - 1:
                 raise
             if exc.culprit is not None:
-                # a check laid the failure at one node: route around it, and generate again what it touched
+                # A check laid the failure at one node: route around it and generate the answer again.
+                # From the prompt, not from the lie: a prompt re-prefilled with tokens is not bit for bit
+                # the rows their decode steps made, and a near tie can then pick another token.
                 log.info("node %s lied (%s); routing around it", exc.culprit[:16], exc)
                 excluded.append(exc.culprit)
                 if exc.untrusted_from is not None:
-                    keep = max(0, exc.untrusted_from - len(result.prompt_tokens) + 1)
-                    del result.tokens[keep:]
-                    del result.pieces[keep:]
+                    result.tokens.clear()
+                    result.pieces.clear()
                 continue
             culprit = await _culprit(peers, route, exc.index)
             if culprit.node_id is None:
