@@ -37,6 +37,7 @@ from meshd.client.ask import (
     run_session,
     stop_trim,
 )
+from meshd.client.verify import DEFAULT_VERIFY, CheckPlan, Verifier
 from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine import RangeReport
 from meshd.engine.chain import parse_ranges
@@ -59,6 +60,7 @@ from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import FetchStatus, RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.receipt import Proof, ProofGossip
 from wire.stage import Sampling
 from wire.types import MAX_LAYERS
 
@@ -308,6 +310,8 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
             return daemon.status(offset=request.offset)
         if isinstance(request, RouteRequest):
             return daemon.route(request.model, request.exclude)
+        if isinstance(request, ProofGossip):
+            return daemon.take_proof(request.proof)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
     return answer
 
@@ -609,8 +613,20 @@ async def ask(args: argparse.Namespace) -> int:
                                   member.node_id, timeout=args.timeout)
                 return route_from_reply(expect(reply, RouteReply, f"member {member.address}"))
 
-            result = await ask_with_failover(peers, RouteSources(find_route, ask_member), request, on_token,
-                                             stall_timeout=args.timeout)
+            async def other_route(excluded: list[str]) -> list[Stage]:
+                return route_from_reply(expect(await ask_route(excluded), RouteReply, "a route for a spot check"))
+
+            # receipts sign one step at a time, so a speculating ask goes unverified
+            verifier = None if args.verify == 0 or args.speculate != "off" else \
+                Verifier(peers, CheckPlan(every=args.verify), find_route=other_route)
+            try:
+                result = await ask_with_failover(peers, RouteSources(find_route, ask_member), request, on_token,
+                                                 stall_timeout=args.timeout, verifier=verifier)
+            finally:
+                if verifier is not None:
+                    await report_proofs(verifier.proofs, lambda proof: (
+                        control_request(args.state_dir, proof, timeout=args.timeout) if args.seed is None
+                        else rpc(peers, args.seed, proof, timeout=args.timeout)))
     if args.stop:
         out.write(stop_trim(result.text, args.stop))
     else:
@@ -619,6 +635,17 @@ async def ask(args: argparse.Namespace) -> int:
     out.flush()
     print_figures(result)
     return 0
+
+
+async def report_proofs(proofs: list[Proof], send: Callable[[ProofGossip], Awaitable[Message]]) -> None:
+    """Hands the proofs of lies an ask caught to the node it asked for routes, which checks them,
+    keeps their culprits out of routes and passes them on."""
+    for proof in proofs:
+        try:
+            await send(ProofGossip(proof=proof))
+        except (ProtocolError, ControlError) as exc:
+            print(f"meshd: a proof that node {proof.culprit.node_id[:16]} lied was not taken: {exc}",
+                  file=sys.stderr)
 
 
 # How often `ask --wait` asks again for a route while the mesh cannot cover the model.
@@ -880,6 +907,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding: the tail drafts tokens by prompt lookup (ngram) or with its draft "
                         "model (model: meshd serve --draft-model) and the ring checks them in one pass; greedy or "
                         "seeded, the answer is the same (default: %(default)s)")
+    a.add_argument("--verify", type=integer(0, 1 << 20), default=DEFAULT_VERIFY, metavar="N",
+                   help="every stage signs receipts of its steps, and 1 in N steps is run again on a replica "
+                        "of its range and compared; 0 turns verification off; not with --speculate "
+                        "(default: %(default)s)")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     a.add_argument("--wait", type=number(0, 86400), default=0.0,

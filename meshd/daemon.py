@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import socket
 import sys
 import time
@@ -49,6 +50,7 @@ from meshd.mesh.duty import (
 from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberEvent, Ping, PingReq, SwimMessage, Sync
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
+from meshd.mesh.proofs import InvalidProof
 from meshd.mesh.records import (
     MAX_HELD,
     ROLE_CLIENT,
@@ -95,9 +97,12 @@ from wire.meshrpc import (
     StatusReply,
     StatusRequest,
 )
+from wire.receipt import Proof, ProofAccepted, ProofGossip
 from wire.stage import STAGE_PROTOCOL, Hop, Open, PeerRef
 
 log = logging.getLogger(__name__)
+# members a node passes a new proof on to (each checks it, and passes it on once if it is news to it)
+PROOF_FANOUT = 3
 
 
 @dataclass(frozen=True)
@@ -567,9 +572,32 @@ class MeshDaemon:
             reply = self.status(peer, request.offset)
         elif isinstance(request, DialBackRequest):
             reply = await self._dial_back(stream, request)
+        elif isinstance(request, ProofGossip):
+            reply = self.take_proof(request.proof, stream.remote_node_id)
         else:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown mesh request {request.type!r}")
         await stream.send_message(reply)
+
+    def take_proof(self, proof: Proof, sender: str | None = None) -> ProofAccepted:
+        """A proof that a node lied: checked here before anything is done with it; if its culprit is
+        news, it is kept out of routes (and, as tracker, placements) and passed on to a few members,
+        each of which checks it again (a node passes each culprit on once, so the flood ends)."""
+        try:
+            culprit = self.duty.accept_proof(trio.current_time(), proof)
+        except InvalidProof as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the proof does not hold: {exc}") from None
+        if culprit is not None:
+            log.warning("node %s is proven to lie; kept out of routes", culprit[:16])
+            others = [r for r in self.live_records() if r.node_id not in (self.duty.node_id, sender, culprit)]
+            for record in random.sample(others, min(PROOF_FANOUT, len(others))):
+                self._nursery.start_soon(self._pass_proof, record.node_id, proof)
+        return ProofAccepted(culprit=proof.culprit.node_id, news=culprit is not None)
+
+    async def _pass_proof(self, node_id: str, proof: Proof) -> None:
+        try:
+            await rpc(self.peers, None, ProofGossip(proof=proof), node_id=node_id)
+        except ProtocolError as exc:
+            log.info("passing a proof to %s: %s", node_id[:16], exc)
 
     def live_records(self) -> list[CapabilityRecord]:
         return self.mesh.membership.live_records()

@@ -159,6 +159,8 @@ def coverage_lines(c: ModelCoverage, width: int) -> list[str]:
     lines.extend(wrap_items(list(c.assigned) or ["none yet"], "; ", width, "  stages: ", "    "))
     if c.reason:
         lines.extend(wrap(c.reason, width, "  not covered: ", "    "))
+    if c.unverified:
+        lines.extend(wrap_items(list(c.unverified), "; ", width, "  unverified (no replica to check on): ", "    "))
     return lines
 
 
@@ -177,7 +179,7 @@ def as_json(s: StatusReply) -> dict[str, Any]:
         "coverage": [{
             "model": c.model, "name": c.name, "n_layers": c.n_layers, "covered_layers": c.covered_layers,
             "covered": c.covered_layers == c.n_layers, "replicas": c.replicas, "assigned": list(c.assigned),
-            "reason": c.reason or None,
+            "reason": c.reason or None, "unverified": list(c.unverified),
         } for c in s.coverage],
         "fetches": [{
             "model": f.model, "name": f.name, "start": f.start, "end": f.end, "done_bytes": f.done_bytes,

@@ -17,7 +17,8 @@ from wire.types import MAX_ADDRESS_LEN, MAX_NODE_ID_LEN
 KEYS = {"node_id", "tracker", "term", "members", "coverage", "fetches"}
 MEMBER_KEYS = {"node_id", "address", "state", "roles", "reachability", "memory_bytes", "served", "models",
                "relay_addresses"}
-COVERAGE_KEYS = {"model", "name", "n_layers", "covered_layers", "covered", "replicas", "assigned", "reason"}
+COVERAGE_KEYS = {"model", "name", "n_layers", "covered_layers", "covered", "replicas", "assigned", "reason",
+                 "unverified"}
 
 
 def node(i: int) -> str:

@@ -261,7 +261,7 @@ def test_token_ids_out_of_bounds_are_refused(tokens: object, fragment: str) -> N
 # record assignment_version; `record_ping` again when the record gained `holds`, gpu_memory_bytes
 # and gpu_layers, ModelInfo `whole` and layer_bytes, and the election vote; `open`, `activation`
 # and `activation_fields` when Open gained speculate and max_draft and Activation drafts; `record_ping`
-# when ModelInfo gained `cuts`)
+# when ModelInfo gained `cuts`; `open` again when it gained receipts and check, output verification's)
 
 _PINNED = {
     "error": "0000003d85a474797065a56572726f72a17601a4636f6465aa4f5645524c4f41444544a76d657373616765a46275"

@@ -74,6 +74,8 @@ class ModelCoverage(WireModel):
     # Who holds which of its layers on disk, the sources a fetching volunteer takes them from.
     holders: list[Text] = Field(default_factory=list, max_length=1024)
     held_layers: Layer = 0
+    # Ranges that exactly one live member serves: no replica to spot-check their outputs on.
+    unverified: list[Text] = Field(default_factory=list, max_length=1024)
 
 
 class FetchStatus(WireModel):

@@ -14,8 +14,8 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Limits, Message, WireModel, register_protocol
-from wire.tensors import MAX_DRAFT, TensorCodec
-from wire.types import Address, Digest, Epoch, Layer, NodeId, SessionId, TokenId, Tokens
+from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
+from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, TokenId, Tokens
 
 STAGE_PROTOCOL = "meshd/stage/1"
 
@@ -84,6 +84,12 @@ class Open(Message, tag="open"):
     # of the session's own tokens) or with its draft model; exact under greedy and seeded sampling alike
     speculate: Literal["off", "ngram", "model"] = "off"
     max_draft: int = Field(default=8, ge=1, le=MAX_DRAFT)
+    # output verification: every stage signs a receipt of each step (``wire.receipt``), checks the
+    # chain that comes with its input, and the tail sends the whole route's chain to the asker
+    receipts: bool = False
+    # a check session (the asker's spot check on a replica): fed by its opener, no next stage;
+    # each step's receipt goes back to the opener
+    check: bool = False
 
 
 class Opened(Message, tag="opened"):
@@ -144,6 +150,33 @@ class Cancel(Message, tag="cancel"):
 
 class Released(Message, tag="released"):
     session: SessionId
+
+
+class InputsRequest(Message, tag="inputs_request"):
+    """To a stage with receipts on: the input rows it kept of the steps before position ``until``
+    (it forgets them once sent), so the asker can run them again on a replica."""
+
+    session: SessionId
+    epoch: Epoch
+    until: Int32
+
+
+class StepInput(WireModel):
+    pos: Int32
+    n_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    tensor: TensorEntry | None = None
+    tokens: Tokens | None = None
+
+
+# an Inputs message stays far below the stream's message cap; more follow with ``more``
+MAX_INPUTS_BYTES = 16 << 20
+
+
+class Inputs(Message, tag="inputs"):
+    session: SessionId
+    epoch: Epoch
+    steps: list[StepInput] = Field(max_length=1 << 12)
+    more: bool = False
 
 
 class MetricsRequest(Message, tag="metrics_request"):

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import trio
 
@@ -21,11 +21,13 @@ from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply
+from wire.receipt import Receipts
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
     ChatMessage,
     Done,
+    Inputs,
     Metrics,
     MetricsRequest,
     Open,
@@ -50,10 +52,12 @@ class RouteError(Exception):
 class StageError(ProtocolError):
     """A typed error, and which stage of the route it came from.
 
-    A subclass that knows which node is to blame (a proven liar) sets ``culprit`` to its node id:
-    failover excludes that node without probing the route."""
+    Where a check proved or a stage reported who is to blame, ``culprit`` is that node's id and
+    failover excludes it without probing the route; ``untrusted_from`` is the first position whose
+    output is not to be trusted."""
 
     culprit: str | None = None
+    untrusted_from: int | None = None
 
     def __init__(self, index: int, error: ProtocolError) -> None:
         super().__init__(error.code, error.message, error.retry_after_ms)
@@ -154,6 +158,32 @@ class AskResult:
 OnToken = Callable[[int, bytes], Awaitable[None] | None]
 
 
+class Verifier(Protocol):
+    """What a session asks of output verification (``meshd.client.verify.Verifier``) at each point of an epoch."""
+
+    async def prepare(self, route: Sequence[Stage]) -> None: ...
+
+    def begin(self, session: str, epoch: int, route: Sequence[Stage], node_ids: Sequence[str | None], n_layer: int,
+              result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None],
+              sampling: Sampling) -> None: ...
+
+    def prompt_known(self, prompt_len: int) -> None: ...
+
+    def inbox(self, index: int) -> trio.MemorySendChannel[Inputs] | None: ...
+
+    async def run_checks(self) -> None: ...
+
+    async def settle(self, timeout: float) -> None: ...
+
+    def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError: ...
+
+    def on_chain(self, msg: Receipts) -> None: ...
+
+    def on_token(self, token: int) -> None: ...
+
+    def finish(self, reason: str) -> None: ...
+
+
 def check_opened(stage: Stage, info: StageInfo) -> None:
     """The stage serves what the route said it does."""
     if stage.node_id is not None and info.node_id != stage.node_id:
@@ -191,12 +221,19 @@ def check_route(route: Sequence[Stage], infos: Sequence[StageInfo]) -> None:
 
 async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest, result: AskResult,
                       on_token: OnToken | None = None, session_id: str | None = None, epoch: int = 0,
-                      stall_timeout: float = 30.0) -> AskResult:
+                      stall_timeout: float = 30.0, verifier: Verifier | None = None) -> AskResult:
     """Runs one epoch of a session; raises ProtocolError if any stage fails it.
 
     With tokens already in ``result`` (a retry), the head re-prefills prompt and
-    generated tokens and generation continues where it stopped.
+    generated tokens and generation continues where it stopped. With a ``verifier``
+    (meshd.client.verify) every stage signs receipts the asker checks, and spot checks
+    run on replicas; a lie fails the epoch with a StageError naming its culprit.
     """
+    if len(route) < 2:
+        # one stage is the whole model: nobody to check it against on the way
+        verifier = None
+    if verifier is not None:
+        await verifier.prepare(route)
     repeated = next((s.address for i, s in enumerate(route) if s.address in [r.address for r in route[:i]]), None)
     if repeated is not None:
         # one stage cannot hold the same session twice
@@ -243,7 +280,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                     sampling=request.sampling,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
                     wire_codec=request.wire_codec, speculate=request.speculate,
-                    max_draft=request.max_draft), Opened, f"stage {stage.address} opening the session")
+                    max_draft=request.max_draft, receipts=verifier is not None), Opened,
+                    f"stage {stage.address} opening the session")
                 check_opened(stage, reply.info)
                 infos[i] = reply.info
 
@@ -255,6 +293,11 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             check_route(route, result.route)
             head_stream, tail_stream = opened[0], opened[-1]
             assert head_stream is not None and tail_stream is not None
+            if verifier is not None:
+                verifier.begin(session, epoch, route, node_ids, result.route[0].n_layer, result,
+                               len(result.prompt_tokens) + len(result.tokens) if result.prompt_tokens else None,
+                               opened, request.sampling)
+                nursery.start_soon(verifier.run_checks)
             if result.prompt_tokens:
                 prompt = Prompt(session=session, epoch=epoch, tokens=result.prompt_tokens + result.tokens,
                                 generated=len(result.tokens))
@@ -267,14 +310,23 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             last = len(opened) - 1
             for i, stream in enumerate(opened[1:-1], start=1):
                 assert stream is not None
-                nursery.start_soon(_from_stage, i, _watch_for_errors(stream))
+                nursery.start_soon(_from_stage, i, _watch_for_errors(stream, _inbox(verifier, i)))
             if last > 0:
-                nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout))
-            await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0))
+                nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout,
+                                                                          verifier))
+            await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0,
+                                                    verifier))
+            if verifier is not None:
+                # the tail's stream still brings the inputs that the last spot checks ask it for
+                nursery.start_soon(_from_stage, last, _watch_for_errors(tail_stream, _inbox(verifier, last)))
+                await verifier.settle(stall_timeout)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         failed = True
-        raise first_error(group) from None
+        error = first_error(group)
+        if verifier is not None and isinstance(error, StageError):
+            error = verifier.blame(error, node_ids)
+        raise error from None
     except BaseException:
         failed = True
         raise
@@ -287,34 +339,58 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     return result
 
 
-async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float) -> None:
+async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float,
+                                 verifier: Verifier | None = None) -> None:
     with trio.fail_after(timeout):
         msg = await stream.receive_message()
-    _take_prompt_tokens(msg, result)
+    _take_prompt_tokens(msg, result, verifier)
     await _watch_for_errors(stream)
 
 
-def _take_prompt_tokens(msg: Message, result: AskResult) -> None:
+def _take_prompt_tokens(msg: Message, result: AskResult, verifier: Verifier | None = None) -> None:
     msg = rpc.expect(msg, PromptTokens, "the head's tokens of the prompt")
     if not result.prompt_tokens:
         result.prompt_tokens = list(msg.tokens)
+    if verifier is not None:
+        verifier.prompt_known(len(msg.tokens))
 
 
-async def _watch_for_errors(stream: Stream) -> None:
-    """A stage that is not the tail says nothing more unless it fails the session."""
-    await rpc.receive(stream, Released, "a stage's word on the session")
+def _inbox(verifier: Verifier | None, index: int) -> trio.MemorySendChannel[Inputs] | None:
+    return None if verifier is None else verifier.inbox(index)
+
+
+async def _watch_for_errors(stream: Stream, inbox: trio.MemorySendChannel[Inputs] | None = None) -> None:
+    """A stage that is not the tail says nothing more unless it fails the session (or, with an
+    ``inbox``, hands over the inputs a spot check asked it for)."""
+    while inbox is not None:
+        msg = await stream.receive_message()
+        if not isinstance(msg, Inputs):
+            rpc.expect(msg, Released, "a stage's word on the session")
+            break
+        await inbox.send(msg)
+    else:
+        await rpc.receive(stream, Released, "a stage's word on the session")
     raise ProtocolError(ErrorCode.INTERNAL, "a stage released the session before it finished")
 
 
 async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken | None, timeout: float,
-                          tail_is_head: bool) -> None:
+                          tail_is_head: bool, verifier: Verifier | None = None) -> None:
+    inbox = None if verifier is None else verifier.inbox(-1 if tail_is_head else len(result.route) - 1)
     while True:
         with trio.fail_after(timeout):
             msg = await stream.receive_message()
         if tail_is_head and isinstance(msg, PromptTokens):
             _take_prompt_tokens(msg, result)
             continue
+        if verifier is not None and isinstance(msg, Receipts):
+            verifier.on_chain(msg)
+            continue
+        if inbox is not None and isinstance(msg, Inputs):
+            await inbox.send(msg)
+            continue
         if isinstance(msg, Token):
+            if verifier is not None:
+                verifier.on_token(msg.token)
             if result.first_token_at is None:
                 result.first_token_at = time.perf_counter()
             result.tokens.append(msg.token)
@@ -324,6 +400,8 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
                 if maybe is not None:
                     await maybe
         elif isinstance(msg, Done):
+            if verifier is not None:
+                verifier.finish(msg.reason)
             result.reason = msg.reason
             result.drafted += msg.drafted
             result.accepted += msg.accepted
@@ -369,7 +447,8 @@ PROBE_TIMEOUT = 1.5
 async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskRequest,
                             on_token: OnToken | None = None, attempts: int = FAILOVER_ATTEMPTS,
                             stall_timeout: float = 30.0, result: AskResult | None = None,
-                            budget_seconds: float = FAILOVER_SECONDS) -> AskResult:
+                            budget_seconds: float = FAILOVER_SECONDS,
+                            verifier: Verifier | None = None) -> AskResult:
     """Runs a session; when stages fail it, routes around every one found dead or lying and
     re-prefills at a new epoch, within the failover budget.
 
@@ -405,7 +484,8 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
         log.debug("epoch %d of session %s: route %s", epoch, session[:12],
                   " ".join(f"{s.node_id or s.address}{list(s.layers or ())}" for s in route))
         try:
-            await run_session(peers, route, request, result, on_progress, session, epoch, stall_timeout)
+            await run_session(peers, route, request, result, on_progress, session, epoch, stall_timeout,
+                              verifier)
         except (StageError, trio.TooSlowError) as exc:
             if stalled_since is None:
                 stalled_since = last_progress
@@ -430,6 +510,12 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             log.info("epoch %d failed (%s); routing around %s", epoch, exc, ", ".join(c[:12] for c in culprits))
             result.excluded.extend(culprits)
             result.failovers += 1
+            if isinstance(exc, StageError) and exc.untrusted_from is not None:
+                # A check proved a lie: generate the answer again from the prompt, not from the lie (a
+                # prompt re-prefilled with tokens is not bit for bit the rows their decode steps made,
+                # and a near tie can then pick another token).
+                result.tokens.clear()
+                result.pieces.clear()
         else:
             progressed()
             if result.failovers:

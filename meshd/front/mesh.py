@@ -3,12 +3,17 @@ and asks from a peer identity of the front door's own (as `meshd ask` makes them
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, Stage, ask_with_failover, route_from_reply
+from meshd.client.verify import Verifier
 from meshd.net.peers import Peers
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, StatusReply
+from wire.receipt import Proof, ProofAccepted
+
+log = logging.getLogger(__name__)
 
 # Seconds a stage may stay silent before the asker gives up on it and fails over, as `meshd ask`'s default.
 STALL_TIMEOUT = 30.0
@@ -20,6 +25,8 @@ class Daemon(Protocol):
     def status(self) -> StatusReply: ...
 
     def route(self, model: str | None, exclude: list[str]) -> RouteReply: ...
+
+    def take_proof(self, proof: Proof) -> ProofAccepted: ...
 
 
 class DaemonMesh:
@@ -45,5 +52,17 @@ class DaemonMesh:
         async def find_route(excluded: list[str]) -> list[Stage]:
             return self.find_route(model, excluded)
 
-        return await ask_with_failover(self.peers, find_route, request, on_token, stall_timeout=self.stall_timeout,
-                                       result=result)
+        async def other_route(excluded: list[str]) -> list[Stage]:
+            return route_from_reply(self.daemon.route(model, excluded))
+
+        # verified at the default rate (receipts sign one step at a time, so not while speculating)
+        verifier = None if request.speculate != "off" else Verifier(self.peers, find_route=other_route)
+        try:
+            return await ask_with_failover(self.peers, find_route, request, on_token,
+                                           stall_timeout=self.stall_timeout, result=result, verifier=verifier)
+        finally:
+            for proof in [] if verifier is None else verifier.proofs:
+                try:
+                    self.daemon.take_proof(proof)
+                except ProtocolError as exc:
+                    log.warning("the daemon did not take a proof: %s", exc)

@@ -41,13 +41,17 @@ from meshd.mesh.assignment import (
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
+from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
 from meshd.mesh.routing import NoRouteError, plan_route, stage_options
 from meshd.mesh.status import held_models, status_view
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, StatusReply
+from wire.receipt import Proof
 
 Range = tuple[int, int]
+# proven liars a node keeps (each costs a proof of a few receipts): bounds what a flood of proofs can hold
+MAX_LIARS = 1024
 # Member news that can change a placement; "suspect" cannot (suspects still count as live).
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
@@ -167,6 +171,8 @@ class MeshDuty:
         self._ask_at: float | None = None
         self._failures = 0
         self._events: list[DutyEvent] = []
+        # nodes proven to lie (meshd.mesh.proofs), with the proof: out of every placement and route
+        self.liars: dict[str, Proof] = {}
 
     # ----- queries
 
@@ -320,7 +326,7 @@ class MeshDuty:
 
         try:
             found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model)),
-                               info.n_layers, link_cost, exclude=exclude)
+                               info.n_layers, link_cost, exclude={*exclude, *self.liars})
         except NoRouteError as exc:
             reason = self.coverage_reason(info)
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
@@ -374,12 +380,39 @@ class MeshDuty:
             or self.config.kv_tokens
         return ModelSpec.from_info(info, kv_tokens)
 
+    # ----- proven liars
+
+    def accept_proof(self, now: float, proof: Proof) -> str | None:
+        """Checks ``proof`` against this node's view (each witness must serve the range: as the tracker
+        placed it, or elsewhere by its own signed record) and from then on keeps its culprit out of
+        placements and routes; returns the culprit if it is news (the shell passes the proof on),
+        None if already known. InvalidProof if it does not hold; OVERLOADED past ``MAX_LIARS``."""
+        live = {r.node_id: r for r in self.node.membership.live_records()}
+
+        def serves(node_id: str, model: str, begin: int, end: int) -> bool:
+            # the tracker counts only ranges it placed: a record's own claim is free to make
+            assigned = self._assigned(model)
+            if assigned is not None:
+                return (begin, end) in assigned.get(node_id, set())
+            record = live.get(node_id)
+            return record is not None and any((r.model, r.start, r.end) == (model, begin, end) for r in record.served)
+
+        culprit = check_proof(proof, serves)
+        if culprit in self.liars:
+            return None
+        if len(self.liars) >= MAX_LIARS:
+            raise ProtocolError(ErrorCode.OVERLOADED, "this node holds as many proven liars as it keeps")
+        self.liars[culprit] = proof
+        if self.is_tracker:
+            self._place_at = now
+        return culprit
+
     # ----- the tracker's duty
 
     def _place(self, now: float) -> None:
         if not self.is_tracker or self._left:
             return
-        live = self.node.membership.live_records()
+        live = [r for r in self.node.membership.live_records() if r.node_id not in self.liars]
         changed = False
         for digest, info in held_models(live).items():
             before = self.assignments.get(digest)

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from meshd.mesh.assignment import held_ranges
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberInfo
-from meshd.mesh.records import CapabilityRecord, ModelInfo
+from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from wire.meshrpc import STATUS_PAGE, MemberStatus, ModelCoverage, StatusReply
 
 _T = TypeVar("_T")
@@ -72,8 +72,17 @@ def coverage(live: Sequence[CapabilityRecord],
             replicas=max(0, min(layers) - 1),
             reason=reason_of(info) if reason_of is not None and not all(layers) else "",
             holders=_cut([f"{node[:12]} [{start}, {end})" for node, (start, end) in holders], ModelCoverage, "holders"),
-            held_layers=sum(held)))
+            held_layers=sum(held),
+            unverified=_cut(unverified_ranges(served), ModelCoverage, "unverified")))
     return out
+
+
+def unverified_ranges(served: Sequence[tuple[str, ServedRange]]) -> list[str]:
+    """The ranges only one node serves: a spot check needs a second node serving exactly that range."""
+    nodes: dict[tuple[int, int], set[str]] = {}
+    for node, s in served:
+        nodes.setdefault((s.start, s.end), set()).add(node)
+    return [f"[{start}, {end})" for (start, end), who in sorted(nodes.items()) if len(who) == 1]
 
 
 def _member_status(record: CapabilityRecord, state: str, tracker: Tracker | None,

@@ -15,6 +15,7 @@ channels and engine calls, and sleeps until the books' next timer.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -34,16 +35,22 @@ from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
+from meshd.stage.receipts import SessionReceipts, Signer
+from meshd.stage.verify import ChainHeld, check_incoming, receipts_message
 from meshd.store.manifest import Manifest, manifest_for
 from relay.protocol import CIRCUIT_MARK
-from wire.codec import Message, error_message
+from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.receipt import Receipt, Receipts, row_hash, sampling_bytes
 from wire.stage import (
+    MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
     Cancel,
     Done,
     Hop,
+    Inputs,
+    InputsRequest,
     Metrics,
     MetricsRequest,
     Open,
@@ -53,6 +60,7 @@ from wire.stage import (
     PromptTokens,
     Released,
     StageInfo,
+    StepInput,
     Token,
 )
 from wire.tensors import Activation, TensorEntry, encode_activation, tensor_fields
@@ -77,6 +85,9 @@ class Rows:
     hidden: np.ndarray | None
     # token ids riding along: the prompt's, for the tail's repetition-penalty history
     carry: Sequence[int] | None
+    # with receipts on: the hash of the input as it travelled, and the checked chain that came with it
+    h_in: bytes = b""
+    chain: tuple[Receipt, ...] = ()
 
 
 @dataclass(eq=False)
@@ -100,6 +111,13 @@ class Session:
     draft_kv: DraftModelKV | None = None
     draft_generation: int = -1
     to_draft: trio.MemorySendChannel[tuple[int, int, int]] | None = None
+    # the receipts this stage signs for the session (None: the asker did not ask for them)
+    receipts: SessionReceipts | None = None
+    # the tail: the chain of the step whose sampled token goes around the ring next
+    ring_chain: bytes = b""
+    # with receipts on, past the head: each step's input as it came, until the asker takes it
+    # (bounded by the session's token budget: one entry per position at most)
+    kept: list[StepInput] = field(default_factory=list)
 
 
 # how the draft model picks its drafts: its most likely token
@@ -168,6 +186,11 @@ class StageService:
         self._timer_at: float | None = None
         # one decode thread: zstd's module-level decompressor is not for concurrent use
         self._decoder = trio.CapacityLimiter(1)
+
+    @functools.cached_property
+    def signer(self) -> Signer:
+        """This node's key for receipts, worked out when a session first asks for them."""
+        return Signer(self.peers.identity)
 
     @property
     def limits(self) -> StageLimits:
@@ -248,6 +271,10 @@ class StageService:
 
     def _check_open(self, msg: Open) -> None:
         r = self.report
+        if msg.receipts and msg.speculate != "off":
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts sign one step at a time: not with speculation")
+        if msg.check and not msg.receipts:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a check session is there for its receipts")
         if msg.model_digest is not None and msg.model_digest != self.digest:
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"this stage serves model {self.digest[:16]}, "
                                                           f"not {msg.model_digest[:16]}")
@@ -270,7 +297,7 @@ class StageService:
     def _check_downstream(self, session: Session) -> None:
         """Work needs somewhere to go. An Open without it is still answered, with what this stage
         serves, so an asker given bare addresses can tell what its route leaves uncovered."""
-        if session.downstream is not None or self.report.has_input and self.report.has_output:
+        if session.downstream is not None or session.open.check or self.report.has_input and self.report.has_output:
             return
         if not self.report.has_output:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a stage before the tail needs the next stage's address")
@@ -287,6 +314,9 @@ class StageService:
             self._ended(other)
         to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
         session = Session(book=book, open=msg, to_asker=to_asker_send)
+        if msg.receipts:
+            session.receipts = SessionReceipts(self.signer, book.id, book.epoch, self.digest,
+                                               self.report.layer_begin, self.report.layer_end)
         draft_recv: trio.MemoryReceiveChannel[tuple[int, int, int]] | None = None
         if self.report.has_output and msg.speculate != "off":
             # exact for seeded sampling too: the worker samples a step's rows in order and stops
@@ -375,6 +405,8 @@ class StageService:
                 if msg.session != book.id or msg.epoch != book.epoch:
                     raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt for another session or epoch")
                 await self._prompt(session, msg)
+            elif isinstance(msg, InputsRequest):
+                self._send_inputs(session, msg)
             else:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a session stream")
 
@@ -412,7 +444,8 @@ class StageService:
         chunk = self.limits.prefill_chunk
         for start in range(0, len(arr), chunk):
             part = arr[start:start + chunk]
-            self._enqueue(session, start, len(part), Rows(session, part, None, part.tolist()))
+            h_in = row_hash(part.tobytes()) if session.receipts is not None else b""
+            self._enqueue(session, start, len(part), Rows(session, part, None, part.tolist(), h_in))
 
     async def _pump(self, channel: trio.MemoryReceiveChannel[Message], stream: Stream) -> None:
         async for message in channel:
@@ -459,9 +492,11 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "ring streams go to the head, hop streams elsewhere")
         try:
             self._check_downstream(session)
-            if not hop.ring:
+            if not hop.ring or session.open.check:
                 self.books.set_prompt(book, hop.prompt_tokens)
                 session.hop_info.set()
+            # a check session's rows come from its opener, who has no receipt to give for them
+            held = ChainHeld(session.receipts is not None and not session.open.check)
             while True:
                 try:
                     msg = await stream.receive_message()
@@ -469,14 +504,18 @@ class StageService:
                     return
                 if not self.books.holds(book) or book.phase not in LIVE:
                     return
+                if isinstance(msg, Receipts):
+                    held.hold(msg, book.id, book.epoch)
+                    continue
                 if not isinstance(msg, Activation):
                     raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a hop stream")
-                await self._accept_activation(session, msg)
+                await self._accept_activation(session, msg, held.take(stream.remote_node_id))
         except ProtocolError as exc:
             self._fail(session, exc)
             raise
 
-    async def _accept_activation(self, session: Session, msg: Activation) -> None:
+    async def _accept_activation(self, session: Session, msg: Activation,
+                                 chain: tuple[str, tuple[Receipt, ...]] | None = None) -> None:
         """Checks an activation against the session before decoding a byte of it, then queues it."""
         book = session.book
         if msg.session != book.id:
@@ -485,6 +524,7 @@ class StageService:
             raise ProtocolError(ErrorCode.EPOCH_STALE, f"activation of epoch {msg.epoch}, session is at {book.epoch}")
         if msg.tokens is not None and len(msg.tokens) != msg.n_tokens:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for {msg.n_tokens} rows")
+        h_in, checked = self._checked_chain(session, msg, chain)
         self.books.check_rows(book, msg.pos, msg.n_tokens, msg.drafts)
         if self.report.has_input:
             if msg.tokens is None or msg.tensors:
@@ -492,7 +532,8 @@ class StageService:
             self._check_vocab(msg.tokens)
             tokens = np.asarray(msg.tokens, dtype=np.int32)
             # the ids ride on downstream: a later stage with hash-routed layers (deepseek4) reads them
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, tokens, None, list(msg.tokens)), msg.drafts)
+            self._enqueue(session, msg.pos, msg.n_tokens,
+                          Rows(session, tokens, None, list(msg.tokens), h_in, checked), msg.drafts)
             return
         if msg.tokens is not None:
             # carried ids reach the tail's sampler in the same engine call as everyone's rows
@@ -514,7 +555,53 @@ class StageService:
         else:
             hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
         if self.books.holds(book) and book.phase in LIVE:
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens), msg.drafts)
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, checked),
+                          msg.drafts)
+
+    def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
+                       ) -> tuple[bytes, tuple[Receipt, ...]]:
+        """With receipts on: the hash of the rows as they came, and their chain, checked before the
+        rows' position or a byte of them is looked at, so a sender that moved or changed them is
+        the one blamed, not this stage's books."""
+        if session.receipts is None:
+            return b"", ()
+        if self.report.has_input:
+            # the ring: the tail's receipt of the step before signs the token it sampled
+            if msg.tokens is None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
+            h = row_hash(np.asarray(msg.tokens, dtype=np.int32).tobytes())
+            prompt_len = session.book.prompt_len or 0
+            return h, () if chain is None else check_incoming(chain, msg, self.report.n_layer, h, True, prompt_len)
+        entry = msg.tensor(HIDDEN)
+        h = row_hash(entry.data)
+        checked = () if chain is None else check_incoming(chain, msg, self.report.layer_begin, h, False,
+                                                          session.book.prompt_len or 0)
+        if not session.open.check:
+            session.kept.append(StepInput.unvalidated({"pos": msg.pos, "n_tokens": msg.n_tokens, "tensor": entry,
+                                                       "tokens": msg.tokens}))
+        return h, checked
+
+    def _send_inputs(self, session: Session, msg: InputsRequest) -> None:
+        """Hands the asker the kept inputs before ``msg.until``, in messages of bounded size, and forgets them."""
+        book = session.book
+        if (msg.session, msg.epoch) != (book.id, book.epoch):
+            raise ProtocolError(ErrorCode.EPOCH_STALE, "inputs of another session or epoch")
+        if session.receipts is None or self.report.has_input:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "this stage keeps no inputs for the session")
+        taken = 0
+        while taken < len(session.kept) and session.kept[taken].pos < msg.until:
+            taken += 1
+        steps, session.kept = session.kept[:taken], session.kept[taken:]
+        batch: list[StepInput] = []
+        size = 0
+        for step in steps:
+            step_size = len(step.tensor.data) if step.tensor is not None else 0
+            if batch and size + step_size > MAX_INPUTS_BYTES:
+                session.to_asker.send_nowait(Inputs(session=book.id, epoch=book.epoch, steps=batch, more=True))
+                batch, size = [], 0
+            batch.append(step)
+            size += step_size
+        session.to_asker.send_nowait(Inputs(session=book.id, epoch=book.epoch, steps=batch, more=False))
 
     def _check_vocab(self, tokens: Sequence[int]) -> None:
         n_vocab = self.report.n_vocab
@@ -666,12 +753,19 @@ class StageService:
                 out = hidden[row:row + w.n]
                 row += w.n
                 s = w.payload.session
-                if s.downstream is None or w.session.phase not in LIVE:
+                if w.session.phase not in LIVE:
                     continue
+                if s.open.check:
+                    self._check_receipt(s, w, out)
+                    continue
+                if s.downstream is None:
+                    continue
+                fields = tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)
+                if s.receipts is not None:
+                    self._send_receipts(s, w, row_hash(fields["data"]))
                 s.downstream.send_nowait(encode_activation(
                     session=w.session.id, epoch=w.session.epoch, step=s.steps, pos=w.pos, n_tokens=w.n,
-                    tensors=[tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)],
-                    tokens=w.payload.carry, drafts=w.drafts))
+                    tensors=[fields], tokens=w.payload.carry, drafts=w.drafts))
                 s.steps += 1
             return
         picks = iter(reply.get("picks", []))
@@ -681,8 +775,39 @@ class StageService:
             if s.drafter is not None and w.payload.carry:
                 s.drafter.extend(list(w.payload.carry[:self.books.history(w)]))
             rows = [next(picks) for _ in range(self.books.sampled_rows(w))]
+            if s.receipts is not None and w.session.phase in LIVE:
+                self._tail_receipts(s, w, rows)
             if rows:
                 self._verified(s, w, rows, now)
+
+    # ----- receipts (the logic is in meshd.stage.receipts and meshd.stage.verify)
+
+    def _send_receipts(self, s: Session, w: Work[Rows], h_out: bytes) -> None:
+        """Signs this step and sends the chain so far downstream, just before the step's rows."""
+        assert s.receipts is not None and s.downstream is not None
+        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, h_out)
+        s.downstream.send_nowait(encode(receipts_message(s.book.id, s.book.epoch, (*w.payload.chain, mine))))
+
+    def _check_receipt(self, s: Session, w: Work[Rows], out: np.ndarray) -> None:
+        """A check session's step: only its receipt goes anywhere (to the asker that checks it)."""
+        if s.receipts is None:
+            return
+        fields = tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)
+        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(fields["data"]))
+        s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, (mine,)))
+
+    def _tail_receipts(self, s: Session, w: Work[Rows], picks: list[Any]) -> None:
+        """The tail signs the tokens it sampled (none for a prompt chunk before the last) and sends the
+        whole route's chain to the asker and around the ring, before the tokens themselves."""
+        assert s.receipts is not None
+        if not s.receipts.hist:
+            s.receipts.sampling = sampling_bytes(s.open.sampling, s.book.prompt_len or 0)
+        sampled = np.asarray([p[0] for p in picks[:w.drafts + 1]] if picks else [], dtype=np.int32)
+        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()))
+        chain = receipts_message(s.book.id, s.book.epoch, (*w.payload.chain, mine))
+        s.to_asker.send_nowait(chain)
+        if picks:
+            s.ring_chain = encode(chain)
 
     def _verified(self, s: Session, w: Work[Rows], picks: list[Any], now: float) -> None:
         """Emits the sampled tokens the drafts agree with, and the one after them (the rows past
@@ -787,12 +912,16 @@ class StageService:
         tokens = [token, *drafts]
         if self.report.has_input:
             # a whole-model stage is its own ring
+            ids = np.asarray(tokens, dtype=np.int32)
+            h_in = row_hash(ids.tobytes()) if s.receipts is not None else b""
             try:
-                self._enqueue(s, pos, len(tokens), Rows(s, np.asarray(tokens, dtype=np.int32), None, None),
-                              len(tokens) - 1)
+                self._enqueue(s, pos, len(tokens), Rows(s, ids, None, None, h_in), len(tokens) - 1)
             except ProtocolError as exc:
                 self._fail(s, exc)
         elif s.downstream is not None:
+            if s.ring_chain:
+                s.downstream.send_nowait(s.ring_chain)
+                s.ring_chain = b""
             s.downstream.send_nowait(encode_activation(session=book.id, epoch=book.epoch, step=book.generated,
                                                        pos=pos, n_tokens=len(tokens), tensors=[], tokens=tokens,
                                                        drafts=len(tokens) - 1))

@@ -1,0 +1,542 @@
+"""The asker's output verification: the route's receipts checked step by step, and spot checks on replicas.
+
+With receipts on, the tail hands the asker each step's chain (every stage's
+signed receipt) before the step's token. ``Audit`` checks each chain as it
+comes: signatures, layers, positions, each stage's input the one before's
+output, the head's input the prompt or the token the asker saw last, the
+tail's output the token that follows. A chain that fails is the tail's doing
+(every honest stage checks the chain it forwards), a token that is not the one
+signed is the tail's, and a stage that says its input was corrupt blames its
+upstream. Either way a ``StageLied`` names the culprit, and failover routes
+around it.
+
+Spot checks catch a stage that computes wrongly but signs what it sent. For a
+random 1 in N steps the asker runs a range's steps so far again on a replica
+(another node serving the same layers of the same model) and compares output
+hashes. The replica needs the same KV, so it gets every input of the range
+from the first position: for the head, the token ids (the asker has them);
+further on, the rows the stage under check received, which it keeps while
+receipts are on and hands over on request. Asking the stage under check costs
+no other node anything, and it cannot hand over other rows than it took in:
+its own signed receipts fix their hashes. A mismatch is settled by a third
+node serving the range (two signed receipts against one make a ``Proof``);
+without a third the asker still routes around the stage under check, but has
+no proof to pass on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from meshd.client.ask import AskResult, RouteError, RouteFinder, Stage, StageError, check_opened
+from meshd.mesh.proofs import BrokenChain, Step, check_chain
+from meshd.net import rpc
+from meshd.net.link import Stream
+from meshd.net.peers import Peers
+from wire.codec import ErrorMessage, error_from_message
+from wire.errors import ErrorCode, ProtocolError
+from wire.receipt import Proof, Receipt, Receipts, history_next, history_start, row_hash, sampling_bytes
+from wire.stage import (
+    STAGE_PROTOCOL,
+    Cancel,
+    Hop,
+    Inputs,
+    InputsRequest,
+    Open,
+    Opened,
+    Sampling,
+    StepInput,
+    new_session_id,
+)
+from wire.tensors import encode_activation
+
+log = logging.getLogger(__name__)
+
+NO_TOKENS = row_hash(b"")
+DEFAULT_VERIFY = 16
+# replicas looked for per range: one to check on, and a third node to settle a mismatch
+REPLICAS_WANTED = 2
+MAX_PROOFS = 16
+
+
+class StageLied(StageError):
+    """A stage of the route lied (or forwarded what an honest stage would not): always worth a retry
+    on a route without ``culprit`` (a node id). ``proof`` is set where anyone can check it; ``pos``
+    is the first position whose rows the lie touched: tokens sampled from there on are not trusted."""
+
+    def __init__(self, index: int, culprit: str, reason: str, proof: Proof | None = None, pos: int | None = None):
+        super().__init__(index, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"node {culprit[:16]} lied: {reason}"))
+        self.culprit: str = culprit
+        self.proof = proof
+        self.untrusted_from = pos
+
+    @property
+    def retryable(self) -> bool:
+        return True
+
+
+def blamed(exc: StageError, node_ids: Sequence[str | None]) -> StageError:
+    """A stage that refused its input as corrupt (a broken receipt chain, rows that are not the
+    ones signed) got it from its upstream over an authenticated link: the upstream is to blame."""
+    if isinstance(exc, StageLied) or exc.code is not ErrorCode.PAYLOAD_CORRUPT or len(node_ids) < 2:
+        return exc
+    up = (exc.index - 1) % len(node_ids)
+    culprit = node_ids[up]
+    return exc if culprit is None else StageLied(up, culprit, f"stage {exc.index} refused its input: {exc.message}")
+
+
+@dataclass
+class Audit:
+    """Checks one epoch's chains of receipts as the tail hands them over."""
+
+    session: str
+    epoch: int
+    node_ids: list[str]
+    n_layer: int
+    result: AskResult
+    # where this epoch's prompt ends (prompt and tokens re-prefilled after a failover); None until known
+    prompt_len: int | None = None
+    next_pos: int = 0
+    steps: int = 0
+    last_tail: Receipt | None = None
+    awaiting_token: Receipt | None = None
+    # chains that came before the head's tokens of the prompt did
+    pending: list[Receipts] = field(default_factory=list)
+    # every stage's receipts by position, for the spot checks
+    by_stage: list[dict[int, Receipt]] = field(default_factory=list)
+    on_step: list[trio.MemorySendChannel[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.by_stage = [{} for _ in self.node_ids]
+
+    @property
+    def tail(self) -> int:
+        return len(self.node_ids) - 1
+
+    def _lie(self, index: int, reason: str, proof: Proof | None = None) -> StageLied:
+        return StageLied(index, self.node_ids[index], reason, proof, self.next_pos)
+
+    def prompt_known(self, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
+        pending, self.pending = self.pending, []
+        for chain in pending:
+            self.on_chain(chain)
+
+    def on_chain(self, msg: Receipts) -> None:
+        if self.awaiting_token is not None:
+            raise self._lie(self.tail, "a sampled step's token never came")
+        if self.prompt_len is None:
+            if len(self.pending) >= 4096:
+                raise self._lie(self.tail, "receipts far ahead of the prompt")
+            self.pending.append(msg)
+            return
+        chain = list(msg.chain)
+        pos = self.next_pos
+        decode = pos >= self.prompt_len
+        if (msg.session, msg.epoch) != (self.session, self.epoch):
+            raise self._lie(self.tail, "receipts of another session")
+        try:
+            check_chain(chain, Step(self.session, self.epoch, pos, chain[-1].n_tokens, self.n_layer,
+                                    self.node_ids[-1], chain[-1].h_out, decode))
+        except BrokenChain as exc:
+            raise self._lie(self.tail, f"its chain of receipts: {exc}") from None
+        if decode:
+            ring, chain = chain[0], chain[1:]
+            if ring != self.last_tail:
+                proof = None
+                if self.last_tail is not None and ring.same_step(self.last_tail) and ring.h_out != self.last_tail.h_out:
+                    proof = Proof(kind="equivocation", culprit=ring, witnesses=[self.last_tail])
+                raise self._lie(self.tail, "it gave the head another token than the asker", proof)
+        if [r.node_id for r in chain] != self.node_ids:
+            raise self._lie(self.tail, "receipts of nodes not on the route")
+        head, last = chain[0], chain[-1]
+        n = head.n_tokens
+        if not decode:
+            known = self.result.prompt_tokens + self.result.tokens
+            if len(known) >= pos + n and head.h_in != row_hash(np.asarray(known[pos:pos + n], np.int32).tobytes()):
+                raise self._lie(0, "the head signed another prompt than it tokenized")
+        sampled = pos + n >= self.prompt_len
+        if sampled == (last.h_out == NO_TOKENS):
+            raise self._lie(self.tail, "the tail's receipt says it sampled where it cannot have")
+        for k, r in enumerate(chain):
+            self.by_stage[k][pos] = r
+        self.awaiting_token = last if sampled else None
+        self.last_tail = last
+        self.next_pos = pos + n
+        self.steps += 1
+        for channel in list(self.on_step):
+            try:
+                channel.send_nowait(self.next_pos)
+            except trio.BrokenResourceError:
+                # that range's checks have ended (no replica left that answers)
+                self.on_step.remove(channel)
+
+    def on_token(self, token: int) -> None:
+        expected, self.awaiting_token = self.awaiting_token, None
+        if self.prompt_len is None:
+            return
+        if expected is None:
+            raise self._lie(self.tail, "a token without a receipt")
+        if expected.h_out != row_hash(np.asarray([token], np.int32).tobytes()):
+            raise self._lie(self.tail, "a token other than the one its receipt signs")
+
+    def finish(self, reason: str) -> None:
+        if self.pending:
+            raise self._lie(self.tail, "receipts that no prompt explains")
+        if self.awaiting_token is not None and reason != "eog":
+            raise self._lie(self.tail, "a sampled step's token never came")
+
+
+# ----- spot checks
+
+
+@dataclass
+class CheckPlan:
+    """How often to check (1 in ``every`` steps; 0: never), and the nodes to check on: any of them
+    that serves exactly a range of the route is that range's replica."""
+
+    every: int = DEFAULT_VERIFY
+    candidates: list[Stage] = field(default_factory=list)
+    rng: random.Random = field(default_factory=random.Random)
+    # figures for the asker: steps compared on replicas, and checks run
+    compared: int = 0
+    checks: int = 0
+
+
+def replicas_of(route: Sequence[Stage], candidates: Sequence[Stage]) -> dict[int, list[Stage]]:
+    """The candidates that serve exactly a range of ``route`` (same model), other than its own node."""
+    out: dict[int, list[Stage]] = {}
+    for i, stage in enumerate(route):
+        for c in candidates:
+            if (c.layers is not None and c.layers == stage.layers and c.model_digest == stage.model_digest
+                    and c.node_id != stage.node_id and c.address != stage.address):
+                out.setdefault(i, []).append(c)
+    return out
+
+
+class Inbox:
+    """What a stage's control stream brings besides errors: the kept inputs the asker asked for."""
+
+    def __init__(self) -> None:
+        self.send, self.receive = trio.open_memory_channel[Inputs](64)
+
+
+class RangeCheck:
+    """Spot checks of one range of the route on its replicas: inputs from the stage under check,
+    replayed on a replica's check session, receipts compared step by step."""
+
+    def __init__(self, peers: Peers, audit: Audit, index: int, stage_stream: Stream | None, inbox: Inbox | None,
+                 replicas: list[Stage], sampling: Sampling, plan: CheckPlan) -> None:
+        self.peers = peers
+        self.audit = audit
+        self.index = index
+        self.stage_stream = stage_stream
+        self.inbox = inbox
+        self.replicas = list(replicas)
+        self.sampling = sampling
+        self.plan = plan
+        # every input of the range fetched so far, in order: a third opinion replays them all
+        self.inputs: list[StepInput] = []
+        self.fed_until = 0
+        self.opened: list[_Replay] = []
+        # the history hash the stage's receipts must carry, worked out from their inputs
+        self.hist = b""
+
+    def _original(self, pos: int) -> Receipt:
+        return self.audit.by_stage[self.index][pos]
+
+    async def _fetch(self, until: int) -> None:
+        """The range's inputs up to ``until``, each checked against the stage's own signed h_in."""
+        audit = self.audit
+        if self.index == 0:
+            known = audit.result.prompt_tokens + audit.result.tokens
+            for pos in sorted(p for p in audit.by_stage[0] if self.fed_until <= p < until):
+                r = audit.by_stage[0][pos]
+                self._take(StepInput(pos=pos, n_tokens=r.n_tokens, tokens=known[pos:pos + r.n_tokens]))
+            self.fed_until = until
+            return
+        assert self.stage_stream is not None and self.inbox is not None
+        await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch, until=until))
+        more = True
+        while more:
+            reply = await self.inbox.receive.receive()
+            more = reply.more
+            for step in reply.steps:
+                original = audit.by_stage[self.index].get(step.pos)
+                if (original is None or step.tensor is None or step.n_tokens != original.n_tokens
+                        or row_hash(step.tensor.data) != original.h_in or step.pos != self._expected_pos()):
+                    raise StageLied(self.index, audit.node_ids[self.index],
+                                    "it handed over other inputs than its receipts sign", pos=step.pos)
+                self._take(step)
+        self.fed_until = until
+
+    def _take(self, step: StepInput) -> None:
+        """One more input of the range; the stage's receipt of it must carry the history so far."""
+        original = self._original(step.pos)
+        if not self.hist:
+            tail = self.index == len(self.audit.node_ids) - 1
+            assert self.audit.prompt_len is not None
+            self.hist = history_start(original.model, original.layer_begin, original.layer_end,
+                                      sampling_bytes(self.sampling, self.audit.prompt_len) if tail else b"")
+        self.hist = history_next(self.hist, step.pos, step.n_tokens, original.h_in)
+        if original.h_hist != self.hist:
+            raise StageLied(self.index, self.audit.node_ids[self.index],
+                            "its receipt's history is not that of its inputs", pos=step.pos)
+        self.inputs.append(step)
+
+    def _expected_pos(self) -> int:
+        return 0 if not self.inputs else self.inputs[-1].pos + self.inputs[-1].n_tokens
+
+    async def run(self, steps: trio.MemoryReceiveChannel[int]) -> None:
+        try:
+            await self._run(steps)
+        finally:
+            for r in self.opened:
+                await r.aclose()
+
+    async def _run(self, steps: trio.MemoryReceiveChannel[int]) -> None:
+        replica: _Replay | None = None
+        async with steps:
+            async for until in steps:
+                if self.plan.rng.randrange(self.plan.every) != 0:
+                    continue
+                # at most one check in flight: later steps wait for (and join) the next
+                while True:
+                    try:
+                        until = max(until, steps.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                self.plan.checks += 1
+                start = len(self.inputs)
+                await self._fetch(until)
+                while self.replicas and replica is None:
+                    replica = await self._start(self.replicas[0])
+                    if replica is None:
+                        self.replicas.pop(0)
+                if replica is None:
+                    return
+                verdict = await replica.feed(self.inputs[start:], self._original)
+                if verdict is not None:
+                    await self._settle(replica, verdict)
+                    return
+
+    async def _start(self, stage: Stage) -> _Replay | None:
+        try:
+            replay = await _Replay.open(self.peers, stage, self.audit, self.index, self.sampling)
+        except (ProtocolError, trio.BrokenResourceError, trio.EndOfChannel) as exc:
+            log.info("replica %s for a spot check: %s", stage.address, exc)
+            return None
+        self.opened.append(replay)
+        return replay
+
+    async def _settle(self, replica: _Replay, mismatch: Receipt) -> None:
+        """The replica's output differs from the stage's at one step: a third node's decides."""
+        original = self._original(mismatch.pos)
+        node = self.audit.node_ids[self.index]
+        for third_stage in self.replicas[1:]:
+            third = await self._start(third_stage)
+            if third is None:
+                continue
+            with trio.CancelScope() as scope:
+                await third.feed([s for s in self.inputs if s.pos <= mismatch.pos], self._original, stop_at=mismatch.pos)
+                scope.cancel()
+            opinion = third.at.get(mismatch.pos)
+            if opinion is None:
+                continue
+            if opinion.h_out == mismatch.h_out:
+                proof = Proof(kind="divergence", culprit=original, witnesses=[mismatch, opinion])
+                raise StageLied(self.index, node, f"its output at position {mismatch.pos} differs from two replicas'",
+                                proof, mismatch.pos)
+            log.info("replica %s disagreed with the route and a third node: not trusted for checks",
+                     replica.stage.address)
+            return
+        raise StageLied(self.index, node, f"its output at position {mismatch.pos} differs from a replica's "
+                                          f"(no third node to settle it)", None, mismatch.pos)
+
+
+class _Replay:
+    """A check session on one replica: the asker feeds it, it answers each step with its receipt."""
+
+    def __init__(self, stage: Stage, session: str, control: Stream, hop: Stream, node_id: str) -> None:
+        self.stage = stage
+        self.session = session
+        self.control = control
+        self.hop = hop
+        self.node_id = node_id
+        self.at: dict[int, Receipt] = {}
+        self.sent = 0
+
+    @classmethod
+    async def open(cls, peers: Peers, stage: Stage, audit: Audit, index: int, sampling: Sampling) -> _Replay:
+        assert audit.prompt_len is not None
+        control = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+        layers = stage.layers or (None, None)
+        session = new_session_id()
+        reply = await rpc.request(control, Open(
+            session=session, epoch=0, model_digest=stage.model_digest, layer_begin=layers[0], layer_end=layers[1],
+            upstream=peers.node_id, sampling=sampling, max_tokens=1 << 20, receipts=True, check=True),
+            Opened, f"replica {stage.address} opening a check session")
+        check_opened(stage, reply.info)
+        hop = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=reply.info.node_id)
+        await hop.send_message(Hop(session=session, epoch=0, ring=index == 0, prompt_tokens=audit.prompt_len))
+        return cls(stage, session, control, hop, reply.info.node_id)
+
+    async def feed(self, steps: Sequence[StepInput], original: Callable[[int], Receipt],
+                   stop_at: int | None = None) -> Receipt | None:
+        """Sends ``steps`` and reads the replica's receipts of them; the first whose output differs
+        from the route's (``original(pos)``), or None."""
+        for step in steps:
+            tensors = [] if step.tensor is None else [step.tensor.model_dump()]
+            await self.hop.send_all(encode_activation(session=self.session, epoch=0, step=self.sent, pos=step.pos,
+                                                      n_tokens=step.n_tokens, tensors=tensors, tokens=step.tokens))
+            self.sent += 1
+        for step in steps:
+            msg = await self._next_receipt()
+            r = msg.chain[0]
+            if (len(msg.chain) != 1 or r.node_id != self.node_id or r.pos != step.pos or not r.verify()):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
+            self.at[r.pos] = r
+            mine = original(r.pos)
+            if not r.same_step(mine):
+                # the route's receipt carries the history of its inputs (checked): the replica's does not
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} ran another history")
+            if r.h_out != mine.h_out:
+                return r
+            if stop_at is not None and r.pos >= stop_at:
+                return None
+        return None
+
+    async def _next_receipt(self) -> Receipts:
+        while True:
+            with trio.fail_after(60):
+                msg = await self.control.receive_message()
+            if isinstance(msg, Receipts):
+                return msg
+            if isinstance(msg, ErrorMessage):
+                raise error_from_message(msg)
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(0.5):
+            try:
+                await self.control.send_message(Cancel(session=self.session, epoch=0))
+            except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            await self.hop.aclose()
+            await self.control.aclose()
+
+
+
+class Verifier:
+    """Output verification for an ask: what ``run_session`` calls at each point of an epoch."""
+
+    def __init__(self, peers: Peers, plan: CheckPlan | None = None, find_route: RouteFinder | None = None) -> None:
+        self.peers = peers
+        self.plan = plan or CheckPlan()
+        # where replicas come from when the plan names none: routes that avoid one stage of the route
+        self.find_route = find_route
+        self.audit: Audit | None = None
+        # nodes this ask caught lying: never a replica again
+        self.liars: set[str] = set()
+        # the proofs those lies left, for the tracker (bounded: an ask fails over a few times at most)
+        self.proofs: list[Proof] = []
+        # how many steps of its epoch the asker had seen when each lie was laid at a node (a figure)
+        self.caught_at: list[int] = []
+        self.replicas: dict[int, list[Stage]] = {}
+        self.inboxes: dict[int, Inbox] = {}
+        self._checks: list[tuple[RangeCheck, trio.MemoryReceiveChannel[int]]] = []
+
+    async def prepare(self, route: Sequence[Stage]) -> None:
+        """Finds replicas for the route's ranges (a second and a third node for each, where the mesh has them)."""
+        if self.find_route is None or self.plan.every <= 0:
+            return
+        found: list[Stage] = []
+        for stage in route:
+            excluded = [stage.node_id] if stage.node_id else []
+            excluded += self.liars
+            for _ in range(REPLICAS_WANTED):
+                try:
+                    other = await self.find_route(excluded)
+                except (ProtocolError, RouteError):
+                    break
+                match = next((s for s in other if s.layers == stage.layers and s.node_id), None)
+                if match is None or match.node_id is None:
+                    break
+                found.append(match)
+                excluded.append(match.node_id)
+        self.plan.candidates = found
+
+    def begin(self, session: str, epoch: int, route: Sequence[Stage], node_ids: Sequence[str | None], n_layer: int,
+              result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None], sampling: Sampling) -> None:
+        ids = [n for n in node_ids if n is not None]
+        assert len(ids) == len(node_ids), "every stage's node id is known once the route is open"
+        self.audit = Audit(session, epoch, ids, n_layer, result)
+        candidates = [c for c in self.plan.candidates if c.node_id not in self.liars]
+        self.replicas = replicas_of(route, candidates) if self.plan.every > 0 else {}
+        self.inboxes = {i: Inbox() for i in self.replicas if i > 0}
+        self._done = trio.Event()
+        self._checks = []
+        if self.plan.every > 0:
+            for index, replicas in self.replicas.items():
+                send, receive = trio.open_memory_channel[int](math.inf)
+                self.audit.on_step.append(send)
+                check = RangeCheck(self.peers, self.audit, index, streams[index], self.inboxes.get(index), replicas,
+                                   sampling, self.plan)
+                self._checks.append((check, receive))
+        if prompt_len is not None:
+            self.prompt_known(prompt_len)
+
+    def prompt_known(self, prompt_len: int) -> None:
+        assert self.audit is not None
+        if self.audit.prompt_len is None:
+            self.audit.prompt_known(prompt_len)
+
+    def inbox(self, index: int) -> trio.MemorySendChannel[Inputs] | None:
+        box = self.inboxes.get(index)
+        return None if box is None else box.send
+
+    async def run_checks(self) -> None:
+        """The spot checks of every range with a replica, each fed the position each step reaches."""
+        try:
+            async with trio.open_nursery() as nursery:
+                for check, steps in self._checks:
+                    nursery.start_soon(check.run, steps)
+        finally:
+            self._done.set()
+
+    async def settle(self, timeout: float) -> None:
+        """The answer is in: the checks already asked for finish (a lie they find still fails the epoch)."""
+        assert self.audit is not None
+        for channel in self.audit.on_step:
+            channel.close()
+        self.audit.on_step.clear()
+        with trio.move_on_after(timeout):
+            await self._done.wait()
+
+    def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError:
+        error = blamed(error, node_ids)
+        if error.culprit is not None:
+            self.liars.add(error.culprit)
+            if self.audit is not None:
+                self.caught_at.append(self.audit.steps)
+        if isinstance(error, StageLied) and error.proof is not None and len(self.proofs) < MAX_PROOFS:
+            self.proofs.append(error.proof)
+        return error
+
+    def on_chain(self, msg: Receipts) -> None:
+        assert self.audit is not None
+        self.audit.on_chain(msg)
+
+    def on_token(self, token: int) -> None:
+        assert self.audit is not None
+        self.audit.on_token(token)
+
+    def finish(self, reason: str) -> None:
+        assert self.audit is not None
+        self.audit.finish(reason)

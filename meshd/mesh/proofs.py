@@ -1,0 +1,124 @@
+"""What receipts prove: the checks a stage, the asker and the tracker make of them (sans-IO).
+
+Every honest stage checks the chain of receipts that comes with an activation
+before it computes a row, and forwards only a chain it checked. So when a
+chain goes wrong, the node that handed it over is the one that broke it:
+``check_chain`` says what is wrong, and its caller blames its authenticated
+sender. That blame is one node's word (good enough to route around the
+sender); a ``Proof`` is evidence anyone can check alone, and only a proof gets
+a node excluded mesh-wide (``check_proof``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from wire.receipt import Proof, Receipt
+
+
+class InvalidProof(ValueError):
+    """A proof that does not prove what it says (a bad signature, receipts of different steps...)."""
+
+
+class BrokenChain(ValueError):
+    """A chain of receipts that an honest sender would not have forwarded."""
+
+
+# Whether a node serves a model's layer range as far as the checker knows (the tracker: its own
+# assignment). Witnesses that do not are not counted, so made-up identities cannot outvote a stage.
+Serves = Callable[[str, str, int, int], bool]
+
+
+def _anyone(node_id: str, model: str, begin: int, end: int) -> bool:
+    return True
+
+
+def check_proof(proof: Proof, serves: Serves = _anyone) -> str:
+    """The culprit's node id if ``proof`` holds; raises InvalidProof otherwise."""
+    culprit = proof.culprit
+    for receipt in (culprit, *proof.witnesses):
+        if not receipt.verify():
+            raise InvalidProof(f"a receipt signed as {receipt.node_id[:16]} has a bad signature")
+        if not receipt.same_step(culprit):
+            raise InvalidProof("the receipts speak of different steps")
+    if proof.kind == "equivocation":
+        other = proof.witnesses[0]
+        if len(proof.witnesses) != 1 or other.node_id != culprit.node_id:
+            raise InvalidProof("an equivocation is two receipts of one signer")
+        if other.h_out == culprit.h_out:
+            raise InvalidProof("the two receipts agree")
+        return culprit.node_id
+    signers = {w.node_id for w in proof.witnesses}
+    if culprit.node_id in signers:
+        raise InvalidProof("the culprit cannot witness against itself")
+    if len(signers) != len(proof.witnesses) or len(signers) < 2:
+        raise InvalidProof("a divergence needs at least two distinct witnesses")
+    if len({w.h_out for w in proof.witnesses}) != 1:
+        raise InvalidProof("the witnesses disagree among themselves")
+    if proof.witnesses[0].h_out == culprit.h_out:
+        raise InvalidProof("the culprit agrees with its witnesses")
+    for w in proof.witnesses:
+        if not serves(w.node_id, w.model, w.layer_begin, w.layer_end):
+            raise InvalidProof(f"witness {w.node_id[:16]} does not serve layers [{w.layer_begin}, {w.layer_end})")
+    return culprit.node_id
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the receiver of a chain knows of the step it comes with."""
+
+    session: str
+    epoch: int
+    pos: int
+    n_tokens: int
+    # the layer the chain must reach: where the receiver's range begins (the asker: n_layer)
+    until: int
+    # the authenticated sender, whose receipt comes last
+    sender: str
+    # the hash of the rows (or token ids) the sender's receipt must say it put out
+    h_out: bytes
+    # rows fed by the ring (past the prompt): the chain must start with the tail's receipt of the token
+    decode: bool
+
+
+def check_chain(chain: Sequence[Receipt], step: Step) -> None:
+    """Raises BrokenChain unless ``chain`` is every stage's signed receipt of ``step``, head first:
+    consecutive ranges from layer 0, each one's output the next one's input, the sender's last.
+
+    A step fed by the ring may start with the tail's receipt of the step before, whose output
+    (the sampled token) is the head's input: then the head cannot take in another token
+    unseen, and a tail that signs one token to the asker and another to the head has signed
+    two receipts of one step (an equivocation)."""
+    if step.decode:
+        # a decode step's chain starts with the tail's receipt of the step that sampled its token
+        if not chain or chain[0].layer_begin == 0:
+            raise BrokenChain("a step fed by the ring without the tail's receipt of its token")
+        ring = chain[0]
+        if (ring.session, ring.epoch, ring.pos + ring.n_tokens) != (step.session, step.epoch, step.pos):
+            raise BrokenChain("the tail's receipt before the chain is of another step")
+        if not ring.verify():
+            raise BrokenChain("the tail's receipt before the chain has a bad signature")
+        if len(chain) < 2 or chain[1].h_in != ring.h_out:
+            raise BrokenChain("the head took in another token than the tail's receipt signs")
+        chain = chain[1:]
+    if not chain:
+        raise BrokenChain("no receipts")
+    layer = 0
+    for k, r in enumerate(chain):
+        if (r.session, r.epoch, r.pos, r.n_tokens) != (step.session, step.epoch, step.pos, step.n_tokens):
+            raise BrokenChain(f"receipt {k} is of another step ({r.pos}+{r.n_tokens} at epoch {r.epoch})")
+        if r.layer_begin != layer or r.layer_end <= r.layer_begin:
+            raise BrokenChain(f"receipt {k} covers layers [{r.layer_begin}, {r.layer_end}), expected from {layer}")
+        if k and r.h_in != chain[k - 1].h_out:
+            raise BrokenChain(f"receipt {k} took in other rows than receipt {k - 1} put out")
+        if not r.verify():
+            raise BrokenChain(f"receipt {k} has a bad signature")
+        layer = r.layer_end
+    last = chain[-1]
+    if layer != step.until:
+        raise BrokenChain(f"the receipts end at layer {layer}, not {step.until}")
+    if last.node_id != step.sender:
+        raise BrokenChain("the last receipt is not the sender's")
+    if last.h_out != step.h_out:
+        raise BrokenChain("the rows are not the ones the sender's receipt signs")

@@ -1,0 +1,52 @@
+"""A stage's receipts for one session: the history it has taken in, and signing each step (sans-IO).
+
+The service hands this the bytes of each step's input and output as they
+travel; the chain that came with the input is checked (``meshd.mesh.proofs``)
+before the step is queued, so only a checked chain is ever extended and forwarded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from wire.identity import NodeIdentity
+from wire.receipt import Receipt, history_next, history_start
+
+
+@dataclass
+class Signer:
+    """One node's identity, with its id and key worked out once (they are hashes of the key)."""
+
+    identity: NodeIdentity
+    node_id: str = ""
+    public_key: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.public_key = self.identity.public_key
+        self.node_id = self.identity.node_id
+
+
+@dataclass
+class SessionReceipts:
+    """The receipts one stage signs for one session, step by step in the order they run."""
+
+    signer: Signer
+    session: str
+    epoch: int
+    model: str
+    layer_begin: int
+    layer_end: int
+    # at the tail: the sampling parameters and where sampling begins, as bytes (they decide the output)
+    sampling: bytes = b""
+    hist: bytes = field(default=b"")
+
+    def sign(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes) -> Receipt:
+        if not self.hist:
+            self.hist = history_start(self.model, self.layer_begin, self.layer_end, self.sampling)
+        self.hist = history_next(self.hist, pos, n_tokens, h_in)
+        s = self.signer
+        receipt = Receipt.unvalidated({
+            "session": self.session, "epoch": self.epoch, "pos": pos, "n_tokens": n_tokens, "model": self.model,
+            "layer_begin": self.layer_begin, "layer_end": self.layer_end, "h_in": h_in, "h_out": h_out,
+            "h_hist": self.hist, "node_id": s.node_id, "public_key": s.public_key, "signature": b""})
+        return receipt.model_copy(update={"signature": s.identity.sign(receipt.signing_bytes())})

@@ -1,0 +1,71 @@
+"""The stage's checks of the receipts that come with its input (sans-IO).
+
+On a hop (or ring) stream with receipts on, each activation follows the
+``Receipts`` of its step. The chain is checked before a byte of the rows is
+decoded; a chain that does not hold fails the session as PAYLOAD_CORRUPT, which
+the asker reads as the sender's fault: an honest sender checked what it forwards.
+"""
+
+from __future__ import annotations
+
+from meshd.mesh.proofs import BrokenChain, Step, check_chain
+from wire.errors import ErrorCode, ProtocolError
+from wire.receipt import Receipt, Receipts
+from wire.tensors import Activation
+
+
+class ChainHeld:
+    """The one chain a hop stream has announced for its next activation."""
+
+    def __init__(self, wanted: bool) -> None:
+        self.wanted = wanted
+        self.chain: tuple[Receipt, ...] | None = None
+
+    def hold(self, msg: Receipts, session: str, epoch: int) -> None:
+        if not self.wanted:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts on a session that did not ask for them")
+        if self.chain is not None:
+            # one chain per activation: a sender cannot make a stage buffer chains
+            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "two chains of receipts without an activation between")
+        if (msg.session, msg.epoch) != (session, epoch):
+            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "receipts of another session or epoch")
+        self.chain = tuple(msg.chain)
+
+    def take(self, sender: str) -> tuple[str, tuple[Receipt, ...]] | None:
+        """The chain for the activation that has just come (None with receipts off)."""
+        if not self.wanted:
+            return None
+        chain, self.chain = self.chain, None
+        if chain is None:
+            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "an activation without its receipts")
+        return sender, chain
+
+
+def check_incoming(held: tuple[str, tuple[Receipt, ...]], msg: Activation, until: int, h_rows: bytes,
+                   ring: bool, prompt_len: int) -> tuple[Receipt, ...]:
+    """The chain, checked against the activation it came with; PAYLOAD_CORRUPT if it does not hold.
+
+    On a hop, every receipt is of the activation's step and the chain reaches this stage's
+    first layer. On the ring, the chain is the step the tail sampled this token in (it ended
+    where this activation begins) and covers the whole model."""
+    sender, chain = held
+    try:
+        if ring:
+            last = chain[-1]
+            if last.pos + last.n_tokens != msg.pos:
+                raise BrokenChain(f"the tail's receipt ends at {last.pos + last.n_tokens}, the token is at {msg.pos}")
+            step = Step(msg.session, msg.epoch, last.pos, last.n_tokens, until, sender, h_rows,
+                        last.pos >= prompt_len)
+        else:
+            step = Step(msg.session, msg.epoch, msg.pos, msg.n_tokens, until, sender, h_rows, msg.pos >= prompt_len)
+        check_chain(chain, step)
+    except BrokenChain as exc:
+        raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"receipts from the upstream stage: {exc}") from None
+    # the head's step starts its own chain with the tail's receipt of the token it takes in
+    return (chain[-1],) if ring else chain
+
+
+def receipts_message(session: str, epoch: int, chain: tuple[Receipt, ...]) -> Receipts:
+    # built unvalidated from receipts this stage checked or signed: this is per token
+    return Receipts.unvalidated({"type": "receipts", "v": 1, "session": session, "epoch": epoch,
+                                 "chain": list(chain)})

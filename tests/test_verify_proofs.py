@@ -1,0 +1,210 @@
+"""Receipts, chains and proofs without a network: what an honest stage signs holds, and what an
+attacker forges, moves or pads is refused before anyone acts on it."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from meshd.client.ask import AskResult, StageError
+from meshd.client.verify import Audit, StageLied, blamed
+from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
+from meshd.stage.receipts import SessionReceipts, Signer
+from meshd.stage.verify import ChainHeld, receipts_message
+from wire.codec import decode, encode, protocol_limits
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.receipt import MAX_CHAIN, MAX_WITNESSES, Proof, ProofGossip, Receipt, Receipts, row_hash
+from wire.stage import STAGE_PROTOCOL, InputsRequest
+
+STAGE = protocol_limits(STAGE_PROTOCOL)
+MODEL = "ab" * 32
+RANGES = [(0, 2), (2, 4), (4, 6)]
+SIGNERS = [Signer(NodeIdentity.generate()) for _ in RANGES]
+REPLICAS = [Signer(NodeIdentity.generate()) for _ in range(3)]
+
+
+def ledger(signer: Signer, layers: tuple[int, int], session: str = "s1") -> SessionReceipts:
+    return SessionReceipts(signer, session, 0, MODEL, *layers)
+
+
+def tokens_hash(ids: list[int]) -> bytes:
+    return row_hash(np.asarray(ids, np.int32).tobytes())
+
+
+def honest_chain(pos: int, n: int, h_in: bytes, outs: list[bytes], ledgers: list[SessionReceipts]) -> list[Receipt]:
+    chain = []
+    for ledger_, out in zip(ledgers, outs, strict=True):
+        chain.append(ledger_.sign(pos, n, h_in, out))
+        h_in = out
+    return chain
+
+
+def test_an_honest_chain_holds_and_each_forgery_breaks_it() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    outs = [row_hash(b"rows after head"), row_hash(b"rows after mid"), tokens_hash([])]
+    chain = honest_chain(0, 5, tokens_hash([1, 2, 3, 4, 5]), outs, ledgers)
+    step = Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, outs[2], decode=False)
+    check_chain(chain, step)
+    # a receipt changed after signing, moved rows, a gap in the layers, another sender, other rows
+    tampered = chain[1].model_copy(update={"h_out": row_hash(b"other")})
+    attacks = {
+        "bad signature": [chain[0], tampered.model_copy(update={"h_in": chain[0].h_out}), chain[2]],
+        "another step": [c.model_copy(update={"pos": 1}) for c in chain],
+        "layers": [chain[0], chain[2]],
+        "took in other rows": [chain[0], chain[2].model_copy(update={"layer_begin": 2}), chain[2]],
+        "sender": chain,
+    }
+    for what, forged in attacks.items():
+        s = step if what != "sender" else Step("s1", 0, 0, 5, 6, SIGNERS[1].node_id, outs[2], decode=False)
+        with pytest.raises(BrokenChain):
+            check_chain(forged, s)
+    with pytest.raises(BrokenChain, match="not the ones"):
+        check_chain(chain, Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, row_hash(b"x"), decode=False))
+    # a decode step must start with the tail's receipt of the token the head took in
+    with pytest.raises(BrokenChain, match="without the tail's receipt"):
+        check_chain(chain, Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, outs[2], decode=True))
+
+
+def test_a_decode_chain_links_the_head_to_the_tails_last_token() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    prompt = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
+    ring = prompt[-1]
+    step = honest_chain(3, 1, tokens_hash([9]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])], ledgers)
+    check_chain([ring, *step], Step("s1", 0, 3, 1, 6, SIGNERS[2].node_id, step[-1].h_out, decode=True))
+    other = honest_chain(3, 1, tokens_hash([8]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])],
+                         [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)])
+    with pytest.raises(BrokenChain, match="another token"):
+        check_chain([ring, *other], Step("s1", 0, 3, 1, 6, SIGNERS[2].node_id, other[-1].h_out, decode=True))
+
+
+def test_the_asker_blames_the_tail_for_a_token_its_receipt_does_not_sign() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    result = AskResult(prompt_tokens=[1, 2, 3])
+    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, result, prompt_len=3)
+    chain = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
+    audit.on_chain(receipts_message("s1", 0, tuple(chain)))
+    with pytest.raises(StageLied) as lie:
+        audit.on_token(8)
+    assert lie.value.culprit == SIGNERS[2].node_id and lie.value.retryable
+
+
+def test_the_asker_blames_the_head_for_a_prompt_it_did_not_tokenize_as_it_said() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
+    chain = honest_chain(0, 3, tokens_hash([1, 2, 4]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
+    with pytest.raises(StageLied) as lie:
+        audit.on_chain(receipts_message("s1", 0, tuple(chain)))
+    assert lie.value.culprit == SIGNERS[0].node_id
+
+
+def test_a_tail_giving_the_head_another_token_leaves_an_equivocation_proof() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
+    first = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
+    audit.on_chain(receipts_message("s1", 0, tuple(first)))
+    audit.on_token(9)
+    # the tail signed token 9 to the asker and token 5 (same step, same history) to the head
+    to_head = first[2].model_copy(update={"h_out": tokens_hash([5]), "signature": b""})
+    to_head = to_head.signed(SIGNERS[2].identity)
+    second = honest_chain(3, 1, tokens_hash([5]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])],
+                          [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)])
+    with pytest.raises(StageLied) as lie:
+        audit.on_chain(receipts_message("s1", 0, (to_head, *second)))
+    assert lie.value.proof is not None and check_proof(lie.value.proof) == SIGNERS[2].node_id
+
+
+def divergence(culprit_out: bytes = b"lie") -> tuple[Receipt, list[Receipt]]:
+    h_in = row_hash(b"rows in")
+    culprit = ledger(SIGNERS[1], (2, 4)).sign(0, 4, h_in, row_hash(culprit_out))
+    witnesses = [ledger(r, (2, 4), session=f"check{k}").sign(0, 4, h_in, row_hash(b"truth"))
+                 for k, r in enumerate(REPLICAS[:2])]
+    return culprit, witnesses
+
+
+def test_a_divergence_proof_names_the_culprit_and_any_node_can_check_it() -> None:
+    culprit, witnesses = divergence()
+    proof = Proof(kind="divergence", culprit=culprit, witnesses=witnesses)
+    gossiped = decode(encode(ProofGossip(proof=proof)), protocol_limits(STAGE_PROTOCOL))
+    assert isinstance(gossiped, ProofGossip) and check_proof(gossiped.proof) == SIGNERS[1].node_id
+
+
+def test_forged_proofs_are_refused() -> None:
+    culprit, witnesses = divergence()
+    sybil = Signer(NodeIdentity.generate())
+    forged_sig = witnesses[1].model_copy(update={"h_out": row_hash(b"lie")})
+    other_history = ledger(REPLICAS[2], (2, 4)).sign(0, 4, row_hash(b"other rows"), row_hash(b"truth"))
+    stolen_key = witnesses[1].model_copy(update={"public_key": sybil.public_key})
+    forgeries = {
+        "bad signature": Proof(kind="divergence", culprit=culprit, witnesses=[witnesses[0], forged_sig]),
+        "another key": Proof(kind="divergence", culprit=culprit, witnesses=[witnesses[0], stolen_key]),
+        "one witness": Proof(kind="divergence", culprit=culprit, witnesses=witnesses[:1]),
+        "the same witness twice": Proof(kind="divergence", culprit=culprit, witnesses=[witnesses[0]] * 2),
+        "different steps": Proof(kind="divergence", culprit=culprit, witnesses=[witnesses[0], other_history]),
+        "an honest culprit": Proof(kind="divergence", culprit=witnesses[0], witnesses=[witnesses[1], culprit]),
+        "agreeing receipts": Proof(kind="equivocation", culprit=culprit, witnesses=[culprit]),
+        "two signers": Proof(kind="equivocation", culprit=culprit, witnesses=[witnesses[0]]),
+    }
+    for what, proof in forgeries.items():
+        with pytest.raises(InvalidProof):
+            check_proof(proof)
+        assert what
+    # sybils that serve no such range (as the tracker's assignment says) cannot outvote an honest stage
+    honest = ledger(SIGNERS[1], (2, 4)).sign(0, 4, row_hash(b"rows in"), row_hash(b"truth"))
+    sybils = [ledger(Signer(NodeIdentity.generate()), (2, 4), "x").sign(0, 4, row_hash(b"rows in"), row_hash(b"lie"))
+              for _ in range(2)]
+    framing = Proof(kind="divergence", culprit=honest, witnesses=sybils)
+    assert check_proof(framing) == SIGNERS[1].node_id  # without a view of who serves what, it looks valid
+    assigned = {SIGNERS[1].node_id, REPLICAS[0].node_id, REPLICAS[1].node_id}
+    with pytest.raises(InvalidProof, match="does not serve"):
+        check_proof(framing, lambda node, model, begin, end: node in assigned)
+
+
+def test_bounds_on_receipts_and_proofs_are_held_by_the_decoder() -> None:
+    culprit, witnesses = divergence()
+    too_long = encode(Receipts.unvalidated({"type": "receipts", "v": 1, "session": "s1", "epoch": 0,
+                                           "chain": [culprit] * (MAX_CHAIN + 1)}))
+    with pytest.raises(ProtocolError):
+        decode(too_long, STAGE)
+    crowded = encode(ProofGossip.unvalidated({"type": "proof", "v": 1, "proof": Proof.model_construct(
+        kind="divergence", culprit=culprit, witnesses=witnesses * (MAX_WITNESSES // 2 + 1))}))
+    with pytest.raises(ProtocolError):
+        decode(crowded, STAGE)
+    # a hash of another length, a signature too long, a negative position
+    for field, value in (("h_out", b"x" * 64), ("signature", b"s" * 65), ("pos", -1)):
+        body = msgpack.unpackb(encode(Receipts(session="s1", epoch=0, chain=[culprit]))[4:])
+        body["chain"][0][field] = value
+        packed = msgpack.packb(body, use_bin_type=True)
+        with pytest.raises(ProtocolError):
+            decode(len(packed).to_bytes(4, "big") + packed, STAGE)
+    with pytest.raises(ProtocolError):
+        decode(encode(InputsRequest.unvalidated({"type": "inputs_request", "v": 1, "session": "s1", "epoch": 0,
+                                                 "until": -5})), STAGE)
+
+
+def test_a_hop_stream_must_give_each_activation_one_chain_of_its_session() -> None:
+    culprit, _ = divergence()
+    msg = Receipts(session="s1", epoch=0, chain=[culprit])
+    held = ChainHeld(True)
+    with pytest.raises(ProtocolError) as missing:
+        held.take("sender")
+    assert missing.value.code is ErrorCode.PAYLOAD_CORRUPT
+    held.hold(msg, "s1", 0)
+    with pytest.raises(ProtocolError, match="two chains"):
+        held.hold(msg, "s1", 0)
+    assert held.take("sender") == ("sender", (culprit,))
+    with pytest.raises(ProtocolError, match="another session"):
+        held.hold(msg, "s2", 0)
+    with pytest.raises(ProtocolError, match="did not ask"):
+        ChainHeld(False).hold(msg, "s1", 0)
+
+
+def test_a_stage_refusing_its_input_as_corrupt_blames_its_upstream() -> None:
+    ids = ["head", "mid", "tail"]
+    corrupt = StageError(2, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "receipts from the upstream stage: x"))
+    assert blamed(corrupt, ids).culprit == "mid"
+    # the head's input comes around the ring, from the tail
+    assert blamed(StageError(0, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "x")), ids).culprit == "tail"
+    dead = StageError(1, ProtocolError(ErrorCode.UNREACHABLE, "lost"))
+    assert blamed(dead, ids) is dead

@@ -1,0 +1,133 @@
+"""Output verification on a real route: lying stages (attackers) are caught, blamed and routed around.
+
+Stages of a tiny random model run in this process, each with its own engine
+worker; the middle range is served three times, the tail twice. Two
+attackers are meshd's own stage service with one thing patched: one flips a
+float of its output at a random step (signing what it sent, so only a spot
+check on a replica can catch it), one forwards its activations one position
+off. Each is blamed (not an honest neighbour), and the answer is identical
+to an undisturbed one.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import meshd.stage.service as service_module
+from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
+from meshd.client.verify import CheckPlan, Verifier
+from meshd.mesh.proofs import check_proof
+from meshd.net.peers import PeersConfig, open_peers
+from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
+from wire.identity import NodeIdentity
+
+pytestmark = pytest.mark.slow  # six engine workers
+
+ASK_DEADLINE = 120
+RANGES = {"head": (0, 2), "mid": (2, 4), "mid2": (2, 4), "mid3": (2, 4), "tail": (4, 6), "tail2": (4, 6)}
+REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs", max_tokens=24)
+
+
+def stage_of(node: StageNode) -> Stage:
+    r = node.service.report
+    return Stage(node.address, node.peers.node_id, node.service.digest, (r.layer_begin, r.layer_end))
+
+
+def attacker_flipping_a_float(service: StageService, at_call: int) -> None:
+    """An attacker: flips the sign of one float of its output in its ``at_call``-th engine call of a
+    routed session (not of a check session), and signs what it sends as an honest stage would."""
+    honest = service._dispatch
+    calls = [0]
+
+    def lying(batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
+        if any(not w.payload.session.open.check for w in batch):
+            calls[0] += 1
+            if calls[0] == at_call:
+                rows = np.frombuffer(body, dtype=np.float32)
+                rows[0] = -rows[0] if rows[0] else 1.0
+        honest(batch, reply, body)
+
+    service._dispatch = lying  # type: ignore[method-assign]
+
+
+def attacker_one_position_off(service: StageService) -> None:
+    """An attacker: forwards every activation one position further on than the rows it computed."""
+    honest = service._dispatch
+
+    def shifted(batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
+        # _dispatch does not yield, so no other stage of this process encodes meanwhile
+        real = service_module.encode_activation
+
+        def moved(**fields: Any) -> bytes:
+            fields["pos"] += 1
+            return real(**fields)
+
+        service_module.encode_activation = moved
+        try:
+            honest(batch, reply, body)
+        finally:
+            service_module.encode_activation = real
+
+    service._dispatch = shifted  # type: ignore[method-assign]
+
+
+def route_finder(pool: Sequence[StageNode]) -> Callable[[list[str]], Any]:
+    """Routes over ``pool`` as a tracker would plan them: the first node of each range not excluded."""
+
+    async def find(excluded: list[str]) -> list[Stage]:
+        route: list[Stage] = []
+        for begin in (0, 2, 4):
+            route.append(next(stage_of(n) for n in pool if n.service.report.layer_begin == begin
+                              and n.peers.node_id not in excluded))
+        return route
+
+    return find
+
+
+async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dict[str, Path]) -> None:
+    model = tiny_models["llama-gqa-untied"]
+    limits = StageLimits(max_sessions=6, max_session_tokens=256)
+    async with AsyncExitStack() as stack:
+        nodes = {name: await stack.enter_async_context(stage_node(
+            model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
+            for name, layers in RANGES.items()}
+        pool = list(nodes.values())
+        find = route_finder(pool)
+        async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+            with trio.fail_after(ASK_DEADLINE):
+                undisturbed = await run_session(peers, await find([]), REQUEST, AskResult())
+                # verification on and nobody lying: the same answer, and checks that found nothing
+                plan = CheckPlan(every=1, candidates=[stage_of(n) for n in pool])
+                honest = await ask_with_failover(peers, find, REQUEST, verifier=Verifier(peers, plan))
+                assert honest.tokens == undisturbed.tokens and honest.epochs == 1
+                assert plan.checks > 0
+
+                # a stage computing wrongly at a random step: a spot check on a replica catches it
+                liar = nodes["mid"]
+                attacker_flipping_a_float(liar.service, random.Random(14).randrange(2, 12))
+                verifier = Verifier(peers, CheckPlan(every=2, candidates=[stage_of(n) for n in pool],
+                                                     rng=random.Random(8)))
+                caught = await ask_with_failover(peers, find, REQUEST, verifier=verifier)
+                assert verifier.liars == {liar.peers.node_id}
+                assert caught.tokens == undisturbed.tokens and caught.epochs == 2
+                (proof,) = verifier.proofs
+                # two replicas against one: anyone can check it and name the liar
+                assert proof.kind == "divergence" and check_proof(proof) == liar.peers.node_id
+
+                # a stage forwarding its rows one position off: it is blamed, not the honest tail after it
+                shifter = nodes["mid2"]
+                attacker_one_position_off(shifter.service)
+                verifier = Verifier(peers, CheckPlan(every=0))
+                moved = await ask_with_failover(peers, route_finder([nodes["head"], shifter, nodes["mid3"],
+                                                                     nodes["tail"], nodes["tail2"]]),
+                                                REQUEST, verifier=verifier)
+                assert verifier.liars == {shifter.peers.node_id}
+                assert moved.tokens == undisturbed.tokens

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Output verification: how soon a lying stage is caught, what checking costs in tok/s, and the bytes it adds.
+
+Stages of the default model run in this process (1 thread each, each with its
+own engine worker): a 3-stage route of even ranges, one replica of the head and
+the tail ranges and two of the middle one (a mismatch there is settled by a
+third node, which makes a proof).
+
+(a) Steps until caught: an attacker (meshd's own stage service, patched)
+serves the route's middle range and flips one float of its output at a random
+decode step, signing what it sends as an honest stage would; the asker checks
+1 in 16 steps. Per run: the steps from the lie until the asker laid it at the
+attacker, and whether the answer (regenerated on a route without it) is the
+undisturbed one. Runs that end before any check after the lie count as not caught.
+
+(b) Decode tok/s of the honest 3-stage route with verification at 1 in 16 and
+off, alternating in one run; (c) the bytes per decode token the signed hashes
+add (every hop's chain of receipts, the ring's, and the one the asker gets),
+and beside it the bytes spot checks move at 1 in 16 (inputs fetched and fed to
+a replica), measured from the messages of a real answer.
+
+Usage: .venv/bin/python tools/bench_verify.py [--runs 20] [--tokens 96] [--rate-tokens 64] [--repeats 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
+from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session  # noqa: E402
+from meshd.client.verify import CheckPlan, Verifier  # noqa: E402
+from meshd.mesh.models import default_model_path  # noqa: E402
+from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
+from meshd.stage.service import StageLimits, StageNode, StageService, stage_node  # noqa: E402
+from wire.codec import encode  # noqa: E402
+from wire.identity import NodeIdentity  # noqa: E402
+from wire.receipt import Receipts  # noqa: E402
+from wire.stage import Inputs  # noqa: E402
+
+RANGES = {"head": (0, 10), "mid": (10, 20), "tail": (20, 30),
+          "head2": (0, 10), "mid2": (10, 20), "mid3": (10, 20), "tail2": (20, 30)}
+PROMPTS = ["Write a short story about a dragon who learns to cook.",
+           "Explain how a bicycle stays upright.",
+           "What should I pack for a week of hiking in the mountains?"]
+EVERY = 16
+
+
+def stage_of(node: StageNode) -> Stage:
+    r = node.service.report
+    return Stage(node.address, node.peers.node_id, node.service.digest, (r.layer_begin, r.layer_end))
+
+
+class FlippingAttacker:
+    """Patches an honest stage service into an attacker: at its ``at``-th engine call of a routed session it
+    flips the sign of one float of its output (and signs what it sends, as an honest stage would)."""
+
+    def __init__(self, service: StageService) -> None:
+        self.honest = service._dispatch
+        self.at = 0
+        self.calls = 0
+        service._dispatch = self.dispatch  # type: ignore[method-assign]
+
+    def arm(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def dispatch(self, batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
+        if any(not w.payload.session.open.check for w in batch):
+            self.calls += 1
+            if self.calls == self.at:
+                rows = np.frombuffer(body, dtype=np.float32)
+                rows[0] = -rows[0] if rows[0] else 1.0
+        self.honest(batch, reply, body)
+
+
+class Counting(Verifier):
+    """A verifier that counts the bytes of the receipts and inputs it receives."""
+
+    receipts_bytes = 0
+    decode_chain: Receipts | None = None
+    inputs_bytes = 0
+
+    def on_chain(self, msg: Receipts) -> None:
+        size = len(encode(msg))
+        Counting.receipts_bytes += size
+        if msg.chain[0].layer_begin > 0:
+            Counting.decode_chain = msg
+        super().on_chain(msg)
+
+
+async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: int) -> dict[str, Any]:
+    model = default_model_path()
+    limits = StageLimits(max_sessions=8, max_session_tokens=1024)
+    rng = random.Random(seed)
+    async with AsyncExitStack() as stack:
+        nodes = {name: await stack.enter_async_context(stage_node(
+            model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
+            for name, layers in RANGES.items()}
+        peers = await stack.enter_async_context(open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)))
+        route = [stage_of(nodes[n]) for n in ("head", "mid", "tail")]
+        replicas = [stage_of(nodes[n]) for n in ("head2", "mid2", "mid3", "tail2")]
+
+        async def find(excluded: list[str]) -> list[Stage]:
+            out = []
+            for begin in (0, 10, 20):
+                out.append(next(stage_of(n) for n in nodes.values() if n.service.report.layer_begin == begin
+                                and n.peers.node_id not in excluded))
+            return out
+
+        # (b) and (c): the honest route, verification at 1 in 16 against off
+        rates: dict[str, list[float]] = {"off": [], "receipts": [], "verify": []}
+        sizes: dict[str, float] = {}
+        for round_ in range(repeats):
+            for i, prompt in enumerate(PROMPTS):
+                request = AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=rate_tokens)
+                order = ["off", "receipts", "verify"][::1 if (round_ + i) % 2 == 0 else -1]
+                answers = {}
+                for mode in order:
+                    every = {"off": 0, "receipts": 0, "verify": EVERY}[mode]
+                    verifier = None if mode == "off" else Counting(peers, CheckPlan(every=every, candidates=replicas,
+                                                                                  rng=random.Random(rng.random())))
+                    Counting.receipts_bytes = 0
+                    with trio.fail_after(600):
+                        answers[mode] = await run_session(peers, route, request, AskResult(), stall_timeout=120,
+                                                          verifier=verifier)
+                    rates[mode].append(answers[mode].decode_rate)
+                if not answers["off"].tokens == answers["receipts"].tokens == answers["verify"].tokens:
+                    raise SystemExit(f"verification changed the answer to {prompt[:40]!r}")
+        chain = Counting.decode_chain
+        assert chain is not None
+        # on the way: the head's chain (the ring's receipt and its own), the middle's (three), the ring's
+        # and the asker's (the whole route's, four each)
+        sub = [len(encode(Receipts(session=chain.session, epoch=chain.epoch, chain=chain.chain[:k]))) for k in (2, 3)]
+        whole = len(encode(chain))
+        sizes = {"head_to_mid": sub[0], "mid_to_tail": sub[1], "tail_ring_to_head": whole, "tail_to_asker": whole}
+        width = nodes["mid"].service.report.stage_width
+        # a spot check moves, per token of each range past the head: the row fetched, fed to the replica
+        # (about its size each: raw f32), and the replica's receipt back
+        receipt_one = len(encode(Receipts(session=chain.session, epoch=chain.epoch, chain=chain.chain[-1:])))
+        step_input = len(encode(Inputs(session=chain.session, epoch=chain.epoch, steps=[]))) + 4 * width + 96
+        spot = 2 * (2 * step_input) + 3 * receipt_one
+
+        # (a) steps until caught
+        attacker = FlippingAttacker(nodes["mid"].service)
+        caught: list[int] = []
+        missed = 0
+        identical = True
+        clean: dict[str, AskResult] = {}
+        for run in range(runs):
+            prompt = PROMPTS[run % len(PROMPTS)]
+            request = AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=tokens)
+            if prompt not in clean:
+                with trio.fail_after(600):
+                    clean[prompt] = await run_session(peers, [route[0], stage_of(nodes["mid2"]), route[2]], request,
+                                                      AskResult(), stall_timeout=120)
+            lie_at = rng.randrange(2, tokens // 2)
+            attacker.arm(lie_at)
+            checker = Verifier(peers, CheckPlan(every=EVERY, candidates=replicas, rng=random.Random(rng.random())))
+            with trio.fail_after(600):
+                answer = await ask_with_failover(peers, find, request, stall_timeout=120, verifier=checker)
+            identical = identical and answer.tokens == clean[prompt].tokens
+            if checker.caught_at:
+                caught.append(checker.caught_at[0] - lie_at)
+            else:
+                missed += 1
+            print(json.dumps({"run": run, "lie_at_step": lie_at, "caught_after": caught[-1] if checker.caught_at
+                              else None, "proofs": len(checker.proofs), "identical": answer.tokens == clean[prompt].tokens}),
+                  file=sys.stderr, flush=True)
+            attacker.arm(0)
+    return {
+        "every": EVERY,
+        "caught": {"runs": runs, "caught": len(caught), "missed": missed,
+                   "median_steps": statistics.median(caught) if caught else None,
+                   "max_steps": max(caught) if caught else None, "answers_identical": identical},
+        "decode_tok_s": {"off": statistics.median(rates["off"]), "receipts": statistics.median(rates["receipts"]),
+                         "verify": statistics.median(rates["verify"]),
+                         "receipts_slowdown": 1 - statistics.median(rates["receipts"]) / statistics.median(rates["off"]),
+                         "slowdown": 1 - statistics.median(rates["verify"]) / statistics.median(rates["off"]),
+                         "samples": len(rates["off"])},
+        "bytes_per_token": {"receipts": sizes, "receipts_total": sum(sizes.values()),
+                            "spot_checks_at_1_in_16": spot / EVERY, "row_bytes": 4 * width},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=20, help="runs with a lying stage (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=96, help="new tokens per answer of those runs (default: %(default)s)")
+    ap.add_argument("--rate-tokens", type=int, default=64, help="new tokens per answer for tok/s (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over the prompts for tok/s (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=14, help="seed of the lies' steps and the checks' draws")
+    ap.add_argument("--json", type=Path, help="write the figures here too")
+    args = ap.parse_args()
+    out = trio.run(bench, args.runs, args.tokens, args.rate_tokens, args.repeats, args.seed)
+    c, r, b = out["caught"], out["decode_tok_s"], out["bytes_per_token"]
+    print(json.dumps(out, indent=2))
+    print("| figure | value |")
+    print("|---|---|")
+    print(f"| lying stage caught (1 in {out['every']}) | {c['caught']}/{c['runs']} runs, median {c['median_steps']} "
+          f"steps after the lie, max {c['max_steps']}; answers identical: {c['answers_identical']} |")
+    print(f"| decode tok/s, 3 stages, off | {r['off']:.1f} |")
+    print(f"| decode tok/s, 3 stages, receipts only (--verify 0 would be off) | {r['receipts']:.1f} "
+          f"({r['receipts_slowdown']:+.1%} slower) |")
+    print(f"| decode tok/s, 3 stages, verify 1 in {out['every']} | {r['verify']:.1f} ({r['slowdown']:+.1%} slower) |")
+    parts = ", ".join(f"{k} {v}" for k, v in b["receipts"].items())
+    print(f"| signed hashes, bytes per token | {b['receipts_total']} ({parts}) |")
+    print(f"| spot checks, bytes per token | {b['spot_checks_at_1_in_16']:.0f} (rows of {b['row_bytes']} bytes) |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
