@@ -306,7 +306,7 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
         if isinstance(request, StatusRequest):
             return daemon.status(offset=request.offset)
         if isinstance(request, RouteRequest):
-            return daemon.route(request.model, request.exclude)
+            return await daemon.planned_route(request.model, request.exclude)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
     return answer
 

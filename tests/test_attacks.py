@@ -147,3 +147,36 @@ async def test_a_claim_of_the_last_term_never_takes_the_tracker_and_a_bombed_vol
     view = await converged(peers, mesh)
     assert view.tracker == before.tracker
     await honest_ask(peers, mesh)
+
+
+# ----- routes
+
+async def test_a_member_declaring_every_layer_at_a_made_up_speed_gets_no_route_from_any_node(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with attacker(mesh.seed.address) as bad:
+        bad.forge(models=[mesh.model], served=every_layer(mesh.model), seconds_per_layer=1e-9)
+        await joined(peers, mesh, bad)
+        # asked at the tracker or at any other member: only the ranges the tracker placed
+        for via in mesh.nodes:
+            route = await honest_route(peers, mesh, via)
+            assert bad.mesh.node_id not in [s.node_id for s in route.stages], via
+            assert {s.node_id for s in route.stages} == {v.node_id for v in mesh.volunteers}
+        await honest_ask(peers, mesh)
+
+
+async def test_a_made_up_digest_named_like_the_real_model_never_takes_an_ask(mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    fake = fake_model(mesh.model)
+    async with attacker(mesh.seed.address) as bad:
+        bad.forge(models=[fake], served=every_layer(fake), seconds_per_layer=1e-9)
+        await joined(peers, mesh, bad)
+        for request in (RouteRequest(), RouteRequest(model=mesh.model.name)):
+            with pytest.raises(ProtocolError) as refused:
+                await rpc(peers, mesh.seed.address, request, timeout=20.0)
+            assert mesh.model.digest[:16] in str(refused.value) and fake.digest[:16] in str(refused.value)
+        asked = await trio.to_thread.run_sync(run_meshd, "ask", "--seed", mesh.volunteers[0].address, "--max-tokens",
+                                              "4", PROMPT)
+        assert asked.returncode != 0 and len(asked.stderr.strip().splitlines()) == 1, asked.stderr
+        assert "--model" in asked.stderr and fake.digest[:12] in asked.stderr
+        await honest_ask(peers, mesh)
