@@ -24,7 +24,7 @@ from meshd.net.link import Stream
 from meshd.net.peers import PeersConfig
 from wire.codec import Message
 from wire.identity import NodeIdentity
-from wire.meshrpc import AssignmentReply, AssignmentRequest
+from wire.meshrpc import SWIM_PROTOCOL, AssignmentReply, AssignmentRequest
 
 LAST_TERM = 2**63 - 1
 
@@ -72,6 +72,14 @@ class AttackerDaemon(MeshDaemon):
         """A SWIM message of its own making, sent to `dest` over a real link."""
         self._send(dest, message)  # type: ignore[arg-type]
 
+    async def send_swim_whole(self, dest: str, message: Message, timeout: float = 30.0) -> None:
+        """A big SWIM message sent to its end (the daemon's own sends give up after a second)."""
+        address = self.address_of(dest)
+        with trio.fail_after(timeout):
+            stream = await self.peers.open_stream(address, SWIM_PROTOCOL, node_id=dest)
+            async with stream:
+                await stream.send_message(message)
+
     async def spam_dead(self, victim: str, to: list[str], every: float, until: float) -> int:
         """Signed `Dead(victim)` at the victim's current incarnation (as this node last saw it: a
         refutation only moves the target) to every node of `to`, every `every` s until `until`."""
@@ -85,18 +93,6 @@ class AttackerDaemon(MeshDaemon):
                 sent += 1
             await trio.sleep(every)
         return sent
-
-    def plant_members(self, dest: str, count: int) -> None:
-        """One Sync carrying `count` members nobody ever heard from (fresh keys, validly signed
-        records at loopback addresses nothing listens on): the Sybil flood."""
-        now_ms = int(time.time() * 1000)
-        entries = []
-        for i in range(count):
-            fake = NodeIdentity.generate()
-            record = CapabilityRecord.create(fake, now_ms, addresses=[f"127.0.0.1:{1 + i % 60000}"],
-                                             reachability="public", memory_bytes=1 << 30)
-            entries.append(SyncEntry(record=record, state="alive"))
-        self.send_swim(dest, Sync(reply=False, entries=entries))
 
     async def _answer(self, stream: Stream, request: Message) -> None:
         if isinstance(request, AssignmentRequest) and self.assignment_bomb is not None:
@@ -118,6 +114,18 @@ async def attacker(seed: str, config: NodeConfig | None = None) -> AsyncIterator
             yield daemon
         finally:
             nursery.cancel_scope.cancel()
+
+
+def planted_sync(count: int) -> Sync:
+    """One Sync carrying `count` members nobody ever heard from (fresh keys, validly signed records
+    at loopback addresses nothing listens on): the Sybil flood. CPU-heavy: build it in a thread."""
+    now_ms = int(time.time() * 1000)
+    entries = []
+    for i in range(count):
+        record = CapabilityRecord.create(NodeIdentity.generate(), now_ms, addresses=[f"127.0.0.1:{1 + i % 60000}"],
+                                         reachability="public", memory_bytes=1 << 30)
+        entries.append(SyncEntry(record=record, state="alive"))
+    return Sync(reply=False, entries=entries)
 
 
 def fake_model(real: ModelInfo) -> ModelInfo:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import trio
-from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_model
+from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_model, planted_sync
 from localmesh import Served, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply
 from meshd.daemon import describe_model, rpc
-from meshd.mesh.records import ModelInfo
+from meshd.mesh.records import ModelInfo, ServedRange
 from meshd.net.peers import Peers, open_peers
 from tests.conftest import greedy_reference
 from wire.errors import ProtocolError
@@ -179,4 +179,53 @@ async def test_a_made_up_digest_named_like_the_real_model_never_takes_an_ask(mes
                                               "4", PROMPT)
         assert asked.returncode != 0 and len(asked.stderr.strip().splitlines()) == 1, asked.stderr
         assert "--model" in asked.stderr and fake.digest[:12] in asked.stderr
+        await honest_ask(peers, mesh)
+
+
+# ----- gossip
+
+async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the_term_holds(
+        mesh: Mesh, peers: Peers) -> None:
+    before = await converged(peers, mesh)
+    assert before.tracker is not None
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+        others = [n for n in mesh.nodes if n.node_id != before.tracker]
+        samples: list[str] = []
+        async with trio.open_nursery() as nursery:
+            until = trio.current_time() + 4.0
+            nursery.start_soon(bad.spam_dead, before.tracker, [n.node_id for n in mesh.nodes], 0.05, until)
+            while trio.current_time() < until:
+                for node in others:
+                    view = await status(peers, node)
+                    samples += [m.state for m in view.members if m.node_id == before.tracker]
+                    assert view.tracker == before.tracker and view.term == before.term
+                await trio.sleep(0.05)
+        assert len(samples) >= 20 and "dead" not in samples, samples
+        await honest_ask(peers, mesh)
+    await converged(peers, mesh)
+
+
+async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_status_working(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    fake = fake_model(mesh.model)
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+        # more ranges than a status line held before (16; records allow 32), of a model no one else has
+        bad.forge(models=[fake], served=[ServedRange(model=fake.digest, start=i, end=i + 1) for i in range(17)])
+        # ten thousand, in Syncs of a size the decoder takes whole
+        started = trio.current_time()
+        for _ in range(5):
+            await bad.send_swim_whole(mesh.seed.node_id, await trio.to_thread.run_sync(planted_sync, 2000))
+        with trio.fail_after(30):
+            while (await status(peers, mesh.seed)).total_members < 100:
+                await trio.sleep(0.25)
+        for node in mesh.nodes:
+            view = await status(peers, node)
+            # one sender introduces a burst (1024) and 32 a second after it, not ten thousand
+            assert view.total_members <= 4 + 1024 + 32 * (trio.current_time() - started + 1), view.total_members
+            shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", node.address)
+            assert shown.returncode == 0, shown.stderr
+            assert f"{mesh.model.n_layers}/{mesh.model.n_layers} layers covered" in shown.stdout
         await honest_ask(peers, mesh)
