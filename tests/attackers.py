@@ -8,6 +8,7 @@ it is under test.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,8 +24,10 @@ from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net.link import Stream
 from meshd.net.peers import PeersConfig
 from wire.codec import Message
+from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import SWIM_PROTOCOL, AssignmentReply, AssignmentRequest
+from wire.stage import PeerRef
 
 LAST_TERM = 2**63 - 1
 
@@ -93,6 +96,18 @@ class AttackerDaemon(MeshDaemon):
                 sent += 1
             await trio.sleep(every)
         return sent
+
+    async def _on_stage(self, stream: Stream) -> None:
+        # a sink: whatever a stage sends it as its next hop or ring is read and dropped
+        with contextlib.suppress(ProtocolError, trio.EndOfChannel, trio.BrokenResourceError,
+                                 trio.ClosedResourceError):
+            while True:
+                await stream.receive_message()
+
+    @property
+    def ref(self) -> PeerRef:
+        """This attacker as a stage would dial it: a live member at the address its record names."""
+        return PeerRef(address=self.address, node_id=self.mesh.node_id)
 
     async def _answer(self, stream: Stream, request: Message) -> None:
         if isinstance(request, AssignmentRequest) and self.assignment_bomb is not None:

@@ -10,23 +10,27 @@ another's input, and the honest ask gives the whole model's answer before and af
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_model, planted_sync
 from localmesh import Served, run_meshd, start_join, stop_all
+from test_hostile_stage import typed_error
 
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply
+from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply, run_session
 from meshd.daemon import describe_model, rpc
 from meshd.mesh.records import ModelInfo, ServedRange
 from meshd.net.peers import Peers, open_peers
 from tests.conftest import greedy_reference
-from wire.errors import ProtocolError
+from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, new_session_id
+from wire.tensors import Activation, TensorEntry
 
 pytestmark = pytest.mark.slow  # three daemons and two engine workers, shared by the module
 
@@ -229,3 +233,104 @@ async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_stat
             assert shown.returncode == 0, shown.stderr
             assert f"{mesh.model.n_layers}/{mesh.model.n_layers} layers covered" in shown.stdout
         await honest_ask(peers, mesh)
+
+
+# ----- sessions and dialing
+
+async def asked_while(peers: Peers, mesh: Mesh, attack: Callable[[RouteReply, str], Awaitable[None]]) -> None:
+    """An honest ask over the tracker's route; `attack(route, session)` runs, awaited, at its first
+    token (the session is then surely held on every stage). The answer is the whole model's."""
+    route = await honest_route(peers, mesh)
+    session = new_session_id()
+    ran: list[int] = []
+
+    async def on_token(token: int, piece: bytes) -> None:
+        if not ran:
+            ran.append(token)
+            await attack(route, session)
+
+    with trio.fail_after(60):
+        result = await run_session(peers, route_from_reply(route), AskRequest(
+            messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS), AskResult(), on_token=on_token,
+            session_id=session)
+    assert ran, "the attack never ran"
+    assert result.tokens == mesh.expected
+
+
+async def test_a_members_open_at_a_higher_epoch_and_its_hop_and_ring_streams_are_refused(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+
+        async def hijack(route: RouteReply, session: str) -> None:
+            for i, stage in enumerate(route.stages):
+                control = await bad.peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+                async with control:
+                    await control.send_message(Open(session=session, epoch=7, layer_begin=stage.start,
+                                                    layer_end=stage.end, next=bad.ref, head=bad.ref))
+                    err = await typed_error(control)
+                assert err.code is ErrorCode.UNAUTHORIZED and "belongs to another node" in err.message, err
+                # the head's ring comes from the tail, every other stage's hop from the one before
+                hop = await bad.peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+                async with hop:
+                    await hop.send_message(Hop(session=session, epoch=0, ring=i == 0, prompt_tokens=1))
+                    err = await typed_error(hop)
+                assert err.code is ErrorCode.UNAUTHORIZED and "takes its rows from another node" in err.message, err
+
+        await asked_while(peers, mesh, hijack)
+
+
+async def test_an_out_of_vocabulary_carried_token_fails_only_the_attackers_session(mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+
+        async def carry_bad_id(route: RouteReply, session: str) -> None:
+            tail = route.stages[-1]
+            control = await bad.peers.open_stream(tail.address, STAGE_PROTOCOL, node_id=tail.node_id)
+            async with control:
+                await control.send_message(Open(session="oov", epoch=0, layer_begin=tail.start,
+                                                layer_end=tail.end, head=bad.ref))
+                opened = await control.receive_message()
+                assert isinstance(opened, Opened), opened
+                hop = await bad.peers.open_stream(tail.address, STAGE_PROTOCOL, node_id=tail.node_id)
+                async with hop:
+                    await hop.send_message(Hop(session="oov", epoch=0, prompt_tokens=4))
+                    rows = TensorEntry.from_array("hidden_states", np.zeros((1, opened.info.stage_width),
+                                                                            dtype=np.float32))
+                    await hop.send_message(Activation(session="oov", epoch=0, step=0, pos=0, n_tokens=1,
+                                                      tensors=[rows], tokens=[1_000_000]))
+                    err = await typed_error(control)
+            assert err.code is ErrorCode.BAD_REQUEST and "outside the vocabulary" in err.message, err
+
+        await asked_while(peers, mesh, carry_bad_id)
+
+
+async def test_an_open_naming_an_address_no_member_signed_dials_nothing_and_echoes_nothing(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    route = await honest_route(peers, mesh)
+    head, tail = route.stages[0], route.stages[-1]
+    hits: list[int] = []
+
+    async def web(stream: trio.SocketStream) -> None:
+        hits.append(1)
+        await stream.send_all(b"HTTP/1.1 403 Forbidden: secret-internal-reason\r\nContent-Length: 0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, web, 0)
+        internal = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        for ref, code in ((PeerRef(address=internal), ErrorCode.BAD_REQUEST),
+                          (PeerRef(address=internal, node_id=tail.node_id), ErrorCode.UNAUTHORIZED),
+                          (PeerRef(address=internal, node_id="0" * 40), ErrorCode.UNREACHABLE)):
+            control = await peers.open_stream(head.address, STAGE_PROTOCOL, node_id=head.node_id)
+            async with control:
+                await control.send_message(Open(session=new_session_id(), epoch=0, layer_begin=head.start,
+                                                layer_end=head.end, next=ref))
+                err = await typed_error(control)
+            assert err.code is code, err
+            assert "403" not in err.message and "secret" not in err.message
+        nursery.cancel_scope.cancel()
+    assert hits == []
+    await honest_ask(peers, mesh)
