@@ -11,6 +11,7 @@ another's input, and the honest ask gives the whole model's answer before and af
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +25,11 @@ from test_hostile_stage import typed_error
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply, run_session
 from meshd.daemon import describe_model, rpc
 from meshd.mesh.records import ModelInfo, ServedRange
-from meshd.net.peers import Peers, open_peers
+from meshd.net.peers import Peers, PeersConfig, open_peers
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import RouteReply, RouteRequest, RouteStage, StatusReply, StatusRequest
 from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, new_session_id
 from wire.tensors import Activation, TensorEntry
 
@@ -36,6 +37,8 @@ pytestmark = pytest.mark.slow  # three daemons and two engine workers, shared by
 
 PROMPT = "Name three colours."
 TOKENS = 12
+# the attackers' own host (all of 127/8 is loopback): a stage tells them from the bystander by it
+ATTACKER_HOST = PeersConfig(dial_from="127.0.0.2")
 SESSIONS = ["--threads", "1", "--max-sessions", "4", "--session-tokens", "256"]
 
 
@@ -334,3 +337,58 @@ async def test_an_open_naming_an_address_no_member_signed_dials_nothing_and_echo
         nursery.cancel_scope.cancel()
     assert hits == []
     await honest_ask(peers, mesh)
+
+
+async def slow_session(peers: Peers, stage: RouteStage, sink: PeerRef, every: float, held: trio.Event,
+                       lost: list[ProtocolError]) -> None:
+    """An attacker's session on the tail: it feeds one prompt row every `every` s, so it is never idle
+    long enough to be evicted as such; `held` is set once the stage took its first row, and the
+    typed error that ends the session (an eviction) goes into `lost`."""
+    control = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+    async with control, trio.open_nursery() as nursery:
+        session = new_session_id()
+        await control.send_message(Open(session=session, epoch=0, layer_begin=stage.start, layer_end=stage.end,
+                                        head=sink, max_tokens=TOKENS * 10))
+        opened = await control.receive_message()
+        assert isinstance(opened, Opened), opened
+
+        async def watch() -> None:
+            lost.append(await typed_error(control))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        hop = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+        async with hop:
+            # every row a prompt row: nothing is sampled, nothing ends the session but an eviction
+            await hop.send_message(Hop(session=session, epoch=0, prompt_tokens=TOKENS * 10))
+            for pos in range(TOKENS * 10):
+                row = TensorEntry.from_array("hidden_states", np.zeros((1, opened.info.stage_width), np.float32))
+                await hop.send_message(Activation(session=session, epoch=0, step=pos, pos=pos, n_tokens=1,
+                                                  tensors=[row]))
+                held.set()
+                await trio.sleep(every)
+
+
+async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_bystander_out(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    route = await honest_route(peers, mesh)
+    async with attacker(mesh.seed.address) as bad, AsyncExitStack() as stack:
+        await joined(peers, mesh, bad)
+        identities = [await stack.enter_async_context(open_peers(NodeIdentity.generate(), ATTACKER_HOST))
+                      for _ in range(4)]
+        lost: list[ProtocolError] = []
+        async with trio.open_nursery() as nursery:
+            for own in identities:  # every slot of the --max-sessions 4 tail, one row a second each
+                held = trio.Event()
+                nursery.start_soon(slow_session, own, route.stages[-1], bad.ref, 1.0, held, lost)
+                await held.wait()
+            assert not lost
+            await honest_ask(peers, mesh)
+            with trio.fail_after(10):
+                while not lost:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        # the bystander's session took the slot of one of them: their address held every slot
+        (evicted,) = lost
+        assert evicted.code is ErrorCode.CACHE_MISS and "its address held the most" in evicted.message, evicted
