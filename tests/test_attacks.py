@@ -213,31 +213,6 @@ async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the
     await converged(peers, mesh)
 
 
-async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_status_working(
-        mesh: Mesh, peers: Peers) -> None:
-    await converged(peers, mesh)
-    fake = fake_model(mesh.model)
-    async with attacker(mesh.seed.address) as bad:
-        await joined(peers, mesh, bad)
-        # more ranges than a status line held before (16; records allow 32), of a model no one else has
-        bad.forge(models=[fake], served=[ServedRange(model=fake.digest, start=i, end=i + 1) for i in range(17)])
-        # ten thousand, in Syncs of a size the decoder takes whole
-        started = trio.current_time()
-        for _ in range(5):
-            await bad.send_swim_whole(mesh.seed.node_id, await trio.to_thread.run_sync(planted_sync, 2000))
-        with trio.fail_after(30):
-            while (await status(peers, mesh.seed)).total_members < 100:
-                await trio.sleep(0.25)
-        for node in mesh.nodes:
-            view = await status(peers, node)
-            # one sender introduces a burst (1024) and 32 a second after it, not ten thousand
-            assert view.total_members <= 4 + 1024 + 32 * (trio.current_time() - started + 1), view.total_members
-            shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", node.address)
-            assert shown.returncode == 0, shown.stderr
-            assert f"{mesh.model.n_layers}/{mesh.model.n_layers} layers covered" in shown.stdout
-        await honest_ask(peers, mesh)
-
-
 # ----- sessions and dialing
 
 async def asked_while(peers: Peers, mesh: Mesh, attack: Callable[[RouteReply, str], Awaitable[None]]) -> None:
@@ -392,3 +367,32 @@ async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_byst
         # the bystander's session took the slot of one of them: their address held every slot
         (evicted,) = lost
         assert evicted.code is ErrorCode.CACHE_MISS and "its address held the most" in evicted.message, evicted
+
+
+# ----- last: the planted members stay in every view for as long as SWIM takes to probe them out
+
+async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_status_working(
+        mesh: Mesh, peers: Peers) -> None:
+    before = await converged(peers, mesh)
+    fake = fake_model(mesh.model)
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+        # more ranges than a status line held before (16; records allow 32), of a model no one else has
+        bad.forge(models=[fake], served=[ServedRange(model=fake.digest, start=i, end=i + 1) for i in range(17)])
+        # ten thousand, in Syncs of a size the decoder takes whole
+        started = trio.current_time()
+        for _ in range(5):
+            await bad.send_swim_whole(mesh.seed.node_id, await trio.to_thread.run_sync(planted_sync, 2000))
+        with trio.fail_after(30):
+            while (await status(peers, mesh.seed)).total_members < 100:
+                await trio.sleep(0.25)
+        for node in mesh.nodes:
+            view = await status(peers, node)
+            # one sender introduces a burst (1024) and 32 a second after it, not ten thousand
+            assert view.total_members <= 4 + 1024 + 32 * (trio.current_time() - started + 1), view.total_members
+            # members nobody heard from first-hand are no electorate: no majority is out of reach
+            assert view.tracker == before.tracker and view.term == before.term
+            shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", node.address)
+            assert shown.returncode == 0, shown.stderr
+            assert f"{mesh.model.n_layers}/{mesh.model.n_layers} layers covered" in shown.stdout
+        await honest_ask(peers, mesh)
