@@ -10,6 +10,7 @@ another's input, and the honest ask gives the whole model's answer before and af
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -23,9 +24,13 @@ from localmesh import Served, run_meshd, start_join, stop_all
 from test_hostile_stage import typed_error
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply, run_session
-from meshd.daemon import describe_model, rpc
-from meshd.mesh.records import ModelInfo, ServedRange
+from meshd.daemon import MeshDaemon, NodeConfig, describe_model, rpc
+from meshd.mesh.membership import Sync, SyncEntry
+from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
+from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from relay.limits import RelayLimits
+from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Accepted, Incoming, Reserve, Reserved
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -368,6 +373,54 @@ async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_byst
         (evicted,) = lost
         assert evicted.code is ErrorCode.CACHE_MISS and "its address held the most" in evicted.message, evicted
 
+
+
+# ----- relays
+
+async def reserve_as(identity: NodeIdentity, relay: str) -> Reserved | ProtocolError:
+    """A reservation asked of `relay` under `identity`: the reply, or the typed refusal."""
+    async with open_peers(identity) as own:
+        stream = await own.open_stream(relay, HOP_PROTOCOL)
+        try:
+            with trio.fail_after(10):
+                async with stream:
+                    return await net_rpc.request(stream, Reserve(), Reserved, "a reservation")
+        except ProtocolError as exc:
+            return exc
+
+
+async def test_planted_members_cannot_reserve_on_a_relay_and_no_stranger_brings_a_circuit_end(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with trio.open_nursery() as nursery:
+        relay: MeshDaemon = await nursery.start(MeshDaemon(NodeIdentity.generate(), NodeConfig(
+            seeds=(mesh.seed.address,), relay=True, relay_limits=RelayLimits(max_reservations=4))).run)
+        async with attacker(mesh.seed.address) as bad:
+            # identities whose keys the attacker holds, with records it planted in the relay's view
+            fakes = [NodeIdentity.generate() for _ in range(6)]
+            now_ms = int(time.time() * 1000)
+            await bad.send_swim_whole(relay.mesh.node_id, Sync(reply=False, entries=[
+                SyncEntry(record=CapabilityRecord.create(f, now_ms, addresses=["127.0.0.1:9"], reachability="public"),
+                          state="alive") for f in fakes]))
+            with trio.fail_after(30):
+                while not (all(relay.mesh.membership.record_of(f.node_id) for f in fakes)
+                           and relay._is_member(bad.mesh.node_id)):
+                    await trio.sleep(0.1)
+            for fake in fakes:
+                refused = await reserve_as(fake, relay.local_address)
+                assert isinstance(refused, ProtocolError) and refused.code is ErrorCode.UNAUTHORIZED, refused
+            assert relay.relay is not None and not relay.relay.state.reservations
+            # a member the relay has heard from itself still reserves: the slots were not taken
+            assert isinstance(await reserve_as(bad.identity, relay.local_address), Reserved)
+            # and a volunteer that reserved on no relay takes no circuit end from anyone
+            volunteer = mesh.volunteers[0]
+            stop = await bad.peers.open_stream(volunteer.address, STOP_PROTOCOL, node_id=volunteer.node_id)
+            with trio.fail_after(10), pytest.raises(ProtocolError) as refused_end:
+                async with stop:
+                    await net_rpc.request(stop, Incoming(source=bad.mesh.node_id), Accepted, "a circuit end")
+            assert refused_end.value.code is ErrorCode.UNAUTHORIZED, refused_end.value
+        nursery.cancel_scope.cancel()
+    await honest_ask(peers, mesh)
 
 # ----- last: the planted members stay in every view for as long as SWIM takes to probe them out
 
