@@ -18,12 +18,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshd.mesh.election import Election, ElectionConfig, Tracker
-from meshd.mesh.membership import MemberEvent, Membership, MemberState, SwimConfig, SwimMessage
+from meshd.mesh.membership import MemberEvent, Membership, SwimConfig, SwimMessage
 from meshd.mesh.records import CapabilityRecord
 from wire.identity import NodeIdentity
 
 _LIVE_EVENTS = frozenset({"joined", "alive", "updated", "suspect"})
-_LIVE_STATES = (MemberState.ALIVE, MemberState.SUSPECT)
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,6 @@ class MeshNode:
         self._tracker: Tracker | None = None
         self._left = False
         self._events: list[MeshEvent] = []
-        # live members this node has had a message from over their own authenticated link
-        self._first_hand: set[str] = set()
 
     @property
     def node_id(self) -> str:
@@ -103,11 +100,6 @@ class MeshNode:
 
     def handle_message(self, now: float, src: str, message: SwimMessage) -> None:
         self.membership.handle_message(now, src, message)
-        self._observe_members(now)
-        # `src` is the authenticated sender: a member heard from first-hand, who counts in the election
-        if src not in self._first_hand and self.membership.state(src) in _LIVE_STATES:
-            self._first_hand.add(src)
-            self.election.vouch(now, src)
         self._settle(now)
 
     def handle_timer(self, now: float) -> None:
@@ -128,10 +120,7 @@ class MeshNode:
 
     def _observe_members(self, now: float) -> None:
         for event in self.membership.events():
-            live = event.kind in _LIVE_EVENTS
-            if not live:
-                self._first_hand.discard(event.node_id)
-            self.election.observe(now, event.record, live, vouched=event.node_id in self._first_hand)
+            self.election.observe(now, event.record, live=event.kind in _LIVE_EVENTS)
             self._events.append(event)
 
     def _settle(self, now: float) -> None:
