@@ -396,6 +396,9 @@ async def test_planted_members_cannot_reserve_on_a_relay_and_no_stranger_brings_
         relay: MeshDaemon = await nursery.start(MeshDaemon(NodeIdentity.generate(), NodeConfig(
             seeds=(mesh.seed.address,), relay=True, relay_limits=RelayLimits(max_reservations=4))).run)
         async with attacker(mesh.seed.address) as bad:
+            with trio.fail_after(30):  # the attacker knows where the relay is
+                while bad.address_of(relay.mesh.node_id) is None:
+                    await trio.sleep(0.1)
             # identities whose keys the attacker holds, with records it planted in the relay's view
             fakes = [NodeIdentity.generate() for _ in range(6)]
             now_ms = int(time.time() * 1000)
