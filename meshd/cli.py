@@ -266,7 +266,8 @@ async def serve(args: argparse.Namespace) -> int:
     path = model_or_default(args.model)
     kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
-                         max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after)
+                         max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after,
+                         peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens)
     config = PeersConfig(mesh_key=args.mesh_key)
     layers = f"layers [{args.layers[0]}, {args.layers[1]})" if args.layers else "all layers"
     async with progress.waiting(f"loading {layers} of {path.name}") as loading, \
@@ -309,7 +310,7 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
         if isinstance(request, StatusRequest):
             return daemon.status(offset=request.offset)
         if isinstance(request, RouteRequest):
-            return daemon.route(request.model, request.exclude)
+            return await daemon.planned_route(request.model, request.exclude)
         if isinstance(request, ProofGossip):
             return daemon.take_proof(request.proof)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
@@ -419,7 +420,8 @@ async def join(args: argparse.Namespace) -> int:
     with claim_state_dir(args.state_dir) as claim:
         identity = node_identity(args.state_dir)
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
-                             max_total_tokens=args.max_sessions * args.session_tokens)
+                             max_total_tokens=args.max_sessions * args.session_tokens,
+                             peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens)
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
                             gpu_memory_bytes=args.gpu_memory, gpu_layers=args.gpu_layers,
                             threads=args.threads, limits=limits, advertise=args.advertise,
@@ -767,6 +769,15 @@ def offload_text(report: RangeReport) -> str:
     return f"; {what} on the GPU ({mib(report.n_bytes_gpu)})"
 
 
+def add_peer_quotas(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peer-sessions", type=integer(0, MAX_SESSIONS), default=0,
+                        help="sessions one node, or one source address, may hold at once; more are refused, "
+                             "to be retried elsewhere (default: 0, no cap below --max-sessions)")
+    parser.add_argument("--peer-tokens", type=integer(0, MAX_SESSIONS * MAX_TOKENS), default=0,
+                        help="KV tokens one node, or one source address, may hold at once (default: 0, no cap "
+                             "below the stage's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="meshd", description="Run one GGUF model across many machines.")
     p.add_argument("--version", action="version", version=f"meshd {version()}")
@@ -792,6 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV tokens one session may hold (default: %(default)s)")
     s.add_argument("--kv-tokens", type=integer(0, MAX_SESSIONS * MAX_TOKENS), default=0,
                    help="KV tokens of all sessions together (default: 0, max sessions x session tokens)")
+    add_peer_quotas(s)
     s.add_argument("--ttl", type=number(0, 86400, above_low=True), default=300.0,
                    help="seconds an idle session keeps its KV (default: %(default)s)")
     s.add_argument("--evict-after", type=number(0, 86400), default=2.0,
@@ -831,6 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions served at once, KV sequences (default: %(default)s)")
     j.add_argument("--session-tokens", type=tokens, default=1024,
                    help="KV tokens one session may hold (default: %(default)s)")
+    add_peer_quotas(j)
     j.add_argument("--api", type=api_address, metavar="HOST:PORT",
                    help="serve the HTTP API (OpenAI and Anthropic) here; a port alone means 127.0.0.1 "
                         "(default: none)")

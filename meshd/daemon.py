@@ -567,7 +567,7 @@ class MeshDaemon:
         if isinstance(request, AssignmentRequest):
             reply: Message = self.duty.assignment_for(stream.remote_node_id)
         elif isinstance(request, RouteRequest):
-            reply = self.route(request.model, request.exclude, peer)
+            reply = await self.planned_route(request.model, request.exclude, peer)
         elif isinstance(request, StatusRequest):
             reply = self.status(peer, request.offset)
         elif isinstance(request, DialBackRequest):
@@ -622,6 +622,40 @@ class MeshDaemon:
         """A route for `model`; with `peer` (the asker's host), only through nodes it may be told of."""
         return self.duty.route(model, exclude, self.dial_address,
                                None if peer is None else lambda record: record_fits(record, peer))
+
+    async def planned_route(self, model: str | None, exclude: list[str] | tuple[str, ...] = (),
+                            peer: str | None = None) -> RouteReply:
+        """A route planned by the tracker, the one node that knows which ranges it placed where.
+
+        Any other node's records say only what each member claims to serve: a member signing
+        every layer at a made-up speed would win a route planned from them. So a node that is not
+        the tracker asks the tracker and hands on its route, with each stage's address as this
+        node dials it (and, with `peer`, only members that asker may be told of). With no tracker
+        known, or none reachable, it plans from its own records, as before a tracker is elected.
+        """
+        tracker = self.mesh.tracker
+        address = None if tracker is None or tracker.node_id == self.mesh.node_id else self.address_of(tracker.node_id)
+        if tracker is None or address is None:
+            return self.route(model, exclude, peer)
+        request = RouteRequest(model=model, exclude=list(exclude))
+        try:
+            reply = await rpc(self.peers, address, request, tracker.node_id, self.config.rpc_timeout)
+        except ProtocolError as exc:
+            if exc.code in (ErrorCode.NOT_FOUND, ErrorCode.BAD_REQUEST):
+                raise  # the tracker's answer: no route, or no such model
+            log.info("tracker %s gave no route: %s; planning from this node's records", tracker.node_id[:12], exc)
+            return self.route(model, exclude, peer)
+        if not isinstance(reply, RouteReply):
+            raise ProtocolError(ErrorCode.INTERNAL, f"the tracker answered a route request with {reply.type!r}")
+        stages = []
+        for stage in reply.stages:
+            record = self.mesh.membership.record_of(stage.node_id)
+            dial = None if record is None else self.dial_address(record)
+            if record is None or dial is None or (peer is not None and not record_fits(record, peer)):
+                raise ProtocolError(ErrorCode.UNREACHABLE, f"no address to dial {stage.node_id[:12]} from here",
+                                    retry_after_ms=1000)
+            stages.append(stage.model_copy(update={"address": dial}))
+        return reply.model_copy(update={"stages": stages})
 
     def status(self, peer: str | None = None, offset: int = 0) -> StatusReply:
         """The mesh as this node sees it, from member `offset` on; with `peer` (the asker's host), only

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from instant_net import InstantNet, identity, record, rng
 
 from meshd.mesh.election import Election, ElectionConfig, Tracker
-from meshd.mesh.membership import SwimConfig
+from meshd.mesh.membership import SwimConfig, Sync, SyncEntry
 from meshd.mesh.node import MeshNode
 
 TIMEOUT = ElectionConfig().election_timeout
@@ -125,3 +126,28 @@ def test_a_newcomer_with_a_made_up_uptime_rushing_to_claim_loses_to_the_elders()
     assert successor.node_id != bad.node_id
     net.run_until(net.now + 10.0)
     assert followed(elders) == {successor}
+
+
+@pytest.mark.xfail(strict=True, reason="open: planted records count in the electorate and their votes carry a "
+                                       "claim; counting only members heard first-hand slowed a healed "
+                                       "partition's re-election past test_mesh_simulation's bound")
+def test_planted_members_voting_for_the_attacker_neither_elect_it_nor_stall_the_election() -> None:
+    good = [honest(i) for i in range(4)]
+    net = mesh(good)
+    tracker = run_until_one_tracker(net, good, good, limit=20.0)
+    bad = attacker(9, lambda node: node.election.highest_term + 1, now=net.now)
+    net.add(bad)
+    bad.join(net.now, [good[0].node_id])
+    net.run_until(net.now + 2.0)
+    # A thousand members nobody ever hears from, each validly signed, each voting for the attacker's
+    # claim: counted, they would be a majority of every view, and none of them votes for the tracker.
+    term = bad.record.tracker_term
+    planted = [record(1000 + i, vote_term=term, vote_for=bad.node_id) for i in range(1000)]
+    for node in good:
+        node.handle_message(net.now, bad.node_id, Sync(reply=False, entries=[
+            SyncEntry(record=r, state="alive") for r in planted]))
+    assert all(node.membership.live_count() > 1000 for node in good)
+    for _ in range(20):
+        net.run_until(net.now + 0.5)
+        assert followed(good) == {tracker}
+        assert all(node.record.vote_term == tracker.term for node in good)

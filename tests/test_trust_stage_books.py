@@ -130,3 +130,54 @@ def test_a_daemon_stage_dials_only_a_live_member_at_an_address_its_record_names(
         with pytest.raises(ProtocolError) as err:
             MeshDaemon.may_dial(daemon, ref)  # type: ignore[arg-type]
         assert err.value.code is code
+
+
+def opened_at(b: StageBooks[None], name: str, owner: str, source: str, now: float) -> SessionBook:
+    book, _ = b.open(name, 0, 1, 16, (), now, owner=owner, source=source)
+    b.opened(book)
+    b.set_prompt(book, 1)
+    return book
+
+
+def test_many_identities_from_one_address_weigh_as_one_peer_and_a_bystander_elsewhere_gets_a_slot() -> None:
+    b = books()
+    sybils = [opened_at(b, f"s{i}", f"sybil{i}", "10.0.0.9", 0.0) for i in range(4)]
+    for now in (0.5, 1.0, 1.5):  # each warm: none is idle long enough to go as least recently used
+        for book in sybils:
+            step(b, book, now)
+    mine, gone = b.open("mine", 0, 1, 16, (), 1.6, owner=BYSTANDER, source="10.0.0.1")
+    assert len(gone) == 1 and gone[0] in sybils and gone[0].failure is not None
+    assert "its address held the most" in gone[0].failure.message
+    # from the same address as the sybils a newcomer is one of them: nobody is evicted for it
+    with pytest.raises(ProtocolError) as refused:
+        b.open("more", 0, 1, 16, (), 1.7, owner=OTHER, source="10.0.0.9")
+    assert refused.value.code is ErrorCode.OVERLOADED and mine.id in b.sessions
+
+
+@pytest.mark.parametrize("same", ["node", "address"])
+def test_a_peer_over_its_session_quota_is_refused_retryably_and_others_are_not(same: str) -> None:
+    b = books(peer_sessions=2)
+    peer = (lambda i: (ATTACKER, f"10.0.0.{i}")) if same == "node" else (lambda i: (f"id{i}", "10.0.0.9"))
+    for i in range(2):
+        opened_at(b, f"a{i}", *peer(i), now=0.0)
+    with pytest.raises(ProtocolError) as refused:
+        b.open("a2", 0, 1, 16, (), 0.0, owner=peer(2)[0], source=peer(2)[1])
+    assert refused.value.code is ErrorCode.OVERLOADED and refused.value.retry_after_ms
+    assert "holds 2 sessions on this stage, the most one peer may is 2" in refused.value.message
+    opened_at(b, "b", BYSTANDER, "10.0.0.1", 0.0)
+    # a re-open at a higher epoch replaces the peer's own session: within its quota
+    again, _ = b.open("a0", 1, 1, 16, (), 0.1, owner=peer(0)[0], source=peer(0)[1])
+    assert again.epoch == 1
+
+
+def test_a_peer_over_its_kv_token_quota_is_refused_before_its_rows_are_queued() -> None:
+    b = books(peer_tokens=8)
+    first, second = opened_at(b, "a0", ATTACKER, "10.0.0.9", 0.0), opened_at(b, "a1", ATTACKER, "10.0.0.9", 0.0)
+    step(b, first, 0.1, n=5)
+    with pytest.raises(ProtocolError) as refused:
+        b.enqueue(second, 0, 4, None, 0.2)
+    assert refused.value.code is ErrorCode.OVERLOADED and "holds 5 KV tokens" in refused.value.message
+    assert second.next_pos == 0 and not b.queued
+    step(b, second, 0.3, n=3)
+    bystander = opened_at(b, "b", BYSTANDER, "10.0.0.1", 0.4)
+    step(b, bystander, 0.5, n=8)

@@ -72,6 +72,8 @@ class PeersConfig:
     # for the first whole message of a stream.
     max_held_bytes: int = 32 << 20
     first_message_timeout: float = 10.0
+    # The local host outgoing dials bind to (None: the kernel's choice), on a multi-homed host.
+    dial_from: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,7 +353,7 @@ class Peers:
         failure: str | None = None
         try:
             with trio.fail_after(timeout):
-                stream = await trio.open_tcp_stream(host, port)
+                stream = await trio.open_tcp_stream(host, port, local_address=self.config.dial_from)
                 stage = "upgrade"
                 host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
                 ws = await client_websocket(connection, stream, host_header, resource)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
@@ -50,6 +50,10 @@ class StageLimits:
     retry_after_ms: int = 1000
     # how long opening a session's stream to the next stage may take
     hop_timeout: float = 10.0
+    # Per-peer quotas: sessions and KV tokens one node, and one source address, may hold here at
+    # once (0: no cap below the stage's own); beyond them a peer is refused, retryable elsewhere.
+    peer_sessions: int = 0
+    peer_tokens: int = 0
 
 
 class Phase(enum.Enum):
@@ -90,6 +94,29 @@ class SessionBook:
     # speculative decoding: positions [draft_from, next_pos) hold drafted tokens not yet verified;
     # the next rows may start at any of them, and the KV from there on is dropped
     draft_from: int | None = None
+    # the host the opener's link comes from ("": unknown): quotas and eviction count per source too,
+    # so many identities from one address weigh as one peer
+    source: str = ""
+
+
+# What a quota or an eviction counts of a session, and whose it is.
+Weight = Callable[[SessionBook], int]
+
+
+def _one(book: SessionBook) -> int:
+    return 1
+
+
+def _tokens(book: SessionBook) -> int:
+    return book.next_pos
+
+
+def _by_owner(book: SessionBook) -> str:
+    return book.owner
+
+
+def _by_source(book: SessionBook) -> str:
+    return book.source
 
 
 @dataclass(eq=False)
@@ -142,12 +169,14 @@ class StageBooks(Generic[T]):
     # ----- sessions
 
     def open(self, session: str, epoch: int, generation: int, max_tokens: int, stop: Iterable[str],
-             now: float, owner: str = "", upstream: str | None = None) -> tuple[SessionBook, list[SessionBook]]:
-        """A new session of node ``owner`` in a slot, and the sessions that left the books to make room.
+             now: float, owner: str = "", upstream: str | None = None,
+             source: str = "") -> tuple[SessionBook, list[SessionBook]]:
+        """A new session of node ``owner`` (its link from host ``source``) in a slot, and the
+        sessions that left the books to make room.
 
         ``upstream`` is the node whose hop stream feeds it (None: the owner feeds it itself).
         Raises UNAUTHORIZED for a session another node holds, EPOCH_STALE for an epoch not above
-        the one held, OVERLOADED when no slot frees.
+        the one held, OVERLOADED when the peer's quota is full or no slot frees.
         """
         old = self.sessions.get(session)
         if old is not None and old.owner != owner:
@@ -155,6 +184,7 @@ class StageBooks(Generic[T]):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, f"session {session} belongs to another node")
         if old is not None and old.epoch >= epoch:
             raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {session} is at epoch {old.epoch}")
+        self._check_quota("sessions", self.limits.peer_sessions, owner, source, _one, 1, old)
         gone: list[SessionBook] = []
         if old is not None:
             self.fail(old, ProtocolError(ErrorCode.EPOCH_STALE, f"replaced by epoch {epoch}"))
@@ -162,14 +192,14 @@ class StageBooks(Generic[T]):
             gone.append(old)
         if not self._free:
             gone.append(self._evict(f"all {self.limits.max_sessions} session slots are busy", now, None, owner,
-                                    self._sessions_by_owner(), 1))
+                                    source, _one, 1))
         slot = self._free.pop(0)
         # the new session clears the slot itself; a pending clear would wipe its KV later
         self.dirty = [(s, g) for s, g in self.dirty if s != slot]
         self.trims = [t for t in self.trims if t[0] != slot]
         book = SessionBook(id=session, epoch=epoch, slot=slot, owner=owner, upstream=upstream or owner,
                            generation=generation, max_tokens=max_tokens, stop=tuple(s.encode() for s in stop),
-                           last_used=now)
+                           last_used=now, source=source)
         self.sessions[session] = book
         return book, gone
 
@@ -282,6 +312,9 @@ class StageBooks(Generic[T]):
         Rows that start inside the drafts before drop those drafts' KV first (``trims``).
         """
         self.check_rows(book, pos, n, drafts)
+        # a rewind gives back the drafts' KV before these rows take theirs
+        self._check_quota("KV tokens", self.limits.peer_tokens, book.owner, book.source, _tokens,
+                          n - max(0, book.next_pos - pos))
         if pos < book.next_pos:
             self.total_tokens -= book.next_pos - pos
             self.trims.append((book.slot, book.generation, pos))
@@ -290,7 +323,7 @@ class StageBooks(Generic[T]):
         gone = []
         while self.total_tokens + n > self.limits.max_total_tokens:
             gone.append(self._evict(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", now, book,
-                                    book.owner, self._tokens_by_owner(), n))
+                                    book.owner, book.source, _tokens, n))
         book.next_pos = pos + n
         book.draft_from = pos + n - drafts if drafts else None
         self.total_tokens += n
@@ -301,37 +334,56 @@ class StageBooks(Generic[T]):
         self._queue.append(Work(book, pos, n, payload, drafts))
         return gone
 
-    def _sessions_by_owner(self) -> collections.Counter[str]:
-        return collections.Counter(s.owner for s in self.sessions.values())
+    def _check_quota(self, what: str, cap: int, owner: str, source: str, weight: Weight, more: int,
+                     replaced: SessionBook | None = None) -> None:
+        """Refuses ``more`` of ``what`` (counted by ``weight``) to a node, or a source address, that
+        would then hold more than ``cap`` (0: no cap). A replaced session's share is its own again."""
+        if cap <= 0 or more <= 0:
+            return
+        for kind, key, peer in (("node", _by_owner, owner), ("address", _by_source, source)):
+            if not peer:
+                continue
+            held = sum(weight(s) for s in self.sessions.values() if key(s) == peer and s is not replaced)
+            if held + more > cap:
+                self.counts.overloaded += 1
+                shown = peer[:16] if kind == "node" else peer
+                raise ProtocolError(ErrorCode.OVERLOADED, f"{kind} {shown} holds {held} {what} on this stage, "
+                                                          f"the most one peer may is {cap}",
+                                    retry_after_ms=self.limits.retry_after_ms)
 
-    def _tokens_by_owner(self) -> collections.Counter[str]:
-        held: collections.Counter[str] = collections.Counter()
-        for s in self.sessions.values():
-            held[s.owner] += s.next_pos
-        return held
-
-    def _evict(self, why: str, now: float, keep: SessionBook | None, claimant: str, held: collections.Counter[str],
+    def _evict(self, why: str, now: float, keep: SessionBook | None, owner: str, source: str, weight: Weight,
                need: int) -> SessionBook:
-        """Frees room for ``claimant``, which needs ``need`` more of what ``held`` counts per node.
+        """Frees room for node ``owner`` at ``source``, which needs ``need`` more of what ``weight``
+        counts per session.
 
-        The heaviest user pays first: a node holding more than the claimant would after this
-        loses its least recently used session even if that session is busy, so no one peer
-        (opening many sessions, each kept warm) can lock the others out. Otherwise an idle
-        session goes, the heaviest node's first, then the least recently used.
+        The heaviest user pays first: a source address, else a node, holding more than the
+        claimant's would after this loses its least recently used session even if that session
+        is busy, so no one peer (opening many sessions, each kept warm, under one identity or
+        many from one address) can lock the others out. Otherwise an idle session goes, the
+        heaviest node's first, then the least recently used.
         """
         movable = [s for s in self.sessions.values() if s is not keep and s.in_flight == 0]
+        owners = self._held(_by_owner, weight)
         if movable:
-            heaviest = max(movable, key=lambda s: (held[s.owner], -s.last_used)).owner
-            if heaviest != claimant and held[heaviest] > held[claimant] + need:
-                victim = min((s for s in movable if s.owner == heaviest), key=lambda s: s.last_used)
-                return self._evicted(victim, f"evicted because {why} and its node held the most of them "
-                                             f"({held[heaviest]})")
+            for kind, key, claimant in (("address", _by_source, source), ("node", _by_owner, owner)):
+                held = owners if key is _by_owner else self._held(key, weight)
+                heaviest = key(max(movable, key=lambda s: (held[key(s)], -s.last_used)))
+                if heaviest != claimant and held[heaviest] > held[claimant] + need:
+                    victim = min((s for s in movable if key(s) == heaviest), key=lambda s: s.last_used)
+                    return self._evicted(victim, f"evicted because {why} and its {kind} held the most of them "
+                                                 f"({held[heaviest]})")
         idle = [s for s in movable if now - s.last_used >= self.limits.evict_after]
         if not idle:
             self.counts.overloaded += 1
             raise ProtocolError(ErrorCode.OVERLOADED, why, retry_after_ms=self.limits.retry_after_ms)
-        victim = min(idle, key=lambda s: (-held[s.owner], s.last_used))
+        victim = min(idle, key=lambda s: (-owners[s.owner], s.last_used))
         return self._evicted(victim, f"evicted (least recently used) because {why}")
+
+    def _held(self, key: Callable[[SessionBook], str], weight: Weight) -> collections.Counter[str]:
+        held: collections.Counter[str] = collections.Counter()
+        for s in self.sessions.values():
+            held[key(s)] += weight(s)
+        return held
 
     def _evicted(self, victim: SessionBook, why: str) -> SessionBook:
         self.counts.evictions += 1

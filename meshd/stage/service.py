@@ -31,6 +31,7 @@ import trio
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec
 from meshd.mesh.models import ModelNotFound
+from meshd.mesh.records import host_of
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
@@ -309,7 +310,8 @@ class StageService:
         if target is not None:
             self.may_dial(target[0])
         book, gone = self.books.open(msg.session, msg.epoch, self.engine.generation, msg.max_tokens, msg.stop,
-                                     trio.current_time(), owner=stream.remote_node_id, upstream=msg.upstream)
+                                     trio.current_time(), owner=stream.remote_node_id, upstream=msg.upstream,
+                                     source=host_of(stream.link.address))
         for other in gone:
             self._ended(other)
         to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)

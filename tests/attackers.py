@@ -1,0 +1,152 @@
+"""Attacking members: meshd's own daemon, in-process, with its records, election, SWIM and RPC
+answers patched to lie, and its peer code driven to do what an honest node never does.
+
+Each attacker is a real `MeshDaemon` (real links, Noise, signed records) joined to a real mesh
+on loopback; only what it says about itself, or sends, is forged. The honest side never knows
+it is under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+import trio
+
+from meshd.daemon import MeshDaemon, NodeConfig
+from meshd.mesh.election import Election, Tracker
+from meshd.mesh.membership import Dead, Gossip, Sync, SyncEntry
+from meshd.mesh.node import MeshNode
+from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
+from meshd.net.link import Stream
+from meshd.net.peers import PeersConfig
+from wire.codec import Message
+from wire.errors import ProtocolError
+from wire.identity import NodeIdentity
+from wire.meshrpc import SWIM_PROTOCOL, AssignmentReply, AssignmentRequest
+from wire.stage import PeerRef
+
+LAST_TERM = 2**63 - 1
+
+
+class HijackingElection(Election):
+    """The attacker's election: its record claims whatever term `term_of` says and votes for
+    itself, whatever anyone else does."""
+
+    def __init__(self, node: MeshNode, term_of: Callable[[MeshNode], int], now: float) -> None:
+        super().__init__(node.node_id, now)
+        self._attacker = node
+        self._term_of = term_of
+
+    @property
+    def claim(self) -> int:
+        return self._term_of(self._attacker)
+
+    @property
+    def vote(self) -> Tracker | None:
+        return Tracker(self.claim, self._attacker.node_id)
+
+
+class AttackerDaemon(MeshDaemon):
+    """An in-process daemon whose behaviour the test patches (see the methods); with no model it
+    serves no layers, it only lies."""
+
+    # a range it tells any node asking it for an assignment to load (as a hijacked tracker would)
+    assignment_bomb: tuple[str, int, int] | None = None
+
+    def hijack_election(self, term_of: Callable[[MeshNode], int], **record: object) -> None:
+        """Claims the tracker role at the terms `term_of` gives (e.g. always the last one), with
+        any record fields it likes (e.g. `started_at=0.0`, to look like the oldest member)."""
+        now = trio.current_time()
+        self.mesh.election = HijackingElection(self.mesh, term_of, now)
+        self.mesh.election.observe(now, self.mesh.record, live=True)
+        self.forge(**record)
+
+    def forge(self, **record: object) -> CapabilityRecord:
+        """Signs and gossips a record saying whatever `record` says (served ranges, speeds, models)."""
+        signed = self.mesh.update_record(trio.current_time(), **record)
+        self._flush()
+        return signed
+
+    def send_swim(self, dest: str, message: Message) -> None:
+        """A SWIM message of its own making, sent to `dest` over a real link."""
+        self._send(dest, message)  # type: ignore[arg-type]
+
+    async def send_swim_whole(self, dest: str, message: Message, timeout: float = 30.0) -> None:
+        """A big SWIM message sent to its end (the daemon's own sends give up after a second)."""
+        address = self.address_of(dest)
+        with trio.fail_after(timeout):
+            stream = await self.peers.open_stream(address, SWIM_PROTOCOL, node_id=dest)
+            async with stream:
+                await stream.send_message(message)
+
+    async def spam_dead(self, victim: str, to: list[str], every: float, until: float) -> int:
+        """Signed `Dead(victim)` at the victim's current incarnation (as this node last saw it: a
+        refutation only moves the target) to every node of `to`, every `every` s until `until`."""
+        sent = 0
+        while trio.current_time() < until:
+            record = self.mesh.membership.record_of(victim)
+            incarnation = record.version if record is not None else 0
+            accusation = Dead(node=victim, incarnation=incarnation, accuser=self.mesh.node_id).signed(self.identity)
+            for dest in to:
+                self.send_swim(dest, Gossip(version=self.mesh.record.version, gossip=[accusation]))
+                sent += 1
+            await trio.sleep(every)
+        return sent
+
+    async def _on_stage(self, stream: Stream) -> None:
+        # a sink: whatever a stage sends it as its next hop or ring is read and dropped
+        with contextlib.suppress(ProtocolError, trio.EndOfChannel, trio.BrokenResourceError,
+                                 trio.ClosedResourceError):
+            while True:
+                await stream.receive_message()
+
+    @property
+    def ref(self) -> PeerRef:
+        """This attacker as a stage would dial it: a live member at the address its record names."""
+        return PeerRef(address=self.address, node_id=self.mesh.node_id)
+
+    async def _answer(self, stream: Stream, request: Message) -> None:
+        if isinstance(request, AssignmentRequest) and self.assignment_bomb is not None:
+            model, start, end = self.assignment_bomb
+            await stream.send_message(AssignmentReply(term=self.mesh.record.tracker_term, model=model,
+                                                      start=start, end=end))
+            return
+        await super()._answer(stream, request)
+
+
+@asynccontextmanager
+async def attacker(seed: str, config: NodeConfig | None = None) -> AsyncIterator[AttackerDaemon]:
+    """An attacker joined to the mesh through `seed`, stopped (its links cut, no goodbye) on exit."""
+    base = config or NodeConfig(limits=NodeConfig().limits, peers=PeersConfig())
+    daemon = AttackerDaemon(NodeIdentity.generate(), replace(base, seeds=(seed,)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        try:
+            yield daemon
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def planted_sync(count: int) -> Sync:
+    """One Sync carrying `count` members nobody ever heard from (fresh keys, validly signed records
+    at loopback addresses nothing listens on): the Sybil flood. CPU-heavy: build it in a thread."""
+    now_ms = int(time.time() * 1000)
+    entries = []
+    for i in range(count):
+        record = CapabilityRecord.create(NodeIdentity.generate(), now_ms, addresses=[f"127.0.0.1:{1 + i % 60000}"],
+                                         reachability="public", memory_bytes=1 << 30)
+        entries.append(SyncEntry(record=record, state="alive"))
+    return Sync(reply=False, entries=entries)
+
+
+def fake_model(real: ModelInfo) -> ModelInfo:
+    """A model named like `real`, of its shape, under a digest no file has."""
+    return real.model_copy(update={"digest": "sha256:" + "f" * 64})
+
+
+def every_layer(model: ModelInfo) -> list[ServedRange]:
+    return [ServedRange(model=model.digest, start=0, end=model.n_layers)]

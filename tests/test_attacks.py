@@ -1,0 +1,452 @@
+"""Every attack of issue 14, by attacking members (tests/attackers.py) against one real mesh.
+
+The mesh is real `meshd join` processes on loopback, shared by the whole module: a seed with no
+model and two volunteers splitting the tiny random model between them, `--max-sessions 4` each.
+The attackers are meshd's own daemon in-process, joined through the seed, each lying in its own
+way. Each attack is refused, contained or caught: the tracker stays the honest one and elections
+finish, routes stay honest, `status` keeps working, a bystander's session is never failed by
+another's input, and the honest ask gives the whole model's answer before and after.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_model, planted_sync
+from localmesh import Served, run_meshd, start_join, stop_all
+from test_hostile_stage import typed_error
+
+from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply, run_session
+from meshd.daemon import MeshDaemon, NodeConfig, describe_model, rpc
+from meshd.mesh.membership import Sync, SyncEntry
+from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
+from meshd.net import rpc as net_rpc
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from relay.limits import RelayLimits
+from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Accepted, Incoming, Reserve, Reserved
+from tests.conftest import greedy_reference
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.meshrpc import RouteReply, RouteRequest, RouteStage, StatusReply, StatusRequest
+from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, new_session_id
+from wire.tensors import Activation, TensorEntry
+
+pytestmark = pytest.mark.slow  # three daemons and two engine workers, shared by the module
+
+PROMPT = "Name three colours."
+TOKENS = 12
+# the attackers' own host (all of 127/8 is loopback): a stage tells them from the bystander by it
+ATTACKER_HOST = PeersConfig(dial_from="127.0.0.2")
+SESSIONS = ["--threads", "1", "--max-sessions", "4", "--session-tokens", "256"]
+
+
+@dataclass
+class Mesh:
+    seed: Served
+    volunteers: list[Served]
+    model: ModelInfo
+    expected: list[int]
+
+    @property
+    def nodes(self) -> list[Served]:
+        return [self.seed, *self.volunteers]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
+    path = tiny_models["llama-gqa-untied"]
+    base = tmp_path_factory.mktemp("attacks")
+    nodes: list[Served] = []
+    try:
+        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS))
+        for i in range(2):
+            # each offers about half the model: the honest route has two stages
+            nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", "1M",
+                                    "--state-dir", str(base / f"v{i}"), *SESSIONS))
+        from meshd.stage.service import model_manifest
+        digest = model_manifest(path, base / "v0").model_id
+        yield Mesh(nodes[0], nodes[1:], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
+    finally:
+        stop_all(nodes)
+
+
+@pytest.fixture
+async def peers() -> AsyncIterator[Peers]:
+    async with open_peers(NodeIdentity.generate()) as p:
+        yield p
+
+
+async def status(peers: Peers, node: Served) -> StatusReply:
+    reply = await rpc(peers, node.address, StatusRequest(), timeout=20.0)
+    assert isinstance(reply, StatusReply)
+    return reply
+
+
+async def honest_route(peers: Peers, mesh: Mesh, via: Served | None = None) -> RouteReply:
+    reply = await rpc(peers, (via or mesh.seed).address, RouteRequest(model=mesh.model.digest), timeout=20.0)
+    assert isinstance(reply, RouteReply)
+    return reply
+
+
+async def converged(peers: Peers, mesh: Mesh, timeout: float = 60.0) -> StatusReply:
+    """Every honest node sees the others alive, follows one honest tracker, and the model is covered."""
+    honest = {n.node_id for n in mesh.nodes}
+    with trio.fail_after(timeout):
+        while True:
+            views = [await status(peers, n) for n in mesh.nodes]
+            if all({m.node_id for m in v.members if m.state == "alive"} >= honest for v in views) and \
+                    len({v.tracker for v in views}) == 1 and views[0].tracker in honest and \
+                    all(c.covered_layers == c.n_layers for v in views for c in v.coverage
+                        if c.model == mesh.model.digest) and views[0].coverage:
+                return views[0]
+            await trio.sleep(0.25)
+
+
+async def honest_ask(peers: Peers, mesh: Mesh) -> list[int]:
+    """The honest user's ask, by the model's digest through the seed: the whole model's answer."""
+    async def find(excluded: list[str]) -> list[Stage]:
+        reply = await rpc(peers, mesh.seed.address, RouteRequest(model=mesh.model.digest, exclude=excluded),
+                          timeout=20.0)
+        assert isinstance(reply, RouteReply)
+        return route_from_reply(reply)
+
+    with trio.fail_after(60):
+        result: AskResult = await ask_with_failover(peers, find, AskRequest(
+            messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS))
+    assert result.tokens == mesh.expected
+    return result.tokens
+
+
+async def joined(peers: Peers, mesh: Mesh, bad: AttackerDaemon, timeout: float = 30.0) -> None:
+    """Until every honest node holds the attacker as a live member."""
+    with trio.fail_after(timeout):
+        while True:
+            views = [await status(peers, n) for n in mesh.nodes]
+            if all(any(m.node_id == bad.mesh.node_id and m.state == "alive" for m in v.members) for v in views):
+                return
+            await trio.sleep(0.25)
+
+
+# ----- elections
+
+async def test_a_claim_of_the_last_term_never_takes_the_tracker_and_a_bombed_volunteer_refuses(
+        mesh: Mesh, peers: Peers) -> None:
+    before = await converged(peers, mesh)
+    await honest_ask(peers, mesh)
+    async with attacker(mesh.seed.address) as bad:
+        # the last term, an uptime since the epoch, and (asked for an assignment) the whole model
+        bad.assignment_bomb = (mesh.model.digest, 0, mesh.model.n_layers)
+        bad.hijack_election(lambda node: LAST_TERM, started_at=0.0)
+        await joined(peers, mesh, bad)
+        for _ in range(8):  # a few election timeouts with the claim on every record it gossips
+            view = await converged(peers, mesh)
+            assert view.tracker == before.tracker and view.term == before.term
+            await trio.sleep(0.5)
+        assert bad.mesh.record.tracker_term == LAST_TERM
+        # nobody asked the hijacker for a range: the volunteers still serve their halves
+        view = await status(peers, mesh.seed)
+        served = {m.node_id: m.served for m in view.members if m.node_id in {v.node_id for v in mesh.volunteers}}
+        assert all(s and f"[0, {mesh.model.n_layers})" not in " ".join(s) for s in served.values()), served
+        await honest_ask(peers, mesh)
+    # The attacker is gone (no goodbye): the honest tracker stays, and asks keep working.
+    view = await converged(peers, mesh)
+    assert view.tracker == before.tracker
+    await honest_ask(peers, mesh)
+
+
+# ----- routes
+
+async def test_a_member_declaring_every_layer_at_a_made_up_speed_gets_no_route_from_any_node(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with attacker(mesh.seed.address) as bad:
+        bad.forge(models=[mesh.model], served=every_layer(mesh.model), seconds_per_layer=1e-9)
+        await joined(peers, mesh, bad)
+        # asked at the tracker or at any other member: only the ranges the tracker placed
+        for via in mesh.nodes:
+            route = await honest_route(peers, mesh, via)
+            assert bad.mesh.node_id not in [s.node_id for s in route.stages], via
+            assert {s.node_id for s in route.stages} == {v.node_id for v in mesh.volunteers}
+        await honest_ask(peers, mesh)
+
+
+async def test_a_made_up_digest_named_like_the_real_model_never_takes_an_ask(mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    fake = fake_model(mesh.model)
+    async with attacker(mesh.seed.address) as bad:
+        bad.forge(models=[fake], served=every_layer(fake), seconds_per_layer=1e-9)
+        await joined(peers, mesh, bad)
+        for request in (RouteRequest(), RouteRequest(model=mesh.model.name)):
+            with pytest.raises(ProtocolError) as refused:
+                await rpc(peers, mesh.seed.address, request, timeout=20.0)
+            assert mesh.model.digest[:16] in str(refused.value) and fake.digest[:16] in str(refused.value)
+        asked = await trio.to_thread.run_sync(run_meshd, "ask", "--seed", mesh.volunteers[0].address, "--max-tokens",
+                                              "4", PROMPT)
+        assert asked.returncode != 0 and len(asked.stderr.strip().splitlines()) == 1, asked.stderr
+        assert "--model" in asked.stderr and fake.digest[:12] in asked.stderr
+        await honest_ask(peers, mesh)
+
+
+# ----- gossip
+
+async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the_term_holds(
+        mesh: Mesh, peers: Peers) -> None:
+    before = await converged(peers, mesh)
+    assert before.tracker is not None
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+        others = [n for n in mesh.nodes if n.node_id != before.tracker]
+        samples: list[str] = []
+        async with trio.open_nursery() as nursery:
+            until = trio.current_time() + 4.0
+            nursery.start_soon(bad.spam_dead, before.tracker, [n.node_id for n in mesh.nodes], 0.05, until)
+            while trio.current_time() < until:
+                for node in others:
+                    view = await status(peers, node)
+                    samples += [m.state for m in view.members if m.node_id == before.tracker]
+                    assert view.tracker == before.tracker and view.term == before.term
+                await trio.sleep(0.05)
+        assert len(samples) >= 20 and "dead" not in samples, samples
+        await honest_ask(peers, mesh)
+    await converged(peers, mesh)
+
+
+# ----- sessions and dialing
+
+async def asked_while(peers: Peers, mesh: Mesh, attack: Callable[[RouteReply, str], Awaitable[None]]) -> None:
+    """An honest ask over the tracker's route; `attack(route, session)` runs, awaited, at its first
+    token (the session is then surely held on every stage). The answer is the whole model's."""
+    route = await honest_route(peers, mesh)
+    session = new_session_id()
+    ran: list[int] = []
+
+    async def on_token(token: int, piece: bytes) -> None:
+        if not ran:
+            ran.append(token)
+            await attack(route, session)
+
+    with trio.fail_after(60):
+        result = await run_session(peers, route_from_reply(route), AskRequest(
+            messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS), AskResult(), on_token=on_token,
+            session_id=session)
+    assert ran, "the attack never ran"
+    assert result.tokens == mesh.expected
+
+
+async def test_a_members_open_at_a_higher_epoch_and_its_hop_and_ring_streams_are_refused(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+
+        async def hijack(route: RouteReply, session: str) -> None:
+            for i, stage in enumerate(route.stages):
+                control = await bad.peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+                async with control:
+                    await control.send_message(Open(session=session, epoch=7, layer_begin=stage.start,
+                                                    layer_end=stage.end, next=bad.ref, head=bad.ref))
+                    err = await typed_error(control)
+                assert err.code is ErrorCode.UNAUTHORIZED and "belongs to another node" in err.message, err
+                # the head's ring comes from the tail, every other stage's hop from the one before
+                hop = await bad.peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+                async with hop:
+                    await hop.send_message(Hop(session=session, epoch=0, ring=i == 0, prompt_tokens=1))
+                    err = await typed_error(hop)
+                assert err.code is ErrorCode.UNAUTHORIZED and "takes its rows from another node" in err.message, err
+
+        await asked_while(peers, mesh, hijack)
+
+
+async def test_an_out_of_vocabulary_carried_token_fails_only_the_attackers_session(mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+
+        async def carry_bad_id(route: RouteReply, session: str) -> None:
+            tail = route.stages[-1]
+            control = await bad.peers.open_stream(tail.address, STAGE_PROTOCOL, node_id=tail.node_id)
+            async with control:
+                await control.send_message(Open(session="oov", epoch=0, layer_begin=tail.start,
+                                                layer_end=tail.end, head=bad.ref))
+                opened = await control.receive_message()
+                assert isinstance(opened, Opened), opened
+                hop = await bad.peers.open_stream(tail.address, STAGE_PROTOCOL, node_id=tail.node_id)
+                async with hop:
+                    await hop.send_message(Hop(session="oov", epoch=0, prompt_tokens=4))
+                    rows = TensorEntry.from_array("hidden_states", np.zeros((1, opened.info.stage_width),
+                                                                            dtype=np.float32))
+                    await hop.send_message(Activation(session="oov", epoch=0, step=0, pos=0, n_tokens=1,
+                                                      tensors=[rows], tokens=[1_000_000]))
+                    err = await typed_error(control)
+            assert err.code is ErrorCode.BAD_REQUEST and "outside the vocabulary" in err.message, err
+
+        await asked_while(peers, mesh, carry_bad_id)
+
+
+async def test_an_open_naming_an_address_no_member_signed_dials_nothing_and_echoes_nothing(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    route = await honest_route(peers, mesh)
+    head, tail = route.stages[0], route.stages[-1]
+    hits: list[int] = []
+
+    async def web(stream: trio.SocketStream) -> None:
+        hits.append(1)
+        await stream.send_all(b"HTTP/1.1 403 Forbidden: secret-internal-reason\r\nContent-Length: 0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, web, 0)
+        internal = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        for ref, code in ((PeerRef(address=internal), ErrorCode.BAD_REQUEST),
+                          (PeerRef(address=internal, node_id=tail.node_id), ErrorCode.UNAUTHORIZED),
+                          (PeerRef(address=internal, node_id="0" * 40), ErrorCode.UNREACHABLE)):
+            control = await peers.open_stream(head.address, STAGE_PROTOCOL, node_id=head.node_id)
+            async with control:
+                await control.send_message(Open(session=new_session_id(), epoch=0, layer_begin=head.start,
+                                                layer_end=head.end, next=ref))
+                err = await typed_error(control)
+            assert err.code is code, err
+            assert "403" not in err.message and "secret" not in err.message
+        nursery.cancel_scope.cancel()
+    assert hits == []
+    await honest_ask(peers, mesh)
+
+
+async def slow_session(peers: Peers, stage: RouteStage, sink: PeerRef, every: float, held: trio.Event,
+                       lost: list[ProtocolError]) -> None:
+    """An attacker's session on the tail: it feeds one prompt row every `every` s, so it is never idle
+    long enough to be evicted as such; `held` is set once the stage took its first row, and the
+    typed error that ends the session (an eviction) goes into `lost`."""
+    control = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+    async with control, trio.open_nursery() as nursery:
+        session = new_session_id()
+        await control.send_message(Open(session=session, epoch=0, layer_begin=stage.start, layer_end=stage.end,
+                                        head=sink, max_tokens=TOKENS * 10))
+        opened = await control.receive_message()
+        assert isinstance(opened, Opened), opened
+
+        async def watch() -> None:
+            lost.append(await typed_error(control))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        hop = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
+        async with hop:
+            # every row a prompt row: nothing is sampled, nothing ends the session but an eviction
+            await hop.send_message(Hop(session=session, epoch=0, prompt_tokens=TOKENS * 10))
+            for pos in range(TOKENS * 10):
+                row = TensorEntry.from_array("hidden_states", np.zeros((1, opened.info.stage_width), np.float32))
+                await hop.send_message(Activation(session=session, epoch=0, step=pos, pos=pos, n_tokens=1,
+                                                  tensors=[row]))
+                held.set()
+                await trio.sleep(every)
+
+
+async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_bystander_out(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    route = await honest_route(peers, mesh)
+    async with attacker(mesh.seed.address) as bad, AsyncExitStack() as stack:
+        await joined(peers, mesh, bad)
+        identities = [await stack.enter_async_context(open_peers(NodeIdentity.generate(), ATTACKER_HOST))
+                      for _ in range(4)]
+        lost: list[ProtocolError] = []
+        async with trio.open_nursery() as nursery:
+            for own in identities:  # every slot of the --max-sessions 4 tail, one row a second each
+                held = trio.Event()
+                nursery.start_soon(slow_session, own, route.stages[-1], bad.ref, 1.0, held, lost)
+                await held.wait()
+            assert not lost
+            await honest_ask(peers, mesh)
+            with trio.fail_after(10):
+                while not lost:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        # the bystander's session took the slot of one of them: their address held every slot
+        (evicted,) = lost
+        assert evicted.code is ErrorCode.CACHE_MISS and "its address held the most" in evicted.message, evicted
+
+
+
+# ----- relays
+
+async def reserve_as(identity: NodeIdentity, relay: str) -> Reserved | ProtocolError:
+    """A reservation asked of `relay` under `identity`: the reply, or the typed refusal."""
+    async with open_peers(identity) as own:
+        stream = await own.open_stream(relay, HOP_PROTOCOL)
+        try:
+            with trio.fail_after(10):
+                async with stream:
+                    return await net_rpc.request(stream, Reserve(), Reserved, "a reservation")
+        except ProtocolError as exc:
+            return exc
+
+
+async def test_planted_members_cannot_reserve_on_a_relay_and_no_stranger_brings_a_circuit_end(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with trio.open_nursery() as nursery:
+        relay: MeshDaemon = await nursery.start(MeshDaemon(NodeIdentity.generate(), NodeConfig(
+            seeds=(mesh.seed.address,), relay=True, relay_limits=RelayLimits(max_reservations=4))).run)
+        async with attacker(mesh.seed.address) as bad:
+            with trio.fail_after(30):  # the attacker knows where the relay is
+                while bad.address_of(relay.mesh.node_id) is None:
+                    await trio.sleep(0.1)
+            # identities whose keys the attacker holds, with records it planted in the relay's view
+            fakes = [NodeIdentity.generate() for _ in range(6)]
+            now_ms = int(time.time() * 1000)
+            await bad.send_swim_whole(relay.mesh.node_id, Sync(reply=False, entries=[
+                SyncEntry(record=CapabilityRecord.create(f, now_ms, addresses=["127.0.0.1:9"], reachability="public"),
+                          state="alive") for f in fakes]))
+            with trio.fail_after(30):
+                while not (all(relay.mesh.membership.record_of(f.node_id) for f in fakes)
+                           and relay._is_member(bad.mesh.node_id)):
+                    await trio.sleep(0.1)
+            for fake in fakes:
+                refused = await reserve_as(fake, relay.local_address)
+                assert isinstance(refused, ProtocolError) and refused.code is ErrorCode.UNAUTHORIZED, refused
+            assert relay.relay is not None and not relay.relay.state.reservations
+            # a member the relay has heard from itself still reserves: the slots were not taken
+            assert isinstance(await reserve_as(bad.identity, relay.local_address), Reserved)
+            # and a volunteer that reserved on no relay takes no circuit end from anyone
+            volunteer = mesh.volunteers[0]
+            stop = await bad.peers.open_stream(volunteer.address, STOP_PROTOCOL, node_id=volunteer.node_id)
+            with trio.fail_after(10), pytest.raises(ProtocolError) as refused_end:
+                async with stop:
+                    await net_rpc.request(stop, Incoming(source=bad.mesh.node_id), Accepted, "a circuit end")
+            assert refused_end.value.code is ErrorCode.UNAUTHORIZED, refused_end.value
+        nursery.cancel_scope.cancel()
+    await honest_ask(peers, mesh)
+
+# ----- last: the planted members stay in every view for as long as SWIM takes to probe them out
+
+async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_status_working(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    fake = fake_model(mesh.model)
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+        # more ranges than a status line held before (16; records allow 32), of a model no one else has
+        bad.forge(models=[fake], served=[ServedRange(model=fake.digest, start=i, end=i + 1) for i in range(17)])
+        # ten thousand, in Syncs of a size the decoder takes whole
+        started = trio.current_time()
+        for _ in range(5):
+            await bad.send_swim_whole(mesh.seed.node_id, await trio.to_thread.run_sync(planted_sync, 2000))
+        with trio.fail_after(30):
+            while (await status(peers, mesh.seed)).total_members < 100:
+                await trio.sleep(0.25)
+        for node in mesh.nodes:
+            view = await status(peers, node)
+            # one sender introduces a burst (1024) and 32 a second after it, not ten thousand
+            assert view.total_members <= 4 + 1024 + 32 * (trio.current_time() - started + 1), view.total_members
+            shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", node.address)
+            assert shown.returncode == 0, shown.stderr
+            assert f"{mesh.model.n_layers}/{mesh.model.n_layers} layers covered" in shown.stdout
+        await honest_ask(peers, mesh)
