@@ -384,17 +384,17 @@ class FakeDaemon:
     def status(self) -> None:
         raise AssertionError("not asked")
 
-    def route(self, model: str | None, exclude: list[str]) -> None:
+    async def planned_route(self, model: str | None, exclude: list[str]) -> None:
         raise ProtocolError(ErrorCode.NOT_FOUND, "no route for Fake Model: layers [8, 30) have no stage")
 
 
-def test_no_route_is_not_coverage_once_failed_stages_are_avoided() -> None:
+async def test_no_route_is_not_coverage_once_failed_stages_are_avoided() -> None:
     mesh = DaemonMesh(FakeDaemon(), peers=None)  # type: ignore[arg-type]
     with pytest.raises(ProtocolError) as first:
-        mesh.find_route(DIGEST, [])
+        await mesh.find_route(DIGEST, [])
     assert first.value.code is ErrorCode.NOT_FOUND  # the front door says "not covered", with the reason
     with pytest.raises(ProtocolError) as failover:
-        mesh.find_route(DIGEST, ["ef" * 32])
+        await mesh.find_route(DIGEST, ["ef" * 32])
     assert failover.value.code is ErrorCode.UNREACHABLE and "around the 1 stage(s)" in failover.value.message
 
 

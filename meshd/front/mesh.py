@@ -26,6 +26,8 @@ class Daemon(Protocol):
 
     def route(self, model: str | None, exclude: list[str]) -> RouteReply: ...
 
+    async def planned_route(self, model: str | None, exclude: list[str]) -> RouteReply: ...
+
     def take_proof(self, proof: Proof) -> ProofAccepted: ...
 
 
@@ -38,9 +40,10 @@ class DaemonMesh:
     def status(self) -> StatusReply:
         return self.daemon.status()
 
-    def find_route(self, model: str, excluded: list[str]) -> list[Stage]:
+    async def find_route(self, model: str, excluded: list[str]) -> list[Stage]:
+        # the tracker's plan, not this node's records: a member's self-report cannot win the route
         try:
-            return route_from_reply(self.daemon.route(model, excluded))
+            return route_from_reply(await self.daemon.planned_route(model, excluded))
         except ProtocolError as exc:
             if not excluded or exc.code is not ErrorCode.NOT_FOUND:
                 raise
@@ -50,10 +53,10 @@ class DaemonMesh:
 
     async def ask(self, model: str, request: AskRequest, on_token: OnToken | None, result: AskResult) -> AskResult:
         async def find_route(excluded: list[str]) -> list[Stage]:
-            return self.find_route(model, excluded)
+            return await self.find_route(model, excluded)
 
         async def other_route(excluded: list[str]) -> list[Stage]:
-            return route_from_reply(self.daemon.route(model, excluded))
+            return route_from_reply(await self.daemon.planned_route(model, excluded))
 
         # verified at the default rate (receipts sign one step at a time, so not while speculating)
         verifier = None if request.speculate != "off" else Verifier(self.peers, find_route=other_route)
