@@ -59,7 +59,8 @@ class FakeMesh:
         monkeypatch.setattr(ask, "_probe", self.probe)
 
     async def run_session(self, peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
-                          on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+                          on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
+                          verifier: object = None) -> AskResult:
         self.routes.append([s.node_id for s in route])
         result.epochs += 1
         await trio.sleep(1.0)
@@ -117,7 +118,8 @@ async def test_a_stage_error_naming_its_culprit_excludes_it_without_probing(
     calls = 0
 
     async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
-                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
+                          verifier: object = None) -> AskResult:
         nonlocal calls
         calls += 1
         if calls == 1:
@@ -135,7 +137,8 @@ async def test_a_middle_stage_that_stalls_but_answers_probes_is_blamed_on_the_se
     fake = FakeMesh(monkeypatch, dead=set())
 
     async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
-                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
+                          verifier: object = None) -> AskResult:
         if "b0" in [s.node_id for s in route]:
             fake.routes.append([s.node_id for s in route])
             # the tail waits for rows that never come: it is the one whose stream times out
@@ -155,7 +158,8 @@ async def test_a_stall_at_opening_is_retried_once_and_then_blames_the_whole_rout
     fake = FakeMesh(monkeypatch, dead=set())
 
     async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
-                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
+                          verifier: object = None) -> AskResult:
         if "b0" in [s.node_id for s in route]:
             fake.routes.append([s.node_id for s in route])
             await trio.sleep(stall_timeout)
@@ -191,7 +195,8 @@ async def test_failover_gives_up_after_its_attempts(
         return [False if s.layers == (10, 20) else True for s in route]
 
     async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
-                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
+                          verifier: object = None) -> AskResult:
         fake.routes.append([s.node_id for s in route])
         raise StageError(1, ProtocolError(ErrorCode.UNREACHABLE, "gone"))
 
@@ -207,7 +212,8 @@ async def test_failover_gives_up_past_its_time_budget(
     fake = FakeMesh(monkeypatch, dead=set())
 
     async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
-                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float) -> AskResult:
+                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
+                          verifier: object = None) -> AskResult:
         fake.routes.append([s.node_id for s in route])
         # every epoch stalls for the whole stall timeout, and each is blamed on a fresh node
         await trio.sleep(stall_timeout)
