@@ -279,6 +279,12 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
     // results do not depend on which other sessions share the context (a shared
     // pool fragments, and attention then sums in another order).
     cp.kv_unified = false;
+    // ggml-cpu's flash attention picks its kernel by shape: a tiled f32 one for 64 or more query
+    // rows, a split-KV one for a single row over 512 or more cells, else the f16 row kernel. Each
+    // sums in its own order, so a position's logits would depend on its batch, and a failover's
+    // one-batch re-prefill or a verified draft would part from the tokens decoded one by one.
+    // The unfused attention runs the same kernels on every row count.
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
 
     g_log_errors.clear();
     llama_context * ctx = nullptr;

@@ -74,7 +74,12 @@ def patches() -> list[Path]:
 
 
 def cmake_options() -> list[str]:
-    opts = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON"]
+    # llamafile's sgemm takes every matmul of two or more rows and leaves one row to ggml's
+    # vec_dot, which sums in another order: a position's logits would then depend on how many
+    # positions shared its batch, and a failover's one-batch re-prefill or a verified draft would
+    # part from the tokens decoded one by one. Said outright, not left to llama.cpp's default:
+    # build/cmake's cache would otherwise keep whatever an earlier configure set.
+    opts = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_LLAMAFILE=OFF"]
     if os.environ.get("MESHD_CUDA") == "1":
         opts.append("-DGGML_CUDA=ON")
     if os.environ.get("MESHD_NATIVE_CPU", "1") == "0":

@@ -71,6 +71,8 @@ int main(int argc, char ** argv) {
     cp.n_threads_batch = n_threads;
     cp.no_perf = 1;
     cp.kv_unified = 0;
+    /* as libmeshengine: the batch-invariant kernels (no flash attention; see native/meshengine.cpp) */
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     struct llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) {
         return fail("cannot create a context");

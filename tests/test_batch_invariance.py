@@ -1,0 +1,107 @@
+"""A position's logits must not depend on how the positions around it were batched.
+
+A failover re-prefills the prompt and the tokens generated so far in one batch, and a
+draft is verified in one batch; both must give exactly what decoding one token at a time
+gave. ggml-cpu picks kernels by row count (llamafile's sgemm from two rows, flash
+attention's tiled kernel from 64 query rows, its split-KV kernel for one row over 512
+cells), and each sums in its own order; the build and the context turn those off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from meshd.engine.chain import LocalChain
+from meshd.engine.engine import Context, Model
+
+# over flash attention's 64-row tile
+BATCH = 70
+
+
+def quantized_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """`src` with its 2-D layer and output weights quantized to `qtype`, everything else as it is."""
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if data.ndim == 2 and t.name != "token_embd.weight":
+            w.add_tensor(t.name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    q = quantized_copy(tiny_models["llama-gqa-untied"], tmp_path_factory.mktemp("q") / "q4_1.gguf",
+                       gguf.GGMLQuantizationType.Q4_1)
+    return {"f16": tiny_models["llama-gqa-tied"], "f32": tiny_models["llama-gqa-untied"], "q4_1": q}
+
+
+def batched_and_single(path: Path, n: int, prefix: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of positions prefix..prefix+n-1: all n in one batch, and one decode step each.
+
+    Both contexts first take the same `prefix` rows in one batch, so only the n rows' shapes differ."""
+    rng = np.random.default_rng(7)
+    with Model(path) as m:
+        toks = rng.integers(3, m.report.n_vocab, prefix + n).tolist()
+        with Context(m, n_ctx=1024, n_batch=max(prefix, n), n_threads=1) as batch, \
+                Context(m, n_ctx=1024, n_batch=max(prefix, n), n_threads=1) as single:
+            if prefix:
+                for c in (batch, single):
+                    c.forward([0] * prefix, range(prefix), tokens=toks[:prefix])
+            together = batch.forward([0] * n, range(prefix, prefix + n), tokens=toks[prefix:], want_output=[True] * n)
+            apart = np.concatenate([single.forward([0], [prefix + i], tokens=[toks[prefix + i]]) for i in range(n)])
+    return together, apart
+
+
+def assert_identical(together: np.ndarray, apart: np.ndarray) -> None:
+    differ = np.nonzero(np.any(together != apart, axis=1))[0]
+    assert differ.size == 0, (f"rows {differ[:8].tolist()} of {len(together)} differ between one batch and "
+                              f"one-by-one decoding, by up to {float(np.abs(together - apart).max()):.3g}")
+
+
+@pytest.mark.parametrize("kind", ["f16", "f32", "q4_1"])
+def test_batch_rows_equal_decode_steps(models: dict[str, Path], kind: str) -> None:
+    assert_identical(*batched_and_single(models[kind], BATCH))
+
+
+
+def test_batch_rows_equal_decode_steps_past_512_cells(models: dict[str, Path]) -> None:
+    # a single decode row over 512 or more cells is where flash attention would split the KV
+    assert_identical(*batched_and_single(models["f16"], 16, prefix=600))
+
+
+def test_default_model_batch_rows_equal_decode_steps(default_model: Path) -> None:
+    assert_identical(*batched_and_single(default_model, BATCH))
+
+
+@pytest.mark.parametrize("ranges", [None, [(0, 3), (3, 6)]], ids=["whole", "split"])
+def test_reprefill_continues_the_same(models: dict[str, Path], ranges: list[tuple[int, int]] | None) -> None:
+    """The failover replay: prompt + the first `cut` generated tokens in one batch, then decode on."""
+    chain = LocalChain(models["f16"], ranges, n_ctx=1024, n_threads=1)
+    try:
+        h = chain.head
+        prompt = h.tokenize(h.apply_chat([{"role": "user", "content": "Tell me about lighthouses."}]),
+                            add_special=False)
+        ref = list(chain.generate(prompt, 160))
+        assert len(ref) == 160
+        for cut in (8, 30, 100):
+            again = list(chain.generate(prompt + ref[:cut], 160 - cut))
+            parted = next((cut + i for i, (a, b) in enumerate(zip(again, ref[cut:], strict=True)) if a != b), None)
+            assert parted is None and len(again) == len(ref) - cut, f"cut {cut}: the re-prefilled run parts at {parted}"
+    finally:
+        chain.close()
