@@ -43,7 +43,7 @@ from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
-from meshd.mesh.routing import NoRouteError, plan_route, stage_options
+from meshd.mesh.routing import NoRouteError, SpeedBook, plan_route, stage_options
 from meshd.mesh.status import held_models, status_view
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, StatusReply
@@ -173,6 +173,8 @@ class MeshDuty:
         self._events: list[DutyEvent] = []
         # nodes proven to lie (meshd.mesh.proofs), with the proof: out of every placement and route
         self.liars: dict[str, Proof] = {}
+        # stage step times this node timed itself: routes never believe a member faster than these
+        self.speeds = SpeedBook()
 
     # ----- queries
 
@@ -321,11 +323,17 @@ class MeshDuty:
         rtt, own = self.node.membership.rtt, self.node.node_id
 
         def link_cost(a: str | None, b: str) -> float:
-            # from here (the asker's side) a measured RTT; between stages we have no measure
-            return (rtt(b) or 0.0) if a is None or a == own else 0.001
+            # From here (the asker's side) the RTT this node measured. Between two stages, at least
+            # the difference of their RTTs from here (the triangle inequality): a bound from this
+            # node's own probes, which a member can raise by answering late but never lower.
+            if a is None or a == own:
+                return rtt(b) or 0.0
+            here_a, here_b = rtt(a), rtt(b)
+            return 0.001 if here_a is None or here_b is None else max(0.001, abs(here_a - here_b))
 
         try:
-            found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model)),
+            found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model),
+                                             speeds=self.speeds),
                                info.n_layers, link_cost, exclude={*exclude, *self.liars})
         except NoRouteError as exc:
             reason = self.coverage_reason(info)
