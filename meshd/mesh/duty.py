@@ -323,13 +323,8 @@ class MeshDuty:
         rtt, own = self.node.membership.rtt, self.node.node_id
 
         def link_cost(a: str | None, b: str) -> float:
-            # From here (the asker's side) the RTT this node measured. Between two stages, at least
-            # the difference of their RTTs from here (the triangle inequality): a bound from this
-            # node's own probes, which a member can raise by answering late but never lower.
-            if a is None or a == own:
-                return rtt(b) or 0.0
-            here_a, here_b = rtt(a), rtt(b)
-            return 0.001 if here_a is None or here_b is None else max(0.001, abs(here_a - here_b))
+            # from here (the asker's side) a measured RTT; between stages we have no measure
+            return (rtt(b) or 0.0) if a is None or a == own else 0.001
 
         try:
             found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model),
