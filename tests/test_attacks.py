@@ -429,7 +429,7 @@ async def test_planted_members_cannot_reserve_on_a_relay_and_no_stranger_brings_
 
 async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_status_working(
         mesh: Mesh, peers: Peers) -> None:
-    await converged(peers, mesh)
+    before = await converged(peers, mesh)
     fake = fake_model(mesh.model)
     async with attacker(mesh.seed.address) as bad:
         await joined(peers, mesh, bad)
@@ -446,6 +446,8 @@ async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_stat
             view = await status(peers, node)
             # one sender introduces a burst (1024) and 32 a second after it, not ten thousand
             assert view.total_members <= 4 + 1024 + 32 * (trio.current_time() - started + 1), view.total_members
+            # members nobody heard from first-hand are no electorate: no majority is out of reach
+            assert view.tracker == before.tracker and view.term == before.term
             shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", node.address)
             assert shown.returncode == 0, shown.stderr
             assert f"{mesh.model.n_layers}/{mesh.model.n_layers} layers covered" in shown.stdout

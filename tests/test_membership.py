@@ -20,6 +20,7 @@ from meshd.mesh.membership import (
     PingReq,
     Suspect,
     SwimConfig,
+    SwimMessage,
     Sync,
     SyncEntry,
 )
@@ -341,3 +342,54 @@ def test_the_next_timer_is_the_only_time_anything_happens() -> None:
     assert node.messages_to_send() == []
     node.handle_timer(deadline)
     assert node.next_timer() > deadline
+
+
+
+class Planted:
+    """A planted member's address, as a fake: it takes every message and never answers."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.received: list[tuple[str, SwimMessage]] = []
+
+    def handle_message(self, now: float, src: str, message: SwimMessage) -> None:
+        self.received.append((src, message))
+
+    def pings_from(self, src: str) -> int:
+        return sum(1 for sender, message in self.received if sender == src and isinstance(message, Ping))
+
+    def handle_timer(self, now: float) -> None:
+        pass
+
+    def next_timer(self) -> float | None:
+        return None
+
+    def messages_to_send(self) -> list[tuple[str, SwimMessage]]:
+        return []
+
+
+def test_members_known_second_hand_are_pinged_to_confirm_them_and_planted_ones_never_are() -> None:
+    net, nodes = mesh(3)
+    net.run_until(10.0)
+    node = nodes[0]
+    assert all(node.first_hand(other.node_id) for other in nodes[1:])
+    # A real member (answering, but talking to nobody of its own accord) and a hundred planted records
+    # reach `node` in one Sync from another member: all live, none heard from first-hand.
+    quiet = member(50)
+    planted = [record(1000 + i) for i in range(100)]
+    holes = [Planted(r.node_id) for r in planted]
+    for driven in [quiet, *holes]:
+        net.add(driven)
+    entries = [SyncEntry(record=r, state="alive") for r in [quiet.record, *planted]]
+    node.handle_message(net.now, nodes[1].node_id, Sync(reply=False, entries=entries))
+    ids = [r.node_id for r in planted]
+    assert all(node.state(i) is MemberState.ALIVE and not node.first_hand(i) for i in [quiet.node_id, *ids])
+    net.run_until(net.now + CONFIG.probe_interval)
+    # The first probe period's confirmations reached it (it came first), and a bounded few others:
+    # `confirmations` and a probe at each of the (at most two) ticks in that second.
+    assert node.first_hand(quiet.node_id)
+    assert sum(hole.pings_from(node.node_id) for hole in holes) <= 2 * (CONFIG.confirmations + 1)
+    net.run_until(net.now + math.ceil(len(planted) / CONFIG.confirmations) * CONFIG.probe_interval)
+    # Every planted member was asked; none answered, so none is first-hand (and none votes).
+    assert all(hole.pings_from(node.node_id) for hole in holes)
+    assert not any(node.first_hand(i) for i in ids)

@@ -13,7 +13,7 @@ from meshd.mesh.election import ElectionConfig
 from meshd.mesh.membership import SwimConfig
 from meshd.mesh.node import MeshNode
 from meshd.mesh.records import ModelInfo, ServedRange
-from meshd.mesh.routing import MAX_SPEEDUP_OVER_MEDIAN, stage_options
+from meshd.mesh.routing import MAX_SPEEDUP_OVER_MEDIAN, SpeedBook, plan_route, stage_options
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply
 
@@ -67,6 +67,39 @@ def test_a_speed_self_report_is_believed_at_most_a_few_times_the_median() -> Non
     speeds = {o.node_id: o.seconds_per_layer for o in stage_options(records, "m")}
     assert speeds[records[2].node_id] == pytest.approx(1e-3 / MAX_SPEEDUP_OVER_MEDIAN)
     assert speeds[records[0].node_id] == 1e-3 and speeds[records[1].node_id] == 2e-3
+
+
+
+def test_a_self_report_is_clamped_to_the_speed_this_node_measured() -> None:
+    served = [ServedRange(model="m", start=0, end=4)]
+    # Two replicas of the whole model: the liar says it is a thousand times faster than it measured.
+    honest, liar = record(1, seconds_per_layer=1e-3, served=served), record(2, seconds_per_layer=1e-6, served=served)
+    speeds = SpeedBook()
+    for seconds in (4.1e-3, 3.9e-3, 4.0e-3):
+        speeds.observe(honest.node_id, 4, seconds)  # 1e-3 s/layer, as it says
+    for seconds in (8.0e-3, 8.2e-3, 1e-9, 7.9e-3):  # 2e-3 s/layer, and one sample nobody can run at
+        speeds.observe(liar.node_id, 4, seconds)
+    believed = {o.node_id: o.seconds_per_layer for o in stage_options([honest, liar], "m", speeds=speeds)}
+    assert believed[liar.node_id] == pytest.approx(2e-3, rel=0.05)
+    assert believed[honest.node_id] == pytest.approx(1e-3, rel=0.05)
+    route = plan_route(stage_options([honest, liar], "m", speeds=speeds), 4)
+    assert route.node_ids == (honest.node_id,)
+    # Unmeasured, the liar's report would have won the route (raised only to the median's floor).
+    assert plan_route(stage_options([honest, liar], "m"), 4).node_ids == (liar.node_id,)
+
+
+def test_the_speed_book_takes_only_sane_samples_and_holds_a_bounded_number_of_members() -> None:
+    speeds = SpeedBook(samples=4, members=3)
+    for bad in (float("nan"), float("inf"), -1.0):
+        speeds.observe("a", 4, bad)
+    speeds.observe("a", 0, 1.0)
+    assert speeds.measured("a") is None
+    for name in "abcd":
+        speeds.observe(name, 2, 2e-3)
+    assert speeds.measured("a") is None and speeds.measured("d") == pytest.approx(1e-3)
+    for seconds in (1.0, 1.0, 1.0, 1.0, 2e-3, 2e-3, 2e-3):
+        speeds.observe("b", 2, seconds)
+    assert speeds.measured("b") == pytest.approx(1e-3)  # the last 4 samples: old ones age out
 
 
 def test_a_made_up_digest_under_the_real_name_never_takes_the_default_ask() -> None:

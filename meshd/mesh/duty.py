@@ -43,7 +43,7 @@ from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
-from meshd.mesh.routing import NoRouteError, plan_route, stage_options
+from meshd.mesh.routing import NoRouteError, SpeedBook, plan_route, stage_options
 from meshd.mesh.status import held_models, status_view
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, StatusReply
@@ -173,6 +173,8 @@ class MeshDuty:
         self._events: list[DutyEvent] = []
         # nodes proven to lie (meshd.mesh.proofs), with the proof: out of every placement and route
         self.liars: dict[str, Proof] = {}
+        # stage step times this node timed itself: routes never believe a member faster than these
+        self.speeds = SpeedBook()
 
     # ----- queries
 
@@ -325,7 +327,8 @@ class MeshDuty:
             return (rtt(b) or 0.0) if a is None or a == own else 0.001
 
         try:
-            found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model)),
+            found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model),
+                                             speeds=self.speeds),
                                info.n_layers, link_cost, exclude={*exclude, *self.liars})
         except NoRouteError as exc:
             reason = self.coverage_reason(info)

@@ -17,7 +17,11 @@ Members are strangers, so a claim counts only when it is believable:
   not unseated by a newcomer's claim), once per term, and only once the
   candidate's rank in the voter's own view has come due;
 - uptime is what this node observed (when it first saw the member live), not
-  the `started_at` a member says of itself.
+  the `started_at` a member says of itself;
+- the electorate is the members this node has heard from first-hand (`vouch`:
+  a message over an authenticated link from the member itself): a record that
+  someone else's Sync planted counts for nothing, so ten thousand planted
+  members can neither outvote the mesh nor leave every claim short of a majority.
 
 When no carried tracker is live for the election timeout, candidates claim
 term + 1 in order of merit (directly reachable, longest observed uptime,
@@ -89,7 +93,11 @@ class Election:
     def __init__(self, node_id: str, now: float, config: ElectionConfig = ElectionConfig()) -> None:
         self._node_id = node_id
         self._config = config
+        # the electorate: live members heard from first-hand (and this node); `_heard` holds the
+        # live records of the others, until they speak for themselves
         self._live: dict[str, CapabilityRecord] = {}
+        self._heard: dict[str, CapabilityRecord] = {}
+        self._vouched: set[str] = {node_id}
         # Kept as records come and go, so that a record costs O(claims), not O(members): the claims
         # of other live eligible members, and every live member's vote with their tally.
         self._claiming: dict[str, int] = {}
@@ -122,8 +130,20 @@ class Election:
     def highest_term(self) -> int:
         return self._highest_term
 
-    def observe(self, now: float, record: CapabilityRecord, live: bool) -> None:
+    def observe(self, now: float, record: CapabilityRecord, live: bool, vouched: bool = True) -> None:
+        """`vouched`: this node has heard from the member first-hand (see `vouch`); a record known
+        only second-hand is kept aside until then."""
         node_id = record.node_id
+        if vouched:
+            self._vouched.add(node_id)
+        if node_id not in self._vouched:
+            if live:
+                self._heard[node_id] = record
+                self._first_seen.setdefault(node_id, now)
+            else:
+                self._heard.pop(node_id, None)
+                self._first_seen.pop(node_id, None)
+            return
         held = self._live.get(node_id)
         if live and held is not None and _says(held) == _says(record):
             self._live[node_id] = record  # a new version saying nothing new to the election: most are
@@ -140,9 +160,19 @@ class Election:
         else:
             self._live.pop(node_id, None)
             if node_id != self._node_id:
-                # A member that comes back starts its observed uptime afresh.
+                # A member that comes back starts its observed uptime afresh, once heard from again.
                 self._first_seen.pop(node_id, None)
+                self._vouched.discard(node_id)
         self._refresh(now)
+
+    def vouch(self, now: float, node_id: str) -> None:
+        """`node_id` has spoken to this node first-hand: from now on its record counts."""
+        if node_id in self._vouched:
+            return
+        self._vouched.add(node_id)
+        record = self._heard.pop(node_id, None)
+        if record is not None:
+            self.observe(now, record, live=True)
 
     def _count_vote(self, voter: str, vote: Tracker | None) -> None:
         old = self._votes_of.pop(voter, None)

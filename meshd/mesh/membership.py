@@ -132,6 +132,11 @@ class SwimConfig:
     max_members: int = 4095
     introductions: int = 1024
     introductions_per_second: float = 32.0
+    # A member counts as a voter only once heard from over its own link (`first_hand`): each probe
+    # period, ping this many live members not heard from yet, in the order they became live, so
+    # that joiners and a healed partition's other side vote within seconds rather than after a
+    # probe round, while records a Sync planted for nobody who answers never do.
+    confirmations: int = 8
 
 
 EventKind = Literal["joined", "alive", "updated", "suspect", "dead", "left"]
@@ -356,6 +361,9 @@ class Membership:
         self._probe_order: list[str] = []
         self._probe_index = 0
         self._relayed: dict[int, tuple[str, int, float]] = {}
+        # live members heard from first-hand, and those not yet, in the order they became live
+        self._first_hand: set[str] = set()
+        self._unconfirmed: deque[str] = deque(maxlen=config.max_members)
         self._introductions: dict[str, tuple[float, float]] = {}  # sender: (tokens, when counted)
         self._seeds: tuple[str, ...] = ()
         self._joined = True
@@ -399,6 +407,12 @@ class Membership:
             return self._own_state()
         member = self._members.get(node_id)
         return member.state if member else None
+
+    def first_hand(self, node_id: str) -> bool:
+        """Whether a live member has sent this node a message over its own authenticated link (since
+        it last became live): proof that someone holding its key answers at its address, which a
+        record that another member's Sync planted is not."""
+        return node_id in self._first_hand
 
     def record_of(self, node_id: str) -> CapabilityRecord | None:
         return self._record if node_id == self._node_id else self._store.get(node_id)
@@ -467,6 +481,11 @@ class Membership:
         """A message from `src`, the authenticated node id of the link it came over."""
         if src == self._node_id:
             return
+        self._receive(now, src, message)
+        if src in self._live:
+            self._first_hand.add(src)
+
+    def _receive(self, now: float, src: str, message: SwimMessage) -> None:
         if isinstance(message, Sync):
             self._handle_sync(now, src, message)
             return
@@ -492,6 +511,7 @@ class Membership:
         config = self._config
         if not self._left and now >= self._next_probe:
             self._probe_tick(now)
+            self._confirm()
             self._next_probe = _advance(self._next_probe, config.probe_interval, now)
         probe = self._probe
         if probe and not probe.acked and not probe.indirect_sent and now >= probe.sent + config.probe_timeout:
@@ -563,6 +583,18 @@ class Membership:
             gossip.insert(0, self._accuse(Suspect, target, member.incarnation))
         self._send(target, _made(Ping, version=self._record.version, seq=self._seq, gossip=gossip))
         self._probe = _Probe(target=target, seq=self._seq, sent=now)
+
+    def _confirm(self) -> None:
+        """Ping the next live members not heard from first-hand; their ack is what counts (the probe
+        round would get to each of them only after a round of every member)."""
+        sent = 0
+        while self._unconfirmed and sent < self._config.confirmations:
+            node_id = self._unconfirmed.popleft()
+            if node_id in self._live and node_id not in self._first_hand:
+                self._seq += 1
+                # No piggybacked news: a planted member would only waste its retransmissions.
+                self._send(node_id, _made(Ping, version=self._record.version, seq=self._seq, gossip=[]))
+                sent += 1
 
     def _next_probe_target(self) -> str | None:
         # Round robin over a shuffled list, as SWIM does, so every member is probed within a round.
@@ -903,9 +935,12 @@ class Membership:
                 # is probed as soon as everyone else rather than after a whole round.
                 position = self._rng.randint(self._probe_index, len(self._probe_order))
                 self._probe_order.insert(position, node_id)
+                self._unconfirmed.append(node_id)
             self._dead.pop(node_id, None)
         else:
             self._live.discard(node_id)
+            # One that comes back must be heard from again.
+            self._first_hand.discard(node_id)
             if state is _DEAD:
                 self._dead[node_id] = None
                 self._recently_dead.append((now, node_id))

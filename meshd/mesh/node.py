@@ -100,6 +100,10 @@ class MeshNode:
 
     def handle_message(self, now: float, src: str, message: SwimMessage) -> None:
         self.membership.handle_message(now, src, message)
+        self._observe_members(now)
+        # `src` is the authenticated sender: a member heard from first-hand, who counts in the election
+        if self.membership.first_hand(src):
+            self.election.vouch(now, src)
         self._settle(now)
 
     def handle_timer(self, now: float) -> None:
@@ -120,7 +124,8 @@ class MeshNode:
 
     def _observe_members(self, now: float) -> None:
         for event in self.membership.events():
-            self.election.observe(now, event.record, live=event.kind in _LIVE_EVENTS)
+            vouched = self.membership.first_hand(event.node_id)
+            self.election.observe(now, event.record, event.kind in _LIVE_EVENTS, vouched)
             self._events.append(event)
 
     def _settle(self, now: float) -> None:

@@ -14,7 +14,9 @@ plan a route from the records in its own membership view.
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+import math
+import statistics
+from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -57,19 +59,63 @@ def no_rtt(a: str | None, b: str) -> float:
     return 0.0
 
 
-# A member's own speed report is believed up to this many times faster than the median report for
+# A member's own speed report is believed up to this many times faster than the median speed for
 # the model: a self-report of 1e-9 s/layer cannot buy the route, a really faster node still wins.
 MAX_SPEEDUP_OVER_MEDIAN = 4.0
 
 
-def speed_floor(records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float) -> float:
-    """The fastest seconds per layer a member serving `model` is believed to run at (0: none serves it).
+class SpeedBook:
+    """What this node measured of members' speeds: seconds per layer of stage steps it timed itself.
 
-    Self-reports are all there is to go on until the tracker measures stages (an unmeasured one counts
-    at the default); their median is what the honest majority says, so one liar cannot move it."""
-    reports = sorted(record.seconds_per_layer or default_seconds_per_layer for record in records
-                     if any(s.model == model for s in record.served))
-    return reports[len(reports) // 2] / MAX_SPEEDUP_OVER_MEDIAN if reports else 0.0
+    The shell feeds `observe` with a step it timed at one stage (its round trip less the link's
+    measured RTT); `measured` is the median of a member's last `samples`, so one slow step (a
+    hiccup, a queue) does not move it. Nothing here comes from the member: a self-report faster than
+    this is clamped to it. Bounded: at most `members` members (the longest unobserved goes first)."""
+
+    def __init__(self, samples: int = 8, members: int = 4096) -> None:
+        self._samples = samples
+        self._members = members
+        self._steps: dict[str, deque[float]] = {}
+
+    def observe(self, node_id: str, layers: int, seconds: float) -> None:
+        if layers <= 0 or not math.isfinite(seconds) or seconds < 0.0:
+            return
+        steps = self._steps.pop(node_id, None)  # re-inserted last: the dict's order is recency
+        if steps is None:
+            steps = deque(maxlen=self._samples)
+            if len(self._steps) >= self._members:
+                del self._steps[next(iter(self._steps))]
+        steps.append(seconds / layers)
+        self._steps[node_id] = steps
+
+    def measured(self, node_id: str) -> float | None:
+        steps = self._steps.get(node_id)
+        return statistics.median(steps) if steps else None
+
+
+def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float,
+                    speeds: SpeedBook | None = None) -> dict[str, float]:
+    """The seconds per layer routes count for each member serving `model`.
+
+    A member this node measured is never believed faster than measured (slower, if it says so).
+    One not measured yet has only its self-report (an unreported one counts at the default), raised
+    to a floor: `MAX_SPEEDUP_OVER_MEDIAN` times faster than the median of every member's speed,
+    measured where it was, so one liar cannot move it."""
+    reported: dict[str, float] = {}
+    measured: dict[str, float] = {}
+    for record in records:
+        if not any(s.model == model for s in record.served):
+            continue
+        reported[record.node_id] = record.seconds_per_layer or default_seconds_per_layer
+        seen = speeds.measured(record.node_id) if speeds is not None else None
+        if seen is not None:
+            measured[record.node_id] = seen
+    if not reported:
+        return {}
+    known = sorted(max(reported[node_id], measured.get(node_id, 0.0)) for node_id in reported)
+    floor = known[len(known) // 2] / MAX_SPEEDUP_OVER_MEDIAN
+    return {node_id: max(report, measured[node_id]) if node_id in measured else max(report, floor)
+            for node_id, report in reported.items()}
 
 
 def stage_options(
@@ -77,23 +123,24 @@ def stage_options(
     model: str,
     default_seconds_per_layer: float = 1e-3,
     assigned: Mapping[str, Collection[tuple[int, int]]] | None = None,
+    speeds: SpeedBook | None = None,
 ) -> list[StageOption]:
     """The stages of `model` that the given (live) members say they serve.
 
     With `assigned` (the tracker's placement: node id to its ranges), only ranges placed there count:
-    a member declaring a range it was not given gets no route through it. Speeds are self-reports
-    raised to `speed_floor`."""
+    a member declaring a range it was not given gets no route through it. Speeds are
+    `believed_speeds`: self-reports clamped to what this node measured (`speeds`)."""
     live = [record for record in records if not record.leaving]
-    floor = speed_floor(live, model, default_seconds_per_layer)
+    believed = believed_speeds(live, model, default_seconds_per_layer, speeds)
     options = []
     for record in live:
-        speed = max(record.seconds_per_layer or default_seconds_per_layer, floor)
         for served in record.served:
             if served.model != model:
                 continue
             if assigned is not None and (served.start, served.end) not in assigned.get(record.node_id, ()):
                 continue
-            options.append(StageOption(record.node_id, served.start, served.end, speed, record.load))
+            options.append(StageOption(record.node_id, served.start, served.end, believed[record.node_id],
+                                       record.load))
     return options
 
 
