@@ -143,10 +143,13 @@ class Audit:
         if (msg.session, msg.epoch) != (self.session, self.epoch):
             raise self._lie(self.tail, "receipts of another session")
         try:
+            # every signature (the ring's receipt is the tail's last one, checked when it came)
             check_chain(chain, Step(self.session, self.epoch, pos, chain[-1].n_tokens, self.n_layer,
-                                    self.node_ids[-1], chain[-1].h_out, decode))
+                                    self.node_ids[-1], chain[-1].h_out, decode), known=self.last_tail)
         except BrokenChain as exc:
-            raise self._lie(self.tail, f"its chain of receipts: {exc}") from None
+            # a stage that signed over a forged receipt is the liar; otherwise the tail handed it over
+            index = self.tail if exc.culprit is None else exc.culprit - (1 if decode else 0)
+            raise self._lie(index, f"its chain of receipts: {exc}") from None
         if decode:
             ring, chain = chain[0], chain[1:]
             if ring != self.last_tail:
