@@ -326,6 +326,7 @@ class RangeCheck:
                 if replica is None:
                     return
                 verdict = await replica.feed(self.inputs[start:], self._original)
+                self.plan.compared += len(self.inputs) - start
                 if verdict is not None:
                     await self._settle(replica, verdict)
                     return
