@@ -11,12 +11,13 @@ from meshd.client.ask import AskResult, StageError
 from meshd.client.verify import Audit, StageLied, blamed
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
-from meshd.stage.verify import ChainHeld, receipts_message
+from meshd.stage.verify import ChainHeld, check_incoming, receipts_message
 from wire.codec import decode, encode, protocol_limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.receipt import MAX_CHAIN, MAX_WITNESSES, Proof, ProofGossip, Receipt, Receipts, row_hash
 from wire.stage import STAGE_PROTOCOL, InputsRequest
+from wire.tensors import Activation
 
 STAGE = protocol_limits(STAGE_PROTOCOL)
 MODEL = "ab" * 32
@@ -250,3 +251,24 @@ def test_receipts_do_not_carry_the_node_id_and_derive_it_from_the_key() -> None:
     assert "node_id" not in r.model_dump() and r.node_id == SIGNERS[0].node_id and r.verify()
     other = Signer(NodeIdentity.generate())
     assert not r.model_copy(update={"public_key": other.public_key}).verify()
+
+
+def test_the_ring_brings_the_tails_receipt_alone_and_the_head_refuses_any_other() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    chain = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
+    tail = chain[-1]
+    token = Activation(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9])
+    sender = SIGNERS[2].node_id
+    assert check_incoming((sender, (tail,)), token, 6, tokens_hash([9]), True, 3) == (tail,)
+    attacks = {
+        "alone": ((sender, tuple(chain)), token, tokens_hash([9])),
+        "ends at": ((sender, (tail,)), token.model_copy(update={"pos": 4}), tokens_hash([9])),
+        "not the sender's": ((SIGNERS[1].node_id, (tail,)), token, tokens_hash([9])),
+        "not the one": ((sender, (tail,)), token, tokens_hash([8])),
+        "bad signature": ((sender, (tail.model_copy(update={"h_hist": row_hash(b"x")}),)), token, tokens_hash([9])),
+        "covers layers": ((SIGNERS[1].node_id, (chain[1],)), token, row_hash(b"b")),
+    }
+    for what, (held, msg, h) in attacks.items():
+        with pytest.raises(ProtocolError, match=what) as refused:
+            check_incoming(held, msg, 6, h, True, 3)
+        assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT

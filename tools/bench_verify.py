@@ -185,10 +185,11 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
         chain = Counting.decode_chain
         assert chain is not None
         # on the way: the head's chain (the ring's receipt and its own), the middle's (three), the ring's
-        # and the asker's (the whole route's, four each)
+        # (the tail's receipt alone) and the asker's (the whole route's, four)
         sub = [len(encode(Receipts(session=chain.session, epoch=chain.epoch, chain=chain.chain[:k]))) for k in (2, 3)]
-        whole = len(encode(chain))
-        sizes = {"head_to_mid": sub[0], "mid_to_tail": sub[1], "tail_ring_to_head": whole, "tail_to_asker": whole}
+        ring = len(encode(Receipts(session=chain.session, epoch=chain.epoch, chain=chain.chain[-1:])))
+        sizes = {"head_to_mid": sub[0], "mid_to_tail": sub[1], "tail_ring_to_head": ring,
+                 "tail_to_asker": len(encode(chain))}
         width = nodes["mid"].service.report.stage_width
         # a spot check moves, per token of each range past the head: the row fetched, fed to the replica
         # (about its size each: raw f32), and the replica's receipt back

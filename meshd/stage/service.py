@@ -811,7 +811,8 @@ class StageService:
         chain = receipts_message(s.book.id, s.book.epoch, (*before, mine))
         s.to_asker.send_nowait(chain)
         if picks:
-            s.ring_chain = encode(chain)
+            # the head needs only the tail's receipt of its token: it covers the chain before it by hash
+            s.ring_chain = encode(receipts_message(s.book.id, s.book.epoch, (mine,)))
 
     def _verified(self, s: Session, w: Work[Rows], picks: list[Any], now: float) -> None:
         """Emits the sampled tokens the drafts agree with, and the one after them (the rows past
