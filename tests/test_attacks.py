@@ -29,12 +29,14 @@ from meshd.mesh.membership import Sync, SyncEntry
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.stage.receipts import SessionReceipts, Signer
 from relay.limits import RelayLimits
 from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Accepted, Incoming, Reserve, Reserved
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, RouteStage, StatusReply, StatusRequest
+from wire.receipt import Proof, ProofAccepted, ProofGossip, row_hash
 from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, new_session_id
 from wire.tensors import Activation, TensorEntry
 
@@ -424,6 +426,46 @@ async def test_planted_members_cannot_reserve_on_a_relay_and_no_stranger_brings_
             assert refused_end.value.code is ErrorCode.UNAUTHORIZED, refused_end.value
         nursery.cancel_scope.cancel()
     await honest_ask(peers, mesh)
+
+# ----- proofs of a lie, from member to member
+
+def proven_in_log(node: Served, culprit: str) -> bool:
+    """Whether `node` took a proof against `culprit` as news (it says so once, as it passes it on)."""
+    assert node.log is not None
+    return f"node {culprit[:16]} is proven to lie" in node.log.read_text()
+
+
+async def test_a_proof_reaches_the_tracker_through_a_member_and_a_forged_one_changes_nothing(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    async with attacker(mesh.seed.address) as bad:
+        await joined(peers, mesh, bad)
+        # the attacker signed two receipts of one step that disagree (an equivocation)
+        ledgers = [SessionReceipts(Signer(bad.identity), "s1", 0, mesh.model.digest, 0, 1) for _ in range(2)]
+        one, two = (ledger.sign(0, 3, row_hash(b"in"), row_hash(out)) for ledger, out in zip(
+            ledgers, (b"out", b"other"), strict=True))
+        proof = Proof(kind="equivocation", culprit=one, witnesses=[two])
+        first, others = mesh.volunteers[0], [mesh.seed, *mesh.volunteers[1:]]
+        # forged: the second receipt altered after signing; refused, and nobody learns a culprit from it
+        forged = Proof(kind="equivocation", culprit=one, witnesses=[two.model_copy(update={"h_hist": row_hash(b"x")})])
+        with pytest.raises(ProtocolError, match="does not hold") as refused:
+            await rpc(peers, first.address, ProofGossip(proof=forged), timeout=20.0)
+        assert refused.value.code is ErrorCode.BAD_REQUEST
+        assert not any(proven_in_log(n, bad.mesh.node_id) for n in mesh.nodes)
+        # the real one, handed to one volunteer only, reaches the tracker and every member
+        accepted = await rpc(peers, first.address, ProofGossip(proof=proof), timeout=20.0)
+        assert isinstance(accepted, ProofAccepted) and accepted.news and accepted.culprit == bad.mesh.node_id
+        with trio.fail_after(30):
+            while not all(proven_in_log(n, bad.mesh.node_id) for n in others):
+                await trio.sleep(0.1)
+        for node in mesh.nodes:
+            again = await rpc(peers, node.address, ProofGossip(proof=proof), timeout=20.0)
+            assert isinstance(again, ProofAccepted) and not again.news, node.address
+        # an honest route and answer are untouched by either proof
+        route = await honest_route(peers, mesh)
+        assert {s.node_id for s in route.stages} == {v.node_id for v in mesh.volunteers}
+        await honest_ask(peers, mesh)
+
 
 # ----- last: the planted members stay in every view for as long as SWIM takes to probe them out
 

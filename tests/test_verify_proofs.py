@@ -11,12 +11,13 @@ from meshd.client.ask import AskResult, StageError
 from meshd.client.verify import Audit, StageLied, blamed
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
-from meshd.stage.verify import ChainHeld, receipts_message
+from meshd.stage.verify import ChainHeld, check_incoming, receipts_message
 from wire.codec import decode, encode, protocol_limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.receipt import MAX_CHAIN, MAX_WITNESSES, Proof, ProofGossip, Receipt, Receipts, row_hash
 from wire.stage import STAGE_PROTOCOL, InputsRequest
+from wire.tensors import Activation
 
 STAGE = protocol_limits(STAGE_PROTOCOL)
 MODEL = "ab" * 32
@@ -33,10 +34,12 @@ def tokens_hash(ids: list[int]) -> bytes:
     return row_hash(np.asarray(ids, np.int32).tobytes())
 
 
-def honest_chain(pos: int, n: int, h_in: bytes, outs: list[bytes], ledgers: list[SessionReceipts]) -> list[Receipt]:
-    chain = []
+def honest_chain(pos: int, n: int, h_in: bytes, outs: list[bytes], ledgers: list[SessionReceipts],
+                 ring: Receipt | None = None) -> list[Receipt]:
+    """Each stage's receipt of one step, the head's after ``ring`` (the tail's receipt of its token)."""
+    chain: list[Receipt] = []
     for ledger_, out in zip(ledgers, outs, strict=True):
-        chain.append(ledger_.sign(pos, n, h_in, out))
+        chain.append(ledger_.sign(pos, n, h_in, out, chain[-1] if chain else ring))
         h_in = out
     return chain
 
@@ -71,10 +74,10 @@ def test_a_decode_chain_links_the_head_to_the_tails_last_token() -> None:
     ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
     prompt = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
     ring = prompt[-1]
-    step = honest_chain(3, 1, tokens_hash([9]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])], ledgers)
+    step = honest_chain(3, 1, tokens_hash([9]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])], ledgers, ring)
     check_chain([ring, *step], Step("s1", 0, 3, 1, 6, SIGNERS[2].node_id, step[-1].h_out, decode=True))
     other = honest_chain(3, 1, tokens_hash([8]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])],
-                         [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)])
+                         [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)], ring)
     with pytest.raises(BrokenChain, match="another token"):
         check_chain([ring, *other], Step("s1", 0, 3, 1, 6, SIGNERS[2].node_id, other[-1].h_out, decode=True))
 
@@ -109,7 +112,7 @@ def test_a_tail_giving_the_head_another_token_leaves_an_equivocation_proof() -> 
     to_head = first[2].model_copy(update={"h_out": tokens_hash([5]), "signature": b""})
     to_head = to_head.signed(SIGNERS[2].identity)
     second = honest_chain(3, 1, tokens_hash([5]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])],
-                          [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)])
+                          [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)], to_head)
     with pytest.raises(StageLied) as lie:
         audit.on_chain(receipts_message("s1", 0, (to_head, *second)))
     assert lie.value.proof is not None and check_proof(lie.value.proof) == SIGNERS[2].node_id
@@ -208,3 +211,64 @@ def test_a_stage_refusing_its_input_as_corrupt_blames_its_upstream() -> None:
     assert blamed(StageError(0, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "x")), ids).culprit == "tail"
     dead = StageError(1, ProtocolError(ErrorCode.UNREACHABLE, "lost"))
     assert blamed(dead, ids) is dead
+
+
+def test_a_stage_checks_its_senders_signature_and_every_link_by_hash() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    outs = [row_hash(b"rows after head"), row_hash(b"rows after mid"), tokens_hash([])]
+    chain = honest_chain(0, 5, tokens_hash([1, 2, 3, 4, 5]), outs, ledgers)
+    step = Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, outs[2], decode=False)
+    check_chain(chain, step, signatures="sender")
+    # the sender's own receipt changed after signing
+    with pytest.raises(BrokenChain, match="receipt 2 has a bad signature") as broken:
+        check_chain([*chain[:2], chain[2].model_copy(update={"h_hist": row_hash(b"other")})], step, "sender")
+    assert broken.value.culprit is None
+    # an earlier receipt changed on the way: the sender's signature covers it by hash
+    with pytest.raises(BrokenChain, match="does not follow"):
+        check_chain([chain[0].model_copy(update={"h_hist": row_hash(b"other")}), *chain[1:]], step, "sender")
+
+
+def test_the_asker_blames_the_stage_that_signed_over_a_forged_receipt() -> None:
+    # the middle stage forges the head's receipt (its signature does not hold) and signs over it
+    head = ledger(SIGNERS[0], RANGES[0]).sign(0, 3, tokens_hash([1, 2, 3]), row_hash(b"a"))
+    forged = head.model_copy(update={"h_hist": row_hash(b"made up")})
+    mid = ledger(SIGNERS[1], RANGES[1]).sign(0, 3, row_hash(b"a"), row_hash(b"b"), forged)
+    tail = ledger(SIGNERS[2], RANGES[2]).sign(0, 3, row_hash(b"b"), tokens_hash([9]), mid)
+    step = Step("s1", 0, 0, 3, 6, SIGNERS[2].node_id, tail.h_out, decode=False)
+    # the tail checked only the middle's signature, which holds
+    check_chain([forged, mid, tail], step, signatures="sender")
+    with pytest.raises(BrokenChain, match="receipt 0 has a bad signature") as broken:
+        check_chain([forged, mid, tail], step)
+    assert broken.value.culprit == 1
+    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
+    with pytest.raises(StageLied) as lie:
+        audit.on_chain(receipts_message("s1", 0, (forged, mid, tail)))
+    assert lie.value.culprit == SIGNERS[1].node_id
+
+
+def test_receipts_do_not_carry_the_node_id_and_derive_it_from_the_key() -> None:
+    r = ledger(SIGNERS[0], RANGES[0]).sign(0, 3, tokens_hash([1, 2, 3]), row_hash(b"a"))
+    assert "node_id" not in r.model_dump() and r.node_id == SIGNERS[0].node_id and r.verify()
+    other = Signer(NodeIdentity.generate())
+    assert not r.model_copy(update={"public_key": other.public_key}).verify()
+
+
+def test_the_ring_brings_the_tails_receipt_alone_and_the_head_refuses_any_other() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    chain = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
+    tail = chain[-1]
+    token = Activation(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9])
+    sender = SIGNERS[2].node_id
+    assert check_incoming((sender, (tail,)), token, 6, tokens_hash([9]), True, 3) == (tail,)
+    attacks = {
+        "alone": ((sender, tuple(chain)), token, tokens_hash([9])),
+        "ends at": ((sender, (tail,)), token.model_copy(update={"pos": 4}), tokens_hash([9])),
+        "not the sender's": ((SIGNERS[1].node_id, (tail,)), token, tokens_hash([9])),
+        "not the one": ((sender, (tail,)), token, tokens_hash([8])),
+        "bad signature": ((sender, (tail.model_copy(update={"h_hist": row_hash(b"x")}),)), token, tokens_hash([9])),
+        "covers layers": ((SIGNERS[1].node_id, (chain[1],)), token, row_hash(b"b")),
+    }
+    for what, (held, msg, h) in attacks.items():
+        with pytest.raises(ProtocolError, match=what) as refused:
+            check_incoming(held, msg, 6, h, True, 3)
+        assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT

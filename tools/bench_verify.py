@@ -14,7 +14,14 @@ attacker, and whether the answer (regenerated on a route without it) is the
 undisturbed one. Runs that end before any check after the lie count as not caught.
 
 (b) Decode tok/s of the honest 3-stage route with verification at 1 in 16 and
-off, alternating in one run; (c) the bytes per decode token the signed hashes
+off, alternating in one run. In a real mesh the replicas are other machines;
+here they share this box, so their engine workers are pinned to a CPU of
+their own (where there are two or more: the route's workers and this process
+get the others) and the replicas' CPU is reported apart, per step a spot check
+replays. The stage services (route and replicas) and the asker share this
+process's one event loop, so their CPU cannot be told apart here: the bench
+reports it per decode token and mode, the receipts' and checks' share of it
+included; (c) the bytes per decode token the signed hashes
 add (every hop's chain of receipts, the ring's, and the one the asker gets),
 and beside it the bytes spot checks move at 1 in 16 (inputs fetched and fed to
 a replica), measured from the messages of a real answer.
@@ -26,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
+import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -54,6 +63,28 @@ PROMPTS = ["Write a short story about a dragon who learns to cook.",
            "Explain how a bicycle stays upright.",
            "What should I pack for a week of hiking in the mountains?"]
 EVERY = 16
+ROUTE = ("head", "mid", "tail")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU a process has used (an engine worker: where a stage computes)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def pin(nodes: dict[str, StageNode]) -> str:
+    """The replicas' workers on a CPU of their own, the route's and this process on the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return "not pinned (one CPU)"
+    mine, theirs = set(cpus[:-1]), {cpus[-1]}
+    os.sched_setaffinity(0, mine)
+    for name, node in nodes.items():
+        pid = node.service.engine.pid
+        assert pid is not None
+        os.sched_setaffinity(pid, mine if name in ROUTE else theirs)
+    return f"replica workers on CPU {cpus[-1]}, route workers and the event loop on {sorted(mine)}"
 
 
 def stage_of(node: StageNode) -> Stage:
@@ -98,7 +129,7 @@ class Counting(Verifier):
         super().on_chain(msg)
 
 
-async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: int) -> dict[str, Any]:
+async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: int, pin_cpus: bool) -> dict[str, Any]:
     model = default_model_path()
     limits = StageLimits(max_sessions=8, max_session_tokens=1024)
     rng = random.Random(seed)
@@ -107,7 +138,8 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
             model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
             for name, layers in RANGES.items()}
         peers = await stack.enter_async_context(open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)))
-        route = [stage_of(nodes[n]) for n in ("head", "mid", "tail")]
+        pinning = pin(nodes) if pin_cpus else "not pinned"
+        route = [stage_of(nodes[n]) for n in ROUTE]
         replicas = [stage_of(nodes[n]) for n in ("head2", "mid2", "mid3", "tail2")]
 
         async def find(excluded: list[str]) -> list[Stage]:
@@ -119,6 +151,12 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
 
         # (b) and (c): the honest route, verification at 1 in 16 against off
         rates: dict[str, list[float]] = {"off": [], "receipts": [], "verify": []}
+        # CPU seconds by mode: this process's event loop (stages and asker), per decode token
+        loop_cpu: dict[str, float] = {"off": 0.0, "receipts": 0.0, "verify": 0.0}
+        decoded: dict[str, int] = {"off": 0, "receipts": 0, "verify": 0}
+        replica_pids = [n.service.engine.pid for name, n in nodes.items() if name not in ROUTE]
+        replica_cpu = 0.0
+        replayed = 0
         sizes: dict[str, float] = {}
         for round_ in range(repeats):
             for i, prompt in enumerate(PROMPTS):
@@ -130,19 +168,28 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                     verifier = None if mode == "off" else Counting(peers, CheckPlan(every=every, candidates=replicas,
                                                                                   rng=random.Random(rng.random())))
                     Counting.receipts_bytes = 0
+                    loop0 = time.thread_time()
+                    replica0 = sum(cpu_seconds(p) for p in replica_pids if p is not None)
                     with trio.fail_after(600):
                         answers[mode] = await run_session(peers, route, request, AskResult(), stall_timeout=120,
                                                           verifier=verifier)
+                    loop_cpu[mode] += time.thread_time() - loop0
+                    decoded[mode] += len(answers[mode].tokens)
+                    if mode == "verify":
+                        assert verifier is not None
+                        replica_cpu += sum(cpu_seconds(p) for p in replica_pids if p is not None) - replica0
+                        replayed += verifier.plan.compared
                     rates[mode].append(answers[mode].decode_rate)
                 if not answers["off"].tokens == answers["receipts"].tokens == answers["verify"].tokens:
                     raise SystemExit(f"verification changed the answer to {prompt[:40]!r}")
         chain = Counting.decode_chain
         assert chain is not None
         # on the way: the head's chain (the ring's receipt and its own), the middle's (three), the ring's
-        # and the asker's (the whole route's, four each)
+        # (the tail's receipt alone) and the asker's (the whole route's, four)
         sub = [len(encode(Receipts(session=chain.session, epoch=chain.epoch, chain=chain.chain[:k]))) for k in (2, 3)]
-        whole = len(encode(chain))
-        sizes = {"head_to_mid": sub[0], "mid_to_tail": sub[1], "tail_ring_to_head": whole, "tail_to_asker": whole}
+        ring = len(encode(Receipts(session=chain.session, epoch=chain.epoch, chain=chain.chain[-1:])))
+        sizes = {"head_to_mid": sub[0], "mid_to_tail": sub[1], "tail_ring_to_head": ring,
+                 "tail_to_asker": len(encode(chain))}
         width = nodes["mid"].service.report.stage_width
         # a spot check moves, per token of each range past the head: the row fetched, fed to the replica
         # (about its size each: raw f32), and the replica's receipt back
@@ -187,6 +234,10 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                          "receipts_slowdown": 1 - statistics.median(rates["receipts"]) / statistics.median(rates["off"]),
                          "slowdown": 1 - statistics.median(rates["verify"]) / statistics.median(rates["off"]),
                          "samples": len(rates["off"])},
+        "cpu": {"pinning": pinning,
+                "event_loop_ms_per_token": {m: 1000 * loop_cpu[m] / max(1, decoded[m]) for m in loop_cpu},
+                "replica_steps_replayed": replayed,
+                "replica_worker_ms_per_replayed_step": 1000 * replica_cpu / replayed if replayed else None},
         "bytes_per_token": {"receipts": sizes, "receipts_total": sum(sizes.values()),
                             "spot_checks_at_1_in_16": spot / EVERY, "row_bytes": 4 * width},
     }
@@ -199,9 +250,10 @@ def main() -> int:
     ap.add_argument("--rate-tokens", type=int, default=64, help="new tokens per answer for tok/s (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=2, help="rounds over the prompts for tok/s (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=14, help="seed of the lies' steps and the checks' draws")
+    ap.add_argument("--no-pin", action="store_true", help="leave every engine worker on every CPU")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
-    out = trio.run(bench, args.runs, args.tokens, args.rate_tokens, args.repeats, args.seed)
+    out = trio.run(bench, args.runs, args.tokens, args.rate_tokens, args.repeats, args.seed, not args.no_pin)
     c, r, b = out["caught"], out["decode_tok_s"], out["bytes_per_token"]
     print(json.dumps(out, indent=2))
     print("| figure | value |")
@@ -212,6 +264,13 @@ def main() -> int:
     print(f"| decode tok/s, 3 stages, receipts only (--verify 0 would be off) | {r['receipts']:.1f} "
           f"({r['receipts_slowdown']:+.1%} slower) |")
     print(f"| decode tok/s, 3 stages, verify 1 in {out['every']} | {r['verify']:.1f} ({r['slowdown']:+.1%} slower) |")
+    cpu, loop = out["cpu"], out["cpu"]["event_loop_ms_per_token"]
+    print(f"| event loop CPU per token (stages + asker, one process) | off {loop['off']:.1f} ms, receipts "
+          f"{loop['receipts']:.1f} ms, verify 1 in {out['every']} {loop['verify']:.1f} ms |")
+    per_step = cpu["replica_worker_ms_per_replayed_step"]
+    print(f"| replica engine CPU per replayed step (another machine in a mesh) | "
+          f"{'-' if per_step is None else f'{per_step:.1f} ms'} over {cpu['replica_steps_replayed']} steps "
+          f"({cpu['pinning']}) |")
     parts = ", ".join(f"{k} {v}" for k, v in b["receipts"].items())
     print(f"| signed hashes, bytes per token | {b['receipts_total']} ({parts}) |")
     print(f"| spot checks, bytes per token | {b['spot_checks_at_1_in_16']:.0f} (rows of {b['row_bytes']} bytes) |")

@@ -9,13 +9,18 @@ stages of one model and range with the same ``h_hist`` must put out the same
 bytes (the engine is deterministic and batch-invariant), whoever asked.
 
 The receipt travels with its activation, and the next stage checks ``h_out``
-against the bytes it received before it computes a row. The checks that turn
+against the bytes it received before it computes a row. ``h_prev`` is the hash
+of the receipt before it in the chain (``receipt_hash``), so a stage's
+signature covers the whole chain it took in: a stage checks only its
+upstream's signature (an honest upstream checked the one before), and whoever
+checks every signature (the asker) can say who signed over a forged receipt. The checks that turn
 receipts into a verdict live in ``meshd.mesh.proofs``.
 """
 
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 from typing import Annotated, Literal
 
 import msgpack
@@ -34,8 +39,10 @@ MAX_CHAIN = 32
 # a proof names one culprit and at most this many witnesses against it
 MAX_WITNESSES = 4
 
-_RECEIPT_DOMAIN = b"meshd/receipt/1\x00"
+_RECEIPT_DOMAIN = b"meshd/receipt/2\x00"
 _HIST_DOMAIN = b"meshd/history/1\x00"
+# the h_prev of a chain's first receipt
+NO_PREV = bytes(HASH_BYTES)
 
 
 def row_hash(data: bytes | memoryview) -> bytes:
@@ -53,6 +60,17 @@ def sampling_bytes(sampling: Sampling, prompt_len: int) -> bytes:
     """What decides a tail's output besides its input rows: how it samples, and from where."""
     packed: bytes = msgpack.packb([sampling.model_dump(), prompt_len], use_bin_type=True)
     return packed
+
+
+def receipt_hash(receipt: Receipt) -> bytes:
+    """What the next receipt of a chain names as ``h_prev``: the whole receipt, signature included."""
+    return row_hash(receipt.signing_bytes() + receipt.signature)
+
+
+@lru_cache(maxsize=4096)
+def _node_id(public_key: bytes) -> str:
+    # a stage's key signs every step: its id is worked out once, not per receipt
+    return node_id_of(public_key)
 
 
 def history_next(hist: bytes, pos: int, n_tokens: int, h_in: bytes) -> bytes:
@@ -74,10 +92,16 @@ class Receipt(WireModel):
     h_out: Hash
     # every input of this session at this stage up to and including this step
     h_hist: Hash
-    node_id: NodeId
-    # the signer's key rides along, so any node can check a receipt (and a proof) alone
+    # the receipt before this one in its chain (``receipt_hash``; the first's: NO_PREV)
+    h_prev: Hash
+    # the signer's key rides along, so any node can check a receipt (and a proof) alone; the
+    # node id is derived from it (a hash), so it does not travel
     public_key: PublicKey
     signature: Annotated[bytes, Field(max_length=64)] = b""
+
+    @property
+    def node_id(self) -> str:
+        return _node_id(self.public_key)
 
     def signing_bytes(self) -> bytes:
         # the schema's field order, not the sender's: the encoding is canonical
@@ -85,14 +109,12 @@ class Receipt(WireModel):
         return _RECEIPT_DOMAIN + packed
 
     def signed(self, identity: NodeIdentity) -> Receipt:
-        if identity.node_id != self.node_id or identity.public_key != self.public_key:
+        if identity.public_key != self.public_key:
             raise ValueError("only the stage a receipt names can sign it")
         return self.model_copy(update={"signature": identity.sign(self.signing_bytes())})
 
     def verify(self) -> bool:
-        """Signed by the key it carries, which hashes to the node id it names."""
-        if node_id_of(self.public_key) != self.node_id:
-            return False
+        """Signed by the key it carries (whose hash is its node id)."""
         return bool(self.signature) and verify(self.public_key, self.signing_bytes(), self.signature)
 
     def same_step(self, other: Receipt) -> bool:

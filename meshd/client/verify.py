@@ -143,10 +143,13 @@ class Audit:
         if (msg.session, msg.epoch) != (self.session, self.epoch):
             raise self._lie(self.tail, "receipts of another session")
         try:
+            # every signature (the ring's receipt is the tail's last one, checked when it came)
             check_chain(chain, Step(self.session, self.epoch, pos, chain[-1].n_tokens, self.n_layer,
-                                    self.node_ids[-1], chain[-1].h_out, decode))
+                                    self.node_ids[-1], chain[-1].h_out, decode), known=self.last_tail)
         except BrokenChain as exc:
-            raise self._lie(self.tail, f"its chain of receipts: {exc}") from None
+            # a stage that signed over a forged receipt is the liar; otherwise the tail handed it over
+            index = self.tail if exc.culprit is None else exc.culprit - (1 if decode else 0)
+            raise self._lie(index, f"its chain of receipts: {exc}") from None
         if decode:
             ring, chain = chain[0], chain[1:]
             if ring != self.last_tail:
@@ -323,6 +326,7 @@ class RangeCheck:
                 if replica is None:
                     return
                 verdict = await replica.feed(self.inputs[start:], self._original)
+                self.plan.compared += len(self.inputs) - start
                 if verdict is not None:
                     await self._settle(replica, verdict)
                     return
@@ -400,15 +404,20 @@ class _Replay:
         for step in steps:
             msg = await self._next_receipt()
             r = msg.chain[0]
-            if (len(msg.chain) != 1 or r.node_id != self.node_id or r.pos != step.pos or not r.verify()):
+            if len(msg.chain) != 1 or r.node_id != self.node_id or r.pos != step.pos:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
-            self.at[r.pos] = r
             mine = original(r.pos)
             if not r.same_step(mine):
                 # the route's receipt carries the history of its inputs (checked): the replica's does not
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} ran another history")
             if r.h_out != mine.h_out:
+                # a replica's receipt counts only against the route (as a witness): its signature is
+                # checked there, not for each step it agrees on
+                if not r.verify():
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
+                self.at[r.pos] = r
                 return r
+            self.at[r.pos] = r
             if stop_at is not None and r.pos >= stop_at:
                 return None
         return None

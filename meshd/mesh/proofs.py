@@ -1,7 +1,8 @@
 """What receipts prove: the checks a stage, the asker and the tracker make of them (sans-IO).
 
 Every honest stage checks the chain of receipts that comes with an activation
-before it computes a row, and forwards only a chain it checked. So when a
+before it computes a row (its links by hash, its sender's signature), and
+forwards only a chain it checked. So when a
 chain goes wrong, the node that handed it over is the one that broke it:
 ``check_chain`` says what is wrong, and its caller blames its authenticated
 sender. That blame is one node's word (good enough to route around the
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from wire.receipt import Proof, Receipt
+from wire.receipt import NO_PREV, Proof, Receipt, receipt_hash
 
 
 class InvalidProof(ValueError):
@@ -22,7 +24,13 @@ class InvalidProof(ValueError):
 
 
 class BrokenChain(ValueError):
-    """A chain of receipts that an honest sender would not have forwarded."""
+    """A chain of receipts that an honest sender would not have forwarded. ``culprit``: where the
+    checker can say better than "the sender", the index in the chain of the receipt whose signer
+    signed over a forged one."""
+
+    def __init__(self, reason: str, culprit: int | None = None) -> None:
+        super().__init__(reason)
+        self.culprit = culprit
 
 
 # Whether a node serves a model's layer range as far as the checker knows (the tracker: its own
@@ -82,14 +90,22 @@ class Step:
     decode: bool
 
 
-def check_chain(chain: Sequence[Receipt], step: Step) -> None:
+def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sender", "all"] = "all",
+                known: Receipt | None = None) -> None:
     """Raises BrokenChain unless ``chain`` is every stage's signed receipt of ``step``, head first:
-    consecutive ranges from layer 0, each one's output the next one's input, the sender's last.
+    consecutive ranges from layer 0, each one's output the next one's input and its ``h_prev`` the
+    hash of the one before, the sender's last.
 
     A step fed by the ring may start with the tail's receipt of the step before, whose output
     (the sampled token) is the head's input: then the head cannot take in another token
     unseen, and a tail that signs one token to the asker and another to the head has signed
-    two receipts of one step (an equivocation)."""
+    two receipts of one step (an equivocation).
+
+    ``signatures``: a stage checks only its sender's (``"sender"``): each receipt's signature
+    covers the one before it by hash, and an honest sender checked its own upstream's; the
+    asker checks them all (``"all"``) but ``known``, a receipt it checked already (the ring's:
+    the tail's last one). Every link is checked by hash before any signature (they cost most)."""
+    links = list(chain)
     if step.decode:
         # a decode step's chain starts with the tail's receipt of the step that sampled its token
         if not chain or chain[0].layer_begin == 0:
@@ -97,8 +113,6 @@ def check_chain(chain: Sequence[Receipt], step: Step) -> None:
         ring = chain[0]
         if (ring.session, ring.epoch, ring.pos + ring.n_tokens) != (step.session, step.epoch, step.pos):
             raise BrokenChain("the tail's receipt before the chain is of another step")
-        if not ring.verify():
-            raise BrokenChain("the tail's receipt before the chain has a bad signature")
         if len(chain) < 2 or chain[1].h_in != ring.h_out:
             raise BrokenChain("the head took in another token than the tail's receipt signs")
         chain = chain[1:]
@@ -112,9 +126,10 @@ def check_chain(chain: Sequence[Receipt], step: Step) -> None:
             raise BrokenChain(f"receipt {k} covers layers [{r.layer_begin}, {r.layer_end}), expected from {layer}")
         if k and r.h_in != chain[k - 1].h_out:
             raise BrokenChain(f"receipt {k} took in other rows than receipt {k - 1} put out")
-        if not r.verify():
-            raise BrokenChain(f"receipt {k} has a bad signature")
         layer = r.layer_end
+    for k, r in enumerate(links):
+        if r.h_prev != (NO_PREV if k == 0 else receipt_hash(links[k - 1])) and (k or not step.decode):
+            raise BrokenChain(f"receipt {k} does not follow the receipt before it")
     last = chain[-1]
     if layer != step.until:
         raise BrokenChain(f"the receipts end at layer {layer}, not {step.until}")
@@ -122,3 +137,9 @@ def check_chain(chain: Sequence[Receipt], step: Step) -> None:
         raise BrokenChain("the last receipt is not the sender's")
     if last.h_out != step.h_out:
         raise BrokenChain("the rows are not the ones the sender's receipt signs")
+    # from the sender's back: the first bad one was signed over by the (checked) receipt after it
+    for k in range(len(links) - 1, -1 if signatures == "all" else len(links) - 2, -1):
+        r = links[k]
+        if (known is None or r != known) and not r.verify():
+            culprit = None if k == len(links) - 1 else k + 1
+            raise BrokenChain(f"receipt {k} has a bad signature", culprit)

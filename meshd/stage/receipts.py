@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wire.identity import NodeIdentity
-from wire.receipt import Receipt, history_next, history_start
+from wire.receipt import NO_PREV, Receipt, history_next, history_start, receipt_hash
 
 
 @dataclass
 class Signer:
-    """One node's identity, with its id and key worked out once (they are hashes of the key)."""
+    """One node's identity, with its id and key worked out once (the id is a hash of the key)."""
 
     identity: NodeIdentity
     node_id: str = ""
@@ -40,7 +40,8 @@ class SessionReceipts:
     sampling: bytes = b""
     hist: bytes = field(default=b"")
 
-    def sign(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes) -> Receipt:
+    def sign(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes, prev: Receipt | None = None) -> Receipt:
+        """This step's receipt, after ``prev`` (the last receipt of the checked chain it extends)."""
         if not self.hist:
             self.hist = history_start(self.model, self.layer_begin, self.layer_end, self.sampling)
         self.hist = history_next(self.hist, pos, n_tokens, h_in)
@@ -48,5 +49,6 @@ class SessionReceipts:
         receipt = Receipt.unvalidated({
             "session": self.session, "epoch": self.epoch, "pos": pos, "n_tokens": n_tokens, "model": self.model,
             "layer_begin": self.layer_begin, "layer_end": self.layer_end, "h_in": h_in, "h_out": h_out,
-            "h_hist": self.hist, "node_id": s.node_id, "public_key": s.public_key, "signature": b""})
+            "h_hist": self.hist, "h_prev": NO_PREV if prev is None else receipt_hash(prev),
+            "public_key": s.public_key, "signature": b""})
         return receipt.model_copy(update={"signature": s.identity.sign(receipt.signing_bytes())})

@@ -787,7 +787,8 @@ class StageService:
     def _send_receipts(self, s: Session, w: Work[Rows], h_out: bytes) -> None:
         """Signs this step and sends the chain so far downstream, just before the step's rows."""
         assert s.receipts is not None and s.downstream is not None
-        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, h_out)
+        chain = w.payload.chain
+        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, h_out, chain[-1] if chain else None)
         s.downstream.send_nowait(encode(receipts_message(s.book.id, s.book.epoch, (*w.payload.chain, mine))))
 
     def _check_receipt(self, s: Session, w: Work[Rows], out: np.ndarray) -> None:
@@ -805,11 +806,13 @@ class StageService:
         if not s.receipts.hist:
             s.receipts.sampling = sampling_bytes(s.open.sampling, s.book.prompt_len or 0)
         sampled = np.asarray([p[0] for p in picks[:w.drafts + 1]] if picks else [], dtype=np.int32)
-        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()))
-        chain = receipts_message(s.book.id, s.book.epoch, (*w.payload.chain, mine))
+        before = w.payload.chain
+        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()), before[-1] if before else None)
+        chain = receipts_message(s.book.id, s.book.epoch, (*before, mine))
         s.to_asker.send_nowait(chain)
         if picks:
-            s.ring_chain = encode(chain)
+            # the head needs only the tail's receipt of its token: it covers the chain before it by hash
+            s.ring_chain = encode(receipts_message(s.book.id, s.book.epoch, (mine,)))
 
     def _verified(self, s: Session, w: Work[Rows], picks: list[Any], now: float) -> None:
         """Emits the sampled tokens the drafts agree with, and the one after them (the rows past

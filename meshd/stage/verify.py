@@ -45,24 +45,38 @@ def check_incoming(held: tuple[str, tuple[Receipt, ...]], msg: Activation, until
                    ring: bool, prompt_len: int) -> tuple[Receipt, ...]:
     """The chain, checked against the activation it came with; PAYLOAD_CORRUPT if it does not hold.
 
-    On a hop, every receipt is of the activation's step and the chain reaches this stage's
-    first layer. On the ring, the chain is the step the tail sampled this token in (it ended
-    where this activation begins) and covers the whole model."""
+    On a hop, every receipt is of the activation's step, the chain reaches this stage's first
+    layer, and only the sender's signature is checked (it checked its own upstream's, and
+    signed over that one by hash). On the ring comes the tail's receipt alone, of the step it
+    sampled this token in: it ends where this activation begins and covers the model's last
+    layer; the chain behind it is the asker's to check (it gets every receipt)."""
     sender, chain = held
     try:
         if ring:
-            last = chain[-1]
-            if last.pos + last.n_tokens != msg.pos:
-                raise BrokenChain(f"the tail's receipt ends at {last.pos + last.n_tokens}, the token is at {msg.pos}")
-            step = Step(msg.session, msg.epoch, last.pos, last.n_tokens, until, sender, h_rows,
-                        last.pos >= prompt_len)
+            check_ring(chain, msg, until, sender, h_rows)
         else:
             step = Step(msg.session, msg.epoch, msg.pos, msg.n_tokens, until, sender, h_rows, msg.pos >= prompt_len)
-        check_chain(chain, step)
+            check_chain(chain, step, signatures="sender")
     except BrokenChain as exc:
         raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"receipts from the upstream stage: {exc}") from None
     # the head's step starts its own chain with the tail's receipt of the token it takes in
-    return (chain[-1],) if ring else chain
+    return chain
+
+
+def check_ring(chain: tuple[Receipt, ...], msg: Activation, n_layer: int, sender: str, h_tokens: bytes) -> None:
+    if len(chain) != 1:
+        raise BrokenChain("the ring brings the tail's receipt alone")
+    tail = chain[0]
+    if (tail.session, tail.epoch, tail.pos + tail.n_tokens) != (msg.session, msg.epoch, msg.pos):
+        raise BrokenChain(f"the tail's receipt ends at {tail.pos + tail.n_tokens}, the token is at {msg.pos}")
+    if tail.layer_end != n_layer or tail.layer_begin >= tail.layer_end:
+        raise BrokenChain(f"the tail's receipt covers layers [{tail.layer_begin}, {tail.layer_end})")
+    if tail.node_id != sender:
+        raise BrokenChain("the ring's receipt is not the sender's")
+    if tail.h_out != h_tokens:
+        raise BrokenChain("the token is not the one the tail's receipt signs")
+    if not tail.verify():
+        raise BrokenChain("the tail's receipt has a bad signature")
 
 
 def receipts_message(session: str, epoch: int, chain: tuple[Receipt, ...]) -> Receipts:
