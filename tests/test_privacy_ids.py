@@ -148,6 +148,8 @@ async def test_a_middle_stage_gets_rows_only_and_the_answers_stay_the_whole_mode
             # the tail checks the asker's ids (count, vocabulary), and without them fails that session
             err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1, 2, 3])
             assert err.code is ErrorCode.BAD_REQUEST and "3 token ids for a prompt of 2" in err.message, err
+            err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1] * 513)
+            assert err.code is ErrorCode.BAD_REQUEST and "session budget of 512" in err.message, err
             err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1, 1 << 30])
             assert err.code is ErrorCode.BAD_REQUEST and "outside the vocabulary" in err.message, err
             err = await stranger_error(peers, nodes[2], None, 0)

@@ -474,6 +474,9 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only a tail after the head takes the prompt's token ids")
         if session.prompt_ids is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has the prompt's token ids")
+        if len(msg.tokens) > self.limits.max_session_tokens:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids exceed this stage's session "
+                                                       f"budget of {self.limits.max_session_tokens} tokens")
         if book.prompt_len is not None and len(msg.tokens) != book.prompt_len:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for a prompt of "
                                                        f"{book.prompt_len}")
