@@ -171,10 +171,12 @@ async def test_three_serve_processes_answer_token_for_token_like_the_whole_model
         async with open_peers(NodeIdentity.generate()) as peers:
             with trio.fail_after(ASK_DEADLINE):
                 result = await run_session(peers, route_at(route), request, AskResult())
-            # a stranger's activation to the hash-routed middle stage without the ids, or with an id past
-            # the vocabulary: a typed error for that session, and the pipeline answers the same after
-            for ids, why in ((None, "must carry the token ids"), ([1, 300], "outside the vocabulary")):
-                err = await _activation_error(peers, stages[1].address, ids)
+            # a stranger's session to the hash-routed middle stage that sends it no ids, its activation
+            # without the ids, or with an id past the vocabulary: a typed error for that session, and the
+            # pipeline answers the same after
+            for ids, carry, why in ((None, 0, "the session must send it the token ids"),
+                                    (None, 1, "must carry the token ids"), ([1, 300], 1, "outside the vocabulary")):
+                err = await _activation_error(peers, stages[1].address, ids, carry)
                 assert err.code == ErrorCode.BAD_REQUEST and why in err.message, err
             with trio.fail_after(ASK_DEADLINE):
                 again = await run_session(peers, route_at(route), request, AskResult())
@@ -188,8 +190,9 @@ async def test_three_serve_processes_answer_token_for_token_like_the_whole_model
     assert f"{len(want)} new tokens" in asked.stderr
 
 
-async def _activation_error(peers: Peers, address: str, ids: list[int] | None) -> ProtocolError:
-    """Opens a session on the stage at `address` and sends it two rows with `ids`; returns its typed error."""
+async def _activation_error(peers: Peers, address: str, ids: list[int] | None, carry: int) -> ProtocolError:
+    """Opens a session on the stage at `address` (its Hop says the ids reach `carry` stages from it on)
+    and sends it two rows with `ids`; returns its typed error."""
     async with open_peers(NodeIdentity.generate()) as sink_peers:
         sink_peers.handle(STAGE_PROTOCOL, _drain)
         port = await sink_peers.listen("127.0.0.1", 0)
@@ -199,7 +202,7 @@ async def _activation_error(peers: Peers, address: str, ids: list[int] | None) -
             await control.send_message(Open(session="stranger", epoch=0, head=sink, next=sink))
             assert isinstance(await control.receive_message(), Opened)
             hop = await peers.open_stream(address, STAGE_PROTOCOL)
-            await hop.send_message(Hop(session="stranger", epoch=0, prompt_tokens=2))
+            await hop.send_message(Hop(session="stranger", epoch=0, prompt_tokens=2, carry_tokens=carry))
             rows = np.zeros((2, stage_width(DSV4_SPEC)), dtype=np.float32)
             await hop.send_message(Activation(session="stranger", epoch=0, step=0, pos=0, n_tokens=2,
                                               tensors=[TensorEntry(**tensor_fields("hidden_states", rows))],

@@ -281,7 +281,8 @@ async def test_an_out_of_vocabulary_carried_token_fails_only_the_attackers_sessi
                 assert isinstance(opened, Opened), opened
                 hop = await bad.peers.open_stream(tail.address, STAGE_PROTOCOL, node_id=tail.node_id)
                 async with hop:
-                    await hop.send_message(Hop(session="oov", epoch=0, prompt_tokens=4))
+                    # the Hop says the ids are sent to this stage, so they are looked at
+                    await hop.send_message(Hop(session="oov", epoch=0, prompt_tokens=4, carry_tokens=1))
                     rows = TensorEntry.from_array("hidden_states", np.zeros((1, opened.info.stage_width),
                                                                             dtype=np.float32))
                     await hop.send_message(Activation(session="oov", epoch=0, step=0, pos=0, n_tokens=1,

@@ -124,7 +124,8 @@ async def test_an_out_of_vocabulary_carried_token_fails_only_its_own_session(
             assert isinstance(await control.receive_message(), Opened)
             hop = await peers.open_stream(tail.address, STAGE_PROTOCOL)
             async with hop:
-                await hop.send_message(Hop(session="oov", epoch=0, prompt_tokens=4))
+                # the Hop says the ids are sent to this stage, so they are looked at
+                await hop.send_message(Hop(session="oov", epoch=0, prompt_tokens=4, carry_tokens=1))
                 rows = TensorEntry.from_array("hidden_states", np.zeros((1, N_EMBD), dtype=np.float32))
                 # a prompt position: its carried id would go into the sampler's history
                 await hop.send_message(Activation(session="oov", epoch=0, step=0, pos=0, n_tokens=1,

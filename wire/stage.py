@@ -19,6 +19,9 @@ from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId,
 
 STAGE_PROTOCOL = "meshd/stage/1"
 
+# the most stages a route can have: every stage holds at least one layer
+MAX_ROUTE = 1 << 10
+
 # Control and hop streams: activations are large (in one bin each), every
 # other message is held to its schema's bounds by the codec.
 register_protocol(STAGE_PROTOCOL, Limits(max_message_bytes=128 << 20, max_objects=1 << 16, max_depth=8))
@@ -56,6 +59,8 @@ class StageInfo(WireModel):
     # floats per token row the stage takes and puts out (the engine's, from the loaded model)
     stage_width: int = Field(ge=1, le=1 << 20)
     ready: bool
+    # its layers route by token id (DeepSeek V4's hash-routed layers): its activations must carry the ids
+    needs_tokens: bool = False
 
 
 class Open(Message, tag="open"):
@@ -107,9 +112,15 @@ class Prompt(Message, tag="prompt"):
     text: str | None = Field(default=None, max_length=1 << 22)
     tokens: Tokens | None = None
     generated: int = Field(default=0, ge=0, le=1 << 20)
+    # how many stages after the head get the token ids with the rows: up to the last whose layers
+    # route by token id (its ``StageInfo.needs_tokens``); the others get rows only
+    carry_tokens: int = Field(default=0, ge=0, le=MAX_ROUTE)
 
 
 class PromptTokens(Message, tag="prompt_tokens"):
+    """From the head to the asker: the prompt as token ids; from the asker to the tail: its sampler's
+    penalty history and its drafter's text (no stage between them is sent the ids it does not need)."""
+
     session: SessionId
     epoch: Epoch
     tokens: Tokens
@@ -123,6 +134,9 @@ class Hop(Message, tag="hop"):
     ring: bool = False
     # the tail samples once it has seen this many positions
     prompt_tokens: int = Field(default=0, ge=0, le=1 << 20)
+    # how many stages from this one on get the token ids with the rows (``Prompt.carry_tokens``,
+    # one less each hop): a stage the count does not reach gets rows only
+    carry_tokens: int = Field(default=0, ge=0, le=MAX_ROUTE)
 
 
 class Token(Message, tag="token"):

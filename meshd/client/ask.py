@@ -298,14 +298,16 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                                len(result.prompt_tokens) + len(result.tokens) if result.prompt_tokens else None,
                                opened, request.sampling)
                 nursery.start_soon(verifier.run_checks)
+            # the token ids ride from the head only as far as the last stage whose layers route by them
+            carry = max((i for i, info in enumerate(result.route) if i and info.needs_tokens), default=0)
             if result.prompt_tokens:
                 prompt = Prompt(session=session, epoch=epoch, tokens=result.prompt_tokens + result.tokens,
-                                generated=len(result.tokens))
+                                generated=len(result.tokens), carry_tokens=carry)
             elif request.messages is not None:
                 prompt = Prompt(session=session, epoch=epoch,
-                                messages=[ChatMessage(**m) for m in request.messages])
+                                messages=[ChatMessage(**m) for m in request.messages], carry_tokens=carry)
             else:
-                prompt = Prompt(session=session, epoch=epoch, text=request.text or "")
+                prompt = Prompt(session=session, epoch=epoch, text=request.text or "", carry_tokens=carry)
             await _from_stage(0, head_stream.send_message(prompt))
             last = len(opened) - 1
             for i, stream in enumerate(opened[1:-1], start=1):
@@ -313,7 +315,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 nursery.start_soon(_from_stage, i, _watch_for_errors(stream, _inbox(verifier, i)))
             if last > 0:
                 nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout,
-                                                                          verifier))
+                                                                          tail_stream, verifier))
             await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0,
                                                     verifier))
             if verifier is not None:
@@ -339,20 +341,24 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     return result
 
 
-async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float,
+async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float, tail: Stream,
                                  verifier: Verifier | None = None) -> None:
+    """The head's ids of the prompt (re-prefilled tokens included), which the asker hands the tail
+    itself: its sampler's penalty history and its drafter's text pass no stage between."""
     with trio.fail_after(timeout):
         msg = await stream.receive_message()
-    _take_prompt_tokens(msg, result, verifier)
+    ids = _take_prompt_tokens(msg, result, verifier)
+    await tail.send_message(ids)
     await _watch_for_errors(stream)
 
 
-def _take_prompt_tokens(msg: Message, result: AskResult, verifier: Verifier | None = None) -> None:
+def _take_prompt_tokens(msg: Message, result: AskResult, verifier: Verifier | None = None) -> PromptTokens:
     msg = rpc.expect(msg, PromptTokens, "the head's tokens of the prompt")
     if not result.prompt_tokens:
         result.prompt_tokens = list(msg.tokens)
     if verifier is not None:
         verifier.prompt_known(len(msg.tokens))
+    return msg
 
 
 def _inbox(verifier: Verifier | None, index: int) -> trio.MemorySendChannel[Inputs] | None:

@@ -51,6 +51,7 @@ from wire.stage import (
     InputsRequest,
     Open,
     Opened,
+    PromptTokens,
     Sampling,
     StepInput,
     new_session_id,
@@ -368,7 +369,8 @@ class RangeCheck:
 class _Replay:
     """A check session on one replica: the asker feeds it, it answers each step with its receipt."""
 
-    def __init__(self, stage: Stage, session: str, control: Stream, hop: Stream, node_id: str) -> None:
+    def __init__(self, stage: Stage, session: str, control: Stream, hop: Stream, node_id: str,
+                 with_ids: bool) -> None:
         self.stage = stage
         self.session = session
         self.control = control
@@ -376,6 +378,9 @@ class _Replay:
         self.node_id = node_id
         self.at: dict[int, Receipt] = {}
         self.sent = 0
+        # the replica gets the token ids with the rows only where the route's stage did: the head,
+        # or layers that route by token id
+        self.with_ids = with_ids
 
     @classmethod
     async def open(cls, peers: Peers, stage: Stage, audit: Audit, index: int, sampling: Sampling) -> _Replay:
@@ -388,9 +393,14 @@ class _Replay:
             upstream=peers.node_id, sampling=sampling, max_tokens=1 << 20, receipts=True, check=True),
             Opened, f"replica {stage.address} opening a check session")
         check_opened(stage, reply.info)
+        if index == len(audit.node_ids) - 1:
+            # a tail's sampler reads the prompt's ids as its penalty history: the asker sends them, as to the route's
+            known = audit.result.prompt_tokens + audit.result.tokens
+            await control.send_message(PromptTokens(session=session, epoch=0, tokens=known[:audit.prompt_len]))
         hop = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=reply.info.node_id)
-        await hop.send_message(Hop(session=session, epoch=0, ring=index == 0, prompt_tokens=audit.prompt_len))
-        return cls(stage, session, control, hop, reply.info.node_id)
+        await hop.send_message(Hop(session=session, epoch=0, ring=index == 0, prompt_tokens=audit.prompt_len,
+                                   carry_tokens=int(reply.info.needs_tokens)))
+        return cls(stage, session, control, hop, reply.info.node_id, index == 0 or reply.info.needs_tokens)
 
     async def feed(self, steps: Sequence[StepInput], original: Callable[[int], Receipt],
                    stop_at: int | None = None) -> Receipt | None:
@@ -399,7 +409,8 @@ class _Replay:
         for step in steps:
             tensors = [] if step.tensor is None else [step.tensor.model_dump()]
             await self.hop.send_all(encode_activation(session=self.session, epoch=0, step=self.sent, pos=step.pos,
-                                                      n_tokens=step.n_tokens, tensors=tensors, tokens=step.tokens))
+                                                      n_tokens=step.n_tokens, tensors=tensors,
+                                                      tokens=step.tokens if self.with_ids else None))
             self.sent += 1
         for step in steps:
             msg = await self._next_receipt()

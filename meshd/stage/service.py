@@ -84,11 +84,13 @@ class Rows:
     session: Session
     tokens: np.ndarray | None
     hidden: np.ndarray | None
-    # token ids riding along: the prompt's, for the tail's repetition-penalty history
+    # token ids riding with the rows, to stages whose layers (or a later stage's) route by token id
     carry: Sequence[int] | None
     # with receipts on: the hash of the input as it travelled, and the checked chain that came with it
     h_in: bytes = b""
     chain: tuple[Receipt, ...] = ()
+    # at the tail: the prompt's ids of these rows, its sampler's penalty history (from the asker)
+    history: Sequence[int] | None = None
 
 
 @dataclass(eq=False)
@@ -119,6 +121,13 @@ class Session:
     # with receipts on, past the head: each step's input as it came, until the asker takes it
     # (bounded by the session's token budget: one entry per position at most)
     kept: list[StepInput] = field(default_factory=list)
+    # how many stages after this one get the token ids with the rows (the head's Prompt says, each
+    # Hop one less); whether this stage's own rows come with them
+    carry: int = 0
+    gets_ids: bool = False
+    # the tail: the prompt's token ids, as the asker sent them (no stage before it needs to see them)
+    prompt_ids: list[int] | None = None
+    prompt_ids_known: trio.Event = field(default_factory=trio.Event)
 
 
 # how the draft model picks its drafts: its most likely token
@@ -243,7 +252,7 @@ class StageService:
         r = self.report
         return StageInfo(node_id=self.peers.node_id, model_digest=self.digest, model_name=self.model_name,
                          layer_begin=r.layer_begin, layer_end=r.layer_end, n_layer=r.n_layer, stage_width=r.stage_width,
-                         ready=self.engine.is_up)
+                         ready=self.engine.is_up, needs_tokens=r.needs_tokens)
 
     def metric_values(self) -> dict[str, float]:
         m, counts = self.metrics, self.books.counts
@@ -407,6 +416,8 @@ class StageService:
                 if msg.session != book.id or msg.epoch != book.epoch:
                     raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt for another session or epoch")
                 await self._prompt(session, msg)
+            elif isinstance(msg, PromptTokens):
+                self._take_prompt_ids(session, msg)
             elif isinstance(msg, InputsRequest):
                 self._send_inputs(session, msg)
             else:
@@ -440,14 +451,52 @@ class StageService:
             reply, _ = await self._engine_call(request)
             tokens = reply["tokens"]
             self.books.set_prompt(book, len(tokens))
+        session.carry = msg.carry_tokens
         session.hop_info.set()
         session.to_asker.send_nowait(PromptTokens(session=book.id, epoch=book.epoch, tokens=tokens))
         arr = np.asarray(tokens, dtype=np.int32)
         chunk = self.limits.prefill_chunk
+        whole = self.report.has_output
         for start in range(0, len(arr), chunk):
             part = arr[start:start + chunk]
             h_in = row_hash(part.tobytes()) if session.receipts is not None else b""
-            self._enqueue(session, start, len(part), Rows(session, part, None, part.tolist(), h_in))
+            ids = part.tolist()
+            self._enqueue(session, start, len(part), Rows(session, part, None, ids if session.carry else None, h_in,
+                                                          history=ids if whole else None))
+
+    def _take_prompt_ids(self, session: Session, msg: PromptTokens) -> None:
+        """The tail's penalty history and drafter text, from the asker: the head sends the ids on
+        only as far as a stage needs them."""
+        book = session.book
+        if (msg.session, msg.epoch) != (book.id, book.epoch):
+            raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt tokens of another session or epoch")
+        if not self.report.has_output or self.report.has_input:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "only a tail after the head takes the prompt's token ids")
+        if session.prompt_ids is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has the prompt's token ids")
+        if len(msg.tokens) > self.limits.max_session_tokens:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids exceed this stage's session "
+                                                       f"budget of {self.limits.max_session_tokens} tokens")
+        if book.prompt_len is not None and len(msg.tokens) != book.prompt_len:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for a prompt of "
+                                                       f"{book.prompt_len}")
+        self._check_vocab(msg.tokens)
+        session.prompt_ids = list(msg.tokens)
+        session.prompt_ids_known.set()
+
+    async def _history(self, session: Session, pos: int, n: int) -> list[int] | None:
+        """The prompt's ids of the rows at ``pos``, once the asker's have come (they race the rows)."""
+        prompt_len = session.book.prompt_len or 0
+        if pos >= prompt_len:
+            return None
+        with trio.move_on_after(self.limits.hop_timeout):
+            await session.prompt_ids_known.wait()
+        ids = session.prompt_ids
+        if ids is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the asker sent this tail no token ids of the prompt")
+        if len(ids) != prompt_len:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(ids)} token ids for a prompt of {prompt_len}")
+        return ids[pos:min(pos + n, prompt_len)]
 
     async def _pump(self, channel: trio.MemoryReceiveChannel[Message], stream: Stream) -> None:
         async for message in channel:
@@ -474,7 +523,8 @@ class StageService:
         book = session.book
         try:
             await hop_stream.send_message(Hop(session=book.id, epoch=book.epoch, ring=ring,
-                                              prompt_tokens=book.prompt_len or 0))
+                                              prompt_tokens=book.prompt_len or 0,
+                                              carry_tokens=0 if ring else session.carry))
             async for encoded in recv:
                 await hop_stream.send_all(encoded)
         except (ProtocolError, trio.ClosedResourceError) as exc:  # the stream, or our own channel closed
@@ -496,6 +546,13 @@ class StageService:
             self._check_downstream(session)
             if not hop.ring or session.open.check:
                 self.books.set_prompt(book, hop.prompt_tokens)
+            if not hop.ring:
+                session.gets_ids = hop.carry_tokens > 0
+                if self.report.needs_tokens and not session.gets_ids:
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, "this stage routes experts by token id: "
+                                                               "the session must send it the token ids")
+                session.carry = max(0, hop.carry_tokens - 1)
+            if not hop.ring or session.open.check:
                 session.hop_info.set()
             # a check session's rows come from its opener, who has no receipt to give for them
             held = ChainHeld(session.receipts is not None and not session.open.check)
@@ -533,21 +590,24 @@ class StageService:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
             self._check_vocab(msg.tokens)
             tokens = np.asarray(msg.tokens, dtype=np.int32)
-            # the ids ride on downstream: a later stage with hash-routed layers (deepseek4) reads them
+            # the ids ride on downstream only to a stage with hash-routed layers (deepseek4), or before one
             self._enqueue(session, msg.pos, msg.n_tokens,
-                          Rows(session, tokens, None, list(msg.tokens), h_in, checked), msg.drafts)
+                          Rows(session, tokens, None, list(msg.tokens) if session.carry else None, h_in, checked),
+                          msg.drafts)
             return
+        if (msg.tokens is not None) != session.gets_ids:
+            # a stage the ids need not reach must not see them; one they must reach must have them
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids on rows of a session that sends this stage none"
+                                if msg.tokens is not None else "the session sends this stage the token ids: "
+                                                               "the activation must carry the token ids")
         if msg.tokens is not None:
-            # carried ids reach the tail's sampler in the same engine call as everyone's rows
+            # carried ids reach the engine in the same call as everyone's rows
             self._check_vocab(msg.tokens)
         entry = msg.tensor(HIDDEN)
         o = session.open
         if (entry.dtype, entry.codec) != (o.wire_dtype, o.wire_codec):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states as {entry.dtype}/{entry.codec}, this "
                                                        f"session travels as {o.wire_dtype}/{o.wire_codec}")
-        if self.report.needs_tokens and msg.tokens is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "this stage routes experts by token id: "
-                                                       "the activation must carry the token ids")
         want = (msg.n_tokens, self.report.stage_width)
         if tuple(entry.shape) != want:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states of shape {tuple(entry.shape)}, "
@@ -556,9 +616,10 @@ class StageService:
             hidden = _decoded(entry)
         else:
             hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
+        history = await self._history(session, msg.pos, msg.n_tokens) if self.report.has_output else None
         if self.books.holds(book) and book.phase in LIVE:
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, checked),
-                          msg.drafts)
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, checked,
+                                                               history), msg.drafts)
 
     def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
                        ) -> tuple[bytes, tuple[Receipt, ...]]:
@@ -741,8 +802,8 @@ class StageService:
                     out_row += 1
             header["want"] = want.tobytes()
             header["sample"] = sample
-            header["history"] = [[w.session.slot, w.payload.carry[:self.books.history(w)]]
-                                 for w in batch if w.payload.carry and self.books.history(w)]
+            header["history"] = [[w.session.slot, w.payload.history[:self.books.history(w)]]
+                                 for w in batch if w.payload.history and self.books.history(w)]
         return await self._engine_call(header, payload)
 
     def _dispatch(self, batch: list[Work[Rows]], reply: dict[str, Any], body: bytearray) -> None:
@@ -767,15 +828,15 @@ class StageService:
                     self._send_receipts(s, w, row_hash(fields["data"]))
                 s.downstream.send_nowait(encode_activation(
                     session=w.session.id, epoch=w.session.epoch, step=s.steps, pos=w.pos, n_tokens=w.n,
-                    tensors=[fields], tokens=w.payload.carry, drafts=w.drafts))
+                    tensors=[fields], tokens=w.payload.carry if s.carry else None, drafts=w.drafts))
                 s.steps += 1
             return
         picks = iter(reply.get("picks", []))
         for w in batch:
             self.books.ran(w, now)
             s = w.payload.session
-            if s.drafter is not None and w.payload.carry:
-                s.drafter.extend(list(w.payload.carry[:self.books.history(w)]))
+            if s.drafter is not None and w.payload.history:
+                s.drafter.extend(list(w.payload.history[:self.books.history(w)]))
             rows = [next(picks) for _ in range(self.books.sampled_rows(w))]
             if s.receipts is not None and w.session.phase in LIVE:
                 self._tail_receipts(s, w, rows)

@@ -1,0 +1,163 @@
+"""Token ids reach only the stages that need them (issue 14): a middle stage gets rows only.
+
+Three stages of the default model in this process (each with its own engine
+worker) and a whole-model stage for reference. The middle stage is an observer,
+as an attacker would run one: it records every message it receives. The tail
+has the prompt's ids from the asker (its sampler's penalty history, its
+drafter's text), so answers with a repetition penalty and with prompt-lookup
+speculation equal the whole model's. A stage refuses ids it was not to get, the
+tail refuses a stranger's, and a tail the asker sends no ids fails that session
+with a typed error. (The hash-routed case, where the ids do ride to a middle
+stage, is tests/test_arch_dsv4.py's serve test.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.net.link import Stream
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
+from wire.codec import ErrorMessage, Message
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, PromptTokens, Sampling
+from wire.tensors import Activation, TensorEntry, tensor_fields
+
+pytestmark = pytest.mark.slow  # four engine workers
+
+# every ask ends within this (a bound against hangs, not a speed claim)
+ASK_DEADLINE = 120
+PASSAGE = ("The lighthouse keeper climbed the stairs every evening at dusk. He wiped the lens, trimmed the wick "
+           "and lit the lamp, and the beam swept across the dark water until morning.")
+REWRITE = f"Repeat the following passage word for word.\n\n{PASSAGE}"
+# the tail waits this long for the asker's ids before it fails the session (short: one case waits it out)
+HOP_TIMEOUT = 2.0
+
+
+class ObserverStage:
+    """An attacker-style middle stage: it serves honestly and records every message it receives."""
+
+    def __init__(self, service: StageService) -> None:
+        self.received: list[Message] = []
+        serve = service.handle_first
+
+        async def recording_first(stream: Stream, first: Message) -> None:
+            self.received.append(first)
+            receive = stream.receive_message
+
+            async def recording_receive() -> Message:
+                msg = await receive()
+                self.received.append(msg)
+                return msg
+
+            stream.receive_message = recording_receive  # type: ignore[method-assign]
+            await serve(stream, first)
+
+        service.handle_first = recording_first  # type: ignore[method-assign]
+
+    def of(self, kind: type[Message]) -> list[Message]:
+        return [m for m in self.received if isinstance(m, kind)]
+
+
+@asynccontextmanager
+async def stages(model: Path, ranges: Sequence[tuple[int, int]]) -> AsyncIterator[list[StageNode]]:
+    limits = StageLimits(max_sessions=4, max_session_tokens=512, hop_timeout=HOP_TIMEOUT)
+    async with AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(stage_node(
+            model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
+            for layers in ranges]
+
+
+async def ask(peers: Peers, nodes: Sequence[StageNode], request: AskRequest) -> AskResult:
+    with trio.fail_after(ASK_DEADLINE):
+        return await run_session(peers, route_at([n.address for n in nodes]), request, AskResult())
+
+
+async def _drain(stream: Stream) -> None:
+    with contextlib.suppress(ProtocolError, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
+        while True:
+            await stream.receive_message()
+
+
+async def stranger_error(peers: Peers, node: StageNode, ids: list[int] | None, carry: int,
+                         prompt_ids: list[int] | None = None) -> ProtocolError:
+    """A stranger's session on ``node``: (optionally) the prompt's ids on its control stream, then a
+    Hop saying the ids reach ``carry`` stages and two rows with ``ids``; returns its typed error."""
+    async with open_peers(NodeIdentity.generate()) as sink_peers:
+        sink_peers.handle(STAGE_PROTOCOL, _drain)
+        port = await sink_peers.listen("127.0.0.1", 0)
+        sink = PeerRef(address=f"127.0.0.1:{port}", node_id=sink_peers.node_id)
+        with trio.fail_after(30):
+            control = await peers.open_stream(node.address, STAGE_PROTOCOL)
+            await control.send_message(Open(session="stranger", epoch=0, head=sink, next=sink))
+            assert isinstance(await control.receive_message(), Opened)
+            if prompt_ids is not None:
+                await control.send_message(PromptTokens(session="stranger", epoch=0, tokens=prompt_ids))
+            hop = await peers.open_stream(node.address, STAGE_PROTOCOL)
+            await hop.send_message(Hop(session="stranger", epoch=0, prompt_tokens=2, carry_tokens=carry))
+            rows = np.zeros((2, node.service.report.stage_width), dtype=np.float32)
+            await hop.send_message(Activation(session="stranger", epoch=0, step=0, pos=0, n_tokens=2,
+                                              tensors=[TensorEntry(**tensor_fields("hidden_states", rows))],
+                                              tokens=ids))
+            while True:
+                try:
+                    msg = await control.receive_message()
+                except ProtocolError as exc:
+                    return exc
+                if isinstance(msg, ErrorMessage):
+                    return ProtocolError(msg.code, msg.message)
+
+
+async def test_a_middle_stage_gets_rows_only_and_the_answers_stay_the_whole_models(default_model: Path) -> None:
+    penalised = AskRequest(messages=[{"role": "user", "content": "Name three colours, then three more."}],
+                           max_tokens=24, sampling=Sampling(repeat_penalty=1.5, repeat_last_n=64))
+    rewrite = AskRequest(messages=[{"role": "user", "content": REWRITE}], max_tokens=24, speculate="ngram")
+    async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+        async with stages(default_model, [(0, 30)]) as (whole,):
+            want_penalised = (await ask(peers, [whole], penalised)).tokens
+            want_rewrite = (await ask(peers, [whole], AskRequest(messages=rewrite.messages, max_tokens=24))).tokens
+        async with stages(default_model, [(0, 10), (10, 20), (20, 30)]) as nodes:
+            observer = ObserverStage(nodes[1].service)
+            got_penalised = await ask(peers, nodes, penalised)
+            got_rewrite = await ask(peers, nodes, rewrite)
+
+            # the middle stage served both answers from rows alone: no id, no prompt text reached it
+            activations = observer.of(Activation)
+            # (a step per token without speculation: the prompt's rows, then one row per token after the first)
+            assert len(activations) > len(got_penalised.tokens)
+            assert all(a.tokens is None for a in activations)  # type: ignore[attr-defined]
+            assert all(h.carry_tokens == 0 for h in observer.of(Hop))  # type: ignore[attr-defined]
+            assert not observer.of(PromptTokens)
+            for opened in observer.of(Open):
+                assert "colours" not in opened.model_dump_json() and "lighthouse" not in opened.model_dump_json()
+
+            # a stage the session sends no ids refuses rows with them; the middle takes no prompt ids
+            err = await stranger_error(peers, nodes[1], [1, 2], 0)
+            assert err.code is ErrorCode.BAD_REQUEST and "sends this stage none" in err.message, err
+            err = await stranger_error(peers, nodes[1], None, 0, prompt_ids=[1, 2])
+            assert err.code is ErrorCode.BAD_REQUEST and "only a tail" in err.message, err
+            # the tail checks the asker's ids (count, vocabulary), and without them fails that session
+            err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1, 2, 3])
+            assert err.code is ErrorCode.BAD_REQUEST and "3 token ids for a prompt of 2" in err.message, err
+            err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1] * 513)
+            assert err.code is ErrorCode.BAD_REQUEST and "session budget of 512" in err.message, err
+            err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1, 1 << 30])
+            assert err.code is ErrorCode.BAD_REQUEST and "outside the vocabulary" in err.message, err
+            err = await stranger_error(peers, nodes[2], None, 0)
+            assert err.code is ErrorCode.BAD_REQUEST and "no token ids of the prompt" in err.message, err
+
+            # and the route still answers the same after the strangers
+            again = await ask(peers, nodes, penalised)
+    assert got_penalised.tokens == want_penalised == again.tokens
+    assert got_rewrite.tokens == want_rewrite
+    # prompt lookup drafted from the prompt's ids, which only the asker gave the tail
+    assert got_rewrite.accepted > 0
