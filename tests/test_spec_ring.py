@@ -30,8 +30,9 @@ ASK_DEADLINE = 120
 PASSAGE = ("The lighthouse keeper climbed the stairs every evening at dusk. He wiped the lens, trimmed the wick "
            "and lit the lamp, and the beam swept across the dark water until morning.")
 REWRITE = f"Repeat the following passage word for word.\n\n{PASSAGE}"
-# the answer leaves the passage early on: drafts from it are rejected mid-answer
-EDIT = f"Repeat the following passage word for word, but call the keeper Tom.\n\n{PASSAGE}"
+# the answer drops a word of the passage and the prompt's "the keeper Tom": drafts from it are
+# rejected at the start, then accepted along the passage
+EDIT = f"Repeat the following passage word for word, but call the keeper Tom.\n\n{PASSAGE}\n\nPassage:"
 
 
 @asynccontextmanager
@@ -112,9 +113,10 @@ async def test_speculation_on_a_tiny_random_model_gives_the_same_answer(
 
 async def test_whole_model_stage_speculates_as_its_own_ring(default_model: Path, peers: Peers) -> None:
     async with ring(default_model, [(0, 30)]) as nodes:
-        plain = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": REWRITE}], max_tokens=32))
-        spec = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": REWRITE}], max_tokens=32,
-                                                  speculate="ngram"), check_at=32)
+        # the answer is 26 tokens and the end of generation
+        plain = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": REWRITE}], max_tokens=24))
+        spec = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": REWRITE}], max_tokens=24,
+                                                  speculate="ngram"), check_at=24)
         assert spec.tokens == plain.tokens and spec.accepted > 0
 
 
