@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from meshd.mesh.models import default_model_path
+from meshd.net.peers import Peers, open_peers
+from wire.identity import NodeIdentity
 
 # HYPOTHESIS_PROFILE picks one (.ci/run exports "ci"):
 #   ci:  the same examples on every run (derandomized, no example database), so CI
@@ -72,3 +75,10 @@ def greedy_reference(model: Path, prompts: list[str], new_tokens: int) -> dict[s
         return out
     finally:
         chain.close()
+
+
+@pytest.fixture
+async def peers() -> AsyncIterator[Peers]:
+    """A peer identity of the test's own, for asking members over the mesh."""
+    async with open_peers(NodeIdentity.generate()) as p:
+        yield p

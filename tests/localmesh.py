@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from meshd.daemon import rpc
+from meshd.net.peers import Peers
+from wire.meshrpc import StatusReply, StatusRequest
+
 READY = re.compile(r"^ready (\S+) pid=(\d+) (?:worker|node)=(\w+)")
 
 
@@ -145,3 +149,10 @@ def gone(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+async def mesh_status(peers: Peers, node: Served) -> StatusReply:
+    """The status reply of a member, asked over the mesh."""
+    reply = await rpc(peers, node.address, StatusRequest(), timeout=20.0)
+    assert isinstance(reply, StatusReply)
+    return reply

@@ -11,7 +11,7 @@ another's input, and the honest ask gives the whole model's answer before and af
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import trio
 from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_model, planted_sync
-from localmesh import Served, run_meshd, start_join, stop_all
+from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 from test_hostile_stage import typed_error
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply, run_session
@@ -35,7 +35,7 @@ from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Accepted, Incoming, Rese
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, RouteStage, StatusReply, StatusRequest
+from wire.meshrpc import RouteReply, RouteRequest, RouteStage, StatusReply
 from wire.receipt import Proof, ProofAccepted, ProofGossip, row_hash
 from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, new_session_id
 from wire.tensors import Activation, TensorEntry
@@ -79,18 +79,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path])
         stop_all(nodes)
 
 
-@pytest.fixture
-async def peers() -> AsyncIterator[Peers]:
-    async with open_peers(NodeIdentity.generate()) as p:
-        yield p
-
-
-async def status(peers: Peers, node: Served) -> StatusReply:
-    reply = await rpc(peers, node.address, StatusRequest(), timeout=20.0)
-    assert isinstance(reply, StatusReply)
-    return reply
-
-
 async def honest_route(peers: Peers, mesh: Mesh, via: Served | None = None) -> RouteReply:
     reply = await rpc(peers, (via or mesh.seed).address, RouteRequest(model=mesh.model.digest), timeout=20.0)
     assert isinstance(reply, RouteReply)
@@ -102,7 +90,7 @@ async def converged(peers: Peers, mesh: Mesh, timeout: float = 60.0) -> StatusRe
     honest = {n.node_id for n in mesh.nodes}
     with trio.fail_after(timeout):
         while True:
-            views = [await status(peers, n) for n in mesh.nodes]
+            views = [await mesh_status(peers, n) for n in mesh.nodes]
             if all({m.node_id for m in v.members if m.state == "alive"} >= honest for v in views) and \
                     len({v.tracker for v in views}) == 1 and views[0].tracker in honest and \
                     all(c.covered_layers == c.n_layers for v in views for c in v.coverage
@@ -130,7 +118,7 @@ async def joined(peers: Peers, mesh: Mesh, bad: AttackerDaemon, timeout: float =
     """Until every honest node holds the attacker as a live member."""
     with trio.fail_after(timeout):
         while True:
-            views = [await status(peers, n) for n in mesh.nodes]
+            views = [await mesh_status(peers, n) for n in mesh.nodes]
             if all(any(m.node_id == bad.mesh.node_id and m.state == "alive" for m in v.members) for v in views):
                 return
             await trio.sleep(0.25)
@@ -153,7 +141,7 @@ async def test_a_claim_of_the_last_term_never_takes_the_tracker_and_a_bombed_vol
             await trio.sleep(0.5)
         assert bad.mesh.record.tracker_term == LAST_TERM
         # nobody asked the hijacker for a range: the volunteers still serve their halves
-        view = await status(peers, mesh.seed)
+        view = await mesh_status(peers, mesh.seed)
         served = {m.node_id: m.served for m in view.members if m.node_id in {v.node_id for v in mesh.volunteers}}
         assert all(s and f"[0, {mesh.model.n_layers})" not in " ".join(s) for s in served.values()), served
         await honest_ask(peers, mesh)
@@ -211,7 +199,7 @@ async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the
             nursery.start_soon(bad.spam_dead, before.tracker, [n.node_id for n in mesh.nodes], 0.05, until)
             while trio.current_time() < until:
                 for node in others:
-                    view = await status(peers, node)
+                    view = await mesh_status(peers, node)
                     samples += [m.state for m in view.members if m.node_id == before.tracker]
                     assert view.tracker == before.tracker and view.term == before.term
                 await trio.sleep(0.05)
@@ -483,10 +471,10 @@ async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_stat
         for _ in range(5):
             await bad.send_swim_whole(mesh.seed.node_id, await trio.to_thread.run_sync(planted_sync, 2000))
         with trio.fail_after(30):
-            while (await status(peers, mesh.seed)).total_members < 100:
+            while (await mesh_status(peers, mesh.seed)).total_members < 100:
                 await trio.sleep(0.25)
         for node in mesh.nodes:
-            view = await status(peers, node)
+            view = await mesh_status(peers, node)
             # one sender introduces a burst (1024) and 32 a second after it, not ten thousand
             assert view.total_members <= 4 + 1024 + 32 * (trio.current_time() - started + 1), view.total_members
             # members nobody heard from first-hand are no electorate: no majority is out of reach

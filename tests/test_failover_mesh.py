@@ -13,19 +13,18 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
-from localmesh import READY, Served, meshd_command, spawn, stop_all, stop_process
+from localmesh import READY, Served, mesh_status, meshd_command, spawn, stop_all, stop_process
 
 from meshd.client.ask import AskRequest, RouteSources, Stage, ask_with_failover, route_from_reply
 from meshd.daemon import rpc
-from meshd.net.peers import Peers, open_peers
+from meshd.net.peers import Peers
 from tests.conftest import greedy_reference
-from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import RouteReply, RouteRequest
 
 pytestmark = pytest.mark.slow  # seven daemons and six engine workers
 
@@ -93,25 +92,13 @@ def expected(model: Path) -> list[int]:
     return tokens
 
 
-@pytest.fixture
-async def peers() -> AsyncIterator[Peers]:
-    async with open_peers(NodeIdentity.generate()) as p:
-        yield p
-
-
-async def status(peers: Peers, node: Served) -> StatusReply:
-    reply = await rpc(peers, node.address, StatusRequest(), timeout=20.0)
-    assert isinstance(reply, StatusReply)
-    return reply
-
-
 async def wait_every_range_twice(peers: Peers, seed: Served, volunteers: list[Served]) -> dict[str, str]:
     """Waits until each volunteer serves a range of its own and every range has two replicas;
     returns each volunteer's range by node id."""
     ranges: dict[str, str] = {}
     with trio.fail_after(120):
         while True:
-            view = await status(peers, seed)
+            view = await mesh_status(peers, seed)
             ranges = {m.node_id: s.split(" ", 1)[1] for m in view.members if m.state == "alive"
                       for s in m.served}
             counts = Counter(ranges.values())

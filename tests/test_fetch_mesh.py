@@ -10,24 +10,23 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import trio
-from localmesh import Served, run_meshd, start_join, stop_all
+from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
 from meshd.daemon import describe_model, held_layer_ranges, rpc
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.net.identity_store import load_or_create_identity
-from meshd.net.peers import Peers, open_peers
+from meshd.net.peers import Peers
 from meshd.store.manifest import Manifest, manifest_for
 from meshd.store.ranges import range_chunks
 from tests.conftest import greedy_reference
-from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import RouteReply, RouteRequest, StatusReply
 
 PROMPT = "Write a short story about a lighthouse keeper."
 TOKENS = 32
@@ -139,18 +138,6 @@ def test_held_layer_ranges_are_the_runs_a_range_loader_could_load(manifest: Mani
     assert held_layer_ranges(manifest, n, (holding((10, 20)) - header).__contains__) == []
 
 
-@pytest.fixture
-async def peers() -> AsyncIterator[Peers]:
-    async with open_peers(NodeIdentity.generate()) as p:
-        yield p
-
-
-async def status(peers: Peers, node: Served) -> StatusReply:
-    reply = await rpc(peers, node.address, StatusRequest(), timeout=20.0)
-    assert isinstance(reply, StatusReply)
-    return reply
-
-
 def served(view: StatusReply) -> dict[str, list[tuple[int, int]]]:
     """Per live member, the ranges it serves (as the status view names them)."""
     out = {}
@@ -179,7 +166,7 @@ async def wait_serving(peers: Peers, mesh: FetchMesh, timeout: float = 240.0) ->
     """Until every volunteer serves a range and the model is covered; notes when each fetcher began to serve."""
     with trio.fail_after(timeout):
         while True:
-            view = await status(peers, mesh.seed)
+            view = await mesh_status(peers, mesh.seed)
             now = time.monotonic()
             ranges = served(view)
             for f in mesh.fetchers:
@@ -208,7 +195,7 @@ async def test_volunteers_that_join_by_model_id_fetch_only_their_ranges_and_answ
     for f in mesh.fetchers:
         (rng,) = ranges[f.node.node_id]
         f.ranges = [rng]
-        view = await status(peers, f.node)
+        view = await mesh_status(peers, f.node)
         fetched = sum(x.fetched_bytes for x in view.fetches)
         owned = owned_bytes(manifest, *rng)
         allocated = os.stat(sparse_path(f, manifest)).st_blocks * 512
@@ -250,8 +237,8 @@ async def test_a_reassigned_fetcher_fetches_only_the_new_tensors_and_drops_the_o
         with trio.fail_after(240):
             while quiet < 6:
                 await trio.sleep(0.5)
-                now = served(await status(peers, mesh.seed))
-                views = {f.node.node_id: await status(peers, f.node) for f in mesh.fetchers}
+                now = served(await mesh_status(peers, mesh.seed))
+                views = {f.node.node_id: await mesh_status(peers, f.node) for f in mesh.fetchers}
                 calm = now.get(big.node_id) == [(0, 30)] and all(
                     len(workers(f.node)) == 1 and now.get(n) == served(views[n]).get(n) and len(now[n]) == 1
                     and all(x.state == "done" for x in views[n].fetches)

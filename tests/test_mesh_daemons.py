@@ -6,19 +6,18 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
-from localmesh import Served, run_meshd, start_join, stop_all
+from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
 from meshd.daemon import rpc
-from meshd.net.peers import Peers, open_peers
+from meshd.net.peers import Peers
 from tests.conftest import greedy_reference
-from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import RouteReply, RouteRequest, StatusReply
 
 pytestmark = pytest.mark.slow  # six daemons and their workers
 
@@ -47,23 +46,11 @@ def expected(default_model: Path) -> list[int]:
     return greedy_reference(default_model, [PROMPT], 128)[PROMPT]
 
 
-@pytest.fixture
-async def peers() -> AsyncIterator[Peers]:
-    async with open_peers(NodeIdentity.generate()) as p:
-        yield p
-
-
-async def status(peers: Peers, node: Served) -> StatusReply:
-    reply = await rpc(peers, node.address, StatusRequest(), timeout=20.0)
-    assert isinstance(reply, StatusReply)
-    return reply
-
-
 async def wait_converged(peers: Peers, nodes: list[Served], timeout: float = 60.0) -> list[StatusReply]:
     """Every node sees every other alive, the same tracker, and the model covered."""
     deadline = trio.current_time() + timeout
     while True:
-        views = [await status(peers, n) for n in nodes]
+        views = [await mesh_status(peers, n) for n in nodes]
         ids = {n.node_id for n in nodes}
         done = all({m.node_id for m in v.members if m.state == "alive"} >= ids for v in views) and \
             len({v.tracker for v in views}) == 1 and views[0].tracker is not None and \
@@ -151,7 +138,7 @@ async def test_killing_the_tracker_elects_a_new_one_and_asks_keep_working(
     rest = [n for n in alive if n is not tracker]
     with trio.fail_after(60):
         while True:
-            views = [await status(peers, n) for n in rest]
+            views = [await mesh_status(peers, n) for n in rest]
             trackers = {v.tracker for v in views}
             if len(trackers) == 1 and None not in trackers and tracker.node_id not in trackers:
                 break
@@ -171,7 +158,7 @@ def workers(node: Served) -> list[int]:
 
 
 async def served_ranges(peers: Peers, node: Served) -> dict[str, list[str]]:
-    view = await status(peers, node)
+    view = await mesh_status(peers, node)
     return {m.node_id: [s.split(" ", 1)[1] for s in m.served] for m in view.members if m.state == "alive"}
 
 
