@@ -311,8 +311,10 @@ def test_a_seed_and_two_volunteers_serve_the_tiny_glm_dsa_cut_where_it_may_be_li
             for future in starting:
                 with contextlib.suppress(RuntimeError):  # one that did not start fails the ask below
                     nodes.append(future.result())
-        # `ask --seed` waits for the mesh to cover the model, then asks along the tracker's chain
-        asked = run_meshd("ask", "--seed", nodes[0].address, "--max-tokens", str(NEW_TOKENS), PROMPT, timeout=120)
+        # `ask --wait` waits for the mesh to cover the model (the volunteers load what the tracker
+        # assigns after they are up), then asks along the tracker's chain
+        asked = run_meshd("ask", "--seed", nodes[0].address, "--wait", "60", "--max-tokens", str(NEW_TOKENS), PROMPT,
+                          timeout=120)
         shown = run_meshd("status", "--seed", nodes[0].address, "--json")
     finally:
         stop_all(nodes)

@@ -173,6 +173,11 @@ async def test_a_made_up_digest_named_like_the_real_model_never_takes_an_ask(mes
     async with attacker(mesh.seed.address) as bad:
         bad.forge(models=[fake], served=every_layer(fake), seconds_per_layer=1e-9)
         await joined(peers, mesh, bad)
+        # a member can be alive in a view before its forged record is: wait until every node lists the fake
+        with trio.fail_after(30):
+            while not all(any(c.model == fake.digest for c in view.coverage)
+                          for view in [await mesh_status(peers, n) for n in mesh.nodes]):
+                await trio.sleep(0.25)
         for request in (RouteRequest(), RouteRequest(model=mesh.model.name)):
             with pytest.raises(ProtocolError) as refused:
                 await rpc(peers, mesh.seed.address, request, timeout=20.0)
