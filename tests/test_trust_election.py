@@ -5,32 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from attackers import HijackingElection
 from instant_net import InstantNet, identity, record, rng
 
-from meshd.mesh.election import Election, ElectionConfig, Tracker
+from meshd.mesh.election import ElectionConfig, Tracker
 from meshd.mesh.membership import SwimConfig, Sync, SyncEntry
 from meshd.mesh.node import MeshNode
 
 TIMEOUT = ElectionConfig().election_timeout
 LAST_TERM = 2**63 - 1
-
-
-class HijackingElection(Election):
-    """The attacker's election: its record claims whatever term `term_of` says and votes for itself,
-    whatever anyone else does."""
-
-    def __init__(self, node: MeshNode, term_of: Callable[[MeshNode], int], now: float) -> None:
-        super().__init__(node.node_id, now)
-        self._attacker = node
-        self._term_of = term_of
-
-    @property
-    def claim(self) -> int:
-        return self._term_of(self._attacker)
-
-    @property
-    def vote(self) -> Tracker | None:
-        return Tracker(self.claim, self._attacker.node_id)
 
 
 def honest(i: int, now: float = 0.0) -> MeshNode:
