@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdarg>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -119,6 +120,14 @@ std::string logged_reason() {
 
 void ensure_init() {
     std::call_once(g_init_once, [] {
+        // ggml-cpu takes K- and IQ-quant matmuls of 8 or more rows (also per MoE expert) to a
+        // tiled kernel that sums in another order than the vec_dot of fewer rows: a Q6_K model's
+        // logits moved by up to 0.26 with the batch, gemma3-270m Q4_K_M's by 2.5. ggml reads this
+        // switch once, at its first matmul, so it is set before any model loads. Alone it cost
+        // gemma3-270m's prefill 127 -> 84 tok/s (1 thread); with weight repacking off too (below)
+        // prefill went 58-82 -> 104-125 tok/s and decode 17-19 -> 23-30 against the library before
+        // both (two rounds side by side on a loaded 2-core box): repacking cost more than tiling gave.
+        setenv("GGML_CPU_TILED_MM", "0", 1);
         llama_log_set(log_callback, nullptr);
         llama_backend_init();
     });
@@ -189,6 +198,11 @@ int32_t me_model_load(const char * path, int32_t layer_begin, int32_t layer_end,
     mp.layer_begin = layer_begin;
     mp.layer_end = layer_end;
     mp.n_gpu_layers = n_gpu_layers;
+    // ggml-cpu repacks Q4_K weights (on AVX2) into a layout whose gemm kernel takes groups of 4
+    // rows and whose gemv kernel takes the rest, and the two sum in other orders: every row of a
+    // group of 4 differed from its decode step (gemma3-270m Q4_K_M's logits by up to 3.8). Weights
+    // stay in plain CPU buffers, where every row count runs the same vec_dot.
+    mp.use_extra_bufts = false;
 
     g_log_errors.clear();
     llama_model * model = nullptr;

