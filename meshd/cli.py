@@ -516,7 +516,9 @@ def fetch_line(f: FetchStatus) -> str:
     eta = f", {left / f.rate:.0f} s left" if f.rate > 0 and left > 0 and f.state == "fetching" else ""
     rate = f" at {f.rate / (1 << 20):.1f} MiB/s" if f.rate > 0 else ""
     what = f"layers [{f.start}, {f.end})" if f.end else "header"
-    return (f"fetch {f.name} ({f.model[:12]}) {what}: {done}{rate}{eta} "
+    # before its header is here a model fetched by id is named by that id: its short form is enough
+    named = f.model[:12] if f.name == f.model else f"{f.name} ({f.model[:12]})"
+    return (f"fetch {named} {what}: {done}{rate}{eta} "
             f"from {plural(f.sources, 'source')}; {f.state}")
 
 
