@@ -18,7 +18,7 @@ from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
 from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, TokenId, Tokens
 
 # 2: a tail waits for the asker's PromptTokens before it samples, and receipts are meshd/receipt/2;
-# a peer of /1 would stall or fail on both, so it is told the versions differ (wire.codec) instead
+# a peer of /1 would stall or fail on both, so the peer set tells it the versions differ instead
 STAGE_PROTOCOL = "meshd/stage/2"
 
 # the most stages a route can have: every stage holds at least one layer

@@ -294,8 +294,11 @@ class Console:
             count = figure(values, "decode_rows")
             stages[node_id] = stage_figures(values, self._rates.rate(node_id, now, count) if count is not None else 0.0)
         self._rates.keep(set(readings))
+
         def route_of(model: str) -> RouteReply:
-            got = planned.get(model) or ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "no route was planned in time")
+            got = planned.get(model)
+            if got is None:
+                raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "no route was planned in time")
             if isinstance(got, ProtocolError):
                 raise got
             return got
