@@ -222,5 +222,4 @@ async def test_a_volunteer_joining_mid_answer_moves_every_range_and_the_answer_i
         for pid in held:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        for n in nodes:
-            n.stop()
+        stop_all(nodes)
