@@ -386,14 +386,23 @@ async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim, a
         nursery.cancel_scope.cancel()
 
 
+RANGE_WAIT_POLL = 0.02
+
+
 async def show_range_wait(daemon: MeshDaemon) -> None:
     """On a terminal, until the volunteer serves its first range: what it waits for (the tracker's word,
     the load, or why the mesh cannot cover the model yet)."""
     assert daemon.model is not None
-    async with progress.waiting("waiting for the tracker to assign this node its layers") as line:
+    said = "waiting for the tracker to assign this node its layers"
+    async with progress.waiting(said) as line:
         while line.shown and daemon.duty.serving is None:
-            line.say(range_wait(daemon.duty.loading, daemon.duty.uncovered.get(daemon.model.digest), daemon.model.name))
-            await trio.sleep(progress.REDRAW)
+            now = range_wait(daemon.duty.loading, daemon.duty.uncovered.get(daemon.model.digest), daemon.model.name)
+            if now != said:
+                line.say(now)
+                said = now
+            # looked at far more often than the line is redrawn: a load from the page cache can take less
+            # than one redraw, and a line that skipped it would never have said what the node was doing
+            await trio.sleep(RANGE_WAIT_POLL)
 
 
 def range_wait(loading: tuple[int, int] | None, uncovered: str | None, model: str) -> str:
@@ -507,7 +516,9 @@ def fetch_line(f: FetchStatus) -> str:
     eta = f", {left / f.rate:.0f} s left" if f.rate > 0 and left > 0 and f.state == "fetching" else ""
     rate = f" at {f.rate / (1 << 20):.1f} MiB/s" if f.rate > 0 else ""
     what = f"layers [{f.start}, {f.end})" if f.end else "header"
-    return (f"fetch {f.name} ({f.model[:12]}) {what}: {done}{rate}{eta} "
+    # before its header is here a model fetched by id is named by that id: its short form is enough
+    named = f.model[:12] if f.name == f.model else f"{f.name} ({f.model[:12]})"
+    return (f"fetch {named} {what}: {done}{rate}{eta} "
             f"from {plural(f.sources, 'source')}; {f.state}")
 
 

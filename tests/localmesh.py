@@ -86,8 +86,24 @@ class Stoppable(Protocol):
     def stop(self) -> None: ...
 
 
+def terminate_together(procs: Iterable[subprocess.Popen[str] | subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
+    """SIGTERM to every running one at once, then waits (at most `timeout` for all): each daemon's
+    graceful leave (up to its leave_timeout) runs beside the others' instead of after them. Whatever
+    is still running then is for stop_process to end."""
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+
+
 def stop_all(items: Iterable[Stoppable]) -> None:
     """Stops every item even if stopping one fails; the first failure is raised after all were tried."""
+    items = list(items)
+    terminate_together(proc for item in items if isinstance(proc := getattr(item, "proc", None), subprocess.Popen))
     with contextlib.ExitStack() as stack:
         for item in items:
             stack.callback(item.stop)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from localmesh import READY, stop_process
+from localmesh import READY, stop_process, terminate_together
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "meshd-"
@@ -210,6 +210,10 @@ class Bridge:
     def tear_down(self) -> list[str]:
         """Stops every process by PID, then deletes every namespace; goes on past any error."""
         errors: list[str] = []
+        try:
+            terminate_together(p.proc for p in self.processes)
+        except Exception as exc:  # teardown reports and goes on
+            errors.append(f"stopping every process: {exc!r}")
         for process in self.processes:
             try:
                 process.stop()

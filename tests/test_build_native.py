@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -35,13 +37,33 @@ def test_wrong_sha256_stops_the_build_and_drops_the_file(cached_sdist: Path) -> 
     assert not cached_sdist.exists()
 
 
-def test_patch_that_does_not_apply_is_named(cached_sdist: Path, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    bad = tmp_path / "0001-bad.patch"
+def tiny_sdist(path: Path, files: dict[str, str]) -> Path:
+    """An sdist of the pinned package's layout holding only `files` of its llama.cpp tree: unpacking
+    the real one (some 10 s) shows nothing more about a patch that does not apply."""
+    lock = build_native.read_lock()
+    prefix = f"{lock['package'].replace('-', '_')}-{lock['version']}/vendor/llama.cpp/"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            member = tarfile.TarInfo(prefix + name)
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    return path
+
+
+def test_patch_that_does_not_apply_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sdist = tiny_sdist(tmp_path / "sdist.tar.gz", {"src/llama.cpp": "one\ntwo\ncontext\n"})
+    good = tmp_path / "0001-good.patch"
+    good.write_text("--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -1,3 +1,3 @@\n-one\n+ONE\n two\n context\n")
+    bad = tmp_path / "0002-bad.patch"
     bad.write_text("--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -1,3 +1,3 @@\n-no such line\n+nor this\n context\n")
-    monkeypatch.setattr(build_native, "patches", lambda: [bad])
-    with pytest.raises(build_native.BuildError, match="patch 0001-bad.patch does not apply to llama.cpp 0c1e570"):
-        build_native.unpack_and_patch(cached_sdist, build_native.read_lock(), tmp_path / "src")
+    monkeypatch.setattr(build_native, "patches", lambda: [good, bad])
+    with pytest.raises(build_native.BuildError, match="patch 0002-bad.patch does not apply to llama.cpp 0c1e570"):
+        build_native.unpack_and_patch(sdist, build_native.read_lock(), tmp_path / "src")
+    assert not (tmp_path / "src").exists()  # no half-patched tree is left where a build would take it
+    monkeypatch.setattr(build_native, "patches", lambda: [good])
+    build_native.unpack_and_patch(sdist, build_native.read_lock(), tmp_path / "src")
+    assert (tmp_path / "src" / "src" / "llama.cpp").read_text() == "ONE\ntwo\ncontext\n"
 
 
 def test_unreachable_source_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:

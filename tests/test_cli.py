@@ -282,6 +282,9 @@ def test_a_fetch_is_shown_with_its_bytes_rate_and_time_left(capsys: pytest.Captu
                                    "4 s left from 2 sources; fetching")
     header = running.model_copy(update={"start": 0, "end": 0, "rate": 0.0, "state": "done", "sources": 1})
     assert fetch_line(header) == "fetch m (dddddddddddd) header: 8 MiB of 24 MiB from 1 source; done"
+    # joined by --model-id: the header names the model only once it is here
+    by_id = header.model_copy(update={"name": "d" * 64})
+    assert fetch_line(by_id) == "fetch dddddddddddd header: 8 MiB of 24 MiB from 1 source; done"
     print_status(StatusReply(node_id="n" * 40, term=1, members=[], coverage=[], fetches=[running]))
     assert capsys.readouterr().out.splitlines()[-1] == fetch_line(running)
 

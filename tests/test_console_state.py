@@ -43,6 +43,7 @@ class FakeMesh:
     figures: dict[str, dict[str, float]] = field(default_factory=dict)
     hang: set[str] = field(default_factory=set)
     route_error: str = ""
+    route_hangs: bool = False
     polls: list[str] = field(default_factory=list)
     routes_asked: list[str] = field(default_factory=list)
 
@@ -64,8 +65,10 @@ class FakeMesh:
     def members(self) -> list[MemberInfo]:
         return list(self.members_)
 
-    def route(self, model: str) -> RouteReply:
+    async def route(self, model: str) -> RouteReply:
         self.routes_asked.append(model)
+        if self.route_hangs:
+            await trio.sleep_forever()
         if self.route_error:
             raise ProtocolError(ErrorCode.NOT_FOUND, self.route_error)
         stages = [RouteStage(node_id=m.node_id, address=m.record.addresses[0], start=s.start, end=s.end)
@@ -150,6 +153,41 @@ async def test_a_covered_model_without_a_route_says_why(autojump_clock: trio.tes
     mesh.route_error = "no route for SmolLM2-135M: the tail is unreachable"
     [model] = (await Console(mesh).state())["models"]
     assert model["route"] is None and model["route_error"] == mesh.route_error
+
+
+async def test_a_tracker_that_never_plans_costs_one_timeout_not_the_snapshot(
+        autojump_clock: trio.testing.MockClock) -> None:
+    mesh, ids = three_stages()
+    mesh.route_hangs = True
+    mesh.figures = {ids[0]: {"sessions": 1.0}}
+    start = trio.current_time()
+    state = await Console(mesh).state()
+    assert trio.current_time() - start <= 2 * console.METRICS_TIMEOUT + 0.01
+    [model] = state["models"]
+    assert model["route"] is None and model["route_error"] == "no route was planned in time"
+    assert by_node(state, ids[0])["stage"]["sessions"] == 1.0
+
+
+class TwoPlans:
+    """A fake daemon whose own records plan one route and whose tracker plans another."""
+
+    def __init__(self, planned: RouteReply) -> None:
+        self.planned = planned
+
+    def route(self, model: str | None, exclude: list[str] | None = None) -> RouteReply:
+        raise AssertionError("the console asked for this node's own plan, not the tracker's")
+
+    async def planned_route(self, model: str | None, exclude: list[str] | None = None) -> RouteReply:
+        return self.planned
+
+
+async def test_the_console_shows_the_route_the_tracker_plans_for_an_ask() -> None:
+    """What an ask through this member gets (DaemonMesh.find_route): the tracker's plan."""
+    planned = RouteReply(model=MODEL.digest, n_layers=30, seconds_per_token=0.02, stages=[
+        RouteStage(node_id="a" * 40, address="10.0.0.4:7000", start=0, end=15),
+        RouteStage(node_id="b" * 40, address="10.0.0.3:7000", start=15, end=30)])
+    source = console.DaemonSource(TwoPlans(planned))  # type: ignore[arg-type]
+    assert await source.route(MODEL.digest) is planned
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1.0, 1e300, True])

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from localmesh import Served, run_meshd, start_join
+from localmesh import Served, run_meshd, start_join, stop_all
 
 from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign, coverage_shortfall
 from meshd.mesh.records import ModelInfo
@@ -92,8 +92,7 @@ def short_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served
                                     "--memory", "64M", "--threads", "1"))
         yield nodes
     finally:
-        for n in nodes:
-            n.stop()
+        stop_all(nodes)
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ import msgpack
 import pytest
 import trio
 from attacks import unfinished_activation
-from localmesh import READY, Served, meshd_command, stop_process
+from localmesh import READY, Served, meshd_command, stop_all, stop_process
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Message, Request
 
@@ -103,8 +103,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                                    "--session-tokens", "256"))
         yield Mesh(nodes[0], nodes[1], key_file, load_mesh_key(key_file))
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
 
 
 # ----- what the bystander sees

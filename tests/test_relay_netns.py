@@ -27,7 +27,7 @@ from typing import Any
 
 import netns
 import pytest
-from localmesh import spawn
+from localmesh import spawn, terminate_together
 from netns import Process, sh
 
 pytestmark = pytest.mark.slow  # five namespaces, relays and daemons
@@ -123,6 +123,8 @@ def tear_down(topo: Topology) -> None:
             stack.callback(subprocess.run, ["ip", "netns", "del", name], capture_output=True, timeout=30)
         for process in topo.processes.values():
             stack.callback(process.stop)
+        # first of all (and so registered last): every process told to leave at once, not one after another
+        stack.callback(terminate_together, [p.proc for p in topo.processes.values()])
 
 
 @pytest.fixture(scope="module")

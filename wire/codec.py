@@ -37,7 +37,7 @@ Ext types are refused.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
 
@@ -85,6 +85,22 @@ def register_protocol(protocol: str, limits: Limits) -> None:
     if _PROTOCOL_LIMITS.get(protocol, limits) != limits:
         raise ValueError(f"protocol {protocol!r} already has other limits")
     _PROTOCOL_LIMITS[protocol] = limits
+
+
+def same_protocol_other_version(protocol: str, known: Iterable[str]) -> str | None:
+    """The one of ``known`` that names ``protocol`` at another version, if any.
+
+    Protocol names are ``FAMILY/VERSION`` (``meshd/stage/2``): a version changes when a change would
+    break peers that speak the old one, so a name of a known family at an unknown version is a peer
+    of another meshd release, which deserves to hear so rather than a bare "no handler"."""
+    family, sep, version = protocol.rpartition("/")
+    if not sep or not family:
+        return None
+    for name in sorted(known):
+        other_family, other_sep, other_version = name.rpartition("/")
+        if other_sep and other_family == family and other_version != version:
+            return name
+    return None
 
 
 def protocol_limits(protocol: str, link_limits: Limits = DEFAULT_LIMITS) -> Limits:

@@ -20,6 +20,8 @@ class ErrorCode(str, enum.Enum):
     UNREACHABLE = "UNREACHABLE"
     # The other end abandoned the exchange (closed its stream before finishing).
     CANCELLED = "CANCELLED"
+    # The peer speaks another version of the stream's protocol: it runs another meshd release.
+    VERSION_MISMATCH = "VERSION_MISMATCH"
 
     @property
     def retryable(self) -> bool:

@@ -17,7 +17,9 @@ from wire.codec import Limits, Message, WireModel, register_protocol
 from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
 from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, TokenId, Tokens
 
-STAGE_PROTOCOL = "meshd/stage/1"
+# 2: a tail waits for the asker's PromptTokens before it samples, and receipts are meshd/receipt/2;
+# a peer of /1 would stall or fail on both, so the peer set tells it the versions differ instead
+STAGE_PROTOCOL = "meshd/stage/2"
 
 # the most stages a route can have: every stage holds at least one layer
 MAX_ROUTE = 1 << 10

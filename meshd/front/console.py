@@ -76,7 +76,7 @@ class MeshSource(Protocol):
         """Every member known, with its record and measured round-trip time."""
         ...
 
-    def route(self, model: str) -> RouteReply:
+    async def route(self, model: str) -> RouteReply:
         """The route an ask for `model` gets now; a ProtocolError says why there is none."""
         ...
 
@@ -98,8 +98,9 @@ class DaemonSource:
     def members(self) -> list[MemberInfo]:
         return self.daemon.mesh.membership.members()
 
-    def route(self, model: str) -> RouteReply:
-        return self.daemon.route(model)
+    async def route(self, model: str) -> RouteReply:
+        # the tracker's plan, as the front door's asks get it (DaemonMesh.find_route), not this node's records
+        return await self.daemon.planned_route(model)
 
     async def stage_metrics(self, node_id: str) -> dict[str, float]:
         if node_id == self.daemon.identity.node_id:
@@ -126,7 +127,7 @@ class StatusSource:
     def members(self) -> list[MemberInfo]:
         return []
 
-    def route(self, model: str) -> RouteReply:
+    async def route(self, model: str) -> RouteReply:
         raise ProtocolError(ErrorCode.NOT_FOUND, "this front door's mesh plans no routes")
 
     async def stage_metrics(self, node_id: str) -> dict[str, float]:
@@ -279,8 +280,12 @@ class Console:
         polled = [m.node_id for m in members
                   if m.state is MemberState.ALIVE and m.record.served and not m.record.leaving][:MAX_POLLED]
         readings: dict[str, dict[str, float]] = {}
+        planned: dict[str, RouteReply | ProtocolError] = {}
         limiter = trio.CapacityLimiter(POLL_CONCURRENCY)
         async with trio.open_nursery() as nursery:
+            for c in status.coverage:
+                if c.n_layers > 0 and c.covered_layers == c.n_layers:
+                    nursery.start_soon(self._plan, c.model, limiter, planned)
             for node_id in polled:
                 nursery.start_soon(self._poll, node_id, limiter, readings)
         now = trio.current_time()
@@ -289,7 +294,25 @@ class Console:
             count = figure(values, "decode_rows")
             stages[node_id] = stage_figures(values, self._rates.rate(node_id, now, count) if count is not None else 0.0)
         self._rates.keep(set(readings))
-        return snapshot(status, members, stages, self.source.route, list(self.asking.values()), time.time())
+
+        def route_of(model: str) -> RouteReply:
+            got = planned.get(model)
+            if got is None:
+                raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "no route was planned in time")
+            if isinstance(got, ProtocolError):
+                raise got
+            return got
+
+        return snapshot(status, members, stages, route_of, list(self.asking.values()), time.time())
+
+    async def _plan(self, model: str, limiter: trio.CapacityLimiter, out: dict[str, RouteReply | ProtocolError]) -> None:
+        async with limiter:
+            # the tracker's rpc has its own deadline; this one bounds a snapshot's wait for it and the limiter
+            with trio.move_on_after(METRICS_TIMEOUT * 2):
+                try:
+                    out[model] = await self.source.route(model)
+                except ProtocolError as exc:
+                    out[model] = exc
 
     async def _poll(self, node_id: str, limiter: trio.CapacityLimiter, out: dict[str, dict[str, float]]) -> None:
         async with limiter:

@@ -42,7 +42,7 @@ from meshd.net.transport import (
     client_websocket,
     server_websocket,
 )
-from wire.codec import DEFAULT_LIMITS, Limits
+from wire.codec import DEFAULT_LIMITS, Limits, same_protocol_other_version
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.link import SecureLink
@@ -539,7 +539,10 @@ class Peers:
     def _on_stream(self, stream: Stream) -> None:
         entry = self._handlers.get(stream.protocol)
         if entry is None:
-            stream.reset(ProtocolError(ErrorCode.NOT_FOUND, f"no handler for {stream.protocol!r}"))
+            ours = same_protocol_other_version(stream.protocol, self._handlers)
+            stream.reset(ProtocolError(ErrorCode.NOT_FOUND, f"no handler for {stream.protocol!r}") if ours is None
+                         else ProtocolError(ErrorCode.VERSION_MISMATCH, f"this node speaks {ours}, not "
+                                            f"{stream.protocol}: run one meshd release on every member"))
             return
         handler, raw = entry
         watch = None
