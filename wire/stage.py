@@ -14,10 +14,12 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.receipt import Chain
 from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
 from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, TokenId, Tokens
 
-STAGE_PROTOCOL = "meshd/stage/1"
+# 2: receipts ride inside the activations and tokens they speak of, not in messages of their own
+STAGE_PROTOCOL = "meshd/stage/2"
 
 # the most stages a route can have: every stage holds at least one layer
 MAX_ROUTE = 1 << 10
@@ -145,6 +147,8 @@ class Token(Message, tag="token"):
     index: int = Field(ge=0, le=1 << 20)
     token: TokenId
     piece: bytes = Field(max_length=1 << 10)
+    # with receipts on: the route's receipts of the step that sampled this token, head first
+    receipts: Chain | None = None
 
 
 class Done(Message, tag="done"):

@@ -36,7 +36,7 @@ import numpy as np
 import trio
 
 from meshd.client.ask import AskResult, RouteError, RouteFinder, Stage, StageError, check_opened
-from meshd.mesh.proofs import BrokenChain, Step, check_chain
+from meshd.mesh.proofs import BrokenChain, Step, check_chain, check_signatures
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
@@ -109,7 +109,10 @@ class Audit:
     last_tail: Receipt | None = None
     awaiting_token: Receipt | None = None
     # chains that came before the head's tokens of the prompt did
-    pending: list[Receipts] = field(default_factory=list)
+    pending: list[tuple[str, int, list[Receipt]]] = field(default_factory=list)
+    # chains whose links hold and whose signatures are still to check (a batch, off the per-token
+    # path: at each spot check and before the answer is trusted), with their step's position
+    unsigned: list[tuple[int, list[Receipt], bool]] = field(default_factory=list)
     # every stage's receipts by position, for the spot checks
     by_stage: list[dict[int, Receipt]] = field(default_factory=list)
     on_step: list[trio.MemorySendChannel[int]] = field(default_factory=list)
@@ -121,39 +124,58 @@ class Audit:
     def tail(self) -> int:
         return len(self.node_ids) - 1
 
-    def _lie(self, index: int, reason: str, proof: Proof | None = None) -> StageLied:
-        return StageLied(index, self.node_ids[index], reason, proof, self.next_pos)
+    def _lie(self, index: int, reason: str, proof: Proof | None = None, pos: int | None = None) -> StageLied:
+        return StageLied(index, self.node_ids[index], reason, proof, self.next_pos if pos is None else pos)
 
     def prompt_known(self, prompt_len: int) -> None:
         self.prompt_len = prompt_len
         pending, self.pending = self.pending, []
         for chain in pending:
-            self.on_chain(chain)
+            self.on_chain(*chain)
 
-    def on_chain(self, msg: Receipts) -> None:
+    def _broken(self, exc: BrokenChain, decode: bool, pos: int | None = None) -> StageLied:
+        # a stage that signed over a forged receipt is the liar; otherwise the tail handed it over
+        index = self.tail if exc.culprit is None else exc.culprit - (1 if decode else 0)
+        return self._lie(index, f"its chain of receipts: {exc}", pos=pos)
+
+    def verify_signatures(self) -> None:
+        """Checks the signatures of every chain taken in so far (links were checked as each came)."""
+        unsigned, self.unsigned = self.unsigned, []
+        for pos, links, decode in unsigned:
+            try:
+                # the ring's receipt is the tail's of the step before, checked with that step
+                check_signatures(links, known=links[0] if decode else None)
+            except BrokenChain as exc:
+                raise self._broken(exc, decode, pos) from None
+
+    def on_chain(self, session: str, epoch: int, receipts: Sequence[Receipt]) -> None:
         if self.awaiting_token is not None:
             raise self._lie(self.tail, "a sampled step's token never came")
         if self.prompt_len is None:
             if len(self.pending) >= 4096:
                 raise self._lie(self.tail, "receipts far ahead of the prompt")
-            self.pending.append(msg)
+            self.pending.append((session, epoch, list(receipts)))
             return
-        chain = list(msg.chain)
+        chain = list(receipts)
         pos = self.next_pos
         decode = pos >= self.prompt_len
-        if (msg.session, msg.epoch) != (self.session, self.epoch):
+        if (session, epoch) != (self.session, self.epoch):
             raise self._lie(self.tail, "receipts of another session")
         try:
-            # every signature (the ring's receipt is the tail's last one, checked when it came)
+            # links by hash now; signatures in a batch (verify_signatures)
             check_chain(chain, Step(self.session, self.epoch, pos, chain[-1].n_tokens, self.n_layer,
-                                    self.node_ids[-1], chain[-1].h_out, decode), known=self.last_tail)
+                                    self.node_ids[-1], chain[-1].h_out, decode), signatures="later")
         except BrokenChain as exc:
-            # a stage that signed over a forged receipt is the liar; otherwise the tail handed it over
-            index = self.tail if exc.culprit is None else exc.culprit - (1 if decode else 0)
-            raise self._lie(index, f"its chain of receipts: {exc}") from None
+            raise self._broken(exc, decode) from None
+        self.unsigned.append((pos, chain, decode))
         if decode:
             ring, chain = chain[0], chain[1:]
             if ring != self.last_tail:
+                # a proof is built from receipts whose signatures hold
+                try:
+                    check_signatures([ring, *chain])
+                except BrokenChain as exc:
+                    raise self._broken(exc, decode) from None
                 proof = None
                 if self.last_tail is not None and ring.same_step(self.last_tail) and ring.h_out != self.last_tail.h_out:
                     proof = Proof(kind="equivocation", culprit=ring, witnesses=[self.last_tail])
@@ -249,7 +271,10 @@ class RangeCheck:
         # every input of the range fetched so far, in order: a third opinion replays them all
         self.inputs: list[StepInput] = []
         self.fed_until = 0
+        # the position up to which a replica's outputs matched the stage's
+        self.checked_until = 0
         self.opened: list[_Replay] = []
+        self.replica: _Replay | None = None
         # the history hash the stage's receipts must carry, worked out from their inputs
         self.hist = b""
 
@@ -306,7 +331,6 @@ class RangeCheck:
                 await r.aclose()
 
     async def _run(self, steps: trio.MemoryReceiveChannel[int]) -> None:
-        replica: _Replay | None = None
         async with steps:
             async for until in steps:
                 if self.plan.rng.randrange(self.plan.every) != 0:
@@ -317,20 +341,45 @@ class RangeCheck:
                         until = max(until, steps.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                self.plan.checks += 1
-                start = len(self.inputs)
-                await self._fetch(until)
-                while self.replicas and replica is None:
-                    replica = await self._start(self.replicas[0])
-                    if replica is None:
-                        self.replicas.pop(0)
-                if replica is None:
+                if not await self._check(until):
                     return
-                verdict = await replica.feed(self.inputs[start:], self._original)
-                self.plan.compared += len(self.inputs) - start
-                if verdict is not None:
-                    await self._settle(replica, verdict)
-                    return
+        # The answer is in (``settle`` closed the steps): the steps since the last check are
+        # checked too. A replica replays every step anyway (it needs the KV), so this last one
+        # costs a round trip, and no lie goes unchecked because no draw came after it.
+        if self.checked_until < self.audit.next_pos:
+            await self._check(self.audit.next_pos)
+
+    async def _check(self, until: int) -> bool:
+        """Replays the range's steps up to ``until`` on a replica; False once no replica answers."""
+        self.plan.checks += 1
+        # the receipts compared (and any proof built of them) have signatures that hold
+        self.audit.verify_signatures()
+        await self._fetch(until)
+        while self.replicas:
+            if self.replica is None:
+                self.replica = await self._start(self.replicas[0])
+                if self.replica is None:
+                    self.replicas.pop(0)
+                    continue
+            replica = self.replica
+            # a replica that took over from one that failed replays the range from its first step
+            fed = replica.sent
+            try:
+                verdict = await replica.feed(self.inputs[fed:], self._original)
+            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    trio.EndOfChannel) as exc:
+                # the replica's failure is not the route's: the next replica checks instead
+                log.info("replica %s for a spot check failed: %s", replica.stage.address, exc)
+                self.replica = None
+                self.replicas.pop(0)
+                continue
+            self.plan.compared += len(self.inputs) - fed
+            if verdict is not None:
+                await self._settle(replica, verdict)
+                return False
+            self.checked_until = until
+            return True
+        return False
 
     async def _start(self, stage: Stage) -> _Replay | None:
         try:
@@ -349,9 +398,12 @@ class RangeCheck:
             third = await self._start(third_stage)
             if third is None:
                 continue
-            with trio.CancelScope() as scope:
+            try:
                 await third.feed([s for s in self.inputs if s.pos <= mismatch.pos], self._original, stop_at=mismatch.pos)
-                scope.cancel()
+            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    trio.EndOfChannel) as exc:
+                log.info("third node %s for a spot check failed: %s", third_stage.address, exc)
+                continue
             opinion = third.at.get(mismatch.pos)
             if opinion is None:
                 continue
@@ -501,6 +553,7 @@ class Verifier:
         self.replicas = replicas_of(route, candidates) if self.plan.every > 0 else {}
         self.inboxes = {i: Inbox() for i in self.replicas if i > 0}
         self._done = trio.Event()
+        self._failed = False
         self._checks = []
         if self.plan.every > 0:
             for index, replicas in self.replicas.items():
@@ -527,20 +580,46 @@ class Verifier:
             async with trio.open_nursery() as nursery:
                 for check, steps in self._checks:
                     nursery.start_soon(check.run, steps)
+        except BaseException:
+            # a lie found (the epoch fails with it): nothing of this epoch is left to call unchecked
+            self._failed = True
+            raise
         finally:
             self._done.set()
 
     async def settle(self, timeout: float) -> None:
-        """The answer is in: the checks already asked for finish (a lie they find still fails the epoch)."""
-        assert self.audit is not None
-        for channel in self.audit.on_step:
+        """The answer is in: every signature is checked, the checks already asked for finish and each
+        range's last steps are checked too (a lie they find still fails the epoch). What could not be
+        checked is said in ``AskResult.unverified``."""
+        audit = self.audit
+        assert audit is not None
+        audit.verify_signatures()
+        for channel in audit.on_step:
             channel.close()
-        self.audit.on_step.clear()
+        audit.on_step.clear()
         with trio.move_on_after(timeout):
             await self._done.wait()
+        if not self._failed:
+            self._unverified()
+
+    def _unverified(self) -> None:
+        """Notes each range of the epoch whose steps no replica matched up to the end of the answer."""
+        audit = self.audit
+        assert audit is not None
+        checked = {check.index: check.checked_until for check, _ in self._checks}
+        for index, info in enumerate(audit.result.route):
+            until = checked.get(index, 0) if self.plan.every > 0 else audit.next_pos
+            if until < audit.next_pos:
+                note = (f"layers [{info.layer_begin}, {info.layer_end}) of node {audit.node_ids[index][:16]} "
+                        f"unchecked from position {until}" + ("" if index in checked else " (no replica)"))
+                log.info("spot checks: %s", note)
+                audit.result.unverified.append(note)
 
     def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError:
         error = blamed(error, node_ids)
+        if error.untrusted_from is None and self.audit is not None:
+            # the answer keeps this epoch's tokens: the ranges' steps since their last check go unchecked
+            self._unverified()
         if error.culprit is not None:
             self.liars.add(error.culprit)
             if self.audit is not None:
@@ -549,9 +628,9 @@ class Verifier:
             self.proofs.append(error.proof)
         return error
 
-    def on_chain(self, msg: Receipts) -> None:
+    def on_chain(self, session: str, epoch: int, chain: Sequence[Receipt]) -> None:
         assert self.audit is not None
-        self.audit.on_chain(msg)
+        self.audit.on_chain(session, epoch, chain)
 
     def on_token(self, token: int) -> None:
         assert self.audit is not None
