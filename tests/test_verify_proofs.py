@@ -6,9 +6,11 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+import trio
 
-from meshd.client.ask import AskResult, StageError
-from meshd.client.verify import Audit, StageLied, blamed
+from meshd.cli import figures_line
+from meshd.client.ask import AskResult, Stage, StageError
+from meshd.client.verify import Audit, CheckPlan, StageLied, Verifier, blamed
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.verify import chain_of, check_incoming
@@ -16,7 +18,7 @@ from wire.codec import decode, encode, protocol_limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.receipt import MAX_CHAIN, MAX_WITNESSES, Proof, ProofGossip, Receipt, Receipts, row_hash
-from wire.stage import STAGE_PROTOCOL, InputsRequest
+from wire.stage import STAGE_PROTOCOL, InputsRequest, Sampling, StageInfo
 from wire.tensors import Activation
 
 STAGE = protocol_limits(STAGE_PROTOCOL)
@@ -278,3 +280,24 @@ def test_the_ring_brings_the_tails_receipt_alone_and_the_head_refuses_any_other(
         with pytest.raises(ProtocolError, match=what) as refused:
             check_incoming(held, msg, 6, h, True, 3)
         assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT
+
+
+async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_line(autojump_clock: trio.abc.Clock) -> None:
+    ids = [s.node_id for s in SIGNERS]
+    route = [Stage(f"127.0.0.1:{7000 + i}", node, MODEL, layers) for i, (node, layers) in enumerate(zip(ids, RANGES,
+                                                                                                      strict=True))]
+    result = AskResult(prompt_tokens=[1, 2, 3], tokens=[9], reason="max_tokens", started=0.0, first_token_at=0.5,
+                       finished_at=1.0, route=[StageInfo(node_id=node, model_digest=MODEL, model_name="m",
+                                                         layer_begin=b, layer_end=e, n_layer=6, stage_width=8, ready=True)
+                                               for node, (b, e) in zip(ids, RANGES, strict=True)])
+    # the tail's range has a replica, which never answers; the others have none
+    replica = Stage("127.0.0.1:7999", REPLICAS[0].node_id, MODEL, RANGES[2])
+    verifier = Verifier(None, CheckPlan(every=16, candidates=[replica]))  # type: ignore[arg-type]
+    verifier.begin("s1", 0, route, ids, 6, result, 3, [None, None, None], Sampling())
+    assert verifier.audit is not None
+    verifier.audit.next_pos = 4
+    verifier._checks.clear()  # the tail's check never ran: as if it had not ended within the timeout
+    await verifier.settle(1.0)
+    assert [n.split(" of node")[0] for n in result.unverified] == ["layers [0, 2)", "layers [2, 4)", "layers [4, 6)"]
+    assert result.unverified[0].endswith("unchecked from position 0 (no replica)")
+    assert "layers [4, 6) of node" in figures_line(result)
