@@ -246,12 +246,13 @@ def test_the_asker_blames_the_stage_that_signed_over_a_forged_receipt() -> None:
         check_chain([forged, mid, tail], step)
     assert broken.value.culprit == 1
     audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
-    # the links hold, so the chain is taken in; its signatures are checked in a batch (a spot check,
-    # the end of the answer), and the batch names the signer over the forgery
+    # the links hold, so the chain is taken in; signatures are checked where a receipt becomes
+    # evidence: a lie the forged receipt shows is laid at the stage that signed over it
     audit.on_chain("s1", 0, (forged, mid, tail))
-    with pytest.raises(StageLied) as lie:
-        audit.verify_signatures()
-    assert lie.value.culprit == SIGNERS[1].node_id and lie.value.untrusted_from == 0
+    assert audit.answerable(0, 0) == 1 and audit.answerable(1, 0) == 1
+    lie = audit.lie_about(0, 0, "its output differs from two replicas'")
+    assert lie.culprit == SIGNERS[1].node_id and lie.untrusted_from == 0 and lie.proof is None
+    assert "signed over a forged receipt of stage 0" in lie.message
 
 
 def test_receipts_do_not_carry_the_node_id_and_derive_it_from_the_key() -> None:

@@ -114,8 +114,10 @@ class Receipt(WireModel):
         return _node_id(self.public_key)
 
     def signing_bytes(self) -> bytes:
-        # the schema's field order, not the sender's: the encoding is canonical
-        packed: bytes = msgpack.packb(self.model_dump(exclude={"signature"}), use_bin_type=True)
+        # the schema's field order, not the sender's: the encoding is canonical (the field values as
+        # they are: what model_dump gives for these types, without its serializer's cost per receipt)
+        values = self.__dict__
+        packed: bytes = msgpack.packb({name: values[name] for name in _SIGNED}, use_bin_type=True)
         return _RECEIPT_DOMAIN + packed
 
     def signed(self, identity: NodeIdentity) -> Receipt:
@@ -138,6 +140,8 @@ class Receipt(WireModel):
         return (self.model, self.layer_begin, self.layer_end, self.pos, self.n_tokens, self.h_hist) == (
             other.model, other.layer_begin, other.layer_end, other.pos, other.n_tokens, other.h_hist)
 
+
+_SIGNED = tuple(name for name in Receipt.model_fields if name != "signature")
 
 Chain = Annotated[list[Receipt], Field(min_length=1, max_length=MAX_CHAIN)]
 

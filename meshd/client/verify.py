@@ -110,9 +110,6 @@ class Audit:
     awaiting_token: Receipt | None = None
     # chains that came before the head's tokens of the prompt did
     pending: list[tuple[str, int, list[Receipt]]] = field(default_factory=list)
-    # chains whose links hold and whose signatures are still to check (a batch, off the per-token
-    # path: at each spot check and before the answer is trusted), with their step's position
-    unsigned: list[tuple[int, list[Receipt], bool]] = field(default_factory=list)
     # every stage's receipts by position, for the spot checks
     by_stage: list[dict[int, Receipt]] = field(default_factory=list)
     on_step: list[trio.MemorySendChannel[int]] = field(default_factory=list)
@@ -138,15 +135,25 @@ class Audit:
         index = self.tail if exc.culprit is None else exc.culprit - (1 if decode else 0)
         return self._lie(index, f"its chain of receipts: {exc}", pos=pos)
 
-    def verify_signatures(self) -> None:
-        """Checks the signatures of every chain taken in so far (links were checked as each came)."""
-        unsigned, self.unsigned = self.unsigned, []
-        for pos, links, decode in unsigned:
-            try:
-                # the ring's receipt is the tail's of the step before, checked with that step
-                check_signatures(links, known=links[0] if decode else None)
-            except BrokenChain as exc:
-                raise self._broken(exc, decode, pos) from None
+    def answerable(self, index: int, pos: int) -> int:
+        """Who answers for stage ``index``'s receipt of the step at ``pos``: that stage where its
+        signature holds; else the first stage after it whose own holds, which signed over a forgery
+        (an honest one checks its sender's); none holding, the tail, which handed them over.
+
+        Signatures are checked only here, where a receipt becomes evidence against its signer (a
+        lie, a proof): the answer's correctness rests on the hashes they sign, whose links are
+        checked as each chain comes and whose outputs spot checks compare."""
+        for k in range(index, len(self.node_ids)):
+            if self.by_stage[k][pos].verify():
+                return k
+        return self.tail
+
+    def lie_about(self, index: int, pos: int, reason: str, proof: Proof | None = None) -> StageLied:
+        """The lie stage ``index``'s receipt at ``pos`` shows, laid at whoever answers for the receipt."""
+        who = self.answerable(index, pos)
+        if who != index:
+            return self._lie(who, f"it signed over a forged receipt of stage {index}", pos=pos)
+        return self._lie(index, reason, proof, pos)
 
     def on_chain(self, session: str, epoch: int, receipts: Sequence[Receipt]) -> None:
         if self.awaiting_token is not None:
@@ -162,12 +169,11 @@ class Audit:
         if (session, epoch) != (self.session, self.epoch):
             raise self._lie(self.tail, "receipts of another session")
         try:
-            # links by hash now; signatures in a batch (verify_signatures)
+            # links by hash; signatures where a receipt becomes evidence (``answerable``)
             check_chain(chain, Step(self.session, self.epoch, pos, chain[-1].n_tokens, self.n_layer,
                                     self.node_ids[-1], chain[-1].h_out, decode), signatures="later")
         except BrokenChain as exc:
             raise self._broken(exc, decode) from None
-        self.unsigned.append((pos, chain, decode))
         if decode:
             ring, chain = chain[0], chain[1:]
             if ring != self.last_tail:
@@ -184,15 +190,15 @@ class Audit:
             raise self._lie(self.tail, "receipts of nodes not on the route")
         head, last = chain[0], chain[-1]
         n = head.n_tokens
+        for k, r in enumerate(chain):
+            self.by_stage[k][pos] = r
         if not decode:
             known = self.result.prompt_tokens + self.result.tokens
             if len(known) >= pos + n and head.h_in != row_hash(np.asarray(known[pos:pos + n], np.int32).tobytes()):
-                raise self._lie(0, "the head signed another prompt than it tokenized")
+                raise self.lie_about(0, pos, "the head signed another prompt than it tokenized")
         sampled = pos + n >= self.prompt_len
         if sampled == (last.h_out == NO_TOKENS):
             raise self._lie(self.tail, "the tail's receipt says it sampled where it cannot have")
-        for k, r in enumerate(chain):
-            self.by_stage[k][pos] = r
         self.awaiting_token = last if sampled else None
         self.last_tail = last
         self.next_pos = pos + n
@@ -299,10 +305,11 @@ class RangeCheck:
             more = reply.more
             for step in reply.steps:
                 original = audit.by_stage[self.index].get(step.pos)
-                if (original is None or step.tensor is None or step.n_tokens != original.n_tokens
-                        or row_hash(step.tensor.data) != original.h_in or step.pos != self._expected_pos()):
+                if original is None or step.tensor is None or step.pos != self._expected_pos():
                     raise StageLied(self.index, audit.node_ids[self.index],
-                                    "it handed over other inputs than its receipts sign", pos=step.pos)
+                                    "it handed over inputs of steps its receipts do not sign", pos=step.pos)
+                if step.n_tokens != original.n_tokens or row_hash(step.tensor.data) != original.h_in:
+                    raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
                 self._take(step)
         self.fed_until = until
 
@@ -316,8 +323,7 @@ class RangeCheck:
                                       sampling_bytes(self.sampling, self.audit.prompt_len) if tail else b"")
         self.hist = history_next(self.hist, step.pos, step.n_tokens, original.h_in)
         if original.h_hist != self.hist:
-            raise StageLied(self.index, self.audit.node_ids[self.index],
-                            "its receipt's history is not that of its inputs", pos=step.pos)
+            raise self.audit.lie_about(self.index, step.pos, "its receipt's history is not that of its inputs")
         self.inputs.append(step)
 
     def _expected_pos(self) -> int:
@@ -352,8 +358,6 @@ class RangeCheck:
     async def _check(self, until: int) -> bool:
         """Replays the range's steps up to ``until`` on a replica; False once no replica answers."""
         self.plan.checks += 1
-        # the receipts compared (and any proof built of them) have signatures that hold
-        self.audit.verify_signatures()
         await self._fetch(until)
         while self.replicas:
             if self.replica is None:
@@ -393,7 +397,6 @@ class RangeCheck:
     async def _settle(self, replica: _Replay, mismatch: Receipt) -> None:
         """The replica's output differs from the stage's at one step: a third node's decides."""
         original = self._original(mismatch.pos)
-        node = self.audit.node_ids[self.index]
         for third_stage in self.replicas[1:]:
             third = await self._start(third_stage)
             if third is None:
@@ -409,13 +412,13 @@ class RangeCheck:
                 continue
             if opinion.h_out == mismatch.h_out:
                 proof = Proof(kind="divergence", culprit=original, witnesses=[mismatch, opinion])
-                raise StageLied(self.index, node, f"its output at position {mismatch.pos} differs from two replicas'",
-                                proof, mismatch.pos)
+                raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} "
+                                                                     f"differs from two replicas'", proof)
             log.info("replica %s disagreed with the route and a third node: not trusted for checks",
                      replica.stage.address)
             return
-        raise StageLied(self.index, node, f"its output at position {mismatch.pos} differs from a replica's "
-                                          f"(no third node to settle it)", None, mismatch.pos)
+        raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} differs from a "
+                                                             f"replica's (no third node to settle it)")
 
 
 class _Replay:
@@ -588,12 +591,11 @@ class Verifier:
             self._done.set()
 
     async def settle(self, timeout: float) -> None:
-        """The answer is in: every signature is checked, the checks already asked for finish and each
+        """The answer is in: the checks already asked for finish and each
         range's last steps are checked too (a lie they find still fails the epoch). What could not be
         checked is said in ``AskResult.unverified``."""
         audit = self.audit
         assert audit is not None
-        audit.verify_signatures()
         for channel in audit.on_step:
             channel.close()
         audit.on_step.clear()

@@ -104,8 +104,8 @@ def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sende
     ``signatures``: a stage checks only its sender's (``"sender"``): each receipt's signature
     covers the one before it by hash, and an honest sender checked its own upstream's; the
     asker checks them all (``"all"``) but ``known``, a receipt it checked already (the ring's:
-    the tail's last one), or (``"later"``) none now, and all of them in a batch with
-    ``check_signatures`` before it trusts the answer. Every link is checked by hash before any
+    the tail's last one), or (``"later"``) none: only where a receipt becomes evidence
+    (``check_signatures``, ``Audit.answerable``). Every link is checked by hash before any
     signature (they cost most)."""
     links = list(chain)
     if step.decode:
