@@ -462,7 +462,8 @@ class _Replay:
         """Sends ``steps`` and reads the replica's receipts of them; the first whose output differs
         from the route's (``original(pos)``), or None."""
         for step in steps:
-            tensors = [] if step.tensor is None else [step.tensor.model_dump()]
+            # the entry's own field map (it packs as the model does), not a serialized copy per step
+            tensors = [] if step.tensor is None else [step.tensor.__dict__]
             await self.hop.send_all(encode_activation(session=self.session, epoch=0, step=self.sent, pos=step.pos,
                                                       n_tokens=step.n_tokens, tensors=tensors,
                                                       tokens=step.tokens if self.with_ids else None))
