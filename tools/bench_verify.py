@@ -209,6 +209,10 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
         # CPU seconds by mode: this process's event loop (stages and asker), per decode token
         loop_cpu: dict[str, float] = {"off": 0.0, "receipts": 0.0, "verify": 0.0}
         decoded: dict[str, int] = {"off": 0, "receipts": 0, "verify": 0}
+        # the route's engine workers' CPU seconds by mode: with the event loop's, what the route costs a
+        # token, which the box's other load does not change as it changes tok/s
+        route_pids = [n.service.engine.pid for n in nodes.values() if n.service.engine.pid is not None]
+        route_cpu: dict[str, float] = {"off": 0.0, "receipts": 0.0, "verify": 0.0}
         replica_cpu = 0.0
         replayed = 0
         sizes: dict[str, float] = {}
@@ -223,10 +227,12 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                                                                                   rng=random.Random(rng.random())))
                     loop0 = time.thread_time()
                     replica0 = sum(cpu_seconds(p) for p in replica_pids)
+                    route0 = sum(cpu_seconds(p) for p in route_pids)
                     with trio.fail_after(600):
                         answers[mode] = await run_session(peers, route, request, AskResult(), stall_timeout=120,
                                                           verifier=verifier)
                     loop_cpu[mode] += time.thread_time() - loop0
+                    route_cpu[mode] += sum(cpu_seconds(p) for p in route_pids) - route0
                     decoded[mode] += len(answers[mode].tokens)
                     if mode == "verify":
                         assert verifier is not None
@@ -289,6 +295,7 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                          "samples": len(rates["off"])},
         "cpu": {"pinning": pinning,
                 "event_loop_ms_per_token": {m: 1000 * loop_cpu[m] / max(1, decoded[m]) for m in loop_cpu},
+                "route_workers_ms_per_token": {m: 1000 * route_cpu[m] / max(1, decoded[m]) for m in route_cpu},
                 "replica_steps_replayed": replayed,
                 "replica_ms_per_replayed_step": 1000 * replica_cpu / replayed if replayed else None},
         "bytes_per_token": {"receipts": sizes, "receipts_total": sum(sizes.values()),
@@ -324,6 +331,11 @@ def main() -> int:
     cpu, loop = out["cpu"], out["cpu"]["event_loop_ms_per_token"]
     print(f"| event loop CPU per token (stages + asker, one process) | off {loop['off']:.1f} ms, receipts "
           f"{loop['receipts']:.1f} ms, verify 1 in {out['every']} {loop['verify']:.1f} ms |")
+    workers = cpu["route_workers_ms_per_token"]
+    total = {m: loop[m] + workers[m] for m in loop}
+    print(f"| CPU per token, route and asker (event loop + the route's engine workers) | off {total['off']:.1f} ms, receipts "
+          f"{total['receipts']:.1f} ms ({total['receipts'] / total['off'] - 1:+.1%}), verify 1 in {out['every']} "
+          f"{total['verify']:.1f} ms ({total['verify'] / total['off'] - 1:+.1%}) |")
     per_step = cpu["replica_ms_per_replayed_step"]
     print(f"| replicas' CPU per replayed step (stage services and engine workers; other machines in a mesh) | "
           f"{'-' if per_step is None else f'{per_step:.1f} ms'} over {cpu['replica_steps_replayed']} steps "

@@ -65,6 +65,8 @@ DEFAULT_VERIFY = 16
 # replicas looked for per range: one to check on, and a third node to settle a mismatch
 REPLICAS_WANTED = 2
 MAX_PROOFS = 16
+# a replay's activations go to its replica in writes of about this size
+REPLAY_WRITE_BYTES = 1 << 20
 
 
 class StageLied(StageError):
@@ -461,13 +463,22 @@ class _Replay:
                    stop_at: int | None = None) -> Receipt | None:
         """Sends ``steps`` and reads the replica's receipts of them; the first whose output differs
         from the route's (``original(pos)``), or None."""
+        batch: list[bytes] = []
+        size = 0
         for step in steps:
             # the entry's own field map (it packs as the model does), not a serialized copy per step
             tensors = [] if step.tensor is None else [step.tensor.__dict__]
-            await self.hop.send_all(encode_activation(session=self.session, epoch=0, step=self.sent, pos=step.pos,
-                                                      n_tokens=step.n_tokens, tensors=tensors,
-                                                      tokens=step.tokens if self.with_ids else None))
+            batch.append(encode_activation(session=self.session, epoch=0, step=self.sent, pos=step.pos,
+                                           n_tokens=step.n_tokens, tensors=tensors,
+                                           tokens=step.tokens if self.with_ids else None))
+            size += len(batch[-1])
             self.sent += 1
+            if size >= REPLAY_WRITE_BYTES:
+                await self.hop.send_all(b"".join(batch))
+                batch, size = [], 0
+        if batch:
+            # the steps of a check in one write, not a frame (and its wake-ups) each
+            await self.hop.send_all(b"".join(batch))
         for step in steps:
             msg = await self._next_receipt()
             r = msg.chain[0]
