@@ -704,7 +704,8 @@ def print_figures(result: AskResult) -> None:
 
 
 def figures_line(result: AskResult) -> str:
-    """What `meshd ask` says after the answer: tokens, speed, drafts, and what failing over cost."""
+    """What `meshd ask` says after the answer: tokens, speed, drafts, what failing over cost, and
+    the ranges spot checks could not check to the end."""
     prompt = plural(len(result.prompt_tokens), "prompt token")
     ttft = result.ttft
     rate = result.acceptance
@@ -712,6 +713,8 @@ def figures_line(result: AskResult) -> str:
     failover = "" if not result.failovers else \
         f", failed over {plural(result.failovers, 'time')} ({plural(len(result.excluded), 'stage')} " \
         f"routed around, {result.failover_seconds:.1f} s lost)"
+    # output verification: what no replica checked (a lie there would go unseen)
+    failover += "".join(f", {note}" for note in result.unverified)
     if ttft is None:
         return f"[{prompt}, no new tokens{failover}, stopped by {result.reason}]"
     return (f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "

@@ -6,17 +6,19 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+import trio
 
-from meshd.client.ask import AskResult, StageError
-from meshd.client.verify import Audit, StageLied, blamed
+from meshd.cli import figures_line
+from meshd.client.ask import AskResult, Stage, StageError
+from meshd.client.verify import Audit, CheckPlan, StageLied, Verifier, blamed
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
-from meshd.stage.verify import ChainHeld, check_incoming, receipts_message
+from meshd.stage.verify import chain_of, check_incoming
 from wire.codec import decode, encode, protocol_limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.receipt import MAX_CHAIN, MAX_WITNESSES, Proof, ProofGossip, Receipt, Receipts, row_hash
-from wire.stage import STAGE_PROTOCOL, InputsRequest
+from wire.stage import STAGE_PROTOCOL, InputsRequest, Sampling, StageInfo
 from wire.tensors import Activation
 
 STAGE = protocol_limits(STAGE_PROTOCOL)
@@ -87,7 +89,7 @@ def test_the_asker_blames_the_tail_for_a_token_its_receipt_does_not_sign() -> No
     result = AskResult(prompt_tokens=[1, 2, 3])
     audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, result, prompt_len=3)
     chain = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
-    audit.on_chain(receipts_message("s1", 0, tuple(chain)))
+    audit.on_chain("s1", 0, tuple(chain))
     with pytest.raises(StageLied) as lie:
         audit.on_token(8)
     assert lie.value.culprit == SIGNERS[2].node_id and lie.value.retryable
@@ -98,7 +100,7 @@ def test_the_asker_blames_the_head_for_a_prompt_it_did_not_tokenize_as_it_said()
     audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
     chain = honest_chain(0, 3, tokens_hash([1, 2, 4]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
     with pytest.raises(StageLied) as lie:
-        audit.on_chain(receipts_message("s1", 0, tuple(chain)))
+        audit.on_chain("s1", 0, tuple(chain))
     assert lie.value.culprit == SIGNERS[0].node_id
 
 
@@ -106,7 +108,7 @@ def test_a_tail_giving_the_head_another_token_leaves_an_equivocation_proof() -> 
     ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
     audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
     first = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
-    audit.on_chain(receipts_message("s1", 0, tuple(first)))
+    audit.on_chain("s1", 0, tuple(first))
     audit.on_token(9)
     # the tail signed token 9 to the asker and token 5 (same step, same history) to the head
     to_head = first[2].model_copy(update={"h_out": tokens_hash([5]), "signature": b""})
@@ -114,7 +116,7 @@ def test_a_tail_giving_the_head_another_token_leaves_an_equivocation_proof() -> 
     second = honest_chain(3, 1, tokens_hash([5]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])],
                           [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)], to_head)
     with pytest.raises(StageLied) as lie:
-        audit.on_chain(receipts_message("s1", 0, (to_head, *second)))
+        audit.on_chain("s1", 0, (to_head, *second))
     assert lie.value.proof is not None and check_proof(lie.value.proof) == SIGNERS[2].node_id
 
 
@@ -186,21 +188,24 @@ def test_bounds_on_receipts_and_proofs_are_held_by_the_decoder() -> None:
                                                  "until": -5})), STAGE)
 
 
-def test_a_hop_stream_must_give_each_activation_one_chain_of_its_session() -> None:
+def test_each_activation_brings_its_own_chain_inside_it_and_only_where_receipts_are_on() -> None:
     culprit, _ = divergence()
-    msg = Receipts(session="s1", epoch=0, chain=[culprit])
-    held = ChainHeld(True)
+    with_chain = Activation(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9],
+                            receipts=[culprit])
+    bare = with_chain.model_copy(update={"receipts": None})
     with pytest.raises(ProtocolError) as missing:
-        held.take("sender")
+        chain_of(bare, True, "sender")
     assert missing.value.code is ErrorCode.PAYLOAD_CORRUPT
-    held.hold(msg, "s1", 0)
-    with pytest.raises(ProtocolError, match="two chains"):
-        held.hold(msg, "s1", 0)
-    assert held.take("sender") == ("sender", (culprit,))
-    with pytest.raises(ProtocolError, match="another session"):
-        held.hold(msg, "s2", 0)
+    assert chain_of(with_chain, True, "sender") == ("sender", (culprit,))
     with pytest.raises(ProtocolError, match="did not ask"):
-        ChainHeld(False).hold(msg, "s1", 0)
+        chain_of(with_chain, False, "sender")
+    assert chain_of(bare, False, "sender") is None
+    # one frame: the receipts travel in the activation's own message, held to the chain's bound
+    assert decode(encode(with_chain), STAGE) == with_chain
+    too_long = encode(Activation.of(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9],
+                                    receipts=[culprit] * (MAX_CHAIN + 1)))
+    with pytest.raises(ProtocolError):
+        decode(too_long, STAGE)
 
 
 def test_a_stage_refusing_its_input_as_corrupt_blames_its_upstream() -> None:
@@ -241,9 +246,13 @@ def test_the_asker_blames_the_stage_that_signed_over_a_forged_receipt() -> None:
         check_chain([forged, mid, tail], step)
     assert broken.value.culprit == 1
     audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
-    with pytest.raises(StageLied) as lie:
-        audit.on_chain(receipts_message("s1", 0, (forged, mid, tail)))
-    assert lie.value.culprit == SIGNERS[1].node_id
+    # the links hold, so the chain is taken in; signatures are checked where a receipt becomes
+    # evidence: a lie the forged receipt shows is laid at the stage that signed over it
+    audit.on_chain("s1", 0, (forged, mid, tail))
+    assert audit.answerable(0, 0) == 1 and audit.answerable(1, 0) == 1
+    lie = audit.lie_about(0, 0, "its output differs from two replicas'")
+    assert lie.culprit == SIGNERS[1].node_id and lie.untrusted_from == 0 and lie.proof is None
+    assert "signed over a forged receipt of stage 0" in lie.message
 
 
 def test_receipts_do_not_carry_the_node_id_and_derive_it_from_the_key() -> None:
@@ -272,3 +281,24 @@ def test_the_ring_brings_the_tails_receipt_alone_and_the_head_refuses_any_other(
         with pytest.raises(ProtocolError, match=what) as refused:
             check_incoming(held, msg, 6, h, True, 3)
         assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT
+
+
+async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_line(autojump_clock: trio.abc.Clock) -> None:
+    ids = [s.node_id for s in SIGNERS]
+    route = [Stage(f"127.0.0.1:{7000 + i}", node, MODEL, layers) for i, (node, layers) in enumerate(zip(ids, RANGES,
+                                                                                                      strict=True))]
+    result = AskResult(prompt_tokens=[1, 2, 3], tokens=[9], reason="max_tokens", started=0.0, first_token_at=0.5,
+                       finished_at=1.0, route=[StageInfo(node_id=node, model_digest=MODEL, model_name="m",
+                                                         layer_begin=b, layer_end=e, n_layer=6, stage_width=8, ready=True)
+                                               for node, (b, e) in zip(ids, RANGES, strict=True)])
+    # the tail's range has a replica, which never answers; the others have none
+    replica = Stage("127.0.0.1:7999", REPLICAS[0].node_id, MODEL, RANGES[2])
+    verifier = Verifier(None, CheckPlan(every=16, candidates=[replica]))  # type: ignore[arg-type]
+    verifier.begin("s1", 0, route, ids, 6, result, 3, [None, None, None], Sampling())
+    assert verifier.audit is not None
+    verifier.audit.next_pos = 4
+    verifier._checks.clear()  # the tail's check never ran: as if it had not ended within the timeout
+    await verifier.settle(1.0)
+    assert [n.split(" of node")[0] for n in result.unverified] == ["layers [0, 2)", "layers [2, 4)", "layers [4, 6)"]
+    assert result.unverified[0].endswith("unchecked from position 0 (no replica)")
+    assert "layers [4, 6) of node" in figures_line(result)

@@ -3,8 +3,8 @@
 Stages of a tiny random model run in this process, each with its own engine
 worker; the middle range is served three times, the tail twice. Two
 attackers are meshd's own stage service with one thing patched: one flips a
-float of its output at a random step (signing what it sent, so only a spot
-check on a replica can catch it), one forwards its activations one position
+float of its output at one of the answer's last steps (signing what it sent, so
+only a spot check on a replica can catch it), one forwards its activations one position
 off. Each is blamed (not an honest neighbour), and the answer is identical
 to an undisturbed one.
 """
@@ -110,14 +110,19 @@ async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dic
                 assert honest.tokens == undisturbed.tokens and honest.epochs == 1
                 assert plan.checks > 0
 
-                # a stage computing wrongly at a random step: a spot check on a replica catches it
+                # a stage computing wrongly at one of the answer's last steps, after the last draw of a
+                # spot check (none comes at 1 in 2**30): the check every range gets once the answer is
+                # in catches it, so no lie goes unchecked for want of a draw after it
                 liar = nodes["mid"]
-                attacker_flipping_a_float(liar.service, random.Random(14).randrange(2, 12))
-                verifier = Verifier(peers, CheckPlan(every=2, candidates=[stage_of(n) for n in pool],
+                attacker_flipping_a_float(liar.service, REQUEST.max_tokens - 1)
+                verifier = Verifier(peers, CheckPlan(every=1 << 30, candidates=[stage_of(n) for n in pool],
                                                      rng=random.Random(8)))
                 caught = await ask_with_failover(peers, find, REQUEST, verifier=verifier)
                 assert verifier.liars == {liar.peers.node_id}
                 assert caught.tokens == undisturbed.tokens and caught.epochs == 2
+                # every range with a replica was checked to the end of the answer; the head's has none, and says so
+                assert caught.unverified and all(n.startswith("layers [0, 2)") and n.endswith("(no replica)")
+                                                 for n in caught.unverified)
                 (proof,) = verifier.proofs
                 # two replicas against one: anyone can check it and name the liar
                 assert proof.kind == "divergence" and check_proof(proof) == liar.peers.node_id

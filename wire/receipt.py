@@ -8,8 +8,10 @@ stage so far, because a step's output depends on the whole KV behind it: two
 stages of one model and range with the same ``h_hist`` must put out the same
 bytes (the engine is deterministic and batch-invariant), whoever asked.
 
-The receipt travels with its activation, and the next stage checks ``h_out``
-against the bytes it received before it computes a row. ``h_prev`` is the hash
+The receipts travel inside the activation they speak of (``Activation.receipts``:
+one frame per hop), and the next stage checks ``h_out`` against the bytes it
+received before it computes a row; the tail hands the asker the route's chain
+inside the token it sampled (``Token.receipts``). ``h_prev`` is the hash
 of the receipt before it in the chain (``receipt_hash``), so a stage's
 signature covers the whole chain it took in: a stage checks only its
 upstream's signature (an honest upstream checked the one before), and whoever
@@ -24,11 +26,12 @@ from functools import lru_cache
 from typing import Annotated, Literal
 
 import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import Field
 
 from wire.codec import Message, WireModel
-from wire.identity import NodeIdentity, node_id_of, verify
-from wire.stage import Sampling
+from wire.identity import NodeIdentity, node_id_of
 from wire.types import MAX_TOKENS, Digest, Epoch, Int32, Layer, NodeId, SessionId
 
 HASH_BYTES = 16
@@ -56,8 +59,9 @@ def history_start(model: str, layer_begin: int, layer_end: int, sampling: bytes 
     return row_hash(_HIST_DOMAIN + msgpack.packb([model, layer_begin, layer_end, sampling], use_bin_type=True))
 
 
-def sampling_bytes(sampling: Sampling, prompt_len: int) -> bytes:
-    """What decides a tail's output besides its input rows: how it samples, and from where."""
+def sampling_bytes(sampling: WireModel, prompt_len: int) -> bytes:
+    """What decides a tail's output besides its input rows: how it samples (``wire.stage.Sampling``,
+    whose messages carry receipts, so it is not imported here), and from where."""
     packed: bytes = msgpack.packb([sampling.model_dump(), prompt_len], use_bin_type=True)
     return packed
 
@@ -71,6 +75,12 @@ def receipt_hash(receipt: Receipt) -> bytes:
 def _node_id(public_key: bytes) -> str:
     # a stage's key signs every step: its id is worked out once, not per receipt
     return node_id_of(public_key)
+
+
+@lru_cache(maxsize=4096)
+def _public_key(public_key: bytes) -> Ed25519PublicKey:
+    # parsing a key costs a fifth of a verification: a route's few keys are parsed once
+    return Ed25519PublicKey.from_public_bytes(public_key)
 
 
 def history_next(hist: bytes, pos: int, n_tokens: int, h_in: bytes) -> bytes:
@@ -104,8 +114,10 @@ class Receipt(WireModel):
         return _node_id(self.public_key)
 
     def signing_bytes(self) -> bytes:
-        # the schema's field order, not the sender's: the encoding is canonical
-        packed: bytes = msgpack.packb(self.model_dump(exclude={"signature"}), use_bin_type=True)
+        # the schema's field order, not the sender's: the encoding is canonical (the field values as
+        # they are: what model_dump gives for these types, without its serializer's cost per receipt)
+        values = self.__dict__
+        packed: bytes = msgpack.packb({name: values[name] for name in _SIGNED}, use_bin_type=True)
         return _RECEIPT_DOMAIN + packed
 
     def signed(self, identity: NodeIdentity) -> Receipt:
@@ -115,7 +127,13 @@ class Receipt(WireModel):
 
     def verify(self) -> bool:
         """Signed by the key it carries (whose hash is its node id)."""
-        return bool(self.signature) and verify(self.public_key, self.signing_bytes(), self.signature)
+        if not self.signature:
+            return False
+        try:
+            _public_key(self.public_key).verify(self.signature, self.signing_bytes())
+        except (InvalidSignature, ValueError):
+            return False
+        return True
 
     def same_step(self, other: Receipt) -> bool:
         """Both speak of the same computation: model, range, rows and the history behind them."""
@@ -123,13 +141,18 @@ class Receipt(WireModel):
             other.model, other.layer_begin, other.layer_end, other.pos, other.n_tokens, other.h_hist)
 
 
+_SIGNED = tuple(name for name in Receipt.model_fields if name != "signature")
+
+Chain = Annotated[list[Receipt], Field(min_length=1, max_length=MAX_CHAIN)]
+
+
 class Receipts(Message, tag="receipts"):
-    """The receipts of one step: on a hop stream before its activation (every stage's so far,
-    head first), and from the tail to the asker (the whole route's)."""
+    """The receipts of one step that no token carries: from the tail to the asker for a prompt
+    chunk before the last (the whole route's), and from a check session's replica to the asker."""
 
     session: SessionId
     epoch: Epoch
-    chain: list[Receipt] = Field(min_length=1, max_length=MAX_CHAIN)
+    chain: Chain
 
 
 class Proof(WireModel):

@@ -14,11 +14,13 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.receipt import Chain
 from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
 from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, TokenId, Tokens
 
-# 2: a tail waits for the asker's PromptTokens before it samples, and receipts are meshd/receipt/2;
-# a peer of /1 would stall or fail on both, so the peer set tells it the versions differ instead
+# 2: a tail waits for the asker's PromptTokens before it samples, receipts are meshd/receipt/2 and
+# ride inside the activations and tokens they speak of, not in messages of their own; a peer of /1
+# would stall or fail on all three, so the peer set tells it the versions differ instead
 STAGE_PROTOCOL = "meshd/stage/2"
 
 # the most stages a route can have: every stage holds at least one layer
@@ -147,6 +149,8 @@ class Token(Message, tag="token"):
     index: int = Field(ge=0, le=1 << 20)
     token: TokenId
     piece: bytes = Field(max_length=1 << 10)
+    # with receipts on: the route's receipts of the step that sampled this token, head first
+    receipts: Chain | None = None
 
 
 class Done(Message, tag="done"):

@@ -26,6 +26,7 @@ from pydantic import Field, model_validator
 
 from wire.codec import Message, WireModel, encode
 from wire.errors import ErrorCode, ProtocolError
+from wire.receipt import Chain, Receipt
 from wire.types import Count, Epoch, Int32, SessionId, TokenIds, Tokens
 
 TensorDType = Literal["f32", "f16", "bf16", "q8_0"]
@@ -247,6 +248,9 @@ class Activation(Message, tag="activation"):
     # speculative decoding: the last ``drafts`` rows are drafted tokens, unverified; the
     # stage drops their KV when a later activation starts at one of their positions
     drafts: int = Field(default=0, ge=0, le=MAX_DRAFT)
+    # output verification (``wire.receipt``): the signed receipts of this step so far, head first
+    # (on the ring: the tail's receipt of the token), in the activation's own frame
+    receipts: Chain | None = None
 
     @model_validator(mode="after")
     def _unique_names(self) -> Activation:
@@ -270,11 +274,12 @@ class Activation(Message, tag="activation"):
         tokens: Sequence[int] | np.ndarray | None = None,
         deadline_ms: int | None = None,
         drafts: int = 0,
+        receipts: Sequence[Receipt] | None = None,
     ) -> Activation:
         """Build from local values without validating them (the receiver does);
         the constructor validates, at a cost that shows on the per-token path."""
         return cls.unvalidated(
-            _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms, drafts)
+            _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms, drafts, receipts)
         )
 
     def tensor(self, name: str) -> TensorEntry:
@@ -297,6 +302,7 @@ def _activation_fields(
     tokens: Sequence[int] | np.ndarray | None,
     deadline_ms: int | None,
     drafts: int,
+    receipts: Sequence[Receipt] | None = None,
 ) -> dict[str, Any]:
     # The order is the model's field order: packed as is, it gives the bytes
     # that packing the model gives.
@@ -313,6 +319,7 @@ def _activation_fields(
         "tokens": None if tokens is None else TokenIds(np.asarray(tokens, _I32).tobytes()),
         "deadline_ms": deadline_ms,
         "drafts": drafts,
+        "receipts": None if receipts is None else list(receipts),
     }
 
 
@@ -327,10 +334,11 @@ def encode_activation(
     tokens: Sequence[int] | np.ndarray | None = None,
     deadline_ms: int | None = None,
     drafts: int = 0,
+    receipts: Sequence[Receipt] | None = None,
 ) -> bytes:
     """The bytes of ``encode(Activation.of(...))`` with ``tensors`` given as
     ``tensor_fields``, built without any model: the per-token send path.
     A stream takes them as they are (``Stream.send_all``)."""
     return encode(
-        _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms, drafts)
+        _activation_fields(session, epoch, step, pos, n_tokens, tensors, tokens, deadline_ms, drafts, receipts)
     )

@@ -21,7 +21,7 @@ from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply
-from wire.receipt import Receipts
+from wire.receipt import Receipt, Receipts
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
@@ -135,6 +135,8 @@ class AskResult:
     failovers: int = 0
     failover_seconds: float = 0.0
     excluded: list[str] = field(default_factory=list)
+    # output verification: the ranges whose steps no replica checked to the end of an epoch, in words
+    unverified: list[str] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float | None:
@@ -177,7 +179,7 @@ class Verifier(Protocol):
 
     def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError: ...
 
-    def on_chain(self, msg: Receipts) -> None: ...
+    def on_chain(self, session: str, epoch: int, chain: Sequence[Receipt]) -> None: ...
 
     def on_token(self, token: int) -> None: ...
 
@@ -389,13 +391,17 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
             _take_prompt_tokens(msg, result)
             continue
         if verifier is not None and isinstance(msg, Receipts):
-            verifier.on_chain(msg)
+            # a step that sampled no token (a prompt chunk before the last, the end of generation)
+            verifier.on_chain(msg.session, msg.epoch, msg.chain)
             continue
         if inbox is not None and isinstance(msg, Inputs):
             await inbox.send(msg)
             continue
         if isinstance(msg, Token):
             if verifier is not None:
+                if msg.receipts is not None:
+                    # the receipts of the step that sampled the token ride inside it
+                    verifier.on_chain(msg.session, msg.epoch, msg.receipts)
                 verifier.on_token(msg.token)
             if result.first_token_at is None:
                 result.first_token_at = time.perf_counter()

@@ -36,7 +36,7 @@ import numpy as np
 import trio
 
 from meshd.client.ask import AskResult, RouteError, RouteFinder, Stage, StageError, check_opened
-from meshd.mesh.proofs import BrokenChain, Step, check_chain
+from meshd.mesh.proofs import BrokenChain, Step, check_chain, check_signatures
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
@@ -65,6 +65,8 @@ DEFAULT_VERIFY = 16
 # replicas looked for per range: one to check on, and a third node to settle a mismatch
 REPLICAS_WANTED = 2
 MAX_PROOFS = 16
+# a replay's activations go to its replica in writes of about this size
+REPLAY_WRITE_BYTES = 1 << 20
 
 
 class StageLied(StageError):
@@ -109,7 +111,7 @@ class Audit:
     last_tail: Receipt | None = None
     awaiting_token: Receipt | None = None
     # chains that came before the head's tokens of the prompt did
-    pending: list[Receipts] = field(default_factory=list)
+    pending: list[tuple[str, int, list[Receipt]]] = field(default_factory=list)
     # every stage's receipts by position, for the spot checks
     by_stage: list[dict[int, Receipt]] = field(default_factory=list)
     on_step: list[trio.MemorySendChannel[int]] = field(default_factory=list)
@@ -121,39 +123,67 @@ class Audit:
     def tail(self) -> int:
         return len(self.node_ids) - 1
 
-    def _lie(self, index: int, reason: str, proof: Proof | None = None) -> StageLied:
-        return StageLied(index, self.node_ids[index], reason, proof, self.next_pos)
+    def _lie(self, index: int, reason: str, proof: Proof | None = None, pos: int | None = None) -> StageLied:
+        return StageLied(index, self.node_ids[index], reason, proof, self.next_pos if pos is None else pos)
 
     def prompt_known(self, prompt_len: int) -> None:
         self.prompt_len = prompt_len
         pending, self.pending = self.pending, []
         for chain in pending:
-            self.on_chain(chain)
+            self.on_chain(*chain)
 
-    def on_chain(self, msg: Receipts) -> None:
+    def _broken(self, exc: BrokenChain, decode: bool, pos: int | None = None) -> StageLied:
+        # a stage that signed over a forged receipt is the liar; otherwise the tail handed it over
+        index = self.tail if exc.culprit is None else exc.culprit - (1 if decode else 0)
+        return self._lie(index, f"its chain of receipts: {exc}", pos=pos)
+
+    def answerable(self, index: int, pos: int) -> int:
+        """Who answers for stage ``index``'s receipt of the step at ``pos``: that stage where its
+        signature holds; else the first stage after it whose own holds, which signed over a forgery
+        (an honest one checks its sender's); none holding, the tail, which handed them over.
+
+        Signatures are checked only here, where a receipt becomes evidence against its signer (a
+        lie, a proof): the answer's correctness rests on the hashes they sign, whose links are
+        checked as each chain comes and whose outputs spot checks compare."""
+        for k in range(index, len(self.node_ids)):
+            if self.by_stage[k][pos].verify():
+                return k
+        return self.tail
+
+    def lie_about(self, index: int, pos: int, reason: str, proof: Proof | None = None) -> StageLied:
+        """The lie stage ``index``'s receipt at ``pos`` shows, laid at whoever answers for the receipt."""
+        who = self.answerable(index, pos)
+        if who != index:
+            return self._lie(who, f"it signed over a forged receipt of stage {index}", pos=pos)
+        return self._lie(index, reason, proof, pos)
+
+    def on_chain(self, session: str, epoch: int, receipts: Sequence[Receipt]) -> None:
         if self.awaiting_token is not None:
             raise self._lie(self.tail, "a sampled step's token never came")
         if self.prompt_len is None:
             if len(self.pending) >= 4096:
                 raise self._lie(self.tail, "receipts far ahead of the prompt")
-            self.pending.append(msg)
+            self.pending.append((session, epoch, list(receipts)))
             return
-        chain = list(msg.chain)
+        chain = list(receipts)
         pos = self.next_pos
         decode = pos >= self.prompt_len
-        if (msg.session, msg.epoch) != (self.session, self.epoch):
+        if (session, epoch) != (self.session, self.epoch):
             raise self._lie(self.tail, "receipts of another session")
         try:
-            # every signature (the ring's receipt is the tail's last one, checked when it came)
+            # links by hash; signatures where a receipt becomes evidence (``answerable``)
             check_chain(chain, Step(self.session, self.epoch, pos, chain[-1].n_tokens, self.n_layer,
-                                    self.node_ids[-1], chain[-1].h_out, decode), known=self.last_tail)
+                                    self.node_ids[-1], chain[-1].h_out, decode), signatures="later")
         except BrokenChain as exc:
-            # a stage that signed over a forged receipt is the liar; otherwise the tail handed it over
-            index = self.tail if exc.culprit is None else exc.culprit - (1 if decode else 0)
-            raise self._lie(index, f"its chain of receipts: {exc}") from None
+            raise self._broken(exc, decode) from None
         if decode:
             ring, chain = chain[0], chain[1:]
             if ring != self.last_tail:
+                # a proof is built from receipts whose signatures hold
+                try:
+                    check_signatures([ring, *chain])
+                except BrokenChain as exc:
+                    raise self._broken(exc, decode) from None
                 proof = None
                 if self.last_tail is not None and ring.same_step(self.last_tail) and ring.h_out != self.last_tail.h_out:
                     proof = Proof(kind="equivocation", culprit=ring, witnesses=[self.last_tail])
@@ -162,15 +192,15 @@ class Audit:
             raise self._lie(self.tail, "receipts of nodes not on the route")
         head, last = chain[0], chain[-1]
         n = head.n_tokens
+        for k, r in enumerate(chain):
+            self.by_stage[k][pos] = r
         if not decode:
             known = self.result.prompt_tokens + self.result.tokens
             if len(known) >= pos + n and head.h_in != row_hash(np.asarray(known[pos:pos + n], np.int32).tobytes()):
-                raise self._lie(0, "the head signed another prompt than it tokenized")
+                raise self.lie_about(0, pos, "the head signed another prompt than it tokenized")
         sampled = pos + n >= self.prompt_len
         if sampled == (last.h_out == NO_TOKENS):
             raise self._lie(self.tail, "the tail's receipt says it sampled where it cannot have")
-        for k, r in enumerate(chain):
-            self.by_stage[k][pos] = r
         self.awaiting_token = last if sampled else None
         self.last_tail = last
         self.next_pos = pos + n
@@ -249,7 +279,10 @@ class RangeCheck:
         # every input of the range fetched so far, in order: a third opinion replays them all
         self.inputs: list[StepInput] = []
         self.fed_until = 0
+        # the position up to which a replica's outputs matched the stage's
+        self.checked_until = 0
         self.opened: list[_Replay] = []
+        self.replica: _Replay | None = None
         # the history hash the stage's receipts must carry, worked out from their inputs
         self.hist = b""
 
@@ -274,10 +307,11 @@ class RangeCheck:
             more = reply.more
             for step in reply.steps:
                 original = audit.by_stage[self.index].get(step.pos)
-                if (original is None or step.tensor is None or step.n_tokens != original.n_tokens
-                        or row_hash(step.tensor.data) != original.h_in or step.pos != self._expected_pos()):
+                if original is None or step.tensor is None or step.pos != self._expected_pos():
                     raise StageLied(self.index, audit.node_ids[self.index],
-                                    "it handed over other inputs than its receipts sign", pos=step.pos)
+                                    "it handed over inputs of steps its receipts do not sign", pos=step.pos)
+                if step.n_tokens != original.n_tokens or row_hash(step.tensor.data) != original.h_in:
+                    raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
                 self._take(step)
         self.fed_until = until
 
@@ -291,8 +325,7 @@ class RangeCheck:
                                       sampling_bytes(self.sampling, self.audit.prompt_len) if tail else b"")
         self.hist = history_next(self.hist, step.pos, step.n_tokens, original.h_in)
         if original.h_hist != self.hist:
-            raise StageLied(self.index, self.audit.node_ids[self.index],
-                            "its receipt's history is not that of its inputs", pos=step.pos)
+            raise self.audit.lie_about(self.index, step.pos, "its receipt's history is not that of its inputs")
         self.inputs.append(step)
 
     def _expected_pos(self) -> int:
@@ -306,7 +339,6 @@ class RangeCheck:
                 await r.aclose()
 
     async def _run(self, steps: trio.MemoryReceiveChannel[int]) -> None:
-        replica: _Replay | None = None
         async with steps:
             async for until in steps:
                 if self.plan.rng.randrange(self.plan.every) != 0:
@@ -317,20 +349,43 @@ class RangeCheck:
                         until = max(until, steps.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                self.plan.checks += 1
-                start = len(self.inputs)
-                await self._fetch(until)
-                while self.replicas and replica is None:
-                    replica = await self._start(self.replicas[0])
-                    if replica is None:
-                        self.replicas.pop(0)
-                if replica is None:
+                if not await self._check(until):
                     return
-                verdict = await replica.feed(self.inputs[start:], self._original)
-                self.plan.compared += len(self.inputs) - start
-                if verdict is not None:
-                    await self._settle(replica, verdict)
-                    return
+        # The answer is in (``settle`` closed the steps): the steps since the last check are
+        # checked too. A replica replays every step anyway (it needs the KV), so this last one
+        # costs a round trip, and no lie goes unchecked because no draw came after it.
+        if self.checked_until < self.audit.next_pos:
+            await self._check(self.audit.next_pos)
+
+    async def _check(self, until: int) -> bool:
+        """Replays the range's steps up to ``until`` on a replica; False once no replica answers."""
+        self.plan.checks += 1
+        await self._fetch(until)
+        while self.replicas:
+            if self.replica is None:
+                self.replica = await self._start(self.replicas[0])
+                if self.replica is None:
+                    self.replicas.pop(0)
+                    continue
+            replica = self.replica
+            # a replica that took over from one that failed replays the range from its first step
+            fed = replica.sent
+            try:
+                verdict = await replica.feed(self.inputs[fed:], self._original)
+            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    trio.EndOfChannel) as exc:
+                # the replica's failure is not the route's: the next replica checks instead
+                log.info("replica %s for a spot check failed: %s", replica.stage.address, exc)
+                self.replica = None
+                self.replicas.pop(0)
+                continue
+            self.plan.compared += len(self.inputs) - fed
+            if verdict is not None:
+                await self._settle(replica, verdict)
+                return False
+            self.checked_until = until
+            return True
+        return False
 
     async def _start(self, stage: Stage) -> _Replay | None:
         try:
@@ -344,26 +399,28 @@ class RangeCheck:
     async def _settle(self, replica: _Replay, mismatch: Receipt) -> None:
         """The replica's output differs from the stage's at one step: a third node's decides."""
         original = self._original(mismatch.pos)
-        node = self.audit.node_ids[self.index]
         for third_stage in self.replicas[1:]:
             third = await self._start(third_stage)
             if third is None:
                 continue
-            with trio.CancelScope() as scope:
+            try:
                 await third.feed([s for s in self.inputs if s.pos <= mismatch.pos], self._original, stop_at=mismatch.pos)
-                scope.cancel()
+            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    trio.EndOfChannel) as exc:
+                log.info("third node %s for a spot check failed: %s", third_stage.address, exc)
+                continue
             opinion = third.at.get(mismatch.pos)
             if opinion is None:
                 continue
             if opinion.h_out == mismatch.h_out:
                 proof = Proof(kind="divergence", culprit=original, witnesses=[mismatch, opinion])
-                raise StageLied(self.index, node, f"its output at position {mismatch.pos} differs from two replicas'",
-                                proof, mismatch.pos)
+                raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} "
+                                                                     f"differs from two replicas'", proof)
             log.info("replica %s disagreed with the route and a third node: not trusted for checks",
                      replica.stage.address)
             return
-        raise StageLied(self.index, node, f"its output at position {mismatch.pos} differs from a replica's "
-                                          f"(no third node to settle it)", None, mismatch.pos)
+        raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} differs from a "
+                                                             f"replica's (no third node to settle it)")
 
 
 class _Replay:
@@ -406,12 +463,22 @@ class _Replay:
                    stop_at: int | None = None) -> Receipt | None:
         """Sends ``steps`` and reads the replica's receipts of them; the first whose output differs
         from the route's (``original(pos)``), or None."""
+        batch: list[bytes] = []
+        size = 0
         for step in steps:
-            tensors = [] if step.tensor is None else [step.tensor.model_dump()]
-            await self.hop.send_all(encode_activation(session=self.session, epoch=0, step=self.sent, pos=step.pos,
-                                                      n_tokens=step.n_tokens, tensors=tensors,
-                                                      tokens=step.tokens if self.with_ids else None))
+            # the entry's own field map (it packs as the model does), not a serialized copy per step
+            tensors = [] if step.tensor is None else [step.tensor.__dict__]
+            batch.append(encode_activation(session=self.session, epoch=0, step=self.sent, pos=step.pos,
+                                           n_tokens=step.n_tokens, tensors=tensors,
+                                           tokens=step.tokens if self.with_ids else None))
+            size += len(batch[-1])
             self.sent += 1
+            if size >= REPLAY_WRITE_BYTES:
+                await self.hop.send_all(b"".join(batch))
+                batch, size = [], 0
+        if batch:
+            # the steps of a check in one write, not a frame (and its wake-ups) each
+            await self.hop.send_all(b"".join(batch))
         for step in steps:
             msg = await self._next_receipt()
             r = msg.chain[0]
@@ -501,6 +568,7 @@ class Verifier:
         self.replicas = replicas_of(route, candidates) if self.plan.every > 0 else {}
         self.inboxes = {i: Inbox() for i in self.replicas if i > 0}
         self._done = trio.Event()
+        self._failed = False
         self._checks = []
         if self.plan.every > 0:
             for index, replicas in self.replicas.items():
@@ -527,20 +595,45 @@ class Verifier:
             async with trio.open_nursery() as nursery:
                 for check, steps in self._checks:
                     nursery.start_soon(check.run, steps)
+        except BaseException:
+            # a lie found (the epoch fails with it): nothing of this epoch is left to call unchecked
+            self._failed = True
+            raise
         finally:
             self._done.set()
 
     async def settle(self, timeout: float) -> None:
-        """The answer is in: the checks already asked for finish (a lie they find still fails the epoch)."""
-        assert self.audit is not None
-        for channel in self.audit.on_step:
+        """The answer is in: the checks already asked for finish and each
+        range's last steps are checked too (a lie they find still fails the epoch). What could not be
+        checked is said in ``AskResult.unverified``."""
+        audit = self.audit
+        assert audit is not None
+        for channel in audit.on_step:
             channel.close()
-        self.audit.on_step.clear()
+        audit.on_step.clear()
         with trio.move_on_after(timeout):
             await self._done.wait()
+        if not self._failed:
+            self._unverified()
+
+    def _unverified(self) -> None:
+        """Notes each range of the epoch whose steps no replica matched up to the end of the answer."""
+        audit = self.audit
+        assert audit is not None
+        checked = {check.index: check.checked_until for check, _ in self._checks}
+        for index, info in enumerate(audit.result.route):
+            until = checked.get(index, 0) if self.plan.every > 0 else audit.next_pos
+            if until < audit.next_pos:
+                note = (f"layers [{info.layer_begin}, {info.layer_end}) of node {audit.node_ids[index][:16]} "
+                        f"unchecked from position {until}" + ("" if index in checked else " (no replica)"))
+                log.info("spot checks: %s", note)
+                audit.result.unverified.append(note)
 
     def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError:
         error = blamed(error, node_ids)
+        if error.untrusted_from is None and self.audit is not None:
+            # the answer keeps this epoch's tokens: the ranges' steps since their last check go unchecked
+            self._unverified()
         if error.culprit is not None:
             self.liars.add(error.culprit)
             if self.audit is not None:
@@ -549,9 +642,9 @@ class Verifier:
             self.proofs.append(error.proof)
         return error
 
-    def on_chain(self, msg: Receipts) -> None:
+    def on_chain(self, session: str, epoch: int, chain: Sequence[Receipt]) -> None:
         assert self.audit is not None
-        self.audit.on_chain(msg)
+        self.audit.on_chain(session, epoch, chain)
 
     def on_token(self, token: int) -> None:
         assert self.audit is not None

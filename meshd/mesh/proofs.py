@@ -90,7 +90,7 @@ class Step:
     decode: bool
 
 
-def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sender", "all"] = "all",
+def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sender", "all", "later"] = "all",
                 known: Receipt | None = None) -> None:
     """Raises BrokenChain unless ``chain`` is every stage's signed receipt of ``step``, head first:
     consecutive ranges from layer 0, each one's output the next one's input and its ``h_prev`` the
@@ -104,7 +104,9 @@ def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sende
     ``signatures``: a stage checks only its sender's (``"sender"``): each receipt's signature
     covers the one before it by hash, and an honest sender checked its own upstream's; the
     asker checks them all (``"all"``) but ``known``, a receipt it checked already (the ring's:
-    the tail's last one). Every link is checked by hash before any signature (they cost most)."""
+    the tail's last one), or (``"later"``) none: only where a receipt becomes evidence
+    (``check_signatures``, ``Audit.answerable``). Every link is checked by hash before any
+    signature (they cost most)."""
     links = list(chain)
     if step.decode:
         # a decode step's chain starts with the tail's receipt of the step that sampled its token
@@ -137,8 +139,15 @@ def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sende
         raise BrokenChain("the last receipt is not the sender's")
     if last.h_out != step.h_out:
         raise BrokenChain("the rows are not the ones the sender's receipt signs")
+    if signatures != "later":
+        check_signatures(links, known, everyone=signatures == "all")
+
+
+def check_signatures(links: Sequence[Receipt], known: Receipt | None = None, everyone: bool = True) -> None:
+    """Raises BrokenChain naming who signed over a receipt whose signature does not hold (None: the
+    sender, whose own is bad). ``everyone`` False: the sender's alone; ``known`` is skipped."""
     # from the sender's back: the first bad one was signed over by the (checked) receipt after it
-    for k in range(len(links) - 1, -1 if signatures == "all" else len(links) - 2, -1):
+    for k in range(len(links) - 1, -1 if everyone else len(links) - 2, -1):
         r = links[k]
         if (known is None or r != known) and not r.verify():
             culprit = None if k == len(links) - 1 else k + 1

@@ -37,13 +37,13 @@ from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
 from meshd.stage.receipts import SessionReceipts, Signer
-from meshd.stage.verify import ChainHeld, check_incoming, receipts_message
+from meshd.stage.verify import chain_of, check_incoming, receipts_message
 from meshd.store.manifest import Manifest, manifest_for
 from relay.protocol import CIRCUIT_MARK
-from wire.codec import Message, encode, error_message
+from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import Receipt, Receipts, row_hash, sampling_bytes
+from wire.receipt import Receipt, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
@@ -116,8 +116,10 @@ class Session:
     to_draft: trio.MemorySendChannel[tuple[int, int, int]] | None = None
     # the receipts this stage signs for the session (None: the asker did not ask for them)
     receipts: SessionReceipts | None = None
-    # the tail: the chain of the step whose sampled token goes around the ring next
-    ring_chain: bytes = b""
+    # the tail: its receipt of the step whose sampled token goes around the ring next, and the
+    # route's chain of that step, which rides to the asker inside the token
+    ring_receipt: Receipt | None = None
+    asker_chain: tuple[Receipt, ...] | None = None
     # with receipts on, past the head: each step's input as it came, until the asker takes it
     # (bounded by the session's token budget: one entry per position at most)
     kept: list[StepInput] = field(default_factory=list)
@@ -555,7 +557,7 @@ class StageService:
             if not hop.ring or session.open.check:
                 session.hop_info.set()
             # a check session's rows come from its opener, who has no receipt to give for them
-            held = ChainHeld(session.receipts is not None and not session.open.check)
+            wanted = session.receipts is not None and not session.open.check
             while True:
                 try:
                     msg = await stream.receive_message()
@@ -563,12 +565,9 @@ class StageService:
                     return
                 if not self.books.holds(book) or book.phase not in LIVE:
                     return
-                if isinstance(msg, Receipts):
-                    held.hold(msg, book.id, book.epoch)
-                    continue
                 if not isinstance(msg, Activation):
                     raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a hop stream")
-                await self._accept_activation(session, msg, held.take(stream.remote_node_id))
+                await self._accept_activation(session, msg, chain_of(msg, wanted, stream.remote_node_id))
         except ProtocolError as exc:
             self._fail(session, exc)
             raise
@@ -824,11 +823,11 @@ class StageService:
                 if s.downstream is None:
                     continue
                 fields = tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)
-                if s.receipts is not None:
-                    self._send_receipts(s, w, row_hash(fields["data"]))
+                chain = None if s.receipts is None else self._signed_chain(s, w, row_hash(fields["data"]))
                 s.downstream.send_nowait(encode_activation(
                     session=w.session.id, epoch=w.session.epoch, step=s.steps, pos=w.pos, n_tokens=w.n,
-                    tensors=[fields], tokens=w.payload.carry if s.carry else None, drafts=w.drafts))
+                    tensors=[fields], tokens=w.payload.carry if s.carry else None, drafts=w.drafts,
+                    receipts=chain))
                 s.steps += 1
             return
         picks = iter(reply.get("picks", []))
@@ -842,15 +841,15 @@ class StageService:
                 self._tail_receipts(s, w, rows)
             if rows:
                 self._verified(s, w, rows, now)
+            self._send_chain(s)
 
     # ----- receipts (the logic is in meshd.stage.receipts and meshd.stage.verify)
 
-    def _send_receipts(self, s: Session, w: Work[Rows], h_out: bytes) -> None:
-        """Signs this step and sends the chain so far downstream, just before the step's rows."""
-        assert s.receipts is not None and s.downstream is not None
+    def _signed_chain(self, s: Session, w: Work[Rows], h_out: bytes) -> tuple[Receipt, ...]:
+        """Signs this step: the chain so far, which rides downstream inside the step's rows."""
+        assert s.receipts is not None
         chain = w.payload.chain
-        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, h_out, chain[-1] if chain else None)
-        s.downstream.send_nowait(encode(receipts_message(s.book.id, s.book.epoch, (*w.payload.chain, mine))))
+        return *chain, s.receipts.sign(w.pos, w.n, w.payload.h_in, h_out, chain[-1] if chain else None)
 
     def _check_receipt(self, s: Session, w: Work[Rows], out: np.ndarray) -> None:
         """A check session's step: only its receipt goes anywhere (to the asker that checks it)."""
@@ -861,19 +860,27 @@ class StageService:
         s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, (mine,)))
 
     def _tail_receipts(self, s: Session, w: Work[Rows], picks: list[Any]) -> None:
-        """The tail signs the tokens it sampled (none for a prompt chunk before the last) and sends the
-        whole route's chain to the asker and around the ring, before the tokens themselves."""
+        """The tail signs the tokens it sampled (none for a prompt chunk before the last); the whole
+        route's chain goes to the asker inside the token (``_emit``), its own receipt around the ring."""
         assert s.receipts is not None
         if not s.receipts.hist:
             s.receipts.sampling = sampling_bytes(s.open.sampling, s.book.prompt_len or 0)
         sampled = np.asarray([p[0] for p in picks[:w.drafts + 1]] if picks else [], dtype=np.int32)
         before = w.payload.chain
         mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()), before[-1] if before else None)
-        chain = receipts_message(s.book.id, s.book.epoch, (*before, mine))
-        s.to_asker.send_nowait(chain)
-        if picks:
+        s.asker_chain = (*before, mine)
+        if s.open.check:
+            # a replica's receipt goes to the asker that checks it, on its own: nothing reads its tokens
+            self._send_chain(s)
+        elif picks:
             # the head needs only the tail's receipt of its token: it covers the chain before it by hash
-            s.ring_chain = encode(receipts_message(s.book.id, s.book.epoch, (mine,)))
+            s.ring_receipt = mine
+
+    def _send_chain(self, s: Session) -> None:
+        """A chain no token took along (a prompt chunk before the last, the end of generation) goes alone."""
+        if s.asker_chain is not None:
+            s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, s.asker_chain))
+            s.asker_chain = None
 
     def _verified(self, s: Session, w: Work[Rows], picks: list[Any], now: float) -> None:
         """Emits the sampled tokens the drafts agree with, and the one after them (the rows past
@@ -901,10 +908,12 @@ class StageService:
             s.drafter.extend([token])
         if emitted.index is not None:
             # built unvalidated from our own values (the asker validates): this is per token
+            chain, s.asker_chain = s.asker_chain, None
             s.to_asker.send_nowait(Token.unvalidated({"type": "token", "v": 1, "session": book.id,
                                                    "epoch": book.epoch, "index": emitted.index, "token": token,
-                                                   "piece": piece}))
+                                                   "piece": piece, "receipts": None if chain is None else list(chain)}))
         if emitted.done is not None:
+            self._send_chain(s)
             length = s.draft_length
             s.to_asker.send_nowait(Done(session=book.id, epoch=book.epoch, reason=emitted.done,
                                         generated=book.generated, drafted=length.drafted if length else 0,
@@ -985,12 +994,10 @@ class StageService:
             except ProtocolError as exc:
                 self._fail(s, exc)
         elif s.downstream is not None:
-            if s.ring_chain:
-                s.downstream.send_nowait(s.ring_chain)
-                s.ring_chain = b""
+            ring, s.ring_receipt = s.ring_receipt, None
             s.downstream.send_nowait(encode_activation(session=book.id, epoch=book.epoch, step=book.generated,
                                                        pos=pos, n_tokens=len(tokens), tensors=[], tokens=tokens,
-                                                       drafts=len(tokens) - 1))
+                                                       drafts=len(tokens) - 1, receipts=None if ring is None else (ring,)))
 
 
 def _decoded(entry: TensorEntry) -> np.ndarray:

@@ -1,9 +1,10 @@
 """The stage's checks of the receipts that come with its input (sans-IO).
 
-On a hop (or ring) stream with receipts on, each activation follows the
-``Receipts`` of its step. The chain is checked before a byte of the rows is
-decoded; a chain that does not hold fails the session as PAYLOAD_CORRUPT, which
-the asker reads as the sender's fault: an honest sender checked what it forwards.
+On a hop (or ring) stream with receipts on, each activation carries the
+receipts of its step (``Activation.receipts``). The chain is checked before a
+byte of the rows is decoded; a chain that does not hold fails the session as
+PAYLOAD_CORRUPT, which the asker reads as the sender's fault: an honest sender
+checked what it forwards.
 """
 
 from __future__ import annotations
@@ -14,31 +15,15 @@ from wire.receipt import Receipt, Receipts
 from wire.tensors import Activation
 
 
-class ChainHeld:
-    """The one chain a hop stream has announced for its next activation."""
-
-    def __init__(self, wanted: bool) -> None:
-        self.wanted = wanted
-        self.chain: tuple[Receipt, ...] | None = None
-
-    def hold(self, msg: Receipts, session: str, epoch: int) -> None:
-        if not self.wanted:
+def chain_of(msg: Activation, wanted: bool, sender: str) -> tuple[str, tuple[Receipt, ...]] | None:
+    """The chain an activation brings, with who sent it (None with receipts off)."""
+    if not wanted:
+        if msg.receipts is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts on a session that did not ask for them")
-        if self.chain is not None:
-            # one chain per activation: a sender cannot make a stage buffer chains
-            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "two chains of receipts without an activation between")
-        if (msg.session, msg.epoch) != (session, epoch):
-            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "receipts of another session or epoch")
-        self.chain = tuple(msg.chain)
-
-    def take(self, sender: str) -> tuple[str, tuple[Receipt, ...]] | None:
-        """The chain for the activation that has just come (None with receipts off)."""
-        if not self.wanted:
-            return None
-        chain, self.chain = self.chain, None
-        if chain is None:
-            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "an activation without its receipts")
-        return sender, chain
+        return None
+    if msg.receipts is None:
+        raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "an activation without its receipts")
+    return sender, tuple(msg.receipts)
 
 
 def check_incoming(held: tuple[str, tuple[Receipt, ...]], msg: Activation, until: int, h_rows: bytes,
@@ -80,6 +65,6 @@ def check_ring(chain: tuple[Receipt, ...], msg: Activation, n_layer: int, sender
 
 
 def receipts_message(session: str, epoch: int, chain: tuple[Receipt, ...]) -> Receipts:
-    # built unvalidated from receipts this stage checked or signed: this is per token
+    # built unvalidated from receipts this stage checked or signed
     return Receipts.unvalidated({"type": "receipts", "v": 1, "session": session, "epoch": epoch,
                                  "chain": list(chain)})
