@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
 import trio
@@ -157,6 +157,27 @@ class Stream(trio.abc.HalfCloseableStream):
                 # Half a write would leave the peer's decoder out of step.
                 self.reset(ProtocolError(ErrorCode.CANCELLED, "a write was interrupted midway"))
             raise
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
+        """Sends ``data`` whole from synchronous code; False, with nothing sent, if it cannot.
+
+        It cannot while another task sends on this stream, when the peer's
+        credit does not cover all of it, or once the stream is closed or
+        broken: the caller then sends with ``send_all``, which waits or
+        raises. Sent here, it is encrypted and written at once when the link
+        is idle (``Link.write_nowait``), else queued for the link's writer
+        task, in order with everything else. A stage hands each decode
+        step's output on this way, without a task switch.
+        """
+        if self._sending or self._closed or self._send_closed or self._error is not None:
+            return False
+        link = self.link
+        mux = link.core.mux
+        if link._error is not None or not data or len(data) > mux.send_capacity(self.stream_id):
+            return False
+        mux.send_data(self.stream_id, data)
+        link.write_nowait()
+        return True
 
     def _check_sendable(self) -> None:
         # Closing here is checked first: after ``aclose`` every use is ClosedResourceError.
@@ -392,6 +413,10 @@ class Link:
         self._rtt: float | None = None
         self._goodbye: ProtocolError | None = None
         self.going_away = False
+        # a transport that can write a record from synchronous code (WebSocketTransport over TCP)
+        self._send_nowait: Callable[[bytes], bool] | None = getattr(transport, "send_record_nowait", None)
+        self._drain: Callable[[], Awaitable[None]] | None = getattr(transport, "drain", None)
+        self._write_pending: Callable[[], bool] | None = getattr(transport, "write_pending", None)
 
     # ----- introspection
 
@@ -550,6 +575,27 @@ class Link:
     def _want_write(self) -> None:
         self._write_wanted.set()
 
+    def write_nowait(self) -> None:
+        """Encrypts what the core has queued and writes it now, if the link is idle; else the
+        writer task writes it, after what is already queued.
+
+        Records the transport cannot write at once go to the outbox, in order, for the writer
+        task (and so does everything after them until it has written them).
+        """
+        if self._sending or self._outbox or self._send_nowait is None or self._error is not None:
+            self._want_write()
+            return
+        send = self._send_nowait
+        records = self.core.records_to_send()
+        for i, record in enumerate(records):
+            if not send(record):
+                self._outbox.extend(records[i:])
+                self._want_write()
+                return
+        if self._write_pending is not None and self._write_pending():
+            # the socket kept the end of the last record back: the writer task finishes it
+            self._want_write()
+
     async def _flush(self) -> None:
         """Encrypt what the core has queued and write it, in order.
 
@@ -600,10 +646,16 @@ class Link:
             await trio.lowlevel.checkpoint()
 
     async def _writer(self) -> None:
+        drain = self._drain
         while True:
             await self._write_wanted.wait()
             self._write_wanted = trio.Event()
             await self._flush_quietly()
+            if drain is not None and not self._sending:
+                try:
+                    await drain()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._close(ProtocolError(ErrorCode.UNREACHABLE, f"connection to {self.address} lost"))
 
     async def _timers(self) -> None:
         """Sleep until the core's next timer, run it, send what it queued."""

@@ -36,6 +36,7 @@ from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
+from meshd.stage.outlet import Outlet
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.verify import ChainHeld, check_incoming, receipts_message
 from meshd.store.manifest import Manifest, manifest_for
@@ -99,10 +100,11 @@ class Session:
 
     book: SessionBook
     open: Open
-    to_asker: trio.MemorySendChannel[Message]
+    # messages for the asker, on the session's control stream
+    to_asker: Outlet[Message]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     # encoded activations for the next stage (or the ring to the head)
-    downstream: trio.MemorySendChannel[bytes] | None = None
+    downstream: Outlet[bytes] | None = None
     hop_info: trio.Event = field(default_factory=trio.Event)
     steps: int = 0
     # the tail's speculation: its drafter over the session's tokens, k, and the drafts in flight
@@ -323,8 +325,7 @@ class StageService:
                                      source=host_of(stream.link.address))
         for other in gone:
             self._ended(other)
-        to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
-        session = Session(book=book, open=msg, to_asker=to_asker_send)
+        session = Session(book=book, open=msg, to_asker=Outlet(encode))
         if msg.receipts:
             session.receipts = SessionReceipts(self.signer, book.id, book.epoch, self.digest,
                                                self.report.layer_begin, self.report.layer_end)
@@ -344,7 +345,6 @@ class StageService:
         self._sessions[book] = session
         self._changed()
         hop_stream: Stream | None = None
-        downstream: trio.MemoryReceiveChannel[bytes] | None = None
         try:
             with session.scope:
                 await self._engine_call({"op": "remove", "seq": book.slot})
@@ -361,15 +361,16 @@ class StageService:
                     # reuses that link instead of racing it with a duplicate.
                     if not target[1]:
                         hop_stream = await self._open_hop(target[0], False)
-                    session.downstream, downstream = trio.open_memory_channel[bytes](math.inf)
+                    session.downstream = Outlet(bytes)
                 self.books.opened(book)
                 await stream.send_message(Opened(session=book.id, epoch=book.epoch, info=self.info()))
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._pump, to_asker_recv, stream)
+                    nursery.start_soon(session.to_asker.run, stream)
                     if draft_recv is not None:
                         nursery.start_soon(self._model_drafts, session, draft_recv)
-                    if target is not None and downstream is not None:
-                        nursery.start_soon(self._downstream, session, target[0], target[1], hop_stream, downstream)
+                    if target is not None and session.downstream is not None:
+                        nursery.start_soon(self._downstream, session, target[0], target[1], hop_stream,
+                                           session.downstream)
                     await self._control_loop(stream, session)
                     nursery.cancel_scope.cancel()
             # off the books before the asker hears of the failure
@@ -498,12 +499,8 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(ids)} token ids for a prompt of {prompt_len}")
         return ids[pos:min(pos + n, prompt_len)]
 
-    async def _pump(self, channel: trio.MemoryReceiveChannel[Message], stream: Stream) -> None:
-        async for message in channel:
-            await stream.send_message(message)
-
     async def _downstream(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream | None,
-                          recv: trio.MemoryReceiveChannel[bytes]) -> None:
+                          outlet: Outlet[bytes]) -> None:
         """Sends this session's output to the next stage (or, at the tail, the ring to the head)."""
         await session.hop_info.wait()
         if hop_stream is None:
@@ -514,20 +511,20 @@ class StageService:
                 return
             # this task dialled it, so it closes it
             async with hop_stream:
-                await self._downstream_to(session, target, ring, hop_stream, recv)
+                await self._downstream_to(session, target, ring, hop_stream, outlet)
         else:
-            await self._downstream_to(session, target, ring, hop_stream, recv)
+            await self._downstream_to(session, target, ring, hop_stream, outlet)
 
     async def _downstream_to(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream,
-                             recv: trio.MemoryReceiveChannel[bytes]) -> None:
+                             outlet: Outlet[bytes]) -> None:
         book = session.book
         try:
             await hop_stream.send_message(Hop(session=book.id, epoch=book.epoch, ring=ring,
                                               prompt_tokens=book.prompt_len or 0,
                                               carry_tokens=0 if ring else session.carry))
-            async for encoded in recv:
-                await hop_stream.send_all(encoded)
-        except (ProtocolError, trio.ClosedResourceError) as exc:  # the stream, or our own channel closed
+            # from now on a step's rows go straight onto the stream when they can (Outlet)
+            await outlet.run(hop_stream)
+        except ProtocolError as exc:
             what = "the head" if ring else "the next stage"
             self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost {what} {target.address}: {exc}"))
 
