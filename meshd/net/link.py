@@ -106,6 +106,11 @@ class Stream(trio.abc.HalfCloseableStream):
         self.messages_received = 0
         self._sending = False
         self._receiving = False
+        # ``set_message_hook``: the hook, whether the reader waits for a message (only then may the
+        # hook take one), and what the hook left the reader (a message, or an exception to raise)
+        self._hook: Callable[[Message], bool] | None = None
+        self._waiting_message = False
+        self._early: Message | ProtocolError | _HookFailed | None = None
 
     @property
     def remote_node_id(self) -> str:
@@ -242,13 +247,18 @@ class Stream(trio.abc.HalfCloseableStream):
             if self._chunks:
                 # Data is waiting, but a trio stream is a checkpoint all the same.
                 await trio.lowlevel.checkpoint()
-            return bytes(await self._next_chunk(max_bytes))
+            chunk = await self._next_chunk(max_bytes)
+            assert chunk is not None, "only a message reader has a hook"
+            return bytes(chunk)
         finally:
             self._receiving = False
 
-    async def _next_chunk(self, max_bytes: int | None = None) -> bytes | memoryview:
+    async def _next_chunk(self, max_bytes: int | None = None) -> bytes | memoryview | None:
+        """The next chunk; b"" at the end; None once the message hook leaves the reader something."""
         chunks = self._chunks
         while not chunks:
+            if self._early is not None:
+                return None
             if self._closed:
                 raise StreamClosed("this stream is closed")
             if self._eof:
@@ -278,7 +288,20 @@ class Stream(trio.abc.HalfCloseableStream):
         try:
             message = decoder.next_message()
             while message is None:
-                chunk = await self._next_chunk()
+                self._waiting_message = True
+                try:
+                    chunk = await self._next_chunk()
+                finally:
+                    self._waiting_message = False
+                if chunk is None:
+                    early, self._early = self._early, None
+                    if isinstance(early, _HookFailed):
+                        # the hook's own error (not this stream's): raised as it came, no reset
+                        raise early
+                    if isinstance(early, ProtocolError):
+                        raise early
+                    assert early is not None
+                    return early
                 if not chunk:
                     if decoder.buffered:
                         raise ProtocolError(ErrorCode.BAD_REQUEST, "stream ended inside a message")
@@ -289,12 +312,26 @@ class Stream(trio.abc.HalfCloseableStream):
                     self.link.core.mux.set_held(self.stream_id, self._held)
             self.messages_received += 1
             return message
+        except _HookFailed as failed:
+            raise failed.error from None
         except ProtocolError as exc:
             if exc is not self._error:
                 self.reset(exc)
             raise
         finally:
             self._receiving = False
+
+    def set_message_hook(self, hook: Callable[[Message], bool] | None) -> None:
+        """Has ``hook`` see each message as it arrives, while ``receive_message`` waits for one.
+
+        Called from the link's record processing (no task switch): True if it
+        took the message; False leaves it to ``receive_message``, which
+        returns it. An exception the hook raises comes out of
+        ``receive_message`` as it is, without resetting the stream (it is
+        the hook's, not the stream's). Messages arriving while the reader is
+        busy wait for it as usual, so every message is seen in order.
+        """
+        self._hook = hook
 
     async def messages(self) -> AsyncIterator[Message]:
         """Each message until the peer ends the stream: ``async for m in stream.messages()``.
@@ -344,7 +381,36 @@ class Stream(trio.abc.HalfCloseableStream):
     # ----- called by the link
 
     def _on_data(self, data: memoryview) -> None:
+        if self._hook is not None and self._waiting_message and self._parked is not None and not self._chunks:
+            self._hooked(data, self._hook)
+            return
         self._chunks.append(data)
+        self._wake_reader()
+
+    def _hooked(self, data: memoryview, hook: Callable[[Message], bool]) -> None:
+        """Decodes ``data`` as the parked reader would, and offers a whole message to ``hook``."""
+        decoder = self._decoder
+        self.link._consumed(self.stream_id, len(data))
+        try:
+            message = decoder.decode_whole(data)
+        except ProtocolError as exc:
+            # the reader raises it, and resets the stream, as if it had decoded it
+            self._early = exc
+            self._wake_reader()
+            return
+        if decoder.buffered or self._held:
+            self._held = decoder.buffered
+            self.link.core.mux.set_held(self.stream_id, self._held)
+        if message is None:
+            return
+        self.messages_received += 1
+        try:
+            if hook(message):
+                return
+            self._early = message
+        except Exception as exc:
+            # never into the link's record processing: the reader raises it
+            self._early = _HookFailed(exc)
         self._wake_reader()
 
     def _abort_wait(self, raise_cancel: object) -> trio.lowlevel.Abort:
@@ -375,6 +441,14 @@ class Stream(trio.abc.HalfCloseableStream):
         self._chunks.clear()
         if dropped:
             self.link._consumed(self.stream_id, dropped)
+
+
+class _HookFailed(Exception):
+    """What a message hook raised, on its way to the reader."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 StreamCallback = Callable[[Stream], None]

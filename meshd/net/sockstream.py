@@ -20,6 +20,7 @@ stream never loses the middle of a frame.
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -93,12 +94,18 @@ class DirectStream(trio.abc.HalfCloseableStream):
             try:
                 return sock.send(data)
             except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
+                await self._wait(trio.lowlevel.wait_writable)
             except OSError as exc:
                 raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
 
     async def wait_send_all_might_not_block(self) -> None:
-        await trio.lowlevel.wait_writable(self._sock)
+        await self._wait(trio.lowlevel.wait_writable)
+
+    async def _wait(self, wait: Callable[[socket.socket], Awaitable[None]]) -> None:
+        # a closed socket has no fd to wait on (trio would keep the wait registered under -1)
+        if self._sock.fileno() == -1:
+            raise trio.ClosedResourceError("the socket is closed")
+        await wait(self._sock)
 
     async def send_eof(self) -> None:
         await self.stream.send_eof()
@@ -108,7 +115,7 @@ class DirectStream(trio.abc.HalfCloseableStream):
         while True:
             # a read is a scheduling point: wait for the socket first (the usual case: nothing
             # is there yet), so that data arriving back to back cannot starve other tasks
-            await trio.lowlevel.wait_readable(sock)
+            await self._wait(trio.lowlevel.wait_readable)
             try:
                 return sock.recv(max_bytes or 65536)
             except BlockingIOError:

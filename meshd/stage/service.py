@@ -553,6 +553,9 @@ class StageService:
                 session.hop_info.set()
             # a check session's rows come from its opener, who has no receipt to give for them
             held = ChainHeld(session.receipts is not None and not session.open.check)
+            if not held.wanted:
+                # a decode step's rows are queued as they arrive, without waking this task
+                stream.set_message_hook(functools.partial(self._activation_nowait, session))
             while True:
                 try:
                     msg = await stream.receive_message()
@@ -570,9 +573,46 @@ class StageService:
             self._fail(session, exc)
             raise
 
+    def _activation_nowait(self, session: Session, msg: Message) -> bool:
+        """An activation checked, decoded and queued as it arrives (``Stream.set_message_hook``), if
+        that needs no wait; False leaves the message to the hop stream's task."""
+        book = session.book
+        if not isinstance(msg, Activation) or not self.books.holds(book) or book.phase not in LIVE:
+            return False
+        if not self.report.has_input:
+            # what ``_accept_activation`` would await: a thread to decode in, the prompt's ids
+            entry = msg.tensors[0] if len(msg.tensors) == 1 else None
+            if entry is None or entry.codec != "raw" or 4 * msg.n_tokens * self.report.stage_width > \
+                    INLINE_DECODE_BYTES or self.report.has_output and msg.pos < (book.prompt_len or 0):
+                return False
+        checked = self._checked_activation(session, msg, None)
+        if checked is not None:
+            entry, h_in, chain = checked
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, _decoded(entry), msg.tokens, h_in,
+                                                               chain), msg.drafts)
+        return True
+
     async def _accept_activation(self, session: Session, msg: Activation,
                                  chain: tuple[str, tuple[Receipt, ...]] | None = None) -> None:
         """Checks an activation against the session before decoding a byte of it, then queues it."""
+        checked = self._checked_activation(session, msg, chain)
+        if checked is None:
+            return
+        entry, h_in, rows_chain = checked
+        book = session.book
+        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.stage_width <= INLINE_DECODE_BYTES:
+            hidden = _decoded(entry)
+        else:
+            hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
+        history = await self._history(session, msg.pos, msg.n_tokens) if self.report.has_output else None
+        if self.books.holds(book) and book.phase in LIVE:
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, rows_chain,
+                                                               history), msg.drafts)
+
+    def _checked_activation(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
+                            ) -> tuple[TensorEntry, bytes, tuple[Receipt, ...]] | None:
+        """Every check of an activation against the session, before a byte of it is decoded: the
+        head's token ids are queued here (None); hidden states come back with their hash and chain."""
         book = session.book
         if msg.session != book.id:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "activation for another session")
@@ -591,7 +631,7 @@ class StageService:
             self._enqueue(session, msg.pos, msg.n_tokens,
                           Rows(session, tokens, None, list(msg.tokens) if session.carry else None, h_in, checked),
                           msg.drafts)
-            return
+            return None
         if (msg.tokens is not None) != session.gets_ids:
             # a stage the ids need not reach must not see them; one they must reach must have them
             raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids on rows of a session that sends this stage none"
@@ -609,14 +649,7 @@ class StageService:
         if tuple(entry.shape) != want:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states of shape {tuple(entry.shape)}, "
                                                        f"this stage needs {want}")
-        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.stage_width <= INLINE_DECODE_BYTES:
-            hidden = _decoded(entry)
-        else:
-            hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
-        history = await self._history(session, msg.pos, msg.n_tokens) if self.report.has_output else None
-        if self.books.holds(book) and book.phase in LIVE:
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, checked,
-                                                               history), msg.drafts)
+        return entry, h_in, checked
 
     def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
                        ) -> tuple[bytes, tuple[Receipt, ...]]:
