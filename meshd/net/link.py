@@ -388,30 +388,31 @@ class Stream(trio.abc.HalfCloseableStream):
         self._wake_reader()
 
     def _hooked(self, data: memoryview, hook: Callable[[Message], bool]) -> None:
-        """Decodes ``data`` as the parked reader would, and offers a whole message to ``hook``."""
+        """Decodes ``data`` as the parked reader would, and offers each whole message to ``hook``
+        until it leaves one to the reader."""
         decoder = self._decoder
         self.link._consumed(self.stream_id, len(data))
         try:
             message = decoder.decode_whole(data)
+            while message is not None:
+                self.messages_received += 1
+                try:
+                    if not hook(message):
+                        self._early = message
+                        break
+                except Exception as exc:
+                    # never into the link's record processing: the reader raises it
+                    self._early = _HookFailed(exc)
+                    break
+                message = decoder.next_message()
         except ProtocolError as exc:
             # the reader raises it, and resets the stream, as if it had decoded it
             self._early = exc
-            self._wake_reader()
-            return
         if decoder.buffered or self._held:
             self._held = decoder.buffered
             self.link.core.mux.set_held(self.stream_id, self._held)
-        if message is None:
-            return
-        self.messages_received += 1
-        try:
-            if hook(message):
-                return
-            self._early = message
-        except Exception as exc:
-            # never into the link's record processing: the reader raises it
-            self._early = _HookFailed(exc)
-        self._wake_reader()
+        if self._early is not None:
+            self._wake_reader()
 
     def _abort_wait(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self._parked = None
