@@ -130,6 +130,33 @@ async def test_send_nowait_sends_only_what_the_credit_covers_whole_and_in_order(
         assert broken.value.code is ErrorCode.OVERLOADED
 
 
+async def test_an_outlet_writes_in_order_whether_its_task_or_send_nowait_writes() -> None:
+    from meshd.stage.outlet import Outlet
+
+    async with link_pair(mux=MuxConfig(stream_window=SMALL_WINDOW)) as pair:
+        mine, theirs = await pair.stream_pair()
+        outlet: Outlet[bytes] = Outlet(bytes)
+        # before the task attaches the stream, everything waits for it
+        outlet.send_nowait(b"1" * 100)
+        outlet.send_nowait(b"2" * 100)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outlet.run, mine)
+            await trio.testing.wait_all_tasks_blocked()
+            assert outlet.stream is mine
+            # straight onto the stream; then one over the credit goes to the task, and what
+            # follows it waits behind it even though it would fit
+            outlet.send_nowait(b"3" * 100)
+            outlet.send_nowait(b"4" * 900)
+            outlet.send_nowait(b"5" * 10)
+            got = b""
+            with trio.fail_after(5):
+                while len(got) < 1210:
+                    got += await theirs.receive_some()
+            assert got == b"1" * 100 + b"2" * 100 + b"3" * 100 + b"4" * 900 + b"5" * 10
+            nursery.cancel_scope.cancel()
+        assert outlet.stream is None
+
+
 def _note(text: str) -> ErrorMessage:
     return error_message(ProtocolError(ErrorCode.CANCELLED, text))
 
