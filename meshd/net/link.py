@@ -2,10 +2,14 @@
 
 Arriving records are processed by a reader task, or, when the transport can
 push them (``WebSocketTransport.deliver_to``), by the transport's own task;
-either way data lands in the streams' buffers without blocking. Senders frame,
-encrypt and write in their own task, so the hot path has no hand-off; a writer
-task flushes what arrivals produce (window updates, pongs, resets); a timer
-task sleeps until the core's ``next_timer`` and runs its keepalive.
+either way data lands in the streams' buffers without blocking, or, for a
+stream with a message hook (``Stream.set_message_hook``), is decoded and handed
+to the hook right there. Senders frame, encrypt and write in their own task,
+or from synchronous code (``Stream.send_nowait``: written at once when the
+transport can, ``Link.write_nowait``), so the hot path has no hand-off; a
+writer task flushes what arrivals produce (window updates, pongs, resets) and
+what could not be written at once; a timer task sleeps until the core's
+``next_timer`` and runs its keepalive.
 
 Whatever ends a stream's use, a reset (ours or the peer's) or the loss of its
 link, a ``Stream`` raises as a ``StreamBroken``, and using a stream after

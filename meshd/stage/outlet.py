@@ -52,6 +52,3 @@ class Outlet(Generic[T]):
                     self._handed -= 1
         finally:
             self.stream = None
-
-    def close(self) -> None:
-        self._send.close()
