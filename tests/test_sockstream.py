@@ -47,11 +47,18 @@ async def test_what_send_nowait_leaves_goes_out_before_anything_written_after_it
         assert not mine.send_nowait(b"closed")
 
 
+async def cancelled_once_blocked(stream: DirectStream, data: bytes) -> None:
+    """``stream.send_all(data)``, cancelled once it waits for the socket."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.send_all, data)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_write_cancelled_midway_keeps_its_rest_and_one_not_begun_is_dropped() -> None:
     mine, theirs = direct_pair()
     with trio.fail_after(10):
-        with trio.move_on_after(0.05):
-            await mine.send_all(BLOB)
+        await cancelled_once_blocked(mine, BLOB)
         assert mine.pending
         async with trio.open_nursery() as nursery:
             nursery.start_soon(mine.drain)
@@ -64,8 +71,7 @@ async def test_a_write_cancelled_midway_keeps_its_rest_and_one_not_begun_is_drop
                 filler += mine._sock.send(b"f" * 65536)
             except BlockingIOError:
                 break
-        with trio.move_on_after(0.05):
-            await mine.send_all(b"never")
+        await cancelled_once_blocked(mine, b"never")
         assert not mine.pending
         async with trio.open_nursery() as nursery:
             nursery.start_soon(mine.send_all, b"end")
