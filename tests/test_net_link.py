@@ -11,6 +11,7 @@ import trio.testing
 from memory_transport import MemoryTransport, memory_transport_pair
 
 from meshd.net.link import Link, LinkTimings, Stream, StreamBroken, StreamClosed
+from wire.codec import LENGTH_PREFIX, ErrorMessage, Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.link import SecureLink
@@ -104,6 +105,126 @@ async def test_the_peers_reset_reaches_the_sender_with_its_code() -> None:
                 await mine.send_all(b"x")
         assert refused.value.code is ErrorCode.OVERLOADED and refused.value.message == "too busy"
         assert isinstance(refused.value, trio.BrokenResourceError)
+
+
+async def test_send_nowait_sends_only_what_the_credit_covers_whole_and_in_order() -> None:
+    async with link_pair(mux=MuxConfig(stream_window=SMALL_WINDOW)) as pair:
+        mine, theirs = await pair.stream_pair()
+        assert mine.send_nowait(b"a" * 600)
+        # the rest of the credit does not cover this one whole: refused, nothing of it sent
+        assert not mine.send_nowait(b"b" * 600)
+        assert mine.send_nowait(b"c" * 400)
+        got = b""
+        with trio.fail_after(5):
+            while len(got) < 1000:
+                got += await theirs.receive_some()
+        assert got == b"a" * 600 + b"c" * 400
+        assert not mine.send_nowait(b"")
+        theirs.reset(ProtocolError(ErrorCode.OVERLOADED, "too busy"))
+        with trio.fail_after(5):
+            while mine.send_nowait(b"x"):
+                await trio.sleep(0)
+        # refused once broken: the awaiting send says why
+        with pytest.raises(StreamBroken) as broken:
+            await mine.send_all(b"x")
+        assert broken.value.code is ErrorCode.OVERLOADED
+
+
+async def test_an_outlet_writes_in_order_whether_its_task_or_send_nowait_writes() -> None:
+    from meshd.stage.outlet import Outlet
+
+    async with link_pair(mux=MuxConfig(stream_window=SMALL_WINDOW)) as pair:
+        mine, theirs = await pair.stream_pair()
+        outlet: Outlet[bytes] = Outlet(bytes)
+        # before the task attaches the stream, everything waits for it
+        outlet.send_nowait(b"1" * 100)
+        outlet.send_nowait(b"2" * 100)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outlet.run, mine)
+            await trio.testing.wait_all_tasks_blocked()
+            assert outlet.stream is mine
+            # straight onto the stream; then one over the credit goes to the task, and what
+            # follows it waits behind it even though it would fit
+            outlet.send_nowait(b"3" * 100)
+            outlet.send_nowait(b"4" * 900)
+            outlet.send_nowait(b"5" * 10)
+            got = b""
+            with trio.fail_after(5):
+                while len(got) < 1210:
+                    got += await theirs.receive_some()
+            assert got == b"1" * 100 + b"2" * 100 + b"3" * 100 + b"4" * 900 + b"5" * 10
+            nursery.cancel_scope.cancel()
+        assert outlet.stream is None
+
+
+def _note(text: str) -> ErrorMessage:
+    return error_message(ProtocolError(ErrorCode.CANCELLED, text))
+
+
+async def test_a_message_hook_takes_messages_as_they_come_and_leaves_the_rest_to_the_reader_in_order() -> None:
+    async with link_pair() as pair:
+        mine, theirs = await pair.stream_pair()
+        taken: list[str] = []
+
+        def hook(message: Message) -> bool:
+            assert isinstance(message, ErrorMessage)
+            if message.message == "bad":
+                raise ProtocolError(ErrorCode.EPOCH_STALE, "the hook refused it")
+            if message.message.startswith("take"):
+                taken.append(message.message)
+                return True
+            return False
+
+        theirs.set_message_hook(hook)
+        got: list[Message] = []
+        async with trio.open_nursery() as nursery:
+
+            async def read() -> None:
+                got.append(await theirs.receive_message())
+
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            await mine.send_all(encode(_note("take 1")) + encode(_note("take 2")))
+            await mine.send_all(encode(_note("take 3")))
+            with trio.fail_after(5):
+                while len(taken) < 3:
+                    await trio.sleep(0)
+            # split across two records: the hook gets it whole
+            second = encode(_note("take 4"))
+            await mine.send_all(second[:5])
+            await trio.testing.wait_all_tasks_blocked()
+            await mine.send_all(second[5:])
+            await mine.send_all(encode(_note("for the reader")))
+        assert taken == ["take 1", "take 2", "take 3", "take 4"]
+        assert isinstance(got[0], ErrorMessage) and got[0].message == "for the reader"
+        assert theirs.messages_received == 5
+
+        async def read_after(data: bytes) -> BaseException:
+            # the reader waits first, so the hook sees the message
+            async with trio.open_nursery() as nursery:
+                failed: list[BaseException] = []
+
+                async def read() -> None:
+                    with pytest.raises(ProtocolError) as raised:
+                        await theirs.receive_message()
+                    failed.append(raised.value)
+
+                nursery.start_soon(read)
+                await trio.testing.wait_all_tasks_blocked()
+                await mine.send_all(data)
+            return failed[0]
+
+        with trio.fail_after(5):
+            # the hook's own error comes out of the reader as it is, and the stream is not reset
+            refused = await read_after(encode(_note("bad")))
+            assert isinstance(refused, ProtocolError) and refused.code is ErrorCode.EPOCH_STALE
+            assert not isinstance(refused, StreamBroken)
+            await theirs.send_all(b"still open")
+            # a message that does not decode resets the stream, as without a hook
+            undecodable = await read_after(LENGTH_PREFIX.pack(3) + b"\x81\xa1x")
+            assert isinstance(undecodable, ProtocolError) and undecodable.code is ErrorCode.BAD_REQUEST
+        with pytest.raises(StreamBroken):
+            await theirs.send_all(b"reset")
 
 
 class Mute(MemoryTransport):

@@ -14,7 +14,7 @@ stage, is tests/test_arch_dsv4.py's serve test.)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
@@ -60,6 +60,20 @@ class ObserverStage:
                 return msg
 
             stream.receive_message = recording_receive  # type: ignore[method-assign]
+            set_hook = stream.set_message_hook
+
+            def recording_hook(hook: Callable[[Message], bool] | None) -> None:
+                # what a hop stream's hook takes never reaches receive_message: record it here
+                def recorded(msg: Message) -> bool:
+                    self.received.append(msg)
+                    if hook is not None and hook(msg):
+                        return True
+                    self.received.pop()  # left to the reader, which records it
+                    return False
+
+                set_hook(recorded)
+
+            stream.set_message_hook = recording_hook  # type: ignore[method-assign]
             await serve(stream, first)
 
         service.handle_first = recording_first  # type: ignore[method-assign]

@@ -8,7 +8,6 @@ bystander batched with the offender gets its rows and only the offender fails.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -17,8 +16,9 @@ import trio
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import WorkerRefused
 from meshd.stage.books import Phase
+from meshd.stage.outlet import Outlet
 from meshd.stage.service import Rows, Session, StageLimits, StageService
-from wire.codec import Message
+from wire.codec import encode
 from wire.errors import ErrorCode
 from wire.stage import Open
 
@@ -54,11 +54,11 @@ def session(service: StageService, name: str, owner: str) -> tuple[Session, trio
     book, _ = service.books.open(name, 0, 1, 16, (), 0.0, owner=owner)
     service.books.opened(book)
     service.books.set_prompt(book, 1)
-    to_asker, _ = trio.open_memory_channel[Message](math.inf)
-    s = Session(book=book, open=Open(session=name, epoch=0), to_asker=to_asker)
-    s.downstream, out = trio.open_memory_channel[bytes](math.inf)
+    s = Session(book=book, open=Open(session=name, epoch=0), to_asker=Outlet(encode))
+    # no stream attached: what goes downstream waits in the outlet's channel, where the test reads it
+    s.downstream = Outlet(bytes)
     service._sessions[book] = s
-    return s, out
+    return s, s.downstream.receive
 
 
 async def test_a_bystander_batched_with_an_offender_gets_its_rows_and_only_the_offender_fails() -> None:

@@ -37,3 +37,20 @@ def test_links_use_the_word_masker_and_stock_masking_restores_wsproto_for_a_bloc
     with stock_masking():
         assert frame_protocol.XorMaskerSimple is wsmask._STOCK
     assert frame_protocol.XorMaskerSimple is WordMasker
+
+
+def test_binary_frame_is_one_whole_binary_message_to_wsproto_at_every_length_form() -> None:
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection, ConnectionState
+    from wsproto.events import BytesMessage
+
+    for size in (0, 1, 125, 126, 65535, 65536, 70000):
+        payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        for masked in (True, False):
+            # a server reads what a client writes (masked), and the other way round
+            reader = Connection(ConnectionType.SERVER if masked else ConnectionType.CLIENT)
+            assert reader.state is ConnectionState.OPEN
+            reader.receive_data(wsmask.binary_frame(payload, masked))
+            events = list(reader.events())
+            assert all(isinstance(e, BytesMessage) for e in events)
+            assert b"".join(bytes(e.data) for e in events) == payload and events[-1].message_finished

@@ -15,6 +15,8 @@ over --decode greedy tokens of one session:
 * each stage's compute alone: its range in one process, no IPC (LocalChain);
 * CPU µs per token of this process (three daemons and the asker) and of each
   worker (all threads, from /proc/PID/task/*/schedstat);
+* trio's scheduling per token in this process: event-loop passes (each an
+  epoll wait) and task wake-ups, by task, the hand-offs a hop costs;
 * with --profile: cProfile of the decode run, the functions with the most own
   time per token, and that time by part of the hot path.
 
@@ -26,6 +28,7 @@ Usage: .venv/bin/python tools/profile_hop.py [--decode 64] [--profile]
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pstats
 import sys
@@ -71,6 +74,23 @@ def part_of(filename: str) -> str:
         if any(n in filename for n in needles):
             return name
     return "other"
+
+
+class Wakeups(trio.abc.Instrument):
+    """Counts the event loop's passes and each task's wake-ups while ``counting``."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.passes = 0
+        self.tasks: collections.Counter[str] = collections.Counter()
+
+    def before_io_wait(self, timeout: float) -> None:
+        if self.counting:
+            self.passes += 1
+
+    def task_scheduled(self, task: trio.lowlevel.Task) -> None:
+        if self.counting:
+            self.tasks[task.name.rsplit(".", 1)[-1]] += 1
 
 
 class CallTimer:
@@ -162,6 +182,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         workers = [e.pid or 0 for e in engines]
         # CPU time, not wall: on a shared box a wall profile mostly shows who held the core
         profile = cProfile.Profile(time.thread_time) if args.profile else None
+        wakeups = Wakeups()
+        trio.lowlevel.add_instrument(wakeups)
+        wakeups.counting = True
         timer.reset()
         before = [cpu_ns(p) for p in workers]
         cpu0 = time.process_time_ns()
@@ -172,12 +195,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if profile:
             profile.disable()
         cpu1 = time.process_time_ns()
+        wakeups.counting = False
+        trio.lowlevel.remove_instrument(wakeups)
         spent = [cpu_ns(p) - b for p, b in zip(workers, before, strict=True)]
         tokens = max(1, len(result.tokens) - 1)
         out["tokens"] = len(result.tokens)
         out["wall_ms"] = 1000 / result.decode_rate
         out["forward_ms"] = [timer.forward_s[i] / max(1, timer.forward_n[i]) * 1000 for i in range(HOPS)]
         out["daemons_cpu_us"] = (cpu1 - cpu0) / 1000 / tokens
+        out["loop_passes"] = wakeups.passes / tokens
+        out["wakeups"] = {name: n / tokens for name, n in wakeups.tasks.most_common()}
         out["workers_cpu_us"] = [s / 1000 / tokens for s in spent]
         if profile:
             out["profile"] = profile
@@ -199,6 +226,9 @@ def report(out: dict[str, Any]) -> str:
         f"CPU µs/token: 3 daemons + asker {out['daemons_cpu_us']:.0f}; workers "
         f"{', '.join(f'{w:.0f}' for w in out['workers_cpu_us'])} "
         f"(compute {', '.join(f'{c * 1000:.0f}' for c in out['compute_ms'])})",
+        f"trio per token (this process)   {out['loop_passes']:.1f} loop passes, "
+        f"{sum(out['wakeups'].values()):.1f} task wake-ups: "
+        + ", ".join(f"{name} {n:.1f}" for name, n in list(out["wakeups"].items())[:6]),
     ]
     profile = out.get("profile")
     if profile is not None:

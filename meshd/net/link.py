@@ -2,10 +2,14 @@
 
 Arriving records are processed by a reader task, or, when the transport can
 push them (``WebSocketTransport.deliver_to``), by the transport's own task;
-either way data lands in the streams' buffers without blocking. Senders frame,
-encrypt and write in their own task, so the hot path has no hand-off; a writer
-task flushes what arrivals produce (window updates, pongs, resets); a timer
-task sleeps until the core's ``next_timer`` and runs its keepalive.
+either way data lands in the streams' buffers without blocking, or, for a
+stream with a message hook (``Stream.set_message_hook``), is decoded and handed
+to the hook right there. Senders frame, encrypt and write in their own task,
+or from synchronous code (``Stream.send_nowait``: written at once when the
+transport can, ``Link.write_nowait``), so the hot path has no hand-off; a
+writer task flushes what arrivals produce (window updates, pongs, resets) and
+what could not be written at once; a timer task sleeps until the core's
+``next_timer`` and runs its keepalive.
 
 Whatever ends a stream's use, a reset (ours or the peer's) or the loss of its
 link, a ``Stream`` raises as a ``StreamBroken``, and using a stream after
@@ -26,7 +30,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
 import trio
@@ -106,6 +110,11 @@ class Stream(trio.abc.HalfCloseableStream):
         self.messages_received = 0
         self._sending = False
         self._receiving = False
+        # ``set_message_hook``: the hook, whether the reader waits for a message (only then may the
+        # hook take one), and what the hook left the reader (a message, or an exception to raise)
+        self._hook: Callable[[Message], bool] | None = None
+        self._waiting_message = False
+        self._early: Message | ProtocolError | _HookFailed | None = None
 
     @property
     def remote_node_id(self) -> str:
@@ -157,6 +166,27 @@ class Stream(trio.abc.HalfCloseableStream):
                 # Half a write would leave the peer's decoder out of step.
                 self.reset(ProtocolError(ErrorCode.CANCELLED, "a write was interrupted midway"))
             raise
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
+        """Sends ``data`` whole from synchronous code; False, with nothing sent, if it cannot.
+
+        It cannot while another task sends on this stream, when the peer's
+        credit does not cover all of it, or once the stream is closed or
+        broken: the caller then sends with ``send_all``, which waits or
+        raises. Sent here, it is encrypted and written at once when the link
+        is idle (``Link.write_nowait``), else queued for the link's writer
+        task, in order with everything else. A stage hands each decode
+        step's output on this way, without a task switch.
+        """
+        if self._sending or self._closed or self._send_closed or self._error is not None:
+            return False
+        link = self.link
+        mux = link.core.mux
+        if link._error is not None or not data or len(data) > mux.send_capacity(self.stream_id):
+            return False
+        mux.send_data(self.stream_id, data)
+        link.write_nowait()
+        return True
 
     def _check_sendable(self) -> None:
         # Closing here is checked first: after ``aclose`` every use is ClosedResourceError.
@@ -221,13 +251,18 @@ class Stream(trio.abc.HalfCloseableStream):
             if self._chunks:
                 # Data is waiting, but a trio stream is a checkpoint all the same.
                 await trio.lowlevel.checkpoint()
-            return bytes(await self._next_chunk(max_bytes))
+            chunk = await self._next_chunk(max_bytes)
+            assert chunk is not None, "only a message reader has a hook"
+            return bytes(chunk)
         finally:
             self._receiving = False
 
-    async def _next_chunk(self, max_bytes: int | None = None) -> bytes | memoryview:
+    async def _next_chunk(self, max_bytes: int | None = None) -> bytes | memoryview | None:
+        """The next chunk; b"" at the end; None once the message hook leaves the reader something."""
         chunks = self._chunks
         while not chunks:
+            if self._early is not None:
+                return None
             if self._closed:
                 raise StreamClosed("this stream is closed")
             if self._eof:
@@ -257,7 +292,20 @@ class Stream(trio.abc.HalfCloseableStream):
         try:
             message = decoder.next_message()
             while message is None:
-                chunk = await self._next_chunk()
+                self._waiting_message = True
+                try:
+                    chunk = await self._next_chunk()
+                finally:
+                    self._waiting_message = False
+                if chunk is None:
+                    early, self._early = self._early, None
+                    if isinstance(early, _HookFailed):
+                        # the hook's own error (not this stream's): raised as it came, no reset
+                        raise early
+                    if isinstance(early, ProtocolError):
+                        raise early
+                    assert early is not None
+                    return early
                 if not chunk:
                     if decoder.buffered:
                         raise ProtocolError(ErrorCode.BAD_REQUEST, "stream ended inside a message")
@@ -268,12 +316,26 @@ class Stream(trio.abc.HalfCloseableStream):
                     self.link.core.mux.set_held(self.stream_id, self._held)
             self.messages_received += 1
             return message
+        except _HookFailed as failed:
+            raise failed.error from None
         except ProtocolError as exc:
             if exc is not self._error:
                 self.reset(exc)
             raise
         finally:
             self._receiving = False
+
+    def set_message_hook(self, hook: Callable[[Message], bool] | None) -> None:
+        """Has ``hook`` see each message as it arrives, while ``receive_message`` waits for one.
+
+        Called from the link's record processing (no task switch): True if it
+        took the message; False leaves it to ``receive_message``, which
+        returns it. An exception the hook raises comes out of
+        ``receive_message`` as it is, without resetting the stream (it is
+        the hook's, not the stream's). Messages arriving while the reader is
+        busy wait for it as usual, so every message is seen in order.
+        """
+        self._hook = hook
 
     async def messages(self) -> AsyncIterator[Message]:
         """Each message until the peer ends the stream: ``async for m in stream.messages()``.
@@ -323,8 +385,38 @@ class Stream(trio.abc.HalfCloseableStream):
     # ----- called by the link
 
     def _on_data(self, data: memoryview) -> None:
+        if self._hook is not None and self._waiting_message and self._parked is not None and not self._chunks:
+            self._hooked(data, self._hook)
+            return
         self._chunks.append(data)
         self._wake_reader()
+
+    def _hooked(self, data: memoryview, hook: Callable[[Message], bool]) -> None:
+        """Decodes ``data`` as the parked reader would, and offers each whole message to ``hook``
+        until it leaves one to the reader."""
+        decoder = self._decoder
+        self.link._consumed(self.stream_id, len(data))
+        try:
+            message = decoder.decode_whole(data)
+            while message is not None:
+                self.messages_received += 1
+                try:
+                    if not hook(message):
+                        self._early = message
+                        break
+                except Exception as exc:
+                    # never into the link's record processing: the reader raises it
+                    self._early = _HookFailed(exc)
+                    break
+                message = decoder.next_message()
+        except ProtocolError as exc:
+            # the reader raises it, and resets the stream, as if it had decoded it
+            self._early = exc
+        if decoder.buffered or self._held:
+            self._held = decoder.buffered
+            self.link.core.mux.set_held(self.stream_id, self._held)
+        if self._early is not None:
+            self._wake_reader()
 
     def _abort_wait(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self._parked = None
@@ -354,6 +446,14 @@ class Stream(trio.abc.HalfCloseableStream):
         self._chunks.clear()
         if dropped:
             self.link._consumed(self.stream_id, dropped)
+
+
+class _HookFailed(Exception):
+    """What a message hook raised, on its way to the reader."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 StreamCallback = Callable[[Stream], None]
@@ -392,6 +492,10 @@ class Link:
         self._rtt: float | None = None
         self._goodbye: ProtocolError | None = None
         self.going_away = False
+        # a transport that can write a record from synchronous code (WebSocketTransport over TCP)
+        self._send_nowait: Callable[[bytes], bool] | None = getattr(transport, "send_record_nowait", None)
+        self._drain: Callable[[], Awaitable[None]] | None = getattr(transport, "drain", None)
+        self._write_pending: Callable[[], bool] | None = getattr(transport, "write_pending", None)
 
     # ----- introspection
 
@@ -550,6 +654,27 @@ class Link:
     def _want_write(self) -> None:
         self._write_wanted.set()
 
+    def write_nowait(self) -> None:
+        """Encrypts what the core has queued and writes it now, if the link is idle; else the
+        writer task writes it, after what is already queued.
+
+        Records the transport cannot write at once go to the outbox, in order, for the writer
+        task (and so does everything after them until it has written them).
+        """
+        if self._sending or self._outbox or self._send_nowait is None or self._error is not None:
+            self._want_write()
+            return
+        send = self._send_nowait
+        records = self.core.records_to_send()
+        for i, record in enumerate(records):
+            if not send(record):
+                self._outbox.extend(records[i:])
+                self._want_write()
+                return
+        if self._write_pending is not None and self._write_pending():
+            # the socket kept the end of the last record back: the writer task finishes it
+            self._want_write()
+
     async def _flush(self) -> None:
         """Encrypt what the core has queued and write it, in order.
 
@@ -600,10 +725,16 @@ class Link:
             await trio.lowlevel.checkpoint()
 
     async def _writer(self) -> None:
+        drain = self._drain
         while True:
             await self._write_wanted.wait()
             self._write_wanted = trio.Event()
             await self._flush_quietly()
+            if drain is not None and not self._sending:
+                try:
+                    await drain()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._close(ProtocolError(ErrorCode.UNREACHABLE, f"connection to {self.address} lost"))
 
     async def _timers(self) -> None:
         """Sleep until the core's next timer, run it, send what it queued."""

@@ -13,8 +13,10 @@ from typing import Protocol, TypeVar
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, WebSocketConnection
 from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
 
 from meshd.net import wsmask
+from meshd.net.sockstream import DirectStream
 from wire.noise import MAX_RECORD, RecordReader
 
 wsmask.install()
@@ -70,7 +72,7 @@ async def client_websocket(
     hangs up; it does not time out by itself.
     """
     ws = WebSocketConnection(
-        stream,
+        DirectStream.wrap(stream),
         WSConnection(ConnectionType.CLIENT),
         host=host,
         path=resource,
@@ -85,7 +87,7 @@ async def client_websocket(
 async def server_websocket(nursery: trio.Nursery, stream: trio.abc.Stream) -> WebSocketConnection:
     """Accept the upgrade of a connection a peer dialed; see ``client_websocket``."""
     ws = WebSocketConnection(
-        stream,
+        DirectStream.wrap(stream),
         WSConnection(ConnectionType.SERVER),
         message_queue_size=WS_MESSAGE_QUEUE,
         max_message_size=WS_PREAUTH_MAX_MESSAGE,
@@ -146,6 +148,8 @@ class WebSocketTransport:
         self._ws = ws
         self.remote_address = remote_address
         self._established = established
+        stream = ws._stream
+        self._direct = stream if isinstance(stream, DirectStream) else None
 
     def authenticated(self) -> None:
         """Lift the message cap from the pre-authentication size to a whole record's.
@@ -165,6 +169,27 @@ class WebSocketTransport:
             await self._ws.send_message(record if type(record) is bytes else bytes(record))
         except ConnectionClosed as exc:
             raise trio.BrokenResourceError(f"websocket closed: {exc.reason}") from None
+
+    def send_record_nowait(self, record: bytes) -> bool:
+        """Writes ``record`` as one message now, from synchronous code, past trio-websocket
+        (which would take a lock, a task switch and wsproto's framing); False, with nothing
+        written, when it cannot: the caller then sends it with ``send_record``. What the
+        socket does not take at once waits for ``drain``, before any later write."""
+        direct = self._direct
+        ws = self._ws
+        if direct is None or self._established is not None or ws._wsproto.state is not ConnectionState.OPEN:
+            return False
+        return direct.send_nowait(wsmask.binary_frame(record, masked=not ws.is_server))
+
+    def write_pending(self) -> bool:
+        """Whether ``send_record_nowait`` left the end of a record for ``drain``."""
+        return self._direct is not None and self._direct.pending
+
+    async def drain(self) -> None:
+        """Writes what ``send_record_nowait`` left for later, if anything."""
+        if self._direct is not None and self._direct.pending:
+            async with self._ws._stream_lock:
+                await self._direct.drain()
 
     async def receive_record(self) -> bytes:
         try:

@@ -10,10 +10,16 @@ numpy gives the same bytes in 2 µs.
 the class up by name each time it masks a frame); ``stock_masking`` puts
 wsproto's own back for a block, so a benchmark can time unmodified
 trio-websocket next to our stack.
+
+``binary_frame`` builds a whole binary message's frame without wsproto, for
+the links' writes that skip trio-websocket (``WebSocketTransport.
+send_record_nowait``): the same bytes wsproto would write, but for the key.
 """
 
 from __future__ import annotations
 
+import os
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -49,6 +55,30 @@ class WordMasker:
                 # the next chunk of the same frame continues with the next key byte
                 self._key = key[shift:] + key[:shift]
         return out
+
+
+_U16 = struct.Struct(">H")
+_U64 = struct.Struct(">Q")
+# FIN and the binary opcode: one frame per message
+_BINARY_FIN = 0x82
+_MASK_BIT = 0x80
+
+
+def binary_frame(payload: bytes, masked: bool) -> bytes:
+    """One RFC 6455 frame carrying ``payload`` as a whole binary message; ``masked`` (a client's
+    frame) with a fresh random key."""
+    n = len(payload)
+    mask = _MASK_BIT if masked else 0
+    if n < 126:
+        head = bytes((_BINARY_FIN, mask | n))
+    elif n < 1 << 16:
+        head = bytes((_BINARY_FIN, mask | 126)) + _U16.pack(n)
+    else:
+        head = bytes((_BINARY_FIN, mask | 127)) + _U64.pack(n)
+    if not masked:
+        return head + payload
+    key = os.urandom(4)
+    return head + key + WordMasker(key).process(payload)
 
 
 def install() -> None:

@@ -36,11 +36,12 @@ from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
+from meshd.stage.outlet import Outlet
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.verify import chain_of, check_incoming, receipts_message
 from meshd.store.manifest import Manifest, manifest_for
 from relay.protocol import CIRCUIT_MARK
-from wire.codec import Message, error_message
+from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.receipt import Receipt, row_hash, sampling_bytes
@@ -99,10 +100,11 @@ class Session:
 
     book: SessionBook
     open: Open
-    to_asker: trio.MemorySendChannel[Message]
+    # messages for the asker, on the session's control stream
+    to_asker: Outlet[Message]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     # encoded activations for the next stage (or the ring to the head)
-    downstream: trio.MemorySendChannel[bytes] | None = None
+    downstream: Outlet[bytes] | None = None
     hop_info: trio.Event = field(default_factory=trio.Event)
     steps: int = 0
     # the tail's speculation: its drafter over the session's tokens, k, and the drafts in flight
@@ -325,8 +327,7 @@ class StageService:
                                      source=host_of(stream.link.address))
         for other in gone:
             self._ended(other)
-        to_asker_send, to_asker_recv = trio.open_memory_channel[Message](math.inf)
-        session = Session(book=book, open=msg, to_asker=to_asker_send)
+        session = Session(book=book, open=msg, to_asker=Outlet(encode))
         if msg.receipts:
             session.receipts = SessionReceipts(self.signer, book.id, book.epoch, self.digest,
                                                self.report.layer_begin, self.report.layer_end)
@@ -346,7 +347,6 @@ class StageService:
         self._sessions[book] = session
         self._changed()
         hop_stream: Stream | None = None
-        downstream: trio.MemoryReceiveChannel[bytes] | None = None
         try:
             with session.scope:
                 await self._engine_call({"op": "remove", "seq": book.slot})
@@ -363,15 +363,16 @@ class StageService:
                     # reuses that link instead of racing it with a duplicate.
                     if not target[1]:
                         hop_stream = await self._open_hop(target[0], False)
-                    session.downstream, downstream = trio.open_memory_channel[bytes](math.inf)
+                    session.downstream = Outlet(bytes)
                 self.books.opened(book)
                 await stream.send_message(Opened(session=book.id, epoch=book.epoch, info=self.info()))
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._pump, to_asker_recv, stream)
+                    nursery.start_soon(session.to_asker.run, stream)
                     if draft_recv is not None:
                         nursery.start_soon(self._model_drafts, session, draft_recv)
-                    if target is not None and downstream is not None:
-                        nursery.start_soon(self._downstream, session, target[0], target[1], hop_stream, downstream)
+                    if target is not None and session.downstream is not None:
+                        nursery.start_soon(self._downstream, session, target[0], target[1], hop_stream,
+                                           session.downstream)
                     await self._control_loop(stream, session)
                     nursery.cancel_scope.cancel()
             # off the books before the asker hears of the failure
@@ -500,12 +501,8 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(ids)} token ids for a prompt of {prompt_len}")
         return ids[pos:min(pos + n, prompt_len)]
 
-    async def _pump(self, channel: trio.MemoryReceiveChannel[Message], stream: Stream) -> None:
-        async for message in channel:
-            await stream.send_message(message)
-
     async def _downstream(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream | None,
-                          recv: trio.MemoryReceiveChannel[bytes]) -> None:
+                          outlet: Outlet[bytes]) -> None:
         """Sends this session's output to the next stage (or, at the tail, the ring to the head)."""
         await session.hop_info.wait()
         if hop_stream is None:
@@ -516,20 +513,20 @@ class StageService:
                 return
             # this task dialled it, so it closes it
             async with hop_stream:
-                await self._downstream_to(session, target, ring, hop_stream, recv)
+                await self._downstream_to(session, target, ring, hop_stream, outlet)
         else:
-            await self._downstream_to(session, target, ring, hop_stream, recv)
+            await self._downstream_to(session, target, ring, hop_stream, outlet)
 
     async def _downstream_to(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream,
-                             recv: trio.MemoryReceiveChannel[bytes]) -> None:
+                             outlet: Outlet[bytes]) -> None:
         book = session.book
         try:
             await hop_stream.send_message(Hop(session=book.id, epoch=book.epoch, ring=ring,
                                               prompt_tokens=book.prompt_len or 0,
                                               carry_tokens=0 if ring else session.carry))
-            async for encoded in recv:
-                await hop_stream.send_all(encoded)
-        except (ProtocolError, trio.ClosedResourceError) as exc:  # the stream, or our own channel closed
+            # from now on a step's rows go straight onto the stream when they can (Outlet)
+            await outlet.run(hop_stream)
+        except ProtocolError as exc:
             what = "the head" if ring else "the next stage"
             self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost {what} {target.address}: {exc}"))
 
@@ -558,6 +555,9 @@ class StageService:
                 session.hop_info.set()
             # a check session's rows come from its opener, who has no receipt to give for them
             wanted = session.receipts is not None and not session.open.check
+            # a decode step's rows are queued as they arrive, without waking this task
+            stream.set_message_hook(functools.partial(self._activation_nowait, session, wanted,
+                                                      stream.remote_node_id))
             while True:
                 try:
                     msg = await stream.receive_message()
@@ -572,9 +572,46 @@ class StageService:
             self._fail(session, exc)
             raise
 
+    def _activation_nowait(self, session: Session, wanted: bool, sender: str, msg: Message) -> bool:
+        """An activation checked, decoded and queued as it arrives (``Stream.set_message_hook``), if
+        that needs no wait; False leaves the message to the hop stream's task."""
+        book = session.book
+        if not isinstance(msg, Activation) or not self.books.holds(book) or book.phase not in LIVE:
+            return False
+        if not self.report.has_input:
+            # what ``_accept_activation`` would await: a thread to decode in, the prompt's ids
+            entry = msg.tensors[0] if len(msg.tensors) == 1 else None
+            if entry is None or entry.codec != "raw" or 4 * msg.n_tokens * self.report.stage_width > \
+                    INLINE_DECODE_BYTES or self.report.has_output and msg.pos < (book.prompt_len or 0):
+                return False
+        checked = self._checked_activation(session, msg, chain_of(msg, wanted, sender))
+        if checked is not None:
+            entry, h_in, chain = checked
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, _decoded(entry), msg.tokens, h_in,
+                                                               chain), msg.drafts)
+        return True
+
     async def _accept_activation(self, session: Session, msg: Activation,
                                  chain: tuple[str, tuple[Receipt, ...]] | None = None) -> None:
         """Checks an activation against the session before decoding a byte of it, then queues it."""
+        checked = self._checked_activation(session, msg, chain)
+        if checked is None:
+            return
+        entry, h_in, rows_chain = checked
+        book = session.book
+        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.stage_width <= INLINE_DECODE_BYTES:
+            hidden = _decoded(entry)
+        else:
+            hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
+        history = await self._history(session, msg.pos, msg.n_tokens) if self.report.has_output else None
+        if self.books.holds(book) and book.phase in LIVE:
+            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, rows_chain,
+                                                               history), msg.drafts)
+
+    def _checked_activation(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
+                            ) -> tuple[TensorEntry, bytes, tuple[Receipt, ...]] | None:
+        """Every check of an activation against the session, before a byte of it is decoded: the
+        head's token ids are queued here (None); hidden states come back with their hash and chain."""
         book = session.book
         if msg.session != book.id:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "activation for another session")
@@ -593,7 +630,7 @@ class StageService:
             self._enqueue(session, msg.pos, msg.n_tokens,
                           Rows(session, tokens, None, list(msg.tokens) if session.carry else None, h_in, checked),
                           msg.drafts)
-            return
+            return None
         if (msg.tokens is not None) != session.gets_ids:
             # a stage the ids need not reach must not see them; one they must reach must have them
             raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids on rows of a session that sends this stage none"
@@ -611,14 +648,7 @@ class StageService:
         if tuple(entry.shape) != want:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden states of shape {tuple(entry.shape)}, "
                                                        f"this stage needs {want}")
-        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.stage_width <= INLINE_DECODE_BYTES:
-            hidden = _decoded(entry)
-        else:
-            hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
-        history = await self._history(session, msg.pos, msg.n_tokens) if self.report.has_output else None
-        if self.books.holds(book) and book.phase in LIVE:
-            self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, checked,
-                                                               history), msg.drafts)
+        return entry, h_in, checked
 
     def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
                        ) -> tuple[bytes, tuple[Receipt, ...]]:
