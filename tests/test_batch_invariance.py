@@ -11,6 +11,7 @@ and the engine's start turn those off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -24,8 +25,9 @@ from meshd.engine.engine import Context, Model
 BATCH = 70
 
 
-def quantized_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """`src` with its 2-D layer and output weights quantized to `qtype`, everything else as it is."""
+def copy_with_weights(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType,
+                      weights: Callable[[np.ndarray], np.ndarray]) -> Path:
+    """`src` with its 2-D layer and output weights made `qtype` bytes by `weights`, the rest as it is."""
     reader = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
     for name, f in reader.fields.items():
@@ -36,7 +38,7 @@ def quantized_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Pa
     for t in reader.tensors:
         data = np.array(t.data)
         if data.ndim == 2 and t.name != "token_embd.weight":
-            w.add_tensor(t.name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+            w.add_tensor(t.name, weights(data), raw_dtype=qtype)
         else:
             w.add_tensor(t.name, data)
     w.write_header_to_file()
@@ -44,6 +46,11 @@ def quantized_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Pa
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def quantized_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """`src` with its 2-D layer and output weights quantized to `qtype`."""
+    return copy_with_weights(src, dst, qtype, lambda data: gguf.quants.quantize(data.astype(np.float32), qtype))
 
 
 def random_kquant_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
@@ -53,31 +60,18 @@ def random_kquant_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -
     random quant bytes with small block scales are valid weights of that type."""
     rng = np.random.default_rng(11)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    scale = np.float16(0.002).tobytes()
+    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
     # where each block's f16 scale(s) sit: Q4_K starts with d and dmin, Q6_K ends with d
     scale_at = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (size - 2,)}[qtype]
-    reader = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
-    for t in reader.tensors:
-        data = np.array(t.data)
-        if data.ndim == 2 and t.name != "token_embd.weight":
-            rows, cols = data.shape
-            raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-            for at in scale_at:
-                raw[:, at:at + 2] = np.frombuffer(scale, dtype=np.uint8)
-            w.add_tensor(t.name, raw.reshape(rows, -1), raw_dtype=qtype)
-        else:
-            w.add_tensor(t.name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+
+    def blocks(data: np.ndarray) -> np.ndarray:
+        rows, cols = data.shape
+        raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+        for at in scale_at:
+            raw[:, at:at + 2] = scale
+        return raw.reshape(rows, -1)
+
+    return copy_with_weights(src, dst, qtype, blocks)
 
 
 @pytest.fixture(scope="module")
