@@ -34,6 +34,7 @@ from typing import Any
 import trio
 from tqdm import tqdm
 
+from meshd.client.probe import probe_stage
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
 from meshd.fetch.source import ChunkSource, activity, register
@@ -50,6 +51,7 @@ from meshd.mesh.duty import (
 from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberEvent, Ping, PingReq, SwimMessage, Sync
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
+from meshd.mesh.probes import ProbeConfig, StageProbe
 from meshd.mesh.proofs import InvalidProof
 from meshd.mesh.records import (
     MAX_HELD,
@@ -132,6 +134,9 @@ class NodeConfig:
     peers: PeersConfig = field(default_factory=PeersConfig)
     # the tracker places this long after the first news of a burst
     settle: float = 0.5
+    # as tracker, how it times the stages it placed (None: it does not, and believes self-reports
+    # up to MAX_SPEEDUP_OVER_MEDIAN)
+    probes: ProbeConfig | None = field(default_factory=ProbeConfig)
     rpc_timeout: float = 5.0
     # an old range serves its sessions at most this long after its replacement is up
     retire_timeout: float = 60.0
@@ -293,7 +298,7 @@ class MeshDaemon:
             limits = cfg.limits
             self.duty = MeshDuty(self.mesh, DutyConfig(
                 volunteer=self.model if not cfg.client else None,
-                kv_tokens=limits.max_sessions * limits.max_session_tokens, settle=cfg.settle))
+                kv_tokens=limits.max_sessions * limits.max_session_tokens, settle=cfg.settle, probes=cfg.probes))
             self.driver = MeshDriver(self.duty, self._send, self._on_event, cfg.swim_inbox)
             nursery.start_soon(self.driver.run)
             await self._join_seeds()
@@ -356,6 +361,8 @@ class MeshDaemon:
             self._nursery.start_soon(self._ask_tracker, event)
         elif isinstance(event, LoadRange):
             self._nursery.start_soon(self._load_range, event)
+        elif isinstance(event, StageProbe):
+            self._nursery.start_soon(self._probe_stage, event)
         elif isinstance(event, MemberEvent) and self._keeper is not None:
             self._keeper.candidates_changed()  # a member's record came, changed or went: maybe a relay's
 
@@ -662,6 +669,23 @@ class MeshDaemon:
         addresses it may be told."""
         reply = self.duty.status(None if peer is None else lambda address: address_fits(address, peer), offset)
         return reply.model_copy(update={"fetches": self.fetches[-8:]}) if self.fetches else reply
+
+    # ----- the tracker's probes, carried out
+
+    async def _probe_stage(self, probe: StageProbe) -> None:
+        """Times a stage this tracker placed (meshd.mesh.probes): routes believe no member faster."""
+        address = self.address_of(probe.node_id)
+        config = self.duty.prober.config if self.duty.prober is not None else None
+        result = None
+        if address is not None and config is not None:
+            try:
+                result = await probe_stage(self.peers, address, probe, config)
+            except OSError as exc:
+                log.info("probing %s: %s", probe.node_id[:12], exc)
+        if result is not None:
+            log.debug("probed %s [%d, %d): %s", probe.node_id[:12], probe.start, probe.end, result)
+        self.duty.probe_finished(trio.current_time(), probe, result)
+        self._flush()
 
     # ----- the volunteer's duty, carried out
 

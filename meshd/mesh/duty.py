@@ -41,9 +41,10 @@ from meshd.mesh.assignment import (
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
+from meshd.mesh.probes import ProbeConfig, Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
-from meshd.mesh.routing import NoRouteError, SpeedBook, plan_route, stage_options
+from meshd.mesh.routing import NoRouteError, RouteKey, SpeedBook, plan_route, route_key, stage_options
 from meshd.mesh.status import held_models, status_view
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, StatusReply
@@ -52,6 +53,8 @@ from wire.receipt import Proof
 Range = tuple[int, int]
 # proven liars a node keeps (each costs a proof of a few receipts): bounds what a flood of proofs can hold
 MAX_LIARS = 1024
+# models whose route in use a node keeps (for hysteresis): a mesh holds a handful
+MAX_KEPT_ROUTES = 64
 # Member news that can change a placement; "suspect" cannot (suspects still count as live).
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
@@ -70,6 +73,8 @@ class DutyConfig:
     retry: float = 1.0
     retry_max: float = 30.0
     policy: AssignmentPolicy = AssignmentPolicy()
+    # As tracker, how it times the stages it placed (meshd.mesh.probes); None: it does not.
+    probes: ProbeConfig | None = ProbeConfig()
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class RangeRefused:
     reason: str
 
 
-DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | AssignmentChanged | RangeRefused
+DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | AssignmentChanged | RangeRefused | StageProbe
 
 
 def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
@@ -175,6 +180,10 @@ class MeshDuty:
         self.liars: dict[str, Proof] = {}
         # stage step times this node timed itself: routes never believe a member faster than these
         self.speeds = SpeedBook()
+        # as tracker, it times the stages it placed (each a `StageProbe` event for the shell)
+        self.prober = Prober(self.speeds, config.probes) if config.probes is not None else None
+        # the route each model's asks got last (without exclusions): kept while nearly the cheapest
+        self._routes: dict[str, RouteKey] = {}
 
     # ----- queries
 
@@ -198,7 +207,8 @@ class MeshDuty:
 
     def next_timer(self) -> float | None:
         ask_at = self._ask_at if self._ask_at is not None and self._ask_pending() else None
-        return earliest(self.node.next_timer(), self._place_at, ask_at)
+        probe_at = self.prober.next_timer() if self.prober is not None and self.is_tracker else None
+        return earliest(self.node.next_timer(), self._place_at, ask_at, probe_at)
 
     # ----- inputs
 
@@ -212,6 +222,7 @@ class MeshDuty:
         if self._place_at is not None and now >= self._place_at:
             self._place_at = None
             self._place(now)
+        self._probe(now)
         self._settle(now)
 
     def leave(self, now: float) -> None:
@@ -289,6 +300,12 @@ class MeshDuty:
         self._failed(now)
         self._settle(now)
 
+    def probe_finished(self, now: float, probe: StageProbe, result: ProbeResult | None) -> None:
+        """The shell timed (or failed to time: None) the stage a `StageProbe` named."""
+        if self.prober is not None:
+            self.prober.finished(now, probe, result)
+            self._probe(now)
+
     # ----- outputs
 
     def messages_to_send(self) -> list[tuple[str, SwimMessage]]:
@@ -323,17 +340,25 @@ class MeshDuty:
         rtt, own = self.node.membership.rtt, self.node.node_id
 
         def link_cost(a: str | None, b: str) -> float:
-            # from here (the asker's side) a measured RTT; between stages we have no measure
+            # From here (the asker's side) the RTT SWIM measured (smoothed there); between stages we have
+            # no measure: a bound from this node's RTTs moved routes between replicas with their noise.
             return (rtt(b) or 0.0) if a is None or a == own else 0.001
 
         try:
             found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model),
                                              speeds=self.speeds),
-                               info.n_layers, link_cost, exclude={*exclude, *self.liars})
+                               info.n_layers, link_cost, exclude={*exclude, *self.liars},
+                               keep=self._routes.get(model))
         except NoRouteError as exc:
             reason = self.coverage_reason(info)
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
                                 + (f"; {reason}" if reason else "")) from None
+        if not exclude:
+            # a failover's route (or a spot check's replica) is that asker's: the one in use stays
+            self._routes.pop(model, None)
+            if len(self._routes) >= MAX_KEPT_ROUTES:
+                del self._routes[next(iter(self._routes))]
+            self._routes[model] = route_key(found)
         stages = []
         for s in found.stages:
             address = address_of(records[s.node_id])
@@ -411,6 +436,26 @@ class MeshDuty:
         return culprit
 
     # ----- the tracker's duty
+
+    def _probe(self, now: float) -> None:
+        """As tracker, starts the stage probes that are due (see meshd.mesh.probes)."""
+        if self.prober is None or not self.is_tracker or self._left:
+            return
+        self._events.extend(self.prober.due(now, self._probed_stages()))
+
+    def _probed_stages(self) -> list[StageProbe]:
+        """The stages this tracker times: every range it placed (now or before its last move) that
+        a live member serves, but its own (this node is no stranger to itself) and proven liars'."""
+        live = self.node.membership.live_records()
+        stages: list[StageProbe] = []
+        for model in self.assignments:
+            assigned = self._assigned(model) or {}
+            for record in live:
+                if record.node_id == self.node_id or record.node_id in self.liars or record.leaving:
+                    continue
+                stages.extend(StageProbe(record.node_id, model, s.start, s.end) for s in record.served
+                              if s.model == model and (s.start, s.end) in assigned.get(record.node_id, ()))
+        return stages
 
     def _place(self, now: float) -> None:
         if not self.is_tracker or self._left:

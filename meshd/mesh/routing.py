@@ -100,7 +100,9 @@ def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_sec
     A member this node measured is never believed faster than measured (slower, if it says so).
     One not measured yet has only its self-report (an unreported one counts at the default), raised
     to a floor: `MAX_SPEEDUP_OVER_MEDIAN` times faster than the median of every member's speed,
-    measured where it was, so one liar cannot move it."""
+    measured where it was, so one liar cannot move it; and, once any member is measured, no faster
+    than the fastest measured one: a member that keeps out of the tracker's probes (busy, refusing)
+    cannot outbid the members that let themselves be timed."""
     reported: dict[str, float] = {}
     measured: dict[str, float] = {}
     for record in records:
@@ -113,7 +115,7 @@ def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_sec
     if not reported:
         return {}
     known = sorted(max(reported[node_id], measured.get(node_id, 0.0)) for node_id in reported)
-    floor = known[len(known) // 2] / MAX_SPEEDUP_OVER_MEDIAN
+    floor = max(known[len(known) // 2] / MAX_SPEEDUP_OVER_MEDIAN, min(measured.values(), default=0.0))
     return {node_id: max(report, measured[node_id]) if node_id in measured else max(report, floor)
             for node_id, report in reported.items()}
 
@@ -144,6 +146,28 @@ def stage_options(
     return options
 
 
+# A route in use is kept while it costs at most this much more than the cheapest: measured speeds
+# and RTTs are noisy, and a route that moved between replicas of one speed at each sample would
+# spread sessions (and KV) over both for nothing. A really faster route (or a slow stage) moves it.
+ROUTE_MARGIN = 0.25
+
+# A route as its planner keeps it between asks: (node id, start, end) of each stage.
+RouteKey = tuple[tuple[str, int, int], ...]
+
+
+def route_key(route: Route) -> RouteKey:
+    return tuple((s.node_id, s.start, s.end) for s in route.stages)
+
+
+def route_cost(stages: Iterable[StageOption], rtt: Rtt = no_rtt, asker: str | None = None) -> float:
+    """What one token costs along `stages`, counted as `plan_route` counts it."""
+    cost, at = 0.0, asker
+    for stage in stages:
+        cost += (0.0 if at == stage.node_id else rtt(at, stage.node_id)) + stage.compute_seconds
+        at = stage.node_id
+    return cost
+
+
 def plan_route(
     stages: Iterable[StageOption],
     n_layers: int,
@@ -151,13 +175,42 @@ def plan_route(
     asker: str | None = None,
     exclude: Collection[str] = (),
     max_arrivals: int = 16,
+    keep: RouteKey | None = None,
+    margin: float = ROUTE_MARGIN,
 ) -> Route:
     """The cheapest route through `stages` over layers [0, n_layers), avoiding `exclude`d nodes.
 
     With many replicas of the same ranges, each layer boundary is left only from its
     `max_arrivals` cheapest arrivals: that bounds the work at O(arrivals x stages), and
     misses the optimum only when a costlier arrival has a much shorter next link.
+
+    `keep` is the route in use (hysteresis): while every stage of it is still offered and not
+    excluded, and it costs (at today's figures) at most `margin` more than the cheapest, it stays.
     """
+    stages = list(stages)
+    best = _cheapest(stages, n_layers, rtt, asker, exclude, max_arrivals)
+    if keep is None or route_key(best) == keep:
+        return best
+    offered = {(s.node_id, s.start, s.end): s for s in stages if s.node_id not in exclude}
+    kept = [offered.get(key) for key in keep]
+    if any(s is None for s in kept) or not _tiles(keep, n_layers):
+        return best
+    held = tuple(s for s in kept if s is not None)
+    cost = route_cost(held, rtt, asker)
+    return Route(held, cost) if cost <= best.seconds * (1.0 + margin) else best
+
+
+def _tiles(key: RouteKey, n_layers: int) -> bool:
+    at = 0
+    for _, start, end in key:
+        if start != at or end <= start:
+            return False
+        at = end
+    return at == n_layers
+
+
+def _cheapest(stages: list[StageOption], n_layers: int, rtt: Rtt, asker: str | None, exclude: Collection[str],
+              max_arrivals: int) -> Route:
     starting: dict[int, list[StageOption]] = defaultdict(list)
     excluded = set(exclude)
     for stage in stages:
