@@ -263,6 +263,8 @@ class MeshDaemon:
         self._sent = trio.Event()
         self.relay: RelayService | None = None
         self._keeper: ReservationKeeper | None = None
+        # members whose probes timed them much slower than they say (warned of once each)
+        self._slower_than_said: set[str] = set()
 
     # ----- lifecycle
 
@@ -595,10 +597,21 @@ class MeshDaemon:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"the proof does not hold: {exc}") from None
         if culprit is not None:
             log.warning("node %s is proven to lie; kept out of routes", culprit[:16])
-            others = [r for r in self.live_records() if r.node_id not in (self.duty.node_id, sender, culprit)]
-            for record in random.sample(others, min(PROOF_FANOUT, len(others))):
-                self._nursery.start_soon(self._pass_proof, record.node_id, proof)
+            for node_id in self._proof_targets(sender, culprit):
+                self._nursery.start_soon(self._pass_proof, node_id, proof)
         return ProofAccepted(culprit=proof.culprit.node_id, news=culprit is not None)
+
+    def _proof_targets(self, sender: str | None, culprit: str) -> list[str]:
+        """Who a proof that is news goes on to: the tracker always (it places and plans every route,
+        so the liar leaves them mesh-wide at once), and `PROOF_FANOUT` members this node has itself
+        heard from (a record planted by a Sync, or one of a member gone quiet, takes no share)."""
+        skip = {self.duty.node_id, sender, culprit}
+        tracker = self.mesh.tracker
+        first = [tracker.node_id] if tracker is not None and tracker.node_id not in skip else []
+        membership = self.mesh.membership
+        others = [r.node_id for r in self.live_records()
+                  if r.node_id not in skip and r.node_id not in first and membership.rtt(r.node_id) is not None]
+        return first + random.sample(others, min(PROOF_FANOUT, len(others)))
 
     async def _pass_proof(self, node_id: str, proof: Proof) -> None:
         try:
@@ -682,10 +695,16 @@ class MeshDaemon:
                 result = await probe_stage(self.peers, address, probe, config)
             except OSError as exc:
                 log.info("probing %s: %s", probe.node_id[:12], exc)
-        if result is not None:
-            log.debug("probed %s [%d, %d): %s", probe.node_id[:12], probe.start, probe.end, result)
         self.duty.probe_finished(trio.current_time(), probe, result)
         self._flush()
+        record, timed = self.mesh.membership.record_of(probe.node_id), self.duty.speeds.measured(probe.node_id)
+        if result is not None and record is not None and timed is not None and record.seconds_per_layer \
+                and timed > 2 * record.seconds_per_layer and probe.node_id not in self._slower_than_said:
+            # said once per node (the set is bounded as the members are): it is worth an operator's look
+            if len(self._slower_than_said) < 4096:
+                self._slower_than_said.add(probe.node_id)
+            log.warning("node %s says it computes a layer in %.3g s, timed at %.3g s: routes count the time",
+                        probe.node_id[:16], record.seconds_per_layer, timed)
 
     # ----- the volunteer's duty, carried out
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from instant_net import identity, record, rng
-from test_mesh_duty import MODEL, Mesh
+from test_mesh_duty import MODEL, Mesh, duty
 
 from meshd.mesh.duty import DutyConfig, MeshDuty
 from meshd.mesh.election import ElectionConfig
@@ -111,6 +111,26 @@ def test_a_replica_claiming_a_made_up_speed_is_timed_slow_and_loses_the_route_to
     assert [s.node_id for s in tracker.route(MODEL.digest, (), dial).stages] == [honest.node_id]
     # each stage was timed about once a second (FAST_PROBES), one at a time: not at every step
     assert 10 <= timings.answered <= 22
+
+
+def test_a_member_claiming_a_made_up_speed_draws_the_placement_only_until_it_is_timed() -> None:
+    # Two honest volunteers that hold five layers each (a chain of two), and the attacker, who holds
+    # the whole model and signs 1e-9 s/layer: believed a quarter of the median at most, it is the
+    # placement's chain; timed five times slower than the honest ones, the chain moves to them.
+    tracker = MeshDuty(MeshNode(identity(0), record(0, reachability="public", started_at=0.0, memory_bytes=0),
+                                0.0, SwimConfig(), ElectionConfig(), rng(0)),
+                       DutyConfig(volunteer=None, settle=0.5, probes=FAST_PROBES))
+    honest = [duty(i, memory=500, probes=FAST_PROBES) for i in (1, 2)]
+    liar = replica(3, seconds_per_layer=1e-9)
+    mesh = Mesh(tracker, *honest, liar)
+    mesh.run_until(10.0)
+    assert [s.node_id for s in tracker.assignments[MODEL.digest].chain] == [liar.node_id]
+    timings = FakeStageTimings(mesh, tracker, {d.node_id: 1e-3 for d in honest} | {liar.node_id: 5e-3})
+    timings.run_until(20.0)
+    route = tracker.route(MODEL.digest, (), dial)
+    assert {s.node_id for s in route.stages} == {d.node_id for d in honest}
+    # (it keeps a replica's place: spare capacity, which the asker's spot checks may use)
+    assert {s.node_id for s in tracker.assignments[MODEL.digest].chain} == {d.node_id for d in honest}
 
 
 def test_honest_replicas_timed_with_noise_keep_the_route_in_use() -> None:

@@ -32,6 +32,7 @@ from meshd.mesh.assignment import (
     AssignmentPolicy,
     CoverageError,
     ModelSpec,
+    NodeCapacity,
     assign,
     capacities,
     coverage_shortfall,
@@ -44,7 +45,16 @@ from meshd.mesh.node import MeshNode, TrackerChanged, earliest
 from meshd.mesh.probes import ProbeConfig, Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
-from meshd.mesh.routing import NoRouteError, RouteKey, SpeedBook, plan_route, route_key, stage_options
+from meshd.mesh.routing import (
+    DEFAULT_SECONDS_PER_LAYER,
+    NoRouteError,
+    RouteKey,
+    SpeedBook,
+    believe,
+    plan_route,
+    route_key,
+    stage_options,
+)
 from meshd.mesh.status import held_models, status_view
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, StatusReply
@@ -55,6 +65,8 @@ Range = tuple[int, int]
 MAX_LIARS = 1024
 # models whose route in use a node keeps (for hysteresis): a mesh holds a handful
 MAX_KEPT_ROUTES = 64
+# A probe that times a member this many times off the speed its placement counted places anew.
+REPLACE_SPEED_RATIO = 2.0
 # Member news that can change a placement; "suspect" cannot (suspects still count as live).
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
@@ -184,6 +196,8 @@ class MeshDuty:
         self.prober = Prober(self.speeds, config.probes) if config.probes is not None else None
         # the route each model's asks got last (without exclusions): kept while nearly the cheapest
         self._routes: dict[str, RouteKey] = {}
+        # the speed each member's last placement counted (as believed then): a probe far off it places anew
+        self._placed_speeds: dict[str, float] = {}
 
     # ----- queries
 
@@ -302,9 +316,18 @@ class MeshDuty:
 
     def probe_finished(self, now: float, probe: StageProbe, result: ProbeResult | None) -> None:
         """The shell timed (or failed to time: None) the stage a `StageProbe` named."""
-        if self.prober is not None:
-            self.prober.finished(now, probe, result)
-            self._probe(now)
+        if self.prober is None:
+            return
+        self.prober.finished(now, probe, result)
+        placed, timed = self._placed_speeds.get(probe.node_id), self.speeds.measured(probe.node_id)
+        if self.is_tracker and placed is not None and timed is not None and self._place_at is None:
+            record = self.node.membership.record_of(probe.node_id)
+            report = (record.seconds_per_layer if record is not None else 0.0) or DEFAULT_SECONDS_PER_LAYER
+            believed = max(report, timed)
+            if max(believed, placed) > REPLACE_SPEED_RATIO * min(believed, placed):
+                # placed as faster (or slower) than it runs: where its layers go may be wrong now
+                self._place_at = now + self.config.settle
+        self._probe(now)
 
     # ----- outputs
 
@@ -462,13 +485,15 @@ class MeshDuty:
             return
         live = [r for r in self.node.membership.live_records() if r.node_id not in self.liars]
         changed = False
+        self._placed_speeds = {}  # of the live members only, refilled model by model
         for digest, info in held_models(live).items():
             before = self.assignments.get(digest)
             try:
                 unheld = unheld_layers(live, digest, info.n_layers)
                 if unheld:
                     raise CoverageError(_unheld_reason(unheld))
-                placed = assign(capacities(live, digest), self._spec(live, info), self.config.policy, before)
+                placed = assign(self._believed(capacities(live, digest)), self._spec(live, info), self.config.policy,
+                                before)
             except CoverageError as exc:
                 if before is not None or self.uncovered.get(digest) != str(exc):
                     self.assignments.pop(digest, None)
@@ -485,6 +510,13 @@ class MeshDuty:
                 changed = True
         if changed:
             self.node.update_record(now, assignment_version=self.node.record.assignment_version + 1)
+
+    def _believed(self, nodes: list[NodeCapacity]) -> list[NodeCapacity]:
+        """The nodes with the speeds routes count (`believe`: self-reports clamped to what this tracker
+        timed), not their own word: a member saying 1e-9 s/layer must not draw every layer to itself."""
+        believed = believe({n.node_id: n.seconds_per_layer or DEFAULT_SECONDS_PER_LAYER for n in nodes}, self.speeds)
+        self._placed_speeds.update(believed)
+        return [replace(n, seconds_per_layer=believed[n.node_id]) for n in nodes]
 
     def _news(self, now: float, events: list[MemberEvent | TrackerChanged]) -> None:
         """Schedule a placement when some news can change it."""

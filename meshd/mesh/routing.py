@@ -62,6 +62,8 @@ def no_rtt(a: str | None, b: str) -> float:
 # A member's own speed report is believed up to this many times faster than the median speed for
 # the model: a self-report of 1e-9 s/layer cannot buy the route, a really faster node still wins.
 MAX_SPEEDUP_OVER_MEDIAN = 4.0
+# What a member that says nothing of its speed (and is not timed yet) counts at.
+DEFAULT_SECONDS_PER_LAYER = 1e-3
 
 
 class SpeedBook:
@@ -95,26 +97,31 @@ class SpeedBook:
 
 def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float,
                     speeds: SpeedBook | None = None) -> dict[str, float]:
-    """The seconds per layer routes count for each member serving `model`.
+    """The seconds per layer routes count for each member serving `model` (see `believe`); an
+    unreported speed counts at the default."""
+    reported = {record.node_id: record.seconds_per_layer or default_seconds_per_layer for record in records
+                if any(s.model == model for s in record.served)}
+    return believe(reported, speeds)
+
+
+def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None) -> dict[str, float]:
+    """The seconds per layer to count for each member, from what it `reported` (its word) and what
+    this node timed of it (`speeds`).
 
     A member this node measured is never believed faster than measured (slower, if it says so).
-    One not measured yet has only its self-report (an unreported one counts at the default), raised
-    to a floor: `MAX_SPEEDUP_OVER_MEDIAN` times faster than the median of every member's speed,
-    measured where it was, so one liar cannot move it; and, once any member is measured, no faster
-    than the fastest measured one: a member that keeps out of the tracker's probes (busy, refusing)
-    cannot outbid the members that let themselves be timed."""
-    reported: dict[str, float] = {}
-    measured: dict[str, float] = {}
-    for record in records:
-        if not any(s.model == model for s in record.served):
-            continue
-        reported[record.node_id] = record.seconds_per_layer or default_seconds_per_layer
-        seen = speeds.measured(record.node_id) if speeds is not None else None
-        if seen is not None:
-            measured[record.node_id] = seen
+    One not measured yet has only its self-report, raised to a floor: `MAX_SPEEDUP_OVER_MEDIAN`
+    times faster than the median of every member's speed, measured where it was, so one liar
+    cannot move it; and, once any member is measured, no faster than the fastest measured one: a
+    member that keeps out of the tracker's probes (busy, refusing) cannot outbid the members that
+    let themselves be timed."""
     if not reported:
         return {}
-    known = sorted(max(reported[node_id], measured.get(node_id, 0.0)) for node_id in reported)
+    measured: dict[str, float] = {}
+    for node_id in reported:
+        seen = speeds.measured(node_id) if speeds is not None else None
+        if seen is not None:
+            measured[node_id] = seen
+    known = sorted(max(report, measured.get(node_id, 0.0)) for node_id, report in reported.items())
     floor = max(known[len(known) // 2] / MAX_SPEEDUP_OVER_MEDIAN, min(measured.values(), default=0.0))
     return {node_id: max(report, measured[node_id]) if node_id in measured else max(report, floor)
             for node_id, report in reported.items()}
@@ -123,7 +130,7 @@ def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_sec
 def stage_options(
     records: Iterable[CapabilityRecord],
     model: str,
-    default_seconds_per_layer: float = 1e-3,
+    default_seconds_per_layer: float = DEFAULT_SECONDS_PER_LAYER,
     assigned: Mapping[str, Collection[tuple[int, int]]] | None = None,
     speeds: SpeedBook | None = None,
 ) -> list[StageOption]:
