@@ -194,6 +194,8 @@ class MeshDuty:
         self.speeds = SpeedBook()
         # as tracker, it times the stages it placed (each a `StageProbe` event for the shell)
         self.prober = Prober(self.speeds, config.probes) if config.probes is not None else None
+        # the stages to probe may have changed (a placement, member news) since the prober last saw them
+        self._stages_news = True
         # the route each model's asks got last (without exclusions): kept while nearly the cheapest
         self._routes: dict[str, RouteKey] = {}
         # the speed each member's last placement counted (as believed then): a probe far off it places anew
@@ -461,9 +463,15 @@ class MeshDuty:
     # ----- the tracker's duty
 
     def _probe(self, now: float) -> None:
-        """As tracker, starts the stage probes that are due (see meshd.mesh.probes)."""
+        """As tracker, starts the stage probes that are due (see meshd.mesh.probes). The stages are
+        worked out from the records only when they may have changed or a probe is due, not at each
+        timer: a newly placed stage is timed at once, and a quiet mesh costs nothing."""
         if self.prober is None or not self.is_tracker or self._left:
             return
+        due = self.prober.next_timer()
+        if not self._stages_news and (due is None or now < due):
+            return
+        self._stages_news = False
         self._events.extend(self.prober.due(now, self._probed_stages()))
 
     def _probed_stages(self) -> list[StageProbe]:
@@ -509,6 +517,7 @@ class MeshDuty:
                 self._events.append(AssignmentChanged(digest, placed))
                 changed = True
         if changed:
+            self._stages_news = True
             self.node.update_record(now, assignment_version=self.node.record.assignment_version + 1)
 
     def _believed(self, nodes: list[NodeCapacity]) -> list[NodeCapacity]:
@@ -521,6 +530,8 @@ class MeshDuty:
     def _news(self, now: float, events: list[MemberEvent | TrackerChanged]) -> None:
         """Schedule a placement when some news can change it."""
         news = False
+        if any(isinstance(e, TrackerChanged) or e.kind in _PLACEMENT_NEWS for e in events):
+            self._stages_news = True  # a tracker now, a stage served anew, or one gone
         for event in events:
             if isinstance(event, TrackerChanged):
                 news = True
