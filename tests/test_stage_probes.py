@@ -78,6 +78,10 @@ class FakeStageTimings:
             self.mesh.run_until(min(end, self.mesh.net.now + 0.5))
             probes = [e for e in self.mesh.seen[self.tracker.node_id] if isinstance(e, StageProbe)]
             for probe in probes[self.answered:]:
+                if probe.node_id not in self.per_layer:
+                    # a stage that refuses every probe (or looks busy, or breaks off): no sample
+                    self.tracker.probe_finished(self.mesh.net.now, probe, None)
+                    continue
                 steps = tuple(RTT + probe.layers * self.per_layer[probe.node_id]
                               * self.rng.uniform(1 - self.noise, 1 + self.noise) for _ in range(3))
                 self.tracker.probe_finished(self.mesh.net.now, probe, ProbeResult(RTT, steps))
@@ -131,6 +135,30 @@ def test_a_member_claiming_a_made_up_speed_draws_the_placement_only_until_it_is_
     assert {s.node_id for s in route.stages} == {d.node_id for d in honest}
     # (it keeps a replica's place: spare capacity, which the asker's spot checks may use)
     assert {s.node_id for s in tracker.assignments[MODEL.digest].chain} == {d.node_id for d in honest}
+
+
+def test_a_member_that_keeps_out_of_the_probes_gets_no_route_while_timed_stages_cover_the_model() -> None:
+    # As above, but the attacker answers no probe: it stays untimed, with its word and the floor only
+    # (which, one stage against two, would still buy it the route).
+    tracker = MeshDuty(MeshNode(identity(0), record(0, reachability="public", started_at=0.0, memory_bytes=0),
+                                0.0, SwimConfig(), ElectionConfig(), rng(0)),
+                       DutyConfig(volunteer=None, settle=0.5, probes=FAST_PROBES))
+    honest = [duty(i, memory=500, probes=FAST_PROBES) for i in (1, 2)]
+    liar = replica(3, seconds_per_layer=1e-9)
+    mesh = Mesh(tracker, *honest, liar)
+    mesh.run_until(10.0)
+    assert [s.node_id for s in tracker.route(MODEL.digest, (), dial).stages] == [liar.node_id]
+    timings = FakeStageTimings(mesh, tracker, {d.node_id: 1e-3 for d in honest})
+    timings.run_until(20.0)
+    assert tracker.speeds.measured(liar.node_id) is None
+    route = tracker.route(MODEL.digest, (), dial)
+    assert {s.node_id for s in route.stages} == {d.node_id for d in honest}
+    believed = {o.node_id: o.seconds_per_layer for o in stage_options(
+        tracker.node.membership.live_records(), MODEL.digest, speeds=tracker.speeds)}
+    assert believed[liar.node_id] == pytest.approx(1e-3)  # no faster than the fastest timed
+    # with the honest ones excluded (or gone) it is all there is: routes still cover the model
+    assert [s.node_id for s in tracker.route(MODEL.digest, [d.node_id for d in honest], dial).stages] == \
+        [liar.node_id]
 
 
 def test_honest_replicas_timed_with_noise_keep_the_route_in_use() -> None:

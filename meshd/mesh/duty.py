@@ -46,10 +46,10 @@ from meshd.mesh.probes import ProbeConfig, Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
 from meshd.mesh.routing import (
-    DEFAULT_SECONDS_PER_LAYER,
     NoRouteError,
     RouteKey,
     SpeedBook,
+    StageOption,
     believe,
     plan_route,
     route_key,
@@ -322,10 +322,10 @@ class MeshDuty:
             return
         self.prober.finished(now, probe, result)
         placed, timed = self._placed_speeds.get(probe.node_id), self.speeds.measured(probe.node_id)
-        if self.is_tracker and placed is not None and timed is not None and self._place_at is None:
+        if self.is_tracker and placed and timed is not None and self._place_at is None:
+            # (placed 0: taken as typical, as every node is before it is timed: its first timing moves nothing)
             record = self.node.membership.record_of(probe.node_id)
-            report = (record.seconds_per_layer if record is not None else 0.0) or DEFAULT_SECONDS_PER_LAYER
-            believed = max(report, timed)
+            believed = max(record.seconds_per_layer if record is not None else 0.0, timed)
             if max(believed, placed) > REPLACE_SPEED_RATIO * min(believed, placed):
                 # placed as faster (or slower) than it runs: where its layers go may be wrong now
                 self._place_at = now + self.config.settle
@@ -369,15 +369,19 @@ class MeshDuty:
             # no measure: a bound from this node's RTTs moved routes between replicas with their noise.
             return (rtt(b) or 0.0) if a is None or a == own else 0.001
 
-        try:
-            found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model),
-                                             speeds=self.speeds),
-                               info.n_layers, link_cost, exclude={*exclude, *self.liars},
-                               keep=self._routes.get(model))
-        except NoRouteError as exc:
+        options = stage_options(records.values(), model, assigned=self._assigned(model), speeds=self.speeds)
+        found = None
+        for offered in self._timed_first(options):
+            try:
+                found = plan_route(offered, info.n_layers, link_cost, exclude={*exclude, *self.liars},
+                                   keep=self._routes.get(model))
+                break
+            except NoRouteError as exc:
+                failure = exc
+        if found is None:
             reason = self.coverage_reason(info)
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
-                                + (f"; {reason}" if reason else "")) from None
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {failure}"
+                                + (f"; {reason}" if reason else ""))
         if not exclude:
             # a failover's route (or a spot check's replica) is that asker's: the one in use stays
             self._routes.pop(model, None)
@@ -391,6 +395,15 @@ class MeshDuty:
                 raise ProtocolError(ErrorCode.UNREACHABLE, f"no address to dial {s.node_id[:12]}")
             stages.append(RouteStage(node_id=s.node_id, address=address, start=s.start, end=s.end))
         return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
+
+    def _timed_first(self, options: list[StageOption]) -> list[list[StageOption]]:
+        """The stage options to plan from, in turn: as tracker, first only the stages it timed (and
+        its own), then all. A member that keeps out of its probes (refusing them, looking busy, gone
+        quiet) and so has only its word and the floor is routed only where no timed chain covers."""
+        if self.prober is None or not self.is_tracker:
+            return [options]
+        timed = [o for o in options if o.node_id == self.node_id or self.speeds.measured(o.node_id) is not None]
+        return [timed, options] if len(timed) < len(options) else [options]
 
     def _assigned(self, model: str) -> dict[str, set[Range]] | None:
         """As tracker, the ranges it placed for `model`, now and before its last move (a volunteer
@@ -523,7 +536,10 @@ class MeshDuty:
     def _believed(self, nodes: list[NodeCapacity]) -> list[NodeCapacity]:
         """The nodes with the speeds routes count (`believe`: self-reports clamped to what this tracker
         timed), not their own word: a member saying 1e-9 s/layer must not draw every layer to itself."""
-        believed = believe({n.node_id: n.seconds_per_layer or DEFAULT_SECONDS_PER_LAYER for n in nodes}, self.speeds)
+        believed = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds)
+        # one neither timed nor saying anything stays 0: placement takes it as typical of the mesh
+        believed = {n.node_id: believed[n.node_id] if n.seconds_per_layer or self.speeds.measured(n.node_id)
+                    is not None else 0.0 for n in nodes}
         self._placed_speeds.update(believed)
         return [replace(n, seconds_per_layer=believed[n.node_id]) for n in nodes]
 

@@ -97,34 +97,38 @@ class SpeedBook:
 
 def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float,
                     speeds: SpeedBook | None = None) -> dict[str, float]:
-    """The seconds per layer routes count for each member serving `model` (see `believe`); an
-    unreported speed counts at the default."""
-    reported = {record.node_id: record.seconds_per_layer or default_seconds_per_layer for record in records
+    """The seconds per layer routes count for each member serving `model` (see `believe`)."""
+    reported = {record.node_id: record.seconds_per_layer for record in records
                 if any(s.model == model for s in record.served)}
-    return believe(reported, speeds)
+    return believe(reported, speeds, default_seconds_per_layer)
 
 
-def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None) -> dict[str, float]:
-    """The seconds per layer to count for each member, from what it `reported` (its word) and what
-    this node timed of it (`speeds`).
+def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None,
+            default: float = DEFAULT_SECONDS_PER_LAYER) -> dict[str, float]:
+    """The seconds per layer to count for each member, from what it `reported` (its word; 0: it
+    said nothing) and what this node timed of it (`speeds`).
 
-    A member this node measured is never believed faster than measured (slower, if it says so).
-    One not measured yet has only its self-report, raised to a floor: `MAX_SPEEDUP_OVER_MEDIAN`
-    times faster than the median of every member's speed, measured where it was, so one liar
-    cannot move it; and, once any member is measured, no faster than the fastest measured one: a
-    member that keeps out of the tracker's probes (busy, refusing) cannot outbid the members that
-    let themselves be timed."""
-    if not reported:
-        return {}
+    A member this node timed counts as timed (slower, if it says so). One not timed yet counts at
+    its self-report (`default` if it said nothing), raised to a floor: `MAX_SPEEDUP_OVER_MEDIAN`
+    times faster than the median of every member's figure, timed where it was, so one liar cannot
+    move it; and, once any member is timed, no faster than the fastest timed one."""
     measured: dict[str, float] = {}
     for node_id in reported:
         seen = speeds.measured(node_id) if speeds is not None else None
         if seen is not None:
             measured[node_id] = seen
-    known = sorted(max(report, measured.get(node_id, 0.0)) for node_id, report in reported.items())
+
+    def figure(node_id: str) -> float:
+        report = reported[node_id]
+        return max(report, measured[node_id]) if node_id in measured else report or default
+
+    figures = {node_id: figure(node_id) for node_id in reported}
+    known = sorted(f for f in figures.values() if f > 0)
+    if not known:
+        return figures
     floor = max(known[len(known) // 2] / MAX_SPEEDUP_OVER_MEDIAN, min(measured.values(), default=0.0))
-    return {node_id: max(report, measured[node_id]) if node_id in measured else max(report, floor)
-            for node_id, report in reported.items()}
+    return {node_id: f if node_id in measured or not reported[node_id] else max(f, floor)
+            for node_id, f in figures.items()}
 
 
 def stage_options(
