@@ -488,17 +488,19 @@ class MeshDuty:
         self._events.extend(self.prober.due(now, self._probed_stages()))
 
     def _probed_stages(self) -> list[StageProbe]:
-        """The stages this tracker times: every range it placed (now or before its last move) that
-        a live member serves, but its own (this node is no stranger to itself) and proven liars'."""
+        """The stages this tracker times: every range of its current placement that a live member
+        serves, but its own (this node is no stranger to itself) and proven liars'. Not a range
+        from before the last move: it is retiring, with the sessions it still holds, and a node
+        answers a metrics request (whether it is busy) for its newest range."""
         live = self.node.membership.live_records()
         stages: list[StageProbe] = []
-        for model in self.assignments:
-            assigned = self._assigned(model) or {}
+        for model, assignment in self.assignments.items():
+            placed = assignment.ranges()
             for record in live:
                 if record.node_id == self.node_id or record.node_id in self.liars or record.leaving:
                     continue
                 stages.extend(StageProbe(record.node_id, model, s.start, s.end) for s in record.served
-                              if s.model == model and (s.start, s.end) in assigned.get(record.node_id, ()))
+                              if s.model == model and (s.start, s.end) == placed.get(record.node_id))
         return stages
 
     def _place(self, now: float) -> None:
