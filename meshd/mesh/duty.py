@@ -46,6 +46,7 @@ from meshd.mesh.probes import ProbeConfig, Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
 from meshd.mesh.routing import (
+    MAX_SPEEDUP_OVER_MEDIAN,
     NoRouteError,
     RouteKey,
     SpeedBook,
@@ -65,8 +66,10 @@ Range = tuple[int, int]
 MAX_LIARS = 1024
 # models whose route in use a node keeps (for hysteresis): a mesh holds a handful
 MAX_KEPT_ROUTES = 64
-# A probe that times a member this many times off the speed its placement counted places anew.
-REPLACE_SPEED_RATIO = 2.0
+# A probe that times a member this many times slower than its placement counted places anew: only
+# a gross miss (a member placed on its word and timed far slower, as a liar is), never the noise of
+# timings, which would move ranges (and reload engines) back and forth.
+REPLACE_SPEED_RATIO = MAX_SPEEDUP_OVER_MEDIAN
 # Member news that can change a placement; "suspect" cannot (suspects still count as live).
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
@@ -326,8 +329,8 @@ class MeshDuty:
             # (placed 0: taken as typical, as every node is before it is timed: its first timing moves nothing)
             record = self.node.membership.record_of(probe.node_id)
             believed = max(record.seconds_per_layer if record is not None else 0.0, timed)
-            if max(believed, placed) > REPLACE_SPEED_RATIO * min(believed, placed):
-                # placed as faster (or slower) than it runs: where its layers go may be wrong now
+            if believed > REPLACE_SPEED_RATIO * placed:
+                # placed as far faster than it runs: where its layers go may be wrong now
                 self._place_at = now + self.config.settle
         self._probe(now)
 
