@@ -46,6 +46,7 @@ from meshd.mesh.probes import ProbeConfig, Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
 from meshd.mesh.routing import (
+    DEFAULT_SECONDS_PER_LAYER,
     MAX_SPEEDUP_OVER_MEDIAN,
     NoRouteError,
     RouteKey,
@@ -325,11 +326,11 @@ class MeshDuty:
             return
         self.prober.finished(now, probe, result)
         placed, timed = self._placed_speeds.get(probe.node_id), self.speeds.measured(probe.node_id)
-        if self.is_tracker and placed and timed is not None and self._place_at is None:
-            # (placed 0: taken as typical, as every node is before it is timed: its first timing moves nothing)
-            record = self.node.membership.record_of(probe.node_id)
-            believed = max(record.seconds_per_layer if record is not None else 0.0, timed)
-            if believed > REPLACE_SPEED_RATIO * placed:
+        record = self.node.membership.record_of(probe.node_id)
+        said = record.seconds_per_layer if record is not None else 0.0
+        if self.is_tracker and said and placed and timed is not None and self._place_at is None:
+            # (only a member that says its speed is placed by it: see `_believed`)
+            if max(said, timed) > REPLACE_SPEED_RATIO * placed:
                 # placed as far faster than it runs: where its layers go may be wrong now
                 self._place_at = now + self.config.settle
         self._probe(now)
@@ -542,9 +543,10 @@ class MeshDuty:
         """The nodes with the speeds routes count (`believe`: self-reports clamped to what this tracker
         timed), not their own word: a member saying 1e-9 s/layer must not draw every layer to itself."""
         believed = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds)
-        # one neither timed nor saying anything stays 0: placement takes it as typical of the mesh
-        believed = {n.node_id: believed[n.node_id] if n.seconds_per_layer or self.speeds.measured(n.node_id)
-                    is not None else 0.0 for n in nodes}
+        # Timings only clamp what members say here: one that says nothing counts at the default, timed
+        # or not, so a placement weighs stages and hops as it always did, and timing noise moves nothing.
+        believed = {n.node_id: believed[n.node_id] if n.seconds_per_layer else DEFAULT_SECONDS_PER_LAYER
+                    for n in nodes}
         self._placed_speeds.update(believed)
         return [replace(n, seconds_per_layer=believed[n.node_id]) for n in nodes]
 
