@@ -34,6 +34,7 @@ from typing import Any
 import trio
 from tqdm import tqdm
 
+from meshd.client.probe import probe_stage
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
 from meshd.fetch.source import ChunkSource, activity, register
@@ -50,6 +51,7 @@ from meshd.mesh.duty import (
 from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberEvent, Ping, PingReq, SwimMessage, Sync
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
+from meshd.mesh.probes import ProbeConfig, StageProbe
 from meshd.mesh.proofs import InvalidProof
 from meshd.mesh.records import (
     MAX_HELD,
@@ -132,6 +134,9 @@ class NodeConfig:
     peers: PeersConfig = field(default_factory=PeersConfig)
     # the tracker places this long after the first news of a burst
     settle: float = 0.5
+    # as tracker, how it times the stages it placed (None: it does not, and believes self-reports
+    # up to MAX_SPEEDUP_OVER_MEDIAN)
+    probes: ProbeConfig | None = field(default_factory=ProbeConfig)
     rpc_timeout: float = 5.0
     # an old range serves its sessions at most this long after its replacement is up
     retire_timeout: float = 60.0
@@ -258,6 +263,8 @@ class MeshDaemon:
         self._sent = trio.Event()
         self.relay: RelayService | None = None
         self._keeper: ReservationKeeper | None = None
+        # members whose probes timed them much slower than they say (warned of once each)
+        self._slower_than_said: set[str] = set()
 
     # ----- lifecycle
 
@@ -293,7 +300,7 @@ class MeshDaemon:
             limits = cfg.limits
             self.duty = MeshDuty(self.mesh, DutyConfig(
                 volunteer=self.model if not cfg.client else None,
-                kv_tokens=limits.max_sessions * limits.max_session_tokens, settle=cfg.settle))
+                kv_tokens=limits.max_sessions * limits.max_session_tokens, settle=cfg.settle, probes=cfg.probes))
             self.driver = MeshDriver(self.duty, self._send, self._on_event, cfg.swim_inbox)
             nursery.start_soon(self.driver.run)
             await self._join_seeds()
@@ -356,6 +363,8 @@ class MeshDaemon:
             self._nursery.start_soon(self._ask_tracker, event)
         elif isinstance(event, LoadRange):
             self._nursery.start_soon(self._load_range, event)
+        elif isinstance(event, StageProbe):
+            self._nursery.start_soon(self._probe_stage, event)
         elif isinstance(event, MemberEvent) and self._keeper is not None:
             self._keeper.candidates_changed()  # a member's record came, changed or went: maybe a relay's
 
@@ -588,10 +597,21 @@ class MeshDaemon:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"the proof does not hold: {exc}") from None
         if culprit is not None:
             log.warning("node %s is proven to lie; kept out of routes", culprit[:16])
-            others = [r for r in self.live_records() if r.node_id not in (self.duty.node_id, sender, culprit)]
-            for record in random.sample(others, min(PROOF_FANOUT, len(others))):
-                self._nursery.start_soon(self._pass_proof, record.node_id, proof)
+            for node_id in self._proof_targets(sender, culprit):
+                self._nursery.start_soon(self._pass_proof, node_id, proof)
         return ProofAccepted(culprit=proof.culprit.node_id, news=culprit is not None)
+
+    def _proof_targets(self, sender: str | None, culprit: str) -> list[str]:
+        """Who a proof that is news goes on to: the tracker always (it places and plans every route,
+        so the liar leaves them mesh-wide at once), and `PROOF_FANOUT` members this node has itself
+        heard from (a record planted by a Sync, or one of a member gone quiet, takes no share)."""
+        skip = {self.duty.node_id, sender, culprit}
+        tracker = self.mesh.tracker
+        first = [tracker.node_id] if tracker is not None and tracker.node_id not in skip else []
+        membership = self.mesh.membership
+        others = [r.node_id for r in self.live_records()
+                  if r.node_id not in skip and r.node_id not in first and membership.rtt(r.node_id) is not None]
+        return first + random.sample(others, min(PROOF_FANOUT, len(others)))
 
     async def _pass_proof(self, node_id: str, proof: Proof) -> None:
         try:
@@ -662,6 +682,29 @@ class MeshDaemon:
         addresses it may be told."""
         reply = self.duty.status(None if peer is None else lambda address: address_fits(address, peer), offset)
         return reply.model_copy(update={"fetches": self.fetches[-8:]}) if self.fetches else reply
+
+    # ----- the tracker's probes, carried out
+
+    async def _probe_stage(self, probe: StageProbe) -> None:
+        """Times a stage this tracker placed (meshd.mesh.probes): routes believe no member faster."""
+        address = self.address_of(probe.node_id)
+        config = self.duty.prober.config if self.duty.prober is not None else None
+        result = None
+        if address is not None and config is not None:
+            try:
+                result = await probe_stage(self.peers, address, probe, config)
+            except OSError as exc:
+                log.info("probing %s: %s", probe.node_id[:12], exc)
+        self.duty.probe_finished(trio.current_time(), probe, result)
+        self._flush()
+        record, timed = self.mesh.membership.record_of(probe.node_id), self.duty.speeds.measured(probe.node_id)
+        if result is not None and record is not None and timed is not None and record.seconds_per_layer \
+                and timed > 2 * record.seconds_per_layer and probe.node_id not in self._slower_than_said:
+            # said once per node (the set is bounded as the members are): it is worth an operator's look
+            if len(self._slower_than_said) < 4096:
+                self._slower_than_said.add(probe.node_id)
+            log.warning("node %s says it computes a layer in %.3g s, timed at %.3g s: routes count the time",
+                        probe.node_id[:16], record.seconds_per_layer, timed)
 
     # ----- the volunteer's duty, carried out
 

@@ -23,11 +23,15 @@ from meshd.mesh.node import MeshNode
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net.link import Stream
 from meshd.net.peers import PeersConfig
+from meshd.stage.receipts import SessionReceipts, Signer
+from meshd.stage.service import answer_typed
 from wire.codec import Message
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import SWIM_PROTOCOL, AssignmentReply, AssignmentRequest
-from wire.stage import PeerRef
+from wire.receipt import Receipts, row_hash
+from wire.stage import Hop, Metrics, MetricsRequest, Open, Opened, PeerRef, StageInfo
+from wire.tensors import Activation
 
 LAST_TERM = 2**63 - 1
 
@@ -56,6 +60,14 @@ class AttackerDaemon(MeshDaemon):
 
     # a range it tells any node asking it for an assignment to load (as a hijacked tracker would)
     assignment_bomb: tuple[str, int, int] | None = None
+    # set: it answers stage streams as a stage of the range its record serves that sleeps this long
+    # at every step (and signs made-up output); None: stage streams go to a sink
+    step_sleep: float | None = None
+
+    def __init__(self, identity: NodeIdentity, config: NodeConfig) -> None:
+        super().__init__(identity, config)
+        # the control stream of each session its slow stage opened: where that session's receipts go
+        self._controls: dict[str, Stream] = {}
 
     def hijack_election(self, term_of: Callable[[MeshNode], int], **record: object) -> None:
         """Claims the tracker role at the terms `term_of` gives (e.g. always the last one), with
@@ -101,8 +113,33 @@ class AttackerDaemon(MeshDaemon):
         # a sink: whatever a stage sends it as its next hop or ring is read and dropped
         with contextlib.suppress(ProtocolError, trio.EndOfChannel, trio.BrokenResourceError,
                                  trio.ClosedResourceError):
+            if self.step_sleep is not None:
+                await answer_typed(stream, self._slow_stage)
             while True:
                 await stream.receive_message()
+
+    async def _slow_stage(self, stream: Stream, first: Message) -> None:
+        """A stage that is not as fast as its record says: every step sleeps `step_sleep` first."""
+        served = self.mesh.record.served[0]
+        model = self.mesh.record.model(served.model)
+        assert model is not None and self.step_sleep is not None
+        if isinstance(first, MetricsRequest):
+            await stream.send_message(Metrics(values={"sessions": 0.0}))
+        elif isinstance(first, Open):
+            self._controls[first.session] = stream
+            await stream.send_message(Opened(session=first.session, epoch=first.epoch, info=StageInfo(
+                node_id=self.mesh.node_id, model_digest=served.model, model_name=model.name,
+                layer_begin=served.start, layer_end=served.end, n_layer=model.n_layers, stage_width=8, ready=True)))
+        elif isinstance(first, Hop):
+            control = self._controls[first.session]
+            ledger = SessionReceipts(Signer(self.identity), first.session, first.epoch, served.model,
+                                     served.start, served.end)
+            while True:
+                step = await stream.receive_message()
+                if isinstance(step, Activation):
+                    await trio.sleep(self.step_sleep)
+                    receipt = ledger.sign(step.pos, step.n_tokens, row_hash(b"in"), row_hash(b"made up"))
+                    await control.send_message(Receipts(session=first.session, epoch=first.epoch, chain=[receipt]))
 
     @property
     def ref(self) -> PeerRef:

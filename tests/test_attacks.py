@@ -35,7 +35,15 @@ from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Accepted, Incoming, Rese
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteRequest, RouteStage, StatusReply, StatusRequest
+from wire.meshrpc import (
+    AssignmentReply,
+    AssignmentRequest,
+    RouteReply,
+    RouteRequest,
+    RouteStage,
+    StatusReply,
+    StatusRequest,
+)
 from wire.receipt import Proof, ProofAccepted, ProofGossip, row_hash
 from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, new_session_id
 from wire.tensors import Activation, TensorEntry
@@ -423,17 +431,45 @@ async def test_planted_members_cannot_reserve_on_a_relay_and_no_stranger_brings_
 
 # ----- proofs of a lie, from member to member
 
+def in_log(node: Served, text: str) -> bool:
+    assert node.log is not None
+    return text in node.log.read_text()
+
+
 def proven_in_log(node: Served, culprit: str) -> bool:
     """Whether `node` took a proof against `culprit` as news (it says so once, as it passes it on)."""
-    assert node.log is not None
-    return f"node {culprit[:16]} is proven to lie" in node.log.read_text()
+    return in_log(node, f"node {culprit[:16]} is proven to lie")
 
 
-async def test_a_proof_reaches_the_tracker_through_a_member_and_a_forged_one_changes_nothing(
+async def placed(bad: AttackerDaemon, tracker: Served) -> AssignmentReply:
+    """What the tracker answers the attacker's ask for its range."""
+    reply = await rpc(bad.peers, tracker.address, AssignmentRequest(), node_id=tracker.node_id, timeout=20.0)
+    assert isinstance(reply, AssignmentReply)
+    return reply
+
+
+async def test_a_replica_slower_than_it_says_is_timed_and_a_proof_takes_it_out_of_placements_mesh_wide(
         mesh: Mesh, peers: Peers) -> None:
-    await converged(peers, mesh)
+    view = await converged(peers, mesh)
+    tracker = next(n for n in mesh.nodes if n.node_id == view.tracker)
     async with attacker(mesh.seed.address) as bad:
+        # A member offering memory for the whole model, a million times faster than anyone (it says)...
+        bad.forge(models=[mesh.model], memory_bytes=1 << 30, seconds_per_layer=1e-9)
         await joined(peers, mesh, bad)
+        with trio.fail_after(30):
+            while (given := await placed(bad, tracker)).model != mesh.model.digest:
+                await trio.sleep(0.25)
+        # ... serves what the tracker placed there, as a stage sleeping 0.2 s at every step. The
+        # tracker times it, and no node's route goes through it.
+        bad.step_sleep = 0.2
+        bad.forge(served=[ServedRange(model=mesh.model.digest, start=given.start, end=given.end)])
+        with trio.fail_after(30):
+            while not in_log(tracker, f"node {bad.mesh.node_id[:16]} says it computes a layer in 1e-09 s"):
+                await trio.sleep(0.25)
+        for via in mesh.nodes:
+            route = await honest_route(peers, mesh, via)
+            assert bad.mesh.node_id not in [s.node_id for s in route.stages], via
+        assert (await placed(bad, tracker)).model == mesh.model.digest  # still placed: a slow replica
         # the attacker signed two receipts of one step that disagree (an equivocation)
         ledgers = [SessionReceipts(Signer(bad.identity), "s1", 0, mesh.model.digest, 0, 1) for _ in range(2)]
         one, two = (ledger.sign(0, 3, row_hash(b"in"), row_hash(out)) for ledger, out in zip(
@@ -455,9 +491,14 @@ async def test_a_proof_reaches_the_tracker_through_a_member_and_a_forged_one_cha
         for node in mesh.nodes:
             again = await rpc(peers, node.address, ProofGossip(proof=proof), timeout=20.0)
             assert isinstance(again, ProofAccepted) and not again.news, node.address
-        # an honest route and answer are untouched by either proof
-        route = await honest_route(peers, mesh)
-        assert {s.node_id for s in route.stages} == {v.node_id for v in mesh.volunteers}
+        # the tracker placed the liar no more: nothing is left for it to serve
+        with trio.fail_after(30):
+            while (given := await placed(bad, tracker)).model is not None:
+                await trio.sleep(0.25)
+        # an honest route and answer are untouched by either proof, from every node
+        for via in mesh.nodes:
+            route = await honest_route(peers, mesh, via)
+            assert {s.node_id for s in route.stages} == {v.node_id for v in mesh.volunteers}, via
         await honest_ask(peers, mesh)
 
 

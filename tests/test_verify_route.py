@@ -23,11 +23,15 @@ import trio
 
 import meshd.stage.service as service_module
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
+from meshd.client.probe import probe_stage
 from meshd.client.verify import CheckPlan, Verifier
+from meshd.mesh.probes import ProbeConfig, StageProbe, probe_seconds
 from meshd.mesh.proofs import check_proof
+from meshd.net import rpc
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
 from wire.identity import NodeIdentity
+from wire.stage import STAGE_PROTOCOL, Open, Opened, new_session_id
 
 pytestmark = pytest.mark.slow  # six engine workers
 
@@ -136,3 +140,25 @@ async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dic
                                                 REQUEST, verifier=verifier)
                 assert verifier.liars == {shifter.peers.node_id}
                 assert moved.tokens == undisturbed.tokens
+
+            # The tracker's probe (meshd.client.probe) times a real head, middle and tail: a check
+            # session of one-row steps, each answered with a receipt, and the session gone after.
+            for name in ("head", "mid3", "tail2"):
+                node = nodes[name]
+                r = node.service.report
+                probe = StageProbe(node.peers.node_id, node.service.digest, r.layer_begin, r.layer_end)
+                timed = await probe_stage(peers, node.address, probe, ProbeConfig())
+                assert timed is not None and len(timed.steps) == 3 and not timed.timed_out, name
+                assert probe_seconds(timed) is not None, name
+                with trio.fail_after(10):
+                    while node.service.metric_values()["sessions"]:
+                        await trio.sleep(0.01)
+            # a stage that holds a session is not probed: a probe never takes (or evicts) a user's slot
+            head = nodes["head"]
+            async with await peers.open_stream(head.address, STAGE_PROTOCOL, node_id=head.peers.node_id) as held:
+                await rpc.request(held, Open(session=new_session_id(), epoch=0, receipts=True, check=True), Opened,
+                                  "a session the probe must not disturb", timeout=10)
+                r = head.service.report
+                probe = StageProbe(head.peers.node_id, head.service.digest, r.layer_begin, r.layer_end)
+                assert await probe_stage(peers, head.address, probe, ProbeConfig()) is None
+                assert head.service.metric_values()["sessions"] == 1

@@ -32,6 +32,7 @@ from meshd.mesh.assignment import (
     AssignmentPolicy,
     CoverageError,
     ModelSpec,
+    NodeCapacity,
     assign,
     capacities,
     coverage_shortfall,
@@ -41,9 +42,21 @@ from meshd.mesh.assignment import (
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
+from meshd.mesh.probes import ProbeConfig, Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
-from meshd.mesh.routing import NoRouteError, SpeedBook, plan_route, stage_options
+from meshd.mesh.routing import (
+    DEFAULT_SECONDS_PER_LAYER,
+    MAX_SPEEDUP_OVER_MEDIAN,
+    NoRouteError,
+    RouteKey,
+    SpeedBook,
+    StageOption,
+    believe,
+    plan_route,
+    route_key,
+    stage_options,
+)
 from meshd.mesh.status import held_models, status_view
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, StatusReply
@@ -52,6 +65,12 @@ from wire.receipt import Proof
 Range = tuple[int, int]
 # proven liars a node keeps (each costs a proof of a few receipts): bounds what a flood of proofs can hold
 MAX_LIARS = 1024
+# models whose route in use a node keeps (for hysteresis): a mesh holds a handful
+MAX_KEPT_ROUTES = 64
+# A probe that times a member this many times slower than its placement counted places anew: only
+# a gross miss (a member placed on its word and timed far slower, as a liar is), never the noise of
+# timings, which would move ranges (and reload engines) back and forth.
+REPLACE_SPEED_RATIO = MAX_SPEEDUP_OVER_MEDIAN
 # Member news that can change a placement; "suspect" cannot (suspects still count as live).
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
@@ -70,6 +89,8 @@ class DutyConfig:
     retry: float = 1.0
     retry_max: float = 30.0
     policy: AssignmentPolicy = AssignmentPolicy()
+    # As tracker, how it times the stages it placed (meshd.mesh.probes); None: it does not.
+    probes: ProbeConfig | None = ProbeConfig()
 
 
 @dataclass(frozen=True)
@@ -107,7 +128,7 @@ class RangeRefused:
     reason: str
 
 
-DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | AssignmentChanged | RangeRefused
+DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | AssignmentChanged | RangeRefused | StageProbe
 
 
 def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
@@ -175,6 +196,14 @@ class MeshDuty:
         self.liars: dict[str, Proof] = {}
         # stage step times this node timed itself: routes never believe a member faster than these
         self.speeds = SpeedBook()
+        # as tracker, it times the stages it placed (each a `StageProbe` event for the shell)
+        self.prober = Prober(self.speeds, config.probes) if config.probes is not None else None
+        # the stages to probe may have changed (a placement, member news) since the prober last saw them
+        self._stages_news = True
+        # the route each model's asks got last (without exclusions): kept while nearly the cheapest
+        self._routes: dict[str, RouteKey] = {}
+        # the speed each member's last placement counted (as believed then): a probe far off it places anew
+        self._placed_speeds: dict[str, float] = {}
 
     # ----- queries
 
@@ -198,7 +227,8 @@ class MeshDuty:
 
     def next_timer(self) -> float | None:
         ask_at = self._ask_at if self._ask_at is not None and self._ask_pending() else None
-        return earliest(self.node.next_timer(), self._place_at, ask_at)
+        probe_at = self.prober.next_timer() if self.prober is not None and self.is_tracker else None
+        return earliest(self.node.next_timer(), self._place_at, ask_at, probe_at)
 
     # ----- inputs
 
@@ -212,6 +242,7 @@ class MeshDuty:
         if self._place_at is not None and now >= self._place_at:
             self._place_at = None
             self._place(now)
+        self._probe(now)
         self._settle(now)
 
     def leave(self, now: float) -> None:
@@ -289,6 +320,21 @@ class MeshDuty:
         self._failed(now)
         self._settle(now)
 
+    def probe_finished(self, now: float, probe: StageProbe, result: ProbeResult | None) -> None:
+        """The shell timed (or failed to time: None) the stage a `StageProbe` named."""
+        if self.prober is None:
+            return
+        self.prober.finished(now, probe, result)
+        placed, timed = self._placed_speeds.get(probe.node_id), self.speeds.measured(probe.node_id)
+        record = self.node.membership.record_of(probe.node_id)
+        said = record.seconds_per_layer if record is not None else 0.0
+        if self.is_tracker and said and placed and timed is not None and self._place_at is None:
+            # (only a member that says its speed is placed by it: see `_believed`)
+            if max(said, timed) > REPLACE_SPEED_RATIO * placed:
+                # placed as far faster than it runs: where its layers go may be wrong now
+                self._place_at = now + self.config.settle
+        self._probe(now)
+
     # ----- outputs
 
     def messages_to_send(self) -> list[tuple[str, SwimMessage]]:
@@ -323,17 +369,29 @@ class MeshDuty:
         rtt, own = self.node.membership.rtt, self.node.node_id
 
         def link_cost(a: str | None, b: str) -> float:
-            # from here (the asker's side) a measured RTT; between stages we have no measure
+            # From here (the asker's side) the RTT SWIM measured (smoothed there); between stages we have
+            # no measure: a bound from this node's RTTs moved routes between replicas with their noise.
             return (rtt(b) or 0.0) if a is None or a == own else 0.001
 
-        try:
-            found = plan_route(stage_options(records.values(), model, assigned=self._assigned(model),
-                                             speeds=self.speeds),
-                               info.n_layers, link_cost, exclude={*exclude, *self.liars})
-        except NoRouteError as exc:
+        options = stage_options(records.values(), model, assigned=self._assigned(model), speeds=self.speeds)
+        found = None
+        for offered in self._timed_first(options):
+            try:
+                found = plan_route(offered, info.n_layers, link_cost, exclude={*exclude, *self.liars},
+                                   keep=self._routes.get(model))
+                break
+            except NoRouteError as exc:
+                failure = exc
+        if found is None:
             reason = self.coverage_reason(info)
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {exc}"
-                                + (f"; {reason}" if reason else "")) from None
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {failure}"
+                                + (f"; {reason}" if reason else ""))
+        if not exclude:
+            # a failover's route (or a spot check's replica) is that asker's: the one in use stays
+            self._routes.pop(model, None)
+            if len(self._routes) >= MAX_KEPT_ROUTES:
+                del self._routes[next(iter(self._routes))]
+            self._routes[model] = route_key(found)
         stages = []
         for s in found.stages:
             address = address_of(records[s.node_id])
@@ -341,6 +399,15 @@ class MeshDuty:
                 raise ProtocolError(ErrorCode.UNREACHABLE, f"no address to dial {s.node_id[:12]}")
             stages.append(RouteStage(node_id=s.node_id, address=address, start=s.start, end=s.end))
         return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
+
+    def _timed_first(self, options: list[StageOption]) -> list[list[StageOption]]:
+        """The stage options to plan from, in turn: as tracker, first only the stages it timed (and
+        its own), then all. A member that keeps out of its probes (refusing them, looking busy, gone
+        quiet) and so has only its word and the floor is routed only where no timed chain covers."""
+        if self.prober is None or not self.is_tracker:
+            return [options]
+        timed = [o for o in options if o.node_id == self.node_id or self.speeds.measured(o.node_id) is not None]
+        return [timed, options] if len(timed) < len(options) else [options]
 
     def _assigned(self, model: str) -> dict[str, set[Range]] | None:
         """As tracker, the ranges it placed for `model`, now and before its last move (a volunteer
@@ -412,18 +479,48 @@ class MeshDuty:
 
     # ----- the tracker's duty
 
+    def _probe(self, now: float) -> None:
+        """As tracker, starts the stage probes that are due (see meshd.mesh.probes). The stages are
+        worked out from the records only when they may have changed or a probe is due, not at each
+        timer: a newly placed stage is timed at once, and a quiet mesh costs nothing."""
+        if self.prober is None or not self.is_tracker or self._left:
+            return
+        due = self.prober.next_timer()
+        if not self._stages_news and (due is None or now < due):
+            return
+        self._stages_news = False
+        self._events.extend(self.prober.due(now, self._probed_stages()))
+
+    def _probed_stages(self) -> list[StageProbe]:
+        """The stages this tracker times: every range of its current placement that a live member
+        serves, but its own (this node is no stranger to itself) and proven liars'. Not a range
+        from before the last move: it is retiring, with the sessions it still holds, and a node
+        answers a metrics request (whether it is busy) for its newest range."""
+        live = self.node.membership.live_records()
+        stages: list[StageProbe] = []
+        for model, assignment in self.assignments.items():
+            placed = assignment.ranges()
+            for record in live:
+                if record.node_id == self.node_id or record.node_id in self.liars or record.leaving:
+                    continue
+                stages.extend(StageProbe(record.node_id, model, s.start, s.end) for s in record.served
+                              if s.model == model and (s.start, s.end) == placed.get(record.node_id))
+        return stages
+
     def _place(self, now: float) -> None:
         if not self.is_tracker or self._left:
             return
         live = [r for r in self.node.membership.live_records() if r.node_id not in self.liars]
         changed = False
+        self._placed_speeds = {}  # of the live members only, refilled model by model
         for digest, info in held_models(live).items():
             before = self.assignments.get(digest)
             try:
                 unheld = unheld_layers(live, digest, info.n_layers)
                 if unheld:
                     raise CoverageError(_unheld_reason(unheld))
-                placed = assign(capacities(live, digest), self._spec(live, info), self.config.policy, before)
+                placed = assign(self._believed(capacities(live, digest)), self._spec(live, info), self.config.policy,
+                                before)
             except CoverageError as exc:
                 if before is not None or self.uncovered.get(digest) != str(exc):
                     self.assignments.pop(digest, None)
@@ -439,11 +536,25 @@ class MeshDuty:
                 self._events.append(AssignmentChanged(digest, placed))
                 changed = True
         if changed:
+            self._stages_news = True
             self.node.update_record(now, assignment_version=self.node.record.assignment_version + 1)
+
+    def _believed(self, nodes: list[NodeCapacity]) -> list[NodeCapacity]:
+        """The nodes with the speeds routes count (`believe`: self-reports clamped to what this tracker
+        timed), not their own word: a member saying 1e-9 s/layer must not draw every layer to itself."""
+        believed = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds)
+        # Timings only clamp what members say here: one that says nothing counts at the default, timed
+        # or not, so a placement weighs stages and hops as it always did, and timing noise moves nothing.
+        believed = {n.node_id: believed[n.node_id] if n.seconds_per_layer else DEFAULT_SECONDS_PER_LAYER
+                    for n in nodes}
+        self._placed_speeds.update(believed)
+        return [replace(n, seconds_per_layer=believed[n.node_id]) for n in nodes]
 
     def _news(self, now: float, events: list[MemberEvent | TrackerChanged]) -> None:
         """Schedule a placement when some news can change it."""
         news = False
+        if any(isinstance(e, TrackerChanged) or e.kind in _PLACEMENT_NEWS for e in events):
+            self._stages_news = True  # a tracker now, a stage served anew, or one gone
         for event in events:
             if isinstance(event, TrackerChanged):
                 news = True

@@ -62,6 +62,8 @@ def no_rtt(a: str | None, b: str) -> float:
 # A member's own speed report is believed up to this many times faster than the median speed for
 # the model: a self-report of 1e-9 s/layer cannot buy the route, a really faster node still wins.
 MAX_SPEEDUP_OVER_MEDIAN = 4.0
+# What a member that says nothing of its speed (and is not timed yet) counts at.
+DEFAULT_SECONDS_PER_LAYER = 1e-3
 
 
 class SpeedBook:
@@ -95,33 +97,44 @@ class SpeedBook:
 
 def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float,
                     speeds: SpeedBook | None = None) -> dict[str, float]:
-    """The seconds per layer routes count for each member serving `model`.
+    """The seconds per layer routes count for each member serving `model` (see `believe`)."""
+    reported = {record.node_id: record.seconds_per_layer for record in records
+                if any(s.model == model for s in record.served)}
+    return believe(reported, speeds, default_seconds_per_layer)
 
-    A member this node measured is never believed faster than measured (slower, if it says so).
-    One not measured yet has only its self-report (an unreported one counts at the default), raised
-    to a floor: `MAX_SPEEDUP_OVER_MEDIAN` times faster than the median of every member's speed,
-    measured where it was, so one liar cannot move it."""
-    reported: dict[str, float] = {}
+
+def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None,
+            default: float = DEFAULT_SECONDS_PER_LAYER) -> dict[str, float]:
+    """The seconds per layer to count for each member, from what it `reported` (its word; 0: it
+    said nothing) and what this node timed of it (`speeds`).
+
+    A member this node timed counts as timed (slower, if it says so). One not timed yet counts at
+    its self-report (`default` if it said nothing), raised to a floor: `MAX_SPEEDUP_OVER_MEDIAN`
+    times faster than the median of every member's figure, timed where it was, so one liar cannot
+    move it; and, once any member is timed, no faster than the fastest timed one."""
     measured: dict[str, float] = {}
-    for record in records:
-        if not any(s.model == model for s in record.served):
-            continue
-        reported[record.node_id] = record.seconds_per_layer or default_seconds_per_layer
-        seen = speeds.measured(record.node_id) if speeds is not None else None
+    for node_id in reported:
+        seen = speeds.measured(node_id) if speeds is not None else None
         if seen is not None:
-            measured[record.node_id] = seen
-    if not reported:
-        return {}
-    known = sorted(max(reported[node_id], measured.get(node_id, 0.0)) for node_id in reported)
-    floor = known[len(known) // 2] / MAX_SPEEDUP_OVER_MEDIAN
-    return {node_id: max(report, measured[node_id]) if node_id in measured else max(report, floor)
-            for node_id, report in reported.items()}
+            measured[node_id] = seen
+
+    def figure(node_id: str) -> float:
+        report = reported[node_id]
+        return max(report, measured[node_id]) if node_id in measured else report or default
+
+    figures = {node_id: figure(node_id) for node_id in reported}
+    known = sorted(f for f in figures.values() if f > 0)
+    if not known:
+        return figures
+    floor = max(known[len(known) // 2] / MAX_SPEEDUP_OVER_MEDIAN, min(measured.values(), default=0.0))
+    return {node_id: f if node_id in measured or not reported[node_id] else max(f, floor)
+            for node_id, f in figures.items()}
 
 
 def stage_options(
     records: Iterable[CapabilityRecord],
     model: str,
-    default_seconds_per_layer: float = 1e-3,
+    default_seconds_per_layer: float = DEFAULT_SECONDS_PER_LAYER,
     assigned: Mapping[str, Collection[tuple[int, int]]] | None = None,
     speeds: SpeedBook | None = None,
 ) -> list[StageOption]:
@@ -144,6 +157,28 @@ def stage_options(
     return options
 
 
+# A route in use is kept while it costs at most this much more than the cheapest: measured speeds
+# and RTTs are noisy, and a route that moved between replicas of one speed at each sample would
+# spread sessions (and KV) over both for nothing. A really faster route (or a slow stage) moves it.
+ROUTE_MARGIN = 0.25
+
+# A route as its planner keeps it between asks: (node id, start, end) of each stage.
+RouteKey = tuple[tuple[str, int, int], ...]
+
+
+def route_key(route: Route) -> RouteKey:
+    return tuple((s.node_id, s.start, s.end) for s in route.stages)
+
+
+def route_cost(stages: Iterable[StageOption], rtt: Rtt = no_rtt, asker: str | None = None) -> float:
+    """What one token costs along `stages`, counted as `plan_route` counts it."""
+    cost, at = 0.0, asker
+    for stage in stages:
+        cost += (0.0 if at == stage.node_id else rtt(at, stage.node_id)) + stage.compute_seconds
+        at = stage.node_id
+    return cost
+
+
 def plan_route(
     stages: Iterable[StageOption],
     n_layers: int,
@@ -151,13 +186,42 @@ def plan_route(
     asker: str | None = None,
     exclude: Collection[str] = (),
     max_arrivals: int = 16,
+    keep: RouteKey | None = None,
+    margin: float = ROUTE_MARGIN,
 ) -> Route:
     """The cheapest route through `stages` over layers [0, n_layers), avoiding `exclude`d nodes.
 
     With many replicas of the same ranges, each layer boundary is left only from its
     `max_arrivals` cheapest arrivals: that bounds the work at O(arrivals x stages), and
     misses the optimum only when a costlier arrival has a much shorter next link.
+
+    `keep` is the route in use (hysteresis): while every stage of it is still offered and not
+    excluded, and it costs (at today's figures) at most `margin` more than the cheapest, it stays.
     """
+    stages = list(stages)
+    best = _cheapest(stages, n_layers, rtt, asker, exclude, max_arrivals)
+    if keep is None or route_key(best) == keep:
+        return best
+    offered = {(s.node_id, s.start, s.end): s for s in stages if s.node_id not in exclude}
+    kept = [offered.get(key) for key in keep]
+    if any(s is None for s in kept) or not _tiles(keep, n_layers):
+        return best
+    held = tuple(s for s in kept if s is not None)
+    cost = route_cost(held, rtt, asker)
+    return Route(held, cost) if cost <= best.seconds * (1.0 + margin) else best
+
+
+def _tiles(key: RouteKey, n_layers: int) -> bool:
+    at = 0
+    for _, start, end in key:
+        if start != at or end <= start:
+            return False
+        at = end
+    return at == n_layers
+
+
+def _cheapest(stages: list[StageOption], n_layers: int, rtt: Rtt, asker: str | None, exclude: Collection[str],
+              max_arrivals: int) -> Route:
     starting: dict[int, list[StageOption]] = defaultdict(list)
     excluded = set(exclude)
     for stage in stages:
