@@ -93,13 +93,29 @@ def dial(record: object) -> str:
     return "10.0.0.1:7400"
 
 
+def probing_tracker() -> MeshDuty:
+    """A tracker that serves nothing itself and times its stages often (FAST_PROBES)."""
+    return MeshDuty(MeshNode(identity(0), record(0, reachability="public", started_at=0.0, memory_bytes=0),
+                             0.0, SwimConfig(), ElectionConfig(), rng(0)),
+                    DutyConfig(volunteer=None, settle=0.5, probes=FAST_PROBES))
+
+
+def liar_beside_two_honest() -> tuple[MeshDuty, list[MeshDuty], MeshDuty, Mesh]:
+    """Two honest volunteers that hold five layers each (a chain of two), and an attacker that holds
+    the whole model and signs 1e-9 s/layer, settled for 10 s under a probing tracker."""
+    tracker = probing_tracker()
+    honest = [duty(i, memory=500, probes=FAST_PROBES) for i in (1, 2)]
+    liar = replica(3, seconds_per_layer=1e-9)
+    mesh = Mesh(tracker, *honest, liar)
+    mesh.run_until(10.0)
+    return tracker, honest, liar, mesh
+
+
 def test_a_replica_claiming_a_made_up_speed_is_timed_slow_and_loses_the_route_to_an_honest_one() -> None:
     # The tracker (no memory: placed nowhere, so every route goes through the others), an honest
     # replica of the whole model, and the attacker: placed as a replica too, signing 1e-9 s/layer,
     # really five times slower than the honest one (as a stage sleeping at each step is).
-    tracker = MeshDuty(MeshNode(identity(0), record(0, reachability="public", started_at=0.0, memory_bytes=0),
-                                0.0, SwimConfig(), ElectionConfig(), rng(0)),
-                       DutyConfig(volunteer=None, settle=0.5, probes=FAST_PROBES))
+    tracker = probing_tracker()
     honest, liar = replica(1), replica(2, seconds_per_layer=1e-9)
     mesh = Mesh(tracker, honest, liar)
     mesh.run_until(10.0)
@@ -121,13 +137,7 @@ def test_a_member_claiming_a_made_up_speed_draws_the_placement_only_until_it_is_
     # Two honest volunteers that hold five layers each (a chain of two), and the attacker, who holds
     # the whole model and signs 1e-9 s/layer: believed a quarter of the median at most, it is the
     # placement's chain; timed five times slower than the honest ones, the chain moves to them.
-    tracker = MeshDuty(MeshNode(identity(0), record(0, reachability="public", started_at=0.0, memory_bytes=0),
-                                0.0, SwimConfig(), ElectionConfig(), rng(0)),
-                       DutyConfig(volunteer=None, settle=0.5, probes=FAST_PROBES))
-    honest = [duty(i, memory=500, probes=FAST_PROBES) for i in (1, 2)]
-    liar = replica(3, seconds_per_layer=1e-9)
-    mesh = Mesh(tracker, *honest, liar)
-    mesh.run_until(10.0)
+    tracker, honest, liar, mesh = liar_beside_two_honest()
     assert [s.node_id for s in tracker.assignments[MODEL.digest].chain] == [liar.node_id]
     timings = FakeStageTimings(mesh, tracker, {d.node_id: 1e-3 for d in honest} | {liar.node_id: 5e-3})
     timings.run_until(20.0)
@@ -140,13 +150,7 @@ def test_a_member_claiming_a_made_up_speed_draws_the_placement_only_until_it_is_
 def test_a_member_that_keeps_out_of_the_probes_gets_no_route_while_timed_stages_cover_the_model() -> None:
     # As above, but the attacker answers no probe: it stays untimed, with its word and the floor only
     # (which, one stage against two, would still buy it the route).
-    tracker = MeshDuty(MeshNode(identity(0), record(0, reachability="public", started_at=0.0, memory_bytes=0),
-                                0.0, SwimConfig(), ElectionConfig(), rng(0)),
-                       DutyConfig(volunteer=None, settle=0.5, probes=FAST_PROBES))
-    honest = [duty(i, memory=500, probes=FAST_PROBES) for i in (1, 2)]
-    liar = replica(3, seconds_per_layer=1e-9)
-    mesh = Mesh(tracker, *honest, liar)
-    mesh.run_until(10.0)
+    tracker, honest, liar, mesh = liar_beside_two_honest()
     assert [s.node_id for s in tracker.route(MODEL.digest, (), dial).stages] == [liar.node_id]
     timings = FakeStageTimings(mesh, tracker, {d.node_id: 1e-3 for d in honest})
     timings.run_until(20.0)
@@ -162,9 +166,7 @@ def test_a_member_that_keeps_out_of_the_probes_gets_no_route_while_timed_stages_
 
 
 def test_honest_replicas_timed_with_noise_keep_the_route_in_use() -> None:
-    tracker = MeshDuty(MeshNode(identity(0), record(0, reachability="public", started_at=0.0, memory_bytes=0),
-                                0.0, SwimConfig(), ElectionConfig(), rng(0)),
-                       DutyConfig(volunteer=None, settle=0.5, probes=FAST_PROBES))
+    tracker = probing_tracker()
     a, b = replica(1), replica(2)
     mesh = Mesh(tracker, a, b)
     mesh.run_until(10.0)
