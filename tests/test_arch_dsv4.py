@@ -16,12 +16,12 @@ cache holds only the owned layers.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
+from attacks import stranger_error
 from gguf_dsv4 import DSV4_SPEC, stage_width, write_dsv4_gguf
 from gguf_factory import byte_level_vocab, owned_tensors
 from localmesh import Served, run_meshd, start_serve, stop_all
@@ -30,14 +30,10 @@ from test_engine_arch_parity import N_CTX, NEW_TOKENS, PROMPT_LENGTHS, Run, chai
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.engine import Context, InvalidInput, Model
-from meshd.net.link import Stream
-from meshd.net.peers import Peers, open_peers
+from meshd.net.peers import open_peers
 from tests.conftest import greedy_reference
-from wire.codec import ErrorMessage
-from wire.errors import ErrorCode, ProtocolError
+from wire.errors import ErrorCode
 from wire.identity import NodeIdentity
-from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef
-from wire.tensors import Activation, TensorEntry, tensor_fields
 
 Chain = list[tuple[int, int]]
 
@@ -176,7 +172,7 @@ async def test_three_serve_processes_answer_token_for_token_like_the_whole_model
             # pipeline answers the same after
             for ids, carry, why in ((None, 0, "the session must send it the token ids"),
                                     (None, 1, "must carry the token ids"), ([1, 300], 1, "outside the vocabulary")):
-                err = await _activation_error(peers, stages[1].address, ids, carry)
+                err = await stranger_error(peers, stages[1].address, stage_width(DSV4_SPEC), ids, carry)
                 assert err.code == ErrorCode.BAD_REQUEST and why in err.message, err
             with trio.fail_after(ASK_DEADLINE):
                 again = await run_session(peers, route_at(route), request, AskResult())
@@ -190,33 +186,3 @@ async def test_three_serve_processes_answer_token_for_token_like_the_whole_model
     assert f"{len(want)} new tokens" in asked.stderr
 
 
-async def _activation_error(peers: Peers, address: str, ids: list[int] | None, carry: int) -> ProtocolError:
-    """Opens a session on the stage at `address` (its Hop says the ids reach `carry` stages from it on)
-    and sends it two rows with `ids`; returns its typed error."""
-    async with open_peers(NodeIdentity.generate()) as sink_peers:
-        sink_peers.handle(STAGE_PROTOCOL, _drain)
-        port = await sink_peers.listen("127.0.0.1", 0)
-        sink = PeerRef(address=f"127.0.0.1:{port}", node_id=sink_peers.node_id)
-        with trio.fail_after(30):
-            control = await peers.open_stream(address, STAGE_PROTOCOL)
-            await control.send_message(Open(session="stranger", epoch=0, head=sink, next=sink))
-            assert isinstance(await control.receive_message(), Opened)
-            hop = await peers.open_stream(address, STAGE_PROTOCOL)
-            await hop.send_message(Hop(session="stranger", epoch=0, prompt_tokens=2, carry_tokens=carry))
-            rows = np.zeros((2, stage_width(DSV4_SPEC)), dtype=np.float32)
-            await hop.send_message(Activation(session="stranger", epoch=0, step=0, pos=0, n_tokens=2,
-                                              tensors=[TensorEntry(**tensor_fields("hidden_states", rows))],
-                                              tokens=ids))
-            while True:
-                try:
-                    msg = await control.receive_message()
-                except ProtocolError as exc:
-                    return exc
-                if isinstance(msg, ErrorMessage):
-                    return ProtocolError(msg.code, msg.message)
-
-
-async def _drain(stream: Stream) -> None:
-    with contextlib.suppress(ProtocolError, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
-        while True:
-            await stream.receive_message()

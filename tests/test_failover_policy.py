@@ -5,7 +5,7 @@ the route answer's exclusions before SWIM has declared anyone dead, and what `me
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import trio
@@ -132,21 +132,28 @@ async def test_a_stage_error_naming_its_culprit_excludes_it_without_probing(
     assert fake.probes == 0 and result.excluded == ["b0"] and fake.routes == [["a0", "b1", "c0"]]
 
 
-async def test_a_middle_stage_that_stalls_but_answers_probes_is_blamed_on_the_second_stall(
-        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
-    fake = FakeMesh(monkeypatch, dead=set())
-
+def stalling_at(node: str, fake: FakeMesh, monkeypatch: pytest.MonkeyPatch,
+                error: Callable[[Sequence[Stage]], BaseException]) -> None:
+    """Sessions on a route through `node` stall for their whole stall timeout, then raise `error(route)`;
+    the rest run on `fake`."""
     async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
                       on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
-                          verifier: object = None) -> AskResult:
-        if "b0" in [s.node_id for s in route]:
+                      verifier: object = None) -> AskResult:
+        if node in [s.node_id for s in route]:
             fake.routes.append([s.node_id for s in route])
-            # the tail waits for rows that never come: it is the one whose stream times out
             await trio.sleep(stall_timeout)
-            raise StageError(len(route) - 1, ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the stage stalled"))
+            raise error(route)
         return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
 
     monkeypatch.setattr(ask, "run_session", session)
+
+
+async def test_a_middle_stage_that_stalls_but_answers_probes_is_blamed_on_the_second_stall(
+        monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeMesh(monkeypatch, dead=set())
+    # the tail waits for rows that never come: it is the one whose stream times out
+    stalling_at("b0", fake, monkeypatch, lambda route: StageError(
+        len(route) - 1, ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the stage stalled")))
     result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
     # the honest tail first; then the stages both stalled routes share, the staller among them
     assert fake.routes == [["a0", "b0", "c0"], ["a0", "b0", "c1"], ["a1", "b1", "c1"]]
@@ -156,17 +163,7 @@ async def test_a_middle_stage_that_stalls_but_answers_probes_is_blamed_on_the_se
 async def test_a_stall_at_opening_is_retried_once_and_then_blames_the_whole_route(
         monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
     fake = FakeMesh(monkeypatch, dead=set())
-
-    async def session(peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
-                      on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
-                          verifier: object = None) -> AskResult:
-        if "b0" in [s.node_id for s in route]:
-            fake.routes.append([s.node_id for s in route])
-            await trio.sleep(stall_timeout)
-            raise trio.TooSlowError
-        return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
-
-    monkeypatch.setattr(ask, "run_session", session)
+    stalling_at("b0", fake, monkeypatch, lambda route: trio.TooSlowError())
     result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
     assert fake.routes == [["a0", "b0", "c0"], ["a0", "b0", "c0"], ["a1", "b1", "c1"]]
     assert result.excluded == ["a0", "b0", "c0"] and result.failovers == 2

@@ -13,24 +13,23 @@ stage, is tests/test_arch_dsv4.py's serve test.)
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 import trio
+from attacks import stranger_error
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
-from wire.codec import ErrorMessage, Message
-from wire.errors import ErrorCode, ProtocolError
+from wire.codec import Message
+from wire.errors import ErrorCode
 from wire.identity import NodeIdentity
-from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, PromptTokens, Sampling
-from wire.tensors import Activation, TensorEntry, tensor_fields
+from wire.stage import Hop, Open, PromptTokens, Sampling
+from wire.tensors import Activation
 
 pytestmark = pytest.mark.slow  # four engine workers
 
@@ -96,41 +95,6 @@ async def ask(peers: Peers, nodes: Sequence[StageNode], request: AskRequest) -> 
         return await run_session(peers, route_at([n.address for n in nodes]), request, AskResult())
 
 
-async def _drain(stream: Stream) -> None:
-    with contextlib.suppress(ProtocolError, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
-        while True:
-            await stream.receive_message()
-
-
-async def stranger_error(peers: Peers, node: StageNode, ids: list[int] | None, carry: int,
-                         prompt_ids: list[int] | None = None) -> ProtocolError:
-    """A stranger's session on ``node``: (optionally) the prompt's ids on its control stream, then a
-    Hop saying the ids reach ``carry`` stages and two rows with ``ids``; returns its typed error."""
-    async with open_peers(NodeIdentity.generate()) as sink_peers:
-        sink_peers.handle(STAGE_PROTOCOL, _drain)
-        port = await sink_peers.listen("127.0.0.1", 0)
-        sink = PeerRef(address=f"127.0.0.1:{port}", node_id=sink_peers.node_id)
-        with trio.fail_after(30):
-            control = await peers.open_stream(node.address, STAGE_PROTOCOL)
-            await control.send_message(Open(session="stranger", epoch=0, head=sink, next=sink))
-            assert isinstance(await control.receive_message(), Opened)
-            if prompt_ids is not None:
-                await control.send_message(PromptTokens(session="stranger", epoch=0, tokens=prompt_ids))
-            hop = await peers.open_stream(node.address, STAGE_PROTOCOL)
-            await hop.send_message(Hop(session="stranger", epoch=0, prompt_tokens=2, carry_tokens=carry))
-            rows = np.zeros((2, node.service.report.stage_width), dtype=np.float32)
-            await hop.send_message(Activation(session="stranger", epoch=0, step=0, pos=0, n_tokens=2,
-                                              tensors=[TensorEntry(**tensor_fields("hidden_states", rows))],
-                                              tokens=ids))
-            while True:
-                try:
-                    msg = await control.receive_message()
-                except ProtocolError as exc:
-                    return exc
-                if isinstance(msg, ErrorMessage):
-                    return ProtocolError(msg.code, msg.message)
-
-
 async def test_a_middle_stage_gets_rows_only_and_the_answers_stay_the_whole_models(default_model: Path) -> None:
     penalised = AskRequest(messages=[{"role": "user", "content": "Name three colours, then three more."}],
                            max_tokens=24, sampling=Sampling(repeat_penalty=1.5, repeat_last_n=64))
@@ -155,18 +119,19 @@ async def test_a_middle_stage_gets_rows_only_and_the_answers_stay_the_whole_mode
                 assert "colours" not in opened.model_dump_json() and "lighthouse" not in opened.model_dump_json()
 
             # a stage the session sends no ids refuses rows with them; the middle takes no prompt ids
-            err = await stranger_error(peers, nodes[1], [1, 2], 0)
+            width = nodes[1].service.report.stage_width  # every stage of a split takes the residual
+            err = await stranger_error(peers, nodes[1].address, width, [1, 2], 0)
             assert err.code is ErrorCode.BAD_REQUEST and "sends this stage none" in err.message, err
-            err = await stranger_error(peers, nodes[1], None, 0, prompt_ids=[1, 2])
+            err = await stranger_error(peers, nodes[1].address, width, None, 0, prompt_ids=[1, 2])
             assert err.code is ErrorCode.BAD_REQUEST and "only a tail" in err.message, err
             # the tail checks the asker's ids (count, vocabulary), and without them fails that session
-            err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1, 2, 3])
+            err = await stranger_error(peers, nodes[2].address, width, None, 0, prompt_ids=[1, 2, 3])
             assert err.code is ErrorCode.BAD_REQUEST and "3 token ids for a prompt of 2" in err.message, err
-            err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1] * 513)
+            err = await stranger_error(peers, nodes[2].address, width, None, 0, prompt_ids=[1] * 513)
             assert err.code is ErrorCode.BAD_REQUEST and "session budget of 512" in err.message, err
-            err = await stranger_error(peers, nodes[2], None, 0, prompt_ids=[1, 1 << 30])
+            err = await stranger_error(peers, nodes[2].address, width, None, 0, prompt_ids=[1, 1 << 30])
             assert err.code is ErrorCode.BAD_REQUEST and "outside the vocabulary" in err.message, err
-            err = await stranger_error(peers, nodes[2], None, 0)
+            err = await stranger_error(peers, nodes[2].address, width, None, 0)
             assert err.code is ErrorCode.BAD_REQUEST and "no token ids of the prompt" in err.message, err
 
             # and the route still answers the same after the strangers
