@@ -175,6 +175,8 @@ def main() -> int:
         results: dict[int, tuple[float, float, list[int]]] = {}
         deadline = time.monotonic() + 600
         while len(results) < 3 and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break  # a worker failed (its traceback is on stderr): the ring cannot finish
             if parent.poll(1.0):
                 msg = parent.recv()
                 if msg[0] == "done":
