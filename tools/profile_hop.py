@@ -22,7 +22,7 @@ over --decode greedy tokens of one session:
 
 The box is shared: run it next to the same command on the other tree.
 
-Usage: .venv/bin/python tools/profile_hop.py [--decode 64] [--profile]
+Usage: .venv/bin/python tools/profile_hop.py [--decode 64] [--profile] [--receipts]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import trio  # noqa: E402
 from bench_pipeline import DECODE_TEXT, cpu_ns  # noqa: E402
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session  # noqa: E402
+from meshd.client.verify import CheckPlan, Verifier  # noqa: E402
 from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
 from meshd.engine.engine import Model  # noqa: E402
 from meshd.engine.supervisor import EngineSupervisor  # noqa: E402
@@ -191,7 +192,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result = AskResult()
         if profile:
             profile.enable()
-        await run_session(peers, route, AskRequest(text=DECODE_TEXT, max_tokens=args.decode), result)
+        # receipts without replicas: what every hop pays for verification, spot checks apart
+        verifier = Verifier(peers, CheckPlan(every=0)) if args.receipts else None
+        await run_session(peers, route, AskRequest(text=DECODE_TEXT, max_tokens=args.decode), result,
+                          verifier=verifier)
         if profile:
             profile.disable()
         cpu1 = time.process_time_ns()
@@ -261,6 +265,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64, help="tokens generated")
     ap.add_argument("--pings", type=int, default=200, help="ping round trips per worker")
     ap.add_argument("--profile", action="store_true", help="cProfile the decode run")
+    ap.add_argument("--receipts", action="store_true", help="stages sign receipts (verification's default)")
     args = ap.parse_args()
     print(report(trio.run(run, args)))
     return 0
