@@ -34,6 +34,7 @@ from typing import Any
 import trio
 from tqdm import tqdm
 
+from meshd.client.ask import first_error
 from meshd.client.probe import probe_stage
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
@@ -732,7 +733,9 @@ class MeshDaemon:
                 await self._fetch_range(load.start, load.end)
             await self._nursery.start(self._run_range, serving)
         except Exception as exc:
-            log.warning("cannot serve layers [%d, %d): %s", load.start, load.end, exc)
+            # the worker's own reason (a stale library, a bad file), not the nursery's wrapper
+            reason = first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            log.warning("cannot serve layers [%d, %d): %s", load.start, load.end, reason)
             self.duty.range_failed(trio.current_time(), load.start, load.end)
             self._flush()
             return

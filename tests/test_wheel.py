@@ -3,6 +3,8 @@ a wheel carries it, and a `meshd` installed from that wheel into a fresh venv se
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -63,6 +65,41 @@ def test_no_library_anywhere_names_every_place_looked(places: dict[str, Path]) -
         native._library_dir()
     message = str(caught.value)
     assert all(str(p) in message for p in (places["package"], places["env"])) and "tools/build_native.py" in message
+
+
+def recorded_build(checkout: Path) -> Path:
+    """A checkout with native sources, and a build/native whose record says it was built from them."""
+    (checkout / "native" / "patches").mkdir(parents=True)
+    (checkout / "native" / "meshengine.cpp").write_text("int engine;\n")
+    (checkout / "native" / "patches" / "0001-a.patch").write_text("a\n")
+    build = fake_library(checkout / "build" / "native")
+    files = {rel: hashlib.sha256((checkout / rel).read_bytes()).hexdigest()
+             for rel in ("native/meshengine.cpp", "native/patches/0001-a.patch")}
+    (build / native.SOURCES_NAME).write_text(json.dumps({"files": files}))
+    return build
+
+
+def test_a_checkouts_library_must_be_built_from_its_own_sources(places: dict[str, Path]) -> None:
+    checkout = places["checkout"]
+    build = recorded_build(checkout)
+    native._check_sources(build)
+
+    def refused() -> str:
+        with pytest.raises(native.EngineUnavailable) as caught:
+            native._check_sources(build)
+        assert "tools/build_native.py" in str(caught.value)
+        return str(caught.value)
+
+    (checkout / "native" / "meshengine.cpp").write_text("int engine_fixed;\n")
+    assert "(native/meshengine.cpp)" in refused()
+    (checkout / "native" / "meshengine.cpp").write_text("int engine;\n")
+    (checkout / "native" / "patches" / "0002-b.patch").write_text("b\n")
+    assert "(native/patches/0002-b.patch)" in refused()
+    (checkout / "native" / "patches" / "0002-b.patch").unlink()
+    (checkout / "native" / "patches" / "0001-a.patch").unlink()
+    assert "(native/patches/0001-a.patch)" in refused()
+    (build / native.SOURCES_NAME).write_text("{")
+    assert "no record of the sources" in refused()
 
 
 # ----- the wheel, built and installed for real

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -45,6 +46,9 @@ ARCH_SOURCE = "llama-arch.cpp"
 CACHE_LAYOUT = 2
 # Files whose content decides what the build produces.
 KEYED_FILES = ["native/llama.lock", "native/meshengine.h", "native/meshengine.cpp", "CMakeLists.txt"]
+# Beside the library: the sha256 of each file it was built from (meshd.engine.native checks a
+# checkout's build/native against its own files, so a library left from other sources is refused).
+SOURCES_NAME = "sources.json"
 
 
 class BuildError(Exception):
@@ -206,6 +210,12 @@ def build_env() -> tuple[dict[str, str], list[str], list[str]]:
     return env, launcher, generator
 
 
+def sources_record() -> str:
+    """What SOURCES_NAME holds: the keyed files and patches, by path from the checkout's root."""
+    files = [*KEYED_FILES, *(str(p.relative_to(ROOT)) for p in patches())]
+    return json.dumps({"files": {rel: sha256_of(ROOT / rel) for rel in files}}, indent=1, sort_keys=True)
+
+
 def relink(link: Path, target: Path) -> None:
     BUILD.mkdir(exist_ok=True)
     if link.is_symlink() or link.exists():
@@ -232,6 +242,10 @@ def build(jobs: int, verbose: bool) -> Path:
         shutil.copy2(NATIVE / "meshengine.h", out / "meshengine.h")
         shutil.copy2(src / "src" / ARCH_SOURCE, out / ARCH_SOURCE)
         (out / (LIB_NAME + ".tmp")).rename(out / LIB_NAME)
+    # an entry cached before the record existed gets it now: its key says it is of these sources
+    if not (out / SOURCES_NAME).exists():
+        (out / (SOURCES_NAME + ".tmp")).write_text(sources_record())
+        (out / (SOURCES_NAME + ".tmp")).rename(out / SOURCES_NAME)
     relink(link, out)
     return link / LIB_NAME
 

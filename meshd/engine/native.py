@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from functools import lru_cache
@@ -13,6 +15,8 @@ import cffi
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 LIB_NAME = "libmeshengine.so"
+# tools/build_native.py's record of the sources a library was built from (beside it)
+SOURCES_NAME = "sources.json"
 
 
 class EngineUnavailable(Exception):
@@ -52,6 +56,8 @@ def load() -> tuple[cffi.FFI, Any]:
     header's functions and constants, known only once the cdef is parsed.
     """
     directory = _library_dir()
+    if directory == ROOT / "build" / "native":
+        _check_sources(directory)
     lib_path = directory / LIB_NAME
     # The header installed beside the library is the one it was built from.
     header = directory / "meshengine.h"
@@ -60,6 +66,33 @@ def load() -> tuple[cffi.FFI, Any]:
     lib = ffi.dlopen(str(lib_path))
     _check_abi(ffi, lib)
     return ffi, lib
+
+
+def _check_sources(directory: Path) -> None:
+    """A checkout's library must be of the checkout's own native sources. The ABI and struct checks
+    do not see a change inside the engine (a library from before a batch-invariance fix loaded
+    without a word and gave other numbers)."""
+    rebuild = "rebuild it with `python tools/build_native.py`"
+    try:
+        record = json.loads((directory / SOURCES_NAME).read_text())
+        files: dict[str, str] = record["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise EngineUnavailable(f"{directory / LIB_NAME} has no record of the sources it was built from: "
+                                f"{rebuild}") from None
+    patches = {str(p.relative_to(ROOT)) for p in (ROOT / "native" / "patches").glob("*.patch")}
+    recorded = {rel for rel in files if rel.startswith("native/patches/")}
+    # a patch added since the build, or a recorded file changed or gone
+    changed = sorted((patches - recorded) | {rel for rel, digest in files.items() if _sha256_of(ROOT / rel) != digest})
+    if changed:
+        raise EngineUnavailable(f"{directory / LIB_NAME} was built from other sources than this checkout's "
+                                f"({', '.join(changed)}): {rebuild}")
+
+
+def _sha256_of(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _check_abi(ffi: cffi.FFI, lib: Any) -> None:

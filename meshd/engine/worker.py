@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from meshd.engine.engine import Context, EngineError, Model, Sampler, SamplingParams
+from meshd.engine.native import EngineUnavailable
 from meshd.engine.workerproto import (
     MAX_HEADER,
     MAX_PAYLOAD,
@@ -303,7 +304,7 @@ def main() -> int:
         model = Model(args.model, layers, n_gpu_layers=args.gpu_layers)
         ctx = Context(model, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, n_batch=args.n_batch,
                       n_threads=args.threads or None, poll=args.poll)
-    except EngineError as exc:
+    except (EngineError, EngineUnavailable) as exc:
         with contextlib.suppress(OSError):  # a daemon gone while we loaded hears nothing, and minds nothing
             sock.sendall(encode_prefix({"ok": False, "kind": type(exc).__name__, "message": str(exc)}, 0))
         return 1
