@@ -382,3 +382,27 @@ def test_a_route_is_asked_for_by_model_id_or_by_the_name_of_one_model() -> None:
     assert by_name == by_id and by_name.model == MODEL.digest
     with pytest.raises(ProtocolError, match="no member holds model"):
         duties[1].route("another", (), address)
+
+
+def test_a_stage_far_from_the_planner_loses_the_route_and_rtt_noise_does_not_move_it() -> None:
+    duties = [duty(i) for i in range(4)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    planner = duties[1]
+
+    def address(r: object) -> str:
+        return "10.0.0.1:7400"
+
+    def route_with(rtts: dict[str, float]) -> list[str]:
+        planner.node.membership.rtt = rtts.get  # type: ignore[method-assign]
+        return [s.node_id for s in planner.route(MODEL.digest, (), address).stages]
+
+    near = {d.node_id: 0.001 for d in duties}
+    kept = route_with(near)
+    assert len(kept) == 2
+    # every range has a second server here: the tail's replica is as near as the rest
+    for k in range(20):
+        # each stage's RTT to the planner moves by up to 30%: the hop bound moves with it, inside the margin
+        assert route_with({n: 0.001 * (0.7 + 0.6 * ((k * 7 + i * 3) % 10) / 9) for i, n in enumerate(near)}) == kept
+    far = route_with(near | {kept[-1]: 0.05})
+    assert far[0] == kept[0] and far[-1] != kept[-1]

@@ -55,6 +55,7 @@ from meshd.mesh.routing import (
     believe,
     plan_route,
     route_key,
+    stage_hop_seconds,
     stage_options,
 )
 from meshd.mesh.status import held_models, status_view
@@ -369,9 +370,11 @@ class MeshDuty:
         rtt, own = self.node.membership.rtt, self.node.node_id
 
         def link_cost(a: str | None, b: str) -> float:
-            # From here (the asker's side) the RTT SWIM measured (smoothed there); between stages we have
-            # no measure: a bound from this node's RTTs moved routes between replicas with their noise.
-            return (rtt(b) or 0.0) if a is None or a == own else 0.001
+            # From here (the asker's side) the RTT SWIM measured (smoothed there); between stages the
+            # bound from this node's RTTs to both (their noise is inside the kept route's margin).
+            if a is None or a == own:
+                return rtt(b) or 0.0
+            return stage_hop_seconds(rtt(a), rtt(b))
 
         options = stage_options(records.values(), model, assigned=self._assigned(model), speeds=self.speeds)
         found = None

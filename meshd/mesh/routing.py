@@ -59,6 +59,20 @@ def no_rtt(a: str | None, b: str) -> float:
     return 0.0
 
 
+# What a hop between two stages costs at least, when nothing measured says more.
+STAGE_HOP_FLOOR = 0.001
+
+
+def stage_hop_seconds(rtt_a: float | None, rtt_b: float | None) -> float:
+    """A hop between stages a and b, from the planner's own RTTs to each: the triangle's lower
+    bound |rtt(a) - rtt(b)| (a replica far from the mesh costs its distance; two stages in one far
+    room cost little). No member can make it smaller: its RTT to the planner is first-hand, and a
+    probe cannot be answered before it arrives. What the stages say of their own links is not used."""
+    if rtt_a is None or rtt_b is None:
+        return STAGE_HOP_FLOOR
+    return max(STAGE_HOP_FLOOR, abs(rtt_a - rtt_b))
+
+
 # A member's own speed report is believed up to this many times faster than the median speed for
 # the model: a self-report of 1e-9 s/layer cannot buy the route, a really faster node still wins.
 MAX_SPEEDUP_OVER_MEDIAN = 4.0
