@@ -4,7 +4,7 @@ A failover re-prefills the prompt and the tokens generated so far in one batch, 
 draft is verified in one batch; both must give exactly what decoding one token at a time
 gave. ggml-cpu picks kernels by row count (llamafile's sgemm from two rows, flash
 attention's tiled kernel from 64 query rows, its split-KV kernel for one row over 512
-cells, repacked Q4_K weights' gemm for groups of 4 rows, the tiled K-quant matmul
+cells, repacked Q4_K weights' gemm for groups of 4 rows, the tiled K- and IQ-quant matmul
 from 8 rows), and each sums in its own order; the build, the model's buffers
 and the engine's start turn those off.
 """
@@ -56,13 +56,14 @@ def quantized_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Pa
 def random_kquant_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     """`src` with its 2-D layer and output weights replaced by random `qtype` blocks.
 
-    gguf-py cannot quantize to K-quants, and a random-weight model needs no real weights:
+    gguf-py cannot quantize to K- or IQ-quants, and a random-weight model needs no real weights:
     random quant bytes with small block scales are valid weights of that type."""
     rng = np.random.default_rng(11)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-    # where each block's f16 scale(s) sit: Q4_K starts with d and dmin, Q6_K ends with d
-    scale_at = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (size - 2,)}[qtype]
+    # where each block's f16 scale(s) sit: Q4_K starts with d and dmin, Q6_K ends with d, the IQ4s start with d
+    q = gguf.GGMLQuantizationType
+    scale_at = {q.Q4_K: (0, 2), q.Q6_K: (size - 2,), q.IQ4_NL: (0,), q.IQ4_XS: (0,)}[qtype]
 
     def blocks(data: np.ndarray) -> np.ndarray:
         rows, cols = data.shape
@@ -86,7 +87,10 @@ def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     return {"f16": tiny_models["llama-gqa-tied"], "f32": tiny_models["llama-gqa-untied"],
             "q4_1": quantized_copy(tiny_models["llama-gqa-untied"], root / "q4_1.gguf", q.Q4_1),
             "q4_k": random_kquant_copy(wide, root / "q4_k.gguf", q.Q4_K),
-            "q6_k": random_kquant_copy(wide, root / "q6_k.gguf", q.Q6_K)}
+            "q6_k": random_kquant_copy(wide, root / "q6_k.gguf", q.Q6_K),
+            # the tiled path took IQ-quant matmuls too
+            "iq4_nl": random_kquant_copy(wide, root / "iq4_nl.gguf", q.IQ4_NL),
+            "iq4_xs": random_kquant_copy(wide, root / "iq4_xs.gguf", q.IQ4_XS)}
 
 
 def batched_and_single(path: Path, n: int, prefix: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -112,7 +116,7 @@ def assert_identical(together: np.ndarray, apart: np.ndarray) -> None:
                               f"one-by-one decoding, by up to {float(np.abs(together - apart).max()):.3g}")
 
 
-@pytest.mark.parametrize("kind", ["f16", "f32", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["f16", "f32", "q4_1", "q4_k", "q6_k", "iq4_nl", "iq4_xs"])
 def test_batch_rows_equal_decode_steps(models: dict[str, Path], kind: str) -> None:
     assert_identical(*batched_and_single(models[kind], BATCH))
 
