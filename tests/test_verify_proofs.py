@@ -262,6 +262,21 @@ def test_receipts_do_not_carry_the_node_id_and_derive_it_from_the_key() -> None:
     assert not r.model_copy(update={"public_key": other.public_key}).verify()
 
 
+def test_a_receipts_kept_signed_bytes_and_hash_are_its_own_and_never_a_copys() -> None:
+    r = ledger(SIGNERS[0], RANGES[0]).sign(0, 3, tokens_hash([1, 2, 3]), row_hash(b"a"))
+    signing, h = r.signing_bytes(), r.hash
+    # worked out once, and the same as for the receipt validated from its fields
+    assert r.signing_bytes() is signing and r.hash is h
+    fresh = Receipt.model_validate(r.model_dump())
+    assert fresh == r and fresh.signing_bytes() == signing and fresh.hash == h and fresh.verify()
+    # a copy with another field signs and hashes other bytes: a forgery cannot borrow the original's
+    for name, value in [("h_out", row_hash(b"b")), ("pos", 1), ("epoch", 1), ("session", "s2"), ("model", "cd" * 32)]:
+        forged = r.model_copy(update={name: value})
+        assert forged.signing_bytes() != signing and forged.hash != h and not forged.verify(), name
+    resigned = r.model_copy(update={"signature": b"\x00" * 64})
+    assert resigned.signing_bytes() == signing and resigned.hash != h and not resigned.verify()
+
+
 def test_the_ring_brings_the_tails_receipt_alone_and_the_head_refuses_any_other() -> None:
     ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
     chain = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)

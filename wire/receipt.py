@@ -22,8 +22,9 @@ receipts into a verdict live in ``meshd.mesh.proofs``.
 from __future__ import annotations
 
 import hashlib
+import struct
 from functools import lru_cache
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
@@ -42,7 +43,8 @@ MAX_CHAIN = 32
 # a proof names one culprit and at most this many witnesses against it
 MAX_WITNESSES = 4
 
-_RECEIPT_DOMAIN = b"meshd/receipt/2\x00"
+# 3: the signed bytes are a fixed layout after the session's (``_BODY``), not a msgpack map
+_RECEIPT_DOMAIN = b"meshd/receipt/3\x00"
 _HIST_DOMAIN = b"meshd/history/1\x00"
 # the h_prev of a chain's first receipt
 NO_PREV = bytes(HASH_BYTES)
@@ -68,7 +70,20 @@ def sampling_bytes(sampling: WireModel, prompt_len: int) -> bytes:
 
 def receipt_hash(receipt: Receipt) -> bytes:
     """What the next receipt of a chain names as ``h_prev``: the whole receipt, signature included."""
-    return row_hash(receipt.signing_bytes() + receipt.signature)
+    return receipt.hash
+
+
+# What a receipt signs after its session's ``_context``: pos, n_tokens, layer_begin, layer_end, h_in, h_out,
+# h_hist, h_prev, public_key, little-endian and fixed in width (every field's bounds fit), so packing
+# it is one call, not a map built and packed per receipt
+_BODY = struct.Struct("<IIII16s16s16s16s32s")
+
+
+@lru_cache(maxsize=1024)
+def _context(session: str, epoch: int, model: str) -> bytes:
+    # the same for every receipt of a session at a stage: packed once
+    packed: bytes = msgpack.packb([session, epoch, model], use_bin_type=True)
+    return _RECEIPT_DOMAIN + packed
 
 
 @lru_cache(maxsize=4096)
@@ -89,7 +104,16 @@ def history_next(hist: bytes, pos: int, n_tokens: int, h_in: bytes) -> bytes:
 
 
 class Receipt(WireModel):
-    """One stage's signed account of one step of one session."""
+    """One stage's signed account of one step of one session.
+
+    Immutable, so its signed bytes and its hash are worked out once, when first asked for, and kept
+    beside its fields (slots: not fields, so neither compared nor encoded; ``model_copy`` leaves them
+    unset, so a copy with other fields works them out anew)."""
+
+    __slots__ = ("_signing", "_hash")
+    if TYPE_CHECKING:
+        _signing: bytes
+        _hash: bytes
 
     session: SessionId
     epoch: Epoch
@@ -113,17 +137,52 @@ class Receipt(WireModel):
     def node_id(self) -> str:
         return _node_id(self.public_key)
 
+    @classmethod
+    def build(cls, session: str, epoch: int, pos: int, n_tokens: int, model: str, layer_begin: int, layer_end: int,
+              h_in: bytes, h_out: bytes, h_hist: bytes, h_prev: bytes, public_key: bytes,
+              signer: NodeIdentity | None = None) -> Receipt:
+        """A receipt of local values, unvalidated (the receiver validates), signed by ``signer`` (whose
+        key must be ``public_key``) if given: its signed bytes are packed once, for the signature and
+        for whoever asks later."""
+        receipt = cls.unvalidated({
+            "session": session, "epoch": epoch, "pos": pos, "n_tokens": n_tokens, "model": model,
+            "layer_begin": layer_begin, "layer_end": layer_end, "h_in": h_in, "h_out": h_out, "h_hist": h_hist,
+            "h_prev": h_prev, "public_key": public_key, "signature": b""})
+        signing = receipt.signing_bytes()
+        if signer is not None:
+            receipt.__dict__["signature"] = signer.sign(signing)
+        return receipt
+
     def signing_bytes(self) -> bytes:
-        # the schema's field order, not the sender's: the encoding is canonical (the field values as
-        # they are: what model_dump gives for these types, without its serializer's cost per receipt)
-        values = self.__dict__
-        packed: bytes = msgpack.packb({name: values[name] for name in _SIGNED}, use_bin_type=True)
-        return _RECEIPT_DOMAIN + packed
+        try:
+            return self._signing
+        except AttributeError:
+            pass
+        v = self.__dict__
+        signing = _context(v["session"], v["epoch"], v["model"]) + _BODY.pack(
+            v["pos"], v["n_tokens"], v["layer_begin"], v["layer_end"], v["h_in"], v["h_out"], v["h_hist"],
+            v["h_prev"], v["public_key"])
+        object.__setattr__(self, "_signing", signing)
+        return signing
+
+    @property
+    def hash(self) -> bytes:
+        """The whole receipt's hash, signature included (``receipt_hash``)."""
+        try:
+            return self._hash
+        except AttributeError:
+            pass
+        h = row_hash(self.signing_bytes() + self.signature)
+        object.__setattr__(self, "_hash", h)
+        return h
 
     def signed(self, identity: NodeIdentity) -> Receipt:
         if identity.public_key != self.public_key:
             raise ValueError("only the stage a receipt names can sign it")
-        return self.model_copy(update={"signature": identity.sign(self.signing_bytes())})
+        signing = self.signing_bytes()
+        receipt = Receipt.unvalidated({**self.__dict__, "signature": identity.sign(signing)})
+        object.__setattr__(receipt, "_signing", signing)
+        return receipt
 
     def verify(self) -> bool:
         """Signed by the key it carries (whose hash is its node id)."""
@@ -140,8 +199,6 @@ class Receipt(WireModel):
         return (self.model, self.layer_begin, self.layer_end, self.pos, self.n_tokens, self.h_hist) == (
             other.model, other.layer_begin, other.layer_end, other.pos, other.n_tokens, other.h_hist)
 
-
-_SIGNED = tuple(name for name in Receipt.model_fields if name != "signature")
 
 Chain = Annotated[list[Receipt], Field(min_length=1, max_length=MAX_CHAIN)]
 
