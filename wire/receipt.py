@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -32,8 +33,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import Field
 
 from wire.codec import Message, WireModel
+from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity, node_id_of
-from wire.types import MAX_TOKENS, Digest, Epoch, Int32, Layer, NodeId, SessionId
+from wire.types import MAX_LAYERS, MAX_TOKENS, Digest, Epoch, Int32, Layer, NodeId, SessionId
 
 HASH_BYTES = 16
 Hash = Annotated[bytes, Field(min_length=HASH_BYTES, max_length=HASH_BYTES)]
@@ -77,6 +79,11 @@ def receipt_hash(receipt: Receipt) -> bytes:
 # h_hist, h_prev, public_key, little-endian and fixed in width (every field's bounds fit), so packing
 # it is one call, not a map built and packed per receipt
 _BODY = struct.Struct("<IIII16s16s16s16s32s")
+SIGNATURE_BYTES = 64
+# a receipt as it travels in a chain (``pack_chain``): its body, then its signature; the session,
+# epoch and model are the receiver's own (every receipt of a chain speaks of the session it comes in)
+WIRE_BYTES = _BODY.size + SIGNATURE_BYTES
+_INT32_MAX = (1 << 31) - 1
 
 
 @lru_cache(maxsize=1024)
@@ -110,10 +117,11 @@ class Receipt(WireModel):
     beside its fields (slots: not fields, so neither compared nor encoded; ``model_copy`` leaves them
     unset, so a copy with other fields works them out anew)."""
 
-    __slots__ = ("_signing", "_hash")
+    __slots__ = ("_signing", "_hash", "_wire")
     if TYPE_CHECKING:
         _signing: bytes
         _hash: bytes
+        _wire: bytes
 
     session: SessionId
     epoch: Epoch
@@ -150,7 +158,12 @@ class Receipt(WireModel):
             "h_prev": h_prev, "public_key": public_key, "signature": b""})
         signing = receipt.signing_bytes()
         if signer is not None:
-            receipt.__dict__["signature"] = signer.sign(signing)
+            signature = signer.sign(signing)
+            receipt.__dict__["signature"] = signature
+            # what the next receipt names as h_prev, and the bytes it travels as: needed for every
+            # receipt signed, worked out here rather than looked for later
+            object.__setattr__(receipt, "_hash", row_hash(signing + signature))
+            object.__setattr__(receipt, "_wire", signing[-_BODY.size:] + signature)
         return receipt
 
     def signing_bytes(self) -> bytes:
@@ -176,6 +189,19 @@ class Receipt(WireModel):
         object.__setattr__(self, "_hash", h)
         return h
 
+    @property
+    def wire(self) -> bytes:
+        """The receipt as a chain carries it (``pack_chain``)."""
+        try:
+            return self._wire
+        except AttributeError:
+            pass
+        if len(self.signature) != SIGNATURE_BYTES:
+            raise ValueError("only a signed receipt travels in a chain")
+        wire = self.signing_bytes()[-_BODY.size:] + self.signature
+        object.__setattr__(self, "_wire", wire)
+        return wire
+
     def signed(self, identity: NodeIdentity) -> Receipt:
         if identity.public_key != self.public_key:
             raise ValueError("only the stage a receipt names can sign it")
@@ -200,7 +226,43 @@ class Receipt(WireModel):
             other.model, other.layer_begin, other.layer_end, other.pos, other.n_tokens, other.h_hist)
 
 
-Chain = Annotated[list[Receipt], Field(min_length=1, max_length=MAX_CHAIN)]
+# a chain as activations, tokens and ``Receipts`` carry it: its receipts' ``wire`` bytes, head first
+Chain = Annotated[bytes, Field(min_length=WIRE_BYTES, max_length=MAX_CHAIN * WIRE_BYTES)]
+
+
+def pack_chain(chain: Sequence[Receipt]) -> bytes:
+    """What a message carries of ``chain``: fixed-width receipts one after the other."""
+    return b"".join([r.wire for r in chain])
+
+
+def unpack_chain(data: bytes, session: str, epoch: int, model: str) -> tuple[Receipt, ...]:
+    """The receipts a message brings (``pack_chain``), of the ``session`` and ``epoch`` it came in and the
+    receiver's ``model``: PAYLOAD_CORRUPT unless ``data`` is 1 to MAX_CHAIN receipts whose every field
+    is within its schema's bounds (fixed widths hold the rest), so a sender's garbage fails only its
+    session. A receipt signed with another session, epoch or model does not verify."""
+    count, rest = divmod(len(data), WIRE_BYTES)
+    if rest or not 1 <= count <= MAX_CHAIN:
+        raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"a chain of receipts is 1 to {MAX_CHAIN} of {WIRE_BYTES} "
+                                                       f"bytes each, not {len(data)} bytes")
+    context = _context(session, epoch, model)
+    body = _BODY.size
+    receipts = []
+    for start in range(0, len(data), WIRE_BYTES):
+        pos, n_tokens, layer_begin, layer_end, h_in, h_out, h_hist, h_prev, key = _BODY.unpack_from(data, start)
+        if pos > _INT32_MAX or not 1 <= n_tokens <= MAX_TOKENS or layer_begin > MAX_LAYERS or layer_end > MAX_LAYERS:
+            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"receipt {start // WIRE_BYTES} of the chain is out of "
+                                                           f"bounds: {pos}+{n_tokens}, [{layer_begin}, {layer_end})")
+        wire = data[start:start + WIRE_BYTES]
+        receipt = Receipt.unvalidated({
+            "session": session, "epoch": epoch, "pos": pos, "n_tokens": n_tokens, "model": model,
+            "layer_begin": layer_begin, "layer_end": layer_end, "h_in": h_in, "h_out": h_out, "h_hist": h_hist,
+            "h_prev": h_prev, "public_key": key, "signature": wire[body:]})
+        # what it signs and how it travels are the bytes it came as
+        object.__setattr__(receipt, "_signing", context + wire[:body])
+        object.__setattr__(receipt, "_wire", wire)
+        object.__setattr__(receipt, "_hash", row_hash(context + wire))
+        receipts.append(receipt)
+    return tuple(receipts)
 
 
 class Receipts(Message, tag="receipts"):

@@ -44,7 +44,7 @@ from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import Receipt, row_hash, sampling_bytes
+from wire.receipt import Receipt, pack_chain, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
@@ -592,7 +592,7 @@ class StageService:
         return True
 
     async def _accept_activation(self, session: Session, msg: Activation,
-                                 chain: tuple[str, tuple[Receipt, ...]] | None = None) -> None:
+                                 chain: tuple[str, bytes] | None = None) -> None:
         """Checks an activation against the session before decoding a byte of it, then queues it."""
         checked = self._checked_activation(session, msg, chain)
         if checked is None:
@@ -608,7 +608,7 @@ class StageService:
             self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, rows_chain,
                                                                history), msg.drafts)
 
-    def _checked_activation(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
+    def _checked_activation(self, session: Session, msg: Activation, chain: tuple[str, bytes] | None,
                             ) -> tuple[TensorEntry, bytes, tuple[Receipt, ...]] | None:
         """Every check of an activation against the session, before a byte of it is decoded: the
         head's token ids are queued here (None); hidden states come back with their hash and chain."""
@@ -650,7 +650,7 @@ class StageService:
                                                        f"this stage needs {want}")
         return entry, h_in, checked
 
-    def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
+    def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, bytes] | None,
                        ) -> tuple[bytes, tuple[Receipt, ...]]:
         """With receipts on: the hash of the rows as they came, and their chain, checked before the
         rows' position or a byte of them is looked at, so a sender that moved or changed them is
@@ -663,11 +663,12 @@ class StageService:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
             h = row_hash(np.asarray(msg.tokens, dtype=np.int32).tobytes())
             prompt_len = session.book.prompt_len or 0
-            return h, () if chain is None else check_incoming(chain, msg, self.report.n_layer, h, True, prompt_len)
+            return h, () if chain is None else check_incoming(chain, msg, self.report.n_layer, h, True, prompt_len,
+                                                              self.digest)
         entry = msg.tensor(HIDDEN)
         h = row_hash(entry.data)
         checked = () if chain is None else check_incoming(chain, msg, self.report.layer_begin, h, False,
-                                                          session.book.prompt_len or 0)
+                                                          session.book.prompt_len or 0, self.digest)
         if not session.open.check:
             session.kept.append(StepInput.unvalidated({"pos": msg.pos, "n_tokens": msg.n_tokens, "tensor": entry,
                                                        "tokens": msg.tokens}))
@@ -941,7 +942,7 @@ class StageService:
             chain, s.asker_chain = s.asker_chain, None
             s.to_asker.send_nowait(Token.unvalidated({"type": "token", "v": 1, "session": book.id,
                                                    "epoch": book.epoch, "index": emitted.index, "token": token,
-                                                   "piece": piece, "receipts": None if chain is None else list(chain)}))
+                                                   "piece": piece, "receipts": None if chain is None else pack_chain(chain)}))
         if emitted.done is not None:
             self._send_chain(s)
             length = s.draft_length
