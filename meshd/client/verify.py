@@ -123,7 +123,7 @@ class Audit:
     pending: list[tuple[str, int, list[Receipt]]] = field(default_factory=list)
     # every stage's receipts by position, for the spot checks
     by_stage: list[dict[int, Receipt]] = field(default_factory=list)
-    on_step: list[trio.MemorySendChannel[int]] = field(default_factory=list)
+    on_step: list[Draws] = field(default_factory=list)
     # the route's model: the receipts' own, which the chains do not carry (``unpack_chain``)
     model: str = ""
 
@@ -274,6 +274,22 @@ def replicas_of(route: Sequence[Stage], candidates: Sequence[Stage]) -> dict[int
     return out
 
 
+@dataclass
+class Draws:
+    """A range's draws of the steps to check (1 in ``plan.every``), made as each step comes: only a
+    drawn step wakes the range's check (``RangeCheck.run``), not every step of the answer."""
+
+    channel: trio.MemorySendChannel[int]
+    plan: CheckPlan
+
+    def send_nowait(self, pos: int) -> None:
+        if self.plan.rng.randrange(self.plan.every) == 0:
+            self.channel.send_nowait(pos)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 class Inbox:
     """What a stage's control stream brings besides errors: the kept inputs the asker asked for."""
 
@@ -360,8 +376,6 @@ class RangeCheck:
     async def _run(self, steps: trio.MemoryReceiveChannel[int]) -> None:
         async with steps:
             async for until in steps:
-                if self.plan.rng.randrange(self.plan.every) != 0:
-                    continue
                 # at most one check in flight: later steps wait for (and join) the next
                 while True:
                     try:
@@ -600,7 +614,7 @@ class Verifier:
         if self.plan.every > 0:
             for index, replicas in self.replicas.items():
                 send, receive = trio.open_memory_channel[int](math.inf)
-                self.audit.on_step.append(send)
+                self.audit.on_step.append(Draws(send, self.plan))
                 check = RangeCheck(self.peers, self.audit, index, streams[index], self.inboxes.get(index), replicas,
                                    sampling, self.plan)
                 self._checks.append((check, receive))
