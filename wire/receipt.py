@@ -9,7 +9,8 @@ stages of one model and range with the same ``h_hist`` must put out the same
 bytes (the engine is deterministic and batch-invariant), whoever asked.
 
 The receipts travel inside the activation they speak of (``Activation.receipts``:
-one frame per hop), and the next stage checks ``h_out`` against the bytes it
+one frame per hop), packed (``pack_chain``: fixed-width, without what the
+receiver knows), and the next stage checks ``h_out`` against the bytes it
 received before it computes a row; the tail hands the asker the route's chain
 inside the token it sampled (``Token.receipts``). ``h_prev`` is the hash
 of the receipt before it in the chain (``receipt_hash``), so a stage's
@@ -113,9 +114,10 @@ def history_next(hist: bytes, pos: int, n_tokens: int, h_in: bytes) -> bytes:
 class Receipt(WireModel):
     """One stage's signed account of one step of one session.
 
-    Immutable, so its signed bytes and its hash are worked out once, when first asked for, and kept
-    beside its fields (slots: not fields, so neither compared nor encoded; ``model_copy`` leaves them
-    unset, so a copy with other fields works them out anew)."""
+    Immutable, so its signed bytes, its hash and its packed form are worked out once (where it is
+    signed or unpacked, else when first asked for) and kept beside its fields (slots: not fields, so
+    neither compared nor encoded; ``model_copy`` leaves them unset, so a copy with other fields works
+    them out anew)."""
 
     __slots__ = ("_signing", "_hash", "_wire")
     if TYPE_CHECKING:
