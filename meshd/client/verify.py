@@ -515,15 +515,19 @@ class _Replay:
         if batch:
             # the steps of a check in one write, not a frame (and its wake-ups) each
             await self.hop.send_all(b"".join(batch))
+        # the replica answers the steps fed together in one message, a receipt each, in order
+        answered: list[Receipt] = []
         for step in steps:
-            msg = await self._next_receipt()
-            try:
-                chain = unpack_chain(msg.chain, self.session, 0, self.model)
-            except ProtocolError:
-                chain = ()
-            r = chain[0] if chain else None
-            if r is None or len(chain) != 1 or msg.session != self.session or r.node_id != self.node_id \
-                    or r.pos != step.pos:
+            if not answered:
+                msg = await self._next_receipt()
+                try:
+                    answered = list(unpack_chain(msg.chain, self.session, 0, self.model))
+                except ProtocolError:
+                    answered = []
+                if not answered or msg.session != self.session:
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
+            r = answered.pop(0)
+            if r.node_id != self.node_id or r.pos != step.pos:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
             mine = original(r.pos)
             if not r.same_step(mine):

@@ -44,7 +44,7 @@ from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import Receipt, pack_chain, row_hash, sampling_bytes
+from wire.receipt import MAX_CHAIN, Receipt, pack_chain, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
@@ -122,6 +122,8 @@ class Session:
     # route's chain of that step, which rides to the asker inside the token
     ring_receipt: Receipt | None = None
     asker_chain: tuple[Receipt, ...] | None = None
+    # a check session: its receipts not yet sent (they go together once its queued steps have run)
+    check_receipts: list[Receipt] = field(default_factory=list)
     # with receipts on, past the head: each step's input as it came, until the asker takes it
     # (bounded by the session's token budget: one entry per position at most)
     kept: list[StepInput] = field(default_factory=list)
@@ -887,8 +889,15 @@ class StageService:
         if s.receipts is None:
             return
         fields = tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)
-        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(fields["data"]))
-        s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, (mine,)))
+        self._check_receipts(s, s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(fields["data"])))
+
+    def _check_receipts(self, s: Session, mine: Receipt) -> None:
+        """A check session's receipts go to the asker in one message once the steps it fed together
+        have run (a probe's one at a time): one message per check, not one per step it replays."""
+        s.check_receipts.append(mine)
+        if s.book.in_flight == 0 or len(s.check_receipts) == MAX_CHAIN:
+            s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, tuple(s.check_receipts)))
+            s.check_receipts = []
 
     def _tail_receipts(self, s: Session, w: Work[Rows], picks: list[Any]) -> None:
         """The tail signs the tokens it sampled (none for a prompt chunk before the last); the whole
@@ -899,11 +908,12 @@ class StageService:
         sampled = np.asarray([p[0] for p in picks[:w.drafts + 1]] if picks else [], dtype=np.int32)
         before = w.payload.chain
         mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()), before[-1] if before else None)
-        s.asker_chain = (*before, mine)
         if s.open.check:
             # a replica's receipt goes to the asker that checks it, on its own: nothing reads its tokens
-            self._send_chain(s)
-        elif picks:
+            self._check_receipts(s, mine)
+            return
+        s.asker_chain = (*before, mine)
+        if picks:
             # the head needs only the tail's receipt of its token: it covers the chain before it by hash
             s.ring_receipt = mine
 
