@@ -29,7 +29,7 @@ from wire.codec import Message
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import SWIM_PROTOCOL, AssignmentReply, AssignmentRequest
-from wire.receipt import Receipts, row_hash
+from wire.receipt import Receipts, pack_chain, row_hash
 from wire.stage import Hop, Metrics, MetricsRequest, Open, Opened, PeerRef, StageInfo
 from wire.tensors import Activation
 
@@ -139,7 +139,8 @@ class AttackerDaemon(MeshDaemon):
                 if isinstance(step, Activation):
                     await trio.sleep(self.step_sleep)
                     receipt = ledger.sign(step.pos, step.n_tokens, row_hash(b"in"), row_hash(b"made up"))
-                    await control.send_message(Receipts(session=first.session, epoch=first.epoch, chain=[receipt]))
+                    await control.send_message(Receipts(session=first.session, epoch=first.epoch,
+                                                        chain=pack_chain([receipt])))
 
     @property
     def ref(self) -> PeerRef:

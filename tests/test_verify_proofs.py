@@ -17,9 +17,21 @@ from meshd.stage.verify import chain_of, check_incoming
 from wire.codec import decode, encode, protocol_limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import MAX_CHAIN, MAX_WITNESSES, Proof, ProofGossip, Receipt, Receipts, row_hash
+from wire.receipt import (
+    MAX_CHAIN,
+    MAX_WITNESSES,
+    WIRE_BYTES,
+    Proof,
+    ProofGossip,
+    Receipt,
+    Receipts,
+    pack_chain,
+    row_hash,
+    unpack_chain,
+)
 from wire.stage import STAGE_PROTOCOL, InputsRequest, Sampling, StageInfo
 from wire.tensors import Activation
+from wire.types import MAX_LAYERS, MAX_TOKENS
 
 STAGE = protocol_limits(STAGE_PROTOCOL)
 MODEL = "ab" * 32
@@ -169,17 +181,18 @@ def test_forged_proofs_are_refused() -> None:
 def test_bounds_on_receipts_and_proofs_are_held_by_the_decoder() -> None:
     culprit, witnesses = divergence()
     too_long = encode(Receipts.unvalidated({"type": "receipts", "v": 1, "session": "s1", "epoch": 0,
-                                           "chain": [culprit] * (MAX_CHAIN + 1)}))
+                                           "chain": pack_chain([culprit] * (MAX_CHAIN + 1))}))
     with pytest.raises(ProtocolError):
         decode(too_long, STAGE)
     crowded = encode(ProofGossip.unvalidated({"type": "proof", "v": 1, "proof": Proof.model_construct(
         kind="divergence", culprit=culprit, witnesses=witnesses * (MAX_WITNESSES // 2 + 1))}))
     with pytest.raises(ProtocolError):
         decode(crowded, STAGE)
-    # a hash of another length, a signature too long, a negative position
+    # a proof's full receipts: a hash of another length, a signature too long, a negative position
     for field, value in (("h_out", b"x" * 64), ("signature", b"s" * 65), ("pos", -1)):
-        body = msgpack.unpackb(encode(Receipts(session="s1", epoch=0, chain=[culprit]))[4:])
-        body["chain"][0][field] = value
+        body = msgpack.unpackb(encode(ProofGossip(proof=Proof(kind="divergence", culprit=culprit,
+                                                              witnesses=witnesses)))[4:])
+        body["proof"]["culprit"][field] = value
         packed = msgpack.packb(body, use_bin_type=True)
         with pytest.raises(ProtocolError):
             decode(len(packed).to_bytes(4, "big") + packed, STAGE)
@@ -188,15 +201,50 @@ def test_bounds_on_receipts_and_proofs_are_held_by_the_decoder() -> None:
                                                  "until": -5})), STAGE)
 
 
+def test_a_packed_chain_holds_its_receipts_and_refuses_garbage_as_payload_corrupt() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    outs = [row_hash(b"rows after head"), row_hash(b"rows after mid"), tokens_hash([])]
+    chain = honest_chain(0, 5, tokens_hash([1, 2, 3, 4, 5]), outs, ledgers)
+    packed = pack_chain(chain)
+    assert len(packed) == WIRE_BYTES * len(chain) and WIRE_BYTES == 176
+    # the session, epoch and model are the receiver's: the same receipts, signatures holding
+    back = unpack_chain(packed, "s1", 0, MODEL)
+    assert list(back) == chain and all(r.verify() for r in back)
+    assert [r.hash for r in back] == [r.hash for r in chain]
+    # unpacked as of another session, epoch or model, no signature holds: nothing carries over
+    for context in (("s2", 0, MODEL), ("s1", 1, MODEL), ("s1", 0, "cd" * 32)):
+        assert not any(r.verify() for r in unpack_chain(packed, *context)), context
+    # truncated, a byte too many, empty, over MAX_CHAIN, or fields out of their bounds: a typed error
+    too_many_tokens = bytearray(packed[:WIRE_BYTES])
+    too_many_tokens[4:8] = (MAX_TOKENS + 1).to_bytes(4, "little")
+    no_tokens = bytearray(packed[:WIRE_BYTES])
+    no_tokens[4:8] = bytes(4)
+    negative_pos = b"\xff" * 4 + packed[4:WIRE_BYTES]
+    far_layer = packed[:12] + (MAX_LAYERS + 1).to_bytes(4, "little") + packed[16:WIRE_BYTES]
+    for garbage in (packed[:-1], packed + b"\x00", b"", packed[:WIRE_BYTES] * (MAX_CHAIN + 1),
+                    bytes(too_many_tokens), bytes(no_tokens), negative_pos, far_layer):
+        with pytest.raises(ProtocolError) as refused:
+            unpack_chain(garbage, "s1", 0, MODEL)
+        assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT
+    # random bytes of a receipt's length unpack (every field in bounds) and verify as nothing
+    noise = np.random.default_rng(3).bytes(WIRE_BYTES)
+    noise = b"\x01\x00\x00\x00\x01\x00\x00\x00" + bytes(8) + noise[16:]
+    (made_up,) = unpack_chain(noise, "s1", 0, MODEL)
+    assert not made_up.verify()
+    # an unsigned receipt does not travel
+    with pytest.raises(ValueError, match="only a signed receipt"):
+        pack_chain([chain[0].model_copy(update={"signature": b""})])
+
+
 def test_each_activation_brings_its_own_chain_inside_it_and_only_where_receipts_are_on() -> None:
     culprit, _ = divergence()
     with_chain = Activation(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9],
-                            receipts=[culprit])
+                            receipts=pack_chain([culprit]))
     bare = with_chain.model_copy(update={"receipts": None})
     with pytest.raises(ProtocolError) as missing:
         chain_of(bare, True, "sender")
     assert missing.value.code is ErrorCode.PAYLOAD_CORRUPT
-    assert chain_of(with_chain, True, "sender") == ("sender", (culprit,))
+    assert chain_of(with_chain, True, "sender") == ("sender", culprit.wire)
     with pytest.raises(ProtocolError, match="did not ask"):
         chain_of(with_chain, False, "sender")
     assert chain_of(bare, False, "sender") is None
@@ -262,24 +310,39 @@ def test_receipts_do_not_carry_the_node_id_and_derive_it_from_the_key() -> None:
     assert not r.model_copy(update={"public_key": other.public_key}).verify()
 
 
+def test_a_receipts_kept_signed_bytes_and_hash_are_its_own_and_never_a_copys() -> None:
+    r = ledger(SIGNERS[0], RANGES[0]).sign(0, 3, tokens_hash([1, 2, 3]), row_hash(b"a"))
+    signing, h = r.signing_bytes(), r.hash
+    # worked out once, and the same as for the receipt validated from its fields
+    assert r.signing_bytes() is signing and r.hash is h
+    fresh = Receipt.model_validate(r.model_dump())
+    assert fresh == r and fresh.signing_bytes() == signing and fresh.hash == h and fresh.verify()
+    # a copy with another field signs and hashes other bytes: a forgery cannot borrow the original's
+    for name, value in [("h_out", row_hash(b"b")), ("pos", 1), ("epoch", 1), ("session", "s2"), ("model", "cd" * 32)]:
+        forged = r.model_copy(update={name: value})
+        assert forged.signing_bytes() != signing and forged.hash != h and not forged.verify(), name
+    resigned = r.model_copy(update={"signature": b"\x00" * 64})
+    assert resigned.signing_bytes() == signing and resigned.hash != h and not resigned.verify()
+
+
 def test_the_ring_brings_the_tails_receipt_alone_and_the_head_refuses_any_other() -> None:
     ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
     chain = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
     tail = chain[-1]
     token = Activation(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9])
     sender = SIGNERS[2].node_id
-    assert check_incoming((sender, (tail,)), token, 6, tokens_hash([9]), True, 3) == (tail,)
+    assert check_incoming((sender, tail.wire), token, 6, tokens_hash([9]), True, 3, MODEL) == (tail,)
     attacks = {
-        "alone": ((sender, tuple(chain)), token, tokens_hash([9])),
-        "ends at": ((sender, (tail,)), token.model_copy(update={"pos": 4}), tokens_hash([9])),
-        "not the sender's": ((SIGNERS[1].node_id, (tail,)), token, tokens_hash([9])),
-        "not the one": ((sender, (tail,)), token, tokens_hash([8])),
-        "bad signature": ((sender, (tail.model_copy(update={"h_hist": row_hash(b"x")}),)), token, tokens_hash([9])),
-        "covers layers": ((SIGNERS[1].node_id, (chain[1],)), token, row_hash(b"b")),
+        "alone": ((sender, pack_chain(chain)), token, tokens_hash([9])),
+        "ends at": ((sender, tail.wire), token.model_copy(update={"pos": 4}), tokens_hash([9])),
+        "not the sender's": ((SIGNERS[1].node_id, tail.wire), token, tokens_hash([9])),
+        "not the one": ((sender, tail.wire), token, tokens_hash([8])),
+        "bad signature": ((sender, tail.model_copy(update={"h_hist": row_hash(b"x")}).wire), token, tokens_hash([9])),
+        "covers layers": ((SIGNERS[1].node_id, chain[1].wire), token, row_hash(b"b")),
     }
     for what, (held, msg, h) in attacks.items():
         with pytest.raises(ProtocolError, match=what) as refused:
-            check_incoming(held, msg, 6, h, True, 3)
+            check_incoming(held, msg, 6, h, True, 3, MODEL)
         assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT
 
 

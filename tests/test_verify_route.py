@@ -12,6 +12,7 @@ to an undisturbed one.
 from __future__ import annotations
 
 import random
+import struct
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -28,10 +29,15 @@ from meshd.client.verify import CheckPlan, Verifier
 from meshd.mesh.probes import ProbeConfig, StageProbe, probe_seconds
 from meshd.mesh.proofs import check_proof
 from meshd.net import rpc
-from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.link import Stream
+from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
+from wire.codec import ErrorMessage, Message
+from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.stage import STAGE_PROTOCOL, Open, Opened, new_session_id
+from wire.receipt import MAX_CHAIN, NO_PREV, WIRE_BYTES, Receipt, Receipts, row_hash
+from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, Token, new_session_id
+from wire.tensors import Activation, TensorEntry
 
 pytestmark = pytest.mark.slow  # six engine workers
 
@@ -83,6 +89,31 @@ def attacker_one_position_off(service: StageService) -> None:
     service._dispatch = shifted  # type: ignore[method-assign]
 
 
+async def refused_chain(peers: Peers, head: PeerRef, node: StageNode, chain: Callable[[str, bytes], bytes],
+                        ) -> ProtocolError:
+    """An attacker upstream (the opener, named upstream at open, and the tail's ``head``) sends the tail
+    ``node`` one step of rows with ``chain(session, h_rows)`` as its packed receipts; the typed error that
+    fails the session, after checking that nothing of the step (a receipt, a token) came back before it."""
+    session = new_session_id()
+    r = node.service.report
+    async with await peers.open_stream(node.address, STAGE_PROTOCOL, node_id=node.peers.node_id) as control:
+        await rpc.request(control, Open(session=session, epoch=0, layer_begin=r.layer_begin, layer_end=r.layer_end,
+                                        head=head, upstream=peers.node_id, receipts=True), Opened,
+                          "an attacker's session")
+        async with await peers.open_stream(node.address, STAGE_PROTOCOL, node_id=node.peers.node_id) as hop:
+            await hop.send_message(Hop(session=session, epoch=0, prompt_tokens=1))
+            rows = TensorEntry.from_array("hidden_states", np.ones((1, r.stage_width), dtype=np.float32))
+            await hop.send_message(Activation.unvalidated({
+                "type": "activation", "v": 1, "session": session, "epoch": 0, "step": 0, "pos": 0, "n_tokens": 1,
+                "tensors": [rows], "tokens": None, "deadline_ms": None, "drafts": 0,
+                "receipts": chain(session, row_hash(rows.data))}))
+            with trio.fail_after(30):
+                msg = await control.receive_message()
+            assert isinstance(msg, ErrorMessage), f"{msg.type} left the stage before the error"
+            assert not isinstance(msg, Receipts | Token)
+            return ProtocolError(msg.code, msg.message)
+
+
 def route_finder(pool: Sequence[StageNode]) -> Callable[[list[str]], Any]:
     """Routes over ``pool`` as a tracker would plan them: the first node of each range not excluded."""
 
@@ -105,7 +136,8 @@ async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dic
             for name, layers in RANGES.items()}
         pool = list(nodes.values())
         find = route_finder(pool)
-        async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+        identity = NodeIdentity.generate()
+        async with open_peers(identity, PeersConfig(drain_timeout=0.5)) as peers:
             with trio.fail_after(ASK_DEADLINE):
                 undisturbed = await run_session(peers, await find([]), REQUEST, AskResult())
                 # verification on and nobody lying: the same answer, and checks that found nothing
@@ -140,6 +172,42 @@ async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dic
                                                 REQUEST, verifier=verifier)
                 assert verifier.liars == {shifter.peers.node_id}
                 assert moved.tokens == undisturbed.tokens
+
+            # An attacker upstream sends a stage rows whose packed receipts are truncated, too many, made
+            # up, or its own receipt with its signature spoiled: each fails only the attacker's session,
+            # typed, before anything of the step leaves the stage (which never signs over a forgery);
+            # the stage serves on (the probe below runs a session of its own on it)
+            target = nodes["tail2"]
+            # the attacker is the tail's head too: what the tail sends around the ring comes here
+            ring: list[Message] = []
+
+            async def ring_end(stream: Stream) -> None:
+                async for message in stream.messages():
+                    ring.append(message)
+
+            peers.handle(STAGE_PROTOCOL, ring_end)
+            me = PeerRef(address=f"127.0.0.1:{await peers.listen('127.0.0.1', 0)}", node_id=peers.node_id)
+
+            def signed_badly(session: str, h_rows: bytes) -> bytes:
+                mine = Receipt.build(session, 0, 0, 1, target.service.digest, 0, target.service.report.layer_begin,
+                                     row_hash(b"in"), h_rows, row_hash(b"hist"), NO_PREV, identity.public_key,
+                                     identity)
+                return mine.wire[:-1] + bytes([mine.wire[-1] ^ 1])
+
+            attacks = {
+                "truncated": (lambda session, h: bytes(2 * WIRE_BYTES - 1), ErrorCode.PAYLOAD_CORRUPT, "1 to 32"),
+                "too many": (lambda session, h: bytes(WIRE_BYTES * (MAX_CHAIN + 1)), ErrorCode.BAD_REQUEST, "receipts"),
+                "garbage": (lambda session, h: np.random.default_rng(5).bytes(WIRE_BYTES), ErrorCode.PAYLOAD_CORRUPT,
+                            "out of bounds"),
+                # in bounds (step 0+1, layers [0, 4)), the rest made up
+                "made up": (lambda session, h: struct.pack("<IIII", 0, 1, 0, 4) + np.random.default_rng(5).bytes(
+                    WIRE_BYTES - 16), ErrorCode.PAYLOAD_CORRUPT, "receipts from the upstream stage"),
+                "signed badly": (signed_badly, ErrorCode.PAYLOAD_CORRUPT, "bad signature"),
+            }
+            for what, (chain, code, fragment) in attacks.items():
+                refused = await refused_chain(peers, me, target, chain)
+                assert refused.code is code and fragment in refused.message, (what, refused)
+            assert not any(isinstance(m, Activation) for m in ring)
 
             # The tracker's probe (meshd.client.probe) times a real head, middle and tail: a check
             # session of one-row steps, each answered with a receipt, and the session gone after.

@@ -107,9 +107,9 @@ def _wide_bomb(tag: str, size: int) -> bytes:
         (SWIM_PROTOCOL, lambda: _deep_bomb("swim.ping", 4 << 20), "nesting deeper than"),
         (STAGE_PROTOCOL, lambda: _deep_bomb("prompt", 8 << 20), "nesting deeper than"),
         (STAGE_PROTOCOL, lambda: _wide_bomb("prompt", 8 << 20), "nesting deeper than"),
-        # walked, not counted, since activations can carry receipts (a deeper, wider schema)
-        (STAGE_PROTOCOL, lambda: _deep_bomb("activation", 8 << 20), "nesting deeper than"),
-        (STAGE_PROTOCOL, lambda: _wide_bomb("activation", 8 << 20), "nesting deeper than"),
+        # counted, not walked: an activation's receipts are one bin field (``wire.receipt.pack_chain``)
+        (STAGE_PROTOCOL, lambda: _deep_bomb("activation", 8 << 20), "msgpack"),
+        (STAGE_PROTOCOL, lambda: _wide_bomb("activation", 8 << 20), f"more than {Activation.bounds.objects} msgpack"),
         (STAGE_PROTOCOL, lambda: _deep_bomb("nonesuch", 8 << 20), "unknown message type"),
         (MESH_PROTOCOL, lambda: _wide_bomb("status", 4 << 20), "nesting deeper than"),
     ],
@@ -219,8 +219,8 @@ def test_a_relay_message_over_its_cap_is_refused_at_the_length_prefix() -> None:
     [
         # Schemas that allow megabytes in all (many records, many tensors), not in one string.
         ("swim.ping", SWIM, "a string of 1048576 bytes exceeds the schema's limit of 1356"),
-        # walked since activations carry receipts (msgpack's own max_str_len refused it before)
-        ("activation", STAGE, "a string of 1048576 bytes exceeds the schema's limit of 512"),
+        # counted (its receipts are one bin field): msgpack's own max_str_len refuses it
+        ("activation", STAGE, "1048576 exceeds max_str_len(512)"),
         # Schemas whose whole message is smaller than the string.
         ("dial_back", MESH, "exceeds the 2136 its schema allows"),
         ("hop", STAGE, "exceeds the 657 its schema allows"),  # 631 before Hop gained carry_tokens
@@ -236,7 +236,7 @@ def test_a_megabyte_string_is_refused_in_a_message_whose_schema_has_none(tag: st
 def test_an_activation_carries_megabytes_only_in_bin_fields() -> None:
     many = head("activation", 3) + msgpack.packb("tensors") + msgpack.packb([0] * 100_000)
     error, _ = refused_with_little_memory(many, STAGE)
-    assert "32" in error.message  # MAX_CHAIN (its receipts): the longest list an activation has
+    assert "16" in error.message  # MAX_TENSORS: the longest list an activation has (its receipts are bytes)
 
 
 # ----- token lists: packed, and bounded
@@ -389,8 +389,8 @@ def test_a_bomb_no_longer_than_the_small_body_costs_at_most_its_length() -> None
     assert len(body) <= 64 << 10
     _, peak = refused_with_little_memory(body, STAGE)
     assert peak < 8 << 20, f"peak {peak} bytes"
-    # One byte more is walked (activations can carry receipts: a schema deeper than counting
-    # covers), and refused at its nesting before msgpack builds anything.
+    # One byte more is counted (an activation's receipts are one bin field, so its schema is as
+    # shallow as counting covers), and refused at the schema's object count.
     error, peak = refused_with_little_memory(_wide_bomb("activation", (64 << 10) + 40), STAGE)
-    assert "nesting deeper than" in error.message
+    assert f"more than {Activation.bounds.objects} msgpack objects" in error.message
     assert peak < 1 << 20

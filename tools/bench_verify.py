@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
 from meshd.stage.service import StageLimits, StageNode, StageService, stage_node  # noqa: E402
 from wire.codec import encode  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
-from wire.receipt import Receipt, Receipts  # noqa: E402
+from wire.receipt import Receipt, Receipts, pack_chain, unpack_chain  # noqa: E402
 from wire.stage import Inputs  # noqa: E402
 
 RANGES = {"head": (0, 10), "mid": (10, 20), "tail": (20, 30)}
@@ -173,16 +173,18 @@ class Counting(Verifier):
 
     decode_chain: list[Receipt] | None = None
 
-    def on_chain(self, session: str, epoch: int, chain: Sequence[Receipt]) -> None:
-        if chain[0].layer_begin > 0:
-            Counting.decode_chain = list(chain)
+    def on_chain(self, session: str, epoch: int, chain: bytes) -> None:
+        assert self.audit is not None
+        receipts = unpack_chain(chain, session, epoch, self.audit.model)
+        if receipts[0].layer_begin > 0:
+            Counting.decode_chain = list(receipts)
         super().on_chain(session, epoch, chain)
 
 
 def receipt_bytes(chain: list[Receipt]) -> int:
     """What a chain adds to the message it rides in (an activation, a token): its field's bytes."""
     bare = {"type": "token", "v": 1, "session": "0" * 24, "epoch": 0, "index": 0, "token": 0, "piece": b""}
-    return len(encode({**bare, "receipts": chain})) - len(encode({**bare, "receipts": None}))
+    return len(encode({**bare, "receipts": pack_chain(chain)})) - len(encode({**bare, "receipts": None}))
 
 
 async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: int, pin_cpus: bool) -> dict[str, Any]:
@@ -251,7 +253,7 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
         width = nodes["mid"].service.report.stage_width
         # a spot check moves, per token of each range past the head: the row fetched, fed to the replica
         # (about its size each: raw f32), and the replica's receipt back
-        receipt_one = len(encode(Receipts(session=chain[0].session, epoch=chain[0].epoch, chain=chain[-1:])))
+        receipt_one = len(encode(Receipts(session=chain[0].session, epoch=chain[0].epoch, chain=pack_chain(chain[-1:]))))
         step_input = len(encode(Inputs(session=chain[0].session, epoch=chain[0].epoch, steps=[]))) + 4 * width + 96
         spot = 2 * (2 * step_input) + 3 * receipt_one
 

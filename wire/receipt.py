@@ -9,7 +9,8 @@ stages of one model and range with the same ``h_hist`` must put out the same
 bytes (the engine is deterministic and batch-invariant), whoever asked.
 
 The receipts travel inside the activation they speak of (``Activation.receipts``:
-one frame per hop), and the next stage checks ``h_out`` against the bytes it
+one frame per hop), packed (``pack_chain``: fixed-width, without what the
+receiver knows), and the next stage checks ``h_out`` against the bytes it
 received before it computes a row; the tail hands the asker the route's chain
 inside the token it sampled (``Token.receipts``). ``h_prev`` is the hash
 of the receipt before it in the chain (``receipt_hash``), so a stage's
@@ -22,17 +23,20 @@ receipts into a verdict live in ``meshd.mesh.proofs``.
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgpack
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from nacl.exceptions import CryptoError
+from nacl.signing import VerifyKey
 from pydantic import Field
 
 from wire.codec import Message, WireModel
+from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity, node_id_of
-from wire.types import MAX_TOKENS, Digest, Epoch, Int32, Layer, NodeId, SessionId
+from wire.types import MAX_LAYERS, MAX_TOKENS, Digest, Epoch, Int32, Layer, NodeId, SessionId
 
 HASH_BYTES = 16
 Hash = Annotated[bytes, Field(min_length=HASH_BYTES, max_length=HASH_BYTES)]
@@ -42,7 +46,8 @@ MAX_CHAIN = 32
 # a proof names one culprit and at most this many witnesses against it
 MAX_WITNESSES = 4
 
-_RECEIPT_DOMAIN = b"meshd/receipt/2\x00"
+# 3: the signed bytes are a fixed layout after the session's (``_BODY``), not a msgpack map
+_RECEIPT_DOMAIN = b"meshd/receipt/3\x00"
 _HIST_DOMAIN = b"meshd/history/1\x00"
 # the h_prev of a chain's first receipt
 NO_PREV = bytes(HASH_BYTES)
@@ -68,7 +73,25 @@ def sampling_bytes(sampling: WireModel, prompt_len: int) -> bytes:
 
 def receipt_hash(receipt: Receipt) -> bytes:
     """What the next receipt of a chain names as ``h_prev``: the whole receipt, signature included."""
-    return row_hash(receipt.signing_bytes() + receipt.signature)
+    return receipt.hash
+
+
+# What a receipt signs after its session's ``_context``: pos, n_tokens, layer_begin, layer_end, h_in, h_out,
+# h_hist, h_prev, public_key, little-endian and fixed in width (every field's bounds fit), so packing
+# it is one call, not a map built and packed per receipt
+_BODY = struct.Struct("<IIII16s16s16s16s32s")
+SIGNATURE_BYTES = 64
+# a receipt as it travels in a chain (``pack_chain``): its body, then its signature; the session,
+# epoch and model are the receiver's own (every receipt of a chain speaks of the session it comes in)
+WIRE_BYTES = _BODY.size + SIGNATURE_BYTES
+_INT32_MAX = (1 << 31) - 1
+
+
+@lru_cache(maxsize=1024)
+def _context(session: str, epoch: int, model: str) -> bytes:
+    # the same for every receipt of a session at a stage: packed once
+    packed: bytes = msgpack.packb([session, epoch, model], use_bin_type=True)
+    return _RECEIPT_DOMAIN + packed
 
 
 @lru_cache(maxsize=4096)
@@ -78,9 +101,9 @@ def _node_id(public_key: bytes) -> str:
 
 
 @lru_cache(maxsize=4096)
-def _public_key(public_key: bytes) -> Ed25519PublicKey:
-    # parsing a key costs a fifth of a verification: a route's few keys are parsed once
-    return Ed25519PublicKey.from_public_bytes(public_key)
+def _verify_key(public_key: bytes) -> VerifyKey:
+    # a route's few keys are wrapped once, not per receipt
+    return VerifyKey(public_key)
 
 
 def history_next(hist: bytes, pos: int, n_tokens: int, h_in: bytes) -> bytes:
@@ -89,7 +112,18 @@ def history_next(hist: bytes, pos: int, n_tokens: int, h_in: bytes) -> bytes:
 
 
 class Receipt(WireModel):
-    """One stage's signed account of one step of one session."""
+    """One stage's signed account of one step of one session.
+
+    Immutable, so its signed bytes, its hash and its packed form are worked out once (where it is
+    signed or unpacked, else when first asked for) and kept beside its fields (slots: not fields, so
+    neither compared nor encoded; ``model_copy`` leaves them unset, so a copy with other fields works
+    them out anew)."""
+
+    __slots__ = ("_signing", "_hash", "_wire")
+    if TYPE_CHECKING:
+        _signing: bytes
+        _hash: bytes
+        _wire: bytes
 
     session: SessionId
     epoch: Epoch
@@ -113,25 +147,80 @@ class Receipt(WireModel):
     def node_id(self) -> str:
         return _node_id(self.public_key)
 
+    @classmethod
+    def build(cls, session: str, epoch: int, pos: int, n_tokens: int, model: str, layer_begin: int, layer_end: int,
+              h_in: bytes, h_out: bytes, h_hist: bytes, h_prev: bytes, public_key: bytes,
+              signer: NodeIdentity | None = None) -> Receipt:
+        """A receipt of local values, unvalidated (the receiver validates), signed by ``signer`` (whose
+        key must be ``public_key``) if given: its signed bytes are packed once, for the signature and
+        for whoever asks later."""
+        receipt = cls.unvalidated({
+            "session": session, "epoch": epoch, "pos": pos, "n_tokens": n_tokens, "model": model,
+            "layer_begin": layer_begin, "layer_end": layer_end, "h_in": h_in, "h_out": h_out, "h_hist": h_hist,
+            "h_prev": h_prev, "public_key": public_key, "signature": b""})
+        signing = receipt.signing_bytes()
+        if signer is not None:
+            signature = signer.sign(signing)
+            receipt.__dict__["signature"] = signature
+            # what the next receipt names as h_prev, and the bytes it travels as: needed for every
+            # receipt signed, worked out here rather than looked for later
+            object.__setattr__(receipt, "_hash", row_hash(signing + signature))
+            object.__setattr__(receipt, "_wire", signing[-_BODY.size:] + signature)
+        return receipt
+
     def signing_bytes(self) -> bytes:
-        # the schema's field order, not the sender's: the encoding is canonical (the field values as
-        # they are: what model_dump gives for these types, without its serializer's cost per receipt)
-        values = self.__dict__
-        packed: bytes = msgpack.packb({name: values[name] for name in _SIGNED}, use_bin_type=True)
-        return _RECEIPT_DOMAIN + packed
+        try:
+            return self._signing
+        except AttributeError:
+            pass
+        v = self.__dict__
+        signing = _context(v["session"], v["epoch"], v["model"]) + _BODY.pack(
+            v["pos"], v["n_tokens"], v["layer_begin"], v["layer_end"], v["h_in"], v["h_out"], v["h_hist"],
+            v["h_prev"], v["public_key"])
+        object.__setattr__(self, "_signing", signing)
+        return signing
+
+    @property
+    def hash(self) -> bytes:
+        """The whole receipt's hash, signature included (``receipt_hash``)."""
+        try:
+            return self._hash
+        except AttributeError:
+            pass
+        h = row_hash(self.signing_bytes() + self.signature)
+        object.__setattr__(self, "_hash", h)
+        return h
+
+    @property
+    def wire(self) -> bytes:
+        """The receipt as a chain carries it (``pack_chain``)."""
+        try:
+            return self._wire
+        except AttributeError:
+            pass
+        if len(self.signature) != SIGNATURE_BYTES:
+            raise ValueError("only a signed receipt travels in a chain")
+        wire = self.signing_bytes()[-_BODY.size:] + self.signature
+        object.__setattr__(self, "_wire", wire)
+        return wire
 
     def signed(self, identity: NodeIdentity) -> Receipt:
         if identity.public_key != self.public_key:
             raise ValueError("only the stage a receipt names can sign it")
-        return self.model_copy(update={"signature": identity.sign(self.signing_bytes())})
+        signing = self.signing_bytes()
+        receipt = Receipt.unvalidated({**self.__dict__, "signature": identity.sign(signing)})
+        object.__setattr__(receipt, "_signing", signing)
+        return receipt
 
     def verify(self) -> bool:
         """Signed by the key it carries (whose hash is its node id)."""
-        if not self.signature:
+        if len(self.signature) != SIGNATURE_BYTES or len(self.public_key) != 32:
             return False
         try:
-            _public_key(self.public_key).verify(self.signature, self.signing_bytes())
-        except (InvalidSignature, ValueError):
+            # libsodium's Ed25519 (RFC 8032, the signatures NodeIdentity makes): a verification takes
+            # half of OpenSSL's time through ``cryptography``, and every stage makes one per step
+            _verify_key(self.public_key).verify(self.signing_bytes(), self.signature)
+        except (CryptoError, ValueError, TypeError):
             return False
         return True
 
@@ -141,9 +230,43 @@ class Receipt(WireModel):
             other.model, other.layer_begin, other.layer_end, other.pos, other.n_tokens, other.h_hist)
 
 
-_SIGNED = tuple(name for name in Receipt.model_fields if name != "signature")
+# a chain as activations, tokens and ``Receipts`` carry it: its receipts' ``wire`` bytes, head first
+Chain = Annotated[bytes, Field(min_length=WIRE_BYTES, max_length=MAX_CHAIN * WIRE_BYTES)]
 
-Chain = Annotated[list[Receipt], Field(min_length=1, max_length=MAX_CHAIN)]
+
+def pack_chain(chain: Sequence[Receipt]) -> bytes:
+    """What a message carries of ``chain``: fixed-width receipts one after the other."""
+    return b"".join([r.wire for r in chain])
+
+
+def unpack_chain(data: bytes, session: str, epoch: int, model: str) -> tuple[Receipt, ...]:
+    """The receipts a message brings (``pack_chain``), of the ``session`` and ``epoch`` it came in and the
+    receiver's ``model``: PAYLOAD_CORRUPT unless ``data`` is 1 to MAX_CHAIN receipts whose every field
+    is within its schema's bounds (fixed widths hold the rest), so a sender's garbage fails only its
+    session. A receipt signed with another session, epoch or model does not verify."""
+    count, rest = divmod(len(data), WIRE_BYTES)
+    if rest or not 1 <= count <= MAX_CHAIN:
+        raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"a chain of receipts is 1 to {MAX_CHAIN} of {WIRE_BYTES} "
+                                                       f"bytes each, not {len(data)} bytes")
+    context = _context(session, epoch, model)
+    body = _BODY.size
+    receipts = []
+    for start in range(0, len(data), WIRE_BYTES):
+        pos, n_tokens, layer_begin, layer_end, h_in, h_out, h_hist, h_prev, key = _BODY.unpack_from(data, start)
+        if pos > _INT32_MAX or not 1 <= n_tokens <= MAX_TOKENS or layer_begin > MAX_LAYERS or layer_end > MAX_LAYERS:
+            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"receipt {start // WIRE_BYTES} of the chain is out of "
+                                                           f"bounds: {pos}+{n_tokens}, [{layer_begin}, {layer_end})")
+        wire = data[start:start + WIRE_BYTES]
+        receipt = Receipt.unvalidated({
+            "session": session, "epoch": epoch, "pos": pos, "n_tokens": n_tokens, "model": model,
+            "layer_begin": layer_begin, "layer_end": layer_end, "h_in": h_in, "h_out": h_out, "h_hist": h_hist,
+            "h_prev": h_prev, "public_key": key, "signature": wire[body:]})
+        # what it signs and how it travels are the bytes it came as
+        object.__setattr__(receipt, "_signing", context + wire[:body])
+        object.__setattr__(receipt, "_wire", wire)
+        object.__setattr__(receipt, "_hash", row_hash(context + wire))
+        receipts.append(receipt)
+    return tuple(receipts)
 
 
 class Receipts(Message, tag="receipts"):

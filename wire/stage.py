@@ -21,7 +21,8 @@ from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId,
 # 2: a tail waits for the asker's PromptTokens before it samples, receipts are meshd/receipt/2 and
 # ride inside the activations and tokens they speak of, not in messages of their own; a peer of /1
 # would stall or fail on all three, so the peer set tells it the versions differ instead
-STAGE_PROTOCOL = "meshd/stage/2"
+# 3: receipts sign meshd/receipt/3 bytes (a fixed layout): a peer of /2 would find every signature bad
+STAGE_PROTOCOL = "meshd/stage/3"
 
 # the most stages a route can have: every stage holds at least one layer
 MAX_ROUTE = 1 << 10

@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from wire.codec import Message, WireModel, encode
 from wire.errors import ErrorCode, ProtocolError
-from wire.receipt import Chain, Receipt
+from wire.receipt import Chain, Receipt, pack_chain
 from wire.types import Count, Epoch, Int32, SessionId, TokenIds, Tokens
 
 TensorDType = Literal["f32", "f16", "bf16", "q8_0"]
@@ -249,7 +249,8 @@ class Activation(Message, tag="activation"):
     # stage drops their KV when a later activation starts at one of their positions
     drafts: int = Field(default=0, ge=0, le=MAX_DRAFT)
     # output verification (``wire.receipt``): the signed receipts of this step so far, head first
-    # (on the ring: the tail's receipt of the token), in the activation's own frame
+    # (on the ring: the tail's receipt of the token), in the activation's own frame, packed
+    # (``pack_chain``): the receiver unpacks them with its session's epoch and model
     receipts: Chain | None = None
 
     @model_validator(mode="after")
@@ -319,7 +320,7 @@ def _activation_fields(
         "tokens": None if tokens is None else TokenIds(np.asarray(tokens, _I32).tobytes()),
         "deadline_ms": deadline_ms,
         "drafts": drafts,
-        "receipts": None if receipts is None else list(receipts),
+        "receipts": None if receipts is None else pack_chain(receipts),
     }
 
 

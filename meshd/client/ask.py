@@ -21,7 +21,7 @@ from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply
-from wire.receipt import Receipt, Receipts
+from wire.receipt import Receipts
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
@@ -179,7 +179,7 @@ class Verifier(Protocol):
 
     def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError: ...
 
-    def on_chain(self, session: str, epoch: int, chain: Sequence[Receipt]) -> None: ...
+    def on_chain(self, session: str, epoch: int, chain: bytes) -> None: ...
 
     def on_token(self, token: int) -> None: ...
 

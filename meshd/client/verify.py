@@ -42,7 +42,16 @@ from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
-from wire.receipt import Proof, Receipt, Receipts, history_next, history_start, row_hash, sampling_bytes
+from wire.receipt import (
+    Proof,
+    Receipt,
+    Receipts,
+    history_next,
+    history_start,
+    row_hash,
+    sampling_bytes,
+    unpack_chain,
+)
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
@@ -114,7 +123,9 @@ class Audit:
     pending: list[tuple[str, int, list[Receipt]]] = field(default_factory=list)
     # every stage's receipts by position, for the spot checks
     by_stage: list[dict[int, Receipt]] = field(default_factory=list)
-    on_step: list[trio.MemorySendChannel[int]] = field(default_factory=list)
+    on_step: list[Draws] = field(default_factory=list)
+    # the route's model: the receipts' own, which the chains do not carry (``unpack_chain``)
+    model: str = ""
 
     def __post_init__(self) -> None:
         self.by_stage = [{} for _ in self.node_ids]
@@ -156,6 +167,14 @@ class Audit:
         if who != index:
             return self._lie(who, f"it signed over a forged receipt of stage {index}", pos=pos)
         return self._lie(index, reason, proof, pos)
+
+    def on_packed(self, session: str, epoch: int, packed: bytes) -> None:
+        """A chain as the tail hands it over (``on_chain``): one that does not unpack is its doing."""
+        try:
+            receipts = unpack_chain(packed, session, epoch, self.model)
+        except ProtocolError as exc:
+            raise self._lie(self.tail, f"its chain of receipts: {exc.message}") from None
+        self.on_chain(session, epoch, receipts)
 
     def on_chain(self, session: str, epoch: int, receipts: Sequence[Receipt]) -> None:
         if self.awaiting_token is not None:
@@ -255,6 +274,22 @@ def replicas_of(route: Sequence[Stage], candidates: Sequence[Stage]) -> dict[int
     return out
 
 
+@dataclass
+class Draws:
+    """A range's draws of the steps to check (1 in ``plan.every``), made as each step comes: only a
+    drawn step wakes the range's check (``RangeCheck.run``), not every step of the answer."""
+
+    channel: trio.MemorySendChannel[int]
+    plan: CheckPlan
+
+    def send_nowait(self, pos: int) -> None:
+        if self.plan.rng.randrange(self.plan.every) == 0:
+            self.channel.send_nowait(pos)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 class Inbox:
     """What a stage's control stream brings besides errors: the kept inputs the asker asked for."""
 
@@ -341,8 +376,6 @@ class RangeCheck:
     async def _run(self, steps: trio.MemoryReceiveChannel[int]) -> None:
         async with steps:
             async for until in steps:
-                if self.plan.rng.randrange(self.plan.every) != 0:
-                    continue
                 # at most one check in flight: later steps wait for (and join) the next
                 while True:
                     try:
@@ -427,9 +460,11 @@ class _Replay:
     """A check session on one replica: the asker feeds it, it answers each step with its receipt."""
 
     def __init__(self, stage: Stage, session: str, control: Stream, hop: Stream, node_id: str,
-                 with_ids: bool) -> None:
+                 with_ids: bool, model: str) -> None:
         self.stage = stage
         self.session = session
+        # the model its receipts sign (they do not carry it)
+        self.model = model
         self.control = control
         self.hop = hop
         self.node_id = node_id
@@ -457,7 +492,8 @@ class _Replay:
         hop = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=reply.info.node_id)
         await hop.send_message(Hop(session=session, epoch=0, ring=index == 0, prompt_tokens=audit.prompt_len,
                                    carry_tokens=int(reply.info.needs_tokens)))
-        return cls(stage, session, control, hop, reply.info.node_id, index == 0 or reply.info.needs_tokens)
+        return cls(stage, session, control, hop, reply.info.node_id, index == 0 or reply.info.needs_tokens,
+                   reply.info.model_digest)
 
     async def feed(self, steps: Sequence[StepInput], original: Callable[[int], Receipt],
                    stop_at: int | None = None) -> Receipt | None:
@@ -479,10 +515,19 @@ class _Replay:
         if batch:
             # the steps of a check in one write, not a frame (and its wake-ups) each
             await self.hop.send_all(b"".join(batch))
+        # the replica answers the steps fed together in one message, a receipt each, in order
+        answered: list[Receipt] = []
         for step in steps:
-            msg = await self._next_receipt()
-            r = msg.chain[0]
-            if len(msg.chain) != 1 or r.node_id != self.node_id or r.pos != step.pos:
+            if not answered:
+                msg = await self._next_receipt()
+                try:
+                    answered = list(unpack_chain(msg.chain, self.session, 0, self.model))
+                except ProtocolError:
+                    answered = []
+                if not answered or msg.session != self.session:
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
+            r = answered.pop(0)
+            if r.node_id != self.node_id or r.pos != step.pos:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
             mine = original(r.pos)
             if not r.same_step(mine):
@@ -563,7 +608,7 @@ class Verifier:
               result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None], sampling: Sampling) -> None:
         ids = [n for n in node_ids if n is not None]
         assert len(ids) == len(node_ids), "every stage's node id is known once the route is open"
-        self.audit = Audit(session, epoch, ids, n_layer, result)
+        self.audit = Audit(session, epoch, ids, n_layer, result, model=result.route[-1].model_digest)
         candidates = [c for c in self.plan.candidates if c.node_id not in self.liars]
         self.replicas = replicas_of(route, candidates) if self.plan.every > 0 else {}
         self.inboxes = {i: Inbox() for i in self.replicas if i > 0}
@@ -573,7 +618,7 @@ class Verifier:
         if self.plan.every > 0:
             for index, replicas in self.replicas.items():
                 send, receive = trio.open_memory_channel[int](math.inf)
-                self.audit.on_step.append(send)
+                self.audit.on_step.append(Draws(send, self.plan))
                 check = RangeCheck(self.peers, self.audit, index, streams[index], self.inboxes.get(index), replicas,
                                    sampling, self.plan)
                 self._checks.append((check, receive))
@@ -642,9 +687,9 @@ class Verifier:
             self.proofs.append(error.proof)
         return error
 
-    def on_chain(self, session: str, epoch: int, chain: Sequence[Receipt]) -> None:
+    def on_chain(self, session: str, epoch: int, chain: bytes) -> None:
         assert self.audit is not None
-        self.audit.on_chain(session, epoch, chain)
+        self.audit.on_packed(session, epoch, chain)
 
     def on_token(self, token: int) -> None:
         assert self.audit is not None

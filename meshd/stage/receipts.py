@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wire.identity import NodeIdentity
-from wire.receipt import NO_PREV, Receipt, history_next, history_start, receipt_hash
+from wire.receipt import NO_PREV, Receipt, history_next, history_start
 
 
 @dataclass
@@ -46,9 +46,5 @@ class SessionReceipts:
             self.hist = history_start(self.model, self.layer_begin, self.layer_end, self.sampling)
         self.hist = history_next(self.hist, pos, n_tokens, h_in)
         s = self.signer
-        receipt = Receipt.unvalidated({
-            "session": self.session, "epoch": self.epoch, "pos": pos, "n_tokens": n_tokens, "model": self.model,
-            "layer_begin": self.layer_begin, "layer_end": self.layer_end, "h_in": h_in, "h_out": h_out,
-            "h_hist": self.hist, "h_prev": NO_PREV if prev is None else receipt_hash(prev),
-            "public_key": s.public_key, "signature": b""})
-        return receipt.model_copy(update={"signature": s.identity.sign(receipt.signing_bytes())})
+        return Receipt.build(self.session, self.epoch, pos, n_tokens, self.model, self.layer_begin, self.layer_end,
+                             h_in, h_out, self.hist, NO_PREV if prev is None else prev.hash, s.public_key, s.identity)

@@ -44,7 +44,7 @@ from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import Receipt, row_hash, sampling_bytes
+from wire.receipt import MAX_CHAIN, Receipt, pack_chain, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
@@ -122,6 +122,8 @@ class Session:
     # route's chain of that step, which rides to the asker inside the token
     ring_receipt: Receipt | None = None
     asker_chain: tuple[Receipt, ...] | None = None
+    # a check session: its receipts not yet sent (they go together once its queued steps have run)
+    check_receipts: list[Receipt] = field(default_factory=list)
     # with receipts on, past the head: each step's input as it came, until the asker takes it
     # (bounded by the session's token budget: one entry per position at most)
     kept: list[StepInput] = field(default_factory=list)
@@ -592,7 +594,7 @@ class StageService:
         return True
 
     async def _accept_activation(self, session: Session, msg: Activation,
-                                 chain: tuple[str, tuple[Receipt, ...]] | None = None) -> None:
+                                 chain: tuple[str, bytes] | None = None) -> None:
         """Checks an activation against the session before decoding a byte of it, then queues it."""
         checked = self._checked_activation(session, msg, chain)
         if checked is None:
@@ -608,7 +610,7 @@ class StageService:
             self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, rows_chain,
                                                                history), msg.drafts)
 
-    def _checked_activation(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
+    def _checked_activation(self, session: Session, msg: Activation, chain: tuple[str, bytes] | None,
                             ) -> tuple[TensorEntry, bytes, tuple[Receipt, ...]] | None:
         """Every check of an activation against the session, before a byte of it is decoded: the
         head's token ids are queued here (None); hidden states come back with their hash and chain."""
@@ -650,7 +652,7 @@ class StageService:
                                                        f"this stage needs {want}")
         return entry, h_in, checked
 
-    def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, tuple[Receipt, ...]] | None,
+    def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, bytes] | None,
                        ) -> tuple[bytes, tuple[Receipt, ...]]:
         """With receipts on: the hash of the rows as they came, and their chain, checked before the
         rows' position or a byte of them is looked at, so a sender that moved or changed them is
@@ -663,11 +665,12 @@ class StageService:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
             h = row_hash(np.asarray(msg.tokens, dtype=np.int32).tobytes())
             prompt_len = session.book.prompt_len or 0
-            return h, () if chain is None else check_incoming(chain, msg, self.report.n_layer, h, True, prompt_len)
+            return h, () if chain is None else check_incoming(chain, msg, self.report.n_layer, h, True, prompt_len,
+                                                              self.digest)
         entry = msg.tensor(HIDDEN)
         h = row_hash(entry.data)
         checked = () if chain is None else check_incoming(chain, msg, self.report.layer_begin, h, False,
-                                                          session.book.prompt_len or 0)
+                                                          session.book.prompt_len or 0, self.digest)
         if not session.open.check:
             session.kept.append(StepInput.unvalidated({"pos": msg.pos, "n_tokens": msg.n_tokens, "tensor": entry,
                                                        "tokens": msg.tokens}))
@@ -886,8 +889,15 @@ class StageService:
         if s.receipts is None:
             return
         fields = tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)
-        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(fields["data"]))
-        s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, (mine,)))
+        self._check_receipts(s, s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(fields["data"])))
+
+    def _check_receipts(self, s: Session, mine: Receipt) -> None:
+        """A check session's receipts go to the asker in one message once the steps it fed together
+        have run (a probe's one at a time): one message per check, not one per step it replays."""
+        s.check_receipts.append(mine)
+        if s.book.in_flight == 0 or len(s.check_receipts) == MAX_CHAIN:
+            s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, tuple(s.check_receipts)))
+            s.check_receipts = []
 
     def _tail_receipts(self, s: Session, w: Work[Rows], picks: list[Any]) -> None:
         """The tail signs the tokens it sampled (none for a prompt chunk before the last); the whole
@@ -898,11 +908,12 @@ class StageService:
         sampled = np.asarray([p[0] for p in picks[:w.drafts + 1]] if picks else [], dtype=np.int32)
         before = w.payload.chain
         mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()), before[-1] if before else None)
-        s.asker_chain = (*before, mine)
         if s.open.check:
             # a replica's receipt goes to the asker that checks it, on its own: nothing reads its tokens
-            self._send_chain(s)
-        elif picks:
+            self._check_receipts(s, mine)
+            return
+        s.asker_chain = (*before, mine)
+        if picks:
             # the head needs only the tail's receipt of its token: it covers the chain before it by hash
             s.ring_receipt = mine
 
@@ -941,7 +952,7 @@ class StageService:
             chain, s.asker_chain = s.asker_chain, None
             s.to_asker.send_nowait(Token.unvalidated({"type": "token", "v": 1, "session": book.id,
                                                    "epoch": book.epoch, "index": emitted.index, "token": token,
-                                                   "piece": piece, "receipts": None if chain is None else list(chain)}))
+                                                   "piece": piece, "receipts": None if chain is None else pack_chain(chain)}))
         if emitted.done is not None:
             self._send_chain(s)
             length = s.draft_length

@@ -11,31 +11,33 @@ from __future__ import annotations
 
 from meshd.mesh.proofs import BrokenChain, Step, check_chain
 from wire.errors import ErrorCode, ProtocolError
-from wire.receipt import Receipt, Receipts
+from wire.receipt import Receipt, Receipts, pack_chain, unpack_chain
 from wire.tensors import Activation
 
 
-def chain_of(msg: Activation, wanted: bool, sender: str) -> tuple[str, tuple[Receipt, ...]] | None:
-    """The chain an activation brings, with who sent it (None with receipts off)."""
+def chain_of(msg: Activation, wanted: bool, sender: str) -> tuple[str, bytes] | None:
+    """The packed chain an activation brings, with who sent it (None with receipts off)."""
     if not wanted:
         if msg.receipts is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts on a session that did not ask for them")
         return None
     if msg.receipts is None:
         raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "an activation without its receipts")
-    return sender, tuple(msg.receipts)
+    return sender, msg.receipts
 
 
-def check_incoming(held: tuple[str, tuple[Receipt, ...]], msg: Activation, until: int, h_rows: bytes,
-                   ring: bool, prompt_len: int) -> tuple[Receipt, ...]:
-    """The chain, checked against the activation it came with; PAYLOAD_CORRUPT if it does not hold.
+def check_incoming(held: tuple[str, bytes], msg: Activation, until: int, h_rows: bytes, ring: bool,
+                   prompt_len: int, model: str) -> tuple[Receipt, ...]:
+    """The chain, unpacked as receipts of the activation's session and epoch and this stage's
+    ``model``, and checked against the activation; PAYLOAD_CORRUPT if it does not hold.
 
     On a hop, every receipt is of the activation's step, the chain reaches this stage's first
     layer, and only the sender's signature is checked (it checked its own upstream's, and
     signed over that one by hash). On the ring comes the tail's receipt alone, of the step it
     sampled this token in: it ends where this activation begins and covers the model's last
     layer; the chain behind it is the asker's to check (it gets every receipt)."""
-    sender, chain = held
+    sender, packed = held
+    chain = unpack_chain(packed, msg.session, msg.epoch, model)
     try:
         if ring:
             check_ring(chain, msg, until, sender, h_rows)
@@ -67,4 +69,4 @@ def check_ring(chain: tuple[Receipt, ...], msg: Activation, n_layer: int, sender
 def receipts_message(session: str, epoch: int, chain: tuple[Receipt, ...]) -> Receipts:
     # built unvalidated from receipts this stage checked or signed
     return Receipts.unvalidated({"type": "receipts", "v": 1, "session": session, "epoch": epoch,
-                                 "chain": list(chain)})
+                                 "chain": pack_chain(chain)})
