@@ -154,8 +154,10 @@ def start_join(*args: str, timeout: float = 60.0) -> Served:
 
 
 def start_meshd(command: str, *args: str, timeout: float = 60.0) -> Served:
-    """Output goes to a log file, not a pipe: a pipe nobody reads would block a chatty daemon."""
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    """Output goes to a log file, not a pipe: a pipe nobody reads would block a chatty daemon. At
+    info level unless $MESHD_LOG says: tracker changes, placements, asks and fetches are what a
+    failure's log must show (warnings alone left a placement stall unexplained)."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": os.environ.get("MESHD_LOG", "info")}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"meshd-{command}-", suffix=".log", delete=False)
     proc = spawn(meshd_command(command, "--listen", "127.0.0.1:0", *args), stdout=log,
                  stderr=subprocess.STDOUT, text=True, env=env)
