@@ -170,20 +170,24 @@ def test_a_dead_tracker_is_replaced_within_detection_plus_election_timeout() -> 
 
 
 def test_a_followed_tracker_holds_while_newcomers_have_yet_to_vote() -> None:
-    # A founder is tracker on its own vote; two members join before their votes come (a gossip round).
+    # A founder is tracker, a member backs it; two members join before their votes come (a gossip round).
     election = election_with(0, {})
     election.handle_timer(TIMEOUT, joined=True)
     founder = Tracker(1, record(0).node_id)
-    election.observe(10.0, record(1), live=True)
-    election.observe(10.1, record(2), live=True)
-    assert election.tracker == founder  # one vote of three live, but the two are newcomers
+    election.observe(5.0, record(1, **voting_for(0, 1)), live=True)
+    election.observe(10.0, record(2), live=True)
+    election.observe(10.1, record(3), live=True)
+    assert election.tracker == founder  # two votes of four live, but two are newcomers
     assert election.next_timer() == 10.0 + TIMEOUT  # the first one's grace ends then
-    election.observe(10.2, record(1, version=2, **voting_for(0, 1)), live=True)
-    election.handle_timer(10.0 + TIMEOUT, joined=True)
-    assert election.tracker == founder  # two of three
-    # a newcomer that stays silent past its grace counts against: two of four is no majority
-    election.observe(11.0, record(3), live=True)
-    election.handle_timer(11.0 + TIMEOUT, joined=True)
+    election.observe(10.2, record(3, version=2, **voting_for(0, 1)), live=True)
+    election.handle_timer(10.1 + TIMEOUT, joined=True)
+    assert election.tracker == founder  # three of four
+    # newcomers that stay silent past their grace count against: three of six is no majority
+    election.observe(20.0, record(4), live=True)
+    election.observe(20.0, record(5), live=True)
+    election.handle_timer(20.0 + TIMEOUT - 0.1, joined=True)
+    assert election.tracker == founder
+    election.handle_timer(20.0 + TIMEOUT, joined=True)
     assert election.tracker is None
 
 
@@ -193,3 +197,15 @@ def test_a_claim_not_yet_followed_needs_a_majority_of_every_live_member() -> Non
     election = election_with(0, {0: {"reachability": "public"}, 1: {"tracker_term": 1, **voting_for(1, 1)},
                                  2: voting_for(1, 1), 3: {}, 4: {}}, seen={0: 9.5, 3: 9.5, 4: 9.5}, now=10.0)
     assert election.vote is None and election.tracker is None
+
+
+def test_newcomers_beyond_the_trackers_votes_unseat_it_at_once() -> None:
+    # a claim two carried, and four members join at once with their votes still to come
+    election = election_with(0, {})
+    election.handle_timer(TIMEOUT, joined=True)
+    election.observe(5.0, record(1, **voting_for(0, 1)), live=True)
+    for i in (2, 3, 4):
+        election.observe(10.0, record(i), live=True)
+    assert election.tracker == Tracker(1, record(0).node_id)  # two votes of five, two of the three excused
+    election.observe(10.0, record(5), live=True)
+    assert election.tracker is None  # two of six, two of the four excused

@@ -26,8 +26,10 @@ Members are strangers, so a claim counts only when it is believable:
   timeout) whose vote is older than that tracker's term does not count yet:
   its vote takes a gossip round to come, and a tracker that lapsed at each
   join would refuse the newcomer's first assignment ask. After a timeout it
-  counts like any member. A claim not yet followed gets no such grace, so a
-  fresh mesh's newcomers cannot make a rushing claimant tracker by not voting.
+  counts like any member, and newcomers beyond the tracker's votes count at
+  once (a forming mesh outgrows the few that carried its first claim). A
+  claim not yet followed gets no such grace, so a fresh mesh's newcomers
+  cannot make a rushing claimant tracker by not voting.
 
 When no carried tracker is live for the election timeout, candidates claim
 term + 1 in order of merit (directly reachable, longest observed uptime,
@@ -282,17 +284,22 @@ class Election:
             claims[self._node_id] = self._claim  # our record may lag behind a step-down
         live = len(self._live)
         followed = self._tracker
-        quiet = self._quiet_newcomers(now, followed) if followed is not None else 0
         carried = [claim for claim in (Tracker(term, node_id) for node_id, term in claims.items())
-                   if 2 * self._votes(claim) > live - (quiet if claim == followed else 0)]
+                   if 2 * self._votes(claim) > live - (self._excused(now, claim) if claim == followed else 0)]
         highest = max((claim.term for claim in carried), default=0)
         self._highest_term = believable_terms(claims.values(), max(self._highest_term, highest))
         believable = {node_id: term for node_id, term in claims.items() if term <= self._highest_term}
         return believable, carried
 
+    def _excused(self, now: float, tracker: Tracker) -> int:
+        """How many live members the followed `tracker`'s majority leaves out: the newcomers that have
+        not voted at its term or above yet (see the module's docstring), but never more than its votes,
+        so a crowd of newcomers (a mesh forming) still unseats a claim that only a few carried."""
+        return min(self._quiet_newcomers(now, tracker), self._votes(tracker))
+
     def _quiet_newcomers(self, now: float, tracker: Tracker) -> int:
-        """How many newcomers have not voted at `tracker`'s term or above yet (see the module's
-        docstring); forgets those that came a timeout or more ago."""
+        """How many newcomers have not voted at `tracker`'s term or above yet; forgets those that
+        came a timeout or more ago."""
         while self._newcomers:
             node_id, since = next(iter(self._newcomers.items()))
             if since + self._config.election_timeout > now:  # as the timer for it reckons, to the bit
