@@ -332,8 +332,8 @@ class Election:
         if tracker is not None:
             self._vacant_since = None
             self._deadline = None
-            if self._newcomers:
-                # a newcomer's grace ends then: if it has not voted by then, it counts against
+            if 2 * self._votes(tracker) <= len(self._live):
+                # carried thanks to newcomers yet to vote: look again when the oldest one's grace ends
                 self._wait(next(iter(self._newcomers.values())) + self._config.election_timeout)
         elif self._vacant_since is None:
             self._vacant_since = now
