@@ -106,6 +106,9 @@ from wire.stage import STAGE_PROTOCOL, Hop, Open, PeerRef
 log = logging.getLogger(__name__)
 # members a node passes a new proof on to (each checks it, and passes it on once if it is news to it)
 PROOF_FANOUT = 3
+# How long a claimant holds an assignment ask for the votes that carry it (a gossip round away), well
+# inside the asker's rpc timeout: its voters ask the moment they vote, before their votes arrive here.
+CLAIM_WAIT = 2.0
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,7 @@ class MeshDaemon:
         self._nursery: trio.Nursery
         self._sends = 0
         self._sent = trio.Event()
+        self._tracker_news = trio.Event()  # set (and replaced) at each change of the tracker followed
         self.relay: RelayService | None = None
         self._keeper: ReservationKeeper | None = None
         # members whose probes timed them much slower than they say (warned of once each)
@@ -353,6 +357,8 @@ class MeshDaemon:
     def _on_event(self, event: DutyEvent) -> None:
         if isinstance(event, TrackerChanged):
             log.info("tracker is now %s", event.tracker)
+            self._tracker_news.set()
+            self._tracker_news = trio.Event()
         elif isinstance(event, AssignmentChanged):
             if event.assignment is None:
                 log.warning("model %s cannot be covered: %s", event.model[:12], event.reason)
@@ -575,6 +581,7 @@ class MeshDaemon:
             raise ProtocolError(ErrorCode.OVERLOADED, "this node is still starting", retry_after_ms=500)
         peer = host_of(stream.link.address)
         if isinstance(request, AssignmentRequest):
+            await self._votes_for_own_claim()
             reply: Message = self.duty.assignment_for(stream.remote_node_id)
         elif isinstance(request, RouteRequest):
             reply = await self.planned_route(request.model, request.exclude, peer)
@@ -587,6 +594,14 @@ class MeshDaemon:
         else:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown mesh request {request.type!r}")
         await stream.send_message(reply)
+
+    async def _votes_for_own_claim(self) -> None:
+        """While this node claims the tracker role without seeing the claim carried, waits (at most
+        `CLAIM_WAIT`) for the votes: an asker that voted for it asks before its vote gets here, and
+        was refused with "not the tracker" in every fresh mesh."""
+        with trio.move_on_after(CLAIM_WAIT):
+            while self.duty.awaiting_votes:
+                await self._tracker_news.wait()
 
     def take_proof(self, proof: Proof, sender: str | None = None) -> ProofAccepted:
         """A proof that a node lied: checked here before anything is done with it; if its culprit is

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,14 @@ async def peers() -> AsyncIterator[Peers]:
     """A peer identity of the test's own, for asking members over the mesh."""
     async with open_peers(NodeIdentity.generate()) as p:
         yield p
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test that fails while local daemons run shows their logs' tails and keeps their files."""
+    outcome = yield
+    report = outcome.get_result()
+    # only a test that imported the harness can have started daemons
+    localmesh = sys.modules.get("localmesh")
+    if report.failed and call.when in ("setup", "call") and localmesh and (logs := localmesh.running_logs()):
+        report.sections.append(("meshd daemon logs", logs))

@@ -32,11 +32,41 @@ class Served:
     lines: list[str] = field(default_factory=list)
     node_id: str = ""
     log: Path | None = None
+    # set when a test failed while this daemon ran: its log outlives it, for the next look
+    keep_log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.log is not None:
+            _RUNNING[self.proc.pid] = self
 
     def stop(self) -> None:
         stop_process(self.proc)
-        if self.log is not None:
+        _RUNNING.pop(self.proc.pid, None)
+        if self.log is not None and not self.keep_log:
             self.log.unlink(missing_ok=True)
+
+
+# The daemons with a log that were started and not yet stopped, by PID: what a failure report shows
+_RUNNING: dict[int, Served] = {}
+TAIL_LINES = 80
+
+
+def running_logs() -> str:
+    """The tail of each running daemon's log, which is kept on disk from now on: a failing test's
+    evidence (a module's mesh is torn down, logs and all, after its report is written)."""
+    parts = []
+    for served in _RUNNING.values():
+        assert served.log is not None
+        served.keep_log = True
+        try:
+            lines = served.log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        name = served.node_id[:12] or served.address
+        shown = lines[-TAIL_LINES:]
+        parts.append(f"----- {name} pid={served.proc.pid} {served.log} (its last {len(shown)} of {len(lines)} lines)\n"
+                     + "\n".join(shown))
+    return "\n".join(parts)
 
 
 # PIDs that spawn() made leaders of their own process group: stop_process ends the group
@@ -124,8 +154,10 @@ def start_join(*args: str, timeout: float = 60.0) -> Served:
 
 
 def start_meshd(command: str, *args: str, timeout: float = 60.0) -> Served:
-    """Output goes to a log file, not a pipe: a pipe nobody reads would block a chatty daemon."""
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    """Output goes to a log file, not a pipe: a pipe nobody reads would block a chatty daemon. At
+    info level unless $MESHD_LOG says: tracker changes, placements, asks and fetches are what a
+    failure's log must show (warnings alone left a placement stall unexplained)."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": os.environ.get("MESHD_LOG", "info")}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"meshd-{command}-", suffix=".log", delete=False)
     proc = spawn(meshd_command(command, "--listen", "127.0.0.1:0", *args), stdout=log,
                  stderr=subprocess.STDOUT, text=True, env=env)

@@ -82,9 +82,11 @@ def test_light_clients_never_claim() -> None:
 
 
 def test_a_claim_is_followed_once_a_majority_of_live_members_votes_for_it() -> None:
-    claimant = {"tracker_term": 1, **voting_for(1, 1)}
-    election = election_with(0, {1: claimant, 2: {}, 3: {}}, seen={1: 0.0, 0: 1.0, 2: 2.0, 3: 3.0})
-    assert election.tracker is None  # one vote of four
+    election = election_with(0, {1: {}, 2: {}, 3: {}}, seen={1: 0.0, 0: 1.0, 2: 2.0, 3: 3.0})
+    # the claim comes once all four are live (a claim followed before newcomers came would hold
+    # while they have yet to vote: test_a_followed_tracker_holds_while_newcomers_have_yet_to_vote)
+    election.observe(3.0, record(1, version=2, tracker_term=1, **voting_for(1, 1)), live=True)
+    assert election.tracker is None  # short of a majority of four
     election.handle_timer(TIMEOUT, joined=True)
     # Node 1 is the best candidate in this view, so this node backs it: two votes of four.
     assert election.vote == Tracker(1, record(1).node_id) and election.tracker is None
@@ -165,3 +167,45 @@ def test_a_dead_tracker_is_replaced_within_detection_plus_election_timeout() -> 
     print(f"\nnew tracker followed by all {elapsed:.1f} s after the old one died")
     # Failure detection (a probe round, then Lifeguard's minimum suspicion) plus one election timeout.
     assert elapsed <= 4 + 8 + TIMEOUT
+
+
+def test_a_followed_tracker_holds_while_newcomers_have_yet_to_vote() -> None:
+    # A founder is tracker, a member backs it; two members join before their votes come (a gossip round).
+    election = election_with(0, {})
+    election.handle_timer(TIMEOUT, joined=True)
+    founder = Tracker(1, record(0).node_id)
+    election.observe(5.0, record(1, **voting_for(0, 1)), live=True)
+    election.observe(10.0, record(2), live=True)
+    election.observe(10.1, record(3), live=True)
+    assert election.tracker == founder  # two votes of four live, but two are newcomers
+    assert election.next_timer() == 10.0 + TIMEOUT  # the first one's grace ends then
+    election.observe(10.2, record(3, version=2, **voting_for(0, 1)), live=True)
+    election.handle_timer(10.1 + TIMEOUT, joined=True)
+    assert election.tracker == founder  # three of four
+    # newcomers that stay silent past their grace count against: three of six is no majority
+    election.observe(20.0, record(4), live=True)
+    election.observe(20.0, record(5), live=True)
+    election.handle_timer(20.0 + TIMEOUT - 0.1, joined=True)
+    assert election.tracker == founder
+    election.handle_timer(20.0 + TIMEOUT, joined=True)
+    assert election.tracker is None
+
+
+def test_a_claim_not_yet_followed_needs_a_majority_of_every_live_member() -> None:
+    # Two newcomers that have not voted yet, then a rushing claim backed by one other; this node
+    # holds back (it outranks the claimant): two votes of five, however new the two silent ones are.
+    election = election_with(0, {0: {"reachability": "public"}, 1: {"tracker_term": 1, **voting_for(1, 1)},
+                                 2: voting_for(1, 1), 3: {}, 4: {}}, seen={0: 9.5, 3: 9.5, 4: 9.5}, now=10.0)
+    assert election.vote is None and election.tracker is None
+
+
+def test_newcomers_beyond_the_trackers_votes_unseat_it_at_once() -> None:
+    # a claim two carried, and four members join at once with their votes still to come
+    election = election_with(0, {})
+    election.handle_timer(TIMEOUT, joined=True)
+    election.observe(5.0, record(1, **voting_for(0, 1)), live=True)
+    for i in (2, 3, 4):
+        election.observe(10.0, record(i), live=True)
+    assert election.tracker == Tracker(1, record(0).node_id)  # two votes of five, two of the three excused
+    election.observe(10.0, record(5), live=True)
+    assert election.tracker is None  # two of six, two of the four excused

@@ -166,6 +166,9 @@ async def wait_serving(peers: Peers, mesh: FetchMesh, timeout: float = 240.0) ->
     """Until every volunteer serves a range and the model is covered; notes when each fetcher began to serve."""
     with trio.fail_after(timeout):
         while True:
+            # a daemon that exited never serves: say so now, not after the timeout
+            exited = [n.node_id[:12] for n in mesh.nodes if n.proc.poll() is not None]
+            assert not exited, f"daemons exited: {exited}"
             view = await mesh_status(peers, mesh.seed)
             now = time.monotonic()
             ranges = served(view)

@@ -222,6 +222,26 @@ def test_only_the_tracker_answers_assignment_asks() -> None:
     assert reply.model is None and reply.reason
 
 
+def test_a_claimant_awaits_the_votes_its_voters_ask_it_before() -> None:
+    duties = [duty(i) for i in range(2)]
+    mesh = Mesh(*duties)
+    mesh.run_until(1.0)
+    claimant = min(duties, key=lambda d: d.node_id)  # all start together: the lowest id claims first
+    (voter,) = [d for d in duties if d is not claimant]
+    mesh.net.blocked.add((voter.node_id, claimant.node_id))  # the vote is on its way
+    mesh.run_until(3.0 + 1.0)
+    assert voter.node.tracker is not None and voter.node.tracker.node_id == claimant.node_id
+    # the voter follows it already; the claimant, one vote of two, is no tracker yet: the shell holds
+    # the voter's ask while this says so, instead of refusing it
+    assert claimant.awaiting_votes and not claimant.is_tracker and not voter.awaiting_votes
+    with pytest.raises(ProtocolError):
+        claimant.assignment_for(voter.node_id)
+    mesh.net.blocked.clear()
+    mesh.run_until(mesh.net.now + 1.0)
+    assert claimant.is_tracker and not claimant.awaiting_votes
+    assert claimant.assignment_for(voter.node_id).term == claimant.node.tracker.term
+
+
 def test_a_model_nobody_can_cover_is_reported_once_with_the_reason() -> None:
     duties = [duty(0, memory=300), duty(1, memory=300)]
     mesh = Mesh(*duties)

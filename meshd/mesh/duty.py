@@ -218,6 +218,12 @@ class MeshDuty:
         return tracker is not None and tracker.node_id == self.node.node_id
 
     @property
+    def awaiting_votes(self) -> bool:
+        """This node claims the tracker role and does not see the claim carried yet: the voters that
+        carry it may ask it for their ranges before their votes reach it (the shell holds such asks)."""
+        return bool(self.node.election.claim) and not self.is_tracker
+
+    @property
     def left_announced(self) -> bool:
         return self.node.left_announced
 

@@ -21,7 +21,15 @@ Members are strangers, so a claim counts only when it is believable:
 - the electorate is the members this node has heard from first-hand (`vouch`:
   a message over an authenticated link from the member itself): a record that
   someone else's Sync planted counts for nothing, so ten thousand planted
-  members can neither outvote the mesh nor leave every claim short of a majority.
+  members can neither outvote the mesh nor leave every claim short of a majority;
+- for the tracker a node follows, a newcomer (in the electorate under a
+  timeout) whose vote is older than that tracker's term does not count yet:
+  its vote takes a gossip round to come, and a tracker that lapsed at each
+  join would refuse the newcomer's first assignment ask. After a timeout it
+  counts like any member, and newcomers beyond the tracker's votes count at
+  once (a forming mesh outgrows the few that carried its first claim). A
+  claim not yet followed gets no such grace, so a fresh mesh's newcomers
+  cannot make a rushing claimant tracker by not voting.
 
 When no carried tracker is live for the election timeout, candidates claim
 term + 1 in order of merit (directly reachable, longest observed uptime,
@@ -98,6 +106,8 @@ class Election:
         self._live: dict[str, CapabilityRecord] = {}
         self._heard: dict[str, CapabilityRecord] = {}
         self._vouched: set[str] = {node_id}
+        # the others that entered the electorate under a timeout ago, with when, oldest first
+        self._newcomers: dict[str, float] = {}
         # Kept as records come and go, so that a record costs O(claims), not O(members): the claims
         # of other live eligible members, and every live member's vote with their tally.
         self._claiming: dict[str, int] = {}
@@ -155,10 +165,13 @@ class Election:
             else:
                 self._claiming.pop(node_id, None)
         if live:
+            if node_id not in self._live and node_id != self._node_id:
+                self._newcomers[node_id] = now
             self._live[node_id] = record
             self._first_seen.setdefault(node_id, now)
         else:
             self._live.pop(node_id, None)
+            self._newcomers.pop(node_id, None)
             if node_id != self._node_id:
                 # A member that comes back starts its observed uptime afresh, once heard from again.
                 self._first_seen.pop(node_id, None)
@@ -210,7 +223,7 @@ class Election:
                 return
             # Not carried within a timeout: the votes split. The claimant with the most votes
             # (then the lowest node id: something every view agrees on) renews, the others withdraw.
-            claims, _ = self._claims()
+            claims, _ = self._claims(now)
             best = min(claims, key=lambda node_id: (-self._votes(Tracker(claims[node_id], node_id)), node_id))
             if best != self._node_id:
                 self._claim = 0
@@ -219,7 +232,7 @@ class Election:
                 return
         else:
             vote = self._vote
-            if vote is not None and self._claims()[0].get(vote.node_id) == vote.term \
+            if vote is not None and self._claims(now)[0].get(vote.node_id) == vote.term \
                     and now < self._voted_at + timeout:
                 # We back someone's live claim: give its votes a timeout to gather before running.
                 self._wait(self._voted_at + timeout)
@@ -262,7 +275,7 @@ class Election:
                 return True
         return False
 
-    def _claims(self) -> tuple[dict[str, int], list[Tracker]]:
+    def _claims(self, now: float) -> tuple[dict[str, int], list[Tracker]]:
         """Believable claims of live eligible members, this node's own (`_claim`) included, and
         the carried ones. A carried claim is believed at any term: a majority of live members
         backs it (which is how a newcomer learns the term), and voters back only believable ones."""
@@ -270,12 +283,29 @@ class Election:
         if self._claim:
             claims[self._node_id] = self._claim  # our record may lag behind a step-down
         live = len(self._live)
-        carried = [Tracker(term, node_id) for node_id, term in claims.items()
-                   if 2 * self._votes(Tracker(term, node_id)) > live]
+        followed = self._tracker
+        carried = [claim for claim in (Tracker(term, node_id) for node_id, term in claims.items())
+                   if 2 * self._votes(claim) > live - (self._excused(now, claim) if claim == followed else 0)]
         highest = max((claim.term for claim in carried), default=0)
         self._highest_term = believable_terms(claims.values(), max(self._highest_term, highest))
         believable = {node_id: term for node_id, term in claims.items() if term <= self._highest_term}
         return believable, carried
+
+    def _excused(self, now: float, tracker: Tracker) -> int:
+        """How many live members the followed `tracker`'s majority leaves out: the newcomers that have
+        not voted at its term or above yet (see the module's docstring), but never more than its votes,
+        so a crowd of newcomers (a mesh forming) still unseats a claim that only a few carried."""
+        return min(self._quiet_newcomers(now, tracker), self._votes(tracker))
+
+    def _quiet_newcomers(self, now: float, tracker: Tracker) -> int:
+        """How many newcomers have not voted at `tracker`'s term or above yet; forgets those that
+        came a timeout or more ago."""
+        while self._newcomers:
+            node_id, since = next(iter(self._newcomers.items()))
+            if since + self._config.election_timeout > now:  # as the timer for it reckons, to the bit
+                break
+            del self._newcomers[node_id]
+        return sum(1 for node_id in self._newcomers if self._live[node_id].vote_term < tracker.term)
 
     def _votes(self, claim: Tracker) -> int:
         own = self._node_id in self._live and self._vote == claim
@@ -285,7 +315,7 @@ class Election:
         self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
 
     def _refresh(self, now: float) -> None:
-        claims, carried = self._claims()
+        claims, carried = self._claims(now)
         tracker = max(carried, default=None)
         if self._claim:
             own = Tracker(self._claim, self._node_id)
@@ -302,6 +332,9 @@ class Election:
         if tracker is not None:
             self._vacant_since = None
             self._deadline = None
+            if 2 * self._votes(tracker) <= len(self._live):
+                # carried thanks to newcomers yet to vote: look again when the oldest one's grace ends
+                self._wait(next(iter(self._newcomers.values())) + self._config.election_timeout)
         elif self._vacant_since is None:
             self._vacant_since = now
             self._deadline = None
