@@ -850,10 +850,22 @@ class MeshDaemon:
         path = cfg.state_dir / "models" / f"{digest}.gguf"
         sparse = await trio.to_thread.run_sync(SparseFile.open, path, manifest)
         self.manifest, self.sparse, self.model_path = manifest, sparse, path
-        try:
-            await self._fetch(digest, manifest.header_chunks_list(), "header", 0, 0)
-        except (FetchFailed, ProtocolError) as exc:
-            raise ModelNotFound(f"cannot fetch the header of model {digest[:16]}: {exc}") from None
+        # a holder that is busy, restarting or gone for a moment is no reason to give up (the node
+        # would exit): the header is asked for again, like the manifest, for up to model_wait
+        failure: Exception | str = "no member answered"
+        fetched = False
+        with trio.move_on_after(cfg.model_wait):
+            while not fetched:
+                try:
+                    await self._fetch(digest, manifest.header_chunks_list(), "header", 0, 0)
+                    fetched = True
+                except (FetchFailed, ProtocolError) as exc:
+                    failure = exc
+                    log.info("no header of %s yet: %s", digest[:12], exc)
+                    await trio.sleep(1.0)
+        if not fetched:
+            raise ModelNotFound(f"cannot fetch the header of model {digest[:16]} (waited {cfg.model_wait:g} s): "
+                                f"{failure}")
         info = (await trio.to_thread.run_sync(describe_model, path, digest)).model_copy(update={"whole": False})
         self.model = info
         self.source.offer(sparse)
