@@ -365,3 +365,16 @@ async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_lin
     assert [n.split(" of node")[0] for n in result.unverified] == ["layers [0, 2)", "layers [2, 4)", "layers [4, 6)"]
     assert result.unverified[0].endswith("unchecked from position 0 (no replica)")
     assert "layers [4, 6) of node" in figures_line(result)
+
+
+def test_a_nodes_signature_is_its_keys_own_ed25519_signature() -> None:
+    # NodeIdentity signs through libsodium, receipts verify through it and records through OpenSSL:
+    # one deterministic RFC 8032 signature, whichever library made or checks it
+    from wire.identity import verify
+
+    identity = NodeIdentity.generate()
+    for message in (b"", b"meshd" * 200):
+        signature = identity.sign(message)
+        assert signature == identity.private_key.sign(message)
+        assert verify(identity.public_key, message, signature)
+        assert not verify(identity.public_key, message + b"!", signature)
