@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import signal
 import stat
 import sys
@@ -703,6 +704,10 @@ def print_figures(result: AskResult) -> None:
     print(figures_line(result), file=sys.stderr, flush=True)
 
 
+# meshd.client.verify's note for a range that no replica serves at all
+_NO_REPLICA = re.compile(r"layers (\[\d+, \d+\)) of node \w+ unchecked from position 0 \(no replica\)")
+
+
 def figures_line(result: AskResult) -> str:
     """What `meshd ask` says after the answer: tokens, speed, drafts, what failing over cost, and
     the ranges spot checks could not check to the end."""
@@ -713,8 +718,12 @@ def figures_line(result: AskResult) -> str:
     failover = "" if not result.failovers else \
         f", failed over {plural(result.failovers, 'time')} ({plural(len(result.excluded), 'stage')} " \
         f"routed around, {result.failover_seconds:.1f} s lost)"
-    # output verification: what no replica checked (a lie there would go unseen)
-    failover += "".join(f", {note}" for note in result.unverified)
+    # output verification: what no replica checked (a lie there would go unseen); the ranges no
+    # other member serves are said once, together (a mesh of single servers has every range so)
+    alone = [m.group(1) for note in result.unverified if (m := _NO_REPLICA.fullmatch(note))]
+    if alone:
+        failover += f", unchecked (no replica): layers {', '.join(alone)}"
+    failover += "".join(f", {note}" for note in result.unverified if not _NO_REPLICA.fullmatch(note))
     if ttft is None:
         return f"[{prompt}, no new tokens{failover}, stopped by {result.reason}]"
     return (f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "

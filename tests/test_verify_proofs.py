@@ -364,7 +364,12 @@ async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_lin
     await verifier.settle(1.0)
     assert [n.split(" of node")[0] for n in result.unverified] == ["layers [0, 2)", "layers [2, 4)", "layers [4, 6)"]
     assert result.unverified[0].endswith("unchecked from position 0 (no replica)")
-    assert "layers [4, 6) of node" in figures_line(result)
+    # the ranges no replica checked from the start are said once, together
+    line = figures_line(result)
+    assert ", unchecked (no replica): layers [0, 2), [2, 4), [4, 6), stopped by" in line
+    assert line.count("unchecked") == 1
+    result.unverified[2] = result.unverified[2].replace("position 0 (no replica)", "position 3")
+    assert ", unchecked (no replica): layers [0, 2), [2, 4), layers [4, 6) of node" in figures_line(result)
 
 
 def test_a_nodes_signature_is_its_keys_own_ed25519_signature() -> None:
