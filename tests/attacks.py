@@ -35,6 +35,18 @@ async def _drain(stream: Stream) -> None:
             await stream.receive_message()
 
 
+async def typed_error(stream: Stream, timeout: float = 30.0) -> ProtocolError:
+    """The typed error a stream ends with: raised by the link, or sent as an ErrorMessage."""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                msg = await stream.receive_message()
+            except ProtocolError as exc:
+                return exc
+            if isinstance(msg, ErrorMessage):
+                return ProtocolError(msg.code, msg.message, msg.retry_after_ms)
+
+
 async def stranger_error(peers: Peers, address: str, width: int, ids: list[int] | None, carry: int,
                          prompt_ids: list[int] | None = None) -> ProtocolError:
     """A stranger's session on the stage at ``address``: (optionally) the prompt's ids on its control
@@ -56,10 +68,4 @@ async def stranger_error(peers: Peers, address: str, width: int, ids: list[int] 
             await hop.send_message(Activation(session="stranger", epoch=0, step=0, pos=0, n_tokens=2,
                                               tensors=[TensorEntry(**tensor_fields("hidden_states", rows))],
                                               tokens=ids))
-            while True:
-                try:
-                    msg = await control.receive_message()
-                except ProtocolError as exc:
-                    return exc
-                if isinstance(msg, ErrorMessage):
-                    return ProtocolError(msg.code, msg.message)
+            return await typed_error(control)

@@ -19,12 +19,12 @@ import crc32c
 import pytest
 import trio
 import zstandard
+from attacks import typed_error
 from localmesh import Served, start_serve
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, open_peers
-from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL, ChatMessage, Hop, Metrics, MetricsRequest, Open, Opened, PeerRef, Prompt
@@ -86,17 +86,6 @@ async def worker_restarts(peers: Peers, stage: Served) -> float:
             reply = await stream.receive_message()
     assert isinstance(reply, Metrics)
     return reply.values["worker_restarts"]
-
-
-async def typed_error(stream: Stream) -> ProtocolError:
-    with trio.fail_after(30):
-        while True:
-            try:
-                msg = await stream.receive_message()
-            except ProtocolError as exc:
-                return exc
-            if isinstance(msg, ErrorMessage):
-                return ProtocolError(msg.code, msg.message)
 
 
 def claimed_rows_bomb(rows: int) -> TensorEntry:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from attacks import typed_error
 
 from meshd.client.ask import (
     AskRequest,
@@ -125,17 +126,6 @@ async def next_message(s: Stream, kind: type[Message]) -> Message:
                 return msg
 
 
-async def next_error(s: Stream) -> ProtocolError:
-    with trio.fail_after(10):
-        while True:
-            try:
-                msg = await s.receive_message()
-            except ProtocolError as exc:
-                return exc
-            if isinstance(msg, ErrorMessage):
-                return ProtocolError(msg.code, msg.message, msg.retry_after_ms)
-
-
 async def test_idle_session_expires_and_frees_its_kv(default_model: Path, asker: Asker) -> None:
     async with stage(default_model, None, ttl=1.0) as node:
         s, reply = await open_session(asker, node, "a", max_tokens=1)
@@ -170,7 +160,7 @@ async def test_least_recently_used_not_oldest_idle_session_is_evicted(default_mo
         assert node.service.sessions["a"].last_used > node.service.sessions["b"].last_used
         c, reply = await open_session(asker, node, "c")
         assert isinstance(reply, Opened)
-        err = await next_error(b)
+        err = await typed_error(b, timeout=10)
         assert err.code == ErrorCode.CACHE_MISS and "evicted" in err.message
         assert set(node.service.sessions) == {"a", "c"}
         assert node.service.metric_values()["evictions"] == 1.0
@@ -240,7 +230,7 @@ async def test_unreachable_next_stage_fails_the_open(default_model: Path, asker:
             port = unused.getsockname()[1]
         s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
         await s.send_message(Open(session="s", epoch=0, next=PeerRef(address=f"127.0.0.1:{port}")))
-        err = await next_error(s)
+        err = await typed_error(s, timeout=10)
         assert err.code == ErrorCode.UNREACHABLE and f"next stage 127.0.0.1:{port} is unreachable" in err.message
         assert node.service.metric_values()["sessions"] == 0.0
 
@@ -253,7 +243,7 @@ async def test_open_without_the_next_hop_says_what_the_stage_serves_but_takes_no
         reply = await s.receive_message()
         assert isinstance(reply, Opened) and (reply.info.layer_begin, reply.info.layer_end) == (0, 10)
         await s.send_message(Prompt(session="s", epoch=0, text="hello"))
-        err = await next_error(s)
+        err = await typed_error(s, timeout=10)
         assert err.code == ErrorCode.BAD_REQUEST and "needs the next stage's address" in err.message
 
 
@@ -261,7 +251,7 @@ async def test_hop_for_unknown_session_is_not_found(default_model: Path, asker: 
     async with stage(default_model, (10, 20)) as node:
         s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
         await s.send_message(Hop(session="nobody", epoch=0, prompt_tokens=3))
-        err = await next_error(s)
+        err = await typed_error(s, timeout=10)
         assert err.code == ErrorCode.NOT_FOUND
 
 
@@ -283,7 +273,7 @@ async def test_position_gap_is_a_cache_miss(default_model: Path, asker: Asker) -
     async with stage(default_model, (10, 20)) as node:
         control, hop = await middle_session(asker, node)
         await hop.send_message(activation(pos=3, rows=2))
-        err = await next_error(control)
+        err = await typed_error(control, timeout=10)
         assert err.code == ErrorCode.CACHE_MISS and "position 3" in err.message
         assert node.service.metric_values()["sessions"] == 0.0
 
@@ -292,7 +282,7 @@ async def test_residual_of_wrong_width_is_refused_and_stage_keeps_serving(defaul
     async with stage(default_model, (10, 20)) as node:
         control, hop = await middle_session(asker, node)
         await hop.send_message(activation(pos=0, rows=2, width=100))
-        err = await next_error(control)
+        err = await typed_error(control, timeout=10)
         assert err.code == ErrorCode.BAD_REQUEST and "(2, 576)" in err.message
         # the stage takes the next session as if nothing happened
         _, reply = await open_session(asker, node, "next")
@@ -309,7 +299,7 @@ async def test_hidden_states_not_as_negotiated_at_open_are_refused(
     async with stage(default_model, (10, 20)) as node:
         control, hop = await middle_session(asker, node, **negotiated)
         await hop.send_message(activation(pos=0, rows=2, **sent))
-        err = await next_error(control)
+        err = await typed_error(control, timeout=10)
         assert err.code == ErrorCode.BAD_REQUEST and "this session travels as" in err.message
 
 
@@ -317,7 +307,7 @@ async def test_rows_beyond_the_session_budget_are_refused_before_decoding(defaul
     async with stage(default_model, (10, 20), max_session_tokens=64) as node:
         control, hop = await middle_session(asker, node)
         await hop.send_message(activation(pos=0, rows=65))
-        err = await next_error(control)
+        err = await typed_error(control, timeout=10)
         assert err.code == ErrorCode.OVERLOADED and "session budget is 64 (--session-tokens)" in err.message
 
 
@@ -325,7 +315,7 @@ async def test_unknown_first_message_resets_only_that_stream(default_model: Path
     async with stage(default_model, None) as node:
         s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
         await s.send_message(Cancel(session="x", epoch=0))
-        err = await next_error(s)
+        err = await typed_error(s, timeout=10)
         assert err.code == ErrorCode.BAD_REQUEST
         _, reply = await open_session(asker, node, "after")
         assert isinstance(reply, Opened)
