@@ -21,11 +21,13 @@ from wire.receipt import (
     MAX_CHAIN,
     MAX_WITNESSES,
     WIRE_BYTES,
+    PackedChain,
     Proof,
     ProofGossip,
     Receipt,
     Receipts,
     pack_chain,
+    read_chain,
     row_hash,
     unpack_chain,
 )
@@ -48,6 +50,11 @@ def tokens_hash(ids: list[int]) -> bytes:
     return row_hash(np.asarray(ids, np.int32).tobytes())
 
 
+def packed(chain: list[Receipt], session: str = "s1") -> PackedChain:
+    """``chain`` as a stage or the asker reads it off a message."""
+    return read_chain(pack_chain(chain), session, 0, MODEL)
+
+
 def honest_chain(pos: int, n: int, h_in: bytes, outs: list[bytes], ledgers: list[SessionReceipts],
                  ring: Receipt | None = None) -> list[Receipt]:
     """Each stage's receipt of one step, the head's after ``ring`` (the tail's receipt of its token)."""
@@ -63,7 +70,7 @@ def test_an_honest_chain_holds_and_each_forgery_breaks_it() -> None:
     outs = [row_hash(b"rows after head"), row_hash(b"rows after mid"), tokens_hash([])]
     chain = honest_chain(0, 5, tokens_hash([1, 2, 3, 4, 5]), outs, ledgers)
     step = Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, outs[2], decode=False)
-    check_chain(chain, step)
+    check_chain(packed(chain), step)
     # a receipt changed after signing, moved rows, a gap in the layers, another sender, other rows
     tampered = chain[1].model_copy(update={"h_out": row_hash(b"other")})
     attacks = {
@@ -76,12 +83,12 @@ def test_an_honest_chain_holds_and_each_forgery_breaks_it() -> None:
     for what, forged in attacks.items():
         s = step if what != "sender" else Step("s1", 0, 0, 5, 6, SIGNERS[1].node_id, outs[2], decode=False)
         with pytest.raises(BrokenChain):
-            check_chain(forged, s)
+            check_chain(packed(forged), s)
     with pytest.raises(BrokenChain, match="not the ones"):
-        check_chain(chain, Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, row_hash(b"x"), decode=False))
+        check_chain(packed(chain), Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, row_hash(b"x"), decode=False))
     # a decode step must start with the tail's receipt of the token the head took in
     with pytest.raises(BrokenChain, match="without the tail's receipt"):
-        check_chain(chain, Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, outs[2], decode=True))
+        check_chain(packed(chain), Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, outs[2], decode=True))
 
 
 def test_a_decode_chain_links_the_head_to_the_tails_last_token() -> None:
@@ -89,19 +96,19 @@ def test_a_decode_chain_links_the_head_to_the_tails_last_token() -> None:
     prompt = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
     ring = prompt[-1]
     step = honest_chain(3, 1, tokens_hash([9]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])], ledgers, ring)
-    check_chain([ring, *step], Step("s1", 0, 3, 1, 6, SIGNERS[2].node_id, step[-1].h_out, decode=True))
+    check_chain(packed([ring, *step]), Step("s1", 0, 3, 1, 6, SIGNERS[2].node_id, step[-1].h_out, decode=True))
     other = honest_chain(3, 1, tokens_hash([8]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])],
                          [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)], ring)
     with pytest.raises(BrokenChain, match="another token"):
-        check_chain([ring, *other], Step("s1", 0, 3, 1, 6, SIGNERS[2].node_id, other[-1].h_out, decode=True))
+        check_chain(packed([ring, *other]), Step("s1", 0, 3, 1, 6, SIGNERS[2].node_id, other[-1].h_out, decode=True))
 
 
 def test_the_asker_blames_the_tail_for_a_token_its_receipt_does_not_sign() -> None:
     ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
     result = AskResult(prompt_tokens=[1, 2, 3])
-    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, result, prompt_len=3)
+    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, result, prompt_len=3, model=MODEL)
     chain = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
-    audit.on_chain("s1", 0, tuple(chain))
+    audit.on_packed("s1", 0, pack_chain(chain))
     with pytest.raises(StageLied) as lie:
         audit.on_token(8)
     assert lie.value.culprit == SIGNERS[2].node_id and lie.value.retryable
@@ -109,18 +116,18 @@ def test_the_asker_blames_the_tail_for_a_token_its_receipt_does_not_sign() -> No
 
 def test_the_asker_blames_the_head_for_a_prompt_it_did_not_tokenize_as_it_said() -> None:
     ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
-    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
+    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3, model=MODEL)
     chain = honest_chain(0, 3, tokens_hash([1, 2, 4]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
     with pytest.raises(StageLied) as lie:
-        audit.on_chain("s1", 0, tuple(chain))
+        audit.on_packed("s1", 0, pack_chain(chain))
     assert lie.value.culprit == SIGNERS[0].node_id
 
 
 def test_a_tail_giving_the_head_another_token_leaves_an_equivocation_proof() -> None:
     ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
-    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
+    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3, model=MODEL)
     first = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b"), tokens_hash([9])], ledgers)
-    audit.on_chain("s1", 0, tuple(first))
+    audit.on_packed("s1", 0, pack_chain(first))
     audit.on_token(9)
     # the tail signed token 9 to the asker and token 5 (same step, same history) to the head
     to_head = first[2].model_copy(update={"h_out": tokens_hash([5]), "signature": b""})
@@ -128,7 +135,7 @@ def test_a_tail_giving_the_head_another_token_leaves_an_equivocation_proof() -> 
     second = honest_chain(3, 1, tokens_hash([5]), [row_hash(b"c"), row_hash(b"d"), tokens_hash([7])],
                           [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)], to_head)
     with pytest.raises(StageLied) as lie:
-        audit.on_chain("s1", 0, (to_head, *second))
+        audit.on_packed("s1", 0, pack_chain([to_head, *second]))
     assert lie.value.proof is not None and check_proof(lie.value.proof) == SIGNERS[2].node_id
 
 
@@ -251,7 +258,7 @@ def test_each_activation_brings_its_own_chain_inside_it_and_only_where_receipts_
     # one frame: the receipts travel in the activation's own message, held to the chain's bound
     assert decode(encode(with_chain), STAGE) == with_chain
     too_long = encode(Activation.of(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9],
-                                    receipts=[culprit] * (MAX_CHAIN + 1)))
+                                    receipts=pack_chain([culprit] * (MAX_CHAIN + 1))))
     with pytest.raises(ProtocolError):
         decode(too_long, STAGE)
 
@@ -271,14 +278,14 @@ def test_a_stage_checks_its_senders_signature_and_every_link_by_hash() -> None:
     outs = [row_hash(b"rows after head"), row_hash(b"rows after mid"), tokens_hash([])]
     chain = honest_chain(0, 5, tokens_hash([1, 2, 3, 4, 5]), outs, ledgers)
     step = Step("s1", 0, 0, 5, 6, SIGNERS[2].node_id, outs[2], decode=False)
-    check_chain(chain, step, signatures="sender")
+    check_chain(packed(chain), step, signatures="sender")
     # the sender's own receipt changed after signing
     with pytest.raises(BrokenChain, match="receipt 2 has a bad signature") as broken:
-        check_chain([*chain[:2], chain[2].model_copy(update={"h_hist": row_hash(b"other")})], step, "sender")
+        check_chain(packed([*chain[:2], chain[2].model_copy(update={"h_hist": row_hash(b"other")})]), step, "sender")
     assert broken.value.culprit is None
     # an earlier receipt changed on the way: the sender's signature covers it by hash
     with pytest.raises(BrokenChain, match="does not follow"):
-        check_chain([chain[0].model_copy(update={"h_hist": row_hash(b"other")}), *chain[1:]], step, "sender")
+        check_chain(packed([chain[0].model_copy(update={"h_hist": row_hash(b"other")}), *chain[1:]]), step, "sender")
 
 
 def test_the_asker_blames_the_stage_that_signed_over_a_forged_receipt() -> None:
@@ -289,14 +296,14 @@ def test_the_asker_blames_the_stage_that_signed_over_a_forged_receipt() -> None:
     tail = ledger(SIGNERS[2], RANGES[2]).sign(0, 3, row_hash(b"b"), tokens_hash([9]), mid)
     step = Step("s1", 0, 0, 3, 6, SIGNERS[2].node_id, tail.h_out, decode=False)
     # the tail checked only the middle's signature, which holds
-    check_chain([forged, mid, tail], step, signatures="sender")
+    check_chain(packed([forged, mid, tail]), step, signatures="sender")
     with pytest.raises(BrokenChain, match="receipt 0 has a bad signature") as broken:
-        check_chain([forged, mid, tail], step)
+        check_chain(packed([forged, mid, tail]), step)
     assert broken.value.culprit == 1
-    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3)
+    audit = Audit("s1", 0, [s.node_id for s in SIGNERS], 6, AskResult(prompt_tokens=[1, 2, 3]), prompt_len=3, model=MODEL)
     # the links hold, so the chain is taken in; signatures are checked where a receipt becomes
     # evidence: a lie the forged receipt shows is laid at the stage that signed over it
-    audit.on_chain("s1", 0, (forged, mid, tail))
+    audit.on_packed("s1", 0, pack_chain([forged, mid, tail]))
     assert audit.answerable(0, 0) == 1 and audit.answerable(1, 0) == 1
     lie = audit.lie_about(0, 0, "its output differs from two replicas'")
     assert lie.culprit == SIGNERS[1].node_id and lie.untrusted_from == 0 and lie.proof is None
@@ -331,7 +338,7 @@ def test_the_ring_brings_the_tails_receipt_alone_and_the_head_refuses_any_other(
     tail = chain[-1]
     token = Activation(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9])
     sender = SIGNERS[2].node_id
-    assert check_incoming((sender, tail.wire), token, 6, tokens_hash([9]), True, 3, MODEL) == (tail,)
+    assert check_incoming((sender, tail.wire), token, 6, tokens_hash([9]), True, 3, MODEL).data == tail.wire
     attacks = {
         "alone": ((sender, pack_chain(chain)), token, tokens_hash([9])),
         "ends at": ((sender, tail.wire), token.model_copy(update={"pos": 4}), tokens_hash([9])),

@@ -26,11 +26,11 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple
 
 import msgpack
+from nacl.bindings import crypto_sign_open
 from nacl.exceptions import CryptoError
-from nacl.signing import VerifyKey
 from pydantic import Field
 
 from wire.codec import Message, WireModel
@@ -100,10 +100,18 @@ def _node_id(public_key: bytes) -> str:
     return node_id_of(public_key)
 
 
-@lru_cache(maxsize=4096)
-def _verify_key(public_key: bytes) -> VerifyKey:
-    # a route's few keys are wrapped once, not per receipt
-    return VerifyKey(public_key)
+def _verified(public_key: bytes, signing: bytes, signature: bytes) -> bool:
+    """``signature`` is ``public_key``'s over ``signing``: libsodium's Ed25519 (RFC 8032, the signatures
+    NodeIdentity makes), called without pynacl's key and message objects (every stage verifies a
+    receipt per step: a verification takes half of OpenSSL's time through ``cryptography``)."""
+    # libsodium reads a key and a signature of these lengths whatever it is handed
+    if len(public_key) != 32 or len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        crypto_sign_open(signature + signing, public_key)
+    except CryptoError:
+        return False
+    return True
 
 
 def history_next(hist: bytes, pos: int, n_tokens: int, h_in: bytes) -> bytes:
@@ -214,15 +222,7 @@ class Receipt(WireModel):
 
     def verify(self) -> bool:
         """Signed by the key it carries (whose hash is its node id)."""
-        if len(self.signature) != SIGNATURE_BYTES or len(self.public_key) != 32:
-            return False
-        try:
-            # libsodium's Ed25519 (RFC 8032, the signatures NodeIdentity makes): a verification takes
-            # half of OpenSSL's time through ``cryptography``, and every stage makes one per step
-            _verify_key(self.public_key).verify(self.signing_bytes(), self.signature)
-        except (CryptoError, ValueError, TypeError):
-            return False
-        return True
+        return _verified(self.public_key, self.signing_bytes(), self.signature)
 
     def same_step(self, other: Receipt) -> bool:
         """Both speak of the same computation: model, range, rows and the history behind them."""
@@ -239,7 +239,80 @@ def pack_chain(chain: Sequence[Receipt]) -> bytes:
     return b"".join([r.wire for r in chain])
 
 
-def unpack_chain(data: bytes, session: str, epoch: int, model: str) -> tuple[Receipt, ...]:
+# a receipt as a chain carries it: its body's fields, then its signature
+_WIRE = struct.Struct("<IIII16s16s16s16s32s64s")
+assert _WIRE.size == WIRE_BYTES
+
+
+class Link(NamedTuple):
+    """One receipt of a chain as it came, its fields read straight off its bytes (``read_chain``): what
+    a stage and the asker check of every step (positions, layers, hashes) without building a
+    ``Receipt``. Its session, epoch and model are its chain's."""
+
+    pos: int
+    n_tokens: int
+    layer_begin: int
+    layer_end: int
+    h_in: bytes
+    h_out: bytes
+    h_hist: bytes
+    h_prev: bytes
+    public_key: bytes
+    signature: bytes
+
+    @property
+    def node_id(self) -> str:
+        return _node_id(self.public_key)
+
+
+class PackedChain:
+    """A chain of receipts as a message brought it (``pack_chain``), read as ``Link``s of the receiver's
+    session, epoch and model: a receipt's hash, signature check and full ``Receipt`` (evidence) are
+    worked out from its bytes only where they are asked for, and the chain is forwarded as it came."""
+
+    __slots__ = ("data", "session", "epoch", "model", "links", "_context")
+
+    def __init__(self, data: bytes, session: str, epoch: int, model: str, links: list[Link]) -> None:
+        self.data = data
+        self.session = session
+        self.epoch = epoch
+        self.model = model
+        self.links = links
+        self._context = _context(session, epoch, model)
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    def wire(self, k: int) -> bytes:
+        """Receipt ``k`` (from the end where negative) as it travels."""
+        start = (k % len(self.links)) * WIRE_BYTES
+        return self.data[start:start + WIRE_BYTES]
+
+    def hash(self, k: int) -> bytes:
+        """What the receipt after receipt ``k`` names as its ``h_prev`` (``receipt_hash``)."""
+        return row_hash(self._context + self.wire(k))
+
+    def verify(self, k: int) -> bool:
+        """Receipt ``k`` is signed by the key it carries."""
+        link = self.links[k]
+        return _verified(link.public_key, self._context + self.wire(k)[:_BODY.size], link.signature)
+
+    def receipt(self, k: int) -> Receipt:
+        """Receipt ``k`` in full, as proofs carry it: its signed bytes, hash and wire the ones it came as."""
+        link, wire = self.links[k], self.wire(k)
+        receipt = Receipt.unvalidated({
+            "session": self.session, "epoch": self.epoch, "pos": link.pos, "n_tokens": link.n_tokens,
+            "model": self.model, "layer_begin": link.layer_begin, "layer_end": link.layer_end, "h_in": link.h_in,
+            "h_out": link.h_out, "h_hist": link.h_hist, "h_prev": link.h_prev, "public_key": link.public_key,
+            "signature": link.signature})
+        signing = self._context + wire[:_BODY.size]
+        object.__setattr__(receipt, "_signing", signing)
+        object.__setattr__(receipt, "_wire", wire)
+        object.__setattr__(receipt, "_hash", row_hash(self._context + wire))
+        return receipt
+
+
+def read_chain(data: bytes, session: str, epoch: int, model: str) -> PackedChain:
     """The receipts a message brings (``pack_chain``), of the ``session`` and ``epoch`` it came in and the
     receiver's ``model``: PAYLOAD_CORRUPT unless ``data`` is 1 to MAX_CHAIN receipts whose every field
     is within its schema's bounds (fixed widths hold the rest), so a sender's garbage fails only its
@@ -248,25 +321,29 @@ def unpack_chain(data: bytes, session: str, epoch: int, model: str) -> tuple[Rec
     if rest or not 1 <= count <= MAX_CHAIN:
         raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"a chain of receipts is 1 to {MAX_CHAIN} of {WIRE_BYTES} "
                                                        f"bytes each, not {len(data)} bytes")
-    context = _context(session, epoch, model)
-    body = _BODY.size
-    receipts = []
-    for start in range(0, len(data), WIRE_BYTES):
-        pos, n_tokens, layer_begin, layer_end, h_in, h_out, h_hist, h_prev, key = _BODY.unpack_from(data, start)
-        if pos > _INT32_MAX or not 1 <= n_tokens <= MAX_TOKENS or layer_begin > MAX_LAYERS or layer_end > MAX_LAYERS:
-            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"receipt {start // WIRE_BYTES} of the chain is out of "
-                                                           f"bounds: {pos}+{n_tokens}, [{layer_begin}, {layer_end})")
-        wire = data[start:start + WIRE_BYTES]
-        receipt = Receipt.unvalidated({
-            "session": session, "epoch": epoch, "pos": pos, "n_tokens": n_tokens, "model": model,
-            "layer_begin": layer_begin, "layer_end": layer_end, "h_in": h_in, "h_out": h_out, "h_hist": h_hist,
-            "h_prev": h_prev, "public_key": key, "signature": wire[body:]})
-        # what it signs and how it travels are the bytes it came as
-        object.__setattr__(receipt, "_signing", context + wire[:body])
-        object.__setattr__(receipt, "_wire", wire)
-        object.__setattr__(receipt, "_hash", row_hash(context + wire))
-        receipts.append(receipt)
-    return tuple(receipts)
+    links = list(map(Link._make, _WIRE.iter_unpack(data)))
+    for k, link in enumerate(links):
+        if (link.pos > _INT32_MAX or not 1 <= link.n_tokens <= MAX_TOKENS or link.layer_begin > MAX_LAYERS
+                or link.layer_end > MAX_LAYERS):
+            raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"receipt {k} of the chain is out of bounds: "
+                                                           f"{link.pos}+{link.n_tokens}, "
+                                                           f"[{link.layer_begin}, {link.layer_end})")
+    return PackedChain(bytes(data), session, epoch, model, links)
+
+
+def unpack_chain(data: bytes, session: str, epoch: int, model: str) -> tuple[Receipt, ...]:
+    """The receipts of ``read_chain`` in full (``Receipt``), for where each becomes evidence."""
+    chain = read_chain(data, session, epoch, model)
+    return tuple(chain.receipt(k) for k in range(len(chain)))
+
+
+def signed_wire(identity: NodeIdentity, session: str, epoch: int, model: str, pos: int, n_tokens: int,
+                layer_begin: int, layer_end: int, h_in: bytes, h_out: bytes, h_hist: bytes, h_prev: bytes,
+                public_key: bytes) -> bytes:
+    """A receipt of local values signed by ``identity`` (whose key must be ``public_key``), as it travels
+    in a chain (``pack_chain``): a stage signs one per step and forwards it packed, building no ``Receipt``."""
+    body = _BODY.pack(pos, n_tokens, layer_begin, layer_end, h_in, h_out, h_hist, h_prev, public_key)
+    return body + identity.sign(_context(session, epoch, model) + body)
 
 
 class Receipts(Message, tag="receipts"):

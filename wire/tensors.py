@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from wire.codec import Message, WireModel, encode
 from wire.errors import ErrorCode, ProtocolError
-from wire.receipt import Chain, Receipt, pack_chain
+from wire.receipt import Chain
 from wire.types import Count, Epoch, Int32, SessionId, TokenIds, Tokens
 
 TensorDType = Literal["f32", "f16", "bf16", "q8_0"]
@@ -275,7 +275,7 @@ class Activation(Message, tag="activation"):
         tokens: Sequence[int] | np.ndarray | None = None,
         deadline_ms: int | None = None,
         drafts: int = 0,
-        receipts: Sequence[Receipt] | None = None,
+        receipts: bytes | None = None,
     ) -> Activation:
         """Build from local values without validating them (the receiver does);
         the constructor validates, at a cost that shows on the per-token path."""
@@ -303,7 +303,7 @@ def _activation_fields(
     tokens: Sequence[int] | np.ndarray | None,
     deadline_ms: int | None,
     drafts: int,
-    receipts: Sequence[Receipt] | None = None,
+    receipts: bytes | None = None,
 ) -> dict[str, Any]:
     # The order is the model's field order: packed as is, it gives the bytes
     # that packing the model gives.
@@ -320,7 +320,8 @@ def _activation_fields(
         "tokens": None if tokens is None else TokenIds(np.asarray(tokens, _I32).tobytes()),
         "deadline_ms": deadline_ms,
         "drafts": drafts,
-        "receipts": None if receipts is None else pack_chain(receipts),
+        # packed already (``wire.receipt.pack_chain``): a stage forwards the chain it took in as it came
+        "receipts": receipts,
     }
 
 
@@ -335,7 +336,7 @@ def encode_activation(
     tokens: Sequence[int] | np.ndarray | None = None,
     deadline_ms: int | None = None,
     drafts: int = 0,
-    receipts: Sequence[Receipt] | None = None,
+    receipts: bytes | None = None,
 ) -> bytes:
     """The bytes of ``encode(Activation.of(...))`` with ``tensors`` given as
     ``tensor_fields``, built without any model: the per-token send path.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,11 +43,14 @@ from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import (
+    Link,
+    PackedChain,
     Proof,
     Receipt,
     Receipts,
     history_next,
     history_start,
+    read_chain,
     row_hash,
     sampling_bytes,
     unpack_chain,
@@ -104,6 +107,29 @@ def blamed(exc: StageError, node_ids: Sequence[str | None]) -> StageError:
     return exc if culprit is None else StageLied(up, culprit, f"stage {exc.index} refused its input: {exc.message}")
 
 
+class Signed(Mapping[int, Receipt]):
+    """One stage's receipts by position, kept as the chains they came in: each becomes a ``Receipt``
+    only when a spot check or a proof asks for it (and is kept as one from then on)."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, tuple[PackedChain, int] | Receipt] = {}
+
+    def put(self, pos: int, chain: PackedChain, k: int) -> None:
+        self._at[pos] = (chain, k)
+
+    def __getitem__(self, pos: int) -> Receipt:
+        kept = self._at[pos]
+        if isinstance(kept, tuple):
+            kept = self._at[pos] = kept[0].receipt(kept[1])
+        return kept
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._at)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+
 @dataclass
 class Audit:
     """Checks one epoch's chains of receipts as the tail hands them over."""
@@ -117,18 +143,20 @@ class Audit:
     prompt_len: int | None = None
     next_pos: int = 0
     steps: int = 0
-    last_tail: Receipt | None = None
-    awaiting_token: Receipt | None = None
+    # the tail's last receipt as it travelled (the ring's next chain starts with it), and its position
+    last_tail: bytes | None = None
+    last_tail_pos: int = 0
+    awaiting_token: Link | None = None
     # chains that came before the head's tokens of the prompt did
-    pending: list[tuple[str, int, list[Receipt]]] = field(default_factory=list)
+    pending: list[PackedChain] = field(default_factory=list)
     # every stage's receipts by position, for the spot checks
-    by_stage: list[dict[int, Receipt]] = field(default_factory=list)
+    by_stage: list[Signed] = field(default_factory=list)
     on_step: list[Draws] = field(default_factory=list)
     # the route's model: the receipts' own, which the chains do not carry (``unpack_chain``)
     model: str = ""
 
     def __post_init__(self) -> None:
-        self.by_stage = [{} for _ in self.node_ids]
+        self.by_stage = [Signed() for _ in self.node_ids]
 
     @property
     def tail(self) -> int:
@@ -141,7 +169,7 @@ class Audit:
         self.prompt_len = prompt_len
         pending, self.pending = self.pending, []
         for chain in pending:
-            self.on_chain(*chain)
+            self.on_chain(chain)
 
     def _broken(self, exc: BrokenChain, decode: bool, pos: int | None = None) -> StageLied:
         # a stage that signed over a forged receipt is the liar; otherwise the tail handed it over
@@ -171,57 +199,58 @@ class Audit:
     def on_packed(self, session: str, epoch: int, packed: bytes) -> None:
         """A chain as the tail hands it over (``on_chain``): one that does not unpack is its doing."""
         try:
-            receipts = unpack_chain(packed, session, epoch, self.model)
+            chain = read_chain(packed, session, epoch, self.model)
         except ProtocolError as exc:
             raise self._lie(self.tail, f"its chain of receipts: {exc.message}") from None
-        self.on_chain(session, epoch, receipts)
+        self.on_chain(chain)
 
-    def on_chain(self, session: str, epoch: int, receipts: Sequence[Receipt]) -> None:
+    def on_chain(self, chain: PackedChain) -> None:
         if self.awaiting_token is not None:
             raise self._lie(self.tail, "a sampled step's token never came")
         if self.prompt_len is None:
             if len(self.pending) >= 4096:
                 raise self._lie(self.tail, "receipts far ahead of the prompt")
-            self.pending.append((session, epoch, list(receipts)))
+            self.pending.append(chain)
             return
-        chain = list(receipts)
+        links = chain.links
         pos = self.next_pos
         decode = pos >= self.prompt_len
-        if (session, epoch) != (self.session, self.epoch):
+        if (chain.session, chain.epoch) != (self.session, self.epoch):
             raise self._lie(self.tail, "receipts of another session")
         try:
             # links by hash; signatures where a receipt becomes evidence (``answerable``)
-            check_chain(chain, Step(self.session, self.epoch, pos, chain[-1].n_tokens, self.n_layer,
-                                    self.node_ids[-1], chain[-1].h_out, decode), signatures="later")
+            check_chain(chain, Step(self.session, self.epoch, pos, links[-1].n_tokens, self.n_layer,
+                                    self.node_ids[-1], links[-1].h_out, decode), signatures="later")
         except BrokenChain as exc:
             raise self._broken(exc, decode) from None
-        if decode:
-            ring, chain = chain[0], chain[1:]
-            if ring != self.last_tail:
-                # a proof is built from receipts whose signatures hold
-                try:
-                    check_signatures([ring, *chain])
-                except BrokenChain as exc:
-                    raise self._broken(exc, decode) from None
-                proof = None
-                if self.last_tail is not None and ring.same_step(self.last_tail) and ring.h_out != self.last_tail.h_out:
-                    proof = Proof(kind="equivocation", culprit=ring, witnesses=[self.last_tail])
-                raise self._lie(self.tail, "it gave the head another token than the asker", proof)
-        if [r.node_id for r in chain] != self.node_ids:
+        first = 1 if decode else 0
+        if decode and chain.wire(0) != self.last_tail:
+            # a proof is built from receipts whose signatures hold
+            try:
+                check_signatures(chain)
+            except BrokenChain as exc:
+                raise self._broken(exc, decode) from None
+            ring, proof = chain.receipt(0), None
+            if self.last_tail is not None:
+                last = self.by_stage[self.tail][self.last_tail_pos]
+                if ring.same_step(last) and ring.h_out != last.h_out:
+                    proof = Proof(kind="equivocation", culprit=ring, witnesses=[last])
+            raise self._lie(self.tail, "it gave the head another token than the asker", proof)
+        if [links[k].node_id for k in range(first, len(links))] != self.node_ids:
             raise self._lie(self.tail, "receipts of nodes not on the route")
-        head, last = chain[0], chain[-1]
+        head, last_link = links[first], links[-1]
         n = head.n_tokens
-        for k, r in enumerate(chain):
-            self.by_stage[k][pos] = r
+        for k in range(first, len(links)):
+            self.by_stage[k - first].put(pos, chain, k)
         if not decode:
             known = self.result.prompt_tokens + self.result.tokens
             if len(known) >= pos + n and head.h_in != row_hash(np.asarray(known[pos:pos + n], np.int32).tobytes()):
                 raise self.lie_about(0, pos, "the head signed another prompt than it tokenized")
         sampled = pos + n >= self.prompt_len
-        if sampled == (last.h_out == NO_TOKENS):
+        if sampled == (last_link.h_out == NO_TOKENS):
             raise self._lie(self.tail, "the tail's receipt says it sampled where it cannot have")
-        self.awaiting_token = last if sampled else None
-        self.last_tail = last
+        self.awaiting_token = last_link if sampled else None
+        self.last_tail, self.last_tail_pos = chain.wire(-1), pos
         self.next_pos = pos + n
         self.steps += 1
         for channel in list(self.on_step):

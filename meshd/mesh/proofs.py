@@ -12,11 +12,10 @@ a node excluded mesh-wide (``check_proof``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
-from wire.receipt import NO_PREV, Proof, Receipt, receipt_hash
+from wire.receipt import NO_PREV, PackedChain, Proof
 
 
 class InvalidProof(ValueError):
@@ -72,9 +71,9 @@ def check_proof(proof: Proof, serves: Serves = _anyone) -> str:
     return culprit.node_id
 
 
-@dataclass(frozen=True)
-class Step:
-    """What the receiver of a chain knows of the step it comes with."""
+class Step(NamedTuple):
+    """What the receiver of a chain knows of the step it comes with (a tuple: one is made per step
+    and stage, where a frozen dataclass's constructor costs several times as much)."""
 
     session: str
     epoch: int
@@ -90,8 +89,7 @@ class Step:
     decode: bool
 
 
-def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sender", "all", "later"] = "all",
-                known: Receipt | None = None) -> None:
+def check_chain(chain: PackedChain, step: Step, signatures: Literal["sender", "all", "later"] = "all") -> None:
     """Raises BrokenChain unless ``chain`` is every stage's signed receipt of ``step``, head first:
     consecutive ranges from layer 0, each one's output the next one's input and its ``h_prev`` the
     hash of the one before, the sender's last.
@@ -101,38 +99,46 @@ def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sende
     unseen, and a tail that signs one token to the asker and another to the head has signed
     two receipts of one step (an equivocation).
 
-    ``signatures``: a stage checks only its sender's (``"sender"``): each receipt's signature
-    covers the one before it by hash, and an honest sender checked its own upstream's; the
-    asker checks them all (``"all"``) but ``known``, a receipt it checked already (the ring's:
-    the tail's last one), or (``"later"``) none: only where a receipt becomes evidence
-    (``check_signatures``, ``Audit.answerable``). Every link is checked by hash before any
-    signature (they cost most)."""
-    links = list(chain)
+    The checks read the chain's fields and hash its bytes as they came (``PackedChain``): no
+    receipt is built. ``signatures``: a stage checks only its sender's (``"sender"``): each
+    receipt's signature covers the one before it by hash, and an honest sender checked its own
+    upstream's; ``"all"`` checks them all; the asker (``"later"``) none: only where a receipt
+    becomes evidence (``check_signatures``, ``Audit.answerable``). Every link is checked by hash
+    before any signature (they cost most)."""
+    links = chain.links
+    if (chain.session, chain.epoch) != (step.session, step.epoch):
+        raise BrokenChain(f"receipts of another session or epoch ({chain.epoch})")
+    first = 0
     if step.decode:
         # a decode step's chain starts with the tail's receipt of the step that sampled its token
-        if not chain or chain[0].layer_begin == 0:
+        if not links or links[0].layer_begin == 0:
             raise BrokenChain("a step fed by the ring without the tail's receipt of its token")
-        ring = chain[0]
-        if (ring.session, ring.epoch, ring.pos + ring.n_tokens) != (step.session, step.epoch, step.pos):
+        ring = links[0]
+        if ring.pos + ring.n_tokens != step.pos:
             raise BrokenChain("the tail's receipt before the chain is of another step")
-        if len(chain) < 2 or chain[1].h_in != ring.h_out:
+        if len(links) < 2 or links[1].h_in != ring.h_out:
             raise BrokenChain("the head took in another token than the tail's receipt signs")
-        chain = chain[1:]
-    if not chain:
+        first = 1
+    if len(links) <= first:
         raise BrokenChain("no receipts")
     layer = 0
-    for k, r in enumerate(chain):
-        if (r.session, r.epoch, r.pos, r.n_tokens) != (step.session, step.epoch, step.pos, step.n_tokens):
-            raise BrokenChain(f"receipt {k} is of another step ({r.pos}+{r.n_tokens} at epoch {r.epoch})")
+    h_out = b""
+    for k in range(first, len(links)):
+        r = links[k]
+        if r.pos != step.pos or r.n_tokens != step.n_tokens:
+            raise BrokenChain(f"receipt {k - first} is of another step ({r.pos}+{r.n_tokens})")
         if r.layer_begin != layer or r.layer_end <= r.layer_begin:
-            raise BrokenChain(f"receipt {k} covers layers [{r.layer_begin}, {r.layer_end}), expected from {layer}")
-        if k and r.h_in != chain[k - 1].h_out:
-            raise BrokenChain(f"receipt {k} took in other rows than receipt {k - 1} put out")
-        layer = r.layer_end
-    for k, r in enumerate(links):
-        if r.h_prev != (NO_PREV if k == 0 else receipt_hash(links[k - 1])) and (k or not step.decode):
+            raise BrokenChain(f"receipt {k - first} covers layers [{r.layer_begin}, {r.layer_end}), "
+                              f"expected from {layer}")
+        if k > first and r.h_in != h_out:
+            raise BrokenChain(f"receipt {k - first} took in other rows than receipt {k - first - 1} put out")
+        layer, h_out = r.layer_end, r.h_out
+    if not step.decode and links[0].h_prev != NO_PREV:
+        raise BrokenChain("receipt 0 does not follow the receipt before it")
+    for k in range(1, len(links)):
+        if links[k].h_prev != chain.hash(k - 1):
             raise BrokenChain(f"receipt {k} does not follow the receipt before it")
-    last = chain[-1]
+    last = links[-1]
     if layer != step.until:
         raise BrokenChain(f"the receipts end at layer {layer}, not {step.until}")
     if last.node_id != step.sender:
@@ -140,15 +146,14 @@ def check_chain(chain: Sequence[Receipt], step: Step, signatures: Literal["sende
     if last.h_out != step.h_out:
         raise BrokenChain("the rows are not the ones the sender's receipt signs")
     if signatures != "later":
-        check_signatures(links, known, everyone=signatures == "all")
+        check_signatures(chain, everyone=signatures == "all")
 
 
-def check_signatures(links: Sequence[Receipt], known: Receipt | None = None, everyone: bool = True) -> None:
+def check_signatures(chain: PackedChain, everyone: bool = True) -> None:
     """Raises BrokenChain naming who signed over a receipt whose signature does not hold (None: the
-    sender, whose own is bad). ``everyone`` False: the sender's alone; ``known`` is skipped."""
+    sender, whose own is bad). ``everyone`` False: the sender's alone."""
     # from the sender's back: the first bad one was signed over by the (checked) receipt after it
-    for k in range(len(links) - 1, -1 if everyone else len(links) - 2, -1):
-        r = links[k]
-        if (known is None or r != known) and not r.verify():
-            culprit = None if k == len(links) - 1 else k + 1
-            raise BrokenChain(f"receipt {k} has a bad signature", culprit)
+    last = len(chain) - 1
+    for k in range(last, -1 if everyone else last - 1, -1):
+        if not chain.verify(k):
+            raise BrokenChain(f"receipt {k} has a bad signature", None if k == last else k + 1)

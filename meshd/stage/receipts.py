@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wire.identity import NodeIdentity
-from wire.receipt import NO_PREV, Receipt, history_next, history_start
+from wire.receipt import NO_PREV, Receipt, history_next, history_start, read_chain, signed_wire
 
 
 @dataclass
@@ -40,11 +40,17 @@ class SessionReceipts:
     sampling: bytes = b""
     hist: bytes = field(default=b"")
 
-    def sign(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes, prev: Receipt | None = None) -> Receipt:
-        """This step's receipt, after ``prev`` (the last receipt of the checked chain it extends)."""
+    def sign_wire(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes, h_prev: bytes = NO_PREV) -> bytes:
+        """This step's receipt as it travels (``pack_chain``), after the receipt whose hash is ``h_prev``
+        (the last of the checked chain it extends; the first of a chain names NO_PREV)."""
         if not self.hist:
             self.hist = history_start(self.model, self.layer_begin, self.layer_end, self.sampling)
         self.hist = history_next(self.hist, pos, n_tokens, h_in)
         s = self.signer
-        return Receipt.build(self.session, self.epoch, pos, n_tokens, self.model, self.layer_begin, self.layer_end,
-                             h_in, h_out, self.hist, NO_PREV if prev is None else prev.hash, s.public_key, s.identity)
+        return signed_wire(s.identity, self.session, self.epoch, self.model, pos, n_tokens, self.layer_begin,
+                           self.layer_end, h_in, h_out, self.hist, h_prev, s.public_key)
+
+    def sign(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes, prev: Receipt | None = None) -> Receipt:
+        """``sign_wire`` as a full receipt, after ``prev``: where a receipt is evidence, not forwarded."""
+        wire = self.sign_wire(pos, n_tokens, h_in, h_out, NO_PREV if prev is None else prev.hash)
+        return read_chain(wire, self.session, self.epoch, self.model).receipt(0)

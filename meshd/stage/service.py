@@ -44,7 +44,7 @@ from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import MAX_CHAIN, Receipt, pack_chain, row_hash, sampling_bytes
+from wire.receipt import MAX_CHAIN, NO_PREV, PackedChain, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
@@ -89,7 +89,7 @@ class Rows:
     carry: Sequence[int] | None
     # with receipts on: the hash of the input as it travelled, and the checked chain that came with it
     h_in: bytes = b""
-    chain: tuple[Receipt, ...] = ()
+    chain: PackedChain | None = None
     # at the tail: the prompt's ids of these rows, its sampler's penalty history (from the asker)
     history: Sequence[int] | None = None
 
@@ -119,11 +119,11 @@ class Session:
     # the receipts this stage signs for the session (None: the asker did not ask for them)
     receipts: SessionReceipts | None = None
     # the tail: its receipt of the step whose sampled token goes around the ring next, and the
-    # route's chain of that step, which rides to the asker inside the token
-    ring_receipt: Receipt | None = None
-    asker_chain: tuple[Receipt, ...] | None = None
+    # route's chain of that step, which rides to the asker inside the token (packed, as they travel)
+    ring_receipt: bytes | None = None
+    asker_chain: bytes | None = None
     # a check session: its receipts not yet sent (they go together once its queued steps have run)
-    check_receipts: list[Receipt] = field(default_factory=list)
+    check_receipts: list[bytes] = field(default_factory=list)
     # with receipts on, past the head: each step's input as it came, until the asker takes it
     # (bounded by the session's token budget: one entry per position at most)
     kept: list[StepInput] = field(default_factory=list)
@@ -611,7 +611,7 @@ class StageService:
                                                                history), msg.drafts)
 
     def _checked_activation(self, session: Session, msg: Activation, chain: tuple[str, bytes] | None,
-                            ) -> tuple[TensorEntry, bytes, tuple[Receipt, ...]] | None:
+                            ) -> tuple[TensorEntry, bytes, PackedChain | None] | None:
         """Every check of an activation against the session, before a byte of it is decoded: the
         head's token ids are queued here (None); hidden states come back with their hash and chain."""
         book = session.book
@@ -653,23 +653,23 @@ class StageService:
         return entry, h_in, checked
 
     def _checked_chain(self, session: Session, msg: Activation, chain: tuple[str, bytes] | None,
-                       ) -> tuple[bytes, tuple[Receipt, ...]]:
+                       ) -> tuple[bytes, PackedChain | None]:
         """With receipts on: the hash of the rows as they came, and their chain, checked before the
         rows' position or a byte of them is looked at, so a sender that moved or changed them is
         the one blamed, not this stage's books."""
         if session.receipts is None:
-            return b"", ()
+            return b"", None
         if self.report.has_input:
             # the ring: the tail's receipt of the step before signs the token it sampled
             if msg.tokens is None:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
             h = row_hash(np.asarray(msg.tokens, dtype=np.int32).tobytes())
             prompt_len = session.book.prompt_len or 0
-            return h, () if chain is None else check_incoming(chain, msg, self.report.n_layer, h, True, prompt_len,
+            return h, None if chain is None else check_incoming(chain, msg, self.report.n_layer, h, True, prompt_len,
                                                               self.digest)
         entry = msg.tensor(HIDDEN)
         h = row_hash(entry.data)
-        checked = () if chain is None else check_incoming(chain, msg, self.report.layer_begin, h, False,
+        checked = None if chain is None else check_incoming(chain, msg, self.report.layer_begin, h, False,
                                                           session.book.prompt_len or 0, self.digest)
         if not session.open.check:
             session.kept.append(StepInput.unvalidated({"pos": msg.pos, "n_tokens": msg.n_tokens, "tensor": entry,
@@ -878,25 +878,28 @@ class StageService:
 
     # ----- receipts (the logic is in meshd.stage.receipts and meshd.stage.verify)
 
-    def _signed_chain(self, s: Session, w: Work[Rows], h_out: bytes) -> tuple[Receipt, ...]:
-        """Signs this step: the chain so far, which rides downstream inside the step's rows."""
+    def _signed_chain(self, s: Session, w: Work[Rows], h_out: bytes) -> bytes:
+        """Signs this step: the chain so far (packed as it came) and this stage's receipt after it,
+        which ride downstream inside the step's rows."""
         assert s.receipts is not None
         chain = w.payload.chain
-        return *chain, s.receipts.sign(w.pos, w.n, w.payload.h_in, h_out, chain[-1] if chain else None)
+        if chain is None:
+            return s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, h_out)
+        return chain.data + s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, h_out, chain.hash(-1))
 
     def _check_receipt(self, s: Session, w: Work[Rows], out: np.ndarray) -> None:
         """A check session's step: only its receipt goes anywhere (to the asker that checks it)."""
         if s.receipts is None:
             return
         fields = tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)
-        self._check_receipts(s, s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(fields["data"])))
+        self._check_receipts(s, s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, row_hash(fields["data"])))
 
-    def _check_receipts(self, s: Session, mine: Receipt) -> None:
+    def _check_receipts(self, s: Session, mine: bytes) -> None:
         """A check session's receipts go to the asker in one message once the steps it fed together
         have run (a probe's one at a time): one message per check, not one per step it replays."""
         s.check_receipts.append(mine)
         if s.book.in_flight == 0 or len(s.check_receipts) == MAX_CHAIN:
-            s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, tuple(s.check_receipts)))
+            s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, b"".join(s.check_receipts)))
             s.check_receipts = []
 
     def _tail_receipts(self, s: Session, w: Work[Rows], picks: list[Any]) -> None:
@@ -907,12 +910,13 @@ class StageService:
             s.receipts.sampling = sampling_bytes(s.open.sampling, s.book.prompt_len or 0)
         sampled = np.asarray([p[0] for p in picks[:w.drafts + 1]] if picks else [], dtype=np.int32)
         before = w.payload.chain
-        mine = s.receipts.sign(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()), before[-1] if before else None)
+        mine = s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()),
+                                    NO_PREV if before is None else before.hash(-1))
         if s.open.check:
             # a replica's receipt goes to the asker that checks it, on its own: nothing reads its tokens
             self._check_receipts(s, mine)
             return
-        s.asker_chain = (*before, mine)
+        s.asker_chain = mine if before is None else before.data + mine
         if picks:
             # the head needs only the tail's receipt of its token: it covers the chain before it by hash
             s.ring_receipt = mine
@@ -952,7 +956,7 @@ class StageService:
             chain, s.asker_chain = s.asker_chain, None
             s.to_asker.send_nowait(Token.unvalidated({"type": "token", "v": 1, "session": book.id,
                                                    "epoch": book.epoch, "index": emitted.index, "token": token,
-                                                   "piece": piece, "receipts": None if chain is None else pack_chain(chain)}))
+                                                   "piece": piece, "receipts": chain}))
         if emitted.done is not None:
             self._send_chain(s)
             length = s.draft_length
@@ -1038,7 +1042,7 @@ class StageService:
             ring, s.ring_receipt = s.ring_receipt, None
             s.downstream.send_nowait(encode_activation(session=book.id, epoch=book.epoch, step=book.generated,
                                                        pos=pos, n_tokens=len(tokens), tensors=[], tokens=tokens,
-                                                       drafts=len(tokens) - 1, receipts=None if ring is None else (ring,)))
+                                                       drafts=len(tokens) - 1, receipts=ring))
 
 
 def _decoded(entry: TensorEntry) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from meshd.mesh.proofs import BrokenChain, Step, check_chain
 from wire.errors import ErrorCode, ProtocolError
-from wire.receipt import Receipt, Receipts, pack_chain, unpack_chain
+from wire.receipt import PackedChain, Receipts, read_chain
 from wire.tensors import Activation
 
 
@@ -27,9 +27,10 @@ def chain_of(msg: Activation, wanted: bool, sender: str) -> tuple[str, bytes] | 
 
 
 def check_incoming(held: tuple[str, bytes], msg: Activation, until: int, h_rows: bytes, ring: bool,
-                   prompt_len: int, model: str) -> tuple[Receipt, ...]:
-    """The chain, unpacked as receipts of the activation's session and epoch and this stage's
-    ``model``, and checked against the activation; PAYLOAD_CORRUPT if it does not hold.
+                   prompt_len: int, model: str) -> PackedChain:
+    """The chain, read as receipts of the activation's session and epoch and this stage's
+    ``model`` (fields off its bytes, no receipt built), and checked against the activation;
+    PAYLOAD_CORRUPT if it does not hold.
 
     On a hop, every receipt is of the activation's step, the chain reaches this stage's first
     layer, and only the sender's signature is checked (it checked its own upstream's, and
@@ -37,7 +38,7 @@ def check_incoming(held: tuple[str, bytes], msg: Activation, until: int, h_rows:
     sampled this token in: it ends where this activation begins and covers the model's last
     layer; the chain behind it is the asker's to check (it gets every receipt)."""
     sender, packed = held
-    chain = unpack_chain(packed, msg.session, msg.epoch, model)
+    chain = read_chain(packed, msg.session, msg.epoch, model)
     try:
         if ring:
             check_ring(chain, msg, until, sender, h_rows)
@@ -50,11 +51,12 @@ def check_incoming(held: tuple[str, bytes], msg: Activation, until: int, h_rows:
     return chain
 
 
-def check_ring(chain: tuple[Receipt, ...], msg: Activation, n_layer: int, sender: str, h_tokens: bytes) -> None:
+def check_ring(chain: PackedChain, msg: Activation, n_layer: int, sender: str, h_tokens: bytes) -> None:
     if len(chain) != 1:
         raise BrokenChain("the ring brings the tail's receipt alone")
-    tail = chain[0]
-    if (tail.session, tail.epoch, tail.pos + tail.n_tokens) != (msg.session, msg.epoch, msg.pos):
+    # read as of the activation's session and epoch: a receipt of another does not verify
+    tail = chain.links[0]
+    if tail.pos + tail.n_tokens != msg.pos:
         raise BrokenChain(f"the tail's receipt ends at {tail.pos + tail.n_tokens}, the token is at {msg.pos}")
     if tail.layer_end != n_layer or tail.layer_begin >= tail.layer_end:
         raise BrokenChain(f"the tail's receipt covers layers [{tail.layer_begin}, {tail.layer_end})")
@@ -62,11 +64,10 @@ def check_ring(chain: tuple[Receipt, ...], msg: Activation, n_layer: int, sender
         raise BrokenChain("the ring's receipt is not the sender's")
     if tail.h_out != h_tokens:
         raise BrokenChain("the token is not the one the tail's receipt signs")
-    if not tail.verify():
+    if not chain.verify(0):
         raise BrokenChain("the tail's receipt has a bad signature")
 
 
-def receipts_message(session: str, epoch: int, chain: tuple[Receipt, ...]) -> Receipts:
-    # built unvalidated from receipts this stage checked or signed
-    return Receipts.unvalidated({"type": "receipts", "v": 1, "session": session, "epoch": epoch,
-                                 "chain": pack_chain(chain)})
+def receipts_message(session: str, epoch: int, chain: bytes) -> Receipts:
+    # built unvalidated from a packed chain of receipts this stage checked or signed
+    return Receipts.unvalidated({"type": "receipts", "v": 1, "session": session, "epoch": epoch, "chain": chain})
