@@ -230,9 +230,17 @@ def test_a_packed_chain_holds_its_receipts_and_refuses_garbage_as_payload_corrup
     far_layer = packed[:12] + (MAX_LAYERS + 1).to_bytes(4, "little") + packed[16:WIRE_BYTES]
     for garbage in (packed[:-1], packed + b"\x00", b"", packed[:WIRE_BYTES] * (MAX_CHAIN + 1),
                     bytes(too_many_tokens), bytes(no_tokens), negative_pos, far_layer):
-        with pytest.raises(ProtocolError) as refused:
-            unpack_chain(garbage, "s1", 0, MODEL)
-        assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT
+        for reader in (unpack_chain, read_chain):
+            with pytest.raises(ProtocolError) as refused:
+                reader(garbage, "s1", 0, MODEL)
+            assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT
+    # read without building receipts: the same fields, hashes, signatures and bytes as the receipts'
+    read = read_chain(packed, "s1", 0, MODEL)
+    assert [read.receipt(k) for k in range(len(read))] == chain and read.data == packed
+    assert [read.hash(k) for k in range(len(read))] == [r.hash for r in chain] and read.hash(-1) == chain[-1].hash
+    assert all(read.verify(k) for k in range(len(read))) and read.wire(-1) == chain[-1].wire
+    assert [link.node_id for link in read.links] == [s.node_id for s in SIGNERS]
+    assert not read_chain(packed, "s2", 0, MODEL).verify(0)
     # random bytes of a receipt's length unpack (every field in bounds) and verify as nothing
     noise = np.random.default_rng(3).bytes(WIRE_BYTES)
     noise = b"\x01\x00\x00\x00\x01\x00\x00\x00" + bytes(8) + noise[16:]
@@ -288,6 +296,23 @@ def test_a_stage_checks_its_senders_signature_and_every_link_by_hash() -> None:
         check_chain(packed([chain[0].model_copy(update={"h_hist": row_hash(b"other")}), *chain[1:]]), step, "sender")
 
 
+def test_a_stage_refuses_a_forwarded_chain_with_any_byte_changed() -> None:
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    # the head's and the middle's receipts of a prefill step, as the tail reads them off the activation
+    chain = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(b"a"), row_hash(b"b")], ledgers[:2])
+    packed = pack_chain(chain)
+    rows = Activation(session="s1", epoch=0, step=0, pos=0, n_tokens=3, tensors=[])
+    held = (SIGNERS[1].node_id, packed)
+    assert check_incoming(held, rows, 4, row_hash(b"b"), False, 3, MODEL).data == packed
+    # the sender's own receipt fails its signature, the head's the link to it (or a field check)
+    for at in range(len(packed)):
+        forged = bytearray(packed)
+        forged[at] ^= 0x01
+        with pytest.raises(ProtocolError) as refused:
+            check_incoming((held[0], bytes(forged)), rows, 4, row_hash(b"b"), False, 3, MODEL)
+        assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT, at
+
+
 def test_the_asker_blames_the_stage_that_signed_over_a_forged_receipt() -> None:
     # the middle stage forges the head's receipt (its signature does not hold) and signs over it
     head = ledger(SIGNERS[0], RANGES[0]).sign(0, 3, tokens_hash([1, 2, 3]), row_hash(b"a"))
@@ -304,6 +329,8 @@ def test_the_asker_blames_the_stage_that_signed_over_a_forged_receipt() -> None:
     # the links hold, so the chain is taken in; signatures are checked where a receipt becomes
     # evidence: a lie the forged receipt shows is laid at the stage that signed over it
     audit.on_packed("s1", 0, pack_chain([forged, mid, tail]))
+    # each stage's receipt is kept as the chain it came in, and built whole where it is asked for
+    assert [audit.by_stage[k][0] for k in range(3)] == [forged, mid, tail]
     assert audit.answerable(0, 0) == 1 and audit.answerable(1, 0) == 1
     lie = audit.lie_about(0, 0, "its output differs from two replicas'")
     assert lie.culprit == SIGNERS[1].node_id and lie.untrusted_from == 0 and lie.proof is None
