@@ -3,6 +3,8 @@ attacker forges, moves or pads is refused before anyone acts on it."""
 
 from __future__ import annotations
 
+import random
+
 import msgpack
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import trio
 
 from meshd.cli import figures_line
 from meshd.client.ask import AskResult, Stage, StageError
-from meshd.client.verify import Audit, CheckPlan, StageLied, Verifier, blamed
+from meshd.client.verify import Audit, CheckPlan, Draws, StageLied, Verifier, blamed
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.verify import chain_of, check_incoming
@@ -417,3 +419,24 @@ def test_a_nodes_signature_is_its_keys_own_ed25519_signature() -> None:
         assert signature == identity.private_key.sign(message)
         assert verify(identity.public_key, message, signature)
         assert not verify(identity.public_key, message + b"!", signature)
+
+
+def test_each_step_is_drawn_for_a_check_at_one_in_every() -> None:
+    class Sink:
+        def __init__(self) -> None:
+            self.drawn: list[int] = []
+
+        def send_nowait(self, pos: int) -> None:
+            self.drawn.append(pos)
+
+    counts = {}
+    for every in (1, 16, 1 << 30):
+        sink = Sink()
+        draws = Draws(sink, CheckPlan(every=every, rng=random.Random(5)))  # a sink in place of a channel
+        for pos in range(16_000):
+            draws.send_nowait(pos)
+        counts[every] = sink.drawn
+    # every step at 1 in 1; about 1 in 16 (the gaps drawn, not each step: the same odds), spread
+    # over the answer, not bunched at its start; none at 1 in 2**30
+    assert counts[1] == list(range(16_000)) and counts[1 << 30] == []
+    assert 850 < len(counts[16]) < 1150 and 400 < sum(p < 8_000 for p in counts[16]) < 600

@@ -12,8 +12,11 @@ The receipts travel inside the activation they speak of (``Activation.receipts``
 one frame per hop), packed (``pack_chain``: fixed-width, without what the
 receiver knows), and the next stage checks ``h_out`` against the bytes it
 received before it computes a row; the tail hands the asker the route's chain
-inside the token it sampled (``Token.receipts``). ``h_prev`` is the hash
-of the receipt before it in the chain (``receipt_hash``), so a stage's
+inside the token it sampled (``Token.receipts``). Stages and the asker read
+a chain off its bytes (``read_chain``: fields, links and signatures checked
+without a ``Receipt`` built) and forward it as it came; a full ``Receipt``
+is built only where one becomes evidence (a spot check, a proof). ``h_prev`` is the hash
+of the receipt before it in the chain (``Receipt.hash``), so a stage's
 signature covers the whole chain it took in: a stage checks only its
 upstream's signature (an honest upstream checked the one before), and whoever
 checks every signature (the asker) can say who signed over a forged receipt. The checks that turn
@@ -69,11 +72,6 @@ def sampling_bytes(sampling: WireModel, prompt_len: int) -> bytes:
     whose messages carry receipts, so it is not imported here), and from where."""
     packed: bytes = msgpack.packb([sampling.model_dump(), prompt_len], use_bin_type=True)
     return packed
-
-
-def receipt_hash(receipt: Receipt) -> bytes:
-    """What the next receipt of a chain names as ``h_prev``: the whole receipt, signature included."""
-    return receipt.hash
 
 
 # What a receipt signs after its session's ``_context``: pos, n_tokens, layer_begin, layer_end, h_in, h_out,
@@ -144,7 +142,7 @@ class Receipt(WireModel):
     h_out: Hash
     # every input of this session at this stage up to and including this step
     h_hist: Hash
-    # the receipt before this one in its chain (``receipt_hash``; the first's: NO_PREV)
+    # the receipt before this one in its chain (its ``hash``; the first's: NO_PREV)
     h_prev: Hash
     # the signer's key rides along, so any node can check a receipt (and a proof) alone; the
     # node id is derived from it (a hash), so it does not travel
@@ -190,7 +188,7 @@ class Receipt(WireModel):
 
     @property
     def hash(self) -> bytes:
-        """The whole receipt's hash, signature included (``receipt_hash``)."""
+        """The whole receipt's hash, signature included: what the next receipt of a chain names as ``h_prev``."""
         try:
             return self._hash
         except AttributeError:
@@ -289,7 +287,7 @@ class PackedChain:
         return self.data[start:start + WIRE_BYTES]
 
     def hash(self, k: int) -> bytes:
-        """What the receipt after receipt ``k`` names as its ``h_prev`` (``receipt_hash``)."""
+        """What the receipt after receipt ``k`` names as its ``h_prev`` (``Receipt.hash``)."""
         return row_hash(self._context + self.wire(k))
 
     def verify(self, k: int) -> bool:

@@ -310,10 +310,18 @@ class Draws:
 
     channel: trio.MemorySendChannel[int]
     plan: CheckPlan
+    # steps to pass over before the next drawn one (-1: not drawn yet). Each step is drawn at 1 in
+    # ``every``, so the gaps between drawn steps are geometric: one draw per check, not one per step
+    left: int = -1
 
     def send_nowait(self, pos: int) -> None:
-        if self.plan.rng.randrange(self.plan.every) == 0:
+        if self.left < 0:
+            every = self.plan.every
+            # 1 - random() is in (0, 1]: P(gap = k) = (1 - 1/every)**k / every
+            self.left = 0 if every <= 1 else int(math.log(1.0 - self.plan.rng.random()) / math.log1p(-1.0 / every))
+        if self.left == 0:
             self.channel.send_nowait(pos)
+        self.left -= 1
 
     def close(self) -> None:
         self.channel.close()
