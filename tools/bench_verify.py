@@ -15,14 +15,16 @@ attacker, and whether the answer (regenerated on a route without it) is the
 undisturbed one. Each answer's last steps are checked once it is in, so every lie
 is checked; a run without a catch is a miss (and prints what went unchecked).
 
-(b) Decode tok/s of the honest 3-stage route with verification at 1 in 16 and
-off, alternating in one run. The replicas' process and engine workers are
-pinned to a CPU of their own (where there are two or more: the route's workers
-and this process get the others) and their CPU is reported apart, per step a
-spot check replays. The route's stage services and the asker share this
-process's one event loop, so their CPU cannot be told apart here: the bench
-reports it per decode token and mode, the receipts' and checks' share of it
-included; (c) the bytes per decode token the signed hashes
+(b) Decode tok/s of the honest 3-stage route with verification at 1 in 16,
+receipts only and off, alternating in one run. As in a mesh, the asker is
+another machine than the route's: it runs in a process of its own, with the
+replicas (other machines too, which run at the lowest priority, so that
+their replays do not slow the asker). Where there are two or more CPUs the
+route (this process, whose one event loop runs the three stage services, and
+their engine workers) is pinned to all but one, and the asker's and the
+replicas' processes and workers to that one. The bench reports, per decode token and mode, the CPU
+of the route (its stage services apart), of the asker, and of the replicas per
+step a spot check replays. (c) The bytes per decode token the signed hashes
 add (every hop's chain of receipts, the ring's, and the one the asker gets),
 and beside it the bytes spot checks move at 1 in 16 (inputs fetched and fed to
 a replica), measured from the messages of a real answer.
@@ -76,11 +78,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def pin(nodes: dict[str, StageNode], replica_pids: list[int]) -> str:
-    """The replicas' process and workers on a CPU of their own, the route's and this process on the rest."""
+def pin(nodes: dict[str, StageNode], replica_pids: list[int]) -> tuple[str, set[int] | None]:
+    """The route (this process and its workers) on all CPUs but one, the replicas' process and workers on
+    that one; says so, and returns the CPUs that the asker's process is to share with the replicas."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        return "not pinned (one CPU)"
+        return "not pinned (one CPU)", None
     mine, theirs = set(cpus[:-1]), {cpus[-1]}
     os.sched_setaffinity(0, mine)
     for node in nodes.values():
@@ -89,12 +92,17 @@ def pin(nodes: dict[str, StageNode], replica_pids: list[int]) -> str:
         os.sched_setaffinity(pid, mine)
     for pid in replica_pids:
         os.sched_setaffinity(pid, theirs)
-    return f"replicas (process and workers) on CPU {cpus[-1]}, route workers and the event loop on {sorted(mine)}"
+    return (f"the asker's process, the replicas' process and their workers on CPU {cpus[-1]}; the route's stage "
+            f"services (one process) and engine workers on {sorted(mine)}"), theirs
 
 
 async def serve_replicas() -> None:
     """The replicas' process: serves REPLICAS, says where on stdout (a JSON line each, then "ready"),
     and ends when stdin closes."""
+    # other machines in a mesh: here they take only what CPU the asker (which shares theirs) leaves, so
+    # the asker is not slowed by their replays as it would not be on machines of their own (the
+    # engine workers they start inherit this)
+    os.nice(19)
     limits = StageLimits(max_sessions=8, max_session_tokens=1024)
     async with AsyncExitStack() as stack:
         for name, layers in REPLICAS.items():
@@ -110,26 +118,13 @@ async def serve_replicas() -> None:
 
 
 @asynccontextmanager
-async def replicas_apart() -> AsyncIterator[tuple[dict[str, Stage], list[int]]]:
-    """The replicas in a process of their own: their stages by name, and every pid whose CPU is theirs."""
-    proc = await trio.lowlevel.open_process([sys.executable, __file__, "--serve-replicas"], stdin=subprocess.PIPE,
+async def child(flag: str) -> AsyncIterator[trio.Process]:
+    """This script again, as the process ``flag`` names, its stdin and stdout piped; killed if it has not
+    ended 10 s after its stdin closes."""
+    proc = await trio.lowlevel.open_process([sys.executable, __file__, flag], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE)
     try:
-        assert proc.stdout is not None and proc.stdin is not None
-        stages: dict[str, Stage] = {}
-        pids = [proc.pid]
-        buffered = b""
-        with trio.fail_after(300):
-            while b"ready\n" not in buffered:
-                chunk = await proc.stdout.receive_some()
-                if not chunk:
-                    raise SystemExit("the replicas' process ended before it was ready")
-                buffered += chunk
-        for line in buffered.decode().splitlines()[:-1]:
-            r = json.loads(line)
-            stages[r["name"]] = Stage(r["address"], r["node_id"], r["digest"], tuple(r["layers"]))
-            pids.append(r["pid"])
-        yield stages, pids
+        yield proc
     finally:
         with trio.CancelScope(shield=True):
             if proc.stdin is not None:
@@ -139,6 +134,124 @@ async def replicas_apart() -> AsyncIterator[tuple[dict[str, Stage], list[int]]]:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def read_until(proc: trio.Process, end: bytes, what: str, timeout: float) -> str:
+    """What ``proc`` prints up to and including ``end``."""
+    assert proc.stdout is not None
+    buffered = b""
+    with trio.fail_after(timeout):
+        while not buffered.endswith(end):
+            chunk = await proc.stdout.receive_some()
+            if not chunk:
+                raise SystemExit(f"{what} ended before it said all (its errors are above)")
+            buffered += chunk
+    return buffered.decode()
+
+
+@asynccontextmanager
+async def replicas_apart() -> AsyncIterator[tuple[dict[str, Stage], list[int]]]:
+    """The replicas in a process of their own: their stages by name, and every pid whose CPU is theirs."""
+    async with child("--serve-replicas") as proc:
+        stages: dict[str, Stage] = {}
+        pids = [proc.pid]
+        for line in (await read_until(proc, b"ready\n", "the replicas' process", 300)).splitlines()[:-1]:
+            r = json.loads(line)
+            stages[r["name"]] = Stage(r["address"], r["node_id"], r["digest"], tuple(r["layers"]))
+            pids.append(r["pid"])
+        yield stages, pids
+
+
+def stage_json(stage: Stage) -> dict[str, Any]:
+    return {"address": stage.address, "node_id": stage.node_id, "digest": stage.model_digest, "layers": stage.layers}
+
+
+def stage_from(d: dict[str, Any]) -> Stage:
+    return Stage(d["address"], d["node_id"], d["digest"], tuple(d["layers"]))
+
+
+async def rates_apart(spec: dict[str, Any], cpus: set[int] | None) -> dict[str, Any]:
+    """(b) and (c) run by the asker's own process (``ask_apart``), on ``cpus``, while this one serves the route."""
+    async with child("--ask-apart") as proc:
+        assert proc.stdin is not None
+        if cpus is not None:
+            os.sched_setaffinity(proc.pid, cpus)
+        await proc.stdin.send_all((json.dumps(spec) + "\n").encode())
+        figures: dict[str, Any] = json.loads(await read_until(proc, b"\n", "the asker's process", 3600))
+        return figures
+
+
+async def ask_apart() -> None:
+    """The asker's process: reads what to ask on stdin (a JSON line), prints the figures of ``rate_runs``."""
+    spec = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
+    print(json.dumps(await rate_runs(spec)), flush=True)
+
+
+MODES = ("off", "receipts", "verify")
+
+
+async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
+    """(b) and (c), at the asker: every prompt in every mode, alternating the order, ``repeats`` rounds.
+
+    CPU seconds by mode and part, per decode token: the route (its stage services' process and
+    engine workers), its stage services alone, the asker (this process), and the replicas (per step
+    replayed), read from /proc around each answer."""
+    route, replicas = [stage_from(d) for d in spec["route"]], [stage_from(d) for d in spec["replicas"]]
+    route_pids, replica_pids = spec["route_pids"], spec["replica_pids"]
+    rng = random.Random(spec["seed"])
+    rates: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, dict[str, float]] = {part: dict.fromkeys(MODES, 0.0) for part in ("route", "stages", "asker")}
+    decoded = dict.fromkeys(MODES, 0)
+    replica_cpu = 0.0
+    replayed = 0
+
+    def spent() -> dict[str, float]:
+        return {"route": sum(cpu_seconds(p) for p in route_pids), "stages": cpu_seconds(route_pids[0]),
+                "asker": time.process_time(), "replicas": sum(cpu_seconds(p) for p in replica_pids)}
+
+    async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+        for round_ in range(spec["repeats"]):
+            for i, prompt in enumerate(PROMPTS):
+                request = AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=spec["rate_tokens"])
+                order = MODES[::1 if (round_ + i) % 2 == 0 else -1]
+                answers = {}
+                for mode in order:
+                    every = {"off": 0, "receipts": 0, "verify": EVERY}[mode]
+                    verifier = None if mode == "off" else Counting(peers, CheckPlan(every=every, candidates=replicas,
+                                                                                  rng=random.Random(rng.random())))
+                    before = spent()
+                    with trio.fail_after(600):
+                        answers[mode] = await run_session(peers, route, request, AskResult(), stall_timeout=120,
+                                                          verifier=verifier)
+                    after = spent()
+                    for part in cpu:
+                        cpu[part][mode] += after[part] - before[part]
+                    decoded[mode] += len(answers[mode].tokens)
+                    if mode == "verify":
+                        assert verifier is not None
+                        replica_cpu += after["replicas"] - before["replicas"]
+                        replayed += verifier.plan.compared
+                    rates[mode].append(answers[mode].decode_rate)
+                if not answers["off"].tokens == answers["receipts"].tokens == answers["verify"].tokens:
+                    raise SystemExit(f"verification changed the answer to {prompt[:40]!r}")
+    assert Counting.decode_chain is not None
+    chain = list(unpack_chain(*Counting.decode_chain))
+    assert chain[0].layer_begin > 0, "a decode step's chain starts with the tail's receipt of its token"
+    # inside the messages on the way: the head's activation (the ring's receipt and its own), the
+    # middle's (three), the ring's (the tail's receipt alone) and the token to the asker (the whole
+    # route's, four)
+    sizes = {"head_to_mid": receipt_bytes(chain[:2]), "mid_to_tail": receipt_bytes(chain[:3]),
+             "tail_ring_to_head": receipt_bytes(chain[-1:]), "tail_to_asker": receipt_bytes(chain)}
+    # a spot check moves, per token of each range past the head: the row fetched, fed to the replica
+    # (about its size each: raw f32), and the replica's receipt back
+    receipt_one = len(encode(Receipts(session=chain[0].session, epoch=chain[0].epoch, chain=pack_chain(chain[-1:]))))
+    step_input = len(encode(Inputs(session=chain[0].session, epoch=chain[0].epoch, steps=[]))) + 4 * spec["width"] + 96
+    spot = 2 * (2 * step_input) + 3 * receipt_one
+    return {"rates": rates, "decoded": decoded,
+            "ms_per_token": {part: {m: 1000 * cpu[part][m] / max(1, decoded[m]) for m in MODES} for part in cpu},
+            "replica_steps_replayed": replayed,
+            "replica_ms_per_replayed_step": 1000 * replica_cpu / replayed if replayed else None,
+            "sizes": sizes, "spot": spot}
 
 
 def stage_of(node: StageNode) -> Stage:
@@ -197,7 +310,7 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
             for name, layers in RANGES.items()}
         apart, replica_pids = await stack.enter_async_context(replicas_apart())
         peers = await stack.enter_async_context(open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)))
-        pinning = pin(nodes, replica_pids) if pin_cpus else "not pinned"
+        pinning, asker_cpus = pin(nodes, replica_pids) if pin_cpus else ("not pinned", None)
         route = [stage_of(nodes[n]) for n in ROUTE]
         replicas = list(apart.values())
         everyone = route + replicas
@@ -206,57 +319,13 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
             return [next(s for s in everyone if s.layers is not None and s.layers[0] == begin
                          and s.node_id not in excluded) for begin in (0, 10, 20)]
 
-        # (b) and (c): the honest route, verification at 1 in 16 against off
-        rates: dict[str, list[float]] = {"off": [], "receipts": [], "verify": []}
-        # CPU seconds by mode: this process's event loop (stages and asker), per decode token
-        loop_cpu: dict[str, float] = {"off": 0.0, "receipts": 0.0, "verify": 0.0}
-        decoded: dict[str, int] = {"off": 0, "receipts": 0, "verify": 0}
-        # the route's engine workers' CPU seconds by mode: with the event loop's, what the route costs a
-        # token, which the box's other load does not change as it changes tok/s
-        route_pids = [n.service.engine.pid for n in nodes.values() if n.service.engine.pid is not None]
-        route_cpu: dict[str, float] = {"off": 0.0, "receipts": 0.0, "verify": 0.0}
-        replica_cpu = 0.0
-        replayed = 0
-        sizes: dict[str, float] = {}
-        for round_ in range(repeats):
-            for i, prompt in enumerate(PROMPTS):
-                request = AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=rate_tokens)
-                order = ["off", "receipts", "verify"][::1 if (round_ + i) % 2 == 0 else -1]
-                answers = {}
-                for mode in order:
-                    every = {"off": 0, "receipts": 0, "verify": EVERY}[mode]
-                    verifier = None if mode == "off" else Counting(peers, CheckPlan(every=every, candidates=replicas,
-                                                                                  rng=random.Random(rng.random())))
-                    loop0 = time.thread_time()
-                    replica0 = sum(cpu_seconds(p) for p in replica_pids)
-                    route0 = sum(cpu_seconds(p) for p in route_pids)
-                    with trio.fail_after(600):
-                        answers[mode] = await run_session(peers, route, request, AskResult(), stall_timeout=120,
-                                                          verifier=verifier)
-                    loop_cpu[mode] += time.thread_time() - loop0
-                    route_cpu[mode] += sum(cpu_seconds(p) for p in route_pids) - route0
-                    decoded[mode] += len(answers[mode].tokens)
-                    if mode == "verify":
-                        assert verifier is not None
-                        replica_cpu += sum(cpu_seconds(p) for p in replica_pids) - replica0
-                        replayed += verifier.plan.compared
-                    rates[mode].append(answers[mode].decode_rate)
-                if not answers["off"].tokens == answers["receipts"].tokens == answers["verify"].tokens:
-                    raise SystemExit(f"verification changed the answer to {prompt[:40]!r}")
-        assert Counting.decode_chain is not None
-        chain = list(unpack_chain(*Counting.decode_chain))
-        assert chain[0].layer_begin > 0, "a decode step's chain starts with the tail's receipt of its token"
-        # inside the messages on the way: the head's activation (the ring's receipt and its own), the
-        # middle's (three), the ring's (the tail's receipt alone) and the token to the asker (the whole
-        # route's, four)
-        sizes = {"head_to_mid": receipt_bytes(chain[:2]), "mid_to_tail": receipt_bytes(chain[:3]),
-                 "tail_ring_to_head": receipt_bytes(chain[-1:]), "tail_to_asker": receipt_bytes(chain)}
-        width = nodes["mid"].service.report.stage_width
-        # a spot check moves, per token of each range past the head: the row fetched, fed to the replica
-        # (about its size each: raw f32), and the replica's receipt back
-        receipt_one = len(encode(Receipts(session=chain[0].session, epoch=chain[0].epoch, chain=pack_chain(chain[-1:]))))
-        step_input = len(encode(Inputs(session=chain[0].session, epoch=chain[0].epoch, steps=[]))) + 4 * width + 96
-        spot = 2 * (2 * step_input) + 3 * receipt_one
+        # (b) and (c): the honest route, verification at 1 in 16 against off, asked from another process
+        route_pids = [os.getpid()] + [n.service.engine.pid for n in nodes.values() if n.service.engine.pid is not None]
+        b = await rates_apart({"route": [stage_json(s) for s in route], "replicas": [stage_json(s) for s in replicas],
+                               "route_pids": route_pids, "replica_pids": replica_pids, "seed": rng.random(),
+                               "repeats": repeats, "rate_tokens": rate_tokens,
+                               "width": nodes["mid"].service.report.stage_width}, asker_cpus)
+        rates = b["rates"]
 
         # (a) steps until caught
         attacker = FlippingAttacker(nodes["mid"].service)
@@ -296,13 +365,12 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                          "receipts_slowdown": 1 - statistics.median(rates["receipts"]) / statistics.median(rates["off"]),
                          "slowdown": 1 - statistics.median(rates["verify"]) / statistics.median(rates["off"]),
                          "samples": len(rates["off"])},
-        "cpu": {"pinning": pinning,
-                "event_loop_ms_per_token": {m: 1000 * loop_cpu[m] / max(1, decoded[m]) for m in loop_cpu},
-                "route_workers_ms_per_token": {m: 1000 * route_cpu[m] / max(1, decoded[m]) for m in route_cpu},
-                "replica_steps_replayed": replayed,
-                "replica_ms_per_replayed_step": 1000 * replica_cpu / replayed if replayed else None},
-        "bytes_per_token": {"receipts": sizes, "receipts_total": sum(sizes.values()),
-                            "spot_checks_at_1_in_16": spot / EVERY, "row_bytes": 4 * width},
+        "cpu": {"pinning": pinning, **{f"{part}_ms_per_token": v for part, v in b["ms_per_token"].items()},
+                "replica_steps_replayed": b["replica_steps_replayed"],
+                "replica_ms_per_replayed_step": b["replica_ms_per_replayed_step"]},
+        "bytes_per_token": {"receipts": b["sizes"], "receipts_total": sum(b["sizes"].values()),
+                            "spot_checks_at_1_in_16": b["spot"] / EVERY,
+                            "row_bytes": 4 * nodes["mid"].service.report.stage_width},
     }
 
 
@@ -316,9 +384,13 @@ def main() -> int:
     ap.add_argument("--no-pin", action="store_true", help="leave every engine worker on every CPU")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--serve-replicas", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ask-apart", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_replicas:
         trio.run(serve_replicas)
+        return 0
+    if args.ask_apart:
+        trio.run(ask_apart)
         return 0
     out = trio.run(bench, args.runs, args.tokens, args.rate_tokens, args.repeats, args.seed, not args.no_pin)
     c, r, b = out["caught"], out["decode_tok_s"], out["bytes_per_token"]
@@ -331,14 +403,16 @@ def main() -> int:
     print(f"| decode tok/s, 3 stages, receipts only (--verify 0 would be off) | {r['receipts']:.1f} "
           f"({r['receipts_slowdown']:+.1%} slower) |")
     print(f"| decode tok/s, 3 stages, verify 1 in {out['every']} | {r['verify']:.1f} ({r['slowdown']:+.1%} slower) |")
-    cpu, loop = out["cpu"], out["cpu"]["event_loop_ms_per_token"]
-    print(f"| event loop CPU per token (stages + asker, one process) | off {loop['off']:.1f} ms, receipts "
-          f"{loop['receipts']:.1f} ms, verify 1 in {out['every']} {loop['verify']:.1f} ms |")
-    workers = cpu["route_workers_ms_per_token"]
-    total = {m: loop[m] + workers[m] for m in loop}
-    print(f"| CPU per token, route and asker (event loop + the route's engine workers) | off {total['off']:.1f} ms, receipts "
-          f"{total['receipts']:.1f} ms ({total['receipts'] / total['off'] - 1:+.1%}), verify 1 in {out['every']} "
-          f"{total['verify']:.1f} ms ({total['verify'] / total['off'] - 1:+.1%}) |")
+    cpu = out["cpu"]
+
+    def by_mode(part: str) -> str:
+        ms = cpu[f"{part}_ms_per_token"]
+        return (f"off {ms['off']:.1f} ms, receipts {ms['receipts']:.1f} ms ({ms['receipts'] / ms['off'] - 1:+.1%}), "
+                f"verify 1 in {out['every']} {ms['verify']:.1f} ms ({ms['verify'] / ms['off'] - 1:+.1%})")
+
+    print(f"| route CPU per token (stage services + engine workers) | {by_mode('route')} |")
+    print(f"| of which the stage services (one process, one event loop) | {by_mode('stages')} |")
+    print(f"| asker CPU per token (a process of its own: another machine) | {by_mode('asker')} |")
     per_step = cpu["replica_ms_per_replayed_step"]
     print(f"| replicas' CPU per replayed step (stage services and engine workers; other machines in a mesh) | "
           f"{'-' if per_step is None else f'{per_step:.1f} ms'} over {cpu['replica_steps_replayed']} steps "
