@@ -583,8 +583,8 @@ class StageService:
         if not self.report.has_input:
             # what ``_accept_activation`` would await: a thread to decode in, the prompt's ids
             entry = msg.tensors[0] if len(msg.tensors) == 1 else None
-            if entry is None or entry.codec != "raw" or 4 * msg.n_tokens * self.report.stage_width > \
-                    INLINE_DECODE_BYTES or self.report.has_output and msg.pos < (book.prompt_len or 0):
+            if entry is None or not self._inline(entry, msg.n_tokens) or \
+                    self.report.has_output and msg.pos < (book.prompt_len or 0):
                 return False
         checked = self._checked_activation(session, msg, chain_of(msg, wanted, sender))
         if checked is not None:
@@ -601,7 +601,7 @@ class StageService:
             return
         entry, h_in, rows_chain = checked
         book = session.book
-        if entry.codec == "raw" and 4 * msg.n_tokens * self.report.stage_width <= INLINE_DECODE_BYTES:
+        if self._inline(entry, msg.n_tokens):
             hidden = _decoded(entry)
         else:
             hidden = await trio.to_thread.run_sync(_decoded, entry, limiter=self._decoder)
@@ -609,6 +609,10 @@ class StageService:
         if self.books.holds(book) and book.phase in LIVE:
             self._enqueue(session, msg.pos, msg.n_tokens, Rows(session, None, hidden, msg.tokens, h_in, rows_chain,
                                                                history), msg.drafts)
+
+    def _inline(self, entry: TensorEntry, n_tokens: int) -> bool:
+        """Whether these hidden states are decoded on the event loop (INLINE_DECODE_BYTES), not a thread."""
+        return entry.codec == "raw" and 4 * n_tokens * self.report.stage_width <= INLINE_DECODE_BYTES
 
     def _checked_activation(self, session: Session, msg: Activation, chain: tuple[str, bytes] | None,
                             ) -> tuple[TensorEntry, bytes, PackedChain | None] | None:
