@@ -320,6 +320,9 @@ class RangeCheck:
         self.replica: _Replay | None = None
         # the history hash the stage's receipts must carry, worked out from their inputs
         self.hist = b""
+        # why the last replica tried failed, and why the range's checks ended before the answer did
+        self.failure = ""
+        self.stopped: str | None = None
 
     def _original(self, pos: int) -> Receipt:
         return self.audit.by_stage[self.index][pos]
@@ -409,6 +412,7 @@ class RangeCheck:
                     trio.EndOfChannel) as exc:
                 # the replica's failure is not the route's: the next replica checks instead
                 log.info("replica %s for a spot check failed: %s", replica.stage.address, exc)
+                self.failure = f"{replica.stage.address}: {_failed(exc)}"
                 self.replica = None
                 self.replicas.pop(0)
                 continue
@@ -418,6 +422,7 @@ class RangeCheck:
                 return False
             self.checked_until = until
             return True
+        self.stopped = f"every replica failed, the last at {self.failure}"
         return False
 
     async def _start(self, stage: Stage) -> _Replay | None:
@@ -425,6 +430,7 @@ class RangeCheck:
             replay = await _Replay.open(self.peers, stage, self.audit, self.index, self.sampling)
         except (ProtocolError, trio.BrokenResourceError, trio.EndOfChannel) as exc:
             log.info("replica %s for a spot check: %s", stage.address, exc)
+            self.failure = f"{stage.address}: {_failed(exc)}"
             return None
         self.opened.append(replay)
         return replay
@@ -451,9 +457,19 @@ class RangeCheck:
                                                                      f"differs from two replicas'", proof)
             log.info("replica %s disagreed with the route and a third node: not trusted for checks",
                      replica.stage.address)
+            self.stopped = f"its replica {replica.stage.address} disagreed with the route and a third node"
             return
         raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} differs from a "
                                                              f"replica's (no third node to settle it)")
+
+
+def _failed(exc: BaseException) -> str:
+    """A replica's failure in words (a timeout or a lost stream says nothing of itself)."""
+    if isinstance(exc, trio.TooSlowError):
+        return "it stalled"
+    if isinstance(exc, ProtocolError):
+        return str(exc)
+    return "lost its stream"
 
 
 class _Replay:
@@ -659,18 +675,22 @@ class Verifier:
         with trio.move_on_after(timeout):
             await self._done.wait()
         if not self._failed:
-            self._unverified()
+            self._unverified(f"its check did not end within {timeout:g} s")
 
-    def _unverified(self) -> None:
-        """Notes each range of the epoch whose steps no replica matched up to the end of the answer."""
+    def _unverified(self, cut_short: str) -> None:
+        """Notes each range of the epoch whose steps no replica matched up to the end of the answer,
+        and why: it has no replica, its checks ended (``RangeCheck.stopped``), or ``cut_short`` (the
+        epoch ended before its check did)."""
         audit = self.audit
         assert audit is not None
-        checked = {check.index: check.checked_until for check, _ in self._checks}
+        checks = {check.index: check for check, _ in self._checks}
         for index, info in enumerate(audit.result.route):
-            until = checked.get(index, 0) if self.plan.every > 0 else audit.next_pos
+            check = checks.get(index)
+            until = (0 if check is None else check.checked_until) if self.plan.every > 0 else audit.next_pos
             if until < audit.next_pos:
+                why = "no replica" if check is None else check.stopped or cut_short
                 note = (f"layers [{info.layer_begin}, {info.layer_end}) of node {audit.node_ids[index][:16]} "
-                        f"unchecked from position {until}" + ("" if index in checked else " (no replica)"))
+                        f"unchecked from position {until} ({why})")
                 log.info("spot checks: %s", note)
                 audit.result.unverified.append(note)
 
@@ -678,7 +698,7 @@ class Verifier:
         error = blamed(error, node_ids)
         if error.untrusted_from is None and self.audit is not None:
             # the answer keeps this epoch's tokens: the ranges' steps since their last check go unchecked
-            self._unverified()
+            self._unverified("the route failed before its next check")
         if error.culprit is not None:
             self.liars.add(error.culprit)
             if self.audit is not None:
