@@ -327,8 +327,10 @@ class RangeCheck:
     def _original(self, pos: int) -> Receipt:
         return self.audit.by_stage[self.index][pos]
 
-    async def _fetch(self, until: int) -> None:
-        """The range's inputs up to ``until``, each checked against the stage's own signed h_in."""
+    async def _fetch(self, until: int) -> bool:
+        """The range's inputs up to ``until``, each checked against the stage's own signed h_in;
+        False if the stage ended the session first (its stream's watcher says so while the answer
+        still streams: here the check just ends)."""
         audit = self.audit
         if self.index == 0:
             known = audit.result.prompt_tokens + audit.result.tokens
@@ -336,12 +338,19 @@ class RangeCheck:
                 r = audit.by_stage[0][pos]
                 self._take(StepInput(pos=pos, n_tokens=r.n_tokens, tokens=known[pos:pos + r.n_tokens]))
             self.fed_until = until
-            return
+            return True
         assert self.stage_stream is not None and self.inbox is not None
-        await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch, until=until))
+        try:
+            await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch,
+                                                               until=until))
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
         more = True
         while more:
-            reply = await self.inbox.receive.receive()
+            try:
+                reply = await self.inbox.receive.receive()
+            except trio.EndOfChannel:
+                return False
             more = reply.more
             for step in reply.steps:
                 original = audit.by_stage[self.index].get(step.pos)
@@ -352,6 +361,7 @@ class RangeCheck:
                     raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
                 self._take(step)
         self.fed_until = until
+        return True
 
     def _take(self, step: StepInput) -> None:
         """One more input of the range; the stage's receipt of it must carry the history so far."""
@@ -396,7 +406,9 @@ class RangeCheck:
     async def _check(self, until: int) -> bool:
         """Replays the range's steps up to ``until`` on a replica; False once no replica answers."""
         self.plan.checks += 1
-        await self._fetch(until)
+        if not await self._fetch(until):
+            self.stopped = "its stage ended the session before it handed over the inputs to check"
+            return False
         while self.replicas:
             if self.replica is None:
                 self.replica = await self._start(self.replicas[0])
