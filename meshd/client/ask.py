@@ -343,7 +343,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     finally:
         # After a failure some stage may never answer: do not hold the caller's failover up for it.
         with trio.CancelScope(shield=True), trio.move_on_after(0.3 if failed else 2.0):
-            await _release_all([s for s in opened if s is not None], session, epoch)
+            await release_all([s for s in opened if s is not None], session, epoch)
     return result
 
 
@@ -441,7 +441,10 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} from the tail")
 
 
-async def _release_all(streams: Sequence[Stream], session: str, epoch: int) -> None:
+async def release_all(streams: Sequence[Stream], session: str, epoch: int) -> None:
+    """Ends the session on each stage's control stream: Cancel, then the stage's Released, then the
+    stream closed (closed before that word, a stage still writing to it would find it reset)."""
+
     async def one(stream: Stream) -> None:
         # waits for the stage's word that the KV is freed, so a caller that returns knows it is
         try:
