@@ -227,6 +227,31 @@ async def test_a_message_hook_takes_messages_as_they_come_and_leaves_the_rest_to
             await theirs.send_all(b"reset")
 
 
+
+async def test_a_message_the_hook_leaves_reaches_the_reader_before_data_that_came_after_it() -> None:
+    # Two messages in one record: the hook leaves the first to the reader (as a tail leaves a prompt
+    # step that must wait for the prompt's ids) and the second arrives before the reader has run. The
+    # reader gets them in order (a replica's tail once got the step after the prompt first, and
+    # refused it: CACHE_MISS).
+    async with link_pair() as pair:
+        mine, theirs = await pair.stream_pair()
+        theirs.set_message_hook(lambda message: False)
+        got: list[str] = []
+        async with trio.open_nursery() as nursery:
+
+            async def read() -> None:
+                for _ in range(2):
+                    message = await theirs.receive_message()
+                    assert isinstance(message, ErrorMessage)
+                    got.append(message.message)
+
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            # both queued before the link's writer runs, so they go out in one record
+            assert mine.send_nowait(encode(_note("first"))) and mine.send_nowait(encode(_note("second")))
+        assert got == ["first", "second"]
+
+
 class Mute(MemoryTransport):
     """Delivers nothing once ``mute`` is set: a peer that went silent."""
 

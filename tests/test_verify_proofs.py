@@ -11,12 +11,12 @@ import pytest
 import trio
 
 from meshd.cli import figures_line
-from meshd.client.ask import AskResult, Stage, StageError
+from meshd.client.ask import AskResult, Stage, StageError, _watch_for_errors
 from meshd.client.verify import Audit, CheckPlan, Draws, StageLied, Verifier, blamed
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.verify import chain_of, check_incoming
-from wire.codec import decode, encode, protocol_limits
+from wire.codec import Message, decode, encode, error_message, protocol_limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.receipt import (
@@ -382,7 +382,39 @@ def test_the_ring_brings_the_tails_receipt_alone_and_the_head_refuses_any_other(
         assert refused.value.code is ErrorCode.PAYLOAD_CORRUPT
 
 
-async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_line(autojump_clock: trio.abc.Clock) -> None:
+class FakePeers:
+    """The asker's peers, a fake: no replica can be dialled."""
+
+    node_id = "f" * 64
+
+    async def open_stream(self, address: str, protocol: str, node_id: str | None = None) -> None:
+        raise ProtocolError(ErrorCode.UNREACHABLE, f"{address} refused the connection")
+
+
+class FakeSilentStage:
+    """A stage's control stream, a fake: it never hands over the inputs a spot check asks for."""
+
+    async def send_message(self, message: Message) -> None:
+        await trio.sleep_forever()
+
+
+class FakeEvictingStage:
+    """A stage's control stream, a fake: it takes a spot check's request for inputs, then ends the
+    finished session (evicted, as an idle one may be) instead of handing them over."""
+
+    def __init__(self) -> None:
+        self.asked = trio.Event()
+
+    async def send_message(self, message: Message) -> None:
+        self.asked.set()
+
+    async def receive_message(self) -> Message:
+        await self.asked.wait()
+        return error_message(ProtocolError(ErrorCode.CACHE_MISS, "evicted (least recently used)"))
+
+
+def answered_route() -> tuple[list[Stage], list[str], AskResult]:
+    """A three-stage route of SIGNERS and an answer it gave (3 prompt tokens, one new)."""
     ids = [s.node_id for s in SIGNERS]
     route = [Stage(f"127.0.0.1:{7000 + i}", node, MODEL, layers) for i, (node, layers) in enumerate(zip(ids, RANGES,
                                                                                                       strict=True))]
@@ -390,22 +422,36 @@ async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_lin
                        finished_at=1.0, route=[StageInfo(node_id=node, model_digest=MODEL, model_name="m",
                                                          layer_begin=b, layer_end=e, n_layer=6, stage_width=8, ready=True)
                                                for node, (b, e) in zip(ids, RANGES, strict=True)])
-    # the tail's range has a replica, which never answers; the others have none
-    replica = Stage("127.0.0.1:7999", REPLICAS[0].node_id, MODEL, RANGES[2])
-    verifier = Verifier(None, CheckPlan(every=16, candidates=[replica]))  # type: ignore[arg-type]
-    verifier.begin("s1", 0, route, ids, 6, result, 3, [None, None, None], Sampling())
+    return route, ids, result
+
+
+async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_line_with_why(
+        autojump_clock: trio.abc.Clock) -> None:
+    route, ids, result = answered_route()
+    # the head's range has a replica that cannot be dialled, the middle's none, and the tail's check
+    # never ends (the tail never hands over its inputs): each is said, with the true reason
+    replicas = [Stage("127.0.0.1:7998", REPLICAS[1].node_id, MODEL, RANGES[0]),
+                Stage("127.0.0.1:7999", REPLICAS[0].node_id, MODEL, RANGES[2])]
+    verifier = Verifier(FakePeers(), CheckPlan(every=16, candidates=replicas))  # type: ignore[arg-type]
+    verifier.begin("s1", 0, route, ids, 6, result, 3, [None, None, FakeSilentStage()],  # type: ignore[list-item]
+                   Sampling())
     assert verifier.audit is not None
     verifier.audit.next_pos = 4
-    verifier._checks.clear()  # the tail's check never ran: as if it had not ended within the timeout
-    await verifier.settle(1.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(verifier.run_checks)
+        await verifier.settle(1.0)
+        nursery.cancel_scope.cancel()
     assert [n.split(" of node")[0] for n in result.unverified] == ["layers [0, 2)", "layers [2, 4)", "layers [4, 6)"]
-    assert result.unverified[0].endswith("unchecked from position 0 (no replica)")
-    # the ranges no replica checked from the start are said once, together
+    assert result.unverified[0].endswith("unchecked from position 0 (every replica failed, the last at "
+                                         "127.0.0.1:7998: UNREACHABLE: 127.0.0.1:7998 refused the connection)")
+    assert result.unverified[1].endswith("unchecked from position 0 (no replica)")
+    assert result.unverified[2].endswith("unchecked from position 0 (its check did not end within 1 s)")
+    # the ranges no replica serves are said once, together; the others each with its reason
     line = figures_line(result)
-    assert ", unchecked (no replica): layers [0, 2), [2, 4), [4, 6), stopped by" in line
-    assert line.count("unchecked") == 1
-    result.unverified[2] = result.unverified[2].replace("position 0 (no replica)", "position 3")
-    assert ", unchecked (no replica): layers [0, 2), [2, 4), layers [4, 6) of node" in figures_line(result)
+    assert ", unchecked (no replica): layers [2, 4), layers [0, 2) of node" in line
+    assert line.count("(no replica)") == 1 and line.endswith("(its check did not end within 1 s), stopped by max_tokens]")
+    result.unverified[1] = result.unverified[1].replace("position 0 (no replica)", "position 3")
+    assert "(no replica)" not in figures_line(result)
 
 
 def test_a_nodes_signature_is_its_keys_own_ed25519_signature() -> None:
@@ -440,3 +486,28 @@ def test_each_step_is_drawn_for_a_check_at_one_in_every() -> None:
     # over the answer, not bunched at its start; none at 1 in 2**30
     assert counts[1] == list(range(16_000)) and counts[1 << 30] == []
     assert 850 < len(counts[16]) < 1150 and 400 < sum(p < 8_000 for p in counts[16]) < 600
+
+
+async def test_a_stage_ending_the_finished_session_ends_its_ranges_last_check_not_the_answer(
+        autojump_clock: trio.abc.Clock) -> None:
+    route, ids, result = answered_route()
+    tail = FakeEvictingStage()
+    replica = Stage("127.0.0.1:7999", REPLICAS[0].node_id, MODEL, RANGES[2])
+    verifier = Verifier(FakePeers(), CheckPlan(every=16, candidates=[replica]))  # type: ignore[arg-type]
+    verifier.begin("s1", 0, route, ids, 6, result, 3, [None, None, tail], Sampling())  # type: ignore[list-item]
+    assert verifier.audit is not None
+    verifier.audit.next_pos = 4
+    # the tail's Done came: its stream's watcher and the last checks run while the verifier settles
+    answered = trio.Event()
+    answered.set()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(verifier.run_checks)
+        nursery.start_soon(_watch_for_errors, tail, verifier.inbox(2), answered)
+        await verifier.settle(30.0)
+        nursery.cancel_scope.cancel()
+    assert result.unverified[2].endswith("unchecked from position 0 (its stage ended the session before it handed "
+                                         "over the inputs to check)")
+    # while the answer still streams, the same is the stage's error, which fails the epoch
+    with pytest.raises(ProtocolError, match="evicted") as failed:
+        await _watch_for_errors(tail, verifier.inbox(2), trio.Event())  # type: ignore[arg-type]
+    assert failed.value.code is ErrorCode.CACHE_MISS

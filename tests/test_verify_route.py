@@ -145,6 +145,9 @@ async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dic
                 honest = await ask_with_failover(peers, find, REQUEST, verifier=Verifier(peers, plan))
                 assert honest.tokens == undisturbed.tokens and honest.epochs == 1
                 assert plan.checks > 0
+                # the ranges with a replica were checked to the end; the head's has none, and says so
+                assert [n.split(" of node")[0] for n in honest.unverified] == ["layers [0, 2)"]
+                assert honest.unverified[0].endswith("unchecked from position 0 (no replica)")
 
                 # a stage computing wrongly at one of the answer's last steps, after the last draw of a
                 # spot check (none comes at 1 in 2**30): the check every range gets once the answer is

@@ -250,6 +250,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     # route's ring does not race the head's hop with a duplicate link).
     node_ids: list[str | None] = [s.node_id for s in route]
     linked = [trio.Event() for _ in route]
+    # the tail's Done came: the answer is in, and only its last spot checks still run
+    answered = trio.Event()
     try:
         async with trio.open_nursery() as nursery:
 
@@ -314,15 +316,17 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             last = len(opened) - 1
             for i, stream in enumerate(opened[1:-1], start=1):
                 assert stream is not None
-                nursery.start_soon(_from_stage, i, _watch_for_errors(stream, _inbox(verifier, i)))
+                nursery.start_soon(_from_stage, i, _watch_for_errors(stream, _inbox(verifier, i), answered))
             if last > 0:
                 nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout,
-                                                                          tail_stream, verifier))
+                                                                          tail_stream, verifier, answered))
             await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0,
                                                     verifier))
+            answered.set()
             if verifier is not None:
                 # the tail's stream still brings the inputs that the last spot checks ask it for
-                nursery.start_soon(_from_stage, last, _watch_for_errors(tail_stream, _inbox(verifier, last)))
+                nursery.start_soon(_from_stage, last, _watch_for_errors(tail_stream, _inbox(verifier, last),
+                                                                        answered))
                 await verifier.settle(stall_timeout)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -339,19 +343,19 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     finally:
         # After a failure some stage may never answer: do not hold the caller's failover up for it.
         with trio.CancelScope(shield=True), trio.move_on_after(0.3 if failed else 2.0):
-            await _release_all([s for s in opened if s is not None], session, epoch)
+            await release_all([s for s in opened if s is not None], session, epoch)
     return result
 
 
 async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float, tail: Stream,
-                                 verifier: Verifier | None = None) -> None:
+                                 verifier: Verifier | None = None, answered: trio.Event | None = None) -> None:
     """The head's ids of the prompt (re-prefilled tokens included), which the asker hands the tail
     itself: its sampler's penalty history and its drafter's text pass no stage between."""
     with trio.fail_after(timeout):
         msg = await stream.receive_message()
     ids = _take_prompt_tokens(msg, result, verifier)
     await tail.send_message(ids)
-    await _watch_for_errors(stream)
+    await _watch_for_errors(stream, answered=answered)
 
 
 def _take_prompt_tokens(msg: Message, result: AskResult, verifier: Verifier | None = None) -> PromptTokens:
@@ -367,18 +371,30 @@ def _inbox(verifier: Verifier | None, index: int) -> trio.MemorySendChannel[Inpu
     return None if verifier is None else verifier.inbox(index)
 
 
-async def _watch_for_errors(stream: Stream, inbox: trio.MemorySendChannel[Inputs] | None = None) -> None:
+async def _watch_for_errors(stream: Stream, inbox: trio.MemorySendChannel[Inputs] | None = None,
+                            answered: trio.Event | None = None) -> None:
     """A stage that is not the tail says nothing more unless it fails the session (or, with an
-    ``inbox``, hands over the inputs a spot check asked it for)."""
-    while inbox is not None:
-        msg = await stream.receive_message()
-        if not isinstance(msg, Inputs):
-            rpc.expect(msg, Released, "a stage's word on the session")
-            break
-        await inbox.send(msg)
-    else:
-        await rpc.receive(stream, Released, "a stage's word on the session")
-    raise ProtocolError(ErrorCode.INTERNAL, "a stage released the session before it finished")
+    ``inbox``, hands over the inputs a spot check asked it for).
+
+    Once the answer is in (``answered``), a stage that ends the session (it evicted the finished
+    session, say, or died) no longer fails it: the answer stands, and the spot checks that wait
+    on the stage's inputs learn that none come (``inbox`` closes)."""
+    try:
+        while inbox is not None:
+            msg = await stream.receive_message()
+            if not isinstance(msg, Inputs):
+                rpc.expect(msg, Released, "a stage's word on the session")
+                break
+            await inbox.send(msg)
+        else:
+            await rpc.receive(stream, Released, "a stage's word on the session")
+        raise ProtocolError(ErrorCode.INTERNAL, "a stage released the session before it finished")
+    except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError) as exc:
+        if answered is None or not answered.is_set():
+            raise
+        log.info("a stage ended the session after the answer was in: %s", getattr(exc, "message", repr(exc)))
+        if inbox is not None:
+            inbox.close()
 
 
 async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken | None, timeout: float,
@@ -425,7 +441,10 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} from the tail")
 
 
-async def _release_all(streams: Sequence[Stream], session: str, epoch: int) -> None:
+async def release_all(streams: Sequence[Stream], session: str, epoch: int) -> None:
+    """Ends the session on each stage's control stream: Cancel, then the stage's Released, then the
+    stream closed (closed before that word, a stage still writing to it would find it reset)."""
+
     async def one(stream: Stream) -> None:
         # waits for the stage's word that the KV is freed, so a caller that returns knows it is
         try:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from meshd.client.ask import AskResult, RouteError, RouteFinder, Stage, StageError, check_opened
+from meshd.client.ask import AskResult, RouteError, RouteFinder, Stage, StageError, check_opened, release_all
 from meshd.mesh.proofs import BrokenChain, Step, check_chain, check_signatures
 from meshd.net import rpc
 from meshd.net.link import Stream
@@ -57,7 +57,6 @@ from wire.receipt import (
 )
 from wire.stage import (
     STAGE_PROTOCOL,
-    Cancel,
     Hop,
     Inputs,
     InputsRequest,
@@ -357,12 +356,17 @@ class RangeCheck:
         self.replica: _Replay | None = None
         # the history hash the stage's receipts must carry, worked out from their inputs
         self.hist = b""
+        # why the last replica tried failed, and why the range's checks ended before the answer did
+        self.failure = ""
+        self.stopped: str | None = None
 
     def _original(self, pos: int) -> Receipt:
         return self.audit.by_stage[self.index][pos]
 
-    async def _fetch(self, until: int) -> None:
-        """The range's inputs up to ``until``, each checked against the stage's own signed h_in."""
+    async def _fetch(self, until: int) -> bool:
+        """The range's inputs up to ``until``, each checked against the stage's own signed h_in;
+        False if the stage ended the session first (its stream's watcher says so while the answer
+        still streams: here the check just ends)."""
         audit = self.audit
         if self.index == 0:
             known = audit.result.prompt_tokens + audit.result.tokens
@@ -370,12 +374,19 @@ class RangeCheck:
                 r = audit.by_stage[0][pos]
                 self._take(StepInput(pos=pos, n_tokens=r.n_tokens, tokens=known[pos:pos + r.n_tokens]))
             self.fed_until = until
-            return
+            return True
         assert self.stage_stream is not None and self.inbox is not None
-        await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch, until=until))
+        try:
+            await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch,
+                                                               until=until))
+        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
         more = True
         while more:
-            reply = await self.inbox.receive.receive()
+            try:
+                reply = await self.inbox.receive.receive()
+            except trio.EndOfChannel:
+                return False
             more = reply.more
             for step in reply.steps:
                 original = audit.by_stage[self.index].get(step.pos)
@@ -386,6 +397,7 @@ class RangeCheck:
                     raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
                 self._take(step)
         self.fed_until = until
+        return True
 
     def _take(self, step: StepInput) -> None:
         """One more input of the range; the stage's receipt of it must carry the history so far."""
@@ -430,7 +442,9 @@ class RangeCheck:
     async def _check(self, until: int) -> bool:
         """Replays the range's steps up to ``until`` on a replica; False once no replica answers."""
         self.plan.checks += 1
-        await self._fetch(until)
+        if not await self._fetch(until):
+            self.stopped = "its stage ended the session before it handed over the inputs to check"
+            return False
         while self.replicas:
             if self.replica is None:
                 self.replica = await self._start(self.replicas[0])
@@ -446,6 +460,7 @@ class RangeCheck:
                     trio.EndOfChannel) as exc:
                 # the replica's failure is not the route's: the next replica checks instead
                 log.info("replica %s for a spot check failed: %s", replica.stage.address, exc)
+                self.failure = f"{replica.stage.address}: {_failed(exc)}"
                 self.replica = None
                 self.replicas.pop(0)
                 continue
@@ -455,6 +470,7 @@ class RangeCheck:
                 return False
             self.checked_until = until
             return True
+        self.stopped = f"every replica failed, the last at {self.failure}"
         return False
 
     async def _start(self, stage: Stage) -> _Replay | None:
@@ -462,6 +478,7 @@ class RangeCheck:
             replay = await _Replay.open(self.peers, stage, self.audit, self.index, self.sampling)
         except (ProtocolError, trio.BrokenResourceError, trio.EndOfChannel) as exc:
             log.info("replica %s for a spot check: %s", stage.address, exc)
+            self.failure = f"{stage.address}: {_failed(exc)}"
             return None
         self.opened.append(replay)
         return replay
@@ -488,9 +505,19 @@ class RangeCheck:
                                                                      f"differs from two replicas'", proof)
             log.info("replica %s disagreed with the route and a third node: not trusted for checks",
                      replica.stage.address)
+            self.stopped = f"its replica {replica.stage.address} disagreed with the route and a third node"
             return
         raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} differs from a "
                                                              f"replica's (no third node to settle it)")
+
+
+def _failed(exc: BaseException) -> str:
+    """A replica's failure in words (a timeout or a lost stream says nothing of itself)."""
+    if isinstance(exc, trio.TooSlowError):
+        return "it stalled"
+    if isinstance(exc, ProtocolError):
+        return str(exc)
+    return "lost its stream"
 
 
 class _Replay:
@@ -592,13 +619,12 @@ class _Replay:
                 raise error_from_message(msg)
 
     async def aclose(self) -> None:
+        # as a route's sessions end: the replica's Released before its streams close, so it never
+        # writes a receipt still due onto a stream the asker already reset
         with trio.CancelScope(shield=True), trio.move_on_after(0.5):
-            try:
-                await self.control.send_message(Cancel(session=self.session, epoch=0))
-            except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            await release_all([self.control], self.session, 0)
+        with trio.CancelScope(shield=True):
             await self.hop.aclose()
-            await self.control.aclose()
 
 
 
@@ -696,18 +722,22 @@ class Verifier:
         with trio.move_on_after(timeout):
             await self._done.wait()
         if not self._failed:
-            self._unverified()
+            self._unverified(f"its check did not end within {timeout:g} s")
 
-    def _unverified(self) -> None:
-        """Notes each range of the epoch whose steps no replica matched up to the end of the answer."""
+    def _unverified(self, cut_short: str) -> None:
+        """Notes each range of the epoch whose steps no replica matched up to the end of the answer,
+        and why: it has no replica, its checks ended (``RangeCheck.stopped``), or ``cut_short`` (the
+        epoch ended before its check did)."""
         audit = self.audit
         assert audit is not None
-        checked = {check.index: check.checked_until for check, _ in self._checks}
+        checks = {check.index: check for check, _ in self._checks}
         for index, info in enumerate(audit.result.route):
-            until = checked.get(index, 0) if self.plan.every > 0 else audit.next_pos
+            check = checks.get(index)
+            until = (0 if check is None else check.checked_until) if self.plan.every > 0 else audit.next_pos
             if until < audit.next_pos:
+                why = "no replica" if check is None else check.stopped or cut_short
                 note = (f"layers [{info.layer_begin}, {info.layer_end}) of node {audit.node_ids[index][:16]} "
-                        f"unchecked from position {until}" + ("" if index in checked else " (no replica)"))
+                        f"unchecked from position {until} ({why})")
                 log.info("spot checks: %s", note)
                 audit.result.unverified.append(note)
 
@@ -715,7 +745,7 @@ class Verifier:
         error = blamed(error, node_ids)
         if error.untrusted_from is None and self.audit is not None:
             # the answer keeps this epoch's tokens: the ranges' steps since their last check go unchecked
-            self._unverified()
+            self._unverified("the route failed before its next check")
         if error.culprit is not None:
             self.liars.add(error.culprit)
             if self.audit is not None:

@@ -260,9 +260,9 @@ class Stream(trio.abc.HalfCloseableStream):
     async def _next_chunk(self, max_bytes: int | None = None) -> bytes | memoryview | None:
         """The next chunk; b"" at the end; None once the message hook leaves the reader something."""
         chunks = self._chunks
-        while not chunks:
-            if self._early is not None:
-                return None
+        # What the hook left came before any chunk queued since (they arrived after it woke the
+        # reader, before the reader ran): the reader takes it first, so messages keep their order.
+        while self._early is None and not chunks:
             if self._closed:
                 raise StreamClosed("this stream is closed")
             if self._eof:
@@ -272,6 +272,8 @@ class Stream(trio.abc.HalfCloseableStream):
                 raise self._error
             self._parked = trio.lowlevel.current_task()
             await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+        if self._early is not None:
+            return None
         chunk = chunks.popleft()
         if max_bytes is not None and len(chunk) > max_bytes:
             chunks.appendleft(chunk[max_bytes:])
