@@ -157,6 +157,27 @@ def test_a_batch_takes_one_item_per_session_within_the_row_limit_and_skips_faile
     assert b.next_batch() == []
 
 
+def test_a_session_that_joins_gives_its_queued_steps_in_order_and_no_session_runs_a_step_before_an_earlier_one(
+) -> None:
+    b = books(max_sessions=3, max_session_tokens=64, max_total_tokens=64, n_batch=8)
+    a, c, d = (opened(b, n, 0.0) for n in "acd")
+    c.joins = True
+    for book in (a, c, d):
+        b.set_prompt(book, 8)
+    b.enqueue(a, 0, 2, None, 0.0)
+    b.enqueue(c, 0, 2, None, 0.0)
+    b.enqueue(c, 2, 1, None, 0.0)
+    b.enqueue(d, 0, 6, None, 0.0)
+    b.enqueue(c, 3, 1, None, 0.0)
+    b.enqueue(d, 6, 1, None, 0.0)
+    b.enqueue(c, 4, 1, None, 0.0)
+    # c's steps ride together, up to the rows' limit; d's first chunk does not fit, so its second,
+    # which would, waits for it
+    assert [(w.session.id, w.pos) for w in b.next_batch()] == [("a", 0), ("c", 0), ("c", 2), ("c", 3), ("c", 4)]
+    assert [(w.session.id, w.pos) for w in b.next_batch()] == [("d", 0)]
+    assert [(w.session.id, w.pos) for w in b.next_batch()] == [("d", 6)]
+
+
 def test_sampling_starts_at_the_prompt_end_and_history_is_the_prompt_part() -> None:
     b = books()
     a = opened(b, "a", 0.0)

@@ -97,6 +97,10 @@ class SessionBook:
     # the host the opener's link comes from ("": unknown): quotas and eviction count per source too,
     # so many identities from one address weigh as one peer
     source: str = ""
+    # its queued steps may share one engine call (a check session's replay: nothing of a step goes
+    # downstream, so nothing waits on one step's rows before the next's run; the engine is
+    # batch-invariant, so the rows are the ones the steps give one by one)
+    joins: bool = False
 
 
 # What a quota or an eviction counts of a session, and whose it is.
@@ -415,9 +419,12 @@ class StageBooks(Generic[T]):
         return bool(self._queue)
 
     def next_batch(self) -> list[Work[T]]:
-        """Ready work of all sessions, one item per session so prefill chunks pipeline downstream."""
+        """Ready work of all sessions, one item per session so prefill chunks pipeline downstream; a
+        session that ``joins`` gives every step it has queued, in order, up to the batch's rows."""
         batch: list[Work[T]] = []
         taken: set[int] = set()
+        # sessions that left a step for the next call: their later steps wait too, so steps run in order
+        held: set[int] = set()
         rows = 0
         rest: collections.deque[Work[T]] = collections.deque()
         while self._queue:
@@ -425,7 +432,8 @@ class StageBooks(Generic[T]):
             book = work.session
             if not self.holds(book) or book.phase is Phase.FAILED:
                 continue
-            if id(book) in taken or rows + work.n > self.limits.n_batch:
+            if id(book) in held or id(book) in taken and not book.joins or rows + work.n > self.limits.n_batch:
+                held.add(id(book))
                 rest.append(work)
                 continue
             batch.append(work)

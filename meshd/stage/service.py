@@ -329,6 +329,8 @@ class StageService:
                                      source=host_of(stream.link.address))
         for other in gone:
             self._ended(other)
+        # a check session's replay runs the steps fed together in one engine call (``SessionBook.joins``)
+        book.joins = msg.check
         session = Session(book=book, open=msg, to_asker=Outlet(encode))
         if msg.receipts:
             session.receipts = SessionReceipts(self.signer, book.id, book.epoch, self.digest,
