@@ -141,29 +141,35 @@ def test_a_reused_slot_drops_its_pending_clear() -> None:
     assert b.dirty == []
 
 
-def test_a_batch_takes_one_item_per_session_within_the_row_limit_and_skips_failed_sessions() -> None:
-    b = books(max_sessions=3, max_session_tokens=64, max_total_tokens=64, n_batch=6)
-    a, c, d = (opened(b, n, 0.0) for n in "acd")
-    for book in (a, c, d):
+def three_prompted(n_batch: int) -> tuple[StageBooks[None], list[SessionBook]]:
+    """Books of three sessions, "a", "c" and "d", each with a prompt of 8 tokens."""
+    b = books(max_sessions=3, max_session_tokens=64, max_total_tokens=64, n_batch=n_batch)
+    sessions = [opened(b, n, 0.0) for n in "acd"]
+    for book in sessions:
         b.set_prompt(book, 8)
+    return b, sessions
+
+
+def next_batch(b: StageBooks[None]) -> list[tuple[str, int]]:
+    return [(w.session.id, w.pos) for w in b.next_batch()]
+
+
+def test_a_batch_takes_one_item_per_session_within_the_row_limit_and_skips_failed_sessions() -> None:
+    b, (a, c, d) = three_prompted(n_batch=6)
     b.enqueue(a, 0, 4, None, 0.0)
     b.enqueue(a, 4, 4, None, 0.0)
     b.enqueue(c, 0, 4, None, 0.0)
     b.enqueue(d, 0, 2, None, 0.0)
     b.fail(c, ProtocolError(ErrorCode.BAD_REQUEST, "bad"))
-    first = b.next_batch()
-    assert [(w.session.id, w.pos) for w in first] == [("a", 0), ("d", 0)]
-    assert [(w.session.id, w.pos) for w in b.next_batch()] == [("a", 4)]
+    assert next_batch(b) == [("a", 0), ("d", 0)]
+    assert next_batch(b) == [("a", 4)]
     assert b.next_batch() == []
 
 
 def test_a_session_that_joins_gives_its_queued_steps_in_order_and_no_session_runs_a_step_before_an_earlier_one(
 ) -> None:
-    b = books(max_sessions=3, max_session_tokens=64, max_total_tokens=64, n_batch=8)
-    a, c, d = (opened(b, n, 0.0) for n in "acd")
+    b, (a, c, d) = three_prompted(n_batch=8)
     c.joins = True
-    for book in (a, c, d):
-        b.set_prompt(book, 8)
     b.enqueue(a, 0, 2, None, 0.0)
     b.enqueue(c, 0, 2, None, 0.0)
     b.enqueue(c, 2, 1, None, 0.0)
@@ -173,9 +179,9 @@ def test_a_session_that_joins_gives_its_queued_steps_in_order_and_no_session_run
     b.enqueue(c, 4, 1, None, 0.0)
     # c's steps ride together, up to the rows' limit; d's first chunk does not fit, so its second,
     # which would, waits for it
-    assert [(w.session.id, w.pos) for w in b.next_batch()] == [("a", 0), ("c", 0), ("c", 2), ("c", 3), ("c", 4)]
-    assert [(w.session.id, w.pos) for w in b.next_batch()] == [("d", 0)]
-    assert [(w.session.id, w.pos) for w in b.next_batch()] == [("d", 6)]
+    assert next_batch(b) == [("a", 0), ("c", 0), ("c", 2), ("c", 3), ("c", 4)]
+    assert next_batch(b) == [("d", 0)]
+    assert next_batch(b) == [("d", 6)]
 
 
 def test_sampling_starts_at_the_prompt_end_and_history_is_the_prompt_part() -> None:
