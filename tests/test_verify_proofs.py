@@ -482,7 +482,7 @@ def test_each_step_is_drawn_for_a_check_at_one_in_every() -> None:
         for pos in range(16_000):
             draws.send_nowait(pos)
         counts[every] = sink.drawn
-    # every step at 1 in 1; about 1 in 16 (the gaps drawn, not each step: the same odds), spread
+    # every step at 1 in 1; about 1 in 16, spread
     # over the answer, not bunched at its start; none at 1 in 2**30
     assert counts[1] == list(range(16_000)) and counts[1 << 30] == []
     assert 850 < len(counts[16]) < 1150 and 400 < sum(p < 8_000 for p in counts[16]) < 600

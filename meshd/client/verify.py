@@ -122,6 +122,11 @@ class Signed(Mapping[int, Receipt]):
             kept = self._at[pos] = kept[0].receipt(kept[1])
         return kept
 
+    def wire(self, pos: int) -> bytes:
+        """The receipt at ``pos`` as it travelled."""
+        kept = self._at[pos]
+        return kept[0].wire(kept[1]) if isinstance(kept, tuple) else kept.wire
+
     def __iter__(self) -> Iterator[int]:
         return iter(self._at)
 
@@ -142,9 +147,8 @@ class Audit:
     prompt_len: int | None = None
     next_pos: int = 0
     steps: int = 0
-    # the tail's last receipt as it travelled (the ring's next chain starts with it), and its position
-    last_tail: bytes | None = None
-    last_tail_pos: int = 0
+    # where the tail's last receipt is (the ring's next chain starts with it; None: none yet)
+    last_tail_pos: int | None = None
     awaiting_token: Link | None = None
     # chains that came before the head's tokens of the prompt did
     pending: list[PackedChain] = field(default_factory=list)
@@ -223,14 +227,15 @@ class Audit:
         except BrokenChain as exc:
             raise self._broken(exc, decode) from None
         first = 1 if decode else 0
-        if decode and chain.wire(0) != self.last_tail:
+        if decode and (self.last_tail_pos is None
+                       or chain.wire(0) != self.by_stage[self.tail].wire(self.last_tail_pos)):
             # a proof is built from receipts whose signatures hold
             try:
                 check_signatures(chain)
             except BrokenChain as exc:
                 raise self._broken(exc, decode) from None
             ring, proof = chain.receipt(0), None
-            if self.last_tail is not None:
+            if self.last_tail_pos is not None:
                 last = self.by_stage[self.tail][self.last_tail_pos]
                 if ring.same_step(last) and ring.h_out != last.h_out:
                     proof = Proof(kind="equivocation", culprit=ring, witnesses=[last])
@@ -249,7 +254,7 @@ class Audit:
         if sampled == (last_link.h_out == NO_TOKENS):
             raise self._lie(self.tail, "the tail's receipt says it sampled where it cannot have")
         self.awaiting_token = last_link if sampled else None
-        self.last_tail, self.last_tail_pos = chain.wire(-1), pos
+        self.last_tail_pos = pos
         self.next_pos = pos + n
         self.steps += 1
         for channel in list(self.on_step):
@@ -309,18 +314,11 @@ class Draws:
 
     channel: trio.MemorySendChannel[int]
     plan: CheckPlan
-    # steps to pass over before the next drawn one (-1: not drawn yet). Each step is drawn at 1 in
-    # ``every``, so the gaps between drawn steps are geometric: one draw per check, not one per step
-    left: int = -1
 
     def send_nowait(self, pos: int) -> None:
-        if self.left < 0:
-            every = self.plan.every
-            # 1 - random() is in (0, 1]: P(gap = k) = (1 - 1/every)**k / every
-            self.left = 0 if every <= 1 else int(math.log(1.0 - self.plan.rng.random()) / math.log1p(-1.0 / every))
-        if self.left == 0:
+        # one draw a step and range (about a microsecond, on a token of tens of milliseconds)
+        if self.plan.rng.randrange(self.plan.every) == 0:
             self.channel.send_nowait(pos)
-        self.left -= 1
 
     def close(self) -> None:
         self.channel.close()

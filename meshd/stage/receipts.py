@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wire.identity import NodeIdentity
-from wire.receipt import NO_PREV, Receipt, history_next, history_start, read_chain, signed_wire
+from wire.receipt import NO_PREV, PackedChain, Receipt, history_next, history_start, read_chain, signed_wire
 
 
 @dataclass
@@ -49,6 +49,16 @@ class SessionReceipts:
         s = self.signer
         return signed_wire(s.identity, self.session, self.epoch, self.model, pos, n_tokens, self.layer_begin,
                            self.layer_end, h_in, h_out, self.hist, h_prev, s.public_key)
+
+    def extend(self, chain: PackedChain | None, pos: int, n_tokens: int, h_in: bytes, h_out: bytes,
+               ) -> tuple[bytes, bytes]:
+        """This step's receipt after ``chain`` (the checked one its input came with; None: it starts
+        one), and the chain with it, both as they travel."""
+        if chain is None:
+            mine = self.sign_wire(pos, n_tokens, h_in, h_out)
+            return mine, mine
+        mine = self.sign_wire(pos, n_tokens, h_in, h_out, chain.hash(-1))
+        return mine, chain.data + mine
 
     def sign(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes, prev: Receipt | None = None) -> Receipt:
         """``sign_wire`` as a full receipt, after ``prev``: where a receipt is evidence, not forwarded."""

@@ -44,7 +44,7 @@ from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import MAX_CHAIN, NO_PREV, PackedChain, row_hash, sampling_bytes
+from wire.receipt import MAX_CHAIN, PackedChain, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
@@ -888,10 +888,7 @@ class StageService:
         """Signs this step: the chain so far (packed as it came) and this stage's receipt after it,
         which ride downstream inside the step's rows."""
         assert s.receipts is not None
-        chain = w.payload.chain
-        if chain is None:
-            return s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, h_out)
-        return chain.data + s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, h_out, chain.hash(-1))
+        return s.receipts.extend(w.payload.chain, w.pos, w.n, w.payload.h_in, h_out)[1]
 
     def _check_receipt(self, s: Session, w: Work[Rows], out: np.ndarray) -> None:
         """A check session's step: only its receipt goes anywhere (to the asker that checks it)."""
@@ -915,14 +912,12 @@ class StageService:
         if not s.receipts.hist:
             s.receipts.sampling = sampling_bytes(s.open.sampling, s.book.prompt_len or 0)
         sampled = np.asarray([p[0] for p in picks[:w.drafts + 1]] if picks else [], dtype=np.int32)
-        before = w.payload.chain
-        mine = s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()),
-                                    NO_PREV if before is None else before.hash(-1))
+        mine, chain = s.receipts.extend(w.payload.chain, w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()))
         if s.open.check:
             # a replica's receipt goes to the asker that checks it, on its own: nothing reads its tokens
             self._check_receipts(s, mine)
             return
-        s.asker_chain = mine if before is None else before.data + mine
+        s.asker_chain = chain
         if picks:
             # the head needs only the tail's receipt of its token: it covers the chain before it by hash
             s.ring_receipt = mine
