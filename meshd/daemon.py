@@ -76,6 +76,7 @@ from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService, Tap
+from meshd.stage.fast import FastDoor
 from meshd.stage.service import StageLimits, StageService, answer_typed, model_manifest
 from meshd.store.gguf_header import GGUFError, read_layout
 from meshd.store.holding import WholeFile
@@ -270,6 +271,8 @@ class MeshDaemon:
         self._keeper: ReservationKeeper | None = None
         # members whose probes timed them much slower than they say (warned of once each)
         self._slower_than_said: set[str] = set()
+        # where fast-path connections meet the sessions of every range this node serves
+        self.fast_door = FastDoor()
 
     # ----- lifecycle
 
@@ -286,6 +289,7 @@ class MeshDaemon:
             peers.handle(SWIM_PROTOCOL, self._on_swim)
             peers.handle(MESH_PROTOCOL, self._on_rpc)
             peers.handle(STAGE_PROTOCOL, self._on_stage)
+            peers.handle_fast(self.fast_door.accept)
             register(peers, self.source)
             enable_circuits(peers, self._reserved_on)
             if cfg.relay:
@@ -773,7 +777,8 @@ class MeshDaemon:
             async with trio.open_nursery() as nursery:
                 report = await nursery.start(engine.run)
                 service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits,
-                                       may_dial=self.may_dial)
+                                       may_dial=self.may_dial, door=self.fast_door)
+                engine.on_event = service.on_engine_event
 
                 def down(generation: int, reason: str) -> None:
                     service.on_worker_down(generation, reason)

@@ -368,7 +368,8 @@ def blocking_frames(sock: socket.socket, n: int) -> list[dict[str, Any]]:
     return frames
 
 
-OPS = ["ping", "forward", "remove", "sampler_new", "sampler_free", "tokenize", "detokenize", "nope"]
+OPS = ["ping", "forward", "remove", "sampler_new", "sampler_free", "tokenize", "detokenize", "fast_open", "fast_link",
+       "fast_end", "fast_stats", "nope"]
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
     | st.binary(max_size=64),
@@ -377,7 +378,8 @@ values = st.recursive(
 )
 requests = st.fixed_dictionaries({"op": st.sampled_from(OPS)}, optional={
     k: values for k in ("seq", "pos", "tokens", "want", "history", "sample", "sid", "params", "text", "messages",
-                        "p0", "p1", "return_logits")})
+                        "p0", "p1", "return_logits", "tag", "max_pos", "prompt_len", "max_tokens", "prompt", "key",
+                        "out", "chunk", "carry", "gets_ids")})
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.fastlink import KEY_BYTES, TOKEN_BYTES
 from wire.receipt import Chain
 from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
 from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, TokenId, Tokens
@@ -22,7 +23,8 @@ from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId,
 # ride inside the activations and tokens they speak of, not in messages of their own; a peer of /1
 # would stall or fail on all three, so the peer set tells it the versions differ instead
 # 3: receipts sign meshd/receipt/3 bytes (a fixed layout): a peer of /2 would find every signature bad
-STAGE_PROTOCOL = "meshd/stage/3"
+# 4: the fast path (Open.fast, Hop.fast): a peer of /3 would refuse both fields
+STAGE_PROTOCOL = "meshd/stage/4"
 
 # the most stages a route can have: every stage holds at least one layer
 MAX_ROUTE = 1 << 10
@@ -100,6 +102,10 @@ class Open(Message, tag="open"):
     # a check session (the asker's spot check on a replica): fed by its opener, no next stage;
     # each step's receipt goes back to the opener
     check: bool = False
+    # the fast path (wire.fastlink): the session's rows go from engine worker to engine worker on
+    # connections of their own, not through the daemons; the asker asks for it on every stage of
+    # a route whose hops are all direct, without receipts or speculation
+    fast: bool = False
 
 
 class Opened(Message, tag="opened"):
@@ -131,6 +137,15 @@ class PromptTokens(Message, tag="prompt_tokens"):
     tokens: Tokens
 
 
+class FastOffer(WireModel):
+    """A fast session's connection to the next stage: the single-use token its preamble brings,
+    and the key its frames are sealed with. Both ride only inside the Noise link between the two
+    stages."""
+
+    token: Annotated[bytes, Field(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES)]
+    key: Annotated[bytes, Field(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+
+
 class Hop(Message, tag="hop"):
     """First message on a stage-to-stage stream: which session it carries."""
 
@@ -142,6 +157,9 @@ class Hop(Message, tag="hop"):
     # how many stages from this one on get the token ids with the rows (``Prompt.carry_tokens``,
     # one less each hop): a stage the count does not reach gets rows only
     carry_tokens: int = Field(default=0, ge=0, le=MAX_ROUTE)
+    # a fast session: the rows come on the connection this offer names, and the stream only says
+    # (by ending) when the sending stage is gone
+    fast: FastOffer | None = None
 
 
 class Token(Message, tag="token"):

@@ -18,6 +18,7 @@ import trio
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from relay.protocol import CIRCUIT_MARK
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply
@@ -113,6 +114,9 @@ class AskRequest:
     # draft model (meshd serve --draft-model), up to max_draft a step
     speculate: Literal["off", "ngram", "model"] = "off"
     max_draft: int = 8
+    # the fast path (wire.fastlink): rows go engine worker to engine worker, where the route allows
+    # it (every hop direct, f32, no receipts, no speculation); off, every row goes through the daemons
+    fast: bool = True
 
 
 @dataclass
@@ -241,6 +245,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
         # one stage cannot hold the same session twice
         raise RouteError(f"{repeated} is in the route twice, so its layers would be covered twice")
     session = session_id or new_session_id()
+    fast = fast_path(route, request, verifier is not None)
     result.epochs += 1
     remaining = request.max_tokens - len(result.tokens)
     opened: list[Stream | None] = [None] * len(route)
@@ -284,7 +289,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                     sampling=request.sampling,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
                     wire_codec=request.wire_codec, speculate=request.speculate,
-                    max_draft=request.max_draft, receipts=verifier is not None), Opened,
+                    max_draft=request.max_draft, receipts=verifier is not None, fast=fast), Opened,
                     f"stage {stage.address} opening the session")
                 check_opened(stage, reply.info)
                 infos[i] = reply.info
@@ -345,6 +350,14 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
         with trio.CancelScope(shield=True), trio.move_on_after(0.3 if failed else 2.0):
             await release_all([s for s in opened if s is not None], session, epoch)
     return result
+
+
+def fast_path(route: Sequence[Stage], request: AskRequest, receipts: bool) -> bool:
+    """Whether a session takes the fast path: asked for, a split route of direct hops (a relay
+    circuit's frames go through the relay's daemon), f32 rows, no receipts and no speculation."""
+    return (request.fast and len(route) > 1 and not receipts and request.speculate == "off"
+            and (request.wire_dtype, request.wire_codec) == ("f32", "raw")
+            and not any(CIRCUIT_MARK in s.address for s in route))
 
 
 async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float, tail: Stream,

@@ -7,6 +7,8 @@ restart bumps `generation`, which tells sessions that the KV they held is gone.
 
 from __future__ import annotations
 
+import array
+import contextlib
 import os
 import socket
 import subprocess
@@ -70,8 +72,9 @@ class WorkerSpec:
     # to a stage alone.
     poll: int = 0
 
-    def argv(self, fd: int) -> list[str]:
-        args = [sys.executable, "-m", "meshd.engine.worker", "--fd", str(fd), "--parent", str(os.getpid()),
+    def argv(self, fd: int, events_fd: int = -1) -> list[str]:
+        args = [sys.executable, "-m", "meshd.engine.worker", "--fd", str(fd), "--events-fd", str(events_fd),
+                "--parent", str(os.getpid()),
                 "--model", str(self.model),
                 "--n-ctx", str(self.n_ctx), "--n-seq-max", str(self.n_seq_max), "--n-batch", str(self.n_batch),
                 "--threads", str(self.threads), "--poll", str(self.poll), "--gpu-layers", str(self.gpu_layers)]
@@ -86,6 +89,8 @@ class EngineSupervisor:
     on_down: Callable[[int, str], None] | None = None
     # called with the generation each time a worker serves again after one went down
     on_up: Callable[[int], None] | None = None
+    # called with each event the worker sends unasked (a fast session's token or failure)
+    on_event: Callable[[dict[str, Any]], None] | None = None
     load_timeout: float = 300.0
     call_timeout: float = 60.0
     health_interval: float = 1.0
@@ -106,6 +111,7 @@ class EngineSupervisor:
     # set (and replaced) each time `restarts` grows: the event wait_restart() waits on
     _restarted: trio.Event = field(default_factory=trio.Event, repr=False)
     _proc: WorkerProcess | None = field(default=None, repr=False)
+    _events: socket.socket | None = field(default=None, repr=False)
 
     @property
     def is_up(self) -> bool:
@@ -160,13 +166,21 @@ class EngineSupervisor:
 
     async def _start(self) -> tuple[WorkerProcess, socket.socket, RangeReport]:
         ours, theirs = socket.socketpair()
+        events, their_events = socket.socketpair()
         try:
-            proc = WorkerProcess(self.spec.argv(theirs.fileno()), theirs.fileno())
+            proc = WorkerProcess(self.spec.argv(theirs.fileno(), their_events.fileno()),
+                                 (theirs.fileno(), their_events.fileno()))
         except BaseException:
             _close(ours)
+            _close(events)
             raise
         finally:
             theirs.close()
+            their_events.close()
+        events.setblocking(False)
+        if self._events is not None:
+            _close(self._events)
+        self._events = events
         sock = ours
         sock.setblocking(False)
         ready: dict[str, Any] | None = None
@@ -210,22 +224,38 @@ class EngineSupervisor:
                         nursery.cancel_scope.cancel()
                         return
 
+            async def watch_events() -> None:
+                events = self._events
+                if events is None:
+                    return
+                reader = EventReader(events)
+                with contextlib.suppress(WorkerDown, OSError, FrameError, trio.ClosedResourceError):
+                    while True:
+                        event = await reader.next()
+                        if self.on_event is not None:
+                            self.on_event(event)
+
             nursery.start_soon(watch_exit)
             nursery.start_soon(watch_health)
+            nursery.start_soon(watch_events)
         return reason
 
     async def _stop(self, proc: WorkerProcess, sock: socket.socket) -> None:
         self._sock = None
         _close(sock)
+        if self._events is not None:
+            _close(self._events)
+            self._events = None
         proc.kill()
         await proc.wait()
 
     async def call(self, header: dict[str, Any], payload: bytes | memoryview = b"",
-                   timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
+                   timeout: float | None = None, fds: tuple[int, ...] = ()) -> tuple[dict[str, Any], bytearray]:
         """One request, one reply. Raises WorkerDown if the worker is or goes away.
 
-        A request over the frame limits (a 16 MiB prompt) is refused here, as the
-        worker would refuse it, without sending it.
+        ``fds`` go with the request (SCM_RIGHTS): the worker holds its own copies once
+        the call returns. A request over the frame limits (a 16 MiB prompt) is refused
+        here, as the worker would refuse it, without sending it.
         """
         head = encode_prefix(header, len(payload))
         if len(head) - PREFIX.size > MAX_HEADER or len(payload) > MAX_PAYLOAD:
@@ -248,7 +278,7 @@ class EngineSupervisor:
             deadline = trio.current_time() + (timeout or self.call_timeout)
             with trio.CancelScope(deadline=deadline, shield=True) as scope:
                 try:
-                    await _send_frame(sock, head, payload)
+                    await _send_frame(sock, head, payload, fds)
                     reply, body = await _read_frame(sock, self._scratch)
                 except (OSError, WorkerDown, FrameError, trio.ClosedResourceError) as exc:
                     self._lost(sock)
@@ -285,8 +315,8 @@ class WorkerProcess:
     thread that forked it exits (after 10 idle seconds), not when the daemon dies.
     """
 
-    def __init__(self, argv: list[str], fd: int) -> None:
-        self.popen = subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL,
+    def __init__(self, argv: list[str], fds: tuple[int, ...]) -> None:
+        self.popen = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL,
                                       env=os.environ | {"PYTHONUNBUFFERED": "1"})
         self.pid = self.popen.pid
         self._pidfd: int | None = os.pidfd_open(self.pid)
@@ -312,11 +342,14 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
-async def _send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) -> None:
+async def _send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview, fds: tuple[int, ...] = ()) -> None:
     parts = frame_parts(head, payload)
+    # the descriptors ride with the frame's first bytes
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     while parts:
         try:
-            drop_sent(parts, sock.sendmsg(parts))
+            drop_sent(parts, sock.sendmsg(parts, ancillary))
+            ancillary = []
         except BlockingIOError:
             await trio.lowlevel.wait_writable(sock)
 
@@ -331,6 +364,27 @@ async def _recv_some(sock: socket.socket, view: memoryview) -> int:
         if k == 0:
             raise WorkerDown("the engine worker closed its socket")
         return k
+
+
+class EventReader:
+    """The worker's events, frames one after another on their own socket (several may come in one recv)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    async def next(self) -> dict[str, Any]:
+        while True:
+            if len(self.buf) >= PREFIX.size:
+                header_len, payload_len = parse_prefix(self.buf[:PREFIX.size])
+                end = PREFIX.size + header_len + payload_len
+                if len(self.buf) >= end:
+                    event = decode_header(self.buf[PREFIX.size:PREFIX.size + header_len])
+                    del self.buf[:end]
+                    return event
+            chunk = bytearray(_SCRATCH_BYTES)
+            k = await _recv_some(self.sock, memoryview(chunk))
+            self.buf += chunk[:k]
 
 
 async def _read_frame(sock: socket.socket, scratch: bytearray) -> tuple[dict[str, Any], bytearray]:

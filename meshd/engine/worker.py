@@ -10,10 +10,12 @@ Run as: python -m meshd.engine.worker --fd N --model PATH --layers A:B --gpu-lay
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import ctypes
 import hashlib
 import os
+import selectors
 import signal
 import socket
 import sys
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from meshd.engine.engine import Context, EngineError, Model, Sampler, SamplingParams
+from meshd.engine.fastpath import FastPlane
 from meshd.engine.native import EngineUnavailable
 from meshd.engine.workerproto import (
     MAX_HEADER,
@@ -41,11 +44,25 @@ Reply = tuple[dict[str, Any], bytes | memoryview]
 Handler = Callable[[dict[str, Any], memoryview], Reply]
 
 
+# The most descriptors one request brings (a fast-path connection: one)
+_MAX_FDS = 4
+
+
 class Worker:
-    def __init__(self, model: Model, ctx: Context) -> None:
+    def __init__(self, model: Model, ctx: Context, events: socket.socket | None = None) -> None:
         self.model = model
         self.ctx = ctx
         self.samplers: dict[int, Sampler] = {}
+        self.events = events
+        self.selector = selectors.DefaultSelector()
+        self.plane = FastPlane(model, ctx, self.samplers, self.selector, self._emit)
+        # descriptors that came with requests (SCM_RIGHTS), in order, for the ops that take them
+        self.fds: list[int] = []
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        """An event for the daemon, unasked (a fast session's sampled token, its failure)."""
+        if self.events is not None:
+            send_frame(self.events, encode_prefix(event, 0), b"")
 
     def handle(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
         op = h.get("op")
@@ -115,7 +132,30 @@ class Worker:
         return reply, b""
 
     def op_remove(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
-        self.ctx.remove(int(h["seq"]), int(h.get("p0", 0)), int(h.get("p1", -1)))
+        seq, p0, p1 = int(h["seq"]), int(h.get("p0", 0)), int(h.get("p1", -1))
+        if (p0, p1) == (0, -1):
+            # the whole sequence is cleared: a fast session on it ends with its KV
+            self.plane.drop(seq)
+        self.ctx.remove(seq, p0, p1)
+        return {"ok": True}, b""
+
+    def op_fast_open(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """A session whose rows go worker to worker (meshd.engine.fastpath)."""
+        self.plane.open(h)
+        return {"ok": True}, b""
+
+    def op_fast_link(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """One of a fast session's connections, the descriptor sent with this request."""
+        if not self.fds:
+            raise EngineError("fast_link came without its connection")
+        self.plane.link(h, socket.socket(fileno=self.fds.pop(0)))
+        return {"ok": True}, b""
+
+    def op_fast_stats(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        return {"ok": True, "stats": self.plane.stats}, b""
+
+    def op_fast_end(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        self.plane.end(h)
         return {"ok": True}, b""
 
     def op_seq_pos_max(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
@@ -168,11 +208,22 @@ class FrameReader:
     Bytes that arrive beyond a frame are kept as the start of the next one.
     """
 
-    def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
+    def __init__(self, sock: socket.socket, size: int = 64 << 10, fds: list[int] | None = None) -> None:
         self.sock = sock
         self.buf = bytearray(size)
         self.start = 0  # where the unread bytes begin
         self.got = 0  # where they end
+        # descriptors that came with the bytes read (SCM_RIGHTS), oldest first
+        self.fds: list[int] = [] if fds is None else fds
+
+    def _recv(self, view: memoryview) -> int:
+        k, ancdata, _, _ = self.sock.recvmsg_into([view], socket.CMSG_SPACE(_MAX_FDS * 4))
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+                self.fds.extend(fds)
+        return k
 
     def _fill(self, need: int) -> bool:
         """At least `need` unread bytes in the buffer; False once the daemon hangs up."""
@@ -187,18 +238,22 @@ class FrameReader:
             self.buf, self.got, self.start = grown, self.got - self.start, 0
         view = memoryview(self.buf)
         while self.got - self.start < need:
-            k = self.sock.recv_into(view[self.got:])
+            k = self._recv(view[self.got:])
             if k == 0:
                 return False
             self.got += k
         return True
+
+    def buffered(self) -> bool:
+        """Whether bytes of a next frame are already read (the socket will not say so again)."""
+        return self.got > self.start
 
     def _discard(self, n: int) -> bool:
         """Drops the next `n` bytes without keeping them; False once the daemon hangs up."""
         while n:
             if self.got == self.start:
                 self.start = self.got = 0
-                k = self.sock.recv_into(self.buf, min(n, len(self.buf)))
+                k = self._recv(memoryview(self.buf)[:min(n, len(self.buf))])
                 if k == 0:
                     return False
                 self.got = k
@@ -233,25 +288,44 @@ class FrameReader:
 
 
 def serve(sock: socket.socket, worker: Worker) -> None:
-    """Answers requests until the daemon hangs up; no request, however malformed, ends the loop."""
-    reader = FrameReader(sock)
+    """Answers requests until the daemon hangs up, and runs the fast sessions' steps between them;
+    no request, however malformed, ends the loop."""
+    reader = FrameReader(sock, fds=worker.fds)
+    plane = worker.plane
+    worker.selector.register(sock, selectors.EVENT_READ, None)
     while True:
-        try:
-            frame = reader.read()
-            if frame is None:
-                return
-            header, payload = frame
-            reply, out = worker.handle(decode_header(header), payload)
-        except FrameError as exc:
-            reply, out = {"ok": False, "kind": exc.kind, "message": str(exc)}, b""
-        head = encode_prefix(reply, len(out))
-        if len(head) - PREFIX.size > MAX_HEADER or len(out) > MAX_PAYLOAD:
-            # what the input asked for does not fit one frame (detokenizing millions of tokens)
-            reply, out = {"ok": False, "kind": "ReplyTooLarge", "message": (
-                f"the reply to this request would be {len(head)} + {len(out)} bytes, over the frame limits "
-                f"({MAX_HEADER} + {MAX_PAYLOAD})")}, b""
-            head = encode_prefix(reply, 0)
-        send_frame(sock, head, out)
+        for key, mask in worker.selector.select(0.0 if plane.ready() else None):
+            if key.data is None:
+                # the daemon waits for each reply, but a frame may have come with the one before it
+                while True:
+                    if not answer(sock, reader, worker):
+                        return
+                    if not reader.buffered():
+                        break
+            else:
+                plane.on_ready(key.data, mask)
+        plane.run()
+
+
+def answer(sock: socket.socket, reader: FrameReader, worker: Worker) -> bool:
+    """Reads one request and answers it; False once the daemon hangs up."""
+    try:
+        frame = reader.read()
+        if frame is None:
+            return False
+        header, payload = frame
+        reply, out = worker.handle(decode_header(header), payload)
+    except FrameError as exc:
+        reply, out = {"ok": False, "kind": exc.kind, "message": str(exc)}, b""
+    head = encode_prefix(reply, len(out))
+    if len(head) - PREFIX.size > MAX_HEADER or len(out) > MAX_PAYLOAD:
+        # what the input asked for does not fit one frame (detokenizing millions of tokens)
+        reply, out = {"ok": False, "kind": "ReplyTooLarge", "message": (
+            f"the reply to this request would be {len(head)} + {len(out)} bytes, over the frame limits "
+            f"({MAX_HEADER} + {MAX_PAYLOAD})")}, b""
+        head = encode_prefix(reply, 0)
+    send_frame(sock, head, out)
+    return True
 
 
 def send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) -> None:
@@ -280,6 +354,7 @@ def die_with_parent(parent: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--events-fd", type=int, default=-1, help="where events the daemon did not ask for go")
     ap.add_argument("--parent", type=int, default=0, help="the daemon's PID: this worker dies with it")
     ap.add_argument("--model", required=True)
     ap.add_argument("--layers", default="")
@@ -296,6 +371,7 @@ def main() -> int:
     if args.parent:
         die_with_parent(args.parent)
     sock = socket.socket(fileno=args.fd)
+    events = socket.socket(fileno=args.events_fd) if args.events_fd >= 0 else None
     try:
         layers = None
         if args.layers:
@@ -311,7 +387,7 @@ def main() -> int:
     ready = {"ok": True, "pid": os.getpid(), "report": model.report.to_dict()}
     try:
         sock.sendall(encode_prefix(ready, 0))
-        serve(sock, Worker(model, ctx))
+        serve(sock, Worker(model, ctx, events))
     except OSError:
         pass
     return 0

@@ -145,6 +145,14 @@ class Admission:
         self._links += 1
         return True
 
+    def handed_off(self, ticket: Ticket) -> None:
+        """The connection proved itself another way (a fast-path token) and left the node's hands:
+        it leaves the pending set, at no cost to its source."""
+        if ticket.evicted or ticket.authenticated:
+            return
+        self._drop_pending(ticket)
+        ticket.was_authenticated = True
+
     def release(self, ticket: Ticket, now: float) -> None:
         """The connection is closed; idempotent. One that never authenticated
         counts against its source."""

@@ -34,6 +34,7 @@ import trio
 from trio_websocket import ConnectionClosed
 
 from meshd.net.admission import Admission, AdmissionConfig, Ticket, fd_budget, raise_fd_limit
+from meshd.net.fastconn import FastHandler, is_fast, read_token
 from meshd.net.link import Link, LinkTimings, Stream
 from meshd.net.transport import (
     RecordTransport,
@@ -120,6 +121,15 @@ def _split_url(url: str) -> tuple[str, int, str]:
     return parts.hostname, port, parts.path or "/"
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` as its host and port; BAD_REQUEST for anything else."""
+    try:
+        host, port, _ = _split_url(ws_url(address))
+    except ValueError as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
+    return host, port
+
+
 _STAGE_TIMEOUTS = {
     "tcp": "no TCP connection to {address} within {timeout:g} s",
     "upgrade": "no WebSocket upgrade from {address} within {timeout:g} s",
@@ -155,6 +165,7 @@ class Peers:
         # The cancel scope of each inbound connection still authenticating.
         self._preauth: dict[Ticket, trio.CancelScope] = {}
         self._closing = False
+        self._fast: FastHandler | None = None
 
     # ----- serving
 
@@ -170,6 +181,11 @@ class Peers:
         with INTERNAL (and is logged), never disturbing the node.
         """
         self._handlers[protocol] = (handler, raw)
+
+    def handle_fast(self, handler: FastHandler) -> None:
+        """Give inbound fast-path connections (``meshd.net.fastconn``) to ``handler``, which has the
+        pre-auth deadline to take them; without one they are closed like any failed upgrade."""
+        self._fast = handler
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Accept peers on ``ws://host:port``; returns the bound port.
@@ -251,6 +267,14 @@ class Peers:
         with trio.CancelScope() as scope:
             self._preauth[ticket] = scope
             scope.deadline = trio.current_time() + self.config.admission.preauth_timeout
+            try:
+                if await is_fast(stream):
+                    if self._fast is not None and await self._fast(await read_token(stream), stream):
+                        self._admission.handed_off(ticket)
+                    return None
+            except (OSError, ValueError) as exc:
+                log.debug("%s: no fast-path preamble: %s", address, exc)
+                return None
             try:
                 ws = await server_websocket(connection, stream)
             except (UpgradeFailed, ConnectionClosed) as exc:

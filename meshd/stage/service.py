@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -32,10 +33,12 @@ from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec
 from meshd.mesh.models import ModelNotFound
 from meshd.mesh.records import host_of
+from meshd.net.fastconn import dial_fast
 from meshd.net.link import Stream
-from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.peers import Peers, PeersConfig, open_peers, split_address
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
+from meshd.stage.fast import FastDoor, new_offer
 from meshd.stage.outlet import Outlet
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.verify import chain_of, check_incoming, receipts_message
@@ -134,6 +137,11 @@ class Session:
     # the tail: the prompt's token ids, as the asker sent them (no stage before it needs to see them)
     prompt_ids: list[int] | None = None
     prompt_ids_known: trio.Event = field(default_factory=trio.Event)
+    # the fast path (meshd.engine.fastpath): this session's tag in the engine worker's events, and
+    # whether the worker has taken it (it takes the session's connections only after that)
+    fast_tag: int = 0
+    fast_opened: trio.Event = field(default_factory=trio.Event)
+    fast_ended: bool = False
 
 
 # how the draft model picks its drafts: its most likely token
@@ -170,6 +178,9 @@ class StageMetrics:
         self.multi_session_calls = 0
         self.max_sessions_per_call = 0
         self.step_ms: collections.deque[float] = collections.deque(maxlen=512)
+        # the engine worker's own counts of the fast sessions' batches (meshd.engine.fastpath), as
+        # it last told them
+        self.fast: dict[str, int] = {}
 
     def record_call(self, sessions: int, rows: int, seconds: float, decode_rows: int) -> None:
         self.engine_calls += 1
@@ -184,8 +195,15 @@ class StageMetrics:
 class StageService:
     def __init__(self, peers: Peers, engine: EngineSupervisor, report: RangeReport, model_digest: str,
                  model_name: str, limits: StageLimits = StageLimits(), may_dial: DialCheck = plain_address,
-                 draft_engine: EngineSupervisor | None = None) -> None:
+                 draft_engine: EngineSupervisor | None = None, door: FastDoor | None = None) -> None:
         self.peers = peers
+        # fast-path connections meet their sessions here (one door per node, shared by its services)
+        self.door = door or FastDoor()
+        # fast sessions by (slot, tag), as the engine worker's events name them
+        self._fast: dict[tuple[int, int], Session] = {}
+        self._fast_tags = itertools.count(1)
+        # fast sessions the books ended before their worker did (a stop string): it is told to stop
+        self._fast_end_send, self._fast_end_recv = trio.open_memory_channel[Session](math.inf)
         # the tail's draft model (same vocabulary), for sessions that speculate with "model"
         self.draft_engine = draft_engine
         self.may_dial = may_dial
@@ -222,6 +240,7 @@ class StageService:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._schedule)
             nursery.start_soon(self._expire)
+            nursery.start_soon(self._end_fast)
             task_status.started()
 
     def on_worker_down(self, generation: int, reason: str) -> None:
@@ -246,6 +265,11 @@ class StageService:
     async def handle_first(self, stream: Stream, first: Message) -> None:
         """Serves a stage stream whose first message has been read."""
         if isinstance(first, MetricsRequest):
+            try:
+                reply, _ = await self._engine_call({"op": "fast_stats"})
+                self.metrics.fast = dict(reply["stats"])
+            except ProtocolError:
+                pass  # the worker is down: its last counts stand
             await stream.send_message(Metrics(values=self.metric_values()))
         elif isinstance(first, Open):
             await self._serve_session(stream, first)
@@ -263,15 +287,19 @@ class StageService:
     def metric_values(self) -> dict[str, float]:
         m, counts = self.metrics, self.books.counts
         steps = sorted(m.step_ms)
+        # the slow path's engine calls (the daemon's) and the fast path's (the worker's), together
+        fast = m.fast
+        calls = m.engine_calls + fast.get("engine_calls", 0)
+        slots = m.session_slots + fast.get("session_slots", 0)
         return {
             "sessions": float(len(self.books.sessions)),
             "kv_tokens": float(self.books.total_tokens),
-            "engine_calls": float(m.engine_calls),
-            "rows": float(m.rows),
-            "decode_rows": float(m.decode_rows),
-            "sessions_per_call": m.session_slots / m.engine_calls if m.engine_calls else 0.0,
-            "max_sessions_per_call": float(m.max_sessions_per_call),
-            "multi_session_calls": float(m.multi_session_calls),
+            "engine_calls": float(calls),
+            "rows": float(m.rows + fast.get("rows", 0)),
+            "decode_rows": float(m.decode_rows + fast.get("decode_rows", 0)),
+            "sessions_per_call": slots / calls if calls else 0.0,
+            "max_sessions_per_call": float(max(m.max_sessions_per_call, fast.get("max_sessions_per_call", 0))),
+            "multi_session_calls": float(m.multi_session_calls + fast.get("multi_session_calls", 0)),
             "step_ms_p50": steps[len(steps) // 2] if steps else 0.0,
             "step_ms_p99": steps[min(len(steps) - 1, math.ceil(len(steps) * 0.99) - 1)] if steps else 0.0,
             "evictions": float(counts.evictions),
@@ -291,6 +319,10 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts sign one step at a time: not with speculation")
         if msg.check and not msg.receipts:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a check session is there for its receipts")
+        if msg.fast and (msg.receipts or msg.speculate != "off" or (msg.wire_dtype, msg.wire_codec) != ("f32", "raw")
+                         or r.has_input and r.has_output):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the fast path carries f32 rows of a split route, without "
+                                                       "receipts or speculation")
         if msg.model_digest is not None and msg.model_digest != self.digest:
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"this stage serves model {self.digest[:16]}, "
                                                           f"not {msg.model_digest[:16]}")
@@ -332,6 +364,12 @@ class StageService:
         # a check session's replay runs the steps fed together in one engine call (``SessionBook.joins``)
         book.joins = msg.check
         session = Session(book=book, open=msg, to_asker=Outlet(encode))
+        if msg.fast:
+            if target is not None and CIRCUIT_MARK in target[0].address:
+                self.books.release(book)
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "the fast path takes direct hops, not relay circuits")
+            session.fast_tag = next(self._fast_tags)
+            self._fast[(book.slot, session.fast_tag)] = session
         if msg.receipts:
             session.receipts = SessionReceipts(self.signer, book.id, book.epoch, self.digest,
                                                self.report.layer_begin, self.report.layer_end)
@@ -459,8 +497,13 @@ class StageService:
             tokens = reply["tokens"]
             self.books.set_prompt(book, len(tokens))
         session.carry = msg.carry_tokens
+        if session.open.fast:
+            # the worker runs the prompt and the ring's tokens itself, once its connections come
+            await self._fast_open(session, prompt=tokens)
         session.hop_info.set()
         session.to_asker.send_nowait(PromptTokens(session=book.id, epoch=book.epoch, tokens=tokens))
+        if session.open.fast:
+            return
         arr = np.asarray(tokens, dtype=np.int32)
         chunk = self.limits.prefill_chunk
         whole = self.report.has_output
@@ -524,12 +567,31 @@ class StageService:
     async def _downstream_to(self, session: Session, target: PeerRef, ring: bool, hop_stream: Stream,
                              outlet: Outlet[bytes]) -> None:
         book = session.book
+        offer = new_offer() if session.open.fast else None
         try:
             await hop_stream.send_message(Hop(session=book.id, epoch=book.epoch, ring=ring,
                                               prompt_tokens=book.prompt_len or 0,
-                                              carry_tokens=0 if ring else session.carry))
-            # from now on a step's rows go straight onto the stream when they can (Outlet)
-            await outlet.run(hop_stream)
+                                              carry_tokens=0 if ring else session.carry, fast=offer))
+            if offer is None:
+                # from now on a step's rows go straight onto the stream when they can (Outlet)
+                await outlet.run(hop_stream)
+                return
+            host, port = split_address(target.address)
+            sock = await dial_fast(host, port, offer.token, self.limits.hop_timeout)
+            try:
+                with trio.fail_after(self.limits.hop_timeout):
+                    await session.fast_opened.wait()
+                await self._engine_call({"op": "fast_link", "seq": book.slot, "tag": session.fast_tag, "out": True,
+                                         "key": offer.key}, fds=(sock.fileno(),))
+            finally:
+                sock.close()
+            # the rows go on the fast connection; the stream ends when the next stage lets the session go
+            msg = await hop_stream.receive_message()
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a fast hop stream")
+        except trio.EndOfChannel:
+            return
+        except trio.TooSlowError:
+            self._fail(session, ProtocolError(ErrorCode.INTERNAL, "the session's engine worker never took it"))
         except ProtocolError as exc:
             what = "the head" if ring else "the next stage"
             self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost {what} {target.address}: {exc}"))
@@ -557,6 +619,9 @@ class StageService:
                 session.carry = max(0, hop.carry_tokens - 1)
             if not hop.ring or session.open.check:
                 session.hop_info.set()
+            if session.open.fast:
+                await self._serve_fast_hop(stream, session, hop)
+                return
             # a check session's rows come from its opener, who has no receipt to give for them
             wanted = session.receipts is not None and not session.open.check
             # a decode step's rows are queued as they arrive, without waking this task
@@ -575,6 +640,77 @@ class StageService:
         except ProtocolError as exc:
             self._fail(session, exc)
             raise
+
+    # ----- the fast path: rows go worker to worker (meshd.engine.fastpath); the daemon sets it up
+
+    async def _fast_open(self, session: Session, prompt: list[int] | None = None) -> None:
+        """Reserves the session's KV in the books and hands the session to the engine worker."""
+        book = session.book
+        prompt_len = book.prompt_len or 0
+        history = None
+        if self.report.has_output:
+            history = await self._history(session, 0, prompt_len)
+        for other in self.books.reserve(book, prompt_len + book.max_tokens, trio.current_time()):
+            self._ended(other)
+        await self._engine_call({"op": "fast_open", "seq": book.slot, "tag": session.fast_tag,
+                                 "max_pos": book.next_pos, "prompt_len": prompt_len, "max_tokens": book.max_tokens,
+                                 "carry": session.carry, "gets_ids": session.gets_ids, "prompt": prompt,
+                                 "history": history, "chunk": self.limits.prefill_chunk})
+        session.fast_opened.set()
+
+    async def _serve_fast_hop(self, stream: Stream, session: Session, hop: Hop) -> None:
+        """A fast session's rows (at the head, the ring's tokens) come on the connection the Hop
+        offers: the worker takes it once it has the session; the stream only ends."""
+        offer = hop.fast
+        if offer is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the session takes the fast path: its hop must offer "
+                                                       "the connection")
+        expected = self.door.expect(offer.token)
+        try:
+            if not hop.ring:
+                await self._fast_open(session)
+            with trio.move_on_after(self.limits.hop_timeout):
+                await expected.arrived.wait()
+                await session.fast_opened.wait()
+            if expected.sock is None or not session.fast_opened.is_set():
+                raise ProtocolError(ErrorCode.UNREACHABLE, "the fast-path connection from the previous stage "
+                                                           "never came")
+            await self._engine_call({"op": "fast_link", "seq": session.book.slot, "tag": session.fast_tag,
+                                     "out": False, "key": offer.key}, fds=(expected.sock.fileno(),))
+        finally:
+            self.door.forget(offer.token)
+            expected.close()
+        try:
+            msg = await stream.receive_message()
+        except trio.EndOfChannel:
+            return
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a fast hop stream")
+
+    def on_engine_event(self, event: dict[str, Any]) -> None:
+        """What the engine worker says of a fast session unasked: a sampled token (the tail), a failure."""
+        if event.get("ev") == "stats":
+            self.metrics.fast = dict(event["stats"])
+            return
+        session = self._fast.get((event.get("seq"), event.get("tag")))  # type: ignore[arg-type]
+        if session is None or not self.books.holds(session.book):
+            return
+        if event.get("ev") == "error":
+            code = ErrorCode(event["code"]) if event.get("code") in ErrorCode.__members__ else ErrorCode.INTERNAL
+            self._fail(session, ProtocolError(code, str(event.get("message"))))
+        elif event.get("ev") == "token":
+            if not self._emit(session, int(event["token"]), bool(event["eog"]), bytes(event["piece"]),
+                              trio.current_time()) and not session.fast_ended:
+                # the books ended it (a stop string): the worker stops too
+                session.fast_ended = True
+                self._fast_end_send.send_nowait(session)
+
+    async def _end_fast(self) -> None:
+        async for session in self._fast_end_recv:
+            if self.books.holds(session.book):
+                try:
+                    await self._engine_call({"op": "fast_end", "seq": session.book.slot, "tag": session.fast_tag})
+                except ProtocolError:
+                    pass
 
     def _activation_nowait(self, session: Session, wanted: bool, sender: str, msg: Message) -> bool:
         """An activation checked, decoded and queued as it arrives (``Stream.set_message_hook``), if
@@ -749,6 +885,7 @@ class StageService:
         self.books.release(session.book)
         if self._sessions.get(session.book) is session:
             del self._sessions[session.book]
+        self._fast.pop((session.book.slot, session.fast_tag), None)
         self._wake.set()
         if not self.books.sessions:
             self._idle.set()
@@ -769,9 +906,10 @@ class StageService:
             except ProtocolError:
                 return
 
-    async def _engine_call(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> tuple[dict[str, Any], bytearray]:
+    async def _engine_call(self, header: dict[str, Any], payload: bytes | memoryview = b"",
+                           fds: tuple[int, ...] = ()) -> tuple[dict[str, Any], bytearray]:
         try:
-            return await self.engine.call(header, payload)
+            return await self.engine.call(header, payload, fds=fds)
         except WorkerDown as exc:
             raise ProtocolError(ErrorCode.INTERNAL, f"engine worker unavailable: {exc}") from exc
         except WorkerRefused as exc:
@@ -1130,7 +1268,8 @@ async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageL
                                          f"{model.name} ({detail})")
         async with open_peers(identity, config) as peers:
             service = StageService(peers, engine, report, digest, model.name, limits, draft_engine=drafter)
-            engine.on_down = service.on_worker_down
+            engine.on_down, engine.on_event = service.on_worker_down, service.on_engine_event
+            peers.handle_fast(service.door.accept)
             await nursery.start(service.run)
             peers.handle(STAGE_PROTOCOL, service.handle_stream)
             port = await peers.listen(*listen)

@@ -1,0 +1,444 @@
+"""The engine worker's fast path: a session's rows go worker to worker, not through the daemons.
+
+Measured on this machine kind (tools/bench_hop_floor.py, issue 16): a decode
+row through daemon, link, daemon and worker IPC cost 2.4-5.2 ms per hop, a
+sealed worker-to-worker hop 0.067 ms. So for a session that takes it, the
+workers carry the data plane themselves (``wire.fastlink``): the head runs
+the prompt and the ring's tokens, every stage runs what its upstream sends and
+writes the result to its downstream, the tail samples and sends the token
+around the ring to the head and, as an event, to its daemon (which streams it
+to the asker). The daemons stay the control plane: they admit the session,
+set its connections up, hand the sockets over (SCM_RIGHTS), end it and clear
+its KV.
+
+Everything a peer sends is checked here before the engine sees it, as the
+daemon's stage service checks it on the slow path, with the same typed
+errors: frame bounds and seal (wire.fastlink), the step's kind, position
+(the KV's end), the session's reserved positions, the row count, token ids
+in the vocabulary and finite rows. One session's bad input fails that session
+alone (an error event to the daemon); a connection's reads are bounded to one
+frame at a time and one held step per session, so a fast sender is held back
+by TCP, not by memory here. Writes never block the worker: what the kernel
+does not take waits, per connection, and that session runs no more steps
+until it has gone, so a downstream that stops reading stalls only its
+sessions.
+
+Continuous batching stays: each pass takes one ready step of every session
+that has one into one engine call (batch-invariant, so exact).
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshd.engine.engine import Context, EngineError, Model, Sampler
+from wire.errors import ErrorCode
+from wire.fastlink import ROWS, ROWS_IDS, TOKENS, Opener, Sealer, Step
+
+# What a connection reads at once: a decode row in one recv.
+_RECV_BYTES = 256 << 10
+# How often, at most, the worker tells its daemon what its fast batches did (the console's live figures)
+STATS_INTERVAL = 1.0
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+class SessionFailed(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LinkIn:
+    """The upstream's connection: one whole step at a time, held until the engine takes it."""
+
+    def __init__(self, sock: socket.socket, opener: Opener) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.opener = opener
+        self.step: Step | None = None
+        self.closed = False
+
+    def read(self) -> None:
+        """Reads until a step is whole (then holds it), the socket has no more, or it closed."""
+        while self.step is None and not self.closed:
+            try:
+                data = self.sock.recv(min(self.opener.wanted(), _RECV_BYTES))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.closed = True
+                return
+            if not data:
+                self.closed = True
+                return
+            self.step = self.opener.feed(data)
+
+
+class LinkOut:
+    """The downstream's connection: frames written as far as the kernel takes them, the rest kept."""
+
+    def __init__(self, sock: socket.socket, sealer: Sealer) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.sealer = sealer
+        self.pending = bytearray()
+        self.closed = False
+
+    def send(self, kind: int, pos: int, n: int, payload: bytes | memoryview) -> None:
+        if self.closed:
+            return
+        self.pending += self.sealer.seal(kind, pos, n, payload)
+        self.flush()
+
+    def flush(self) -> None:
+        while self.pending and not self.closed:
+            try:
+                sent = self.sock.send(self.pending)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                # the downstream went away: its stage (or the asker's failover) ends the session
+                self.closed = True
+                self.pending.clear()
+                return
+            del self.pending[:sent]
+
+
+@dataclass(eq=False)
+class FastSession:
+    seq: int
+    tag: int
+    # positions [0, max_pos) are the session's on this stage (the daemon reserved them)
+    max_pos: int
+    prompt_len: int
+    max_tokens: int
+    # how many stages after this one get the token ids with the rows; whether this one's rows bring them
+    carry: int = 0
+    gets_ids: bool = False
+    next_pos: int = 0
+    generated: int = 0
+    # the head: the prompt's ids still to run, in chunks
+    prompt: np.ndarray | None = None
+    chunk: int = 128
+    link_in: LinkIn | None = None
+    link_out: LinkOut | None = None
+    # the tail has sampled its last token, or the session failed: it runs nothing more
+    stopped: bool = False
+    failed: bool = False
+
+
+@dataclass
+class Work:
+    session: FastSession
+    pos: int
+    n: int
+    tokens: np.ndarray | None
+    hidden: np.ndarray | None
+
+
+@dataclass
+class FastPlane:
+    model: Model
+    ctx: Context
+    samplers: dict[int, Sampler]
+    selector: selectors.BaseSelector
+    emit: Emit
+    sessions: dict[int, FastSession] = field(default_factory=dict)
+    # what the fast batches did, as the stage service counts its own engine calls (StageMetrics)
+    stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("engine_calls", "rows", "decode_rows", "session_slots", "multi_session_calls", "max_sessions_per_call"), 0))
+    _stats_at: float = 0.0
+
+    # ----- the daemon's ops
+
+    def open(self, h: dict[str, Any]) -> None:
+        report = self.model.report
+        if report.has_input and report.has_output:
+            raise EngineError("the whole model is its own ring: no fast path")
+        seq = int(h["seq"])
+        if not 0 <= seq < self.ctx.n_seq_max:
+            raise EngineError(f"sequence {seq} outside [0, {self.ctx.n_seq_max})")
+        self.drop(seq)
+        s = FastSession(seq=seq, tag=int(h["tag"]), max_pos=int(h["max_pos"]), prompt_len=int(h["prompt_len"]),
+                        max_tokens=int(h.get("max_tokens", 0)), carry=int(h.get("carry", 0)),
+                        gets_ids=bool(h.get("gets_ids", False)), chunk=max(1, int(h.get("chunk", 128))))
+        if not 0 < s.max_pos <= self.ctx.n_ctx_seq:
+            raise EngineError(f"{s.max_pos} positions for a session, this context holds {self.ctx.n_ctx_seq}")
+        if report.has_input:
+            prompt = np.asarray(h["prompt"], dtype=np.int32)
+            if len(prompt) != s.prompt_len or len(prompt) > s.max_pos:
+                raise EngineError(f"a prompt of {len(prompt)} ids for {s.prompt_len} ({s.max_pos} positions)")
+            s.prompt = prompt
+        if report.has_output:
+            sampler = self.samplers.get(seq)
+            if sampler is None:
+                raise EngineError(f"no sampler {seq}")
+            for t in h.get("history", []):
+                sampler.accept(int(t))
+        self.sessions[seq] = s
+
+    def link(self, h: dict[str, Any], sock: socket.socket) -> None:
+        """A connection of the session, handed over by the daemon: from upstream, or to downstream."""
+        s = self.sessions.get(int(h["seq"]))
+        if s is None or s.tag != int(h["tag"]):
+            sock.close()
+            raise EngineError(f"no fast session {h['seq']} ({h['tag']})")
+        key = bytes(h["key"])
+        if h["out"]:
+            if s.link_out is not None:
+                sock.close()
+                raise EngineError("the session has its downstream connection")
+            s.link_out = LinkOut(sock, Sealer(key))
+        else:
+            if s.link_in is not None:
+                sock.close()
+                raise EngineError("the session has its upstream connection")
+            report = self.model.report
+            s.link_in = LinkIn(sock, Opener(key, report.stage_width, self.ctx.n_batch))
+            self.selector.register(sock, selectors.EVENT_READ, s)
+            self._read(s)
+
+    def end(self, h: dict[str, Any]) -> None:
+        """The daemon's word that the session takes no more steps (a stop string ended it)."""
+        s = self.sessions.get(int(h["seq"]))
+        if s is not None and s.tag == int(h["tag"]):
+            s.stopped = True
+
+    def drop(self, seq: int) -> None:
+        """Forgets the session and closes its connections (its KV is the daemon's to clear)."""
+        s = self.sessions.pop(seq, None)
+        if s is not None:
+            self._close(s)
+
+    # ----- the connections
+
+    def on_ready(self, s: FastSession, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            self._read(s)
+        if mask & selectors.EVENT_WRITE and s.link_out is not None:
+            s.link_out.flush()
+            self._watch_out(s)
+
+    def _read(self, s: FastSession) -> None:
+        link = s.link_in
+        if link is None:
+            return
+        try:
+            link.read()
+        except Exception as exc:
+            self._fail(s, getattr(exc, "code", ErrorCode.PAYLOAD_CORRUPT), getattr(exc, "message", str(exc)))
+            return
+        if link.closed and link.step is None:
+            # the upstream ended (its stage finished or failed, and says so itself): quietly done here
+            self._unwatch(link.sock)
+            link.sock.close()
+            s.link_in = None
+        elif link.step is not None:
+            # one step held: nothing more is read until the engine takes it
+            self._unwatch(link.sock)
+
+    def _watch_out(self, s: FastSession) -> None:
+        out = s.link_out
+        if out is None:
+            return
+        registered = out.sock in self.selector.get_map() if out.sock.fileno() >= 0 else False
+        if out.pending and not out.closed:
+            if not registered:
+                self.selector.register(out.sock, selectors.EVENT_WRITE, s)
+        elif registered:
+            self.selector.unregister(out.sock)
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        try:
+            self.selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _close(self, s: FastSession) -> None:
+        for link in (s.link_in, s.link_out):
+            if link is not None:
+                self._unwatch(link.sock)
+                link.sock.close()
+        s.link_in = s.link_out = None
+
+    def _fail(self, s: FastSession, code: ErrorCode, message: str) -> None:
+        if not s.failed:
+            s.failed = s.stopped = True
+            self.emit({"ev": "error", "seq": s.seq, "tag": s.tag, "code": code.value, "message": message})
+        self._close(s)
+
+    # ----- work
+
+    def ready(self) -> bool:
+        return any(self._next(s, peek=True) is not None for s in self.sessions.values())
+
+    def _next(self, s: FastSession, peek: bool = False) -> Work | None:
+        """The session's next step, if one is ready and its output has somewhere to go now."""
+        report = self.model.report
+        if s.stopped or (not report.has_output and (s.link_out is None or s.link_out.pending)):
+            return None
+        if s.prompt is not None and report.has_input:
+            n = min(s.chunk, len(s.prompt) - s.next_pos)
+            if peek:
+                return Work(s, s.next_pos, n, None, None)
+            tokens = s.prompt[s.next_pos:s.next_pos + n]
+            if s.next_pos + n >= len(s.prompt):
+                s.prompt = None
+            return Work(s, s.next_pos, n, tokens, None)
+        link = s.link_in
+        if link is None or link.step is None:
+            return None
+        if peek:
+            return Work(s, link.step.pos, link.step.n, None, None)
+        step, link.step = link.step, None
+        try:
+            work = self._checked(s, step)
+        except SessionFailed as exc:
+            self._fail(s, exc.code, str(exc))
+            return None
+        # room for the next step: read on
+        self.selector.register(link.sock, selectors.EVENT_READ, s)
+        self._read(s)
+        return work
+
+    def _checked(self, s: FastSession, step: Step) -> Work:
+        """The checks the stage service runs on an activation, with its typed errors."""
+        report = self.model.report
+        if step.pos != s.next_pos:
+            raise SessionFailed(ErrorCode.CACHE_MISS, f"activation at position {step.pos}, this stage holds "
+                                                      f"positions up to {s.next_pos}")
+        if step.pos + step.n > s.max_pos:
+            raise SessionFailed(ErrorCode.OVERLOADED, f"session needs {step.pos + step.n} tokens, this stage "
+                                                      f"holds {s.max_pos} for it")
+        if report.has_input:
+            if step.kind != TOKENS or step.n != 1:
+                raise SessionFailed(ErrorCode.BAD_REQUEST, "the head takes one token id a step from the ring")
+        elif step.kind != (ROWS_IDS if s.gets_ids else ROWS):
+            raise SessionFailed(ErrorCode.BAD_REQUEST, "token ids on rows of a session that sends this stage none"
+                                if step.kind != ROWS else "the session sends this stage the token ids: the "
+                                                          "activation must carry the token ids")
+        tokens = np.frombuffer(step.ids, dtype=np.int32) if step.ids else None
+        if tokens is not None:
+            bad = next((int(t) for t in tokens if not 0 <= t < report.n_vocab), None)
+            if bad is not None:
+                raise SessionFailed(ErrorCode.BAD_REQUEST, f"token id {bad} is outside the vocabulary "
+                                                           f"[0, {report.n_vocab})")
+        hidden = None
+        if step.kind != TOKENS:
+            hidden = np.frombuffer(step.rows, dtype=np.float32).reshape(step.n, report.stage_width)
+            if not np.isfinite(hidden).all():
+                raise SessionFailed(ErrorCode.PAYLOAD_CORRUPT, "hidden states hold NaN or infinity")
+        return Work(s, step.pos, step.n, tokens, hidden)
+
+    def run(self) -> None:
+        """One engine call for one ready step of every session that has one (up to n_batch rows)."""
+        batch: list[Work] = []
+        rows = 0
+        for s in list(self.sessions.values()):
+            peeked = self._next(s, peek=True)
+            if peeked is None or rows + peeked.n > self.ctx.n_batch and batch:
+                continue
+            work = self._next(s)
+            if work is not None:
+                s.next_pos = work.pos + work.n
+                batch.append(work)
+                rows += work.n
+        if batch:
+            self._run(batch)
+            self._count(batch)
+
+    def _count(self, batch: list[Work]) -> None:
+        st = self.stats
+        st["engine_calls"] += 1
+        st["rows"] += sum(w.n for w in batch)
+        st["decode_rows"] += sum(w.n for w in batch if w.pos >= w.session.prompt_len)
+        st["session_slots"] += len(batch)
+        st["multi_session_calls"] += len(batch) > 1
+        st["max_sessions_per_call"] = max(st["max_sessions_per_call"], len(batch))
+        now = time.monotonic()
+        if now - self._stats_at >= STATS_INTERVAL:
+            self._stats_at = now
+            self.emit({"ev": "stats", "stats": st})
+
+    def _run(self, batch: list[Work]) -> None:
+        report = self.model.report
+        seq = np.concatenate([np.full(w.n, w.session.seq, dtype=np.int32) for w in batch])
+        pos = np.concatenate([np.arange(w.pos, w.pos + w.n, dtype=np.int32) for w in batch])
+        ids = [w.tokens for w in batch if w.tokens is not None]
+        tokens = np.concatenate(ids) if ids and (report.has_input or report.needs_tokens) else None
+        hidden = None if report.has_input else np.concatenate([w.hidden for w in batch if w.hidden is not None])
+        want = None
+        if report.has_output:
+            want = np.zeros(len(pos), dtype=bool)
+            row = 0
+            for w in batch:
+                row += w.n
+                # prompt chunks before the last leave only their KV
+                want[row - 1] = self._samples(w)
+        try:
+            out = self.ctx.forward(seq, pos, tokens=tokens, hidden=hidden, want_output=want)
+        except EngineError as exc:
+            if len(batch) > 1:
+                # one session's input the engine refused: run each alone, so only it fails
+                for w in batch:
+                    if not w.session.failed:
+                        self._run([w])
+                return
+            self._fail(batch[0].session, ErrorCode.BAD_REQUEST, f"the engine refused: {exc}")
+            return
+        if report.has_output:
+            self._sample(batch, out)
+        else:
+            self._send_rows(batch, out)
+
+    def _send_rows(self, batch: list[Work], out: np.ndarray) -> None:
+        row = 0
+        for w in batch:
+            s = w.session
+            rows = out[row:row + w.n]
+            row += w.n
+            if s.failed or s.link_out is None:
+                continue
+            if s.carry and w.tokens is not None:
+                s.link_out.send(ROWS_IDS, w.pos, w.n, rows.tobytes() + np.asarray(w.tokens, np.int32).tobytes())
+            else:
+                s.link_out.send(ROWS, w.pos, w.n, rows.data.cast("B"))
+            self._watch_out(s)
+
+    def _samples(self, w: Work) -> bool:
+        return w.pos + w.n >= w.session.prompt_len
+
+    def _sample(self, batch: list[Work], logits: np.ndarray) -> None:
+        k = 0
+        for w in batch:
+            if not self._samples(w):
+                continue
+            row = logits[k]
+            k += 1
+            s = w.session
+            if s.failed:
+                continue
+            sampler = self.samplers.get(s.seq)
+            if sampler is None:
+                self._fail(s, ErrorCode.INTERNAL, "the session's sampler is gone")
+                continue
+            token = sampler.sample(row)
+            eog = self.model.is_eog(token)
+            if not eog:
+                s.generated += 1
+            # as the stage books decide (StageBooks.emit): the end of generation, or the last token asked for
+            if eog or s.generated >= s.max_tokens:
+                s.stopped = True
+            self.emit({"ev": "token", "seq": s.seq, "tag": s.tag, "token": token, "eog": eog,
+                       "piece": self.model.token_piece(token)})
+            if not s.stopped and s.link_out is not None:
+                s.link_out.send(TOKENS, w.pos + w.n, 1, np.asarray([token], dtype=np.int32).tobytes())
+                self._watch_out(s)

@@ -1,0 +1,73 @@
+"""Fast-path connections (``wire.fastlink``): dialled and accepted by daemons, then handed to workers.
+
+The upstream daemon dials the downstream's listening address (the one its
+Noise link takes, so an emulated or real network hop lies on it too), sends
+the preamble with the session's single-use token, waits for ``ACCEPTED`` and
+returns a plain blocking socket of its own for the worker. The downstream's
+listener (``Peers``) tells the preamble from a WebSocket upgrade by peeking at
+the first bytes, under the same pre-auth admission and deadline as any
+inbound connection, and gives the token and connection to the handler the
+stage service registered (``Peers.handle_fast``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from wire.errors import ErrorCode, ProtocolError
+from wire.fastlink import ACCEPTED, MAGIC, PREAMBLE_BYTES, preamble, read_preamble
+
+# (token, the connection past its preamble) -> whether the token was taken (then the handler has
+# answered ACCEPTED and taken its own copy of the socket)
+FastHandler = Callable[[bytes, trio.SocketStream], Awaitable[bool]]
+
+# how long to wait between two peeks at a connection whose first bytes are a part of MAGIC
+_PEEK_AGAIN = 0.005
+
+
+async def is_fast(stream: trio.SocketStream) -> bool:
+    """Whether the connection starts with a fast-link preamble (peeked, so nothing is consumed)."""
+    while True:
+        head = await stream.socket.recv(len(MAGIC), socket.MSG_PEEK)
+        if len(head) == len(MAGIC) or not head or not MAGIC.startswith(head):
+            return head == MAGIC
+        await trio.sleep(_PEEK_AGAIN)
+
+
+async def read_token(stream: trio.SocketStream) -> bytes:
+    """The preamble's token, read exactly (nothing past it)."""
+    data = b""
+    while len(data) < PREAMBLE_BYTES:
+        chunk = await stream.socket.recv(PREAMBLE_BYTES - len(data))
+        if not chunk:
+            raise ValueError("the connection closed inside its preamble")
+        data += chunk
+    return read_preamble(data)
+
+
+def detach(stream: trio.SocketStream) -> socket.socket:
+    """A blocking socket of the caller's own on the connection (the stream may then be closed)."""
+    sock = socket.socket(fileno=os.dup(stream.socket.fileno()))
+    sock.setblocking(True)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+async def dial_fast(host: str, port: int, token: bytes, timeout: float) -> socket.socket:
+    """A fast-path connection to ``host:port`` for ``token``, accepted by the far daemon."""
+    try:
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                await stream.send_all(preamble(token))
+                answer = await stream.receive_some(len(ACCEPTED))
+                if answer != ACCEPTED:
+                    raise ProtocolError(ErrorCode.UNREACHABLE, f"{host}:{port} refused the fast-path connection")
+                return detach(stream)
+    except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+        raise ProtocolError(ErrorCode.UNREACHABLE, f"no fast-path connection to {host}:{port}: "
+                                                   f"{exc or 'timed out'}") from None
