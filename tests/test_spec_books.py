@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from meshd.engine.draft import DraftLength, DraftModelKV, NgramDrafter
 from meshd.stage.books import StageBooks, StageLimits
-from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
 from wire.errors import ErrorCode, ProtocolError
 from wire.tensors import MAX_DRAFT, Activation
 

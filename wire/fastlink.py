@@ -20,10 +20,12 @@ of the data path:
   per connection, so a replayed, dropped, reordered or altered frame fails to
   open, and the connection's session fails with PAYLOAD_CORRUPT.
 
-A step is ``STEP`` (kind, position, rows) and its payload: float32 rows of
-the stage width (``ROWS``), the same followed by the rows' token ids for a
-stage whose layers route by them (``ROWS_IDS``), or token ids (``TOKENS``:
-the ring). Every length is checked before a byte of the frame is buffered.
+A step is ``STEP`` (kind, position, rows, drafted rows) and its payload:
+float32 rows of the stage width (``ROWS``), the same followed by the rows'
+token ids for a stage whose layers route by them (``ROWS_IDS``), or token ids
+(``TOKENS``: the ring). Its last ``drafts`` rows are speculative (drafted
+tokens and what they became). Every length is checked before a byte of the
+frame is buffered.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from wire.errors import ErrorCode, ProtocolError
+from wire.tensors import MAX_DRAFT
 
 MAGIC = b"MESHFST1"
 TOKEN_BYTES = 16
@@ -47,7 +50,7 @@ ROWS_IDS = 2
 TOKENS = 3
 KINDS = (ROWS, ROWS_IDS, TOKENS)
 
-STEP = struct.Struct(">BII")
+STEP = struct.Struct(">BIIB")
 LENGTH = struct.Struct(">I")
 TAG_BYTES = 16
 
@@ -82,8 +85,8 @@ class Sealer:
         self._aead = ChaCha20Poly1305(key)
         self._sent = 0
 
-    def seal(self, kind: int, pos: int, n: int, payload: bytes | memoryview) -> bytes:
-        sealed = self._aead.encrypt(_nonce(self._sent), STEP.pack(kind, pos, n) + bytes(payload), None)
+    def seal(self, kind: int, pos: int, n: int, payload: bytes | memoryview, drafts: int = 0) -> bytes:
+        sealed = self._aead.encrypt(_nonce(self._sent), STEP.pack(kind, pos, n, drafts) + bytes(payload), None)
         self._sent += 1
         return LENGTH.pack(len(sealed)) + sealed
 
@@ -93,6 +96,8 @@ class Step:
     kind: int
     pos: int
     n: int
+    # the last ``drafts`` rows are speculative
+    drafts: int
     # float32 rows (ROWS, ROWS_IDS) or nothing (TOKENS)
     rows: bytes
     # int32 token ids (TOKENS, ROWS_IDS) or nothing (ROWS)
@@ -147,14 +152,16 @@ class Opener:
         return self._step(plain)
 
     def _step(self, plain: bytes) -> Step:
-        kind, pos, n = STEP.unpack_from(plain)
+        kind, pos, n, drafts = STEP.unpack_from(plain)
         body = plain[STEP.size:]
         if kind not in KINDS:
             raise _corrupt(f"unknown step kind {kind}")
         if not 1 <= n <= self.max_rows:
             raise _corrupt(f"a step of {n} rows (1..{self.max_rows})")
+        if drafts >= n or drafts > MAX_DRAFT:
+            raise _corrupt(f"{drafts} drafted rows of {n} (at most {MAX_DRAFT}, and fewer than the rows)")
         rows = n * self.width * 4 if kind != TOKENS else 0
         ids = n * 4 if kind != ROWS else 0
         if len(body) != rows + ids:
             raise _corrupt(f"a step of {n} rows with {len(body)} bytes, not {rows + ids}")
-        return Step(kind, pos, n, body[:rows], body[rows:])
+        return Step(kind, pos, n, drafts, body[:rows], body[rows:])

@@ -354,8 +354,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
 
 def fast_path(route: Sequence[Stage], request: AskRequest, receipts: bool) -> bool:
     """Whether a session takes the fast path: asked for, a split route of direct hops (a relay
-    circuit's frames go through the relay's daemon), f32 rows, no receipts and no speculation."""
-    return (request.fast and len(route) > 1 and not receipts and request.speculate == "off"
+    circuit's frames go through the relay's daemon), f32 rows, no receipts and no draft model."""
+    return (request.fast and len(route) > 1 and not receipts and request.speculate != "model"
             and (request.wire_dtype, request.wire_codec) == ("f32", "raw")
             and not any(CIRCUIT_MARK in s.address for s in route))
 

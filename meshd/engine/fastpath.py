@@ -25,6 +25,14 @@ sessions.
 
 Continuous batching stays: each pass takes one ready step of every session
 that has one into one engine call (batch-invariant, so exact).
+
+Speculation (prompt lookup) rides the same ring: the tail drafts after the
+token it sends, the head runs token and drafts in one step, every stage passes
+the count of drafted rows on, the tail samples the drafted rows in order and
+stops at the first pick that is not the draft (so its sampler draws what it
+would without drafts), and the next step starts where the drafts went wrong:
+every stage drops the KV from there on first. Greedy and seeded answers are
+the ones without speculation.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from meshd.engine.draft import DraftLength, NgramDrafter
 from meshd.engine.engine import Context, EngineError, Model, Sampler
 from wire.errors import ErrorCode
 from wire.fastlink import ROWS, ROWS_IDS, TOKENS, Opener, Sealer, Step
@@ -92,10 +101,10 @@ class LinkOut:
         self.pending = bytearray()
         self.closed = False
 
-    def send(self, kind: int, pos: int, n: int, payload: bytes | memoryview) -> None:
+    def send(self, kind: int, pos: int, n: int, payload: bytes | memoryview, drafts: int = 0) -> None:
         if self.closed:
             return
-        self.pending += self.sealer.seal(kind, pos, n, payload)
+        self.pending += self.sealer.seal(kind, pos, n, payload, drafts)
         self.flush()
 
     def flush(self) -> None:
@@ -133,6 +142,14 @@ class FastSession:
     # the tail has sampled its last token, or the session failed: it runs nothing more
     stopped: bool = False
     failed: bool = False
+    # speculation: positions [draft_from, next_pos) hold drafted rows not yet verified (None: none do);
+    # at the tail, the drafter, k and the drafts in flight
+    draft_from: int | None = None
+    drafter: NgramDrafter | None = None
+    length: DraftLength | None = None
+    drafts: list[int] = field(default_factory=list)
+    # the tail: where the token it last sent around the ring sits (its step comes back from there)
+    sent_pos: int | None = None
 
 
 @dataclass
@@ -142,6 +159,7 @@ class Work:
     n: int
     tokens: np.ndarray | None
     hidden: np.ndarray | None
+    drafts: int = 0
 
 
 @dataclass
@@ -181,8 +199,12 @@ class FastPlane:
             sampler = self.samplers.get(seq)
             if sampler is None:
                 raise EngineError(f"no sampler {seq}")
-            for t in h.get("history", []):
-                sampler.accept(int(t))
+            history = [int(t) for t in h.get("history") or []]
+            for t in history:
+                sampler.accept(t)
+            if h.get("max_draft"):
+                s.drafter, s.length = NgramDrafter(), DraftLength(int(h["max_draft"]))
+                s.drafter.extend(history)
         self.sessions[seq] = s
 
     def link(self, h: dict[str, Any], sock: socket.socket) -> None:
@@ -297,7 +319,7 @@ class FastPlane:
         if link is None or link.step is None:
             return None
         if peek:
-            return Work(s, link.step.pos, link.step.n, None, None)
+            return Work(s, link.step.pos, link.step.n, None, None, link.step.drafts)
         step, link.step = link.step, None
         try:
             work = self._checked(s, step)
@@ -312,15 +334,25 @@ class FastPlane:
     def _checked(self, s: FastSession, step: Step) -> Work:
         """The checks the stage service runs on an activation, with its typed errors."""
         report = self.model.report
-        if step.pos != s.next_pos:
+        rewinds = s.draft_from is not None and s.draft_from <= step.pos < s.next_pos
+        if step.pos != s.next_pos and not rewinds:
             raise SessionFailed(ErrorCode.CACHE_MISS, f"activation at position {step.pos}, this stage holds "
                                                       f"positions up to {s.next_pos}")
         if step.pos + step.n > s.max_pos:
             raise SessionFailed(ErrorCode.OVERLOADED, f"session needs {step.pos + step.n} tokens, this stage "
                                                       f"holds {s.max_pos} for it")
+        if step.drafts and step.pos < s.prompt_len:
+            raise SessionFailed(ErrorCode.BAD_REQUEST, f"{step.drafts} drafted rows of {step.n} at position "
+                                                       f"{step.pos}: drafts follow a verified row, after the prompt")
+        if report.has_output and s.sent_pos is not None and (step.pos, step.n, step.drafts) != (
+                s.sent_pos, len(s.drafts) + 1, len(s.drafts)):
+            raise SessionFailed(ErrorCode.BAD_REQUEST, f"a step of {step.n} rows ({step.drafts} drafted) at "
+                                                       f"{step.pos}: the ring's token went at {s.sent_pos}, with "
+                                                       f"{len(s.drafts)} drafts")
         if report.has_input:
-            if step.kind != TOKENS or step.n != 1:
-                raise SessionFailed(ErrorCode.BAD_REQUEST, "the head takes one token id a step from the ring")
+            if step.kind != TOKENS or step.n != step.drafts + 1:
+                raise SessionFailed(ErrorCode.BAD_REQUEST, "the head takes a token id and its drafts a step "
+                                                           "from the ring")
         elif step.kind != (ROWS_IDS if s.gets_ids else ROWS):
             raise SessionFailed(ErrorCode.BAD_REQUEST, "token ids on rows of a session that sends this stage none"
                                 if step.kind != ROWS else "the session sends this stage the token ids: the "
@@ -336,7 +368,11 @@ class FastPlane:
             hidden = np.frombuffer(step.rows, dtype=np.float32).reshape(step.n, report.stage_width)
             if not np.isfinite(hidden).all():
                 raise SessionFailed(ErrorCode.PAYLOAD_CORRUPT, "hidden states hold NaN or infinity")
-        return Work(s, step.pos, step.n, tokens, hidden)
+        if rewinds:
+            # the drafts from here on were rejected: their KV goes before these rows take its place
+            self.ctx.remove(s.seq, step.pos, -1)
+        s.draft_from = step.pos + step.n - step.drafts if step.drafts else None
+        return Work(s, step.pos, step.n, tokens, hidden, step.drafts)
 
     def run(self) -> None:
         """One engine call for one ready step of every session that has one (up to n_batch rows)."""
@@ -381,8 +417,8 @@ class FastPlane:
             row = 0
             for w in batch:
                 row += w.n
-                # prompt chunks before the last leave only their KV
-                want[row - 1] = self._samples(w)
+                # the last row, and one per draft before it; prompt chunks before the last leave only KV
+                want[row - self._sampled_rows(w):row] = True
         try:
             out = self.ctx.forward(seq, pos, tokens=tokens, hidden=hidden, want_output=want)
         except EngineError as exc:
@@ -408,37 +444,68 @@ class FastPlane:
             if s.failed or s.link_out is None:
                 continue
             if s.carry and w.tokens is not None:
-                s.link_out.send(ROWS_IDS, w.pos, w.n, rows.tobytes() + np.asarray(w.tokens, np.int32).tobytes())
+                s.link_out.send(ROWS_IDS, w.pos, w.n, rows.tobytes() + np.asarray(w.tokens, np.int32).tobytes(),
+                                w.drafts)
             else:
-                s.link_out.send(ROWS, w.pos, w.n, rows.data.cast("B"))
+                s.link_out.send(ROWS, w.pos, w.n, rows.data.cast("B"), w.drafts)
             self._watch_out(s)
 
-    def _samples(self, w: Work) -> bool:
-        return w.pos + w.n >= w.session.prompt_len
+    @staticmethod
+    def _sampled_rows(w: Work) -> int:
+        """How many of the step's last rows the tail samples (StageBooks.sampled_rows)."""
+        return w.drafts + 1 if w.pos + w.n >= w.session.prompt_len else 0
 
     def _sample(self, batch: list[Work], logits: np.ndarray) -> None:
         k = 0
         for w in batch:
-            if not self._samples(w):
-                continue
-            row = logits[k]
-            k += 1
+            rows = logits[k:k + self._sampled_rows(w)]
+            k += len(rows)
             s = w.session
-            if s.failed:
-                continue
-            sampler = self.samplers.get(s.seq)
-            if sampler is None:
-                self._fail(s, ErrorCode.INTERNAL, "the session's sampler is gone")
-                continue
-            token = sampler.sample(row)
+            if len(rows) and not s.failed:
+                self._verify(s, w, rows)
+
+    def _verify(self, s: FastSession, w: Work, rows: np.ndarray) -> None:
+        """Samples the step's rows in order, stopping at the first pick that is not the draft after it
+        (the sampler then drew exactly what it would have without drafts); emits the picks the drafts
+        agree with and the one after them, then sends the last around the ring, with new drafts."""
+        sampler = self.samplers.get(s.seq)
+        if sampler is None:
+            self._fail(s, ErrorCode.INTERNAL, "the session's sampler is gone")
+            return
+        drafts, s.drafts = s.drafts[:w.drafts], []
+        picks: list[int] = []
+        for i, row in enumerate(rows):
+            picks.append(sampler.sample(row))
+            if i >= len(drafts) or picks[-1] != drafts[i]:
+                break
+        accepted = len(picks) - 1
+        if w.drafts and s.length is not None:
+            s.length.record(w.drafts, accepted)
+        for token in picks:
             eog = self.model.is_eog(token)
             if not eog:
                 s.generated += 1
+                if s.drafter is not None:
+                    s.drafter.extend([token])
             # as the stage books decide (StageBooks.emit): the end of generation, or the last token asked for
             if eog or s.generated >= s.max_tokens:
                 s.stopped = True
-            self.emit({"ev": "token", "seq": s.seq, "tag": s.tag, "token": token, "eog": eog,
-                       "piece": self.model.token_piece(token)})
-            if not s.stopped and s.link_out is not None:
-                s.link_out.send(TOKENS, w.pos + w.n, 1, np.asarray([token], dtype=np.int32).tobytes())
-                self._watch_out(s)
+            event: dict[str, Any] = {"ev": "token", "seq": s.seq, "tag": s.tag, "token": token, "eog": eog,
+                                     "piece": self.model.token_piece(token)}
+            if s.length is not None:
+                event |= {"drafted": s.length.drafted, "accepted": s.length.accepted}
+            self.emit(event)
+            if s.stopped:
+                return
+        if s.link_out is None:
+            return
+        # the last pick goes at the first position the drafts did not get right
+        pos = w.pos + w.n - w.drafts + accepted
+        if s.drafter is not None and s.length is not None:
+            # drafts never run past the session's positions or its last token
+            room = min(s.max_pos - pos, s.max_tokens - s.generated) - 1
+            s.drafts = s.drafter.draft(max(0, min(s.length.next_k(), room)))
+        ids = np.asarray([picks[-1], *s.drafts], dtype=np.int32)
+        s.sent_pos = pos
+        s.link_out.send(TOKENS, pos, len(ids), ids.tobytes(), len(s.drafts))
+        self._watch_out(s)

@@ -57,17 +57,35 @@ def detach(stream: trio.SocketStream) -> socket.socket:
     return sock
 
 
-async def dial_fast(host: str, port: int, token: bytes, timeout: float) -> socket.socket:
-    """A fast-path connection to ``host:port`` for ``token``, accepted by the far daemon."""
+async def dial_fast(host: str, port: int, token: bytes, timeout: float) -> trio.SocketStream:
+    """A connection to ``host:port`` that has sent the preamble for ``token``.
+
+    Its worker may write at once (the far daemon hands the connection on with what
+    came after the preamble); ``accepted`` says whether the far daemon took it.
+    """
     try:
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, port)
-            async with stream:
+            try:
                 await stream.send_all(preamble(token))
-                answer = await stream.receive_some(len(ACCEPTED))
-                if answer != ACCEPTED:
-                    raise ProtocolError(ErrorCode.UNREACHABLE, f"{host}:{port} refused the fast-path connection")
-                return detach(stream)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+            return stream
     except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-        raise ProtocolError(ErrorCode.UNREACHABLE, f"no fast-path connection to {host}:{port}: "
-                                                   f"{exc or 'timed out'}") from None
+        raise _unreachable(host, port, exc) from None
+
+
+async def accepted(stream: trio.SocketStream, host: str, port: int, timeout: float) -> None:
+    """Returns once the far daemon has answered ACCEPTED; UNREACHABLE if it refused or never did."""
+    try:
+        with trio.fail_after(timeout):
+            answer = await stream.receive_some(len(ACCEPTED))
+    except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+        raise _unreachable(host, port, exc) from None
+    if answer != ACCEPTED:
+        raise ProtocolError(ErrorCode.UNREACHABLE, f"{host}:{port} refused the fast-path connection")
+
+
+def _unreachable(host: str, port: int, exc: BaseException) -> ProtocolError:
+    return ProtocolError(ErrorCode.UNREACHABLE, f"no fast-path connection to {host}:{port}: {exc or 'timed out'}")

@@ -29,15 +29,15 @@ from urllib.parse import urlsplit
 import numpy as np
 import trio
 
+from meshd.engine.draft import DraftLength, DraftModelKV, NgramDrafter
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec
 from meshd.mesh.models import ModelNotFound
 from meshd.mesh.records import host_of
-from meshd.net.fastconn import dial_fast
+from meshd.net.fastconn import accepted, detach, dial_fast
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers, split_address
 from meshd.stage.books import LIVE, SessionBook, StageBooks, StageLimits, Work
-from meshd.stage.draft import DraftLength, DraftModelKV, NgramDrafter
 from meshd.stage.fast import FastDoor, new_offer
 from meshd.stage.outlet import Outlet
 from meshd.stage.receipts import SessionReceipts, Signer
@@ -319,10 +319,10 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts sign one step at a time: not with speculation")
         if msg.check and not msg.receipts:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a check session is there for its receipts")
-        if msg.fast and (msg.receipts or msg.speculate != "off" or (msg.wire_dtype, msg.wire_codec) != ("f32", "raw")
+        if msg.fast and (msg.receipts or msg.speculate == "model" or (msg.wire_dtype, msg.wire_codec) != ("f32", "raw")
                          or r.has_input and r.has_output):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the fast path carries f32 rows of a split route, without "
-                                                       "receipts or speculation")
+                                                       "receipts or a draft model")
         if msg.model_digest is not None and msg.model_digest != self.digest:
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"this stage serves model {self.digest[:16]}, "
                                                           f"not {msg.model_digest[:16]}")
@@ -577,14 +577,19 @@ class StageService:
                 await outlet.run(hop_stream)
                 return
             host, port = split_address(target.address)
-            sock = await dial_fast(host, port, offer.token, self.limits.hop_timeout)
-            try:
+            conn = await dial_fast(host, port, offer.token, self.limits.hop_timeout)
+            async with conn:
                 with trio.fail_after(self.limits.hop_timeout):
                     await session.fast_opened.wait()
-                await self._engine_call({"op": "fast_link", "seq": book.slot, "tag": session.fast_tag, "out": True,
-                                         "key": offer.key}, fds=(sock.fileno(),))
-            finally:
-                sock.close()
+                # the worker writes at once: the far daemon hands on what came after the preamble
+                # with the connection, so its answer costs the session no round trip
+                sock = detach(conn)
+                try:
+                    await self._engine_call({"op": "fast_link", "seq": book.slot, "tag": session.fast_tag,
+                                             "out": True, "key": offer.key}, fds=(sock.fileno(),))
+                finally:
+                    sock.close()
+                await accepted(conn, host, port, self.limits.hop_timeout)
             # the rows go on the fast connection; the stream ends when the next stage lets the session go
             msg = await hop_stream.receive_message()
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a fast hop stream")
@@ -655,7 +660,8 @@ class StageService:
         await self._engine_call({"op": "fast_open", "seq": book.slot, "tag": session.fast_tag,
                                  "max_pos": book.next_pos, "prompt_len": prompt_len, "max_tokens": book.max_tokens,
                                  "carry": session.carry, "gets_ids": session.gets_ids, "prompt": prompt,
-                                 "history": history, "chunk": self.limits.prefill_chunk})
+                                 "history": history, "chunk": self.limits.prefill_chunk,
+                                 "max_draft": session.open.max_draft if session.open.speculate == "ngram" else 0})
         session.fast_opened.set()
 
     async def _serve_fast_hop(self, stream: Stream, session: Session, hop: Hop) -> None:
@@ -698,6 +704,9 @@ class StageService:
             code = ErrorCode(event["code"]) if event.get("code") in ErrorCode.__members__ else ErrorCode.INTERNAL
             self._fail(session, ProtocolError(code, str(event.get("message"))))
         elif event.get("ev") == "token":
+            if session.draft_length is not None and "drafted" in event:
+                # the worker drafts and verifies; Done reports its counts
+                session.draft_length.drafted, session.draft_length.accepted = event["drafted"], event["accepted"]
             if not self._emit(session, int(event["token"]), bool(event["eog"]), bytes(event["piece"]),
                               trio.current_time()) and not session.fast_ended:
                 # the books ended it (a stop string): the worker stops too
