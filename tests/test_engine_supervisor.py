@@ -369,7 +369,7 @@ def blocking_frames(sock: socket.socket, n: int) -> list[dict[str, Any]]:
 
 
 OPS = ["ping", "forward", "remove", "sampler_new", "sampler_free", "tokenize", "detokenize", "fast_open", "fast_link",
-       "fast_end", "fast_stats", "nope"]
+       "fast_end", "fast_stats", "fast_state", "nope"]
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
     | st.binary(max_size=64),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,8 +106,9 @@ async def test_a_middle_stage_gets_rows_only_and_the_answers_stay_the_whole_mode
             want_rewrite = (await ask(peers, [whole], AskRequest(messages=rewrite.messages, max_tokens=24))).tokens
         async with stages(default_model, [(0, 10), (10, 20), (20, 30)]) as nodes:
             observer = ObserverStage(nodes[1].service)
-            got_penalised = await ask(peers, nodes, penalised)
-            got_rewrite = await ask(peers, nodes, rewrite)
+            # the daemons' path: every message the middle stage gets is seen
+            got_penalised = await ask(peers, nodes, replace(penalised, fast=False))
+            got_rewrite = await ask(peers, nodes, replace(rewrite, fast=False))
 
             # the middle stage served both answers from rows alone: no id, no prompt text reached it
             activations = observer.of(Activation)
@@ -117,6 +119,15 @@ async def test_a_middle_stage_gets_rows_only_and_the_answers_stay_the_whole_mode
             assert not observer.of(PromptTokens)
             for opened in observer.of(Open):
                 assert "colours" not in opened.model_dump_json() and "lighthouse" not in opened.model_dump_json()
+            # the fast path: the rows reach the middle's worker without its daemon, which sees no
+            # activation; its Hop says no ids come (its worker refuses rows that carry any)
+            seen = len(observer.of(Hop))
+            fast_penalised = await ask(peers, nodes, penalised)
+            fast_rewrite = await ask(peers, nodes, rewrite)
+            assert len(observer.of(Activation)) == len(activations) and not observer.of(PromptTokens)
+            fast_hops = observer.of(Hop)[seen:]
+            assert len(fast_hops) == 2 and all(h.fast is not None and h.carry_tokens == 0  # type: ignore[attr-defined]
+                                               for h in fast_hops)
 
             # a stage the session sends no ids refuses rows with them; the middle takes no prompt ids
             width = nodes[1].service.report.stage_width  # every stage of a split takes the residual
@@ -136,7 +147,7 @@ async def test_a_middle_stage_gets_rows_only_and_the_answers_stay_the_whole_mode
 
             # and the route still answers the same after the strangers
             again = await ask(peers, nodes, penalised)
-    assert got_penalised.tokens == want_penalised == again.tokens
-    assert got_rewrite.tokens == want_rewrite
+    assert got_penalised.tokens == want_penalised == again.tokens == fast_penalised.tokens
+    assert got_rewrite.tokens == want_rewrite == fast_rewrite.tokens
     # prompt lookup drafted from the prompt's ids, which only the asker gave the tail
     assert got_rewrite.accepted > 0

@@ -2,7 +2,8 @@
 
 Three stages in this process (each with its own engine worker) serve the
 default model and a tiny random one; every answer with ``speculate="ngram"``
-must equal the answer without it, token for token.
+must equal the answer without it, token for token, on the fast path (the
+workers draft, verify and roll back themselves) and through the daemons.
 """
 
 from __future__ import annotations
@@ -55,18 +56,34 @@ async def peers() -> AsyncIterator[Peers]:
         yield p
 
 
-def rewinds(nodes: Sequence[StageNode]) -> list[float]:
-    return [n.service.metric_values()["draft_rewinds"] for n in nodes]
+# the fast path, and the daemons' path
+PATHS = pytest.mark.parametrize("fast", [True, False], ids=["fast", "daemons"])
+
+
+async def rewinds(nodes: Sequence[StageNode]) -> list[float]:
+    """Rejected drafts each stage dropped: in its books, and (the fast path) in its worker's counts."""
+    counts = []
+    for n in nodes:
+        reply, _ = await n.engine.call({"op": "fast_stats"})
+        counts.append(n.service.books.counts.rewinds + reply["stats"]["draft_rewinds"])
+    return counts
 
 
 async def kv_matches_the_books(nodes: Sequence[StageNode], committed: int) -> None:
-    """Every stage holds exactly the positions its books say, and all verified ones are ``committed``."""
+    """Every stage holds exactly the positions its books say (a fast session's: its worker's), and all
+    verified ones are ``committed``."""
     for node in nodes:
         (book,) = node.service.sessions.values()
         reply, _ = await node.engine.call({"op": "seq_pos_max", "seq": book.slot})
-        assert reply["pos_max"] + 1 == book.next_pos
-        verified = book.next_pos if book.draft_from is None else book.draft_from
-        assert verified <= committed <= book.next_pos
+        if book.in_flight:
+            # a fast session: the books reserved its positions, the worker keeps where it stands
+            state, _ = await node.engine.call({"op": "fast_state", "seq": book.slot})
+            next_pos, draft_from = state["next_pos"], state["draft_from"]
+        else:
+            next_pos, draft_from = book.next_pos, book.draft_from
+        assert reply["pos_max"] + 1 == next_pos
+        verified = next_pos if draft_from is None else draft_from
+        assert verified <= committed <= next_pos
 
 
 async def ask(peers: Peers, nodes: Sequence[StageNode], request: AskRequest,
@@ -87,28 +104,32 @@ async def ask(peers: Peers, nodes: Sequence[StageNode], request: AskRequest,
     return result
 
 
+@PATHS
 async def test_speculation_gives_the_same_greedy_answer_with_rejected_drafts_rolled_back(
-        default_model: Path, peers: Peers) -> None:
+        default_model: Path, peers: Peers, fast: bool) -> None:
     async with ring(default_model, [(0, 10), (10, 20), (20, 30)]) as nodes:
-        plain = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=20))
-        assert rewinds(nodes) == [0, 0, 0] and plain.acceptance is None
+        plain = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=20,
+                                                   fast=False))
+        assert await rewinds(nodes) == [0, 0, 0] and plain.acceptance is None
         spec = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=20,
-                                                  speculate="ngram"), check_at=20)
+                                                  speculate="ngram", fast=fast), check_at=20)
         assert spec.tokens == plain.tokens
         # drafts were accepted, and some rejected: then every stage dropped their KV
         assert 0 < spec.accepted < spec.drafted
-        assert all(r > 0 for r in rewinds(nodes))
+        assert all(r > 0 for r in await rewinds(nodes))
 
 
+@PATHS
 async def test_speculation_on_a_tiny_random_model_gives_the_same_answer(
-        tiny_models: dict[str, Path], peers: Peers) -> None:
+        tiny_models: dict[str, Path], peers: Peers, fast: bool) -> None:
     text = "a b c a b c a b c a b d a b c a b c"
     async with ring(tiny_models["llama-gqa-tied"], [(0, 2), (2, 4), (4, 6)]) as nodes:
-        plain = await ask(peers, nodes, AskRequest(text=text, max_tokens=48))
-        spec = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, speculate="ngram"), check_at=48)
+        plain = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, fast=False))
+        spec = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, speculate="ngram", fast=fast),
+                         check_at=48)
         assert spec.tokens == plain.tokens
         assert spec.drafted > spec.accepted
-        assert all(r > 0 for r in rewinds(nodes))
+        assert all(r > 0 for r in await rewinds(nodes))
 
 
 async def test_whole_model_stage_speculates_as_its_own_ring(default_model: Path, peers: Peers) -> None:
@@ -120,25 +141,26 @@ async def test_whole_model_stage_speculates_as_its_own_ring(default_model: Path,
         assert spec.tokens == plain.tokens and spec.accepted > 0
 
 
+@PATHS
 async def test_seeded_sampling_gives_the_same_answer_with_and_without_speculation(
-        default_model: Path, tiny_models: dict[str, Path], peers: Peers) -> None:
+        default_model: Path, tiny_models: dict[str, Path], peers: Peers, fast: bool) -> None:
     """A seeded sampler at a temperature draws the same tokens with drafts, accepted and rejected ones."""
     from wire.stage import Sampling
 
     async with ring(default_model, [(0, 15), (15, 30)]) as nodes:
         sampling = Sampling(temperature=0.5, seed=7)
         plain = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=24,
-                                                   sampling=sampling))
+                                                   sampling=sampling, fast=False))
         spec = await ask(peers, nodes, AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=24,
-                                                  sampling=sampling, speculate="ngram"), check_at=24)
+                                                  sampling=sampling, speculate="ngram", fast=fast), check_at=24)
         assert spec.tokens == plain.tokens
         assert 0 < spec.accepted < spec.drafted
     text = "a b c a b c a b c a b d a b c a b c"
     async with ring(tiny_models["llama-gqa-tied"], [(0, 3), (3, 6)]) as nodes:
         sampling = Sampling(temperature=0.7, seed=11, top_k=4)
-        plain = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, sampling=sampling))
-        spec = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, sampling=sampling, speculate="ngram"),
-                         check_at=48)
+        plain = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, sampling=sampling, fast=False))
+        spec = await ask(peers, nodes, AskRequest(text=text, max_tokens=48, sampling=sampling, speculate="ngram",
+                                                  fast=fast), check_at=48)
         assert spec.tokens == plain.tokens and spec.drafted > spec.accepted
 
 
@@ -157,15 +179,16 @@ async def test_a_draft_model_at_the_tail_gives_the_same_answer(
                                                       speculate="model"),
                              check_at=20 if plain.reason == "max_tokens" else None)
             assert spec.tokens == plain.tokens and spec.drafted > 0
-        assert all(r > 0 for r in rewinds(nodes))
+        assert all(r > 0 for r in await rewinds(nodes))
     # a tail without a draft model refuses such a session at the open
     async with ring(tiny_models["llama-gqa-tied"], [(0, 6)]) as bare:
         with pytest.raises(ProtocolError, match="no draft model"):
             await ask(peers, bare, AskRequest(text="hello", max_tokens=2, speculate="model"))
 
 
+@PATHS
 async def test_failover_in_the_middle_of_a_speculative_answer_gives_the_same_answer(
-        default_model: Path, peers: Peers) -> None:
+        default_model: Path, peers: Peers, fast: bool) -> None:
     async with ring(default_model, [(0, 10), (10, 20), (20, 30), (10, 20)]) as nodes:
         head, middle, tail, spare = nodes
         # 16 tokens: this answer ends by eog at 21, and run to there across a failover it comes out 3 tokens
@@ -187,11 +210,12 @@ async def test_failover_in_the_middle_of_a_speculative_answer_gives_the_same_ans
                 killed.append(middle.engine.pid)
                 os.kill(middle.engine.pid, signal.SIGKILL)
 
-        request = AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=16, speculate="ngram")
+        request = AskRequest(messages=[{"role": "user", "content": EDIT}], max_tokens=16, speculate="ngram", fast=fast)
         with trio.fail_after(ASK_DEADLINE):
             result = await ask_with_failover(peers, find_route, request, on_token, stall_timeout=30)
         assert killed and result.epochs >= 2
         assert result.tokens == plain.tokens == greedy_reference(default_model, [EDIT], 16)[EDIT]
         # the first epoch drafted and rolled its drafts back on every stage before the kill (the whole
         # model's answer past the kill has no n-gram of the prompt, so the second epoch drafts nothing)
-        assert all(r > 0 for r in rewinds([head, middle, tail]))
+        # (on the fast path the middle's worker kept its count, and died with it)
+        assert all(r > 0 for r in await rewinds([head, tail] if fast else [head, middle, tail]))

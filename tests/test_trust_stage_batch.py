@@ -39,7 +39,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.calls: list[int] = []
 
-    async def call(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> tuple[dict[str, Any], bytearray]:
+    async def call(self, header: dict[str, Any], payload: bytes | memoryview = b"",
+                   fds: tuple[int, ...] = ()) -> tuple[dict[str, Any], bytearray]:
         await trio.lowlevel.checkpoint()
         if header["op"] != "forward":
             return {"ok": True}, bytearray()

@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -86,8 +87,17 @@ def cmake_options() -> list[str]:
     opts = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_LLAMAFILE=OFF"]
     if os.environ.get("MESHD_CUDA") == "1":
         opts.append("-DGGML_CUDA=ON")
-    if os.environ.get("MESHD_NATIVE_CPU", "1") == "0":
-        opts.append("-DGGML_NATIVE=OFF")
+    if os.environ.get("MESHD_NATIVE_CPU") == "1":
+        opts.append("-DGGML_NATIVE=ON")
+    elif platform.machine() in ("x86_64", "AMD64"):
+        # One instruction set on every x86-64 machine (x86-64-v3), not the build machine's own:
+        # ggml's kernels sum in another order under AVX-512 than under AVX2, so a native build on
+        # one volunteer computes other bytes than on the next (measured here: logits off by up to
+        # 0.00038 and a greedy token changed against the goldens, made on an AVX2 machine). A
+        # replica must compute a range's exact bytes for verification to tell a liar from a CPU.
+        opts += ["-DGGML_NATIVE=OFF", *(f"-DGGML_{isa}=ON" for isa in ("AVX", "AVX2", "FMA", "F16C", "BMI2"))]
+    else:
+        opts.append("-DGGML_NATIVE=OFF" if os.environ.get("MESHD_NATIVE_CPU") == "0" else "-DGGML_NATIVE=ON")
     return opts
 
 

@@ -172,7 +172,8 @@ class FastPlane:
     sessions: dict[int, FastSession] = field(default_factory=dict)
     # what the fast batches did, as the stage service counts its own engine calls (StageMetrics)
     stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("engine_calls", "rows", "decode_rows", "session_slots", "multi_session_calls", "max_sessions_per_call"), 0))
+        ("engine_calls", "rows", "decode_rows", "session_slots", "multi_session_calls", "max_sessions_per_call",
+         "draft_rewinds"), 0))
     _stats_at: float = 0.0
 
     # ----- the daemon's ops
@@ -227,6 +228,13 @@ class FastPlane:
             s.link_in = LinkIn(sock, Opener(key, report.stage_width, self.ctx.n_batch))
             self.selector.register(sock, selectors.EVENT_READ, s)
             self._read(s)
+
+    def state(self, seq: int) -> dict[str, Any]:
+        """Where a fast session stands: the positions its KV holds, and where unverified drafts begin."""
+        s = self.sessions.get(seq)
+        if s is None:
+            raise EngineError(f"no fast session {seq}")
+        return {"next_pos": s.next_pos, "draft_from": s.draft_from, "stopped": s.stopped}
 
     def end(self, h: dict[str, Any]) -> None:
         """The daemon's word that the session takes no more steps (a stop string ended it)."""
@@ -305,7 +313,8 @@ class FastPlane:
     def _next(self, s: FastSession, peek: bool = False) -> Work | None:
         """The session's next step, if one is ready and its output has somewhere to go now."""
         report = self.model.report
-        if s.stopped or (not report.has_output and (s.link_out is None or s.link_out.pending)):
+        # (the tail's output is the ring's token: its connection must be there before it samples one)
+        if s.stopped or s.link_out is None or s.link_out.pending:
             return None
         if s.prompt is not None and report.has_input:
             n = min(s.chunk, len(s.prompt) - s.next_pos)
@@ -371,6 +380,7 @@ class FastPlane:
         if rewinds:
             # the drafts from here on were rejected: their KV goes before these rows take its place
             self.ctx.remove(s.seq, step.pos, -1)
+            self.stats["draft_rewinds"] += 1
         s.draft_from = step.pos + step.n - step.drafts if step.drafts else None
         return Work(s, step.pos, step.n, tokens, hidden, step.drafts)
 

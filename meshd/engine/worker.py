@@ -151,6 +151,9 @@ class Worker:
         self.plane.link(h, socket.socket(fileno=self.fds.pop(0)))
         return {"ok": True}, b""
 
+    def op_fast_state(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        return {"ok": True, **self.plane.state(int(h["seq"]))}, b""
+
     def op_fast_stats(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True, "stats": self.plane.stats}, b""
 

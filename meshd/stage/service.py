@@ -306,7 +306,7 @@ class StageService:
             "expirations": float(counts.expirations),
             "overloaded": float(counts.overloaded),
             "released": float(counts.released),
-            "draft_rewinds": float(counts.rewinds),
+            "draft_rewinds": float(counts.rewinds + fast.get("draft_rewinds", 0)),
             "worker_restarts": float(self.engine.restarts),
             "worker_up": float(self.engine.is_up),
         }
