@@ -10,9 +10,12 @@ direction) in front of the listening side:
   address the route names, and a stage dials the next (and the tail the head)
   at the address the route gives it, so every hop of the ring crosses one
   link: head -> stage 2 -> tail -> head is 3 one-way delays per token. The
-  asker's own streams go through the same proxies. After each delay the proxy
-  logs are checked: every stage's proxy carried the asker's connection and the
-  previous stage's.
+  asker's own streams go through the same proxies. Sessions take the fast path
+  (rows from engine worker to engine worker on a connection of the session's
+  own, which the stage dials at that same address); the same decode through
+  the daemons is the last column, side by side. After each delay the proxy
+  logs are checked: every stage's proxy carried the asker's connection, the
+  previous stage's, and the previous stage's fast-path connections.
 * llama.cpp RPC, `llama-bench --rpc` driving 3 `ggml-rpc-server` processes of
   the same pinned tree, split by -ts exactly as meshd's stages are (see
   tools/bench_pipeline.py), each server behind its own proxy with the same
@@ -203,8 +206,10 @@ async def one_delay(args: argparse.Namespace, model: Path, delay_ms: float | Non
                     per_token = [ns / 1000 / max(1.0, m["tokens"]) for ns in m["cpu_ns"]]
                     # meshd_decode_cpu lists the watched processes' pids, then the asker
                     cpu = {"stages": per_token[:2 * HOPS], "links": per_token[2 * HOPS:-1], "asker": per_token[-1]}
+                    # the same session through the daemons (every row via both daemons): the hop before the fast path
+                    slow = await meshd_decode(peers, route, args.decode, fast=False)
                     rec["meshd"] = {"decode": m["rate"], "tokens": m["tokens"], "prefill": p["rate"],
-                                    "ttft": t["ttft"], "cpu_us": cpu}
+                                    "ttft": t["ttft"], "cpu_us": cpu, "daemons_decode": slow["rate"]}
                 elif name == "rpc":
                     r = await trio.to_thread.run_sync(rpc_decode, args, model, rpc_addrs, ts, servers + rpc_links)
                     pre = await trio.to_thread.run_sync(functools.partial(
@@ -221,18 +226,22 @@ async def one_delay(args: argparse.Namespace, model: Path, delay_ms: float | Non
                 rec["aggregate"] = await aggregate(args, peers, route)
     finally:
         stop_all(stage_links + rpc_links)
-    # every hop really crossed its link: each stage's proxy carried the asker's link and the previous stage's
+    # every hop really crossed its link: each stage's proxy carried the asker's link, the previous stage's and
+    # the previous stage's fast-path connections (one per session: the warm-up and the decode, prefill and TTFT
+    # sessions), so the rows of the fast path crossed it too
     for i, link in enumerate(stage_links):
         conns = [c for c in carried(link) if c[0] and c[1]]
-        if len(conns) < 2:
-            raise BenchError(f"the link in front of stage {i} carried {len(conns)} connection(s), not the asker's and "
-                             f"the previous stage's: a stage dialled around its link ({link.log})")
+        if len(conns) < 6:
+            raise BenchError(f"the link in front of stage {i} carried {len(conns)} connection(s), not the asker's, "
+                             f"the previous stage's and its fast-path ones: a stage dialled around its link "
+                             f"({link.log})")
     rec["link_connections"] = {"stages": [len(carried(p)) for p in stage_links],
                                "rpc": [len(carried(p)) for p in rpc_links]}
     compute = 1 / rec["engine"]["decode"]
     wall = 1 / rec["meshd"]["decode"]
     rec["floor"] = {"decode": 1 / (compute + HOPS * d), "compute_ms": compute * 1000}
     rec["meshd"]["hop_overhead_ms"] = (wall - compute - HOPS * d) / HOPS * 1000
+    rec["meshd"]["daemons_hop_overhead_ms"] = (1 / rec["meshd"]["daemons_decode"] - compute - HOPS * d) / HOPS * 1000
     return rec
 
 
@@ -349,8 +358,9 @@ def table(out: dict[str, Any]) -> str:
         f"{out['chat_prompt_tokens']}-token chat prompt; one emulated link per stage / rpc-server",
         "",
         "| one-way delay | meshd decode tok/s | floor tok/s | meshd / floor | RPC decode tok/s | meshd / RPC | "
-        "hop overhead ms | meshd prefill tok/s | RPC prefill tok/s | meshd TTFT ms | RPC TTFT ms (est.) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "hop overhead ms | meshd prefill tok/s | RPC prefill tok/s | meshd TTFT ms | RPC TTFT ms (est.) | "
+        "meshd via daemons tok/s (hop ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, m in med.items():
         label = "direct (no emulator)" if key == "direct" else f"{key} ms"
@@ -359,7 +369,8 @@ def table(out: dict[str, Any]) -> str:
             f"{m['meshd']['decode'] / m['floor']['decode']:.2f} | {m['rpc']['decode']:.1f} | "
             f"{m['meshd']['decode'] / m['rpc']['decode']:.2f} | {m['meshd']['hop_overhead_ms']:.2f} | "
             f"{m['meshd']['prefill']:.0f} | {m['rpc']['prefill']:.0f} | {m['meshd']['ttft'] * 1000:.1f} | "
-            f"{m['rpc']['ttft'] * 1000:.1f} |")
+            f"{m['rpc']['ttft'] * 1000:.1f} | {m['meshd']['daemons_decode']:.1f} "
+            f"({m['meshd']['daemons_hop_overhead_ms']:.2f}) |")
     lines += ["", "In-process split compute per token (the floor's compute): " + ", ".join(
         f"{'direct' if k == 'direct' else k + ' ms'} {m['floor']['compute_ms']:.2f} ms" for k, m in med.items()),
         "", "CPU µs per generated token of every process (all threads). meshd: stage daemon / engine worker, head "

@@ -284,9 +284,10 @@ async def route_of(peers: Peers, stages: list[Proc]) -> list[Stage]:
     return route_at([s.address for s in stages])
 
 
-async def meshd_decode(peers: Peers, route: list[Stage], n: int) -> dict[str, float]:
+async def meshd_decode(peers: Peers, route: list[Stage], n: int, fast: bool = True) -> dict[str, float]:
+    """Decode tok/s of one session: on the fast path (rows worker to worker), or through the daemons."""
     result = AskResult()
-    await run_session(peers, route, AskRequest(text=DECODE_TEXT, max_tokens=n), result)
+    await run_session(peers, route, AskRequest(text=DECODE_TEXT, max_tokens=n, fast=fast), result)
     return {"rate": result.decode_rate, "tokens": float(len(result.tokens))}
 
 

@@ -25,21 +25,15 @@ from wire.fastlink import ACCEPTED, MAGIC, PREAMBLE_BYTES, preamble, read_preamb
 # answered ACCEPTED and taken its own copy of the socket)
 FastHandler = Callable[[bytes, trio.SocketStream], Awaitable[bool]]
 
-# how long to wait between two peeks at a connection whose first bytes are a part of MAGIC
-_PEEK_AGAIN = 0.005
-
-
 async def is_fast(stream: trio.SocketStream) -> bool:
-    """Whether the connection starts with a fast-link preamble (peeked, so nothing is consumed)."""
-    while True:
-        head = await stream.socket.recv(len(MAGIC), socket.MSG_PEEK)
-        if len(head) == len(MAGIC) or not head or not MAGIC.startswith(head):
-            return head == MAGIC
-        await trio.sleep(_PEEK_AGAIN)
+    """Whether the connection starts as a fast-link preamble does, by its first byte (peeked, so nothing
+    is consumed): a WebSocket upgrade starts "GET". One byte, so a stranger that sends a part of the
+    magic and stalls is waited on like any other, not polled."""
+    return bool(await stream.socket.recv(1, socket.MSG_PEEK) == MAGIC[:1])
 
 
 async def read_token(stream: trio.SocketStream) -> bytes:
-    """The preamble's token, read exactly (nothing past it)."""
+    """The preamble's token, read exactly (nothing past it); ValueError if it is no preamble."""
     data = b""
     while len(data) < PREAMBLE_BYTES:
         chunk = await stream.socket.recv(PREAMBLE_BYTES - len(data))
