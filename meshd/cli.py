@@ -693,11 +693,11 @@ def build_request(args: argparse.Namespace) -> AskRequest:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
     if args.raw:
         return AskRequest(text=args.prompt, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop or [],
-                          wire_dtype=args.wire_dtype, speculate=args.speculate)
+                          wire_dtype=args.wire_dtype, speculate=args.speculate, fast=not args.no_fast)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     return AskRequest(messages=messages, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop or [],
-                      wire_dtype=args.wire_dtype, speculate=args.speculate)
+                      wire_dtype=args.wire_dtype, speculate=args.speculate, fast=not args.no_fast)
 
 
 def print_figures(result: AskResult) -> None:
@@ -947,6 +947,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every stage signs receipts of its steps, and 1 in N steps is run again on a replica "
                         "of its range and compared; 0 turns verification off; not with --speculate "
                         "(default: %(default)s)")
+    a.add_argument("--no-fast", action="store_true",
+                   help="keep every row on the daemons' path; by default an unverified ask (--verify 0, or "
+                        "--speculate) over direct hops sends its rows from engine worker to engine worker")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     a.add_argument("--wait", type=number(0, 86400), default=0.0,

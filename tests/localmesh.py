@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -137,6 +137,19 @@ def stop_all(items: Iterable[Stoppable]) -> None:
     with contextlib.ExitStack() as stack:
         for item in items:
             stack.callback(item.stop)
+
+
+@contextlib.contextmanager
+def serving(ranges: Iterable[str], sessions: int, session_tokens: int) -> Iterator[list[Served]]:
+    """`meshd serve` of each layer range of the default model (one thread each), stopped at the end."""
+    served: list[Served] = []
+    try:
+        for r in ranges:
+            served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", str(sessions),
+                                      "--session-tokens", str(session_tokens)))
+        yield served
+    finally:
+        stop_all(served)
 
 
 def meshd_command(*args: str) -> list[str]:

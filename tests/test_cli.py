@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from localmesh import Served, copy_with_other_digest, meshd_command, run_meshd, start_join, start_serve, stop_all
+from localmesh import Served, copy_with_other_digest, meshd_command, run_meshd, serving, start_join, start_serve
 
 from meshd.cli import build_parser, expect, fetch_line, main, print_figures, print_status
 from meshd.client.ask import AskResult
@@ -31,13 +31,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def halves() -> Iterator[list[Served]]:
-    served = []
-    try:
-        for r in ("0:15", "15:30"):
-            served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", "2", "--session-tokens", "256"))
+    with serving(("0:15", "15:30"), 2, 256) as served:
         yield served
-    finally:
-        stop_all(served)
 
 
 def one_line_error(result, exit_code: int = 1) -> str:

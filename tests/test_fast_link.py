@@ -50,7 +50,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from localmesh import Served, start_serve, stop_all
+from localmesh import Served, serving
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.engine.chain import LocalChain
@@ -1101,14 +1101,8 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def stages() -> Iterator[list[Served]]:
-    served: list[Served] = []
-    try:
-        for r in RANGES:
-            served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", "4",
-                                      "--session-tokens", "512"))
+    with serving(RANGES, 4, 512) as served:
         yield served
-    finally:
-        stop_all(served)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from localmesh import Served, start_serve, stop_all
+from localmesh import Served, serving
 
 from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
 from meshd.net.peers import Peers, open_peers
@@ -35,13 +35,8 @@ RANGES = ["0:10", "10:20", "20:30"]
 
 @pytest.fixture(scope="module")
 def stages() -> Iterator[list[Served]]:
-    served: list[Served] = []
-    try:
-        for r in RANGES:
-            served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", "12", "--session-tokens", "512"))
+    with serving(RANGES, 12, 512) as served:
         yield served
-    finally:
-        stop_all(served)
 
 
 @pytest.fixture(scope="module")
