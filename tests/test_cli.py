@@ -59,6 +59,18 @@ def test_ask_with_raw_text_and_stop_string(halves: list[Served]) -> None:
     assert "," not in result.stdout
 
 
+def test_an_unverified_ask_answers_the_same_on_the_fast_path_and_through_the_daemons(halves: list[Served]) -> None:
+    """--verify 0 takes the fast path (rows worker to worker), --no-fast the daemons': one answer, and a
+    stop string ends either (on the fast path the tail's daemon tells its worker to stop)."""
+    route = ",".join(s.address for s in halves)
+    for args in (["What is the capital of France?"], ["--raw", "--stop", ",", "1, 2, 3, 4,"]):
+        fast = run_meshd("ask", "--route", route, "--verify", "0", "--max-tokens", "24", *args)
+        daemons = run_meshd("ask", "--route", route, "--verify", "0", "--no-fast", "--max-tokens", "24", *args)
+        assert fast.returncode == daemons.returncode == 0, fast.stderr + daemons.stderr
+        assert fast.stdout == daemons.stdout and fast.stdout.strip()
+    assert "," not in fast.stdout and "stopped by stop" in fast.stderr
+
+
 def test_unreachable_stage_is_one_line(halves: list[Served]) -> None:
     route = f"{halves[0].address},127.0.0.1:{free_port()}"
     line = one_line_error(run_meshd("ask", "--route", route, "--timeout", "5", "hello"))
