@@ -1186,3 +1186,16 @@ async def test_a_fast_sessions_rows_never_go_through_the_middle_daemon(
     assert tokens == want
     # and it serves on, both ways
     assert await ask_served(peers, stages, prompt, fast=False) == want
+
+
+def test_the_fast_paths_counts_only_grow_across_a_new_worker() -> None:
+    """What a worker last told of its fast batches stays counted after it dies (the console's live
+    figures are differences of these counts: a new worker's small ones must not make them fall)."""
+    from meshd.stage.service import StageMetrics
+
+    m = StageMetrics()
+    m.fast = {"engine_calls": 10, "decode_rows": 40, "max_sessions_per_call": 3}
+    m.worker_gone()
+    m.fast = {"engine_calls": 2, "decode_rows": 5, "max_sessions_per_call": 1}
+    assert (m.fast_count("engine_calls"), m.fast_count("decode_rows")) == (12, 45)
+    assert m.fast_count("max_sessions_per_call") == 3 and m.fast_count("draft_rewinds") == 0

@@ -179,8 +179,22 @@ class StageMetrics:
         self.max_sessions_per_call = 0
         self.step_ms: collections.deque[float] = collections.deque(maxlen=512)
         # the engine worker's own counts of the fast sessions' batches (meshd.engine.fastpath), as
-        # it last told them
+        # it last told them, and those of the workers before it (the counts only grow: the console's
+        # live figures are their differences)
         self.fast: dict[str, int] = {}
+        self.fast_before: collections.Counter[str] = collections.Counter()
+
+    def fast_count(self, key: str) -> int:
+        if key == "max_sessions_per_call":
+            return max(self.fast.get(key, 0), self.fast_before[key])
+        return self.fast.get(key, 0) + self.fast_before[key]
+
+    def worker_gone(self) -> None:
+        """The worker and its counts are gone: what it last told is kept."""
+        before = self.fast_before
+        for key, value in self.fast.items():
+            before[key] = max(before[key], value) if key == "max_sessions_per_call" else before[key] + value
+        self.fast = {}
 
     def record_call(self, sessions: int, rows: int, seconds: float, decode_rows: int) -> None:
         self.engine_calls += 1
@@ -249,6 +263,7 @@ class StageService:
                                                    f"lost its engine worker ({reason})")
         for book in self.books.fail_all(error):
             self._ended(book)
+        self.metrics.worker_gone()
 
     async def handle_stream(self, stream: Stream) -> None:
         await answer_typed(stream, self.handle_first)
@@ -288,25 +303,25 @@ class StageService:
         m, counts = self.metrics, self.books.counts
         steps = sorted(m.step_ms)
         # the slow path's engine calls (the daemon's) and the fast path's (the worker's), together
-        fast = m.fast
-        calls = m.engine_calls + fast.get("engine_calls", 0)
-        slots = m.session_slots + fast.get("session_slots", 0)
+        fast = m.fast_count
+        calls = m.engine_calls + fast("engine_calls")
+        slots = m.session_slots + fast("session_slots")
         return {
             "sessions": float(len(self.books.sessions)),
             "kv_tokens": float(self.books.total_tokens),
             "engine_calls": float(calls),
-            "rows": float(m.rows + fast.get("rows", 0)),
-            "decode_rows": float(m.decode_rows + fast.get("decode_rows", 0)),
+            "rows": float(m.rows + fast("rows")),
+            "decode_rows": float(m.decode_rows + fast("decode_rows")),
             "sessions_per_call": slots / calls if calls else 0.0,
-            "max_sessions_per_call": float(max(m.max_sessions_per_call, fast.get("max_sessions_per_call", 0))),
-            "multi_session_calls": float(m.multi_session_calls + fast.get("multi_session_calls", 0)),
+            "max_sessions_per_call": float(max(m.max_sessions_per_call, fast("max_sessions_per_call"))),
+            "multi_session_calls": float(m.multi_session_calls + fast("multi_session_calls")),
             "step_ms_p50": steps[len(steps) // 2] if steps else 0.0,
             "step_ms_p99": steps[min(len(steps) - 1, math.ceil(len(steps) * 0.99) - 1)] if steps else 0.0,
             "evictions": float(counts.evictions),
             "expirations": float(counts.expirations),
             "overloaded": float(counts.overloaded),
             "released": float(counts.released),
-            "draft_rewinds": float(counts.rewinds + fast.get("draft_rewinds", 0)),
+            "draft_rewinds": float(counts.rewinds + fast("draft_rewinds")),
             "worker_restarts": float(self.engine.restarts),
             "worker_up": float(self.engine.is_up),
         }
