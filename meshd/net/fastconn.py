@@ -1,13 +1,14 @@
 """Fast-path connections (``wire.fastlink``): dialled and accepted by daemons, then handed to workers.
 
 The upstream daemon dials the downstream's listening address (the one its
-Noise link takes, so an emulated or real network hop lies on it too), sends
-the preamble with the session's single-use token, waits for ``ACCEPTED`` and
-returns a plain blocking socket of its own for the worker. The downstream's
-listener (``Peers``) tells the preamble from a WebSocket upgrade by peeking at
-the first bytes, under the same pre-auth admission and deadline as any
-inbound connection, and gives the token and connection to the handler the
-stage service registered (``Peers.handle_fast``).
+Noise link takes, so an emulated or real network hop lies on it too) and sends
+the preamble with the session's single-use token; its worker gets a socket of
+its own on the connection (``detach``) and may write at once, and the daemon
+then waits for ``ACCEPTED`` (``accepted``). The downstream's listener
+(``Peers``) tells the preamble from a WebSocket upgrade by peeking at the
+first byte, under the same pre-auth admission and deadline as any inbound
+connection, and gives the token and connection to the handler the stage
+service registered (``Peers.handle_fast``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from wire.fastlink import ACCEPTED, MAGIC, PREAMBLE_BYTES, preamble, read_preamb
 # (token, the connection past its preamble) -> whether the token was taken (then the handler has
 # answered ACCEPTED and taken its own copy of the socket)
 FastHandler = Callable[[bytes, trio.SocketStream], Awaitable[bool]]
+
 
 async def is_fast(stream: trio.SocketStream) -> bool:
     """Whether the connection starts as a fast-link preamble does, by its first byte (peeked, so nothing
