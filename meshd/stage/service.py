@@ -7,6 +7,13 @@ engine call per step (continuous batching) and hands each session's rows on:
 downstream as an activation, or at the tail as a sampled token that goes to
 the asker and around the ring to the head.
 
+A session on the fast path (``Open.fast``) skips all of that per step: its
+rows go from this stage's engine worker straight to the next one's
+(meshd.engine.fastpath). Here it is admitted, its KV reserved whole in the
+books, its connections set up (``Hop.fast``, meshd.stage.fast) and handed to
+the worker, the tail's tokens streamed to the asker as the worker reports
+them, and it is ended like any other.
+
 What is decided (slots, budgets, eviction, expiry, batches, when a session
 ends) lives in the sans-IO books (``books.py``); this file moves streams,
 channels and engine calls, and sleeps until the books' next timer.
