@@ -466,9 +466,12 @@ async def test_a_replica_slower_than_it_says_is_timed_and_a_proof_takes_it_out_o
         with trio.fail_after(30):
             while not in_log(tracker, f"node {bad.mesh.node_id[:16]} says it computes a layer in 1e-09 s"):
                 await trio.sleep(0.25)
-        for via in mesh.nodes:
-            route = await honest_route(peers, mesh, via)
-            assert bad.mesh.node_id not in [s.node_id for s in route.stages], via
+        # (within a re-timing: on a loaded box the honest stages' own first timings can come out slow,
+        # and the tracker times each placed stage again at most every 30 s)
+        with trio.fail_after(75):
+            while [via for via in mesh.nodes
+                   if bad.mesh.node_id in [s.node_id for s in (await honest_route(peers, mesh, via)).stages]]:
+                await trio.sleep(0.5)
         assert (await placed(bad, tracker)).model == mesh.model.digest  # still placed: a slow replica
         # the attacker signed two receipts of one step that disagree (an equivocation)
         ledgers = [SessionReceipts(Signer(bad.identity), "s1", 0, mesh.model.digest, 0, 1) for _ in range(2)]
