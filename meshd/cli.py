@@ -949,7 +949,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     a.add_argument("--no-fast", action="store_true",
                    help="keep every row on the daemons' path; by default an unverified ask (--verify 0, or "
-                        "--speculate) over direct hops sends its rows from engine worker to engine worker")
+                        "--speculate ngram) over direct hops sends its rows from engine worker to engine worker")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     a.add_argument("--wait", type=number(0, 86400), default=0.0,
