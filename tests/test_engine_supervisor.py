@@ -28,7 +28,7 @@ from localmesh import gone
 
 from meshd.cli import report_restarts
 from meshd.engine.supervisor import EngineSupervisor, WorkerRefused, WorkerSpec, _read_frame, _send_frame
-from meshd.engine.workerproto import MAX_HEADER, PREFIX, encode_prefix
+from meshd.engine.workerproto import MAX_HEADER, PREFIX, encode_prefix, take_frames
 
 # generous: a bound against hangs, not a speed claim
 DEADLINE = 60
@@ -103,17 +103,6 @@ async def raw_exchange(sup: EngineSupervisor, frame: bytes) -> list[dict[str, ob
     return replies
 
 
-def take_frames(buf: bytearray, frames: list[dict[str, Any]]) -> None:
-    """Moves every whole frame at the front of `buf` (its header, decoded) onto `frames`."""
-    while len(buf) >= PREFIX.size:
-        header_len, payload_len = PREFIX.unpack_from(buf)
-        end = PREFIX.size + header_len + payload_len
-        if len(buf) < end:
-            return
-        frames.append(msgpack.unpackb(bytes(buf[PREFIX.size:PREFIX.size + header_len])))
-        del buf[:end]
-
-
 async def read_frames(sock: socket.socket, n: int) -> list[dict[str, Any]]:
     """`n` reply frames, however the worker's writes arrive (the supervisor's reader takes one per recv)."""
     buf = bytearray()
@@ -123,7 +112,7 @@ async def read_frames(sock: socket.socket, n: int) -> list[dict[str, Any]]:
         chunk = sock.recv(1 << 16)
         assert chunk, "the worker closed its socket"
         buf += chunk
-        take_frames(buf, frames)
+        frames += take_frames(buf)
     return frames
 
 
@@ -364,7 +353,7 @@ def blocking_frames(sock: socket.socket, n: int) -> list[dict[str, Any]]:
         chunk = sock.recv(1 << 16)
         assert chunk, "the worker closed its socket"
         buf += chunk
-        take_frames(buf, frames)
+        frames += take_frames(buf)
     return frames
 
 

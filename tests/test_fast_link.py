@@ -56,7 +56,7 @@ from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.engine.chain import LocalChain
 from meshd.engine.engine import Context, Model
 from meshd.engine.supervisor import WorkerSpec
-from meshd.engine.workerproto import PREFIX, decode_header, encode_prefix
+from meshd.engine.workerproto import encode_prefix, take_frames
 from meshd.net import fastconn
 from meshd.net.admission import AdmissionConfig
 from meshd.net.peers import Peers, PeersConfig, open_peers, split_address
@@ -385,18 +385,6 @@ class FastEnds:
     def close(self) -> None:
         self.up.close()
         self.down.close()
-
-
-def take_frames(buf: bytearray) -> list[dict[str, Any]]:
-    frames = []
-    while len(buf) >= PREFIX.size:
-        header_len, payload_len = PREFIX.unpack_from(buf)
-        end = PREFIX.size + header_len + payload_len
-        if len(buf) < end:
-            break
-        frames.append(decode_header(bytes(buf[PREFIX.size:PREFIX.size + header_len])))
-        del buf[:end]
-    return frames
 
 
 class RawWorker:

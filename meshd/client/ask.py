@@ -115,7 +115,7 @@ class AskRequest:
     speculate: Literal["off", "ngram", "model"] = "off"
     max_draft: int = 8
     # the fast path (wire.fastlink): rows go engine worker to engine worker, where the route allows
-    # it (every hop direct, f32, no receipts, no speculation); off, every row goes through the daemons
+    # it (every hop direct, f32, no receipts, no draft model); off, every row goes through the daemons
     fast: bool = True
 
 

@@ -8,6 +8,7 @@ restart bumps `generation`, which tells sessions that the KV they held is gone.
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import os
 import socket
@@ -32,6 +33,7 @@ from meshd.engine.workerproto import (
     encode_prefix,
     frame_parts,
     parse_prefix,
+    take_frames,
 )
 
 # A reply that fits here (every decode step's) arrives in one recv.
@@ -372,19 +374,15 @@ class EventReader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self.scratch = bytearray(_SCRATCH_BYTES)
+        self.ready: collections.deque[dict[str, Any]] = collections.deque()
 
     async def next(self) -> dict[str, Any]:
-        while True:
-            if len(self.buf) >= PREFIX.size:
-                header_len, payload_len = parse_prefix(self.buf[:PREFIX.size])
-                end = PREFIX.size + header_len + payload_len
-                if len(self.buf) >= end:
-                    event = decode_header(self.buf[PREFIX.size:PREFIX.size + header_len])
-                    del self.buf[:end]
-                    return event
-            chunk = bytearray(_SCRATCH_BYTES)
-            k = await _recv_some(self.sock, memoryview(chunk))
-            self.buf += chunk[:k]
+        while not self.ready:
+            k = await _recv_some(self.sock, memoryview(self.scratch))
+            self.buf += memoryview(self.scratch)[:k]
+            self.ready.extend(take_frames(self.buf))
+        return self.ready.popleft()
 
 
 async def _read_frame(sock: socket.socket, scratch: bytearray) -> tuple[dict[str, Any], bytearray]:

@@ -320,6 +320,9 @@ def answer(sock: socket.socket, reader: FrameReader, worker: Worker) -> bool:
         reply, out = worker.handle(decode_header(header), payload)
     except FrameError as exc:
         reply, out = {"ok": False, "kind": exc.kind, "message": str(exc)}, b""
+    while worker.fds:
+        # a descriptor no op of this request took (the request failed first) must not pair with the next
+        os.close(worker.fds.pop())
     head = encode_prefix(reply, len(out))
     if len(head) - PREFIX.size > MAX_HEADER or len(out) > MAX_PAYLOAD:
         # what the input asked for does not fit one frame (detokenizing millions of tokens)

@@ -61,6 +61,20 @@ def frame_parts(head: bytes, payload: bytes | memoryview) -> list[memoryview]:
     return [memoryview(head), memoryview(payload).cast("B")] if len(payload) else [memoryview(head)]
 
 
+def take_frames(buf: bytearray) -> list[dict[str, Any]]:
+    """Takes every whole frame off the front of ``buf`` (bytes as they came off a socket) and returns
+    their headers, decoded; a frame's rest stays in ``buf`` until its bytes come."""
+    frames = []
+    while len(buf) >= PREFIX.size:
+        header_len, payload_len = parse_prefix(buf[:PREFIX.size])
+        end = PREFIX.size + header_len + payload_len
+        if len(buf) < end:
+            break
+        frames.append(decode_header(buf[PREFIX.size:PREFIX.size + header_len]))
+        del buf[:end]
+    return frames
+
+
 def drop_sent(parts: list[memoryview], sent: int) -> None:
     """Takes the ``sent`` bytes a sendmsg wrote off the front of ``parts``."""
     while parts and sent >= len(parts[0]):

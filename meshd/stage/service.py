@@ -220,8 +220,8 @@ class StageService:
         self.peers = peers
         # fast-path connections meet their sessions here (one door per node, shared by its services)
         self.door = door or FastDoor()
-        # fast sessions by (slot, tag), as the engine worker's events name them
-        self._fast: dict[tuple[int, int], Session] = {}
+        # fast sessions by the tag the engine worker's events name them by (unique to this service)
+        self._fast: dict[int, Session] = {}
         self._fast_tags = itertools.count(1)
         # fast sessions the books ended before their worker did (a stop string): it is told to stop
         self._fast_end_send, self._fast_end_recv = trio.open_memory_channel[Session](math.inf)
@@ -378,6 +378,8 @@ class StageService:
         target = self._downstream_target(msg)
         if target is not None:
             self.may_dial(target[0])
+            if msg.fast and CIRCUIT_MARK in target[0].address:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "the fast path takes direct hops, not relay circuits")
         book, gone = self.books.open(msg.session, msg.epoch, self.engine.generation, msg.max_tokens, msg.stop,
                                      trio.current_time(), owner=stream.remote_node_id, upstream=msg.upstream,
                                      source=host_of(stream.link.address))
@@ -387,11 +389,8 @@ class StageService:
         book.joins = msg.check
         session = Session(book=book, open=msg, to_asker=Outlet(encode))
         if msg.fast:
-            if target is not None and CIRCUIT_MARK in target[0].address:
-                self.books.release(book)
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "the fast path takes direct hops, not relay circuits")
             session.fast_tag = next(self._fast_tags)
-            self._fast[(book.slot, session.fast_tag)] = session
+            self._fast[session.fast_tag] = session
         if msg.receipts:
             session.receipts = SessionReceipts(self.signer, book.id, book.epoch, self.digest,
                                                self.report.layer_begin, self.report.layer_end)
@@ -719,7 +718,7 @@ class StageService:
         if event.get("ev") == "stats":
             self.metrics.fast = dict(event["stats"])
             return
-        session = self._fast.get((event.get("seq"), event.get("tag")))  # type: ignore[arg-type]
+        session = self._fast.get(int(event.get("tag", 0)))  # tags count from 1
         if session is None or not self.books.holds(session.book):
             return
         if event.get("ev") == "error":
@@ -916,7 +915,7 @@ class StageService:
         self.books.release(session.book)
         if self._sessions.get(session.book) is session:
             del self._sessions[session.book]
-        self._fast.pop((session.book.slot, session.fast_tag), None)
+        self._fast.pop(session.fast_tag, None)
         self._wake.set()
         if not self.books.sessions:
             self._idle.set()
