@@ -135,3 +135,21 @@ def test_mismatched_lengths_are_refused(head: Model) -> None:
             ctx.forward([0], [0], tokens=[1, 2])
         with pytest.raises(InvalidInput, match="sequence ids"):
             ctx.forward([0, 0], [0], tokens=[1])
+
+
+def test_greedy_shortcut_picks_what_llamas_greedy_chain_picks(head: Model) -> None:
+    """Sampler.sample takes argmax where the chain is llama.cpp's greedy sampler alone: the same token on
+    ties (the first of the highest) and on ordinary rows; a row with a NaN goes to the chain itself."""
+    fast, chain = Sampler(head), Sampler(head)
+    chain._greedy = False  # the chain's own path, for reference
+    rng = np.random.default_rng(7)
+    n = head.report.n_vocab
+    rows = [rng.standard_normal(n).astype(np.float32) for _ in range(20)]
+    tie = np.zeros(n, dtype=np.float32)
+    tie[[50, 9, 4000]] = 3.0
+    nan = rng.standard_normal(n).astype(np.float32)
+    nan[[3, 700]] = np.nan
+    for row in [*rows, tie, nan, np.full(n, -np.inf, dtype=np.float32)]:
+        assert fast.sample(row) == chain.sample(row)
+    assert fast.sample(tie) == 9
+    assert fast.sample(nan) != 3  # argmax would have picked the first NaN

@@ -408,6 +408,8 @@ class Sampler:
         if rc != lib.ME_OK:
             _raise(rc, "sampler")
         self._handle = out[0]
+        # me_sampler_new's chain is llama.cpp's greedy sampler alone: see sample()
+        self._greedy = params.temperature <= 0 and params.repeat_penalty == 1.0
 
     def close(self) -> None:
         if self._handle != self._ffi.NULL:
@@ -421,6 +423,13 @@ class Sampler:
         row = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
         if len(row) != self.n_vocab:
             raise InvalidInput(f"logits have {len(row)} entries, the vocabulary {self.n_vocab}")
+        if self._greedy and self._handle != self._ffi.NULL:
+            # The greedy sampler takes the first of the highest logits, as argmax does, and keeps no state;
+            # the chain first copies every logit into a candidate array: 59 µs a token against argmax's 5 µs
+            # here (the tail's critical path at decode). A NaN, which argmax would pick, goes to the chain.
+            best = int(np.argmax(row))
+            if row[best] == row[best]:
+                return best
         token = self._ffi.new("int32_t *")
         rc = self._lib.me_sampler_sample(self._handle, self._ffi.from_buffer("float[]", row), len(row), token)
         if rc != self._lib.ME_OK:
