@@ -15,7 +15,7 @@ import trio.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from link_emulator import Counter, LinkEmulator, LinkSpec, Schedule, carry  # noqa: E402
+from link_emulator import Counter, LinkEmulator, LinkSpec, Schedule, Waiter, carry  # noqa: E402
 
 
 async def test_each_chunk_arrives_one_delay_later(autojump_clock: trio.testing.MockClock) -> None:
@@ -116,6 +116,27 @@ async def test_sockets_round_trip_unchanged_and_no_faster_than_two_delays() -> N
             assert bytes(got) == payload
             assert emulator.up.bytes == emulator.down.bytes == len(payload) + 4
             nursery.cancel_scope.cancel()
+
+
+async def test_the_real_clock_waits_on_a_timerfd_never_before_the_deadline() -> None:
+    """trio's own sleeps reach epoll in whole milliseconds; the writer's waiter wakes on a timerfd instead,
+    and a chunk still never leaves before its time."""
+    with trio.fail_after(30), Waiter() as waiter:
+        assert waiter.fd >= 0
+        for i in range(20):
+            deadline = trio.current_time() + 0.0005 + i * 0.0001
+            await waiter.until(deadline)
+            assert trio.current_time() >= deadline
+        await waiter.until(trio.current_time() - 1)  # a deadline passed: no wait, and no error
+    assert waiter.fd == -1
+
+
+async def test_under_the_mock_clock_the_waiter_sleeps_on_it(autojump_clock: trio.testing.MockClock) -> None:
+    with Waiter() as waiter:
+        assert waiter.fd == -1
+        t0 = trio.current_time()
+        await waiter.until(t0 + 5.0)
+        assert trio.current_time() == t0 + 5.0
 
 
 async def test_connections_beyond_the_limit_are_closed_on_arrival() -> None:
