@@ -33,7 +33,16 @@ Figures:
 
 * decode tok/s: meshd, (tokens - 1) / time from the first streamed token to the
   last, at the asker; RPC, llama-bench `tg` (a decode-only run, -p 0); floor,
-  1 / (in-process split compute per token + 3 x delay).
+  1 / (in-process split compute per token + 3 x delay). RPC runs at llama.cpp's
+  defaults, which turn flash attention on for the CPU; meshd's engine keeps it
+  off (its kernels sum in a batch-dependent order), so the RPC decode is also
+  given with -fa 0, the same attention as meshd's.
+* idle-gap floor tok/s: the in-process split again, sleeping the one-way delay
+  after each range's call (idle_gap_decode_rate): compute as it runs when a
+  stage waits for its input, caches and cores gone cold, plus delays that cost
+  no software (the sleep's own lateness, about 0.1 ms, is in it). Not the
+  issue's floor: it shows how much of the hop overhead at a delay is this box
+  running each stage after an idle wait.
 * per-hop software overhead at decode: (wall per token - in-process split
   compute per token - 3 x delay) / 3 hops.
 * prefill tok/s of a --prefill-token prompt (512): meshd, 512 / time to first
@@ -82,6 +91,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
+import numpy as np  # noqa: E402
 import trio  # noqa: E402
 from bench_engine import decode_rate  # noqa: E402
 from bench_pipeline import (  # noqa: E402
@@ -106,6 +116,7 @@ from bench_pipeline import (  # noqa: E402
 
 from meshd.client.ask import Stage, route_at  # noqa: E402
 from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
+from meshd.engine.engine import Sampler  # noqa: E402
 from meshd.mesh.models import default_model_path  # noqa: E402
 from meshd.net.peers import Peers, open_peers  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
@@ -152,6 +163,31 @@ def stop_all(procs: list[Proc]) -> None:
 # ----- one delay
 
 
+def idle_gap_decode_rate(chain: LocalChain, prompt: list[int], steps: int, gap: float) -> float:
+    """decode_rate with ``gap`` seconds asleep after each range's call: the split's compute as it runs when
+    each stage waits a link's delay for its input (caches and cores gone cold), with delays that cost no
+    software. Its tok/s is what a hop that costs nothing would reach on this box."""
+    for c in chain.contexts:
+        c.clear()
+    sampler = Sampler(chain.head)
+    logits = chain.forward(prompt, 0)
+    pos = len(prompt)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids = np.asarray([sampler.sample(logits[-1])], dtype=np.int32)
+        rows: np.ndarray | None = None
+        for i, ctx in enumerate(chain.contexts):
+            takes_ids = i == 0 or ctx.model.report.needs_tokens
+            rows = ctx.forward([0], [pos], tokens=ids if takes_ids else None, hidden=rows)
+            time.sleep(gap)
+        assert rows is not None
+        logits = rows
+        pos += 1
+    dt = time.perf_counter() - t0
+    sampler.close()
+    return steps / dt
+
+
 def children_cpu_ns() -> int:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return int((r.ru_utime + r.ru_stime) * 1e9)
@@ -174,8 +210,14 @@ def rpc_decode(args: argparse.Namespace, model: Path, rpc: list[str], ts: str, w
         runs.append(r)
     tokens = args.llama_reps * args.decode
     per_token = [(b - a) / tokens / 1000 for a, b in zip(spent[0], spent[1], strict=True)]
+    # The same decode with llama.cpp's flash attention off, as meshd's engine runs (native/meshengine.cpp: its
+    # CPU kernels sum in an order that depends on the batch, and meshd's answers must not): measured here,
+    # llama-bench tg64 of the default model, 1 thread, 50.6-51.2 tok/s with it off and 54.4-54.8 on.
+    fa_off = run_llama_bench(model, args.threads, [0], args.decode, args.llama_reps, args.poll, rpc, ts,
+                             flash_attn=False)
     return {"rate": median(runs[1]["tests"][f"tg{args.decode}"]["samples_ts"]),
-            "samples": runs[1]["tests"][f"tg{args.decode}"]["samples_ts"], "cpu_us": per_token}
+            "samples": runs[1]["tests"][f"tg{args.decode}"]["samples_ts"], "cpu_us": per_token,
+            "rate_fa_off": median(fa_off["tests"][f"tg{args.decode}"]["samples_ts"])}
 
 
 async def one_delay(args: argparse.Namespace, model: Path, delay_ms: float | None, stages: list[Proc],
@@ -216,12 +258,13 @@ async def one_delay(args: argparse.Namespace, model: Path, delay_ms: float | Non
                         run_llama_bench, model, args.threads, [args.prefill, n_chat], 0, args.llama_reps, args.poll,
                         rpc_addrs, ts))
                     cpu = {"servers": r["cpu_us"][:HOPS], "links": r["cpu_us"][HOPS:-1], "driver": r["cpu_us"][-1]}
-                    rec["rpc"] = {"decode": r["rate"], "decode_samples": r["samples"],
+                    rec["rpc"] = {"decode": r["rate"], "decode_samples": r["samples"], "decode_fa_off": r["rate_fa_off"],
                                   "prefill": median(pre["tests"][f"pp{args.prefill}"]["samples_ts"]),
                                   "ttft": n_chat / median(pre["tests"][f"pp{n_chat}"]["samples_ts"]), "cpu_us": cpu}
                 else:
                     rate = await trio.to_thread.run_sync(decode_rate, chain, decode_ids, args.decode)
-                    rec["engine"] = {"decode": rate}
+                    gapped = await trio.to_thread.run_sync(idle_gap_decode_rate, chain, decode_ids, args.decode, d)
+                    rec["engine"] = {"decode": rate, "idle_gap_decode": gapped}
             if delay_ms == args.agg_delay:
                 rec["aggregate"] = await aggregate(args, peers, route)
     finally:
@@ -239,7 +282,8 @@ async def one_delay(args: argparse.Namespace, model: Path, delay_ms: float | Non
                                "rpc": [len(carried(p)) for p in rpc_links]}
     compute = 1 / rec["engine"]["decode"]
     wall = 1 / rec["meshd"]["decode"]
-    rec["floor"] = {"decode": 1 / (compute + HOPS * d), "compute_ms": compute * 1000}
+    rec["floor"] = {"decode": 1 / (compute + HOPS * d), "compute_ms": compute * 1000,
+                    "idle_gap_decode": rec["engine"]["idle_gap_decode"]}
     rec["meshd"]["hop_overhead_ms"] = (wall - compute - HOPS * d) / HOPS * 1000
     rec["meshd"]["daemons_hop_overhead_ms"] = (1 / rec["meshd"]["daemons_decode"] - compute - HOPS * d) / HOPS * 1000
     return rec
@@ -357,17 +401,20 @@ def table(out: dict[str, Any]) -> str:
         f"round(s); decode {out['decode_tokens']} tokens, prefill {out['prefill_tokens']} tokens, TTFT for a "
         f"{out['chat_prompt_tokens']}-token chat prompt; one emulated link per stage / rpc-server",
         "",
-        "| one-way delay | meshd decode tok/s | floor tok/s | meshd / floor | RPC decode tok/s | meshd / RPC | "
-        "hop overhead ms | meshd prefill tok/s | RPC prefill tok/s | meshd TTFT ms | RPC TTFT ms (est.) | "
-        "meshd via daemons tok/s (hop ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| one-way delay | meshd decode tok/s | floor tok/s | meshd / floor | idle-gap floor tok/s (meshd / it) | "
+        "RPC decode tok/s | meshd / RPC | "
+        "RPC, flash attention off, tok/s (meshd / it) | hop overhead ms | meshd prefill tok/s | RPC prefill tok/s | "
+        "meshd TTFT ms | RPC TTFT ms (est.) | meshd via daemons tok/s (hop ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, m in med.items():
         label = "direct (no emulator)" if key == "direct" else f"{key} ms"
         lines.append(
             f"| {label} | {m['meshd']['decode']:.1f} | {m['floor']['decode']:.1f} | "
-            f"{m['meshd']['decode'] / m['floor']['decode']:.2f} | {m['rpc']['decode']:.1f} | "
-            f"{m['meshd']['decode'] / m['rpc']['decode']:.2f} | {m['meshd']['hop_overhead_ms']:.2f} | "
+            f"{m['meshd']['decode'] / m['floor']['decode']:.2f} | {m['floor']['idle_gap_decode']:.1f} "
+            f"({m['meshd']['decode'] / m['floor']['idle_gap_decode']:.2f}) | {m['rpc']['decode']:.1f} | "
+            f"{m['meshd']['decode'] / m['rpc']['decode']:.2f} | {m['rpc']['decode_fa_off']:.1f} "
+            f"({m['meshd']['decode'] / m['rpc']['decode_fa_off']:.2f}) | {m['meshd']['hop_overhead_ms']:.2f} | "
             f"{m['meshd']['prefill']:.0f} | {m['rpc']['prefill']:.0f} | {m['meshd']['ttft'] * 1000:.1f} | "
             f"{m['rpc']['ttft'] * 1000:.1f} | {m['meshd']['daemons_decode']:.1f} "
             f"({m['meshd']['daemons_hop_overhead_ms']:.2f}) |")

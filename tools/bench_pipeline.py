@@ -235,9 +235,13 @@ def tensor_split(ranges: list[tuple[int, int]], n_layer: int) -> str:
 
 
 def run_llama_bench(model: Path, threads: int, prompts: list[int], n_gen: int, reps: int, poll: int | None,
-                    rpc: list[str] | None = None, ts: str | None = None, verbose: bool = False) -> dict[str, Any]:
+                    rpc: list[str] | None = None, ts: str | None = None, verbose: bool = False,
+                    flash_attn: bool | None = None) -> dict[str, Any]:
+    """llama-bench's figures; flash_attn None leaves llama.cpp's default (auto: on for the CPU)."""
     cmd = [str(TOOLS / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", ",".join(map(str, prompts)),
            "-n", str(n_gen), "-r", str(reps), "-o", "json"]
+    if flash_attn is not None:
+        cmd += ["-fa", str(int(flash_attn))]
     if poll is not None:
         cmd += ["--poll", str(poll)]
     if rpc:
