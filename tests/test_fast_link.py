@@ -860,6 +860,12 @@ def test_three_workers_wired_into_a_ring_answer_the_whole_models_greedy_tokens(
             # the prompt and every token but the last went round the ring once
             assert stats["engine_calls"] > before[name]["engine_calls"], name
             assert stats["rows"] - before[name]["rows"] == len(prompt) + len(want) - 1, name
+            # the worker's own time on each decode hop: every decode step that came from upstream and sent
+            # its output on (the tail's last sends nothing), and time counted for each
+            calls = stats["decode_calls"] - before[name]["decode_calls"]
+            assert calls == len(want) - (2 if name == "tail" else 1), name
+            for key in ("hop_in_us", "hop_out_us"):
+                assert stats[key] - before[name][key] > 0, (name, key)
         for w in workers.values():
             assert errors_of(w.pending_events()) == []
     finally:

@@ -68,7 +68,16 @@ sys.path.insert(0, str(ROOT))
 
 import trio  # noqa: E402
 from bench_engine import decode_rate  # noqa: E402
-from bench_pipeline import DECODE_TEXT, BenchError, Proc, cpu_ns, median, meshd_decode, start_stage  # noqa: E402
+from bench_pipeline import (  # noqa: E402
+    DECODE_TEXT,
+    BenchError,
+    Proc,
+    cpu_ns,
+    median,
+    meshd_decode,
+    stage_metrics,
+    start_stage,
+)
 
 from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session  # noqa: E402
 from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
@@ -136,7 +145,10 @@ def affinities(stages: list[Proc]) -> dict[str, list[int]]:
 
 async def session(peers: Peers, route: list[Stage], pids: list[int], n: int, fast: bool,
                   stall_timeout: float) -> dict[str, Any]:
-    """One greedy session of n tokens (raw text), and the CPU every watched process and the asker spent on it."""
+    """One greedy session of n tokens (raw text), the CPU every watched process and the asker spent on it, and
+    on the fast path each stage's worker's own software time per decode hop (its hop_in_us and hop_out_us)."""
+    addresses = [s.address for s in route]
+    counts = [await stage_metrics(peers, a) for a in addresses] if fast else []
     before = [cpu_ns(pid) for pid in pids]
     asker = time.process_time_ns()
     result = AskResult()
@@ -145,8 +157,13 @@ async def session(peers: Peers, route: list[Stage], pids: list[int], n: int, fas
     asker = time.process_time_ns() - asker
     spent = [cpu_ns(pid) - b for pid, b in zip(pids, before, strict=True)] + [asker]
     tokens = len(result.tokens)
+    worker_us = []
+    for address, b in zip(addresses, counts, strict=False):
+        a = await stage_metrics(peers, address)
+        calls = max(1.0, a["fast_decode_calls"] - b["fast_decode_calls"])
+        worker_us.append([(a[k] - b[k]) / calls for k in ("fast_hop_in_us", "fast_hop_out_us")])
     return {"rate": result.decode_rate, "tokens": tokens, "ids": list(result.tokens), "reason": result.reason,
-            "cpu_us": [ns / 1000 / max(1, tokens) for ns in spent]}
+            "cpu_us": [ns / 1000 / max(1, tokens) for ns in spent], "worker_us": worker_us}
 
 
 # ----- the run
@@ -268,6 +285,10 @@ def table(out: dict[str, Any]) -> str:
         row("in-process split compute ms/token", [1000 / x for x in inproc], ".3f"),
         row("per-hop overhead ms, fast path (goal ≤ 0.15)", col("fast", "hop_ms"), ".3f"),
         row("per-hop overhead ms, daemons' path", col("daemons", "hop_ms"), ".3f"),
+        *[row(f"stage{i} worker's own µs per decode hop, fast path, mean per hop (step whole to engine call "
+              f"{median([r['fast']['worker_us'][i][0] for r in rounds]):.0f} + engine return to send call "
+              f"{median([r['fast']['worker_us'][i][1] for r in rounds]):.0f})",
+              [sum(r["fast"]["worker_us"][i]) for r in rounds], ".0f") for i in range(HOPS)],
         row("tokens generated, fast path", col("fast", "tokens"), ".0f"),
         row("tokens generated, daemons' path", col("daemons", "tokens"), ".0f"),
         "",

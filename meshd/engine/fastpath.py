@@ -73,6 +73,8 @@ class LinkIn:
         self.sock = sock
         self.opener = opener
         self.step: Step | None = None
+        # when the held step came whole (time.perf_counter)
+        self.whole_at = 0.0
         self.closed = False
         # whether the selector watches it (it does but while a step waits that the engine did not take)
         self.watched = False
@@ -91,6 +93,8 @@ class LinkIn:
                 self.closed = True
                 return
             self.step = self.opener.feed(data)
+            if self.step is not None:
+                self.whole_at = time.perf_counter()
 
 
 class LinkOut:
@@ -102,6 +106,9 @@ class LinkOut:
         self.sealer = sealer
         self.pending = bytearray()
         self.closed = False
+        # when the last frame was sealed, ready for the kernel (time.perf_counter): the send call itself wakes
+        # the downstream, whose process may then take this one's core for a while, off the critical path
+        self.sent_at = 0.0
         # whether the selector watches it for room (it does while frames wait)
         self.watched = False
 
@@ -109,6 +116,7 @@ class LinkOut:
         if self.closed:
             return
         self.pending += self.sealer.seal(kind, pos, n, payload, drafts)
+        self.sent_at = time.perf_counter()
         self.flush()
 
     def flush(self) -> None:
@@ -164,6 +172,8 @@ class Work:
     tokens: np.ndarray | None
     hidden: np.ndarray | None
     drafts: int = 0
+    # when its step came whole from upstream (0: the head's own prompt)
+    arrived: float = 0.0
 
 
 @dataclass
@@ -174,11 +184,16 @@ class FastPlane:
     selector: selectors.BaseSelector
     emit: Emit
     sessions: dict[int, FastSession] = field(default_factory=dict)
-    # what the fast batches did, as the stage service counts its own engine calls (StageMetrics)
+    # what the fast batches did, as the stage service counts its own engine calls (StageMetrics), and the
+    # worker's own time on the decode hop: for each engine call of decode steps that all came from upstream,
+    # µs from the first of them coming whole to the engine call (hop_in_us) and from the call's return to the
+    # last frame's send call (hop_out_us), the software a hop costs inside this process (tools/bench_hop.py)
     stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("engine_calls", "rows", "decode_rows", "session_slots", "multi_session_calls", "max_sessions_per_call",
-         "draft_rewinds"), 0))
+         "draft_rewinds", "decode_calls", "hop_in_us", "hop_out_us"), 0))
     _stats_at: float = 0.0
+    # the last engine call's start and return (time.perf_counter)
+    _called: tuple[float, float] = (0.0, 0.0)
 
     # ----- the daemon's ops
 
@@ -338,7 +353,7 @@ class FastPlane:
             return Work(s, link.step.pos, link.step.n, None, None, link.step.drafts)
         step, link.step = link.step, None
         try:
-            work = self._checked(s, step)
+            work = self._checked(s, step, link.whole_at)
         except SessionFailed as exc:
             self._fail(s, exc.code, str(exc))
             return None
@@ -347,7 +362,7 @@ class FastPlane:
         self._watch_in(link, s)
         return work
 
-    def _checked(self, s: FastSession, step: Step) -> Work:
+    def _checked(self, s: FastSession, step: Step, arrived: float) -> Work:
         """The checks the stage service runs on an activation, with its typed errors."""
         report = self.model.report
         rewinds = s.draft_from is not None and s.draft_from <= step.pos < s.next_pos
@@ -389,7 +404,7 @@ class FastPlane:
             self.ctx.remove(s.seq, step.pos, -1)
             self.stats["draft_rewinds"] += 1
         s.draft_from = step.pos + step.n - step.drafts if step.drafts else None
-        return Work(s, step.pos, step.n, tokens, hidden, step.drafts)
+        return Work(s, step.pos, step.n, tokens, hidden, step.drafts, arrived)
 
     def run(self) -> None:
         """One engine call for one ready step of every session that has one (up to n_batch rows)."""
@@ -425,6 +440,12 @@ class FastPlane:
         st["session_slots"] += len(batch)
         st["multi_session_calls"] += len(batch) > 1
         st["max_sessions_per_call"] = max(st["max_sessions_per_call"], len(batch))
+        called, returned = self._called
+        sent = max((w.session.link_out.sent_at for w in batch if w.session.link_out is not None), default=0.0)
+        if sent > returned and all(w.arrived and w.pos >= w.session.prompt_len for w in batch):
+            st["decode_calls"] += 1
+            st["hop_in_us"] += int((called - min(w.arrived for w in batch)) * 1e6)
+            st["hop_out_us"] += int((sent - returned) * 1e6)
         now = time.monotonic()
         if now - self._stats_at >= STATS_INTERVAL:
             self._stats_at = now
@@ -446,7 +467,9 @@ class FastPlane:
                 # the last row, and one per draft before it; prompt chunks before the last leave only KV
                 want[row - self._sampled_rows(w):row] = True
         try:
+            called = time.perf_counter()
             out = self.ctx.forward(seq, pos, tokens=tokens, hidden=hidden, want_output=want)
+            self._called = (called, time.perf_counter())
         except EngineError as exc:
             if len(batch) > 1:
                 # one session's input the engine refused: run each alone, so only it fails

@@ -329,6 +329,10 @@ class StageService:
             "overloaded": float(counts.overloaded),
             "released": float(counts.released),
             "draft_rewinds": float(counts.rewinds + fast("draft_rewinds")),
+            # the worker's software on fast-path decode hops (totals: FastPlane.stats)
+            "fast_decode_calls": float(fast("decode_calls")),
+            "fast_hop_in_us": float(fast("hop_in_us")),
+            "fast_hop_out_us": float(fast("hop_out_us")),
             "worker_restarts": float(self.engine.restarts),
             "worker_up": float(self.engine.is_up),
         }
