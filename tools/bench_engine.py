@@ -26,12 +26,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+import numpy as np  # noqa: E402
+
 from meshd.engine import Sampler  # noqa: E402
 from meshd.engine.chain import LocalChain, parse_ranges  # noqa: E402
 from meshd.mesh.models import default_model_path  # noqa: E402
 
 
-def decode_rate(chain: LocalChain, prompt: list[int], steps: int) -> float:
+def decode_rate(chain: LocalChain, prompt: list[int], steps: int, gap: float | None = None) -> float:
+    """Greedy decode tok/s of the chain. With ``gap``, each range's call is followed by that many seconds
+    asleep: the split's compute as it runs when each stage waits a link's delay for its input (caches and
+    cores gone cold), with delays that cost no software (tools/bench_network.py's idle-gap floor)."""
     for c in chain.contexts:
         c.clear()
     sampler = Sampler(chain.head)
@@ -40,7 +45,17 @@ def decode_rate(chain: LocalChain, prompt: list[int], steps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
         token = sampler.sample(logits[-1])
-        logits = chain.forward([token], pos)
+        if gap is None:
+            logits = chain.forward([token], pos)
+        else:
+            ids = np.asarray([token], dtype=np.int32)
+            rows: np.ndarray | None = None
+            for i, ctx in enumerate(chain.contexts):
+                takes_ids = i == 0 or ctx.model.report.needs_tokens
+                rows = ctx.forward([0], [pos], tokens=ids if takes_ids else None, hidden=rows)
+                time.sleep(gap)
+            assert rows is not None
+            logits = rows
         pos += 1
     dt = time.perf_counter() - t0
     sampler.close()

@@ -38,7 +38,7 @@ Figures:
   off (its kernels sum in a batch-dependent order), so the RPC decode is also
   given with -fa 0, the same attention as meshd's.
 * idle-gap floor tok/s: the in-process split again, sleeping the one-way delay
-  after each range's call (idle_gap_decode_rate): compute as it runs when a
+  after each range's call (bench_engine.decode_rate's gap): compute as it runs when a
   stage waits for its input, caches and cores gone cold, plus delays that cost
   no software (the sleep's own lateness, about 0.1 ms, is in it). Not the
   issue's floor: it shows how much of the hop overhead at a delay is this box
@@ -91,7 +91,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-import numpy as np  # noqa: E402
 import trio  # noqa: E402
 from bench_engine import decode_rate  # noqa: E402
 from bench_pipeline import (  # noqa: E402
@@ -116,7 +115,6 @@ from bench_pipeline import (  # noqa: E402
 
 from meshd.client.ask import Stage, route_at  # noqa: E402
 from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
-from meshd.engine.engine import Sampler  # noqa: E402
 from meshd.mesh.models import default_model_path  # noqa: E402
 from meshd.net.peers import Peers, open_peers  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
@@ -161,31 +159,6 @@ def stop_all(procs: list[Proc]) -> None:
 
 
 # ----- one delay
-
-
-def idle_gap_decode_rate(chain: LocalChain, prompt: list[int], steps: int, gap: float) -> float:
-    """decode_rate with ``gap`` seconds asleep after each range's call: the split's compute as it runs when
-    each stage waits a link's delay for its input (caches and cores gone cold), with delays that cost no
-    software. Its tok/s is what a hop that costs nothing would reach on this box."""
-    for c in chain.contexts:
-        c.clear()
-    sampler = Sampler(chain.head)
-    logits = chain.forward(prompt, 0)
-    pos = len(prompt)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        ids = np.asarray([sampler.sample(logits[-1])], dtype=np.int32)
-        rows: np.ndarray | None = None
-        for i, ctx in enumerate(chain.contexts):
-            takes_ids = i == 0 or ctx.model.report.needs_tokens
-            rows = ctx.forward([0], [pos], tokens=ids if takes_ids else None, hidden=rows)
-            time.sleep(gap)
-        assert rows is not None
-        logits = rows
-        pos += 1
-    dt = time.perf_counter() - t0
-    sampler.close()
-    return steps / dt
 
 
 def children_cpu_ns() -> int:
@@ -263,7 +236,7 @@ async def one_delay(args: argparse.Namespace, model: Path, delay_ms: float | Non
                                   "ttft": n_chat / median(pre["tests"][f"pp{n_chat}"]["samples_ts"]), "cpu_us": cpu}
                 else:
                     rate = await trio.to_thread.run_sync(decode_rate, chain, decode_ids, args.decode)
-                    gapped = await trio.to_thread.run_sync(idle_gap_decode_rate, chain, decode_ids, args.decode, d)
+                    gapped = await trio.to_thread.run_sync(decode_rate, chain, decode_ids, args.decode, d)
                     rec["engine"] = {"decode": rate, "idle_gap_decode": gapped}
             if delay_ms == args.agg_delay:
                 rec["aggregate"] = await aggregate(args, peers, route)
