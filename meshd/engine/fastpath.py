@@ -457,8 +457,9 @@ class FastPlane:
         report = self.model.report
         takes_ids = report.has_input or report.needs_tokens
         if len(batch) == 1:
-            # a decode step alone, the common case: its arrays as they are (each numpy call here cost about
-            # 10 µs of a hop's 110 from a step's arrival to its engine call, a worker woken with cold caches)
+            # a decode step alone, the common case: its arrays as they are (timestamps in the workers over
+            # tools/bench_hop.py here: building the batch's arrays took 40 µs of the 110 from a step's arrival
+            # to its engine call, in a worker woken with cold caches)
             w = batch[0]
             seq = np.full(w.n, w.session.seq, dtype=np.int32)
             pos = np.arange(w.pos, w.pos + w.n, dtype=np.int32)
@@ -559,8 +560,9 @@ class FastPlane:
         if not s.stopped and s.link_out is not None:
             # The ring's token goes before the daemon hears of it: the head's next step is the critical path,
             # and the daemon's wake-up, on a busy box, took the tail's core for a while before it went
-            # (tools/bench_hop.py here: 0.37 ms from the tail's logits to the ring's send, 0.27 ms in this
-            # order). The last pick goes at the first position the drafts did not get right.
+            # (timestamps in the workers over tools/bench_hop.py here: 0.37 ms from the tail's logits to the
+            # ring's send, 0.27 ms in this order). The last pick goes at the first position the drafts did not
+            # get right.
             pos = w.pos + w.n - w.drafts + accepted
             if s.drafter is not None and s.length is not None:
                 # drafts never run past the session's positions or its last token
