@@ -107,12 +107,12 @@ class CallTimer:
         self.forward_n[index] = 0
 
         async def call(header: dict[str, Any], payload: bytes | memoryview = b"",
-                       timeout: float | None = None) -> tuple[dict[str, Any], bytearray]:
+                       timeout: float | None = None, fds: tuple[int, ...] = ()) -> tuple[dict[str, Any], bytearray]:
             if header.get("op") != "forward":
-                return await inner(header, payload, timeout)
+                return await inner(header, payload, timeout, fds)
             t0 = time.perf_counter()
             try:
-                return await inner(header, payload, timeout)
+                return await inner(header, payload, timeout, fds)
             finally:
                 self.forward_s[index] += time.perf_counter() - t0
                 self.forward_n[index] += 1
