@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import termios
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -780,6 +781,12 @@ def unread_bytes(sock: socket.socket) -> int:
     return buf[0]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of a process (every thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_a_downstream_that_never_reads_stalls_only_its_session(workers: dict[str, RawWorker],
                                                                  mid_ref: Reference) -> None:
     mid = workers["mid"]
@@ -797,6 +804,11 @@ def test_a_downstream_that_never_reads_stalls_only_its_session(workers: dict[str
         frame = LENGTH.size + STEP.size + n * W * 4 + TAG_BYTES
         held = unread_bytes(stalled.down)
         assert 0 < held < steps * frame, f"{held} bytes downstream: the output did not back up"
+        # a step held, more bytes behind it upstream, no room downstream: the worker waits, it does not
+        # wake for those bytes again and again (the selector is level-triggered)
+        spent = cpu_seconds(mid.pid)
+        time.sleep(1.0)
+        assert cpu_seconds(mid.pid) - spent < 0.2, "the worker spun while its session's step was held"
         # the worker is not blocked: an honest session beside it runs, exactly
         for step in HONEST_MID:
             honest.send(*step)
