@@ -7,7 +7,11 @@ written to the other side `delay` later (plus uniform jitter in [0, jitter),
 plus the time a `rate` cap takes to serialise it). Byte order is kept (jitter
 never lets a chunk overtake the one before it), so it carries anything that
 runs over TCP: meshd links (websocket over TCP, Noise inside) and llama.cpp RPC
-alike. Every direction holds at most `buffer_bytes` in flight: once that much is
+alike. A new connection costs what TCP's handshake costs over such a link: the
+proxy accepts at once and connects onward at once, but the client's first bytes
+reach the far side no sooner than three one-way delays after the connection
+began (SYN, SYN-ACK, then the data), and the far side's no sooner than four.
+Every direction holds at most `buffer_bytes` in flight: once that much is
 waiting for its delay the proxy stops reading, and TCP's own flow control pushes
 back on the sender. At most `max_connections` are carried at once; more are
 closed on arrival.
@@ -60,11 +64,12 @@ class LinkSpec:
 class Schedule:
     """When each chunk of one direction reaches the far side: sans-IO, fed sizes and `now`."""
 
-    def __init__(self, spec: LinkSpec, rng: random.Random) -> None:
+    def __init__(self, spec: LinkSpec, rng: random.Random, not_before: float = -float("inf")) -> None:
         self.spec = spec
         self.rng = rng
         self.wire_free = -float("inf")  # when the rate-capped wire finishes its last chunk
-        self.last_due = -float("inf")
+        # no chunk arrives before this (a new connection's handshake), nor before the chunk ahead of it
+        self.last_due = not_before
 
     def due(self, size: int, now: float) -> float:
         sent = now
@@ -137,16 +142,18 @@ class Counter:
 
 
 async def carry(src: trio.abc.ReceiveStream, dst: trio.abc.SendStream, spec: LinkSpec,
-                rng: random.Random | None = None, counters: tuple[Counter, ...] = ()) -> None:
+                rng: random.Random | None = None, counters: tuple[Counter, ...] = (),
+                not_before: float = -float("inf")) -> None:
     """Moves bytes from `src` to `dst`, each chunk `spec`'s delay after it was read, until `src` ends.
 
     The reader stamps a chunk as it arrives and queues it; the writer sleeps until
     the stamp and sends. The queue holds buffer_bytes // chunk chunks, so the
     reader stops reading (and the sender's TCP window fills) when that much is
     in flight. At the end `dst` is half-closed where it can be, so either side's
-    EOF reaches the other. Every counter in `counters` counts what was read.
+    EOF reaches the other. Every counter in `counters` counts what was read. No chunk
+    arrives before `not_before` (trio time).
     """
-    schedule = Schedule(spec, rng or random.Random())
+    schedule = Schedule(spec, rng or random.Random(), not_before)
     send, receive = trio.open_memory_channel[tuple[float, bytes | bytearray]](spec.buffer_bytes // spec.chunk)
 
     async def read() -> None:
@@ -212,10 +219,15 @@ class LinkEmulator:
                 except OSError:
                     return  # the client sees its connection closed, as it would with nothing listening
                 async with server:
+                    # TCP's handshake over the link: the client may send once SYN-ACK is back (two delays),
+                    # its bytes arrive one more delay later; the far side answers no sooner
+                    began, d = trio.current_time(), self.spec.delay
                     try:
                         async with trio.open_nursery() as nursery:
-                            nursery.start_soon(carry, client, server, self.spec, random.Random(rng.random()), (up, self.up))
-                            nursery.start_soon(carry, server, client, self.spec, random.Random(rng.random()), (down, self.down))
+                            nursery.start_soon(carry, client, server, self.spec, random.Random(rng.random()), (up, self.up),
+                                               began + 3 * d)
+                            nursery.start_soon(carry, server, client, self.spec, random.Random(rng.random()),
+                                               (down, self.down), began + 4 * d)
                     except* (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass  # one side reset: both are closed on the way out
             finally:
