@@ -35,6 +35,7 @@ import contextlib
 import fcntl
 import itertools
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -56,6 +57,7 @@ from localmesh import Served, serving
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.engine.chain import LocalChain
 from meshd.engine.engine import Context, Model
+from meshd.engine.fastpath import FastPlane
 from meshd.engine.supervisor import WorkerSpec
 from meshd.engine.workerproto import encode_prefix, take_frames
 from meshd.net import fastconn
@@ -334,6 +336,100 @@ def test_a_key_of_the_wrong_size_is_refused(size: int) -> None:
         Sealer(bytes(size))
     with pytest.raises(ValueError):
         Opener(bytes(size), WIDTH, MAX_ROWS)
+
+
+# ====================================================================== the worker's plane, on a fake engine
+
+
+@dataclass
+class FakeMiddleReport:
+    """A middle stage's report, for a fake engine: rows in, rows out."""
+
+    has_input: bool = False
+    has_output: bool = False
+    needs_tokens: bool = False
+    stage_width: int = WIDTH
+    n_vocab: int = 100
+
+
+@dataclass
+class FakeMiddleModel:
+    report: FakeMiddleReport
+
+
+class FakeEchoContext:
+    """A fake engine context (not llama.cpp): gives each row back as it came, and records which
+    sessions each call took; the plane's own logic is what is under test."""
+
+    n_seq_max, n_ctx_seq, n_batch = 4, 4096, MAX_ROWS
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def forward(self, seq: np.ndarray, pos: np.ndarray, tokens: np.ndarray | None = None,
+                hidden: np.ndarray | None = None, want_output: np.ndarray | None = None) -> np.ndarray:
+        self.calls.append(sorted({int(x) for x in seq}))
+        assert hidden is not None
+        return hidden
+
+
+def test_a_step_that_does_not_fit_the_batch_waits_unwatched_and_runs_next() -> None:
+    """Two sessions' steps that do not fit one engine call together: the second waits for the next
+    pass, its connection unwatched meanwhile (the selector is level-triggered), then watched again;
+    decode steps of both share one call."""
+    selector = selectors.DefaultSelector()
+    ctx = FakeEchoContext()
+    plane = FastPlane(FakeMiddleModel(FakeMiddleReport()), ctx, {}, selector, lambda event: None)
+    n = MAX_ROWS // 2 + 1  # two of them are over the batch
+    ends = {}
+    for seq in (0, 1):
+        plane.open({"seq": seq, "tag": seq + 1, "max_pos": n + 4, "prompt_len": n})
+        up, up_theirs = socket.socketpair()
+        down, down_theirs = socket.socketpair()
+        ends[seq] = (up, down, Sealer(KEY), Opener(OTHER_KEY, WIDTH, MAX_ROWS))
+        up.sendall(ends[seq][2].seal(ROWS, 0, n, rows_of(n, WIDTH, seed=seq)))
+        plane.link({"seq": seq, "tag": seq + 1, "key": OTHER_KEY, "out": True}, down_theirs)
+        plane.link({"seq": seq, "tag": seq + 1, "key": KEY, "out": False}, up_theirs)
+    watched = {key.fileobj for key in selector.get_map().values()}
+    assert all(getattr(plane.sessions[seq].link_in, "sock", None) in watched for seq in (0, 1))
+
+    plane.run()
+    assert ctx.calls == [[0]]
+    held = plane.sessions[1].link_in
+    assert held is not None and held.step is not None
+    assert held.sock not in {key.fileobj for key in selector.get_map().values()}
+    assert plane.ready()
+    plane.run()
+    assert ctx.calls == [[0], [1]]
+    assert held.sock in {key.fileobj for key in selector.get_map().values()}
+
+    def rows_back(seq: int) -> Step:
+        _, down, _, opener = ends[seq]
+        down.settimeout(DEADLINE)
+        while (step := opener.feed(down.recv(opener.wanted()))) is None:
+            pass
+        return step
+
+    for seq in (0, 1):
+        step = rows_back(seq)
+        assert (step.pos, step.n, step.rows) == (0, n, rows_of(n, WIDTH, seed=seq))
+        ends[seq][0].sendall(ends[seq][2].seal(ROWS, n, 1, rows_of(1, WIDTH, seed=10 + seq)))
+    def both_held() -> bool:
+        return all(getattr(plane.sessions[seq].link_in, "step", None) is not None for seq in (0, 1))
+
+    deadline = time.monotonic() + DEADLINE
+    while not both_held() and time.monotonic() < deadline:
+        for key, mask in selector.select(1.0):
+            plane.on_ready(key.data, mask)
+    plane.run()
+    assert ctx.calls[-1] == [0, 1], "decode steps of both sessions in one engine call"
+    for seq in (0, 1):
+        assert rows_back(seq).rows == rows_of(1, WIDTH, seed=10 + seq)
+    for seq in (0, 1):
+        plane.drop(seq)
+        for sock in ends[seq][:2]:
+            sock.close()
+    selector.close()
 
 
 # ====================================================================== engine workers, driven as a daemon would
