@@ -192,8 +192,8 @@ class FastPlane:
         ("engine_calls", "rows", "decode_rows", "session_slots", "multi_session_calls", "max_sessions_per_call",
          "draft_rewinds", "decode_calls", "hop_in_us", "hop_out_us"), 0))
     _stats_at: float = 0.0
-    # the last engine call's start and return (time.perf_counter)
-    _called: tuple[float, float] = (0.0, 0.0)
+    # the pass's engine call's start and return (time.perf_counter); None: it did not run as one call
+    _called: tuple[float, float] | None = None
 
     # ----- the daemon's ops
 
@@ -431,6 +431,7 @@ class FastPlane:
                 self._unwatch(link.sock)
                 link.watched = False
         if batch:
+            self._called = None
             self._run(batch)
             self._count(batch)
 
@@ -442,9 +443,10 @@ class FastPlane:
         st["session_slots"] += len(batch)
         st["multi_session_calls"] += len(batch) > 1
         st["max_sessions_per_call"] = max(st["max_sessions_per_call"], len(batch))
-        called, returned = self._called
         sent = max((w.session.link_out.sent_at for w in batch if w.session.link_out is not None), default=0.0)
-        if sent > returned and all(w.arrived and w.pos >= w.session.prompt_len for w in batch):
+        if self._called is not None and sent > self._called[1] and all(
+                w.arrived and w.pos >= w.session.prompt_len for w in batch):
+            called, returned = self._called
             st["decode_calls"] += 1
             st["hop_in_us"] += int((called - min(w.arrived for w in batch)) * 1e6)
             st["hop_out_us"] += int((sent - returned) * 1e6)
@@ -490,6 +492,7 @@ class FastPlane:
                 for w in batch:
                     if not w.session.failed:
                         self._run([w])
+                self._called = None
                 return
             self._fail(batch[0].session, ErrorCode.BAD_REQUEST, f"the engine refused: {exc}")
             return
