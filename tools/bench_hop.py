@@ -53,7 +53,6 @@ The stage processes are started with this interpreter and inherit PYTHONPATH.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -75,8 +74,10 @@ from bench_pipeline import (  # noqa: E402
     cpu_ns,
     median,
     meshd_decode,
+    publish,
     stage_metrics,
     start_stage,
+    write_json,
 )
 
 from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session  # noqa: E402
@@ -175,12 +176,6 @@ def model_layers(model: Path) -> int:
         return m.report.n_layer
     finally:
         m.close()
-
-
-def write_json(path: Path | None, out: dict[str, Any]) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2))
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -343,10 +338,7 @@ def main() -> int:
     except (BenchError, trio.TooSlowError) as exc:
         print(f"bench_hop: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    text = table(out)
-    print(text)
-    out["table"] = text
-    write_json(args.json, out)
+    publish(out, table(out), args.json)
     return 0 if all(r["exact"] for r in out["samples"]) else 3
 
 

@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import re
@@ -106,11 +105,13 @@ from bench_pipeline import (  # noqa: E402
     meshd_prefill,
     meshd_ttft,
     prompt_tokens,
+    publish,
     rpc_layer_devices,
     run_llama_bench,
     start_rpc_server,
     start_stage,
     tensor_split,
+    write_json,
 )
 
 from meshd.client.ask import Stage, route_at  # noqa: E402
@@ -343,11 +344,6 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def write_json(path: Path, out: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-
-
 def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per delay, the median of every figure over the rounds (lists element-wise)."""
     def merge(values: list[Any]) -> Any:
@@ -460,10 +456,7 @@ def main() -> int:
     except BenchError as exc:
         print(f"bench_network: {exc}", file=sys.stderr)
         return 1
-    text = table(out)
-    print(text)
-    out["table"] = text
-    write_json(args.json, out)
+    publish(out, table(out), args.json)
     return 0
 
 

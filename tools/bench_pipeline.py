@@ -353,6 +353,20 @@ async def stage_metrics(peers: Peers, address: str) -> dict[str, float]:
 # ----- the run
 
 
+def write_json(path: Path | None, out: dict[str, Any]) -> None:
+    """Every figure a benchmark measured, as JSON (nothing where no path is given)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2))
+
+
+def publish(out: dict[str, Any], text: str, path: Path | None) -> None:
+    """A benchmark's table on stdout, and with every figure in the JSON."""
+    print(text)
+    out["table"] = text
+    write_json(path, out)
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -600,12 +614,7 @@ def main() -> int:
     except BenchError as exc:
         print(f"bench_pipeline: {exc}", file=sys.stderr)
         return 1
-    text = table(out)
-    print(text)
-    out["table"] = text
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+    publish(out, table(out), args.json)
     return 0
 
 

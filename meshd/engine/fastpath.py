@@ -443,13 +443,13 @@ class FastPlane:
         st["session_slots"] += len(batch)
         st["multi_session_calls"] += len(batch) > 1
         st["max_sessions_per_call"] = max(st["max_sessions_per_call"], len(batch))
-        sent = max((w.session.link_out.sent_at for w in batch if w.session.link_out is not None), default=0.0)
-        if self._called is not None and sent > self._called[1] and all(
-                w.arrived and w.pos >= w.session.prompt_len for w in batch):
+        if self._called is not None and all(w.arrived and w.pos >= w.session.prompt_len for w in batch):
             called, returned = self._called
-            st["decode_calls"] += 1
-            st["hop_in_us"] += int((called - min(w.arrived for w in batch)) * 1e6)
-            st["hop_out_us"] += int((sent - returned) * 1e6)
+            sent = max((w.session.link_out.sent_at for w in batch if w.session.link_out is not None), default=0.0)
+            if sent > returned:
+                st["decode_calls"] += 1
+                st["hop_in_us"] += int((called - min(w.arrived for w in batch)) * 1e6)
+                st["hop_out_us"] += int((sent - returned) * 1e6)
         now = time.monotonic()
         if now - self._stats_at >= STATS_INTERVAL:
             self._stats_at = now

@@ -192,15 +192,14 @@ class StageMetrics:
         self.fast_before: collections.Counter[str] = collections.Counter()
 
     def fast_count(self, key: str) -> int:
-        if key == "max_sessions_per_call":
-            return max(self.fast.get(key, 0), self.fast_before[key])
-        return self.fast.get(key, 0) + self.fast_before[key]
+        """The workers' counts of ``key`` as one: a maximum stays a maximum, a count adds up."""
+        before, now = self.fast_before[key], self.fast.get(key, 0)
+        return max(before, now) if key == "max_sessions_per_call" else before + now
 
     def worker_gone(self) -> None:
         """The worker and its counts are gone: what it last told is kept."""
-        before = self.fast_before
-        for key, value in self.fast.items():
-            before[key] = max(before[key], value) if key == "max_sessions_per_call" else before[key] + value
+        for key in self.fast:
+            self.fast_before[key] = self.fast_count(key)
         self.fast = {}
 
     def record_call(self, sessions: int, rows: int, seconds: float, decode_rows: int) -> None:
