@@ -57,7 +57,7 @@ from localmesh import Served, serving
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.engine.chain import LocalChain
 from meshd.engine.engine import Context, Model
-from meshd.engine.fastpath import FastPlane
+from meshd.engine.fastpath import FastPlane, HeldEvents
 from meshd.engine.supervisor import WorkerSpec
 from meshd.engine.workerproto import encode_prefix, take_frames
 from meshd.net import fastconn
@@ -379,7 +379,7 @@ def test_a_step_that_does_not_fit_the_batch_waits_unwatched_and_runs_next() -> N
     decode steps of both share one call."""
     selector = selectors.DefaultSelector()
     ctx = FakeEchoContext()
-    plane = FastPlane(FakeMiddleModel(FakeMiddleReport()), ctx, {}, selector, lambda event: None)
+    plane = FastPlane(FakeMiddleModel(FakeMiddleReport()), ctx, {}, selector, lambda events: None)
     n = MAX_ROWS // 2 + 1  # two of them are over the batch
     ends = {}
     for seq in (0, 1):
@@ -430,6 +430,41 @@ def test_a_step_that_does_not_fit_the_batch_waits_unwatched_and_runs_next() -> N
         for sock in ends[seq][:2]:
             sock.close()
     selector.close()
+
+
+# ====================================================================== the tail's stream of tokens to its daemon
+
+
+def token_events(*tokens: int) -> list[dict[str, Any]]:
+    return [{"ev": "token", "token": t} for t in tokens]
+
+
+def test_held_tokens_are_told_together_once_the_first_has_waited_the_interval() -> None:
+    held = HeldEvents(interval=0.05)
+    assert held.timeout(10.0) is None
+    assert held.hold(token_events(1), 10.0) == []
+    assert held.timeout(10.01) == pytest.approx(0.04)
+    assert held.hold(token_events(2), 10.03) == []
+    assert held.due(10.049) == []
+    assert held.due(10.05) == token_events(1, 2)
+    assert held.timeout(10.05) is None and held.due(11.0) == []
+    # the interval counts from the first event held, not from the last telling
+    assert held.hold(token_events(3), 20.0) == []
+    assert held.hold(token_events(4), 20.06) == token_events(3, 4)
+
+
+def test_a_token_told_at_once_takes_the_held_ones_along_in_order() -> None:
+    held = HeldEvents(interval=0.05)
+    assert held.hold(token_events(1, 2), 1.0) == []
+    assert held.hold(token_events(3), 1.01, at_once=True) == token_events(1, 2, 3)
+    assert held.timeout(1.01) is None
+    assert held.hold([], 1.02) == [] and held.timeout(1.02) is None, "nothing held, nothing due"
+
+
+def test_with_no_interval_every_token_is_told_as_it_comes() -> None:
+    held = HeldEvents(interval=0.0)
+    assert held.hold(token_events(1), 5.0) == token_events(1)
+    assert held.hold(token_events(2, 3), 5.0) == token_events(2, 3)
 
 
 # ====================================================================== engine workers, driven as a daemon would
@@ -1002,6 +1037,31 @@ def test_a_tail_whose_ring_comes_after_its_rows_still_sends_the_head_its_token(w
         assert unread_bytes(ring.down) > 0, f"the tail sampled {token['token']} and sent the head nothing"
         [step] = ring.read(1)
         assert (step.kind, step.pos, step.n, step.ids) == (TOKENS, n, 1, ids_of(token["token"]))
+    finally:
+        tail.forget(seq)
+        tail.ok({"op": "sampler_free", "sid": seq})
+        ring.close()
+
+
+def test_a_tail_tells_its_daemon_a_held_token_when_no_step_comes_after_it(workers: dict[str, RawWorker]) -> None:
+    """The first token is told at once; the second is held for the ones after it (STREAM_INTERVAL),
+    and with no step coming after it the worker's timer tells it: no token waits on the next one."""
+    tail = workers["tail"]
+    seq, n = 2, 4
+    tail.ok({"op": "sampler_new", "sid": seq, "params": {}})
+    ring = tail.fast_session(seq, prompt_len=n, history=[5, 6, 7, 8], prefill=[(ROWS, 0, n, rows_of(n, W, seed=3))])
+    try:
+        def told(e: dict[str, Any]) -> bool:
+            return e.get("ev") in ("token", "error") and e.get("tag") == ring.tag
+
+        first = tail.event(told)
+        assert first["ev"] == "token", first
+        [step] = ring.read(1)
+        assert step.ids == ids_of(first["token"])
+        ring.send(ROWS, n, 1, rows_of(1, W, seed=4))
+        [step] = ring.read(1)
+        second = tail.event(told)
+        assert second["ev"] == "token" and step.ids == ids_of(second["token"]), second
     finally:
         tail.forget(seq)
         tail.ok({"op": "sampler_free", "sid": seq})

@@ -524,6 +524,12 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 await maybe
 
     for epoch in range(attempts):
+        if result.tokens and len(result.tokens) >= request.max_tokens:
+            # every token asked for came before the route failed, only the tail's Done did not: a new
+            # route would generate one more (a session asks at least one)
+            result.reason, result.finished_at = "max_tokens", time.perf_counter()
+            progressed()
+            return result
         route = await find_route(list(result.excluded))
         log.debug("epoch %d of session %s: route %s", epoch, session[:12],
                   " ".join(f"{s.node_id or s.address}{list(s.layers or ())}" for s in route))

@@ -19,6 +19,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,10 +60,10 @@ class Worker:
         # descriptors that came with requests (SCM_RIGHTS), in order, for the ops that take them
         self.fds: list[int] = []
 
-    def _emit(self, event: dict[str, Any]) -> None:
-        """An event for the daemon, unasked (a fast session's sampled token, its failure)."""
+    def _emit(self, events: list[dict[str, Any]]) -> None:
+        """Events for the daemon, unasked (a fast session's sampled tokens, its failure), in one write."""
         if self.events is not None:
-            send_frame(self.events, encode_prefix(event, 0), b"")
+            send_parts(self.events, [part for event in events for part in frame_parts(encode_prefix(event, 0), b"")])
 
     def handle(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
         op = h.get("op")
@@ -297,7 +298,7 @@ def serve(sock: socket.socket, worker: Worker) -> None:
     plane = worker.plane
     worker.selector.register(sock, selectors.EVENT_READ, None)
     while True:
-        for key, mask in worker.selector.select(0.0 if plane.ready() else None):
+        for key, mask in worker.selector.select(0.0 if plane.ready() else plane.timeout(time.monotonic())):
             if key.data is None:
                 # the daemon waits for each reply, but a frame may have come with the one before it
                 while True:
@@ -308,6 +309,7 @@ def serve(sock: socket.socket, worker: Worker) -> None:
             else:
                 plane.on_ready(key.data, mask)
         plane.run()
+        plane.on_timer(time.monotonic())
 
 
 def answer(sock: socket.socket, reader: FrameReader, worker: Worker) -> bool:
@@ -335,7 +337,10 @@ def answer(sock: socket.socket, reader: FrameReader, worker: Worker) -> bool:
 
 
 def send_frame(sock: socket.socket, head: bytes, payload: bytes | memoryview) -> None:
-    parts = frame_parts(head, payload)
+    send_parts(sock, frame_parts(head, payload))
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
     while parts:
         drop_sent(parts, sock.sendmsg(parts))
 
