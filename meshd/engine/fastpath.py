@@ -56,10 +56,11 @@ _RECV_BYTES = 256 << 10
 # How often, at most, the worker tells its daemon what its fast batches did (the console's live figures)
 STATS_INTERVAL = 1.0
 # How long, at most, a sampled token waits for the ones after it before the tail tells its daemon (a
-# session's first and last go at once). Each telling wakes the daemon, which wakes the asker: on this 2-core
-# box (tools/bench_hop.py, default model, 255 tokens) that cost the tail's daemon 447 µs and the asker 556 µs
-# of CPU per token told alone, and the ring 0.83 ms per hop over the in-process split; told every 50 ms
-# (2-3 tokens), 214 and 250 µs, and 0.41 ms per hop. A text stream in 50 ms pieces still reads as it comes.
+# session's first and last go at once). Each telling wakes the daemon, which wakes the asker, on a core the
+# ring's next stage may want: side by side on this 2-core box (tools/bench_hop.py, default model, 255
+# tokens, 2 x 3 rounds alternated), telling every token cost the tail's daemon 283 and 246 µs of CPU per
+# token and the asker 352 and 288; told every 50 ms (2-3 tokens), 163 and 153, and 183 and 178. (The
+# ring's decode rate moved less than this box's noise.) A text stream in 50 ms pieces still reads as it comes.
 STREAM_INTERVAL = 0.05
 
 # The worker's word to its daemon: events (a session's tokens, its failure, the batches' figures), in order
