@@ -117,7 +117,8 @@ async def test_cancel_frees_kv_on_every_stage_at_once(stages: list[Served], peer
     result = AskResult()
     # a hang is a failure here, not a pass
     with trio.fail_after(60), pytest.raises(Cancelled):
-        await run_session(peers, route, request(PROMPTS[1], max_tokens=500), result, on_token=count)
+        # the pancake recipe runs past 200 tokens: the session is live at the tenth
+        await run_session(peers, route, request(PROMPTS[4], max_tokens=500), result, on_token=count)
     assert len(seen) == 10 and result.tokens == seen
     assert [(m["sessions"], m["kv_tokens"] > len(result.prompt_tokens)) for m in during] == [(1.0, True)] * 3
     # run_session returns once every stage has said Released: the KV is off every stage's books
@@ -142,7 +143,9 @@ async def test_killed_engine_worker_fails_session_fast_then_recovers(
     # "fast" is not a time: the stage must see the death itself (its socket or its exit), not
     # wait out the engine call's deadline; the outer deadline only bounds a hang
     with pytest.raises(ProtocolError) as err, trio.fail_after(ASK_DEADLINE):
-        await run_session(peers, route, request(PROMPTS[0], max_tokens=500), result, on_token=kill_middle_worker)
+        # a long answer (the pancake recipe runs past 200 tokens): the tail tells tokens in 50 ms pieces
+        # (fastpath.STREAM_INTERVAL), and a short one could be whole before the fifth token reached us
+        await run_session(peers, route, request(PROMPTS[4], max_tokens=500), result, on_token=kill_middle_worker)
     print(f"typed error {err.value.code.value} after SIGKILL: {err.value.message}")
     assert killed
     assert err.value.code in (ErrorCode.INTERNAL, ErrorCode.UNREACHABLE)
