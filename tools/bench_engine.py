@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -25,8 +26,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-
-import numpy as np  # noqa: E402
 
 from meshd.engine import Sampler  # noqa: E402
 from meshd.engine.chain import LocalChain, parse_ranges  # noqa: E402
@@ -45,17 +44,7 @@ def decode_rate(chain: LocalChain, prompt: list[int], steps: int, gap: float | N
     t0 = time.perf_counter()
     for _ in range(steps):
         token = sampler.sample(logits[-1])
-        if gap is None:
-            logits = chain.forward([token], pos)
-        else:
-            ids = np.asarray([token], dtype=np.int32)
-            rows: np.ndarray | None = None
-            for i, ctx in enumerate(chain.contexts):
-                takes_ids = i == 0 or ctx.model.report.needs_tokens
-                rows = ctx.forward([0], [pos], tokens=ids if takes_ids else None, hidden=rows)
-                time.sleep(gap)
-            assert rows is not None
-            logits = rows
+        logits = chain.forward([token], pos, after_stage=None if gap is None else functools.partial(time.sleep, gap))
         pos += 1
     dt = time.perf_counter() - t0
     sampler.close()

@@ -64,8 +64,10 @@ class LocalChain:
         for m in self.models:
             m.close()
 
-    def forward(self, tokens: Sequence[int], start_pos: int, want_all: bool = False) -> np.ndarray:
-        """Logits of the last row (or of every row with want_all) after all stages."""
+    def forward(self, tokens: Sequence[int], start_pos: int, want_all: bool = False,
+                after_stage: Callable[[], None] | None = None) -> np.ndarray:
+        """Logits of the last row (or of every row with want_all) after all stages; ``after_stage`` is
+        called after each stage's call (tools/bench_engine.py waits a link's delay there)."""
         n = len(tokens)
         pos = np.arange(start_pos, start_pos + n, dtype=np.int32)
         seq = np.zeros(n, dtype=np.int32)
@@ -80,6 +82,8 @@ class LocalChain:
                 ids = tokens if ctx.model.report.needs_tokens else None
                 out = ctx.forward(seq, pos, tokens=ids, hidden=hidden, want_output=want if last else None)
             hidden = out
+            if after_stage is not None:
+                after_stage()
         assert hidden is not None
         return hidden
 

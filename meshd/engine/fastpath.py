@@ -387,10 +387,9 @@ class FastPlane:
         link = s.link_in
         return None if link is None or link.step is None else link.step.n
 
-    def _next(self, s: FastSession) -> Work | None:
-        """Takes the session's next step (``_ready_rows`` said there is one), checked."""
+    def _next(self, s: FastSession, n: int) -> Work | None:
+        """Takes the session's next step, of the ``n`` rows ``_ready_rows`` said it has, checked."""
         if s.prompt is not None and self.model.report.has_input:
-            n = min(s.chunk, len(s.prompt) - s.next_pos)
             tokens = s.prompt[s.next_pos:s.next_pos + n]
             if s.next_pos + n >= len(s.prompt):
                 s.prompt = None
@@ -461,7 +460,7 @@ class FastPlane:
             n = self._ready_rows(s)
             if n is None or rows + n > self.ctx.n_batch and batch:
                 continue
-            work = self._next(s)
+            work = self._next(s, n)
             if work is not None:
                 s.next_pos = work.pos + work.n
                 batch.append(work)
@@ -520,7 +519,7 @@ class FastPlane:
             hidden = None if report.has_input else np.concatenate([w.hidden for w in batch if w.hidden is not None])
         # (None: the last row alone, Context.forward's default and a decode step's one sampled row)
         want = None
-        if report.has_output and not (len(batch) == 1 and self._sampled_rows(batch[0]) == 1 and len(pos) == 1):
+        if report.has_output and not (len(pos) == 1 and self._sampled_rows(batch[0]) == 1):
             want = np.zeros(len(pos), dtype=bool)
             row = 0
             for w in batch:

@@ -1110,11 +1110,12 @@ class StageService:
             if s.draft_length is not None:
                 s.draft_length.record(w.drafts, accepted)
         taken: list[tuple[int, bytes, Emitted]] = []
-        for token, eog, piece in picks[:accepted + 1]:
-            emitted = self._take(s, token, eog, bytes(piece), now)
+        for token, eog, raw in picks[:accepted + 1]:
+            piece = bytes(raw)
+            emitted = self._take(s, token, eog, piece, now)
             if emitted is None:
                 break
-            taken.append((token, bytes(piece), emitted))
+            taken.append((token, piece, emitted))
             if not emitted.feed:
                 break
         else:
