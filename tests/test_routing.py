@@ -66,17 +66,18 @@ def test_overlapping_ranges_must_still_meet_exactly() -> None:
 
 def test_any_node_plans_from_the_records_in_its_view() -> None:
     records = [
-        record(1, seconds_per_layer=0.002, served=[ServedRange(model="m", start=0, end=20)]),
+        # unmeasured, its word counts only where it says it is slower than the default
+        record(1, seconds_per_layer=0.006, served=[ServedRange(model="m", start=0, end=20)]),
         record(2, seconds_per_layer=0.0, load=0.5, served=[ServedRange(model="m", start=20, end=30)]),
         record(3, served=[ServedRange(model="other", start=0, end=30)]),
         record(4, leaving=True, served=[ServedRange(model="m", start=0, end=30)]),
     ]
     options = stage_options(records, "m", default_seconds_per_layer=0.004)
     assert options == [
-        StageOption(records[0].node_id, 0, 20, 0.002, 0.0),
+        StageOption(records[0].node_id, 0, 20, 0.006, 0.0),
         StageOption(records[1].node_id, 20, 30, 0.004, 0.5),
     ]
-    assert plan_route(options, 30).seconds == pytest.approx(20 * 0.002 + 10 * 0.004 * 1.5)
+    assert plan_route(options, 30).seconds == pytest.approx(20 * 0.006 + 10 * 0.004 * 1.5)
 
 
 def brute_force(stages: list[StageOption], n: int, rtt, asker: str) -> float:

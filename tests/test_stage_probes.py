@@ -135,8 +135,8 @@ def test_a_replica_claiming_a_made_up_speed_is_timed_slow_and_loses_the_route_to
 
 def test_a_member_claiming_a_made_up_speed_draws_the_placement_only_until_it_is_timed() -> None:
     # Two honest volunteers that hold five layers each (a chain of two), and the attacker, who holds
-    # the whole model and signs 1e-9 s/layer: believed a quarter of the median at most, it is the
-    # placement's chain; timed five times slower than the honest ones, the chain moves to them.
+    # the whole model and signs 1e-9 s/layer: counted at the default as the untimed honest ones are,
+    # its one stage is the placement's chain; timed five times slower than them, the chain moves.
     tracker, honest, liar, mesh = liar_beside_two_honest()
     assert [s.node_id for s in tracker.assignments[MODEL.digest].chain] == [liar.node_id]
     timings = FakeStageTimings(mesh, tracker, {d.node_id: 1e-3 for d in honest} | {liar.node_id: 5e-3})
@@ -148,8 +148,8 @@ def test_a_member_claiming_a_made_up_speed_draws_the_placement_only_until_it_is_
 
 
 def test_a_member_that_keeps_out_of_the_probes_gets_no_route_while_timed_stages_cover_the_model() -> None:
-    # As above, but the attacker answers no probe: it stays untimed, with its word and the floor only
-    # (which, one stage against two, would still buy it the route).
+    # As above, but the attacker answers no probe: it stays untimed, at the default (which, one stage
+    # against two, would still buy it the route where nothing is timed).
     tracker, honest, liar, mesh = liar_beside_two_honest()
     assert [s.node_id for s in tracker.route(MODEL.digest, (), dial).stages] == [liar.node_id]
     timings = FakeStageTimings(mesh, tracker, {d.node_id: 1e-3 for d in honest})
@@ -159,7 +159,7 @@ def test_a_member_that_keeps_out_of_the_probes_gets_no_route_while_timed_stages_
     assert {s.node_id for s in route.stages} == {d.node_id for d in honest}
     believed = {o.node_id: o.seconds_per_layer for o in stage_options(
         tracker.node.membership.live_records(), MODEL.digest, speeds=tracker.speeds)}
-    assert believed[liar.node_id] == pytest.approx(1e-3)  # no faster than the fastest timed
+    assert believed[liar.node_id] == pytest.approx(1e-3)  # the default: no faster than the slowest timed
     # with the honest ones excluded (or gone) it is all there is: routes still cover the model
     assert [s.node_id for s in tracker.route(MODEL.digest, [d.node_id for d in honest], dial).stages] == \
         [liar.node_id]
@@ -201,12 +201,15 @@ def test_a_kept_route_goes_once_a_stage_of_it_is_excluded_gone_or_much_slower() 
     assert plan_route(options, 4, keep=((one.node_id, 0, 2),)).node_ids == (one.node_id,)
 
 
-def test_a_member_that_is_never_timed_is_believed_no_faster_than_the_fastest_timed_one() -> None:
+def test_a_member_that_is_never_timed_is_believed_no_faster_than_the_slowest_timed_one() -> None:
     served = [ServedRange(model="m", start=0, end=4)]
     timed, shy = record(1, seconds_per_layer=1e-3, served=served), record(2, seconds_per_layer=1e-9, served=served)
-    others = [record(i, seconds_per_layer=1e-3, served=served) for i in range(3, 6)]
+    slow = record(3, served=served)
     speeds = SpeedBook()
-    speeds.observe(timed.node_id, 4, 2e-3)  # 5e-4 s/layer: slower than a quarter of the median (2.5e-4)
-    believed = {o.node_id: o.seconds_per_layer for o in stage_options([timed, shy, *others], "m", speeds=speeds)}
-    assert believed[timed.node_id] == pytest.approx(1e-3)  # its own word, slower than measured, stands
-    assert believed[shy.node_id] == pytest.approx(5e-4)  # the fastest measured, not its 1e-9 nor 2.5e-4
+    speeds.observe(timed.node_id, 4, 2e-3)  # 5e-4 s/layer: faster than the default
+    believed = {o.node_id: o.seconds_per_layer for o in stage_options([timed, shy], "m", speeds=speeds)}
+    assert believed[timed.node_id] == pytest.approx(5e-4)  # measured: its own word (1e-3) does not count
+    assert believed[shy.node_id] == pytest.approx(1e-3)  # the default, not its 1e-9
+    speeds.observe(slow.node_id, 4, 8e-3)  # 2e-3 s/layer: slower than the default
+    believed = {o.node_id: o.seconds_per_layer for o in stage_options([timed, shy, slow], "m", speeds=speeds)}
+    assert believed[shy.node_id] == pytest.approx(2e-3)  # the slowest timed

@@ -13,7 +13,7 @@ from meshd.mesh.election import ElectionConfig
 from meshd.mesh.membership import SwimConfig
 from meshd.mesh.node import MeshNode
 from meshd.mesh.records import ModelInfo, ServedRange
-from meshd.mesh.routing import MAX_SPEEDUP_OVER_MEDIAN, SpeedBook, plan_route, stage_options
+from meshd.mesh.routing import DEFAULT_SECONDS_PER_LAYER, SpeedBook, plan_route, stage_options
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply
 
@@ -54,23 +54,23 @@ def test_a_member_declaring_every_layer_at_a_made_up_speed_gets_no_route() -> No
     placed = tracker.assignments[MODEL.digest].ranges()
     assert {(s.node_id, s.start, s.end) for s in route.stages} <= {(n, *r) for n, r in placed.items()}
     # Any member planning from its records alone would have used the liar; its speed is not believed
-    # either: the honest members have not measured theirs, so they count at the default 1e-3.
+    # either: unmeasured, it counts at the default, as the honest members do.
     view = tracker.node.membership.live_records()
     believed = next(o for o in stage_options(view, MODEL.digest) if o.node_id == liar.node_id)
-    assert believed.seconds_per_layer == pytest.approx(1e-3 / MAX_SPEEDUP_OVER_MEDIAN)
+    assert believed.seconds_per_layer == DEFAULT_SECONDS_PER_LAYER
 
 
-def test_a_speed_self_report_is_believed_at_most_a_few_times_the_median() -> None:
+def test_an_unmeasured_speed_self_report_counts_only_where_it_is_slower_than_the_default() -> None:
     served = [ServedRange(model="m", start=0, end=4)]
     records = [record(1, seconds_per_layer=1e-3, served=served), record(2, seconds_per_layer=2e-3, served=served),
                record(3, seconds_per_layer=1e-9, served=served)]
     speeds = {o.node_id: o.seconds_per_layer for o in stage_options(records, "m")}
-    assert speeds[records[2].node_id] == pytest.approx(1e-3 / MAX_SPEEDUP_OVER_MEDIAN)
+    assert speeds[records[2].node_id] == DEFAULT_SECONDS_PER_LAYER
     assert speeds[records[0].node_id] == 1e-3 and speeds[records[1].node_id] == 2e-3
 
 
 
-def test_a_self_report_is_clamped_to_the_speed_this_node_measured() -> None:
+def test_a_measured_speed_wins_over_a_self_report() -> None:
     served = [ServedRange(model="m", start=0, end=4)]
     # Two replicas of the whole model: the liar says it is a thousand times faster than it measured.
     honest, liar = record(1, seconds_per_layer=1e-3, served=served), record(2, seconds_per_layer=1e-6, served=served)
@@ -84,8 +84,8 @@ def test_a_self_report_is_clamped_to_the_speed_this_node_measured() -> None:
     assert believed[honest.node_id] == pytest.approx(1e-3, rel=0.05)
     route = plan_route(stage_options([honest, liar], "m", speeds=speeds), 4)
     assert route.node_ids == (honest.node_id,)
-    # Unmeasured, the liar's report would have won the route (raised only to the median's floor).
-    assert plan_route(stage_options([honest, liar], "m"), 4).node_ids == (liar.node_id,)
+    # Unmeasured, the liar's report buys nothing: both count at the default.
+    assert {o.seconds_per_layer for o in stage_options([honest, liar], "m")} == {DEFAULT_SECONDS_PER_LAYER}
 
 
 def test_the_speed_book_takes_only_sane_samples_and_holds_a_bounded_number_of_members() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from wire.codec import Limits, Message, WireModel, register_protocol
-from wire.swim import MAX_ADDRESSES, MAX_MODELS, MAX_ROLES, MAX_SERVED, SWIM_PROTOCOL
+from wire.swim import MAX_ADDRESSES, MAX_MODELS, MAX_ROLES, MAX_SERVED, SWIM_PROTOCOL, Placement
 from wire.types import Address, Count, Digest, Host, Label, Layer, NodeId, Port, Prose, Text
 
 MESH_PROTOCOL = "meshd/mesh/1"
@@ -27,6 +27,8 @@ class AssignmentReply(Message, tag="assignment"):
     start: Layer = 0
     end: Layer = 0
     reason: Text = ""
+    # the tracker's signature over this range of the asker's: the asker carries it in its record
+    placement: Placement | None = None
 
 
 class RouteStage(WireModel):
@@ -99,6 +101,37 @@ class FetchStatus(WireModel):
 
 # Members per status reply: a page of the widest records fits a mesh message (4 MiB) with room.
 STATUS_PAGE = 1024
+# Stage speeds per reply: a served range each (a few hundred bytes) of a mesh of thousands of members.
+MAX_SPEEDS = 4096
+# A speed of a layer beyond this (seconds) is no speed: a figure is bounded before it is shown or compared.
+MAX_SECONDS_PER_LAYER = 3600.0
+
+
+class StageSpeed(WireModel):
+    """The seconds per layer routes count for one served range, and where that figure came from:
+    "probe" (the tracker timed it), "own" (the answering tracker's own stage), "default" (not timed
+    yet: the conservative default), "declared" (not timed yet, slower than that by its own word).
+    `samples`: the timed steps the figure is the median of; `declared`: what the member says of
+    itself (0: nothing), shown beside what counts."""
+
+    node_id: NodeId
+    model: Digest
+    start: Layer
+    end: Layer
+    seconds_per_layer: float = Field(ge=0.0, le=MAX_SECONDS_PER_LAYER, allow_inf_nan=False)
+    source: Label
+    samples: Count = 0
+    declared: float = Field(default=0.0, ge=0.0, le=MAX_SECONDS_PER_LAYER, allow_inf_nan=False)
+
+
+class SpeedsRequest(Message, tag="speeds_request"):
+    """The stage speeds the answering node counts (the tracker's are measured: it asks any node's)."""
+
+
+class SpeedsReply(Message, tag="speeds"):
+    # the node whose figures these are (the tracker, when it answered)
+    by: NodeId
+    speeds: list[StageSpeed] = Field(default_factory=list, max_length=MAX_SPEEDS)
 
 
 class StatusRequest(Message, tag="status_request"):
@@ -117,6 +150,10 @@ class StatusReply(Message, tag="status"):
     fetches: list[FetchStatus] = Field(default_factory=list, max_length=8)
     # Members the answering node knows in all; `members` is the page of them from the asked offset.
     total_members: Count = 0
+    # The stage speeds routes count, as `speeds_by` (the tracker, where it answered) counts them; on
+    # the first page only. Empty from a node that predates them.
+    speeds: list[StageSpeed] = Field(default_factory=list, max_length=MAX_SPEEDS)
+    speeds_by: NodeId | None = None
 
 
 class DialBackRequest(Message, tag="dial_back_request"):

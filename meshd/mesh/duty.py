@@ -39,6 +39,7 @@ from meshd.mesh.assignment import (
     stage_fits,
     unheld_layers,
 )
+from meshd.mesh.authority import Exclusions, ProofAgainstSelf, placed_on
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
@@ -47,7 +48,6 @@ from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
 from meshd.mesh.routing import (
     DEFAULT_SECONDS_PER_LAYER,
-    MAX_SPEEDUP_OVER_MEDIAN,
     NoRouteError,
     RouteKey,
     SpeedBook,
@@ -58,10 +58,11 @@ from meshd.mesh.routing import (
     stage_hop_seconds,
     stage_options,
 )
-from meshd.mesh.status import held_models, status_view
+from meshd.mesh.status import held_models, stage_speeds, status_view
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, StatusReply
+from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, SpeedsReply, StatusReply
 from wire.receipt import Proof
+from wire.swim import Placement
 
 Range = tuple[int, int]
 # proven liars a node keeps (each costs a proof of a few receipts): bounds what a flood of proofs can hold
@@ -69,9 +70,10 @@ MAX_LIARS = 1024
 # models whose route in use a node keeps (for hysteresis): a mesh holds a handful
 MAX_KEPT_ROUTES = 64
 # A probe that times a member this many times slower than its placement counted places anew: only
-# a gross miss (a member placed on its word and timed far slower, as a liar is), never the noise of
-# timings, which would move ranges (and reload engines) back and forth.
-REPLACE_SPEED_RATIO = MAX_SPEEDUP_OVER_MEDIAN
+# a gross miss (a member placed at the default and timed far slower, as a slow liar is), never the
+# noise of timings (a probe's steps on a shared box vary by tens of per cent, not fourfold), which
+# would move ranges (and reload engines) back and forth.
+REPLACE_SPEED_RATIO = 4.0
 # Member news that can change a placement; "suspect" cannot (suspects still count as live).
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
@@ -194,7 +196,9 @@ class MeshDuty:
         self._failures = 0
         self._events: list[DutyEvent] = []
         # nodes proven to lie (meshd.mesh.proofs), with the proof: out of every placement and route
-        self.liars: dict[str, Proof] = {}
+        # (each for an hour unless a new proof renews it: meshd.mesh.authority)
+        self.exclusions = Exclusions(MAX_LIARS)
+        self.liars: dict[str, Proof] = self.exclusions.proofs
         # stage step times this node timed itself: routes never believe a member faster than these
         self.speeds = SpeedBook()
         # as tracker, it times the stages it placed (each a `StageProbe` event for the shell)
@@ -235,7 +239,7 @@ class MeshDuty:
     def next_timer(self) -> float | None:
         ask_at = self._ask_at if self._ask_at is not None and self._ask_pending() else None
         probe_at = self.prober.next_timer() if self.prober is not None and self.is_tracker else None
-        return earliest(self.node.next_timer(), self._place_at, ask_at, probe_at)
+        return earliest(self.node.next_timer(), self._place_at, ask_at, probe_at, self.exclusions.next_timer())
 
     # ----- inputs
 
@@ -246,6 +250,8 @@ class MeshDuty:
     def handle_timer(self, now: float) -> None:
         """Run whatever is due by `now`; calling it early is harmless."""
         self.node.handle_timer(now)
+        if self.exclusions.expire(now) and self.is_tracker:
+            self._place_at = now  # a member whose exclusion ran out may be placed again
         if self._place_at is not None and now >= self._place_at:
             self._place_at = None
             self._place(now)
@@ -291,7 +297,7 @@ class MeshDuty:
         else:
             self._answered = asked
             self._failures = 0
-            self._take(reply)
+            self._take(now, reply)
         self._settle(now)
 
     def range_loaded(self, now: float, start: int, end: int) -> None:
@@ -361,7 +367,9 @@ class MeshDuty:
         for digest, assignment in self.assignments.items():
             rng = assignment.ranges().get(node_id)
             if rng is not None:
-                return AssignmentReply(term=tracker.term, model=digest, start=rng[0], end=rng[1])
+                # signed, so that the asker's record shows every member who placed it (meshd.mesh.authority)
+                placement = Placement.create(self.node.identity, tracker.term, node_id, digest, *rng)
+                return AssignmentReply(term=tracker.term, model=digest, start=rng[0], end=rng[1], placement=placement)
         return AssignmentReply(term=tracker.term, reason="no range for this node")
 
     def route(self, model: str | None, exclude: Collection[str],
@@ -382,7 +390,7 @@ class MeshDuty:
                 return rtt(b) or 0.0
             return stage_hop_seconds(rtt(a), rtt(b))
 
-        options = stage_options(records.values(), model, assigned=self._assigned(model), speeds=self.speeds)
+        options = stage_options(records.values(), model, assigned=self._assigned(model), speeds=self.speeds, own=own)
         found = None
         for offered in self._timed_first(options):
             try:
@@ -438,6 +446,12 @@ class MeshDuty:
         return status_view(self.node.node_id, membership.members(), membership.live_records(), self.node.tracker,
                            address_fits, self.coverage_reason, offset)
 
+    def speed_view(self) -> SpeedsReply:
+        """The seconds per layer this node's routes count for each served range, and where each figure
+        came from (as tracker, its probes'; elsewhere only defaults and members' words against themselves)."""
+        return SpeedsReply(by=self.node_id, speeds=stage_speeds(self.node.membership.live_records(), self.speeds,
+                                                                 self.node_id))
+
     def coverage_reason(self, info: ModelInfo) -> str:
         """Why the live members cannot cover `info` ("" when they can: it is then only loading or fetching)."""
         live = self.node.membership.live_records()
@@ -462,11 +476,16 @@ class MeshDuty:
     # ----- proven liars
 
     def accept_proof(self, now: float, proof: Proof) -> str | None:
-        """Checks ``proof`` against this node's view (each witness must serve the range: as the tracker
-        placed it, or elsewhere by its own signed record) and from then on keeps its culprit out of
-        placements and routes; returns the culprit if it is news (the shell passes the proof on),
-        None if already known. InvalidProof if it does not hold; OVERLOADED past ``MAX_LIARS``."""
+        """Checks ``proof`` against this node's view (each witness must be placed on the range: as the
+        tracker placed it, or elsewhere by the tracker's signed placement in the witness's record,
+        never by the witness's own word) and keeps its culprit out of placements and routes for an
+        hour (meshd.mesh.authority); returns the culprit if it is news (a new exclusion, or a renewal:
+        the shell passes the proof on), None if already known. ProofAgainstSelf for a proof against
+        this node, InvalidProof if it does not hold; OVERLOADED past ``MAX_LIARS``."""
+        if proof.culprit.node_id == self.node_id:
+            raise ProofAgainstSelf("a node never takes a proof against itself")
         live = {r.node_id: r for r in self.node.membership.live_records()}
+        followed = self.node.election.followed
 
         def serves(node_id: str, model: str, begin: int, end: int) -> bool:
             # the tracker counts only ranges it placed: a record's own claim is free to make
@@ -474,17 +493,16 @@ class MeshDuty:
             if assigned is not None:
                 return (begin, end) in assigned.get(node_id, set())
             record = live.get(node_id)
-            return record is not None and any((r.model, r.start, r.end) == (model, begin, end) for r in record.served)
+            return record is not None and placed_on(record, followed, model, begin, end)
 
         culprit = check_proof(proof, serves)
-        if culprit in self.liars:
-            return None
-        if len(self.liars) >= MAX_LIARS:
-            raise ProtocolError(ErrorCode.OVERLOADED, "this node holds as many proven liars as it keeps")
-        self.liars[culprit] = proof
-        if self.is_tracker:
+        try:
+            news = self.exclusions.add(now, culprit, proof)
+        except Exclusions.Full:
+            raise ProtocolError(ErrorCode.OVERLOADED, "this node holds as many proven liars as it keeps") from None
+        if news and self.is_tracker:
             self._place_at = now
-        return culprit
+        return culprit if news else None
 
     # ----- the tracker's duty
 
@@ -549,13 +567,14 @@ class MeshDuty:
             self.node.update_record(now, assignment_version=self.node.record.assignment_version + 1)
 
     def _believed(self, nodes: list[NodeCapacity]) -> list[NodeCapacity]:
-        """The nodes with the speeds routes count (`believe`: self-reports clamped to what this tracker
-        timed), not their own word: a member saying 1e-9 s/layer must not draw every layer to itself."""
-        believed = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds)
-        # Timings only clamp what members say here: one that says nothing counts at the default, timed
+        """The nodes with the speeds routes count (`believe`: what this tracker timed, the conservative
+        default before that), not their own word: a member saying 1e-9 s/layer must not draw every
+        layer to itself."""
+        figures = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds, own=self.node_id)
+        # Timings only replace what members say here: one that says nothing counts at the default, timed
         # or not, so a placement weighs stages and hops as it always did, and timing noise moves nothing.
-        believed = {n.node_id: believed[n.node_id] if n.seconds_per_layer else DEFAULT_SECONDS_PER_LAYER
-                    for n in nodes}
+        believed = {n.node_id: figures[n.node_id].seconds_per_layer if n.seconds_per_layer
+                    else DEFAULT_SECONDS_PER_LAYER for n in nodes}
         self._placed_speeds.update(believed)
         return [replace(n, seconds_per_layer=believed[n.node_id]) for n in nodes]
 
@@ -605,7 +624,7 @@ class MeshDuty:
         tracker = current[0]
         if tracker.node_id == self.node.node_id:
             self._answered = current
-            self._take(self.assignment_for(self.node.node_id))
+            self._take(now, self.assignment_for(self.node.node_id))
             return
         self._asking = current
         self._events.append(AskAssignment(tracker))
@@ -614,14 +633,29 @@ class MeshDuty:
         self._failures += 1
         self._ask_at = now + min(self.config.retry * 2 ** (self._failures - 1), self.config.retry_max)
 
-    def _take(self, reply: AssignmentReply) -> None:
+    def _take(self, now: float, reply: AssignmentReply) -> None:
+        """Loads the range `reply` places this node on, if it can, and carries the tracker's signed
+        placement of it in this node's record (none where it holds no range the tracker placed)."""
+        tracker = self.node.tracker
+        placement = reply.placement if self._load(reply) and tracker is not None else None
+        if placement is not None and (placement.tracker, placement.term, placement.node_id, placement.model,
+                                      placement.start, placement.end) != (
+                tracker.node_id if tracker is not None else "", reply.term, self.node_id, reply.model, reply.start,
+                reply.end):
+            placement = None  # not the range it gave, or not by the tracker followed: it would weigh nowhere
+        if placement != self.node.record.placement and not self._left:
+            self.node.update_record(now, placement=placement)
+
+    def _load(self, reply: AssignmentReply) -> bool:
+        """Asks for the range `reply` places this node on to be loaded; False where there is none or
+        this node refuses it."""
         info = self.config.volunteer
         if info is None or reply.model is None:
-            return  # no range for us (yet): keep serving what we serve
+            return False  # no range for us (yet): keep serving what we serve
         start, end = reply.start, reply.end
         if reply.model != info.digest or not 0 <= start < end <= info.n_layers:
             self._events.append(RangeRefused(start, end, f"not a range of {info.name} ({reply.model[:12]})"))
-            return
+            return False
         own = self.node.record
         spec = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens)
         if not spec.allows(start, end):
@@ -629,18 +663,19 @@ class MeshDuty:
             rule = f"may be cut only before layers {', '.join(map(str, info.cuts))[:200]}" if info.cuts \
                 else "may not be cut"
             self._events.append(RangeRefused(start, end, f"{info.name} {rule}"))
-            return
+            return False
         refused = stage_fits(spec, start, end, own.memory_bytes, own.gpu_memory_bytes, own.gpu_layers)
         if refused is not None:
             self._events.append(RangeRefused(start, end, refused))
-            return
+            return False
         disk = self.config.disk_bytes
         if not info.whole and disk is not None and spec.weight_bytes(start, end) > disk:
             self._events.append(RangeRefused(start, end, f"needs {spec.weight_bytes(start, end)} bytes of disk, "
                                                          f"this node offers {disk} (--disk)"))
-            return
+            return False
         self.wanted = (start, end)
         self._load_wanted()
+        return True
 
     def _publish(self, now: float) -> None:
         assert self.config.volunteer is not None and self.serving is not None

@@ -73,11 +73,25 @@ def stage_hop_seconds(rtt_a: float | None, rtt_b: float | None) -> float:
     return max(STAGE_HOP_FLOOR, abs(rtt_a - rtt_b))
 
 
-# A member's own speed report is believed up to this many times faster than the median speed for
-# the model: a self-report of 1e-9 s/layer cannot buy the route, a really faster node still wins.
-MAX_SPEEDUP_OVER_MEDIAN = 4.0
-# What a member that says nothing of its speed (and is not timed yet) counts at.
+# What a member not timed yet counts at, at least (and any member where nothing is timed): its own
+# word never makes it faster (a member saying 1e-9 s/layer must not buy a route or a placement).
 DEFAULT_SECONDS_PER_LAYER = 1e-3
+
+# Where the seconds per layer a route counts for a member came from (`Believed.source`):
+PROBED = "probe"  # this node's own probes timed it (as tracker: meshd.mesh.probes)
+OWN = "own"  # this node itself: its own figure, the default if it has none (it does not probe itself)
+DEFAULT = "default"  # not timed yet: the conservative default
+DECLARED = "declared"  # not timed yet and, by its own word, slower than that default (a word against itself)
+
+
+@dataclass(frozen=True)
+class Believed:
+    """The seconds per layer routes count for a member, where that figure came from (one of the
+    sources above), and how many timed steps it is the median of (0: none)."""
+
+    seconds_per_layer: float
+    source: str
+    samples: int = 0
 
 
 class SpeedBook:
@@ -85,8 +99,8 @@ class SpeedBook:
 
     The shell feeds `observe` with a step it timed at one stage (its round trip less the link's
     measured RTT); `measured` is the median of a member's last `samples`, so one slow step (a
-    hiccup, a queue) does not move it. Nothing here comes from the member: a self-report faster than
-    this is clamped to it. Bounded: at most `members` members (the longest unobserved goes first)."""
+    hiccup, a queue) does not move it. Nothing here comes from the member: a measured figure wins
+    over anything it says. Bounded: at most `members` members (the longest unobserved goes first)."""
 
     def __init__(self, samples: int = 8, members: int = 4096) -> None:
         self._samples = samples
@@ -108,41 +122,41 @@ class SpeedBook:
         steps = self._steps.get(node_id)
         return statistics.median(steps) if steps else None
 
+    def samples(self, node_id: str) -> int:
+        return len(self._steps.get(node_id, ()))
+
 
 def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_seconds_per_layer: float,
-                    speeds: SpeedBook | None = None) -> dict[str, float]:
+                    speeds: SpeedBook | None = None, own: str | None = None) -> dict[str, Believed]:
     """The seconds per layer routes count for each member serving `model` (see `believe`)."""
     reported = {record.node_id: record.seconds_per_layer for record in records
                 if any(s.model == model for s in record.served)}
-    return believe(reported, speeds, default_seconds_per_layer)
+    return believe(reported, speeds, default_seconds_per_layer, own)
 
 
 def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None,
-            default: float = DEFAULT_SECONDS_PER_LAYER) -> dict[str, float]:
-    """The seconds per layer to count for each member, from what it `reported` (its word; 0: it
-    said nothing) and what this node timed of it (`speeds`).
+            default: float = DEFAULT_SECONDS_PER_LAYER, own: str | None = None) -> dict[str, Believed]:
+    """The seconds per layer to count for each member, from what this node timed of it (`speeds`)
+    and what it `reported` (its word; 0: it said nothing).
 
-    A member this node timed counts as timed (slower, if it says so). One not timed yet counts at
-    its self-report (`default` if it said nothing), raised to a floor: `MAX_SPEEDUP_OVER_MEDIAN`
-    times faster than the median of every member's figure, timed where it was, so one liar cannot
-    move it; and, once any member is timed, no faster than the fastest timed one."""
-    measured: dict[str, float] = {}
-    for node_id in reported:
-        seen = speeds.measured(node_id) if speeds is not None else None
-        if seen is not None:
-            measured[node_id] = seen
-
-    def figure(node_id: str) -> float:
-        report = reported[node_id]
-        return max(report, measured[node_id]) if node_id in measured else report or default
-
-    figures = {node_id: figure(node_id) for node_id in reported}
-    known = sorted(f for f in figures.values() if f > 0)
-    if not known:
-        return figures
-    floor = max(known[len(known) // 2] / MAX_SPEEDUP_OVER_MEDIAN, min(measured.values(), default=0.0))
-    return {node_id: f if node_id in measured or not reported[node_id] else max(f, floor)
-            for node_id, f in figures.items()}
+    A member this node timed counts at the time measured, whatever it says. One not timed yet
+    counts at the conservative default: `default`, or the slowest timed member where that is slower,
+    so an untimed member never looks faster than a timed one; its word counts only where it says it
+    is slower still. This node (`own`) counts at its own figure: it does not probe itself."""
+    timed = {node_id: Believed(seen, PROBED, speeds.samples(node_id)) for node_id in reported
+             if speeds is not None and (seen := speeds.measured(node_id)) is not None}
+    unmeasured = max([default, *(b.seconds_per_layer for b in timed.values())])
+    out = {}
+    for node_id, report in reported.items():
+        if node_id in timed:
+            out[node_id] = timed[node_id]
+        elif node_id == own:
+            out[node_id] = Believed(report or default, OWN)
+        elif report > unmeasured:
+            out[node_id] = Believed(report, DECLARED)
+        else:
+            out[node_id] = Believed(unmeasured, DEFAULT)
+    return out
 
 
 def stage_options(
@@ -151,14 +165,15 @@ def stage_options(
     default_seconds_per_layer: float = DEFAULT_SECONDS_PER_LAYER,
     assigned: Mapping[str, Collection[tuple[int, int]]] | None = None,
     speeds: SpeedBook | None = None,
+    own: str | None = None,
 ) -> list[StageOption]:
     """The stages of `model` that the given (live) members say they serve.
 
     With `assigned` (the tracker's placement: node id to its ranges), only ranges placed there count:
     a member declaring a range it was not given gets no route through it. Speeds are
-    `believed_speeds`: self-reports clamped to what this node measured (`speeds`)."""
+    `believed_speeds`: what this node (`own`) measured (`speeds`), never faster by a member's word."""
     live = [record for record in records if not record.leaving]
-    believed = believed_speeds(live, model, default_seconds_per_layer, speeds)
+    believed = believed_speeds(live, model, default_seconds_per_layer, speeds, own)
     options = []
     for record in live:
         for served in record.served:
@@ -166,7 +181,8 @@ def stage_options(
                 continue
             if assigned is not None and (served.start, served.end) not in assigned.get(record.node_id, ()):
                 continue
-            options.append(StageOption(record.node_id, served.start, served.end, believed[record.node_id],
+            options.append(StageOption(record.node_id, served.start, served.end,
+                                       believed[record.node_id].seconds_per_layer,
                                        record.load))
     return options
 

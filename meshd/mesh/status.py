@@ -17,7 +17,16 @@ from meshd.mesh.assignment import held_ranges
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberInfo
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
-from wire.meshrpc import STATUS_PAGE, MemberStatus, ModelCoverage, StatusReply
+from meshd.mesh.routing import DEFAULT_SECONDS_PER_LAYER, SpeedBook, believed_speeds
+from wire.meshrpc import (
+    MAX_SECONDS_PER_LAYER,
+    MAX_SPEEDS,
+    STATUS_PAGE,
+    MemberStatus,
+    ModelCoverage,
+    StageSpeed,
+    StatusReply,
+)
 
 _T = TypeVar("_T")
 
@@ -74,6 +83,26 @@ def coverage(live: Sequence[CapabilityRecord],
             holders=_cut([f"{node[:12]} [{start}, {end})" for node, (start, end) in holders], ModelCoverage, "holders"),
             held_layers=sum(held),
             unverified=_cut(unverified_ranges(served), ModelCoverage, "unverified")))
+    return out
+
+
+def stage_speeds(live: Sequence[CapabilityRecord], speeds: SpeedBook | None, own: str | None) -> list[StageSpeed]:
+    """Every served range of every model, with the seconds per layer routes planned here count for
+    it and where that figure came from (`routing.believe`): what `meshd status` and the console show."""
+    out: list[StageSpeed] = []
+    serving = [r for r in live if not r.leaving]
+    for digest in held_models(serving):
+        believed = believed_speeds(serving, digest, DEFAULT_SECONDS_PER_LAYER, speeds, own)
+        for record in serving:
+            for s in record.served:
+                if s.model != digest or len(out) >= MAX_SPEEDS:
+                    continue
+                figure = believed[record.node_id]
+                # a member's own word is any finite number: bounded to the reply's schema before it is sent
+                out.append(StageSpeed(node_id=record.node_id, model=digest, start=s.start, end=s.end,
+                                      seconds_per_layer=min(figure.seconds_per_layer, MAX_SECONDS_PER_LAYER),
+                                      source=figure.source, samples=figure.samples,
+                                      declared=min(record.seconds_per_layer, MAX_SECONDS_PER_LAYER)))
     return out
 
 
