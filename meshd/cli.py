@@ -310,7 +310,7 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
     """What the daemon tells `meshd status` and `meshd ask` on its own machine."""
     async def answer(request: Message) -> Message:
         if isinstance(request, StatusRequest):
-            return daemon.status(offset=request.offset)
+            return await daemon.measured_status(offset=request.offset)
         if isinstance(request, RouteRequest):
             return await daemon.planned_route(request.model, request.exclude)
         if isinstance(request, ProofGossip):

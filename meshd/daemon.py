@@ -98,6 +98,8 @@ from wire.meshrpc import (
     FetchStatus,
     RouteReply,
     RouteRequest,
+    SpeedsReply,
+    SpeedsRequest,
     StatusReply,
     StatusRequest,
 )
@@ -590,7 +592,9 @@ class MeshDaemon:
         elif isinstance(request, RouteRequest):
             reply = await self.planned_route(request.model, request.exclude, peer)
         elif isinstance(request, StatusRequest):
-            reply = self.status(peer, request.offset)
+            reply = await self.measured_status(peer, request.offset)
+        elif isinstance(request, SpeedsRequest):
+            reply = self.duty.speed_view()
         elif isinstance(request, DialBackRequest):
             reply = await self._dial_back(stream, request)
         elif isinstance(request, ProofGossip):
@@ -702,6 +706,32 @@ class MeshDaemon:
         addresses it may be told."""
         reply = self.duty.status(None if peer is None else lambda address: address_fits(address, peer), offset)
         return reply.model_copy(update={"fetches": self.fetches[-8:]}) if self.fetches else reply
+
+    async def measured_status(self, peer: str | None = None, offset: int = 0) -> StatusReply:
+        """`status`, with (on the first page) the stage speeds routes count as `stage_speeds` gives them."""
+        reply = self.status(peer, offset)
+        if offset:
+            return reply
+        speeds = await self.stage_speeds()
+        return reply.model_copy(update={"speeds": speeds.speeds, "speeds_by": speeds.by})
+
+    async def stage_speeds(self) -> SpeedsReply:
+        """The stage speeds routes count and where each came from, as the tracker counts them (it
+        plans every route and is the one that times stages); this node's own where no tracker is
+        known or it does not answer (then every figure is a default or a member's word against itself)."""
+        tracker = self.mesh.tracker
+        address = None if tracker is None or tracker.node_id == self.mesh.node_id else self.address_of(tracker.node_id)
+        if tracker is None or address is None:
+            return self.duty.speed_view()
+        try:
+            reply = await rpc(self.peers, address, SpeedsRequest(), tracker.node_id, self.config.rpc_timeout)
+        except ProtocolError as exc:
+            log.info("tracker %s gave no stage speeds: %s", tracker.node_id[:12], exc)
+            return self.duty.speed_view()
+        if not isinstance(reply, SpeedsReply) or reply.by != tracker.node_id:
+            log.info("tracker %s answered a speeds request with %s", tracker.node_id[:12], reply.type)
+            return self.duty.speed_view()
+        return reply
 
     # ----- the tracker's probes, carried out
 

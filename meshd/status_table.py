@@ -12,7 +12,7 @@ from __future__ import annotations
 import unicodedata
 from typing import Any
 
-from wire.meshrpc import MemberStatus, ModelCoverage, StatusReply
+from wire.meshrpc import MemberStatus, ModelCoverage, StageSpeed, StatusReply
 
 WIDTH = 80
 NODE = 16
@@ -21,6 +21,8 @@ STATE = 7  # suspect
 MEMORY = 8  # 1023 MiB
 GAP = "  "
 DETAIL = " " * (NODE + len(GAP))
+RANGE = 12  # [4095, 4096)
+MS = 9  # ms/layer: 3 significant digits, up to 3.6e+06
 
 
 def clean(text: str) -> str:
@@ -126,6 +128,7 @@ def render(s: StatusReply, width: int = WIDTH) -> str:
         lines.append("no live member holds a model")
     for c in s.coverage:
         lines.extend(coverage_lines(c, width))
+        lines.extend(speed_lines(s, c.model, width))
     return "\n".join(lines)
 
 
@@ -164,6 +167,38 @@ def coverage_lines(c: ModelCoverage, width: int) -> list[str]:
     return lines
 
 
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000.0:.3g}"
+
+
+def speed_from(speed: StageSpeed, by: str | None, tracker: str | None) -> str:
+    """Where the figure routes count for a stage came from, as people read it (`by`: whose figures)."""
+    who = "tracker" if by is not None and by == tracker else f"node {short(by or '?', 12)}"
+    said = f"; it says {ms(speed.declared)}" if speed.declared and speed.source != "declared" else ""
+    if speed.source == "probe":
+        return f"probe by {who}, median of {speed.samples}{said}"
+    if speed.source == "own":
+        return f"the {who}'s own stage{said}"
+    if speed.source == "default":
+        return f"unmeasured: default{said}"
+    if speed.source == "declared":
+        return "self-declared (unmeasured)"  # slower than the default: its word counts against it alone
+    return clean(speed.source)  # a source a newer node names
+
+
+def speed_lines(s: StatusReply, model: str, width: int) -> list[str]:
+    """Each served range of `model` with the ms per layer routes count for it, and where that came from."""
+    speeds = sorted((p for p in s.speeds if p.model == model), key=lambda p: (p.start, p.end, p.node_id))
+    if not speeds:
+        return []
+    lines = [f"  {'RANGE':<{RANGE}}{GAP}{'NODE':<{NODE}}{GAP}{'MS/LAYER':>{MS}}{GAP}FROM"]
+    for p in speeds:
+        row = f"  {pad(f'[{p.start}, {p.end})', RANGE)}{GAP}{pad(short(p.node_id, NODE), NODE)}{GAP}" \
+              f"{pad(ms(p.seconds_per_layer), MS, right=True)}{GAP}"
+        lines.extend(wrap(speed_from(p, s.speeds_by, s.tracker), width, row, " " * columns(row)))
+    return lines
+
+
 def as_json(s: StatusReply) -> dict[str, Any]:
     """The keys `meshd status --json` prints (README, "meshd status --json"): named here, one by
     one, so a change to the wire's schema cannot change them unnoticed."""
@@ -186,4 +221,10 @@ def as_json(s: StatusReply) -> dict[str, Any]:
             "total_bytes": f.total_bytes, "fetched_bytes": f.fetched_bytes, "rate": f.rate, "sources": f.sources,
             "state": f.state,
         } for f in s.fetches],
+        "speeds_by": s.speeds_by,
+        "speeds": [{
+            "node_id": p.node_id, "model": p.model, "start": p.start, "end": p.end,
+            "ms_per_layer": p.seconds_per_layer * 1000.0, "source": p.source, "samples": p.samples,
+            "declared_ms_per_layer": p.declared * 1000.0 or None,
+        } for p in s.speeds],
     }

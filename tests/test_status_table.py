@@ -10,11 +10,12 @@ import pytest
 from localmesh import Served, run_meshd, start_join
 
 from meshd.status_table import WIDTH, as_json, clean, columns, render, size
-from wire.meshrpc import MemberStatus, ModelCoverage, StatusReply
+from wire.meshrpc import MAX_SECONDS_PER_LAYER, MemberStatus, ModelCoverage, StageSpeed, StatusReply
 from wire.swim import MAX_ADDRESSES, MAX_MODELS, MAX_ROLES, MAX_SERVED
 from wire.types import MAX_ADDRESS_LEN, MAX_NODE_ID_LEN
 
-KEYS = {"node_id", "tracker", "term", "members", "coverage", "fetches"}
+KEYS = {"node_id", "tracker", "term", "members", "coverage", "fetches", "speeds_by", "speeds"}
+SPEED_KEYS = {"node_id", "model", "start", "end", "ms_per_layer", "source", "samples", "declared_ms_per_layer"}
 MEMBER_KEYS = {"node_id", "address", "state", "roles", "reachability", "memory_bytes", "served", "models",
                "relay_addresses"}
 COVERAGE_KEYS = {"model", "name", "n_layers", "covered_layers", "covered", "replicas", "assigned", "reason",
@@ -57,8 +58,13 @@ def wide_mesh() -> StatusReply:
         n_layers=4096, covered_layers=k, replicas=(1 << 63) - 1,
         assigned=[f"{'a' * 12} [{j}, {j + 4})" for j in range(1024)],
         reason=("the model needs 121 MiB of weights " * 40)[:1024] if k % 2 else "x" * 1024) for k in range(64)]
+    # the first model's ranges with figures at their bounds and a source no terminal likes
+    speeds = [StageSpeed(node_id=f"{i:0{MAX_NODE_ID_LEN}x}", model="c" * 128, start=4095 - i, end=4096,
+                         seconds_per_layer=[MAX_SECONDS_PER_LAYER, 0.0, 1e-300][i % 3],
+                         source=["probe", "default", "\x1b[2J" + "s" * 28][i % 3], samples=(1 << 63) - 1,
+                         declared=MAX_SECONDS_PER_LAYER) for i in range(64)]
     return StatusReply(node_id="9" * MAX_NODE_ID_LEN, tracker="8" * MAX_NODE_ID_LEN, term=(1 << 63) - 1,
-                       members=members, coverage=coverage)
+                       members=members, coverage=coverage, speeds=speeds, speeds_by="7" * MAX_NODE_ID_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +121,40 @@ def test_an_uncovered_model_says_why_on_lines_that_wrap() -> None:
     assert lines[at + 1].startswith("    ") and len(lines[at + 1]) <= WIDTH
     assert " ".join(" ".join(lines[at:]).split()) == "not covered: " + reason
     assert "  stages: none yet" in lines
+
+
+def test_each_stage_shows_the_speed_routes_count_and_where_it_came_from() -> None:
+    def speed(i: int, start: int, end: int, seconds: float, source: str, **more: object) -> StageSpeed:
+        return StageSpeed.model_validate({"node_id": node(i), "model": "d" * 64, "start": start, "end": end,
+                                          "seconds_per_layer": seconds, "source": source, **more})
+
+    s = small_mesh().model_copy(update={"speeds_by": node(9), "speeds": [
+        speed(2, 10, 20, 1e-3, "default", declared=1e-9),
+        speed(1, 0, 10, 3.14e-4, "probe", samples=8),
+        speed(3, 20, 30, 5e-3, "declared", declared=5e-3),
+        speed(9, 0, 30, 2e-4, "own"),
+    ]})
+    lines = render(s).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  RANGE"))
+    assert lines[at].split() == ["RANGE", "NODE", "MS/LAYER", "FROM"]
+    # by range, then node: the tracker's probe, its own stage, the default for the unmeasured (beside
+    # the 1e-9 s/layer the member says), and a member's word against itself
+    assert [line.split(None, 4) for line in lines[at + 1:at + 5]] == [
+        ["[0,", "10)", node(1)[:16], "0.314", "probe by tracker, median of 8"],
+        ["[0,", "30)", node(9)[:16], "0.2", "the tracker's own stage"],
+        ["[10,", "20)", node(2)[:16], "1", "unmeasured: default; it says 1e-06"],
+        ["[20,", "30)", node(3)[:16], "5", "self-declared (unmeasured)"]]
+    assert all(columns(line) <= WIDTH for line in lines)
+    # figures some other node counts (the tracker did not answer it) say whose they are
+    elsewhere = render(s.model_copy(update={"speeds_by": node(2)}))
+    assert f"probe by node {node(2)[:12]}, median of 8" in " ".join(elsewhere.split())  # (on two lines)
+    doc = as_json(s)
+    assert doc["speeds_by"] == node(9) and all(set(p) == SPEED_KEYS for p in doc["speeds"])
+    assert doc["speeds"][0] == {"node_id": node(2), "model": "d" * 64, "start": 10, "end": 20, "ms_per_layer": 1.0,
+                                "source": "default", "samples": 0, "declared_ms_per_layer": pytest.approx(1e-6)}
+    assert doc["speeds"][3]["declared_ms_per_layer"] is None
+    # a node that predates the figures sends none: no table, nothing else changes
+    assert render(small_mesh()) == render(s.model_copy(update={"speeds": []}))
 
 
 def test_sizes_fit_their_column() -> None:
