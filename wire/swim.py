@@ -108,6 +108,49 @@ class HeldRange(ServedRange):
     members that fetch them: a whole file is [0, n_layers); a fetched range is what it fetched."""
 
 
+_PLACEMENT_DOMAIN = b"meshd-placement-v1\x00"
+
+
+class Placement(WireModel):
+    """The tracker's signed word that it placed `node_id` on layers [start, end) of `model` in its
+    term `term`. The tracker gives it with each assignment and the volunteer carries it in its own
+    record, so any member can tell a placed member from an identity that merely says it serves: only
+    the placed ones weigh in elections and witness proofs (meshd.mesh.authority). The tracker's key
+    rides along, so the placement can be checked after the tracker is gone."""
+
+    tracker: NodeId
+    tracker_key: Annotated[bytes, Field(min_length=32, max_length=32)]
+    term: Count
+    node_id: NodeId
+    model: Digest
+    start: Annotated[int, Field(ge=0, lt=MAX_LAYERS)]
+    end: LayerCount
+    signature: Annotated[bytes, Field(max_length=64)] = b""
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> Placement:
+        if self.start >= self.end:
+            raise ValueError(f"empty layer range [{self.start}, {self.end})")
+        return self
+
+    @classmethod
+    def create(cls, identity: NodeIdentity, term: int, node_id: str, model: str, start: int, end: int) -> Placement:
+        """`identity` (the tracker) places `node_id` on [start, end) of `model`, signed."""
+        unsigned = cls(tracker=identity.node_id, tracker_key=identity.public_key, term=term, node_id=node_id,
+                       model=model, start=start, end=end)
+        return unsigned.model_copy(update={"signature": identity.sign(unsigned.signing_bytes())})
+
+    def signing_bytes(self) -> bytes:
+        packed: bytes = msgpack.packb(self.model_dump(exclude={"signature"}), use_bin_type=True)
+        return _PLACEMENT_DOMAIN + packed
+
+    def verify(self) -> bool:
+        """Signed by the key it names, and that key hashes to the tracker's node id."""
+        if node_id_of(self.tracker_key) != self.tracker:
+            return False
+        return _verify_cached(self.tracker_key, self.signing_bytes(), self.signature)
+
+
 class CapabilityRecord(WireModel):
     """A node's signed description of itself; also its SWIM alive claim at incarnation `version`.
 
@@ -146,6 +189,8 @@ class CapabilityRecord(WireModel):
     # A tracker counts the changes of its assignment here, so volunteers learn by gossip when to ask
     # for their range again instead of asking over and over.
     assignment_version: Count = 0
+    # The tracker's signed placement of this node (a volunteer's range), as the tracker gave it.
+    placement: Placement | None = None
     # The node's last word: it has left the mesh gracefully.
     leaving: bool = False
     signature: Annotated[bytes, Field(max_length=64)] = b""

@@ -31,6 +31,11 @@ Members are strangers, so a claim counts only when it is believable:
   claim not yet followed gets no such grace, so a fresh mesh's newcomers
   cannot make a rushing claimant tracker by not voting.
 
+Whose votes count once the mesh has placed anyone is meshd.mesh.authority's rule: the members
+that weigh (placed by a tracker this node followed, or the followed tracker itself) are then the
+whole electorate, and free identities count for nothing however many links they hold; before any
+placement, every live member heard from first-hand counts, so a fresh mesh bootstraps.
+
 When no carried tracker is live for the election timeout, candidates claim
 term + 1 in order of merit (directly reachable, longest observed uptime,
 lowest node id): the best one in a node's view after one timeout, the next
@@ -47,11 +52,14 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from meshd.mesh.authority import EARNED_FOR, FOLLOWED_KEPT, MAX_EARNED, placement_of
 from meshd.mesh.records import ROLE_CLIENT, CapabilityRecord
 
 _REACHABILITY_RANK = {"public": 0, "unknown": 1, "nat": 2}
 # The largest term a record can carry; a claim is capped there rather than overflowing.
 _LAST_TERM = 2**63 - 1
+# A member's weight in the electorate (meshd.mesh.authority): none, as a followed tracker, as placed.
+_NONE, _TRACKER, _PLACED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,8 @@ def candidate_key(record: CapabilityRecord, first_seen: float) -> tuple[int, flo
 
 def _says(record: CapabilityRecord) -> tuple[object, ...]:
     """What the election reads of a record."""
-    return (record.tracker_term, record.vote_term, record.vote_for, record.reachability, eligible(record))
+    return (record.tracker_term, record.vote_term, record.vote_for, record.reachability, eligible(record),
+            record.placement)
 
 
 def believable_terms(terms: Iterable[int], highest: int) -> int:
@@ -113,6 +122,16 @@ class Election:
         self._claiming: dict[str, int] = {}
         self._votes_of: dict[str, Tracker] = {}
         self._tally: Counter[Tracker] = Counter()
+        # meshd.mesh.authority's electorate: the trackers followed (oldest first), the other live
+        # members that weigh, their votes' tally, whether this node weighs, and when each member
+        # was last seen placed by a followed tracker (its earned weight)
+        self._followed: list[Tracker] = []
+        self._weighing: set[str] = set()
+        self._placed: set[str] = set()  # those of `_weighing` that weigh by a placement, not as a tracker
+        self._weighted: Counter[Tracker] = Counter()
+        self._self_weighs = False
+        self._placed_self = False
+        self._earned: dict[str, float] = {}
         # When this node first saw each live member live: the uptime the election trusts.
         self._first_seen: dict[str, float] = {node_id: now}
         self._highest_term = 0
@@ -140,6 +159,17 @@ class Election:
     def highest_term(self) -> int:
         return self._highest_term
 
+    @property
+    def followed(self) -> list[tuple[int, str]]:
+        """The trackers whose placements weigh in this node's view, as (term, node id): the one
+        followed now (or last) and the one before it."""
+        return [(t.term, t.node_id) for t in self._followed]
+
+    @property
+    def weighing(self) -> bool:
+        """Whether the placed-and-measured electorate applies (some live member weighs by placement)."""
+        return self._placed_self or bool(self._placed)
+
     def observe(self, now: float, record: CapabilityRecord, live: bool, vouched: bool = True) -> None:
         """`vouched`: this node has heard from the member first-hand (see `vouch`); a record known
         only second-hand is kept aside until then."""
@@ -158,12 +188,18 @@ class Election:
         if live and held is not None and _says(held) == _says(record):
             self._live[node_id] = record  # a new version saying nothing new to the election: most are
             return
+        if held is not None:
+            self._placed_until(now, held)
+        weight = self._weight(now, record) if live else _NONE
         if node_id != self._node_id:
-            self._count_vote(node_id, Tracker(record.vote_term, record.vote_for) if live and record.vote_term else None)
+            self._count_vote(node_id, Tracker(record.vote_term, record.vote_for) if live and record.vote_term else None,
+                             weight)
             if live and record.tracker_term > 0 and eligible(record):
                 self._claiming[node_id] = record.tracker_term
             else:
                 self._claiming.pop(node_id, None)
+        else:
+            self._weigh_self(weight)
         if live:
             if node_id not in self._live and node_id != self._node_id:
                 self._newcomers[node_id] = now
@@ -187,15 +223,74 @@ class Election:
         if record is not None:
             self.observe(now, record, live=True)
 
-    def _count_vote(self, voter: str, vote: Tracker | None) -> None:
+    def _count_vote(self, voter: str, vote: Tracker | None, weight: int) -> None:
         old = self._votes_of.pop(voter, None)
         if old is not None:
-            self._tally[old] -= 1
-            if not self._tally[old]:
-                del self._tally[old]
+            _drop(self._tally, old)
+            if voter in self._weighing:
+                _drop(self._weighted, old)
+        self._weighing.discard(voter)
+        self._placed.discard(voter)
+        if weight != _NONE:
+            self._weighing.add(voter)
+        if weight == _PLACED:
+            self._placed.add(voter)
         if vote is not None:
             self._votes_of[voter] = vote
             self._tally[vote] += 1
+            if weight != _NONE:
+                self._weighted[vote] += 1
+
+    # ----- meshd.mesh.authority's electorate
+
+    def _tracker_ids(self) -> set[str]:
+        return {t.node_id for t in self._followed}
+
+    def _placed_until(self, now: float, record: CapabilityRecord) -> bool:
+        """Whether `record` carries a placement by a followed tracker; if so, its member has earned
+        its weight until `now` (it is about to go, or to carry another placement)."""
+        if placement_of(record, self.followed) is None:
+            return False
+        node_id = record.node_id
+        self._earned.pop(node_id, None)
+        self._earned[node_id] = now  # last in order: the oldest are forgotten first
+        if len(self._earned) > MAX_EARNED:
+            del self._earned[next(iter(self._earned))]
+        return True
+
+    def _weight(self, now: float, record: CapabilityRecord) -> int:
+        """Whether `record`'s member weighs in this node's view, and why (see meshd.mesh.authority):
+        `_PLACED` (by a placement, now or earned), `_TRACKER` (a followed tracker), or `_NONE`."""
+        node_id = record.node_id
+        if self._placed_until(now, record):
+            return _PLACED
+        earned = self._earned.get(node_id)
+        if earned is not None and now - earned < EARNED_FOR:
+            return _PLACED
+        return _TRACKER if node_id in self._tracker_ids() else _NONE
+
+    def _weigh_self(self, weight: int) -> None:
+        self._self_weighs = weight != _NONE
+        self._placed_self = weight == _PLACED
+
+    def _follow(self, now: float, tracker: Tracker) -> None:
+        """`tracker` is carried: its placements weigh from now on, and every member's weight is reckoned again."""
+        if self._followed and self._followed[-1] == tracker:
+            return
+        for record in self._live.values():
+            self._placed_until(now, record)  # placements by a tracker about to drop out earn until now
+        self._followed = [*(t for t in self._followed if t != tracker), tracker][-FOLLOWED_KEPT:]
+        for node_id, record in self._live.items():
+            if node_id == self._node_id:
+                self._weigh_self(self._weight(now, record))
+            else:
+                self._count_vote(node_id, self._votes_of.get(node_id), self._weight(now, record))
+
+    def _electorate(self) -> int:
+        """How many live members a majority is reckoned of."""
+        if not self.weighing:
+            return len(self._live)
+        return len(self._weighing) + (self._self_weighs and self._node_id in self._live)
 
     def joined(self, now: float) -> None:
         """This node has joined the mesh (or founded it): its own uptime counts from now, as the
@@ -282,7 +377,7 @@ class Election:
         claims = dict(self._claiming)
         if self._claim:
             claims[self._node_id] = self._claim  # our record may lag behind a step-down
-        live = len(self._live)
+        live = self._electorate()
         followed = self._tracker
         carried = [claim for claim in (Tracker(term, node_id) for node_id, term in claims.items())
                    if 2 * self._votes(claim) > live - (self._excused(now, claim) if claim == followed else 0)]
@@ -305,10 +400,14 @@ class Election:
             if since + self._config.election_timeout > now:  # as the timer for it reckons, to the bit
                 break
             del self._newcomers[node_id]
-        return sum(1 for node_id in self._newcomers if self._live[node_id].vote_term < tracker.term)
+        weighing = self.weighing
+        return sum(1 for node_id in self._newcomers if self._live[node_id].vote_term < tracker.term
+                   and (not weighing or node_id in self._weighing))
 
     def _votes(self, claim: Tracker) -> int:
         own = self._node_id in self._live and self._vote == claim
+        if self.weighing:
+            return self._weighted[claim] + (own and self._self_weighs)
         return self._tally[claim] + own
 
     def _wait(self, deadline: float) -> None:
@@ -317,6 +416,8 @@ class Election:
     def _refresh(self, now: float) -> None:
         claims, carried = self._claims(now)
         tracker = max(carried, default=None)
+        if tracker is not None:
+            self._follow(now, tracker)
         if self._claim:
             own = Tracker(self._claim, self._node_id)
             # Another tracker is carried, or we voted for a better claim (`_cast` backs a higher one
@@ -332,7 +433,7 @@ class Election:
         if tracker is not None:
             self._vacant_since = None
             self._deadline = None
-            if 2 * self._votes(tracker) <= len(self._live):
+            if 2 * self._votes(tracker) <= self._electorate():
                 # carried thanks to newcomers yet to vote: look again when the oldest one's grace ends
                 self._wait(next(iter(self._newcomers.values())) + self._config.election_timeout)
         elif self._vacant_since is None:
@@ -365,3 +466,9 @@ class Election:
             self._voted_at = now
         elif pending is not None:
             self._wait(pending)
+
+
+def _drop(tally: Counter[Tracker], vote: Tracker) -> None:
+    tally[vote] -= 1
+    if not tally[vote]:
+        del tally[vote]

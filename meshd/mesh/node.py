@@ -55,6 +55,8 @@ class MeshNode:
         rng: random.Random | None = None,
     ) -> None:
         self.membership = Membership(identity, record, now, swim, rng)
+        # as tracker, the node signs the placements it gives (meshd.mesh.authority)
+        self.identity = identity
         self.election = Election(record.node_id, now, election)
         self.election.observe(now, record, live=True)
         self._own_version = record.version

@@ -1,0 +1,211 @@
+"""Authority that costs something (meshd.mesh.authority), sans-IO: whose votes count once the mesh has
+placed anyone, whose witness receipts count in a proof, and how an exclusion ends.
+
+Each rule is driven at explicit times: the election alone with hand-made records, and the duties of
+a placed mesh on an instant network (tests/test_mesh_duty.py's)."""
+
+from __future__ import annotations
+
+import pytest
+from instant_net import identity, record
+from test_election import TIMEOUT, election_with, voting_for
+from test_mesh_duty import MODEL, Mesh, duty
+
+from meshd.mesh.authority import (
+    EARNED_FOR,
+    EXCLUSION_SECONDS,
+    RENEW_AFTER,
+    Exclusions,
+    ProofAgainstSelf,
+    placement_of,
+)
+from meshd.mesh.duty import MeshDuty
+from meshd.mesh.election import Election, Tracker
+from meshd.mesh.proofs import InvalidProof
+from meshd.mesh.records import ServedRange
+from meshd.stage.receipts import SessionReceipts, Signer
+from wire.identity import NodeIdentity
+from wire.receipt import Proof, Receipt, row_hash
+from wire.swim import Placement
+
+TRACKER = 1
+HONEST = (2, 3, 4)
+SYBILS = range(10, 16)  # six free identities, each heard first-hand: twice the honest members
+
+
+def placed(i: int, by: int = TRACKER, term: int = 1, **fields: object) -> dict[str, object]:
+    """Record fields of member `i`, placed by `by` at `term` on layers [0, 4)."""
+    return {"placement": Placement.create(identity(by), term, record(i).node_id, MODEL.digest, 0, 4), **fields}
+
+
+def placed_mesh_election() -> Election:
+    """Node 0's election in a mesh whose tracker (1, term 1) placed node 0 and members 2-4, all backing it."""
+    others: dict[int, dict] = {TRACKER: {"tracker_term": 1, **voting_for(TRACKER, 1)}}
+    for i in HONEST:
+        others[i] = placed(i, **voting_for(TRACKER, 1))
+    election = election_with(0, others)
+    election.observe(0.0, record(0, version=2, **placed(0)), live=True)
+    assert election.tracker == Tracker(1, record(TRACKER).node_id)
+    assert election.weighing
+    return election
+
+
+def bid(election: Election, now: float, term: int, members: range, version: int = 1, **fields: object) -> None:
+    """Free identities, heard first-hand, claiming `term` for the first of them and voting for it."""
+    leader = members[0]
+    for i in members:
+        claim = {"tracker_term": term} if i == leader else {}
+        election.observe(now, record(i, version=version, **claim, **voting_for(leader, term), **fields), live=True)
+
+
+def test_free_identities_outnumbering_the_placed_members_neither_unseat_the_tracker_nor_win_the_vacancy() -> None:
+    election = placed_mesh_election()
+    tracker = election.tracker
+    bid(election, 1.0, 2, SYBILS)
+    assert election.tracker == tracker
+    # the tracker dies: only the placed members' votes carry its successor, never the sybils'
+    election.observe(10.0, record(TRACKER, version=2), live=False)
+    assert election.tracker is None
+    bid(election, 10.0, 2, SYBILS, version=2)
+    election.handle_timer(10.0 + 3 * TIMEOUT, joined=True)
+    assert election.tracker is None or election.tracker.node_id not in {record(i).node_id for i in SYBILS}
+    # a placed member's claim, backed by the placed members, is carried: a majority of four weighing
+    claimant = record(2).node_id
+    for i in HONEST:
+        fields = placed(i, version=3, **voting_for(2, 2), **({"tracker_term": 2} if i == 2 else {}))
+        election.observe(11.0, record(i, **fields), live=True)
+    assert election.tracker == Tracker(2, claimant)
+
+
+def test_a_fresh_mesh_with_no_placement_counts_every_member_heard_first_hand() -> None:
+    # the bootstrap: before any placement the old count stands (a majority of live members)
+    election = election_with(0, {1: {"tracker_term": 1, **voting_for(1, 1)}, 2: voting_for(1, 1), 3: {}})
+    assert not election.weighing
+    assert election.tracker == Tracker(1, record(1).node_id)
+
+
+@pytest.mark.parametrize("forged", ["unfollowed tracker", "another term", "another member", "bad signature"])
+def test_a_placement_the_followed_tracker_did_not_sign_for_that_member_weighs_nothing(forged: str) -> None:
+    election = placed_mesh_election()
+    tracker = election.tracker
+    placements = {
+        "unfollowed tracker": Placement.create(identity(10), 1, record(11).node_id, MODEL.digest, 0, 4),
+        "another term": Placement.create(identity(TRACKER), 2, record(11).node_id, MODEL.digest, 0, 4),
+        "another member": Placement.create(identity(TRACKER), 1, record(2).node_id, MODEL.digest, 0, 4),
+        "bad signature": Placement.create(identity(TRACKER), 1, record(11).node_id, MODEL.digest, 0, 4).model_copy(
+            update={"end": 8}),
+    }
+    assert placement_of(record(11, placement=placements[forged]), election.followed) is None
+    bid(election, 1.0, 2, SYBILS, placement=placements[forged])
+    assert election.tracker == tracker
+
+
+def test_a_placed_member_gone_and_back_re_placed_elsewhere_keeps_its_weight_for_a_while() -> None:
+    # A partition: member 2 is gone from this side, and comes back placed by the other side's tracker.
+    election = placed_mesh_election()
+    election.observe(5.0, record(2, version=2, **placed(2)), live=False)
+    other_side = placed(2, by=7, term=2, **voting_for(TRACKER, 1))
+    election.observe(60.0, record(2, version=3, **other_side), live=True)
+    assert election._electorate() == 5  # 0, 1 (the tracker), 2 (earned), 3 and 4
+    # long after: a placement no tracker followed here signed earns nothing any more
+    election.observe(70.0, record(2, version=4), live=False)
+    election.observe(70.0 + EARNED_FOR, record(2, version=5, **other_side), live=True)
+    assert election._electorate() == 4
+
+
+# ----- proofs
+
+
+def placed_duties() -> Mesh:
+    mesh = Mesh(*[duty(i) for i in range(6)])
+    mesh.run_until(10.0)
+    return mesh
+
+
+def receipt(layers: tuple[int, int], out: bytes, signer: Signer) -> Receipt:
+    return SessionReceipts(signer, f"s{signer.node_id[:4]}", 0, MODEL.digest, *layers).sign(
+        0, 3, row_hash(b"in"), row_hash(out))
+
+
+def framing(mesh: Mesh) -> tuple[MeshDuty, MeshDuty, Proof, Proof]:
+    """A placed range's nodes: the victim and a bystander on it, a proof framing the victim (two free
+    identities as witnesses), and a true proof against it (two placed witnesses)."""
+    ranges = mesh.tracker.assignments[MODEL.digest].ranges()
+    by_id = {d.node_id: d for d in mesh.duties.values()}
+    layers = max(set(ranges.values()), key=lambda r: sum(1 for v in ranges.values() if v == r))
+    on_range = [by_id[n] for n, r in ranges.items() if r == layers and not by_id[n].is_tracker]
+    victim, *others = on_range
+    assert len(others) >= 2, ranges
+    signers = {d.node_id: Signer(identity(i)) for i, d in enumerate(mesh.duties.values())}
+    genuine = receipt(layers, b"truth", signers[victim.node_id])
+    sybils = [receipt(layers, b"lie", Signer(NodeIdentity.generate())) for _ in range(2)]
+    placed_witnesses = [receipt(layers, b"lie", signers[d.node_id]) for d in others[:2]]
+    return victim, others[0], Proof(kind="divergence", culprit=genuine, witnesses=sybils), \
+        Proof(kind="divergence", culprit=genuine, witnesses=placed_witnesses)
+
+
+def test_witnesses_whose_own_records_claim_the_range_frame_nobody_and_the_culprit_refuses_a_proof() -> None:
+    mesh = placed_duties()
+    victim, bystander, framed, proven = framing(mesh)
+    ranges = mesh.tracker.assignments[MODEL.digest].ranges()
+    start, end = ranges[victim.node_id]
+    # every duty's record carries the tracker's signed placement of its range
+    for d in mesh.duties.values():
+        p = d.node.record.placement
+        assert p is not None and (p.node_id, p.start, p.end) == (d.node_id, *ranges[d.node_id])
+    # the sybils' records say they serve the range (as a liar's may): nobody counts that
+    for witness in framed.witnesses:
+        assert witness.layer_begin == start
+    sybil_records = [record(100 + i, served=[ServedRange(model=MODEL.digest, start=start, end=end)])
+                     for i in range(2)]
+    for d in (bystander, victim, mesh.tracker):
+        for r in sybil_records:
+            d.node.election.observe(mesh.net.now, r, live=True)
+        with pytest.raises(InvalidProof):
+            d.accept_proof(mesh.net.now, framed)
+        assert d.liars == {}
+    # a proof against itself, however good, the victim never takes
+    with pytest.raises(ProofAgainstSelf):
+        victim.accept_proof(mesh.net.now, proven)
+    assert victim.liars == {}
+    # a proof whose witnesses the tracker placed holds at the bystander, by their records' placements
+    assert bystander.accept_proof(mesh.net.now, proven) == victim.node_id
+
+
+def test_an_exclusion_expires_after_its_hour_unless_a_new_proof_renews_it_and_a_replay_excludes_no_more() -> None:
+    mesh = placed_duties()
+    victim, bystander, _, proven = framing(mesh)
+    tracker = mesh.tracker
+    now = mesh.net.now
+    assert tracker.accept_proof(now, proven) == victim.node_id
+    mesh.run_until(now + 5.0)
+    assert victim.node_id not in tracker.assignments[MODEL.digest].ranges()
+    assert tracker.next_timer() is not None and tracker.next_timer() <= now + EXCLUSION_SECONDS  # type: ignore[operator]
+    # an hour on, the exclusion ends and the tracker places the member again
+    tracker.handle_timer(now + EXCLUSION_SECONDS)
+    assert tracker.liars == {}
+    mesh.run_until(now + EXCLUSION_SECONDS + 5.0)
+    assert victim.node_id in tracker.assignments[MODEL.digest].ranges()
+    # the same proof again is no new lie
+    with pytest.raises(InvalidProof, match="run out"):
+        tracker.accept_proof(mesh.net.now, proven)
+
+
+def test_exclusions_renew_only_by_another_proof_and_at_most_once_per_half_life() -> None:
+    signer = Signer(NodeIdentity.generate())
+    lies = [Proof(kind="equivocation", culprit=receipt((0, 4), b"a%d" % i, signer),
+                  witnesses=[receipt((0, 4), b"b%d" % i, signer)]) for i in range(3)]
+    held = Exclusions(most=1)
+    assert held.add(0.0, signer.node_id, lies[0])
+    assert not held.add(1.0, signer.node_id, lies[0])  # known
+    assert not held.add(2.0, signer.node_id, lies[1])  # another lie, too soon to pass on again
+    assert held.add(RENEW_AFTER, signer.node_id, lies[1])  # renewed: news
+    assert held.until(signer.node_id) == RENEW_AFTER + EXCLUSION_SECONDS
+    with pytest.raises(Exclusions.Full):
+        held.add(0.0, "another", lies[2])
+    assert held.expire(RENEW_AFTER + EXCLUSION_SECONDS - 1) == []
+    assert held.expire(RENEW_AFTER + EXCLUSION_SECONDS) == [signer.node_id]
+    assert signer.node_id not in held and held.next_timer() is None
+    with pytest.raises(InvalidProof):
+        held.add(RENEW_AFTER + EXCLUSION_SECONDS, signer.node_id, lies[1])
+    assert held.add(RENEW_AFTER + EXCLUSION_SECONDS, signer.node_id, lies[2])
