@@ -23,10 +23,11 @@ from meshd.front.door import Asking, FrontDoor
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberInfo, MemberState
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
-from meshd.mesh.status import status_view
+from meshd.mesh.routing import SpeedBook
+from meshd.mesh.status import stage_speeds, status_view
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import RouteReply, RouteStage, StatusReply
+from wire.meshrpc import RouteReply, RouteStage, SpeedsReply, StatusReply
 from wire.stage import StageInfo
 
 MODEL = ModelInfo(digest="ab" * 32, name="SmolLM2-135M", n_layers=30, bytes_per_layer=1 << 20, kv_bytes_per_token=64)
@@ -46,6 +47,8 @@ class FakeMesh:
     route_hangs: bool = False
     polls: list[str] = field(default_factory=list)
     routes_asked: list[str] = field(default_factory=list)
+    # what the tracker timed of each member's stage (the rest count at the default)
+    timed: SpeedBook = field(default_factory=SpeedBook)
 
     def add(self, served: list[tuple[int, int]], state: MemberState = MemberState.ALIVE, leaving: bool = False,
             rtt: float | None = 0.002, address: str = "127.0.0.1:7001", name: str = MODEL.name) -> str:
@@ -75,6 +78,12 @@ class FakeMesh:
                   for m in self.members_ for s in m.record.served][:3]
         return RouteReply(model=model, n_layers=MODEL.n_layers, stages=stages, seconds_per_token=0.015)
 
+    async def stage_speeds(self) -> SpeedsReply | None:
+        if self.tracker is None:
+            return None
+        live = [m.record for m in self.members_ if m.state in (MemberState.ALIVE, MemberState.SUSPECT)]
+        return SpeedsReply(by=self.tracker.node_id, speeds=stage_speeds(live, self.timed, self.tracker.node_id))
+
     async def stage_metrics(self, node_id: str) -> dict[str, float]:
         self.polls.append(node_id)
         if node_id in self.hang:
@@ -98,6 +107,7 @@ def by_node(state: dict, node_id: str) -> dict:
 async def test_a_covered_model_shows_its_members_layers_replicas_and_route(autojump_clock: trio.testing.MockClock) -> None:
     mesh, ids = three_stages()
     mesh.figures = {ids[0]: {"sessions": 2.0, "kv_tokens": 300.0, "decode_rows": 10.0, "step_ms_p50": 4.5}}
+    mesh.timed.observe(ids[0], 10, 4e-3)
     state = await Console(mesh).state()
     json.dumps(state, allow_nan=False)
     assert (state["node_id"], state["tracker"], state["term"]) == (ids[0], ids[1], 3)
@@ -105,7 +115,8 @@ async def test_a_covered_model_shows_its_members_layers_replicas_and_route(autoj
     head = by_node(state, ids[0])
     assert (head["address"], head["state"], head["memory_bytes"]) == ("127.0.0.1:7001", "alive", 64 << 20)
     assert head["served"] == [{"model": MODEL.digest, "start": 0, "end": 10}]
-    assert head["rtt_ms"] == pytest.approx(2.0) and head["ms_per_layer"] == pytest.approx(0.5)
+    # what routes count: the tracker timed it at 0.4 ms a layer (it says 0.5 itself)
+    assert head["rtt_ms"] == pytest.approx(2.0) and head["ms_per_layer"] == pytest.approx(0.4)
     assert head["stage"]["sessions"] == 2.0 and head["stage"]["kv_tokens"] == 300.0
     assert "tracker" in by_node(state, ids[1])["roles"]
     # the members whose stages could not say show no figures, and the snapshot is not held up
@@ -117,6 +128,33 @@ async def test_a_covered_model_shows_its_members_layers_replicas_and_route(autoj
     assert sorted((r["start"], r["end"]) for r in model["ranges"]) == [(0, 10), (0, 15), (10, 20), (20, 30)]
     assert model["why"] == []
     assert [(s["start"], s["end"]) for s in model["route"]["stages"]] == [(0, 10), (10, 20), (20, 30)]
+
+
+async def test_each_range_shows_the_speed_routes_count_and_where_it_came_from(
+        autojump_clock: trio.testing.MockClock) -> None:
+    mesh, ids = three_stages()
+    mesh.timed.observe(ids[0], 10, 4e-3)
+    mesh.timed.observe(ids[0], 10, 6e-3)
+    [model] = (await Console(mesh).state())["models"]
+    speeds = {(r["node_id"], r["start"]): r["speed"] for r in model["ranges"]}
+    assert speeds[ids[0], 0] == {"ms_per_layer": pytest.approx(0.5), "source": "probe",
+                                 "from": "probe by tracker, median of 2; it says 0.5"}
+    # not timed: the default (1 ms a layer), never the 0.5 it says of itself
+    assert speeds[ids[2], 20] == {"ms_per_layer": pytest.approx(1.0), "source": "default",
+                                  "from": "unmeasured: default; it says 0.5"}
+    # the tracker's own stage: its own figure
+    assert speeds[ids[1], 10]["source"] == "own"
+    # a member the tracker timed far slower than it says shows the time, on its row and its range
+    liar = mesh.add([(0, 30)])
+    mesh.timed.observe(liar, 30, 3.0)
+    state = await Console(mesh).state()
+    row = by_node(state, liar)
+    assert row["ms_per_layer"] == pytest.approx(100.0) and row["speed_from"].startswith("probe by tracker")
+    # a source that knows no speeds (a mesh of fakes, no tracker) shows none
+    mesh.tracker = None
+    state = await Console(mesh).state()
+    assert by_node(state, ids[0])["ms_per_layer"] is None
+    assert all(r["speed"] is None for r in state["models"][0]["ranges"])
 
 
 async def test_live_tok_s_is_the_growth_of_each_stage_decode_counter(autojump_clock: trio.testing.MockClock) -> None:
@@ -198,7 +236,8 @@ async def test_a_member_s_unbelievable_figures_are_dropped(bad: float, autojump_
     state = await Console(mesh).state()
     json.dumps(state, allow_nan=False)
     [model] = state["models"]
-    assert len(model["depth"]) == 30 and {"node_id": liar, "start": 25, "end": 30, "state": "alive"} in model["ranges"]
+    clipped = {"node_id": liar, "start": 25, "end": 30, "state": "alive"}
+    assert len(model["depth"]) == 30 and any(r.items() >= clipped.items() for r in model["ranges"])
     assert all(r["start"] < r["end"] <= 30 for r in model["ranges"])
     stage = by_node(state, ids[0])["stage"]
     assert (stage["sessions"], stage["kv_tokens"], stage["step_ms_p50"], stage["tok_s"]) == (None, None, None, 0.0)

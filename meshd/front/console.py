@@ -39,8 +39,9 @@ from meshd.front.mesh import DaemonMesh
 from meshd.mesh.membership import MemberInfo, MemberState
 from meshd.mesh.records import CapabilityRecord
 from meshd.net import rpc as net_rpc
+from meshd.status_table import speed_from
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import ModelCoverage, RouteReply, StatusReply
+from wire.meshrpc import ModelCoverage, RouteReply, SpeedsReply, StageSpeed, StatusReply
 from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
 
 # A snapshot younger than this is served again: one mesh poll a second whatever the viewers.
@@ -84,6 +85,10 @@ class MeshSource(Protocol):
         """A serving member's stage figures; a ProtocolError or OSError when it cannot say."""
         ...
 
+    async def stage_speeds(self) -> SpeedsReply | None:
+        """The stage speeds routes count, and where each came from; None: this source knows none."""
+        ...
+
 
 class DaemonSource:
     """The console's view of the `MeshDaemon` it runs beside: its own stage read directly,
@@ -113,6 +118,10 @@ class DaemonSource:
                                    node_id=node_id, timeout=METRICS_TIMEOUT)
         return dict(reply.values)
 
+    async def stage_speeds(self) -> SpeedsReply | None:
+        # the tracker's, as routes count them (MeshDaemon.stage_speeds), not this node's records
+        return await self.daemon.stage_speeds()
+
 
 class StatusSource:
     """A front door's mesh that offers only its status view (a mesh of fakes): the console shows the
@@ -132,6 +141,9 @@ class StatusSource:
 
     async def stage_metrics(self, node_id: str) -> dict[str, float]:
         raise ProtocolError(ErrorCode.NOT_FOUND, "this front door's mesh reads no stage figures")
+
+    async def stage_speeds(self) -> SpeedsReply | None:
+        return None
 
 
 def source_of(mesh: Mesh) -> MeshSource:
@@ -184,11 +196,16 @@ LIVE_STATES = (MemberState.ALIVE, MemberState.SUSPECT)
 
 
 def snapshot(status: StatusReply, members: Sequence[MemberInfo], stages: dict[str, dict[str, Any]],
-             route_of: Callable[[str], RouteReply], asks: Sequence[Asking], now: float) -> dict[str, Any]:
+             route_of: Callable[[str], RouteReply], asks: Sequence[Asking], now: float,
+             speeds: SpeedsReply | None = None) -> dict[str, Any]:
     """The console's JSON: `stages` holds each polled member's `stage_figures`; `route_of` gives a
     covered model's route (a ProtocolError says why there is none); `asks` are the front door's
-    asks in flight; `now` is Unix time."""
+    asks in flight; `now` is Unix time; `speeds` what routes count of each stage (None: unknown)."""
     info = {m.node_id: m for m in members}
+    # a member's figure is one for all its ranges (routes count it per node), shown on its row
+    speed_of = {(p.node_id, p.model, p.start, p.end): _speed(p, speeds.by, status.tracker)
+                for p in speeds.speeds} if speeds is not None else {}
+    node_speed = {node_id: shown for (node_id, *_), shown in speed_of.items()}
     rows = []
     for shown in status.members:
         member = info.get(shown.node_id)
@@ -198,14 +215,15 @@ def snapshot(status: StatusReply, members: Sequence[MemberInfo], stages: dict[st
             "reachability": shown.reachability, "memory_bytes": shown.memory_bytes,
             "served": _served(record), "models": shown.models,
             "rtt_ms": member.rtt * 1000.0 if member is not None and member.rtt is not None else None,
-            # measured by the member itself and so only its word; 0 until measured
-            "ms_per_layer": record.seconds_per_layer * 1000.0 if record and record.seconds_per_layer else None,
+            # what routes count (the tracker's probe, or the default while unmeasured), never its own word
+            "ms_per_layer": node_speed[shown.node_id]["ms_per_layer"] if shown.node_id in node_speed else None,
+            "speed_from": node_speed[shown.node_id]["from"] if shown.node_id in node_speed else None,
             "load": record.load if record is not None else 0.0,
             "leaving": bool(record and record.leaving),
             "stage": stages.get(shown.node_id),
         })
     return {"node_id": status.node_id, "tracker": status.tracker, "term": status.term, "time": now,
-            "members": rows, "models": [_model(c, members, route_of) for c in status.coverage],
+            "members": rows, "models": [_model(c, members, route_of, speed_of) for c in status.coverage],
             "asks": [_ask(a, now) for a in asks[:MAX_ASKS_SHOWN]]}
 
 
@@ -217,11 +235,16 @@ def _ask(a: Asking, now: float) -> dict[str, Any]:
             "route": [{"node_id": s.node_id, "start": s.layer_begin, "end": s.layer_end} for s in r.route]}
 
 
+def _speed(p: StageSpeed, by: str, tracker: str | None) -> dict[str, Any]:
+    return {"ms_per_layer": p.seconds_per_layer * 1000.0, "source": p.source, "from": speed_from(p, by, tracker)}
+
+
 def _served(record: CapabilityRecord | None) -> list[dict[str, Any]]:
     return [] if record is None else [{"model": s.model, "start": s.start, "end": s.end} for s in record.served]
 
 
-def _model(c: ModelCoverage, members: Sequence[MemberInfo], route_of: Callable[[str], RouteReply]) -> dict[str, Any]:
+def _model(c: ModelCoverage, members: Sequence[MemberInfo], route_of: Callable[[str], RouteReply],
+           speed_of: Mapping[tuple[str, str, int, int], dict[str, Any]]) -> dict[str, Any]:
     ranges, depth, gone = [], [0] * c.n_layers, []
     for m in members:
         live = m.state in LIVE_STATES and not m.record.leaving
@@ -229,7 +252,8 @@ def _model(c: ModelCoverage, members: Sequence[MemberInfo], route_of: Callable[[
         for s in m.record.served:
             if s.model != c.model or s.start >= c.n_layers:
                 continue
-            ranges.append({"node_id": m.node_id, "start": s.start, "end": min(s.end, c.n_layers), "state": state})
+            ranges.append({"node_id": m.node_id, "start": s.start, "end": min(s.end, c.n_layers), "state": state,
+                           "speed": speed_of.get((m.node_id, s.model, s.start, s.end))})
             if live:
                 for layer in range(s.start, min(s.end, c.n_layers)):
                     depth[layer] += 1
@@ -281,8 +305,10 @@ class Console:
                   if m.state is MemberState.ALIVE and m.record.served and not m.record.leaving][:MAX_POLLED]
         readings: dict[str, dict[str, float]] = {}
         planned: dict[str, RouteReply | ProtocolError] = {}
+        speeds: list[SpeedsReply | None] = [None]
         limiter = trio.CapacityLimiter(POLL_CONCURRENCY)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._speeds, limiter, speeds)
             for c in status.coverage:
                 if c.n_layers > 0 and c.covered_layers == c.n_layers:
                     nursery.start_soon(self._plan, c.model, limiter, planned)
@@ -303,7 +329,16 @@ class Console:
                 raise got
             return got
 
-        return snapshot(status, members, stages, route_of, list(self.asking.values()), time.time())
+        return snapshot(status, members, stages, route_of, list(self.asking.values()), time.time(), speeds[0])
+
+    async def _speeds(self, limiter: trio.CapacityLimiter, out: list[SpeedsReply | None]) -> None:
+        async with limiter:
+            # the tracker's rpc has its own deadline; this one bounds a snapshot's wait for it and the limiter
+            with trio.move_on_after(METRICS_TIMEOUT * 2):
+                try:
+                    out[0] = await self.source.stage_speeds()
+                except ProtocolError:
+                    return
 
     async def _plan(self, model: str, limiter: trio.CapacityLimiter, out: dict[str, RouteReply | ProtocolError]) -> None:
         async with limiter:

@@ -24,6 +24,7 @@ function el(tag, attrs, ...children) {
 function short(id) { return id ? id.slice(0, 12) : "–"; }
 function mib(bytes) { return bytes ? `${(bytes / 1048576).toFixed(bytes < 1048576 * 10 ? 1 : 0)} MiB` : "–"; }
 function num(value, digits) { return value == null ? "–" : Number(value).toFixed(digits); }
+function sig(value) { return value == null ? "–" : Number(value).toPrecision(3); }
 
 function authHeaders() {
   const key = sessionStorage.getItem(KEY_STORE);
@@ -95,7 +96,7 @@ function renderMembers(members) {
       el("td", { class: "num" }, mib(m.memory_bytes)),
       el("td", { class: "served" }, served || "–"),
       el("td", { class: "num" }, m.rtt_ms == null ? "–" : `${num(m.rtt_ms, 1)} ms`),
-      el("td", { class: "num" }, num(m.ms_per_layer, 2)),
+      el("td", { class: "num", title: m.speed_from || "no figure" }, sig(m.ms_per_layer)),
       el("td", { class: "num sessions" }, stage.sessions == null ? "–" : String(stage.sessions)),
       el("td", { class: "num" }, stage.kv_tokens == null ? "–" : String(stage.kv_tokens)),
       el("td", { class: "num" }, stage.step_ms_p50 ? `${num(stage.step_ms_p50, 1)} ms` : "–"),
@@ -132,6 +133,13 @@ function renderModel(m) {
     el("span", {}, `${m.replicas} ${m.replicas === 1 ? "replica" : "replicas"}`));
   const box = el("div", { class: "model", "data-digest": m.digest, "data-covered": m.covered }, head,
     drawLayers(m));
+  // what routes count of each stage, and where that came from (the tracker's probe, or a default)
+  const figured = m.ranges.filter((r) => r.speed).sort((a, b) => a.start - b.start || a.end - b.end);
+  if (figured.length) {
+    box.append(el("ul", { class: "speeds" }, ...figured.map((r) => el("li", { "data-source": r.speed.source },
+      el("span", { class: "mono" }, `${short(r.node_id)} [${r.start}, ${r.end})`),
+      `: ${sig(r.speed.ms_per_layer)} ms/layer, ${r.speed.from}`))));
+  }
   if (m.why.length) {
     box.append(el("ul", { class: "why" }, ...m.why.map((line) => el("li", { class: "reason" }, line))));
   }
