@@ -13,7 +13,6 @@ import importlib.metadata
 import json
 import math
 import os
-import re
 import signal
 import stat
 import sys
@@ -32,14 +31,14 @@ from meshd.client.ask import (
     RouteError,
     RouteSources,
     Stage,
-    ask_with_failover,
     first_error,
     route_at,
     route_from_reply,
     run_session,
     stop_trim,
 )
-from meshd.client.verify import DEFAULT_VERIFY, CheckPlan, Verifier
+from meshd.client.asker import Asker, Unverified, unverified_reason
+from meshd.client.verify import DEFAULT_VERIFY
 from meshd.daemon import MeshDaemon, NodeConfig, rpc
 from meshd.engine import RangeReport
 from meshd.engine.chain import parse_ranges
@@ -324,6 +323,8 @@ class ApiConfig:
     host: str
     port: int
     keys: list[str] | None
+    # --require-verified: an answer a replica did not check whole is refused, after other routes
+    require_verified: bool = False
 
 
 def api_config(args: argparse.Namespace) -> ApiConfig | None:
@@ -331,6 +332,9 @@ def api_config(args: argparse.Namespace) -> ApiConfig | None:
     if args.api is None:
         if args.api_key_file is not None:
             raise UsageError("--api-key-file needs --api HOST:PORT")
+        if args.require_verified:
+            raise UsageError("--require-verified is the HTTP API's policy: it needs --api HOST:PORT "
+                             "(meshd ask takes --require-verified itself)")
         return None
     host, port = args.api
     keys = None
@@ -342,7 +346,7 @@ def api_config(args: argparse.Namespace) -> ApiConfig | None:
     if keys is None and not is_loopback(host.strip("[]")):
         raise UsageError(f"--api {join_address(host.strip('[]'), port)} is beyond loopback: give --api-key-file FILE "
                          f"so only holders of a key may ask (or bind 127.0.0.1)")
-    return ApiConfig(host.strip("[]"), port, keys)
+    return ApiConfig(host.strip("[]"), port, keys, args.require_verified)
 
 
 async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, *,
@@ -356,7 +360,7 @@ async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, 
 
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
         enable_circuits(peers)
-        front = FrontDoor(DaemonMesh(daemon, peers), api.keys)
+        front = FrontDoor(DaemonMesh(daemon, peers, require_verified=api.require_verified), api.keys)
         await serve_front(build_app(front), api.host, api.port, task_status=task_status)
 
 
@@ -595,6 +599,10 @@ def print_status(s: StatusReply, as_json: bool = False) -> None:
 
 async def ask(args: argparse.Namespace) -> int:
     request = build_request(args)
+    if args.require_verified:
+        why_not = "a route given by --route is not verified" if args.route else unverified_reason(request, args.verify)
+        if why_not is not None:
+            raise UsageError(f"--require-verified: {why_not}")
     config = PeersConfig(mesh_key=args.mesh_key)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out = sys.stdout
@@ -631,17 +639,25 @@ async def ask(args: argparse.Namespace) -> int:
             async def other_route(excluded: list[str]) -> list[Stage]:
                 return route_from_reply(expect(await ask_route(excluded), RouteReply, "a route for a spot check"))
 
-            # receipts sign one step at a time, so a speculating ask goes unverified
-            verifier = None if args.verify == 0 or args.speculate != "off" else \
-                Verifier(peers, CheckPlan(every=args.verify), find_route=other_route)
+            async def report_proof(proof: Proof) -> None:
+                # to the node the ask got its routes from, which checks the proof, keeps its culprit out
+                # of routes and placements and passes it on
+                try:
+                    await (control_request(args.state_dir, ProofGossip(proof=proof), timeout=args.timeout)
+                           if args.seed is None else rpc(peers, args.seed, ProofGossip(proof=proof),
+                                                         timeout=args.timeout))
+                except (ProtocolError, ControlError) as exc:
+                    print(f"meshd: a proof that node {proof.culprit.node_id[:16]} lied was not taken: {exc}",
+                          file=sys.stderr)
+
+            asker = Asker(peers, RouteSources(find_route, ask_member), other_route, report_proof,
+                          verify_every=args.verify, require_verified=args.require_verified,
+                          stall_timeout=args.timeout)
             try:
-                result = await ask_with_failover(peers, RouteSources(find_route, ask_member), request, on_token,
-                                                 stall_timeout=args.timeout, verifier=verifier)
-            finally:
-                if verifier is not None:
-                    await report_proofs(verifier.proofs, lambda proof: (
-                        control_request(args.state_dir, proof, timeout=args.timeout) if args.seed is None
-                        else rpc(peers, args.seed, proof, timeout=args.timeout)))
+                result = await asker.ask(request, on_token)
+            except Unverified as exc:
+                print_figures(exc.result)
+                raise CommandError(f"the answer is withheld: {exc.why}") from None
     if args.stop:
         out.write(stop_trim(result.text, args.stop))
     else:
@@ -650,17 +666,6 @@ async def ask(args: argparse.Namespace) -> int:
     out.flush()
     print_figures(result)
     return 0
-
-
-async def report_proofs(proofs: list[Proof], send: Callable[[ProofGossip], Awaitable[Message]]) -> None:
-    """Hands the proofs of lies an ask caught to the node it asked for routes, which checks them,
-    keeps their culprits out of routes and passes them on."""
-    for proof in proofs:
-        try:
-            await send(ProofGossip(proof=proof))
-        except (ProtocolError, ControlError) as exc:
-            print(f"meshd: a proof that node {proof.culprit.node_id[:16]} lied was not taken: {exc}",
-                  file=sys.stderr)
 
 
 # How often `ask --wait` asks again for a route while the mesh cannot cover the model.
@@ -705,10 +710,6 @@ def print_figures(result: AskResult) -> None:
     print(figures_line(result), file=sys.stderr, flush=True)
 
 
-# meshd.client.verify's note for a range that no replica serves at all
-_NO_REPLICA = re.compile(r"layers (\[\d+, \d+\)) of node \w+ unchecked from position 0 \(no replica\)")
-
-
 def figures_line(result: AskResult) -> str:
     """What `meshd ask` says after the answer: tokens, speed, drafts, what failing over cost, and
     the ranges spot checks could not check to the end."""
@@ -721,10 +722,12 @@ def figures_line(result: AskResult) -> str:
         f"routed around, {result.failover_seconds:.1f} s lost)"
     # output verification: what no replica checked (a lie there would go unseen); the ranges no
     # other member serves are said once, together (a mesh of single servers has every range so)
-    alone = [m.group(1) for note in result.unverified if (m := _NO_REPLICA.fullmatch(note))]
+    alone = [n.layers for n in result.unverified if (n.since, n.why) == (0, "no replica")]
+    if result.checked is False or (result.checked is None and result.route):
+        failover += ", unverified (no spot checks)"
     if alone:
         failover += f", unchecked (no replica): layers {', '.join(alone)}"
-    failover += "".join(f", {note}" for note in result.unverified if not _NO_REPLICA.fullmatch(note))
+    failover += "".join(f", {note}" for note in result.unverified if (note.since, note.why) != (0, "no replica"))
     if ttft is None:
         return f"[{prompt}, no new tokens{failover}, stopped by {result.reason}]"
     return (f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "
@@ -871,6 +874,11 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--api", type=api_address, metavar="HOST:PORT",
                    help="serve the HTTP API (OpenAI and Anthropic) here; a port alone means 127.0.0.1 "
                         "(default: none)")
+    j.add_argument("--require-verified", action="store_true",
+                   help="the HTTP API answers only once a replica checked every range of the answer: one with a "
+                        "range left unchecked is generated again around it, and refused (503) if no route is left "
+                        "(default: answer, and say what was unchecked in the x-meshd-verified header and the "
+                        "answer's meshd field)")
     j.add_argument("--api-key-file", type=Path, metavar="FILE",
                    help="API keys, one a line, that requests must carry (Authorization: Bearer or x-api-key); "
                         "required to bind --api beyond loopback (default: none, anyone on loopback may ask)")
@@ -948,6 +956,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every stage signs receipts of its steps, and 1 in N steps is run again on a replica "
                         "of its range and compared; 0 turns verification off; not with --speculate "
                         "(default: %(default)s)")
+    a.add_argument("--require-verified", action="store_true",
+                   help="print an answer only once a replica checked every range of it: one with a range left "
+                        "unchecked is generated again on a route around that range, and withheld (exit 1) if none "
+                        "is left (default: print as it comes, and name what was unchecked after it)")
     a.add_argument("--no-fast", action="store_true",
                    help="keep every row on the daemons' path; by default an unverified ask (--verify 0, or "
                         "--speculate ngram) over direct hops sends its rows from engine worker to engine worker")

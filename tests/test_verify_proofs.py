@@ -4,6 +4,8 @@ attacker forges, moves or pads is refused before anyone acts on it."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import trio
 
 from meshd.cli import figures_line
-from meshd.client.ask import AskResult, Stage, StageError, _watch_for_errors
+from meshd.client.ask import AskResult, Stage, StageError, _watch_for_errors, first_error
 from meshd.client.verify import Audit, CheckPlan, Draws, StageLied, Verifier, blamed
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
@@ -33,8 +35,8 @@ from wire.receipt import (
     row_hash,
     unpack_chain,
 )
-from wire.stage import STAGE_PROTOCOL, InputsRequest, Sampling, StageInfo
-from wire.tensors import Activation
+from wire.stage import STAGE_PROTOCOL, Inputs, InputsRequest, Sampling, StageInfo, StepInput
+from wire.tensors import Activation, TensorEntry
 from wire.types import MAX_LAYERS, MAX_TOKENS
 
 STAGE = protocol_limits(STAGE_PROTOCOL)
@@ -441,17 +443,24 @@ async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_lin
         nursery.start_soon(verifier.run_checks)
         await verifier.settle(1.0)
         nursery.cancel_scope.cancel()
-    assert [n.split(" of node")[0] for n in result.unverified] == ["layers [0, 2)", "layers [2, 4)", "layers [4, 6)"]
-    assert result.unverified[0].endswith("unchecked from position 0 (every replica failed, the last at "
-                                         "127.0.0.1:7998: UNREACHABLE: 127.0.0.1:7998 refused the connection)")
-    assert result.unverified[1].endswith("unchecked from position 0 (no replica)")
-    assert result.unverified[2].endswith("unchecked from position 0 (its check did not end within 1 s)")
+    assert [n.layers for n in result.unverified] == ["[0, 2)", "[2, 4)", "[4, 6)"]
+    assert [n.node_id for n in result.unverified] == ids and {n.since for n in result.unverified} == {0}
+    assert [n.why for n in result.unverified] == [
+        "every replica failed, the last at 127.0.0.1:7998: UNREACHABLE: 127.0.0.1:7998 refused the connection",
+        "no replica", "its check did not end within 1 s"]
+    assert str(result.unverified[1]) == f"layers [2, 4) of node {ids[1][:16]} unchecked from position 0 (no replica)"
+    assert not result.verified and result.checked
     # the ranges no replica serves are said once, together; the others each with its reason
     line = figures_line(result)
     assert ", unchecked (no replica): layers [2, 4), layers [0, 2) of node" in line
     assert line.count("(no replica)") == 1 and line.endswith("(its check did not end within 1 s), stopped by max_tokens]")
-    result.unverified[1] = result.unverified[1].replace("position 0 (no replica)", "position 3")
+    result.unverified[1] = replace(result.unverified[1], since=3, why="its check did not end within 1 s")
     assert "(no replica)" not in figures_line(result)
+    # a failover's next route that shares a range and node says it once, from where it was first unchecked
+    for note in list(result.unverified):
+        result.note_unchecked(replace(note, since=2))
+    assert len(result.unverified) == 3 and [n.since for n in result.unverified] == [0, 2, 0]
+    assert figures_line(result).count(f"layers [4, 6) of node {ids[2][:16]}") == 1
 
 
 def test_a_nodes_signature_is_its_keys_own_ed25519_signature() -> None:
@@ -505,9 +514,85 @@ async def test_a_stage_ending_the_finished_session_ends_its_ranges_last_check_no
         nursery.start_soon(_watch_for_errors, tail, verifier.inbox(2), answered)
         await verifier.settle(30.0)
         nursery.cancel_scope.cancel()
-    assert result.unverified[2].endswith("unchecked from position 0 (its stage ended the session before it handed "
-                                         "over the inputs to check)")
+    assert (result.unverified[-1].layers, result.unverified[-1].since, result.unverified[-1].why) == (
+        "[4, 6)", 0, "its stage ended the session before it handed over the inputs to check")
     # while the answer still streams, the same is the stage's error, which fails the epoch
     with pytest.raises(ProtocolError, match="evicted") as failed:
         await _watch_for_errors(tail, verifier.inbox(2), trio.Event())  # type: ignore[arg-type]
     assert failed.value.code is ErrorCode.CACHE_MISS
+
+
+class FakeMiddleStage:
+    """A middle stage's control stream, a fake: it answers a spot check's request for its inputs with
+    ``answer(steps it kept)`` (the Inputs it sends, or None: it never answers), through the asker's inbox."""
+
+    def __init__(self, kept: list[StepInput], answer: Callable[[list[StepInput]], list[Inputs] | None],
+                 inbox: trio.MemorySendChannel[Inputs]) -> None:
+        self.kept = kept
+        self.answer = answer
+        self.inbox = inbox
+
+    async def send_message(self, message: Message) -> None:
+        assert isinstance(message, InputsRequest)
+        for reply in self.answer(self.kept) or []:
+            await self.inbox.send(reply)
+
+
+def inputs(steps: list[StepInput], more: bool = False) -> Inputs:
+    return Inputs(session="s1", epoch=0, steps=steps, more=more)
+
+
+async def checked_middle(answer: Callable[[list[StepInput]], list[Inputs] | None]) -> tuple[AskResult, StageLied | None]:
+    """A two-step answer (a prompt of 3, one decode step) on a route of SIGNERS, its middle stage checked at
+    1 in 1 against a replica nobody can dial: the result, and the lie the check laid at the middle, if any."""
+    route, ids, result = answered_route()
+    ledgers = [ledger(s, r) for s, r in zip(SIGNERS, RANGES, strict=True)]
+    rows = [np.full((3, 8), 0.5, np.float32).tobytes(), np.full((1, 8), 0.25, np.float32).tobytes()]
+    kept = [StepInput(pos=0, n_tokens=3, tensor=TensorEntry.from_array("hidden_states", np.full((3, 8), 0.5, np.float32))),
+            StepInput(pos=3, n_tokens=1, tensor=TensorEntry.from_array("hidden_states", np.full((1, 8), 0.25, np.float32)))]
+    prompt = honest_chain(0, 3, tokens_hash([1, 2, 3]), [row_hash(rows[0]), row_hash(b"b"), tokens_hash([9])], ledgers)
+    step = honest_chain(3, 1, tokens_hash([9]), [row_hash(rows[1]), row_hash(b"d"), tokens_hash([7])], ledgers, prompt[-1])
+    replica = Stage("127.0.0.1:7999", REPLICAS[0].node_id, MODEL, RANGES[1])
+    result.tokens = []
+    verifier = Verifier(FakePeers(), CheckPlan(every=1, candidates=[replica], inputs_seconds=5.0))  # type: ignore[arg-type]
+    verifier.begin("s1", 0, route, ids, 6, result, 3, [None, None, None], Sampling())
+    inbox = verifier.inbox(1)
+    assert inbox is not None and verifier.audit is not None
+    verifier._checks[0][0].stage_stream = FakeMiddleStage(kept, answer, inbox)  # type: ignore[assignment]
+    lie = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(verifier.run_checks)
+            verifier.on_chain("s1", 0, pack_chain(prompt))
+            verifier.on_token(9)
+            result.tokens.append(9)
+            verifier.on_chain("s1", 0, pack_chain([prompt[-1], *step]))
+            verifier.on_token(7)
+            await verifier.settle(60.0)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        lie = first_error(group)
+        assert isinstance(lie, StageLied), repr(lie)
+    return result, lie
+
+
+async def test_a_stage_that_withholds_shortens_reorders_or_delays_its_inputs_fails_its_check(
+        autojump_clock: trio.abc.Clock) -> None:
+    # honest: both steps' inputs, in order; the check goes on to the replica (which nobody can dial)
+    result, lie = await checked_middle(lambda kept: [inputs(kept)])
+    assert lie is None and [n.why[:20] for n in result.unverified if n.layers == "[2, 4)"] == ["every replica failed"]
+    # in two messages, as a stage sends many steps' rows, is as good
+    result, lie = await checked_middle(lambda kept: [inputs(kept[:1], more=True), inputs(kept[1:])])
+    assert lie is None
+    attacks: dict[str, tuple[Callable[[list[StepInput]], list[Inputs] | None], str]] = {
+        "nothing": (lambda kept: [inputs([])], "withheld the inputs of 2 step(s)"),
+        "short": (lambda kept: [inputs(kept[:1])], "withheld the inputs of 1 step(s)"),
+        "reordered": (lambda kept: [inputs(kept[::-1])], "out of order"),
+        "twice": (lambda kept: [inputs([kept[0], kept[0]])], "out of order"),
+        "late": (lambda kept: None, "within 5 s"),
+    }
+    for what, (answer, reason) in attacks.items():
+        result, lie = await checked_middle(answer)
+        assert lie is not None and lie.culprit == SIGNERS[1].node_id and reason in lie.message, (what, lie)
+        # nothing it computed since its last check is trusted: the answer is generated again
+        assert lie.untrusted_from == 0 and lie.retryable and lie.proof is None, what

@@ -352,7 +352,7 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                 missed += 1
             print(json.dumps({"run": run, "lie_at_step": lie_at, "caught_after": caught[-1] if checker.caught_at
                               else None, "proofs": len(checker.proofs), "identical": answer.tokens == clean[prompt].tokens,
-                              "unverified": answer.unverified}),
+                              "unverified": [str(n) for n in answer.unverified]}),
                   file=sys.stderr, flush=True)
             attacker.arm(0)
     return {

@@ -119,6 +119,29 @@ class AskRequest:
     fast: bool = True
 
 
+@dataclass(frozen=True)
+class Unchecked:
+    """A range of a route whose steps no replica matched to the end of the answer: a lie there would
+    go unseen. ``since`` is the first position left unchecked; ``why`` says why, in words."""
+
+    layer_begin: int
+    layer_end: int
+    node_id: str
+    since: int
+    why: str
+
+    @property
+    def layers(self) -> str:
+        return f"[{self.layer_begin}, {self.layer_end})"
+
+    def __str__(self) -> str:
+        return f"layers {self.layers} of node {self.node_id[:16]} unchecked from position {self.since} ({self.why})"
+
+    def as_json(self) -> dict[str, object]:
+        return {"layers": [self.layer_begin, self.layer_end], "node": self.node_id, "since": self.since,
+                "why": self.why}
+
+
 @dataclass
 class AskResult:
     prompt_tokens: list[int] = field(default_factory=list)
@@ -139,8 +162,31 @@ class AskResult:
     failovers: int = 0
     failover_seconds: float = 0.0
     excluded: list[str] = field(default_factory=list)
-    # output verification: the ranges whose steps no replica checked to the end of an epoch, in words
-    unverified: list[str] = field(default_factory=list)
+    # output verification: whether spot checks ran (None: not asked for), and the ranges whose steps
+    # no replica checked to the end of the answer, one note a range and node
+    checked: bool | None = None
+    unverified: list[Unchecked] = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool:
+        """Every range of the answer was checked on a replica to its end."""
+        return bool(self.checked) and not self.unverified
+
+    def note_unchecked(self, note: Unchecked) -> None:
+        """Keeps one note a range and node (a failover re-reports the ranges its routes shared): the
+        one that leaves the most unchecked."""
+        for i, old in enumerate(self.unverified):
+            if (old.layer_begin, old.layer_end, old.node_id) == (note.layer_begin, note.layer_end, note.node_id):
+                if note.since < old.since:
+                    self.unverified[i] = note
+                return
+        self.unverified.append(note)
+
+    def restart(self) -> None:
+        """The answer is generated again from the prompt: what was said of the old one goes with it."""
+        self.tokens.clear()
+        self.pieces.clear()
+        self.unverified.clear()
 
     @property
     def acceptance(self) -> float | None:
@@ -167,7 +213,7 @@ OnToken = Callable[[int, bytes], Awaitable[None] | None]
 class Verifier(Protocol):
     """What a session asks of output verification (``meshd.client.verify.Verifier``) at each point of an epoch."""
 
-    async def prepare(self, route: Sequence[Stage]) -> None: ...
+    async def prepare(self, route: Sequence[Stage], avoid: Collection[str]) -> None: ...
 
     def begin(self, session: str, epoch: int, route: Sequence[Stage], node_ids: Sequence[str | None], n_layer: int,
               result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None],
@@ -235,11 +281,9 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     (meshd.client.verify) every stage signs receipts the asker checks, and spot checks
     run on replicas; a lie fails the epoch with a StageError naming its culprit.
     """
-    if len(route) < 2:
-        # one stage is the whole model: nobody to check it against on the way
-        verifier = None
     if verifier is not None:
-        await verifier.prepare(route)
+        # a one-stage route is checked too: a node serving the whole range is its replica
+        await verifier.prepare(route, result.excluded)
     repeated = next((s.address for i, s in enumerate(route) if s.address in [r.address for r in route[:i]]), None)
     if repeated is not None:
         # one stage cannot hold the same session twice
@@ -417,7 +461,7 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
         with trio.fail_after(timeout):
             msg = await stream.receive_message()
         if tail_is_head and isinstance(msg, PromptTokens):
-            _take_prompt_tokens(msg, result)
+            _take_prompt_tokens(msg, result, verifier)
             continue
         if verifier is not None and isinstance(msg, Receipts):
             # a step that sampled no token (a prompt chunk before the last, the end of generation)
@@ -564,8 +608,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 # A check proved a lie: generate the answer again from the prompt, not from the lie (a
                 # prompt re-prefilled with tokens is not bit for bit the rows their decode steps made,
                 # and a near tie can then pick another token).
-                result.tokens.clear()
-                result.pieces.clear()
+                result.restart()
         else:
             progressed()
             if result.failovers:

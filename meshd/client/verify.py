@@ -29,13 +29,22 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
-from meshd.client.ask import AskResult, RouteError, RouteFinder, Stage, StageError, check_opened, release_all
+from meshd.client.ask import (
+    AskResult,
+    RouteError,
+    RouteFinder,
+    Stage,
+    StageError,
+    Unchecked,
+    check_opened,
+    release_all,
+)
 from meshd.mesh.proofs import BrokenChain, Step, check_chain, check_signatures
 from meshd.net import rpc
 from meshd.net.link import Stream
@@ -76,6 +85,10 @@ DEFAULT_VERIFY = 16
 # replicas looked for per range: one to check on, and a third node to settle a mismatch
 REPLICAS_WANTED = 2
 MAX_PROOFS = 16
+# A stage under check hands over the inputs asked of it within this many seconds, plus their rows'
+# bytes at INPUTS_RATE (bytes/s, a slow volunteer's uplink), or has failed the check
+INPUTS_SECONDS = 10.0
+INPUTS_RATE = 1 << 20
 # a replay's activations go to its replica in writes of about this size
 REPLAY_WRITE_BYTES = 1 << 20
 
@@ -291,6 +304,7 @@ class CheckPlan:
     every: int = DEFAULT_VERIFY
     candidates: list[Stage] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
+    inputs_seconds: float = INPUTS_SECONDS
     # figures for the asker: steps compared on replicas, and checks run
     compared: int = 0
     checks: int = 0
@@ -374,28 +388,52 @@ class RangeCheck:
             self.fed_until = until
             return True
         assert self.stage_stream is not None and self.inbox is not None
-        try:
-            await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch,
-                                                               until=until))
-        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-            return False
-        more = True
-        while more:
+        # the steps the stage signed receipts of and has not handed over yet: exactly these must come
+        wanted = sorted(p for p in audit.by_stage[self.index] if self.fed_until <= p < until)
+        got = 0
+        # the request too: a stage that grants no credit for it stalls the check as surely as one that never answers
+        with trio.move_on_after(self._deadline(wanted)) as late:
             try:
-                reply = await self.inbox.receive.receive()
-            except trio.EndOfChannel:
+                await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch,
+                                                                   until=until))
+            except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
                 return False
-            more = reply.more
-            for step in reply.steps:
-                original = audit.by_stage[self.index].get(step.pos)
-                if original is None or step.tensor is None or step.pos != self._expected_pos():
-                    raise StageLied(self.index, audit.node_ids[self.index],
-                                    "it handed over inputs of steps its receipts do not sign", pos=step.pos)
-                if step.n_tokens != original.n_tokens or row_hash(step.tensor.data) != original.h_in:
-                    raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
-                self._take(step)
+            more = True
+            while more:
+                try:
+                    reply = await self.inbox.receive.receive()
+                except trio.EndOfChannel:
+                    return False
+                more = reply.more
+                for step in reply.steps:
+                    original = audit.by_stage[self.index].get(step.pos)
+                    if (original is None or step.tensor is None or step.pos != self._expected_pos()
+                            or step.pos >= until):
+                        raise self._withheld("it handed over inputs of steps its receipts do not sign, or out "
+                                             "of order")
+                    if step.n_tokens != original.n_tokens or row_hash(step.tensor.data) != original.h_in:
+                        raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
+                    self._take(step)
+                    got += 1
+        if late.cancelled_caught:
+            raise self._withheld(f"it did not hand over the inputs to check within {self._deadline(wanted):.3g} s")
+        if self._expected_pos() < until:
+            # an empty or short answer: steps it signed receipts of are kept from the check
+            raise self._withheld(f"it withheld the inputs of {len(wanted) - got} step(s) its receipts sign")
         self.fed_until = until
         return True
+
+    def _deadline(self, steps: Sequence[int]) -> float:
+        """How long the stage under check may take to hand over ``steps``' inputs: a round trip's
+        allowance, and their rows at a slow link's rate."""
+        rows = sum(self._original(p).n_tokens for p in steps)
+        width = self.audit.result.route[self.index - 1].stage_width if self.audit.result.route else 0
+        return self.plan.inputs_seconds + rows * width * 4 / INPUTS_RATE
+
+    def _withheld(self, reason: str) -> StageLied:
+        """A stage that keeps the check from its inputs has failed it: what it computed since its
+        last check is not trusted (no proof: what it withheld is not evidence anyone can check)."""
+        return StageLied(self.index, self.audit.node_ids[self.index], reason, pos=self.checked_until)
 
     def _take(self, step: StepInput) -> None:
         """One more input of the range; the stage's receipt of it must carry the history so far."""
@@ -645,14 +683,15 @@ class Verifier:
         self.inboxes: dict[int, Inbox] = {}
         self._checks: list[tuple[RangeCheck, trio.MemoryReceiveChannel[int]]] = []
 
-    async def prepare(self, route: Sequence[Stage]) -> None:
-        """Finds replicas for the route's ranges (a second and a third node for each, where the mesh has them)."""
+    async def prepare(self, route: Sequence[Stage], avoid: Collection[str] = ()) -> None:
+        """Finds replicas for the route's ranges (a second and a third node for each, where the mesh
+        has them), never among ``avoid`` (the nodes this ask routed around) or the liars it caught."""
         if self.find_route is None or self.plan.every <= 0:
             return
         found: list[Stage] = []
         for stage in route:
             excluded = [stage.node_id] if stage.node_id else []
-            excluded += self.liars
+            excluded += [*self.liars, *avoid]
             for _ in range(REPLICAS_WANTED):
                 try:
                     other = await self.find_route(excluded)
@@ -670,7 +709,10 @@ class Verifier:
         ids = [n for n in node_ids if n is not None]
         assert len(ids) == len(node_ids), "every stage's node id is known once the route is open"
         self.audit = Audit(session, epoch, ids, n_layer, result, model=result.route[-1].model_digest)
-        candidates = [c for c in self.plan.candidates if c.node_id not in self.liars]
+        result.checked = self.plan.every > 0
+        # a node this ask routed around (dead, stalled, lying) checks nothing: its range would go unchecked
+        avoid = {*self.liars, *result.excluded}
+        candidates = [c for c in self.plan.candidates if c.node_id not in avoid]
         self.replicas = replicas_of(route, candidates) if self.plan.every > 0 else {}
         self.inboxes = {i: Inbox() for i in self.replicas if i > 0}
         self._done = trio.Event()
@@ -733,11 +775,10 @@ class Verifier:
             check = checks.get(index)
             until = (0 if check is None else check.checked_until) if self.plan.every > 0 else audit.next_pos
             if until < audit.next_pos:
-                why = "no replica" if check is None else check.stopped or cut_short
-                note = (f"layers [{info.layer_begin}, {info.layer_end}) of node {audit.node_ids[index][:16]} "
-                        f"unchecked from position {until} ({why})")
+                note = Unchecked(info.layer_begin, info.layer_end, audit.node_ids[index], until,
+                                 "no replica" if check is None else check.stopped or cut_short)
                 log.info("spot checks: %s", note)
-                audit.result.unverified.append(note)
+                audit.result.note_unchecked(note)
 
     def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError:
         error = blamed(error, node_ids)

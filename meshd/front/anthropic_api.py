@@ -134,7 +134,8 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             answer = answer_of(result, text)
             await event("content_block_stop", {"index": 0})
             await event("message_delta", {"delta": {"stop_reason": STOP_REASONS[answer.reason],
-                                                    "stop_sequence": answer.stop}, "usage": usage(answer)})
+                                                    "stop_sequence": answer.stop}, "usage": usage(answer),
+                                          "meshd": answer.verification})
             await event("message_stop", {})
 
         return AskStream(produce, error_response, error_event)
@@ -152,7 +153,8 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
         reply = message(message_id, model, [{"type": "text", "text": answer.text}], STOP_REASONS[answer.reason],
                         answer.stop)
         reply["usage"] = usage(answer)
-        return JSONResponse(reply)
+        reply["meshd"] = answer.verification
+        return JSONResponse(reply, headers=answer.headers)
 
     return [Route("/v1/messages", guarded(front, messages, error_response), methods=["POST"])]
 

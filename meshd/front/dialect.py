@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,6 +23,10 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_STOP_CHARS = 256
 
 
+# The response header that says whether a replica checked every range of the answer: "true" or "false"
+VERIFIED_HEADER = "x-meshd-verified"
+
+
 @dataclass(frozen=True)
 class Answer:
     text: str
@@ -30,6 +35,19 @@ class Answer:
     stop: str | None
     prompt_tokens: int
     new_tokens: int
+    # what output verification found (the "meshd" field of either dialect's answer)
+    verification: dict[str, Any]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {VERIFIED_HEADER: "true" if self.verification["verified"] else "false"}
+
+
+def verification(result: AskResult) -> dict[str, Any]:
+    """The answer's verification as a client reads it: verified (a replica checked every range to the
+    end), whether spot checks ran at all, and each range left unchecked, from where and why."""
+    return {"verified": result.verified, "checked": bool(result.checked),
+            "unchecked": [note.as_json() for note in result.unverified]}
 
 
 def whole_answer(result: AskResult, stops: list[str]) -> Answer:
@@ -53,7 +71,8 @@ CLIENT_GONE = 499
 
 def answer_of(result: AskResult, text: AnswerText) -> Answer:
     reason = "stop" if text.stopped_by is not None else (result.reason or "eog")
-    return Answer(text.text, reason, text.stopped_by, len(result.prompt_tokens), len(result.tokens))
+    return Answer(text.text, reason, text.stopped_by, len(result.prompt_tokens), len(result.tokens),
+                  verification(result))
 
 
 def sampling(temperature: float, top_p: float | None, top_k: int | None, seed: int | None) -> Sampling:

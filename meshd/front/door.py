@@ -20,6 +20,7 @@ from typing import Protocol
 import trio
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError
+from meshd.client.asker import Unverified
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import ModelCoverage, StatusReply
 
@@ -176,6 +177,9 @@ class FrontDoor:
             error = api_error(model, exc)
         except RouteError as exc:
             error = ApiError(Problem.UNAVAILABLE, f"{model.name} cannot be served: {exc}")
+        except Unverified as exc:
+            # the operator's policy (join --require-verified): no answer rather than an unchecked one
+            error = ApiError(Problem.UNAVAILABLE, f"the answer is withheld: {exc.why}")
         except trio.TooSlowError:
             error = ApiError(Problem.TIMEOUT, "the mesh did not answer in time")
         finally:

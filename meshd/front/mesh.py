@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, Stage, ask_with_failover, route_from_reply
-from meshd.client.verify import Verifier
+from meshd.client.ask import AskRequest, AskResult, OnToken, Stage, route_from_reply
+from meshd.client.asker import Asker
 from meshd.net.peers import Peers
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, StatusReply
@@ -32,10 +32,13 @@ class Daemon(Protocol):
 
 
 class DaemonMesh:
-    def __init__(self, daemon: Daemon, peers: Peers, stall_timeout: float = STALL_TIMEOUT) -> None:
+    def __init__(self, daemon: Daemon, peers: Peers, stall_timeout: float = STALL_TIMEOUT,
+                 require_verified: bool = False) -> None:
         self.daemon = daemon
         self.peers = peers
         self.stall_timeout = stall_timeout
+        # the operator's policy (join --require-verified): an answer no replica checked whole is refused
+        self.require_verified = require_verified
 
     def status(self) -> StatusReply:
         return self.daemon.status()
@@ -58,14 +61,13 @@ class DaemonMesh:
         async def other_route(excluded: list[str]) -> list[Stage]:
             return route_from_reply(await self.daemon.planned_route(model, excluded))
 
-        # verified at the default rate (receipts sign one step at a time, so not while speculating)
-        verifier = None if request.speculate != "off" else Verifier(self.peers, find_route=other_route)
-        try:
-            return await ask_with_failover(self.peers, find_route, request, on_token,
-                                           stall_timeout=self.stall_timeout, result=result, verifier=verifier)
-        finally:
-            for proof in [] if verifier is None else verifier.proofs:
-                try:
-                    self.daemon.take_proof(proof)
-                except ProtocolError as exc:
-                    log.warning("the daemon did not take a proof: %s", exc)
+        async def report_proof(proof: Proof) -> None:
+            try:
+                self.daemon.take_proof(proof)
+            except ProtocolError as exc:
+                log.warning("the daemon did not take a proof: %s", exc)
+
+        # verified at the default rate (not while speculating: receipts sign one step at a time)
+        asker = Asker(self.peers, find_route, other_route, report_proof, require_verified=self.require_verified,
+                      stall_timeout=self.stall_timeout)
+        return await asker.ask(request, on_token, result)

@@ -169,7 +169,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             await front.ask(model, request, DIALECT, True, on_token, result)
             await send(text.finish())
             answer = answer_of(result, text)
-            await emit(chunk.event({}, finish_reason(answer), include_usage))
+            await emit(chunk.event({}, finish_reason(answer), include_usage, answer.verification))
             if include_usage:
                 await emit(chunk.usage_event(answer))
             await emit(ServerSentEvent("[DONE]"))
@@ -188,7 +188,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             "id": chunk.id, "object": kind, "created": chunk.created, "model": model.name,
             "system_fingerprint": model.model[:12],
             "choices": [{"index": 0, **content(answer), "logprobs": None, "finish_reason": finish_reason(answer)}],
-            "usage": usage(answer)})
+            "usage": usage(answer), "meshd": answer.verification}, headers=answer.headers)
 
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, ChatRequest)
@@ -238,8 +238,10 @@ class Chunk:
         self.created = int(time.time())
         self.model = model
 
-    def event(self, delta: dict[str, str], finish: str | None, include_usage: bool) -> ServerSentEvent:
-        """A chunk of new text (or, with `finish`, the end): chat's `delta`, or a completion's `text`."""
+    def event(self, delta: dict[str, str], finish: str | None, include_usage: bool,
+              verification: dict[str, Any] | None = None) -> ServerSentEvent:
+        """A chunk of new text (or, with `finish`, the end): chat's `delta`, or a completion's `text`;
+        the last carries the answer's `verification` (its "meshd" field), known only once it is in."""
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if self.chat:
             choice["delta"] = delta
@@ -250,6 +252,8 @@ class Chunk:
         if include_usage:
             # as OpenAI's: with include_usage every chunk has a usage field, null but in the last
             data["usage"] = None
+        if verification is not None:
+            data["meshd"] = verification
         return ServerSentEvent(json.dumps(data))
 
     def usage_event(self, answer: Answer) -> ServerSentEvent:

@@ -111,7 +111,8 @@ def check_chain(chain: PackedChain, step: Step, signatures: Literal["sender", "a
     first = 0
     if step.decode:
         # a decode step's chain starts with the tail's receipt of the step that sampled its token
-        if not links or links[0].layer_begin == 0:
+        # the tail's receipt starts past layer 0, but on a route of one stage, where it covers every layer
+        if not links or (links[0].layer_begin == 0 and links[0].layer_end != step.until):
             raise BrokenChain("a step fed by the ring without the tail's receipt of its token")
         ring = links[0]
         if ring.pos + ring.n_tokens != step.pos:

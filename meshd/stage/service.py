@@ -54,7 +54,7 @@ from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import MAX_CHAIN, PackedChain, row_hash, sampling_bytes
+from wire.receipt import MAX_CHAIN, PackedChain, read_chain, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
@@ -544,7 +544,9 @@ class StageService:
         book = session.book
         if (msg.session, msg.epoch) != (book.id, book.epoch):
             raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt tokens of another session or epoch")
-        if not self.report.has_output or self.report.has_input:
+        # a whole-model stage reads them off its prompt; but a check session of one is fed rows as a
+        # tail is, the ids among them, and its sampler's history comes from the asker as a tail's does
+        if not self.report.has_output or (self.report.has_input and not session.open.check):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only a tail after the head takes the prompt's token ids")
         if session.prompt_ids is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has the prompt's token ids")
@@ -1225,12 +1227,16 @@ class StageService:
         book = s.book
         s.drafts = drafts
         tokens = [token, *drafts]
-        if self.report.has_input:
-            # a whole-model stage is its own ring
+        if self.report.has_input and not s.open.check:
+            # a whole-model stage is its own ring (in a check session every step comes from the asker):
+            # its receipt of the token starts the next step's chain, as the tail's does on a longer
+            # route, so the asker checks one kind of chain
             ids = np.asarray(tokens, dtype=np.int32)
             h_in = row_hash(ids.tobytes()) if s.receipts is not None else b""
+            ring, s.ring_receipt = s.ring_receipt, None
+            chain = None if ring is None else read_chain(ring, book.id, book.epoch, self.digest)
             try:
-                self._enqueue(s, pos, len(tokens), Rows(s, ids, None, None, h_in), len(tokens) - 1)
+                self._enqueue(s, pos, len(tokens), Rows(s, ids, None, None, h_in, chain), len(tokens) - 1)
             except ProtocolError as exc:
                 self._fail(s, exc)
         elif s.downstream is not None:

@@ -1,0 +1,104 @@
+"""One asker for every front: `meshd ask` and the HTTP front door ask through it.
+
+It puts together what an ask needs beyond one session: routes with failover, output
+verification (a ``Verifier`` whose replicas come from routes around each stage), the proofs
+of lies it caught handed on, and the operator's policy on answers that could not be checked
+(``require_verified``): such an answer is generated again on a route around the ranges no
+replica checked, and refused if no route is left whose every range was checked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover
+from meshd.client.verify import DEFAULT_VERIFY, CheckPlan, Verifier
+from meshd.net.peers import Peers
+from wire.errors import ProtocolError
+from wire.receipt import Proof
+
+log = logging.getLogger(__name__)
+
+# Routes an ask that must be verified tries before it refuses the answer: each goes around the
+# nodes whose ranges the last one left unchecked, so a mesh with replicas finds a checked route in
+# one or two (a range with no replica anywhere never will).
+VERIFIED_ATTEMPTS = 3
+
+
+class Unverified(Exception):
+    """An ask that must be verified found no route whose every range a replica checked."""
+
+    def __init__(self, result: AskResult, why: str) -> None:
+        super().__init__(why)
+        self.result = result
+        self.why = why
+
+
+def unverified_reason(request: AskRequest, verify_every: int) -> str | None:
+    """Why an ask of ``request`` cannot be verified at all, or None if it can be."""
+    if verify_every <= 0:
+        return "spot checks are off (--verify 0)"
+    if request.speculate != "off":
+        # receipts sign one step at a time; a drafted batch is several
+        return "a speculating ask is not verified yet"
+    return None
+
+
+@dataclass
+class Asker:
+    """Asks with failover and verification; ``other_route`` finds replicas (a route avoiding the nodes
+    it is given), ``report_proof`` hands a caught lie's proof to the mesh."""
+
+    peers: Peers
+    find_route: RouteFinder
+    other_route: RouteFinder
+    report_proof: Callable[[Proof], Awaitable[None]]
+    verify_every: int = DEFAULT_VERIFY
+    require_verified: bool = False
+    stall_timeout: float = 30.0
+
+    async def ask(self, request: AskRequest, on_token: OnToken | None = None,
+                  result: AskResult | None = None) -> AskResult:
+        """The answer, verified as the policy asks; with ``require_verified`` its tokens reach
+        ``on_token`` only once the answer is checked (an unchecked one is never shown)."""
+        result = AskResult() if result is None else result
+        why_not = unverified_reason(request, self.verify_every)
+        if why_not is not None and self.require_verified:
+            raise Unverified(result, f"the answer must be verified, but {why_not}")
+        verifier = None if why_not is not None else \
+            Verifier(self.peers, CheckPlan(every=self.verify_every), find_route=self.other_route)
+        # what the last answer left unchecked, for the refusal when no route around it is left
+        unchecked = ""
+        try:
+            for attempt in range(VERIFIED_ATTEMPTS):
+                try:
+                    await ask_with_failover(self.peers, self.find_route, request,
+                                            None if self.require_verified else on_token,
+                                            stall_timeout=self.stall_timeout, result=result, verifier=verifier)
+                except (ProtocolError, RouteError) as exc:
+                    if not attempt:
+                        raise
+                    raise Unverified(result, f"no route is left around the ranges left unchecked ({unchecked}): "
+                                             f"{getattr(exc, 'message', exc)}") from None
+                if not self.require_verified or result.verified:
+                    break
+                unchecked = "; ".join(map(str, result.unverified))
+                avoid = sorted({n.node_id for n in result.unverified} - set(result.excluded))
+                if not avoid or attempt == VERIFIED_ATTEMPTS - 1:
+                    raise Unverified(result, f"no route was found whose every range a replica checked: {unchecked}")
+                log.info("generating the answer again around node(s) %s, as it left a range unchecked: %s",
+                         ", ".join(a[:16] for a in avoid), unchecked)
+                result.excluded.extend(avoid)
+                result.restart()
+        finally:
+            for proof in [] if verifier is None else verifier.proofs:
+                await self.report_proof(proof)
+        if self.require_verified:
+            if on_token is not None:
+                for token, piece in zip(result.tokens, result.pieces, strict=True):
+                    maybe = on_token(token, piece)
+                    if maybe is not None:
+                        await maybe
+        return result
