@@ -29,6 +29,7 @@ from meshd.mesh.membership import Sync, SyncEntry
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.stage.books import StageLimits
 from meshd.stage.receipts import SessionReceipts, Signer
 from relay.limits import RelayLimits
 from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Accepted, Incoming, Reserve, Reserved
@@ -45,7 +46,7 @@ from wire.meshrpc import (
     StatusRequest,
 )
 from wire.receipt import Proof, ProofAccepted, ProofGossip, row_hash
-from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, new_session_id
+from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, PromptTokens, new_session_id
 from wire.tensors import Activation, TensorEntry
 
 pytestmark = pytest.mark.slow  # three daemons and two engine workers, shared by the module
@@ -335,6 +336,9 @@ async def slow_session(peers: Peers, stage: RouteStage, sink: PeerRef, every: fl
                                         head=sink, max_tokens=TOKENS * 10))
         opened = await control.receive_message()
         assert isinstance(opened, Opened), opened
+        # the prompt's ids, as an asker sends a tail: without them the tail fails the session at its
+        # hop timeout, and it is to hold its slot for longer than that
+        await control.send_message(PromptTokens(session=session, epoch=0, tokens=[0] * (TOKENS * 10)))
 
         async def watch() -> None:
             lost.append(await typed_error(control))
@@ -376,6 +380,36 @@ async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_byst
         # the bystander's session took the slot of one of them: their address held every slot
         (evicted,) = lost
         assert evicted.code is ErrorCode.CACHE_MISS and "its address held the most" in evicted.message, evicted
+
+
+async def test_four_slow_sessions_from_four_source_addresses_do_not_lock_a_bystander_out(
+        mesh: Mesh, peers: Peers) -> None:
+    await converged(peers, mesh)
+    route = await honest_route(peers, mesh)
+    async with attacker(mesh.seed.address) as bad, AsyncExitStack() as stack:
+        await joined(peers, mesh, bad)
+        # one identity on each of 127.0.0.2..5: no source holds more than one slot of the tail's four
+        identities = [await stack.enter_async_context(open_peers(NodeIdentity.generate(),
+                                                                 PeersConfig(dial_from=f"127.0.0.{2 + i}")))
+                      for i in range(4)]
+        lost: list[ProtocolError] = []
+        async with trio.open_nursery() as nursery:
+            for own in identities:  # every slot of the --max-sessions 4 tail, one row a second each
+                held = trio.Event()
+                nursery.start_soon(slow_session, own, route.stages[-1], bad.ref, 1.0, held, lost)
+                await held.wait()
+            # a slot goes round once its holder has had the stage's tenure (StageLimits.tenure): this
+            # long after the last of them opened, every hold is past it
+            await trio.sleep(StageLimits().tenure + 1.0)
+            assert not lost
+            await honest_ask(peers, mesh)
+            with trio.fail_after(10):
+                while not lost:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        # the bystander's session took the slot of the one that had held it longest
+        (evicted,) = lost
+        assert evicted.code is ErrorCode.CACHE_MISS and "has held a slot here longest" in evicted.message, evicted
 
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from meshd.daemon import MeshDaemon
-from meshd.stage.books import Phase, SessionBook, StageBooks, StageLimits
+from meshd.stage.books import Phase, SessionBook, StageBooks, StageLimits, source_group
 from wire.errors import ErrorCode, ProtocolError
 from wire.stage import PeerRef
 
@@ -181,3 +181,92 @@ def test_a_peer_over_its_kv_token_quota_is_refused_before_its_rows_are_queued() 
     step(b, second, 0.3, n=3)
     bystander = opened_at(b, "b", BYSTANDER, "10.0.0.1", 0.4)
     step(b, bystander, 0.5, n=8)
+
+
+def test_ipv6_sources_count_by_their_64_and_ipv4_by_address() -> None:
+    assert source_group("2001:db8:1:2:aaaa::1") == source_group("2001:db8:1:2:ffff:1:2:3") == "2001:db8:1:2::/64"
+    assert source_group("2001:db8:1:3::1") == "2001:db8:1:3::/64"
+    assert source_group("::ffff:10.0.0.9") == source_group("10.0.0.9") == "10.0.0.9"
+    assert source_group("10.0.0.8") != source_group("10.0.0.9")
+    assert source_group("") == "" and source_group("relay.example") == "relay.example"
+
+
+def test_sessions_from_many_addresses_of_one_ipv6_64_weigh_as_one_source() -> None:
+    b = books()
+    hogs = [opened_at(b, f"h{i}", f"id{i}", f"2001:db8:1:2::{i + 1:x}", 0.0) for i in range(4)]
+    for now in (0.5, 1.0, 1.5):
+        for book in hogs:
+            step(b, book, now)
+    # well within the tenure: only being the heaviest source costs them a session
+    mine, gone = b.open("mine", 0, 1, 16, (), 1.6, owner=BYSTANDER, source="2001:db8:1:3::1")
+    assert len(gone) == 1 and gone[0] in hogs and gone[0].failure is not None
+    assert "its address held the most of them (4)" in gone[0].failure.message
+    assert b.holds(mine) and mine.source == "2001:db8:1:3::/64"
+
+
+def four_warm_sources(b: StageBooks[None], until: float) -> list[SessionBook]:
+    """One session from each of 10.0.0.2..5, opened a second apart from 0 s, each fed a row
+    every half second up to ``until``: never idle, and no source holds more than another."""
+    hogs = [opened_at(b, f"h{i}", f"id{i}", f"10.0.0.{i + 2}", float(i)) for i in range(4)]
+    now = 0.0
+    while now < until:
+        now += 0.5
+        for book in hogs:
+            step(b, book, now)
+    return hogs
+
+
+def test_four_sources_with_one_warm_session_each_give_up_the_oldest_hold_once_it_has_had_its_tenure() -> None:
+    b = books(tenure=10.0)
+    hogs = four_warm_sources(b, 9.5)
+    # no hold is 10 s old yet: the claimant waits (a retryable refusal) and nobody is evicted
+    with pytest.raises(ProtocolError) as refused:
+        b.open("mine", 0, 1, 16, (), 9.5, owner=BYSTANDER, source="10.0.0.1")
+    assert refused.value.code is ErrorCode.OVERLOADED and refused.value.retry_after_ms
+    assert all(b.holds(h) for h in hogs)
+    step(b, hogs[1], 10.5)
+    mine, gone = b.open("mine", 0, 1, 16, (), 10.5, owner=BYSTANDER, source="10.0.0.1")
+    # the session opened longest ago goes, though it is as warm as the others
+    assert gone == [hogs[0]] and hogs[0].failure is not None
+    assert hogs[0].failure.code is ErrorCode.CACHE_MISS
+    assert "its address has held a slot here longest (10 s)" in hogs[0].failure.message
+    assert b.holds(mine) and all(b.holds(h) for h in hogs[1:])
+
+
+def test_an_evicted_source_reopening_at_once_never_takes_the_newcomers_slot_and_the_next_newcomer_takes_the_next() -> None:
+    b = books(tenure=10.0)
+    hogs = four_warm_sources(b, 20.0)
+    mine, gone = b.open("mine", 0, 1, 16, (), 20.0, owner=BYSTANDER, source="10.0.0.1")
+    assert gone == [hogs[0]]
+    # it has held a slot since 0 s: nobody here has held one longer, so it waits, however often it tries
+    for now in (20.0, 20.1, 21.0):
+        with pytest.raises(ProtocolError) as refused:
+            b.open("again", 0, 1, 16, (), now, owner="id0", source="10.0.0.2")
+        assert refused.value.code is ErrorCode.OVERLOADED
+    # the next newcomer takes the next oldest hold, not the one just given
+    other, gone = b.open("other", 0, 1, 16, (), 21.0, owner=OTHER, source="10.0.0.6")
+    assert gone == [hogs[1]] and b.holds(mine) and b.holds(other)
+
+
+def test_closing_and_reopening_does_not_make_a_source_new_again() -> None:
+    b = books(tenure=10.0)
+    hogs = four_warm_sources(b, 20.0)
+    # the oldest holder closes and re-opens its session just before the claimant comes
+    b.release(hogs[0])
+    again = opened_at(b, "again", "id0", "10.0.0.2", 20.0)
+    step(b, again, 20.0)
+    _, gone = b.open("mine", 0, 1, 16, (), 20.1, owner=BYSTANDER, source="10.0.0.1")
+    assert gone == [again] and again.since == 0.0
+    # a source that let its slot go for longer than the tenure is new when it comes back
+    b2 = books(tenure=10.0)
+    first = opened_at(b2, "first", "id0", "10.0.0.2", 0.0)
+    b2.release(first)
+    assert opened_at(b2, "later", "id0", "10.0.0.2", 10.0).since == 10.0
+
+
+def test_a_claimant_never_evicts_a_session_of_its_own_source_for_seniority() -> None:
+    b = books(tenure=10.0)
+    hogs = four_warm_sources(b, 20.0)
+    with pytest.raises(ProtocolError) as refused:
+        b.open("more", 0, 1, 16, (), 20.0, owner="id9", source="10.0.0.2")
+    assert refused.value.code is ErrorCode.OVERLOADED and all(b.holds(h) for h in hogs)

@@ -2,9 +2,10 @@
 
 A stage serves many sessions, each in one llama.cpp sequence (a *slot*). These
 books decide who gets a slot, how many KV tokens each session and all of them
-may hold, whom to evict when they run out (the heaviest node's session
-first, else the least recently used idle one), when an idle session expires, which queued work goes into the next
-engine call, and when a sampled token ends a session. They take the time as
+may hold, whom to evict when they run out (the heaviest source's or node's session
+first, else the least recently used idle one, else the session of the source that has held a slot
+longest), when an idle session expires, which queued work goes into the next engine call, and when a
+sampled token ends a session. They take the time as
 ``now`` and report ``next_timer()``; the trio service around them moves
 streams, channels and engine calls, and sleeps until that timer.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import ipaddress
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
@@ -34,6 +36,11 @@ T = TypeVar("T")
 # and is refused before anyone tokenizes it.
 MAX_TOKEN_BYTES = 256
 
+# How many sources that left per session slot the books remember (``StageBooks._left``): enough for
+# every slot to have turned over a few times within ``tenure``; a bound on what strangers can make
+# them keep.
+_LEFT_CAP = 4
+
 
 @dataclass(frozen=True)
 class StageLimits:
@@ -45,6 +52,13 @@ class StageLimits:
     ttl: float = 300.0
     # an idle session this old may be evicted to make room for a new one
     evict_after: float = 2.0
+    # When every slot is busy and no source holds more than its share, the source that has held a
+    # slot longest gives one up, once it has held one this long: the quantum a busy slot is kept, so
+    # claimants do not thrash each other's sessions. A session on a stage answers in seconds (a
+    # 256-token answer at 25 tokens/s takes 10 s), so an honest answer mostly ends within it, and an
+    # evicted one fails over with the same answer. A source is also remembered this long after its
+    # last session here leaves, so closing and re-opening does not make it new again.
+    tenure: float = 10.0
     prefill_chunk: int = 128
     n_batch: int = 512
     retry_after_ms: int = 1000
@@ -94,9 +108,12 @@ class SessionBook:
     # speculative decoding: positions [draft_from, next_pos) hold drafted tokens not yet verified;
     # the next rows may start at any of them, and the KV from there on is dropped
     draft_from: int | None = None
-    # the host the opener's link comes from ("": unknown): quotas and eviction count per source too,
-    # so many identities from one address weigh as one peer
+    # the source group of the opener's link (``source_group``; "": unknown): quotas and eviction
+    # count per source too, so many identities from one address weigh as one peer
     source: str = ""
+    # since when the source has held a slot here without a break longer than ``tenure``: every
+    # session of one source has the same
+    since: float = 0.0
     # its queued steps may share one engine call (a check session's replay: nothing of a step goes
     # downstream, so nothing waits on one step's rows before the next's run; the engine is
     # batch-invariant, so the rows are the ones the steps give one by one)
@@ -121,6 +138,24 @@ def _by_owner(book: SessionBook) -> str:
 
 def _by_source(book: SessionBook) -> str:
     return book.source
+
+
+def source_group(host: str) -> str:
+    """What per-source counts count: an IPv4 address, or the /64 of an IPv6 one.
+
+    One IPv6 host is routinely given a whole /64 (SLAAC, privacy addresses) and can
+    source from any of its 2**64 addresses, so counting IPv6 addresses one by one
+    would give one machine any number of "sources". A host that is not an IP address
+    (a name, "") counts as itself."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 @dataclass(eq=False)
@@ -166,6 +201,9 @@ class StageBooks(Generic[T]):
     total_tokens: int = 0
     _free: list[int] = field(default_factory=list)
     _queue: collections.deque[Work[T]] = field(default_factory=collections.deque)
+    # source group -> (since when it held a slot, when it was last seen holding one), for sources
+    # whose sessions have all left less than ``tenure`` ago; at most ``_LEFT_CAP`` x max_sessions
+    _left: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._free = list(range(self.limits.max_sessions))
@@ -175,8 +213,8 @@ class StageBooks(Generic[T]):
     def open(self, session: str, epoch: int, generation: int, max_tokens: int, stop: Iterable[str],
              now: float, owner: str = "", upstream: str | None = None,
              source: str = "") -> tuple[SessionBook, list[SessionBook]]:
-        """A new session of node ``owner`` (its link from host ``source``) in a slot, and the
-        sessions that left the books to make room.
+        """A new session of node ``owner`` (its link from host ``source``, counted by its
+        ``source_group``) in a slot, and the sessions that left the books to make room.
 
         ``upstream`` is the node whose hop stream feeds it (None: the owner feeds it itself).
         Raises UNAUTHORIZED for a session another node holds, EPOCH_STALE for an epoch not above
@@ -188,7 +226,9 @@ class StageBooks(Generic[T]):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, f"session {session} belongs to another node")
         if old is not None and old.epoch >= epoch:
             raise ProtocolError(ErrorCode.EPOCH_STALE, f"session {session} is at epoch {old.epoch}")
+        source = source_group(source)
         self._check_quota("sessions", self.limits.peer_sessions, owner, source, _one, 1, old)
+        since = self._since(source, now)
         gone: list[SessionBook] = []
         if old is not None:
             self.fail(old, ProtocolError(ErrorCode.EPOCH_STALE, f"replaced by epoch {epoch}"))
@@ -196,16 +236,27 @@ class StageBooks(Generic[T]):
             gone.append(old)
         if not self._free:
             gone.append(self._evict(f"all {self.limits.max_sessions} session slots are busy", now, None, owner,
-                                    source, _one, 1))
+                                    source, since, _one, 1))
         slot = self._free.pop(0)
         # the new session clears the slot itself; a pending clear would wipe its KV later
         self.dirty = [(s, g) for s, g in self.dirty if s != slot]
         self.trims = [t for t in self.trims if t[0] != slot]
         book = SessionBook(id=session, epoch=epoch, slot=slot, owner=owner, upstream=upstream or owner,
                            generation=generation, max_tokens=max_tokens, stop=tuple(s.encode() for s in stop),
-                           last_used=now, source=source)
+                           last_used=now, source=source, since=since)
         self.sessions[session] = book
+        self._left.pop(source, None)
         return book, gone
+
+    def _since(self, source: str, now: float) -> float:
+        """Since when ``source`` holds a slot if it opens one now: since its hold began, if it
+        holds one or held one less than ``tenure`` ago; else now."""
+        held = [s.since for s in self.sessions.values() if s.source == source]
+        if held:
+            return min(held)
+        self._left = {k: v for k, v in self._left.items() if now - v[1] < self.limits.tenure}
+        left = self._left.get(source)
+        return left[0] if left is not None else now
 
     def opened(self, book: SessionBook) -> None:
         """The engine has cleared the slot (and set up sampling): work may come."""
@@ -236,6 +287,8 @@ class StageBooks(Generic[T]):
         if not self.holds(book):
             return False
         del self.sessions[book.id]
+        if not any(s.source == book.source for s in self.sessions.values()):
+            self._forget_later(book)
         self.total_tokens -= book.next_pos
         # the whole sequence is cleared: no trim of it is due any more
         self.trims = [t for t in self.trims if t[0] != book.slot]
@@ -243,6 +296,16 @@ class StageBooks(Generic[T]):
         self.dirty.append((book.slot, book.generation))
         self._free.append(book.slot)
         return True
+
+    def _forget_later(self, book: SessionBook) -> None:
+        """Remembers the hold of ``book``'s source, whose last session it was, for ``tenure``.
+
+        Its last use stands for when it left (``release`` is not told the time). The
+        memory is capped: past the cap the source seen longest ago is forgotten, which
+        can only make a source new again that has let its slots go for a while."""
+        self._left[book.source] = (book.since, book.last_used)
+        if len(self._left) > _LEFT_CAP * self.limits.max_sessions:
+            del self._left[min(self._left, key=lambda k: self._left[k][1])]
 
     def fail_all(self, error: ProtocolError) -> list[SessionBook]:
         """The KV is gone (the engine worker died): every session fails, nothing queued runs."""
@@ -327,7 +390,7 @@ class StageBooks(Generic[T]):
         gone = []
         while self.total_tokens + n > self.limits.max_total_tokens:
             gone.append(self._evict(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", now, book,
-                                    book.owner, book.source, _tokens, n))
+                                    book.owner, book.source, book.since, _tokens, n))
         book.next_pos = pos + n
         book.draft_from = pos + n - drafts if drafts else None
         self.total_tokens += n
@@ -351,7 +414,7 @@ class StageBooks(Generic[T]):
         gone = []
         while self.total_tokens + positions - book.next_pos > self.limits.max_total_tokens:
             gone.append(self._evict(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", now, book,
-                                    book.owner, book.source, _tokens, positions - book.next_pos))
+                                    book.owner, book.source, book.since, _tokens, positions - book.next_pos))
         self.total_tokens += positions - book.next_pos
         book.next_pos = positions
         book.in_flight += 1
@@ -376,16 +439,27 @@ class StageBooks(Generic[T]):
                                                           f"the most one peer may is {cap}",
                                     retry_after_ms=self.limits.retry_after_ms)
 
-    def _evict(self, why: str, now: float, keep: SessionBook | None, owner: str, source: str, weight: Weight,
-               need: int) -> SessionBook:
-        """Frees room for node ``owner`` at ``source``, which needs ``need`` more of what ``weight``
-        counts per session.
+    def _evict(self, why: str, now: float, keep: SessionBook | None, owner: str, source: str, since: float,
+               weight: Weight, need: int) -> SessionBook:
+        """Frees room for node ``owner`` at ``source`` (holding a slot here since ``since``), which
+        needs ``need`` more of what ``weight`` counts per session.
 
         The heaviest user pays first: a source address, else a node, holding more than the
         claimant's would after this loses its least recently used session even if that session
         is busy, so no one peer (opening many sessions, each kept warm, under one identity or
         many from one address) can lock the others out. Otherwise an idle session goes, the
-        heaviest node's first, then the least recently used.
+        heaviest node's first, then the least recently used. Otherwise (every holder holds its
+        share and keeps it busy: a few sources with one slow session each) the source that has
+        held a slot longest gives up its session, once it has held one for ``tenure`` and
+        longer than the claimant has: the slots go round, oldest hold first.
+
+        Why by the source's hold and not the session's age: a source that closes and re-opens
+        its session to look new keeps its old ``since`` (it is remembered for ``tenure`` after it
+        leaves), so it cannot make itself the youngest; and since a claimant may only take the slot
+        of a source that has held one longer than it has, an evicted source re-opening at once
+        can take a slot only from holders older than itself, never the newcomer that took its
+        own. ``tenure`` is the quantum a legitimate long answer keeps its slot under contention;
+        past it the answer fails over (retryable CACHE_MISS) and comes out the same elsewhere.
         """
         movable = [s for s in self.sessions.values() if s is not keep and s.in_flight == 0]
         owners = self._held(_by_owner, weight)
@@ -398,11 +472,16 @@ class StageBooks(Generic[T]):
                     return self._evicted(victim, f"evicted because {why} and its {kind} held the most of them "
                                                  f"({held[heaviest]})")
         idle = [s for s in movable if now - s.last_used >= self.limits.evict_after]
-        if not idle:
-            self.counts.overloaded += 1
-            raise ProtocolError(ErrorCode.OVERLOADED, why, retry_after_ms=self.limits.retry_after_ms)
-        victim = min(idle, key=lambda s: (-owners[s.owner], s.last_used))
-        return self._evicted(victim, f"evicted (least recently used) because {why}")
+        if idle:
+            victim = min(idle, key=lambda s: (-owners[s.owner], s.last_used))
+            return self._evicted(victim, f"evicted (least recently used) because {why}")
+        senior = [s for s in movable if s.since <= now - self.limits.tenure and s.since < since]
+        if senior:
+            victim = min(senior, key=lambda s: (s.since, s.last_used))
+            return self._evicted(victim, f"evicted because {why} and its address has held a slot here longest "
+                                         f"({now - victim.since:.0f} s)")
+        self.counts.overloaded += 1
+        raise ProtocolError(ErrorCode.OVERLOADED, why, retry_after_ms=self.limits.retry_after_ms)
 
     def _held(self, key: Callable[[SessionBook], str], weight: Weight) -> collections.Counter[str]:
         held: collections.Counter[str] = collections.Counter()
