@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.client.ask import AskRequest, AskResult, OnToken
-from wire.errors import ProtocolError
+from meshd.client.ask import AskRequest, AskResult, OnToken, Unchecked
 from wire.meshrpc import ModelCoverage, StatusReply
 
 DIGEST = "ab" * 32
@@ -35,6 +34,9 @@ class FakeMesh:
     asked: list[tuple[str, AskRequest]] = field(default_factory=list)
     cancelled: int = 0
     started: trio.Event = field(default_factory=trio.Event)
+    # what output verification says of every answer: checked on replicas, these ranges left unchecked
+    checked: bool | None = True
+    unchecked: list[Unchecked] = field(default_factory=list)
 
     def status(self) -> StatusReply:
         return StatusReply(node_id="cd" * 32, term=1, members=[], coverage=self.models)
@@ -61,11 +63,14 @@ class FakeMesh:
             # as the tail: the budget ends an answer that the model would have gone on with
             cut = len(self.pieces) >= request.max_tokens and self.reason == "eog"
             result.reason = "max_tokens" if cut else self.reason
+            result.checked = self.checked
+            for note in self.unchecked:
+                result.note_unchecked(note)
             return result
         except trio.Cancelled:
             self.cancelled += 1
             raise
 
 
-def fails_with(error: ProtocolError, after: int = 0) -> FakeMesh:
+def fails_with(error: Exception, after: int = 0) -> FakeMesh:
     return FakeMesh(error=error, fail_after=after)

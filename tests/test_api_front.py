@@ -19,6 +19,8 @@ from api_fakes import DIGEST, NAME, FakeMesh, coverage, fails_with
 from starlette.requests import Request
 
 from meshd import cli
+from meshd.client.ask import AskResult, Unchecked
+from meshd.client.asker import Unverified
 from meshd.front.app import build_app
 from meshd.front.door import MAX_KEY_FILE_BYTES, ApiError, FrontDoor, load_api_keys
 from meshd.front.http import BODY_SECONDS, MAX_BODY_BYTES, read_body
@@ -163,6 +165,41 @@ async def test_message_stream_events_in_order() -> None:
         "content_block_stop", "message_delta", "message_stop"]
     assert final.content[0].type == "text" and final.content[0].text == "Hello"
     assert final.stop_reason == "max_tokens" and (final.usage.input_tokens, final.usage.output_tokens) == (5, 2)
+
+
+# ----- what output verification found, in each dialect
+
+
+async def test_whether_the_answer_was_verified_reaches_each_dialect_streamed_or_not() -> None:
+    note = Unchecked(4, 8, "ef" * 32, 12, "no replica")
+    for mesh, verified in ((FakeMesh(), True), (FakeMesh(unchecked=[note]), False), (FakeMesh(checked=None), False)):
+        front = FrontDoor(mesh)
+        field = {"verified": verified, "checked": mesh.checked is True,
+                 "unchecked": [{"layers": [4, 8], "node": "ef" * 32, "since": 12, "why": "no replica"}]
+                 if mesh.unchecked else []}
+        header = "true" if verified else "false"
+        chat = await oai(front).chat.completions.with_raw_response.create(model=NAME, messages=USER)
+        assert chat.headers["x-meshd-verified"] == header and chat.parse().model_extra["meshd"] == field
+        text = await oai(front).completions.with_raw_response.create(model=NAME, prompt="hi")
+        assert text.headers["x-meshd-verified"] == header and text.parse().model_extra["meshd"] == field
+        message = await claude(front).messages.with_raw_response.create(model=NAME, max_tokens=8, messages=USER)
+        assert message.headers["x-meshd-verified"] == header and (await message.parse()).model_extra["meshd"] == field
+        # streamed, it is known only once the answer is in: the last chunk (and message_delta) carry it
+        chunks = [c async for c in await oai(front).chat.completions.create(model=NAME, messages=USER, stream=True)]
+        assert [c.model_extra.get("meshd") for c in chunks] == [None] * (len(chunks) - 1) + [field]
+        async with claude(front).messages.stream(model=NAME, max_tokens=8, messages=USER) as stream:
+            deltas = [e for e in [e async for e in stream] if e.type == "message_delta"]
+        assert [d.model_extra["meshd"] for d in deltas] == [field]
+
+
+async def test_an_answer_withheld_as_unverified_is_503_in_each_dialect() -> None:
+    front = FrontDoor(fails_with(Unverified(AskResult(), "no route was found whose every range a replica checked")))
+    with pytest.raises(openai.APIStatusError) as oai_error:
+        await oai(front).chat.completions.create(model=NAME, messages=USER)
+    with pytest.raises(anthropic.APIStatusError) as claude_error:
+        await claude(front).messages.create(model=NAME, max_tokens=8, messages=USER)
+    for error in (oai_error.value, claude_error.value):
+        assert error.status_code == 503 and "the answer is withheld: no route was found" in error.message
 
 
 # ----- errors in each dialect's shape

@@ -114,7 +114,9 @@ return {
     uncovered_layers: m.querySelectorAll('.depth span[data-depth="0"]').length,
     why: [...m.querySelectorAll(".why li")].map((li) => li.textContent), route: text(m, ".route")})),
   answers: [...document.querySelectorAll("#chat-log .msg.assistant")].map((a) => ({
-    done: a.dataset.done === "true", text: a.textContent, finish: a.dataset.finish || null})),
+    done: a.dataset.done === "true", text: a.textContent, finish: a.dataset.finish || null,
+    verified: a.dataset.verified || null,
+    note: a.nextElementSibling && a.nextElementSibling.matches(".verification") ? a.nextElementSibling.textContent : null})),
   errors: [...document.querySelectorAll("#chat-log .msg.error")].map((e) => e.textContent),
 };
 """
@@ -181,6 +183,12 @@ def test_the_console_shows_the_mesh_streams_a_chat_answer_and_says_why_a_model_i
     assert page["errors"] == []
     [got] = page["answers"]
     assert (got["text"], got["finish"]) == (answer, expected.choices[0].finish_reason)
+    # no range of this mesh has a replica: the answer says so, in the API's field and under the chat's answer
+    meshd = (expected.model_extra or {})["meshd"]
+    assert meshd["verified"] is False and meshd["checked"] is True
+    assert sorted(n["why"] for n in meshd["unchecked"]) == ["no replica"] * 3
+    assert got["verified"] == "false" and got["note"].startswith("unverified: layers [0, ")
+    assert got["note"].count("(no replica)") == 3
 
     # a volunteer leaves: two of 64 MiB cannot hold the model, and the page says so
     leaver.stop()

@@ -225,6 +225,7 @@ async function send(event) {
     temperature: Number($("chat-temperature").value) || 0,
   };
   let answer = "";
+  let verification = null;
   try {
     const reply = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -243,7 +244,9 @@ async function send(event) {
         out.textContent = answer;
       }
       if (choice && choice.finish_reason) out.dataset.finish = choice.finish_reason;
+      if (chunk.meshd) verification = chunk.meshd;
     }
+    if (verification) showVerification(out, verification);
     history.push({ role: "assistant", content: answer });
   } catch (err) {
     if (err.name === "AbortError") {
@@ -260,6 +263,20 @@ async function send(event) {
     $("chat-send").disabled = false;
     $("chat-stop").disabled = true;
   }
+}
+
+// Under the answer: whether a replica checked every range of it, and if not, which ranges went unchecked and why.
+function showVerification(out, v) {
+  out.dataset.verified = String(v.verified);
+  let text = "verified: every range checked on a replica";
+  if (!v.verified) {
+    const notes = v.unchecked.map((n) => `layers [${n.layers[0]}, ${n.layers[1]}) of node ${n.node.slice(0, 16)} ` +
+      `unchecked from position ${n.since} (${n.why})`);
+    text = "unverified: " + (notes.length ? notes.join("; ") : "no spot checks ran");
+  }
+  const note = el("div", { class: `verification ${v.verified ? "ok" : "warn"}` }, text);
+  out.after(note);
+  note.scrollIntoView({ block: "end" });
 }
 
 async function errorText(reply) {
