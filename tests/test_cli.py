@@ -141,6 +141,10 @@ def bad_models(tmp_path_factory: pytest.TempPathFactory, default_model: Path) ->
     (["ask", "--raw", "--system", "be brief", "hello"], "not allowed with"),
     (["ask", "--route", "127.0.0.1:1", "--seed", "127.0.0.1:2", "hello"], "not allowed with"),
     (["ask", "--mesh-key-file", "/nonexistent/key", "hello"], "cannot read the mesh key file"),
+    (["ask", "--require-verified", "--verify", "0", "hello"], "--require-verified: spot checks are off"),
+    (["ask", "--require-verified", "--speculate", "ngram", "hello"], "--require-verified: a speculating ask"),
+    (["ask", "--require-verified", "--route", "127.0.0.1:1", "hello"], "--require-verified: a route given by --route"),
+    (["join", "--require-verified"], "--require-verified is the HTTP API's policy: it needs --api"),
     (["ask"], "required: prompt"),
     (["status", "--timeout", "0"], "--timeout"),
     (["status", "--seed", "7000"], "not HOST:PORT"),
@@ -371,6 +375,14 @@ def test_status_and_ask_go_through_the_control_socket(local_daemon: tuple[Served
                       "What is the capital of France?")
     assert asked.returncode == 0, asked.stderr
     assert "Paris" in asked.stdout
+    # the lone member's whole range has no replica: the answer says so, and one that must be verified is withheld
+    assert "unchecked (no replica): layers [0, 30)" in asked.stderr.splitlines()[-1]
+    withheld = run_meshd("ask", "--state-dir", str(state), "--mesh-key-file", str(key_file), "--max-tokens", "16",
+                         "--require-verified", "What is the capital of France?")
+    assert withheld.returncode == 1 and withheld.stdout == ""
+    assert withheld.stderr.splitlines()[-1].startswith("meshd ask: the answer is withheld: no route is left around "
+                                                       "the ranges left unchecked (layers [0, 30) of node"), \
+        withheld.stderr
 
 
 def test_the_same_hex_key_file_opens_the_mesh_to_status_and_a_wrong_one_does_not(
