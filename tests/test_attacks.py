@@ -10,6 +10,7 @@ another's input, and the honest ask gives the whole model's answer before and af
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -173,6 +174,57 @@ async def test_a_member_declaring_every_layer_at_a_made_up_speed_gets_no_route_f
             route = await honest_route(peers, mesh, via)
             assert bad.mesh.node_id not in [s.node_id for s in route.stages], via
             assert {s.node_id for s in route.stages} == {v.node_id for v in mesh.volunteers}
+        await honest_ask(peers, mesh)
+
+
+async def test_a_stage_slower_than_it_says_gets_no_route_once_timed_and_status_shows_its_timed_speed(
+        mesh: Mesh, peers: Peers) -> None:
+    view = await converged(peers, mesh)
+    tracker = next(n for n in mesh.nodes if n.node_id == view.tracker)
+    asked = next(n for n in mesh.nodes if n.node_id != view.tracker)  # it shows the tracker's figures
+    async with attacker(mesh.seed.address) as bad:
+        liar = bad.mesh.node_id
+        # memory for the whole model and a million times faster than anyone, by its own word ...
+        bad.forge(models=[mesh.model], memory_bytes=1 << 30, seconds_per_layer=1e-9)
+        await joined(peers, mesh, bad)
+        with trio.fail_after(30):
+            while (given := await placed(bad, tracker)).model != mesh.model.digest:
+                await trio.sleep(0.25)
+        # ... serving what it was given as a stage that sleeps 0.2 s at every step
+        bad.step_sleep = 0.2
+        bad.forge(served=[ServedRange(model=mesh.model.digest, start=given.start, end=given.end)])
+        honest = {v.node_id: "own" if v.node_id == tracker.node_id else "probe" for v in mesh.volunteers}
+        with trio.fail_after(60):
+            while True:
+                status = await mesh_status(peers, asked)
+                figures = {p.node_id: p for p in status.speeds if p.model == mesh.model.digest}
+                if liar in figures and figures[liar].source == "probe" and \
+                        all(n in figures and figures[n].source == source for n, source in honest.items()):
+                    break
+                await trio.sleep(0.5)
+        # the tracker's figures, asked of another member: the liar at the time it took, its word beside
+        assert status.speeds_by == tracker.node_id
+        layers = given.end - given.start
+        assert figures[liar].seconds_per_layer * layers >= 0.15, figures[liar]
+        assert figures[liar].declared == pytest.approx(1e-9)
+        assert all(figures[n].seconds_per_layer < figures[liar].seconds_per_layer for n in honest)
+        # measured honest stages win the route, asked at any member
+        with trio.fail_after(75):
+            while [via for via in mesh.nodes
+                   if liar in [s.node_id for s in (await honest_route(peers, mesh, via)).stages]]:
+                await trio.sleep(0.5)
+        # `meshd status` (the command, at a member that is not the tracker) prints it so
+        shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", asked.address)
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines)
+                  if line.startswith(f"  [{given.start}, {given.end})") and liar[:16] in line)
+        wrapped = itertools.takewhile(lambda line: line.startswith(" " * 40), lines[at + 1:])  # FROM, wrapped
+        row = lines[at] + "".join(" " + line.strip() for line in wrapped)
+        _, _, _, ms, source = row.split(None, 4)
+        assert float(ms) * layers >= 150.0, row
+        assert " ".join(source.split()).startswith("probe by tracker, median of "), row
+        assert source.endswith("; it says 1e-06"), row
         await honest_ask(peers, mesh)
 
 
