@@ -21,17 +21,18 @@ from meshd.mesh.election import Election, Tracker
 from meshd.mesh.membership import Dead, Gossip, Sync, SyncEntry
 from meshd.mesh.node import MeshNode
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
+from meshd.net import rpc as net_rpc
 from meshd.net.link import Stream
-from meshd.net.peers import PeersConfig
+from meshd.net.peers import Peers, PeersConfig
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.service import answer_typed
 from wire.codec import Message
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import SWIM_PROTOCOL, AssignmentReply, AssignmentRequest
-from wire.receipt import Receipts, pack_chain, row_hash
-from wire.stage import Hop, Metrics, MetricsRequest, Open, Opened, PeerRef, StageInfo
-from wire.tensors import Activation
+from wire.meshrpc import SWIM_PROTOCOL, AssignmentReply, AssignmentRequest, RouteStage
+from wire.receipt import Proof, Receipt, Receipts, pack_chain, row_hash, unpack_chain
+from wire.stage import STAGE_PROTOCOL, Hop, Metrics, MetricsRequest, Open, Opened, PeerRef, StageInfo, new_session_id
+from wire.tensors import Activation, encode_activation
 
 LAST_TERM = 2**63 - 1
 
@@ -52,6 +53,22 @@ class HijackingElection(Election):
     @property
     def vote(self) -> Tracker | None:
         return Tracker(self.claim, self._attacker.node_id)
+
+
+class VotingElection(Election):
+    """A sybil's election: its record votes for `vote` whatever anyone else does, and never claims."""
+
+    def __init__(self, node: MeshNode, vote: Tracker, now: float) -> None:
+        super().__init__(node.node_id, now)
+        self._fixed = vote
+
+    @property
+    def claim(self) -> int:
+        return 0
+
+    @property
+    def vote(self) -> Tracker | None:
+        return self._fixed
 
 
 class AttackerDaemon(MeshDaemon):
@@ -76,6 +93,22 @@ class AttackerDaemon(MeshDaemon):
         self.mesh.election = HijackingElection(self.mesh, term_of, now)
         self.mesh.election.observe(now, self.mesh.record, live=True)
         self.forge(**record)
+
+    def vote_for(self, claim: Tracker) -> None:
+        """Votes for `claim` from now on, whatever the mesh does (a sybil backing its master's bid)."""
+        now = trio.current_time()
+        self.mesh.election = VotingElection(self.mesh, claim, now)
+        self.mesh.election.observe(now, self.mesh.record, live=True)
+        self.forge()
+
+    def witness(self, against: Receipt, says: bytes) -> Receipt:
+        """A receipt of the very step `against` speaks of (model, range, position, rows in, history),
+        signed by this attacker, with output rows hashing as `says`: a witness against it."""
+        ledger = SessionReceipts(Signer(self.identity), new_session_id(), 0, against.model, against.layer_begin,
+                                 against.layer_end)
+        mine = ledger.sign(against.pos, against.n_tokens, against.h_in, row_hash(says))
+        assert mine.same_step(against)
+        return mine
 
     def forge(self, **record: object) -> CapabilityRecord:
         """Signs and gossips a record saying whatever `record` says (served ranges, speeds, models)."""
@@ -188,3 +221,39 @@ def fake_model(real: ModelInfo) -> ModelInfo:
 
 def every_layer(model: ModelInfo) -> list[ServedRange]:
     return [ServedRange(model=model.digest, start=0, end=model.n_layers)]
+
+
+@asynccontextmanager
+async def sybils(seed: str, n: int) -> AsyncIterator[list[AttackerDaemon]]:
+    """`n` attackers joined through `seed` (each a real link and identity), stopped together on exit."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(attacker(seed)) for _ in range(n)]
+
+
+async def genuine_receipt(peers: Peers, head: RouteStage, model: str) -> Receipt:
+    """A receipt the honest head stage `head` really signs: one made-up step of a check session opened on
+    it as an asker's spot check (or the tracker's probe) opens one. Anyone may get one."""
+    session = new_session_id()
+    control = await peers.open_stream(head.address, STAGE_PROTOCOL, node_id=head.node_id)
+    async with control:
+        opened = await net_rpc.request(control, Open(
+            session=session, epoch=0, model_digest=model, layer_begin=head.start, layer_end=head.end,
+            upstream=peers.node_id, max_tokens=2, receipts=True, check=True), Opened, "a check session")
+        assert opened.info.layer_begin == 0, "the head takes token ids: the only stage this asks"
+        hop = await peers.open_stream(head.address, STAGE_PROTOCOL, node_id=head.node_id)
+        async with hop:
+            await hop.send_message(Hop(session=session, epoch=0, ring=True, prompt_tokens=1,
+                                       carry_tokens=int(opened.info.needs_tokens)))
+            await hop.send_all(encode_activation(session=session, epoch=0, step=0, pos=0, n_tokens=1, tensors=[],
+                                                 tokens=[1]))
+            with trio.fail_after(30):
+                while not isinstance(message := await control.receive_message(), Receipts):
+                    pass
+    (receipt,) = unpack_chain(message.chain, session, 0, model)
+    assert receipt.verify() and receipt.node_id == head.node_id
+    return receipt
+
+
+def framing(victim: Receipt, witnesses: list[AttackerDaemon]) -> Proof:
+    """A divergence "proof" against the honest `victim` receipt: the witnesses sign another output."""
+    return Proof(kind="divergence", culprit=victim, witnesses=[w.witness(victim, b"framed") for w in witnesses])

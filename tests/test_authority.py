@@ -40,7 +40,7 @@ def placed(i: int, by: int = TRACKER, term: int = 1, **fields: object) -> dict[s
 
 def placed_mesh_election() -> Election:
     """Node 0's election in a mesh whose tracker (1, term 1) placed node 0 and members 2-4, all backing it."""
-    others: dict[int, dict] = {TRACKER: {"tracker_term": 1, **voting_for(TRACKER, 1)}}
+    others: dict[int, dict[str, object]] = {TRACKER: {"tracker_term": 1, **voting_for(TRACKER, 1)}}
     for i in HONEST:
         others[i] = placed(i, **voting_for(TRACKER, 1))
     election = election_with(0, others)
@@ -72,8 +72,8 @@ def test_free_identities_outnumbering_the_placed_members_neither_unseat_the_trac
     # a placed member's claim, backed by the placed members, is carried: a majority of four weighing
     claimant = record(2).node_id
     for i in HONEST:
-        fields = placed(i, version=3, **voting_for(2, 2), **({"tracker_term": 2} if i == 2 else {}))
-        election.observe(11.0, record(i, **fields), live=True)
+        fields = placed(i, **voting_for(2, 2), **({"tracker_term": 2} if i == 2 else {}))
+        election.observe(11.0, record(i, 3, **fields), live=True)
     assert election.tracker == Tracker(2, claimant)
 
 
