@@ -34,27 +34,28 @@ What counts:
   `EXCLUSION_SECONDS`, then judged again; a new proof (another lie, not the same one replayed)
   renews it.
 
-What an attacker needs, for a mesh of H honest placed members (every honest volunteer is placed:
-spare capacity becomes replicas), and a model cut into S segments:
+What an attacker needs, for a mesh of H honest members, all placed (spare capacity becomes
+replicas), and a model cut into S segments of W bytes (weights and KV) each; S comes from the
+model and the members' memory, not from H:
 
-=====================  ==========================  =====================================
-honest members H        take the tracker            frame an honest stage
-=====================  ==========================  =====================================
-10                      11 placed identities        2 identities placed on the victim's
-100                     101 placed identities       segment: about 2*S placed identities
-1,000                   1,001 placed identities     (replicas go to the weakest segment)
-=====================  ==========================  =====================================
+=================  =================================  ==========================================
+honest members H    take the tracker                   frame an honest stage (an hour out)
+=================  =================================  ==========================================
+10                  11 placed identities, 11 W          2 identities placed on the victim's segment:
+100                 101 placed identities, 101 W        about 2 S placed identities to steer two
+1,000               1,001 placed identities, 1,001 W    there (replicas go to the weakest), any H
+=================  =================================  ==========================================
 
-Free identities count for nothing in either column, however many. Each placed identity is a
-volunteer the honest tracker chose to place: a directly dialable member offering the memory of a
-segment (so the tracker column is at least the honest mesh's own placed capacity again: more
-than H segments' worth of weights and KV, at 4 GiB a segment 44 GiB, 404 GiB and 4 TiB), holding
-or fetching those layers, answering the tracker's probes at the speed it claims and every spot
-check on the routes it serves (a lie caught there is a proof, and an exclusion). With one more
-than an unplaced tracker's vote to beat, the figures are H + 1 (H + 2 when the tracker serves
-nothing). Until the credit ledger lands, the declared memory is not proven, which is why the
-weight must also survive the tracker's timings and the askers' spot checks; in the bootstrap (no
-placement yet) the old count applies: more live first-hand members than the honest ones.
+Free identities count for nothing in either column, however many. A placed attacker with A
+identities against H + 1 weighing members (the followed tracker's own weight included: one more
+when it serves nothing) carries a claim only if 2A > A + H + 1, so it must more than double the
+mesh with volunteers the honest tracker chose to place: each directly dialable, offering a
+segment's memory, holding or fetching its layers, answering the tracker's probes at the speed it
+claims and the spot checks of every route it serves (a lie caught there is a proof, and an hour
+out). The limits: declared memory is not proven until the credit ledger; before the first
+placement (a fresh mesh's first seconds) H + 1 first-hand identities take the tracker, as
+before; two placed identities on one segment can frame its other members and renew that with a
+fresh receipt of the victim every half hour.
 """
 
 from __future__ import annotations
