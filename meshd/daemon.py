@@ -109,6 +109,9 @@ from wire.stage import STAGE_PROTOCOL, Hop, Open, PeerRef
 log = logging.getLogger(__name__)
 # members a node passes a new proof on to (each checks it, and passes it on once if it is news to it)
 PROOF_FANOUT = 3
+# How long a status waits for the tracker's stage speeds: a status answers even when the tracker does
+# not (then with this node's own figures), a second or two late at worst, not an rpc timeout late.
+SPEEDS_TIMEOUT = 2.0
 # How long a claimant holds an assignment ask for the votes that carry it (a gossip round away), well
 # inside the asker's rpc timeout: its voters ask the moment they vote, before their votes arrive here.
 CLAIM_WAIT = 2.0
@@ -724,7 +727,8 @@ class MeshDaemon:
         if tracker is None or address is None:
             return self.duty.speed_view()
         try:
-            reply = await rpc(self.peers, address, SpeedsRequest(), tracker.node_id, self.config.rpc_timeout)
+            reply = await rpc(self.peers, address, SpeedsRequest(), tracker.node_id,
+                              min(SPEEDS_TIMEOUT, self.config.rpc_timeout))
         except ProtocolError as exc:
             log.info("tracker %s gave no stage speeds: %s", tracker.node_id[:12], exc)
             return self.duty.speed_view()
