@@ -80,6 +80,9 @@ class AttackerDaemon(MeshDaemon):
     # set: it answers stage streams as a stage of the range its record serves that sleeps this long
     # at every step (and signs made-up output); None: stage streams go to a sink
     step_sleep: float | None = None
+    # set: that stage says it holds a session whenever asked its metrics, so the tracker's probes
+    # (which never take a user's slot) never time it
+    looks_busy = False
 
     def __init__(self, identity: NodeIdentity, config: NodeConfig) -> None:
         super().__init__(identity, config)
@@ -157,7 +160,7 @@ class AttackerDaemon(MeshDaemon):
         model = self.mesh.record.model(served.model)
         assert model is not None and self.step_sleep is not None
         if isinstance(first, MetricsRequest):
-            await stream.send_message(Metrics(values={"sessions": 0.0}))
+            await stream.send_message(Metrics(values={"sessions": 1.0 if self.looks_busy else 0.0}))
         elif isinstance(first, Open):
             self._controls[first.session] = stream
             await stream.send_message(Opened(session=first.session, epoch=first.epoch, info=StageInfo(

@@ -228,6 +228,39 @@ async def test_a_stage_slower_than_it_says_gets_no_route_once_timed_and_status_s
         await honest_ask(peers, mesh)
 
 
+async def test_a_stage_that_keeps_out_of_the_probes_counts_at_the_default_not_its_word(
+        mesh: Mesh, peers: Peers) -> None:
+    view = await converged(peers, mesh)
+    tracker = next(n for n in mesh.nodes if n.node_id == view.tracker)
+    asked = next(n for n in mesh.nodes if n.node_id != view.tracker)
+    async with attacker(mesh.seed.address) as bad:
+        liar = bad.mesh.node_id
+        bad.forge(models=[mesh.model], memory_bytes=1 << 30, seconds_per_layer=1e-9)
+        await joined(peers, mesh, bad)
+        with trio.fail_after(30):
+            while (given := await placed(bad, tracker)).model != mesh.model.digest:
+                await trio.sleep(0.25)
+        # a slow stage that looks busy at every probe: never timed
+        bad.step_sleep, bad.looks_busy = 0.2, True
+        bad.forge(served=[ServedRange(model=mesh.model.digest, start=given.start, end=given.end)])
+        with trio.fail_after(30):
+            while liar not in (figures := {p.node_id: p for p in (await mesh_status(peers, asked)).speeds}):
+                await trio.sleep(0.25)
+        # it counts at the default (or the slowest timed stage, where slower), never its 1e-9 ...
+        assert figures[liar].source == "default" and figures[liar].samples == 0
+        assert figures[liar].seconds_per_layer >= 1e-3 and figures[liar].declared == pytest.approx(1e-9)
+        # ... and the timed honest stages, not it, carry every route (a few probe rounds on)
+        for _ in range(3):
+            for via in mesh.nodes:
+                assert liar not in [s.node_id for s in (await honest_route(peers, mesh, via)).stages], via
+            await trio.sleep(1.0)
+        shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", asked.address)
+        assert shown.returncode == 0, shown.stderr
+        assert any(line.startswith(f"  [{given.start}, {given.end})") and liar[:16] in line and
+                   "unmeasured: default; it says 1e-06" in line for line in shown.stdout.splitlines()), shown.stdout
+        await honest_ask(peers, mesh)
+
+
 async def test_a_made_up_digest_named_like_the_real_model_never_takes_an_ask(mesh: Mesh, peers: Peers) -> None:
     await converged(peers, mesh)
     fake = fake_model(mesh.model)
