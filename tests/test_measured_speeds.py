@@ -44,10 +44,12 @@ def test_each_figure_says_where_it_came_from_and_no_word_makes_a_member_faster()
     # timed: the time measured, whatever it says (1e-9), with how many probes it is the median of
     assert (got["probed"].seconds_per_layer, got["probed"].source, got["probed"].samples) == (
         pytest.approx(5e-4), PROBED, 3)
-    # not timed: the conservative default, the slowest timed figure (2e-3) where that is slower than
-    # the default: a word of 1e-9 buys nothing, and no untimed member beats a timed one
-    assert (got["liar"].seconds_per_layer, got["liar"].source) == (pytest.approx(2e-3), DEFAULT)
-    assert (got["silent"].seconds_per_layer, got["silent"].source) == (pytest.approx(2e-3), DEFAULT)
+    # not timed: the conservative default, the slowest timed figure (2e-3) and the route margin, where
+    # that is slower than the default: a word of 1e-9 buys nothing, and no untimed member even ties a
+    # timed one
+    untimed = 2e-3 * (1 + ROUTE_MARGIN)
+    assert (got["liar"].seconds_per_layer, got["liar"].source) == (pytest.approx(untimed), DEFAULT)
+    assert (got["silent"].seconds_per_layer, got["silent"].source) == (pytest.approx(untimed), DEFAULT)
     # a word against itself (slower than that default) counts
     assert (got["modest"].seconds_per_layer, got["modest"].source) == (5e-3, DECLARED)
     # the planner itself: its own figure (it does not probe itself)
@@ -64,11 +66,27 @@ def test_a_declared_speed_never_wins_a_route_over_a_measured_one() -> None:
     # timed too, and slow: still not the liar, however fast it says it is
     timed(speeds, liar.node_id, 0.1)
     assert plan_route(stage_options([honest, liar], "m", speeds=speeds), LAYERS).node_ids == (honest.node_id,)
-    # the honest one measured slower than the default: the untimed liar counts at that slower figure
+    # the honest one measured slower than the default: the untimed liar counts slower still
     other = SpeedBook()
     timed(other, honest.node_id, 3e-3)
     believed = {o.node_id: o.seconds_per_layer for o in stage_options([honest, liar], "m", speeds=other)}
-    assert believed[liar.node_id] == pytest.approx(3e-3) == believed[honest.node_id]
+    assert believed[liar.node_id] == pytest.approx(3e-3 * (1 + ROUTE_MARGIN))
+    assert plan_route(stage_options([honest, liar], "m", speeds=other), LAYERS).node_ids == (honest.node_id,)
+
+
+def test_an_untimed_stage_never_takes_a_range_from_a_timed_one_where_timed_stages_do_not_cover() -> None:
+    # Three segments: the first two timed (the first slower than the second), the third served by a
+    # member the tracker has not timed yet; and the liar, untimed, on the first segment, saying 1e-9.
+    # Before, an untimed member counted at the fastest timed figure (1.5e-3) at least, so the liar
+    # took the first segment from the timed 3e-3 stage.
+    first, second, third = ([ServedRange(model="m", start=a, end=a + 4)] for a in (0, 4, 8))
+    slow, fast, new = record(1, served=first), record(2, served=second), record(3, served=third)
+    liar = record(4, seconds_per_layer=1e-9, served=first)
+    speeds = SpeedBook()
+    speeds.observe(slow.node_id, 4, 4 * 3e-3)
+    speeds.observe(fast.node_id, 4, 4 * 1.5e-3)
+    route = plan_route(stage_options([slow, fast, new, liar], "m", speeds=speeds), 12)
+    assert route.node_ids == (slow.node_id, fast.node_id, new.node_id)
 
 
 def test_the_route_in_use_is_kept_over_noise_in_the_book_and_moves_for_a_replica_past_the_margin() -> None:

@@ -75,6 +75,7 @@ def stage_hop_seconds(rtt_a: float | None, rtt_b: float | None) -> float:
 
 # What a member not timed yet counts at, at least (and any member where nothing is timed): its own
 # word never makes it faster (a member saying 1e-9 s/layer must not buy a route or a placement).
+# Where members are timed, one not timed yet counts slower than the slowest of them (`believe`).
 DEFAULT_SECONDS_PER_LAYER = 1e-3
 
 # Where the seconds per layer a route counts for a member came from (`Believed.source`):
@@ -140,12 +141,13 @@ def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None,
     and what it `reported` (its word; 0: it said nothing).
 
     A member this node timed counts at the time measured, whatever it says. One not timed yet
-    counts at the conservative default: `default`, or the slowest timed member where that is slower,
-    so an untimed member never looks faster than a timed one; its word counts only where it says it
-    is slower still. This node (`own`) counts at its own figure: it does not probe itself."""
+    counts at the conservative default: `default`, or the slowest timed member's figure plus the
+    route margin where that is slower, so an untimed member never even ties a timed one (nor does a
+    route through it take over a timed route on noise); its word counts only where it says it is
+    slower still. This node (`own`) counts at its own figure: it does not probe itself."""
     timed = {node_id: Believed(seen, PROBED, speeds.samples(node_id)) for node_id in reported
              if speeds is not None and (seen := speeds.measured(node_id)) is not None}
-    unmeasured = max([default, *(b.seconds_per_layer for b in timed.values())])
+    unmeasured = max([default, *((1.0 + ROUTE_MARGIN) * b.seconds_per_layer for b in timed.values())])
     out = {}
     for node_id, report in reported.items():
         if node_id in timed:
