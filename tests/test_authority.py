@@ -77,6 +77,20 @@ def test_free_identities_outnumbering_the_placed_members_neither_unseat_the_trac
     assert election.tracker == Tracker(2, claimant)
 
 
+def test_a_free_identity_older_and_better_reachable_than_anyone_gets_no_honest_vote_for_the_vacancy() -> None:
+    election = placed_mesh_election()
+    # around since long before the mesh, and public where the members are not: the best candidate by merit
+    election.observe(-100.0, record(9, reachability="public"), live=True)
+    election.observe(10.0, record(TRACKER, version=2), live=False)
+    election.observe(10.0, record(9, version=2, reachability="public", tracker_term=2, **voting_for(9, 2)),
+                     live=True)
+    for t in (10.0 + TIMEOUT, 10.0 + 2 * TIMEOUT, 10.0 + 3 * TIMEOUT):
+        election.handle_timer(t, joined=True)
+        assert election.vote is None or election.vote.node_id != record(9).node_id
+    # this node, placed, ran itself (a placed member's claim), and the free identity's carried nothing
+    assert election.claim >= 2 and election.tracker is None
+
+
 def test_a_fresh_mesh_with_no_placement_counts_every_member_heard_first_hand() -> None:
     # the bootstrap: before any placement the old count stands (a majority of live members)
     election = election_with(0, {1: {"tracker_term": 1, **voting_for(1, 1)}, 2: voting_for(1, 1), 3: {}})

@@ -13,6 +13,7 @@ Members are strangers, so a claim counts only when it is believable:
   counts as seen), so a claim of 2**63-1 is ignored rather than followed, and
   nobody is locked out above it;
 - its candidate is eligible (no light client, no departing node);
+- once the mesh has placed anyone, its candidate weighs (meshd.mesh.authority);
 - a voter grants it only while no carried tracker is live (a live tracker is
   not unseated by a newcomer's claim), once per term, and only once the
   candidate's rank in the voter's own view has come due;
@@ -286,6 +287,13 @@ class Election:
             else:
                 self._count_vote(node_id, self._votes_of.get(node_id), self._weight(now, record))
 
+    def _may_lead(self, node_id: str) -> bool:
+        """Whether `node_id` may be backed for tracker: once members weigh, only one that weighs (a
+        free identity that has been around longest would otherwise win the honest votes)."""
+        if not self.weighing:
+            return True
+        return self._self_weighs if node_id == self._node_id else node_id in self._weighing
+
     def _electorate(self) -> int:
         """How many live members a majority is reckoned of."""
         if not self.weighing:
@@ -308,7 +316,7 @@ class Election:
             return
         own = self._live.get(self._node_id)
         # A node still joining has not seen the mesh yet; claiming now would unseat its tracker.
-        if not joined or own is None or not eligible(own):
+        if not joined or own is None or not eligible(own) or not self._may_lead(self._node_id):
             self._wait(now + self._config.election_timeout)
             return
         timeout = self._config.election_timeout
@@ -354,7 +362,8 @@ class Election:
     def _rank(self, node_id: str) -> int:
         """How many eligible live members are better candidates than `node_id`, in this node's view."""
         key = self._key(node_id)
-        return sum(1 for other, record in self._live.items() if eligible(record) and self._key(other) < key)
+        return sum(1 for other, record in self._live.items()
+                   if eligible(record) and self._may_lead(other) and self._key(other) < key)
 
     def _outranked(self, node_id: str) -> bool:
         """Whether some eligible live member is clearly a better candidate than `node_id`: better
@@ -363,7 +372,7 @@ class Election:
         reach = _REACHABILITY_RANK[self._live[node_id].reachability]
         seen = self._first_seen.get(node_id, float("inf")) - self._config.election_timeout
         for other, record in self._live.items():
-            if other == node_id or not eligible(record):
+            if other == node_id or not eligible(record) or not self._may_lead(other):
                 continue
             other_reach = _REACHABILITY_RANK[record.reachability]
             if other_reach < reach or (other_reach == reach and self._first_seen.get(other, seen) < seen):
@@ -452,7 +461,7 @@ class Election:
         best: tuple[tuple[int, float, str], int] | None = None
         pending: float | None = None
         for node_id, term in claims.items():
-            if term <= voted:
+            if term <= voted or not self._may_lead(node_id):
                 continue
             due = vacant_since + 2 * timeout if self._outranked(node_id) else now
             if now < due:
