@@ -25,7 +25,8 @@ What counts:
   that weigh, and a claim is carried by the votes of more than half of them; identities with no
   placement neither vote nor count toward the majority. Before any placement (a fresh mesh, or
   every placed member gone) the election counts every live member heard from first-hand, as it
-  always did, so a mesh can still bootstrap.
+  always did, so a mesh can still bootstrap. Only a member that weighs is backed for tracker: a
+  free identity around longer than anyone would otherwise win the honest votes of a vacancy.
 - **Witnesses** (meshd.mesh.proofs, `MeshDuty.accept_proof`): a divergence proof counts only with
   witnesses placed on exactly that model and range (the tracker: by its own assignment; any other
   node: by the placements it knows, never by a witness's own `served`). A node never accepts a
