@@ -26,7 +26,7 @@ from test_hostile_stage import typed_error
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply, run_session
 from meshd.daemon import MeshDaemon, NodeConfig, describe_model, rpc
-from meshd.mesh.membership import Sync, SyncEntry
+from meshd.mesh.membership import SwimConfig, Sync, SyncEntry
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
@@ -303,6 +303,14 @@ async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the
                     assert view.tracker == before.tracker and view.term == before.term
                 await trio.sleep(0.05)
         assert len(samples) >= 20 and "dead" not in samples, samples
+        # 80 accusations to each node: the tracker re-signed its record at most once a refute interval
+        # (SwimConfig.refute_interval; 22 times before accusations were counted), and each other node
+        # believed the attacker once and then once each 4 s (SwimConfig.accusations), so it was seldom
+        # suspect (4 samples in 5 before)
+        await trio.sleep(1.0)
+        refuted = version() - first
+        assert 0 < refuted <= spam / SwimConfig().refute_interval + 2, refuted
+        assert samples.count("suspect") <= len(samples) // 10, samples
         await honest_ask(peers, mesh)
     await converged(peers, mesh)
 

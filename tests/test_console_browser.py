@@ -34,7 +34,8 @@ SCREENSHOT = ROOT / "bench-out" / "console.png"
 VOLUNTEER = ["--memory", "64M", "--max-sessions", "2", "--session-tokens", "512", "--threads", "1"]
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 24
-# the members table's sessions column
+# the members table's ms/layer and sessions columns
+MS_PER_LAYER = 7
 SESSIONS = 8
 # bounds on waiting for the real mesh and browser, not speed claims
 FORMED = 180
@@ -112,7 +113,8 @@ return {
     digest: m.dataset.digest, covered: m.dataset.covered === "true", status: text(m, ".coverage-status"),
     count: text(m, ".coverage-count"), bars: [...m.querySelectorAll(".bar")].map((b) => b.dataset.node),
     uncovered_layers: m.querySelectorAll('.depth span[data-depth="0"]').length,
-    why: [...m.querySelectorAll(".why li")].map((li) => li.textContent), route: text(m, ".route")})),
+    why: [...m.querySelectorAll(".why li")].map((li) => li.textContent), route: text(m, ".route"),
+    speeds: [...m.querySelectorAll(".speeds li")].map((li) => ({source: li.dataset.source, text: li.textContent}))})),
   answers: [...document.querySelectorAll("#chat-log .msg.assistant")].map((a) => ({
     done: a.dataset.done === "true", text: a.textContent, finish: a.dataset.finish || null,
     verified: a.dataset.verified || null,
@@ -166,6 +168,19 @@ def test_the_console_shows_the_mesh_streams_a_chat_answer_and_says_why_a_model_i
         cells = rows[volunteer.node_id]
         assert cells[1].startswith("127.0.0.1:") and cells[4] == "64 MiB" and "[" in cells[5], cells
     assert page["tracker"] not in ("none", "…")
+
+    # each stage's speed as routes count it, from the tracker's probe (the tracker's own stage, if it
+    # is a volunteer, at its own figure), in ms a layer on the member's row and under the model
+    def timed(page: dict[str, Any]) -> bool:
+        speeds = page["models"][0]["speeds"] if page["models"] else []
+        return len(speeds) == len(ids - {seed.node_id}) and all(s["source"] in ("probe", "own") for s in speeds)
+
+    page = until(chrome, NOTICED, "every stage's speed timed by the tracker", timed)
+    assert all(re.search(r"\): [0-9.e+-]+ ms/layer, (probe by tracker|the tracker's own stage)", s["text"])
+               for s in page["models"][0]["speeds"]), page["models"][0]["speeds"]
+    # (a figure, not "–"; at loopback a one-row step of a tiny stage may come out at 0 less the link's RTT)
+    assert all(float(m["cells"][MS_PER_LAYER]) >= 0 for m in page["members"] if m["node"] != seed.node_id), \
+        [m["cells"] for m in page["members"]]
 
     # the chat box streams from the front door's OpenAI endpoint; greedy, so it equals the unstreamed answer
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=ANSWERED)

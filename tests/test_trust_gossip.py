@@ -117,3 +117,60 @@ def test_a_record_with_every_served_range_it_may_hold_shows_in_status_whole() ->
     assert len(shown.served) == MAX_SERVED
     again = decode(encode(reply))
     assert isinstance(again, StatusReply) and again == reply
+
+
+def spammed(seconds: float, to_victim: bool = True) -> tuple[InstantNet, list[Membership], int]:
+    """Six members; the last (the attacker) sends a `Dead` of the first (the victim) signed by itself,
+    naming the victim's current incarnation, every 50 ms for `seconds` to each bystander (and to the
+    victim itself); the victim's refutations meanwhile."""
+    nodes = [member(i) for i in range(6)]
+    net = InstantNet(*nodes)
+    for node in nodes[1:]:
+        node.join(0.0, [nodes[0].node_id])
+    net.run_until(5.0)
+    for node in nodes:
+        node.events()
+    victim, attacker = nodes[0], nodes[5]
+    refuted = victim.refutations
+    end = net.now + seconds
+    while net.now < end:
+        dead = Dead(node=victim.node_id, incarnation=victim.record.version, accuser=attacker.node_id).signed(identity(5))
+        for node in nodes[:5] if to_victim else nodes[1:5]:
+            node.handle_message(net.now, attacker.node_id, Gossip(version=attacker.record.version, gossip=[dead]))
+        net.run_until(net.now + 0.05)
+    return net, nodes, victim.refutations - refuted
+
+
+def test_a_stream_of_signed_accusations_re_signs_the_victim_and_makes_it_suspect_a_bounded_number_of_times() -> None:
+    seconds = 20.0
+    _, nodes, refutations = spammed(seconds)
+    victim, bystanders = nodes[0], nodes[1:5]
+    # 400 accusations: the victim's record is re-signed at most once a refute interval
+    assert 0 < refutations <= seconds / CONFIG.refute_interval + 1
+    for node in bystanders:
+        suspected = [e for e in node.events() if e.node_id == victim.node_id and e.kind == "suspect"]
+        # each believed the attacker its burst of accusations, then one each shortest suspicion
+        assert 0 < len(suspected) <= CONFIG.accusations + seconds / (CONFIG.suspicion_mult * CONFIG.probe_interval)
+        assert node.state(victim.node_id) is not MemberState.DEAD
+
+
+def test_an_accuser_over_its_count_leaves_others_accusations_counting_and_refutations_in_time() -> None:
+    # the attacker sends its accusations of the victim only to the bystanders, and spends its count there
+    net, nodes, _ = spammed(10.0, to_victim=False)
+    victim, bystanders, attacker = nodes[0], nodes[1:5], nodes[5]
+    watcher = bystanders[0]
+    assert watcher.state(victim.node_id) is MemberState.ALIVE
+    over = Dead(node=victim.node_id, incarnation=victim.record.version, accuser=attacker.node_id).signed(identity(5))
+    watcher.handle_message(net.now, attacker.node_id, Gossip(version=0, gossip=[over]))
+    assert watcher.state(victim.node_id) is MemberState.ALIVE  # dropped: nothing to refute
+    # another accuser's word still counts ...
+    honest = bystanders[1]
+    accusation = Suspect(node=victim.node_id, incarnation=victim.record.version,
+                         accuser=honest.node_id).signed(identity(2))
+    version = victim.record.version
+    watcher.handle_message(net.now, honest.node_id, Gossip(version=honest.record.version, gossip=[accusation]))
+    assert watcher.state(victim.node_id) is MemberState.SUSPECT
+    # ... and the victim, told of it by gossip, refutes within a refute interval: long before the
+    # suspicion's shortest timeout
+    net.run_until(net.now + CONFIG.refute_interval + 0.5)
+    assert victim.record.version > version and watcher.state(victim.node_id) is MemberState.ALIVE

@@ -132,6 +132,20 @@ class SwimConfig:
     max_members: int = 4095
     introductions: int = 1024
     introductions_per_second: float = 32.0
+    # Accusations count per accuser: one accuser may start or confirm a suspicion of one member
+    # `accusations` times in a burst, refilled one per shortest suspicion (suspicion_mult probe
+    # intervals); the rest are dropped before they suspect anyone or travel on. An honest node
+    # accuses a member once per incarnation, and again (dead) only when its own suspicion runs out,
+    # no sooner than that, so its accusations all count, while a member sending a fresh accusation
+    # every 50 ms makes its target suspect here once every 4 s at most.
+    accusations: int = 1
+    # A node refutes a suspicion of itself at most once a `refute_interval`: accusations within it
+    # are answered by one refutation at its end. It is not counted per accuser like the above: a
+    # refutation it withheld from an accuser it had heard too often could leave others, who had not,
+    # to time the suspicion out and declare it dead. Well under the shortest suspicion
+    # (suspicion_mult probe intervals), so a refutation always comes in time, while a stream of
+    # accusations, from any number of accusers, re-signs its record at most this often.
+    refute_interval: float = 1.0
     # A member counts as a voter only once heard from over its own link (`first_hand`): each probe
     # period, ping this many live members not heard from yet, in the order they became live, so
     # that joiners and a healed partition's other side vote within seconds rather than after a
@@ -214,6 +228,25 @@ class _Probe:
     acked: bool = False
     helpers: tuple[str, ...] = ()
     indirect_sent: bool = False
+
+
+class _Buckets:
+    """Token buckets by key: a burst of `size`, refilled at `rate` a second. At most `cap` keys are
+    kept: the one charged longest ago is forgotten first (its bucket would mostly be full again)."""
+
+    def __init__(self, size: int, rate: float, cap: int) -> None:
+        self._size, self._rate, self._cap = float(size), rate, cap
+        self._buckets: dict[Any, tuple[float, float]] = {}  # key: (tokens, when counted), oldest first
+
+    def take(self, key: Any, now: float) -> bool:
+        """Whether `key` may spend a token now (then it has)."""
+        tokens, at = self._buckets.pop(key, (self._size, now))
+        tokens = min(self._size, tokens + (now - at) * self._rate)
+        taken = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if taken else tokens, now)
+        if len(self._buckets) > self._cap:
+            del self._buckets[next(iter(self._buckets))]
+        return taken
 
 
 class _BroadcastQueue:
@@ -364,7 +397,14 @@ class Membership:
         # live members heard from first-hand, and those not yet, in the order they became live
         self._first_hand: set[str] = set()
         self._unconfirmed: deque[str] = deque(maxlen=config.max_members)
-        self._introductions: dict[str, tuple[float, float]] = {}  # sender: (tokens, when counted)
+        self._introductions = _Buckets(config.introductions, config.introductions_per_second, 2 * config.max_members)
+        # by (accuser, accused): the accusations each accuser may still make count
+        self._accusations = _Buckets(config.accusations, 1 / (config.suspicion_mult * config.probe_interval),
+                                     4 * config.max_members)
+        # when this node last refuted a suspicion of itself, and (when, of which version) the next
+        # refutation is due that accusations within `refute_interval` of it asked for
+        self._refuted = -math.inf
+        self._refute_due: tuple[float, int] | None = None
         self._seeds: tuple[str, ...] = ()
         self._joined = True
         self._left = False
@@ -521,6 +561,13 @@ class Membership:
             suspicion = self._suspicions.get(node_id)
             if suspicion is not None and suspicion.deadline == deadline:
                 self._apply(now, self._accuse(Dead, node_id, suspicion.incarnation))
+        due = self._refute_due
+        if due is not None and now >= due[0]:
+            self._refute_due = None
+            # a record published since supersedes the accused version: nothing is left to refute
+            if not self._left and due[1] == self._record.version:
+                self._refuted = now
+                self._refute()
         if now >= self._next_gossip:
             self._gossip_round(now)
             self._next_gossip = _advance(self._next_gossip, config.gossip_interval, now)
@@ -549,6 +596,8 @@ class Membership:
             deadline = min(deadline, self._suspicion_heap[0][0])
         if not self._joined:
             deadline = min(deadline, self._next_join)
+        if self._refute_due is not None:
+            deadline = min(deadline, self._refute_due[0])
         return deadline
 
     # ---- outputs ----
@@ -762,7 +811,7 @@ class Membership:
         elif update.node == self._node_id:
             # Only our current version can be suspected: a higher one was never signed, it is forged.
             if not self._left and update.incarnation == self._record.version:
-                self._refute()
+                self._refute_accusation(now)
         elif isinstance(update, Suspect):
             self._apply_suspect(now, update, self._accuser(update, src))
         elif src is None:
@@ -787,18 +836,7 @@ class Membership:
 
     def _introduce(self, now: float, src: str) -> bool:
         """Whether `src` may introduce one more member now (a token bucket per sender)."""
-        config = self._config
-        tokens, at = self._introductions.get(src, (float(config.introductions), now))
-        tokens = min(float(config.introductions), tokens + (now - at) * config.introductions_per_second)
-        if tokens < 1.0:
-            self._introductions[src] = (tokens, now)
-            return False
-        self._introductions[src] = (tokens - 1.0, now)
-        if len(self._introductions) > 2 * config.max_members:
-            # Forget the senders that have been quiet longest; their buckets would be full again.
-            for stale in list(self._introductions)[: config.max_members]:
-                del self._introductions[stale]
-        return True
+        return self._introductions.take(src, now)
 
     def _make_room(self, now: float, src: str | None, node_id: str) -> bool:
         """Whether a member we hold no entry for may be added: within `src`'s introductions (its own
@@ -871,7 +909,13 @@ class Membership:
         if member is None:
             return
         suspicion = self._suspicions.get(node_id)
-        if suspicion is not None and suspicion.incarnation == update.incarnation:
+        if suspicion is not None and suspicion.incarnation != update.incarnation:
+            suspicion = None  # of an older version: this accusation starts a new one
+        if suspicion is not None and accuser in suspicion.accusers:
+            return  # counted already: a copy from another gossiper costs its accuser nothing
+        if accuser != self._node_id and not self._accusations.take((accuser, node_id), now):
+            return
+        if suspicion is not None:
             if suspicion.confirm(accuser):
                 heapq.heappush(self._suspicion_heap, (suspicion.deadline, node_id))
                 self._broadcasts.put(node_id, update)
@@ -911,6 +955,15 @@ class Membership:
         record = self._store.get(node_id)
         if record is not None:
             self._events.append(MemberEvent(kind, node_id, record))
+
+    def _refute_accusation(self, now: float) -> None:
+        """Refutes an accusation of this node's current version now, or at the end of
+        `refute_interval` after the last refutation (one for every accusation until then)."""
+        if now >= self._refuted + self._config.refute_interval:
+            self._refuted = now
+            self._refute()
+        elif self._refute_due is None:
+            self._refute_due = (self._refuted + self._config.refute_interval, self._record.version)
 
     def _refute(self, superseded: int | None = None) -> None:
         """Sign a record newer than our current one (and than `superseded`, a previous life's)."""
