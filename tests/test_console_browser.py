@@ -178,7 +178,8 @@ def test_the_console_shows_the_mesh_streams_a_chat_answer_and_says_why_a_model_i
     page = until(chrome, NOTICED, "every stage's speed timed by the tracker", timed)
     assert all(re.search(r"\): [0-9.e+-]+ ms/layer, (probe by tracker|the tracker's own stage)", s["text"])
                for s in page["models"][0]["speeds"]), page["models"][0]["speeds"]
-    # (a figure, not "–"; at loopback a one-row step of a tiny stage may come out at 0 less the link's RTT)
+    # a figure, not "–" (0 is one: at loopback a tiny stage's one-row step may take no longer than the
+    # link's round trip, which the probe takes off)
     assert all(float(m["cells"][MS_PER_LAYER]) >= 0 for m in page["members"] if m["node"] != seed.node_id), \
         [m["cells"] for m in page["members"]]
 

@@ -88,7 +88,7 @@ DECLARED = "declared"  # not timed yet and, by its own word, slower than that de
 @dataclass(frozen=True)
 class Believed:
     """The seconds per layer routes count for a member, where that figure came from (one of the
-    sources above), and how many timed steps it is the median of (0: none)."""
+    sources above), and how many probes' samples it is the median of (0: none)."""
 
     seconds_per_layer: float
     source: str
