@@ -111,7 +111,7 @@ class StageSpeed(WireModel):
     """The seconds per layer routes count for one served range, and where that figure came from:
     "probe" (the tracker timed it), "own" (the answering tracker's own stage), "default" (not timed
     yet: the conservative default), "declared" (not timed yet, slower than that by its own word).
-    `samples`: the timed steps the figure is the median of; `declared`: what the member says of
+    `samples`: the probes whose samples the figure is the median of; `declared`: what the member says of
     itself (0: nothing), shown beside what counts."""
 
     node_id: NodeId
