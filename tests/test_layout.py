@@ -13,9 +13,11 @@ PACKAGES = ("wire", "relay", "meshd")
 
 # Higher number = higher room. Rooms of one rank may not import each other,
 # except where listed in SIDEWAYS.
-RANK = {
+RANK: dict[str, float] = {
     "wire": 0,
     "meshd.logs": 0,
+    # the step rules both data planes share: above wire's errors, below the engine that applies them
+    "meshd.steps": 0.5,
     "relay": 1,
     "meshd.engine": 1,
     "meshd.net": 2,
@@ -32,7 +34,7 @@ RANK = {
     "meshd.cli": 6,
     "meshd.__main__": 7,
 }
-SANS_IO = ("wire", "relay", "meshd.mesh", "meshd.store", "meshd.stage.books")
+SANS_IO = ("wire", "relay", "meshd.steps", "meshd.mesh", "meshd.store", "meshd.stage.books")
 
 
 def module_name(path: Path) -> str:

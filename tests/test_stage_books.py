@@ -99,7 +99,7 @@ def test_rows_and_prompts_beyond_the_session_budget_are_refused_naming_the_limit
     with pytest.raises(ProtocolError, match=r"prompt of 17 tokens exceeds this stage's session budget of 16 tokens "
                                             r"\(--session-tokens\)"):
         b.set_prompt(a, 17)
-    with pytest.raises(ProtocolError, match=r"session needs 17 tokens.*budget is 16 \(--session-tokens\)"):
+    with pytest.raises(ProtocolError, match=r"session needs 17 tokens.*budget is 16"):
         b.check_rows(a, 0, 17)
     with pytest.raises(ProtocolError, match=r"prompt of 4097 bytes exceeds .* 16 tokens \(--session-tokens\)"):
         b.check_prompt_bytes(16 * 256 + 1)

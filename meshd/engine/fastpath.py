@@ -46,9 +46,10 @@ from typing import Any
 
 import numpy as np
 
+from meshd import steps
 from meshd.engine.draft import DraftLength, NgramDrafter
 from meshd.engine.engine import Context, EngineError, Model, Sampler
-from wire.errors import ErrorCode
+from wire.errors import ErrorCode, ProtocolError
 from wire.fastlink import ROWS, ROWS_IDS, TOKENS, Opener, Sealer, Step
 
 # What a connection reads at once: a decode row in one recv.
@@ -65,12 +66,6 @@ STREAM_INTERVAL = 0.05
 
 # The worker's word to its daemon: events (a session's tokens, its failure, the batches' figures), in order
 Emit = Callable[[list[dict[str, Any]]], None]
-
-
-class SessionFailed(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class LinkIn:
@@ -400,8 +395,8 @@ class FastPlane:
         step, link.step = link.step, None
         try:
             work = self._checked(s, step, link.whole_at)
-        except SessionFailed as exc:
-            self._fail(s, exc.code, str(exc))
+        except ProtocolError as exc:
+            self._fail(s, exc.code, exc.message)
             return None
         # room for the next step: the selector says when its bytes come (a read tried now, before the
         # upstream has computed it, would only fail)
@@ -409,43 +404,22 @@ class FastPlane:
         return work
 
     def _checked(self, s: FastSession, step: Step, arrived: float) -> Work:
-        """The checks the stage service runs on an activation, with its typed errors."""
+        """The step rules the stage service applies to an activation (meshd.steps), with its typed errors."""
         report = self.model.report
-        rewinds = s.draft_from is not None and s.draft_from <= step.pos < s.next_pos
-        if step.pos != s.next_pos and not rewinds:
-            raise SessionFailed(ErrorCode.CACHE_MISS, f"activation at position {step.pos}, this stage holds "
-                                                      f"positions up to {s.next_pos}")
-        if step.pos + step.n > s.max_pos:
-            raise SessionFailed(ErrorCode.OVERLOADED, f"session needs {step.pos + step.n} tokens, this stage "
-                                                      f"holds {s.max_pos} for it")
-        if step.drafts and step.pos < s.prompt_len:
-            raise SessionFailed(ErrorCode.BAD_REQUEST, f"{step.drafts} drafted rows of {step.n} at position "
-                                                       f"{step.pos}: drafts follow a verified row, after the prompt")
-        if report.has_output and s.sent_pos is not None and (step.pos, step.n, step.drafts) != (
-                s.sent_pos, len(s.drafts) + 1, len(s.drafts)):
-            raise SessionFailed(ErrorCode.BAD_REQUEST, f"a step of {step.n} rows ({step.drafts} drafted) at "
-                                                       f"{step.pos}: the ring's token went at {s.sent_pos}, with "
-                                                       f"{len(s.drafts)} drafts")
-        if report.has_input:
-            if step.kind != TOKENS or step.n != step.drafts + 1:
-                raise SessionFailed(ErrorCode.BAD_REQUEST, "the head takes a token id and its drafts a step "
-                                                           "from the ring")
-        elif step.kind != (ROWS_IDS if s.gets_ids else ROWS):
-            raise SessionFailed(ErrorCode.BAD_REQUEST, "token ids on rows of a session that sends this stage none"
-                                if step.kind != ROWS else "the session sends this stage the token ids: the "
-                                                          "activation must carry the token ids")
+        rewind = steps.rewinds(step.pos, s.next_pos, s.draft_from)
+        steps.check_rows(step.pos, step.n, step.drafts, s.next_pos, rewind, s.prompt_len, s.max_pos)
+        if report.has_output and s.sent_pos is not None:
+            steps.check_ring(step.pos, step.n, step.drafts, s.sent_pos, len(s.drafts))
+        steps.check_kind(report.has_input, step.kind != ROWS, step.kind != TOKENS, step.n, step.drafts,
+                         s.gets_ids)
         tokens = np.frombuffer(step.ids, dtype=np.int32) if step.ids else None
         if tokens is not None:
-            bad = next((int(t) for t in tokens if not 0 <= t < report.n_vocab), None)
-            if bad is not None:
-                raise SessionFailed(ErrorCode.BAD_REQUEST, f"token id {bad} is outside the vocabulary "
-                                                           f"[0, {report.n_vocab})")
+            steps.check_ids(tokens, report.n_vocab)
         hidden = None
         if step.kind != TOKENS:
             hidden = np.frombuffer(step.rows, dtype=np.float32).reshape(step.n, report.stage_width)
-            if not np.isfinite(hidden).all():
-                raise SessionFailed(ErrorCode.PAYLOAD_CORRUPT, "hidden states hold NaN or infinity")
-        if rewinds:
+            steps.check_finite(hidden)
+        if rewind:
             # the drafts from here on were rejected: their KV goes before these rows take its place
             self.ctx.remove(s.seq, step.pos, -1)
             self.stats["draft_rewinds"] += 1
@@ -584,11 +558,13 @@ class FastPlane:
             return
         drafts, s.drafts = s.drafts[:w.drafts], []
         picks: list[int] = []
-        for i, row in enumerate(rows):
+        for row in rows:
+            # each pick before the next is drawn: the sampler's state after the last one it accepts is
+            # the one it has without drafts
             picks.append(sampler.sample(row))
-            if i >= len(drafts) or picks[-1] != drafts[i]:
+            if steps.accepted(picks, drafts) < len(picks):
                 break
-        accepted = len(picks) - 1
+        accepted = steps.accepted(picks, drafts)
         if w.drafts and s.length is not None:
             s.length.record(w.drafts, accepted)
         emitted: list[tuple[int, bool]] = []
@@ -598,8 +574,7 @@ class FastPlane:
                 s.generated += 1
                 if s.drafter is not None:
                     s.drafter.extend([token])
-            # as the stage books decide (StageBooks.emit): the end of generation, or the last token asked for
-            if eog or s.generated >= s.max_tokens:
+            if steps.ends(eog, s.generated, s.max_tokens):
                 s.stopped = True
             emitted.append((token, eog))
             if s.stopped:

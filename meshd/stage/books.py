@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
+from meshd import steps
 from wire.errors import ErrorCode, ProtocolError
 
 T = TypeVar("T")
@@ -355,22 +356,15 @@ class StageBooks(Generic[T]):
         """
         if book.phase not in LIVE:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {book.id} takes no rows ({book.phase.value})")
-        if pos != book.next_pos and not self._rewinds(book, pos):
-            raise ProtocolError(ErrorCode.CACHE_MISS, f"activation at position {pos}, this stage holds "
-                                                      f"positions up to {book.next_pos}")
-        if n < 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "an activation carries at least one token")
-        if drafts and (drafts >= n or book.prompt_len is None or pos < book.prompt_len):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{drafts} drafted rows of {n} at position {pos}: drafts "
-                                                       f"follow a verified row, after the prompt")
-        if pos + n > self.limits.max_session_tokens:
-            self.counts.overloaded += 1
-            raise ProtocolError(ErrorCode.OVERLOADED, f"session needs {pos + n} tokens, this stage's "
-                                                      f"session budget is {self.limits.max_session_tokens} "
-                                                      f"(--session-tokens)")
-
-    def _rewinds(self, book: SessionBook, pos: int) -> bool:
-        return book.draft_from is not None and book.draft_from <= pos < book.next_pos and book.in_flight == 0
+        # a rewind waits for the drafts' own step to have run (the fast path's worker runs one step of a
+        # session at a time, so there it always has)
+        rewind = steps.rewinds(pos, book.next_pos, book.draft_from) and book.in_flight == 0
+        try:
+            steps.check_rows(pos, n, drafts, book.next_pos, rewind, book.prompt_len, self.limits.max_session_tokens)
+        except ProtocolError as exc:
+            if exc.code is ErrorCode.OVERLOADED:
+                self.counts.overloaded += 1
+            raise
 
     def enqueue(self, book: SessionBook, pos: int, n: int, payload: T, now: float,
                 drafts: int = 0) -> list[SessionBook]:

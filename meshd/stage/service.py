@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import trio
 
+from meshd import steps
 from meshd.engine.draft import DraftLength, DraftModelKV, NgramDrafter
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec
@@ -505,7 +506,7 @@ class StageService:
         if msg.tokens is not None:
             tokens = list(msg.tokens)
             self.books.set_prompt(book, len(tokens))
-            self._check_vocab(tokens)
+            steps.check_ids(tokens, self.report.n_vocab)
         else:
             # Bounded before the engine worker sees it: the text must fit the session budget.
             request: dict[str, Any] = {"op": "tokenize"}
@@ -556,7 +557,7 @@ class StageService:
         if book.prompt_len is not None and len(msg.tokens) != book.prompt_len:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for a prompt of "
                                                        f"{book.prompt_len}")
-        self._check_vocab(msg.tokens)
+        steps.check_ids(msg.tokens, self.report.n_vocab)
         session.prompt_ids = list(msg.tokens)
         session.prompt_ids_known.set()
 
@@ -800,24 +801,19 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for {msg.n_tokens} rows")
         h_in, checked = self._checked_chain(session, msg, chain)
         self.books.check_rows(book, msg.pos, msg.n_tokens, msg.drafts)
+        steps.check_kind(self.report.has_input, msg.tokens is not None, bool(msg.tensors), msg.n_tokens, msg.drafts,
+                         session.gets_ids)
+        if msg.tokens is not None:
+            # carried ids reach the engine in the same call as everyone's rows
+            steps.check_ids(msg.tokens, self.report.n_vocab)
         if self.report.has_input:
-            if msg.tokens is None or msg.tensors:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
-            self._check_vocab(msg.tokens)
+            assert msg.tokens is not None
             tokens = np.asarray(msg.tokens, dtype=np.int32)
             # the ids ride on downstream only to a stage with hash-routed layers (deepseek4), or before one
             self._enqueue(session, msg.pos, msg.n_tokens,
                           Rows(session, tokens, None, list(msg.tokens) if session.carry else None, h_in, checked),
                           msg.drafts)
             return None
-        if (msg.tokens is not None) != session.gets_ids:
-            # a stage the ids need not reach must not see them; one they must reach must have them
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids on rows of a session that sends this stage none"
-                                if msg.tokens is not None else "the session sends this stage the token ids: "
-                                                               "the activation must carry the token ids")
-        if msg.tokens is not None:
-            # carried ids reach the engine in the same call as everyone's rows
-            self._check_vocab(msg.tokens)
         entry = msg.tensor(HIDDEN)
         o = session.open
         if (entry.dtype, entry.codec) != (o.wire_dtype, o.wire_codec):
@@ -874,12 +870,6 @@ class StageService:
             batch.append(step)
             size += step_size
         session.to_asker.send_nowait(Inputs(session=book.id, epoch=book.epoch, steps=batch, more=False))
-
-    def _check_vocab(self, tokens: Sequence[int]) -> None:
-        n_vocab = self.report.n_vocab
-        bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
-        if bad is not None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {bad} is outside the vocabulary [0, {n_vocab})")
 
     def _enqueue(self, session: Session, pos: int, n: int, rows: Rows, drafts: int = 0) -> None:
         for other in self.books.enqueue(session.book, pos, n, rows, trio.current_time(), drafts):
@@ -1107,8 +1097,8 @@ class StageService:
         accepted = 0
         if w.drafts:
             drafts, s.drafts = s.drafts, []
-            while accepted < min(w.drafts, len(drafts)) and picks[accepted][0] == drafts[accepted]:
-                accepted += 1
+            # the worker stops sampling at the first pick that is not the draft: no pick after it (None)
+            accepted = steps.accepted([p[0] for p in picks if p is not None], drafts[:w.drafts])
             if s.draft_length is not None:
                 s.draft_length.record(w.drafts, accepted)
         taken: list[tuple[int, bytes, Emitted]] = []
@@ -1249,8 +1239,7 @@ class StageService:
 def _decoded(entry: TensorEntry) -> np.ndarray:
     """An activation's hidden states as float32 rows; its shape, dtype and codec were checked."""
     hidden = np.ascontiguousarray(entry.to_array(), dtype=np.float32)
-    if not np.isfinite(hidden).all():
-        raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "hidden states hold NaN or infinity")
+    steps.check_finite(hidden)
     return hidden
 
 
