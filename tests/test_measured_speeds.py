@@ -132,3 +132,6 @@ def test_the_status_view_lists_every_served_range_with_its_figure_source_and_wor
     assert (lie.seconds_per_layer, lie.source, lie.declared) == (DEFAULT_SECONDS_PER_LAYER, DEFAULT, 1e-9)
     big = view[huge.node_id, 0, LAYERS]
     assert (big.seconds_per_layer, big.source, big.declared) == (MAX_SECONDS_PER_LAYER, DECLARED, MAX_SECONDS_PER_LAYER)
+    # with a placement (the tracker's), only the ranges placed: a claim beyond it is in no route
+    placed = stage_speeds([honest, liar, huge], speeds, None, lambda digest: {honest.node_id: {(0, 4), (4, 8)}})
+    assert [(s.node_id, s.start, s.end) for s in placed] == [(honest.node_id, 0, 4), (honest.node_id, 4, 8)]

@@ -450,7 +450,7 @@ class MeshDuty:
         """The seconds per layer this node's routes count for each served range, and where each figure
         came from (as tracker, its probes'; elsewhere only defaults and members' words against themselves)."""
         return SpeedsReply(by=self.node_id, speeds=stage_speeds(self.node.membership.live_records(), self.speeds,
-                                                                 self.node_id))
+                                                                 self.node_id, self._assigned))
 
     def coverage_reason(self, info: ModelInfo) -> str:
         """Why the live members cannot cover `info` ("" when they can: it is then only loading or fetching)."""

@@ -8,7 +8,7 @@ lists): the view is cut to the reply's bounds, never refused, and the members co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -86,16 +86,23 @@ def coverage(live: Sequence[CapabilityRecord],
     return out
 
 
-def stage_speeds(live: Sequence[CapabilityRecord], speeds: SpeedBook | None, own: str | None) -> list[StageSpeed]:
-    """Every served range of every model, with the seconds per layer routes planned here count for
-    it and where that figure came from (`routing.believe`): what `meshd status` and the console show."""
+def stage_speeds(live: Sequence[CapabilityRecord], speeds: SpeedBook | None, own: str | None,
+                 assigned: Callable[[str], Mapping[str, Collection[tuple[int, int]]] | None] | None = None,
+                 ) -> list[StageSpeed]:
+    """Every served range of every model that routes may use, with the seconds per layer routes
+    planned here count for it and where that figure came from (`routing.believe`): what `meshd
+    status` and the console show. `assigned` gives a model's placement (None: none here, every
+    served range counts), as routes take it: ranges claimed beyond it, which no route uses, are left
+    out, so no flood of claims crowds the placed ones out of the reply's bound."""
     out: list[StageSpeed] = []
     serving = [r for r in live if not r.leaving]
     for digest in held_models(serving):
         believed = believed_speeds(serving, digest, DEFAULT_SECONDS_PER_LAYER, speeds, own)
+        placed = assigned(digest) if assigned is not None else None
         for record in serving:
             for s in record.served:
-                if s.model != digest or len(out) >= MAX_SPEEDS:
+                if s.model != digest or len(out) >= MAX_SPEEDS or \
+                        (placed is not None and (s.start, s.end) not in placed.get(record.node_id, ())):
                     continue
                 figure = believed[record.node_id]
                 # a member's own word is any finite number: bounded to the reply's schema before it is sent
