@@ -6,8 +6,9 @@ shell opens a check session on the stage (the kind an asker's spot check
 opens: fed by its opener, no next stage, one receipt back per step), sends it
 a few one-row steps, and times each from the row sent to the receipt back. The
 link's round trip, timed on the same link just before (one metrics request),
-is taken off; what is left, per layer, feeds the `SpeedBook` routes clamp
-self-reports to.
+is taken off; what is left, per layer, feeds the `SpeedBook`, whose figure
+routes and placements count in place of whatever the member says (until a
+stage is timed, it counts at a conservative default: `routing.believe`).
 
 Why a real step and not a report: a stage that sleeps per step, or whose
 engine is slower than it says, is slow at the probe as well. A probe that runs
