@@ -23,8 +23,11 @@ from meshd.client.ask import (
     StageError,
     ask_with_failover,
     blamed,
+    route_from_reply,
 )
+from meshd.client.verify import Verifier
 from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import MAX_REPLICAS_PER_STAGE
 
 # Three ranges served twice: node "a0" and "a1" serve [0, 10), "b0" and "b1" [10, 20), "c0" and "c1" [20, 30).
 REPLICAS = {name: Stage(f"10.0.0.{i}:7000", name, "sha256:m", ((ord(name[0]) - 97) * 10, (ord(name[0]) - 96) * 10))
@@ -321,6 +324,40 @@ def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive
     with pytest.raises(ProtocolError, match="excluded") as refused:
         tracker.route(MODEL.digest, everyone, dial)
     assert refused.value.code is ErrorCode.NOT_FOUND
+
+
+async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_asks_no_more() -> None:
+    duties = [duty(i, memory=400) for i in range(6)]
+    mesh = Mesh(*duties)
+    mesh.run_until(20.0)
+    tracker = mesh.tracker
+
+    def dial(record: object) -> str:
+        return "10.0.0.1:7400"
+
+    reply = tracker.route(MODEL.digest, (), dial)
+    on_route = {s.node_id for s in reply.stages}
+    assert reply.replicas is not None
+    served = {(rec.node_id, sr.start, sr.end) for rec in tracker.node.membership.live_records() for sr in rec.served}
+    for stage in reply.stages:
+        mine = [r for r in reply.replicas if (r.start, r.end) == (stage.start, stage.end)]
+        # other members on exactly this range, none of the route's own, at most two
+        assert 1 <= len(mine) <= MAX_REPLICAS_PER_STAGE
+        assert all(r.node_id not in on_route and (r.node_id, r.start, r.end) in served for r in mine)
+    # an excluded member is nobody's replica
+    avoided = reply.replicas[0].node_id
+    assert avoided not in {r.node_id for r in tracker.route(MODEL.digest, [avoided], dial).replicas or []}
+
+    async def no_route_requests(excluded: list[str]) -> list[Stage]:
+        raise AssertionError("the route named its replicas: no request before the first token")
+
+    route = route_from_reply(reply)
+    verifier = Verifier(None, find_route=no_route_requests)  # type: ignore[arg-type]
+    await verifier.prepare(route, [])
+    assert {c.node_id for c in verifier.plan.candidates} == {r.node_id for r in reply.replicas}
+    # a node this ask routed around checks nothing
+    await verifier.prepare(route, [avoided])
+    assert avoided not in {c.node_id for c in verifier.plan.candidates}
 
 
 def test_the_figures_line_says_when_and_at_what_cost_the_answer_failed_over() -> None:

@@ -43,11 +43,18 @@ class RouteRequest(Message, tag="route_request"):
     exclude: list[NodeId] = Field(default_factory=list, max_length=256)
 
 
+# Replicas a route reply names per stage: a spot check's second node and a third to settle a mismatch
+MAX_REPLICAS_PER_STAGE = 2
+
+
 class RouteReply(Message, tag="route"):
     model: Digest
     n_layers: Layer
     stages: list[RouteStage] = Field(max_length=256)
     seconds_per_token: float = Field(ge=0.0)
+    # other members serving exactly a stage's range, for the asker's spot checks (no route requests of
+    # its own before the first token); None: the planner did not say
+    replicas: list[RouteStage] | None = Field(default=None, max_length=256 * MAX_REPLICAS_PER_STAGE)
 
 
 class MemberStatus(WireModel):

@@ -21,7 +21,7 @@ from meshd.net.peers import Peers
 from relay.protocol import CIRCUIT_MARK
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import RouteReply
+from wire.meshrpc import RouteReply, RouteStage
 from wire.receipt import Receipts
 from wire.stage import (
     STAGE_PROTOCOL,
@@ -89,6 +89,9 @@ class Stage:
     node_id: str | None = None
     model_digest: str | None = None
     layers: tuple[int, int] | None = None
+    # other members serving exactly these layers, as the route's planner named them for spot checks
+    # (None: it did not say, and the verifier asks for routes around the stage to find some)
+    replicas: tuple[Stage, ...] | None = None
 
 
 def route_at(addresses: Sequence[str]) -> list[Stage]:
@@ -97,8 +100,15 @@ def route_at(addresses: Sequence[str]) -> list[Stage]:
 
 
 def route_from_reply(reply: RouteReply) -> list[Stage]:
-    """The route a member planned: it already says who serves which layers of which model."""
-    return [Stage(s.address, s.node_id, reply.model, (s.start, s.end)) for s in reply.stages]
+    """The route a member planned: it already says who serves which layers of which model, and
+    (a planner of this release) which other members serve each stage's layers."""
+    def replicas(s: RouteStage) -> tuple[Stage, ...] | None:
+        if reply.replicas is None:
+            return None
+        return tuple(Stage(r.address, r.node_id, reply.model, (r.start, r.end)) for r in reply.replicas
+                     if (r.start, r.end) == (s.start, s.end) and r.node_id != s.node_id)
+
+    return [Stage(s.address, s.node_id, reply.model, (s.start, s.end), replicas(s)) for s in reply.stages]
 
 
 @dataclass

@@ -686,7 +686,14 @@ class Verifier:
     async def prepare(self, route: Sequence[Stage], avoid: Collection[str] = ()) -> None:
         """Finds replicas for the route's ranges (a second and a third node for each, where the mesh
         has them), never among ``avoid`` (the nodes this ask routed around) or the liars it caught."""
-        if self.find_route is None or self.plan.every <= 0:
+        if self.plan.every <= 0:
+            return
+        avoided = {*self.liars, *avoid}
+        if all(stage.replicas is not None for stage in route):
+            # the route's planner named them: no round trip before the first token
+            self.plan.candidates = [r for stage in route for r in stage.replicas or () if r.node_id not in avoided]
+            return
+        if self.find_route is None:
             return
         found: list[Stage] = []
         for stage in route:

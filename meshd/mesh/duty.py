@@ -24,7 +24,7 @@ own view.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from meshd.mesh.assignment import (
@@ -60,7 +60,7 @@ from meshd.mesh.routing import (
 )
 from meshd.mesh.status import held_models, stage_speeds, status_view
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import AssignmentReply, RouteReply, RouteStage, SpeedsReply, StatusReply
+from wire.meshrpc import MAX_REPLICAS_PER_STAGE, AssignmentReply, RouteReply, RouteStage, SpeedsReply, StatusReply
 from wire.receipt import Proof
 from wire.swim import Placement
 
@@ -415,7 +415,30 @@ class MeshDuty:
             if address is None:
                 raise ProtocolError(ErrorCode.UNREACHABLE, f"no address to dial {s.node_id[:12]}")
             stages.append(RouteStage(node_id=s.node_id, address=address, start=s.start, end=s.end))
-        return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds)
+        return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds,
+                          replicas=self._replicas(found.stages, options, {*exclude, *self.liars}, records, address_of))
+
+    @staticmethod
+    def _replicas(route: Sequence[StageOption], options: Sequence[StageOption], exclude: Collection[str],
+                  records: Mapping[str, CapabilityRecord],
+                  address_of: Callable[[CapabilityRecord], str | None]) -> list[RouteStage]:
+        """For each stage of ``route``, the fastest other members offered on exactly its range (up to
+        MAX_REPLICAS_PER_STAGE): where the asker's spot checks run, named with the route so that
+        finding them costs the asker no round trip before its first token."""
+        on_route = {s.node_id for s in route}
+        out: list[RouteStage] = []
+        for stage in route:
+            same = sorted((o for o in options if (o.start, o.end) == (stage.start, stage.end)
+                           and o.node_id not in on_route and o.node_id not in exclude),
+                          key=lambda o: (o.compute_seconds, o.node_id))
+            taken = 0
+            for o in same:
+                address = address_of(records[o.node_id]) if o.node_id in records else None
+                if address is None or taken == MAX_REPLICAS_PER_STAGE:
+                    continue
+                out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end))
+                taken += 1
+        return out
 
     def _timed_first(self, options: list[StageOption]) -> list[list[StageOption]]:
         """The stage options to plan from, in turn: as tracker, first only the stages it timed (and
