@@ -56,11 +56,12 @@ class HijackingElection(Election):
 
 
 class VotingElection(Election):
-    """A sybil's election: its record votes for `vote` whatever anyone else does, and never claims."""
+    """A sybil's election: its record votes for whatever `vote_of` names, whatever anyone else does,
+    and never claims."""
 
-    def __init__(self, node: MeshNode, vote: Tracker, now: float) -> None:
+    def __init__(self, node: MeshNode, vote_of: Callable[[], Tracker], now: float) -> None:
         super().__init__(node.node_id, now)
-        self._fixed = vote
+        self._vote_of = vote_of
 
     @property
     def claim(self) -> int:
@@ -68,7 +69,7 @@ class VotingElection(Election):
 
     @property
     def vote(self) -> Tracker | None:
-        return self._fixed
+        return self._vote_of()
 
 
 class AttackerDaemon(MeshDaemon):
@@ -97,8 +98,9 @@ class AttackerDaemon(MeshDaemon):
         self.mesh.election.observe(now, self.mesh.record, live=True)
         self.forge(**record)
 
-    def vote_for(self, claim: Tracker) -> None:
-        """Votes for `claim` from now on, whatever the mesh does (a sybil backing its master's bid)."""
+    def vote_for(self, claim: Callable[[], Tracker]) -> None:
+        """Votes for the claim `claim` names (asked anew at each record it signs) from now on, whatever
+        the mesh does: a sybil backing its master's bid."""
         now = trio.current_time()
         self.mesh.election = VotingElection(self.mesh, claim, now)
         self.mesh.election.observe(now, self.mesh.record, live=True)

@@ -1,28 +1,39 @@
 """Authority that costs something (meshd.mesh.authority), attacked with free identities against real daemons.
 
 The honest mesh is tests/test_attacks.py's (a seed with no model, the tracker, and two volunteers
-splitting the tiny model, all real `meshd join` processes on loopback), started afresh for this
-module; the attackers are meshd's own daemon in-process (tests/attackers.py), each a real link
-with a real key, so every honest node hears each of them first-hand. Identities are free, so
-however many of them there are they must neither take the tracker nor get an honest stage
-excluded: before the rule, four identities took this mesh's tracker (4 votes of 7 live members)
-and two framed its head stage at both volunteers, the victim included.
+splitting the tiny model, all real `meshd join` processes on loopback): one shared by the
+module, and one of its own for the test that kills its tracker. The attackers are meshd's own
+daemon in-process (tests/attackers.py), each a real link with a real key, so every honest node
+hears each of them first-hand. Identities are free, so however many of them there are they must
+neither take the tracker nor get an honest stage excluded: before the rule, four identities took
+this mesh's tracker (4 votes of 7 live members) and two framed its head stage at both
+volunteers, the victim included.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
 import trio
 from attackers import framing, genuine_receipt, sybils
-from localmesh import mesh_status
-from test_attacks import Mesh, converged, honest_ask, honest_route, joined, proven_in_log
-from test_attacks import mesh as mesh  # noqa: PLC0414 (the module's fixture: a mesh of its own here)
+from localmesh import Served, mesh_status, start_join, stop_all
+from test_attacks import PROMPT, SESSIONS, TOKENS, Mesh, converged, honest_ask, honest_route, joined, proven_in_log
 
-from meshd.daemon import rpc
+from meshd.client.ask import AskRequest, ask_with_failover, route_from_reply
+from meshd.client.ask import Stage as AskStage
+from meshd.daemon import describe_model, rpc
 from meshd.mesh.election import Tracker
 from meshd.mesh.records import ServedRange
 from meshd.net.peers import Peers
+from meshd.stage.service import model_manifest
+from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import RouteReply, RouteRequest
 from wire.receipt import ProofGossip
 
 pytestmark = pytest.mark.slow  # three daemons, two engine workers and in-process attackers
@@ -36,6 +47,47 @@ FREE_IDENTITIES = 6
 BID_SECONDS = 20.0
 
 
+@contextmanager
+def honest_mesh(base: Path, model: Path) -> Iterator[Mesh]:
+    """tests/test_attacks.py's mesh: a seed with no model and two volunteers of half the model each."""
+    nodes: list[Served] = []
+    try:
+        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS))
+        for i in range(2):
+            nodes.append(start_join("--seed", nodes[0].address, "--model", str(model), "--memory", "1M",
+                                    "--state-dir", str(base / f"v{i}"), *SESSIONS))
+        digest = model_manifest(model, base / "v0").model_id
+        yield Mesh(nodes[0], nodes[1:], describe_model(model, digest), greedy_reference(model, [PROMPT], TOKENS)[PROMPT])
+    finally:
+        stop_all(nodes)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
+    with honest_mesh(tmp_path_factory.mktemp("authority"), tiny_models["llama-gqa-untied"]) as shared:
+        yield shared
+
+
+@pytest.fixture
+def doomed_mesh(tmp_path: Path, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
+    """A mesh of the test's own: it kills the tracker."""
+    with honest_mesh(tmp_path, tiny_models["llama-gqa-untied"]) as own:
+        yield own
+
+
+async def ask_via(peers: Peers, mesh: Mesh, via: Served) -> None:
+    """The honest ask, its routes asked of `via`: the whole model's answer."""
+    async def find(excluded: list[str]) -> list[AskStage]:
+        reply = await rpc(peers, via.address, RouteRequest(model=mesh.model.digest, exclude=excluded), timeout=20.0)
+        assert isinstance(reply, RouteReply)
+        return route_from_reply(reply)
+
+    with trio.fail_after(60):
+        result = await ask_with_failover(peers, find, AskRequest(messages=[{"role": "user", "content": PROMPT}],
+                                                                 max_tokens=TOKENS))
+    assert result.tokens == mesh.expected
+
+
 async def test_a_tracker_bid_backed_by_free_identities_outnumbering_the_mesh_never_takes_the_tracker(
         mesh: Mesh, peers: Peers) -> None:
     before = await converged(peers, mesh)
@@ -45,7 +97,7 @@ async def test_a_tracker_bid_backed_by_free_identities_outnumbering_the_mesh_nev
         claim = Tracker(before.term + 1, bidder.mesh.node_id)  # one above the term: a believable claim
         bidder.hijack_election(lambda node: claim.term)
         for backer in backers:
-            backer.vote_for(claim)
+            backer.vote_for(lambda: claim)
         for bad in crowd:
             await joined(peers, mesh, bad)
         until = trio.current_time() + BID_SECONDS
@@ -99,3 +151,33 @@ async def test_two_free_identities_claiming_a_stages_range_frame_it_at_no_node_t
             route = await honest_route(peers, mesh, via)
             assert victim.node_id in [s.node_id for s in route.stages], via.address
         await honest_ask(peers, mesh)
+
+
+async def test_with_the_tracker_killed_free_identities_bidding_at_every_term_never_win_the_vacancy(
+        doomed_mesh: Mesh, peers: Peers) -> None:
+    mesh = doomed_mesh
+    before = await converged(peers, mesh)
+    assert before.tracker == mesh.seed.node_id  # the founder, which serves nothing: its death loses no layer
+    async with sybils(mesh.seed.address, FREE_IDENTITIES) as crowd:
+        bidder, *backers = crowd
+        # always one above the highest term it has seen (believable), backed by every other sybil
+        bidder.hijack_election(lambda node: node.election.highest_term + 1)
+        for backer in backers:
+            backer.vote_for(lambda: Tracker(bidder.mesh.record.tracker_term, bidder.mesh.node_id))
+        for bad in crowd:
+            await joined(peers, mesh, bad)
+        await trio.sleep(BID_SECONDS / 2)  # every volunteer probes (hears first-hand) each sybil
+        os.kill(mesh.seed.proc.pid, signal.SIGKILL)
+        honest = {v.node_id for v in mesh.volunteers}
+        with trio.fail_after(60):
+            while len(trackers := {(await mesh_status(peers, v)).tracker for v in mesh.volunteers}) != 1 \
+                    or trackers & {None, mesh.seed.node_id}:
+                await trio.sleep(0.25)
+        (successor,) = trackers
+        assert successor in honest, "a sybil took the vacancy"
+        for _ in range(2 * int(BID_SECONDS / 2)):  # and it holds while the bids go on
+            for v in mesh.volunteers:
+                assert (await mesh_status(peers, v)).tracker == successor
+            await trio.sleep(0.5)
+        assert bidder.mesh.record.tracker_term > before.term
+        await ask_via(peers, mesh, mesh.volunteers[0])
