@@ -660,11 +660,9 @@ class MeshDuty:
         """Loads the range `reply` places this node on, if it can, and carries the tracker's signed
         placement of it in this node's record (none where it holds no range the tracker placed)."""
         tracker = self.node.tracker
-        placement = reply.placement if self._load(reply) and tracker is not None else None
-        if placement is not None and (placement.tracker, placement.term, placement.node_id, placement.model,
-                                      placement.start, placement.end) != (
-                tracker.node_id if tracker is not None else "", reply.term, self.node_id, reply.model, reply.start,
-                reply.end):
+        if placement is not None and (tracker is None or (
+                placement.tracker, placement.term, placement.node_id, placement.model, placement.start, placement.end)
+                != (tracker.node_id, reply.term, self.node_id, reply.model, reply.start, reply.end)):
             placement = None  # not the range it gave, or not by the tracker followed: it would weigh nowhere
         if placement != self.node.record.placement and not self._left:
             self.node.update_record(now, placement=placement)
@@ -677,6 +675,7 @@ class MeshDuty:
             return False  # no range for us (yet): keep serving what we serve
         start, end = reply.start, reply.end
         if reply.model != info.digest or not 0 <= start < end <= info.n_layers:
+        placement = reply.placement if self._load(reply) else None
             self._events.append(RangeRefused(start, end, f"not a range of {info.name} ({reply.model[:12]})"))
             return False
         own = self.node.record
