@@ -2,7 +2,7 @@
 
 The honest mesh is tests/test_attacks.py's (a seed with no model, the tracker, and two volunteers
 splitting the tiny model, all real `meshd join` processes on loopback): one shared by the
-module, and one of its own for the test that kills its tracker. The attackers are meshd's own
+module, and one of their own for the tests that kill its tracker or add a member. The attackers are meshd's own
 daemon in-process (tests/attackers.py), each a real link with a real key, so every honest node
 hears each of them first-hand. Identities are free, so however many of them there are they must
 neither take the tracker nor get an honest stage excluded: before the rule, four identities took
@@ -69,8 +69,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path])
 
 
 @pytest.fixture
-def doomed_mesh(tmp_path: Path, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
-    """A mesh of the test's own: it kills the tracker."""
+def own_mesh(tmp_path: Path, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
+    """A mesh of the test's own, for a test that kills its tracker or adds a member."""
     with honest_mesh(tmp_path, tiny_models["llama-gqa-untied"]) as own:
         yield own
 
@@ -154,8 +154,8 @@ async def test_two_free_identities_claiming_a_stages_range_frame_it_at_no_node_t
 
 
 async def test_with_the_tracker_killed_free_identities_bidding_at_every_term_never_win_the_vacancy(
-        doomed_mesh: Mesh, peers: Peers) -> None:
-    mesh = doomed_mesh
+        own_mesh: Mesh, peers: Peers) -> None:
+    mesh = own_mesh
     before = await converged(peers, mesh)
     assert before.tracker == mesh.seed.node_id  # the founder, which serves nothing: its death loses no layer
     async with sybils(mesh.seed.address, FREE_IDENTITIES) as crowd:
@@ -181,3 +181,37 @@ async def test_with_the_tracker_killed_free_identities_bidding_at_every_term_nev
             await trio.sleep(0.5)
         assert bidder.mesh.record.tracker_term > before.term
         await ask_via(peers, mesh, mesh.volunteers[0])
+
+
+async def test_a_volunteer_joining_while_free_identities_bid_follows_the_tracker_its_seed_backs(
+        own_mesh: Mesh, peers: Peers, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    mesh = own_mesh
+    before = await converged(peers, mesh)
+    async with sybils(mesh.seed.address, FREE_IDENTITIES) as crowd:
+        bidder, *backers = crowd
+        claim = Tracker(before.term + 1, bidder.mesh.node_id)
+        bidder.hijack_election(lambda node: claim.term)
+        for backer in backers:
+            backer.vote_for(lambda: claim)
+        for bad in crowd:
+            await joined(peers, mesh, bad)
+        # a newcomer has no placement to weigh members by until it follows a tracker: it follows the
+        # claim its seed backs (counting heads, it could follow the bid, as test_authority shows)
+        late = await trio.to_thread.run_sync(lambda: start_join(
+            "--seed", mesh.seed.address, "--model", str(tiny_models["llama-gqa-untied"]), "--memory", "1M",
+            "--state-dir", str(tmp_path / "late"), *SESSIONS))
+        try:
+            with trio.fail_after(30):
+                while (view := await mesh_status(peers, late)).tracker is None:
+                    await trio.sleep(0.25)
+            until = trio.current_time() + BID_SECONDS / 2
+            while trio.current_time() < until:
+                assert (view.tracker, view.term) == (before.tracker, before.term)
+                await trio.sleep(0.5)
+                view = await mesh_status(peers, late)
+            # the tracker it follows placed it: its record carries that placement, so it weighs too
+            with trio.fail_after(30):
+                while not any(m.node_id == late.node_id and m.served for m in (await mesh_status(peers, late)).members):
+                    await trio.sleep(0.25)
+        finally:
+            await trio.to_thread.run_sync(stop_all, [late])

@@ -91,6 +91,22 @@ def test_a_free_identity_older_and_better_reachable_than_anyone_gets_no_honest_v
     assert election.claim >= 2 and election.tracker is None
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_newcomer_follows_the_claim_its_seed_backs_where_free_identities_back_another(seeded: bool) -> None:
+    # it heard from six sybils bidding for term 2 before any member of the mesh
+    election = Election(record(0).node_id, 0.0)
+    election.observe(0.0, record(0), live=True)
+    if seeded:
+        election.anchor(0.0, [record(TRACKER).node_id])
+    bid(election, 0.0, 2, SYBILS)
+    election.observe(0.0, record(TRACKER, tracker_term=1, **voting_for(TRACKER, 1)), live=True)
+    for i in HONEST:
+        election.observe(0.0, record(i, **placed(i, **voting_for(TRACKER, 1))), live=True)
+    sybil = Tracker(2, record(SYBILS[0]).node_id)
+    # the seed's claim, whose placements then weigh; without a seed, heads count (the bootstrap)
+    assert election.tracker == (Tracker(1, record(TRACKER).node_id) if seeded else sybil)
+
+
 def test_a_fresh_mesh_with_no_placement_counts_every_member_heard_first_hand() -> None:
     # the bootstrap: before any placement the old count stands (a majority of live members)
     election = election_with(0, {1: {"tracker_term": 1, **voting_for(1, 1)}, 2: voting_for(1, 1), 3: {}})

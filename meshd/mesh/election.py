@@ -133,6 +133,8 @@ class Election:
         self._self_weighs = False
         self._placed_self = False
         self._earned: dict[str, float] = {}
+        # the seeds this node joined through: until members weigh here, it follows theirs (see `anchor`)
+        self._anchors: list[str] = []
         # When this node first saw each live member live: the uptime the election trusts.
         self._first_seen: dict[str, float] = {node_id: now}
         self._highest_term = 0
@@ -224,6 +226,15 @@ class Election:
         if record is not None:
             self.observe(now, record, live=True)
 
+    def anchor(self, now: float, seeds: Iterable[str]) -> None:
+        """This node joins through `seeds`. Until members weigh in its view, the claim a seed backs
+        (its record's vote, for a claim its claimant still makes) is the only one it follows, and
+        that claim's placements are the ones that weigh: a newcomer has no placement to go by yet,
+        and counting heads it would follow whatever claim enough free identities back. The seed is
+        the one member its operator chose to trust; with no seed backing a live claim, heads count."""
+        self._anchors = list(seeds)
+        self._refresh(now)
+
     def _count_vote(self, voter: str, vote: Tracker | None, weight: int) -> None:
         old = self._votes_of.pop(voter, None)
         if old is not None:
@@ -286,6 +297,17 @@ class Election:
                 self._weigh_self(self._weight(now, record))
             else:
                 self._count_vote(node_id, self._votes_of.get(node_id), self._weight(now, record))
+
+    def _backed(self) -> Tracker | None:
+        """The live claim a seed of this node's backs (see `anchor`), if any."""
+        for seed in self._anchors:
+            record = self._live.get(seed) or self._heard.get(seed)
+            if record is None or not record.vote_term:
+                continue
+            claimant = self._live.get(record.vote_for) or self._heard.get(record.vote_for)
+            if claimant is not None and claimant.tracker_term == record.vote_term and eligible(claimant):
+                return Tracker(record.vote_term, record.vote_for)
+        return None
 
     def _may_lead(self, node_id: str) -> bool:
         """Whether `node_id` may be backed for tracker: once members weigh, only one that weighs (a
@@ -423,7 +445,12 @@ class Election:
         self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
 
     def _refresh(self, now: float) -> None:
+        backed = self._backed() if self._anchors and not self.weighing else None
+        if backed is not None:
+            self._follow(now, backed)
         claims, carried = self._claims(now)
+        if backed is not None and not self.weighing:
+            carried = [claim for claim in carried if claim == backed]
         tracker = max(carried, default=None)
         if tracker is not None:
             self._follow(now, tracker)

@@ -83,7 +83,9 @@ class MeshNode:
         return self.membership.leave_announced
 
     def join(self, now: float, seeds: Iterable[str]) -> None:
+        seeds = list(seeds)
         self.membership.join(now, seeds)
+        self.election.anchor(now, seeds)
         self._settle(now)
 
     def leave(self, now: float) -> None:
