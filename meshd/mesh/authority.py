@@ -26,7 +26,10 @@ What counts:
   placement neither vote nor count toward the majority. Before any placement (a fresh mesh, or
   every placed member gone) the election counts every live member heard from first-hand, as it
   always did, so a mesh can still bootstrap. Only a member that weighs is backed for tracker: a
-  free identity around longer than anyone would otherwise win the honest votes of a vacancy.
+  free identity around longer than anyone would otherwise win the honest votes of a vacancy. A
+  newcomer has no placement to weigh anyone by until it follows a tracker, so until members
+  weigh in its view it follows only the claim its seed backs (`Election.anchor`): counting heads,
+  it would follow whatever claim enough free identities back.
 - **Witnesses** (meshd.mesh.proofs, `MeshDuty.accept_proof`): a divergence proof counts only with
   witnesses placed on exactly that model and range (the tracker: by its own assignment; any other
   node: by the placements it knows, never by a witness's own `served`). A node never accepts a
