@@ -823,7 +823,14 @@ class MeshDaemon:
                     self.duty.range_up(trio.current_time(), serving.start, serving.end)
                     self._flush()
 
-                engine.on_down, engine.on_up = down, up
+                def gone(reason: str) -> None:
+                    assert self.model is not None
+                    log.error("layers [%d, %d) of %s withdrawn: %s", serving.start, serving.end, self.model.name,
+                              reason)
+                    self.duty.range_gone(trio.current_time(), serving.start, serving.end)
+                    self._flush()
+
+                engine.on_down, engine.on_up, engine.on_gone = down, up, gone
                 await nursery.start(service.run)
                 serving.service = service
                 task_status.started()

@@ -7,6 +7,7 @@ every process a test starts is stopped by PID, every wait is bounded.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 from localmesh import gone
 
 from meshd.cli import report_restarts
-from meshd.engine.supervisor import EngineSupervisor, WorkerRefused, WorkerSpec, _read_frame, _send_frame
+from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec, _read_frame, _send_frame
 from meshd.engine.workerproto import MAX_HEADER, PREFIX, encode_prefix, take_frames
 
 # generous: a bound against hangs, not a speed claim
@@ -383,3 +384,27 @@ def test_no_frame_ends_the_worker(raw_worker: tuple[socket.socket, int], header:
     reply, pong = blocking_frames(sock, 2)
     assert isinstance(reply.get("ok"), bool) and (reply["ok"] or isinstance(reply.get("kind"), str)), reply
     assert pong == {"ok": True} and not gone(pid)
+
+
+async def test_a_worker_whose_model_file_is_gone_is_given_up_after_its_failed_starts_saying_why(
+        tiny: Path, tmp_path: Path) -> None:
+    model = tmp_path / "doomed.gguf"
+    shutil.copy(tiny, model)
+    told: list[str] = []
+    sup = EngineSupervisor(WorkerSpec(model, n_ctx=256, n_seq_max=2, n_batch=256, threads=1), backoff_min=0.0,
+                           on_gone=told.append)
+    with trio.fail_after(DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.run)
+            first = sup.pid
+            assert first is not None and sup.gone is None
+            model.unlink()
+            os.kill(first, signal.SIGKILL)
+            while sup.gone is None:
+                await trio.sleep(0.02)
+            # run() has returned: this nursery ends without a cancel
+        assert told == [sup.gone] and sup.restarts == 1 and not sup.is_up
+        assert sup.gone.startswith(f"the engine worker failed to start {sup.give_up_after} times in a row: ")
+        assert "doomed.gguf" in sup.gone, sup.gone
+        with pytest.raises(WorkerDown):
+            await sup.call({"op": "ping"})

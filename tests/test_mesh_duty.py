@@ -306,6 +306,29 @@ def test_a_range_whose_worker_is_down_is_not_offered_until_it_is_back() -> None:
     assert held is not None and [(s.start, s.end) for s in held.served] == [rng_]
 
 
+def test_a_range_whose_worker_is_gone_for_good_is_withdrawn_and_the_tracker_places_its_layers_elsewhere() -> None:
+    duties = [duty(i) for i in range(3)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    volunteer = mesh.volunteers[0]
+    rng_ = volunteer.serving
+    assert rng_ is not None and volunteer.node.record.placement is not None
+    volunteer.range_down(mesh.net.now, *rng_)
+    volunteer.range_gone(mesh.net.now, rng_[0], rng_[1] + 1)  # not the range it serves: nothing to do
+    assert volunteer.node.record.models == [MODEL]
+    volunteer.range_gone(mesh.net.now, *rng_)
+    record = volunteer.node.record
+    assert (record.served, record.models, record.holds, record.placement) == ([], [], [], None)
+    assert volunteer.serving is None and volunteer.config.volunteer is None
+    asks, loads = len(mesh.of(volunteer, AskAssignment)), len(mesh.of(volunteer, LoadRange))
+    mesh.run_until(mesh.net.now + 10.0)
+    # the tracker places the model on the others alone, and the volunteer asks for and loads no range again
+    placed = mesh.tracker.assignments[MODEL.digest].ranges()
+    assert volunteer.node_id not in placed and tiles(placed.values(), MODEL.n_layers)
+    assert (len(mesh.of(volunteer, AskAssignment)), len(mesh.of(volunteer, LoadRange))) == (asks, loads)
+    assert volunteer.node.record.models == []
+
+
 def test_after_leaving_nothing_the_shell_reports_signs_a_record() -> None:
     duties = [duty(i) for i in range(2)]
     mesh = Mesh(*duties)

@@ -3,6 +3,8 @@
 The worker's death is seen at once (its socket closes and the process wait
 returns); a worker that stops answering is killed after a deadline. Every
 restart bumps `generation`, which tells sessions that the KV they held is gone.
+A worker that fails to start `give_up_after` times in a row is given up
+(`gone` says why).
 """
 
 from __future__ import annotations
@@ -99,6 +101,15 @@ class EngineSupervisor:
     health_timeout: float = 10.0
     backoff_min: float = 0.2
     backoff_max: float = 10.0
+    # Failed starts in a row after which the worker is given up: `run` returns, `gone` says why and
+    # `on_gone` hears it. With the backoff doubling from backoff_min, the fifth failure comes about
+    # 6 s after the worker went down: a cause that lasts through five tries that far apart (its model
+    # file deleted or truncated, a library gone) will not go away by itself, and a node that keeps
+    # trying offers its range to nobody meanwhile. Only starts count, never a worker that started and
+    # then died: no peer can make a start fail, so no peer can make this node give its range up.
+    give_up_after: int = 5
+    on_gone: Callable[[str], None] | None = None
+    gone: str | None = None
     generation: int = 0
     restarts: int = 0
     report: RangeReport | None = None
@@ -133,15 +144,23 @@ class EngineSupervisor:
         """Keeps a worker running until cancelled; reports the first load through task_status."""
         started = False
         delay = self.backoff_min
+        failures = 0
         while True:
             try:
                 proc, sock, report = await self._start()
-            except WorkerStartError:
+            except WorkerStartError as exc:
                 if not started:
                     raise
+                failures += 1
+                if failures >= self.give_up_after:
+                    self.gone = f"the engine worker failed to start {failures} times in a row: {exc}"
+                    if self.on_gone:
+                        self.on_gone(self.gone)
+                    return
                 await trio.sleep(delay)
                 delay = min(delay * 2, self.backoff_max)
                 continue
+            failures = 0
             self._proc, self._sock, self.report, self.pid = proc, sock, report, proc.pid
             self.generation += 1
             if not started:

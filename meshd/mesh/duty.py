@@ -324,6 +324,24 @@ class MeshDuty:
             self._publish(now)
             self._settle(now)
 
+    def range_gone(self, now: float, start: int, end: int) -> None:
+        """The served range's engine worker cannot start again (its model file is gone): this node
+        volunteers its model no more. Its record stops offering, holding and carrying a placement
+        of it, so the tracker places those layers elsewhere and routes no ask here."""
+        info = self.config.volunteer
+        if self.serving != (start, end) or info is None or self._left:
+            return
+        self.config = replace(self.config, volunteer=None)
+        self.serving = self.loading = self.wanted = None
+        self._down = False
+        record = self.node.record
+        self.node.update_record(now, served=[], placement=None,
+                                models=[m for m in record.models if m.digest != info.digest],
+                                holds=[h for h in record.holds if h.model != info.digest])
+        if self.is_tracker and self._place_at is None:
+            self._place_at = now + self.config.settle
+        self._settle(now)
+
     def range_failed(self, now: float, start: int, end: int) -> None:
         """The range could not be loaded: ask again later (the placement may have moved meanwhile)."""
         if self.loading != (start, end):

@@ -356,6 +356,12 @@ class StageService:
         if wanted != (None, None) and wanted != (r.layer_begin, r.layer_end):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"this stage serves layers [{r.layer_begin}, {r.layer_end}), "
                                                        f"not [{msg.layer_begin}, {msg.layer_end})")
+        if self.engine.gone is not None:
+            # Not OVERLOADED: asked again, this stage never serves it (the node withdrew the range).
+            # Why in full (a local path) is for the log; the asker learns that it will not come back.
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"layers [{r.layer_begin}, {r.layer_end}) of {self.model_name} "
+                                                     f"are withdrawn here: the engine worker failed to start "
+                                                     f"{self.engine.give_up_after} times in a row")
         if not self.engine.is_up:
             raise ProtocolError(ErrorCode.OVERLOADED, "the engine worker is restarting",
                                 retry_after_ms=self.limits.retry_after_ms)
@@ -1320,6 +1326,8 @@ async def stage_node(model: Path, layers: tuple[int, int] | None, limits: StageL
         async with open_peers(identity, config) as peers:
             service = StageService(peers, engine, report, digest, model.name, limits, draft_engine=drafter)
             engine.on_down, engine.on_event = service.on_worker_down, service.on_engine_event
+            engine.on_gone = functools.partial(log.error, "layers [%d, %d) of %s no longer served: %s",
+                                               report.layer_begin, report.layer_end, model.name)
             peers.handle_fast(service.door.accept)
             await nursery.start(service.run)
             peers.handle(STAGE_PROTOCOL, service.handle_stream)
