@@ -199,7 +199,13 @@ def test_witnesses_whose_own_records_claim_the_range_frame_nobody_and_the_culpri
         victim.accept_proof(mesh.net.now, proven)
     assert victim.liars == {}
     # a proof whose witnesses the tracker placed holds at the bystander, by their records' placements
+    electorate = bystander.node.election._electorate()
     assert bystander.accept_proof(mesh.net.now, proven) == victim.node_id
+    # and the culprit's vote counts there no more, though its record still carries its placement
+    assert victim.node.record.placement is not None
+    assert bystander.node.election._electorate() == electorate - 1
+    bystander.handle_timer(mesh.net.now + EXCLUSION_SECONDS)
+    assert bystander.liars == {} and bystander.node.election._electorate() == electorate
 
 
 def test_an_exclusion_expires_after_its_hour_unless_a_new_proof_renews_it_and_a_replay_excludes_no_more() -> None:

@@ -250,8 +250,10 @@ class MeshDuty:
     def handle_timer(self, now: float) -> None:
         """Run whatever is due by `now`; calling it early is harmless."""
         self.node.handle_timer(now)
-        if self.exclusions.expire(now) and self.is_tracker:
-            self._place_at = now  # a member whose exclusion ran out may be placed again
+        if self.exclusions.expire(now):
+            self.node.election.disown(now, self.liars)
+            if self.is_tracker:
+                self._place_at = now  # a member whose exclusion ran out may be placed again
         if self._place_at is not None and now >= self._place_at:
             self._place_at = None
             self._place(now)
@@ -541,8 +543,10 @@ class MeshDuty:
             news = self.exclusions.add(now, culprit, proof)
         except Exclusions.Full:
             raise ProtocolError(ErrorCode.OVERLOADED, "this node holds as many proven liars as it keeps") from None
-        if news and self.is_tracker:
-            self._place_at = now
+        if news:
+            self.node.election.disown(now, self.liars)  # a placement it still carries gives it no vote
+            if self.is_tracker:
+                self._place_at = now
         return culprit if news else None
 
     # ----- the tracker's duty
@@ -677,6 +681,7 @@ class MeshDuty:
     def _take(self, now: float, reply: AssignmentReply) -> None:
         """Loads the range `reply` places this node on, if it can, and carries the tracker's signed
         placement of it in this node's record (none where it holds no range the tracker placed)."""
+        placement = reply.placement if self._load(reply) else None
         tracker = self.node.tracker
         if placement is not None and (tracker is None or (
                 placement.tracker, placement.term, placement.node_id, placement.model, placement.start, placement.end)
@@ -693,7 +698,6 @@ class MeshDuty:
             return False  # no range for us (yet): keep serving what we serve
         start, end = reply.start, reply.end
         if reply.model != info.digest or not 0 <= start < end <= info.n_layers:
-        placement = reply.placement if self._load(reply) else None
             self._events.append(RangeRefused(start, end, f"not a range of {info.name} ({reply.model[:12]})"))
             return False
         own = self.node.record

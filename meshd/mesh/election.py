@@ -133,6 +133,8 @@ class Election:
         self._self_weighs = False
         self._placed_self = False
         self._earned: dict[str, float] = {}
+        # members proven to lie (MeshDuty's exclusions): they weigh nothing while excluded
+        self._disowned: frozenset[str] = frozenset()
         # the seeds this node joined through: until members weigh here, it follows theirs (see `anchor`)
         self._anchors: list[str] = []
         # When this node first saw each live member live: the uptime the election trusts.
@@ -235,6 +237,21 @@ class Election:
         self._anchors = list(seeds)
         self._refresh(now)
 
+    def disown(self, now: float, liars: Iterable[str]) -> None:
+        """`liars` are proven to lie (and excluded) from now on, in place of those before: a placement
+        a liar still carries gives it no vote."""
+        disowned = frozenset(liars)
+        if disowned == self._disowned:
+            return
+        changed, self._disowned = disowned ^ self._disowned, disowned
+        for node_id in changed & self._live.keys():
+            record = self._live[node_id]
+            if node_id == self._node_id:
+                self._weigh_self(self._weight(now, record))
+            else:
+                self._count_vote(node_id, self._votes_of.get(node_id), self._weight(now, record))
+        self._refresh(now)
+
     def _count_vote(self, voter: str, vote: Tracker | None, weight: int) -> None:
         old = self._votes_of.pop(voter, None)
         if old is not None:
@@ -274,6 +291,8 @@ class Election:
         """Whether `record`'s member weighs in this node's view, and why (see meshd.mesh.authority):
         `_PLACED` (by a placement, now or earned), `_TRACKER` (a followed tracker), or `_NONE`."""
         node_id = record.node_id
+        if node_id in self._disowned:
+            return _NONE
         if self._placed_until(now, record):
             return _PLACED
         earned = self._earned.get(node_id)
