@@ -36,7 +36,8 @@ What counts:
   proof against itself (`ProofAgainstSelf`, refused and not passed on).
 - **Exclusions expire** (`Exclusions`): a proven culprit is kept out of placements and routes for
   `EXCLUSION_SECONDS`, then judged again; a new proof (another lie, not the same one replayed)
-  renews it.
+  renews it. While excluded, a culprit weighs nothing in the election (`Election.disown`),
+  whatever placement its record still carries.
 
 What an attacker needs, for a mesh of H honest members, all placed (spare capacity becomes
 replicas), and a model cut into S segments of W bytes (weights and KV) each; S comes from the
