@@ -313,12 +313,13 @@ async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the
                 await trio.sleep(0.05)
         assert len(samples) >= 20 and "dead" not in samples, samples
         # 80 accusations to each node: the tracker re-signed its record at most once a refute interval
-        # (SwimConfig.refute_interval; 22 times before accusations were counted), and each other node
+        # (SwimConfig.refute_interval, and once more at its end; a few versions more leave room for
+        # news of its own; 22 versions before accusations were counted), and each other node
         # believed the attacker once and then once each 4 s (SwimConfig.accusations), so it was seldom
         # suspect (4 samples in 5 before)
         await trio.sleep(1.0)
         refuted = version() - first
-        assert 0 < refuted <= spam / SwimConfig().refute_interval + 2, refuted
+        assert 0 < refuted <= spam / SwimConfig().refute_interval + 4, refuted
         assert samples.count("suspect") <= len(samples) // 10, samples
         await honest_ask(peers, mesh)
     await converged(peers, mesh)
