@@ -48,14 +48,16 @@ def check_ring(pos: int, n: int, drafts: int, sent_pos: int, sent_drafts: int) -
                                                    f"token went at {sent_pos}, with {sent_drafts} drafts")
 
 
-def check_kind(head: bool, has_ids: bool, has_rows: bool, n: int, drafts: int, gets_ids: bool) -> None:
-    """What a step carries: the head takes token ids alone, a token and its drafts a step (it comes
-    from the ring); another stage takes rows, with the ids exactly where the session sends it them
-    (a stage the ids need not reach must not see them)."""
+def check_kind(head: bool, has_ids: bool, has_rows: bool, n: int, drafts: int, gets_ids: bool,
+               ring: bool = True) -> None:
+    """What a step carries: the head takes token ids alone, and from the ring (``ring``: not a check
+    session's replay, whose prompt comes in chunks) a token and its drafts a step; another stage
+    takes rows, with the ids exactly where the session sends it them (a stage the ids need not
+    reach must not see them)."""
     if head:
         if not has_ids or has_rows:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the head takes token ids, not hidden states")
-        if n != drafts + 1:
+        if ring and n != drafts + 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"the head takes a token and its drafts a step from the "
                                                        f"ring, not {n} ids with {drafts} drafted")
         return

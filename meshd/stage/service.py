@@ -808,7 +808,7 @@ class StageService:
         h_in, checked = self._checked_chain(session, msg, chain)
         self.books.check_rows(book, msg.pos, msg.n_tokens, msg.drafts)
         steps.check_kind(self.report.has_input, msg.tokens is not None, bool(msg.tensors), msg.n_tokens, msg.drafts,
-                         session.gets_ids)
+                         session.gets_ids, ring=not session.open.check)
         if msg.tokens is not None:
             # carried ids reach the engine in the same call as everyone's rows
             steps.check_ids(msg.tokens, self.report.n_vocab)
