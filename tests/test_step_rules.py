@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -76,13 +77,24 @@ class Sent:
 
 
 def sent_steps() -> st.SearchStrategy[list[tuple[int, Sent]]]:
-    """Steps as (where the position goes: -1 one back, 0 the KV's end, 1 one past, 2 anywhere; the step)."""
+    """Steps as (where the position goes: -1 one back, 0 the KV's end, 1 one past, 2 anywhere, 3 an
+    honest peer's step there; the step). Honest steps keep a stream going, so later steps meet a
+    session deep in its positions and drafts."""
     step = st.builds(
         lambda where, pos, n, drafts, ids, bad_id, nan: (where, Sent(pos, n, drafts, (
             tuple(N_VOCAB if bad_id and i == 0 else i % N_VOCAB for i in range(n)) if ids else None), nan)),
-        st.sampled_from([-1, 0, 0, 0, 1, 2]), st.integers(0, BUDGET + 4), st.integers(1, 6), st.integers(0, 3),
-        st.booleans(), st.integers(0, 5).map(lambda k: k == 0), st.integers(0, 9).map(lambda k: k == 0))
-    return st.lists(step, min_size=1, max_size=10)
+        st.sampled_from([-1, 0, 0, 1, 2, 3, 3, 3, 3]), st.integers(0, BUDGET + 4), st.integers(1, 6),
+        st.integers(0, 3), st.booleans(), st.integers(0, 5).map(lambda k: k == 0),
+        st.integers(0, 9).map(lambda k: k == 0))
+    return st.lists(step, min_size=1, max_size=12)
+
+
+def honest(sent: Sent, head: bool, gets_ids: bool, next_pos: int) -> Sent:
+    """What an honest upstream sends at ``next_pos``, of ``sent``'s size: ids where they go, in the
+    vocabulary, finite rows; at the head a token and its drafts; drafts only after the prompt."""
+    drafts = sent.drafts if next_pos >= PROMPT else 0
+    n = drafts + 1 if head else max(sent.n, drafts + 1)
+    return Sent(next_pos, n, drafts, tuple(range(n)) if head or gets_ids else None, False)
 
 
 def verdict(check: Any) -> tuple[str, str] | None:
@@ -168,6 +180,14 @@ class FastPlaneOf:
 
 
 def drive(head: bool, gets_ids: bool, stream: list[tuple[int, Sent]]) -> None:
+    """``stream`` through both planes, step by step (in a trio run: the service queues what it takes)."""
+    async def run() -> None:
+        take_all(head, gets_ids, stream)
+
+    trio.run(run)
+
+
+def take_all(head: bool, gets_ids: bool, stream: list[tuple[int, Sent]]) -> None:
     slow, fast = SlowPlane(head, gets_ids), FastPlaneOf(head, gets_ids)
     if head:
         # the slow head runs its prompt off the asker's Prompt: its KV ends where the fast one's does
@@ -176,8 +196,11 @@ def drive(head: bool, gets_ids: bool, stream: list[tuple[int, Sent]]) -> None:
             slow.service.books.ran(work, 0.0)
     for where, sent in stream:
         assert slow.next_pos == fast.next_pos
-        pos = sent.pos if where == 2 else max(0, slow.next_pos + where)
-        sent = Sent(pos, sent.n, sent.drafts, sent.ids, sent.nan)
+        if where == 3:
+            sent = honest(sent, head, gets_ids, slow.next_pos)
+        else:
+            pos = sent.pos if where == 2 else max(0, slow.next_pos + where)
+            sent = Sent(pos, sent.n, sent.drafts, sent.ids, sent.nan)
         got = slow.take(sent), fast.take(sent)
         assert got[0] == got[1], (sent, got)
         if got[0] is not None:
