@@ -52,8 +52,8 @@ honest members H    take the tracker                   frame an honest stage (an
 =================  =================================  ==========================================
 
 Free identities count for nothing in either column, however many. A placed attacker with A
-identities against H + 1 weighing members (the followed tracker's own weight included: one more
-when it serves nothing) carries a claim only if 2A > A + H + 1, so it must more than double the
+identities against H weighing members carries a claim only if 2A > A + H, so A >= H + 1 (H + 2
+where the tracker serves nothing and weighs as the tracker alone): it must more than double the
 mesh with volunteers the honest tracker chose to place: each directly dialable, offering a
 segment's memory, holding or fetching its layers, answering the tracker's probes at the speed it
 claims and the spot checks of every route it serves (a lie caught there is a proof, and an hour
