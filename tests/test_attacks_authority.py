@@ -106,7 +106,7 @@ async def test_a_tracker_bid_backed_by_free_identities_outnumbering_the_mesh_nev
                 view = await mesh_status(peers, node)
                 assert (view.tracker, view.term) == (before.tracker, before.term), node.address
             await trio.sleep(0.5)
-        # the bid was heard: every honest node holds the claim and its votes
+        # the bid was on all along: a volunteer holds all six as members, each signing the claim's vote
         view = await mesh_status(peers, mesh.volunteers[0])
         assert sum(1 for m in view.members if m.node_id in {b.mesh.node_id for b in crowd}) == FREE_IDENTITIES
         assert all(b.mesh.record.vote_term == claim.term and b.mesh.record.vote_for == claim.node_id for b in crowd)
