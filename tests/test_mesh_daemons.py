@@ -88,6 +88,9 @@ async def test_five_volunteers_converge_on_one_tracker_and_answer_like_the_whole
     assert sum(1 for n in mesh if n.node_id[:16] in shown.stdout) == len(mesh)
     asked = run_meshd("ask", "--seed", mesh[0].address, "--max-tokens", "128", PROMPT)
     assert asked.returncode == 0, asked.stderr
+    # the CLI prints the whole model's answer (the same tokens as the asker's above), then one line of figures
+    assert asked.stdout == result.text + "\n"
+    assert [line.startswith("[") and "first token" in line for line in asked.stderr.splitlines()] == [True]
 
 
 async def test_killing_the_tracker_elects_a_new_one_and_asks_keep_working(

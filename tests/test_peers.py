@@ -405,11 +405,15 @@ class Tampering(MemoryTransport):
         self.flip_at: int | None = None
         self.repeat_at: int | None = None
         self.black_hole = False
+        # seconds each record takes on the way (a link's one-way delay; under the mock clock, exact)
+        self.delay = 0.0
 
     async def send_record(self, record: bytes) -> None:
         self.sent += 1
         if self.black_hole:
             return
+        if self.delay:
+            await trio.sleep(self.delay)
         if self.sent == self.flip_at:
             record = bytes([record[0] ^ 0x80]) + record[1:]
         await super().send_record(record)
@@ -520,10 +524,12 @@ async def test_a_silent_peer_is_declared_dead(autojump_clock: trio.abc.Clock) ->
 
 async def test_keepalive_measures_round_trip_time(autojump_clock: trio.abc.Clock) -> None:
     timings = LinkTimings(keepalive_interval=1.0, dead_after=3.0)
-    async with memory_link(timings) as (alice, _, _tampering, _):
+    async with memory_link(timings) as (alice, _, tampering, _):
         [link] = alice.links
+        # ALICE's pings take 0.25 s to reach BOB, his pongs come back at once
+        tampering.delay = 0.25
         await trio.sleep(2.5)
-        assert link.rtt is not None and link.rtt >= 0
+        assert link.rtt is not None and 0.25 <= link.rtt < 0.26
         assert not link.closed  # pings keep an idle link alive
 
 
