@@ -14,6 +14,9 @@ decode step, signing what it sends as an honest stage would; the asker checks
 attacker, and whether the answer (regenerated on a route without it) is the
 undisturbed one. Each answer's last steps are checked once it is in, so every lie
 is checked; a run without a catch is a miss (and prints what went unchecked).
+The runs take the lies in turn: that flip, and the attacker keeping its inputs
+from the spot checks (handing over none, all but the last, reordered, or none
+within the deadline), which fails the check as surely as a mismatch.
 
 (b) Decode tok/s of the honest 3-stage route with verification at 1 in 16,
 receipts only and off, alternating in one run. As in a mesh, the asker is
@@ -56,11 +59,11 @@ from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, ru
 from meshd.client.verify import CheckPlan, Verifier  # noqa: E402
 from meshd.mesh.models import default_model_path  # noqa: E402
 from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
-from meshd.stage.service import StageLimits, StageNode, StageService, stage_node  # noqa: E402
+from meshd.stage.service import Session, StageLimits, StageNode, StageService, stage_node  # noqa: E402
 from wire.codec import encode  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
 from wire.receipt import Receipt, Receipts, pack_chain, unpack_chain  # noqa: E402
-from wire.stage import Inputs  # noqa: E402
+from wire.stage import Inputs, InputsRequest  # noqa: E402
 
 RANGES = {"head": (0, 10), "mid": (10, 20), "tail": (20, 30)}
 REPLICAS = {"head2": (0, 10), "mid2": (10, 20), "mid3": (10, 20), "tail2": (20, 30)}
@@ -281,6 +284,32 @@ class FlippingAttacker:
         self.honest(batch, reply, body)
 
 
+# The lies of (a), a run each in turn: a float flipped at a random decode step (only a spot check on a
+# replica catches it), and the inputs a spot check asks for withheld (none, all but the last, reordered,
+# or none in time): a check dodged is a check failed
+LIES = ("flip", "nothing", "short", "reordered", "late")
+
+
+class WithholdingAttacker:
+    """Patches an honest stage service into an attacker that keeps its inputs from spot checks, as ``kind``
+    says (None: it hands them over as an honest stage does)."""
+
+    def __init__(self, service: StageService) -> None:
+        self.service = service
+        self.kind: str | None = None
+        service._send_inputs = self.send_inputs  # type: ignore[method-assign]
+
+    def send_inputs(self, session: Session, msg: InputsRequest) -> None:
+        if self.kind is None:
+            StageService._send_inputs(self.service, session, msg)
+            return
+        taken = [s for s in session.kept if s.pos < msg.until]
+        session.kept = session.kept[len(taken):]
+        if self.kind != "late":
+            steps = {"nothing": [], "short": taken[:-1], "reordered": taken[::-1]}[self.kind]
+            session.to_asker.send_nowait(Inputs(session=session.book.id, epoch=session.book.epoch, steps=steps))
+
+
 class Counting(Verifier):
     """A verifier that keeps a decode step's chain of receipts, whose bytes the figures count: read
     once the runs are done, so the asker's CPU per token is what ``Verifier`` costs, no more."""
@@ -329,35 +358,46 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
 
         # (a) steps until caught
         attacker = FlippingAttacker(nodes["mid"].service)
+        withholder = WithholdingAttacker(nodes["mid"].service)
         caught: list[int] = []
+        by_lie = {lie: {"runs": 0, "caught": 0} for lie in LIES}
         missed = 0
         identical = True
         clean: dict[str, AskResult] = {}
         for run in range(runs):
             prompt = PROMPTS[run % len(PROMPTS)]
+            lie = LIES[run % len(LIES)]
             request = AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=tokens)
             if prompt not in clean:
                 with trio.fail_after(600):
                     clean[prompt] = await run_session(peers, [route[0], apart["mid2"], route[2]], request,
                                                       AskResult(), stall_timeout=120)
-            lie_at = rng.randrange(2, tokens // 2)
-            attacker.arm(lie_at)
+            # a withheld check is caught at the first check (its draw, or the one once the answer is in)
+            lie_at = rng.randrange(2, tokens // 2) if lie == "flip" else 0
+            if lie == "flip":
+                attacker.arm(lie_at)
+            else:
+                withholder.kind = lie
             checker = Verifier(peers, CheckPlan(every=EVERY, candidates=replicas, rng=random.Random(rng.random())))
             with trio.fail_after(600):
                 answer = await ask_with_failover(peers, find, request, stall_timeout=120, verifier=checker)
             identical = identical and answer.tokens == clean[prompt].tokens
-            if checker.caught_at:
+            by_lie[lie]["runs"] += 1
+            if nodes["mid"].peers.node_id in checker.liars:
+                by_lie[lie]["caught"] += 1
                 caught.append(checker.caught_at[0] - lie_at)
             else:
                 missed += 1
-            print(json.dumps({"run": run, "lie_at_step": lie_at, "caught_after": caught[-1] if checker.caught_at
-                              else None, "proofs": len(checker.proofs), "identical": answer.tokens == clean[prompt].tokens,
+            print(json.dumps({"run": run, "lie": lie, "lie_at_step": lie_at,
+                              "caught_after": caught[-1] if nodes["mid"].peers.node_id in checker.liars else None,
+                              "proofs": len(checker.proofs), "identical": answer.tokens == clean[prompt].tokens,
                               "unverified": [str(n) for n in answer.unverified]}),
                   file=sys.stderr, flush=True)
             attacker.arm(0)
+            withholder.kind = None
     return {
         "every": EVERY,
-        "caught": {"runs": runs, "caught": len(caught), "missed": missed,
+        "caught": {"runs": runs, "caught": len(caught), "missed": missed, "by_lie": by_lie,
                    "median_steps": statistics.median(caught) if caught else None,
                    "max_steps": max(caught) if caught else None, "answers_identical": identical},
         "decode_tok_s": {"off": statistics.median(rates["off"]), "receipts": statistics.median(rates["receipts"]),
@@ -399,6 +439,7 @@ def main() -> int:
     print("|---|---|")
     print(f"| lying stage caught (1 in {out['every']}) | {c['caught']}/{c['runs']} runs, median {c['median_steps']} "
           f"steps after the lie, max {c['max_steps']}; answers identical: {c['answers_identical']} |")
+    print("| caught, by lie | " + ", ".join(f"{lie} {n['caught']}/{n['runs']}" for lie, n in c["by_lie"].items()) + " |")
     print(f"| decode tok/s, 3 stages, off | {r['off']:.1f} |")
     print(f"| decode tok/s, 3 stages, receipts only (--verify 0 would be off) | {r['receipts']:.1f} "
           f"({r['receipts_slowdown']:+.1%} slower) |")
