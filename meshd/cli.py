@@ -728,6 +728,10 @@ def figures_line(result: AskResult) -> str:
     if alone:
         failover += f", unchecked (no replica): layers {', '.join(alone)}"
     failover += "".join(f", {note}" for note in result.unverified if (note.since, note.why) != (0, "no replica"))
+    if result.crossed_numerics_at:
+        # another build or backend gives other last bits: the same answer is not promised across them
+        failover += (f", continued on other numerics after {plural(result.crossed_numerics_at[0], 'token')} "
+                     f"(one engine build and backend throughout may answer otherwise)")
     if ttft is None:
         return f"[{prompt}, no new tokens{failover}, stopped by {result.reason}]"
     return (f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "

@@ -176,7 +176,7 @@ async def test_whether_the_answer_was_verified_reaches_each_dialect_streamed_or_
         front = FrontDoor(mesh)
         field = {"verified": verified, "checked": mesh.checked is True,
                  "unchecked": [{"layers": [4, 8], "node": "ef" * 32, "since": 12, "why": "no replica"}]
-                 if mesh.unchecked else []}
+                 if mesh.unchecked else [], "crossed_numerics_at": []}
         header = "true" if verified else "false"
         chat = await oai(front).chat.completions.with_raw_response.create(model=NAME, messages=USER)
         assert chat.headers["x-meshd-verified"] == header and chat.parse().model_extra["meshd"] == field

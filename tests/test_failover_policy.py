@@ -28,6 +28,7 @@ from meshd.client.ask import (
 from meshd.client.verify import Verifier
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import MAX_REPLICAS_PER_STAGE
+from wire.stage import StageInfo
 
 # Three ranges served twice: node "a0" and "a1" serve [0, 10), "b0" and "b1" [10, 20), "c0" and "c1" [20, 30).
 REPLICAS = {name: Stage(f"10.0.0.{i}:7000", name, "sha256:m", ((ord(name[0]) - 97) * 10, (ord(name[0]) - 96) * 10))
@@ -358,6 +359,25 @@ async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_as
     # a node this ask routed around checks nothing
     await verifier.prepare(route, [avoided])
     assert avoided not in {c.node_id for c in verifier.plan.candidates}
+
+
+def test_a_failover_onto_other_numerics_is_said_where_it_happened() -> None:
+    def info(numerics: str) -> StageInfo:
+        return StageInfo(node_id="a" * 40, model_digest="ab" * 32, model_name="m", layer_begin=0, layer_end=30,
+                         n_layer=30, stage_width=8, ready=True, numerics=numerics)
+
+    result = AskResult(prompt_tokens=[1, 2], tokens=[3, 4, 5], reason="eog", started=0.0, first_token_at=0.1,
+                       finished_at=0.5, route=[info("build-a/x86_64/cpu")])
+    # the same numerics, a first epoch, or a new route that took over no token: nothing to say
+    for before, carried in ((frozenset({"build-a/x86_64/cpu"}), 3), (frozenset(), 3), (frozenset({"x"}), 0)):
+        ask._crossed(result, before, carried)
+    assert result.crossed_numerics_at == [] and "numerics" not in figures_line(result)
+    ask._crossed(result, frozenset({"build-a/x86_64/gpu"}), 3)
+    assert result.crossed_numerics_at == [3]
+    assert ", continued on other numerics after 3 tokens (one engine build and backend throughout may answer " \
+           "otherwise)" in figures_line(result)
+    result.restart()
+    assert result.crossed_numerics_at == []
 
 
 def test_the_figures_line_says_when_and_at_what_cost_the_answer_failed_over() -> None:

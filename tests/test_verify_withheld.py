@@ -1,5 +1,6 @@
-"""A check nobody can dodge, on real stages: a stage that keeps its inputs from a spot check (nothing,
-a short or reordered list, or nothing in time) has failed it, and a one-stage route is checked too.
+"""A check nobody can dodge, and no honest stage blamed, on real stages: a stage that keeps its inputs
+from a spot check (nothing, a short or reordered list, or nothing in time) has failed it, a one-stage
+route is checked too, and a replica of other numerics is never compared with the stage it would check.
 
 Stages of a tiny random model run in this process, each with its own engine worker: the model
 split in two (each half served twice) and whole (twice). The attackers are meshd's own stage
@@ -11,6 +12,7 @@ requires a verified answer generates it again on a route that can be checked.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -100,6 +102,10 @@ async def test_inputs_kept_from_a_check_and_a_one_stage_liar_are_caught_or_said(
         nodes = {name: await stack.enter_async_context(stage_node(
             model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
             for name, layers in RANGES.items()}
+        # one engine build on one machine, on the CPU: one numerics fingerprint, which each stage tells the asker
+        assert len({n.service.report.numerics for n in nodes.values()}) == 1
+        assert nodes["head"].service.report.numerics.endswith("/cpu")
+        assert nodes["head"].service.info().numerics == nodes["head"].service.report.numerics
         halves = [nodes[n] for n in ("head", "head2", "tail", "tail2")]
         split = route_finder(halves, whole=False)
         async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
@@ -117,6 +123,27 @@ async def test_inputs_kept_from_a_check_and_a_one_stage_liar_are_caught_or_said(
                     assert verifier.liars == {liar.peers.node_id}, kind
                     assert answer.tokens == undisturbed.tokens and answer.epochs == 2, kind
                     del liar.service._send_inputs
+
+                # a replica of other numerics (another build, a GPU: other last bits, as this one's flipped float
+                # stands for) is never compared with the stage: its range goes unchecked, and nobody is blamed
+                other = nodes["tail2"]
+                report = other.service.report
+                other.service.report = dataclasses.replace(report, numerics="another-build/x86_64/gpu")
+                honest = other.service._dispatch
+
+                def other_bits(batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
+                    if reply.get("picks"):
+                        reply["picks"][0] = ((reply["picks"][0][0] + 1) % other.service.report.n_vocab, False, b"")
+                    honest(batch, reply, body)
+
+                other.service._dispatch = other_bits  # type: ignore[method-assign]
+                verifier = Verifier(peers, CheckPlan(every=4, candidates=[stage_of(n) for n in halves]))
+                answer = await ask_with_failover(peers, split, REQUEST, verifier=verifier)
+                assert verifier.liars == set() and answer.tokens == undisturbed.tokens and answer.epochs == 1
+                (note,) = [n for n in answer.unverified if n.layers == "[3, 6)"]
+                assert "other numerics (another-build/x86_64/gpu)" in note.why, note
+                del other.service._dispatch
+                other.service.report = report
 
                 # a stage serving the whole model is a route of one stage, checked on a replica of the whole range
                 forger = nodes["whole"]

@@ -17,7 +17,7 @@ from wire.codec import Limits, Message, WireModel, register_protocol
 from wire.fastlink import KEY_BYTES, TOKEN_BYTES
 from wire.receipt import Chain
 from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
-from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, TokenId, Tokens
+from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, Text, TokenId, Tokens
 
 # 2: a tail waits for the asker's PromptTokens before it samples, receipts are meshd/receipt/2 and
 # ride inside the activations and tokens they speak of, not in messages of their own; a peer of /1
@@ -68,6 +68,9 @@ class StageInfo(WireModel):
     ready: bool
     # its layers route by token id (DeepSeek V4's hash-routed layers): its activations must carry the ids
     needs_tokens: bool = False
+    # the numerics its engine computes with (build and backend): a replica's bytes are comparable only
+    # within one ("": not said)
+    numerics: Text = ""
 
 
 class Open(Message, tag="open"):

@@ -176,6 +176,9 @@ class AskResult:
     # no replica checked to the end of the answer, one note a range and node
     checked: bool | None = None
     unverified: list[Unchecked] = field(default_factory=list)
+    # where a failover carried the answer onto stages of other numerics (another engine build or
+    # backend): the tokens from there on need not be the ones the first route's numerics give
+    crossed_numerics_at: list[int] = field(default_factory=list)
 
     @property
     def verified(self) -> bool:
@@ -197,6 +200,12 @@ class AskResult:
         self.tokens.clear()
         self.pieces.clear()
         self.unverified.clear()
+        self.crossed_numerics_at.clear()
+
+    @property
+    def numerics(self) -> frozenset[str]:
+        """The numerics the route's stages computed with (those that said)."""
+        return frozenset(info.numerics for info in self.route if info.numerics)
 
     @property
     def acceptance(self) -> float | None:
@@ -587,10 +596,12 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
         route = await find_route(list(result.excluded))
         log.debug("epoch %d of session %s: route %s", epoch, session[:12],
                   " ".join(f"{s.node_id or s.address}{list(s.layers or ())}" for s in route))
+        carried, before = len(result.tokens), result.numerics
         try:
             await run_session(peers, route, request, result, on_progress, session, epoch, stall_timeout,
                               verifier)
         except (StageError, trio.TooSlowError) as exc:
+            _crossed(result, before, carried)
             if stalled_since is None:
                 stalled_since = last_progress
             if deadline is None:
@@ -620,6 +631,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 # and a near tie can then pick another token).
                 result.restart()
         else:
+            _crossed(result, before, carried)
             progressed()
             if result.failovers:
                 # the front door's log says what `meshd ask`'s figures line does
@@ -627,6 +639,13 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                          len(result.excluded), result.failover_seconds)
             return result
     raise AssertionError("unreachable")
+
+
+def _crossed(result: AskResult, before: frozenset[str], carried: int) -> None:
+    """Notes where an epoch that took over ``carried`` tokens ran on other numerics than the one before."""
+    if carried and before and result.numerics and result.numerics != before and \
+            carried not in result.crossed_numerics_at:
+        result.crossed_numerics_at.append(carried)
 
 
 async def _culprits(peers: Peers, route: Sequence[Stage], exc: BaseException,

@@ -585,6 +585,13 @@ class _Replay:
             upstream=peers.node_id, sampling=sampling, max_tokens=1 << 20, receipts=True, check=True),
             Opened, f"replica {stage.address} opening a check session")
         check_opened(stage, reply.info)
+        mine, theirs = audit.result.route[index].numerics, reply.info.numerics
+        if mine and theirs and mine != theirs:
+            # another build or backend computes other last bits: a mismatch would blame an honest stage
+            with trio.CancelScope(shield=True), trio.move_on_after(0.5):
+                await release_all([control], session, 0)
+            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"it computes with other numerics ({theirs}) than the "
+                                                          f"stage under check ({mine})")
         if index == len(audit.node_ids) - 1:
             # a tail's sampler reads the prompt's ids as its penalty history: the asker sends them, as to the route's
             known = audit.result.prompt_tokens + audit.result.tokens

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from meshd.engine.native import load
+from meshd.engine.native import build_fingerprint, load
 
 
 class EngineError(Exception):
@@ -83,6 +83,9 @@ class RangeReport:
     # a stage after the first whose layers read token ids (DeepSeek V4's hash-routed layers):
     # it takes the token ids with the residual rows
     needs_tokens: bool = False
+    # the numerics it computes with (native.build_fingerprint, and whether layers run on a GPU, whose
+    # kernels are not the CPU's): replicas compare bytes only within one
+    numerics: str = ""
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> RangeReport:
@@ -162,6 +165,8 @@ class Model:
             gpu_output=bool(info.gpu_output),
             n_bytes_gpu=info.n_bytes_gpu,
             needs_tokens=bool(info.needs_tokens),
+            # the device is not told: two GPU stages of one build may still differ (another GPU model)
+            numerics=f"{build_fingerprint()}/{'gpu' if info.n_bytes_gpu else 'cpu'}",
         )
         want_end = self.report.n_layer if end is None else end
         if (self.report.layer_begin, self.report.layer_end) != (begin, want_end):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -66,6 +67,17 @@ def load() -> tuple[cffi.FFI, Any]:
     lib = ffi.dlopen(str(lib_path))
     _check_abi(ffi, lib)
     return ffi, lib
+
+
+@lru_cache(maxsize=1)
+def build_fingerprint() -> str:
+    """The numerics of this engine build on this machine: the library's own bytes (the llama.cpp pin,
+    the patches, the build options, the instruction set it was built for) and the machine's
+    architecture. Two stages with the same fingerprint compute the same bytes for the same input
+    (the engine is batch-invariant); across fingerprints rows differ in their last bits."""
+    lib_path = _library_dir() / LIB_NAME
+    digest = hashlib.sha256(lib_path.read_bytes()).hexdigest()[:16]
+    return f"{digest}/{platform.machine()}"
 
 
 def _check_sources(directory: Path) -> None:

@@ -45,9 +45,11 @@ class Answer:
 
 def verification(result: AskResult) -> dict[str, Any]:
     """The answer's verification as a client reads it: verified (a replica checked every range to the
-    end), whether spot checks ran at all, and each range left unchecked, from where and why."""
+    end), whether spot checks ran at all, each range left unchecked, from where and why, and where a
+    failover moved the answer onto other numerics (another engine build or backend)."""
     return {"verified": result.verified, "checked": bool(result.checked),
-            "unchecked": [note.as_json() for note in result.unverified]}
+            "unchecked": [note.as_json() for note in result.unverified],
+            "crossed_numerics_at": list(result.crossed_numerics_at)}
 
 
 def whole_answer(result: AskResult, stops: list[str]) -> Answer:

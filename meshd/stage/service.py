@@ -304,7 +304,7 @@ class StageService:
         r = self.report
         return StageInfo(node_id=self.peers.node_id, model_digest=self.digest, model_name=self.model_name,
                          layer_begin=r.layer_begin, layer_end=r.layer_end, n_layer=r.n_layer, stage_width=r.stage_width,
-                         ready=self.engine.is_up, needs_tokens=r.needs_tokens)
+                         ready=self.engine.is_up, needs_tokens=r.needs_tokens, numerics=r.numerics)
 
     def metric_values(self) -> dict[str, float]:
         m, counts = self.metrics, self.books.counts
