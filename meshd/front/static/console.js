@@ -274,6 +274,10 @@ function showVerification(out, v) {
       `unchecked from position ${n.since} (${n.why})`);
     text = "unverified: " + (notes.length ? notes.join("; ") : "no spot checks ran");
   }
+  if ((v.crossed_numerics_at || []).length) {
+    text += `; continued on other numerics after ${v.crossed_numerics_at[0]} tokens (one engine build and ` +
+      "backend throughout may answer otherwise)";
+  }
   const note = el("div", { class: `verification ${v.verified ? "ok" : "warn"}` }, text);
   out.after(note);
   note.scrollIntoView({ block: "end" });
