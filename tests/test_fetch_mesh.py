@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,15 @@ def test_a_model_is_described_from_its_header_alone_and_a_sparse_copy_of_the_hea
     with pytest.raises(ModelNotFound, match="header-only.gguf is not a usable GGUF model"):
         sparse.write_bytes(b"GGUF" + bytes(20))
         describe_model(sparse, manifest.model_id)
+    # a header that says 2**27 blocks is refused before anything is sized by it (it took a joining
+    # volunteer to 1.9 GiB and killed it)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelNotFound, match="134217728 layers, at most 4096"):
+            model_info("id", "x.gguf", {**metadata, "llama.block_count": 1 << 27, "llama.attention.head_count": 1}, {})
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
 
 
 def test_held_layer_ranges_are_the_runs_a_range_loader_could_load(manifest: Manifest) -> None:

