@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,15 +71,14 @@ class Mesh:
         return [self.seed, *self.volunteers]
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
-    path = tiny_models["llama-gqa-untied"]
-    base = tmp_path_factory.mktemp("attacks")
+@contextmanager
+def honest_mesh(base: Path, path: Path) -> Iterator[Mesh]:
+    """A seed with no model and two volunteers offering about half the model each: the honest route
+    has two stages."""
     nodes: list[Served] = []
     try:
         nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS))
         for i in range(2):
-            # each offers about half the model: the honest route has two stages
             nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", "1M",
                                     "--state-dir", str(base / f"v{i}"), *SESSIONS))
         from meshd.stage.service import model_manifest
@@ -87,6 +86,12 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path])
         yield Mesh(nodes[0], nodes[1:], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
     finally:
         stop_all(nodes)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
+    with honest_mesh(tmp_path_factory.mktemp("attacks"), tiny_models["llama-gqa-untied"]) as honest:
+        yield honest
 
 
 async def honest_route(peers: Peers, mesh: Mesh, via: Served | None = None) -> RouteReply:
@@ -177,6 +182,16 @@ async def test_a_member_declaring_every_layer_at_a_made_up_speed_gets_no_route_f
         await honest_ask(peers, mesh)
 
 
+async def placed_liar(peers: Peers, mesh: Mesh, bad: AttackerDaemon, tracker: Served) -> AssignmentReply:
+    """``bad``, saying it has memory for the whole model and runs 1e-9 s a layer, joined and placed by the tracker."""
+    bad.forge(models=[mesh.model], memory_bytes=1 << 30, seconds_per_layer=1e-9)
+    await joined(peers, mesh, bad)
+    with trio.fail_after(30):
+        while (given := await placed(bad, tracker)).model != mesh.model.digest:
+            await trio.sleep(0.25)
+    return given
+
+
 async def test_a_stage_slower_than_it_says_gets_no_route_once_timed_and_status_shows_its_timed_speed(
         mesh: Mesh, peers: Peers) -> None:
     view = await converged(peers, mesh)
@@ -185,11 +200,7 @@ async def test_a_stage_slower_than_it_says_gets_no_route_once_timed_and_status_s
     async with attacker(mesh.seed.address) as bad:
         liar = bad.mesh.node_id
         # memory for the whole model and a million times faster than anyone, by its own word ...
-        bad.forge(models=[mesh.model], memory_bytes=1 << 30, seconds_per_layer=1e-9)
-        await joined(peers, mesh, bad)
-        with trio.fail_after(30):
-            while (given := await placed(bad, tracker)).model != mesh.model.digest:
-                await trio.sleep(0.25)
+        given = await placed_liar(peers, mesh, bad, tracker)
         # ... serving what it was given as a stage that sleeps 0.2 s at every step
         bad.step_sleep = 0.2
         bad.forge(served=[ServedRange(model=mesh.model.digest, start=given.start, end=given.end)])
@@ -235,11 +246,7 @@ async def test_a_stage_that_keeps_out_of_the_probes_counts_at_the_default_not_it
     asked = next(n for n in mesh.nodes if n.node_id != view.tracker)
     async with attacker(mesh.seed.address) as bad:
         liar = bad.mesh.node_id
-        bad.forge(models=[mesh.model], memory_bytes=1 << 30, seconds_per_layer=1e-9)
-        await joined(peers, mesh, bad)
-        with trio.fail_after(30):
-            while (given := await placed(bad, tracker)).model != mesh.model.digest:
-                await trio.sleep(0.25)
+        given = await placed_liar(peers, mesh, bad, tracker)
         # a slow stage that looks busy at every probe: never timed
         bad.step_sleep, bad.looks_busy = 0.2, True
         bad.forge(served=[ServedRange(model=mesh.model.digest, start=given.start, end=given.end)])
@@ -460,60 +467,50 @@ async def slow_session(peers: Peers, stage: RouteStage, sink: PeerRef, every: fl
                 await trio.sleep(every)
 
 
-async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_bystander_out(
-        mesh: Mesh, peers: Peers) -> None:
+async def evicted_by_a_bystander(peers: Peers, mesh: Mesh, configs: list[PeersConfig], wait: float = 0.0,
+                                 ) -> ProtocolError:
+    """Four attacker identities (one config each) hold every slot of the --max-sessions 4 tail with a
+    slow session each (one row a second); ``wait`` s later an honest ask comes: the one slow session
+    it evicted, by the error that ended it (the test fails if the ask cannot get in)."""
     await converged(peers, mesh)
     route = await honest_route(peers, mesh)
     async with attacker(mesh.seed.address) as bad, AsyncExitStack() as stack:
         await joined(peers, mesh, bad)
-        identities = [await stack.enter_async_context(open_peers(NodeIdentity.generate(), ATTACKER_HOST))
-                      for _ in range(4)]
+        identities = [await stack.enter_async_context(open_peers(NodeIdentity.generate(), config))
+                      for config in configs]
         lost: list[ProtocolError] = []
         async with trio.open_nursery() as nursery:
-            for own in identities:  # every slot of the --max-sessions 4 tail, one row a second each
+            for own in identities:
                 held = trio.Event()
                 nursery.start_soon(slow_session, own, route.stages[-1], bad.ref, 1.0, held, lost)
                 await held.wait()
+            await trio.sleep(wait)
             assert not lost
             await honest_ask(peers, mesh)
             with trio.fail_after(10):
                 while not lost:
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
-        # the bystander's session took the slot of one of them: their address held every slot
         (evicted,) = lost
-        assert evicted.code is ErrorCode.CACHE_MISS and "its address held the most" in evicted.message, evicted
+        return evicted
+
+
+async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_bystander_out(
+        mesh: Mesh, peers: Peers) -> None:
+    evicted = await evicted_by_a_bystander(peers, mesh, [ATTACKER_HOST] * 4)
+    # the bystander's session took the slot of one of them: their address held every slot
+    assert evicted.code is ErrorCode.CACHE_MISS and "its address held the most" in evicted.message, evicted
 
 
 async def test_four_slow_sessions_from_four_source_addresses_do_not_lock_a_bystander_out(
         mesh: Mesh, peers: Peers) -> None:
-    await converged(peers, mesh)
-    route = await honest_route(peers, mesh)
-    async with attacker(mesh.seed.address) as bad, AsyncExitStack() as stack:
-        await joined(peers, mesh, bad)
-        # one identity on each of 127.0.0.2..5: no source holds more than one slot of the tail's four
-        identities = [await stack.enter_async_context(open_peers(NodeIdentity.generate(),
-                                                                 PeersConfig(dial_from=f"127.0.0.{2 + i}")))
-                      for i in range(4)]
-        lost: list[ProtocolError] = []
-        async with trio.open_nursery() as nursery:
-            for own in identities:  # every slot of the --max-sessions 4 tail, one row a second each
-                held = trio.Event()
-                nursery.start_soon(slow_session, own, route.stages[-1], bad.ref, 1.0, held, lost)
-                await held.wait()
-            # a slot goes round once its holder has had the stage's tenure (StageLimits.tenure): this
-            # long after the last of them opened, every hold is past it
-            await trio.sleep(StageLimits().tenure + 1.0)
-            assert not lost
-            await honest_ask(peers, mesh)
-            with trio.fail_after(10):
-                while not lost:
-                    await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-        # the bystander's session took the slot of the one that had held it longest
-        (evicted,) = lost
-        assert evicted.code is ErrorCode.CACHE_MISS and "has held a slot here longest" in evicted.message, evicted
-
+    # one identity on each of 127.0.0.2..5: no source holds more than one slot of the tail's four; a
+    # slot goes round once its holder has had the stage's tenure (StageLimits.tenure), so the honest
+    # ask comes this long after the last of them opened
+    evicted = await evicted_by_a_bystander(peers, mesh, [PeersConfig(dial_from=f"127.0.0.{2 + i}") for i in range(4)],
+                                           StageLimits().tenure + 1.0)
+    # the bystander's session took the slot of the one that had held it longest
+    assert evicted.code is ErrorCode.CACHE_MISS and "has held a slot here longest" in evicted.message, evicted
 
 
 # ----- relays

@@ -15,23 +15,31 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import trio
 from attackers import framing, genuine_receipt, sybils
 from localmesh import Served, mesh_status, start_join, stop_all
-from test_attacks import PROMPT, SESSIONS, TOKENS, Mesh, converged, honest_ask, honest_route, joined, proven_in_log
+from test_attacks import (
+    PROMPT,
+    SESSIONS,
+    TOKENS,
+    Mesh,
+    converged,
+    honest_ask,
+    honest_mesh,
+    honest_route,
+    joined,
+    proven_in_log,
+)
 
 from meshd.client.ask import AskRequest, ask_with_failover, route_from_reply
 from meshd.client.ask import Stage as AskStage
-from meshd.daemon import describe_model, rpc
+from meshd.daemon import rpc
 from meshd.mesh.election import Tracker
 from meshd.mesh.records import ServedRange
 from meshd.net.peers import Peers
-from meshd.stage.service import model_manifest
-from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, RouteRequest
 from wire.receipt import ProofGossip
@@ -45,21 +53,6 @@ FREE_IDENTITIES = 6
 # Long enough for every honest node to probe (and so hear first-hand) each attacker, and for the bid
 # to sit on every record for several election timeouts (3 s each).
 BID_SECONDS = 20.0
-
-
-@contextmanager
-def honest_mesh(base: Path, model: Path) -> Iterator[Mesh]:
-    """tests/test_attacks.py's mesh: a seed with no model and two volunteers of half the model each."""
-    nodes: list[Served] = []
-    try:
-        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS))
-        for i in range(2):
-            nodes.append(start_join("--seed", nodes[0].address, "--model", str(model), "--memory", "1M",
-                                    "--state-dir", str(base / f"v{i}"), *SESSIONS))
-        digest = model_manifest(model, base / "v0").model_id
-        yield Mesh(nodes[0], nodes[1:], describe_model(model, digest), greedy_reference(model, [PROMPT], TOKENS)[PROMPT])
-    finally:
-        stop_all(nodes)
 
 
 @pytest.fixture(scope="module")

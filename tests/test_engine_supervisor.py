@@ -34,6 +34,8 @@ from meshd.engine.workerproto import MAX_HEADER, PREFIX, encode_prefix, take_fra
 # generous: a bound against hangs, not a speed claim
 DEADLINE = 60
 
+pytestmark = pytest.mark.slow  # real worker processes
+
 
 @pytest.fixture
 def tiny(tiny_models: dict[str, Path]) -> Path:

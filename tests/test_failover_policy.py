@@ -26,6 +26,7 @@ from meshd.client.ask import (
     route_from_reply,
 )
 from meshd.client.verify import Verifier
+from meshd.mesh.duty import MeshDuty
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import MAX_REPLICAS_PER_STAGE
 from wire.stage import StageInfo
@@ -304,15 +305,20 @@ def test_the_members_a_route_source_learns_are_bounded() -> None:
     assert len(sources.members) == ask.MAX_ROUTE_SOURCES
 
 
-def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive() -> None:
+def six_members() -> tuple[list[MeshDuty], MeshDuty]:
+    """Six members of 400 bytes each (every range served twice or more) and their tracker, converged."""
     duties = [duty(i, memory=400) for i in range(6)]
     mesh = Mesh(*duties)
     mesh.run_until(20.0)
-    tracker = mesh.tracker
+    return duties, mesh.tracker
 
-    def dial(record: object) -> str:
-        return "10.0.0.1:7400"
 
+def dial(record: object) -> str:
+    return "10.0.0.1:7400"
+
+
+def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive() -> None:
+    duties, tracker = six_members()
     first = tracker.route(MODEL.digest, (), dial)
     used = [s.node_id for s in first.stages]
     alive = {r.node_id for r in tracker.node.membership.live_records()}
@@ -328,14 +334,7 @@ def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive
 
 
 async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_asks_no_more() -> None:
-    duties = [duty(i, memory=400) for i in range(6)]
-    mesh = Mesh(*duties)
-    mesh.run_until(20.0)
-    tracker = mesh.tracker
-
-    def dial(record: object) -> str:
-        return "10.0.0.1:7400"
-
+    _, tracker = six_members()
     reply = tracker.route(MODEL.digest, (), dial)
     on_route = {s.node_id for s in reply.stages}
     assert reply.replicas is not None

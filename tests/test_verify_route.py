@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import random
 import struct
-from collections.abc import Callable, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +127,18 @@ def route_finder(pool: Sequence[StageNode]) -> Callable[[list[str]], Any]:
     return find
 
 
-async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dict[str, Path]) -> None:
-    model = tiny_models["llama-gqa-untied"]
+@asynccontextmanager
+async def stage_nodes(model: Path, ranges: dict[str, tuple[int, int]]) -> AsyncIterator[dict[str, StageNode]]:
+    """A stage of ``model`` for each named range, in this process, each with an engine worker of one thread."""
     limits = StageLimits(max_sessions=6, max_session_tokens=256)
     async with AsyncExitStack() as stack:
-        nodes = {name: await stack.enter_async_context(stage_node(
+        yield {name: await stack.enter_async_context(stage_node(
             model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
-            for name, layers in RANGES.items()}
+            for name, layers in ranges.items()}
+
+
+async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dict[str, Path]) -> None:
+    async with stage_nodes(tiny_models["llama-gqa-untied"], RANGES) as nodes:
         pool = list(nodes.values())
         find = route_finder(pool)
         identity = NodeIdentity.generate()

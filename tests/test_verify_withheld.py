@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from test_verify_route import stage_nodes, stage_of
 
 from meshd.client.ask import AskRequest, AskResult, RouteError, Stage, ask_with_failover, run_session
 from meshd.client.asker import Asker, Unverified
 from meshd.client.verify import CheckPlan, Verifier
 from meshd.net.peers import PeersConfig, open_peers
-from meshd.stage.service import Session, StageLimits, StageNode, StageService, stage_node
+from meshd.stage.service import Session, StageNode, StageService
 from wire.identity import NodeIdentity
 from wire.receipt import Proof
 from wire.stage import Inputs, InputsRequest
@@ -35,11 +35,6 @@ pytestmark = pytest.mark.slow  # six engine workers
 ASK_DEADLINE = 120
 RANGES = {"head": (0, 3), "head2": (0, 3), "tail": (3, 6), "tail2": (3, 6), "whole": (0, 6), "whole2": (0, 6)}
 REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs", max_tokens=16)
-
-
-def stage_of(node: StageNode) -> Stage:
-    r = node.service.report
-    return Stage(node.address, node.peers.node_id, node.service.digest, (r.layer_begin, r.layer_end))
 
 
 def withholding(service: StageService, kind: str) -> None:
@@ -96,12 +91,7 @@ def route_finder(pool: Sequence[StageNode], whole: bool) -> Callable[[list[str]]
 
 
 async def test_inputs_kept_from_a_check_and_a_one_stage_liar_are_caught_or_said(tiny_models: dict[str, Path]) -> None:
-    model = tiny_models["llama-gqa-untied"]
-    limits = StageLimits(max_sessions=6, max_session_tokens=256)
-    async with AsyncExitStack() as stack:
-        nodes = {name: await stack.enter_async_context(stage_node(
-            model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
-            for name, layers in RANGES.items()}
+    async with stage_nodes(tiny_models["llama-gqa-untied"], RANGES) as nodes:
         # one engine build on one machine, on the CPU: one numerics fingerprint, which each stage tells the asker
         assert len({n.service.report.numerics for n in nodes.values()}) == 1
         assert nodes["head"].service.report.numerics.endswith("/cpu")
