@@ -233,6 +233,28 @@ def test_four_sources_with_one_warm_session_each_give_up_the_oldest_hold_once_it
     assert b.holds(mine) and all(b.holds(h) for h in hogs[1:])
 
 
+def test_four_sources_holding_fast_sessions_give_up_the_oldest_hold_too() -> None:
+    # fast-path sessions run in the engine worker: their KV is reserved whole and they are never idle
+    # here, so before they were never evicted, and four sources with one slow fast session each held
+    # every slot for good
+    b = books(tenure=10.0)
+    hogs = [opened_at(b, f"h{i}", f"id{i}", f"10.0.0.{i + 2}", float(i)) for i in range(4)]
+    for i, book in enumerate(hogs):
+        assert b.reserve(book, 16, float(i)) == []
+    for now in (5.0, 9.0, 10.5):
+        for book in hogs:
+            b.touch(book, now)
+    with pytest.raises(ProtocolError) as refused:
+        b.open("early", 0, 1, 16, (), 9.0, owner=BYSTANDER, source="10.0.0.1")
+    assert refused.value.code is ErrorCode.OVERLOADED
+    mine, gone = b.open("mine", 0, 1, 16, (), 10.5, owner=BYSTANDER, source="10.0.0.1")
+    assert gone == [hogs[0]] and b.holds(mine) and all(b.holds(h) for h in hogs[1:])
+    assert hogs[0].failure is not None and hogs[0].failure.code is ErrorCode.CACHE_MISS
+    # the newcomer takes its slot, which the newcomer's opening clears whole (and the worker drops the
+    # fast session on it with its KV)
+    assert mine.slot == hogs[0].slot
+
+
 def test_an_evicted_source_reopening_at_once_never_takes_the_newcomers_slot_and_the_next_newcomer_takes_the_next() -> None:
     b = books(tenure=10.0)
     hogs = four_warm_sources(b, 20.0)

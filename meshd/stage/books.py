@@ -103,6 +103,10 @@ class SessionBook:
     prompt_len: int | None = None
     generated: int = 0
     in_flight: int = 0
+    # a fast-path session (``reserve``): its rows run in the engine worker, none queued here, so its
+    # standing reservation is not work in flight: it may be evicted as an idle session may (its KV
+    # is cleared, and the worker drops it, through the slot's clearing)
+    fast: bool = False
     failure: ProtocolError | None = None
     # the end of the generated text, long enough to hold any stop string but the last byte
     tail: bytes = b""
@@ -412,6 +416,7 @@ class StageBooks(Generic[T]):
         self.total_tokens += positions - book.next_pos
         book.next_pos = positions
         book.in_flight += 1
+        book.fast = True
         book.phase = Phase.DECODE
         self.touch(book, now)
         return gone
@@ -455,7 +460,9 @@ class StageBooks(Generic[T]):
         own. ``tenure`` is the quantum a legitimate long answer keeps its slot under contention;
         past it the answer fails over (retryable CACHE_MISS) and comes out the same elsewhere.
         """
-        movable = [s for s in self.sessions.values() if s is not keep and s.in_flight == 0]
+        # (a fast session's one step "in flight" is its reservation: four sources holding slow fast
+        # sessions locked a stage otherwise)
+        movable = [s for s in self.sessions.values() if s is not keep and (s.in_flight == 0 or s.fast)]
         owners = self._held(_by_owner, weight)
         if movable:
             for kind, key, claimant in (("address", _by_source, source), ("node", _by_owner, owner)):
