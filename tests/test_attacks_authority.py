@@ -116,10 +116,11 @@ async def test_two_free_identities_claiming_a_stages_range_frame_it_at_no_node_t
     victim = next(n for n in mesh.nodes if n.node_id == head.node_id)
     others = [n for n in mesh.nodes if n is not victim]
     async with sybils(mesh.seed.address, 2) as witnesses:
-        # their own signed records say they serve the victim's range (nobody placed them there)
+        # their own signed records say they serve the victim's range (nobody placed them there); they
+        # offer no memory, so the tracker does not place them (a new placement could move the victim's range)
         for bad in witnesses:
-            bad.forge(models=[mesh.model], served=[ServedRange(model=mesh.model.digest, start=head.start,
-                                                               end=head.end)])
+            bad.forge(models=[mesh.model], memory_bytes=0, served=[ServedRange(model=mesh.model.digest,
+                                                                               start=head.start, end=head.end)])
             await joined(peers, mesh, bad)
         claimed = f"[{head.start}, {head.end})"
         with trio.fail_after(30):
