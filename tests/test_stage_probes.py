@@ -68,8 +68,11 @@ class FakeStageTimings:
     """Answers the tracker's probes as the shell would, with made-up step times: each node's true
     seconds per layer, times a noise factor the test draws."""
 
-    def __init__(self, mesh: Mesh, tracker: MeshDuty, per_layer: dict[str, float], noise: float = 0.0) -> None:
+    def __init__(self, mesh: Mesh, tracker: MeshDuty, per_layer: dict[str, float], noise: float = 0.0,
+                 held_back: dict[str, float] | None = None) -> None:
         self.mesh, self.tracker, self.per_layer, self.noise = mesh, tracker, per_layer, noise
+        # seconds a stage holds back its answer to the probe's round-trip request (a liar's trick)
+        self.held_back = held_back or {}
         self.rng = random.Random(7)
         self.answered = 0
 
@@ -82,9 +85,13 @@ class FakeStageTimings:
                     # a stage that refuses every probe (or looks busy, or breaks off): no sample
                     self.tracker.probe_finished(self.mesh.net.now, probe, None)
                     continue
-                steps = tuple(RTT + probe.layers * self.per_layer[probe.node_id]
+                # the link's round trip as SWIM measured it in the simulation (the same link the probe takes)
+                swim = self.tracker.node.membership.rtt(probe.node_id)
+                link = RTT if swim is None else swim
+                steps = tuple(link + probe.layers * self.per_layer[probe.node_id]
                               * self.rng.uniform(1 - self.noise, 1 + self.noise) for _ in range(3))
-                self.tracker.probe_finished(self.mesh.net.now, probe, ProbeResult(RTT, steps))
+                rtt = link + self.held_back.get(probe.node_id, 0.0)
+                self.tracker.probe_finished(self.mesh.net.now, probe, ProbeResult(rtt, steps))
             self.answered = len(probes)
             self.mesh.net.flush()
 
@@ -98,6 +105,24 @@ def probing_tracker() -> MeshDuty:
     return MeshDuty(MeshNode(identity(0), record(0, reachability="public", started_at=0.0, memory_bytes=0),
                              0.0, SwimConfig(), ElectionConfig(), rng(0)),
                     DutyConfig(volunteer=None, settle=0.5, probes=FAST_PROBES))
+
+
+def test_a_stage_holding_back_the_probes_round_trip_does_not_look_free() -> None:
+    # The probe takes its round trip off each step, and the stage answers that round trip: holding it
+    # back by a step's time made the step look free (0 s/layer), and the slow liar won the route.
+    tracker = probing_tracker()
+    honest, liar = replica(1), replica(2, seconds_per_layer=1e-9)
+    mesh = Mesh(tracker, honest, liar)
+    mesh.run_until(10.0)
+    swim = tracker.node.membership.rtt(liar.node_id)
+    assert swim is not None and swim < 0.05
+    timings = FakeStageTimings(mesh, tracker, {honest.node_id: 1e-3, liar.node_id: 5e-3},
+                               held_back={liar.node_id: MODEL.n_layers * 5e-3})
+    timings.run_until(20.0)
+    # its SWIM round trip (which it did not slow, and which routes charge as link time) is taken off instead
+    liar_timed = tracker.speeds.measured(liar.node_id)
+    assert liar_timed is not None and liar_timed > 4e-3
+    assert [s.node_id for s in tracker.route(MODEL.digest, (), dial).stages] == [honest.node_id]
 
 
 def liar_beside_two_honest() -> tuple[MeshDuty, list[MeshDuty], MeshDuty, Mesh]:

@@ -357,6 +357,13 @@ class MeshDuty:
         """The shell timed (or failed to time: None) the stage a `StageProbe` named."""
         if self.prober is None:
             return
+        swim = self.node.membership.rtt(probe.node_id)
+        if result is not None and swim is not None and swim < result.rtt:
+            # The probe's own round trip is the stage's to answer, and it is taken off each step: a
+            # stage that held that answer back by a step's time looked free. SWIM's is taken off
+            # instead where shorter; to look faster a stage must slow its pings too, which every
+            # route through it then pays as link time.
+            result = replace(result, rtt=swim)
         self.prober.finished(now, probe, result)
         placed, timed = self._placed_speeds.get(probe.node_id), self.speeds.measured(probe.node_id)
         record = self.node.membership.record_of(probe.node_id)
