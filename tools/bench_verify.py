@@ -203,6 +203,7 @@ async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
     route_pids, replica_pids = spec["route_pids"], spec["replica_pids"]
     rng = random.Random(spec["seed"])
     rates: dict[str, list[float]] = {m: [] for m in MODES}
+    ttfts: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, dict[str, float]] = {part: dict.fromkeys(MODES, 0.0) for part in ("route", "stages", "asker")}
     decoded = dict.fromkeys(MODES, 0)
     replica_cpu = 0.0
@@ -235,6 +236,8 @@ async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
                         replica_cpu += after["replicas"] - before["replicas"]
                         replayed += verifier.plan.compared
                     rates[mode].append(answers[mode].decode_rate)
+                    if answers[mode].ttft is not None:
+                        ttfts[mode].append(answers[mode].ttft)
                 if not answers["off"].tokens == answers["receipts"].tokens == answers["verify"].tokens:
                     raise SystemExit(f"verification changed the answer to {prompt[:40]!r}")
     assert Counting.decode_chain is not None
@@ -250,7 +253,7 @@ async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
     receipt_one = len(encode(Receipts(session=chain[0].session, epoch=chain[0].epoch, chain=pack_chain(chain[-1:]))))
     step_input = len(encode(Inputs(session=chain[0].session, epoch=chain[0].epoch, steps=[]))) + 4 * spec["width"] + 96
     spot = 2 * (2 * step_input) + 3 * receipt_one
-    return {"rates": rates, "decoded": decoded,
+    return {"rates": rates, "ttfts": ttfts, "decoded": decoded,
             "ms_per_token": {part: {m: 1000 * cpu[part][m] / max(1, decoded[m]) for m in MODES} for part in cpu},
             "replica_steps_replayed": replayed,
             "replica_ms_per_replayed_step": 1000 * replica_cpu / replayed if replayed else None,
@@ -405,6 +408,8 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                          "receipts_slowdown": 1 - statistics.median(rates["receipts"]) / statistics.median(rates["off"]),
                          "slowdown": 1 - statistics.median(rates["verify"]) / statistics.median(rates["off"]),
                          "samples": len(rates["off"])},
+        # the route's replicas are known before the session opens (a tracker's route names them), as here
+        "ttft_ms": {m: 1000 * statistics.median(b["ttfts"][m]) for m in MODES},
         "cpu": {"pinning": pinning, **{f"{part}_ms_per_token": v for part, v in b["ms_per_token"].items()},
                 "replica_steps_replayed": b["replica_steps_replayed"],
                 "replica_ms_per_replayed_step": b["replica_ms_per_replayed_step"]},
@@ -444,6 +449,9 @@ def main() -> int:
     print(f"| decode tok/s, 3 stages, receipts only (--verify 0 would be off) | {r['receipts']:.1f} "
           f"({r['receipts_slowdown']:+.1%} slower) |")
     print(f"| decode tok/s, 3 stages, verify 1 in {out['every']} | {r['verify']:.1f} ({r['slowdown']:+.1%} slower) |")
+    t = out["ttft_ms"]
+    print(f"| time to first token, ms (median) | off {t['off']:.0f}, receipts {t['receipts']:.0f}, verify 1 in "
+          f"{out['every']} {t['verify']:.0f} ({t['verify'] / t['off']:.2f}x off) |")
     cpu = out["cpu"]
 
     def by_mode(part: str) -> str:
