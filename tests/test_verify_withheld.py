@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.service import Session, StageNode, StageService
 from wire.identity import NodeIdentity
 from wire.receipt import Proof
-from wire.stage import Inputs, InputsRequest
+from wire.stage import Inputs, InputsRequest, Sampling
 
 pytestmark = pytest.mark.slow  # six engine workers
 
@@ -135,7 +136,16 @@ async def test_inputs_kept_from_a_check_and_a_one_stage_liar_are_caught_or_said(
                 del other.service._dispatch
                 other.service.report = report
 
-                # a stage serving the whole model is a route of one stage, checked on a replica of the whole range
+                # a stage serving the whole model is a route of one stage, checked on a replica of the whole range:
+                # honest, with a repeat penalty (whose history, the prompt's ids, the replica reads off the
+                # ids it is fed), it is checked to the end and blamed for nothing
+                whole_pool = [nodes["whole"], nodes["whole2"]]
+                penalised = replace(REQUEST, sampling=Sampling(repeat_penalty=1.3))
+                verifier = Verifier(peers, CheckPlan(every=4, candidates=[stage_of(n) for n in whole_pool]))
+                answer = await ask_with_failover(peers, route_finder(whole_pool, whole=True), penalised,
+                                                 verifier=verifier)
+                assert verifier.liars == set() and answer.verified and answer.epochs == 1
+                assert verifier.plan.compared >= len(answer.tokens)
                 forger = nodes["whole"]
                 forging_tokens(forger.service, 3)
                 verifier = Verifier(peers, CheckPlan(every=4, candidates=[stage_of(n) for n in nodes.values()]))

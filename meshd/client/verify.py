@@ -592,8 +592,9 @@ class _Replay:
                 await release_all([control], session, 0)
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"it computes with other numerics ({theirs}) than the "
                                                           f"stage under check ({mine})")
-        if index == len(audit.node_ids) - 1:
-            # a tail's sampler reads the prompt's ids as its penalty history: the asker sends them, as to the route's
+        if index == len(audit.node_ids) - 1 and index > 0:
+            # a tail's sampler reads the prompt's ids as its penalty history: the asker sends them, as to the
+            # route's (a whole-model replica reads them off the ids it is fed)
             known = audit.result.prompt_tokens + audit.result.tokens
             await control.send_message(PromptTokens(session=session, epoch=0, tokens=known[:audit.prompt_len]))
         hop = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=reply.info.node_id)

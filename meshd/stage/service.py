@@ -551,9 +551,7 @@ class StageService:
         book = session.book
         if (msg.session, msg.epoch) != (book.id, book.epoch):
             raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt tokens of another session or epoch")
-        # a whole-model stage reads them off its prompt; but a check session of one is fed rows as a
-        # tail is, the ids among them, and its sampler's history comes from the asker as a tail's does
-        if not self.report.has_output or (self.report.has_input and not session.open.check):
+        if not self.report.has_output or self.report.has_input:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only a tail after the head takes the prompt's token ids")
         if session.prompt_ids is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has the prompt's token ids")
@@ -815,9 +813,14 @@ class StageService:
         if self.report.has_input:
             assert msg.tokens is not None
             tokens = np.asarray(msg.tokens, dtype=np.int32)
+            # a whole-model stage's sampler reads the prompt's ids as its penalty history: in a check
+            # session they come as rows do, so they are these (as its own prompt's are, ``_prompt``)
+            prompt_ids = max(0, (book.prompt_len or 0) - msg.pos) if self.report.has_output else 0
+            history = list(msg.tokens[:prompt_ids]) if prompt_ids else None
             # the ids ride on downstream only to a stage with hash-routed layers (deepseek4), or before one
             self._enqueue(session, msg.pos, msg.n_tokens,
-                          Rows(session, tokens, None, list(msg.tokens) if session.carry else None, h_in, checked),
+                          Rows(session, tokens, None, list(msg.tokens) if session.carry else None, h_in, checked,
+                               history),
                           msg.drafts)
             return None
         entry = msg.tensor(HIDDEN)
