@@ -794,6 +794,9 @@ class MeshDaemon:
             return
         old, self.serving = self.serving, [serving]
         self.duty.range_loaded(trio.current_time(), load.start, load.end)
+        if serving.service is not None and serving.service.report.numerics != self.mesh.record.numerics:
+            # the tracker names replicas of one numerics with each stage of a route
+            self.mesh.update_record(trio.current_time(), numerics=serving.service.report.numerics)
         self._flush()
         for previous in old:
             self.retiring.append(previous)

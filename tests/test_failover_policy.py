@@ -305,12 +305,13 @@ def test_the_members_a_route_source_learns_are_bounded() -> None:
     assert len(sources.members) == ask.MAX_ROUTE_SOURCES
 
 
-def six_members() -> tuple[list[MeshDuty], MeshDuty]:
-    """Six members of 400 bytes each (every range served twice or more) and their tracker, converged."""
+def six_members() -> tuple[list[MeshDuty], MeshDuty, Mesh]:
+    """Six members of 400 bytes each (every range served twice or more), their tracker and their
+    simulated mesh, converged."""
     duties = [duty(i, memory=400) for i in range(6)]
     mesh = Mesh(*duties)
     mesh.run_until(20.0)
-    return duties, mesh.tracker
+    return duties, mesh.tracker, mesh
 
 
 def dial(record: object) -> str:
@@ -318,7 +319,7 @@ def dial(record: object) -> str:
 
 
 def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive() -> None:
-    duties, tracker = six_members()
+    duties, tracker, _ = six_members()
     first = tracker.route(MODEL.digest, (), dial)
     used = [s.node_id for s in first.stages]
     alive = {r.node_id for r in tracker.node.membership.live_records()}
@@ -334,7 +335,7 @@ def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive
 
 
 async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_asks_no_more() -> None:
-    _, tracker = six_members()
+    duties, tracker, mesh = six_members()
     reply = tracker.route(MODEL.digest, (), dial)
     on_route = {s.node_id for s in reply.stages}
     assert reply.replicas is not None
@@ -350,6 +351,17 @@ async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_as
 
     async def no_route_requests(excluded: list[str]) -> list[Stage]:
         raise AssertionError("the route named its replicas: no request before the first token")
+
+    # a member of other numerics (another build or backend) is no replica of a stage: its bytes differ
+    stage = reply.stages[0]
+    duties_by_id = {d.node_id: d for d in duties}
+    first = [r for r in reply.replicas if (r.start, r.end) == (stage.start, stage.end)][0]
+    duties_by_id[stage.node_id].node.update_record(mesh.net.now, numerics="build-a/x86_64/cpu")
+    duties_by_id[first.node_id].node.update_record(mesh.net.now, numerics="build-a/x86_64/gpu")
+    mesh.run_until(mesh.net.now + 5.0)
+    again = tracker.route(MODEL.digest, (), dial)
+    assert again.stages[0].node_id == stage.node_id and again.replicas is not None
+    assert first.node_id not in {r.node_id for r in again.replicas if (r.start, r.end) == (stage.start, stage.end)}
 
     route = route_from_reply(reply)
     verifier = Verifier(None, find_route=no_route_requests)  # type: ignore[arg-type]

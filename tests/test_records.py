@@ -135,6 +135,7 @@ _MUTATIONS = {
     "gpu_layers": -1,
     "kv_tokens": 4096,
     "seconds_per_layer": 0.001,
+    "numerics": "0123456789abcdef/x86_64/gpu",
     "served": [ServedRange(model=MODEL.digest, start=15, end=30)],
     "holds": [HeldRange(model=MODEL.digest, start=0, end=30)],
     "models": [MODEL.model_copy(update={"whole": False})],

@@ -267,7 +267,7 @@ def test_token_ids_out_of_bounds_are_refused(tokens: object, fragment: str) -> N
 # `token`, `activation` and `activation_fields` when receipts moved inside them, meshd/stage/2;
 # `open` when it gained fast, the fast path's, meshd/stage/4; `record_ping` when the record gained
 # the tracker's signed `placement`, meshd/mesh/authority; `route` when RouteReply gained the replicas
-# of its stages, for the asker's spot checks)
+# of its stages, for the asker's spot checks; `record_ping` when the record gained `numerics`)
 
 _PINNED = {
     "error": "0000003d85a474797065a56572726f72a17601a4636f6465aa4f5645524c4f41444544a76d657373616765a46275"

@@ -172,6 +172,9 @@ class CapabilityRecord(WireModel):
     kv_tokens: Count = 0
     # Measured compute time of one layer for one decoded token; 0 until measured.
     seconds_per_layer: Seconds = 0.0
+    # The numerics its stages compute with (engine build, machine, backend: meshd.engine.native);
+    # a spot check compares bytes only within one, so routes name replicas of the stage's ("": unsaid)
+    numerics: Text = ""
     models: Annotated[list[ModelInfo], Field(max_length=MAX_MODELS)] = []
     served: Annotated[list[ServedRange], Field(max_length=MAX_SERVED)] = []
     # What fetchers may ask this node for (meshd.fetch): the sources of each model's layers.

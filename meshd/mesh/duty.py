@@ -454,9 +454,17 @@ class MeshDuty:
         finding them costs the asker no round trip before its first token."""
         on_route = {s.node_id for s in route}
         out: list[RouteStage] = []
+
+        def numerics(node_id: str) -> str:
+            record = records.get(node_id)
+            return record.numerics if record is not None else ""
+
         for stage in route:
+            # a replica of other numerics (another build or backend) would be skipped by the asker
+            mine = numerics(stage.node_id)
             same = sorted((o for o in options if (o.start, o.end) == (stage.start, stage.end)
-                           and o.node_id not in on_route and o.node_id not in exclude),
+                           and o.node_id not in on_route and o.node_id not in exclude
+                           and (not mine or numerics(o.node_id) in ("", mine))),
                           key=lambda o: (o.compute_seconds, o.node_id))
             taken = 0
             for o in same:
