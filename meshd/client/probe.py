@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import trio
 
+from meshd.client.check_session import open_check_session
 from meshd.mesh.probes import ProbeConfig, ProbeResult, StageProbe
 from meshd.net import rpc
 from meshd.net.link import Stream
@@ -19,7 +20,7 @@ from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import Receipts
-from wire.stage import STAGE_PROTOCOL, Cancel, Hop, Metrics, MetricsRequest, Open, Opened, PromptTokens, new_session_id
+from wire.stage import STAGE_PROTOCOL, Cancel, Metrics, MetricsRequest, Sampling, StageInfo
 from wire.tensors import encode_activation, tensor_fields
 
 HIDDEN = "hidden_states"
@@ -75,25 +76,18 @@ async def _link_rtt(peers: Peers, address: str, probe: StageProbe, timeout: floa
 
 
 async def _timed_steps(peers: Peers, address: str, probe: StageProbe, n_steps: int, timing: _Timing) -> None:
-    control = await peers.open_stream(address, STAGE_PROTOCOL, node_id=probe.node_id)
-    hop: Stream | None = None
-    session = new_session_id()
-    try:
-        reply = await rpc.request(control, Open(
-            session=session, epoch=0, model_digest=probe.model, layer_begin=probe.start, layer_end=probe.end,
-            upstream=peers.node_id, max_tokens=n_steps + 1, receipts=True, check=True), Opened,
-            f"stage {address} opening a probe")
-        info = reply.info
+    def placed(info: StageInfo) -> None:
         if (info.node_id, info.model_digest, info.layer_begin, info.layer_end) != (
                 probe.node_id, probe.model, probe.start, probe.end):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"stage {address} serves other layers than placed")
-        head, tail = info.layer_begin == 0, info.layer_end == info.n_layer
-        if tail and not head:
-            # the tail's sampler reads the prompt's ids (one token here, the first step's)
-            await control.send_message(PromptTokens(session=session, epoch=0, tokens=[PROBE_TOKEN]))
-        hop = await peers.open_stream(address, STAGE_PROTOCOL, node_id=info.node_id)
-        await hop.send_message(Hop(session=session, epoch=0, ring=head, prompt_tokens=1,
-                                   carry_tokens=int(info.needs_tokens)))
+
+    # a tail's sampler reads the prompt's ids: one token here, the first step's
+    opened = await open_check_session(peers, address, probe.node_id, probe.model, (probe.start, probe.end),
+                                      Sampling(), n_steps + 1, [PROBE_TOKEN], f"stage {address} opening a probe",
+                                      placed)
+    info, session, control, hop = opened.info, opened.session, opened.control, opened.hop
+    head = info.layer_begin == 0
+    try:
         rows = np.random.default_rng(0)
         for pos in range(n_steps):
             tensors = [] if head else [tensor_fields(HIDDEN, rows.standard_normal((1, info.stage_width), np.float32))]
@@ -109,8 +103,7 @@ async def _timed_steps(peers: Peers, address: str, probe: StageProbe, n_steps: i
                 await control.send_message(Cancel(session=session, epoch=0))
             except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-            if hop is not None:
-                await hop.aclose()
+            await hop.aclose()
             await control.aclose()
 
 

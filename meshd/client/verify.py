@@ -45,8 +45,8 @@ from meshd.client.ask import (
     check_opened,
     release_all,
 )
+from meshd.client.check_session import open_check_session
 from meshd.mesh.proofs import BrokenChain, Step, check_chain, check_signatures
-from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, error_from_message
@@ -65,16 +65,11 @@ from wire.receipt import (
     unpack_chain,
 )
 from wire.stage import (
-    STAGE_PROTOCOL,
-    Hop,
     Inputs,
     InputsRequest,
-    Open,
-    Opened,
-    PromptTokens,
     Sampling,
+    StageInfo,
     StepInput,
-    new_session_id,
 )
 from wire.tensors import encode_activation
 
@@ -577,31 +572,22 @@ class _Replay:
     @classmethod
     async def open(cls, peers: Peers, stage: Stage, audit: Audit, index: int, sampling: Sampling) -> _Replay:
         assert audit.prompt_len is not None
-        control = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=stage.node_id)
-        layers = stage.layers or (None, None)
-        session = new_session_id()
-        reply = await rpc.request(control, Open(
-            session=session, epoch=0, model_digest=stage.model_digest, layer_begin=layers[0], layer_end=layers[1],
-            upstream=peers.node_id, sampling=sampling, max_tokens=1 << 20, receipts=True, check=True),
-            Opened, f"replica {stage.address} opening a check session")
-        check_opened(stage, reply.info)
-        mine, theirs = audit.result.route[index].numerics, reply.info.numerics
-        if mine and theirs and mine != theirs:
-            # another build or backend computes other last bits: a mismatch would blame an honest stage
-            with trio.CancelScope(shield=True), trio.move_on_after(0.5):
-                await release_all([control], session, 0)
-            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"it computes with other numerics ({theirs}) than the "
-                                                          f"stage under check ({mine})")
-        if index == len(audit.node_ids) - 1 and index > 0:
-            # a tail's sampler reads the prompt's ids as its penalty history: the asker sends them, as to the
-            # route's (a whole-model replica reads them off the ids it is fed)
-            known = audit.result.prompt_tokens + audit.result.tokens
-            await control.send_message(PromptTokens(session=session, epoch=0, tokens=known[:audit.prompt_len]))
-        hop = await peers.open_stream(stage.address, STAGE_PROTOCOL, node_id=reply.info.node_id)
-        await hop.send_message(Hop(session=session, epoch=0, ring=index == 0, prompt_tokens=audit.prompt_len,
-                                   carry_tokens=int(reply.info.needs_tokens)))
-        return cls(stage, session, control, hop, reply.info.node_id, index == 0 or reply.info.needs_tokens,
-                   reply.info.model_digest)
+        mine = audit.result.route[index].numerics
+
+        def comparable(info: StageInfo) -> None:
+            check_opened(stage, info)
+            if mine and info.numerics and info.numerics != mine:
+                # another build or backend computes other last bits: a mismatch would blame an honest stage
+                raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"it computes with other numerics ({info.numerics}) "
+                                                              f"than the stage under check ({mine})")
+
+        known = audit.result.prompt_tokens + audit.result.tokens
+        opened = await open_check_session(peers, stage.address, stage.node_id, stage.model_digest, stage.layers,
+                                          sampling, 1 << 20, known[:audit.prompt_len],
+                                          f"replica {stage.address} opening a check session", comparable)
+        info = opened.info
+        return cls(stage, opened.session, opened.control, opened.hop, info.node_id,
+                   index == 0 or info.needs_tokens, info.model_digest)
 
     async def feed(self, steps: Sequence[StepInput], original: Callable[[int], Receipt],
                    stop_at: int | None = None) -> Receipt | None:

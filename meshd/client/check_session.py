@@ -1,0 +1,61 @@
+"""One way to open a check session on a stage, for the asker's spot checks and the tracker's probes.
+
+A check session (``Open.check``) is fed by its opener: the opener is its upstream and its head's
+ring, the stage signs a receipt of each step and sends nothing on. To the stage a spot check's
+replica and a probe are the same thing, so they are opened the same way here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from meshd.client.ask import release_all
+from meshd.net import rpc
+from meshd.net.link import Stream
+from meshd.net.peers import Peers
+from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PromptTokens, Sampling, StageInfo, new_session_id
+
+
+@dataclass
+class CheckSession:
+    session: str
+    control: Stream
+    hop: Stream
+    info: StageInfo
+
+
+async def open_check_session(peers: Peers, address: str, node_id: str | None, model: str | None,
+                             layers: tuple[int, int] | None, sampling: Sampling, max_tokens: int,
+                             prompt_ids: Sequence[int], what: str,
+                             check: Callable[[StageInfo], None]) -> CheckSession:
+    """Opens a check session on the stage at ``address`` for a prompt of ``prompt_ids``. ``check``
+    sees the stage's own account before anything more is sent and may refuse it (a ProtocolError):
+    the session is then released, as on any failure here. A tail after the head gets the prompt's
+    ids (its sampler's penalty history); a head is fed as the ring feeds it."""
+    control = await peers.open_stream(address, STAGE_PROTOCOL, node_id=node_id)
+    session = new_session_id()
+    hop: Stream | None = None
+    begin, end = layers or (None, None)
+    try:
+        reply = await rpc.request(control, Open(
+            session=session, epoch=0, model_digest=model, layer_begin=begin, layer_end=end,
+            upstream=peers.node_id, sampling=sampling, max_tokens=max_tokens, receipts=True, check=True),
+            Opened, what)
+        info = reply.info
+        check(info)
+        head = info.layer_begin == 0
+        if info.layer_end == info.n_layer and not head:
+            await control.send_message(PromptTokens(session=session, epoch=0, tokens=list(prompt_ids)))
+        hop = await peers.open_stream(address, STAGE_PROTOCOL, node_id=info.node_id)
+        await hop.send_message(Hop(session=session, epoch=0, ring=head, prompt_tokens=len(prompt_ids),
+                                   carry_tokens=int(info.needs_tokens)))
+    except BaseException:
+        with trio.CancelScope(shield=True), trio.move_on_after(0.5):
+            await release_all([control], session, 0)
+            if hop is not None:
+                await hop.aclose()
+        raise
+    return CheckSession(session, control, hop, info)
