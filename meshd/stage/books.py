@@ -336,8 +336,8 @@ class StageBooks(Generic[T]):
         if size > limit:
             self.counts.overloaded += 1
             raise ProtocolError(ErrorCode.OVERLOADED, f"prompt of {size} bytes exceeds what this stage's session "
-                                                      f"budget of {self.limits.max_session_tokens} tokens "
-                                                      f"(--session-tokens) can hold ({limit} bytes)")
+                                                      f"budget of {self.limits.max_session_tokens} tokens can "
+                                                      f"hold ({limit} bytes)")
 
     def set_prompt(self, book: SessionBook, n_tokens: int) -> None:
         """The session's prompt length, which decides where sampling begins."""
@@ -348,8 +348,7 @@ class StageBooks(Generic[T]):
         if n_tokens > self.limits.max_session_tokens:
             self.counts.overloaded += 1
             raise ProtocolError(ErrorCode.OVERLOADED, f"prompt of {n_tokens} tokens exceeds this stage's session "
-                                                      f"budget of {self.limits.max_session_tokens} tokens "
-                                                      f"(--session-tokens)")
+                                                      f"budget of {self.limits.max_session_tokens} tokens")
         book.prompt_len = n_tokens
 
     def check_rows(self, book: SessionBook, pos: int, n: int, drafts: int = 0) -> None:
