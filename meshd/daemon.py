@@ -39,6 +39,7 @@ from meshd.client.probe import probe_stage
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
 from meshd.fetch.source import ChunkSource, activity, register
+from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address
 from meshd.mesh.assignment import held_ranges
 from meshd.mesh.duty import (
     AskAssignment,
@@ -49,7 +50,7 @@ from meshd.mesh.duty import (
     MeshDuty,
     RangeRefused,
 )
-from meshd.mesh.membership import SWIM_MESSAGES, Ack, Alive, Gossip, MemberEvent, Ping, PingReq, SwimMessage, Sync
+from meshd.mesh.membership import SWIM_MESSAGES, MemberEvent, SwimMessage
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
 from meshd.mesh.probes import ProbeConfig, StageProbe
@@ -81,7 +82,7 @@ from meshd.stage.service import StageLimits, StageService, answer_typed, model_m
 from meshd.store.gguf_header import GGUFError, read_layout
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import Chunk, Manifest
-from meshd.store.ranges import range_chunks
+from meshd.store.ranges import held_layer_ranges, range_chunks
 from meshd.store.sparse import SparseFile
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
@@ -1025,49 +1026,7 @@ def describe_model(path: Path, digest: str) -> ModelInfo:
     return model_info(digest, path.name, layout.metadata, {t.name: t.size for t in layout.tensors}, layout.arrays)
 
 
-
-def held_layer_ranges(manifest: Manifest, n_layers: int, has: Callable[[int], bool]) -> list[tuple[int, int]]:
-    """The maximal layer ranges whose every chunk (`has(index)`: held verified) a range loader of them
-    reads: the header, their blocks, the head's tensors for one from layer 0, the tail's for one to
-    the last layer."""
-
-    def holds(chunks: list[Chunk]) -> bool:
-        return all(has(c.index) for c in chunks)
-
-    by_layer: dict[int, list[str]] = {}
-    for name in manifest.tensor_names:
-        parts = name.split(".")
-        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
-            by_layer.setdefault(int(parts[1]), []).append(name)
-    blocks = [holds(manifest.chunks_of(by_layer.get(i, []))) for i in range(n_layers)]
-    held: list[tuple[int, int]] = []
-    layer = 0
-    while layer < n_layers:
-        if not blocks[layer]:
-            layer += 1
-            continue
-        end = layer
-        while end < n_layers and blocks[end]:
-            end += 1
-        # a run reaching layer 0 (or the last) holds the head's (tail's) tensors only if they were fetched too
-        lo, hi = layer + (layer == 0), end - (end == n_layers)
-        found = next(((a, b) for a, b in ((layer, end), (lo, end), (layer, hi), (lo, hi))
-                      if a < b and holds(range_chunks(manifest, n_layers, a, b))), None)
-        if found is not None:
-            held.append(found)
-        layer = end
-    return held
-
-
-# ----- addresses: pure helpers of the shell
-
-
-def is_ip(host: str) -> bool:
-    try:
-        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
-    except OSError:
-        return False
-    return True
+# ----- addresses
 
 
 def route_source(host: str) -> str | None:
@@ -1081,30 +1040,3 @@ def route_source(host: str) -> str | None:
     except OSError:
         return None
     return None if is_unspecified(source) else source
-
-
-def observed_address(observed: str, port: int, seed_host: str) -> str | None:
-    """The address a seed says it sees this node at, with the listening port, if it is one to publish:
-    an IP (not 0.0.0.0 or ::), and loopback only from a seed that is on loopback itself."""
-    if not is_ip(observed):
-        return None
-    address = join_address(observed, port)
-    return address if address_fits(address, seed_host) else None
-
-
-_GOSSIPING = (Ping, Ack, PingReq, Gossip)
-
-
-def fit_for_peer(message: Message, peer_host: str) -> Message:
-    """`message` without the records that a peer at `peer_host` must not be told (see `record_fits`)."""
-    if isinstance(message, Sync):
-        entries = [entry for entry in message.entries if record_fits(entry.record, peer_host)]
-        if len(entries) == len(message.entries):
-            return message
-        return message.model_copy(update={"entries": entries})
-    if isinstance(message, _GOSSIPING):
-        gossip = [u for u in message.gossip if not isinstance(u, Alive) or record_fits(u.record, peer_host)]
-        if len(gossip) == len(message.gossip):
-            return message
-        return message.model_copy(update={"gossip": gossip})
-    return message

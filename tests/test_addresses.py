@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 import meshd.daemon
 from meshd import cli
-from meshd.daemon import MeshDaemon, NodeConfig, fit_for_peer, observed_address, route_source, rpc
+from meshd.daemon import MeshDaemon, NodeConfig, route_source, rpc
+from meshd.mesh.addresses import fit_for_peer, observed_address
 from meshd.mesh.membership import Alive, Gossip, Ping, Suspect, Sync, SyncEntry
 from meshd.mesh.records import (
     CapabilityRecord,

@@ -20,12 +20,12 @@ import trio
 from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import describe_model, held_layer_ranges, rpc
+from meshd.daemon import describe_model, rpc
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.net.identity_store import load_or_create_identity
 from meshd.net.peers import Peers
 from meshd.store.manifest import Manifest, manifest_for
-from meshd.store.ranges import range_chunks
+from meshd.store.ranges import held_layer_ranges, range_chunks
 from tests.conftest import greedy_reference
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply
 

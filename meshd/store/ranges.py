@@ -13,6 +13,7 @@ like, small) is fetched by every range rather than risk a load that needs it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from meshd.store.manifest import Chunk, Manifest
 
@@ -53,3 +54,36 @@ def range_chunks(manifest: Manifest, n_layers: int, start: int, end: int) -> lis
     """The header's chunks and those of every tensor the range owns: all a range needs of the file."""
     owned = owned_tensors(manifest.tensor_names, n_layers, start, end)
     return manifest.header_chunks_list() + manifest.chunks_of(owned)
+
+
+def held_layer_ranges(manifest: Manifest, n_layers: int, has: Callable[[int], bool]) -> list[tuple[int, int]]:
+    """The maximal layer ranges whose every chunk (`has(index)`: held verified) a range loader of them
+    reads: the header, their blocks, the head's tensors for one from layer 0, the tail's for one to
+    the last layer."""
+
+    def holds(chunks: list[Chunk]) -> bool:
+        return all(has(c.index) for c in chunks)
+
+    by_layer: dict[int, list[str]] = {}
+    for name in manifest.tensor_names:
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
+            by_layer.setdefault(int(parts[1]), []).append(name)
+    blocks = [holds(manifest.chunks_of(by_layer.get(i, []))) for i in range(n_layers)]
+    held: list[tuple[int, int]] = []
+    layer = 0
+    while layer < n_layers:
+        if not blocks[layer]:
+            layer += 1
+            continue
+        end = layer
+        while end < n_layers and blocks[end]:
+            end += 1
+        # a run reaching layer 0 (or the last) holds the head's (tail's) tensors only if they were fetched too
+        lo, hi = layer + (layer == 0), end - (end == n_layers)
+        found = next(((a, b) for a, b in ((layer, end), (lo, end), (layer, hi), (lo, hi))
+                      if a < b and holds(range_chunks(manifest, n_layers, a, b))), None)
+        if found is not None:
+            held.append(found)
+        layer = end
+    return held
