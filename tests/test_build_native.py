@@ -74,3 +74,26 @@ def test_unreachable_source_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> N
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("build_native: pip could not download llama-cpp-python==0.3.36")
+
+
+def test_unpacking_works_and_stays_inside_on_a_python_without_tar_filters(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Debian 12's own python3.11 is 3.11.2: its tarfile has no data filter and extractall takes no
+    # filter argument (the first command on a stock system ended in a TypeError traceback)
+    real = tarfile.TarFile.extractall
+
+    def extractall_of_3_11_2(self: tarfile.TarFile, path: str | Path = ".", members: object = None, *,
+                             numeric_owner: bool = False) -> None:
+        real(self, path, members, numeric_owner=numeric_owner, filter="fully_trusted")  # type: ignore[arg-type]
+
+    monkeypatch.delattr(tarfile, "data_filter")
+    monkeypatch.setattr(tarfile.TarFile, "extractall", extractall_of_3_11_2)
+    monkeypatch.setattr(build_native, "patches", lambda: [])
+    sdist = tiny_sdist(tmp_path / "sdist.tar.gz", {"src/llama.cpp": "one\n", "ggml/x.h": "two\n"})
+    build_native.unpack_and_patch(sdist, build_native.read_lock(), tmp_path / "src")
+    assert (tmp_path / "src" / "src" / "llama.cpp").read_text() == "one\n"
+    # a member that would land outside the tree is refused, and nothing is written there
+    evil = tiny_sdist(tmp_path / "evil.tar.gz", {"src/llama.cpp": "one\n", "../../escaped": "x\n"})
+    with pytest.raises(build_native.BuildError, match="not a plain file or directory inside its tree"):
+        build_native.unpack_and_patch(evil, build_native.read_lock(), tmp_path / "src2" / "src")
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "src2" / "escaped").exists()

@@ -21,6 +21,7 @@ Prints one clear line and exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -164,6 +165,22 @@ def fetch_sdist(lock: dict[str, str]) -> Path:
     return sdist
 
 
+def extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], into: Path) -> None:
+    """``members`` of ``tar`` under ``into``, none of them able to write outside it. Python's "data"
+    filter does that from 3.11.4; Debian 12's own python3.11 is 3.11.2, whose extractall takes no
+    filter, so there the same rule is kept here: plain files and directories, relative, no "..",
+    modes without set-id bits."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(into, members=members, filter="data")
+        return
+    for m in members:
+        parts = Path(m.name).parts
+        if not (m.isfile() or m.isdir()) or Path(m.name).is_absolute() or ".." in parts:
+            raise BuildError(f"{m.name!r} in the sdist is not a plain file or directory inside its tree")
+        m.mode &= 0o755
+    tar.extractall(into, members=members)
+
+
 def unpack_and_patch(sdist: Path, lock: dict[str, str], src: Path) -> None:
     prefix = f"{lock['package'].replace('-', '_')}-{lock['version']}/vendor/llama.cpp/"
     if src.exists():
@@ -183,7 +200,7 @@ def unpack_and_patch(sdist: Path, lock: dict[str, str], src: Path) -> None:
             members.append(m)
         if not members:
             raise BuildError(f"{sdist.name} holds no vendor/llama.cpp tree")
-        tar.extractall(tmp, members=members, filter="data")
+        extract(tar, members, tmp)
     for p in patches():
         proc = subprocess.run(
             ["patch", "-p1", "--batch", "--forward", "--silent", "-d", str(tmp), "-i", str(p)],
@@ -234,6 +251,15 @@ def relink(link: Path, target: Path) -> None:
 
 
 def build(jobs: int, verbose: bool) -> Path:
+    # one build at a time per checkout: two (`tools/dev setup` twice at once) unpacked into one tree,
+    # and one failed renaming it ("Directory not empty")
+    BUILD.mkdir(parents=True, exist_ok=True)
+    with open(BUILD / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return _build(jobs, verbose)
+
+
+def _build(jobs: int, verbose: bool) -> Path:
     lock = read_lock()
     key = build_key()
     out = cache_root() / "native" / key
