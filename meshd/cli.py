@@ -732,10 +732,12 @@ def figures_line(result: AskResult) -> str:
         # another build or backend gives other last bits: the same answer is not promised across them
         failover += (f", continued on other numerics after {plural(result.crossed_numerics_at[0], 'token')} "
                      f"(one engine build and backend throughout may answer otherwise)")
+    # the stage's own words where its session budget ended the answer
+    stopped = f"a stage's session budget ({result.budget})" if result.reason == "budget" else result.reason
     if ttft is None:
-        return f"[{prompt}, no new tokens{failover}, stopped by {result.reason}]"
+        return f"[{prompt}, no new tokens{failover}, stopped by {stopped}]"
     return (f"[{prompt}, {plural(len(result.tokens), 'new token')}, first token {ttft * 1000:.0f} ms, "
-            f"{result.decode_rate:.1f} tokens/s{drafts}{failover}, stopped by {result.reason or 'error'}]")
+            f"{result.decode_rate:.1f} tokens/s{drafts}{failover}, stopped by {stopped or 'error'}]")
 
 
 # ----- parser

@@ -192,6 +192,13 @@ async def test_whether_the_answer_was_verified_reaches_each_dialect_streamed_or_
         assert [d.model_extra["meshd"] for d in deltas] == [field]
 
 
+async def test_an_answer_ended_by_a_stages_session_budget_is_a_length_stop_in_each_dialect() -> None:
+    front = FrontDoor(FakeMesh(reason="budget"))
+    chat = await oai(front).chat.completions.create(model=NAME, messages=USER)
+    message = await claude(front).messages.create(model=NAME, max_tokens=8, messages=USER)
+    assert (chat.choices[0].finish_reason, message.stop_reason) == ("length", "max_tokens")
+
+
 async def test_an_answer_withheld_as_unverified_is_503_in_each_dialect() -> None:
     front = FrontDoor(fails_with(Unverified(AskResult(), "no route was found whose every range a replica checked")))
     with pytest.raises(openai.APIStatusError) as oai_error:

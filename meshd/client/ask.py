@@ -179,6 +179,8 @@ class AskResult:
     # where a failover carried the answer onto stages of other numerics (another engine build or
     # backend): the tokens from there on need not be the ones the first route's numerics give
     crossed_numerics_at: list[int] = field(default_factory=list)
+    # the stage's word when the answer ended at a stage's session budget (reason "budget")
+    budget: str = ""
 
     @property
     def verified(self) -> bool:
@@ -602,6 +604,16 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                               verifier)
         except (StageError, trio.TooSlowError) as exc:
             _crossed(result, before, carried)
+            if isinstance(exc, StageError) and exc.culprit is None and over_budget(exc):
+                # A stage's session budget is its own (--session-tokens): no route is roomier for being
+                # another, and failing over found "no route" half a minute later. An answer that reached
+                # it ends there, saying so; a prompt over it is refused at once.
+                if not result.tokens:
+                    raise
+                result.reason, result.finished_at = "budget", time.perf_counter()
+                result.budget = exc.message
+                progressed()
+                return result
             if stalled_since is None:
                 stalled_since = last_progress
             if deadline is None:
@@ -646,6 +658,12 @@ def _crossed(result: AskResult, before: frozenset[str], carried: int) -> None:
     if carried and before and result.numerics and result.numerics != before and \
             carried not in result.crossed_numerics_at:
         result.crossed_numerics_at.append(carried)
+
+
+def over_budget(exc: ProtocolError) -> bool:
+    """A stage refused work for a budget of its own (a session's tokens, a prompt's bytes), not for
+    being busy: an OVERLOADED with no retry hint (``meshd.stage.books``)."""
+    return exc.code is ErrorCode.OVERLOADED and exc.retry_after_ms is None
 
 
 async def _culprits(peers: Peers, route: Sequence[Stage], exc: BaseException,

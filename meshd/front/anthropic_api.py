@@ -33,7 +33,8 @@ ERROR_TYPES = {
     Problem.UNAVAILABLE: "overloaded_error",
     Problem.TIMEOUT: "timeout_error",
 }
-STOP_REASONS = {"eog": "end_turn", "stop": "stop_sequence", "max_tokens": "max_tokens"}
+# "budget": a stage's session budget ended the answer, a limit as max_tokens is
+STOP_REASONS = {"eog": "end_turn", "stop": "stop_sequence", "max_tokens": "max_tokens", "budget": "max_tokens"}
 
 Content = Annotated[str, Field(max_length=1 << 20)]
 

@@ -138,7 +138,8 @@ def usage(answer: Answer) -> dict[str, int]:
 
 
 def finish_reason(answer: Answer) -> str:
-    return "length" if answer.reason == "max_tokens" else "stop"
+    # a stage's session budget ("budget") is a length limit too
+    return "length" if answer.reason in ("max_tokens", "budget") else "stop"
 
 
 def routes(front: FrontDoor) -> list[BaseRoute]:
