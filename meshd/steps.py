@@ -84,12 +84,17 @@ def check_finite(hidden: np.ndarray) -> None:
         raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "hidden states hold NaN or infinity")
 
 
+def draft_holds(drafts: Sequence[int], i: int, pick: int) -> bool:
+    """Whether the tail's ``i``-th pick of a step agrees with the draft after it: the picks up to and
+    including the first that does not are the answer's (its sampler drew exactly what it would
+    have without drafts), the rows after it are never sampled."""
+    return i < len(drafts) and pick == drafts[i]
+
+
 def accepted(picks: Sequence[int], drafts: Sequence[int]) -> int:
-    """How many drafts the tail's picks agree with, in order: the picks up to and including the
-    first that is not the draft after it are the answer's (its sampler drew exactly what it would
-    have without drafts), the rows after it were never sampled."""
+    """How many drafts the tail's picks agree with, in order (``draft_holds``)."""
     n = 0
-    while n < min(len(drafts), len(picks)) and picks[n] == drafts[n]:
+    while n < len(picks) and draft_holds(drafts, n, picks[n]):
         n += 1
     return n
 

@@ -283,13 +283,18 @@ def test_served_ranges_reach_the_record_only_once_loaded() -> None:
     assert volunteer.node.record.served == [ServedRange(model=MODEL.digest, start=load.start, end=load.end)]
 
 
-def test_a_range_whose_worker_is_down_is_not_offered_until_it_is_back() -> None:
-    duties = [duty(i) for i in range(3)]
-    mesh = Mesh(*duties)
+def serving_volunteer() -> tuple[Mesh, MeshDuty, tuple[int, int]]:
+    """Three members settled for 10 s: the mesh, its first volunteer and the range it serves."""
+    mesh = Mesh(*[duty(i) for i in range(3)])
     mesh.run_until(10.0)
     volunteer = mesh.volunteers[0]
-    rng_ = volunteer.serving
-    assert rng_ is not None and served(volunteer) == [rng_]
+    assert volunteer.serving is not None
+    return mesh, volunteer, volunteer.serving
+
+
+def test_a_range_whose_worker_is_down_is_not_offered_until_it_is_back() -> None:
+    mesh, volunteer, rng_ = serving_volunteer()
+    assert served(volunteer) == [rng_]
     observer = mesh.volunteers[1]
     placements = len(mesh.of(mesh.tracker, AssignmentChanged))
     volunteer.range_down(mesh.net.now, *rng_)
@@ -307,12 +312,8 @@ def test_a_range_whose_worker_is_down_is_not_offered_until_it_is_back() -> None:
 
 
 def test_a_range_whose_worker_is_gone_for_good_is_withdrawn_and_the_tracker_places_its_layers_elsewhere() -> None:
-    duties = [duty(i) for i in range(3)]
-    mesh = Mesh(*duties)
-    mesh.run_until(10.0)
-    volunteer = mesh.volunteers[0]
-    rng_ = volunteer.serving
-    assert rng_ is not None and volunteer.node.record.placement is not None
+    mesh, volunteer, rng_ = serving_volunteer()
+    assert volunteer.node.record.placement is not None
     volunteer.range_down(mesh.net.now, *rng_)
     volunteer.range_gone(mesh.net.now, rng_[0], rng_[1] + 1)  # not the range it serves: nothing to do
     assert volunteer.node.record.models == [MODEL]

@@ -231,6 +231,14 @@ class AskResult:
 OnToken = Callable[[int, bytes], Awaitable[None] | None]
 
 
+async def deliver(on_token: OnToken | None, token: int, piece: bytes) -> None:
+    """Hands a token to ``on_token``, awaiting it where it is a coroutine function."""
+    if on_token is not None:
+        maybe = on_token(token, piece)
+        if maybe is not None:
+            await maybe
+
+
 class Verifier(Protocol):
     """What a session asks of output verification (``meshd.client.verify.Verifier``) at each point of an epoch."""
 
@@ -501,10 +509,7 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
                 result.first_token_at = time.perf_counter()
             result.tokens.append(msg.token)
             result.pieces.append(msg.piece)
-            if on_token is not None:
-                maybe = on_token(msg.token, msg.piece)
-                if maybe is not None:
-                    await maybe
+            await deliver(on_token, msg.token, msg.piece)
         elif isinstance(msg, Done):
             if verifier is not None:
                 verifier.finish(msg.reason)
@@ -583,10 +588,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
 
     async def on_progress(token: int, piece: bytes) -> None:
         progressed()
-        if on_token is not None:
-            maybe = on_token(token, piece)
-            if maybe is not None:
-                await maybe
+        await deliver(on_token, token, piece)
 
     for epoch in range(attempts):
         if result.tokens and len(result.tokens) >= request.max_tokens:

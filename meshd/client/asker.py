@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover
+from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover, deliver
 from meshd.client.verify import DEFAULT_VERIFY, CheckPlan, Verifier
 from meshd.net.peers import Peers
 from wire.errors import ProtocolError
@@ -96,9 +96,6 @@ class Asker:
             for proof in [] if verifier is None else verifier.proofs:
                 await self.report_proof(proof)
         if self.require_verified:
-            if on_token is not None:
-                for token, piece in zip(result.tokens, result.pieces, strict=True):
-                    maybe = on_token(token, piece)
-                    if maybe is not None:
-                        await maybe
+            for token, piece in zip(result.tokens, result.pieces, strict=True):
+                await deliver(on_token, token, piece)
         return result

@@ -385,7 +385,6 @@ class RangeCheck:
         assert self.stage_stream is not None and self.inbox is not None
         # the steps the stage signed receipts of and has not handed over yet: exactly these must come
         wanted = sorted(p for p in audit.by_stage[self.index] if self.fed_until <= p < until)
-        got = 0
         # the request too: a stage that grants no credit for it stalls the check as surely as one that never answers
         with trio.move_on_after(self._deadline(wanted)) as late:
             try:
@@ -409,12 +408,12 @@ class RangeCheck:
                     if step.n_tokens != original.n_tokens or row_hash(step.tensor.data) != original.h_in:
                         raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
                     self._take(step)
-                    got += 1
         if late.cancelled_caught:
             raise self._withheld(f"it did not hand over the inputs to check within {self._deadline(wanted):.3g} s")
         if self._expected_pos() < until:
             # an empty or short answer: steps it signed receipts of are kept from the check
-            raise self._withheld(f"it withheld the inputs of {len(wanted) - got} step(s) its receipts sign")
+            missing = sum(p >= self._expected_pos() for p in wanted)
+            raise self._withheld(f"it withheld the inputs of {missing} step(s) its receipts sign")
         self.fed_until = until
         return True
 
@@ -692,7 +691,7 @@ class Verifier:
         found: list[Stage] = []
         for stage in route:
             excluded = [stage.node_id] if stage.node_id else []
-            excluded += [*self.liars, *avoid]
+            excluded += avoided
             for _ in range(REPLICAS_WANTED):
                 try:
                     other = await self.find_route(excluded)

@@ -558,13 +558,11 @@ class FastPlane:
             return
         drafts, s.drafts = s.drafts[:w.drafts], []
         picks: list[int] = []
-        for row in rows:
-            # each pick before the next is drawn: the sampler's state after the last one it accepts is
-            # the one it has without drafts
+        for i, row in enumerate(rows):
             picks.append(sampler.sample(row))
-            if steps.accepted(picks, drafts) < len(picks):
+            if not steps.draft_holds(drafts, i, picks[-1]):
                 break
-        accepted = steps.accepted(picks, drafts)
+        accepted = len(picks) - 1
         if w.drafts and s.length is not None:
             s.length.record(w.drafts, accepted)
         emitted: list[tuple[int, bool]] = []

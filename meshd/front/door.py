@@ -19,7 +19,7 @@ from typing import Protocol
 
 import trio
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError
+from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, over_budget
 from meshd.client.asker import Unverified
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import ModelCoverage, StatusReply
@@ -196,11 +196,10 @@ def api_error(model: ModelCoverage, exc: ProtocolError) -> ApiError:
     if exc.code is ErrorCode.NOT_FOUND:
         # the route finder's word: no route, and (from the coverage code) why
         return ApiError(Problem.UNAVAILABLE, f"{model.name} is not covered: {exc.message}", retry)
-    if exc.code is ErrorCode.OVERLOADED:
-        # with a retry hint the stages are busy; without one the request exceeds a budget
-        if retry is not None:
-            return ApiError(Problem.BUSY, f"the mesh is busy: {exc.message}", retry)
+    if over_budget(exc):
         return ApiError(Problem.BAD_REQUEST, exc.message)
+    if exc.code is ErrorCode.OVERLOADED:
+        return ApiError(Problem.BUSY, f"the mesh is busy: {exc.message}", retry)
     if exc.code is ErrorCode.BAD_REQUEST:
         return ApiError(Problem.BAD_REQUEST, exc.message)
     if exc.code is ErrorCode.DEADLINE_EXCEEDED:

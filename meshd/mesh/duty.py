@@ -469,10 +469,11 @@ class MeshDuty:
             taken = 0
             for o in same:
                 address = address_of(records[o.node_id]) if o.node_id in records else None
-                if address is None or taken == MAX_REPLICAS_PER_STAGE:
-                    continue
-                out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end))
-                taken += 1
+                if address is not None:
+                    out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end))
+                    taken += 1
+                    if taken == MAX_REPLICAS_PER_STAGE:
+                        break
         return out
 
     def _timed_first(self, options: list[StageOption]) -> list[list[StageOption]]:
