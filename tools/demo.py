@@ -4,12 +4,15 @@
 Starts a seed and three volunteers (`meshd join`) with the default model and
 little memory each, so the tracker must cut the model into layer ranges;
 waits until every layer is served; asks with `meshd ask`; shows `meshd status`;
-then stops every process.
+then stops every process. Each command is printed as it was run, flag for flag (from the
+process's own argv), so a line typed as printed does what it did here.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,9 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
-from localmesh import Served, run_meshd, start_join  # noqa: E402
+from localmesh import Served, meshd_command, run_meshd, start_join  # noqa: E402
 
+# Three volunteers of 64 MiB hold SmolLM2 only with a small session budget (the README says why); one
+# compute thread each, as they share this machine's cores with the seed and each other.
 VOLUNTEER = ["--memory", "64M", "--max-sessions", "2", "--session-tokens", "512", "--threads", "1"]
+
+
+def typed(args: list[str]) -> str:
+    """The command line a process ran, as a user types it: `meshd` and the process's own arguments."""
+    return "$ " + shlex.join(["meshd", *args[len(meshd_command()):]])
 
 
 def wait_for_coverage(seed: Served, timeout: float = 120.0) -> str:
@@ -44,22 +54,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="meshd-demo-") as state:
         try:
             nodes.append(start_join("--no-model", "--state-dir", f"{state}/seed"))
-            print(f"$ meshd join --no-model                      # seed on {nodes[0].address}")
+            print(f"{typed(nodes[0].proc.args)}   # the seed, on {nodes[0].address}")
             for i in range(args.volunteers):
                 nodes.append(start_join("--seed", nodes[0].address, "--state-dir", f"{state}/v{i}", *VOLUNTEER))
-                print(f"$ meshd join --seed {nodes[0].address} --memory 64M   # volunteer on {nodes[-1].address}")
+                print(f"{typed(nodes[-1].proc.args)}   # a volunteer, on {nodes[-1].address}")
             wait_for_coverage(nodes[0])
-            print(f"\n$ meshd ask --seed {nodes[0].address} \"{args.prompt}\"")
             asked = run_meshd("ask", "--seed", nodes[0].address, "--max-tokens", str(args.max_tokens), args.prompt)
-            sys.stdout.write(asked.stdout)
-            sys.stdout.write(asked.stderr)
-            print(f"\n$ meshd status --seed {nodes[0].address}")
-            shown = run_meshd("status", "--seed", nodes[0].address)
-            sys.stdout.write(shown.stdout + shown.stderr)
+            show(asked)
+            show(run_meshd("status", "--seed", nodes[0].address))
             return asked.returncode
         finally:
             for node in reversed(nodes):
                 node.stop()
+
+
+def show(done: subprocess.CompletedProcess[str]) -> None:
+    print(f"\n{typed(done.args)}")
+    sys.stdout.write(done.stdout + done.stderr)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
