@@ -390,6 +390,9 @@ async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim, a
         with trio.move_on_after(LEAVE_ON_INTERRUPT if signum == signal.SIGINT else math.inf):
             await daemon.leave()
         nursery.cancel_scope.cancel()
+    if signum == signal.SIGINT:
+        # the mesh is left: now the one line and exit status (130) of an interrupt anywhere else
+        raise KeyboardInterrupt
 
 
 RANGE_WAIT_POLL = 0.02

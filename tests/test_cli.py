@@ -13,7 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from localmesh import Served, copy_with_other_digest, meshd_command, run_meshd, serving, start_join, start_serve
+from localmesh import (
+    Served,
+    copy_with_other_digest,
+    meshd_command,
+    run_meshd,
+    serving,
+    spawn,
+    start_join,
+    start_serve,
+    stop_process,
+)
 
 from meshd.cli import build_parser, expect, fetch_line, main, print_figures, print_status
 from meshd.client.ask import AskResult
@@ -447,8 +457,66 @@ def test_ctrl_c_stops_a_daemon_cleanly_and_removes_its_socket(tmp_path: Path) ->
     try:
         assert (state / "control.sock").exists()
         node.proc.send_signal(signal.SIGINT)
-        assert node.proc.wait(10) == 0
-        assert node.log is not None and "Traceback" not in node.log.read_text()
+        assert node.proc.wait(10) == 130
+        assert node.log is not None and node.log.read_text().splitlines()[-1] == "meshd join: interrupted"
     finally:
         node.stop()
     assert not (state / "control.sock").exists()
+
+
+# ----- Ctrl-C at any moment: a terminal sends it to the whole foreground process group, as killpg does here
+
+def interrupted(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """SIGINT to the process group of `proc` (its own: spawn starts a session); its exit status and stderr."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=15)
+    finally:
+        stop_process(proc)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.3, 0.6, 1.0, 2.0])
+def test_ctrl_c_in_the_first_seconds_of_a_command_is_one_line(silent_listener: socket.socket, tmp_path: Path,
+                                                              delay: float) -> None:
+    """From importing the command line (a second on a busy machine) to waiting on a dial: `python -m meshd`
+    is what the installed `meshd` script runs (pyproject's entry point)."""
+    seed = f"127.0.0.1:{silent_listener.getsockname()[1]}"
+    proc = spawn([sys.executable, "-m", "meshd", "status", "--seed", seed, "--state-dir", str(tmp_path / "state")],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    code, err = interrupted(proc)
+    if code == -signal.SIGINT:
+        # before Python took over SIGINT at all (its first milliseconds): ended quietly, as any program then
+        assert err == ""
+        return
+    assert code == 130 and err.strip() in ("meshd: interrupted", "meshd status: interrupted"), (code, err)
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat_line = Path(f"/proc/{entry}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+        # the fields after the command's name, which is in parentheses and may hold spaces
+        if int(stat_line.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.15, 0.4])
+def test_ctrl_c_while_a_volunteer_starts_its_engine_worker_is_one_line(tmp_path: Path, delay: float) -> None:
+    """The worker is started once the node places itself; Ctrl-C then reaches it mid-import too."""
+    proc = spawn([sys.executable, "-m", "meshd", "join", "--listen", "127.0.0.1:0", "--state-dir",
+                  str(tmp_path / "state"), "--threads", "1", "--max-sessions", "1", "--session-tokens", "64"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not children(proc.pid):
+        assert time.monotonic() < deadline and proc.poll() is None, "no engine worker started"
+        time.sleep(0.01)
+    time.sleep(delay)
+    code, err = interrupted(proc)
+    assert "Traceback" not in err
+    assert code == 130 and err.strip().splitlines() == ["meshd join: interrupted"], (code, err)

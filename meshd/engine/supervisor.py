@@ -13,6 +13,7 @@ import array
 import collections
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -337,8 +338,16 @@ class WorkerProcess:
     """
 
     def __init__(self, argv: list[str], fds: tuple[int, ...]) -> None:
-        self.popen = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL,
-                                      env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        # Ctrl-C at a terminal reaches the whole process group, the worker too, and the worker only
+        # ignores it once its imports are done: one that came before printed a traceback. The child
+        # starts with SIGINT blocked (a signal mask outlives exec), so it never sees one; the daemon
+        # ends it. A SIGINT meanwhile goes to another thread of the daemon, or waits the instant.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.popen = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL,
+                                          env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.pid = self.popen.pid
         self._pidfd: int | None = os.pidfd_open(self.pid)
 
