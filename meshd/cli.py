@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import errno
 import importlib.metadata
 import json
 import math
 import os
 import signal
+import socket
 import stat
 import sys
 import warnings
@@ -261,10 +263,40 @@ def expect(reply: Message, kind: type[ReplyT], what: str) -> ReplyT:
     return reply
 
 
+def check_port(where: tuple[str, int], flag: str) -> None:
+    """CommandError, naming the port and the flag that sets it, if nothing can listen on `where` now.
+
+    Checked before a daemon joins: a daemon that found its API's port taken only after joining left
+    the mesh listing it as dead, and "Address already in use" said neither which port nor which flag.
+    """
+    host, port = where[0].strip("[]"), where[1]
+    if port == 0:
+        return  # the kernel picks a free one
+    shown = join_address(host, port)
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"{flag} {shown}: {exc.strerror}") from None
+    for family, kind, proto, _, sockaddr in found:
+        with socket.socket(family, kind, proto) as probe:
+            # as trio's and Hypercorn's listeners: a port whose last connections linger in TIME_WAIT is free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise CommandError(f"port {port} is already in use ({flag} {shown}): stop what listens there, "
+                                       f"or give {flag} another port") from None
+                raise CommandError(f"cannot listen on {shown} ({flag}): {exc.strerror}") from None
+
+
 # ----- serve
 
 async def serve(args: argparse.Namespace) -> int:
     path = model_or_default(args.model)
+    check_port(args.listen, "--listen")
     kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after,
@@ -361,7 +393,7 @@ async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, 
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
         enable_circuits(peers)
         front = FrontDoor(DaemonMesh(daemon, peers, require_verified=api.require_verified), api.keys)
-        await serve_front(build_app(front), api.host, api.port, task_status=task_status)
+        await serve_front(build_app(front), api.host, api.port, front.connections, task_status=task_status)
 
 
 async def run_until_signal(daemon: MeshDaemon, banner: str, claim: StateClaim, api: ApiConfig | None = None) -> None:
@@ -435,6 +467,9 @@ async def join(args: argparse.Namespace) -> int:
     if args.disk is not None and args.model_id is None:
         raise UsageError("--disk bounds what a node fetches: it goes with --model-id")
     model = None if args.no_model or args.model_id is not None else model_or_default(args.model)
+    check_port(args.listen, "--listen")
+    if api is not None:
+        check_port((api.host, api.port), "--api")
     with claim_state_dir(args.state_dir) as claim:
         identity = node_identity(args.state_dir)
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
@@ -458,6 +493,7 @@ async def relay(args: argparse.Namespace) -> int:
     limits = RelayLimits(max_reservations=args.max_reservations, max_circuits_per_peer=args.max_circuits_per_peer,
                          max_circuit_bytes=args.max_circuit_bytes, max_circuit_seconds=args.circuit_seconds,
                          idle_timeout=args.idle_timeout)
+    check_port(args.listen, "--listen")
     with claim_state_dir(args.state_dir) as claim:
         identity = node_identity(args.state_dir)
         tap = None

@@ -520,3 +520,38 @@ def test_ctrl_c_while_a_volunteer_starts_its_engine_worker_is_one_line(tmp_path:
     code, err = interrupted(proc)
     assert "Traceback" not in err
     assert code == 130 and err.strip().splitlines() == ["meshd join: interrupted"], (code, err)
+
+
+# ----- a port in use: which one, and which flag sets it
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        yield other.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [["join", "--no-model"], ["relay"], ["serve"]], ids=lambda c: c[0])
+def test_a_listen_port_in_use_is_named_with_its_flag(busy_port: int, tmp_path: Path, command: list[str]) -> None:
+    state = [] if command[0] == "serve" else ["--state-dir", str(tmp_path / "state")]
+    result = run_meshd(*command, "--listen", f"127.0.0.1:{busy_port}", *state)
+    no_traceback(result)
+    assert one_line_error(result) == (f"meshd {command[0]}: port {busy_port} is already in use (--listen "
+                                      f"127.0.0.1:{busy_port}): stop what listens there, or give --listen another port")
+
+
+def test_an_api_port_in_use_is_refused_before_the_node_joins(busy_port: int, tmp_path: Path) -> None:
+    seed = start_join("--no-model", "--state-dir", str(tmp_path / "seed"))
+    try:
+        result = run_meshd("join", "--no-model", "--seed", seed.address, "--listen", "127.0.0.1:0",
+                           "--api", str(busy_port), "--state-dir", str(tmp_path / "api"))
+        no_traceback(result)
+        assert one_line_error(result) == (f"meshd join: port {busy_port} is already in use (--api 127.0.0.1:"
+                                          f"{busy_port}): stop what listens there, or give --api another port")
+        # it never joined: the seed knows no member but itself, dead or alive
+        shown = run_meshd("status", "--seed", seed.address)
+        assert shown.returncode == 0 and "1 member;" in shown.stdout, shown.stdout + shown.stderr
+    finally:
+        seed.stop()
