@@ -38,7 +38,7 @@ from meshd.client.ask import first_error
 from meshd.client.probe import probe_stage
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
-from meshd.fetch.source import ChunkSource, activity, register
+from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
 from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address
 from meshd.mesh.assignment import held_ranges
 from meshd.mesh.duty import (
@@ -165,6 +165,8 @@ class NodeConfig:
     model_wait: float = 600.0
     # A progress bar for the fetches (on a TTY).
     progress: bool = False
+    # What serving chunks to other members may cost this node: streams, upload budgets, timeouts.
+    upload: SourceConfig = field(default_factory=SourceConfig)
 
 
 @dataclass
@@ -267,7 +269,7 @@ class MeshDaemon:
         self.serving: list[ServingRange] = []
         self.retiring: list[ServingRange] = []
         # uploads trickle while this node's stages compute, so chunks served never starve decode
-        self.source = ChunkSource(busy=activity(self._engine_calls))
+        self.source = ChunkSource(config.upload, busy=activity(self._engine_calls))
         self._seed_addresses: dict[str, str] = {}
         self._nursery: trio.Nursery
         self._sends = 0
