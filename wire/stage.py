@@ -203,6 +203,15 @@ class InputsRequest(Message, tag="inputs_request"):
     until: Int32
 
 
+class Seal(Message, tag="seal"):
+    """To every stage of a fast session with receipts on, once the answer is in: the session's rows end
+    at position ``until``, so the stage signs its last span up to there (``wire.receipt.SPAN``)."""
+
+    session: SessionId
+    epoch: Epoch
+    until: Int32
+
+
 class StepInput(WireModel):
     pos: Int32
     n_tokens: int = Field(ge=1, le=MAX_TOKENS)

@@ -59,6 +59,9 @@ class StageError(ProtocolError):
 
     culprit: str | None = None
     untrusted_from: int | None = None
+    # a second node routed around with the culprit, where the asker cannot tell which of two lied (their
+    # signed receipts disagree on the rows that went between them, and nobody else saw those)
+    also: str | None = None
 
     def __init__(self, index: int, error: ProtocolError) -> None:
         super().__init__(error.code, error.message, error.retry_after_ms)
@@ -246,7 +249,7 @@ class Verifier(Protocol):
 
     def begin(self, session: str, epoch: int, route: Sequence[Stage], node_ids: Sequence[str | None], n_layer: int,
               result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None],
-              sampling: Sampling) -> None: ...
+              sampling: Sampling, fast: bool = False) -> None: ...
 
     def prompt_known(self, prompt_len: int) -> None: ...
 
@@ -259,6 +262,10 @@ class Verifier(Protocol):
     def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError: ...
 
     def on_chain(self, session: str, epoch: int, chain: bytes) -> None: ...
+
+    def on_receipts(self, index: int, msg: Receipts) -> None: ...
+
+    def stage_ended(self, index: int) -> None: ...
 
     def on_token(self, token: int) -> None: ...
 
@@ -318,7 +325,10 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
         # one stage cannot hold the same session twice
         raise RouteError(f"{repeated} is in the route twice, so its layers would be covered twice")
     session = session_id or new_session_id()
-    fast = fast_path(route, request, verifier is not None)
+    fast = fast_path(route, request)
+    # receipts on the daemons' path sign one step at a time: there a verified ask does not speculate
+    # (greedy or seeded, the answer is the same; only the fast path signs spans of whatever rows held)
+    speculate = "off" if verifier is not None and not fast else request.speculate
     result.epochs += 1
     remaining = request.max_tokens - len(result.tokens)
     opened: list[Stream | None] = [None] * len(route)
@@ -361,7 +371,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                     head=ref if nxt is None else None, upstream=node_ids[prev] if len(route) > 1 else None,
                     sampling=request.sampling,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
-                    wire_codec=request.wire_codec, speculate=request.speculate,
+                    wire_codec=request.wire_codec, speculate=speculate,
                     max_draft=request.max_draft, receipts=verifier is not None, fast=fast), Opened,
                     f"stage {stage.address} opening the session")
                 check_opened(stage, reply.info)
@@ -378,7 +388,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             if verifier is not None:
                 verifier.begin(session, epoch, route, node_ids, result.route[0].n_layer, result,
                                len(result.prompt_tokens) + len(result.tokens) if result.prompt_tokens else None,
-                               opened, request.sampling)
+                               opened, request.sampling, fast)
                 nursery.start_soon(verifier.run_checks)
             # the token ids ride from the head only as far as the last stage whose layers route by them
             carry = max((i for i, info in enumerate(result.route) if i and info.needs_tokens), default=0)
@@ -394,7 +404,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             last = len(opened) - 1
             for i, stream in enumerate(opened[1:-1], start=1):
                 assert stream is not None
-                nursery.start_soon(_from_stage, i, _watch_for_errors(stream, _inbox(verifier, i), answered))
+                nursery.start_soon(_from_stage, i, _watch_for_errors(stream, answered, verifier, i))
             if last > 0:
                 nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout,
                                                                           tail_stream, verifier, answered))
@@ -403,8 +413,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             answered.set()
             if verifier is not None:
                 # the tail's stream still brings the inputs that the last spot checks ask it for
-                nursery.start_soon(_from_stage, last, _watch_for_errors(tail_stream, _inbox(verifier, last),
-                                                                        answered))
+                nursery.start_soon(_from_stage, last, _watch_for_errors(tail_stream, answered, verifier, last))
                 await verifier.settle(stall_timeout)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -425,10 +434,10 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     return result
 
 
-def fast_path(route: Sequence[Stage], request: AskRequest, receipts: bool) -> bool:
+def fast_path(route: Sequence[Stage], request: AskRequest) -> bool:
     """Whether a session takes the fast path: asked for, a split route of direct hops (a relay
-    circuit's frames go through the relay's daemon), f32 rows, no receipts and no draft model."""
-    return (request.fast and len(route) > 1 and not receipts and request.speculate != "model"
+    circuit's frames go through the relay's daemon), f32 rows and no draft model."""
+    return (request.fast and len(route) > 1 and request.speculate != "model"
             and (request.wire_dtype, request.wire_codec) == ("f32", "raw")
             and not any(CIRCUIT_MARK in s.address for s in route))
 
@@ -441,7 +450,7 @@ async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: flo
         msg = await stream.receive_message()
     ids = _take_prompt_tokens(msg, result, verifier)
     await tail.send_message(ids)
-    await _watch_for_errors(stream, answered=answered)
+    await _watch_for_errors(stream, answered, verifier, 0)
 
 
 def _take_prompt_tokens(msg: Message, result: AskResult, verifier: Verifier | None = None) -> PromptTokens:
@@ -453,32 +462,35 @@ def _take_prompt_tokens(msg: Message, result: AskResult, verifier: Verifier | No
     return msg
 
 
-def _inbox(verifier: Verifier | None, index: int) -> trio.MemorySendChannel[Inputs] | None:
-    return None if verifier is None else verifier.inbox(index)
-
-
-async def _watch_for_errors(stream: Stream, inbox: trio.MemorySendChannel[Inputs] | None = None,
-                            answered: trio.Event | None = None) -> None:
-    """A stage that is not the tail says nothing more unless it fails the session (or, with an
-    ``inbox``, hands over the inputs a spot check asked it for).
+async def _watch_for_errors(stream: Stream, answered: trio.Event | None = None, verifier: Verifier | None = None,
+                            index: int = 0) -> None:
+    """A stage that is not the tail says nothing more unless it fails the session, or (with a
+    ``verifier``) hands over the inputs a spot check asked it for or, on the fast path, its receipts.
 
     Once the answer is in (``answered``), a stage that ends the session (it evicted the finished
     session, say, or died) no longer fails it: the answer stands, and the spot checks that wait
-    on the stage's inputs learn that none come (``inbox`` closes)."""
+    on the stage's inputs learn that none come (its inbox closes)."""
+    inbox = None if verifier is None else verifier.inbox(index)
     try:
-        while inbox is not None:
+        while True:
             msg = await stream.receive_message()
-            if not isinstance(msg, Inputs):
+            if inbox is not None and isinstance(msg, Inputs):
+                await inbox.send(msg)
+            elif verifier is not None and isinstance(msg, Receipts):
+                verifier.on_receipts(index, msg)
+            else:
                 rpc.expect(msg, Released, "a stage's word on the session")
                 break
-            await inbox.send(msg)
-        else:
-            await rpc.receive(stream, Released, "a stage's word on the session")
         raise ProtocolError(ErrorCode.INTERNAL, "a stage released the session before it finished")
+    except StageError:
+        # a lie its receipts show fails the epoch, answered or not
+        raise
     except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError) as exc:
         if answered is None or not answered.is_set():
             raise
         log.info("a stage ended the session after the answer was in: %s", getattr(exc, "message", repr(exc)))
+        if verifier is not None:
+            verifier.stage_ended(index)
         if inbox is not None:
             inbox.close()
 
@@ -493,22 +505,24 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
             _take_prompt_tokens(msg, result, verifier)
             continue
         if verifier is not None and isinstance(msg, Receipts):
-            # a step that sampled no token (a prompt chunk before the last, the end of generation)
-            verifier.on_chain(msg.session, msg.epoch, msg.chain)
+            # a step that sampled no token (a prompt chunk before the last, the end of generation), or
+            # on the fast path the tail's own spans
+            verifier.on_receipts(len(result.route) - 1, msg)
             continue
         if inbox is not None and isinstance(msg, Inputs):
             await inbox.send(msg)
             continue
         if isinstance(msg, Token):
-            if verifier is not None:
-                if msg.receipts is not None:
-                    # the receipts of the step that sampled the token ride inside it
-                    verifier.on_chain(msg.session, msg.epoch, msg.receipts)
-                verifier.on_token(msg.token)
+            if verifier is not None and msg.receipts is not None:
+                # the receipts of the step that sampled the token ride inside it
+                verifier.on_chain(msg.session, msg.epoch, msg.receipts)
             if result.first_token_at is None:
                 result.first_token_at = time.perf_counter()
             result.tokens.append(msg.token)
             result.pieces.append(msg.piece)
+            if verifier is not None:
+                # (a lie it shows starts the answer again: the token goes with the rest)
+                verifier.on_token(msg.token)
             await deliver(on_token, msg.token, msg.piece)
         elif isinstance(msg, Done):
             if verifier is not None:
@@ -673,7 +687,7 @@ async def _culprits(peers: Peers, route: Sequence[Stage], exc: BaseException,
     """The node ids to route around after `exc` failed `route`: the proven culprit if the error names
     one; else as `blamed` says, from a probe of every stage."""
     if isinstance(exc, StageError) and exc.culprit is not None:
-        return [exc.culprit]
+        return [exc.culprit] + ([exc.also] if exc.also is not None else [])
     alive = await _probe(peers, route)
     return blamed(route, alive, exc.index if isinstance(exc, StageError) else None, suspects)
 

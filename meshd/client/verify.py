@@ -26,13 +26,13 @@ no proof to pass on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import trio
 
 from meshd.client.ask import (
@@ -45,21 +45,18 @@ from meshd.client.ask import (
     check_opened,
     release_all,
 )
+from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
 from meshd.client.check_session import open_check_session
-from meshd.mesh.proofs import BrokenChain, Step, check_chain, check_signatures
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import (
-    Link,
-    PackedChain,
     Proof,
     Receipt,
     Receipts,
     history_next,
     history_start,
-    read_chain,
     row_hash,
     sampling_bytes,
     unpack_chain,
@@ -68,6 +65,7 @@ from wire.stage import (
     Inputs,
     InputsRequest,
     Sampling,
+    Seal,
     StageInfo,
     StepInput,
 )
@@ -75,7 +73,6 @@ from wire.tensors import encode_activation
 
 log = logging.getLogger(__name__)
 
-NO_TOKENS = row_hash(b"")
 DEFAULT_VERIFY = 16
 # replicas looked for per range: one to check on, and a third node to settle a mismatch
 REPLICAS_WANTED = 2
@@ -86,206 +83,6 @@ INPUTS_SECONDS = 10.0
 INPUTS_RATE = 1 << 20
 # a replay's activations go to its replica in writes of about this size
 REPLAY_WRITE_BYTES = 1 << 20
-
-
-class StageLied(StageError):
-    """A stage of the route lied (or forwarded what an honest stage would not): always worth a retry
-    on a route without ``culprit`` (a node id). ``proof`` is set where anyone can check it; ``pos``
-    is the first position whose rows the lie touched: tokens sampled from there on are not trusted."""
-
-    def __init__(self, index: int, culprit: str, reason: str, proof: Proof | None = None, pos: int | None = None):
-        super().__init__(index, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"node {culprit[:16]} lied: {reason}"))
-        self.culprit: str = culprit
-        self.proof = proof
-        self.untrusted_from = pos
-
-    @property
-    def retryable(self) -> bool:
-        return True
-
-
-def blamed(exc: StageError, node_ids: Sequence[str | None]) -> StageError:
-    """A stage that refused its input as corrupt (a broken receipt chain, rows that are not the
-    ones signed) got it from its upstream over an authenticated link: the upstream is to blame."""
-    if isinstance(exc, StageLied) or exc.code is not ErrorCode.PAYLOAD_CORRUPT or len(node_ids) < 2:
-        return exc
-    up = (exc.index - 1) % len(node_ids)
-    culprit = node_ids[up]
-    return exc if culprit is None else StageLied(up, culprit, f"stage {exc.index} refused its input: {exc.message}")
-
-
-class Signed(Mapping[int, Receipt]):
-    """One stage's receipts by position, kept as the chains they came in: each becomes a ``Receipt``
-    only when a spot check or a proof asks for it (and is kept as one from then on)."""
-
-    def __init__(self) -> None:
-        self._at: dict[int, tuple[PackedChain, int] | Receipt] = {}
-
-    def put(self, pos: int, chain: PackedChain, k: int) -> None:
-        self._at[pos] = (chain, k)
-
-    def __getitem__(self, pos: int) -> Receipt:
-        kept = self._at[pos]
-        if isinstance(kept, tuple):
-            kept = self._at[pos] = kept[0].receipt(kept[1])
-        return kept
-
-    def wire(self, pos: int) -> bytes:
-        """The receipt at ``pos`` as it travelled."""
-        kept = self._at[pos]
-        return kept[0].wire(kept[1]) if isinstance(kept, tuple) else kept.wire
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._at)
-
-    def __len__(self) -> int:
-        return len(self._at)
-
-
-@dataclass
-class Audit:
-    """Checks one epoch's chains of receipts as the tail hands them over."""
-
-    session: str
-    epoch: int
-    node_ids: list[str]
-    n_layer: int
-    result: AskResult
-    # where this epoch's prompt ends (prompt and tokens re-prefilled after a failover); None until known
-    prompt_len: int | None = None
-    next_pos: int = 0
-    steps: int = 0
-    # where the tail's last receipt is (the ring's next chain starts with it; None: none yet)
-    last_tail_pos: int | None = None
-    awaiting_token: Link | None = None
-    # chains that came before the head's tokens of the prompt did
-    pending: list[PackedChain] = field(default_factory=list)
-    # every stage's receipts by position, for the spot checks
-    by_stage: list[Signed] = field(default_factory=list)
-    on_step: list[Draws] = field(default_factory=list)
-    # the route's model: the receipts' own, which the chains do not carry (``unpack_chain``)
-    model: str = ""
-
-    def __post_init__(self) -> None:
-        self.by_stage = [Signed() for _ in self.node_ids]
-
-    @property
-    def tail(self) -> int:
-        return len(self.node_ids) - 1
-
-    def _lie(self, index: int, reason: str, proof: Proof | None = None, pos: int | None = None) -> StageLied:
-        return StageLied(index, self.node_ids[index], reason, proof, self.next_pos if pos is None else pos)
-
-    def prompt_known(self, prompt_len: int) -> None:
-        self.prompt_len = prompt_len
-        pending, self.pending = self.pending, []
-        for chain in pending:
-            self.on_chain(chain)
-
-    def _broken(self, exc: BrokenChain, decode: bool, pos: int | None = None) -> StageLied:
-        # a stage that signed over a forged receipt is the liar; otherwise the tail handed it over
-        index = self.tail if exc.culprit is None else exc.culprit - (1 if decode else 0)
-        return self._lie(index, f"its chain of receipts: {exc}", pos=pos)
-
-    def answerable(self, index: int, pos: int) -> int:
-        """Who answers for stage ``index``'s receipt of the step at ``pos``: that stage where its
-        signature holds; else the first stage after it whose own holds, which signed over a forgery
-        (an honest one checks its sender's); none holding, the tail, which handed them over.
-
-        Signatures are checked only here, where a receipt becomes evidence against its signer (a
-        lie, a proof): the answer's correctness rests on the hashes they sign, whose links are
-        checked as each chain comes and whose outputs spot checks compare."""
-        for k in range(index, len(self.node_ids)):
-            if self.by_stage[k][pos].verify():
-                return k
-        return self.tail
-
-    def lie_about(self, index: int, pos: int, reason: str, proof: Proof | None = None) -> StageLied:
-        """The lie stage ``index``'s receipt at ``pos`` shows, laid at whoever answers for the receipt."""
-        who = self.answerable(index, pos)
-        if who != index:
-            return self._lie(who, f"it signed over a forged receipt of stage {index}", pos=pos)
-        return self._lie(index, reason, proof, pos)
-
-    def on_packed(self, session: str, epoch: int, packed: bytes) -> None:
-        """A chain as the tail hands it over (``on_chain``): one that does not unpack is its doing."""
-        try:
-            chain = read_chain(packed, session, epoch, self.model)
-        except ProtocolError as exc:
-            raise self._lie(self.tail, f"its chain of receipts: {exc.message}") from None
-        self.on_chain(chain)
-
-    def on_chain(self, chain: PackedChain) -> None:
-        if self.awaiting_token is not None:
-            raise self._lie(self.tail, "a sampled step's token never came")
-        if self.prompt_len is None:
-            if len(self.pending) >= 4096:
-                raise self._lie(self.tail, "receipts far ahead of the prompt")
-            self.pending.append(chain)
-            return
-        links = chain.links
-        pos = self.next_pos
-        decode = pos >= self.prompt_len
-        if (chain.session, chain.epoch) != (self.session, self.epoch):
-            raise self._lie(self.tail, "receipts of another session")
-        try:
-            # links by hash; signatures where a receipt becomes evidence (``answerable``)
-            check_chain(chain, Step(self.session, self.epoch, pos, links[-1].n_tokens, self.n_layer,
-                                    self.node_ids[-1], links[-1].h_out, decode), signatures="later")
-        except BrokenChain as exc:
-            raise self._broken(exc, decode) from None
-        first = 1 if decode else 0
-        if decode and (self.last_tail_pos is None
-                       or chain.wire(0) != self.by_stage[self.tail].wire(self.last_tail_pos)):
-            # a proof is built from receipts whose signatures hold
-            try:
-                check_signatures(chain)
-            except BrokenChain as exc:
-                raise self._broken(exc, decode) from None
-            ring, proof = chain.receipt(0), None
-            if self.last_tail_pos is not None:
-                last = self.by_stage[self.tail][self.last_tail_pos]
-                if ring.same_step(last) and ring.h_out != last.h_out:
-                    proof = Proof(kind="equivocation", culprit=ring, witnesses=[last])
-            raise self._lie(self.tail, "it gave the head another token than the asker", proof)
-        if [links[k].node_id for k in range(first, len(links))] != self.node_ids:
-            raise self._lie(self.tail, "receipts of nodes not on the route")
-        head, last_link = links[first], links[-1]
-        n = head.n_tokens
-        for k in range(first, len(links)):
-            self.by_stage[k - first].put(pos, chain, k)
-        if not decode:
-            known = self.result.prompt_tokens + self.result.tokens
-            if len(known) >= pos + n and head.h_in != row_hash(np.asarray(known[pos:pos + n], np.int32).tobytes()):
-                raise self.lie_about(0, pos, "the head signed another prompt than it tokenized")
-        sampled = pos + n >= self.prompt_len
-        if sampled == (last_link.h_out == NO_TOKENS):
-            raise self._lie(self.tail, "the tail's receipt says it sampled where it cannot have")
-        self.awaiting_token = last_link if sampled else None
-        self.last_tail_pos = pos
-        self.next_pos = pos + n
-        self.steps += 1
-        for channel in list(self.on_step):
-            try:
-                channel.send_nowait(self.next_pos)
-            except trio.BrokenResourceError:
-                # that range's checks have ended (no replica left that answers)
-                self.on_step.remove(channel)
-
-    def on_token(self, token: int) -> None:
-        expected, self.awaiting_token = self.awaiting_token, None
-        if self.prompt_len is None:
-            return
-        if expected is None:
-            raise self._lie(self.tail, "a token without a receipt")
-        if expected.h_out != row_hash(np.asarray([token], np.int32).tobytes()):
-            raise self._lie(self.tail, "a token other than the one its receipt signs")
-
-    def finish(self, reason: str) -> None:
-        if self.pending:
-            raise self._lie(self.tail, "receipts that no prompt explains")
-        if self.awaiting_token is not None and reason != "eog":
-            raise self._lie(self.tail, "a sampled step's token never came")
 
 
 # ----- spot checks
@@ -324,9 +121,11 @@ class Draws:
     channel: trio.MemorySendChannel[int]
     plan: CheckPlan
 
-    def send_nowait(self, pos: int) -> None:
+    def send_nowait(self, pos: int, n: int = 1) -> None:
+        """Positions up to ``pos`` are in, the last ``n`` of them new (a step's decode row, or a fast
+        session's span): each new one is drawn 1 in ``plan.every``, so a span weighs its rows."""
         # one draw a step and range: 0.53 µs (timeit, this box) on a token of tens of milliseconds
-        if self.plan.rng.randrange(self.plan.every) == 0:
+        if self.plan.rng.randrange(self.plan.every) < n:
             self.channel.send_nowait(pos)
 
     def close(self) -> None:
@@ -675,6 +474,9 @@ class Verifier:
         self.replicas: dict[int, list[Stage]] = {}
         self.inboxes: dict[int, Inbox] = {}
         self._checks: list[tuple[RangeCheck, trio.MemoryReceiveChannel[int]]] = []
+        # the route's control streams (a seal goes on them), and the stages that ended the session after the answer
+        self.streams: list[Stream | None] = []
+        self.ended: set[int] = set()
 
     async def prepare(self, route: Sequence[Stage], avoid: Collection[str] = ()) -> None:
         """Finds replicas for the route's ranges (a second and a third node for each, where the mesh
@@ -705,10 +507,15 @@ class Verifier:
         self.plan.candidates = found
 
     def begin(self, session: str, epoch: int, route: Sequence[Stage], node_ids: Sequence[str | None], n_layer: int,
-              result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None], sampling: Sampling) -> None:
+              result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None], sampling: Sampling,
+              fast: bool = False) -> None:
+        """A new epoch on ``route``; on the fast path (``fast``) each stage signs spans of its own."""
         ids = [n for n in node_ids if n is not None]
         assert len(ids) == len(node_ids), "every stage's node id is known once the route is open"
-        self.audit = Audit(session, epoch, ids, n_layer, result, model=result.route[-1].model_digest)
+        self.audit = (SpanAudit if fast else Audit)(session, epoch, ids, n_layer, result,
+                                                    model=result.route[-1].model_digest)
+        self.streams = list(streams)
+        self.ended = set()
         result.checked = self.plan.every > 0
         # a node this ask routed around (dead, stalled, lying) checks nothing: its range would go unchecked
         avoid = {*self.liars, *result.excluded}
@@ -756,6 +563,8 @@ class Verifier:
         checked is said in ``AskResult.unverified``."""
         audit = self.audit
         assert audit is not None
+        if isinstance(audit, SpanAudit):
+            await self._seal(audit)
         for channel in audit.on_step:
             channel.close()
         audit.on_step.clear()
@@ -764,6 +573,34 @@ class Verifier:
         if not self._failed:
             self._unverified(f"its check did not end within {timeout:g} s")
 
+    def stage_ended(self, index: int) -> None:
+        """Stage ``index`` ended the session once the answer was in (it evicted it, say): what it did not
+        sign or hand over by then is unchecked, not withheld."""
+        self.ended.add(index)
+
+    async def _seal(self, audit: SpanAudit) -> None:
+        """The fast path's last spans: every stage is told where the rows end (the last sampled token's
+        position: the eog's row, if one ended the answer, signs nothing the asker has) and signs up to
+        there. A stage that does not (its stream, once the answer is in, just ends) leaves its range unchecked."""
+        assert audit.prompt_len is not None
+        # the positions run: the prompt's, and one per token sampled but the last
+        until = audit.prompt_len + len(audit.result.tokens) - audit.tokens_before - 1
+        audit.seal(until)
+        msg = Seal(session=audit.session, epoch=audit.epoch, until=until)
+        for stream in self.streams:
+            if stream is not None:
+                with contextlib.suppress(ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send_message(msg)
+        with trio.move_on_after(self.plan.inputs_seconds):
+            while not audit.sealed:
+                await audit.progress.wait()
+        silent = [i for i, sent in enumerate(audit.sent_until) if sent < until and i not in self.ended]
+        if silent:
+            # withholding its last receipt keeps its last span from the checks: a failed check, as for inputs
+            index = silent[0]
+            raise StageLied(index, audit.node_ids[index], f"it did not sign its last span within "
+                                                          f"{self.plan.inputs_seconds:g} s", pos=audit.next_pos)
+
     def _unverified(self, cut_short: str) -> None:
         """Notes each range of the epoch whose steps no replica matched up to the end of the answer,
         and why: it has no replica, its checks ended (``RangeCheck.stopped``), or ``cut_short`` (the
@@ -771,10 +608,12 @@ class Verifier:
         audit = self.audit
         assert audit is not None
         checks = {check.index: check for check, _ in self._checks}
+        # (on the fast path, the answer's rows end where the asker sealed them, signed or not)
+        end = audit.sealed_at if isinstance(audit, SpanAudit) and audit.sealed_at is not None else audit.next_pos
         for index, info in enumerate(audit.result.route):
             check = checks.get(index)
             until = (0 if check is None else check.checked_until) if self.plan.every > 0 else audit.next_pos
-            if until < audit.next_pos:
+            if until < end:
                 note = Unchecked(info.layer_begin, info.layer_end, audit.node_ids[index], until,
                                  "no replica" if check is None else check.stopped or cut_short)
                 log.info("spot checks: %s", note)
@@ -786,7 +625,7 @@ class Verifier:
             # the answer keeps this epoch's tokens: the ranges' steps since their last check go unchecked
             self._unverified("the route failed before its next check")
         if error.culprit is not None:
-            self.liars.add(error.culprit)
+            self.liars.update([error.culprit] if error.also is None else [error.culprit, error.also])
             if self.audit is not None:
                 self.caught_at.append(self.audit.steps)
         if isinstance(error, StageLied) and error.proof is not None and len(self.proofs) < MAX_PROOFS:
@@ -796,6 +635,14 @@ class Verifier:
     def on_chain(self, session: str, epoch: int, chain: bytes) -> None:
         assert self.audit is not None
         self.audit.on_packed(session, epoch, chain)
+
+    def on_receipts(self, index: int, msg: Receipts) -> None:
+        """Receipts that came on stage ``index``'s own stream: its spans on the fast path, else the
+        route's chain (the tail hands it over)."""
+        if isinstance(self.audit, SpanAudit):
+            self.audit.on_stage(index, msg.session, msg.epoch, msg.chain)
+        else:
+            self.on_chain(msg.session, msg.epoch, msg.chain)
 
     def on_token(self, token: int) -> None:
         assert self.audit is not None

@@ -49,6 +49,7 @@ import numpy as np
 from meshd import steps
 from meshd.engine.draft import DraftLength, NgramDrafter
 from meshd.engine.engine import Context, EngineError, Model, Sampler
+from meshd.engine.spans import Span, SpanBook, SpanError
 from wire.errors import ErrorCode, ProtocolError
 from wire.fastlink import ROWS, ROWS_IDS, TOKENS, Opener, Sealer, Step
 
@@ -198,6 +199,8 @@ class FastSession:
     sent_pos: int | None = None
     # the tail: the daemon has been told of one of its tokens (the first is told at once)
     told: bool = False
+    # with receipts on: the rows' hashes span by span, for the daemon to sign (meshd.engine.spans)
+    spans: SpanBook | None = None
 
 
 @dataclass
@@ -248,6 +251,8 @@ class FastPlane:
                         gets_ids=bool(h.get("gets_ids", False)), chunk=max(1, int(h.get("chunk", 128))))
         if not 0 < s.max_pos <= self.ctx.n_ctx_seq:
             raise EngineError(f"{s.max_pos} positions for a session, this context holds {self.ctx.n_ctx_seq}")
+        if h.get("span"):
+            s.spans = SpanBook(int(h["span"]), keep=not report.has_input)
         if report.has_input:
             prompt = np.asarray(h["prompt"], dtype=np.int32)
             if len(prompt) != s.prompt_len or len(prompt) > s.max_pos:
@@ -292,6 +297,27 @@ class FastPlane:
         if s is None:
             raise EngineError(f"no fast session {seq}")
         return {"next_pos": s.next_pos, "draft_from": s.draft_from, "stopped": s.stopped}
+
+    def seal(self, h: dict[str, Any]) -> None:
+        """The asker's word that the session ends at ``until``: the last spans' hashes up to there are
+        told as events, after every one held (one channel, so the daemon signs them in order)."""
+        s = self._spanned(h)
+        try:
+            closed = s.spans.seal(int(h["until"])) if s.spans is not None else []
+        except SpanError as exc:
+            raise EngineError(str(exc)) from None
+        self._tell(self.held.take() + [span_event(s, c) for c in closed])
+
+    def inputs(self, h: dict[str, Any]) -> list[Span]:
+        """The kept inputs of the closed spans before ``until`` (a spot check's), forgotten once taken."""
+        s = self._spanned(h)
+        return [] if s.spans is None else s.spans.take(int(h["until"]))
+
+    def _spanned(self, h: dict[str, Any]) -> FastSession:
+        s = self.sessions.get(int(h["seq"]))
+        if s is None or s.tag != int(h["tag"]):
+            raise EngineError(f"no fast session {h['seq']} ({h['tag']})")
+        return s
 
     def end(self, h: dict[str, Any]) -> None:
         """The daemon's word that the session takes no more steps (a stop string ended it)."""
@@ -527,12 +553,32 @@ class FastPlane:
             row += w.n
             if s.failed or s.link_out is None:
                 continue
+            if s.spans is not None:
+                self._spanned_step(w, [r.tobytes() for r in rows])
             if s.carry and w.tokens is not None:
                 s.link_out.send(ROWS_IDS, w.pos, w.n, rows.tobytes() + np.asarray(w.tokens, np.int32).tobytes(),
                                 w.drafts)
             else:
                 s.link_out.send(ROWS, w.pos, w.n, rows.data.cast("B"), w.drafts)
             self._watch_out(s)
+
+    def _spanned_step(self, w: Work, outs: list[bytes]) -> None:
+        """Books the step's rows in its session's spans; tells the daemon of the spans that closed."""
+        s = w.session
+        assert s.spans is not None
+        if w.hidden is not None:
+            ins = [r.tobytes() for r in w.hidden]
+            ids = [] if w.tokens is None else [t.tobytes() for t in w.tokens]
+        else:
+            assert w.tokens is not None
+            ins, ids = [t.tobytes() for t in w.tokens], []
+        try:
+            closed = s.spans.step(w.pos, ins, outs, ids)
+        except SpanError as exc:
+            self._fail(s, ErrorCode.BAD_REQUEST, str(exc))
+            return
+        if closed:
+            self._tell(self.held.hold([span_event(s, c) for c in closed], time.monotonic()))
 
     @staticmethod
     def _sampled_rows(w: Work) -> int:
@@ -593,6 +639,14 @@ class FastPlane:
             s.link_out.send(TOKENS, pos, len(ids), ids.tobytes(), len(s.drafts))
             self._watch_out(s)
         events = []
+        if s.spans is not None:
+            # a row's output at the tail is the token sampled from it (none before the prompt's last row);
+            # rows past the first pick that was not the draft were not sampled, and the next step drops them
+            outs = [b""] * w.n
+            first = w.n - len(rows)
+            for i, token in enumerate(picks):
+                outs[first + i] = np.int32(token).tobytes()
+            self._spanned_step(w, outs)
         for token, eog in emitted:
             event: dict[str, Any] = {"ev": "token", "seq": s.seq, "tag": s.tag, "token": token, "eog": eog,
                                      "piece": self.model.token_piece(token)}
@@ -613,3 +667,8 @@ class FastPlane:
 
     def on_timer(self, now: float) -> None:
         self._tell(self.held.due(now))
+
+
+def span_event(s: FastSession, span: Span) -> dict[str, Any]:
+    return {"ev": "span", "seq": s.seq, "tag": s.tag, "pos": span.pos, "n": span.n, "h_in": span.h_in,
+            "h_out": span.h_out}

@@ -158,6 +158,18 @@ class Worker:
     def op_fast_stats(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True, "stats": self.plane.stats}, b""
 
+    def op_fast_seal(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """A fast session's last spans, closed where the asker says the session ends (told as events)."""
+        self.plane.seal(h)
+        return {"ok": True}, b""
+
+    def op_fast_inputs(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """A fast session's kept inputs (a spot check's): each span's position, row count, bytes of rows
+        and token ids in the header, the rows one after the other in the payload."""
+        spans = self.plane.inputs(h)
+        return ({"ok": True, "spans": [[sp.pos, sp.n, len(sp.rows_in), sp.ids] for sp in spans]},
+                b"".join(sp.rows_in for sp in spans))
+
     def op_fast_end(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         self.plane.end(h)
         return {"ok": True}, b""

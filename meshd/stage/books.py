@@ -553,7 +553,12 @@ class StageBooks(Generic[T]):
         return prompt_len is not None and work.pos + work.n >= prompt_len
 
     def sampled_rows(self, work: Work[T]) -> int:
-        """How many of ``work``'s last rows the tail samples after: the last, and one per draft before it."""
+        """How many of ``work``'s last rows the tail samples after: the last, and one per draft before it;
+        in a check session, every row from the prompt's last on (a fast session's span, replayed as one
+        step, whose receipt signs the token sampled from each of its rows)."""
+        if work.session.joins:
+            prompt_len = work.session.prompt_len
+            return 0 if prompt_len is None else max(0, min(work.n, work.pos + work.n - prompt_len + 1))
         return work.drafts + 1 if self.samples(work) else 0
 
     def history(self, work: Work[T]) -> int:

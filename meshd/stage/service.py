@@ -55,7 +55,7 @@ from relay.protocol import CIRCUIT_MARK
 from wire.codec import Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.receipt import MAX_CHAIN, PackedChain, read_chain, row_hash, sampling_bytes
+from wire.receipt import MAX_CHAIN, SPAN, PackedChain, read_chain, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
@@ -72,6 +72,7 @@ from wire.stage import (
     Prompt,
     PromptTokens,
     Released,
+    Seal,
     StageInfo,
     StepInput,
     Token,
@@ -341,14 +342,16 @@ class StageService:
 
     def _check_open(self, msg: Open) -> None:
         r = self.report
-        if msg.receipts and msg.speculate != "off":
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts sign one step at a time: not with speculation")
+        if msg.receipts and msg.speculate != "off" and not msg.fast:
+            # (the fast path signs spans of final rows: meshd.engine.spans)
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts on the daemons' path sign one step at a time: "
+                                                       "not with speculation")
         if msg.check and not msg.receipts:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a check session is there for its receipts")
-        if msg.fast and (msg.receipts or msg.speculate == "model" or (msg.wire_dtype, msg.wire_codec) != ("f32", "raw")
+        if msg.fast and (msg.check or msg.speculate == "model" or (msg.wire_dtype, msg.wire_codec) != ("f32", "raw")
                          or r.has_input and r.has_output):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the fast path carries f32 rows of a split route, without "
-                                                       "receipts or a draft model")
+                                                       "a draft model")
         if msg.model_digest is not None and msg.model_digest != self.digest:
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"this stage serves model {self.digest[:16]}, "
                                                           f"not {msg.model_digest[:16]}")
@@ -495,7 +498,12 @@ class StageService:
             elif isinstance(msg, PromptTokens):
                 self._take_prompt_ids(session, msg)
             elif isinstance(msg, InputsRequest):
-                self._send_inputs(session, msg)
+                if session.open.fast and session.receipts is not None and not self.report.has_input:
+                    await self._fast_inputs(session, msg)
+                else:
+                    self._send_inputs(session, msg)
+            elif isinstance(msg, Seal):
+                await self._seal(session, msg)
             else:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a session stream")
 
@@ -692,6 +700,7 @@ class StageService:
                                  "max_pos": book.next_pos, "prompt_len": prompt_len, "max_tokens": book.max_tokens,
                                  "carry": session.carry, "gets_ids": session.gets_ids, "prompt": prompt,
                                  "history": history, "chunk": self.limits.prefill_chunk,
+                                 "span": SPAN if session.receipts is not None else 0,
                                  "max_draft": session.open.max_draft if session.open.speculate == "ngram" else 0})
         session.fast_opened.set()
 
@@ -734,6 +743,8 @@ class StageService:
         if event.get("ev") == "error":
             code = ErrorCode(event["code"]) if event.get("code") in ErrorCode.__members__ else ErrorCode.INTERNAL
             self._fail(session, ProtocolError(code, str(event.get("message"))))
+        elif event.get("ev") == "span":
+            self._sign_spans(session, [(event["pos"], event["n"], event["h_in"], event["h_out"])])
         elif event.get("ev") == "token":
             if session.draft_length is not None and "drafted" in event:
                 # the worker drafts and verifies; Done reports its counts
@@ -743,6 +754,45 @@ class StageService:
                 # the books ended it (a stop string): the worker stops too
                 session.fast_ended = True
                 self._fast_end_send.send_nowait(session)
+
+    def _sign_spans(self, session: Session, spans: list[tuple[int, int, bytes, bytes]]) -> None:
+        """Signs a fast session's spans as its worker hashed them and sends them to the asker, this
+        stage's receipts alone: the asker checks that each stage's input is the one before's output."""
+        receipts = session.receipts
+        if receipts is None or not spans:
+            return
+        if self.report.has_output and not receipts.hist:
+            receipts.sampling = sampling_bytes(session.open.sampling, session.book.prompt_len or 0)
+        for k in range(0, len(spans), MAX_CHAIN):
+            signed = b"".join(receipts.sign_wire(int(pos), int(n), bytes(h_in), bytes(h_out))
+                              for pos, n, h_in, h_out in spans[k:k + MAX_CHAIN])
+            session.to_asker.send_nowait(receipts_message(session.book.id, session.book.epoch, signed))
+
+    async def _seal(self, session: Session, msg: Seal) -> None:
+        """The answer is in: this stage's last span, up to where the asker says the rows end."""
+        book = session.book
+        if (msg.session, msg.epoch) != (book.id, book.epoch):
+            raise ProtocolError(ErrorCode.EPOCH_STALE, "a seal of another session or epoch")
+        if session.receipts is None or not session.open.fast:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "only a fast session with receipts is sealed")
+        await session.fast_opened.wait()
+        # the worker tells the last spans as events, after the ones it told before (``on_engine_event``)
+        await self._engine_call({"op": "fast_seal", "seq": book.slot, "tag": session.fast_tag, "until": msg.until})
+
+    async def _fast_inputs(self, session: Session, msg: InputsRequest) -> None:
+        """A fast session's kept inputs, span by span, from its engine worker (``_send_inputs``)."""
+        book = session.book
+        reply, body = await self._engine_call({"op": "fast_inputs", "seq": book.slot, "tag": session.fast_tag,
+                                               "until": msg.until})
+        offset = 0
+        for pos, n, size, ids in reply["spans"]:
+            rows = np.frombuffer(body, dtype=np.float32, count=size // 4, offset=offset).reshape(n, -1)
+            offset += size
+            entry = tensor_fields(HIDDEN, rows, "f32", "raw")
+            session.kept.append(StepInput.unvalidated({
+                "pos": pos, "n_tokens": n, "tensor": TensorEntry.unvalidated(entry),
+                "tokens": np.frombuffer(ids, dtype=np.int32).tolist() if ids else None}))
+        self._send_inputs(session, msg)
 
     async def _end_fast(self) -> None:
         async for session in self._fast_end_recv:
@@ -1083,7 +1133,9 @@ class StageService:
         assert s.receipts is not None
         if not s.receipts.hist:
             s.receipts.sampling = sampling_bytes(s.open.sampling, s.book.prompt_len or 0)
-        sampled = np.asarray([p[0] for p in picks[:w.drafts + 1]] if picks else [], dtype=np.int32)
+        # (a check session's every pick: the span it replays sampled from each row)
+        taken = picks if s.open.check else picks[:w.drafts + 1]
+        sampled = np.asarray([p[0] for p in taken if p is not None], dtype=np.int32)
         mine, chain = s.receipts.extend(w.payload.chain, w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()))
         if s.open.check:
             # a replica's receipt goes to the asker that checks it, on its own: nothing reads its tokens
