@@ -41,7 +41,7 @@ from meshd.client.ask import (
 )
 from meshd.client.asker import Asker, Unverified, unverified_reason
 from meshd.client.verify import DEFAULT_VERIFY
-from meshd.daemon import MeshDaemon, NodeConfig, rpc
+from meshd.daemon import CannotVolunteer, MeshDaemon, NodeConfig, rpc
 from meshd.engine import RangeReport
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
@@ -1072,7 +1072,8 @@ def report_failure(command: str, exc: BaseException) -> int:
         # promised). That is the interrupt's doing, not something to tell the user.
         warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
         return 130
-    if isinstance(exc, (UsageError, CommandError, RouteError, ModelNotFound, WorkerStartError, ControlError)):
+    if isinstance(exc, (UsageError, CommandError, RouteError, ModelNotFound, WorkerStartError, ControlError,
+                        CannotVolunteer)):
         message = str(exc)
     elif isinstance(exc, ProtocolError):
         message = f"{exc.code.value}: {exc.message}"

@@ -40,7 +40,7 @@ from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
 from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
 from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address
-from meshd.mesh.assignment import held_ranges
+from meshd.mesh.assignment import ModelSpec, held_ranges, stage_fits
 from meshd.mesh.duty import (
     AskAssignment,
     AssignmentChanged,
@@ -116,6 +116,8 @@ SPEEDS_TIMEOUT = 2.0
 # How long a claimant holds an assignment ask for the votes that carry it (a gossip round away), well
 # inside the asker's rpc timeout: its voters ask the moment they vote, before their votes arrive here.
 CLAIM_WAIT = 2.0
+# the unit a volunteer's memory is told in, as on the command line (--memory 64M)
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,7 @@ class MeshDaemon:
             # the model id hashes the manifest, computed once (a progress bar on a TTY) and cached
             self.manifest = await trio.to_thread.run_sync(model_manifest, cfg.model, cfg.state_dir)
             self.model = await trio.to_thread.run_sync(describe_model, cfg.model, self.manifest.model_id)
+            check_volunteer(self.model, cfg)
             self.model_path = cfg.model
             self.source.offer(WholeFile(cfg.model, self.manifest))
         async with open_peers(self.identity, cfg.peers) as peers, trio.open_nursery() as nursery:
@@ -919,6 +922,7 @@ class MeshDaemon:
             raise ModelNotFound(f"cannot fetch the header of model {digest[:16]} (waited {cfg.model_wait:g} s): "
                                 f"{failure}")
         info = (await trio.to_thread.run_sync(describe_model, path, digest)).model_copy(update={"whole": False})
+        check_volunteer(info, cfg)
         self.model = info
         self.source.offer(sparse)
         limits, now = cfg.limits, trio.current_time()
@@ -1026,6 +1030,31 @@ def describe_model(path: Path, digest: str) -> ModelInfo:
         reason = " ".join(str(exc).split())[:200]
         raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
     return model_info(digest, path.name, layout.metadata, {t.name: t.size for t in layout.tensors}, layout.arrays)
+
+
+class CannotVolunteer(Exception):
+    """This node's memory holds no stage of the model it volunteers: it would serve nothing, and say nothing."""
+
+
+def check_volunteer(info: ModelInfo, cfg: NodeConfig) -> None:
+    """CannotVolunteer, with what the smallest stage needs and the flags that change it, unless some range
+    of `info` fits this node's memory (as the tracker counts it: weights and KV at its session budget)."""
+    limits = cfg.limits
+    spec = ModelSpec.from_info(info, limits.max_sessions * limits.max_session_tokens)
+    pieces = spec.pieces()
+    if any(stage_fits(spec, start, end, cfg.memory_bytes, cfg.gpu_memory_bytes, cfg.gpu_layers) is None
+           for start, end in pieces):
+        return
+    start, end = min(pieces, key=lambda piece: spec.stage_bytes(*piece))
+    need = spec.stage_bytes(start, end)
+    kv = (end - start) * spec.kv_bytes_per_layer
+    offered = f"--memory {cfg.memory_bytes / MIB:.1f} MiB " + \
+        (f"and --gpu-memory {cfg.gpu_memory_bytes / MIB:.1f} MiB hold" if cfg.gpu_layers else "holds")
+    raise CannotVolunteer(
+        f"{offered} no layer of {info.name}: its smallest stage (layers {start}:{end}) needs {need / MIB:.1f} MiB, "
+        f"{(need - kv) / MIB:.1f} MiB of weights and {kv / MIB:.1f} MiB of KV for {limits.max_sessions} × "
+        f"{limits.max_session_tokens} tokens (--max-sessions × --session-tokens); offer more memory, "
+        f"or fewer sessions or tokens, or join with --no-model")
 
 
 # ----- addresses

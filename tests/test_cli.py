@@ -555,3 +555,14 @@ def test_an_api_port_in_use_is_refused_before_the_node_joins(busy_port: int, tmp
         assert shown.returncode == 0 and "1 member;" in shown.stdout, shown.stdout + shown.stderr
     finally:
         seed.stop()
+
+
+def test_memory_that_holds_no_layer_is_refused_with_what_one_needs(tmp_path: Path) -> None:
+    """--memory 1M serves nothing: refused at once, before joining, with what the smallest stage takes."""
+    result = run_meshd("join", "--memory", "1M", "--state-dir", str(tmp_path / "state"), "--listen", "127.0.0.1:0",
+                       timeout=60)
+    no_traceback(result)
+    line = one_line_error(result)
+    assert line.startswith("meshd join: --memory 1.0 MiB holds no layer of ") and \
+        "its smallest stage (layers 1:2) needs 5.1 MiB, 2.1 MiB of weights and 3.0 MiB of KV for 4 × 1024 tokens " \
+        "(--max-sessions × --session-tokens)" in line, line
