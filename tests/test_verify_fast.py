@@ -1,0 +1,151 @@
+"""Verification on the fast path: rows go worker to worker, each stage's daemon signs spans of them.
+
+Stages of a tiny random model run in this process, each with its own engine
+worker; every range is served twice or three times, so each has a replica. A
+verified ask takes the fast path (its decode rows never touch a daemon), with
+and without speculation, and its answer is the undisturbed one's. The
+attackers: a stage whose engine worker flips a float of its output (and whose
+daemon signs what was sent, as an honest one would: only a spot check can
+catch it), and stages whose daemons sign other spans than their workers ran.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from test_verify_route import stage_nodes, stage_of
+
+from meshd.client.ask import AskRequest, AskResult, ask_with_failover, run_session
+from meshd.client.verify import CheckPlan, Verifier
+from meshd.engine.supervisor import WorkerSpec
+from meshd.mesh.proofs import check_proof
+from meshd.net.peers import PeersConfig, open_peers
+from meshd.stage.service import Session, StageNode, StageService
+from wire.identity import NodeIdentity
+from wire.receipt import row_hash
+
+pytestmark = pytest.mark.slow  # seven engine workers
+
+ASK_DEADLINE = 120
+RANGES = {"head": (0, 2), "head2": (0, 2), "mid": (2, 4), "mid2": (2, 4), "mid3": (2, 4), "tail": (4, 6),
+          "tail2": (4, 6)}
+REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs and", max_tokens=40)
+LYING_WORKER = Path(__file__).with_name("lying_worker.py")
+
+
+class LyingSpec(WorkerSpec):
+    """An attacker's engine worker (tests/lying_worker.py): flips a float of the fast path's output rows
+    at position ``at``."""
+
+    at: int = 0
+
+    def argv(self, fd: int, events_fd: int = -1) -> list[str]:
+        honest = super().argv(fd, events_fd)
+        return [sys.executable, str(LYING_WORKER), "--flip-at", str(self.at), *honest[3:]]
+
+
+async def lying_worker(node: StageNode, at: int) -> None:
+    """Restarts ``node``'s engine worker as an attacker's."""
+    engine = node.service.engine
+    spec = LyingSpec(**{f: getattr(engine.spec, f) for f in engine.spec.__dataclass_fields__})
+    spec.at = at
+    engine.spec = spec
+    generation = engine.generation
+    os.kill(engine.pid, signal.SIGKILL)
+    with trio.fail_after(60):
+        while not engine.is_up or engine.generation == generation:
+            await trio.sleep(0.05)
+
+
+def signing_other_input(service: StageService) -> None:
+    """An attacker's daemon: signs its spans' input as other rows than its worker took in."""
+    honest = service._sign_spans
+
+    def lying(session: Session, spans: list[tuple[int, int, bytes, bytes]]) -> None:
+        honest(session, [(pos, n, row_hash(b"other" + h_in), h_out) for pos, n, h_in, h_out in spans])
+
+    service._sign_spans = lying  # type: ignore[method-assign]
+
+
+def withholding_seal(service: StageService) -> None:
+    """An attacker's daemon: never signs its last span (the asker's seal goes unanswered)."""
+
+    async def silent(session: Session, msg: Any) -> None:
+        return None
+
+    service._seal = silent  # type: ignore[method-assign]
+
+
+def route(nodes: dict[str, StageNode], names: tuple[str, ...]) -> Any:
+    async def find(excluded: list[str]) -> list[Any]:
+        out = []
+        for begin in (0, 2, 4):
+            out.append(next(stage_of(nodes[n]) for n in names if nodes[n].service.report.layer_begin == begin
+                            and nodes[n].peers.node_id not in excluded))
+        return out
+
+    return find
+
+
+async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: dict[str, Path]) -> None:
+    async with stage_nodes(tiny_models["llama-gqa-untied"], RANGES) as nodes:
+        pool = [stage_of(n) for n in nodes.values()]
+        every = tuple(nodes)
+        async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+            with trio.fail_after(ASK_DEADLINE):
+                undisturbed = await run_session(peers, await route(nodes, every)([]), replace(REQUEST, fast=False),
+                                                AskResult())
+                # (the daemon's own engine calls: a session on the daemons' path makes them)
+                before = nodes["mid"].service.metrics.engine_calls
+                plan = CheckPlan(every=4, candidates=pool, rng=random.Random(3))
+                honest = await ask_with_failover(peers, route(nodes, every), REQUEST, verifier=Verifier(peers, plan))
+                assert honest.tokens == undisturbed.tokens and honest.epochs == 1
+                # the rows went worker to worker, and every range was checked to the end
+                assert nodes["mid"].service.metrics.engine_calls == before
+                assert plan.checks > 0 and honest.unverified == [] and honest.verified
+
+                # speculation with verification: the same answer, drafts accepted, checked to the end
+                spec = await ask_with_failover(peers, route(nodes, every), replace(REQUEST, speculate="ngram"),
+                                               verifier=Verifier(peers, CheckPlan(every=4, candidates=pool)))
+                assert spec.tokens == undisturbed.tokens and spec.accepted > 0
+                assert spec.unverified == [] and spec.verified
+
+                # a worker computing wrongly at one of the answer's last positions (signed as sent): the
+                # last check of every range catches it, two replicas against it make a proof, and the
+                # answer is generated again around it, the same
+                prompt_len = len(undisturbed.prompt_tokens)
+                await lying_worker(nodes["mid"], prompt_len + REQUEST.max_tokens - 3)
+                verifier = Verifier(peers, CheckPlan(every=1 << 30, candidates=pool))
+                caught = await ask_with_failover(peers, route(nodes, every), REQUEST, verifier=verifier)
+                assert verifier.liars == {nodes["mid"].peers.node_id}
+                assert caught.tokens == undisturbed.tokens and caught.epochs == 2
+                (proof,) = verifier.proofs
+                assert proof.kind == "divergence" and check_proof(proof) == nodes["mid"].peers.node_id
+
+                # a daemon signing another input than its worker took: it and its upstream disagree on rows
+                # only they saw, so both are routed around (no proof: neither is named before the mesh)
+                signing_other_input(nodes["mid2"].service)
+                verifier = Verifier(peers, CheckPlan(every=4, candidates=pool))
+                framed = await ask_with_failover(peers, route(nodes, ("head", "head2", "mid2", "mid3", "tail",
+                                                                      "tail2")), REQUEST, verifier=verifier)
+                assert verifier.liars == {nodes["mid2"].peers.node_id, nodes["head"].peers.node_id}
+                assert not verifier.proofs and framed.tokens == undisturbed.tokens
+
+                # a tail that never signs its last span keeps it from every check: it failed the check, and
+                # the answer is generated again around it, the same (and says that the tail's range, whose
+                # only replica was the withholder, went unchecked)
+                withholding_seal(nodes["tail"].service)
+                verifier = Verifier(peers, CheckPlan(every=4, candidates=pool, inputs_seconds=2))
+                short = await ask_with_failover(peers, route(nodes, ("head2", "mid3", "tail", "tail2")), REQUEST,
+                                                verifier=verifier)
+                assert verifier.liars == {nodes["tail"].peers.node_id}
+                assert short.tokens == undisturbed.tokens
+                assert [(n.layers, n.why) for n in short.unverified] == [("[4, 6)", "no replica")]
