@@ -70,6 +70,8 @@ from wire.types import MAX_LAYERS
 # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences (sessions).
 MAX_SESSIONS = 256
 MAX_TOKENS = 1 << 20
+# `meshd ask -`: the prompt comes from standard input (a file, a pipe), as with cat and grep.
+STDIN = "-"
 # How long a daemon stopped by Ctrl-C gossips its goodbye: the rest of the second is for shutting down.
 LEAVE_ON_INTERRUPT = 0.25
 
@@ -637,6 +639,10 @@ def print_status(s: StatusReply, as_json: bool = False) -> None:
 # ----- ask
 
 async def ask(args: argparse.Namespace) -> int:
+    if args.prompt == STDIN:
+        args.prompt = sys.stdin.read()
+        if not args.prompt.strip():
+            raise UsageError("the prompt read from standard input (-) is empty")
     request = build_request(args)
     if args.require_verified:
         why_not = "a route given by --route is not verified" if args.route else unverified_reason(request, args.verify)
@@ -967,7 +973,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(default: a table)")
 
     a = sub.add_parser("ask", help="ask a question")
-    a.add_argument("prompt")
+    a.add_argument("prompt", help=f"the question; {STDIN} reads it from standard input")
     where = a.add_mutually_exclusive_group()
     where.add_argument("--route", type=route_addresses,
                        help="stages in order, HOST:PORT,HOST:PORT,... (default: the mesh picks)")
@@ -1077,6 +1083,9 @@ def report_failure(command: str, exc: BaseException) -> int:
         message = str(exc)
     elif isinstance(exc, ProtocolError):
         message = f"{exc.code.value}: {exc.message}"
+        if command == "ask" and "chat template" in exc.message:
+            # a base model has no chat template (or one llama.cpp cannot apply): its prompts go in as text
+            message += "; ask with --raw to send the prompt as plain text"
     elif isinstance(exc, trio.TooSlowError):
         message = "timed out waiting for a stage"
     elif isinstance(exc, OSError):

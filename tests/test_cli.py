@@ -82,6 +82,52 @@ def test_an_unverified_ask_answers_the_same_on_the_fast_path_and_through_the_dae
     assert "," not in fast.stdout and "stopped by stop" in fast.stderr
 
 
+def test_ask_dash_reads_the_prompt_from_standard_input(halves: list[Served]) -> None:
+    route = ",".join(s.address for s in halves)
+    result = subprocess.run(meshd_command("ask", "--route", route, "--max-tokens", "16", "-"),
+                            input="What is the capital of France?\n", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Paris" in result.stdout, result.stderr
+    empty = subprocess.run(meshd_command("ask", "--route", route, "-"), input="\n", capture_output=True, text=True,
+                           timeout=120)
+    assert one_line_error(empty, 2) == "meshd ask: the prompt read from standard input (-) is empty"
+
+
+def without_chat_template(src: Path, dst: Path) -> Path:
+    """`src` as it is but for its chat template: a base model's GGUF."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "tokenizer.chat_template"):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_a_model_without_a_chat_template_points_to_raw(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    base = without_chat_template(tiny_models["llama-gqa-tied"], tmp_path / "base.gguf")
+    stage = start_serve("--model", str(base), "--threads", "1", "--max-sessions", "1", "--session-tokens", "64")
+    try:
+        refused = run_meshd("ask", "--route", stage.address, "hello")
+        no_traceback(refused)
+        line = one_line_error(refused)
+        assert "the model has no chat template" in line and line.endswith(
+            "; ask with --raw to send the prompt as plain text"), line
+        raw = run_meshd("ask", "--route", stage.address, "--raw", "--max-tokens", "4", "hello")
+        assert raw.returncode == 0, raw.stderr
+    finally:
+        stage.stop()
+
+
 def test_unreachable_stage_is_one_line(halves: list[Served]) -> None:
     route = f"{halves[0].address},127.0.0.1:{free_port()}"
     line = one_line_error(run_meshd("ask", "--route", route, "--timeout", "5", "hello"))

@@ -13,9 +13,12 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from localmesh import Served, run_meshd, start_join, start_meshd, stop_all
+
+from wire.swim import Reachability
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -96,3 +99,10 @@ def test_the_api_key_recipe_makes_a_file_only_its_owner_reads(tmp_path: Path) ->
     subprocess.run(["bash", "-c", recipe], cwd=tmp_path, check=True, timeout=30)
     key = tmp_path / "api.key"
     assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(key.read_text().strip()) == 64
+
+
+def test_the_status_json_keys_name_the_reachabilities_status_prints() -> None:
+    """`meshd status --json` prints a member's reachability as its record says it."""
+    keys = README[README.index("    node_id, tracker (null: none elected), term"):]
+    said = keys[keys.index("reachability"):keys.index("memory_bytes")]
+    assert set(re.findall(r'"(\w+)"', said)) == set(get_args(Reachability)), said

@@ -135,12 +135,15 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv with nothing but the wheel (and its dependencies) and the default model's wheel."""
     base = tmp_path_factory.mktemp("wheel")
     src = source_tree(base / "src")
-    run([sys.executable, "-m", "build", "--outdir", str(base / "dist"), str(src)], base, 600)
+    built = run([sys.executable, "-m", "build", "--outdir", str(base / "dist"), str(src)], base, 600)
+    # setuptools' 40 lines on package data outside a package, which every setup printed (issue 32)
+    assert "absent from the `packages` configuration" not in built.stdout + built.stderr
     [wheel] = (base / "dist").glob("meshd-*.whl")
     assert re.fullmatch(r"meshd-[\d.]+-py3-none-linux_\w+\.whl", wheel.name), wheel.name
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    assert {"meshd/engine/libmeshengine.so", "meshd/engine/meshengine.h", "meshd/py.typed"} <= names
+    assert {"meshd/engine/libmeshengine.so", "meshd/engine/meshengine.h", "meshd/py.typed",
+            "meshd/front/static/index.html", "meshd/front/static/console.js"} <= names
     assert any(n.endswith("licenses/LICENSE") for n in names) and not any(n.startswith("tests/") for n in names)
     [sdist] = (base / "dist").glob("meshd-*.tar.gz")
     with tarfile.open(sdist) as t:
