@@ -6,17 +6,22 @@
     manifest = await fetch_manifest(peers, sources, model_id)
     report = await fetch_range(peers, sources, manifest, Path("model.gguf"), (0, 15))
 
-The planner (``meshd.store.plan``) decides which source gets which chunk;
-this shell moves the bytes: one stream per source with up to
+The planner (``meshd.store.plan``) decides which source gets which chunk,
+scores sources by delivered rate, keeps every request's deadline and plays the
+end game; this shell moves the bytes: one stream per source with up to
 ``in_flight_per_source`` requests pipelined on it, each chunk's frames
 checked as they come (offset exactly where the last frame ended, never past
 the chunk), hashed and written at their offsets; the chunk counts (is
 recorded, served, journalled) only once its hash matches the manifest's, and
-a chunk that does not is punched out again. A source that sends a bad chunk,
-an oversize or out-of-place frame or a malformed message is excluded for the
-rest of the fetch; one that dies or times out has its in-flight chunks
-re-queued elsewhere. Verified chunks are journalled, so a fetch resumed after
-a crash (or started again with other sources) fetches only what is missing.
+a chunk that does not is punched out again. In the end game a chunk is asked
+of two sources: the first to deliver a frame of it writes it in place, the
+other's answer is held in memory (one chunk, bounded by the manifest) and
+written only if it is verified first; an answer verified second is dropped. A
+source that sends a bad chunk, an oversize or out-of-place frame or a
+malformed message is excluded for the rest of the fetch; one that dies or
+misses a deadline has its in-flight chunks re-queued elsewhere. Verified
+chunks are journalled, so a fetch resumed after a crash (or started again
+with other sources) fetches only what is missing.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from meshd.net.peers import Peers
 from meshd.net.rpc import request, within
 from meshd.store.gguf_header import GGUFError, read_layout
 from meshd.store.manifest import Chunk, Manifest, ManifestError
-from meshd.store.plan import FetchPlan
+from meshd.store.plan import MIN_RATE, FetchPlan
 from meshd.store.ranges import range_chunks
 from meshd.store.sparse import BadChunk, SparseFile
 from wire.codec import ErrorMessage, error_from_message
@@ -61,8 +66,11 @@ class SourceRef:
 @dataclass(frozen=True)
 class FetchConfig:
     in_flight_per_source: int = 4
-    # A source owing chunks that sends nothing for this long is lost (its chunks re-queued elsewhere).
+    # A source owing chunks that sends nothing for this long is lost (its chunks re-queued elsewhere),
+    # and so is one that does not deliver the chunk it answers within this long plus its size at
+    # min_rate (bytes a second): a frame now and then is not progress, delivered bytes are.
     request_timeout: float = 30.0
+    min_rate: float = MIN_RATE
     # Seconds a dial and the have/manifest exchanges may take.
     connect_timeout: float = 10.0
     # Journal the verified chunks at least this often (seconds) and at the end.
@@ -198,13 +206,16 @@ class _Fetch:
         missing = target.missing(chunks)
         self.total = sum(c.size for c in chunks)
         self.report = FetchReport(chunks=len(chunks), reused_bytes=self.total - sum(c.size for c in missing))
-        self.plan = FetchPlan(missing, in_flight=config.in_flight_per_source, request_timeout=config.request_timeout)
+        self.plan = FetchPlan(missing, in_flight=config.in_flight_per_source, request_timeout=config.request_timeout,
+                              min_rate=config.min_rate)
         self.workers: dict[str, _Worker] = {}
         self.connecting = 0
         self._changed = trio.Event()
         self.started = trio.current_time()
         # Chunks some of whose bytes were written here (verified or not).
         self._touched: set[int] = set()
+        # Chunk -> the source writing its frames in place now (the end game's other copy is buffered).
+        self._writing: dict[int, str] = {}
 
     def changed(self) -> None:
         self._changed.set()
@@ -305,52 +316,71 @@ class _Fetch:
         while True:
             chunk = await worker.next_chunk(self.model)
             if not await self._read_chunk(worker, chunk):
-                self.plan.chunk_missing(worker.key, chunk)
+                self.plan.chunk_missing(worker.key, chunk, trio.current_time())
                 self.changed()
                 continue
-            self.target.record(chunk)
-            if self.plan.chunk_verified(worker.key, chunk):
+            if self.plan.chunk_verified(worker.key, chunk, trio.current_time()):
                 self.report.fetched_chunks += 1
-            self.report.fetched_bytes += chunk.size
-            self.report.by_source[worker.key] = self.report.by_source.get(worker.key, 0) + chunk.size
+                self.report.fetched_bytes += chunk.size
+                self.report.by_source[worker.key] = self.report.by_source.get(worker.key, 0) + chunk.size
             self.changed()
             if self.progress is not None:
                 self.progress(self._progress())
 
     async def _read_chunk(self, worker: _Worker, chunk: Chunk) -> bool:
-        """Receive the chunk into the target, frames checked as they come and hashed; False if the source lacks it.
+        """Receive the chunk, frames checked as they come and hashed; False if the source lacks it.
 
-        Each frame is hashed and written at its offset as it arrives (a frame's
-        worth of work on the event loop, no thread, no 4 MiB copy); the chunk
-        counts only once the whole hash matches (BadChunk otherwise, and its
-        bytes are punched out again)."""
+        The first source to deliver a frame of the chunk writes each frame at
+        its offset as it arrives (a frame's worth of work on the event loop, no
+        thread, no 4 MiB copy), and stops writing once the chunk is verified
+        from another; a second copy (the end game) is held in memory and
+        written whole if it is verified first. Either counts only once the whole
+        hash matches (BadChunk otherwise, and bytes written are punched out
+        again), and is recorded by whichever is verified first."""
         hasher = hashlib.sha256()
         got = 0
-        # Every frame adds at least one byte, so this ends within chunk.size frames.
-        while got < chunk.size:
-            try:
-                message = await worker.stream.receive_message()
-            except trio.EndOfChannel:
-                raise _Lost("the source ended its stream mid-chunk") from None
-            if isinstance(message, ErrorMessage):
-                error = error_from_message(message)
-                if error.code is ErrorCode.NOT_FOUND and not got:
-                    return False
-                raise _Lost(f"the source refused chunk {chunk.index}: {error}")
-            if not isinstance(message, ChunkData):
-                raise _Liar(f"it answered a chunk request with {message.type!r}")
-            if message.offset != chunk.offset + got:
-                raise _Liar(f"a frame at {message.offset} where chunk {chunk.index} continues at {chunk.offset + got}")
-            data = message.data
-            if got + len(data) > chunk.size:
-                raise _Liar(f"more than the {chunk.size} bytes of chunk {chunk.index}")
-            self.plan.progressed(worker.key, trio.current_time())
-            hasher.update(data)
-            self._touched.add(chunk.index)
-            self.target.write_piece(chunk, got, data)
-            got += len(data)
+        buffer: bytearray | None = None
+        try:
+            # Every frame adds at least one byte, so this ends within chunk.size frames.
+            while got < chunk.size:
+                try:
+                    message = await worker.stream.receive_message()
+                except trio.EndOfChannel:
+                    raise _Lost("the source ended its stream mid-chunk") from None
+                if isinstance(message, ErrorMessage):
+                    error = error_from_message(message)
+                    if error.code is ErrorCode.NOT_FOUND and not got:
+                        return False
+                    raise _Lost(f"the source refused chunk {chunk.index}: {error}")
+                if not isinstance(message, ChunkData):
+                    raise _Liar(f"it answered a chunk request with {message.type!r}")
+                if message.offset != chunk.offset + got:
+                    raise _Liar(f"a frame at {message.offset} where chunk {chunk.index} continues at {chunk.offset + got}")
+                data = message.data
+                if got + len(data) > chunk.size:
+                    raise _Liar(f"more than the {chunk.size} bytes of chunk {chunk.index}")
+                self.plan.progressed(worker.key, trio.current_time(), len(data))
+                hasher.update(data)
+                if not got and self._writing.setdefault(chunk.index, worker.key) != worker.key:
+                    buffer = bytearray()
+                if buffer is not None:
+                    buffer += data
+                elif not self.target.has(chunk.index):
+                    # Checked at each frame, with no checkpoint before the write: once another
+                    # copy is recorded, nothing is written over it.
+                    self._touched.add(chunk.index)
+                    self.target.write_piece(chunk, got, data)
+                got += len(data)
+        finally:
+            if self._writing.get(chunk.index) == worker.key:
+                del self._writing[chunk.index]
         if hasher.digest() != chunk.sha256:
             raise BadChunk(f"the bytes of chunk {chunk.index} at {chunk.offset} do not match the manifest")
+        if not self.target.has(chunk.index):
+            if buffer is not None:
+                self._touched.add(chunk.index)
+                self.target.write_piece(chunk, 0, bytes(buffer))
+            self.target.record(chunk)
         return True
 
     def _progress(self) -> FetchProgress:
