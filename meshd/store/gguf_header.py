@@ -3,12 +3,16 @@
 ``gguf.GGUFReader`` builds every metadata value as numpy (seconds for a 49k-token
 vocabulary); content addressing needs only the tensor infos, a few scalars and
 the alignment, so this walks the header once and skips the rest. Every count
-and length is bounded before it is used: the header of a fetched file came
+and length is bounded before it is used, and before anything is allocated by
+it: no read asks for more bytes than the file has left (a 320-byte header
+saying a 2**26-item array made a 512 MiB buffer), values not kept are skipped
+unread, and what is kept has caps of its own. The header of a fetched file came
 from a peer (checked against the manifest, but read here all the same).
 """
 
 from __future__ import annotations
 
+import io
 import struct
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -28,6 +32,13 @@ _DEFAULT_ALIGNMENT = 32
 # any past the first _MAX_KEPT_ITEMS items kept in all, so a hostile header cannot make us hold more.
 _MAX_KEPT_ARRAY = 512
 _MAX_KEPT_ITEMS = 1 << 14
+# Metadata strings kept: placement reads names, and the longest chat templates shipped are tens of
+# KiB; a longer string is skipped (read as absent), and so is any once this many bytes are kept.
+_MAX_KEPT_STRING = 1 << 20
+_MAX_KEPT_STRING_BYTES = 16 << 20
+# A tensor's bytes at most: the largest file a manifest describes (64 TiB). Dimensions multiply, so
+# eight of 2**62 each would otherwise size a tensor past any file.
+_MAX_TENSOR_BYTES = 1 << 46
 
 # GGUF value types: fixed-width scalars by their struct format.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -61,13 +72,28 @@ class _Reader:
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
         self.pos = 0
+        start = f.tell()
+        # What the file holds from here: no read may ask for more (a read allocates what it asks for).
+        self.size = f.seek(0, io.SEEK_END) - start
+        f.seek(start)
+        self.kept_strings = 0
+
+    def _bound(self, n: int) -> None:
+        if n > self.size - self.pos:
+            raise GGUFError(f"the header ends early, at byte {self.size} (it says {n} more bytes at {self.pos})")
 
     def take(self, n: int) -> bytes:
+        self._bound(n)
         data = self.f.read(n)
         if len(data) != n:
             raise GGUFError(f"the header ends early, at byte {self.pos + len(data)}")
         self.pos += n
         return data
+
+    def skip(self, n: int) -> None:
+        self._bound(n)
+        self.f.seek(n, io.SEEK_CUR)
+        self.pos += n
 
     def unpack(self, fmt: str) -> int | float | bool:
         value: int | float | bool = struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
@@ -79,7 +105,7 @@ class _Reader:
     def u64(self) -> int:
         return int(self.unpack("<Q"))
 
-    def string(self, limit: int = _MAX_STRING) -> str:
+    def string(self, limit: int) -> str:
         length = self.u64()
         if length > limit:
             raise GGUFError(f"a header string of {length} bytes exceeds {limit}")
@@ -88,13 +114,33 @@ class _Reader:
         except UnicodeDecodeError:
             raise GGUFError("a header string is not UTF-8") from None
 
+    def skip_string(self) -> None:
+        length = self.u64()
+        if length > _MAX_STRING:
+            raise GGUFError(f"a header string of {length} bytes exceeds {_MAX_STRING}")
+        self.skip(length)
+
+    def kept_string(self) -> str | None:
+        """A metadata string, or None (skipped) past the caps on what is kept."""
+        length = self.u64()
+        if length > _MAX_STRING:
+            raise GGUFError(f"a header string of {length} bytes exceeds {_MAX_STRING}")
+        if length > _MAX_KEPT_STRING or self.kept_strings + length > _MAX_KEPT_STRING_BYTES:
+            self.skip(length)
+            return None
+        self.kept_strings += length
+        try:
+            return self.take(length).decode()
+        except UnicodeDecodeError:
+            raise GGUFError("a header string is not UTF-8") from None
+
     def skip_value(self, kind: int, keep: int = 0) -> int | float | bool | str | tuple[int, ...] | None:
-        """Read a value of ``kind``: scalars and strings are returned, an integer array of at most
-        ``keep`` items as a tuple, other arrays skipped (None)."""
+        """Read a value of ``kind``: scalars and strings (within the caps) are returned, an integer
+        array of at most ``keep`` items as a tuple, other values skipped unread (None)."""
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
         if kind == _STRING:
-            return self.string()
+            return self.kept_string()
         if kind != _ARRAY:
             raise GGUFError(f"unknown GGUF value type {kind}")
         item, count = self.u32(), self.u64()
@@ -102,12 +148,13 @@ class _Reader:
             raise GGUFError(f"a header array of {count} items exceeds {_MAX_ARRAY}")
         if item in _SCALARS:
             fmt = _SCALARS[item]
-            data = self.take(count * struct.calcsize(fmt))
             if count <= keep and fmt[1] in "BbHhIiQq":
+                data = self.take(count * struct.calcsize(fmt))
                 return tuple(int(v) for v in struct.unpack(f"<{count}{fmt[1]}", data))
+            self.skip(count * struct.calcsize(fmt))
         elif item == _STRING:
             for _ in range(count):
-                self.string()
+                self.skip_string()
         else:
             raise GGUFError(f"GGUF arrays of type {item} are not supported")
         return None
@@ -123,7 +170,10 @@ def _tensor_bytes(dims: list[int], ggml_type: int) -> int:
         elements *= d
     if dims and dims[0] % block:
         raise GGUFError(f"a row of {dims[0]} is not whole blocks of {block}")
-    return elements // block * type_size
+    size = elements // block * type_size
+    if size > _MAX_TENSOR_BYTES:
+        raise GGUFError(f"a tensor of dimensions {dims} is over {_MAX_TENSOR_BYTES} bytes")
+    return size
 
 
 def read_layout(f: BinaryIO) -> GGUFLayout:
