@@ -511,14 +511,14 @@ async def test_a_stage_ending_the_finished_session_ends_its_ranges_last_check_no
     answered.set()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(verifier.run_checks)
-        nursery.start_soon(_watch_for_errors, tail, verifier.inbox(2), answered)
+        nursery.start_soon(_watch_for_errors, tail, answered, verifier, 2)
         await verifier.settle(30.0)
         nursery.cancel_scope.cancel()
     assert (result.unverified[-1].layers, result.unverified[-1].since, result.unverified[-1].why) == (
         "[4, 6)", 0, "its stage ended the session before it handed over the inputs to check")
     # while the answer still streams, the same is the stage's error, which fails the epoch
     with pytest.raises(ProtocolError, match="evicted") as failed:
-        await _watch_for_errors(tail, verifier.inbox(2), trio.Event())  # type: ignore[arg-type]
+        await _watch_for_errors(tail, trio.Event(), verifier, 2)  # type: ignore[arg-type]
     assert failed.value.code is ErrorCode.CACHE_MISS
 
 

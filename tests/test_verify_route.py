@@ -43,7 +43,8 @@ pytestmark = pytest.mark.slow  # six engine workers
 
 ASK_DEADLINE = 120
 RANGES = {"head": (0, 2), "mid": (2, 4), "mid2": (2, 4), "mid3": (2, 4), "tail": (4, 6), "tail2": (4, 6)}
-REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs", max_tokens=24)
+# the daemons' path, whose stage services the attackers patch (tests/test_verify_fast.py: the fast path)
+REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs", max_tokens=24, fast=False)
 
 
 def stage_of(node: StageNode) -> Stage:

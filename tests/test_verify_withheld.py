@@ -35,7 +35,8 @@ pytestmark = pytest.mark.slow  # six engine workers
 
 ASK_DEADLINE = 120
 RANGES = {"head": (0, 3), "head2": (0, 3), "tail": (3, 6), "tail2": (3, 6), "whole": (0, 6), "whole2": (0, 6)}
-REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs", max_tokens=16)
+# the daemons' path, whose stage services the attackers patch (tests/test_verify_fast.py: the fast path)
+REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs", max_tokens=16, fast=False)
 
 
 def withholding(service: StageService, kind: str) -> None:
