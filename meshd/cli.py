@@ -1005,15 +1005,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "seeded, the answer is the same (default: %(default)s)")
     a.add_argument("--verify", type=integer(0, 1 << 20), default=DEFAULT_VERIFY, metavar="N",
                    help="every stage signs receipts of its steps, and 1 in N steps is run again on a replica "
-                        "of its range and compared; 0 turns verification off; not with --speculate "
-                        "(default: %(default)s)")
+                        "of its range and compared; 0 turns verification off; with --speculate ngram only "
+                        "over direct hops, not with --speculate model (default: %(default)s)")
     a.add_argument("--require-verified", action="store_true",
                    help="print an answer only once a replica checked every range of it: one with a range left "
                         "unchecked is generated again on a route around that range, and withheld (exit 1) if none "
                         "is left (default: print as it comes, and name what was unchecked after it)")
     a.add_argument("--no-fast", action="store_true",
-                   help="keep every row on the daemons' path; by default an unverified ask (--verify 0, or "
-                        "--speculate ngram) over direct hops sends its rows from engine worker to engine worker")
+                   help="keep every row on the daemons' path; by default an ask over direct hops sends its "
+                        "rows from engine worker to engine worker, verified or not")
     a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     a.add_argument("--wait", type=number(0, 86400), default=0.0,

@@ -199,7 +199,7 @@ def bad_models(tmp_path_factory: pytest.TempPathFactory, default_model: Path) ->
     (["ask", "--route", "127.0.0.1:1", "--seed", "127.0.0.1:2", "hello"], "not allowed with"),
     (["ask", "--mesh-key-file", "/nonexistent/key", "hello"], "cannot read the mesh key file"),
     (["ask", "--require-verified", "--verify", "0", "hello"], "--require-verified: spot checks are off"),
-    (["ask", "--require-verified", "--speculate", "ngram", "hello"], "--require-verified: a speculating ask"),
+    (["ask", "--require-verified", "--speculate", "model", "hello"], "--require-verified: an ask speculating with a"),
     (["ask", "--require-verified", "--route", "127.0.0.1:1", "hello"], "--require-verified: a route given by --route"),
     (["join", "--require-verified"], "--require-verified is the HTTP API's policy: it needs --api"),
     (["ask"], "required: prompt"),

@@ -40,9 +40,10 @@ def unverified_reason(request: AskRequest, verify_every: int) -> str | None:
     """Why an ask of ``request`` cannot be verified at all, or None if it can be."""
     if verify_every <= 0:
         return "spot checks are off (--verify 0)"
-    if request.speculate != "off":
-        # receipts sign one step at a time; a drafted batch is several
-        return "a speculating ask is not verified yet"
+    if request.speculate == "model":
+        # the draft model drafts on the daemons' path, whose receipts sign one step at a time, and a drafted
+        # batch is several (prompt lookup drafts on the fast path, whose receipts sign spans of final rows)
+        return "an ask speculating with a draft model is not verified"
     return None
 
 

@@ -67,7 +67,7 @@ class DaemonMesh:
             except ProtocolError as exc:
                 log.warning("the daemon did not take a proof: %s", exc)
 
-        # verified at the default rate (not while speculating: receipts sign one step at a time)
+        # verified at the default rate (not while speculating with a draft model: meshd.client.asker)
         asker = Asker(self.peers, find_route, other_route, report_proof, require_verified=self.require_verified,
                       stall_timeout=self.stall_timeout)
         return await asker.ask(request, on_token, result)
