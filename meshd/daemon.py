@@ -870,9 +870,13 @@ class MeshDaemon:
     def _resolve(self, wanted: str) -> str | None:
         """The id of the model `wanted` names (an id, or a name the mesh knows), once a member holds it."""
         models = held_models(r for r in self.live_records() if r.node_id != self.mesh.node_id)
-        ids = sorted(d for d, info in models.items() if wanted in (d, info.name))
+        # An id names one model whatever others are named (a member may name its model anything, an
+        # id included); a name shared by several names none, and the error lists every id in full,
+        # for the user to give one (a shortened id matched nothing and waited out model_wait).
+        ids = [wanted.lower()] if wanted.lower() in models else sorted(
+            d for d, info in models.items() if info.name == wanted)
         if len(ids) > 1:
-            raise ModelNotFound(f"'{wanted}' names {len(ids)} models of the mesh ({', '.join(i[:16] for i in ids)}); "
+            raise ModelNotFound(f"'{wanted}' names {len(ids)} models of the mesh: {', '.join(ids)}; "
                                 "give --model-id with the id of one (meshd models lists them)")
         return ids[0] if ids and self._sources(ids[0]) else None
 
