@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with t
 from localmesh import run_meshd, spawn, start_serve, stop_process  # noqa: E402
 
 from meshd.fetch.fetcher import SourceRef, fetch_chunks, fetch_manifest  # noqa: E402
-from meshd.fetch.source import ChunkSource, activity, register  # noqa: E402
+from meshd.fetch.source import ChunkSource, SourceConfig, activity, register  # noqa: E402
 from meshd.mesh.models import default_model_path  # noqa: E402
 from meshd.net.link import Stream  # noqa: E402
 from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
@@ -74,7 +74,8 @@ async def server(kind: str) -> None:
     holding = WholeFile(model, await trio.to_thread.run_sync(compute, model))
     if kind == "raw":
         async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
-            source = ChunkSource()
+            # No upload budget: this measures what the protocol makes of the link, not the budget.
+            source = ChunkSource(SourceConfig(upload_rate=None, total_upload_rate=None))
             source.offer(holding)
             register(peers, source)
             peers.handle(RAW, serve_raw, raw=True)
