@@ -257,8 +257,8 @@ MAX_HELD_SPANS = 1 << 12
 
 @dataclass
 class SpanAudit(Audit):
-    """Checks a fast session's receipts span by span, as each stage sends its own (its control stream
-    is authenticated, so a receipt that comes on it is its sender's word, whatever its signature)."""
+    """Checks a fast session's receipts span by span, as each stage sends its own (on its authenticated
+    control stream: a receipt that comes on it is its sender's word, so a lie it shows is its sender's)."""
 
     # each stage's receipts not yet checked, by position, and where its next one must start
     held: list[dict[int, tuple[PackedChain, int]]] = field(default_factory=list)
@@ -302,6 +302,10 @@ class SpanAudit(Audit):
                 raise self._lie(index, f"a receipt of [{link.pos}, {end}) where [{pos}, {boundary}) was due")
             if len(self.held[index]) >= MAX_HELD_SPANS:
                 raise self._lie(index, "receipts far ahead of the route's")
+            if not chain.verify(k):
+                # checked as each comes (one per stage and span: some 13 µs a token): a receipt is evidence
+                # only with its signature, and this one is its sender's word
+                raise self._lie(index, "a receipt with a bad signature (or of another session)")
             self.held[index][pos] = (chain, k)
             self.sent_until[index] = end
         self._advance()
