@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,8 @@ class FakeMesh:
                 if self.gate is not None and i > 0:
                     await self.gate.wait()
                 await trio.lowlevel.checkpoint()
+                if result.first_token_at is None:
+                    result.first_token_at = time.perf_counter()
                 result.tokens.append(i)
                 result.pieces.append(piece)
                 if on_token is not None:
@@ -63,6 +66,7 @@ class FakeMesh:
             # as the tail: the budget ends an answer that the model would have gone on with
             cut = len(self.pieces) >= request.max_tokens and self.reason == "eog"
             result.reason = "max_tokens" if cut else self.reason
+            result.finished_at = time.perf_counter()
             result.checked = self.checked
             for note in self.unchecked:
                 result.note_unchecked(note)

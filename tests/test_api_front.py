@@ -270,13 +270,14 @@ async def test_bad_anthropic_parameters_are_400_in_its_shape(body: dict[str, obj
 
 async def test_not_json_and_too_large_bodies() -> None:
     async with http(FrontDoor(FakeMesh())) as client:
-        bad = await client.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
-        big = await client.post("/v1/chat/completions", content=b"x" * (MAX_BODY_BYTES + 1))
+        json_type = {"content-type": "application/json"}
+        bad = await client.post("/v1/messages", content=b"{not json", headers=json_type)
+        big = await client.post("/v1/chat/completions", content=b"x" * (MAX_BODY_BYTES + 1), headers=json_type)
         # no Content-Length to refuse by: the body is counted as it comes
         async def chunks() -> AsyncIterator[bytes]:
             for _ in range(MAX_BODY_BYTES // 65536 + 2):
                 yield b" " * 65536
-        streamed = await client.post("/v1/chat/completions", content=chunks())
+        streamed = await client.post("/v1/chat/completions", content=chunks(), headers=json_type)
     assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
     assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
     assert streamed.status_code == 413

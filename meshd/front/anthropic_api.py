@@ -26,8 +26,10 @@ DIALECT = "anthropic"
 ERROR_TYPES = {
     Problem.BAD_REQUEST: "invalid_request_error",
     Problem.UNAUTHORIZED: "authentication_error",
+    Problem.FORBIDDEN: "permission_error",
     Problem.NOT_FOUND: "not_found_error",
     Problem.TOO_LARGE: "request_too_large",
+    Problem.UNSUPPORTED_MEDIA: "invalid_request_error",
     Problem.BUSY: "rate_limit_error",
     Problem.INTERNAL: "api_error",
     Problem.UNAVAILABLE: "overloaded_error",

@@ -365,8 +365,8 @@ class Console:
 Guard = Callable[[Request], Response | None]
 
 
-def routes(front: FrontDoor) -> list[BaseRoute]:
-    """The console on the front door's app: the state is guarded by the API's own keys."""
+def routes(front: FrontDoor, console: Console) -> list[BaseRoute]:
+    """`console` (of the front door's mesh) on the front door's app: the state is guarded by the API's own keys."""
 
     def guard(request: Request) -> Response | None:
         try:
@@ -375,7 +375,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             return openai_api.error_response(exc)
         return None
 
-    return console_routes(Console(source_of(front.mesh), front.asking), guard)
+    return console_routes(console, guard)
 
 
 def console_routes(console: Console, guard: Guard | None = None) -> list[BaseRoute]:

@@ -21,6 +21,8 @@ import trio
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, over_budget
 from meshd.client.asker import Unverified
+from meshd.front.connections import Connections
+from meshd.front.metrics import FrontMetrics
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import ModelCoverage, StatusReply
 
@@ -39,8 +41,10 @@ class Problem(enum.Enum):
 
     BAD_REQUEST = 400
     UNAUTHORIZED = 401
+    FORBIDDEN = 403
     NOT_FOUND = 404
     TOO_LARGE = 413
+    UNSUPPORTED_MEDIA = 415
     BUSY = 429
     INTERNAL = 500
     UNAVAILABLE = 503
@@ -110,6 +114,10 @@ class FrontDoor:
     default_max_tokens: int = 512
     max_asks: int = MAX_ASKS
     asking: dict[int, Asking] = field(default_factory=dict)
+    # the open HTTP connections within their caps (the server admits them, /metrics shows them)
+    connections: Connections = field(default_factory=Connections)
+    # what the asks did, for /metrics: a registry of this front door's own
+    metrics: FrontMetrics = field(default_factory=FrontMetrics)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     # ----- who may ask
@@ -171,8 +179,13 @@ class FrontDoor:
                            retry_after=1.0)
         asking = Asking(next(self._ids), model.model, dialect, stream, time.time(), result or AskResult())
         self.asking[asking.id] = asking
+        # what stays if the ask is cancelled: its client went away (or the server is stopping)
+        outcome = "cancelled"
+        error: ApiError | None = None
         try:
-            return await self.mesh.ask(model.model, request, on_token, asking.result)
+            answered = await self.mesh.ask(model.model, request, on_token, asking.result)
+            outcome = "answered"
+            return answered
         except ProtocolError as exc:
             error = api_error(model, exc)
         except RouteError as exc:
@@ -184,6 +197,7 @@ class FrontDoor:
             error = ApiError(Problem.TIMEOUT, "the mesh did not answer in time")
         finally:
             del self.asking[asking.id]
+            self.metrics.asked(dialect, asking.result, outcome if error is None else error.problem.name.lower())
         # the operator's record of what the client is told
         log.log(logging.WARNING if error.status >= 500 else logging.INFO, "%s request failed (%d): %s", dialect,
                 error.status, error.message)

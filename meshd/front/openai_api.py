@@ -35,22 +35,26 @@ COMPLETIONS_MAX_TOKENS = 16
 ERROR_TYPES = {
     Problem.BAD_REQUEST: "invalid_request_error",
     Problem.UNAUTHORIZED: "authentication_error",
+    Problem.FORBIDDEN: "permission_error",
     Problem.NOT_FOUND: "not_found_error",
     Problem.TOO_LARGE: "invalid_request_error",
+    Problem.UNSUPPORTED_MEDIA: "invalid_request_error",
     Problem.BUSY: "rate_limit_error",
     Problem.INTERNAL: "server_error",
     Problem.UNAVAILABLE: "service_unavailable",
     Problem.TIMEOUT: "timeout",
 }
-ERROR_CODES = {Problem.NOT_FOUND: "model_not_found", Problem.UNAUTHORIZED: "invalid_api_key"}
+ERROR_CODES = {Problem.UNAUTHORIZED: "invalid_api_key"}
 
 Content = Annotated[str, Field(max_length=1 << 20)]
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 def error_body(exc: ApiError) -> dict[str, Any]:
+    # a model that is not there is OpenAI's "model_not_found"; a path that is not there is no model's
+    missing_model = exc.problem is Problem.NOT_FOUND and exc.param == "model"
     return {"error": {"message": exc.message, "type": ERROR_TYPES[exc.problem], "param": exc.param,
-                      "code": ERROR_CODES.get(exc.problem)}}
+                      "code": "model_not_found" if missing_model else ERROR_CODES.get(exc.problem)}}
 
 
 def error_response(exc: ApiError) -> Response:
