@@ -532,22 +532,25 @@ def test_ctrl_c_in_the_first_seconds_of_a_command_is_one_line(silent_listener: s
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(delay)
     code, err = interrupted(proc)
-    if code == -signal.SIGINT:
-        # before Python took over SIGINT at all (its first milliseconds): ended quietly, as any program then
-        assert err == ""
-        return
-    assert code == 130 and err.strip() in ("meshd: interrupted", "meshd status: interrupted"), (code, err)
+    # A shell reports 130 for either: exit(130), or death by SIGINT, which CPython (3.11) chooses at exit
+    # when an interrupt passed through code run by exec() (a dataclass being made, mid-import), even one
+    # handled since; and it is all there is before Python takes over SIGINT, its first milliseconds.
+    assert code in (130, -signal.SIGINT), (code, err)
+    lines = err.strip().splitlines()
+    assert lines in ([], ["meshd: interrupted"], ["meshd status: interrupted"]) and (lines or code != 130), err
 
 
-def children(pid: int) -> list[int]:
+def engine_workers(pid: int) -> list[int]:
+    """The engine worker processes `pid` started (imports start other children: ctypes runs ldconfig)."""
     kids = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat_line = Path(f"/proc/{entry}/stat").read_text()
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except (FileNotFoundError, ProcessLookupError):
             continue  # ended meanwhile
         # the fields after the command's name, which is in parentheses and may hold spaces
-        if int(stat_line.rsplit(")", 1)[1].split()[1]) == pid:
+        if int(stat_line.rsplit(")", 1)[1].split()[1]) == pid and b"meshd.engine.worker" in argv:
             kids.append(int(entry))
     return kids
 
@@ -559,7 +562,7 @@ def test_ctrl_c_while_a_volunteer_starts_its_engine_worker_is_one_line(tmp_path:
                   str(tmp_path / "state"), "--threads", "1", "--max-sessions", "1", "--session-tokens", "64"],
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not children(proc.pid):
+    while not engine_workers(proc.pid):
         assert time.monotonic() < deadline and proc.poll() is None, "no engine worker started"
         time.sleep(0.01)
     time.sleep(delay)
