@@ -13,6 +13,7 @@ import openai
 import pytest
 import trio
 from localmesh import Served, run_meshd, start_join, stop_all
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.daemon import rpc
 from meshd.net import rpc as net_rpc
@@ -200,6 +201,31 @@ async def test_models_list_the_mesh_model_with_its_coverage(mesh: Mesh) -> None:
         assert reply.model == listed[0].id
 
 
+async def test_health_and_metrics_of_a_covered_mesh(mesh: Mesh) -> None:
+    reply = await oai(mesh).chat.completions.create(model="", messages=[{"role": "user", "content": PROMPT}],
+                                                    max_tokens=4)
+    async with httpx2.AsyncClient(base_url=mesh.url, timeout=60) as client:
+        health = await client.get("/health")
+        refused = await client.get("/metrics")
+        scraped = await client.get("/metrics", headers={"authorization": f"Bearer {KEY}"})
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert refused.status_code == 401 and scraped.status_code == 200
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(scraped.text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    assert sum(v for labels, v in samples["meshd_requests_total"] if labels["outcome"] == "answered") >= 1
+    assert reply.usage is not None
+    assert sum(v for _, v in samples["meshd_completion_tokens_total"]) >= reply.usage.completion_tokens
+    assert sum(v for _, v in samples["meshd_time_to_first_token_seconds_count"]) >= 1
+    # each stage of the route: its KV use, sessions and engine worker, as the console polls them
+    stages = {labels["node"] for labels, _ in samples["meshd_stage_kv_tokens"]}
+    assert len(stages) == 3 and {labels["node"] for labels, v in samples["meshd_stage_worker_up"] if v == 1} == stages
+    assert {labels["node"] for labels, _ in samples["meshd_stage_sessions"]} == stages
+    assert [v for _, v in samples["meshd_model_covered_layers"]] == [30]
+    assert sum(v for _, v in samples["meshd_members"]) >= 4
+
+
 async def test_the_key_is_required(mesh: Mesh) -> None:
     with pytest.raises(openai.AuthenticationError):
         await openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -219,9 +245,11 @@ async def test_a_volunteer_gone_makes_the_model_uncovered_503_with_the_reason(me
         anthropic_reply = await client.post("/v1/messages", json={"max_tokens": 2,
                                                                   "messages": [{"role": "user", "content": "Hi"}]})
         models = (await client.get("/v1/models")).json()["data"]
+        health = await client.get("/health")
     assert r.status_code == 503, r.text
     error = r.json()["error"]
     assert error["type"] == "service_unavailable" and "is not covered" in error["message"]
     reason = models[0]["coverage"]["reason"]
     assert reason and reason in error["message"] and not models[0]["coverage"]["covered"]
     assert anthropic_reply.status_code == 503 and reason in anthropic_reply.json()["error"]["message"]
+    assert health.status_code == 503 and health.json()["status"] == "unavailable" and reason in health.json()["reason"]

@@ -189,19 +189,19 @@ async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(mock_cl
     front = FrontDoor(mesh)
     async with served(front) as url:
         port = int(url.rsplit(":", 1)[1])
-        sock = trio.socket.socket()
-        # a small receive window, so the kernel stops taking the answer for the client early
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        await sock.connect(("127.0.0.1", port))
-        body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "max_tokens": 100000}'
-        await sock.send(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
-                        b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        await mesh.started.wait()
-        start = trio.current_time()
-        with trio.fail_after(SEND_SECONDS * 3):
-            while mesh.cancelled == 0 or front.asking or len(front.connections):
-                await trio.sleep(1)
-        sock.close()
+        # closed however the test ends: a server send that never gives up would wait on it forever
+        with trio.socket.socket() as sock:
+            # a small receive window, so the kernel stops taking the answer for the client early
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await sock.connect(("127.0.0.1", port))
+            body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "max_tokens": 100000}'
+            await sock.send(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n"
+                            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await mesh.started.wait()
+            start = trio.current_time()
+            with trio.fail_after(SEND_SECONDS * 3):
+                while mesh.cancelled == 0 or front.asking or len(front.connections):
+                    await trio.sleep(1)
     # the ask was cancelled and the connection closed once a send had waited SEND_SECONDS, not before
     assert front.connections.send_timeouts == 1 and mesh.cancelled == 1
     assert SEND_SECONDS <= trio.current_time() - start <= SEND_SECONDS + 2
