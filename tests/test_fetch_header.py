@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshd.store.gguf_header import GGUFError, read_layout
-from meshd.store.manifest import ManifestError, gguf_layout
+from meshd.store.manifest import ManifestError, model_paths
 
 HEADER_BYTES = 320
 # What refusing a header may allocate at its peak.
@@ -67,7 +67,7 @@ def test_a_hostile_320_byte_header_is_refused_before_anything_is_sized_by_it(nam
             read_layout(f)
         # as a model file given or fetched: one typed error naming the file
         with pytest.raises(ManifestError, match="hostile.gguf is not a readable GGUF"):
-            gguf_layout(path)
+            model_paths(path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

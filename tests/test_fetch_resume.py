@@ -45,7 +45,7 @@ async def test_a_crashed_fetch_resumes_without_fetching_journalled_chunks_again(
                                    config=FetchConfig(in_flight_per_source=1))
         assert cut.cancelled_caught
         # The process dies here: nothing more is flushed; the journal has what the cut flushed.
-        os.close(target._fd)
+        os.close(target._fds[0])
         first = sum(u.chunks for u in source.uploaded().values())
         resumed = SparseFile.resume(out, manifest.model_id)
         journalled = len(chunks) - len(resumed.missing(chunks))

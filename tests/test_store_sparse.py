@@ -58,7 +58,7 @@ def test_verified_chunks_survive_a_restart_and_unflushed_ones_are_fetched_again(
     for c in later:
         sparse.write(c, data[c.offset : c.end])
     # A crash before the next flush: the journal on disk records only the first five.
-    os.close(sparse._fd)
+    os.close(sparse._fds[0])
     again = SparseFile.resume(path, manifest.model_id)
     assert [c.index for c in manifest.chunks if again.has(c.index)] == [c.index for c in first]
     assert all(again.read(c) == data[c.offset : c.end] for c in first)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 from meshd.store.manifest import Chunk, Manifest
+from meshd.store.split import part_paths
 
 
 class Holding(Protocol):
@@ -37,14 +38,16 @@ def bit_set(bitmap: bytes | bytearray, index: int) -> bool:
 
 
 class WholeFile:
-    """A complete GGUF whose manifest was computed from it: every chunk is verified by construction.
+    """A complete GGUF (or every part of a split set, ``path`` its first) whose manifest was computed from
+    it: every chunk is verified by construction.
 
-    The manifest cache is trusted only while the file's size and mtime hold
+    The manifest cache is trusted only while the files' sizes and mtimes hold
     (``manifest_for``); ``read`` checks the size again, so a file replaced under
     a running source stops being served instead of serving other bytes."""
 
     def __init__(self, path: Path, manifest: Manifest) -> None:
         self.path = path
+        self._paths = part_paths(path, len(manifest.parts)) if manifest.more_parts else [path]
         self._manifest = manifest
         self._bitmap = full_bitmap(len(manifest.chunks))
 
@@ -58,10 +61,11 @@ class WholeFile:
     def read(self, chunk: Chunk) -> bytes:
         if not self.has(chunk.index) or self._manifest.chunks[chunk.index] != chunk:
             raise KeyError(chunk.index)
-        with open(self.path, "rb") as f:
-            if os.fstat(f.fileno()).st_size != self._manifest.file_size:
-                raise OSError(f"{self.path.name} changed size since its manifest was made")
-            return os.pread(f.fileno(), chunk.size, chunk.offset)
+        path = self._paths[chunk.part]
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != self._manifest.parts[chunk.part].file_size:
+                raise OSError(f"{path.name} changed size since its manifest was made")
+            return os.pread(f.fileno(), chunk.size, chunk.part_offset)
 
     def bitmap(self) -> bytes:
         return self._bitmap

@@ -11,6 +11,11 @@ either recorded and intact or refetched, never trusted unwritten.
 ``punch`` gives the blocks of chunks no longer wanted back to the filesystem
 (``fallocate(PUNCH_HOLE)``) and forgets them.
 
+A split set's copy is one sparse file per part, named as llama.cpp finds parts
+(``NAME-00001-of-0000N.gguf`` ... beside each other), each at its part's size
+with its chunks at their offsets in it; one manifest and one journal, beside
+the name it was opened by, cover them all.
+
 This is blocking file IO: the trio shell calls ``read`` (4 MiB) in a thread; the
 fetcher writes a chunk's pieces as they arrive (``write_piece``, a frame at a
 time, fast to the page cache) and ``record``s it once its hash matches.
@@ -30,6 +35,7 @@ import msgpack
 
 from meshd.store.holding import bit_set
 from meshd.store.manifest import Chunk, Manifest, ManifestError
+from meshd.store.split import part_paths
 from wire.fetch import MAX_MANIFEST_BYTES
 
 MANIFEST_SUFFIX = ".meshd-sparse"
@@ -81,45 +87,56 @@ def verify(chunk: Chunk, data: bytes) -> None:
 
 
 class SparseFile:
-    """A sparse copy of one model's file, resumable. Open with ``SparseFile.open``."""
+    """A sparse copy of one model's file (or of each part of a set), resumable. Open with ``SparseFile.open``."""
 
-    def __init__(self, path: Path, manifest: Manifest, fd: int, bitmap: bytearray) -> None:
-        self.path = path
+    def __init__(self, name: Path, manifest: Manifest, paths: list[Path], fds: list[int], bitmap: bytearray) -> None:
+        # the file a loader is given: the model's, or the set's first part
+        self.path = paths[0]
+        self.paths = paths
+        self._name = name
         self._manifest = manifest
-        self._fd = fd
+        self._fds = fds
         self._bitmap = bitmap
         self._unsaved = False
 
     @classmethod
     def open(cls, path: Path, manifest: Manifest) -> SparseFile:
-        """The sparse file at ``path`` for ``manifest``: created at the original size, or resumed.
+        """The sparse file at ``path`` for ``manifest``: created at the original size, or resumed. For a
+        split set ``path`` names it (``NAME.gguf``, or its first part's name) and its parts lie beside it.
 
         Resuming keeps the chunks its journal records. A file there of another
         model (or a plain file with no journal) is refused: it is not ours to overwrite."""
         companion = path.with_name(path.name + MANIFEST_SUFFIX)
         journal = path.with_name(path.name + JOURNAL_SUFFIX)
+        paths = part_paths(path, len(manifest.parts)) if manifest.more_parts else [path]
         bitmap = bytearray(-(-len(manifest.chunks) // 8))
-        if path.exists():
+        there = [p for p in paths if p.exists()]
+        if there:
             if not journal.exists():
-                raise SparseError(errno.EEXIST, f"{path} exists and is not a partial download of this model")
+                raise SparseError(errno.EEXIST, f"{there[0]} exists and is not a partial download of this model")
             recorded_id, recorded = _read_journal(journal)
             if recorded_id != manifest.model_id:
-                raise SparseError(errno.EEXIST, f"{path} is a partial download of another model ({recorded_id[:16]})")
-            if len(recorded) == len(bitmap):
+                raise SparseError(errno.EEXIST, f"{there[0]} is a partial download of another model "
+                                                f"({recorded_id[:16]})")
+            # a part gone since (deleted by hand) holds nothing: its chunks are fetched again
+            if len(recorded) == len(bitmap) and len(there) == len(paths):
                 bitmap[:] = recorded
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fds: list[int] = []
         try:
-            if os.fstat(fd).st_size != manifest.file_size:
-                os.ftruncate(fd, manifest.file_size)
+            for part, file in zip(manifest.parts, paths, strict=True):
+                fds.append(os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                if os.fstat(fds[-1]).st_size != part.file_size:
+                    os.ftruncate(fds[-1], part.file_size)
             if not companion.exists() or companion.read_bytes() != manifest.encoded:
                 _write_atomic(companion, manifest.encoded)
-            sparse = cls(path, manifest, fd, bitmap)
+            sparse = cls(path, manifest, paths, fds, bitmap)
             sparse._unsaved = True
             sparse.flush()
         except BaseException:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
             raise
         return sparse
 
@@ -152,8 +169,8 @@ class SparseFile:
         return sum(c.size for c in self._manifest.chunks if self.has(c.index))
 
     def allocated_bytes(self) -> int:
-        """What the file takes on disk (its block count), holes excluded."""
-        return os.fstat(self._fd).st_blocks * 512
+        """What the file (every part) takes on disk (its block count), holes excluded."""
+        return sum(os.fstat(fd).st_blocks * 512 for fd in self._fds)
 
     def write(self, chunk: Chunk, data: bytes) -> None:
         """Verify ``data`` against ``chunk`` (BadChunk if it does not match), write it and record it.
@@ -167,7 +184,7 @@ class SparseFile:
         if self._manifest.chunks[chunk.index] != chunk:
             raise KeyError(chunk.index)
         verify(chunk, data)
-        written = os.pwrite(self._fd, data, chunk.offset)
+        written = os.pwrite(self._fds[chunk.part], data, chunk.part_offset)
         if written != len(data):
             raise OSError(errno.EIO, f"short write at {chunk.offset}")
 
@@ -179,13 +196,13 @@ class SparseFile:
         matches, or ``discard``s it."""
         if self._manifest.chunks[chunk.index] != chunk or start < 0 or start + len(data) > chunk.size:
             raise KeyError(chunk.index)
-        if os.pwrite(self._fd, data, chunk.offset + start) != len(data):
+        if os.pwrite(self._fds[chunk.part], data, chunk.part_offset + start) != len(data):
             raise OSError(errno.EIO, f"short write at {chunk.offset + start}")
 
     def discard(self, chunk: Chunk) -> None:
         """Free the blocks of an unrecorded chunk's bytes (a bad chunk's, half written)."""
         if not self.has(chunk.index):
-            punch_hole(self._fd, chunk.offset, chunk.size)
+            punch_hole(self._fds[chunk.part], chunk.part_offset, chunk.size)
 
     def record(self, chunk: Chunk) -> None:
         """Count a stored chunk as verified (one thread only: the bitmap is not locked)."""
@@ -199,7 +216,7 @@ class SparseFile:
         blocks, so a read that raced a punch (and may hold zeros) is refused, never served."""
         if not self.has(chunk.index) or self._manifest.chunks[chunk.index] != chunk:
             raise KeyError(chunk.index)
-        data = os.pread(self._fd, chunk.size, chunk.offset)
+        data = os.pread(self._fds[chunk.part], chunk.size, chunk.part_offset)
         if not self.has(chunk.index):
             raise KeyError(chunk.index)
         return data
@@ -214,8 +231,9 @@ class SparseFile:
         self._unsaved = False
         snapshot = bytes(self._bitmap)
         try:
-            os.fdatasync(self._fd)
-            journal = self.path.with_name(self.path.name + JOURNAL_SUFFIX)
+            for fd in self._fds:
+                os.fdatasync(fd)
+            journal = self._name.with_name(self._name.name + JOURNAL_SUFFIX)
             _write_atomic(journal, msgpack.packb([_JOURNAL_VERSION, self._manifest.model_id, snapshot]))
         except BaseException:
             self._unsaved = True
@@ -230,16 +248,17 @@ class SparseFile:
         self._unsaved = True
         self.flush()
         for c in dropped:
-            punch_hole(self._fd, c.offset, c.size)
+            punch_hole(self._fds[c.part], c.part_offset, c.size)
         return sum(c.size for c in dropped)
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if self._fds:
             try:
                 self.flush()
             finally:
-                os.close(self._fd)
-                self._fd = -1
+                for fd in self._fds:
+                    os.close(fd)
+                self._fds = []
 
 
 def _read_journal(journal: Path) -> tuple[str, bytes]:
