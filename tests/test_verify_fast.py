@@ -15,7 +15,7 @@ import os
 import random
 import signal
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs and", max_to
 LYING_WORKER = Path(__file__).with_name("lying_worker.py")
 
 
+@dataclass(frozen=True)
 class LyingSpec(WorkerSpec):
     """An attacker's engine worker (tests/lying_worker.py): flips a float of the fast path's output rows
     at position ``at``."""
@@ -55,8 +56,7 @@ class LyingSpec(WorkerSpec):
 async def lying_worker(node: StageNode, at: int) -> None:
     """Restarts ``node``'s engine worker as an attacker's."""
     engine = node.service.engine
-    spec = LyingSpec(**{f: getattr(engine.spec, f) for f in engine.spec.__dataclass_fields__})
-    spec.at = at
+    spec = LyingSpec(**{f.name: getattr(engine.spec, f.name) for f in fields(engine.spec)}, at=at)
     engine.spec = spec
     generation = engine.generation
     os.kill(engine.pid, signal.SIGKILL)

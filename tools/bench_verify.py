@@ -7,19 +7,27 @@ their own (as in a mesh, where they are other machines) one replica of the
 head and the tail ranges and two of the middle one (a mismatch there is
 settled by a third node, which makes a proof).
 
-(a) Steps until caught: an attacker (meshd's own stage service, patched)
-serves the route's middle range and flips one float of its output at a random
-decode step, signing what it sends as an honest stage would; the asker checks
-1 in 16 steps. Per run: the steps from the lie until the asker laid it at the
-attacker, and whether the answer (regenerated on a route without it) is the
-undisturbed one. Each answer's last steps are checked once it is in, so every lie
-is checked; a run without a catch is a miss (and prints what went unchecked).
-The runs take the lies in turn: that flip, and the attacker keeping its inputs
-from the spot checks (handing over none, all but the last, reordered, or none
-within the deadline), which fails the check as surely as a mismatch.
+Every ask takes the default path, the fast one (rows worker to worker, each
+stage's daemon signing a receipt per span of 16 positions off the rows' path),
+unless it says "daemons' path".
+
+(a) Positions until caught: an attacker serves the route's middle range: its
+engine worker (tests/lying_worker.py, meshd's own with its fast path patched,
+restarted for each such run) flips one float of its output at a random decode
+position, and its daemon signs what was sent as an honest one would; the asker
+checks 1 in 16 positions. Per run: the positions from the lie until the asker
+laid it at the attacker, and whether the answer (regenerated on a route
+without it) is the undisturbed one. Each answer's last span is checked once it
+is in, so every lie is checked; a run without a catch is a miss (and prints
+what went unchecked). The runs take the lies in turn: that flip, and the
+attacker's daemon keeping its inputs from the spot checks (handing over none,
+all but the last, reordered, or none within the deadline), which fails the
+check as surely as a mismatch.
 
 (b) Decode tok/s of the honest 3-stage route with verification at 1 in 16,
-receipts only and off, alternating in one run. As in a mesh, the asker is
+receipts only and off, and verified on the daemons' path, alternating in one
+run; and on the rewriting task (tools/bench_spec.py's) with prompt-lookup
+speculation, unverified and verified, against no speculation. As in a mesh, the asker is
 another machine than the route's: it runs in a process of its own, with the
 replicas (other machines too, which run at the lowest priority, so that
 their replays do not slow the asker). Where there are two or more CPUs the
@@ -27,10 +35,10 @@ route (this process, whose one event loop runs the three stage services, and
 their engine workers) is pinned to all but one, and the asker's and the
 replicas' processes and workers to that one. The bench reports, per decode token and mode, the CPU
 of the route (its stage services apart), of the asker, and of the replicas per
-step a spot check replays. (c) The bytes per decode token the signed hashes
-add (every hop's chain of receipts, the ring's, and the one the asker gets),
-and beside it the bytes spot checks move at 1 in 16 (inputs fetched and fed to
-a replica), measured from the messages of a real answer.
+step a spot check replays. (c) The bytes per decode token that verification
+adds, counted from the messages of the verified answers: the receipts the
+asker gets (every stage's, a span each), and beside them the inputs spot checks
+fetch from the stages under check (as many again go on to a replica).
 
 Usage: .venv/bin/python tools/bench_verify.py [--runs 20] [--tokens 96] [--rate-tokens 64] [--repeats 2] [--json out.json]
 """
@@ -38,35 +46,45 @@ Usage: .venv/bin/python tools/bench_verify.py [--runs 20] [--tokens 96] [--rate-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import trio
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session  # noqa: E402
+from meshd.client.audit import SpanAudit  # noqa: E402
 from meshd.client.verify import CheckPlan, Verifier  # noqa: E402
+from meshd.engine.supervisor import WorkerSpec  # noqa: E402
 from meshd.mesh.models import default_model_path  # noqa: E402
 from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
 from meshd.stage.service import Session, StageLimits, StageNode, StageService, stage_node  # noqa: E402
 from wire.codec import encode  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
-from wire.receipt import Receipt, Receipts, pack_chain, unpack_chain  # noqa: E402
+from wire.receipt import Receipts  # noqa: E402
 from wire.stage import Inputs, InputsRequest  # noqa: E402
 
 RANGES = {"head": (0, 10), "mid": (10, 20), "tail": (20, 30)}
 REPLICAS = {"head2": (0, 10), "mid2": (10, 20), "mid3": (10, 20), "tail2": (20, 30)}
+PASSAGE = ("The lighthouse keeper climbed the stairs every evening at dusk. He wiped the lens, trimmed the wick "
+           "and lit the lamp, and the beam swept across the dark water until morning. Ships far out at sea saw "
+           "the light and knew where the rocks were, and in the morning he put the lamp out and slept.")
+REWRITE = [f"Repeat the following passage word for word.\n\n{PASSAGE}",
+           f"Rewrite the following passage in the present tense.\n\n{PASSAGE}"]
+LYING_WORKER = Path(__file__).resolve().parents[1] / "tests" / "lying_worker.py"
 PROMPTS = ["Write a short story about a dragon who learns to cook.",
            "Explain how a bicycle stays upright.",
            "What should I pack for a week of hiking in the mountains?"]
@@ -190,7 +208,9 @@ async def ask_apart() -> None:
     print(json.dumps(await rate_runs(spec)), flush=True)
 
 
-MODES = ("off", "receipts", "verify")
+MODES = ("off", "receipts", "verify", "daemons")
+# the rewriting task: no speculation, prompt lookup unverified, and verified
+SPEC_MODES = ("plain", "spec_off", "spec_verify")
 
 
 async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
@@ -202,16 +222,33 @@ async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
     route, replicas = [stage_from(d) for d in spec["route"]], [stage_from(d) for d in spec["replicas"]]
     route_pids, replica_pids = spec["route_pids"], spec["replica_pids"]
     rng = random.Random(spec["seed"])
-    rates: dict[str, list[float]] = {m: [] for m in MODES}
+    rates: dict[str, list[float]] = {m: [] for m in MODES + SPEC_MODES}
     ttfts: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, dict[str, float]] = {part: dict.fromkeys(MODES, 0.0) for part in ("route", "stages", "asker")}
-    decoded = dict.fromkeys(MODES, 0)
+    decoded = dict.fromkeys(MODES + SPEC_MODES, 0)
+    counted = {m: Counts() for m in MODES + SPEC_MODES}
     replica_cpu = 0.0
     replayed = 0
 
     def spent() -> dict[str, float]:
         return {"route": sum(cpu_seconds(p) for p in route_pids), "stages": cpu_seconds(route_pids[0]),
                 "asker": time.process_time(), "replicas": sum(cpu_seconds(p) for p in replica_pids)}
+
+    async def answer(mode: str, request: AskRequest) -> AskResult:
+        every = EVERY if "verify" in mode or mode == "daemons" else 0
+        verifier = None if mode in ("off", "plain", "spec_off") else Counting(
+            peers, CheckPlan(every=every, candidates=replicas, rng=random.Random(rng.random())), counted[mode])
+        if mode == "daemons":
+            request = dataclasses.replace(request, fast=False)
+        if mode.startswith("spec"):
+            request = dataclasses.replace(request, speculate="ngram")
+        with trio.fail_after(600):
+            result = await run_session(peers, route, request, AskResult(), stall_timeout=120, verifier=verifier)
+        if every and not result.verified:
+            raise SystemExit(f"an honest answer in mode {mode} was not verified: {result.unverified}")
+        decoded[mode] += len(result.tokens)
+        rates[mode].append(result.decode_rate)
+        return result
 
     async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
         for round_ in range(spec["repeats"]):
@@ -220,44 +257,30 @@ async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
                 order = MODES[::1 if (round_ + i) % 2 == 0 else -1]
                 answers = {}
                 for mode in order:
-                    every = {"off": 0, "receipts": 0, "verify": EVERY}[mode]
-                    verifier = None if mode == "off" else Counting(peers, CheckPlan(every=every, candidates=replicas,
-                                                                                  rng=random.Random(rng.random())))
                     before = spent()
-                    with trio.fail_after(600):
-                        answers[mode] = await run_session(peers, route, request, AskResult(), stall_timeout=120,
-                                                          verifier=verifier)
+                    answers[mode] = await answer(mode, request)
                     after = spent()
                     for part in cpu:
                         cpu[part][mode] += after[part] - before[part]
-                    decoded[mode] += len(answers[mode].tokens)
                     if mode == "verify":
-                        assert verifier is not None
                         replica_cpu += after["replicas"] - before["replicas"]
-                        replayed += verifier.plan.compared
-                    rates[mode].append(answers[mode].decode_rate)
+                        replayed += counted[mode].compared
                     if answers[mode].ttft is not None:
                         ttfts[mode].append(answers[mode].ttft)
-                if not answers["off"].tokens == answers["receipts"].tokens == answers["verify"].tokens:
+                if len({tuple(a.tokens) for a in answers.values()}) != 1:
                     raise SystemExit(f"verification changed the answer to {prompt[:40]!r}")
-    assert Counting.decode_chain is not None
-    chain = list(unpack_chain(*Counting.decode_chain))
-    assert chain[0].layer_begin > 0, "a decode step's chain starts with the tail's receipt of its token"
-    # inside the messages on the way: the head's activation (the ring's receipt and its own), the
-    # middle's (three), the ring's (the tail's receipt alone) and the token to the asker (the whole
-    # route's, four)
-    sizes = {"head_to_mid": receipt_bytes(chain[:2]), "mid_to_tail": receipt_bytes(chain[:3]),
-             "tail_ring_to_head": receipt_bytes(chain[-1:]), "tail_to_asker": receipt_bytes(chain)}
-    # a spot check moves, per token of each range past the head: the row fetched, fed to the replica
-    # (about its size each: raw f32), and the replica's receipt back
-    receipt_one = len(encode(Receipts(session=chain[0].session, epoch=chain[0].epoch, chain=pack_chain(chain[-1:]))))
-    step_input = len(encode(Inputs(session=chain[0].session, epoch=chain[0].epoch, steps=[]))) + 4 * spec["width"] + 96
-    spot = 2 * (2 * step_input) + 3 * receipt_one
+            for i, prompt in enumerate(REWRITE):
+                request = AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=spec["rate_tokens"])
+                answers = {mode: await answer(mode, request)
+                           for mode in SPEC_MODES[::1 if (round_ + i) % 2 == 0 else -1]}
+                if len({tuple(a.tokens) for a in answers.values()}) != 1:
+                    raise SystemExit(f"speculation or its verification changed the answer to {prompt[:40]!r}")
     return {"rates": rates, "ttfts": ttfts, "decoded": decoded,
             "ms_per_token": {part: {m: 1000 * cpu[part][m] / max(1, decoded[m]) for m in MODES} for part in cpu},
             "replica_steps_replayed": replayed,
             "replica_ms_per_replayed_step": 1000 * replica_cpu / replayed if replayed else None,
-            "sizes": sizes, "spot": spot}
+            "bytes": {m: {"receipts": c.receipts / max(1, decoded[m]), "inputs": c.inputs / max(1, decoded[m])}
+                      for m, c in counted.items() if c.receipts}}
 
 
 def stage_of(node: StageNode) -> Stage:
@@ -265,26 +288,28 @@ def stage_of(node: StageNode) -> Stage:
     return Stage(node.address, node.peers.node_id, node.service.digest, (r.layer_begin, r.layer_end))
 
 
-class FlippingAttacker:
-    """Patches an honest stage service into an attacker: at its ``at``-th engine call of a routed session it
-    flips the sign of one float of its output (and signs what it sends, as an honest stage would)."""
+@dataclass(frozen=True)
+class LyingSpec(WorkerSpec):
+    """An attacker's engine worker (tests/lying_worker.py): flips a float of its fast path's output rows at
+    position ``at``."""
 
-    def __init__(self, service: StageService) -> None:
-        self.honest = service._dispatch
-        self.at = 0
-        self.calls = 0
-        service._dispatch = self.dispatch  # type: ignore[method-assign]
+    at: int = 0
 
-    def arm(self, at: int) -> None:
-        self.at, self.calls = at, 0
+    def argv(self, fd: int, events_fd: int = -1) -> list[str]:
+        honest = super().argv(fd, events_fd)
+        return [sys.executable, str(LYING_WORKER), "--flip-at", str(self.at), *honest[3:]]
 
-    def dispatch(self, batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
-        if any(not w.payload.session.open.check for w in batch):
-            self.calls += 1
-            if self.calls == self.at:
-                rows = np.frombuffer(body, dtype=np.float32)
-                rows[0] = -rows[0] if rows[0] else 1.0
-        self.honest(batch, reply, body)
+
+async def restart_worker(node: StageNode, spec: WorkerSpec) -> None:
+    """``node``'s engine worker again, as ``spec`` says."""
+    engine = node.service.engine
+    engine.spec = spec
+    generation = engine.generation
+    assert engine.pid is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    with trio.fail_after(120):
+        while not engine.is_up or engine.generation == generation:
+            await trio.sleep(0.05)
 
 
 # The lies of (a), a run each in turn: a float flipped at a random decode step (only a spot check on a
@@ -313,23 +338,60 @@ class WithholdingAttacker:
             session.to_asker.send_nowait(Inputs(session=session.book.id, epoch=session.book.epoch, steps=steps))
 
 
-class Counting(Verifier):
-    """A verifier that keeps a decode step's chain of receipts, whose bytes the figures count: read
-    once the runs are done, so the asker's CPU per token is what ``Verifier`` costs, no more."""
+@dataclass
+class Counts:
+    """Bytes the asker got for verification: receipts (every stage's, or the chains the tail hands over),
+    and the inputs spot checks fetched; and steps compared on replicas."""
 
-    decode_chain: tuple[bytes, str, int, str] | None = None
+    receipts: int = 0
+    inputs: int = 0
+    compared: int = 0
+
+
+class CountingInbox:
+    """A spot check's inbox, counting the inputs that come into it."""
+
+    def __init__(self, inbox: trio.MemorySendChannel[Inputs], counts: Counts) -> None:
+        self.inbox = inbox
+        self.counts = counts
+
+    async def send(self, msg: Inputs) -> None:
+        self.counts.inputs += len(encode(msg))
+        await self.inbox.send(msg)
+
+    def close(self) -> None:
+        self.inbox.close()
+
+
+class Counting(Verifier):
+    """A verifier that counts the bytes verification brings the asker (``Counts``); an encode a message,
+    a few µs against a token's tens of milliseconds."""
+
+    def __init__(self, peers: Any, plan: CheckPlan, counts: Counts) -> None:
+        super().__init__(peers, plan)
+        self.counts = counts
+
+    def on_receipts(self, index: int, msg: Receipts) -> None:
+        self.counts.receipts += len(encode(msg))
+        if isinstance(self.audit, SpanAudit):
+            super().on_receipts(index, msg)
+        else:
+            # (counted here, not again as a chain inside a token)
+            Verifier.on_chain(self, msg.session, msg.epoch, msg.chain)
 
     def on_chain(self, session: str, epoch: int, chain: bytes) -> None:
-        assert self.audit is not None
+        # the daemons' path: the chain inside each token (the ones alone come through on_receipts)
+        if self.audit is not None and not isinstance(self.audit, SpanAudit):
+            self.counts.receipts += len(chain)
         super().on_chain(session, epoch, chain)
-        if self.audit.prompt_len is not None and self.audit.next_pos > self.audit.prompt_len:
-            Counting.decode_chain = (chain, session, epoch, self.audit.model)
 
+    def inbox(self, index: int) -> Any:
+        inbox = super().inbox(index)
+        return None if inbox is None else CountingInbox(inbox, self.counts)
 
-def receipt_bytes(chain: list[Receipt]) -> int:
-    """What a chain adds to the message it rides in (an activation, a token): its field's bytes."""
-    bare = {"type": "token", "v": 1, "session": "0" * 24, "epoch": 0, "index": 0, "token": 0, "piece": b""}
-    return len(encode({**bare, "receipts": pack_chain(chain)})) - len(encode({**bare, "receipts": None}))
+    async def settle(self, timeout: float) -> None:
+        await super().settle(timeout)
+        self.counts.compared += self.plan.compared
 
 
 async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: int, pin_cpus: bool) -> dict[str, Any]:
@@ -359,8 +421,9 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                                "width": nodes["mid"].service.report.stage_width}, asker_cpus)
         rates = b["rates"]
 
-        # (a) steps until caught
-        attacker = FlippingAttacker(nodes["mid"].service)
+        # (a) positions until caught
+        honest_spec = nodes["mid"].service.engine.spec
+        lying = False
         withholder = WithholdingAttacker(nodes["mid"].service)
         caught: list[int] = []
         by_lie = {lie: {"runs": 0, "caught": 0} for lie in LIES}
@@ -376,12 +439,21 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                     clean[prompt] = await run_session(peers, [route[0], apart["mid2"], route[2]], request,
                                                       AskResult(), stall_timeout=120)
             # a withheld check is caught at the first check (its draw, or the one once the answer is in)
-            lie_at = rng.randrange(2, tokens // 2) if lie == "flip" else 0
+            lie_at = len(clean[prompt].prompt_tokens) + (rng.randrange(2, tokens // 2) if lie == "flip" else 0)
             if lie == "flip":
-                attacker.arm(lie_at)
+                await restart_worker(nodes["mid"], LyingSpec(**{f.name: getattr(honest_spec, f.name)
+                                                                for f in dataclasses.fields(honest_spec)},
+                                                             at=lie_at))
+                lying = True
             else:
+                if lying:
+                    await restart_worker(nodes["mid"], honest_spec)
+                    lying = False
                 withholder.kind = lie
-            checker = Verifier(peers, CheckPlan(every=EVERY, candidates=replicas, rng=random.Random(rng.random())))
+            # (a list of one span cannot be reordered: the reordering attacker is drawn 1 in 4 * EVERY, so its
+            # checks ask for several)
+            every = 4 * EVERY if lie == "reordered" else EVERY
+            checker = Verifier(peers, CheckPlan(every=every, candidates=replicas, rng=random.Random(rng.random())))
             with trio.fail_after(600):
                 answer = await ask_with_failover(peers, find, request, stall_timeout=120, verifier=checker)
             identical = identical and answer.tokens == clean[prompt].tokens
@@ -391,31 +463,26 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                 caught.append(checker.caught_at[0] - lie_at)
             else:
                 missed += 1
-            print(json.dumps({"run": run, "lie": lie, "lie_at_step": lie_at,
+            print(json.dumps({"run": run, "lie": lie, "lie_at_position": lie_at,
                               "caught_after": caught[-1] if nodes["mid"].peers.node_id in checker.liars else None,
                               "proofs": len(checker.proofs), "identical": answer.tokens == clean[prompt].tokens,
                               "unverified": [str(n) for n in answer.unverified]}),
                   file=sys.stderr, flush=True)
-            attacker.arm(0)
             withholder.kind = None
     return {
         "every": EVERY,
         "caught": {"runs": runs, "caught": len(caught), "missed": missed, "by_lie": by_lie,
                    "median_steps": statistics.median(caught) if caught else None,
                    "max_steps": max(caught) if caught else None, "answers_identical": identical},
-        "decode_tok_s": {"off": statistics.median(rates["off"]), "receipts": statistics.median(rates["receipts"]),
-                         "verify": statistics.median(rates["verify"]),
-                         "receipts_slowdown": 1 - statistics.median(rates["receipts"]) / statistics.median(rates["off"]),
-                         "slowdown": 1 - statistics.median(rates["verify"]) / statistics.median(rates["off"]),
-                         "samples": len(rates["off"])},
+        "decode_tok_s": {m: statistics.median(rates[m]) for m in MODES + SPEC_MODES},
+        "samples": len(rates["off"]),
         # the route's replicas are known before the session opens (a tracker's route names them), as here
         "ttft_ms": {m: 1000 * statistics.median(b["ttfts"][m]) for m in MODES},
         "cpu": {"pinning": pinning, **{f"{part}_ms_per_token": v for part, v in b["ms_per_token"].items()},
                 "replica_steps_replayed": b["replica_steps_replayed"],
                 "replica_ms_per_replayed_step": b["replica_ms_per_replayed_step"]},
-        "bytes_per_token": {"receipts": b["sizes"], "receipts_total": sum(b["sizes"].values()),
-                            "spot_checks_at_1_in_16": b["spot"] / EVERY,
-                            "row_bytes": 4 * nodes["mid"].service.report.stage_width},
+        "bytes_per_token": b["bytes"],
+        "row_bytes": 4 * nodes["mid"].service.report.stage_width,
     }
 
 
@@ -443,32 +510,35 @@ def main() -> int:
     print("| figure | value |")
     print("|---|---|")
     print(f"| lying stage caught (1 in {out['every']}) | {c['caught']}/{c['runs']} runs, median {c['median_steps']} "
-          f"steps after the lie, max {c['max_steps']}; answers identical: {c['answers_identical']} |")
+          f"positions after the lie, max {c['max_steps']}; answers identical: {c['answers_identical']} |")
     print("| caught, by lie | " + ", ".join(f"{lie} {n['caught']}/{n['runs']}" for lie, n in c["by_lie"].items()) + " |")
-    print(f"| decode tok/s, 3 stages, off | {r['off']:.1f} |")
-    print(f"| decode tok/s, 3 stages, receipts only (--verify 0 would be off) | {r['receipts']:.1f} "
-          f"({r['receipts_slowdown']:+.1%} slower) |")
-    print(f"| decode tok/s, 3 stages, verify 1 in {out['every']} | {r['verify']:.1f} ({r['slowdown']:+.1%} slower) |")
+    print(f"| decode tok/s, 3 stages, fast path, unverified | {r['off']:.1f} |")
+    print(f"| decode tok/s, fast path, receipts only | {r['receipts']:.1f} ({r['receipts'] / r['off']:.2f}x) |")
+    print(f"| decode tok/s, fast path, verify 1 in {out['every']} (the default ask) | {r['verify']:.1f} "
+          f"({r['verify'] / r['off']:.2f}x unverified) |")
+    print(f"| decode tok/s, daemons' path, verify 1 in {out['every']} | {r['daemons']:.1f} "
+          f"({r['daemons'] / r['off']:.2f}x) |")
+    print(f"| rewriting task, decode tok/s | no speculation {r['plain']:.1f}; prompt lookup unverified "
+          f"{r['spec_off']:.1f} ({r['spec_off'] / r['plain']:.2f}x), verified {r['spec_verify']:.1f} "
+          f"({r['spec_verify'] / r['plain']:.2f}x; {r['spec_verify'] / r['spec_off']:.2f} of unverified's) |")
     t = out["ttft_ms"]
-    print(f"| time to first token, ms (median) | off {t['off']:.0f}, receipts {t['receipts']:.0f}, verify 1 in "
-          f"{out['every']} {t['verify']:.0f} ({t['verify'] / t['off']:.2f}x off) |")
+    print(f"| time to first token, ms (median) | unverified {t['off']:.0f}, receipts {t['receipts']:.0f}, verify "
+          f"{t['verify']:.0f} ({t['verify'] / t['off']:.2f}x), daemons' path verify {t['daemons']:.0f} |")
     cpu = out["cpu"]
 
     def by_mode(part: str) -> str:
         ms = cpu[f"{part}_ms_per_token"]
-        return (f"off {ms['off']:.1f} ms, receipts {ms['receipts']:.1f} ms ({ms['receipts'] / ms['off'] - 1:+.1%}), "
-                f"verify 1 in {out['every']} {ms['verify']:.1f} ms ({ms['verify'] / ms['off'] - 1:+.1%})")
+        return ", ".join(f"{m} {ms[m]:.1f} ms" for m in MODES)
 
     print(f"| route CPU per token (stage services + engine workers) | {by_mode('route')} |")
     print(f"| of which the stage services (one process, one event loop) | {by_mode('stages')} |")
     print(f"| asker CPU per token (a process of its own: another machine) | {by_mode('asker')} |")
     per_step = cpu["replica_ms_per_replayed_step"]
-    print(f"| replicas' CPU per replayed step (stage services and engine workers; other machines in a mesh) | "
-          f"{'-' if per_step is None else f'{per_step:.1f} ms'} over {cpu['replica_steps_replayed']} steps "
+    print(f"| replicas' CPU per replayed position (stage services and engine workers; other machines in a mesh) | "
+          f"{'-' if per_step is None else f'{per_step:.1f} ms'} over {cpu['replica_steps_replayed']} spans "
           f"({cpu['pinning']}) |")
-    parts = ", ".join(f"{k} {v}" for k, v in b["receipts"].items())
-    print(f"| signed hashes, bytes per token | {b['receipts_total']} ({parts}) |")
-    print(f"| spot checks, bytes per token | {b['spot_checks_at_1_in_16']:.0f} (rows of {b['row_bytes']} bytes) |")
+    print("| verification bytes per token at the asker: receipts; spot checks' inputs fetched | " + "; ".join(
+        f"{m} {v['receipts']:.0f}, {v['inputs']:.0f}" for m, v in b.items()) + f" (a row is {out['row_bytes']} bytes) |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))

@@ -49,10 +49,12 @@ MAX_CHAIN = 32
 # a proof names one culprit and at most this many witnesses against it
 MAX_WITNESSES = 4
 # On the fast path a receipt covers the positions [k * SPAN, (k + 1) * SPAN) of its session (the last
-# span ends where the answer does), not one engine step (meshd.engine.spans): a 3-stage route's
-# receipts then cost the asker 3 x 176 bytes per 16 positions, 33 a token, where a chain per step
-# cost 704; and 16 is the asker's default draw (1 in 16), so a spot check replays about a span.
-SPAN = 16
+# span ends where the answer does), not one engine step (meshd.engine.spans). Each goes to the asker in
+# a message of its own, about 240 bytes: a 3-stage route's cost it 85 bytes per decode token at 16
+# positions a span (tools/bench_verify.py, 32-token answers, the prompt's spans included), where the
+# daemons' path's chain per step cost 698. A replica replays every position anyway (it needs the KV),
+# so a longer span costs no check; it only makes a lie's catch come up to a span later.
+SPAN = 32
 
 # 3: the signed bytes are a fixed layout after the session's (``_BODY``), not a msgpack map
 _RECEIPT_DOMAIN = b"meshd/receipt/3\x00"
