@@ -250,3 +250,32 @@ def owned_tensors(reader: gguf.GGUFReader, layers: tuple[int, int]) -> dict[str,
 
 def _arch(reader: gguf.GGUFReader) -> str:
     return str(reader.fields["general.architecture"].contents())
+
+
+def split_gguf(source: Path, out: Path, parts: int) -> list[Path]:
+    """Writes `source` again as a `parts`-part gguf-split set `out`-0000i-of-0000N.gguf beside `out`
+    (the `gguf` package's split writer: the model's metadata in the first part, the split.* keys in
+    every part, tensors in file order, as even a count per part as the writer's per-part cap makes);
+    returns the parts' paths in order."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    per_part = -(-len(reader.tensors) // parts)
+    w = gguf.GGUFWriter(out, arch, split_max_tensors=per_part)
+    for field in reader.fields.values():
+        # the writer adds the architecture and the GGUF.* header fields itself
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for t in reader.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in reader.tensors:
+        w.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    w.close()
+    names = w.format_shard_names(out)
+    assert len(names) == parts, f"{len(reader.tensors)} tensors made {len(names)} parts, not {parts}"
+    return names
