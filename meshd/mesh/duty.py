@@ -33,9 +33,10 @@ from meshd.mesh.assignment import (
     CoverageError,
     ModelSpec,
     NodeCapacity,
-    assign,
+    Placer,
     capacities,
     coverage_shortfall,
+    served_assignment,
     stage_fits,
     unheld_layers,
 )
@@ -180,6 +181,8 @@ class MeshDuty:
         # the tracker's books: soft state, rebuilt from gossip by whoever is tracker next
         self.assignments: dict[str, Assignment] = {}
         self.uncovered: dict[str, str] = {}
+        # each model's placement over time, with what its hysteresis remembers (departed members' ranges)
+        self._placers: dict[str, Placer] = {}
         self._placed_before: dict[str, Assignment] = {}  # the placement each model had before the last
         # why a model is not covered, by digest, with the placement inputs it was worked out from
         self._reasons: dict[str, tuple[object, str]] = {}
@@ -601,14 +604,22 @@ class MeshDuty:
         live = [r for r in self.node.membership.live_records() if r.node_id not in self.liars]
         changed = False
         self._placed_speeds = {}  # of the live members only, refilled model by model
-        for digest, info in held_models(live).items():
+        held = held_models(live)
+        for digest in set(self._placers) - set(held):
+            del self._placers[digest]  # no live member holds it: nothing to come back to
+        for digest, info in held.items():
             before = self.assignments.get(digest)
+            spec = self._spec(live, info)
+            placer = self._placers.get(digest)
+            if placer is None:
+                # a new tracker starts from what the placed members serve: a change of tracker moves nothing
+                placer = self._placers[digest] = Placer(self.config.policy)
+                placer.current = served_assignment(self._placed_serving(live, digest), spec)
             try:
                 unheld = unheld_layers(live, digest, info.n_layers)
                 if unheld:
                     raise CoverageError(_unheld_reason(unheld))
-                placed = assign(self._believed(capacities(live, digest)), self._spec(live, info), self.config.policy,
-                                before)
+                placed = placer.place(now, self._believed(capacities(live, digest)), spec)
             except CoverageError as exc:
                 if before is not None or self.uncovered.get(digest) != str(exc):
                     self.assignments.pop(digest, None)
@@ -626,6 +637,13 @@ class MeshDuty:
         if changed:
             self._stages_news = True
             self.node.update_record(now, assignment_version=self.node.record.assignment_version + 1)
+
+    def _placed_serving(self, live: list[CapabilityRecord], digest: str) -> dict[str, Range]:
+        """The range of `digest` each live member serves where a tracker this node followed placed it
+        there: a member's own word that it serves a range places nothing."""
+        followed = self.node.election.followed
+        return {r.node_id: (s.start, s.end) for r in live if not r.leaving for s in r.served
+                if s.model == digest and placed_on(r, followed, digest, s.start, s.end)}
 
     def _believed(self, nodes: list[NodeCapacity]) -> list[NodeCapacity]:
         """The nodes with the speeds routes count (`believe`: what this tracker timed, the conservative
@@ -647,6 +665,8 @@ class MeshDuty:
         for event in events:
             if isinstance(event, TrackerChanged):
                 news = True
+                if not self.is_tracker:
+                    self._placers.clear()  # another's placement now: this node's memory of its own is stale
                 self._ask_at, self._failures = None, 0
                 continue
             if event.kind not in _PLACEMENT_NEWS:
