@@ -55,9 +55,11 @@ from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_creat
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
 from meshd.stage.service import StageLimits, stage_node
+from meshd.store.gguf_header import GGUFError
 from meshd.store.manifest import ManifestError
 from meshd.store.ranges import RangeError
 from meshd.store.sparse import SparseError
+from meshd.store.split import SplitError, model_files, part_paths, set_prefix
 from relay.limits import RelayLimits
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
@@ -201,9 +203,11 @@ GGUF_MIN_HEADER = 24
 
 
 def checked_model(path: Path) -> Path:
-    """`path` if it starts as a GGUF does; ModelNotFound, with the reason, if not.
+    """`path` if it starts as a GGUF does; ModelNotFound, with the reason, if not. A part of a split set
+    (named `NAME-00002-of-00003.gguf`, as llama.cpp needs) gives the set's first part, once every part's
+    header says it belongs: ModelNotFound names a part missing or not of the set.
 
-    Only the first bytes are read: parsing the whole header takes seconds on a
+    Only the first bytes are read of a file of its own: parsing the whole header takes seconds on a
     busy machine, and the daemon (metadata) and the engine (tensors) check the
     rest, each failing with one line.
     """
@@ -224,7 +228,12 @@ def checked_model(path: Path) -> Path:
     version = int.from_bytes(head[4:8], "little")
     if version not in (2, 3):
         raise ModelNotFound(f"{path} is GGUF version {version}; llama.cpp reads versions 2 and 3")
-    return path
+    if set_prefix(path) is None:
+        return path
+    try:
+        return model_files(path).first
+    except (GGUFError, SplitError, OSError) as exc:
+        raise ModelNotFound(f"{path} is not a usable split GGUF set ({exc})") from None
 
 
 def model_id_or_name(text: str) -> str:
@@ -619,7 +628,9 @@ async def pull(args: argparse.Namespace) -> int:
         finally:
             bar.close()
     start, end = args.layers
-    print(f"layers {start}:{end} of {short} in {out}: {mib(report.fetched_bytes)} fetched "
+    # a split set's parts lie beside the name given, and load from the first
+    loads = part_paths(out, len(manifest.parts))[0] if manifest.more_parts else out
+    print(f"layers {start}:{end} of {short} in {loads}: {mib(report.fetched_bytes)} fetched "
           f"({plural(report.fetched_chunks, 'chunk')}, {plural(len(report.by_source), 'source')}), "
           f"{mib(report.reused_bytes)} already there")
     for node, why in report.excluded.items():

@@ -79,11 +79,12 @@ from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService, Tap
 from meshd.stage.fast import FastDoor
 from meshd.stage.service import StageLimits, StageService, answer_typed, model_manifest
-from meshd.store.gguf_header import GGUFError, read_layout
+from meshd.store.gguf_header import GGUFError
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import Chunk, Manifest
 from meshd.store.ranges import held_layer_ranges, range_chunks
 from meshd.store.sparse import SparseFile
+from meshd.store.split import SplitError, model_files
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
 from wire.codec import Message
@@ -293,8 +294,10 @@ class MeshDaemon:
             self.manifest = await trio.to_thread.run_sync(model_manifest, cfg.model, cfg.state_dir)
             self.model = await trio.to_thread.run_sync(describe_model, cfg.model, self.manifest.model_id)
             check_volunteer(self.model, cfg)
-            self.model_path = cfg.model
-            self.source.offer(WholeFile(cfg.model, self.manifest))
+            whole = WholeFile(cfg.model, self.manifest)
+            # a split set loads from its first part, whichever part was named
+            self.model_path = whole.path
+            self.source.offer(whole)
         async with open_peers(self.identity, cfg.peers) as peers, trio.open_nursery() as nursery:
             self.peers, self._nursery = peers, nursery
             peers.handle(SWIM_PROTOCOL, self._on_swim)
@@ -908,7 +911,7 @@ class MeshDaemon:
             raise ModelNotFound(f"no member sent the manifest of model {digest[:16]} (waited {cfg.model_wait:g} s)")
         path = cfg.state_dir / "models" / f"{digest}.gguf"
         sparse = await trio.to_thread.run_sync(SparseFile.open, path, manifest)
-        self.manifest, self.sparse, self.model_path = manifest, sparse, path
+        self.manifest, self.sparse, self.model_path = manifest, sparse, sparse.path
         # a holder that is busy, restarting or gone for a moment is no reason to give up (the node
         # would exit): the header is asked for again, like the manifest, for up to model_wait
         failure: Exception | str = "no member answered"
@@ -925,7 +928,7 @@ class MeshDaemon:
         if not fetched:
             raise ModelNotFound(f"cannot fetch the header of model {digest[:16]} (waited {cfg.model_wait:g} s): "
                                 f"{failure}")
-        info = (await trio.to_thread.run_sync(describe_model, path, digest)).model_copy(update={"whole": False})
+        info = (await trio.to_thread.run_sync(describe_model, sparse.path, digest)).model_copy(update={"whole": False})
         check_volunteer(info, cfg)
         self.model = info
         self.source.offer(sparse)
@@ -1025,15 +1028,17 @@ class MeshDaemon:
 # ----- what a model file holds
 
 def describe_model(path: Path, digest: str) -> ModelInfo:
-    """What placement needs to know of the GGUF at `path` (whole, or a sparse file with its header),
-    read from the header alone; ModelNotFound, naming the file, if it is no usable GGUF."""
+    """What placement needs to know of the GGUF at `path` (whole, or a sparse file with its header; a split
+    set's part, every part's header read), from the headers alone; ModelNotFound, naming the file, if it is
+    no usable GGUF."""
     try:
-        with open(path, "rb") as f:
-            layout = read_layout(f)
-    except (GGUFError, OSError) as exc:
+        files = model_files(path)
+    except (GGUFError, SplitError, OSError) as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
-    return model_info(digest, path.name, layout.metadata, {t.name: t.size for t in layout.tensors}, layout.arrays)
+    first = files.layouts[0]
+    sizes = {t.name: t.size for layout in files.layouts for t in layout.tensors}
+    return model_info(digest, files.name, first.metadata, sizes, first.arrays)
 
 
 class CannotVolunteer(Exception):

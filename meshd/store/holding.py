@@ -46,8 +46,9 @@ class WholeFile:
     a running source stops being served instead of serving other bytes."""
 
     def __init__(self, path: Path, manifest: Manifest) -> None:
-        self.path = path
         self._paths = part_paths(path, len(manifest.parts)) if manifest.more_parts else [path]
+        # the file a loader is given: the model's, or the set's first part
+        self.path = self._paths[0]
         self._manifest = manifest
         self._bitmap = full_bitmap(len(manifest.chunks))
 
