@@ -184,8 +184,9 @@ async def test_two_thousand_idle_connections_leave_a_keyed_client_served_and_the
 async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(mock_clock: trio.testing.MockClock) -> None:
     # the clock jumps only once the loop has been idle a while in real time: loopback I/O lands first
     mock_clock.autojump_threshold = 0.05
-    # ~9 MB of events: more than the server's send buffer and the client's receive buffer hold together
-    mesh = FakeMesh(pieces=[b"x" * 1024] * 8192)
+    # twice what the server's send buffer can grow to, in 1 KiB tokens: more than the kernel holds for the client
+    most_buffered = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    mesh = FakeMesh(pieces=[b"x" * 1024] * (2 * most_buffered // 1024))
     front = FrontDoor(mesh)
     async with served(front) as url:
         port = int(url.rsplit(":", 1)[1])
@@ -211,7 +212,8 @@ async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(mock_cl
 
 
 async def test_a_keyless_api_refuses_a_foreign_host_a_cross_site_origin_and_a_body_not_json() -> None:
-    front = FrontDoor(FakeMesh())
+    mesh = FakeMesh()
+    front = FrontDoor(mesh)
     async with served(front) as url:
         port = url.rsplit(":", 1)[1]
         local = f"localhost:{port}"
@@ -247,11 +249,11 @@ async def test_a_keyless_api_refuses_a_foreign_host_a_cross_site_origin_and_a_bo
     assert "evil.example" in rebound.json()["error"]["message"] and "no key" in rebound.json()["error"]["message"]
     assert "needs an API key" in cross.json()["error"]["message"]
     assert form.status_code == 415 and "Content-Type: application/json" in form.json()["error"]["message"]
-    assert claude_refused.value.body["error"]["type"] == "permission_error"  # type: ignore[index]
+    assert claude_refused.value.status_code == 403 and "needs an API key" in claude_refused.value.message
     assert same_origin.status_code == 200 and by_address.status_code == 200 and by_ipv6_name.status_code == 200
     assert answer.choices[0].message.content == "Hello world"
     # no refused request reached the mesh
-    assert len(front.mesh.asked) == 2  # type: ignore[attr-defined]
+    assert len(mesh.asked) == 2
 
 
 async def test_a_keyed_api_answers_any_host_and_origin_that_carries_the_key() -> None:
