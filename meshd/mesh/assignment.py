@@ -620,14 +620,16 @@ def _copies(stages: Sequence[Stage], start: int, end: int) -> int:
 def _movable_replica(stages: Sequence[Stage], segments: Sequence[Range], model: ModelSpec,
                      present: Mapping[str, _Node], target: Range, least_copies: int) -> str | None:
     """A node hosting a whole segment other than `target` that is hosted `least_copies` times or more, and
-    that fits `target`: one holding `target`'s layers first (no fetch), then from the most copied segment,
-    then the slowest (its segment loses least). None when there is none."""
+    that fits `target`: one whose segment keeps a replica first (no second move to fill it), then one
+    holding `target`'s layers (no fetch), then from the most copied segment, then the slowest (its
+    segment loses least). None when there is none."""
     copies = {segment: _copies(stages, *segment) for segment in segments if segment != target}
     candidates = [stage for stage in stages if copies.get((stage.start, stage.end), 0) >= least_copies
                   and present[stage.node_id].fits(model, *target)]
     if not candidates:
         return None
-    best = min(candidates, key=lambda stage: (not present[stage.node_id].holds_range(*target),
+    best = min(candidates, key=lambda stage: (copies[(stage.start, stage.end)] < 3,
+                                              not present[stage.node_id].holds_range(*target),
                                               -copies[(stage.start, stage.end)], -present[stage.node_id].speed,
                                               stage.node_id))
     return best.node_id
