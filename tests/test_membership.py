@@ -244,17 +244,37 @@ def test_accusations_naming_a_version_never_published_are_ignored() -> None:
     assert observer.state(target.node_id) is MemberState.ALIVE
 
 
-def test_members_lists_the_whole_view_for_status() -> None:
+def test_members_lists_the_mesh_for_status_and_no_departed_member() -> None:
+    net, nodes = mesh(4)
+    net.run_until(5.0)
+    listed = {info.node_id: info for info in nodes[0].members()}
+    assert listed[nodes[2].node_id].record == nodes[2].record and listed[nodes[1].node_id].rtt == 0.0
+    net.down.add(nodes[2].node_id)
+    nodes[3].leave(net.now)
+    # listed until this node holds it dead (or gone), and not a moment after
+    while nodes[0].state(nodes[2].node_id) is not MemberState.DEAD:
+        assert nodes[2].node_id in {info.node_id for info in nodes[0].members()}
+        net.run_until(net.now + 0.1)
+    listed = {info.node_id: info for info in nodes[0].members()}
+    assert nodes[0].state(nodes[3].node_id) is MemberState.LEFT
+    assert set(listed) == {nodes[0].node_id, nodes[1].node_id}
+    assert all(info.state is MemberState.ALIVE for info in listed.values())
+
+
+def test_the_table_forgets_a_dead_member_within_its_bound_and_a_sync_does_not_bring_it_back() -> None:
+    config = CONFIG
     net, nodes = mesh(3)
     net.run_until(5.0)
     net.down.add(nodes[2].node_id)
-    net.run_until(60.0)
-    listed = {info.node_id: info for info in nodes[0].members()}
-    assert listed[nodes[0].node_id].state is MemberState.ALIVE
-    assert listed[nodes[1].node_id].state is MemberState.ALIVE
-    assert listed[nodes[1].node_id].rtt == 0.0
-    assert listed[nodes[2].node_id].state is MemberState.DEAD
-    assert listed[nodes[2].node_id].record == nodes[2].record
+    while nodes[0].state(nodes[2].node_id) is not MemberState.DEAD:
+        net.run_until(net.now + 0.5)
+    died = net.now
+    net.run_until(died + config.reap_after + config.push_pull_interval + 1.0)
+    assert nodes[0].state(nodes[2].node_id) is None and nodes[1].state(nodes[2].node_id) is None
+    # one member's Sync naming it dead (its last record) brings it back to neither table
+    nodes[0].handle_message(net.now, nodes[1].node_id, Sync(reply=False, entries=[
+        SyncEntry(record=nodes[2].record, state="dead")]))
+    assert nodes[0].state(nodes[2].node_id) is None
 
 
 def test_a_node_restarting_with_an_old_version_supersedes_its_previous_life() -> None:

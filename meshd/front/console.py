@@ -74,7 +74,7 @@ class MeshSource(Protocol):
         ...
 
     def members(self) -> list[MemberInfo]:
-        """Every member known, with its record and measured round-trip time."""
+        """Every member in the mesh (none departed), with its record and measured round-trip time."""
         ...
 
     async def route(self, model: str) -> RouteReply:

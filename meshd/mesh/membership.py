@@ -122,8 +122,13 @@ class SwimConfig:
     push_pull_interval: float = 30.0
     # Try a push-pull with a random dead member this often: heals partitions.
     reconnect_interval: float = 30.0
-    # Forget a dead or departed member after this long (its version is kept).
-    reap_after: float = 24 * 3600.0
+    # Forget a dead or departed member after this long (its version is kept, so its old records are
+    # stale and a peer's Sync cannot bring it back), checked at each push-pull round: no member is kept
+    # past reap_after + push_pull_interval of its death here. The table keeps the dead only so that a
+    # falsely declared node hears (gossip_to_dead) and a partition heals (the reconnect loop tries one
+    # dead member each reconnect_interval): half an hour is 60 such tries, while a volunteer mesh's
+    # churn (every departed laptop kept a day, as before) no longer fills the table with the gone.
+    reap_after: float = 1800.0
     join_retry_interval: float = 2.0
     max_piggyback: int = 32
     # Members are strangers: the table holds at most this many others (a status reply lists them
@@ -477,12 +482,14 @@ class Membership:
         return records
 
     def members(self) -> list[MemberInfo]:
-        """Every member this node knows of, itself first."""
+        """Every member this node believes in the mesh (alive or suspect), itself first: what status
+        and the console list. A dead or departed member is left out from the moment this node holds
+        it so (the table keeps it a while longer for the reconnect loop: `SwimConfig.reap_after`)."""
         own = MemberInfo(self._node_id, self._own_state(), self._record.version, self._record, None)
         out = [own]
         for node_id, member in self._members.items():
             record = self._store.get(node_id)
-            if record is not None:
+            if record is not None and member.state in _LIVE:
                 out.append(MemberInfo(node_id, member.state, member.incarnation, record, member.rtt))
         return out
 

@@ -49,7 +49,8 @@ def held_models(records: Iterable[CapabilityRecord]) -> dict[str, ModelInfo]:
 def status_view(node_id: str, members: Sequence[MemberInfo], live: Sequence[CapabilityRecord],
                 tracker: Tracker | None, address_fits: Callable[[str], bool] | None = None,
                 reason_of: Callable[[ModelInfo], str] | None = None, offset: int = 0) -> StatusReply:
-    """`members`: every member known, this node included (as `Membership.members()` gives them);
+    """`members`: the members in the mesh, this node included (as `Membership.members()` gives them:
+    no departed one, so none lingers in status);
     `live`: the records of those believed alive, which alone count for coverage; `address_fits`:
     which addresses the asker may be told (others show as none); `reason_of`: why a model that is
     not covered cannot be; `offset`: the first member of the page (coverage comes with the first)."""
