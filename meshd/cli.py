@@ -59,7 +59,7 @@ from meshd.store.gguf_header import GGUFError
 from meshd.store.manifest import ManifestError
 from meshd.store.ranges import RangeError
 from meshd.store.sparse import SparseError
-from meshd.store.split import SplitError, model_files, part_paths, set_prefix
+from meshd.store.split import SplitError, model_files, part_paths, set_prefix, shown_name
 from relay.limits import RelayLimits
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
@@ -314,12 +314,12 @@ async def serve(args: argparse.Namespace) -> int:
                          peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens)
     config = PeersConfig(mesh_key=args.mesh_key)
     layers = f"layers [{args.layers[0]}, {args.layers[1]})" if args.layers else "all layers"
-    async with progress.waiting(f"loading {layers} of {path.name}") as loading, \
+    async with progress.waiting(f"loading {layers} of {shown_name(path)}") as loading, \
             stage_node(path, args.layers, limits, NodeIdentity.generate(), config, args.listen, args.threads,
                        args.poll, args.gpu_layers, args.draft_model) as node:
         loading.done()
         report = node.service.report
-        print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {path.name} "
+        print(f"meshd: serving layers [{report.layer_begin}, {report.layer_end}) of {shown_name(path)} "
               f"({node.service.digest[:12]}) on {node.address} as node {node.peers.node_id[:16]}"
               f"{offload_text(report)}", flush=True)
         print(f"ready {node.address} pid={os.getpid()} worker={node.engine.pid}", flush=True)
@@ -492,7 +492,7 @@ async def join(args: argparse.Namespace) -> int:
                             peers=PeersConfig(mesh_key=args.mesh_key), state_dir=args.state_dir,
                             model_id=args.model_id, disk_bytes=args.disk,
                             progress=sys.stderr.isatty())
-        what = (f"volunteering {model.name}" if model else
+        what = (f"volunteering {shown_name(model)}" if model else
                 f"fetching its range of model {args.model_id[:16]}" if args.model_id else "without a model")
         gpu = f", GPU memory {mib(args.gpu_memory)} for {gpu_layers_text(args.gpu_layers)}" if args.gpu_layers else ""
         await run_until_signal(MeshDaemon(identity, config),

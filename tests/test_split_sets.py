@@ -296,9 +296,12 @@ async def test_volunteers_joining_by_model_id_fetch_just_their_range_of_a_set_an
         owned_at = sorted((c.part, c.part_offset, c.part_offset + c.size) for c in wanted)
         for i, path in enumerate(files):
             mine = [(a, b) for p, a, b in owned_at if p == i]
+            # but the last page: growing a file to a size off a page boundary zeroes its tail in the cache
+            size = manifest.parts[i].file_size
+            last_page = size - size % mmap.PAGESIZE
             edge = 0
-            for a, b in [*mine, (manifest.parts[i].file_size + READ_AROUND, 0)]:
-                assert resident(path, edge + READ_AROUND, a - READ_AROUND) == 0, (path.name, edge, a)
+            for a, b in [*mine, (size + READ_AROUND, 0)]:
+                assert resident(path, edge + READ_AROUND, min(a - READ_AROUND, last_page)) == 0, (path.name, edge, a)
                 edge = max(edge, b)
     shown = run_meshd("models", "--seed", holder.address)
     assert shown.returncode == 0, shown.stderr

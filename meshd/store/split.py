@@ -43,6 +43,12 @@ def set_prefix(path: Path) -> str | None:
     return found["prefix"] if found is not None else None
 
 
+def shown_name(path: Path) -> str:
+    """The name a model file is shown by: its own, or for a part its set's (``NAME.gguf``)."""
+    prefix = set_prefix(path)
+    return f"{prefix}.gguf" if prefix is not None else path.name
+
+
 def part_paths(path: Path, count: int) -> list[Path]:
     """Where the ``count`` parts of the set at ``path`` lie: beside it, ``path`` being one of them or a plain
     ``NAME.gguf`` whose parts are ``NAME-0000i-of-0000N.gguf`` (a sparse copy's, named by model id)."""
@@ -66,8 +72,7 @@ class ModelFiles:
     @property
     def name(self) -> str:
         """The model's file name, the set's without the part numbers."""
-        prefix = set_prefix(self.first) if len(self.paths) > 1 else None
-        return f"{prefix}.gguf" if prefix is not None else self.first.name
+        return shown_name(self.first)
 
 
 def _layout(path: Path) -> GGUFLayout:
