@@ -25,7 +25,7 @@ from meshd.client.ask import (
     blamed,
     route_from_reply,
 )
-from meshd.client.verify import Verifier
+from meshd.client.verifier import Verifier
 from meshd.mesh.duty import MeshDuty
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import MAX_REPLICAS_PER_STAGE

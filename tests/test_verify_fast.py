@@ -3,10 +3,13 @@
 Stages of a tiny random model run in this process, each with its own engine
 worker; every range is served twice or three times, so each has a replica. A
 verified ask takes the fast path (its decode rows never touch a daemon), with
-and without speculation, and its answer is the undisturbed one's. The
-attackers: a stage whose engine worker flips a float of its output (and whose
-daemon signs what was sent, as an honest one would: only a spot check can
-catch it), and stages whose daemons sign other spans than their workers ran.
+and without speculation, and its answer is the undisturbed one's; the spot
+checks replay it on a chain of replicas fed the token ids, so no stage hands
+over its inputs. The attackers: a stage whose engine worker flips a float of
+its output (and whose daemon signs what was sent, as an honest one would: only
+a spot check can catch it), the same keeping its inputs from the check that
+settles the mismatch, and stages whose daemons sign other spans than their
+workers ran, or never sign their last.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import trio
 from test_verify_route import stage_nodes, stage_of
 
 from meshd.client.ask import AskRequest, AskResult, ask_with_failover, run_session
-from meshd.client.verify import CheckPlan, Verifier
+from meshd.client.verifier import Verifier
+from meshd.client.verify import CheckPlan
 from meshd.engine.supervisor import WorkerSpec
 from meshd.mesh.proofs import check_proof
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.service import Session, StageNode, StageService
 from wire.identity import NodeIdentity
 from wire.receipt import row_hash
+from wire.stage import Inputs
 
 pytestmark = pytest.mark.slow  # seven engine workers
 
@@ -75,6 +80,16 @@ def signing_other_input(service: StageService) -> None:
     service._sign_spans = lying  # type: ignore[method-assign]
 
 
+def withholding_inputs(service: StageService) -> None:
+    """An attacker's daemon: answers the asker's request for its kept inputs with none."""
+
+    def nothing(session: Session, msg: Any) -> None:
+        session.kept = []
+        session.to_asker.send_nowait(Inputs(session=session.book.id, epoch=session.book.epoch, steps=[]))
+
+    service._send_inputs = nothing  # type: ignore[method-assign]
+
+
 def withholding_seal(service: StageService) -> None:
     """An attacker's daemon: never signs its last span (the asker's seal goes unanswered)."""
 
@@ -82,6 +97,19 @@ def withholding_seal(service: StageService) -> None:
         return None
 
     service._seal = silent  # type: ignore[method-assign]
+
+
+def inputs_asked(service: StageService) -> list[int]:
+    """Records the positions up to which the asker asks ``service`` for a fast session's kept inputs."""
+    asked: list[int] = []
+    honest = service._fast_inputs
+
+    async def recording(session: Session, msg: Any) -> None:
+        asked.append(msg.until)
+        await honest(session, msg)
+
+    service._fast_inputs = recording  # type: ignore[method-assign]
+    return asked
 
 
 def route(nodes: dict[str, StageNode], names: tuple[str, ...]) -> Any:
@@ -105,12 +133,15 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                                                 AskResult())
                 # (the daemon's own engine calls: a session on the daemons' path makes them)
                 before = nodes["mid"].service.metrics.engine_calls
+                fetched = inputs_asked(nodes["mid"].service)
                 plan = CheckPlan(every=4, candidates=pool, rng=random.Random(3))
                 honest = await ask_with_failover(peers, route(nodes, every), REQUEST, verifier=Verifier(peers, plan))
                 assert honest.tokens == undisturbed.tokens and honest.epochs == 1
-                # the rows went worker to worker, and every range was checked to the end
+                # the rows went worker to worker, and every range was checked to the end on a chain of
+                # replicas fed the token ids: no stage was asked for its inputs
                 assert nodes["mid"].service.metrics.engine_calls == before
                 assert plan.checks > 0 and honest.unverified == [] and honest.verified
+                assert fetched == []
 
                 # speculation with verification: the same answer, drafts accepted, checked to the end
                 spec = await ask_with_failover(peers, route(nodes, every), replace(REQUEST, speculate="ngram"),
@@ -129,6 +160,21 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                 assert caught.tokens == undisturbed.tokens and caught.epochs == 2
                 (proof,) = verifier.proofs
                 assert proof.kind == "divergence" and check_proof(proof) == nodes["mid"].peers.node_id
+
+                # the same liar keeping from the check the inputs it asks for to settle the mismatch: a check
+                # dodged is a check failed (no proof: what it withheld is not evidence)
+                withholding_inputs(nodes["mid"].service)
+                verifier = Verifier(peers, CheckPlan(every=1 << 30, candidates=pool, inputs_seconds=2))
+                dodged = await ask_with_failover(peers, route(nodes, every), REQUEST, verifier=verifier)
+                assert verifier.liars == {nodes["mid"].peers.node_id} and not verifier.proofs
+                assert dodged.tokens == undisturbed.tokens
+
+                # a range with no replica is replayed on its own stage, so the chain checks the ranges after it
+                no_head_replica = [s for s in pool if s.node_id != nodes["head2"].peers.node_id]
+                partly = await ask_with_failover(peers, route(nodes, ("head", "mid2", "tail")), REQUEST,
+                                                 verifier=Verifier(peers, CheckPlan(every=4, candidates=no_head_replica)))
+                assert partly.tokens == undisturbed.tokens
+                assert [(n.layers, n.why) for n in partly.unverified] == [("[0, 2)", "no replica")]
 
                 # a daemon signing another input than its worker took: it and its upstream disagree on rows
                 # only they saw, so both are routed around (no proof: neither is named before the mesh)

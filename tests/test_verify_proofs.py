@@ -14,7 +14,9 @@ import trio
 
 from meshd.cli import figures_line
 from meshd.client.ask import AskResult, Stage, StageError, _watch_for_errors, first_error
-from meshd.client.verify import Audit, CheckPlan, Draws, StageLied, Verifier, blamed
+from meshd.client.audit import Audit, StageLied, blamed
+from meshd.client.verifier import Verifier
+from meshd.client.verify import CheckPlan, Draws
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.verify import chain_of, check_incoming

@@ -25,7 +25,8 @@ import trio
 import meshd.stage.service as service_module
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
 from meshd.client.probe import probe_stage
-from meshd.client.verify import CheckPlan, Verifier
+from meshd.client.verifier import Verifier
+from meshd.client.verify import CheckPlan
 from meshd.mesh.probes import ProbeConfig, StageProbe, probe_seconds
 from meshd.mesh.proofs import check_proof
 from meshd.net import rpc

@@ -24,7 +24,8 @@ from test_verify_route import stage_nodes, stage_of
 
 from meshd.client.ask import AskRequest, AskResult, RouteError, Stage, ask_with_failover, run_session
 from meshd.client.asker import Asker, Unverified
-from meshd.client.verify import CheckPlan, Verifier
+from meshd.client.verifier import Verifier
+from meshd.client.verify import CheckPlan
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.service import Session, StageNode, StageService
 from wire.identity import NodeIdentity

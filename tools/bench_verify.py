@@ -15,14 +15,16 @@ unless it says "daemons' path".
 engine worker (tests/lying_worker.py, meshd's own with its fast path patched,
 restarted for each such run) flips one float of its output at a random decode
 position, and its daemon signs what was sent as an honest one would; the asker
-checks 1 in 16 positions. Per run: the positions from the lie until the asker
-laid it at the attacker, and whether the answer (regenerated on a route
-without it) is the undisturbed one. Each answer's last span is checked once it
-is in, so every lie is checked; a run without a catch is a miss (and prints
-what went unchecked). The runs take the lies in turn: that flip, and the
-attacker's daemon keeping its inputs from the spot checks (handing over none,
-all but the last, reordered, or none within the deadline), which fails the
-check as surely as a mismatch.
+checks 1 in 16 positions on a chain of replicas (meshd.client.chain_check).
+Per run: the positions from the lie until the asker laid it at the attacker,
+and whether the answer (regenerated on a route without it) is the undisturbed
+one. Each answer's last span is checked once it is in, so every lie is checked;
+a run without a catch is a miss (and prints what went unchecked). The runs
+take the lies in turn: that flip (a third node settles the mismatch: a proof);
+the flip with the attacker's daemon keeping from the check the inputs it then
+asks for to settle it (handing over none, all but the last, reordered, or none
+within the deadline), which fails the check as surely as a mismatch; and the
+attacker's daemon never signing its last span.
 
 (b) Decode tok/s of the honest 3-stage route with verification at 1 in 16,
 receipts only and off, and verified on the daemons' path, alternating in one
@@ -67,7 +69,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session  # noqa: E402
 from meshd.client.audit import SpanAudit  # noqa: E402
-from meshd.client.verify import CheckPlan, Verifier  # noqa: E402
+from meshd.client.verifier import Verifier  # noqa: E402
+from meshd.client.verify import CheckPlan  # noqa: E402
 from meshd.engine.supervisor import WorkerSpec  # noqa: E402
 from meshd.mesh.models import default_model_path  # noqa: E402
 from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
@@ -75,7 +78,7 @@ from meshd.stage.service import Session, StageLimits, StageNode, StageService, s
 from wire.codec import encode  # noqa: E402
 from wire.identity import NodeIdentity  # noqa: E402
 from wire.receipt import Receipts  # noqa: E402
-from wire.stage import Inputs, InputsRequest  # noqa: E402
+from wire.stage import Inputs, InputsRequest, Seal  # noqa: E402
 
 RANGES = {"head": (0, 10), "mid": (10, 20), "tail": (20, 30)}
 REPLICAS = {"head2": (0, 10), "mid2": (10, 20), "mid3": (10, 20), "tail2": (20, 30)}
@@ -312,10 +315,10 @@ async def restart_worker(node: StageNode, spec: WorkerSpec) -> None:
             await trio.sleep(0.05)
 
 
-# The lies of (a), a run each in turn: a float flipped at a random decode step (only a spot check on a
-# replica catches it), and the inputs a spot check asks for withheld (none, all but the last, reordered,
-# or none in time): a check dodged is a check failed
-LIES = ("flip", "nothing", "short", "reordered", "late")
+# The lies of (a), a run each in turn: a float flipped at a random decode position (only a spot check on a
+# replica catches it); that, and the inputs the check then asks for to settle it withheld (none, all but the
+# last, reordered, or none in time); and the last span never signed: a check dodged is a check failed
+LIES = ("flip", "nothing", "short", "reordered", "late", "seal")
 
 
 class WithholdingAttacker:
@@ -326,6 +329,13 @@ class WithholdingAttacker:
         self.service = service
         self.kind: str | None = None
         service._send_inputs = self.send_inputs  # type: ignore[method-assign]
+        self.honest_seal = service._seal
+        service._seal = self.seal  # type: ignore[method-assign]
+
+    async def seal(self, session: Session, msg: Seal) -> None:
+        """The asker's word that the answer ended: ``seal`` never signs the last span."""
+        if self.kind != "seal":
+            await self.honest_seal(session, msg)
 
     def send_inputs(self, session: Session, msg: InputsRequest) -> None:
         if self.kind is None:
@@ -438,22 +448,19 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
                 with trio.fail_after(600):
                     clean[prompt] = await run_session(peers, [route[0], apart["mid2"], route[2]], request,
                                                       AskResult(), stall_timeout=120)
-            # a withheld check is caught at the first check (its draw, or the one once the answer is in)
-            lie_at = len(clean[prompt].prompt_tokens) + (rng.randrange(2, tokens // 2) if lie == "flip" else 0)
-            if lie == "flip":
+            # every lie but the last span's withheld flips a float, so that the chain's check asks for the
+            # attacker's inputs to settle it (withheld, a failed check) or a third node settles it (a proof)
+            lie_at = len(clean[prompt].prompt_tokens) + (rng.randrange(2, tokens // 2) if lie != "seal" else 0)
+            if lie != "seal":
                 await restart_worker(nodes["mid"], LyingSpec(**{f.name: getattr(honest_spec, f.name)
                                                                 for f in dataclasses.fields(honest_spec)},
                                                              at=lie_at))
                 lying = True
-            else:
-                if lying:
-                    await restart_worker(nodes["mid"], honest_spec)
-                    lying = False
-                withholder.kind = lie
-            # (a list of one span cannot be reordered: the reordering attacker is drawn 1 in 4 * EVERY, so its
-            # checks ask for several)
-            every = 4 * EVERY if lie == "reordered" else EVERY
-            checker = Verifier(peers, CheckPlan(every=every, candidates=replicas, rng=random.Random(rng.random())))
+            elif lying:
+                await restart_worker(nodes["mid"], honest_spec)
+                lying = False
+            withholder.kind = None if lie == "flip" else lie
+            checker = Verifier(peers, CheckPlan(every=EVERY, candidates=replicas, rng=random.Random(rng.random())))
             with trio.fail_after(600):
                 answer = await ask_with_failover(peers, find, request, stall_timeout=120, verifier=checker)
             identical = identical and answer.tokens == clean[prompt].tokens

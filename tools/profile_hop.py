@@ -45,7 +45,8 @@ import trio  # noqa: E402
 from bench_pipeline import DECODE_TEXT, cpu_ns  # noqa: E402
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session  # noqa: E402
-from meshd.client.verify import CheckPlan, Verifier  # noqa: E402
+from meshd.client.verifier import Verifier  # noqa: E402
+from meshd.client.verify import CheckPlan  # noqa: E402
 from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
 from meshd.engine.engine import Model  # noqa: E402
 from meshd.engine.supervisor import EngineSupervisor  # noqa: E402

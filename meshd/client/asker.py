@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover, deliver
-from meshd.client.verify import DEFAULT_VERIFY, CheckPlan, Verifier
+from meshd.client.verifier import Verifier
+from meshd.client.verify import DEFAULT_VERIFY, CheckPlan
 from meshd.net.peers import Peers
 from wire.errors import ProtocolError
 from wire.receipt import Proof

@@ -2,7 +2,9 @@
 
 A check session (``Open.check``) is fed by its opener: the opener is its upstream and its head's
 ring, the stage signs a receipt of each step and sends nothing on. To the stage a spot check's
-replica and a probe are the same thing, so they are opened the same way here.
+replica and a probe are the same thing, so they are opened the same way here. A check session may
+also be a link of a chain of them (meshd.client.chain_check): fed by the link before it instead of
+its opener, and feeding the next one, each signing for the opener alone.
 """
 
 from __future__ import annotations
@@ -16,42 +18,47 @@ from meshd.client.ask import release_all
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
-from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PromptTokens, Sampling, StageInfo, new_session_id
+from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, PromptTokens, Sampling, StageInfo, new_session_id
 
 
 @dataclass
 class CheckSession:
     session: str
     control: Stream
-    hop: Stream
+    # the opener's hop stream, which feeds it (None: the link of a chain before it feeds it)
+    hop: Stream | None
     info: StageInfo
 
 
 async def open_check_session(peers: Peers, address: str, node_id: str | None, model: str | None,
                              layers: tuple[int, int] | None, sampling: Sampling, max_tokens: int,
                              prompt_ids: Sequence[int], what: str,
-                             check: Callable[[StageInfo], None]) -> CheckSession:
+                             check: Callable[[StageInfo], None], session: str | None = None,
+                             upstream: str | None = None, next_stage: PeerRef | None = None) -> CheckSession:
     """Opens a check session on the stage at ``address`` for a prompt of ``prompt_ids``. ``check``
     sees the stage's own account before anything more is sent and may refuse it (a ProtocolError):
     the session is then released, as on any failure here. A tail after the head gets the prompt's
-    ids (its sampler's penalty history); a head is fed as the ring feeds it."""
+    ids (its sampler's penalty history); a head is fed as the ring feeds it. In a chain, the node
+    ``upstream`` feeds it (else the opener does, on a hop stream opened here) and it sends its rows
+    on to ``next_stage``, whose link of the chain is open by then."""
     control = await peers.open_stream(address, STAGE_PROTOCOL, node_id=node_id)
-    session = new_session_id()
+    session = session or new_session_id()
     hop: Stream | None = None
     begin, end = layers or (None, None)
     try:
         reply = await rpc.request(control, Open(
-            session=session, epoch=0, model_digest=model, layer_begin=begin, layer_end=end,
-            upstream=peers.node_id, sampling=sampling, max_tokens=max_tokens, receipts=True, check=True),
-            Opened, what)
+            session=session, epoch=0, model_digest=model, layer_begin=begin, layer_end=end, next=next_stage,
+            upstream=upstream or peers.node_id, sampling=sampling, max_tokens=max_tokens, receipts=True,
+            check=True), Opened, what)
         info = reply.info
         check(info)
         head = info.layer_begin == 0
         if info.layer_end == info.n_layer and not head:
             await control.send_message(PromptTokens(session=session, epoch=0, tokens=list(prompt_ids)))
-        hop = await peers.open_stream(address, STAGE_PROTOCOL, node_id=info.node_id)
-        await hop.send_message(Hop(session=session, epoch=0, ring=head, prompt_tokens=len(prompt_ids),
-                                   carry_tokens=int(info.needs_tokens)))
+        if upstream is None:
+            hop = await peers.open_stream(address, STAGE_PROTOCOL, node_id=info.node_id)
+            await hop.send_message(Hop(session=session, epoch=0, ring=head, prompt_tokens=len(prompt_ids),
+                                       carry_tokens=int(info.needs_tokens)))
     except BaseException:
         with trio.CancelScope(shield=True), trio.move_on_after(0.5):
             await release_all([control], session, 0)

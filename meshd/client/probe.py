@@ -86,6 +86,7 @@ async def _timed_steps(peers: Peers, address: str, probe: StageProbe, n_steps: i
                                       Sampling(), n_steps + 1, [PROBE_TOKEN], f"stage {address} opening a probe",
                                       placed)
     info, session, control, hop = opened.info, opened.session, opened.control, opened.hop
+    assert hop is not None, "the prober feeds the session it opened"
     head = info.layer_begin == 0
     try:
         rows = np.random.default_rng(0)

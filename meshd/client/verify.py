@@ -26,26 +26,19 @@ no proof to pass on.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import random
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
 
 from meshd.client.ask import (
-    AskResult,
-    RouteError,
-    RouteFinder,
     Stage,
-    StageError,
-    Unchecked,
     check_opened,
     release_all,
 )
-from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
+from meshd.client.audit import Audit, StageLied
 from meshd.client.check_session import open_check_session
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
@@ -65,7 +58,6 @@ from wire.stage import (
     Inputs,
     InputsRequest,
     Sampling,
-    Seal,
     StageInfo,
     StepInput,
 )
@@ -166,10 +158,15 @@ class RangeCheck:
         self.failure = ""
         self.stopped: str | None = None
 
+    @property
+    def ranges(self) -> set[int]:
+        """The ranges it checks: its own."""
+        return {self.index}
+
     def _original(self, pos: int) -> Receipt:
         return self.audit.by_stage[self.index][pos]
 
-    async def _fetch(self, until: int) -> bool:
+    async def fetch(self, until: int) -> bool:
         """The range's inputs up to ``until``, each checked against the stage's own signed h_in;
         False if the stage ended the session first (its stream's watcher says so while the answer
         still streams: here the check just ends)."""
@@ -271,7 +268,7 @@ class RangeCheck:
     async def _check(self, until: int) -> bool:
         """Replays the range's steps up to ``until`` on a replica; False once no replica answers."""
         self.plan.checks += 1
-        if not await self._fetch(until):
+        if not await self.fetch(until):
             self.stopped = "its stage ended the session before it handed over the inputs to check"
             return False
         while self.replicas:
@@ -295,7 +292,7 @@ class RangeCheck:
                 continue
             self.plan.compared += len(self.inputs) - fed
             if verdict is not None:
-                await self._settle(replica, verdict)
+                await self.settle(replica.stage, verdict)
                 return False
             self.checked_until = until
             return True
@@ -312,8 +309,9 @@ class RangeCheck:
         self.opened.append(replay)
         return replay
 
-    async def _settle(self, replica: _Replay, mismatch: Receipt) -> None:
-        """The replica's output differs from the stage's at one step: a third node's decides."""
+    async def settle(self, replica: Stage, mismatch: Receipt) -> None:
+        """``replica``'s output differs from the stage's at one step: a third node's decides, fed the
+        inputs fetched so far (up to the step, at least)."""
         original = self._original(mismatch.pos)
         for third_stage in self.replicas[1:]:
             third = await self._start(third_stage)
@@ -332,9 +330,8 @@ class RangeCheck:
                 proof = Proof(kind="divergence", culprit=original, witnesses=[mismatch, opinion])
                 raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} "
                                                                      f"differs from two replicas'", proof)
-            log.info("replica %s disagreed with the route and a third node: not trusted for checks",
-                     replica.stage.address)
-            self.stopped = f"its replica {replica.stage.address} disagreed with the route and a third node"
+            log.info("replica %s disagreed with the route and a third node: not trusted for checks", replica.address)
+            self.stopped = f"its replica {replica.address} disagreed with the route and a third node"
             return
         raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} differs from a "
                                                              f"replica's (no third node to settle it)")
@@ -384,6 +381,7 @@ class _Replay:
                                           sampling, 1 << 20, known[:audit.prompt_len],
                                           f"replica {stage.address} opening a check session", comparable)
         info = opened.info
+        assert opened.hop is not None, "the asker feeds a replica it opened alone"
         return cls(stage, opened.session, opened.control, opened.hop, info.node_id,
                    index == 0 or info.needs_tokens, info.model_digest)
 
@@ -453,201 +451,3 @@ class _Replay:
             await release_all([self.control], self.session, 0)
         with trio.CancelScope(shield=True):
             await self.hop.aclose()
-
-
-
-class Verifier:
-    """Output verification for an ask: what ``run_session`` calls at each point of an epoch."""
-
-    def __init__(self, peers: Peers, plan: CheckPlan | None = None, find_route: RouteFinder | None = None) -> None:
-        self.peers = peers
-        self.plan = plan or CheckPlan()
-        # where replicas come from when the plan names none: routes that avoid one stage of the route
-        self.find_route = find_route
-        self.audit: Audit | None = None
-        # nodes this ask caught lying: never a replica again
-        self.liars: set[str] = set()
-        # the proofs those lies left, for the tracker (bounded: an ask fails over a few times at most)
-        self.proofs: list[Proof] = []
-        # how many steps of its epoch the asker had seen when each lie was laid at a node (a figure)
-        self.caught_at: list[int] = []
-        self.replicas: dict[int, list[Stage]] = {}
-        self.inboxes: dict[int, Inbox] = {}
-        self._checks: list[tuple[RangeCheck, trio.MemoryReceiveChannel[int]]] = []
-        # the route's control streams (a seal goes on them), and the stages that ended the session after the answer
-        self.streams: list[Stream | None] = []
-        self.ended: set[int] = set()
-
-    async def prepare(self, route: Sequence[Stage], avoid: Collection[str] = ()) -> None:
-        """Finds replicas for the route's ranges (a second and a third node for each, where the mesh
-        has them), never among ``avoid`` (the nodes this ask routed around) or the liars it caught."""
-        if self.plan.every <= 0:
-            return
-        avoided = {*self.liars, *avoid}
-        if all(stage.replicas is not None for stage in route):
-            # the route's planner named them: no round trip before the first token
-            self.plan.candidates = [r for stage in route for r in stage.replicas or () if r.node_id not in avoided]
-            return
-        if self.find_route is None:
-            return
-        found: list[Stage] = []
-        for stage in route:
-            excluded = [stage.node_id] if stage.node_id else []
-            excluded += avoided
-            for _ in range(REPLICAS_WANTED):
-                try:
-                    other = await self.find_route(excluded)
-                except (ProtocolError, RouteError):
-                    break
-                match = next((s for s in other if s.layers == stage.layers and s.node_id), None)
-                if match is None or match.node_id is None:
-                    break
-                found.append(match)
-                excluded.append(match.node_id)
-        self.plan.candidates = found
-
-    def begin(self, session: str, epoch: int, route: Sequence[Stage], node_ids: Sequence[str | None], n_layer: int,
-              result: AskResult, prompt_len: int | None, streams: Sequence[Stream | None], sampling: Sampling,
-              fast: bool = False) -> None:
-        """A new epoch on ``route``; on the fast path (``fast``) each stage signs spans of its own."""
-        ids = [n for n in node_ids if n is not None]
-        assert len(ids) == len(node_ids), "every stage's node id is known once the route is open"
-        self.audit = (SpanAudit if fast else Audit)(session, epoch, ids, n_layer, result,
-                                                    model=result.route[-1].model_digest)
-        self.streams = list(streams)
-        self.ended = set()
-        result.checked = self.plan.every > 0
-        # a node this ask routed around (dead, stalled, lying) checks nothing: its range would go unchecked
-        avoid = {*self.liars, *result.excluded}
-        candidates = [c for c in self.plan.candidates if c.node_id not in avoid]
-        self.replicas = replicas_of(route, candidates) if self.plan.every > 0 else {}
-        self.inboxes = {i: Inbox() for i in self.replicas if i > 0}
-        self._done = trio.Event()
-        self._failed = False
-        self._checks = []
-        if self.plan.every > 0:
-            for index, replicas in self.replicas.items():
-                send, receive = trio.open_memory_channel[int](math.inf)
-                self.audit.on_step.append(Draws(send, self.plan))
-                check = RangeCheck(self.peers, self.audit, index, streams[index], self.inboxes.get(index), replicas,
-                                   sampling, self.plan)
-                self._checks.append((check, receive))
-        if prompt_len is not None:
-            self.prompt_known(prompt_len)
-
-    def prompt_known(self, prompt_len: int) -> None:
-        assert self.audit is not None
-        if self.audit.prompt_len is None:
-            self.audit.prompt_known(prompt_len)
-
-    def inbox(self, index: int) -> trio.MemorySendChannel[Inputs] | None:
-        box = self.inboxes.get(index)
-        return None if box is None else box.send
-
-    async def run_checks(self) -> None:
-        """The spot checks of every range with a replica, each fed the position each step reaches."""
-        try:
-            async with trio.open_nursery() as nursery:
-                for check, steps in self._checks:
-                    nursery.start_soon(check.run, steps)
-        except BaseException:
-            # a lie found (the epoch fails with it): nothing of this epoch is left to call unchecked
-            self._failed = True
-            raise
-        finally:
-            self._done.set()
-
-    async def settle(self, timeout: float) -> None:
-        """The answer is in: the checks already asked for finish and each
-        range's last steps are checked too (a lie they find still fails the epoch). What could not be
-        checked is said in ``AskResult.unverified``."""
-        audit = self.audit
-        assert audit is not None
-        if isinstance(audit, SpanAudit):
-            await self._seal(audit)
-        for channel in audit.on_step:
-            channel.close()
-        audit.on_step.clear()
-        with trio.move_on_after(timeout):
-            await self._done.wait()
-        if not self._failed:
-            self._unverified(f"its check did not end within {timeout:g} s")
-
-    def stage_ended(self, index: int) -> None:
-        """Stage ``index`` ended the session once the answer was in (it evicted it, say): what it did not
-        sign or hand over by then is unchecked, not withheld."""
-        self.ended.add(index)
-
-    async def _seal(self, audit: SpanAudit) -> None:
-        """The fast path's last spans: every stage is told where the rows end (the last sampled token's
-        position: the eog's row, if one ended the answer, signs nothing the asker has) and signs up to
-        there. A stage that does not (its stream, once the answer is in, just ends) leaves its range unchecked."""
-        assert audit.prompt_len is not None
-        # the positions run: the prompt's, and one per token sampled but the last
-        until = audit.prompt_len + len(audit.result.tokens) - audit.tokens_before - 1
-        audit.seal(until)
-        msg = Seal(session=audit.session, epoch=audit.epoch, until=until)
-        for stream in self.streams:
-            if stream is not None:
-                with contextlib.suppress(ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                    await stream.send_message(msg)
-        with trio.move_on_after(self.plan.inputs_seconds):
-            while not audit.sealed:
-                await audit.progress.wait()
-        silent = [i for i, sent in enumerate(audit.sent_until) if sent < until and i not in self.ended]
-        if silent:
-            # withholding its last receipt keeps its last span from the checks: a failed check, as for inputs
-            index = silent[0]
-            raise StageLied(index, audit.node_ids[index], f"it did not sign its last span within "
-                                                          f"{self.plan.inputs_seconds:g} s", pos=audit.next_pos)
-
-    def _unverified(self, cut_short: str) -> None:
-        """Notes each range of the epoch whose steps no replica matched up to the end of the answer,
-        and why: it has no replica, its checks ended (``RangeCheck.stopped``), or ``cut_short`` (the
-        epoch ended before its check did)."""
-        audit = self.audit
-        assert audit is not None
-        checks = {check.index: check for check, _ in self._checks}
-        # (on the fast path, the answer's rows end where the asker sealed them, signed or not)
-        end = audit.sealed_at if isinstance(audit, SpanAudit) and audit.sealed_at is not None else audit.next_pos
-        for index, info in enumerate(audit.result.route):
-            check = checks.get(index)
-            until = (0 if check is None else check.checked_until) if self.plan.every > 0 else audit.next_pos
-            if until < end:
-                note = Unchecked(info.layer_begin, info.layer_end, audit.node_ids[index], until,
-                                 "no replica" if check is None else check.stopped or cut_short)
-                log.info("spot checks: %s", note)
-                audit.result.note_unchecked(note)
-
-    def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError:
-        error = blamed(error, node_ids)
-        if error.untrusted_from is None and self.audit is not None:
-            # the answer keeps this epoch's tokens: the ranges' steps since their last check go unchecked
-            self._unverified("the route failed before its next check")
-        if error.culprit is not None:
-            self.liars.update([error.culprit] if error.also is None else [error.culprit, error.also])
-            if self.audit is not None:
-                self.caught_at.append(self.audit.steps)
-        if isinstance(error, StageLied) and error.proof is not None and len(self.proofs) < MAX_PROOFS:
-            self.proofs.append(error.proof)
-        return error
-
-    def on_chain(self, session: str, epoch: int, chain: bytes) -> None:
-        assert self.audit is not None
-        self.audit.on_packed(session, epoch, chain)
-
-    def on_receipts(self, index: int, msg: Receipts) -> None:
-        """Receipts that came on stage ``index``'s own stream: its spans on the fast path, else the
-        route's chain (the tail hands it over)."""
-        if isinstance(self.audit, SpanAudit):
-            self.audit.on_stage(index, msg.session, msg.epoch, msg.chain)
-        else:
-            self.on_chain(msg.session, msg.epoch, msg.chain)
-
-    def on_token(self, token: int) -> None:
-        assert self.audit is not None
-        self.audit.on_token(token)
-
-    def finish(self, reason: str) -> None:
-        assert self.audit is not None
-        self.audit.finish(reason)

@@ -1080,11 +1080,13 @@ class StageService:
                     continue
                 if s.open.check:
                     self._check_receipt(s, w, out)
-                    continue
                 if s.downstream is None:
                     continue
                 fields = tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)
-                chain = None if s.receipts is None else self._signed_chain(s, w, row_hash(fields["data"]))
+                # a check session with a next stage is a link of a chain of replicas (meshd.client.chain_check):
+                # the next range's replica replays from these rows, and each signs for the asker alone
+                chain = None if s.receipts is None or s.open.check else self._signed_chain(
+                    s, w, row_hash(fields["data"]))
                 s.downstream.send_nowait(encode_activation(
                     session=w.session.id, epoch=w.session.epoch, step=s.steps, pos=w.pos, n_tokens=w.n,
                     tensors=[fields], tokens=w.payload.carry if s.carry else None, drafts=w.drafts,
