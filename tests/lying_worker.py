@@ -5,14 +5,47 @@ a replica shows the lie."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import trio
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from meshd.engine import fastpath, worker  # noqa: E402
+from meshd.engine.supervisor import WorkerSpec  # noqa: E402
+from meshd.stage.service import StageNode  # noqa: E402
+
+
+@dataclass(frozen=True)
+class LyingSpec(WorkerSpec):
+    """This worker in place of a stage's own, flipping a float of its output rows at position ``at``."""
+
+    at: int = 0
+
+    def argv(self, fd: int, events_fd: int = -1) -> list[str]:
+        honest = super().argv(fd, events_fd)
+        return [sys.executable, __file__, "--flip-at", str(self.at), *honest[3:]]
+
+
+def lying(spec: WorkerSpec, at: int) -> LyingSpec:
+    return LyingSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)}, at=at)
+
+
+async def restart_worker(node: StageNode, spec: WorkerSpec) -> None:
+    """``node``'s engine worker again, as ``spec`` says (its supervisor starts the new one)."""
+    engine = node.service.engine
+    engine.spec = spec
+    generation = engine.generation
+    assert engine.pid is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    with trio.fail_after(120):
+        while not engine.is_up or engine.generation == generation:
+            await trio.sleep(0.05)
 
 
 def main() -> int:

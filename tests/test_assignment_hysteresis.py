@@ -8,30 +8,21 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_assignment import GB, node, segments
 
 from meshd.mesh.assignment import (
     RETURN_GRACE,
     Assignment,
     AssignmentPolicy,
     ModelSpec,
-    NodeCapacity,
     Placer,
     assign,
     served_assignment,
 )
 
-GB = 2**30
 # 30 layers of 0.6 GiB with KV, a 1 GiB embedding and a 1 GiB output head: 8 GiB nodes cut it in three
 # segments, 12 GiB ones in two, 20 GiB ones hold it whole.
 MODEL = ModelSpec("m", 30, GB // 2, kv_bytes_per_layer=GB // 10, head_bytes=GB, tail_bytes=GB)
-
-
-def node(name: str, memory_gib: float, seconds_per_layer: float = 0.01) -> NodeCapacity:
-    return NodeCapacity(name, int(memory_gib * GB), seconds_per_layer)
-
-
-def segments(assignment: Assignment) -> list[tuple[int, int]]:
-    return list(zip(assignment.boundaries, assignment.boundaries[1:], strict=False))
 
 
 def copies(assignment: Assignment) -> Counter[tuple[int, int]]:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from meshd.daemon import MeshDaemon
-from meshd.stage.books import Phase, SessionBook, StageBooks, StageLimits, source_group
+from meshd.mesh.addresses import source_group
+from meshd.stage.books import Phase, SessionBook, StageBooks, StageLimits
 from wire.errors import ErrorCode, ProtocolError
 from wire.stage import PeerRef
 

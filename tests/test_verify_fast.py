@@ -14,22 +14,19 @@ workers ran, or never sign their last.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from lying_worker import lying, restart_worker
 from test_verify_route import stage_nodes, stage_of
 
 from meshd.client.ask import AskRequest, AskResult, ask_with_failover, run_session
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
-from meshd.engine.supervisor import WorkerSpec
 from meshd.mesh.proofs import check_proof
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.service import Session, StageNode, StageService
@@ -43,41 +40,16 @@ ASK_DEADLINE = 120
 RANGES = {"head": (0, 2), "head2": (0, 2), "mid": (2, 4), "mid2": (2, 4), "mid3": (2, 4), "tail": (4, 6),
           "tail2": (4, 6)}
 REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs and", max_tokens=40)
-LYING_WORKER = Path(__file__).with_name("lying_worker.py")
-
-
-@dataclass(frozen=True)
-class LyingSpec(WorkerSpec):
-    """An attacker's engine worker (tests/lying_worker.py): flips a float of the fast path's output rows
-    at position ``at``."""
-
-    at: int = 0
-
-    def argv(self, fd: int, events_fd: int = -1) -> list[str]:
-        honest = super().argv(fd, events_fd)
-        return [sys.executable, str(LYING_WORKER), "--flip-at", str(self.at), *honest[3:]]
-
-
-async def lying_worker(node: StageNode, at: int) -> None:
-    """Restarts ``node``'s engine worker as an attacker's."""
-    engine = node.service.engine
-    spec = LyingSpec(**{f.name: getattr(engine.spec, f.name) for f in fields(engine.spec)}, at=at)
-    engine.spec = spec
-    generation = engine.generation
-    os.kill(engine.pid, signal.SIGKILL)
-    with trio.fail_after(60):
-        while not engine.is_up or engine.generation == generation:
-            await trio.sleep(0.05)
 
 
 def signing_other_input(service: StageService) -> None:
     """An attacker's daemon: signs its spans' input as other rows than its worker took in."""
     honest = service._sign_spans
 
-    def lying(session: Session, spans: list[tuple[int, int, bytes, bytes]]) -> None:
+    def other(session: Session, spans: list[tuple[int, int, bytes, bytes]]) -> None:
         honest(session, [(pos, n, row_hash(b"other" + h_in), h_out) for pos, n, h_in, h_out in spans])
 
-    service._sign_spans = lying  # type: ignore[method-assign]
+    service._sign_spans = other  # type: ignore[method-assign]
 
 
 def withholding_inputs(service: StageService) -> None:
@@ -153,7 +125,8 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                 # last check of every range catches it, two replicas against it make a proof, and the
                 # answer is generated again around it, the same
                 prompt_len = len(undisturbed.prompt_tokens)
-                await lying_worker(nodes["mid"], prompt_len + REQUEST.max_tokens - 3)
+                await restart_worker(nodes["mid"], lying(nodes["mid"].service.engine.spec,
+                                                         prompt_len + REQUEST.max_tokens - 3))
                 verifier = Verifier(peers, CheckPlan(every=1 << 30, candidates=pool))
                 caught = await ask_with_failover(peers, route(nodes, every), REQUEST, verifier=verifier)
                 assert verifier.liars == {nodes["mid"].peers.node_id}

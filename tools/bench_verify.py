@@ -52,7 +52,6 @@ import dataclasses
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -65,13 +64,15 @@ from typing import Any
 
 import trio
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+# (the attacker's engine worker is a fake that lives with the tests)
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+
+from lying_worker import restart_worker  # noqa: E402
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session  # noqa: E402
 from meshd.client.audit import SpanAudit  # noqa: E402
 from meshd.client.verifier import Verifier  # noqa: E402
 from meshd.client.verify import CheckPlan  # noqa: E402
-from meshd.engine.supervisor import WorkerSpec  # noqa: E402
 from meshd.mesh.models import default_model_path  # noqa: E402
 from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
 from meshd.stage.service import Session, StageLimits, StageNode, StageService, stage_node  # noqa: E402
@@ -87,7 +88,6 @@ PASSAGE = ("The lighthouse keeper climbed the stairs every evening at dusk. He w
            "the light and knew where the rocks were, and in the morning he put the lamp out and slept.")
 REWRITE = [f"Repeat the following passage word for word.\n\n{PASSAGE}",
            f"Rewrite the following passage in the present tense.\n\n{PASSAGE}"]
-LYING_WORKER = Path(__file__).resolve().parents[1] / "tests" / "lying_worker.py"
 PROMPTS = ["Write a short story about a dragon who learns to cook.",
            "Explain how a bicycle stays upright.",
            "What should I pack for a week of hiking in the mountains?"]
@@ -291,30 +291,6 @@ def stage_of(node: StageNode) -> Stage:
     return Stage(node.address, node.peers.node_id, node.service.digest, (r.layer_begin, r.layer_end))
 
 
-@dataclass(frozen=True)
-class LyingSpec(WorkerSpec):
-    """An attacker's engine worker (tests/lying_worker.py): flips a float of its fast path's output rows at
-    position ``at``."""
-
-    at: int = 0
-
-    def argv(self, fd: int, events_fd: int = -1) -> list[str]:
-        honest = super().argv(fd, events_fd)
-        return [sys.executable, str(LYING_WORKER), "--flip-at", str(self.at), *honest[3:]]
-
-
-async def restart_worker(node: StageNode, spec: WorkerSpec) -> None:
-    """``node``'s engine worker again, as ``spec`` says."""
-    engine = node.service.engine
-    engine.spec = spec
-    generation = engine.generation
-    assert engine.pid is not None
-    os.kill(engine.pid, signal.SIGKILL)
-    with trio.fail_after(120):
-        while not engine.is_up or engine.generation == generation:
-            await trio.sleep(0.05)
-
-
 # The lies of (a), a run each in turn: a float flipped at a random decode position (only a spot check on a
 # replica catches it); that, and the inputs the check then asks for to settle it withheld (none, all but the
 # last, reordered, or none in time); and the last span never signed: a check dodged is a check failed
@@ -452,9 +428,7 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
             # attacker's inputs to settle it (withheld, a failed check) or a third node settles it (a proof)
             lie_at = len(clean[prompt].prompt_tokens) + (rng.randrange(2, tokens // 2) if lie != "seal" else 0)
             if lie != "seal":
-                await restart_worker(nodes["mid"], LyingSpec(**{f.name: getattr(honest_spec, f.name)
-                                                                for f in dataclasses.fields(honest_spec)},
-                                                             at=lie_at))
+                await restart_worker(nodes["mid"], lying(honest_spec, lie_at))
                 lying = True
             elif lying:
                 await restart_worker(nodes["mid"], honest_spec)

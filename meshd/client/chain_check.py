@@ -30,7 +30,7 @@ import trio
 from meshd.client.ask import Stage, release_all
 from meshd.client.audit import Audit
 from meshd.client.check_session import CheckSession, open_check_session
-from meshd.client.verify import CheckPlan, Inbox, RangeCheck, _failed
+from meshd.client.verify import CheckPlan, Inbox, RangeCheck, failure_of, run_drawn
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, error_from_message
@@ -101,18 +101,7 @@ class ChainCheck:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                async with steps:
-                    async for until in steps:
-                        while True:
-                            try:
-                                until = max(until, steps.receive_nowait())
-                            except (trio.WouldBlock, trio.EndOfChannel):
-                                break
-                        if not await self._check(until):
-                            nursery.cancel_scope.cancel()
-                            return
-                if self.checked_until < self.audit.next_pos:
-                    await self._check(self.audit.next_pos)
+                await run_drawn(steps, self.check, lambda: self.checked_until, lambda: self.audit.next_pos)
                 nursery.cancel_scope.cancel()
         finally:
             await _close(self.links)
@@ -175,7 +164,7 @@ class ChainCheck:
                                                               node_id=after.session.info.node_id))
         except (ProtocolError, trio.BrokenResourceError, trio.EndOfChannel) as exc:
             log.info("a chained check of range %d on %s: %s", index, stage.address, exc)
-            raise _LinkFailed(index, stage, own, f"{stage.address}: {_failed(exc)}") from None
+            raise _LinkFailed(index, stage, own, f"{stage.address}: {failure_of(exc)}") from None
         return _Link(index, stage, own, opened)
 
     async def _receive(self, link: _Link) -> None:
@@ -195,10 +184,10 @@ class ChainCheck:
                 link.arrived.set()
                 link.arrived = trio.Event()
         except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            link.failure = f"{link.stage.address}: {_failed(exc)}"
+            link.failure = f"{link.stage.address}: {failure_of(exc)}"
             link.arrived.set()
 
-    async def _check(self, until: int) -> bool:
+    async def check(self, until: int) -> bool:
         """Feeds the chain the spans up to ``until`` and compares what each link signed with the route's
         receipts, span by span, range by range; False once the checks end (the reason in ``stopped``)."""
         audit = self.audit
@@ -223,7 +212,7 @@ class ChainCheck:
             try:
                 await head.send_all(b"".join(batch))
             except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self.stopped = f"the chain's first link {self.links[0].stage.address}: {_failed(exc)}"
+                self.stopped = f"the chain's first link {self.links[0].stage.address}: {failure_of(exc)}"
                 return False
             self.fed_until = spans[-1] + audit.by_stage[0][spans[-1]].n_tokens
         with trio.move_on_after(RECEIPTS_SECONDS):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -103,6 +103,26 @@ def replicas_of(route: Sequence[Stage], candidates: Sequence[Stage]) -> dict[int
                     and c.node_id != stage.node_id and c.address != stage.address):
                 out.setdefault(i, []).append(c)
     return out
+
+
+async def run_drawn(steps: trio.MemoryReceiveChannel[int], check: Callable[[int], Awaitable[bool]],
+                    checked_until: Callable[[], int], answer_end: Callable[[], int]) -> None:
+    """Runs ``check`` up to each position drawn (``Draws``) until it returns False, at most one check
+    in flight: later draws wait for (and join) the next. Once the answer is in (the draws end), the
+    positions since the last check are checked too: a replica replays every position anyway (it
+    needs the KV), so this last one costs a round trip, and no lie goes unchecked because no draw
+    came after it."""
+    async with steps:
+        async for until in steps:
+            while True:
+                try:
+                    until = max(until, steps.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            if not await check(until):
+                return
+    if checked_until() < answer_end():
+        await check(answer_end())
 
 
 @dataclass
@@ -249,23 +269,9 @@ class RangeCheck:
                 await r.aclose()
 
     async def _run(self, steps: trio.MemoryReceiveChannel[int]) -> None:
-        async with steps:
-            async for until in steps:
-                # at most one check in flight: later steps wait for (and join) the next
-                while True:
-                    try:
-                        until = max(until, steps.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                if not await self._check(until):
-                    return
-        # The answer is in (``settle`` closed the steps): the steps since the last check are
-        # checked too. A replica replays every step anyway (it needs the KV), so this last one
-        # costs a round trip, and no lie goes unchecked because no draw came after it.
-        if self.checked_until < self.audit.next_pos:
-            await self._check(self.audit.next_pos)
+        await run_drawn(steps, self.check, lambda: self.checked_until, lambda: self.audit.next_pos)
 
-    async def _check(self, until: int) -> bool:
+    async def check(self, until: int) -> bool:
         """Replays the range's steps up to ``until`` on a replica; False once no replica answers."""
         self.plan.checks += 1
         if not await self.fetch(until):
@@ -286,7 +292,7 @@ class RangeCheck:
                     trio.EndOfChannel) as exc:
                 # the replica's failure is not the route's: the next replica checks instead
                 log.info("replica %s for a spot check failed: %s", replica.stage.address, exc)
-                self.failure = f"{replica.stage.address}: {_failed(exc)}"
+                self.failure = f"{replica.stage.address}: {failure_of(exc)}"
                 self.replica = None
                 self.replicas.pop(0)
                 continue
@@ -304,7 +310,7 @@ class RangeCheck:
             replay = await _Replay.open(self.peers, stage, self.audit, self.index, self.sampling)
         except (ProtocolError, trio.BrokenResourceError, trio.EndOfChannel) as exc:
             log.info("replica %s for a spot check: %s", stage.address, exc)
-            self.failure = f"{stage.address}: {_failed(exc)}"
+            self.failure = f"{stage.address}: {failure_of(exc)}"
             return None
         self.opened.append(replay)
         return replay
@@ -337,7 +343,7 @@ class RangeCheck:
                                                              f"replica's (no third node to settle it)")
 
 
-def _failed(exc: BaseException) -> str:
+def failure_of(exc: BaseException) -> str:
     """A replica's failure in words (a timeout or a lost stream says nothing of itself)."""
     if isinstance(exc, trio.TooSlowError):
         return "it stalled"

@@ -33,7 +33,6 @@ in a worker thread, never on the event loop.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 from collections import OrderedDict
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 
 import trio
 
+from meshd.mesh.addresses import source_group
 from meshd.mesh.records import host_of
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
@@ -63,9 +63,6 @@ log = logging.getLogger(__name__)
 
 # Peers whose upload counts and buckets are remembered (the oldest forgotten first).
 _MAX_PEERS_KEPT = 4096
-# An IPv6 source is counted by its /64: one host is usually given a whole /64, so counting single
-# addresses would let it open streams from 2**64 of them.
-_IPV6_HOST_BITS = 64
 
 
 @dataclass(frozen=True)
@@ -115,16 +112,9 @@ class Uploaded:
 
 
 def source_address(stream: Stream) -> str:
-    """Where a fetch stream comes from, as the per-address cap counts it: the host of a direct link
-    (an IPv6 one by its /64), the whole name of any other (a relayed circuit names its source node)."""
-    host = host_of(stream.link.address)
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if ip.version == 6:
-        return str(ipaddress.ip_network(f"{ip}/{_IPV6_HOST_BITS}", strict=False))
-    return str(ip)
+    """Where a fetch stream comes from, as the per-address cap counts it (``source_group``): the host of
+    a direct link, the whole name of any other (a relayed circuit names its source node)."""
+    return source_group(host_of(stream.link.address))
 
 
 def activity(counter: Callable[[], int], window: float = 1.0) -> Callable[[], bool]:

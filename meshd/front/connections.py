@@ -15,12 +15,13 @@ their own after Hypercorn's keep-alive timeout (server.KEEP_ALIVE_SECONDS).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
+
+from meshd.mesh.addresses import source_group
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +34,8 @@ MAX_PER_SOURCE = 128
 # A send the client does not take in this long ends its connection: a client that stops reading
 # holds a task, an fd and the answer's buffers, and Hypercorn's own send never gives up.
 SEND_SECONDS = 30.0
-# One IPv6 source is its /64: a single machine is given a whole /64 to pick addresses from.
-IPV6_SOURCE_PREFIX = 64
 
 Peer = tuple[str, int]
-
-
-def source_of(host: str) -> str:
-    """Whose connection this is, for the per-source cap: the address, or an IPv6 address's /64."""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, IPV6_SOURCE_PREFIX), strict=False))
-    return str(address)
 
 
 @dataclass(eq=False)
@@ -81,7 +67,7 @@ class Connections:
     def admit(self, peer: Peer, close: Callable[[], None]) -> Connection | None:
         """The newcomer's record, once there is room for it (an idle connection of a source holding
         more closed to make it); None: it is to be closed, its source holding its share or more."""
-        source = source_of(peer[0])
+        source = source_group(peer[0])
         held = len(self._sources.get(source, {}))
         if held >= self.per_source or (len(self._open) >= self.limit and not self._evict_above(held)):
             # closed before Hypercorn sees it: a refusal costs an accept and a close, so a flood of

@@ -3,11 +3,34 @@ the records a peer may be told (`meshd.mesh.records.record_fits`: no loopback ad
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 from meshd.mesh.membership import Ack, Alive, Gossip, Ping, PingReq, Sync
 from meshd.mesh.records import address_fits, join_address, record_fits
 from wire.codec import Message
+
+# One IPv6 source is its /64 (``source_group``)
+IPV6_SOURCE_PREFIX = 64
+
+
+def source_group(host: str) -> str:
+    """What per-source counts count (a stage's sessions, the front door's connections, a holder's
+    fetch streams): an IPv4 address, or the /64 of an IPv6 one.
+
+    One IPv6 host is routinely given a whole /64 (SLAAC, privacy addresses) and can
+    source from any of its 2**64 addresses, so counting IPv6 addresses one by one
+    would give one machine any number of "sources". A host that is not an IP address
+    (a name, "", a relayed circuit's source node) counts as itself."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, IPV6_SOURCE_PREFIX), strict=False))
+    return str(ip)
 
 
 def is_ip(host: str) -> bool:

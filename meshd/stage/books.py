@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import collections
 import enum
-import ipaddress
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 from meshd import steps
+from meshd.mesh.addresses import source_group
 from wire.errors import ErrorCode, ProtocolError
 
 T = TypeVar("T")
@@ -143,24 +143,6 @@ def _by_owner(book: SessionBook) -> str:
 
 def _by_source(book: SessionBook) -> str:
     return book.source
-
-
-def source_group(host: str) -> str:
-    """What per-source counts count: an IPv4 address, or the /64 of an IPv6 one.
-
-    One IPv6 host is routinely given a whole /64 (SLAAC, privacy addresses) and can
-    source from any of its 2**64 addresses, so counting IPv6 addresses one by one
-    would give one machine any number of "sources". A host that is not an IP address
-    (a name, "") counts as itself."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 @dataclass(eq=False)
