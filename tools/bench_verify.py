@@ -515,9 +515,9 @@ def main() -> int:
     print(f"| of which the stage services (one process, one event loop) | {by_mode('stages')} |")
     print(f"| asker CPU per token (a process of its own: another machine) | {by_mode('asker')} |")
     per_step = cpu["replica_ms_per_replayed_step"]
-    print(f"| replicas' CPU per replayed position (stage services and engine workers; other machines in a mesh) | "
-          f"{'-' if per_step is None else f'{per_step:.1f} ms'} over {cpu['replica_steps_replayed']} spans "
-          f"({cpu['pinning']}) |")
+    print(f"| replicas' CPU per span compared, every range of the chain (stage services and engine workers; "
+          f"other machines in a mesh) | {'-' if per_step is None else f'{per_step:.1f} ms'} over "
+          f"{cpu['replica_steps_replayed']} spans ({cpu['pinning']}) |")
     print("| verification bytes per token at the asker: receipts; spot checks' inputs fetched | " + "; ".join(
         f"{m} {v['receipts']:.0f}, {v['inputs']:.0f}" for m, v in b.items()) + f" (a row is {out['row_bytes']} bytes) |")
     if args.json:
