@@ -495,8 +495,10 @@ async def join(args: argparse.Namespace) -> int:
         what = (f"volunteering {shown_name(model)}" if model else
                 f"fetching its range of model {args.model_id[:16]}" if args.model_id else "without a model")
         gpu = f", GPU memory {mib(args.gpu_memory)} for {gpu_layers_text(args.gpu_layers)}" if args.gpu_layers else ""
+        # a node without a model offers no memory (its record says 0), so its line names none
+        offered = f", memory {mib(args.memory)}{gpu}" if model or args.model_id else ""
         await run_until_signal(MeshDaemon(identity, config),
-                               f"{what}, memory {mib(args.memory)}{gpu}, seeds: {seeds_text(args.seed)}", claim, api)
+                               f"{what}{offered}, seeds: {seeds_text(args.seed)}", claim, api)
     return 0
 
 
@@ -583,7 +585,8 @@ async def models(args: argparse.Namespace) -> int:
     if not s.coverage:
         print("no member holds or fetches a model yet")
     for c in s.coverage:
-        print(f"{c.name}  id {c.model}")
+        # either name joins it (--model-id) and asks for it (--model), as the id does
+        print(f"{c.name}  id {c.model}" + (f"  file {c.file}" if c.file and c.file != c.name else ""))
         print(f"  {c.n_layers} layers: {c.held_layers} held on disk by some member, {c.covered_layers} served; "
               f"{plural(c.replicas, 'spare replica')}")
         print(f"  sources: {'; '.join(c.holders) or 'none'}")

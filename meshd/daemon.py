@@ -312,11 +312,14 @@ class MeshDaemon:
             roles = ([ROLE_CLIENT] if cfg.client else []) + ([ROLE_RELAY] if cfg.relay else [])
             # A relay is public by its operator's word; others learn it from a seed's dial-back.
             checks = bool(cfg.seeds) and not (cfg.relay or cfg.client)
+            # memory is offered for a model's layers: a node with no model to serve (a seed, an asker, a
+            # relay) offers none, whatever --memory's default says, and status shows it so
+            offers = not cfg.client and (cfg.model is not None or cfg.model_id is not None)
             record = CapabilityRecord.create(
                 self.identity, int(time.time() * 1000), addresses=self._configured_addresses(),
                 reachability="unknown" if checks else "public",
-                memory_bytes=0 if cfg.client else cfg.memory_bytes, models=[self.model] if self.model else [],
-                gpu_memory_bytes=0 if cfg.client else cfg.gpu_memory_bytes, gpu_layers=0 if cfg.client else cfg.gpu_layers,
+                memory_bytes=cfg.memory_bytes if offers else 0, models=[self.model] if self.model else [],
+                gpu_memory_bytes=cfg.gpu_memory_bytes if offers else 0, gpu_layers=cfg.gpu_layers if offers else 0,
                 kv_tokens=cfg.limits.max_sessions * cfg.limits.max_session_tokens if self.model else 0,
                 roles=roles, started_at=time.time())
             self.mesh = MeshNode(self.identity, record, trio.current_time())
@@ -871,13 +874,14 @@ class MeshDaemon:
         return [SourceRef(address, node_id) for _, node_id, address in sorted(found)]
 
     def _resolve(self, wanted: str) -> str | None:
-        """The id of the model `wanted` names (an id, or a name the mesh knows), once a member holds it."""
+        """The id of the model `wanted` names (an id, or a name the mesh knows: a model's own or its file's),
+        once a member holds it."""
         models = held_models(r for r in self.live_records() if r.node_id != self.mesh.node_id)
         # An id names one model whatever others are named (a member may name its model anything, an
         # id included); a name shared by several names none, and the error lists every id in full,
         # for the user to give one (a shortened id matched nothing and waited out model_wait).
         ids = [wanted.lower()] if wanted.lower() in models else sorted(
-            d for d, info in models.items() if info.name == wanted)
+            d for d, info in models.items() if info.known_as(wanted))
         if len(ids) > 1:
             raise ModelNotFound(f"'{wanted}' names {len(ids)} models of the mesh: {', '.join(ids)}; "
                                 "give --model-id with the id of one (meshd models lists them)")
@@ -928,7 +932,10 @@ class MeshDaemon:
         if not fetched:
             raise ModelNotFound(f"cannot fetch the header of model {digest[:16]} (waited {cfg.model_wait:g} s): "
                                 f"{failure}")
-        info = (await trio.to_thread.run_sync(describe_model, sparse.path, digest)).model_copy(update={"whole": False})
+        # the sparse file is named by the id: the model keeps the file name its holders know it by
+        known = held_models(r for r in self.live_records() if r.node_id != self.mesh.node_id).get(digest)
+        info = (await trio.to_thread.run_sync(describe_model, sparse.path, digest)).model_copy(
+            update={"whole": False, "file": known.file if known is not None else ""})
         check_volunteer(info, cfg)
         self.model = info
         self.source.offer(sparse)

@@ -156,7 +156,9 @@ def member_lines(m: MemberStatus, width: int) -> list[str]:
 
 def coverage_lines(c: ModelCoverage, width: int) -> list[str]:
     # the figures stay whole on one line, however the name wraps: scripts and people look for "30/30 layers covered"
-    words = ["model", *clean(c.name).split(), f"({short(c.model, 12)}):",
+    # its file's name too: the GGUF's own name is often not the one its user knows it by
+    known = f"{clean(c.file)}.gguf, " if c.file and c.file != c.name else ""
+    words = ["model", *clean(c.name).split(), f"({known}{short(c.model, 12)}):",
              f"{c.covered_layers}/{plural(c.n_layers, 'layer')} covered, {plural(c.replicas, 'spare replica')};"]
     lines = fill(words, width, "", "  ")
     lines.extend(wrap_items(list(c.assigned) or ["none yet"], "; ", width, "  stages: ", "    "))
@@ -214,7 +216,7 @@ def as_json(s: StatusReply) -> dict[str, Any]:
         "coverage": [{
             "model": c.model, "name": c.name, "n_layers": c.n_layers, "covered_layers": c.covered_layers,
             "covered": c.covered_layers == c.n_layers, "replicas": c.replicas, "assigned": list(c.assigned),
-            "reason": c.reason or None, "unverified": list(c.unverified),
+            "reason": c.reason or None, "unverified": list(c.unverified), "file": c.file or None,
         } for c in s.coverage],
         "fetches": [{
             "model": f.model, "name": f.name, "start": f.start, "end": f.end, "done_bytes": f.done_bytes,

@@ -37,10 +37,11 @@ def test_members_states_roles_and_the_tracker() -> None:
     assert status_view(own.node_id, [info(own)], [own], None).tracker is None
 
 
-def test_coverage_counts_live_serving_layers_and_spare_copies() -> None:
+def test_coverage_counts_live_serving_layers_and_the_stages_that_repeat_a_range() -> None:
     a = record(1, models=[MODEL], served=served((0, 4)))
     b = record(2, models=[MODEL], served=served((4, 10)))
-    c = record(3, models=[MODEL], served=served((0, 10)))
+    # a replica of one range, none of the other: one replica (the whole model's spare copies, 0, were shown)
+    c = record(3, models=[MODEL], served=served((0, 4)))
     leaving = record(4, models=[MODEL], served=served((0, 10)), leaving=True)
     dead = record(5, models=[MODEL], served=served((0, 10)))
     members = [info(r) for r in (a, b, c, leaving)] + [info(dead, MemberState.DEAD)]

@@ -19,7 +19,7 @@ SPEED_KEYS = {"node_id", "model", "start", "end", "ms_per_layer", "source", "sam
 MEMBER_KEYS = {"node_id", "address", "state", "roles", "reachability", "memory_bytes", "served", "models",
                "relay_addresses"}
 COVERAGE_KEYS = {"model", "name", "n_layers", "covered_layers", "covered", "replicas", "assigned", "reason",
-                 "unverified"}
+                 "unverified", "file"}
 
 
 def node(i: int) -> str:

@@ -77,6 +77,8 @@ class ModelCoverage(WireModel):
     n_layers: Layer
     covered_layers: Layer
     assigned: list[Text] = Field(max_length=1024)
+    # Stages that serve a range another live member serves too (on each range, its members but one):
+    # what spot checks run on. Not the whole model's spare copies, which one range's lack made 0.
     replicas: Count
     # Why the members cannot cover the model (empty when they can): memory needed against offered.
     reason: Prose = ""
@@ -85,6 +87,8 @@ class ModelCoverage(WireModel):
     held_layers: Layer = 0
     # Ranges that exactly one live member serves: no replica to spot-check their outputs on.
     unverified: list[Text] = Field(default_factory=list, max_length=1024)
+    # The model's file name less `.gguf`, a second name to ask for it by ("": none told).
+    file: Text = ""
 
 
 class FetchStatus(WireModel):

@@ -55,6 +55,7 @@ class ModelInfo(WireModel):
 
     # The model id: the hash of the GGUF's manifest (meshd.store.manifest), not of the whole file.
     digest: Digest
+    # The GGUF's own `general.name` ("Smollm2 135M 8k Lc100K Mix1 Ep2"), else the file's stem.
     name: Text
     n_layers: LayerCount
     # The largest layer's weight bytes (every layer's, where `layer_bytes` is empty).
@@ -74,6 +75,13 @@ class ModelInfo(WireModel):
     # layers reuse the top-k of the layer before them, so a stage may start only at a full-indexer
     # one); None: any layer. The engine refuses any other cut at load.
     cuts: Annotated[list[LayerCount], Field(max_length=MAX_LAYERS)] | None = None
+    # The file's name less `.gguf` (a split set's less its part numbers), the name its user knows it
+    # by, for `general.name` is whatever its converter wrote; "": none told (a record of an older node).
+    file: Text = ""
+
+    def known_as(self, wanted: str) -> bool:
+        """Whether `wanted` is one of this model's names: the GGUF's own or its file's."""
+        return wanted in (self.name, self.file) and wanted != ""
 
     @model_validator(mode="after")
     def _one_size_per_layer(self) -> ModelInfo:

@@ -152,7 +152,7 @@ class FrontDoor:
         return list(self.mesh.status().coverage)
 
     def resolve(self, name: str | None) -> ModelCoverage:
-        """The model a request names: its name or digest (or a 12+ digit prefix); the only one if none."""
+        """The model a request names: its name, its file's or digest (or a 12+ digit prefix); the only one if none."""
         models = self.models()
         if not name:
             if len(models) == 1:
@@ -163,7 +163,8 @@ class FrontDoor:
                                                 + ", ".join(m.name for m in models), param="model")
         wanted = name.strip().lower()
         for m in models:
-            if wanted in (m.name.lower(), m.model) or (len(wanted) >= MIN_DIGEST_PREFIX and m.model.startswith(wanted)):
+            if wanted in (m.name.lower(), m.file.lower() or m.name.lower(), m.model) or \
+                    (len(wanted) >= MIN_DIGEST_PREFIX and m.model.startswith(wanted)):
                 return m
         known = ", ".join(f"{m.name} ({m.model[:12]})" for m in models) or "none yet"
         raise ApiError(Problem.NOT_FOUND, f"the mesh has no model {name!r}; it has: {known}", param="model")

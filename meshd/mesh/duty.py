@@ -144,13 +144,13 @@ def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
 
 
 def pick_model(models: dict[str, ModelInfo], wanted: str | None) -> ModelInfo:
-    """The model an asker means: by digest, or by name if one digest alone bears it; with none
+    """The model an asker means: by digest, or by name (its own or its file's) if one digest alone bears it; with none
     named, the mesh's only model. Never the first one heard of: any member can add a model (a
     made-up digest under a real model's name), so an ambiguous ask fails listing the candidates."""
     if wanted is not None:
         if wanted in models:
             return models[wanted]
-        named = [info for info in models.values() if info.name == wanted]
+        named = [info for info in models.values() if info.known_as(wanted)]
         if len(named) == 1:
             return named[0]
         if not named:

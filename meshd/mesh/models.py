@@ -79,9 +79,11 @@ def model_info(digest: str, file_name: str, metadata: Mapping[str, int | float |
         layers, head, tail = weight_budget(sizes, n_layers)
         cuts = allowed_cuts(arch, metadata, arrays or {}, n_layers)
         name = metadata.get("general.name")
+        stem = file_name.removesuffix(".gguf")
         return ModelInfo(
             digest=digest,
-            name=(name if isinstance(name, str) and name else Path(file_name).stem)[:256],
+            name=(name if isinstance(name, str) and name else stem)[:256],
+            file=stem[:256],
             n_layers=n_layers,
             bytes_per_layer=max(layers),
             # K and V in f16, llama.cpp's default cache type

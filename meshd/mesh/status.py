@@ -79,11 +79,12 @@ def coverage(live: Sequence[CapabilityRecord],
         out.append(ModelCoverage(
             model=digest, name=info.name, n_layers=info.n_layers, covered_layers=sum(1 for c in layers if c),
             assigned=_cut([f"{node[:12]} [{s.start}, {s.end})" for node, s in served], ModelCoverage, "assigned"),
-            replicas=max(0, min(layers) - 1),
+            replicas=replica_count(served),
             reason=reason_of(info) if reason_of is not None and not all(layers) else "",
             holders=_cut([f"{node[:12]} [{start}, {end})" for node, (start, end) in holders], ModelCoverage, "holders"),
             held_layers=sum(held),
-            unverified=_cut(unverified_ranges(served), ModelCoverage, "unverified")))
+            unverified=_cut(unverified_ranges(served), ModelCoverage, "unverified"),
+            file=info.file))
     return out
 
 
@@ -112,6 +113,15 @@ def stage_speeds(live: Sequence[CapabilityRecord], speeds: SpeedBook | None, own
                                       source=figure.source, samples=figure.samples,
                                       declared=min(record.seconds_per_layer, MAX_SECONDS_PER_LAYER)))
     return out
+
+
+def replica_count(served: Sequence[tuple[str, ServedRange]]) -> int:
+    """The stages that repeat a range another node serves (each range's nodes but one): the replicas routes
+    name and spot checks run on, the counterpart of `unverified_ranges`."""
+    nodes: dict[tuple[int, int], set[str]] = {}
+    for node, s in served:
+        nodes.setdefault((s.start, s.end), set()).add(node)
+    return sum(len(who) - 1 for who in nodes.values())
 
 
 def unverified_ranges(served: Sequence[tuple[str, ServedRange]]) -> list[str]:
