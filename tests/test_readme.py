@@ -106,3 +106,19 @@ def test_the_status_json_keys_name_the_reachabilities_status_prints() -> None:
     keys = README[README.index("    node_id, tracker (null: none elected), term"):]
     said = keys[keys.index("reachability"):keys.index("memory_bytes")]
     assert set(re.findall(r'"(\w+)"', said)) == set(get_args(Reachability)), said
+
+
+def test_a_newcomer_reads_what_it_runs_on_then_install_use_and_operations_before_the_deep_sections() -> None:
+    """Issue 32: installation came after the threat model, and no line said which CPUs, systems and
+    Pythons work, how to stop a node, where its logs go or which port to open."""
+    headings = re.findall(r"^## (.+)$", README, re.M)
+    wanted = ["Installing", "One machine", "Using it", "Your own model", "The HTTP API", "Operations",
+              "Verification", "The fast path", "Threat model", "Figures"]
+    at = [next(i for i, h in enumerate(headings) if h.startswith(w)) for w in wanted]
+    assert at == sorted(at), headings
+    before_install = README[:README.index("\n## ")]
+    assert all(word in before_install for word in ("Linux", "x86-64-v3", "Python 3.11")), before_install
+    operations = README[README.index("\n## Operations"):README.index("\n## Verification")]
+    assert all(word in operations for word in ("SIGTERM", "restart", "stderr", "--state-dir", "Upgrade")), operations
+    several = README[README.index("\n## Using it"):README.index("\n## Your own model")]
+    assert "TCP" in several and "7000" in several and "inbound" in several, several
