@@ -223,6 +223,15 @@ async def test_unknown_model_is_404_in_each_dialect() -> None:
     assert a.value.body["type"] == "error" and a.value.body["error"]["type"] == "not_found_error"
 
 
+async def test_a_model_is_named_by_its_file_as_well_as_its_own_name() -> None:
+    """Issue 32: the GGUF's own name is rarely the one its user knows; its file's name works too."""
+    other = coverage("Other", "ef" * 32).model_copy(update={"file": "Other-Q4_1"})
+    front = FrontDoor(FakeMesh(models=[coverage(), other]))
+    async with http(front) as client:
+        r = await client.post("/v1/chat/completions", json={"messages": USER, "model": "Other-Q4_1"})
+    assert r.status_code == 200 and r.json()["model"] == "Other", r.text
+
+
 async def test_several_models_and_none_named_is_400() -> None:
     front = FrontDoor(FakeMesh(models=[coverage(), coverage("Other", "ef" * 32)]))
     async with http(front) as client:

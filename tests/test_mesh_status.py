@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 from instant_net import record
 
+from meshd.mesh.duty import pick_model
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberInfo, MemberState
 from meshd.mesh.records import ROLE_RELAY, CapabilityRecord, ModelInfo, ServedRange
 from meshd.mesh.status import held_models, status_view
 from wire.codec import decode, encode
+from wire.errors import ProtocolError
 from wire.meshrpc import StatusReply
 
 MODEL = ModelInfo(digest="sha256:m", name="m", n_layers=10, bytes_per_layer=1, kv_bytes_per_token=1)
@@ -70,3 +73,14 @@ def test_held_models_lists_each_digest_once() -> None:
     other = ModelInfo(digest="sha256:o", name="o", n_layers=2, bytes_per_layer=1, kv_bytes_per_token=1)
     models = held_models([record(1, models=[MODEL]), record(2, models=[MODEL, other]), record(3)])
     assert list(models) == [MODEL.digest, other.digest]
+
+
+def test_an_ask_names_a_model_by_its_own_name_its_files_or_its_id() -> None:
+    """Issue 32: `ask --model` of the file's name (the GGUF's own is rarely the one its user knows)."""
+    mine = MODEL.model_copy(update={"file": "SmolLM2-135M-Instruct-Q4_1"})
+    other = MODEL.model_copy(update={"digest": "sha256:o", "name": "o"})
+    models = {m.digest: m for m in (mine, other)}
+    assert pick_model(models, "SmolLM2-135M-Instruct-Q4_1") is mine
+    assert pick_model(models, "m") is mine and pick_model(models, "sha256:o") is other
+    with pytest.raises(ProtocolError):  # no file name told: a blank name names none
+        pick_model(models, "")

@@ -163,7 +163,8 @@ class FrontDoor:
                                                 + ", ".join(m.name for m in models), param="model")
         wanted = name.strip().lower()
         for m in models:
-            if wanted in (m.name.lower(), m.file.lower() or m.name.lower(), m.model) or \
+            # a model with no file name told ("") is not named by a request's blank one
+            if wanted in {m.name.lower(), m.file.lower(), m.model} - {""} or \
                     (len(wanted) >= MIN_DIGEST_PREFIX and m.model.startswith(wanted)):
                 return m
         known = ", ".join(f"{m.name} ({m.model[:12]})" for m in models) or "none yet"
