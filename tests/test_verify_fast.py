@@ -32,7 +32,7 @@ from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.service import Session, StageNode, StageService
 from wire.identity import NodeIdentity
 from wire.receipt import row_hash
-from wire.stage import Inputs
+from wire.stage import Inputs, Seal
 
 pytestmark = pytest.mark.slow  # seven engine workers
 
@@ -50,6 +50,18 @@ def signing_other_input(service: StageService) -> None:
         honest(session, [(pos, n, row_hash(b"other" + h_in), h_out) for pos, n, h_in, h_out in spans])
 
     service._sign_spans = other  # type: ignore[method-assign]
+
+
+def signing_other_check_outputs(service: StageService) -> None:
+    """A lying replica: signs its check sessions' outputs as other rows than it computed."""
+
+    def other(session: Session, w: Any, out: Any) -> None:
+        assert session.receipts is not None
+        session.check_receipts.append(session.receipts.sign_wire(w.pos, w.n, w.payload.h_in, row_hash(b"other")))
+        if session.book.in_flight == 0:
+            service._check_receipts(session, session.check_receipts.pop())
+
+    service._check_receipt = other  # type: ignore[method-assign]
 
 
 def withholding_inputs(service: StageService) -> None:
@@ -168,3 +180,34 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                 assert verifier.liars == {nodes["tail"].peers.node_id}
                 assert short.tokens == undisturbed.tokens
                 assert [(n.layers, n.why) for n in short.unverified] == [("[4, 6)", "no replica")]
+
+                # a replica lying in the chain (it signs another output than it computed): a third node sides
+                # with the route, so the replica is not believed and nobody on the route is blamed
+                signing_other_check_outputs(nodes["mid2"].service)
+                chain = [stage_of(nodes[n]) for n in ("head", "mid2", "mid", "tail")]
+                verifier = Verifier(peers, CheckPlan(every=4, candidates=chain))
+                doubted = await ask_with_failover(peers, route(nodes, ("head2", "mid3", "tail2")), REQUEST,
+                                                  verifier=verifier)
+                assert doubted.tokens == undisturbed.tokens and not verifier.liars and not verifier.proofs
+                assert doubted.unverified and all("disagreed with the route and a third node" in n.why
+                                                  for n in doubted.unverified)
+
+                # an asker sealing its session where no rows end fails that session alone: the stages serve on
+                hostile = Verifier(peers, CheckPlan(every=4, candidates=pool))
+                honest_seal = hostile._seal
+
+                async def past_the_end(audit: Any) -> None:
+                    audit.sealed_at = 1 << 20
+                    for stream in hostile.streams:
+                        if stream is not None:
+                            await stream.send_message(Seal(session=audit.session, epoch=audit.epoch, until=1 << 20))
+                    await honest_seal(audit)
+
+                hostile._seal = past_the_end  # type: ignore[method-assign]
+                # (each stage refuses the seal and ends the session: its own asker's answer goes unchecked)
+                sealed_badly = await run_session(peers, await route(nodes, ("head2", "mid3", "tail2"))([]), REQUEST,
+                                                 AskResult(), verifier=hostile)
+                assert sealed_badly.tokens == undisturbed.tokens and not sealed_badly.verified
+                after = await ask_with_failover(peers, route(nodes, ("head2", "mid3", "tail2")), REQUEST,
+                                                verifier=Verifier(peers, CheckPlan(every=4, candidates=pool)))
+                assert after.tokens == undisturbed.tokens
