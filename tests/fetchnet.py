@@ -28,9 +28,18 @@ from meshd.fetch.source import ChunkSource, SourceConfig, register
 from meshd.net.link import LinkTimings
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.store.holding import Holding, WholeFile
-from meshd.store.manifest import CHUNK_SIZE, compute
+from meshd.store.manifest import CHUNK_SIZE, Manifest, compute
 from meshd.store.sparse import SparseFile
 from wire.identity import NodeIdentity
+
+# chunks small enough that each of a tiny model's tensors spans several
+SMALL_CHUNK = 4 << 10
+
+
+def chunked(path: Path) -> tuple[Path, Manifest]:
+    """A model file and its manifest in SMALL_CHUNK chunks."""
+    return path, compute(path, SMALL_CHUNK)
+
 
 CALM = PeersConfig(timings=LinkTimings(keepalive_interval=300, dead_after=900), drain_timeout=0.2)
 READY = re.compile(r"^ready (\S+) (\w+)$")

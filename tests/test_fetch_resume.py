@@ -7,22 +7,20 @@ from pathlib import Path
 
 import pytest
 import trio
-from fetchnet import peers_node, source_node
+from fetchnet import chunked, peers_node, source_node
 
 from meshd.fetch.fetcher import FetchConfig, FetchProgress, SourceRef, fetch_chunks, fetch_range
 from meshd.store.holding import WholeFile
-from meshd.store.manifest import Manifest, compute
+from meshd.store.manifest import Manifest
 from meshd.store.ranges import range_chunks
 from meshd.store.sparse import SparseFile
 
-SMALL_CHUNK = 4 << 10
 N_LAYERS = 6
 
 
 @pytest.fixture(scope="module")
 def model(tiny_models: dict[str, Path]) -> tuple[Path, Manifest]:
-    path = tiny_models["qwen3-qknorm"]
-    return path, compute(path, SMALL_CHUNK)
+    return chunked(tiny_models["qwen3-qknorm"])
 
 
 async def test_a_crashed_fetch_resumes_without_fetching_journalled_chunks_again(

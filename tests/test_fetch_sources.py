@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from fetchnet import peers_node, source_node
+from fetchnet import SMALL_CHUNK, chunked, peers_node, source_node
 
 from meshd.fetch.fetcher import FetchConfig, FetchFailed, SourceRef, fetch_chunks, fetch_manifest, fetch_range
 from meshd.fetch.source import ChunkSource, SourceConfig, UploadBucket, activity, register
@@ -22,14 +22,12 @@ from wire.codec import ErrorMessage, encode
 from wire.errors import ErrorCode, ProtocolError
 from wire.fetch import FETCH_PROTOCOL, FRAME_BYTES, ChunkData, ChunkRequest, Have, HaveRequest, ManifestPiece, ManifestRequest
 
-SMALL_CHUNK = 4 << 10
 N_LAYERS = 6
 
 
 @pytest.fixture(scope="module")
 def model(tiny_models: dict[str, Path]) -> tuple[Path, Manifest]:
-    path = tiny_models["llama-gqa-untied"]
-    return path, compute(path, SMALL_CHUNK)
+    return chunked(tiny_models["llama-gqa-untied"])
 
 
 def assert_holds_exactly(path: Path, original: Path, chunks: list[Chunk]) -> None:

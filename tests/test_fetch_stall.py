@@ -12,24 +12,22 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from fetchnet import peers_node, source_node
+from fetchnet import chunked, peers_node, source_node
 
 from meshd.fetch.fetcher import FetchConfig, FetchFailed, SourceRef, fetch_chunks
 from meshd.net.link import Stream
 from meshd.store.holding import WholeFile
-from meshd.store.manifest import Manifest, compute
+from meshd.store.manifest import Manifest
 from meshd.store.sparse import SparseFile
 from wire.fetch import FETCH_PROTOCOL, ChunkData, ChunkRequest, Have, HaveRequest
 
-SMALL_CHUNK = 4 << 10
 # The attack as it was tried: one byte every 20 s, inside the 30 s a silent source had.
 DRIBBLE_EVERY = 20.0
 
 
 @pytest.fixture(scope="module")
 def model(tiny_models: dict[str, Path]) -> tuple[Path, Manifest]:
-    path = tiny_models["llama-gqa-untied"]
-    return path, compute(path, SMALL_CHUNK)
+    return chunked(tiny_models["llama-gqa-untied"])
 
 
 def dribbler(manifest: Manifest, original: bytes, asked: list[int]) -> Callable[[Stream], Awaitable[None]]:
