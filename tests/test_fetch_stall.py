@@ -13,13 +13,14 @@ import pytest
 import trio
 import trio.testing
 from fetchnet import chunked, peers_node, source_node
+from test_fetch_sources import lying_handler
 
 from meshd.fetch.fetcher import FetchConfig, FetchFailed, SourceRef, fetch_chunks
 from meshd.net.link import Stream
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import Manifest
 from meshd.store.sparse import SparseFile
-from wire.fetch import FETCH_PROTOCOL, ChunkData, ChunkRequest, Have, HaveRequest
+from wire.fetch import FETCH_PROTOCOL, ChunkData, ChunkRequest
 
 # The attack as it was tried: one byte every 20 s, inside the 30 s a silent source had.
 DRIBBLE_EVERY = 20.0
@@ -34,18 +35,12 @@ def dribbler(manifest: Manifest, original: bytes, asked: list[int]) -> Callable[
     """A fake source that says it holds every chunk and answers each request one true byte at a time,
     a byte every DRIBBLE_EVERY seconds."""
 
-    async def serve(stream: Stream) -> None:
-        async for message in stream.messages():
-            if isinstance(message, HaveRequest):
-                full = bytes([0xFF]) * (-(-len(manifest.chunks) // 8))
-                await stream.send_message(Have(model=message.model, chunks=len(manifest.chunks), bitmap=full))
-            elif isinstance(message, ChunkRequest):
-                asked.append(message.offset)
-                for at in range(message.offset, message.offset + message.size):
-                    await stream.send_message(ChunkData(offset=at, data=original[at : at + 1]))
-                    await trio.sleep(DRIBBLE_EVERY)
+    async def dribble(stream: Stream, request: ChunkRequest, chunk: bytes) -> None:
+        for k in range(len(chunk)):
+            await stream.send_message(ChunkData(offset=request.offset + k, data=chunk[k:k + 1]))
+            await trio.sleep(DRIBBLE_EVERY)
 
-    return serve
+    return lying_handler(manifest, original, dribble, asked)
 
 
 async def test_a_source_dribbling_a_byte_every_20_s_does_not_stall_a_pull_beside_an_honest_one(
