@@ -85,7 +85,9 @@ def test_a_set_is_one_model_with_one_manifest_whichever_part_is_named(tiny: Path
     assert compute(copies[0], chunk_size=4096) == manifest
     # what placement knows of the set, from every part's header: the single file's model
     described = describe_model(tiny_set[1], manifest.model_id)
-    assert described == describe_model(tiny, single.model_id).model_copy(update={"digest": manifest.model_id})
+    # the same model, but the set's id, and named by the set's file name (less its part numbers)
+    assert described == describe_model(tiny, single.model_id).model_copy(
+        update={"digest": manifest.model_id, "file": "tiny-set"})
     # a set without a general.name is named by its file name less the part numbers
     assert model_files(tiny_set[2]).name == "tiny-set.gguf"
 
