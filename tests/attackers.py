@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import TypeVar
 
 import trio
 
@@ -194,17 +195,26 @@ class AttackerDaemon(MeshDaemon):
         await super()._answer(stream, request)
 
 
+D = TypeVar("D", bound=MeshDaemon)
+
+
 @asynccontextmanager
-async def attacker(seed: str, config: NodeConfig | None = None) -> AsyncIterator[AttackerDaemon]:
-    """An attacker joined to the mesh through `seed`, stopped (its links cut, no goodbye) on exit."""
-    base = config or NodeConfig(limits=NodeConfig().limits, peers=PeersConfig())
-    daemon = AttackerDaemon(NodeIdentity.generate(), replace(base, seeds=(seed,)))
+async def running(daemon: D) -> AsyncIterator[D]:
+    """``daemon`` started in this process, stopped (its links cut, no goodbye) on exit."""
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
         try:
             yield daemon
         finally:
             nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def attacker(seed: str, config: NodeConfig | None = None) -> AsyncIterator[AttackerDaemon]:
+    """An attacker joined to the mesh through `seed`, stopped (its links cut, no goodbye) on exit."""
+    base = config or NodeConfig(limits=NodeConfig().limits, peers=PeersConfig())
+    async with running(AttackerDaemon(NodeIdentity.generate(), replace(base, seeds=(seed,)))) as daemon:
+        yield daemon
 
 
 def planted_sync(count: int) -> Sync:

@@ -9,12 +9,11 @@ models of their making, and a volunteer joining by model id or name with no file
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import trio
-from attackers import attacker, every_layer, fake_model
+from attackers import attacker, every_layer, fake_model, running
 
 from meshd.client.ask import first_error
 from meshd.daemon import MeshDaemon, NodeConfig, describe_model
@@ -25,15 +24,8 @@ from wire.identity import NodeIdentity
 NAME = "shared-name"
 
 
-@asynccontextmanager
-async def seed_node() -> AsyncIterator[MeshDaemon]:
-    daemon = MeshDaemon(NodeIdentity.generate(), NodeConfig())
-    async with trio.open_nursery() as nursery:
-        await nursery.start(daemon.run)
-        try:
-            yield daemon
-        finally:
-            nursery.cancel_scope.cancel()
+def seed_node() -> AbstractAsyncContextManager[MeshDaemon]:
+    return running(MeshDaemon(NodeIdentity.generate(), NodeConfig()))
 
 
 async def join_by(seed: MeshDaemon, wanted: str, state_dir: Path) -> BaseException:

@@ -29,6 +29,15 @@ class CheckSession:
     hop: Stream | None
     info: StageInfo
 
+    async def aclose(self) -> None:
+        """Ends it as a route's sessions end: the stage's Released before the streams close, so it never
+        writes a receipt still due onto a stream the opener already reset."""
+        with trio.CancelScope(shield=True), trio.move_on_after(0.5):
+            await release_all([self.control], self.session, 0)
+        with trio.CancelScope(shield=True):
+            if self.hop is not None:
+                await self.hop.aclose()
+
 
 async def open_check_session(peers: Peers, address: str, node_id: str | None, model: str | None,
                              layers: tuple[int, int] | None, sampling: Sampling, max_tokens: int,

@@ -36,10 +36,9 @@ import trio
 from meshd.client.ask import (
     Stage,
     check_opened,
-    release_all,
 )
 from meshd.client.audit import Audit, StageLied
-from meshd.client.check_session import open_check_session
+from meshd.client.check_session import CheckSession, open_check_session
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from wire.codec import ErrorMessage, error_from_message
@@ -343,6 +342,14 @@ class RangeCheck:
                                                              f"replica's (no third node to settle it)")
 
 
+def check_numerics(mine: str, info: StageInfo) -> None:
+    """A replica computes the bytes of the stage under check (numerics ``mine``; "": not known) only on its
+    build and backend: another computes other last bits, and a mismatch would blame an honest stage."""
+    if mine and info.numerics and info.numerics != mine:
+        raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"it computes with other numerics ({info.numerics}) "
+                                                      f"than the stage under check ({mine})")
+
+
 def failure_of(exc: BaseException) -> str:
     """A replica's failure in words (a timeout or a lost stream says nothing of itself)."""
     if isinstance(exc, trio.TooSlowError):
@@ -355,15 +362,15 @@ def failure_of(exc: BaseException) -> str:
 class _Replay:
     """A check session on one replica: the asker feeds it, it answers each step with its receipt."""
 
-    def __init__(self, stage: Stage, session: str, control: Stream, hop: Stream, node_id: str,
-                 with_ids: bool, model: str) -> None:
+    def __init__(self, stage: Stage, check: CheckSession, hop: Stream, with_ids: bool) -> None:
         self.stage = stage
-        self.session = session
+        self.check = check
+        self.session = check.session
         # the model its receipts sign (they do not carry it)
-        self.model = model
-        self.control = control
+        self.model = check.info.model_digest
+        self.control = check.control
         self.hop = hop
-        self.node_id = node_id
+        self.node_id = check.info.node_id
         self.at: dict[int, Receipt] = {}
         self.sent = 0
         # the replica gets the token ids with the rows only where the route's stage did: the head,
@@ -377,19 +384,14 @@ class _Replay:
 
         def comparable(info: StageInfo) -> None:
             check_opened(stage, info)
-            if mine and info.numerics and info.numerics != mine:
-                # another build or backend computes other last bits: a mismatch would blame an honest stage
-                raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"it computes with other numerics ({info.numerics}) "
-                                                              f"than the stage under check ({mine})")
+            check_numerics(mine, info)
 
         known = audit.result.prompt_tokens + audit.result.tokens
         opened = await open_check_session(peers, stage.address, stage.node_id, stage.model_digest, stage.layers,
                                           sampling, 1 << 20, known[:audit.prompt_len],
                                           f"replica {stage.address} opening a check session", comparable)
-        info = opened.info
         assert opened.hop is not None, "the asker feeds a replica it opened alone"
-        return cls(stage, opened.session, opened.control, opened.hop, info.node_id,
-                   index == 0 or info.needs_tokens, info.model_digest)
+        return cls(stage, opened, opened.hop, index == 0 or opened.info.needs_tokens)
 
     async def feed(self, steps: Sequence[StepInput], original: Callable[[int], Receipt],
                    stop_at: int | None = None) -> Receipt | None:
@@ -451,9 +453,4 @@ class _Replay:
                 raise error_from_message(msg)
 
     async def aclose(self) -> None:
-        # as a route's sessions end: the replica's Released before its streams close, so it never
-        # writes a receipt still due onto a stream the asker already reset
-        with trio.CancelScope(shield=True), trio.move_on_after(0.5):
-            await release_all([self.control], self.session, 0)
-        with trio.CancelScope(shield=True):
-            await self.hop.aclose()
+        await self.check.aclose()
