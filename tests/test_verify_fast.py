@@ -44,12 +44,12 @@ REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs and", max_to
 
 def signing_other_input(service: StageService) -> None:
     """An attacker's daemon: signs its spans' input as other rows than its worker took in."""
-    honest = service._sign_spans
+    honest = service._sign_span
 
-    def other(session: Session, spans: list[tuple[int, int, bytes, bytes]]) -> None:
-        honest(session, [(pos, n, row_hash(b"other" + h_in), h_out) for pos, n, h_in, h_out in spans])
+    def other(session: Session, pos: int, n: int, h_in: bytes, h_out: bytes) -> None:
+        honest(session, pos, n, row_hash(b"other" + h_in), h_out)
 
-    service._sign_spans = other  # type: ignore[method-assign]
+    service._sign_span = other  # type: ignore[method-assign]
 
 
 def signing_other_check_outputs(service: StageService) -> None:

@@ -84,8 +84,8 @@ class ChainCheck:
         self.links: list[_Link] = []
         # where the links' receipts are read (``run``'s)
         self._nursery: trio.Nursery | None = None
-        # the spans fed to the chain so far, and up to where
-        self._fed: list[int] = []
+        # how many spans were fed to the chain so far (its steps), and up to where
+        self._fed = 0
         self.fed_until = 0
         self.checked_until = 0
         self.stopped: str | None = None
@@ -106,7 +106,7 @@ class ChainCheck:
         finally:
             await _close(self.links)
 
-    async def _open(self, nursery: trio.Nursery | None) -> None:
+    async def _open(self) -> None:
         """Opens the chain: for each range up to the last with a replica, its first replica that answers,
         else its own stage; from the last link back, so each link's next one is open when the rows come
         (each names the one before it as its upstream, so a link that fails is replaced and the chain
@@ -139,9 +139,9 @@ class ChainCheck:
                 continue
             self.links = links
             self.checked = {link.index for link in links if not link.own}
-            assert nursery is not None
+            assert self._nursery is not None
             for link in links:
-                nursery.start_soon(self._receive, link)
+                self._nursery.start_soon(self._receive, link)
             return
         raise ChainBroken(f"no chain of replicas opened in {CHAIN_OPENS} tries")
 
@@ -193,7 +193,7 @@ class ChainCheck:
         if not self.links:
             # opened at the first check, once the prompt is known (its ids are the chain's first input)
             try:
-                await self._open(self._nursery)
+                await self._open()
             except ChainBroken as exc:
                 self.stopped = str(exc)
                 return False
@@ -205,8 +205,8 @@ class ChainCheck:
             batch = [encode_activation(session=self.links[0].session.session, epoch=0, step=k, pos=pos,
                                        n_tokens=audit.by_stage[0][pos].n_tokens, tensors=[],
                                        tokens=known[pos:pos + audit.by_stage[0][pos].n_tokens])
-                     for k, pos in enumerate(spans, start=len(self._fed))]
-            self._fed += spans
+                     for k, pos in enumerate(spans, start=self._fed)]
+            self._fed += len(spans)
             try:
                 await head.send_all(b"".join(batch))
             except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:

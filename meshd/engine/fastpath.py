@@ -272,10 +272,11 @@ class FastPlane:
 
     def link(self, h: dict[str, Any], sock: socket.socket) -> None:
         """A connection of the session, handed over by the daemon: from upstream, or to downstream."""
-        s = self.sessions.get(int(h["seq"]))
-        if s is None or s.tag != int(h["tag"]):
+        try:
+            s = self._session(h)
+        except EngineError:
             sock.close()
-            raise EngineError(f"no fast session {h['seq']} ({h['tag']})")
+            raise
         key = bytes(h["key"])
         if h["out"]:
             if s.link_out is not None:
@@ -301,7 +302,7 @@ class FastPlane:
     def seal(self, h: dict[str, Any]) -> None:
         """The asker's word that the session ends at ``until``: the last spans' hashes up to there are
         told as events, after every one held (one channel, so the daemon signs them in order)."""
-        s = self._spanned(h)
+        s = self._session(h)
         try:
             closed = s.spans.seal(int(h["until"])) if s.spans is not None else []
         except SpanError as exc:
@@ -310,10 +311,11 @@ class FastPlane:
 
     def inputs(self, h: dict[str, Any]) -> list[Span]:
         """The kept inputs of the closed spans before ``until`` (a spot check's), forgotten once taken."""
-        s = self._spanned(h)
+        s = self._session(h)
         return [] if s.spans is None else s.spans.take(int(h["until"]))
 
-    def _spanned(self, h: dict[str, Any]) -> FastSession:
+    def _session(self, h: dict[str, Any]) -> FastSession:
+        """The fast session the daemon's op names (its slot and tag)."""
         s = self.sessions.get(int(h["seq"]))
         if s is None or s.tag != int(h["tag"]):
             raise EngineError(f"no fast session {h['seq']} ({h['tag']})")
@@ -553,14 +555,15 @@ class FastPlane:
             row += w.n
             if s.failed or s.link_out is None:
                 continue
-            if s.spans is not None:
-                self._spanned_step(w, [r.tobytes() for r in rows])
             if s.carry and w.tokens is not None:
                 s.link_out.send(ROWS_IDS, w.pos, w.n, rows.tobytes() + np.asarray(w.tokens, np.int32).tobytes(),
                                 w.drafts)
             else:
                 s.link_out.send(ROWS, w.pos, w.n, rows.data.cast("B"), w.drafts)
             self._watch_out(s)
+            if s.spans is not None:
+                # after the send (which sealed a copy of the rows): the next stage's step is the critical path
+                self._spanned_step(w, [r.tobytes() for r in rows])
 
     def _spanned_step(self, w: Work, outs: list[bytes]) -> None:
         """Books the step's rows in its session's spans; tells the daemon of the spans that closed."""

@@ -744,7 +744,7 @@ class StageService:
             code = ErrorCode(event["code"]) if event.get("code") in ErrorCode.__members__ else ErrorCode.INTERNAL
             self._fail(session, ProtocolError(code, str(event.get("message"))))
         elif event.get("ev") == "span":
-            self._sign_spans(session, [(event["pos"], event["n"], event["h_in"], event["h_out"])])
+            self._sign_span(session, int(event["pos"]), int(event["n"]), bytes(event["h_in"]), bytes(event["h_out"]))
         elif event.get("ev") == "token":
             if session.draft_length is not None and "drafted" in event:
                 # the worker drafts and verifies; Done reports its counts
@@ -755,18 +755,16 @@ class StageService:
                 session.fast_ended = True
                 self._fast_end_send.send_nowait(session)
 
-    def _sign_spans(self, session: Session, spans: list[tuple[int, int, bytes, bytes]]) -> None:
-        """Signs a fast session's spans as its worker hashed them and sends them to the asker, this
-        stage's receipts alone: the asker checks that each stage's input is the one before's output."""
+    def _sign_span(self, session: Session, pos: int, n: int, h_in: bytes, h_out: bytes) -> None:
+        """Signs a fast session's span as its worker hashed it and sends it to the asker, this stage's
+        receipt alone: the asker checks that each stage's input is the one before's output."""
         receipts = session.receipts
-        if receipts is None or not spans:
+        if receipts is None:
             return
         if self.report.has_output and not receipts.hist:
             receipts.sampling = sampling_bytes(session.open.sampling, session.book.prompt_len or 0)
-        for k in range(0, len(spans), MAX_CHAIN):
-            signed = b"".join(receipts.sign_wire(int(pos), int(n), bytes(h_in), bytes(h_out))
-                              for pos, n, h_in, h_out in spans[k:k + MAX_CHAIN])
-            session.to_asker.send_nowait(receipts_message(session.book.id, session.book.epoch, signed))
+        session.to_asker.send_nowait(receipts_message(session.book.id, session.book.epoch,
+                                                      receipts.sign_wire(pos, n, h_in, h_out)))
 
     async def _seal(self, session: Session, msg: Seal) -> None:
         """The answer is in: this stage's last span, up to where the asker says the rows end."""
