@@ -17,9 +17,11 @@ import wire.meshrpc
 import wire.stage
 import wire.swim
 from wire.codec import ErrorMessage, Message, WireModel, decode, encode, registered, schema_bounds
+from wire.credit import WorkGive, WorkSummary
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteStage, StatusRequest
+from wire.receipt import NO_PREV, Receipt
 from wire.stage import Open, PeerRef, Prompt, PromptTokens, Sampling, Token
 from wire.swim import Alive, CapabilityRecord, ModelInfo, Ping, ServedRange, Sync, SyncEntry
 from wire.tensors import Activation, TensorEntry, encode_activation, tensor_fields
@@ -196,6 +198,7 @@ def test_unvalidated_activation_matches_model_construct(
 
 
 IDENTITY = NodeIdentity.from_private_bytes(bytes(range(32)))
+STAGE_IDENTITY = NodeIdentity.from_private_bytes(bytes(range(32, 64)))
 RECORD = CapabilityRecord.create(
     IDENTITY,
     5,
@@ -267,7 +270,8 @@ def test_token_ids_out_of_bounds_are_refused(tokens: object, fragment: str) -> N
 # `token`, `activation` and `activation_fields` when receipts moved inside them, meshd/stage/2;
 # `open` when it gained fast, the fast path's, meshd/stage/4; `record_ping` when the record gained
 # the tracker's signed `placement`, meshd/mesh/authority; `route` when RouteReply gained the replicas
-# of its stages, for the asker's spot checks; `record_ping` when the record gained `numerics`)
+# of its stages, for the asker's spot checks; `record_ping` when the record gained `numerics`; `open`
+# when it gained payer, the credit ledger's voucher, meshd/stage/5, and `work_give` is the ledger's summary)
 
 _PINNED = {
     "error": "0000003d85a474797065a56572726f72a17601a4636f6465aa4f5645524c4f41444544a76d657373616765a46275"
@@ -318,6 +322,10 @@ def test_richer_encodings_are_pinned() -> None:
             tensors=[tensor_fields("hidden_states", np.arange(8, dtype=np.float32).reshape(1, 8), "q8_0", "zstd")],
         ),
         "record_ping": encode(Ping(seq=1, version=5, gossip=[Alive(record=RECORD)])),
+        "work_give": encode(WorkGive(summaries=[WorkSummary.create(
+            IDENTITY, "ab" * 32, 0, 12, 9, 7, True, 1_800_000_000,
+            Receipt.build("s1", 3, 15, 1, "ab" * 32, 0, 12, b"i" * 16, b"o" * 16, b"h" * 16, NO_PREV,
+                          STAGE_IDENTITY.public_key, STAGE_IDENTITY))])),
     }
     assert {name: data.hex() for name, data in samples.items()} == expected
 

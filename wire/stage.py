@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.credit import Voucher
 from wire.fastlink import KEY_BYTES, TOKEN_BYTES
 from wire.receipt import Chain
 from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
@@ -24,7 +25,8 @@ from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId,
 # would stall or fail on all three, so the peer set tells it the versions differ instead
 # 3: receipts sign meshd/receipt/3 bytes (a fixed layout): a peer of /2 would find every signature bad
 # 4: the fast path (Open.fast, Hop.fast): a peer of /3 would refuse both fields
-STAGE_PROTOCOL = "meshd/stage/4"
+# 5: Open.payer, the member whose credit a session asks on (wire.credit.Voucher): a peer of /4 would refuse it
+STAGE_PROTOCOL = "meshd/stage/5"
 
 # the most stages a route can have: every stage holds at least one layer
 MAX_ROUTE = 1 << 10
@@ -109,6 +111,9 @@ class Open(Message, tag="open"):
     # connections of their own, not through the daemons; the asker asks for it on every stage of
     # a route whose hops are all direct, without receipts or speculation
     fast: bool = False
+    # the member on whose credit the opener asks (an identity of `meshd ask`'s or the front door's own,
+    # vouched for by its member): the stage ranks the session by that member's credit under contention
+    payer: Voucher | None = None
 
 
 class Opened(Message, tag="opened"):

@@ -2,10 +2,11 @@
 
 A stage serves many sessions, each in one llama.cpp sequence (a *slot*). These
 books decide who gets a slot, how many KV tokens each session and all of them
-may hold, whom to evict when they run out (the heaviest source's or node's session
-first, else the least recently used idle one, else the session of the source that has held a slot
-longest), when an idle session expires, which queued work goes into the next engine call, and when a
-sampled token ends a session. They take the time as
+may hold, whom to evict when they run out (the session of an asker with much less credit than
+the claimant's, above the newcomers' floor; else the heaviest source's or node's session, else the
+least recently used idle one, else the session of the source that has held a slot longest), when
+an idle session expires, which queued work goes into the next engine call, and when a sampled token
+ends a session. They take the time as
 ``now`` and report ``next_timer()``; the trio service around them moves
 streams, channels and engine calls, and sleeps until that timer.
 
@@ -28,6 +29,7 @@ from typing import Generic, Literal, TypeVar
 
 from meshd import steps
 from meshd.mesh.addresses import source_group
+from meshd.mesh.credit import NEWCOMER_FLOOR
 from wire.errors import ErrorCode, ProtocolError
 
 T = TypeVar("T")
@@ -41,6 +43,9 @@ MAX_TOKEN_BYTES = 256
 # every slot to have turned over a few times within ``tenure``; a bound on what strangers can make
 # them keep.
 _LEFT_CAP = 4
+# A claimant takes the slot of an asker with less credit only if its own is this many times more: two
+# members of about the same credit do not take a slot back and forth.
+CREDIT_MARGIN = 2.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,9 @@ class SessionBook:
     # downstream, so nothing waits on one step's rows before the next's run; the engine is
     # batch-invariant, so the rows are the ones the steps give one by one)
     joins: bool = False
+    # the credit of the member the session asks for (meshd.mesh.credit.priority): under contention a
+    # member with much more takes the slot of one with less, above the newcomers' floor
+    credit: float = 0.0
 
 
 # What a quota or an eviction counts of a session, and whose it is.
@@ -199,11 +207,12 @@ class StageBooks(Generic[T]):
 
     def open(self, session: str, epoch: int, generation: int, max_tokens: int, stop: Iterable[str],
              now: float, owner: str = "", upstream: str | None = None,
-             source: str = "") -> tuple[SessionBook, list[SessionBook]]:
+             source: str = "", credit: float = 0.0) -> tuple[SessionBook, list[SessionBook]]:
         """A new session of node ``owner`` (its link from host ``source``, counted by its
         ``source_group``) in a slot, and the sessions that left the books to make room.
 
-        ``upstream`` is the node whose hop stream feeds it (None: the owner feeds it itself).
+        ``upstream`` is the node whose hop stream feeds it (None: the owner feeds it itself);
+        ``credit`` is its asker's (``meshd.mesh.credit.priority``), which ranks it under contention.
         Raises UNAUTHORIZED for a session another node holds, EPOCH_STALE for an epoch not above
         the one held, OVERLOADED when the peer's quota is full or no slot frees.
         """
@@ -222,15 +231,15 @@ class StageBooks(Generic[T]):
             self.release(old)
             gone.append(old)
         if not self._free:
-            gone.append(self._evict(f"all {self.limits.max_sessions} session slots are busy", now, None, owner,
-                                    source, since, _one, 1))
+            why = f"all {self.limits.max_sessions} session slots are busy"
+            gone.append(self._outranked(why, credit) or self._evict(why, now, None, owner, source, since, _one, 1))
         slot = self._free.pop(0)
         # the new session clears the slot itself; a pending clear would wipe its KV later
         self.dirty = [(s, g) for s, g in self.dirty if s != slot]
         self.trims = [t for t in self.trims if t[0] != slot]
         book = SessionBook(id=session, epoch=epoch, slot=slot, owner=owner, upstream=upstream or owner,
                            generation=generation, max_tokens=max_tokens, stop=tuple(s.encode() for s in stop),
-                           last_used=now, source=source, since=since)
+                           last_used=now, source=source, since=since, credit=credit)
         self.sessions[session] = book
         self._left.pop(source, None)
         return book, gone
@@ -464,6 +473,24 @@ class StageBooks(Generic[T]):
                                          f"({now - victim.since:.0f} s)")
         self.counts.overloaded += 1
         raise ProtocolError(ErrorCode.OVERLOADED, why, retry_after_ms=self.limits.retry_after_ms)
+
+    def _outranked(self, why: str, credit: float) -> SessionBook | None:
+        """The session a claimant with ``credit`` takes the slot of, if any: the one whose asker has the
+        least credit, if the claimant's is ``CREDIT_MARGIN`` times that (members who serve are served
+        first), unless it is a newcomer's (no credit) and newcomers hold no more than their floor
+        (``NEWCOMER_FLOOR`` of the slots, rounded down): so the mesh stays open to those yet to serve."""
+        if credit <= 0.0:
+            return None
+        newcomers = sum(1 for s in self.sessions.values() if s.credit <= 0.0)
+        floor = int(self.limits.max_sessions * NEWCOMER_FLOOR)
+        # (work in the engine's hands is not taken away mid-step; a fast session's reservation is no such work)
+        poorer = [s for s in self.sessions.values() if (s.in_flight == 0 or s.fast)
+                  and s.credit * CREDIT_MARGIN < credit and (s.credit > 0.0 or newcomers > floor)]
+        if not poorer:
+            return None
+        victim = min(poorer, key=lambda s: (s.credit, s.last_used))
+        return self._evicted(victim, f"evicted because {why} and an asker with more credit "
+                                     f"({credit:.0f} against {victim.credit:.0f}) wanted one")
 
     def _held(self, key: Callable[[SessionBook], str], weight: Weight) -> collections.Counter[str]:
         held: collections.Counter[str] = collections.Counter()

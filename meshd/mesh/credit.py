@@ -1,0 +1,297 @@
+"""Credit where it is due: the ledger of served work each member keeps and weighs alone (sans-IO).
+
+Every member holds the summaries of served work it has heard of (``wire.credit.WorkSummary``: the
+asker's countersignature over the stage's own last receipt of an ask), checked as they come
+(``check_summary``), and gossips digests of them (``Ledger.roots``, ``Ledger.ids``): a member pulls
+what it lacks from a peer whose root differs, so every member ends up holding the same set, with
+no coordinator. What a member's credit is follows from that set and from who the member's view
+says is placed (meshd.mesh.authority), by one rule (``Ledger.standing``):
+
+- **Work** of a summary: layers x tokens (prompt and generated, as the stage's receipt signs them),
+  whole if a replica checked the range to the end, half if not (``UNCHECKED_WEIGHT``).
+- **Once per asker per window.** The work one asker credits one stage is summed per hour
+  (``WINDOW``) and capped there (``ASKER_WINDOW_CAP``): one asker, however busy, buys a stage at
+  most one cap an hour, so credit says how many askers a member served, not how often one did.
+- **Decay.** A window's work counts ``0.5 ** (age / HALF_LIFE)`` (a week); summaries older than
+  ``HORIZON`` are dropped.
+- **Payers.** Work counts only from an asker that is a placed volunteer (its placement signed by a
+  tracker this node followed) or holds credit itself, and an asker that is not placed pays at most
+  what it earned (its payments are scaled down to its earnings): credit moves among identities
+  that serve no one placed, it is never minted there. A ring of free identities asking each other
+  earns nothing; a stage countersigning itself through a second identity earns only what that
+  identity earned elsewhere, and loses it there.
+- **Balance** = earned - spent, where spent is the (capped, decayed) work the member asked of others.
+
+A summary's asker must not be its stage, its receipt must verify and name the summary's model,
+range and positions, and its time must not be far in the receiver's future. Bounded: at most
+``MAX_SUMMARIES`` (the ones of askers that do not pay go first when full, then the oldest), at
+most ``ASKER_WINDOW_SUMMARIES`` per asker and hour.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from collections import defaultdict
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from wire.credit import BUCKETS, IDS_PAGE, LedgerIds, LedgerRoots, WorkSummary
+
+WINDOW = 3600.0
+HALF_LIFE = 7 * 86400.0
+HORIZON = 8 * 7 * 86400.0
+# work units (layers x tokens) one asker credits one stage per window: a 32-layer range over 2,048
+# tokens; about ten ordinary asks (a few hundred tokens) of a whole small model
+ASKER_WINDOW_CAP = 32.0 * 2048
+UNCHECKED_WEIGHT = 0.5
+# a summary dated this far past the receiver's clock is refused (clocks of volunteers drift)
+MAX_FUTURE = 600.0
+MAX_SUMMARIES = 1 << 16
+# summaries one asker may put in the ledger per window: a busy asker's asks, not a flood
+ASKER_WINDOW_SUMMARIES = 256
+# a member with no credit (a newcomer) is still given this share of a stage's slots under contention
+NEWCOMER_FLOOR = 0.25
+# rounds of the payer fixed point: credit passes one hop of non-placed askers per round
+PAYER_ROUNDS = 8
+
+_EMPTY = hashlib.blake2b(b"meshd/ledger/empty", digest_size=16).digest()
+
+
+class InvalidSummary(ValueError):
+    """A summary that proves no work: a bad signature, a receipt of something else, a stage asking itself."""
+
+
+def check_summary(summary: WorkSummary, now: float) -> str:
+    """The stage's node id if `summary` holds at Unix time `now`; InvalidSummary otherwise."""
+    head = summary.head
+    if summary.layer_end <= summary.layer_begin:
+        raise InvalidSummary("an empty layer range")
+    if (head.model, head.layer_begin, head.layer_end) != (summary.model, summary.layer_begin, summary.layer_end):
+        raise InvalidSummary("the stage's receipt is of another model or range than the summary")
+    if head.pos + head.n_tokens != summary.prompt_tokens + summary.generated_tokens:
+        raise InvalidSummary(f"the stage signed {head.pos + head.n_tokens} positions, the summary claims "
+                             f"{summary.prompt_tokens + summary.generated_tokens}")
+    if summary.at > now + MAX_FUTURE:
+        raise InvalidSummary("a summary dated in the future")
+    if summary.at < now - HORIZON:
+        raise InvalidSummary("a summary past the ledger's horizon")
+    stage = head.node_id
+    if stage == summary.asker:
+        raise InvalidSummary("a stage cannot countersign its own work")
+    if not summary.verify():
+        raise InvalidSummary("the asker's signature does not hold")
+    if not head.verify():
+        raise InvalidSummary("the stage's receipt does not hold")
+    return stage
+
+
+def work_of(summary: WorkSummary) -> float:
+    """Layers x tokens, halved where no replica checked the range to the end."""
+    work = float((summary.layer_end - summary.layer_begin) * (summary.prompt_tokens + summary.generated_tokens))
+    return work if summary.checked else work * UNCHECKED_WEIGHT
+
+
+@dataclass
+class Standing:
+    """One member's credit in one node's view (work units, decayed)."""
+
+    earned: float = 0.0
+    spent: float = 0.0
+    placed: bool = False
+
+    @property
+    def balance(self) -> float:
+        return self.earned - self.spent
+
+
+@dataclass
+class Ledger:
+    """The summaries a node holds, their digests, and the credit they give each member."""
+
+    most: int = MAX_SUMMARIES
+    _held: dict[bytes, WorkSummary] = field(default_factory=dict)
+    _buckets: list[set[bytes]] = field(default_factory=lambda: [set() for _ in range(BUCKETS)])
+    _digests: list[bytes | None] = field(default_factory=lambda: [None] * BUCKETS)
+    _root: bytes | None = None
+    # (at, id) of every summary held, oldest first (lazily: ids evicted stay until popped)
+    _ages: list[tuple[int, bytes]] = field(default_factory=list)
+    _per_window: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
+    # the askers whose summaries go last when the ledger is full: the payers of the last `standing`
+    _payers: frozenset[str] = frozenset()
+    # bumped at each change: what a cached standing was worked out from
+    version: int = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, summary_id: object) -> bool:
+        return summary_id in self._held
+
+    def summaries(self) -> Iterable[WorkSummary]:
+        return self._held.values()
+
+    def add(self, now: float, summary: WorkSummary) -> bool:
+        """Checks and keeps `summary`; True if it was news. InvalidSummary for one that does not
+        hold or is over its asker's share."""
+        summary_id = summary.id
+        if summary_id in self._held:
+            return False
+        check_summary(summary, now)
+        window = (summary.asker, int(summary.at // WINDOW))
+        if self._per_window[window] >= ASKER_WINDOW_SUMMARIES:
+            raise InvalidSummary(f"asker {summary.asker[:16]} has put {ASKER_WINDOW_SUMMARIES} summaries in "
+                                 f"this hour's ledger already")
+        if len(self._held) >= self.most and not self._make_room(summary):
+            raise InvalidSummary("the ledger is full of summaries that count for more")
+        self._per_window[window] += 1
+        self._held[summary_id] = summary
+        heapq.heappush(self._ages, (summary.at, summary_id))
+        self._touch(summary_id, add=True)
+        return True
+
+    def expire(self, now: float) -> int:
+        """Drops the summaries past the horizon; returns how many."""
+        dropped = 0
+        while self._ages and self._ages[0][0] < now - HORIZON:
+            _, summary_id = heapq.heappop(self._ages)
+            if summary_id in self._held:
+                self._drop(summary_id)
+                dropped += 1
+        return dropped
+
+    def _make_room(self, incoming: WorkSummary) -> bool:
+        """Frees one place for `incoming`: the oldest summary of an asker that does not pay, else (if
+        `incoming`'s asker pays) the oldest of all."""
+        unpaid = [(s.at, i) for i, s in self._held.items() if s.asker not in self._payers]
+        if unpaid:
+            self._drop(min(unpaid)[1])
+            return True
+        if incoming.asker not in self._payers:
+            return False
+        while self._ages:
+            _, summary_id = heapq.heappop(self._ages)
+            if summary_id in self._held:
+                self._drop(summary_id)
+                return True
+        return False
+
+    def _drop(self, summary_id: bytes) -> None:
+        summary = self._held.pop(summary_id)
+        window = (summary.asker, int(summary.at // WINDOW))
+        self._per_window[window] -= 1
+        if self._per_window[window] <= 0:
+            del self._per_window[window]
+        self._touch(summary_id, add=False)
+
+    def _touch(self, summary_id: bytes, add: bool) -> None:
+        bucket = summary_id[0]
+        (self._buckets[bucket].add if add else self._buckets[bucket].discard)(summary_id)
+        self._digests[bucket] = None
+        self._root = None
+        self.version += 1
+
+    # ----- digests, for gossip
+
+    def digest(self, bucket: int) -> bytes:
+        held = self._digests[bucket]
+        if held is None:
+            ids = sorted(self._buckets[bucket])
+            held = self._digests[bucket] = hashlib.blake2b(b"".join(ids), digest_size=16).digest() if ids else _EMPTY
+        return held
+
+    @property
+    def root(self) -> bytes:
+        if self._root is None:
+            self._root = hashlib.blake2b(b"".join(self.digest(b) for b in range(BUCKETS)), digest_size=16).digest()
+        return self._root
+
+    def roots(self, theirs: bytes) -> LedgerRoots:
+        """The answer to a peer whose root is `theirs`: the bucket digests only where they differ."""
+        root = self.root
+        return LedgerRoots(root=root, count=len(self._held),
+                           buckets=[] if theirs == root else [self.digest(b) for b in range(BUCKETS)])
+
+    def ids(self, bucket: int, offset: int) -> LedgerIds:
+        ids = sorted(self._buckets[bucket])
+        return LedgerIds(bucket=bucket, ids=ids[offset:offset + IDS_PAGE], total=len(ids))
+
+    def differing(self, theirs: LedgerRoots) -> list[int]:
+        """The buckets whose digests differ from a peer's (none if its answer has no digests)."""
+        return [b for b, d in enumerate(theirs.buckets) if d != self.digest(b)] if len(theirs.buckets) == BUCKETS \
+            else []
+
+    def missing(self, ids: Iterable[bytes]) -> list[bytes]:
+        return [i for i in ids if i not in self._held]
+
+    def fetch(self, ids: Iterable[bytes]) -> list[WorkSummary]:
+        return [self._held[i] for i in ids if i in self._held]
+
+    # ----- credit
+
+    def standing(self, now: float, placed: Collection[str]) -> dict[str, Standing]:
+        """Every member's credit at Unix time `now`, with `placed` the members this node's view says
+        are placed (and the tracker it follows): see the module's rule."""
+        # one summary per stage receipt: a receipt countersigned twice (by another asker too) counts once,
+        # the same one everywhere (the least id)
+        by_head: dict[bytes, tuple[bytes, WorkSummary]] = {}
+        for summary_id, summary in self._held.items():
+            key = summary.head.hash
+            held = by_head.get(key)
+            if held is None or summary_id < held[0]:
+                by_head[key] = (summary_id, summary)
+        # (stage, asker) -> window -> work, capped per window, decayed
+        windows: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        for _, summary in by_head.values():
+            windows[(summary.stage, summary.asker)][int(summary.at // WINDOW)] += work_of(summary)
+        pair: dict[tuple[str, str], float] = {}
+        for stage_asker, by_window in windows.items():
+            pair[stage_asker] = sum(min(work, ASKER_WINDOW_CAP) * 0.5 ** (max(0.0, now - (w + 1) * WINDOW) / HALF_LIFE)
+                            for w, work in by_window.items())
+        paid: dict[str, float] = defaultdict(float)
+        for (_, asker), work in pair.items():
+            paid[asker] += work
+        placed_set = frozenset(placed)
+        payers = set(placed_set)
+        scale = {a: 1.0 for a in placed_set}
+        earned: dict[str, float] = {}
+        for _ in range(PAYER_ROUNDS):
+            earned = defaultdict(float)
+            for (stage, asker), work in pair.items():
+                if asker in payers:
+                    earned[stage] += work * scale[asker]
+            grown = {m for m, e in earned.items() if e > 0.0} | placed_set
+            scale = {a: 1.0 if a in placed_set else min(1.0, earned.get(a, 0.0) / paid[a]) if paid[a] else 1.0
+                     for a in grown}
+            if grown == payers:
+                break
+            payers = grown
+        self._payers = frozenset(payers)
+        standing: dict[str, Standing] = defaultdict(Standing)
+        for member, work in earned.items():
+            standing[member].earned = work
+        for asker, work in paid.items():
+            standing[asker].spent = work
+        for member in placed_set:
+            standing[member].placed = True
+        return dict(standing)
+
+    def between(self, me: str, now: float) -> dict[str, tuple[float, float]]:
+        """Per peer: (the work it served `me`, the work `me` served it), decayed, uncapped."""
+        out: dict[str, tuple[float, float]] = {}
+        for summary in self._held.values():
+            decay = 0.5 ** (max(0.0, now - summary.at) / HALF_LIFE)
+            if summary.asker == me:
+                served, asked = out.get(summary.stage, (0.0, 0.0))
+                out[summary.stage] = (served + work_of(summary) * decay, asked)
+            elif summary.stage == me:
+                served, asked = out.get(summary.asker, (0.0, 0.0))
+                out[summary.asker] = (served, asked + work_of(summary) * decay)
+        return out
+
+
+def priority(balance: float) -> float:
+    """A session's rank under contention: its asker's balance, with every member at or below zero
+    (newcomers, and those that asked more than they served) ranked alike at zero."""
+    return max(0.0, balance) if math.isfinite(balance) else 0.0

@@ -1,0 +1,181 @@
+"""The credit ledger's rules (meshd.mesh.credit), sans-IO: what a summary must prove, who pays, what
+gossip converges to."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshd.mesh.credit import (
+    ASKER_WINDOW_CAP,
+    HALF_LIFE,
+    MAX_FUTURE,
+    InvalidSummary,
+    Ledger,
+    check_summary,
+)
+from tests.credit_helpers import MODEL, NOW, served, sync
+from wire.codec import decode, encode
+from wire.credit import WorkGive, WorkSummary
+from wire.identity import NodeIdentity
+from wire.receipt import NO_PREV, Receipt
+
+
+def test_a_summary_holds_with_both_signatures_and_the_stage_s_positions() -> None:
+    asker, stage = NodeIdentity.generate(), NodeIdentity.generate()
+    summary = served(asker, stage, tokens=100)
+    assert check_summary(summary, NOW) == stage.node_id
+    back = decode(encode(WorkGive(summaries=[summary])))
+    assert isinstance(back, WorkGive) and check_summary(back.summaries[0], NOW) == stage.node_id
+
+
+def _forged(summary: WorkSummary, **changes: object) -> WorkSummary:
+    return summary.model_copy(update=changes)
+
+
+def test_forged_summaries_earn_nothing() -> None:
+    asker, stage, other = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    good = served(asker, stage, tokens=100)
+    # more tokens than the stage signed, re-signed by the asker: the stage's receipt says otherwise
+    more = WorkSummary.create(asker, MODEL, 0, 8, 50, 100, True, int(NOW), good.head)
+    # a receipt the stage never signed (the asker made one in the stage's name)
+    unsigned = Receipt.build("s", 0, 0, 100, MODEL, 0, 8, b"1" * 16, b"2" * 16, b"3" * 16, NO_PREV,
+                             stage.public_key, other)
+    fake_head = WorkSummary.create(asker, MODEL, 0, 8, 100, 0, True, int(NOW), unsigned)
+    cases = {
+        "wrong asker signature": _forged(good, signature=bytes(64)),
+        "asker key not its id": _forged(good, asker=other.node_id),
+        "more tokens than signed": more,
+        "chain head never signed": fake_head,
+        "another range": WorkSummary.create(asker, MODEL, 0, 16, 100, 0, True, int(NOW), good.head),
+        "future": WorkSummary.create(asker, MODEL, 0, 8, 100, 0, True, int(NOW + 2 * MAX_FUTURE), good.head),
+        "self": served(stage, stage, tokens=100),
+    }
+    for name, summary in cases.items():
+        with pytest.raises(InvalidSummary):
+            check_summary(summary, NOW)
+        ledger = Ledger()
+        with pytest.raises(InvalidSummary):
+            ledger.add(NOW, summary)
+        assert len(ledger) == 0, name
+
+
+def test_work_counts_from_placed_askers_and_credit_holders_only() -> None:
+    placed, stage, stranger = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    ledger = Ledger()
+    ledger.add(NOW, served(placed, stage, tokens=100))
+    ledger.add(NOW, served(stranger, stage, tokens=100, session="t"))
+    standing = ledger.standing(NOW, placed={placed.node_id})
+    # 8 layers x 100 tokens from the placed asker; the stranger's pays nothing
+    assert standing[stage.node_id].earned == pytest.approx(800.0, rel=1e-3)
+    assert standing[placed.node_id].balance == pytest.approx(-800.0, rel=1e-3)
+    assert ledger.standing(NOW, placed=()).get(stage.node_id) is None or \
+        ledger.standing(NOW, placed=())[stage.node_id].earned == 0.0
+
+
+def test_a_ring_of_ten_asking_each_other_earns_nothing() -> None:
+    ring = [NodeIdentity.generate() for _ in range(10)]
+    ledger = Ledger()
+    for i, asker in enumerate(ring):
+        for j, stage in enumerate(ring):
+            if i != j:
+                ledger.add(NOW, served(asker, stage, tokens=500, session=f"{i}-{j}"))
+    honest = NodeIdentity.generate()
+    standing = ledger.standing(NOW, placed={honest.node_id})
+    assert all(standing.get(m.node_id) is None or standing[m.node_id].earned == 0.0 for m in ring)
+
+
+def test_a_stage_countersigning_itself_through_a_second_identity_moves_no_more_than_it_earned() -> None:
+    placed, stage, alias = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    ledger = Ledger()
+    # the alias served a placed asker honestly once (8 x 10), then pays the stage for 8 x 1000 of made-up work
+    ledger.add(NOW, served(placed, alias, tokens=10))
+    ledger.add(NOW, served(alias, stage, tokens=1000, session="self"))
+    standing = ledger.standing(NOW, placed={placed.node_id})
+    assert standing[stage.node_id].earned == pytest.approx(80.0, rel=1e-3)
+    # the two together hold no more than the alias earned (the alias spent all it asked for)
+    assert standing[stage.node_id].balance + standing[alias.node_id].balance <= 80.0
+
+
+def test_one_asker_credits_a_stage_at_most_a_cap_an_hour_and_credit_decays() -> None:
+    placed, stage = NodeIdentity.generate(), NodeIdentity.generate()
+    ledger = Ledger()
+    for k in range(20):
+        ledger.add(NOW, served(placed, stage, tokens=2000, layers=32, session=f"s{k}"))
+    assert ledger.standing(NOW, {placed.node_id})[stage.node_id].earned == pytest.approx(ASKER_WINDOW_CAP, rel=1e-3)
+    later = ledger.standing(NOW + HALF_LIFE, {placed.node_id})[stage.node_id].earned
+    assert later == pytest.approx(ASKER_WINDOW_CAP / 2, rel=1e-2)
+
+
+def test_the_same_receipt_countersigned_twice_counts_once() -> None:
+    placed, other, stage = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    first = served(placed, stage, tokens=100)
+    again = WorkSummary.create(other, MODEL, 0, 8, 100, 0, True, int(NOW), first.head)
+    ledger = Ledger()
+    ledger.add(NOW, first)
+    ledger.add(NOW, again)
+    assert ledger.standing(NOW, {placed.node_id, other.node_id})[stage.node_id].earned == pytest.approx(800.0, rel=1e-3)
+
+
+def test_a_full_ledger_drops_the_summaries_of_askers_that_do_not_pay_first() -> None:
+    placed, stage = NodeIdentity.generate(), NodeIdentity.generate()
+    ledger = Ledger(most=4)
+    for k in range(2):
+        ledger.add(NOW, served(placed, stage, tokens=10, session=f"p{k}"))
+    ledger.standing(NOW, {placed.node_id})
+    flood = [NodeIdentity.generate() for _ in range(6)]
+    for k, asker in enumerate(flood):
+        ledger.add(NOW, served(asker, stage, tokens=10, session=f"f{k}"))
+    assert len(ledger) == 4
+    assert sum(1 for s in ledger.summaries() if s.asker == placed.node_id) == 2
+
+
+def test_gossip_pulls_make_every_ledger_the_same() -> None:
+    rng = random.Random(3)
+    ids = [NodeIdentity.generate() for _ in range(6)]
+    ledgers = [Ledger() for _ in ids]
+    for k in range(60):
+        asker, stage = rng.sample(range(6), 2)
+        summary = served(ids[asker], ids[stage], tokens=rng.randint(1, 300), session=f"a{k}")
+        ledgers[asker].add(NOW, summary)
+        ledgers[stage].add(NOW, summary)
+    rounds = 0
+    while len({ledger.root for ledger in ledgers}) > 1:
+        rounds += 1
+        assert rounds <= 10
+        for i, ledger in enumerate(ledgers):
+            sync(ledger, ledgers[rng.choice([j for j in range(6) if j != i])], NOW)
+    assert all(len(ledger) == 60 for ledger in ledgers)
+
+
+# ----- priority by credit at a stage's slots (meshd.stage.books)
+
+def test_a_member_with_credit_takes_a_one_slot_stage_from_a_newcomer_and_not_the_reverse() -> None:
+    from meshd.stage.books import StageBooks, StageLimits
+    from wire.errors import ProtocolError
+
+    books: StageBooks[None] = StageBooks(StageLimits(max_sessions=1))
+    newcomer, _ = books.open("a", 0, 0, 16, (), 0.0, owner="n" * 40, source="10.0.0.1")
+    book, gone = books.open("b", 0, 0, 16, (), 0.1, owner="s" * 40, source="10.0.0.2", credit=800.0)
+    assert gone == [newcomer] and newcomer.failure is not None and "more credit" in newcomer.failure.message
+    with pytest.raises(ProtocolError, match="busy"):
+        books.open("c", 0, 0, 16, (), 0.2, owner="m" * 40, source="10.0.0.3")
+    assert books.sessions == {"b": book}
+
+
+def test_newcomers_keep_their_floor_of_slots_and_near_equals_do_not_take_each_other_s() -> None:
+    from meshd.stage.books import StageBooks, StageLimits
+    from wire.errors import ProtocolError
+
+    books: StageBooks[None] = StageBooks(StageLimits(max_sessions=4, evict_after=1e9, tenure=1e9))
+    books.open("new", 0, 0, 16, (), 0.0, owner="n" * 40, source="10.0.0.1")
+    for k in range(3):
+        books.open(f"rich{k}", 0, 0, 16, (), 0.0, owner=f"{k}" * 40, source=f"10.0.1.{k}", credit=1000.0)
+    # the one newcomer holds the floor (a quarter of 4 slots); a richer claimant takes no slot from it,
+    # and members with credit within the margin of its own keep theirs
+    with pytest.raises(ProtocolError, match="busy"):
+        books.open("x", 0, 0, 16, (), 1.0, owner="x" * 40, source="10.0.2.1", credit=1500.0)
+    assert "new" in books.sessions
+    _, gone = books.open("y", 0, 0, 16, (), 1.0, owner="y" * 40, source="10.0.2.2", credit=5000.0)
+    assert [g.id for g in gone] == ["rich0"]
