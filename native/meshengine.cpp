@@ -500,6 +500,44 @@ int32_t me_seq_pos_max(me_context * ctx, int32_t seq_id, int32_t * out) {
     return ME_OK;
 }
 
+// ----- prefix cache (issue 31)
+
+int32_t me_seq_copy(me_context * ctx, int32_t src, int32_t dst, int32_t n_pos) {
+    if (!ctx) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "ctx is required");
+    }
+    const int32_t n_seq = (int32_t) ctx->params.n_seq_max;
+    if (src < 0 || src >= n_seq || dst < 0 || dst >= n_seq || src == dst) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sequences %d and %d must be two of [0, %d)", src, dst, n_seq);
+    }
+    if (n_pos < 0 || (uint32_t) n_pos > ctx->params.n_ctx / ctx->params.n_seq_max) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "%d positions exceed a sequence's %u", n_pos,
+                    ctx->params.n_ctx / ctx->params.n_seq_max);
+    }
+    const llama_model * model = ctx->model->model;
+    if (llama_model_n_swa(model) > 0 || llama_model_is_recurrent(model) || llama_model_is_hybrid(model)) {
+        return fail(ME_ERR_UNSUPPORTED, "a prefix of this model's memory is not its cells alone");
+    }
+    llama_memory_t mem = llama_get_memory(ctx->ctx);
+    int32_t held = llama_memory_seq_pos_max(mem, src) + 1;
+    if (n_pos > held) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sequence %d holds %d positions, not %d", src, held, n_pos);
+    }
+    // each sequence is a stream of its own (kv_unified off): llama.cpp copies a whole stream's
+    // buffers, so the copy is whole and the positions past the prefix are dropped after it
+    if (!llama_memory_seq_rm(mem, dst, -1, -1)) {
+        return fail(ME_ERR_COMPUTE, "cannot clear sequence %d", dst);
+    }
+    if (n_pos == 0) {
+        return ME_OK;
+    }
+    llama_memory_seq_cp(mem, src, dst, -1, -1);
+    if (!llama_memory_seq_rm(mem, dst, n_pos, -1)) {
+        return fail(ME_ERR_COMPUTE, "cannot drop positions from %d of sequence %d", n_pos, dst);
+    }
+    return ME_OK;
+}
+
 int32_t me_tokenize(const me_model * model, const char * text, int32_t text_len,
                     int32_t add_special, int32_t parse_special,
                     int32_t * tokens, int32_t capacity, int32_t * n_tokens) {

@@ -135,6 +135,12 @@ ME_API int32_t me_seq_remove(me_context * ctx, int32_t seq_id, int32_t p0, int32
 /* Largest position held for the sequence, -1 when empty. */
 ME_API int32_t me_seq_pos_max(me_context * ctx, int32_t seq_id, int32_t * out);
 
+/* Prefix cache: sequence dst is cleared and then holds positions [0, n_pos) of sequence src (the KV
+ * cells, copied: src keeps its own). The copy is made before the next me_forward of the context.
+ * ME_ERR_UNSUPPORTED where a prefix's cells are not the whole of its state: a sliding-window,
+ * recurrent or hybrid memory, which forgets or folds the positions a prefix needs. */
+ME_API int32_t me_seq_copy(me_context * ctx, int32_t src, int32_t dst, int32_t n_pos);
+
 ME_API int32_t me_tokenize(const me_model * model, const char * text, int32_t text_len,
                            int32_t add_special, int32_t parse_special,
                            int32_t * tokens, int32_t capacity, int32_t * n_tokens);

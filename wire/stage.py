@@ -8,6 +8,7 @@ stream carries each sampled token from the tail back to the head.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from typing import Annotated, Literal
 
@@ -25,7 +26,9 @@ from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId,
 # would stall or fail on all three, so the peer set tells it the versions differ instead
 # 3: receipts sign meshd/receipt/3 bytes (a fixed layout): a peer of /2 would find every signature bad
 # 4: the fast path (Open.fast, Hop.fast): a peer of /3 would refuse both fields
-# 5: Open.payer, the member whose credit a session asks on (wire.credit.Voucher): a peer of /4 would refuse it
+# 5: Open.payer, the member whose credit a session asks on (wire.credit.Voucher), and the prefix cache
+# (Prompt.cache, Hop.start, CacheLookup/CacheFound/CacheUse, StageInfo.cache_tokens): a peer of /4 would
+# refuse them
 STAGE_PROTOCOL = "meshd/stage/5"
 
 # the most stages a route can have: every stage holds at least one layer
@@ -73,6 +76,8 @@ class StageInfo(WireModel):
     # the numerics its engine computes with (build and backend): a replica's bytes are comparable only
     # within one ("": not said)
     numerics: Text = ""
+    # the KV tokens its prefix cache keeps of finished sessions' prompts (0: it keeps none)
+    cache_tokens: int = Field(default=0, ge=0, le=1 << 30)
 
 
 class Open(Message, tag="open"):
@@ -134,6 +139,9 @@ class Prompt(Message, tag="prompt"):
     # how many stages after the head get the token ids with the rows: up to the last whose layers
     # route by token id (its ``StageInfo.needs_tokens``); the others get rows only
     carry_tokens: int = Field(default=0, ge=0, le=MAX_ROUTE)
+    # the prefix cache: the head tokenizes and answers ``PromptTokens``, then runs nothing until the
+    # asker's ``CacheUse`` says from which position the prompt's rows begin
+    cache: bool = False
 
 
 class PromptTokens(Message, tag="prompt_tokens"):
@@ -168,6 +176,9 @@ class Hop(Message, tag="hop"):
     # a fast session: the rows come on the connection this offer names, and the stream only says
     # (by ending) when the sending stage is gone
     fast: FastOffer | None = None
+    # the prefix cache: the session's rows begin at this position; the positions before it are the
+    # receiving stage's own cached KV, found by the asker's ``CacheLookup`` (a stage holding fewer fails it)
+    start: int = Field(default=0, ge=0, le=1 << 20)
 
 
 class Token(Message, tag="token"):
@@ -241,6 +252,54 @@ class MetricsRequest(Message, tag="metrics_request"):
 
 class Metrics(Message, tag="metrics"):
     values: dict[Annotated[str, Field(max_length=64)], float] = Field(max_length=64)
+
+
+# The prefix cache keys prompts by blocks of this many token ids: a key per block, each chained to the
+# one before, so equal keys mean equal prefixes. A prefix is reused to its last whole block: an agent's
+# next turn loses at most this many tokens less one of its reuse.
+PREFIX_BLOCK = 32
+# the most keys one lookup carries (a prompt of PREFIX_BLOCK x this many tokens)
+MAX_PREFIX_KEYS = 1 << 12
+PREFIX_KEY_BYTES = 16
+
+PrefixKey = Annotated[bytes, Field(min_length=PREFIX_KEY_BYTES, max_length=PREFIX_KEY_BYTES)]
+
+
+def prefix_keys(tokens: list[int] | tuple[int, ...]) -> list[bytes]:
+    """The keys of a prompt's whole blocks: key i hashes key i - 1 and block i's ids."""
+    keys: list[bytes] = []
+    key = b""
+    for start in range(0, min(len(tokens), PREFIX_BLOCK * MAX_PREFIX_KEYS) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
+        block = b"".join(int(t).to_bytes(4, "little") for t in tokens[start:start + PREFIX_BLOCK])
+        key = hashlib.blake2b(key + block, digest_size=PREFIX_KEY_BYTES).digest()
+        keys.append(key)
+    return keys
+
+
+class CacheLookup(Message, tag="cache_lookup"):
+    """To every stage of a session with ``Prompt.cache``, before any row runs: the prompt's prefix keys.
+    The stage copies the KV of the longest prefix it keeps of the same asker's earlier sessions into
+    the session's sequence and says how many positions that is (``CacheFound``). Keys are the asker's
+    word, so a stage keeps and finds entries per asker: a wrong key hurts the answers of its sender alone."""
+
+    session: SessionId
+    epoch: Epoch
+    keys: list[PrefixKey] = Field(max_length=MAX_PREFIX_KEYS)
+
+
+class CacheFound(Message, tag="cache_found"):
+    session: SessionId
+    epoch: Epoch
+    tokens: int = Field(ge=0, le=PREFIX_BLOCK * MAX_PREFIX_KEYS)
+
+
+class CacheUse(Message, tag="cache_use"):
+    """To the head, once every stage has said what it found: the prompt's rows begin at ``tokens``
+    (the least any stage found, and before the prompt's last position)."""
+
+    session: SessionId
+    epoch: Epoch
+    tokens: int = Field(ge=0, le=PREFIX_BLOCK * MAX_PREFIX_KEYS)
 
 
 def new_session_id() -> str:

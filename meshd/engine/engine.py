@@ -394,6 +394,13 @@ class Context:
             _raise(rc, "sequence position")
         return int(out[0])
 
+    def copy_prefix(self, src: int, dst: int, n_pos: int) -> None:
+        """Sequence ``dst`` is cleared, then holds the KV of positions [0, n_pos) of ``src`` (a prefix
+        cache's hit); raises UnsupportedModel where a model's memory is more than its cells."""
+        rc = self._lib.me_seq_copy(self._handle, src, dst, n_pos)
+        if rc != self._lib.ME_OK:
+            _raise(rc, "copy a sequence's prefix")
+
 
 class Sampler:
     """llama.cpp's sampler chain for one session; seeded, so runs repeat."""

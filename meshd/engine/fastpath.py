@@ -251,8 +251,14 @@ class FastPlane:
                         gets_ids=bool(h.get("gets_ids", False)), chunk=max(1, int(h.get("chunk", 128))))
         if not 0 < s.max_pos <= self.ctx.n_ctx_seq:
             raise EngineError(f"{s.max_pos} positions for a session, this context holds {self.ctx.n_ctx_seq}")
+        # a prefix cache hit: the sequence holds the prompt's first ``start`` positions (the daemon copied
+        # them), so its rows begin there; the prompt's last row always runs, where the tail samples
+        s.next_pos = int(h.get("start", 0))
+        if not 0 <= s.next_pos < max(1, s.prompt_len) or (s.next_pos and h.get("span")):
+            raise EngineError(f"a session cannot start at {s.next_pos} (a prompt of {s.prompt_len}, receipts "
+                              f"{'on' if h.get('span') else 'off'})")
         if h.get("span"):
-            s.spans = SpanBook(int(h["span"]), keep=not report.has_input)
+            s.spans = SpanBook(int(h["span"]), s.prompt_len, keep=not report.has_input)
         if report.has_input:
             prompt = np.asarray(h["prompt"], dtype=np.int32)
             if len(prompt) != s.prompt_len or len(prompt) > s.max_pos:

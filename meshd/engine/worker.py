@@ -140,6 +140,21 @@ class Worker:
         self.ctx.remove(seq, p0, p1)
         return {"ok": True}, b""
 
+    def op_prefix_keep(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """A finished session's sequence becomes a prefix cache entry: it runs nothing more (a fast
+        session on it is dropped) and keeps the positions it holds up to ``upto``; the reply says how
+        many it holds (positions are written in order, so every one below the last is there)."""
+        seq = int(h["seq"])
+        self.plane.drop(seq)
+        held = min(self.ctx.pos_max(seq) + 1, max(0, int(h["upto"])))
+        self.ctx.remove(seq, held, -1)
+        return {"ok": True, "tokens": held}, b""
+
+    def op_prefix_copy(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """A cache hit: the session's sequence ``dst`` takes positions [0, n) of entry ``src``."""
+        self.ctx.copy_prefix(int(h["src"]), int(h["dst"]), int(h["n"]))
+        return {"ok": True}, b""
+
     def op_fast_open(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """A session whose rows go worker to worker (meshd.engine.fastpath)."""
         self.plane.open(h)

@@ -30,6 +30,7 @@ from typing import Generic, Literal, TypeVar
 from meshd import steps
 from meshd.mesh.addresses import source_group
 from meshd.mesh.credit import NEWCOMER_FLOOR
+from meshd.stage.prefix import PrefixCache
 from wire.errors import ErrorCode, ProtocolError
 
 T = TypeVar("T")
@@ -74,6 +75,9 @@ class StageLimits:
     # once (0: no cap below the stage's own); beyond them a peer is refused, retryable elsewhere.
     peer_sessions: int = 0
     peer_tokens: int = 0
+    # the prefix cache (meshd.stage.prefix): KV tokens of finished sessions' prompts kept in sequences
+    # no session holds (0: none kept)
+    cache_tokens: int = 0
 
 
 class Phase(enum.Enum):
@@ -131,6 +135,10 @@ class SessionBook:
     # the credit of the member the session asks for (meshd.mesh.credit.priority): under contention a
     # member with much more takes the slot of one with less, above the newcomers' floor
     credit: float = 0.0
+    # the prefix cache: positions its sequence holds of an entry (a lookup copied them), and the position
+    # its rows begin at (the part of them the session uses; the books count them as its KV)
+    found: int = 0
+    start: int = 0
 
 
 # What a quota or an eviction counts of a session, and whose it is.
@@ -200,8 +208,11 @@ class StageBooks(Generic[T]):
     # whose sessions have all left less than ``tenure`` ago; at most ``_LEFT_CAP`` x max_sessions
     _left: dict[str, tuple[float, float]] = field(default_factory=dict)
 
+    cache: PrefixCache = field(default_factory=PrefixCache)
+
     def __post_init__(self) -> None:
         self._free = list(range(self.limits.max_sessions))
+        self.cache.limit = self.limits.cache_tokens
 
     # ----- sessions
 
@@ -230,6 +241,11 @@ class StageBooks(Generic[T]):
             self.fail(old, ProtocolError(ErrorCode.EPOCH_STALE, f"replaced by epoch {epoch}"))
             self.release(old)
             gone.append(old)
+        if not self._free:
+            # a cached prefix gives its sequence up before any session is evicted
+            cached = self.cache.take_slot()
+            if cached is not None:
+                self._free.append(cached)
         if not self._free:
             why = f"all {self.limits.max_sessions} session slots are busy"
             gone.append(self._outranked(why, credit) or self._evict(why, now, None, owner, source, since, _one, 1))
@@ -280,6 +296,49 @@ class StageBooks(Generic[T]):
 
     def release(self, book: SessionBook) -> bool:
         """Takes the session off the books: its slot is free, its KV dirty. False if it was not on them."""
+        if not self._leave(book):
+            return False
+        self._freed([book.slot], book.generation)
+        return True
+
+    def keep(self, book: SessionBook, keys: list[bytes] | tuple[bytes, ...], now: float) -> bool:
+        """Takes a cleanly finished session off the books, its sequence kept as the prefix cache's entry
+        for ``keys`` (the engine trimmed it to them), within the cache's budget. False if it was not on them."""
+        if not self._leave(book):
+            return False
+        self._freed(self.cache.add(book.owner, book.slot, keys, now), book.generation)
+        return True
+
+    def _freed(self, slots: list[int], generation: int) -> None:
+        for slot in slots:
+            self.dirty.append((slot, generation))
+            self._free.append(slot)
+
+    def drop_cache(self) -> None:
+        """The engine's KV is gone (its worker died): the entries go, their sequences are free and clean."""
+        self._free.extend(self.cache.clear())
+
+    def start_at(self, book: SessionBook, pos: int, now: float) -> list[SessionBook]:
+        """The session's rows begin at ``pos``: the positions before it are the cached prefix a lookup
+        found (``found``). Returns the sessions evicted to count them."""
+        if book.phase not in LIVE or book.next_pos or book.in_flight:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {book.id} has run rows: it starts where it is")
+        if pos > book.found:
+            raise ProtocolError(ErrorCode.CACHE_MISS, f"the rows begin at {pos}, this stage found {book.found} "
+                                                      f"positions of the prompt cached")
+        if book.prompt_len is not None and pos >= book.prompt_len:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the rows of a prompt of {book.prompt_len} cannot "
+                                                       f"begin at {pos}")
+        self._check_quota("KV tokens", self.limits.peer_tokens, book.owner, book.source, _tokens, pos)
+        gone = []
+        while self.total_tokens + pos > self.limits.max_total_tokens:
+            gone.append(self._evict(f"the stage holds {self.limits.max_total_tokens} KV tokens in all", now, book,
+                                    book.owner, book.source, book.since, _tokens, pos))
+        book.start = book.next_pos = pos
+        self.total_tokens += pos
+        return gone
+
+    def _leave(self, book: SessionBook) -> bool:
         if not self.holds(book):
             return False
         del self.sessions[book.id]
@@ -289,8 +348,6 @@ class StageBooks(Generic[T]):
         # the whole sequence is cleared: no trim of it is due any more
         self.trims = [t for t in self.trims if t[0] != book.slot]
         self.counts.released += 1
-        self.dirty.append((book.slot, book.generation))
-        self._free.append(book.slot)
         return True
 
     def _forget_later(self, book: SessionBook) -> None:
@@ -306,6 +363,7 @@ class StageBooks(Generic[T]):
     def fail_all(self, error: ProtocolError) -> list[SessionBook]:
         """The KV is gone (the engine worker died): every session fails, nothing queued runs."""
         self._queue.clear()
+        self.drop_cache()
         for book in self.sessions.values():
             book.in_flight = 0
             self.fail(book, error)
