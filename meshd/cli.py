@@ -666,7 +666,19 @@ async def ask(args: argparse.Namespace) -> int:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out = sys.stdout
 
+    result = AskResult()
+    withdrawn = 0
+
     def show(token: int, piece: bytes) -> None:
+        nonlocal withdrawn
+        if result.withdrawn > withdrawn:
+            # a spot check caught a stage lying after its text was shown: the answer starts again
+            withdrawn = result.withdrawn
+            decoder.reset()
+            out.write("\n")
+            out.flush()
+            print("meshd: the text above came from a stage caught lying and is withdrawn; "
+                  "the answer again, without it:", file=sys.stderr)
         out.write(decoder.decode(piece))
         out.flush()
 
@@ -674,7 +686,6 @@ async def ask(args: argparse.Namespace) -> int:
     async with open_peers(NodeIdentity.generate(), config) as peers:
         enable_circuits(peers)
         if args.route:
-            result = AskResult()
             await run_session(peers, route_at(args.route), request, result, on_token=on_token,
                               stall_timeout=args.timeout)
         else:
@@ -713,7 +724,7 @@ async def ask(args: argparse.Namespace) -> int:
                           verify_every=args.verify, require_verified=args.require_verified,
                           stall_timeout=args.timeout)
             try:
-                result = await asker.ask(request, on_token)
+                await asker.ask(request, on_token, result)
             except Unverified as exc:
                 print_figures(exc.result)
                 raise CommandError(f"the answer is withheld: {exc.why}") from None

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from meshd.client.ask import AskResult
 from meshd.client.audit import SpanAudit, StageLied
-from meshd.engine.spans import SpanBook, SpanError
+from meshd.engine.spans import Span, SpanBook, SpanError
 from meshd.stage.receipts import SessionReceipts, Signer
 from wire.identity import NodeIdentity
-from wire.receipt import SPAN, row_hash, sampling_bytes
+from wire.receipt import SPAN, row_hash, sampling_bytes, span_end
 from wire.stage import Sampling, StageInfo
 
 MODEL = "ab" * 32
@@ -33,10 +33,10 @@ def row(pos: int, salt: bytes = b"") -> bytes:
     return row_hash(salt + pos.to_bytes(4, "little")) * 4
 
 
-@given(st.integers(1, 80), st.lists(st.integers(1, 9), min_size=1, max_size=30), st.data())
-def test_spans_hash_the_final_rows_however_the_steps_were_cut(total: int, cuts: list[int], data: st.DataObject,
-                                                              ) -> None:
-    cut = SpanBook(SPAN, keep=True)
+@given(st.integers(1, 80), st.integers(1, 80), st.lists(st.integers(1, 9), min_size=1, max_size=30), st.data())
+def test_spans_hash_the_final_rows_however_the_steps_were_cut(total: int, prompt_len: int, cuts: list[int],
+                                                              data: st.DataObject) -> None:
+    cut = SpanBook(SPAN, prompt_len, keep=True)
     closed = []
     pos = 0
     for n in cuts:
@@ -47,31 +47,46 @@ def test_spans_hash_the_final_rows_however_the_steps_were_cut(total: int, cuts: 
         drafts = data.draw(st.integers(0, 3))
         rows = [row(p) for p in range(pos, pos + n)] + [row(p, b"draft") for p in range(pos + n, pos + n + drafts)]
         outs = [row(p, b"out") for p in range(pos, pos + n)] + [b"x"] * drafts
-        closed += cut.step(pos, rows, outs)
+        closed += cut.step(pos, rows, outs, drafts=drafts)
         pos += n
     closed += cut.seal(pos)
     # the same rows as one step (a replica's replay), sealed where the cut ones end
-    whole = SpanBook(SPAN)
-    assert whole.step(0, [row(p) for p in range(total)], [row(p, b"out") for p in range(total)]) == []
-    expected = whole.seal(pos)
+    whole = SpanBook(SPAN, prompt_len)
+    expected = whole.step(0, [row(p) for p in range(pos)], [row(p, b"out") for p in range(pos)])
+    expected += whole.seal(pos)
     assert [(s.pos, s.n, s.h_in, s.h_out) for s in closed] == [(s.pos, s.n, s.h_in, s.h_out) for s in expected]
-    assert all(s.n <= SPAN and (s.pos + s.n) % SPAN == 0 or s.pos + s.n == pos for s in closed)
+    assert all(s.pos + s.n in (span_end(s.pos, prompt_len), pos) for s in closed)
     assert b"".join(s.rows_in for s in cut.take(pos)) == b"".join(row(p) for p in range(pos))
     assert cut.kept == []
 
 
-def test_a_span_closes_on_its_boundary_once_a_later_step_comes_and_steps_must_follow() -> None:
-    book = SpanBook(4)
-    assert book.step(0, [b"a", b"b", b"c", b"d"], [b"1", b"2", b"3", b"4"]) == []
-    (span,) = book.step(4, [b"e"], [b"5"])
-    assert (span.pos, span.n, span.h_in, span.h_out) == (0, 4, row_hash(b"abcd"), row_hash(b"1234"))
-    assert span.rows_in == b""  # kept only where asked (every stage but the head)
+def test_spans_are_cut_where_the_prompt_ends_and_shorter_just_after() -> None:
+    assert [span_end(p, 10) for p in (0, 10, 11, 12, 14, 18, 26, 32)] == [10, 11, 12, 14, 18, 26, 32, 64]
+    assert [span_end(p, 64) for p in (0, 32, 64, 65, 66, 68, 72, 80, 96)] == [32, 64, 65, 66, 68, 72, 80, 96, 128]
+
+
+def test_a_span_closes_once_its_rows_are_final_and_steps_must_follow() -> None:
+    book = SpanBook(4, 2)
+    # the prompt's span closes with the step that ran it: its rows are no drafts
+    (prompt,) = book.step(0, [b"a", b"b"], [b"", b"1"])
+    assert (prompt.pos, prompt.n, prompt.h_in, prompt.h_out) == (0, 2, row_hash(b"ab"), row_hash(b"1"))
+    assert prompt.rows_in == b""  # kept only where asked (every stage but the head)
+    # a drafted row waits for the next step, which says whether it stood
+    assert book.step(2, [b"c", b"d"], [b"2", b"3"], drafts=1) == [Span(2, 1, row_hash(b"c"), row_hash(b"2"))]
+    (span,) = book.step(3, [b"D"], [b"4"])  # the draft at 3 was wrong: the step at 3 drops it
+    assert (span.pos, span.n, span.h_in, span.h_out) == (3, 1, row_hash(b"D"), row_hash(b"4"))
+    assert book.step(4, [b"e", b"f"], [b"5", b"6"], drafts=1) == []  # the span [4, 8) is still open
+    assert book.step(6, [b"g"], [b"7"]) == []  # the draft at 5 stood
+    (last,) = book.seal(7)
+    assert (last.pos, last.n, last.h_in) == (4, 3, row_hash(b"efg"))
     with pytest.raises(SpanError):
-        book.step(7, [b"x"], [b"y"])  # past the rows held
+        book.step(8, [b"x"], [b"y"])  # past the rows held
     with pytest.raises(SpanError):
-        book.step(3, [b"x"], [b"y"])  # into a closed span
+        book.step(6, [b"x"], [b"y"])  # into a closed span
     with pytest.raises(SpanError):
-        book.step(5, [b"x"], [])
+        book.step(7, [b"x"], [])
+    with pytest.raises(SpanError):
+        book.step(7, [b"x"], [b"y"], drafts=2)
 
 
 class Route:
@@ -113,14 +128,19 @@ def test_the_asker_checks_a_span_once_every_stage_signed_it() -> None:
     audit = audit_of(route)
     until = len(route.ids) - 1
     audit.seal(until)
-    spans = [(p, min(SPAN, until - p)) for p in range(0, until, SPAN)]
+    spans, pos = [], 0
+    while pos < until:
+        spans.append((pos, min(span_end(pos, len(route.prompt)), until) - pos))
+        pos += spans[-1][1]
+    # cut where the prompt ends, then 1, 2, 4, 8 and 16 positions on, then SPAN's multiples
+    assert [p for p, _ in spans] == [0, 5, 6, 7, 9, 13, 21, 32]
     for index in (2, 0):
         for pos, n in spans:
             audit.on_stage(index, "s1", 0, route.receipt(index, pos, n))
     assert audit.next_pos == 0  # the middle's receipts are not in
     for pos, n in spans:
         audit.on_stage(1, "s1", 0, route.receipt(1, pos, n))
-    assert audit.sealed and audit.by_stage[1][0].n_tokens == SPAN and audit.by_stage[1][SPAN].n_tokens == 2
+    assert audit.sealed and audit.by_stage[1][21].n_tokens == 11 and audit.by_stage[1][SPAN].n_tokens == 2
 
 
 @pytest.mark.parametrize("lie", ["head input", "hop", "tail output", "out of turn", "other range", "cut short",
@@ -128,18 +148,19 @@ def test_the_asker_checks_a_span_once_every_stage_signed_it() -> None:
 def test_a_span_that_does_not_hold_is_laid_at_its_stage(lie: str) -> None:
     route = Route([1, 2, 3, 4, 5], list(range(10, 40)))
     audit = audit_of(route)
+    first = len(route.prompt)  # the first span ends where the prompt does
     for index in range(3):
-        h_in, h_out = route.hashes(index, 0, SPAN)
+        h_in, h_out = route.hashes(index, 0, first)
         if lie == "head input" and index == 0:
             h_in = row_hash(b"other prompt")
         if lie == "hop" and index == 1:
             h_in = row_hash(b"other rows")
         if lie == "tail output" and index == 2:
             h_out = row_hash(b"other tokens")
-        pos, n, layers, session = 0, SPAN, RANGES[index], "s1"
+        pos, n, layers, session = 0, first, RANGES[index], "s1"
         if index == 1:
-            pos = SPAN if lie == "out of turn" else 0
-            n = SPAN - 1 if lie == "cut short" else SPAN
+            pos = first if lie == "out of turn" else 0
+            n = first - 1 if lie == "cut short" else first
             layers = (2, 5) if lie == "other range" else layers
             session = "s2" if lie == "other session" else session
         signed = SessionReceipts(SIGNERS[index], session, 0, MODEL, *layers).sign_wire(pos, n, h_in, h_out)
@@ -154,3 +175,19 @@ def test_a_span_that_does_not_hold_is_laid_at_its_stage(lie: str) -> None:
     assert culprit == SIGNERS[blamed].node_id
     # a hop's two ends disagree on rows only they saw: both are routed around
     assert also == (SIGNERS[0].node_id if lie == "hop" else None)
+
+
+def test_receipts_before_the_prompt_is_known_wait_for_it_and_are_bounded() -> None:
+    route = Route([1, 2, 3, 4, 5], list(range(10, 40)))
+    audit = audit_of(route)
+    audit.prompt_len = None  # (the head's ids of the prompt have not come: the spans' cuts are not known)
+    for index in range(3):
+        audit.on_stage(index, "s1", 0, route.receipt(index, 0, 5))
+    assert audit.next_pos == 0
+    audit.prompt_known(5)
+    assert audit.next_pos == 5
+    flooded = audit_of(route)
+    flooded.prompt_len = None
+    with pytest.raises(StageLied, match="before the prompt"):
+        for _ in range(13):
+            flooded.on_stage(1, "s1", 0, route.receipt(1, 0, 5))

@@ -96,6 +96,12 @@ def inputs_asked(service: StageService) -> list[int]:
     return asked
 
 
+def client() -> tuple[list[int], Any]:
+    """A client's view of an answer: the tokens handed to it, in order."""
+    got: list[int] = []
+    return got, lambda token, piece: got.append(token)
+
+
 def route(nodes: dict[str, StageNode], names: tuple[str, ...]) -> Any:
     async def find(excluded: list[str]) -> list[Any]:
         out = []
@@ -119,8 +125,12 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                 before = nodes["mid"].service.metrics.engine_calls
                 fetched = inputs_asked(nodes["mid"].service)
                 plan = CheckPlan(every=4, candidates=pool, rng=random.Random(3))
-                honest = await ask_with_failover(peers, route(nodes, every), REQUEST, verifier=Verifier(peers, plan))
+                got, on_token = client()
+                honest = await ask_with_failover(peers, route(nodes, every), REQUEST, on_token,
+                                                 verifier=Verifier(peers, plan))
                 assert honest.tokens == undisturbed.tokens and honest.epochs == 1
+                # the client got every token once its span's receipts were in and agreed
+                assert got == honest.tokens and honest.shown == len(got) and honest.withdrawn == 0
                 # the rows went worker to worker, and every range was checked to the end on a chain of
                 # replicas fed the token ids: no stage was asked for its inputs
                 assert nodes["mid"].service.metrics.engine_calls == before
@@ -128,9 +138,10 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                 assert fetched == []
 
                 # speculation with verification: the same answer, drafts accepted, checked to the end
+                got, on_token = client()
                 spec = await ask_with_failover(peers, route(nodes, every), replace(REQUEST, speculate="ngram"),
-                                               verifier=Verifier(peers, CheckPlan(every=4, candidates=pool)))
-                assert spec.tokens == undisturbed.tokens and spec.accepted > 0
+                                               on_token, verifier=Verifier(peers, CheckPlan(every=4, candidates=pool)))
+                assert spec.tokens == undisturbed.tokens and spec.accepted > 0 and got == spec.tokens
                 assert spec.unverified == [] and spec.verified
 
                 # a worker computing wrongly at one of the answer's last positions (signed as sent): the
@@ -140,9 +151,13 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                 await restart_worker(nodes["mid"], lying(nodes["mid"].service.engine.spec,
                                                          prompt_len + REQUEST.max_tokens - 3))
                 verifier = Verifier(peers, CheckPlan(every=1 << 30, candidates=pool))
-                caught = await ask_with_failover(peers, route(nodes, every), REQUEST, verifier=verifier)
+                got, on_token = client()
+                caught = await ask_with_failover(peers, route(nodes, every), REQUEST, on_token, verifier=verifier)
                 assert verifier.liars == {nodes["mid"].peers.node_id}
                 assert caught.tokens == undisturbed.tokens and caught.epochs == 2
+                # its receipts held together (it signed what it sent), so the client had the answer's text
+                # before the replicas settled it: that text is withdrawn, and the answer comes again whole
+                assert caught.withdrawn == REQUEST.max_tokens and got[caught.withdrawn:] == undisturbed.tokens
                 (proof,) = verifier.proofs
                 assert proof.kind == "divergence" and check_proof(proof) == nodes["mid"].peers.node_id
 
@@ -165,10 +180,13 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                 # only they saw, so both are routed around (no proof: neither is named before the mesh)
                 signing_other_input(nodes["mid2"].service)
                 verifier = Verifier(peers, CheckPlan(every=4, candidates=pool))
+                got, on_token = client()
                 framed = await ask_with_failover(peers, route(nodes, ("head", "head2", "mid2", "mid3", "tail",
-                                                                      "tail2")), REQUEST, verifier=verifier)
+                                                                      "tail2")), REQUEST, on_token, verifier=verifier)
                 assert verifier.liars == {nodes["mid2"].peers.node_id, nodes["head"].peers.node_id}
                 assert not verifier.proofs and framed.tokens == undisturbed.tokens
+                # the receipts disagreed before any token of theirs was handed over: the client saw none of it
+                assert got == undisturbed.tokens and framed.withdrawn == 0
 
                 # a tail that never signs its last span keeps it from every check: it failed the check, and
                 # the answer is generated again around it, the same (and says that the tail's range, whose

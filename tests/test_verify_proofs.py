@@ -195,11 +195,11 @@ def test_bounds_on_receipts_and_proofs_are_held_by_the_decoder() -> None:
     culprit, witnesses = divergence()
     too_long = encode(Receipts.unvalidated({"type": "receipts", "v": 1, "session": "s1", "epoch": 0,
                                            "chain": pack_chain([culprit] * (MAX_CHAIN + 1))}))
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: receipts v1: undecodable msgpack: \d+ exceeds max_bin_len"):
         decode(too_long, STAGE)
     crowded = encode(ProofGossip.unvalidated({"type": "proof", "v": 1, "proof": Proof.model_construct(
         kind="divergence", culprit=culprit, witnesses=witnesses * (MAX_WITNESSES // 2 + 1))}))
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: proof v1: undecodable msgpack: \d+ exceeds max_array_len"):
         decode(crowded, STAGE)
     # a proof's full receipts: a hash of another length, a signature too long, a negative position
     for field, value in (("h_out", b"x" * 64), ("signature", b"s" * 65), ("pos", -1)):
@@ -207,9 +207,10 @@ def test_bounds_on_receipts_and_proofs_are_held_by_the_decoder() -> None:
                                                               witnesses=witnesses)))[4:])
         body["proof"]["culprit"][field] = value
         packed = msgpack.packb(body, use_bin_type=True)
-        with pytest.raises(ProtocolError):
+        with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: (invalid proof v1 message: proof\.culprit\.|proof v1: undecodable "
+                                                 r"msgpack: \d+ exceeds max_bin_len)"):
             decode(len(packed).to_bytes(4, "big") + packed, STAGE)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: invalid inputs_request v1 message: until: Input should be greater than"):
         decode(encode(InputsRequest.unvalidated({"type": "inputs_request", "v": 1, "session": "s1", "epoch": 0,
                                                  "until": -5})), STAGE)
 
@@ -273,16 +274,18 @@ def test_each_activation_brings_its_own_chain_inside_it_and_only_where_receipts_
     assert decode(encode(with_chain), STAGE) == with_chain
     too_long = encode(Activation.of(session="s1", epoch=0, step=0, pos=3, n_tokens=1, tensors=[], tokens=[9],
                                     receipts=pack_chain([culprit] * (MAX_CHAIN + 1))))
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: invalid activation v1 message: receipts: Data should have at most"):
         decode(too_long, STAGE)
 
 
-def test_a_stage_refusing_its_input_as_corrupt_blames_its_upstream() -> None:
+def test_a_stage_refusing_its_input_as_corrupt_and_its_upstream_are_both_routed_around() -> None:
     ids = ["head", "mid", "tail"]
     corrupt = StageError(2, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "receipts from the upstream stage: x"))
-    assert blamed(corrupt, ids).culprit == "mid"
+    # its word against its upstream's, on what only the two of them saw: neither is believed
+    assert (blamed(corrupt, ids).culprit, blamed(corrupt, ids).also) == ("mid", "tail")
     # the head's input comes around the ring, from the tail
-    assert blamed(StageError(0, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "x")), ids).culprit == "tail"
+    ring = blamed(StageError(0, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, "x")), ids)
+    assert (ring.culprit, ring.also) == ("tail", "head")
     dead = StageError(1, ProtocolError(ErrorCode.UNREACHABLE, "lost"))
     assert blamed(dead, ids) is dead
 

@@ -48,13 +48,27 @@ PublicKey = Annotated[bytes, Field(min_length=32, max_length=32)]
 MAX_CHAIN = 32
 # a proof names one culprit and at most this many witnesses against it
 MAX_WITNESSES = 4
-# On the fast path a receipt covers the positions [k * SPAN, (k + 1) * SPAN) of its session (the last
-# span ends where the answer does), not one engine step (meshd.engine.spans). Each goes to the asker in
-# a message of its own, about 240 bytes: a 3-stage route's cost it 85 bytes per decode token at 16
-# positions a span (tools/bench_verify.py, 32-token answers, the prompt's spans included), where the
-# daemons' path's chain per step cost 698. A replica replays every position anyway (it needs the KV),
-# so a longer span costs no check; it only makes a lie's catch come up to a span later.
+# On the fast path a receipt covers a span of positions of its session, not one engine step
+# (meshd.engine.spans; ``span_end`` cuts them). Each goes to the asker in a message of its own, about
+# 240 bytes: a 3-stage route's cost it 85 bytes per decode token at 16 positions a span
+# (tools/bench_verify.py, 32-token answers, the prompt's spans included), where the daemons' path's
+# chain per step cost 698. A replica replays every position anyway (it needs the KV), so a longer span
+# costs no check; it only makes a lie's catch come up to a span later, and (the asker hands a token to
+# its client once its span's receipts agree) the answer's text come in pieces of up to a span.
 SPAN = 32
+
+
+def span_end(pos: int, prompt_len: int, span: int = SPAN) -> int:
+    """Where the span that starts at ``pos`` ends: at the next multiple of ``span``, or sooner where
+    the prompt ends (its last row's token, the answer's first, is then signed as soon as sampled) and
+    1, 2, 4, ... positions after that, so the answer's first tokens reach the client in small pieces."""
+    end = (pos // span + 1) * span
+    if pos < prompt_len:
+        return min(end, prompt_len)
+    ramp = 1
+    while ramp < span and prompt_len + ramp <= pos:
+        ramp *= 2
+    return min(end, prompt_len + ramp) if ramp < span else end
 
 # 3: the signed bytes are a fixed layout after the session's (``_BODY``), not a msgpack map
 _RECEIPT_DOMAIN = b"meshd/receipt/3\x00"

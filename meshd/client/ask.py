@@ -184,6 +184,12 @@ class AskResult:
     crossed_numerics_at: list[int] = field(default_factory=list)
     # the stage's word when the answer ended at a stage's session budget (reason "budget")
     budget: str = ""
+    # tokens handed to the client (``hand_over``), and those it was handed that a caught lie then threw
+    # away (the answer started again: the client must be told, as it cannot take them back)
+    shown: int = 0
+    withdrawn: int = 0
+    # when the client was handed its first token (a verified fast ask's waits on its span's receipts)
+    first_shown_at: float | None = None
 
     @property
     def verified(self) -> bool:
@@ -202,6 +208,8 @@ class AskResult:
 
     def restart(self) -> None:
         """The answer is generated again from the prompt: what was said of the old one goes with it."""
+        self.withdrawn += self.shown
+        self.shown = 0
         self.tokens.clear()
         self.pieces.clear()
         self.unverified.clear()
@@ -222,7 +230,9 @@ class AskResult:
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.started
+        """Time to the first token, as the client had it (else as it came)."""
+        first = self.first_shown_at or self.first_token_at
+        return None if first is None else first - self.started
 
     @property
     def decode_rate(self) -> float:
@@ -240,6 +250,16 @@ async def deliver(on_token: OnToken | None, token: int, piece: bytes) -> None:
         maybe = on_token(token, piece)
         if maybe is not None:
             await maybe
+
+
+async def hand_over(result: AskResult, on_token: OnToken | None, until: int) -> None:
+    """Hands the client the answer's tokens up to ``until`` that it does not have yet (counted once
+    taken: a hand-over cancelled while the client takes one gives it again)."""
+    while on_token is not None and (k := result.shown) < min(until, len(result.tokens)):
+        await deliver(on_token, result.tokens[k], result.pieces[k])
+        result.shown = k + 1
+        if result.first_shown_at is None:
+            result.first_shown_at = time.perf_counter()
 
 
 class Verifier(Protocol):
@@ -268,6 +288,11 @@ class Verifier(Protocol):
     def stage_ended(self, index: int) -> None: ...
 
     def on_token(self, token: int) -> None: ...
+
+    @property
+    def holds(self) -> bool: ...
+
+    async def hand_over_checked(self, on_token: OnToken | None) -> None: ...
 
     def finish(self, reason: str) -> None: ...
 
@@ -390,6 +415,11 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                                len(result.prompt_tokens) + len(result.tokens) if result.prompt_tokens else None,
                                opened, request.sampling, fast)
                 nursery.start_soon(verifier.run_checks)
+            # the client gets the tokens as their receipts are checked, not as they come
+            hold = verifier is not None and verifier.holds
+            if hold:
+                assert verifier is not None
+                nursery.start_soon(verifier.hand_over_checked, on_token)
             # the token ids ride from the head only as far as the last stage whose layers route by them
             carry = max((i for i, info in enumerate(result.route) if i and info.needs_tokens), default=0)
             if result.prompt_tokens:
@@ -408,14 +438,16 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             if last > 0:
                 nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout,
                                                                           tail_stream, verifier, answered))
-            await _from_stage(last, _receive_tokens(tail_stream, result, on_token, stall_timeout, last == 0,
-                                                    verifier))
+            await _from_stage(last, _receive_tokens(tail_stream, result, None if hold else on_token, stall_timeout,
+                                                    last == 0, verifier))
             answered.set()
             if verifier is not None:
                 # the tail's stream still brings the inputs that the last spot checks ask it for
                 nursery.start_soon(_from_stage, last, _watch_for_errors(tail_stream, answered, verifier, last))
                 await verifier.settle(stall_timeout)
             nursery.cancel_scope.cancel()
+        # the answer stands (what no receipt covered, a stage that ended the session left unchecked: said so)
+        await hand_over(result, on_token, len(result.tokens))
     except BaseExceptionGroup as group:
         failed = True
         error = first_error(group)
@@ -523,7 +555,8 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
             if verifier is not None:
                 # (a lie it shows starts the answer again: the token goes with the rest)
                 verifier.on_token(msg.token)
-            await deliver(on_token, msg.token, msg.piece)
+            if on_token is not None:
+                await hand_over(result, on_token, len(result.tokens))
         elif isinstance(msg, Done):
             if verifier is not None:
                 verifier.finish(msg.reason)
@@ -610,6 +643,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             # route would generate one more (a session asks at least one)
             result.reason, result.finished_at = "max_tokens", time.perf_counter()
             progressed()
+            await hand_over(result, on_progress, len(result.tokens))
             return result
         route = await find_route(list(result.excluded))
         log.debug("epoch %d of session %s: route %s", epoch, session[:12],
@@ -629,6 +663,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 result.reason, result.finished_at = "budget", time.perf_counter()
                 result.budget = exc.message
                 progressed()
+                await hand_over(result, on_progress, len(result.tokens))
                 return result
             if stalled_since is None:
                 stalled_since = last_progress

@@ -13,7 +13,8 @@ failover routes around it.
 On the fast path (``SpanAudit``) rows go worker to worker and no chain rides
 with them: each stage's daemon signs a receipt per span of positions
 (``wire.receipt.SPAN``, meshd.engine.spans) and sends it to the asker itself,
-off the rows' path. A span is checked once every stage's receipt of it is in:
+off the rows' path (``wire.receipt.span_end`` cuts the spans). A span is
+checked once every stage's receipt of it is in:
 the head's input is the tokens the asker has, each stage's input the one
 before's output (else the upstream is blamed, as a stage on the daemons' path
 blames the upstream whose rows it refused), the tail's output the tokens the
@@ -33,7 +34,7 @@ import trio
 from meshd.client.ask import AskResult, StageError
 from meshd.mesh.proofs import BrokenChain, Step, check_chain, check_signatures
 from wire.errors import ErrorCode, ProtocolError
-from wire.receipt import SPAN, Link, PackedChain, Proof, Receipt, read_chain, row_hash
+from wire.receipt import Link, PackedChain, Proof, Receipt, read_chain, row_hash, span_end
 
 NO_TOKENS = row_hash(b"")
 
@@ -63,12 +64,19 @@ class StageLied(StageError):
 
 def blamed(exc: StageError, node_ids: Sequence[str | None]) -> StageError:
     """A stage that refused its input as corrupt (a broken receipt chain, rows that are not the
-    ones signed) got it from its upstream over an authenticated link: the upstream is to blame."""
+    ones signed) got it from its upstream over an authenticated link, so either the upstream sent
+    it or the stage lies that it did to frame it: its word is no evidence the asker can check. As
+    on the fast path (``SpanAudit``), both are routed around for the ask and neither is named to the
+    mesh."""
     if isinstance(exc, StageLied) or exc.code is not ErrorCode.PAYLOAD_CORRUPT or len(node_ids) < 2:
         return exc
     up = (exc.index - 1) % len(node_ids)
-    culprit = node_ids[up]
-    return exc if culprit is None else StageLied(up, culprit, f"stage {exc.index} refused its input: {exc.message}")
+    culprit, reporter = node_ids[up], node_ids[exc.index]
+    if culprit is None:
+        return exc
+    lie = StageLied(up, culprit, f"stage {exc.index} refused its input: {exc.message}")
+    lie.also = reporter
+    return lie
 
 
 class Signed(Mapping[int, Receipt]):
@@ -263,8 +271,10 @@ class SpanAudit(Audit):
     # each stage's receipts not yet checked, by position, and where its next one must start
     held: list[dict[int, tuple[PackedChain, int]]] = field(default_factory=list)
     sent_until: list[int] = field(default_factory=list)
-    # where the asker sealed the session (None: not yet): a stage's last span ends there, short of SPAN
+    # where the asker sealed the session (None: not yet): a stage's last span ends there, short of its end
     sealed_at: int | None = None
+    # receipts that came before the prompt's length was known (it cuts the spans), by stage
+    early: list[tuple[int, str, int, bytes]] = field(default_factory=list)
     # the answer's tokens before this epoch's (its prompt re-prefills them)
     tokens_before: int = 0
     # set (and replaced) each time spans are checked: the seal waits on it
@@ -284,6 +294,11 @@ class SpanAudit(Audit):
 
     def on_stage(self, index: int, session: str, epoch: int, packed: bytes) -> None:
         """Receipts of stage ``index``'s spans, from that stage."""
+        if self.prompt_len is None:
+            if len(self.early) >= len(self.node_ids) * 4:
+                raise self._lie(index, "receipts before the prompt was read")
+            self.early.append((index, session, epoch, packed))
+            return
         try:
             chain = read_chain(packed, session, epoch, self.model)
         except ProtocolError as exc:
@@ -293,7 +308,7 @@ class SpanAudit(Audit):
         info = self.result.route[index]
         for k, link in enumerate(chain.links):
             pos = self.sent_until[index]
-            boundary = (pos // SPAN + 1) * SPAN
+            boundary = span_end(pos, self.prompt_len)
             end = link.pos + link.n_tokens
             if link.node_id != self.node_ids[index] or (link.layer_begin, link.layer_end) != (
                     info.layer_begin, info.layer_end):
@@ -316,6 +331,9 @@ class SpanAudit(Audit):
 
     def prompt_known(self, prompt_len: int) -> None:
         self.prompt_len = prompt_len
+        early, self.early = self.early, []
+        for receipts in early:
+            self.on_stage(*receipts)
         self._advance()
 
     def seal(self, until: int) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 
 import trio
 
-from meshd.client.ask import AskResult, RouteError, RouteFinder, Stage, StageError, Unchecked
+from meshd.client.ask import AskResult, OnToken, RouteError, RouteFinder, Stage, StageError, Unchecked, hand_over
 from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
 from meshd.client.chain_check import ChainCheck
 from meshd.client.verify import MAX_PROOFS, REPLICAS_WANTED, CheckPlan, Draws, Inbox, RangeCheck, replicas_of
@@ -116,6 +116,25 @@ class Verifier:
         assert self.audit is not None
         if self.audit.prompt_len is None:
             self.audit.prompt_known(prompt_len)
+
+    @property
+    def holds(self) -> bool:
+        """Whether the client gets a token only once its span's receipts are checked (the fast path's:
+        on the daemons' path each step's chain is checked before its token comes)."""
+        return isinstance(self.audit, SpanAudit)
+
+    async def hand_over_checked(self, on_token: OnToken | None) -> None:
+        """Hands the client each token once every stage's receipt of the span that sampled it is in and
+        agrees (``SpanAudit``): a token a hop or the tail forged never reaches it. Runs until cancelled."""
+        audit = self.audit
+        assert isinstance(audit, SpanAudit)
+        result = audit.result
+        while True:
+            progress = audit.progress
+            if audit.prompt_len is not None:
+                # the token at ``k`` was sampled from the row at the prompt's length plus ``k - 1``
+                await hand_over(result, on_token, audit.next_pos - len(result.prompt_tokens) + 1)
+            await progress.wait()
 
     def inbox(self, index: int) -> trio.MemorySendChannel[Inputs] | None:
         box = self.inboxes.get(index)

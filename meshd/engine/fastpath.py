@@ -582,12 +582,14 @@ class FastPlane:
             assert w.tokens is not None
             ins, ids = [t.tobytes() for t in w.tokens], []
         try:
-            closed = s.spans.step(w.pos, ins, outs, ids)
+            closed = s.spans.step(w.pos, ins, outs, ids, w.drafts)
         except SpanError as exc:
             self._fail(s, ErrorCode.BAD_REQUEST, str(exc))
             return
         if closed:
-            self._tell(self.held.hold([span_event(s, c) for c in closed], time.monotonic()))
+            # the prompt's last span signs the answer's first token, which the asker's client waits on
+            first = closed[-1].pos + closed[-1].n >= s.prompt_len and closed[0].pos < s.prompt_len
+            self._tell(self.held.hold([span_event(s, c) for c in closed], time.monotonic(), at_once=first))
 
     @staticmethod
     def _sampled_rows(w: Work) -> int:

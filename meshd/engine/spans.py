@@ -2,18 +2,22 @@
 
 On the fast path the engine worker hashes what its stage took in and put out,
 and its daemon signs (meshd.stage.service): the rows never wait for a
-signature. One receipt covers a span of positions ``[k * SPAN, (k + 1) *
-SPAN)`` (``wire.receipt.SPAN``; the last ends where the answer does, when the
-asker seals the session), not an engine step, so every stage of a route signs
+signature. One receipt covers a span of positions (``wire.receipt.span_end``
+cuts them: up to ``SPAN`` long, short ones where the prompt ends and just
+after; the last ends where the answer does, when the asker seals the
+session), not an engine step, so every stage of a route signs
 the same spans whatever steps it ran them in, and a replica replays a span as
 one step: the engine is batch-invariant, so a span's rows are the same bytes
 however its steps were cut, and its hashes (``row_hash`` of the span's rows in
 order, as a step's on the daemons' path) the same.
 
-A row is final once a step starts after it. Speculation's drafted rows may be
-dropped (the next step starts where the drafts went wrong, and every stage
-drops the KV from there on), so a span is hashed once a step starts at or past
-its end, or once the asker seals it. At the tail a row's output is the token
+A row that is not a draft is final once computed. Speculation's drafted rows
+may be dropped (the next step starts where the drafts went wrong, and every
+stage drops the KV from there on), so a drafted row is final once a step starts
+after it, or once the asker seals the session. A span is hashed once its rows
+are final: the asker hands its client the tokens of a span only once every
+stage's receipt of it is in and agrees, so a span must not wait on a later step
+when nothing in it can change. At the tail a row's output is the token
 sampled from it (none for the prompt's rows before its last), so its span's
 ``h_out`` signs the tokens the asker got.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from wire.receipt import row_hash
+from wire.receipt import row_hash, span_end
 
 
 class SpanError(ValueError):
@@ -48,6 +52,8 @@ class SpanBook:
     """One session's rows at one stage, hashed span by span once final."""
 
     span: int
+    # where the prompt ends (the spans are cut there and, shorter, just after: ``span_end``)
+    prompt_len: int = 0
     # whether closed spans' inputs are kept until the asker takes them (every stage but the head, whose
     # input is token ids the asker has)
     keep: bool = False
@@ -58,16 +64,18 @@ class SpanBook:
     ids: list[bytes] = field(default_factory=list)
     kept: list[Span] = field(default_factory=list)
 
-    def step(self, pos: int, ins: Sequence[bytes], outs: Sequence[bytes], ids: Sequence[bytes] = ()) -> list[Span]:
-        """A step ran rows ``[pos, pos + len(ins))``: the rows before ``pos`` are final (those from
-        it on were drafts, dropped); returns the spans that closed."""
-        if len(outs) != len(ins) or ids and len(ids) != len(ins):
-            raise SpanError("a step's rows, outputs and ids differ in count")
+    def step(self, pos: int, ins: Sequence[bytes], outs: Sequence[bytes], ids: Sequence[bytes] = (),
+             drafts: int = 0) -> list[Span]:
+        """A step ran rows ``[pos, pos + len(ins))``, its last ``drafts`` rows drafts: the rows
+        before ``pos`` are final (those from it on were drafts, dropped), and so are the step's own
+        but its drafts; returns the spans that closed."""
+        if len(outs) != len(ins) or ids and len(ids) != len(ins) or not 0 <= drafts <= len(ins):
+            raise SpanError("a step's rows, outputs, ids and drafts differ in count")
         closed = self._settle(pos)
         self.ins += ins
         self.outs += outs
         self.ids += ids or [b""] * len(ins)
-        return closed
+        return closed + self._close_until(pos + len(ins) - drafts)
 
     def seal(self, until: int) -> list[Span]:
         """The session ends at ``until``: the rows before it are final, the open span closes there."""
@@ -89,8 +97,12 @@ class SpanBook:
         if held < 0 or held > len(self.ins):
             raise SpanError(f"a step at {pos}, the rows held run [{self.start}, {self.start + len(self.ins)})")
         del self.ins[held:], self.outs[held:], self.ids[held:]
+        return self._close_until(pos)
+
+    def _close_until(self, final: int) -> list[Span]:
+        """Closes the spans whose rows are all final: those that end at or before ``final``."""
         closed = []
-        while self.ins and (end := (self.start // self.span + 1) * self.span) - self.start <= len(self.ins):
+        while self.ins and (end := span_end(self.start, self.prompt_len, self.span)) <= final:
             closed.append(self._close(end - self.start))
         return closed
 

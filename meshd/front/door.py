@@ -19,7 +19,7 @@ from typing import Protocol
 
 import trio
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, over_budget
+from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, deliver, over_budget
 from meshd.client.asker import Unverified
 from meshd.front.connections import Connections
 from meshd.front.metrics import FrontMetrics
@@ -184,8 +184,17 @@ class FrontDoor:
         # what stays if the ask is cancelled: its client went away (or the server is stopping)
         outcome = "cancelled"
         error: ApiError | None = None
+        async def take(token: int, piece: bytes) -> None:
+            if asking.result.withdrawn:
+                # a spot check caught a stage lying after the client had part of its text, which a stream
+                # cannot take back: the request fails, saying so, rather than the answer start again in it
+                raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"a stage was caught lying after "
+                                    f"{asking.result.withdrawn} token(s) of this answer were sent; they are "
+                                    "withdrawn: ask again")
+            await deliver(on_token, token, piece)
+
         try:
-            answered = await self.mesh.ask(model.model, request, on_token, asking.result)
+            answered = await self.mesh.ask(model.model, request, None if on_token is None else take, asking.result)
             outcome = "answered"
             return answered
         except ProtocolError as exc:
