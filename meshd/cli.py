@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import trio
 
@@ -46,6 +46,8 @@ from meshd.engine import RangeReport
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_manifest, fetch_range
+from meshd.fetch.hub import HubError, HubModel, HubReader, HubSpec, HubSpecError, cached_manifest, is_spec, parse_spec, resolve
+from meshd.fetch.hub_pull import file_paths, pull_range, pull_whole
 from meshd.front.door import load_api_keys
 from meshd.logs import DEFAULT_LEVEL, LEVELS, level_of, setup_logging
 from meshd.mesh.models import ModelNotFound, default_model_path
@@ -251,6 +253,59 @@ def gguf_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def model_arg(text: str) -> Path | HubSpec:
+    """--model of serve and join: a GGUF file, or a hub model (hf:ORG/REPO[:QUANT][@REV], hf:ORG/REPO/FILE.gguf)."""
+    if is_spec(text):
+        try:
+            return parse_spec(text)
+        except HubSpecError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return gguf_file(text)
+
+
+def model_id_or_hub(text: str) -> str | HubSpec:
+    """pull's model: an id, or a hub model."""
+    if is_spec(text):
+        try:
+            return parse_spec(text)
+        except HubSpecError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return model_id(text)
+
+
+async def resolve_hub(spec: HubSpec) -> HubModel:
+    """The commit and files `spec` names on the hub (HF_ENDPOINT, HF_TOKEN as huggingface_hub reads them)."""
+    try:
+        return await trio.to_thread.run_sync(resolve, spec)
+    except HubError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def hub_bar(what: str, total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=what,
+                disable=not sys.stderr.isatty(), leave=False)
+
+
+async def hub_whole(model: HubModel, state_dir: Path, out: Path | None = None) -> tuple[Path, int]:
+    """The hub model's files, whole, in `out` (default: STATE_DIR/models/ its file name); read from the hub
+    unless they are there already with their manifest. Returns the file to load and the bytes read."""
+    path = out or state_dir / "models" / model.name
+    reader = HubReader(model)
+    paths = file_paths(reader, path)
+    if out is None and all(p.is_file() for p in paths) and cached_manifest(state_dir, model) is not None:
+        return paths[0], 0
+    with hub_bar(f"pulling {model.name}", sum(f.size for f in model.files)) as bar:
+        try:
+            await trio.to_thread.run_sync(pull_whole, reader, path, state_dir, bar.update, abandon_on_cancel=True)
+        except HubError as exc:
+            raise CommandError(str(exc)) from None
+        except OSError as exc:
+            raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return paths[0], reader.read_bytes
+
+
 def mesh_key_file(text: str) -> bytes:
     try:
         return load_mesh_key(Path(text), warn=lambda line: print(f"meshd: {line}", file=sys.stderr))
@@ -306,12 +361,16 @@ def check_port(where: tuple[str, int], flag: str) -> None:
 # ----- serve
 
 async def serve(args: argparse.Namespace) -> int:
-    path = model_or_default(args.model)
+    if isinstance(args.model, HubSpec):
+        path, _ = await hub_whole(await resolve_hub(args.model), default_state_dir())
+    else:
+        path = model_or_default(args.model)
     check_port(args.listen, "--listen")
     kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after,
-                         peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens)
+                         peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens,
+                         cache_tokens=args.cache_tokens)
     config = PeersConfig(mesh_key=args.mesh_key)
     layers = f"layers [{args.layers[0]}, {args.layers[1]})" if args.layers else "all layers"
     async with progress.waiting(f"loading {layers} of {shown_name(path)}") as loading, \
@@ -475,9 +534,11 @@ async def join(args: argparse.Namespace) -> int:
         raise UsageError("--gpu-layers needs --gpu-memory: how much GPU memory this node offers the layers")
     if args.model_id is not None and not args.seed:
         raise UsageError("--model-id fetches the model from the members of a mesh: give --seed HOST:PORT too")
-    if args.disk is not None and args.model_id is None:
-        raise UsageError("--disk bounds what a node fetches: it goes with --model-id")
-    model = None if args.no_model or args.model_id is not None else model_or_default(args.model)
+    hub = isinstance(args.model, HubSpec)
+    if args.disk is not None and args.model_id is None and not hub:
+        raise UsageError("--disk bounds what a node fetches: it goes with --model-id or an hf: --model")
+    hub_model = await resolve_hub(args.model) if isinstance(args.model, HubSpec) else None
+    model = None if args.no_model or args.model_id is not None or hub else model_or_default(args.model)
     check_port(args.listen, "--listen")
     if api is not None:
         check_port((api.host, api.port), "--api")
@@ -485,18 +546,20 @@ async def join(args: argparse.Namespace) -> int:
         identity = node_identity(args.state_dir)
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                              max_total_tokens=args.max_sessions * args.session_tokens,
-                             peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens)
+                             peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens,
+                             cache_tokens=args.cache_tokens)
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
                             gpu_memory_bytes=args.gpu_memory, gpu_layers=args.gpu_layers,
                             threads=args.threads, limits=limits, advertise=args.advertise,
                             peers=PeersConfig(mesh_key=args.mesh_key), state_dir=args.state_dir,
-                            model_id=args.model_id, disk_bytes=args.disk,
+                            model_id=args.model_id, hub=hub_model, disk_bytes=args.disk,
                             progress=sys.stderr.isatty())
         what = (f"volunteering {shown_name(model)}" if model else
+                f"volunteering {shown_name(Path(hub_model.name))} of {hub_model.where} by range" if hub_model else
                 f"fetching its range of model {args.model_id[:16]}" if args.model_id else "without a model")
         gpu = f", GPU memory {mib(args.gpu_memory)} for {gpu_layers_text(args.gpu_layers)}" if args.gpu_layers else ""
         # a node without a model offers no memory (its record says 0), so its line names none
-        offered = f", memory {mib(args.memory)}{gpu}" if model or args.model_id else ""
+        offered = f", memory {mib(args.memory)}{gpu}" if model or args.model_id or hub_model else ""
         await run_until_signal(MeshDaemon(identity, config),
                                f"{what}{offered}, seeds: {seeds_text(args.seed)}", claim, api)
     return 0
@@ -596,7 +659,44 @@ async def models(args: argparse.Namespace) -> int:
     return 0
 
 
+async def pull_hub(args: argparse.Namespace, spec: HubSpec) -> int:
+    model = await resolve_hub(spec)
+    if args.layers is None:
+        path, read = await hub_whole(model, args.state_dir, args.out)
+        print(f"{model.name} of {model.where} in {path}: {mib(read)} read from the hub, every file checked "
+              f"against its sha256")
+        return 0
+    reader = HubReader(model)
+    total = sum(f.size for f in model.files)
+    with hub_bar(f"hashing {model.name}", total) as hashing, hub_bar(f"pulling {model.name}", 0) as bar:
+        def show(p: FetchProgress) -> None:
+            bar.total = p.total_bytes
+            bar.n = p.done_bytes
+            bar.refresh()
+
+        try:
+            manifest, path, report = await pull_range(reader, args.state_dir, args.out, args.layers,
+                                                      hashing.update, show)
+        except (HubError, FetchFailed) as exc:
+            raise CommandError(str(exc)) from None
+        except ManifestError as exc:
+            raise CommandError(f"{model.name}: {exc}") from None
+        except SparseError as exc:
+            raise CommandError(exc.strerror or str(exc)) from None
+        except RangeError as exc:
+            raise UsageError(f"--layers: {exc}") from None
+    start, end = args.layers
+    print(f"layers {start}:{end} of {model.name} ({manifest.model_id[:16]}) of {model.where} in {path}: "
+          f"{mib(report.fetched_bytes)} fetched from the hub, {mib(report.reused_bytes)} already there; "
+          f"{mib(reader.read_bytes)} read from the hub in all")
+    return 0
+
+
 async def pull(args: argparse.Namespace) -> int:
+    if isinstance(args.model_id, HubSpec):
+        return await pull_hub(args, args.model_id)
+    if args.layers is None or not args.seed:
+        raise UsageError("pulling a model by id takes --layers START:END and at least one --seed HOST:PORT")
     out: Path = args.out or args.state_dir / "models" / f"{args.model_id}.gguf"
     sources = [SourceRef(seed) for seed in args.seed]
     short = args.model_id[:16]
@@ -881,6 +981,14 @@ def add_peer_quotas(parser: argparse.ArgumentParser) -> None:
                              "below the stage's)")
 
 
+def add_cache_tokens(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-tokens", type=integer(0, MAX_SESSIONS * MAX_TOKENS), default=4096,
+                        help="KV tokens of finished sessions' prompts kept for the same asker's next prompts that "
+                             "begin alike (an agent's next turn), in session slots no session holds, least recently "
+                             "used first out; a new session takes one before anyone's is evicted "
+                             "(default: %(default)s; 0: none kept)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="meshd", description="Run one GGUF model across many machines.")
     p.add_argument("--version", action="version", version=f"meshd {version()}")
@@ -891,7 +999,8 @@ def build_parser() -> argparse.ArgumentParser:
     threads = integer(0, 1024)
 
     s = sub.add_parser("serve", help="serve one layer range by hand")
-    s.add_argument("--model", type=gguf_file, help=model_help)
+    s.add_argument("--model", type=model_arg, help=f"{model_help}; or hf:ORG/REPO[:QUANT][@REV] (a hub model, "
+                   "fetched whole into the state directory first)")
     s.add_argument("--layers", type=layer_range, help="layer range START:END (default: all layers)")
     s.add_argument("--listen", type=host_port, default="127.0.0.1:0",
                    help="HOST:PORT to accept peers on (default: %(default)s)")
@@ -907,6 +1016,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-tokens", type=integer(0, MAX_SESSIONS * MAX_TOKENS), default=0,
                    help="KV tokens of all sessions together (default: 0, max sessions x session tokens)")
     add_peer_quotas(s)
+    add_cache_tokens(s)
     s.add_argument("--ttl", type=number(0, 86400, above_low=True), default=300.0,
                    help="seconds an idle session keeps its KV (default: %(default)s)")
     s.add_argument("--evict-after", type=number(0, 86400), default=2.0,
@@ -921,7 +1031,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--seed", type=address, action="append", default=[],
                    help="HOST:PORT of a member, repeatable (default: none, start a new mesh)")
     which = j.add_mutually_exclusive_group()
-    which.add_argument("--model", type=gguf_file, help=f"{model_help} to volunteer")
+    which.add_argument("--model", type=model_arg, help=f"{model_help} to volunteer; or hf:ORG/REPO[:QUANT][@REV] "
+                       "or hf:ORG/REPO/FILE.gguf: a hub model, of which this node fetches the layers assigned from "
+                       "the members that hold them or else from the hub (HF_ENDPOINT, HF_TOKEN)")
     which.add_argument("--no-model", action="store_true",
                        help="volunteer no model, a seed or tracker only (default: volunteer one)")
     which.add_argument("--model-id", type=model_id_or_name, metavar="ID",
@@ -947,6 +1059,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--session-tokens", type=tokens, default=1024,
                    help="KV tokens one session may hold (default: %(default)s)")
     add_peer_quotas(j)
+    add_cache_tokens(j)
     j.add_argument("--api", type=api_address, metavar="HOST:PORT",
                    help="serve the HTTP API (OpenAI and Anthropic) here; a port alone means 127.0.0.1 "
                         "(default: none)")
@@ -1044,15 +1157,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--wait", type=number(0, 86400), default=0.0,
                    help="seconds to wait for the mesh to cover the model, asking again each second, with "
                         "progress on a terminal (default: %(default)s, say at once what is missing)")
-    pl = sub.add_parser("pull", help="fetch a layer range of a model from members, by hand")
-    pl.add_argument("model_id", type=model_id, metavar="ID", help="the model id (64 hex digits)")
-    pl.add_argument("--layers", type=layer_range, required=True, help="layer range START:END to fetch (no default: required)")
-    pl.add_argument("--seed", type=address, action="append", required=True,
+    pl = sub.add_parser("pull", help="fetch a model, or a layer range of it, from members or the hub, by hand")
+    pl.add_argument("model_id", type=model_id_or_hub, metavar="ID|hf:ORG/REPO[:QUANT][@REV]",
+                    help="the model id (64 hex digits), fetched from --seed members; or a hub model (HF_ENDPOINT, "
+                         "HF_TOKEN as huggingface_hub reads them)")
+    pl.add_argument("--layers", type=layer_range,
+                    help="layer range START:END to fetch (required with an id; with hf: default the whole files)")
+    pl.add_argument("--seed", type=address, action="append", default=[],
                     help="HOST:PORT of a member holding the model (all of it or part), repeatable: each is a source "
-                         "(no default: at least one)")
+                         "(required with an id)")
     pl.add_argument("--out", type=Path,
                     help="the sparse file to fetch into, resumed if it is a partial download of this model "
-                         "(default: STATE_DIR/models/ID.gguf)")
+                         "(default: STATE_DIR/models/ID.gguf; a whole hf: model: STATE_DIR/models/FILE.gguf)")
     add_state_dir(pl, "where pulled models go without --out")
     add_mesh_key(pl)
     pl.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,

@@ -37,7 +37,17 @@ from tqdm import tqdm
 from meshd.client.ask import first_error
 from meshd.client.probe import probe_stage
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
-from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_chunks, fetch_manifest
+from meshd.fetch.fetcher import FetchFailed, FetchProgress, FetchReport, SourceRef, fetch_chunks, fetch_manifest
+from meshd.fetch.hub import (
+    HubError,
+    HubModel,
+    HubReader,
+    cached_manifest,
+    check_binding,
+    fetch_from_hub,
+    hash_model,
+    remember_manifest,
+)
 from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
 from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address
 from meshd.mesh.assignment import ModelSpec, held_ranges, stage_fits
@@ -81,10 +91,10 @@ from meshd.stage.fast import FastDoor
 from meshd.stage.service import StageLimits, StageService, answer_typed, model_manifest
 from meshd.store.gguf_header import GGUFError
 from meshd.store.holding import WholeFile
-from meshd.store.manifest import Chunk, Manifest
+from meshd.store.manifest import CHUNK_SIZE, Chunk, Manifest
 from meshd.store.ranges import held_layer_ranges, range_chunks
 from meshd.store.sparse import SparseFile
-from meshd.store.split import SplitError, model_files
+from meshd.store.split import SplitError, model_files, shown_name
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
 from wire.codec import Message
@@ -117,6 +127,9 @@ SPEEDS_TIMEOUT = 2.0
 # How long a claimant holds an assignment ask for the votes that carry it (a gossip round away), well
 # inside the asker's rpc timeout: its voters ask the moment they vote, before their votes arrive here.
 CLAIM_WAIT = 2.0
+# Seconds a node joining with a hub model waits for a member to offer its manifest before it reads the whole
+# files itself to build it: records spread within a few push-pull rounds of a join.
+HUB_GOSSIP_WAIT = 5.0
 # the unit a volunteer's memory is told in, as on the command line (--memory 64M)
 MIB = 1 << 20
 
@@ -162,6 +175,9 @@ class NodeConfig:
     state_dir: Path | None = None
     # Volunteer this model (an id, or a name the mesh knows) without a file: fetch the range assigned.
     model_id: str | None = None
+    # Volunteer this hub model (resolved to a commit): fetch the range assigned from members that hold
+    # it, and what none holds from the hub.
+    hub: HubModel | None = None
     # Disk the fetched layers may fill; None: no limit (what was fetched stays, to serve others).
     disk_bytes: int | None = None
     # How long a node joining by model id waits for a member that holds the model.
@@ -268,6 +284,10 @@ class MeshDaemon:
         self.model_path: Path | None = None
         self.manifest: Manifest | None = None
         self.sparse: SparseFile | None = None
+        # a hub model's files, read by range; and whether chunks of it may come from members (its
+        # manifest this node's own, or named by two of them: DESIGN, "Model distribution")
+        self.hub: HubReader | None = None
+        self._members_vouch = True
         self.fetches: list[FetchStatus] = []
         self.serving: list[ServingRange] = []
         self.retiring: list[ServingRange] = []
@@ -314,7 +334,7 @@ class MeshDaemon:
             checks = bool(cfg.seeds) and not (cfg.relay or cfg.client)
             # memory is offered for a model's layers: a node with no model to serve (a seed, an asker, a
             # relay) offers none, whatever --memory's default says, and status shows it so
-            offers = not cfg.client and (cfg.model is not None or cfg.model_id is not None)
+            offers = not cfg.client and (cfg.model is not None or cfg.model_id is not None or cfg.hub is not None)
             record = CapabilityRecord.create(
                 self.identity, int(time.time() * 1000), addresses=self._configured_addresses(),
                 reachability="unknown" if checks else "public",
@@ -336,6 +356,8 @@ class MeshDaemon:
             self._keep_relays()
             if cfg.model_id is not None and not cfg.client:
                 nursery.start_soon(self._fetch_model, cfg.model_id)
+            if cfg.hub is not None and not cfg.client:
+                nursery.start_soon(self._hub_model, cfg.hub)
             task_status.started(self)
 
     async def _join_seeds(self) -> None:
@@ -913,6 +935,14 @@ class MeshDaemon:
                     await trio.sleep(1.0)
         if manifest is None:
             raise ModelNotFound(f"no member sent the manifest of model {digest[:16]} (waited {cfg.model_wait:g} s)")
+        known = held_models(r for r in self.live_records() if r.node_id != self.mesh.node_id).get(digest)
+        await self._volunteer_fetched(manifest, known.file if known is not None else "")
+
+    async def _volunteer_fetched(self, manifest: Manifest, file: str) -> None:
+        """Opens the sparse file of `manifest`, fetches its header, and volunteers the model as `file`."""
+        cfg = self.config
+        assert cfg.state_dir is not None, "a node that fetches needs a state directory"
+        digest = manifest.model_id
         path = cfg.state_dir / "models" / f"{digest}.gguf"
         sparse = await trio.to_thread.run_sync(SparseFile.open, path, manifest)
         self.manifest, self.sparse, self.model_path = manifest, sparse, sparse.path
@@ -933,9 +963,8 @@ class MeshDaemon:
             raise ModelNotFound(f"cannot fetch the header of model {digest[:16]} (waited {cfg.model_wait:g} s): "
                                 f"{failure}")
         # the sparse file is named by the id: the model keeps the file name its holders know it by
-        known = held_models(r for r in self.live_records() if r.node_id != self.mesh.node_id).get(digest)
         info = (await trio.to_thread.run_sync(describe_model, sparse.path, digest)).model_copy(
-            update={"whole": False, "file": known.file if known is not None else ""})
+            update={"whole": False, "file": file})
         check_volunteer(info, cfg)
         self.model = info
         self.source.offer(sparse)
@@ -983,7 +1012,7 @@ class MeshDaemon:
         t0 = time.monotonic()
         try:
             with bar:
-                report = await fetch_chunks(self.peers, self._sources(digest), self.sparse, chunks, progress=progress)
+                report = await self._fetch_chunks(digest, chunks, progress)
         except (FetchFailed, ProtocolError, OSError) as exc:
             self.fetches[index] = self.fetches[index].model_copy(update={"state": f"failed: {exc}"[:256]})
             raise
@@ -993,6 +1022,78 @@ class MeshDaemon:
         log.info("fetched %s: %d bytes over the network, %d already here, in %.1f s",
                  f"{what} [{start}, {end})" if end else what, report.fetched_bytes, report.reused_bytes,
                  time.monotonic() - t0)
+
+    async def _fetch_chunks(self, digest: str, chunks: list[Chunk], progress: Callable[[FetchProgress], None]
+                            ) -> FetchReport:
+        """From the members that hold them; for a hub model, what none of them holds (or every chunk, while
+        its manifest is one member's word alone) from the hub."""
+        assert self.sparse is not None
+        if self.hub is None:
+            return await fetch_chunks(self.peers, self._sources(digest), self.sparse, chunks, progress=progress)
+        report = FetchReport(chunks=0)
+        sources = self._sources(digest) if self._members_vouch else []
+        if sources:
+            try:
+                report.add(await fetch_chunks(self.peers, sources, self.sparse, chunks, progress=progress))
+                return report
+            except FetchFailed as exc:
+                # members preferred; the hub has what they lack
+                report.add(exc.report)
+        report.add(await fetch_from_hub(self.hub, self.sparse, chunks, progress=progress))
+        return report
+
+    async def _hub_model(self, model: HubModel) -> None:
+        """Learns a hub model's manifest (a member's, bound to the hub's files, or its own from the whole
+        files, once), then volunteers it like a model fetched from members."""
+        cfg = self.config
+        assert cfg.state_dir is not None, "a node that fetches needs a state directory"
+        reader = HubReader(model)
+        try:
+            await trio.to_thread.run_sync(reader.check)
+            manifest = await trio.to_thread.run_sync(cached_manifest, cfg.state_dir, model)
+            # a member's record may come a moment after the seeds answer: a whole read is worth waiting for
+            with trio.move_on_after(HUB_GOSSIP_WAIT if cfg.seeds else 0):
+                while manifest is None:
+                    manifest = await self._member_manifest(reader)
+                    if manifest is None:
+                        await trio.sleep(1.0)
+            if manifest is None:
+                log.info("no member offers %s of %s: reading its %d bytes once to build its manifest", model.name,
+                         model.where, sum(f.size for f in model.files))
+                bar: Any = tqdm(total=sum(f.size for f in model.files), unit="B", unit_scale=True, file=sys.stderr,
+                                desc=f"hashing {model.name}", disable=not cfg.progress, leave=False)
+                with bar:
+                    manifest = await trio.to_thread.run_sync(hash_model, reader, CHUNK_SIZE, bar.update,
+                                                             abandon_on_cancel=True)
+                await trio.to_thread.run_sync(remember_manifest, cfg.state_dir, model, manifest)
+        except HubError as exc:
+            raise ModelNotFound(str(exc)) from None
+        self.hub = reader
+        log.info("%s of %s is model %s", model.name, model.where, manifest.model_id[:16])
+        await self._volunteer_fetched(manifest, shown_name(Path(model.name)))
+
+    async def _member_manifest(self, reader: HubReader) -> Manifest | None:
+        """The manifest of the hub model a member offers under its file name, once its sizes and headers are
+        the hub's at the pinned commit. Its tensors' hashes are the member's word: chunks come from members
+        only when a second one names the same model (else from the hub, each checked against it)."""
+        name = shown_name(Path(reader.model.name))
+        others = [r for r in self.live_records() if r.node_id != self.mesh.node_id]
+        offered: dict[str, set[str]] = {}
+        for record in others:
+            for info in record.models:
+                if info.file == name:
+                    offered.setdefault(info.digest, set()).add(record.node_id)
+        for digest, holders in sorted(offered.items(), key=lambda item: -len(item[1])):
+            try:
+                manifest = await fetch_manifest(self.peers, self._sources(digest), digest)
+                await trio.to_thread.run_sync(check_binding, reader, manifest)
+            except (ProtocolError, HubError) as exc:
+                log.warning("model %s, offered as %s, is not %s of %s: %s", digest[:16], name, reader.model.name,
+                            reader.model.where, exc)
+                continue
+            self._members_vouch = len(holders) >= 2
+            return manifest
+        return None
 
     async def _trim_disk(self, keep: list[Chunk] | None = None) -> None:
         """Under a disk budget: drops (punches) the chunks of tensors that no range loaded or about to be

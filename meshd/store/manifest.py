@@ -529,3 +529,13 @@ def manifest_for(path: Path, state_dir: Path | None = None, chunk_size: int = CH
         if _write_cache(cache, stamp, manifest):
             break
     return manifest
+
+
+def remember(path: Path, manifest: Manifest, state_dir: Path | None = None) -> None:
+    """Cache ``manifest`` as the one of ``path`` (and its set), as ``manifest_for`` would: for files just
+    written from bytes hashed as they came (a pull from the hub), so that nothing reads them again."""
+    paths = [p for p, _, _ in model_paths(path)]
+    stamp = _stamp(paths)
+    for cache in cache_paths(paths[0], state_dir):
+        if _write_cache(cache, stamp, manifest):
+            return

@@ -1,0 +1,274 @@
+"""Hugging Face as a source (issue 29, part 2): ``hf:`` specs resolved through ``huggingface_hub`` against a
+fake hub (tests/fake_hub.py: a real HTTP server on loopback speaking the hub's API and resolve paths, with
+Range and per-token byte counters) named by ``HF_ENDPOINT``.
+
+A hub model has the id its files have locally; ``meshd pull hf:...`` takes it whole or by range, every
+byte checked; a lying mirror, a stale mirror and a lying member's manifest are caught, and a user's
+mistakes are one line. A mesh of three volunteers joined with ``--model hf:org/repo`` (real daemons)
+answers like the whole model, the later two having read from the hub just their own tensors and the
+headers (the server's counters say which bytes each token read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from fake_hub import FakeHub
+from gguf_factory import TINY_SPECS, split_gguf, write_tiny_gguf
+from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
+from test_fetch_mesh import finder, served
+
+from meshd.client.ask import AskRequest, ask_with_failover
+from meshd.fetch.fetcher import FetchFailed
+from meshd.fetch.hub import (
+    HubError,
+    HubReader,
+    HubSpec,
+    HubSpecError,
+    check_binding,
+    fetch_from_hub,
+    hash_model,
+    parse_spec,
+    resolve,
+)
+from meshd.net.peers import Peers
+from meshd.store.manifest import TensorEntry, manifest_for
+from meshd.store.ranges import range_chunks
+from meshd.store.sparse import SparseFile
+from tests.conftest import greedy_reference
+
+REPO = "org/tiny"
+SET = "tiny-Q4_K_M"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The hub repo's files: a single tiny model, the same as a 3-part set, and a projector to pass over."""
+    base = tmp_path_factory.mktemp("hub-files")
+    single = write_tiny_gguf(base / "tiny-Q8_0.gguf", TINY_SPECS["llama-gqa-untied"])
+    parts = split_gguf(single, base / f"{SET}.gguf", 3)
+    return {single.name: single, **{p.name: p for p in parts}, "mmproj-tiny-f16.gguf": single,
+            "README.md": single}
+
+
+@pytest.fixture
+def hub(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    with FakeHub() as server:
+        server.publish(REPO, files)
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        yield server
+
+
+def test_specs_name_a_repo_a_quant_a_file_and_a_revision() -> None:
+    assert parse_spec("hf:org/repo") == HubSpec("org/repo")
+    assert parse_spec("hf:org/repo:Q4_K_M") == HubSpec("org/repo", quant="Q4_K_M")
+    assert parse_spec("hf:org/repo:Q4_K_M@v1.0") == HubSpec("org/repo", quant="Q4_K_M", revision="v1.0")
+    assert parse_spec("hf:org/repo@main:Q8_0") == HubSpec("org/repo", quant="Q8_0", revision="main")
+    assert parse_spec("hf:org/repo/sub/x-00002-of-00003.gguf@abc") == HubSpec(
+        "org/repo", file="sub/x-00002-of-00003.gguf", revision="abc")
+    for bad in ("org/repo", "hf:", "hf:org", "hf:org/repo/x.bin", "hf:org/repo/../x.gguf", "hf:org/repo:Q4 K",
+                "hf:org/repo/x.gguf:Q4_K_M", "hf:org/repo@", "hf:org/repo@a..b", "hf:-org/repo"):
+        with pytest.raises(HubSpecError):
+            parse_spec(bad)
+
+
+def test_a_hub_model_is_the_model_its_files_are_here_single_or_split(hub: FakeHub, files: dict[str, Path]) -> None:
+    single = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    assert [f.path for f in single.files] == ["tiny-Q8_0.gguf"] and len(single.commit) == 40
+    # no quant: llama-server's default among several; any part names its set, resolved as the set
+    for spec in (f"hf:{REPO}", f"hf:{REPO}:q4_k_m", f"hf:{REPO}/{SET}-00002-of-00003.gguf@main",
+                 f"hf:{REPO}@{single.commit}:Q4_K_M"):
+        model = resolve(parse_spec(spec))
+        assert [f.path for f in model.files] == [f"{SET}-0000{i}-of-00003.gguf" for i in (1, 2, 3)], spec
+        assert model.name == f"{SET}.gguf"
+    reader = HubReader(single)
+    assert hash_model(reader, 4096) == manifest_for(files["tiny-Q8_0.gguf"], chunk_size=4096)
+    # every byte once, and the header twice (read to be parsed, then hashed in the pass)
+    assert files["tiny-Q8_0.gguf"].stat().st_size < reader.read_bytes < 1.1 * files["tiny-Q8_0.gguf"].stat().st_size
+    split = hash_model(HubReader(resolve(parse_spec(f"hf:{REPO}"))))
+    assert split.model_id == manifest_for(files[f"{SET}-00001-of-00003.gguf"]).model_id
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("hf:org/none", "no repository org/none at http://127.0.0.1:"),
+    (f"hf:{REPO}@v9", f"{REPO} has no revision 'v9'"),
+    (f"hf:{REPO}:Q2_K", "no Q2_K file in org/tiny@"),
+    (f"hf:{REPO}/other.gguf", "no file other.gguf in org/tiny@"),
+    ("hf:org", "'org' is not a repository (ORG/REPO)"),
+])
+def test_a_users_mistake_is_one_line_and_a_failure(hub: FakeHub, spec: str, says: str) -> None:
+    done = run_meshd("pull", spec, "--state-dir", "/nonexistent/never-written")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
+
+
+def test_no_network_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # port 9 on loopback: nothing listens (the discard service is not run here)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    done = run_meshd("pull", f"hf:{REPO}", "--state-dir", str(tmp_path))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "meshd pull: cannot reach the hub at http://127.0.0.1:9: ConnectError: " \
+        "[Errno 111] Connection refused"
+
+
+def test_pull_takes_a_hub_model_whole_or_by_range_every_byte_checked(hub: FakeHub, files: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    done = run_meshd("pull", f"hf:{REPO}:Q8_0", "--state-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    pulled = tmp_path / "models" / "tiny-Q8_0.gguf"
+    assert pulled.read_bytes() == files["tiny-Q8_0.gguf"].read_bytes()
+    assert "every file checked against its sha256" in done.stdout
+    # a range of the set: its manifest built once (the whole files read), then just the range's chunks
+    manifest = manifest_for(files[f"{SET}-00001-of-00003.gguf"])
+    done = run_meshd("pull", f"hf:{REPO}", "--layers", "2:4", "--state-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert manifest.model_id[:16] in done.stdout
+    sparse = SparseFile.resume(tmp_path / "models" / f"{manifest.model_id}.gguf", manifest.model_id)
+    wanted = {c.index for c in range_chunks(manifest, 6, 2, 4)} | {c.index for c in manifest.header_chunks_list()}
+    assert {c.index for c in manifest.chunks if sparse.has(c.index)} == wanted
+    sparse.close()
+    # another range: the manifest is this node's already; only the new range's tensors are read
+    before = hub.bytes_read()
+    done = run_meshd("pull", f"hf:{REPO}", "--layers", "4:6", "--state-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    owned = manifest.bytes_of(c for c in range_chunks(manifest, 6, 4, 6) if c.tensor is not None)
+    headers = sum(p.header_size for p in manifest.parts)
+    # the range, and the headers read again to check the server still serves the pinned commit's
+    assert owned <= hub.bytes_read() - before <= owned + 2 * headers
+
+
+def test_a_lying_mirror_is_caught_with_one_line(hub: FakeHub, files: dict[str, Path], tmp_path: Path) -> None:
+    hub.lie = ("tiny-Q8_0.gguf", files["tiny-Q8_0.gguf"].stat().st_size - 10)
+    done = run_meshd("pull", f"hf:{REPO}:Q8_0", "--state-dir", str(tmp_path))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"meshd pull: the bytes {hub.endpoint} serves as tiny-Q8_0.gguf do not hash to the sha256 "
+        f"{_sha(hub, 'tiny-Q8_0.gguf')[:12]} that commit {hub.repos[REPO].refs['main'][:12]} pins (a lying mirror)"]
+    # nothing half-written is left to be taken for the model
+    assert not list((tmp_path / "models").glob("tiny-Q8_0.gguf*"))
+
+
+def _sha(hub: FakeHub, path: str) -> str:
+    repo = hub.repos[REPO]
+    return repo.commits[repo.refs["main"]].files[path][1]
+
+
+def test_a_stale_mirror_is_caught_with_one_line(hub: FakeHub, files: dict[str, Path], tmp_path: Path) -> None:
+    old = hub.repos[REPO].refs["main"]
+    # a new revision: the single file changed by one byte of a tensor
+    data = bytearray(files["tiny-Q8_0.gguf"].read_bytes())
+    data[-5] ^= 1
+    (tmp_path / "new.gguf").write_bytes(bytes(data))
+    new = hub.publish(REPO, {**files, "tiny-Q8_0.gguf": tmp_path / "new.gguf"})
+    # the mirror still serves the old commit for every revision asked of it
+    hub.stale_commit = old
+    done = run_meshd("pull", f"hf:{REPO}@{new}:Q8_0", "--state-dir", str(tmp_path))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"meshd pull: {hub.endpoint} serves {REPO} at commit {old[:12]}, not the "
+                                   f"{new[:12]} named (a stale or wrong mirror)")
+    # pinned at resolution by a fresh server, then read from the stale one: the file's own headers say so
+    hub.stale_commit = None
+    model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    assert model.commit == new
+    hub.stale_commit = old
+    with pytest.raises(HubError, match=f"serves tiny-Q8_0.gguf of commit {old[:12]}, not the pinned {new[:12]} "
+                                       r"\(a stale mirror\)"):
+        HubReader(model).check()
+
+
+async def test_a_members_manifest_that_lies_about_a_tensor_gets_no_wrong_byte_in(hub: FakeHub, tmp_path: Path,
+                                                                                   files: dict[str, Path]) -> None:
+    model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    reader = HubReader(model)
+    honest = manifest_for(files["tiny-Q8_0.gguf"])
+    check_binding(reader, honest)
+    # a member's manifest naming other bytes for one tensor: sizes and header are the hub's, so it binds,
+    # but the hub's bytes of that tensor do not match it and are not taken
+    victim = honest.tensors[-1]
+    forged = dataclasses.replace(honest, tensors=(*honest.tensors[:-1], TensorEntry(
+        victim.name, victim.offset, victim.size, bytes(32), tuple(bytes(32) for _ in victim.chunk_hashes))))
+    check_binding(reader, forged)
+    sparse = SparseFile.open(tmp_path / "forged.gguf", forged)
+    with pytest.raises(FetchFailed, match="do not match the manifest"):
+        await fetch_from_hub(reader, sparse, list(forged.chunks))
+    assert not any(sparse.has(c.index) for c in forged.chunks_of([victim.name]))
+    sparse.close()
+    # a manifest of another file (its header differs) does not bind at all
+    other = manifest_for(files[f"{SET}-00001-of-00003.gguf"])
+    with pytest.raises(HubError, match="parts where org/tiny@"):
+        check_binding(reader, other)
+    with pytest.raises(HubError, match="is not the one the manifest names"):
+        check_binding(reader, dataclasses.replace(honest, header_sha256=bytes(32)))
+
+
+# ----- a mesh of three volunteers, each its own range from the hub
+
+SESSIONS = ["--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]
+VOLUNTEER = ["--memory", "64M", *SESSIONS]
+PROMPT = "What is the capital of France?"
+TOKENS = 16
+
+
+@pytest.mark.slow  # three daemons on the default model, published on the fake hub as a 3-part set
+async def test_three_volunteers_joined_with_a_hub_model_read_only_their_own_tensors_and_answer_like_the_whole(
+        tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch, peers: Peers) -> None:
+    parts = split_gguf(default_model, tmp_path / "smollm2-Q4_1.gguf", 3)
+    manifest = manifest_for(parts[0])
+    expected = greedy_reference(default_model, [PROMPT], TOKENS)[PROMPT]
+    started: list[Served] = []
+    with FakeHub() as hub:
+        hub.publish("org/smollm2", {p.name: p for p in parts})
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        try:
+            nodes: list[Served] = []
+            for i in range(3):
+                monkeypatch.setenv("HF_TOKEN", f"volunteer{i}")
+                seed = ["--seed", nodes[0].address] if nodes else []
+                nodes.append(start_join(*seed, "--state-dir", str(tmp_path / f"v{i}"), "--model", "hf:org/smollm2",
+                                        *VOLUNTEER))
+                started.append(nodes[-1])
+                if i == 0:
+                    # the first holder builds the manifest (one read of the whole set) before the others look
+                    with trio.fail_after(120):
+                        while not (await mesh_status(peers, nodes[0])).coverage:
+                            await trio.sleep(0.2)
+            with trio.fail_after(240):
+                while True:
+                    assert not [n for n in nodes if n.proc.poll() is not None], "a daemon exited"
+                    view = await mesh_status(peers, nodes[0])
+                    ranges = served(view)
+                    if all(ranges.get(n.node_id) for n in nodes) and view.coverage and \
+                            view.coverage[0].covered_layers == view.coverage[0].n_layers:
+                        break
+                    await trio.sleep(0.5)
+            assert view.coverage[0].model == manifest.model_id
+            result = await ask_with_failover(peers, finder(peers, nodes[0]), AskRequest(
+                messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS))
+            assert result.tokens == expected
+        finally:
+            stop_all(started)
+        headers = {(f"smollm2-Q4_1-0000{i + 1}-of-00003.gguf", 0, p.header_size)
+                   for i, p in enumerate(manifest.parts)}
+        print()
+        for i, node in enumerate(nodes):
+            (rng,) = ranges[node.node_id]
+            owned = [c for c in range_chunks(manifest, 30, *rng) if c.tensor is not None]
+            names = [f"smollm2-Q4_1-0000{p + 1}-of-00003.gguf" for p in range(3)]
+            allowed = headers | {(names[c.part], c.part_offset, c.part_offset + c.size) for c in owned}
+            reads = hub.ranges(f"volunteer{i}")
+            read = sum(e - s for _, s, e in reads)
+            print(f"volunteer {i} layers [{rng[0]}, {rng[1]}): owned {manifest.bytes_of(owned)} B, read {read} B "
+                  f"from the hub in {len(reads)} requests, of a {manifest.total_size} B set")
+            if i == 0:
+                # the first holder: the whole set once (checked against each part's sha256), then its range
+                assert read >= manifest.total_size + manifest.bytes_of(owned)
+                continue
+            # the others: every byte read is a header's or one of their own tensors', and all of those
+            assert {r for r in reads if r not in allowed} == set(), "read bytes that are not its own"
+            assert {(names[c.part], c.part_offset, c.part_offset + c.size) for c in owned} <= set(reads)
+            assert read < manifest.total_size / 2
