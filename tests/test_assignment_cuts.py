@@ -209,7 +209,7 @@ def test_a_record_carrying_cuts_round_trips_and_a_hostile_one_fails_its_decode()
     # the same record with its cut list turned hostile (unsigned bytes on the wire): a typed ProtocolError
     bad = good.model_copy(update={"models": [ModelInfo.model_construct(**_info(cuts=[7, 5]))]})
     from wire.errors import ProtocolError
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: invalid swim\.ping v1 message: .*cuts are not strictly increasing"):
         decode(encode(Ping(seq=1, version=1, gossip=[Alive(record=bad)])))
 
 

@@ -234,7 +234,7 @@ def test_a_claimant_awaits_the_votes_its_voters_ask_it_before() -> None:
     # the voter follows it already; the claimant, one vote of two, is no tracker yet: the shell holds
     # the voter's ask while this says so, instead of refusing it
     assert claimant.awaiting_votes and not claimant.is_tracker and not voter.awaiting_votes
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^NOT_FOUND: this node is not the tracker$"):
         claimant.assignment_for(voter.node_id)
     mesh.net.blocked.clear()
     mesh.run_until(mesh.net.now + 1.0)

@@ -92,7 +92,7 @@ async def test_a_lost_link_and_a_local_close_are_protocol_errors_and_trio_errors
             await other.send_all(b"to nobody")
         assert broken.value.code is ErrorCode.UNREACHABLE and broken.value.retryable
         assert isinstance(broken.value, trio.BrokenResourceError)
-        with pytest.raises(ProtocolError):
+        with pytest.raises(ProtocolError, match=r"^UNREACHABLE: link closed$"):
             pair.alice.open_stream("test")
 
 

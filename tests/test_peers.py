@@ -478,7 +478,7 @@ async def test_a_flipped_ciphertext_byte_closes_the_link_and_delivers_no_plainte
             while bob.links:
                 await trio.sleep(0.01)
         assert seen == ["clean"]
-        with pytest.raises(ProtocolError):
+        with pytest.raises(ProtocolError, match=r"^UNREACHABLE: memory:b hung up$"):
             await stream.send_message(ErrorMessage(code=ErrorCode.INTERNAL, message="after"))
 
 
@@ -518,7 +518,7 @@ async def test_a_silent_peer_is_declared_dead(autojump_clock: trio.abc.Clock) ->
             await link.wait_closed()
         assert 3.0 <= trio.current_time() - start <= 5.0
         assert link.error is not None and link.error.code is ErrorCode.UNREACHABLE
-        with pytest.raises(ProtocolError):
+        with pytest.raises(ProtocolError, match=r"^UNREACHABLE: memory:a: no traffic from the peer for 3\.0 s$"):
             await stream.receive_message()
 
 

@@ -31,7 +31,7 @@ def test_a_renewal_does_not_count_against_its_own_address_and_a_release_frees_th
     first = state.reserve("a", 0.0, "192.0.2.1")
     renewed = state.reserve("a", 1.0, "192.0.2.1")
     assert renewed != first and state.holds_reservation("a", 1.0)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^OVERLOADED: this relay holds its maximum of 1 reservations from one address$"):
         state.reserve("b", 1.0, "192.0.2.1")
     state.release("a", renewed)
     state.reserve("b", 2.0, "192.0.2.1")

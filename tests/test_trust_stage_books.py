@@ -63,7 +63,7 @@ def test_rows_come_only_from_the_named_upstream_or_else_from_the_opener() -> Non
         assert err.value.code is ErrorCode.UNAUTHORIZED
     own, _ = b.open("b", 0, 1, 16, (), 0.0, owner=BYSTANDER)
     b.check_upstream(own, BYSTANDER)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^UNAUTHORIZED: session b takes its rows from another node$"):
         b.check_upstream(own, ATTACKER)
 
 

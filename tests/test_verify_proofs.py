@@ -207,10 +207,10 @@ def test_bounds_on_receipts_and_proofs_are_held_by_the_decoder() -> None:
                                                               witnesses=witnesses)))[4:])
         body["proof"]["culprit"][field] = value
         packed = msgpack.packb(body, use_bin_type=True)
-        with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: (invalid proof v1 message: proof\.culprit\.|proof v1: undecodable "
-                                                 r"msgpack: \d+ exceeds max_bin_len)"):
+        with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: (invalid proof v1 message: proof\.culprit\.|"
+                                                 r"proof v1: undecodable msgpack: \d+ exceeds max_bin_len)"):
             decode(len(packed).to_bytes(4, "big") + packed, STAGE)
-    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: invalid inputs_request v1 message: until: Input should be greater than"):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: invalid inputs_request v1 message: until: Input should be"):
         decode(encode(InputsRequest.unvalidated({"type": "inputs_request", "v": 1, "session": "s1", "epoch": 0,
                                                  "until": -5})), STAGE)
 

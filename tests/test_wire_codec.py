@@ -85,7 +85,7 @@ def test_oversized_length_prefix_is_refused_before_any_allocation() -> None:
     assert info.value.code is ErrorCode.BAD_REQUEST
     assert "exceeds the limit" in info.value.message
     assert peak < 64 << 10
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: message of 4294967295 bytes exceeds the limit"):
         decoder.feed(b"more")  # the decoder stays failed
 
 
@@ -94,7 +94,7 @@ def test_message_after_an_oversized_prefix_is_still_delivered_first() -> None:
     good = encode(ErrorMessage(code=ErrorCode.INTERNAL, message="x"))
     decoder.feed(good + struct.pack(">I", 5000))
     assert decoder.next_message() == ErrorMessage(code=ErrorCode.INTERNAL, message="x")
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: message of 5000 bytes exceeds the limit of 1000$"):
         decoder.next_message()
 
 
@@ -150,7 +150,8 @@ def test_collection_and_string_headers_over_the_schema_are_refused() -> None:
 def test_length_prefix_must_match_the_bytes_that_follow() -> None:
     data = encode(ErrorMessage(code=ErrorCode.INTERNAL, message="x"))
     for broken in (data[:-1], data + b"\x00", data[:3]):
-        with pytest.raises(ProtocolError):
+        with pytest.raises(ProtocolError,
+                           match=r"^BAD_REQUEST: (length prefix says \d+ bytes but \d+ follow|truncated length prefix)$"):
             decode(broken)
 
 

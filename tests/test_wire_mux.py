@@ -336,7 +336,7 @@ def test_streams_close_when_both_sides_end_and_ids_are_not_reused() -> None:
     b.end_stream(stream_id)
     assert deliver(b, a) == [StreamEnded(stream_id)]
     assert not a.is_open(stream_id) and not b.is_open(stream_id)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: peer reopened stream 1$"):
         b.receive_data(HEADER.pack(OPEN, 0, stream_id, 1) + b"x")
 
 
@@ -377,7 +377,7 @@ def test_goaway_refuses_new_streams_and_resets_unprocessed_ones() -> None:
     events = deliver(b, a)
     assert isinstance(events[0], GoAwayReceived) and events[0].last_stream_id == early
     assert [e.stream_id for e in events if isinstance(e, StreamReset)] == [late]
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^UNREACHABLE: peer is going away: shutting down$"):
         a.open_stream("x")
     assert a.is_open(early)
 
@@ -405,13 +405,14 @@ def test_a_malformed_frame_is_a_typed_link_error_with_a_goaway(frame: bytes) -> 
     events = b.receive_data(a.data_to_send())
     assert isinstance(events[0], GoAwayReceived)
     assert events[0].error.message == info.value.message
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError) as again:  # the link stays failed, for the reason it failed
         a.open_stream("x")
+    assert again.value is info.value
 
 
 def test_frames_before_settings_are_a_link_error() -> None:
     b = Mux(dialer=False)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^BAD_REQUEST: frame type 1 before SETTINGS$"):
         b.receive_data(HEADER.pack(OPEN, 0, 1, 1) + b"x")
 
 
@@ -503,7 +504,7 @@ def test_a_flood_of_refused_opens_ends_the_link() -> None:
 
 def test_a_flood_of_opens_the_application_resets_ends_the_link() -> None:
     _, b = connected(b_config=MuxConfig(reset_flood=5))
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^OVERLOADED: RESET flood \(6 refused or reset streams in one interval\)$"):
         for n in range(20):
             (event,) = b.receive_data(HEADER.pack(OPEN, 0, 2 * n + 1, 7) + b"unknown")
             assert isinstance(event, StreamOpened)
@@ -513,7 +514,7 @@ def test_a_flood_of_opens_the_application_resets_ends_the_link() -> None:
 
 def test_resets_from_the_peer_count_towards_the_flood() -> None:
     a, b = connected(b_config=MuxConfig(reset_flood=5))
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^OVERLOADED: RESET flood \(6 refused or reset streams in one interval\)$"):
         for _ in range(10):
             stream_id = a.open_stream("x")
             a.reset_stream(stream_id, ProtocolError(ErrorCode.CANCELLED, "never mind"))

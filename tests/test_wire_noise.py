@@ -133,7 +133,7 @@ def test_the_mesh_key_authenticates_message_one() -> None:
     (first,) = a.records_to_send()
     tampered = bytearray(first)
     tampered[-1] ^= 1  # the tag over message 1's empty payload
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^UNAUTHORIZED: mesh key mismatch"):
         b.receive_record(bytes(tampered))
     assert [r[0] for r in b.records_to_send()] == [2]
 
@@ -197,7 +197,7 @@ def test_a_flipped_ciphertext_byte_kills_the_channel_and_releases_nothing() -> N
     assert info.value.code is ErrorCode.PAYLOAD_CORRUPT
     # The channel is dead: even the untouched records are refused now.
     for record in (first, second):
-        with pytest.raises(ProtocolError):
+        with pytest.raises(ProtocolError, match=r"^PAYLOAD_CORRUPT: record failed authentication"):
             b.receive_record(record)
 
 
@@ -216,7 +216,7 @@ def test_reordered_records_are_rejected() -> None:
     a.send(b"first")
     a.send(b"second")
     first, second = a.records_to_send()
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match=r"^PAYLOAD_CORRUPT: record failed authentication"):
         b.receive_record(second)
 
 
