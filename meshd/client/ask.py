@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 
 import trio
 
+from meshd.client.prefix import look_up
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
@@ -128,6 +129,9 @@ class AskRequest:
     speculate: Literal["off", "ngram", "model"] = "off"
     max_draft: int = 8
     # the fast path (wire.fastlink): rows go engine worker to engine worker, where the route allows
+    # the stages' prefix caches (meshd.client.prefix): the prompt's rows begin past the longest prefix
+    # every stage of the route keeps of this asker's earlier sessions (a verified ask runs them all)
+    cache: bool = True
     # it (every hop direct, f32, no receipts, no draft model); off, every row goes through the daemons
     fast: bool = True
 
@@ -177,6 +181,8 @@ class AskResult:
     excluded: list[str] = field(default_factory=list)
     # output verification: whether spot checks ran (None: not asked for), and the ranges whose steps
     # no replica checked to the end of the answer, one note a range and node
+    # the prompt's positions the last epoch took from the stages' prefix caches instead of running them
+    cached_tokens: int = 0
     checked: bool | None = None
     unverified: list[Unchecked] = field(default_factory=list)
     # where a failover carried the answer onto stages of other numerics (another engine build or
@@ -430,12 +436,21 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                                 messages=[ChatMessage(**m) for m in request.messages], carry_tokens=carry)
             else:
                 prompt = Prompt(session=session, epoch=epoch, text=request.text or "", carry_tokens=carry)
-            await _from_stage(0, head_stream.send_message(prompt))
+            # the prefix cache, where every stage of the route keeps one
+            caching = request.cache and verifier is None and all(info.cache_tokens for info in result.route)
+            await _from_stage(0, head_stream.send_message(prompt.model_copy(update={"cache": caching})))
+            result.cached_tokens = 0
+            if caching:
+                ids, result.cached_tokens = await look_up([s for s in opened if s is not None], session, epoch,
+                                                          stall_timeout, _from_stage)
+                result.prompt_tokens = result.prompt_tokens or ids
             last = len(opened) - 1
             for i, stream in enumerate(opened[1:-1], start=1):
                 assert stream is not None
                 nursery.start_soon(_from_stage, i, _watch_for_errors(stream, answered, verifier, i))
-            if last > 0:
+            if last > 0 and caching:
+                nursery.start_soon(_from_stage, 0, _watch_for_errors(head_stream, answered, verifier, 0))
+            elif last > 0:
                 nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout,
                                                                           tail_stream, verifier, answered))
             await _from_stage(last, _receive_tokens(tail_stream, result, None if hold else on_token, stall_timeout,

@@ -314,9 +314,10 @@ class StageBooks(Generic[T]):
             self.dirty.append((slot, generation))
             self._free.append(slot)
 
-    def drop_cache(self) -> None:
-        """The engine's KV is gone (its worker died): the entries go, their sequences are free and clean."""
-        self._free.extend(self.cache.clear())
+    def drop_cache(self, generation: int = -1) -> None:
+        """Forgets every cache entry: their sequences are free, to be cleared in worker ``generation``
+        (-1: the worker that held them is gone, and their KV with it)."""
+        self._freed(self.cache.clear(), generation)
 
     def start_at(self, book: SessionBook, pos: int, now: float) -> list[SessionBook]:
         """The session's rows begin at ``pos``: the positions before it are the cached prefix a lookup

@@ -55,6 +55,8 @@ class PrefixCache:
     limit: int = 0
     entries: list[Entry] = field(default_factory=list)
     counts: CacheCounts = field(default_factory=CacheCounts)
+    # sequences of entries whose cells are being copied: no session takes them meanwhile
+    pinned: set[int] = field(default_factory=set)
 
     @property
     def tokens(self) -> int:
@@ -94,22 +96,29 @@ class PrefixCache:
         freed = [e.slot for e in mine if _common(e.keys, keys) == len(e.keys)]
         self.entries = [e for e in self.entries if e.slot not in freed]
         self.entries.append(Entry(owner, slot, keys, now))
-        while self.tokens > self.limit:
+        while self.tokens > self.limit and any(e.slot not in self.pinned for e in self.entries):
             freed.append(self._drop_oldest())
         return freed
 
     def take_slot(self) -> int | None:
         """A sequence for a live session: the least recently used entry's (None: there is none)."""
-        return self._drop_oldest() if self.entries else None
+        return self._drop_oldest() if any(e.slot not in self.pinned for e in self.entries) else None
+
+    def pin(self, entry: Entry) -> None:
+        self.pinned.add(entry.slot)
+
+    def unpin(self, entry: Entry) -> None:
+        self.pinned.discard(entry.slot)
 
     def clear(self) -> list[int]:
         """Forgets every entry (the engine's KV is gone); returns their sequences."""
         slots = [e.slot for e in self.entries]
         self.entries = []
+        self.pinned.clear()
         return slots
 
     def _drop_oldest(self) -> int:
-        oldest = min(self.entries, key=lambda e: e.last_used)
+        oldest = min((e for e in self.entries if e.slot not in self.pinned), key=lambda e: e.last_used)
         self.entries.remove(oldest)
         self.counts.evictions += 1
         return oldest.slot

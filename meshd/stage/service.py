@@ -59,7 +59,11 @@ from wire.receipt import MAX_CHAIN, SPAN, PackedChain, read_chain, row_hash, sam
 from wire.stage import (
     MAX_INPUTS_BYTES,
     STAGE_PROTOCOL,
+    PREFIX_BLOCK,
     Cancel,
+    CacheFound,
+    CacheLookup,
+    CacheUse,
     Done,
     Hop,
     Inputs,
@@ -152,6 +156,10 @@ class Session:
     fast_opened: trio.Event = field(default_factory=trio.Event)
     fast_ended: bool = False
 
+    # the prefix cache: the keys of the prompt the asker looked up (an entry is kept of them when the
+    # session ends cleanly), and at the head the prompt's ids, held until the asker's CacheUse
+    prefix_keys: list[bytes] | None = None
+    held_prompt: list[int] | None = None
 
 # how the draft model picks its drafts: its most likely token
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 0,
@@ -246,6 +254,8 @@ class StageService:
     @functools.cached_property
     def signer(self) -> Signer:
         """This node's key for receipts, worked out when a session first asks for them."""
+        # the prefix cache is on (--cache-tokens) and the model's memory allows it (a copy said so)
+        self.caching = limits.cache_tokens > 0
         return Signer(self.peers.identity)
 
     @property
@@ -305,7 +315,8 @@ class StageService:
         r = self.report
         return StageInfo(node_id=self.peers.node_id, model_digest=self.digest, model_name=self.model_name,
                          layer_begin=r.layer_begin, layer_end=r.layer_end, n_layer=r.n_layer, stage_width=r.stage_width,
-                         ready=self.engine.is_up, needs_tokens=r.needs_tokens, numerics=r.numerics)
+                         ready=self.engine.is_up, needs_tokens=r.needs_tokens, numerics=r.numerics,
+                         cache_tokens=self.limits.cache_tokens if self.caching else 0)
 
     def metric_values(self) -> dict[str, float]:
         m, counts = self.metrics, self.books.counts
@@ -338,6 +349,13 @@ class StageService:
             "worker_up": float(self.engine.is_up),
         }
 
+            # the prefix cache: tokens its entries hold, lookups and hits, prompt tokens asked for and found
+            "cache_tokens": float(self.books.cache.tokens),
+            "cache_lookups": float(self.books.cache.counts.lookups),
+            "cache_hits": float(self.books.cache.counts.hits),
+            "cache_looked_tokens": float(self.books.cache.counts.looked_tokens),
+            "cache_hit_tokens": float(self.books.cache.counts.hit_tokens),
+            "cache_evictions": float(self.books.cache.counts.evictions),
     # ----- sessions (the asker's control stream owns the session's lifetime)
 
     def _check_open(self, msg: Open) -> None:
@@ -465,6 +483,8 @@ class StageService:
         except ProtocolError:
             pass
 
+                if book.failure is None:
+                    await self._keep_prefix(session)
     async def _open_hop(self, target: PeerRef, ring: bool) -> Stream:
         what = "the head" if ring else "the next stage"
         try:
@@ -511,6 +531,10 @@ class StageService:
         book = session.book
         if not self.report.has_input:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only the head stage takes the prompt")
+            elif isinstance(msg, CacheLookup):
+                await self._cache_lookup(session, msg)
+            elif isinstance(msg, CacheUse):
+                await self._cache_use(session, msg)
         if book.prompt_len is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has its prompt")
         self._check_downstream(session)
@@ -540,16 +564,27 @@ class StageService:
             # the worker runs the prompt and the ring's tokens itself, once its connections come
             await self._fast_open(session, prompt=tokens)
         session.hop_info.set()
-        session.to_asker.send_nowait(PromptTokens(session=book.id, epoch=book.epoch, tokens=tokens))
+        if tell:
+            session.to_asker.send_nowait(PromptTokens(session=book.id, epoch=book.epoch, tokens=tokens))
         if session.open.fast:
             return
         arr = np.asarray(tokens, dtype=np.int32)
         chunk = self.limits.prefill_chunk
         whole = self.report.has_output
-        for start in range(0, len(arr), chunk):
+        for start in range(book.start, len(arr), chunk):
             part = arr[start:start + chunk]
             h_in = row_hash(part.tobytes()) if session.receipts is not None else b""
             ids = part.tolist()
+        if msg.cache:
+            # the asker looks the prompt's prefix up on every stage first, and then says where it begins
+            session.held_prompt = tokens
+            session.to_asker.send_nowait(PromptTokens(session=book.id, epoch=book.epoch, tokens=tokens))
+            return
+        await self._run_prompt(session, tokens, tell=True)
+
+    async def _run_prompt(self, session: Session, tokens: list[int], tell: bool) -> None:
+        """Runs the prompt's rows from where the session starts (past a cached prefix, if it has one)."""
+        book = session.book
             self._enqueue(session, start, len(part), Rows(session, part, None, ids if session.carry else None, h_in,
                                                           history=ids if whole else None))
 
@@ -567,6 +602,87 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids exceed this stage's session "
                                                        f"budget of {self.limits.max_session_tokens} tokens")
         if book.prompt_len is not None and len(msg.tokens) != book.prompt_len:
+    # ----- the prefix cache (meshd.stage.prefix)
+
+    async def _cache_lookup(self, session: Session, msg: CacheLookup) -> None:
+        """Copies the longest prefix of the asker's keys that an entry of the same asker holds into the
+        session's sequence, before any of its rows run, and says how many positions that is."""
+        book = session.book
+        if (msg.session, msg.epoch) != (book.id, book.epoch):
+            raise ProtocolError(ErrorCode.EPOCH_STALE, "a lookup for another session or epoch")
+        if session.prefix_keys is not None or book.next_pos or book.in_flight or book.phase not in LIVE:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a session looks its prefix up once, before its rows")
+        if session.receipts is not None or session.open.check:
+            # a spot check replays a stage's kept inputs on a replica: a cached prefix's were never sent
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a session with receipts takes no cached prefix")
+        if len(msg.keys) * PREFIX_BLOCK > self.limits.max_session_tokens:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.keys)} prefix keys exceed this stage's session "
+                                                       f"budget of {self.limits.max_session_tokens} tokens")
+        session.prefix_keys = list(msg.keys)
+        found = 0
+        entry, shared = self.books.cache.find(book.owner, msg.keys, trio.current_time()) if self.caching \
+            else (None, 0)
+        if entry is not None:
+            # the entry's sequence is not given to a new session while its cells are copied
+            self.books.cache.pin(entry)
+            try:
+                await self._engine_call({"op": "prefix_copy", "src": entry.slot, "dst": book.slot,
+                                         "n": shared * PREFIX_BLOCK})
+                found = shared * PREFIX_BLOCK
+            except ProtocolError as exc:
+                if exc.code is not ErrorCode.BAD_REQUEST:
+                    raise
+                # this model's memory is more than its cells (a sliding window, a recurrent state)
+                log.info("the prefix cache is off: %s", exc.message)
+                self.caching = False
+                self.books.drop_cache(self.engine.generation)
+            finally:
+                self.books.cache.unpin(entry)
+        book.found = found
+        session.to_asker.send_nowait(CacheFound(session=book.id, epoch=book.epoch, tokens=found))
+
+    async def _cache_use(self, session: Session, msg: CacheUse) -> None:
+        """The head: the asker's word on where the prompt's rows begin (the least every stage found)."""
+        book = session.book
+        tokens = session.held_prompt
+        if (msg.session, msg.epoch) != (book.id, book.epoch):
+            raise ProtocolError(ErrorCode.EPOCH_STALE, "a cache word for another session or epoch")
+        if tokens is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "only a head holding a prompt for the cache takes CacheUse")
+        session.held_prompt = None
+        await self._start(session, msg.tokens, tokens[:msg.tokens])
+        await self._run_prompt(session, tokens, tell=False)
+
+    async def _start(self, session: Session, pos: int, history: list[int] | None = None) -> None:
+        """The session's rows begin at ``pos``, past the cached prefix its sequence holds: the KV past it
+        goes, and the daemons' tail samples with the prefix's ids in its penalty history."""
+        book = session.book
+        if not pos and not book.found:
+            return
+        for other in self.books.start_at(book, pos, trio.current_time()):
+            self._ended(other)
+        if book.found > pos:
+            await self._engine_call({"op": "remove", "seq": book.slot, "p0": pos, "p1": -1})
+        if pos and self.report.has_output and not session.open.fast:
+            if history is None:
+                history = await self._history(session, 0, pos)
+            s = session.open.sampling
+            await self._engine_call({"op": "sampler_new", "sid": book.slot, "history": history, "params": {
+                "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed}})
+
+    async def _keep_prefix(self, session: Session) -> None:
+        """A session that ended cleanly leaves its sequence's prompt prefix as a cache entry."""
+        book, keys = session.book, session.prefix_keys
+        if not self.caching or not keys or not self.books.holds(book) or book.generation != self.engine.generation:
+            return
+        try:
+            reply, _ = await self._engine_call({"op": "prefix_keep", "seq": book.slot,
+                                                "upto": len(keys) * PREFIX_BLOCK})
+        except ProtocolError:
+            return
+        self.books.keep(book, keys[:int(reply["tokens"]) // PREFIX_BLOCK], trio.current_time())
+
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for a prompt of "
                                                        f"{book.prompt_len}")
         steps.check_ids(msg.tokens, self.report.n_vocab)
@@ -610,7 +726,8 @@ class StageService:
         try:
             await hop_stream.send_message(Hop(session=book.id, epoch=book.epoch, ring=ring,
                                               prompt_tokens=book.prompt_len or 0,
-                                              carry_tokens=0 if ring else session.carry, fast=offer))
+                                              carry_tokens=0 if ring else session.carry, fast=offer,
+                                              start=0 if ring else book.start))
             if offer is None:
                 # from now on a step's rows go straight onto the stream when they can (Outlet)
                 await outlet.run(hop_stream)
@@ -669,6 +786,8 @@ class StageService:
             # a check session's rows come from its opener, who has no receipt to give for them
             wanted = session.receipts is not None and not session.open.check
             # a decode step's rows are queued as they arrive, without waking this task
+            if not hop.ring:
+                await self._start(session, hop.start)
             stream.set_message_hook(functools.partial(self._activation_nowait, session, wanted,
                                                       stream.remote_node_id))
             while True:
@@ -712,6 +831,7 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session takes the fast path: its hop must offer "
                                                        "the connection")
         expected = self.door.expect(offer.token)
+                                 "start": book.start,
         try:
             if not hop.ring:
                 await self._fast_open(session)
