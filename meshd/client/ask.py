@@ -190,12 +190,13 @@ class AskResult:
     crossed_numerics_at: list[int] = field(default_factory=list)
     # the stage's word when the answer ended at a stage's session budget (reason "budget")
     budget: str = ""
-    # tokens handed to the client (``hand_over``), and those it was handed that a caught lie then threw
-    # away (the answer started again: the client must be told, as it cannot take them back)
+    # tokens handed on past the checks (``hand_over``; a verified fast ask's wait on their span's receipts)
+    # and when the first was; of them, those an asker's client took, and those it took that a caught lie
+    # then threw away (the answer started again: the client must be told, as it cannot take them back)
+    handed: int = 0
+    first_shown_at: float | None = None
     shown: int = 0
     withdrawn: int = 0
-    # when the client was handed its first token (a verified fast ask's waits on its span's receipts)
-    first_shown_at: float | None = None
 
     @property
     def verified(self) -> bool:
@@ -215,7 +216,7 @@ class AskResult:
     def restart(self) -> None:
         """The answer is generated again from the prompt: what was said of the old one goes with it."""
         self.withdrawn += self.shown
-        self.shown = 0
+        self.shown = self.handed = 0
         self.tokens.clear()
         self.pieces.clear()
         self.unverified.clear()
@@ -261,9 +262,9 @@ async def deliver(on_token: OnToken | None, token: int, piece: bytes) -> None:
 async def hand_over(result: AskResult, on_token: OnToken | None, until: int) -> None:
     """Hands the client the answer's tokens up to ``until`` that it does not have yet (counted once
     taken: a hand-over cancelled while the client takes one gives it again)."""
-    while on_token is not None and (k := result.shown) < min(until, len(result.tokens)):
+    while on_token is not None and (k := result.handed) < min(until, len(result.tokens)):
         await deliver(on_token, result.tokens[k], result.pieces[k])
-        result.shown = k + 1
+        result.handed = k + 1
         if result.first_shown_at is None:
             result.first_shown_at = time.perf_counter()
 
@@ -650,7 +651,9 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
 
     async def on_progress(token: int, piece: bytes) -> None:
         progressed()
-        await deliver(on_token, token, piece)
+        if on_token is not None:
+            await deliver(on_token, token, piece)
+            result.shown += 1
 
     for epoch in range(attempts):
         if result.tokens and len(result.tokens) >= request.max_tokens:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover, hand_over
+from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover, deliver
 from meshd.client.verifier import Verifier
 from meshd.client.verify import DEFAULT_VERIFY, CheckPlan
 from meshd.net.peers import Peers
@@ -98,5 +98,6 @@ class Asker:
             for proof in [] if verifier is None else verifier.proofs:
                 await self.report_proof(proof)
         if self.require_verified:
-            await hand_over(result, on_token, len(result.tokens))
+            for token, piece in zip(result.tokens, result.pieces, strict=True):
+                await deliver(on_token, token, piece)
         return result
