@@ -26,7 +26,7 @@ from typing import Any, NoReturn, TypeVar
 
 import trio
 
-from meshd import progress, status_table
+from meshd import bench, progress, status_table
 from meshd.client.ask import (
     AskRequest,
     AskResult,
@@ -1157,6 +1157,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--wait", type=number(0, 86400), default=0.0,
                    help="seconds to wait for the mesh to cover the model, asking again each second, with "
                         "progress on a terminal (default: %(default)s, say at once what is missing)")
+    b = sub.add_parser("bench", help="this machine's speed a layer and memory a layer for the model it would offer")
+    b.add_argument("--model", type=gguf_file, help=model_help)
+    b.add_argument("--memory", type=size, default="1G", help="memory to offer, as join takes it (default: %(default)s)")
+    b.add_argument("--threads", type=threads, default=0, help="compute threads (default: 0, all cores)")
+    b.add_argument("--max-sessions", type=sessions, default=4, help="sessions, as join takes it (default: %(default)s)")
+    b.add_argument("--session-tokens", type=tokens, default=1024,
+                   help="KV tokens a session, as join takes it (default: %(default)s)")
+    b.add_argument("--tokens", type=integer(1, 4096), default=32, help="tokens decoded for the speed (default: %(default)s)")
     pl = sub.add_parser("pull", help="fetch a model, or a layer range of it, from members or the hub, by hand")
     pl.add_argument("model_id", type=model_id_or_hub, metavar="ID|hf:ORG/REPO[:QUANT][@REV]",
                     help="the model id (64 hex digits), fetched from --seed members; or a hub model (HF_ENDPOINT, "
@@ -1177,7 +1185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models": models, "relay": relay,
-            "pull": pull}
+            "pull": pull, "bench": bench.bench}
 
 
 def log_setup(args: argparse.Namespace) -> None:

@@ -182,7 +182,7 @@ def baseline(mesh: Mesh) -> Baseline:
 @asynccontextmanager
 async def attacker(case: str, mesh: Mesh, target: str) -> AsyncIterator[subprocess.Popen[str]]:
     """This file as a script, running one attack until stopped; yields once it is under way."""
-    code = "import sys; sys.path[:0] = ['.', 'tests']; import test_hostile_net as t; t.attack_main(sys.argv[1:])"
+    code = "import sys; sys.path[:0] = ['tests', 'tools']; import test_hostile_net as t; t.attack_main(sys.argv[1:])"
     proc = subprocess.Popen([sys.executable, "-c", code, case, target, str(mesh.key_file)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, preexec_fn=raise_own_fd_limit)
     try:

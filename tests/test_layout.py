@@ -31,6 +31,8 @@ RANK: dict[str, float] = {
     "meshd.status_table": 3,
     "meshd.daemon": 4,
     "meshd.front": 5,
+    # `meshd bench`: a model's figures from the daemon's describe_model and the engine
+    "meshd.bench": 5,
     "meshd.cli": 6,
     "meshd.__main__": 7,
 }

@@ -69,7 +69,7 @@ def test_stopping_a_process_stops_what_it_left_in_its_group() -> None:
 
 RUN = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tools")
     from localmesh import start_serve
     served = start_serve("--model", sys.argv[1], "--threads", "1", "--max-sessions", "1", "--session-tokens", "64")
     print(served.proc.pid, served.worker_pid, flush=True)

@@ -24,25 +24,20 @@ Usage: .venv/bin/python tools/bench_api.py [--rounds 5] [--tokens 64] [--json be
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
-
-import anthropic  # noqa: E402
-import httpx2  # noqa: E402
-import openai  # noqa: E402
-import trio  # noqa: E402
-from localmesh import Served, run_meshd, start_join, stop_all  # noqa: E402
+import anthropic
+import httpx2
+import openai
+import trio
+from benchlib.result import parser, publish
+from localmesh import Served, run_meshd, start_join, stop_all
 
 VOLUNTEER = ["--memory", "64M", "--threads", "1", "--max-sessions", "8", "--session-tokens", "256"]
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
@@ -175,12 +170,13 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each contestant; medians are reported")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per answer (default 64)")
     ap.add_argument("--concurrent", type=int, default=8, help="API streams at once (default 8)")
-    ap.add_argument("--json", type=Path, help="write every sample and the medians here")
     args = ap.parse_args()
+    if args.smoke:  # the smallest run through every part: one round of two streams of a few tokens
+        args.rounds, args.tokens, args.concurrent = 1, 4, 2
     nodes: list[Served] = []
     with tempfile.TemporaryDirectory(prefix="meshd-bench-api-") as state:
         try:
@@ -192,11 +188,7 @@ def main() -> int:
             result = trio.run(bench, nodes[0], url, args)
         finally:
             stop_all(reversed(nodes))
-    print(table(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    publish("api", args, result, table(result))
     return 0
 
 

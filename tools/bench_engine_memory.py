@@ -20,11 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchlib.result import parser, publish
 
-from meshd.engine.chain import parse_ranges  # noqa: E402
-from meshd.mesh.models import default_model_path  # noqa: E402
+from meshd.engine.chain import parse_ranges
+from meshd.mesh.models import default_model_path
 
 STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 MIB = 1 << 20
@@ -86,16 +85,17 @@ def table(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model)")
     p.add_argument("--ranges", default="0:10,10:20,20:30,0:30", help="comma-separated START:END layer ranges")
     p.add_argument("--n-ctx", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=8, help="rows in the one forward")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.model = args.model or default_model_path()
+    if args.smoke:  # the smallest run through every part: the floor and one short range
+        args.ranges, args.n_ctx = "0:2", 64
 
     if args.child is not None:
         layers = None if args.child == "none" else parse_ranges(args.child)[0]
@@ -103,12 +103,10 @@ def main() -> None:
         return
 
     rows = [run_isolated(args, spec) for spec in ["none", *args.ranges.split(",")]]
-    if args.json:
-        meta = {"model": str(args.model), "n_ctx": args.n_ctx, "threads": args.threads, "forward_rows": args.prompt}
-        print(json.dumps({**meta, "rows": rows}, indent=1))
-    else:
-        print(f"model: {args.model.name}  n_ctx: {args.n_ctx}  threads: {args.threads}  forward rows: {args.prompt}")
-        print(table(rows))
+    meta = {"model": str(args.model), "n_ctx": args.n_ctx, "threads": args.threads, "forward_rows": args.prompt}
+    publish("engine_memory", args, {**meta, "rows": rows},
+            f"model: {args.model.name}  n_ctx: {args.n_ctx}  threads: {args.threads}  forward rows: {args.prompt}\n"
+            + table(rows))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Usage: .venv/bin/python tools/bench_fetch.py [--rounds 3] [--asks 4] [--json ben
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import statistics
@@ -36,23 +35,20 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from benchlib.procs import ROOT
+from benchlib.result import parser, publish
+from localmesh import run_meshd, spawn, start_serve, stop_process
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
-
-from localmesh import run_meshd, spawn, start_serve, stop_process  # noqa: E402
-
-from meshd.fetch.fetcher import SourceRef, fetch_chunks, fetch_manifest  # noqa: E402
-from meshd.fetch.source import ChunkSource, SourceConfig, activity, register  # noqa: E402
-from meshd.mesh.models import default_model_path  # noqa: E402
-from meshd.net.link import Stream  # noqa: E402
-from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
-from meshd.stage.service import StageLimits, stage_node  # noqa: E402
-from meshd.store.holding import WholeFile  # noqa: E402
-from meshd.store.manifest import Manifest, compute  # noqa: E402
-from meshd.store.sparse import SparseFile  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
+from meshd.fetch.fetcher import SourceRef, fetch_chunks, fetch_manifest
+from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
+from meshd.mesh.models import default_model_path
+from meshd.net.link import Stream
+from meshd.net.peers import PeersConfig, open_peers
+from meshd.stage.service import StageLimits, stage_node
+from meshd.store.holding import WholeFile
+from meshd.store.manifest import Manifest, compute
+from meshd.store.sparse import SparseFile
+from wire.identity import NodeIdentity
 
 RAW = "bench/raw"
 RATE = re.compile(r"([\d.]+) tokens/s")
@@ -244,23 +240,19 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="raw and fetch transfers of the whole model (default 3)")
-    parser.add_argument("--asks", type=int, default=4, help="idle and loaded asks each (default 4)")
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens an ask decodes (default 64)")
-    parser.add_argument("--json", type=Path, help="write every sample and the medians here")
-    parser.add_argument("--server", choices=["raw", "stage", "stage-unthrottled"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=3, help="raw and fetch transfers of the whole model (default 3)")
+    ap.add_argument("--asks", type=int, default=4, help="idle and loaded asks each (default 4)")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens an ask decodes (default 64)")
+    ap.add_argument("--server", choices=["raw", "stage", "stage-unthrottled"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
     if args.server:
         trio.run(server, args.server)
         return 0
+    if args.smoke:  # the smallest run through every part: one transfer, one ask of a few tokens each way
+        args.rounds, args.asks, args.tokens = 1, 1, 4
     out = trio.run(bench, args)
-    text = table(out)
-    print(text)
-    out["table"] = text
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+    publish("fetch", args, out, table(out))
     return 0
 
 

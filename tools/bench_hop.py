@@ -61,30 +61,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT))
+import trio
+from benchlib.asks import DECODE_TEXT, decode_rate, meshd_decode, stage_metrics
+from benchlib.procs import BenchError, Proc, affinity, cpu_ns, median, pin, start_stage, usable_cores
+from benchlib.result import parser, publish
 
-import trio  # noqa: E402
-from bench_engine import decode_rate  # noqa: E402
-from bench_pipeline import (  # noqa: E402
-    DECODE_TEXT,
-    BenchError,
-    Proc,
-    cpu_ns,
-    median,
-    meshd_decode,
-    publish,
-    stage_metrics,
-    start_stage,
-    write_json,
-)
-
-from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session  # noqa: E402
-from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
-from meshd.engine.engine import Model  # noqa: E402
-from meshd.net.peers import Peers, open_peers  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
+from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
+from meshd.engine.chain import LocalChain, even_ranges
+from meshd.engine.engine import Model
+from meshd.mesh.models import default_model_path
+from meshd.net.peers import Peers, open_peers
+from wire.identity import NodeIdentity
 
 HOPS = 3
 PATHS = ("fast", "daemons", "inproc")
@@ -93,29 +80,10 @@ PATHS = ("fast", "daemons", "inproc")
 # ----- cores
 
 
-def usable_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
 
 
-def pin(pid: int, cores: set[int]) -> None:
-    """Every thread of pid onto cores (threads started later inherit their creator's affinity)."""
-    tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()] if Path(f"/proc/{pid}/task").exists() else [pid]
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, cores)
-        except ProcessLookupError:
-            pass  # a thread that ended meanwhile
 
 
-def affinity(pid: int) -> list[int]:
-    """The cores the threads of pid may run on, all together."""
-    out: set[int] = set()
-    try:
-        for t in Path(f"/proc/{pid}/task").iterdir():
-            out |= os.sched_getaffinity(int(t.name))
-    except OSError:
-        pass
-    return sorted(out)
 
 
 def pin_all(stages: list[Proc], cores: list[int]) -> dict[str, Any]:
@@ -226,7 +194,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     rec[name]["hop_ms"] = (1 / r - compute) / HOPS * 1000 if r else float("nan")
                 rec["exact"] = rec["fast"]["ids"] == rec["daemons"]["ids"]
                 out["samples"].append(rec)
-                write_json(args.json, out)  # what is measured so far survives a later failure
+                publish("hop", args, out)  # what is measured so far survives a later failure
                 print(f"round {rnd + 1}/{args.rounds}: fast {rec['fast']['rate']:.1f} tok/s "
                       f"(hop {rec['fast']['hop_ms']:.3f} ms, {rec['fast']['tokens']} tokens), daemons "
                       f"{rec['daemons']['rate']:.1f} tok/s (hop {rec['daemons']['hop_ms']:.3f} ms, "
@@ -315,8 +283,8 @@ def table(out: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, required=True, help="a GGUF (a tiny one isolates the hop's own cost)")
+    ap = parser(__doc__)
+    ap.add_argument("--model", type=Path, help="a GGUF (a tiny one isolates the hop's own cost; default: meshd's)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens asked of each decode session (default 128)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; medians and all samples are reported (default 3)")
     ap.add_argument("--pin", action="store_true",
@@ -325,9 +293,10 @@ def main() -> int:
     ap.add_argument("--session-tokens", type=int, default=512, help="KV tokens per session on each stage")
     ap.add_argument("--stall-timeout", type=float, default=60.0, help="seconds a session waits for a token")
     ap.add_argument("--time-limit", type=float, default=600.0, help="seconds the whole run may take")
-    ap.add_argument("--json", type=Path, help="write every sample, the medians' inputs and the table here")
-
     args = ap.parse_args()
+    args.model = args.model or default_model_path()
+    if args.smoke:  # the smallest run through every path: one round of a few tokens
+        args.tokens, args.rounds, args.session_tokens = 8, 1, 64
 
     async def limited() -> dict[str, Any]:
         with trio.fail_after(args.time_limit):
@@ -338,7 +307,7 @@ def main() -> int:
     except (BenchError, trio.TooSlowError) as exc:
         print(f"bench_hop: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    publish(out, table(out), args.json)
+    publish("hop", args, out, table(out))
     return 0 if all(r["exact"] for r in out["samples"]) else 3
 
 

@@ -24,24 +24,20 @@ Usage: .venv/bin/python tools/bench_hop_floor.py [--tokens 128] [--no-engine]
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import socket
 import struct
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib.result import parser, publish
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
-
-from meshd.engine.engine import Context, Model  # noqa: E402
-from meshd.mesh.models import default_model_path  # noqa: E402
+from meshd.engine.engine import Context, Model
+from meshd.mesh.models import default_model_path
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 WIDTH = 576  # the default model's residual width
@@ -152,11 +148,12 @@ def in_process(model: str, prompt: list[int], tokens: int) -> tuple[float, list[
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--no-engine", action="store_true", help="forward the bytes without computing")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.smoke:  # the smallest ring through every part
+        args.tokens = 4
     model = str(default_model_path())
     engine = not args.no_engine
     # token ids of a short chat prompt of the default model (any ids do: both sides take the same)
@@ -199,14 +196,13 @@ def main() -> int:
         report |= {"in_process_ms_per_token": compute * 1e3, "per_hop_overhead_ms": (wall - compute) / 3 * 1e3,
                    "ring_tok_s": 1 / wall, "in_process_tok_s": 1 / compute,
                    "tokens_identical": results[0][2] == ref}
-        print(f"ring {1 / wall:.1f} tok/s, in-process split {1 / compute:.1f} tok/s, "
-              f"per-hop overhead {(wall - compute) / 3 * 1e3:.3f} ms, tokens identical: {report['tokens_identical']}")
+        lines = [f"ring {1 / wall:.1f} tok/s, in-process split {1 / compute:.1f} tok/s, "
+              f"per-hop overhead {(wall - compute) / 3 * 1e3:.3f} ms, tokens identical: {report['tokens_identical']}"]
     else:
-        print(f"ring without compute: {wall * 1e3:.3f} ms per token round, {wall / 3 * 1e3:.3f} ms per hop")
-    print("CPU µs per token (head, middle, tail): " + " · ".join(f"{c:.0f}" for c in cpu))
-    print(f"load average {os.getloadavg()[0]:.1f}")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        lines = [f"ring without compute: {wall * 1e3:.3f} ms per token round, {wall / 3 * 1e3:.3f} ms per hop"]
+    lines += ["CPU µs per token (head, middle, tail): " + " · ".join(f"{c:.0f}" for c in cpu),
+              f"load average {os.getloadavg()[0]:.1f}"]
+    publish("hop_floor", args, report, "\n".join(lines))
     return 0
 
 

@@ -78,93 +78,55 @@ import argparse
 import functools
 import os
 import platform
-import re
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import trio  # noqa: E402
-from bench_engine import decode_rate  # noqa: E402
-from bench_pipeline import (  # noqa: E402
+import trio
+from benchlib.asks import (
+    AGG_PROMPT,
     DECODE_TEXT,
-    TOOLS,
-    BenchError,
-    Proc,
-    cpu_ns,
-    median,
+    decode_rate,
     meshd_aggregate,
     meshd_decode,
     meshd_decode_cpu,
     meshd_prefill,
     meshd_ttft,
     prompt_tokens,
-    publish,
-    rpc_layer_devices,
-    run_llama_bench,
+)
+from benchlib.llama import llama_batched, rpc_layer_devices, run_llama_bench, tensor_split
+from benchlib.procs import (
+    ROOT,
+    TOOLS,
+    BenchError,
+    Proc,
+    carried,
+    cpu_ns,
+    exited_children_cpu_ns,
+    median,
+    start_proxy,
     start_rpc_server,
     start_stage,
-    tensor_split,
-    write_json,
 )
+from benchlib.result import parser, publish
+from localmesh import stop_all
 
-from meshd.client.ask import Stage, route_at  # noqa: E402
-from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
-from meshd.mesh.models import default_model_path  # noqa: E402
-from meshd.net.peers import Peers, open_peers  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
+from meshd.client.ask import Stage, route_at
+from meshd.engine.chain import LocalChain, even_ranges
+from meshd.mesh.models import default_model_path
+from meshd.net.peers import Peers, open_peers
+from wire.identity import NodeIdentity
 
-EMULATOR = ROOT / "tools" / "link_emulator.py"
-READY = re.compile(r"^ready (\S+) ")
-CLOSED = re.compile(r"^closed: (\d+) bytes up, (\d+) bytes down")
 HOPS = 3
+NAN = float("nan")
+# the RPC figures of a run without llama.cpp (--smoke): the tables print nan where they go
+NO_RPC = {"decode": NAN, "decode_samples": [], "decode_fa_off": NAN, "prefill": NAN, "ttft": NAN,
+          "cpu_us": {"servers": [NAN] * HOPS, "links": [], "driver": NAN}}
 
-
-# ----- emulated links
-
-
-def start_proxy(target: str, delay_ms: float, logdir: Path, name: str, timeout: float = 30.0) -> Proc:
-    log = logdir / f"link-{name}-{delay_ms:g}ms.log"
-    f = log.open("wb")
-    proc = subprocess.Popen([sys.executable, str(EMULATOR), "--listen", "127.0.0.1:0", "--to", target,
-                             "--delay-ms", f"{delay_ms:g}"], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = READY.match(log.read_text(errors="replace"))
-        if m:
-            return Proc(proc, log, [proc.pid], m.group(1))
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise BenchError(f"link_emulator to {target} did not start: {log.read_text(errors='replace').strip()[-300:]}")
-
-
-def carried(proxy: Proc) -> list[tuple[int, int]]:
-    """(bytes up, bytes down) of each connection the (stopped) proxy carried."""
-    return [(int(m.group(1)), int(m.group(2))) for m in
-            (CLOSED.match(line) for line in proxy.log.read_text(errors="replace").splitlines()) if m]
-
-
-def stop_all(procs: list[Proc]) -> None:
-    for p in procs:
-        p.stop()
 
 
 # ----- one delay
-
-
-def children_cpu_ns() -> int:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return int((r.ru_utime + r.ru_stime) * 1e9)
 
 
 def rpc_decode(args: argparse.Namespace, model: Path, rpc: list[str], ts: str, watched: list[Proc]) -> dict[str, Any]:
@@ -178,9 +140,9 @@ def rpc_decode(args: argparse.Namespace, model: Path, rpc: list[str], ts: str, w
     for reps in (1, args.llama_reps + 1):
         pids = [pid for p in watched for pid in p.pids]
         before = [cpu_ns(pid) for pid in pids]
-        driver = children_cpu_ns()
+        driver = exited_children_cpu_ns()
         r = run_llama_bench(model, args.threads, [0], args.decode, reps, args.poll, rpc, ts)
-        spent.append([cpu_ns(pid) - b for pid, b in zip(pids, before, strict=True)] + [children_cpu_ns() - driver])
+        spent.append([cpu_ns(pid) - b for pid, b in zip(pids, before, strict=True)] + [exited_children_cpu_ns() - driver])
         runs.append(r)
     tokens = args.llama_reps * args.decode
     per_token = [(b - a) / tokens / 1000 for a, b in zip(spent[0], spent[1], strict=True)]
@@ -211,7 +173,9 @@ async def one_delay(args: argparse.Namespace, model: Path, delay_ms: float | Non
         async with open_peers(NodeIdentity.generate()) as peers:
             route = route_at(stage_addrs)
             await meshd_decode(peers, route, 8)  # links, KV and caches warm
-            order = ["meshd", "rpc", "engine"]
+            order = ["meshd", "rpc", "engine"] if args.llama else ["meshd", "engine"]
+            if not args.llama:
+                rec["rpc"] = NO_RPC
             order = order[rep % 3:] + order[:rep % 3]
             for name in order:
                 if name == "meshd":
@@ -272,18 +236,11 @@ async def aggregate(args: argparse.Namespace, peers: Peers, route: list[Stage]) 
     return out
 
 
-def llama_batched(args: argparse.Namespace, model: Path) -> dict[str, float]:
-    """Single-process llama.cpp: tg for one session, ppN (one batch of N tokens) standing in for N sessions."""
-    batches = [n for n in args.sessions if n > 1]
-    r = run_llama_bench(model, args.threads, batches, args.decode, args.llama_reps, args.poll)
-    out = {"1": median(r["tests"][f"tg{args.decode}"]["samples_ts"])} if 1 in args.sessions else {}
-    out |= {str(n): median(r["tests"][f"pp{n}"]["samples_ts"]) for n in batches}
-    return out
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or default_model_path()
-    for tool in ("llama-bench", "ggml-rpc-server"):
+    for tool in ("llama-bench", "ggml-rpc-server") if args.llama else ():
         if not (TOOLS / tool).exists():
             raise BenchError(f"{TOOLS / tool} is missing: run tools/build_native.py --tools first")
     prefill_ids, n_chat, n_layer = prompt_tokens(model, args.prefill)
@@ -307,13 +264,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         stages = [start_stage(model, r, args.threads, args.poll, logdir, max_sessions, args.session_tokens)
                   for r in split]
         procs += stages
-        servers = [start_rpc_server(args.threads, logdir, i) for i in range(HOPS)]
+        servers = [start_rpc_server(args.threads, logdir, i) for i in range(HOPS)] if args.llama else []
         procs += servers
-        print(f"started {HOPS} meshd stages and {HOPS} rpc-servers (logs in {logdir})", file=sys.stderr)
-        r = await trio.to_thread.run_sync(functools.partial(
-            run_llama_bench, model, args.threads, [8], 0, 1, args.poll, [s.address for s in servers], ts, verbose=True))
-        got = sorted((min(v), max(v) + 1) for dev, v in rpc_layer_devices(r["log"]).items() if dev.startswith("RPC"))
-        want = [tuple(x) for x in split[:-1]] + [(split[-1][0], n_layer + 1)]  # the output layer goes last
+        print(f"started {HOPS} meshd stages and {len(servers)} rpc-servers (logs in {logdir})", file=sys.stderr)
+        got = want = []
+        if args.llama:
+            r = await trio.to_thread.run_sync(functools.partial(
+                run_llama_bench, model, args.threads, [8], 0, 1, args.poll, [s.address for s in servers], ts, verbose=True))
+            got = sorted((min(v), max(v) + 1) for dev, v in rpc_layer_devices(r["log"]).items() if dev.startswith("RPC"))
+            want = [tuple(x) for x in split[:-1]] + [(split[-1][0], n_layer + 1)]  # the output layer goes last
         if got != want:
             raise BenchError(f"-ts {ts} put layers {got} on the RPC servers, not {want}")
         chain = LocalChain(model, split, n_ctx=2048, n_threads=args.threads)
@@ -328,13 +287,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                   ts, logdir, i)
             rec["round"] = rep
             out["rounds"].append(rec)
-            write_json(args.json, out)  # what is measured so far survives a later failure
+            publish("network", args, out)  # what is measured so far survives a later failure
             label = "direct" if delay is None else f"{delay:g} ms"
             print(f"round {rep + 1}/{args.repeats} {label}: meshd {rec['meshd']['decode']:.1f} tok/s "
                   f"(floor {rec['floor']['decode']:.1f}, hop {rec['meshd']['hop_overhead_ms']:.2f} ms), "
                   f"rpc {rec['rpc']['decode']:.1f} tok/s; prefill meshd {rec['meshd']['prefill']:.0f} "
                   f"rpc {rec['rpc']['prefill']:.0f} tok/s", file=sys.stderr)
-        out["llama_single"] = await trio.to_thread.run_sync(llama_batched, args, model)
+        out["llama_single"] = {}
+        if args.llama:
+            batched = await trio.to_thread.run_sync(llama_batched, model, args.threads, args.sessions, AGG_PROMPT,
+                                                    args.agg_tokens)
+            out["llama_single"] = {n: r["decode"] for n, r in batched["runs"].items()}
     finally:
         stop_all(procs)
         if chain is not None:
@@ -408,7 +371,7 @@ def table(out: dict[str, Any]) -> str:
     if agg:
         single = out["llama_single"]
         lines += ["", f"| concurrent sessions (3 stages, {out['agg_delay_ms']:g} ms) | meshd aggregate tok/s | "
-                      f"median per-session tok/s | llama.cpp 1 process tok/s (1: tg, N: ppN) | meshd / llama.cpp |",
+                      f"median per-session tok/s | llama.cpp 1 process tok/s (N sequences in a batch) | meshd / llama.cpp |",
                   "|---|---|---|---|---|"]
         for n, a in agg.items():
             base = single.get(n)
@@ -432,7 +395,7 @@ def numbers(low: float, high: float) -> Any:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", type=Path, help="GGUF (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads of every process (default 1)")
     ap.add_argument("--poll", type=int, default=None, help="ggml threadpool busy-poll level for every process")
@@ -447,8 +410,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all delays; medians are reported")
     ap.add_argument("--llama-reps", type=int, default=2, help="llama-bench -r")
     ap.add_argument("--stall-timeout", type=float, default=300.0, help="seconds the asker waits for a token")
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "network.json", help="where the JSON goes")
+    ap.set_defaults(json=ROOT / "bench-out" / "network.json")
     args = ap.parse_args()
+    # the smallest run through every part: one short delay, two sessions, a few tokens, no llama.cpp
+    args.llama = not args.smoke
+    if args.smoke:
+        args.delays, args.agg_delay, args.sessions, args.decode, args.prefill = [1.0], 1.0, [1, 2], 8, 16
+        args.agg_tokens, args.session_tokens, args.llama_reps = 8, 128, 1
     if args.agg_delay not in args.delays:
         ap.error(f"--agg-delay {args.agg_delay:g} must be one of --delays")
     try:
@@ -456,7 +424,7 @@ def main() -> int:
     except BenchError as exc:
         print(f"bench_network: {exc}", file=sys.stderr)
         return 1
-    publish(out, table(out), args.json)
+    publish("network", args, out, table(out))
     return 0
 
 

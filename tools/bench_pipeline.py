@@ -63,340 +63,88 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
-import re
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import trio  # noqa: E402
-from bench_engine import decode_rate  # noqa: E402
-
-from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session  # noqa: E402
-from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
-from localmesh import stop_process  # noqa: E402
-
-from meshd.mesh.models import default_model_path  # noqa: E402
-from meshd.net.peers import Peers, open_peers  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
-from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest  # noqa: E402
-
-TOOLS = ROOT / "build" / "native-tools" / "bin"
-READY = re.compile(r"^ready (\S+) pid=(\d+) worker=(\d+)")
-CHAT_PROMPT = "What is the capital of France?"
-DECODE_TEXT = "The history of the city begins in the early middle ages, when"
-AGG_TEXTS = [
-    "The history of the city begins in the early middle ages, when",
-    "In the first chapter of the book, the author describes",
-    "The recipe calls for flour, sugar, eggs and butter. First,",
-    "The old lighthouse keeper looked out over the sea and",
-    "Photosynthesis is the process by which plants",
-    "The train left the station at dawn, carrying",
-    "Mathematics has long been described as the language of",
-    "On the morning of the expedition, the team gathered",
-]
-# varied prose for the prefill prompt; cut to exactly --prefill tokens
-PREFILL_TEXT = " ".join(
-    f"Section {i}. The committee met on day {i * 7 % 31 + 1} to review the {w} report, noting that "
-    f"{i * 13 % 97} of the {i * 29 % 211 + 100} items were complete and that the remaining work on the "
-    f"{w} would continue through the following season."
-    for i, w in enumerate(["harbour", "railway", "library", "orchard", "bridge", "market", "school",
-                           "hospital", "canal", "museum", "garden", "factory"] * 4)
+import trio
+from benchlib.asks import (
+    DECODE_TEXT,
+    decode_rate,
+    meshd_aggregate,
+    meshd_decode,
+    meshd_decode_cpu,
+    meshd_prefill,
+    meshd_ttft,
+    prompt_tokens,
+    route_of,
+    stage_metrics,
 )
+from benchlib.llama import rpc_layer_devices, run_llama_bench, tensor_split
+from benchlib.procs import TOOLS, BenchError, Proc, median, proc_status, start_rpc_server, start_stage
+from benchlib.result import parser, publish
 
-
-class BenchError(Exception):
-    pass
-
+from meshd.engine.chain import LocalChain, even_ranges
+from meshd.mesh.models import default_model_path
+from meshd.net.peers import open_peers
+from wire.identity import NodeIdentity
 
 # ----- processes
 
 
-@dataclass
-class Proc:
-    proc: subprocess.Popen[bytes]
-    log: Path
-    pids: list[int]
-    address: str = ""
-
-    def stop(self) -> None:
-        stop_process(self.proc)
 
 
-def cpu_ns(pid: int) -> int:
-    """CPU time of all threads of a live process so far, in ns (0 when it is gone)."""
-    total = 0
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            total += int((task / "schedstat").read_text().split()[0])
-    except OSError:
-        pass
-    return total
 
 
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of a live process, in KiB (0 when it is gone)."""
-    out = {"VmRSS": 0, "VmHWM": 0}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in out:
-                out[key] = int(value.split()[0])
-    except OSError:
-        pass
-    return out
 
 
-def start_stage(model: Path, layers: tuple[int, int], threads: int, poll: int | None, logdir: Path,
-                max_sessions: int, session_tokens: int, timeout: float = 120.0) -> Proc:
-    log = logdir / f"serve-{layers[0]}-{layers[1]}.log"
-    cmd = [sys.executable, "-m", "meshd.cli", "serve", "--model", str(model), "--layers", f"{layers[0]}:{layers[1]}",
-           "--listen", "127.0.0.1:0", "--threads", str(threads), "--max-sessions", str(max_sessions),
-           "--session-tokens", str(session_tokens)]
-    if poll is not None:
-        cmd += ["--poll", str(poll)]
-    f = log.open("wb")
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            m = READY.match(line)
-            if m:
-                return Proc(proc, log, [int(m.group(2)), int(m.group(3))], m.group(1))
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise BenchError(f"meshd serve --layers {layers[0]}:{layers[1]} did not become ready: "
-                     + log.read_text(errors="replace").strip()[-500:])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def start_rpc_server(threads: int, logdir: Path, i: int, timeout: float = 30.0) -> Proc:
-    port = free_port()
-    log = logdir / f"rpc-server-{i}.log"
-    f = log.open("wb")
-    proc = subprocess.Popen([str(TOOLS / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
-                            stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                pass
-            # a probe connection is a client to it; give it a moment to drop that one
-            time.sleep(0.2)
-            return Proc(proc, log, [proc.pid], f"127.0.0.1:{port}")
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise BenchError(f"ggml-rpc-server did not start: {log.read_text(errors='replace').strip()[-300:]}")
 
 
 # ----- llama.cpp
 
 
-def tensor_split(ranges: list[tuple[int, int]], n_layer: int) -> str:
-    """-ts proportions that give RPC device i exactly layers ranges[i] (the output layer goes last).
-
-    llama.cpp puts layer il (0..n_layer, n_layer being the output) on the first
-    device whose cumulative split exceeds il / (n_layer + 1); cutting half a
-    layer below each boundary keeps float rounding away from the edges.
-    """
-    props = []
-    prev = 0.0
-    for i, (_, end) in enumerate(ranges):
-        cut = float(n_layer + 1) if i == len(ranges) - 1 else end - 0.5
-        props.append(cut - prev)
-        prev = cut
-    return "/".join(f"{p:g}" for p in props)
 
 
-def run_llama_bench(model: Path, threads: int, prompts: list[int], n_gen: int, reps: int, poll: int | None,
-                    rpc: list[str] | None = None, ts: str | None = None, verbose: bool = False,
-                    flash_attn: bool | None = None) -> dict[str, Any]:
-    """llama-bench's figures; flash_attn None leaves llama.cpp's default (auto: on for the CPU)."""
-    cmd = [str(TOOLS / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", ",".join(map(str, prompts)),
-           "-n", str(n_gen), "-r", str(reps), "-o", "json"]
-    if flash_attn is not None:
-        cmd += ["-fa", str(int(flash_attn))]
-    if poll is not None:
-        cmd += ["--poll", str(poll)]
-    if rpc:
-        cmd += ["--rpc", ",".join(rpc), "-ngl", "99", "-sm", "layer", "-ts", ts or ""]
-    else:
-        cmd += ["-ngl", "0"]
-    if verbose:
-        cmd.append("-v")
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        # Sampled from /proc, not wait4's ru_maxrss: that also counts this
-        # (large) process's memory, which the child had before its exec.
-        peak_kib = 0
-        while proc.poll() is None:
-            peak_kib = max(peak_kib, proc_status(proc.pid)["VmHWM"])
-            time.sleep(0.05)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    if proc.returncode != 0:
-        raise BenchError(f"llama-bench failed ({' '.join(cmd)}): {stderr.strip()[-500:]}")
-    tests = json.loads(stdout)
-    result: dict[str, Any] = {"cmd": cmd, "maxrss_kib": peak_kib, "tests": {}}
-    for t in tests:
-        key = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
-        result["tests"][key] = {"avg_ts": t["avg_ts"], "samples_ts": t["samples_ts"]}
-    if verbose:
-        result["log"] = stderr
-    return result
 
 
-def rpc_layer_devices(log: str) -> dict[str, list[int]]:
-    """Which layers llama.cpp put on which device, from its debug log ('layer N assigned to device D')."""
-    devices: dict[str, list[int]] = {}
-    for m in re.finditer(r"layer\s+(\d+) assigned to device (\S+?),", log):
-        devices.setdefault(m.group(2), []).append(int(m.group(1)))
-    return devices
 
 
 # ----- meshd
 
 
-async def route_of(peers: Peers, stages: list[Proc]) -> list[Stage]:
-    return route_at([s.address for s in stages])
 
 
-async def meshd_decode(peers: Peers, route: list[Stage], n: int, fast: bool = True) -> dict[str, float]:
-    """Decode tok/s of one session: on the fast path (rows worker to worker), or through the daemons."""
-    result = AskResult()
-    await run_session(peers, route, AskRequest(text=DECODE_TEXT, max_tokens=n, fast=fast), result)
-    return {"rate": result.decode_rate, "tokens": float(len(result.tokens))}
 
 
-async def meshd_decode_cpu(peers: Peers, route: list[Stage], stages: list[Proc], n: int) -> dict[str, Any]:
-    """``meshd_decode``, and the CPU each stage's daemon and worker and this asker spent on it."""
-    pids = [pid for s in stages for pid in s.pids]
-    before = [cpu_ns(pid) for pid in pids]
-    asker = time.process_time_ns()
-    d = await meshd_decode(peers, route, n)
-    asker = time.process_time_ns() - asker
-    spent = [cpu_ns(pid) - b for pid, b in zip(pids, before, strict=False)]
-    return d | {"cpu_ns": spent + [asker]}
 
 
-async def meshd_prefill(peers: Peers, route: list[Stage], tokens: list[int],
-                        stall_timeout: float = 30.0) -> dict[str, float]:
-    # the prompt travels as token ids (the path a re-prefill after failover takes), so it is exactly len(tokens)
-    result = AskResult(prompt_tokens=list(tokens))
-    result.started = time.perf_counter()
-    await run_session(peers, route, AskRequest(text="", max_tokens=1), result, stall_timeout=stall_timeout)
-    assert result.ttft is not None
-    return {"rate": len(tokens) / result.ttft, "ttft": result.ttft}
 
 
-async def meshd_ttft(peers: Peers, route: list[Stage]) -> dict[str, float]:
-    result = AskResult()
-    await run_session(peers, route, AskRequest(messages=[{"role": "user", "content": CHAT_PROMPT}], max_tokens=1),
-                      result)
-    assert result.ttft is not None
-    return {"ttft": result.ttft, "prompt_tokens": float(len(result.prompt_tokens))}
 
 
-async def meshd_aggregate(peers: Peers, route: list[Stage], n_sessions: int, n_tokens: int) -> dict[str, float]:
-    results = [AskResult() for _ in range(n_sessions)]
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> None:
-        results[i].started = time.perf_counter()
-        await run_session(peers, route, AskRequest(text=AGG_TEXTS[i % len(AGG_TEXTS)], max_tokens=n_tokens),
-                          results[i])
-
-    async with trio.open_nursery() as nursery:
-        for i in range(n_sessions):
-            nursery.start_soon(one, i)
-    last = max(r.finished_at or t0 for r in results)
-    total = sum(len(r.tokens) for r in results)
-    return {"rate": total / (last - t0), "tokens": float(total),
-            "per_session": statistics.median(r.decode_rate for r in results)}
 
 
-async def stage_metrics(peers: Peers, address: str) -> dict[str, float]:
-    stream = await peers.open_stream(address, STAGE_PROTOCOL)
-    async with stream:
-        await stream.send_message(MetricsRequest())
-        reply = await stream.receive_message()
-    return reply.values if isinstance(reply, Metrics) else {}
 
 
 # ----- the run
 
 
-def write_json(path: Path | None, out: dict[str, Any]) -> None:
-    """Every figure a benchmark measured, as JSON (nothing where no path is given)."""
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2))
-
-
-def publish(out: dict[str, Any], text: str, path: Path | None) -> None:
-    """A benchmark's table on stdout, and with every figure in the JSON."""
-    print(text)
-    out["table"] = text
-    write_json(path, out)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def prompt_tokens(model: Path, n: int) -> tuple[list[int], int, int]:
-    """Exactly n token ids of varied prose, the length of the chat prompt as the head builds it, n_layer."""
-    from meshd.engine.engine import Model
-
-    m = Model(model, (0, 1))
-    try:
-        tokens = m.tokenize(PREFILL_TEXT, add_special=True, parse_special=False)
-        chat = m.tokenize(m.apply_chat([{"role": "user", "content": CHAT_PROMPT}], add_assistant=True),
-                          add_special=False, parse_special=True)
-        n_layer = m.report.n_layer
-    finally:
-        m.close()
-    if len(tokens) < n:
-        raise BenchError(f"the prefill text has only {len(tokens)} tokens, {n} wanted")
-    return tokens[:n], len(chat), n_layer
-
-
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or default_model_path()
-    for tool in ("llama-bench", "ggml-rpc-server"):
+    for tool in ("llama-bench", "ggml-rpc-server") if args.llama else ():
         if not (TOOLS / tool).exists():
             raise BenchError(f"{TOOLS / tool} is missing: run tools/build_native.py --tools first")
     prefill_ids, n_chat, n_layer = prompt_tokens(model, args.prefill)
     logdir = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     stage_counts = [int(x) for x in args.stages.split(",")]
-    rpc_counts = [k for k in stage_counts if k > 1]
+    rpc_counts = [k for k in stage_counts if k > 1] if args.llama else []
     sessions = [int(x) for x in args.sessions.split(",")]
     splits = {k: even_ranges(n_layer, k) for k in stage_counts}
     procs: list[Proc] = []
@@ -449,7 +197,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for k in stage_counts:  # warm links, KV and caches
                 await meshd_decode(peers, routes[k], 8)
 
-            items: list[tuple[str, int | None]] = [("llama.cpp", None)]
+            items: list[tuple[str, int | None]] = [("llama.cpp", None)] if args.llama else []
             items += [(f"rpc{k}", k) for k in rpc_counts]
             items += [(f"meshd{k}", k) for k in stage_counts]
             items += [(f"engine{k}", k) for k in stage_counts]
@@ -529,7 +277,8 @@ def mib(kib: float) -> str:
 
 def table(out: dict[str, Any]) -> str:
     med = out["median"]
-    base = med["llama.cpp"]
+    # a run without llama.cpp (--smoke) has no baseline: its ratios print nan
+    base = med.get("llama.cpp") or dict.fromkeys(("decode", "prefill", "maxrss_kib"), float("nan"))
     lines = [
         f"model {Path(out['model']).name}, {out['threads']} thread(s) per process, "
         f"poll {out['poll'] if out['poll'] is not None else 'default (llama-bench 50, meshd 0)'}, "
@@ -594,7 +343,7 @@ def table(out: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", type=Path, help="GGUF (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads of every process (default 1)")
     ap.add_argument("--poll", type=int, default=None,
@@ -607,14 +356,18 @@ def main() -> int:
     ap.add_argument("--session-tokens", type=int, default=1024, help="KV tokens per session on each stage")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported")
     ap.add_argument("--llama-reps", type=int, default=2, help="llama-bench -r within each round")
-    ap.add_argument("--json", type=Path, help="write every sample and the medians here")
     args = ap.parse_args()
+    # the smallest run through every part: two stages, two sessions, a few tokens, no llama.cpp
+    args.llama = not args.smoke
+    if args.smoke:
+        args.stages, args.decode, args.prefill, args.sessions, args.agg_tokens = "2", 8, 16, "1,2", 8
+        args.session_tokens, args.repeats = 128, 1
     try:
         out = trio.run(bench, args)
     except BenchError as exc:
         print(f"bench_pipeline: {exc}", file=sys.stderr)
         return 1
-    publish(out, table(out), args.json)
+    publish("pipeline", args, out, table(out))
     return 0
 
 

@@ -20,25 +20,21 @@ Usage: .venv/bin/python tools/bench_spec.py [--delays 0,20] [--tokens 64] [--rep
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from contextlib import AsyncExitStack
-from pathlib import Path
 from typing import Any
 
 import trio
+from benchlib.result import parser, publish
+from link_emulator import LinkEmulator, LinkSpec
 
-# this checkout's packages, and the link emulator beside this file
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from link_emulator import LinkEmulator, LinkSpec  # noqa: E402
-
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session  # noqa: E402
-from meshd.mesh.models import default_model_path  # noqa: E402
-from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
-from meshd.stage.service import StageLimits, stage_node  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
+from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.mesh.models import default_model_path
+from meshd.net.peers import PeersConfig, open_peers
+from meshd.stage.service import StageLimits, stage_node
+from wire.identity import NodeIdentity
 
 PASSAGE = ("The lighthouse keeper climbed the stairs every evening at dusk. He wiped the lens, trimmed the wick "
            "and lit the lamp, and the beam swept across the dark water until morning. Ships far out at sea saw "
@@ -53,7 +49,7 @@ TASKS = {
 RANGES = [(0, 10), (10, 20), (20, 30)]
 
 
-async def bench(delays: list[float], tokens: int, repeats: int) -> list[dict[str, Any]]:
+async def bench(delays: list[float], tokens: int, repeats: int, prompts_per_task: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     model = default_model_path()
     limits = StageLimits(max_sessions=4, max_session_tokens=1024)
@@ -72,7 +68,8 @@ async def bench(delays: list[float], tokens: int, repeats: int) -> list[dict[str
                     emulator = LinkEmulator((host, int(port)), LinkSpec(delay=delay_ms / 1000))
                     proxies.append(f"127.0.0.1:{await nursery.start(emulator.serve, '127.0.0.1', 0)}")
                 route = route_at(proxies)
-                for task, prompts in TASKS.items():
+                for task, every in TASKS.items():
+                    prompts = every[:prompts_per_task]
                     rates: dict[str, list[float]] = {"off": [], "ngram": []}
                     drafted = accepted = 0
                     for round_ in range(repeats):
@@ -100,25 +97,23 @@ async def bench(delays: list[float], tokens: int, repeats: int) -> list[dict[str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--delays", default="0,20", help="one-way delays per hop in ms, comma-separated")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per answer (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over every prompt (default: %(default)s)")
-    ap.add_argument("--json", type=Path, help="write the rows here too")
     args = ap.parse_args()
+    per_task = len(max(TASKS.values(), key=len))
+    if args.smoke:  # the smallest run through every part: no delay, one prompt of each task, a few tokens
+        args.delays, args.tokens, args.repeats, per_task = "0", 8, 1, 1
     try:
         delays = [float(d) for d in args.delays.split(",")]
     except ValueError:
         ap.error(f"--delays takes numbers of ms, comma-separated, not {args.delays!r}")
-    rows = trio.run(bench, delays, args.tokens, args.repeats)
-    print("| one-way delay | task | tok/s off | tok/s ngram | speedup | accepted / drafted |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['delay_ms']:g} ms | {r['task']} | {r['off_tok_s']:.1f} | {r['ngram_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['accepted']}/{r['drafted']} ({r['acceptance']:.0%}) |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+    rows = trio.run(bench, delays, args.tokens, args.repeats, per_task)
+    lines = ["| one-way delay | task | tok/s off | tok/s ngram | speedup | accepted / drafted |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['delay_ms']:g} ms | {r['task']} | {r['off_tok_s']:.1f} | {r['ngram_tok_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['accepted']}/{r['drafted']} ({r['acceptance']:.0%}) |" for r in rows]
+    publish("spec", args, {"rows": rows}, "\n".join(lines))
     return 0
 
 

@@ -40,39 +40,28 @@ Usage: .venv/bin/python tools/bench_throughput.py [--sessions 1,4,8,16] [--delay
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+import trio
+from benchlib.asks import prompt_tokens, stage_metrics
+from benchlib.llama import llama_batched
+from benchlib.procs import ROOT, TOOLS, BenchError, Proc, carried, start_proxy, start_stage
+from benchlib.result import parser, publish
 
-import trio  # noqa: E402
-from bench_network import carried, start_proxy  # noqa: E402
-from bench_pipeline import (  # noqa: E402
-    TOOLS,
-    BenchError,
-    Proc,
-    prompt_tokens,
-    stage_metrics,
-    start_stage,
-)
-
-from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session  # noqa: E402
-from meshd.engine.chain import even_ranges  # noqa: E402
-from meshd.mesh.models import default_model_path  # noqa: E402
-from meshd.net.peers import Peers, open_peers  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
+from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
+from meshd.engine.chain import even_ranges
+from meshd.mesh.models import default_model_path
+from meshd.net.peers import Peers, open_peers
+from wire.identity import NodeIdentity
 
 HOPS = 3
-BATCHED_BENCH = TOOLS / "llama-batched-bench"
 
 
 # ----- meshd
@@ -166,27 +155,6 @@ async def meshd_run(args: argparse.Namespace, model: Path, n_layer: int, all_ids
 # ----- llama.cpp
 
 
-def llama_batched(args: argparse.Namespace, model: Path) -> dict[str, Any]:
-    if not BATCHED_BENCH.exists():
-        raise BenchError(f"{BATCHED_BENCH} is missing: run tools/build_native.py --tools first")
-    n_ctx = max(args.sessions) * (args.prompt_tokens + args.tokens) + 64
-    cmd = [str(BATCHED_BENCH), "-m", str(model), "-t", str(args.threads), "-tb", str(args.threads),
-           "-c", str(n_ctx), "-b", "512", "-ub", "512", "-ngl", "0", "-npp", str(args.prompt_tokens),
-           "-ntg", str(args.tokens), "-npl", ",".join(map(str, args.sessions)), "--output-format", "jsonl"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BenchError(f"llama-batched-bench failed ({' '.join(cmd)}): {proc.stderr.strip()[-500:]}")
-    runs: dict[str, Any] = {}
-    for line in proc.stdout.splitlines():
-        if not line.startswith("{"):
-            continue
-        r = json.loads(line)
-        runs[str(r["pl"])] = {"decode": r["speed_tg"], "end_to_end": r["speed"], "ttft_ms": r["t_pp"] * 1000,
-                              "prefill": r["speed_pp"]}
-    missing = [n for n in args.sessions if str(n) not in runs]
-    if missing:
-        raise BenchError(f"llama-batched-bench gave no result for {missing} sequences: {proc.stdout[-300:]}")
-    return {"cmd": cmd, "runs": runs}
 
 
 # ----- the run
@@ -204,7 +172,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "llama_cpp_commit": (TOOLS.parent / "llama_cpp_commit").read_text().strip()
         if (TOOLS.parent / "llama_cpp_commit").exists() else None,
     }
-    out["llama"] = await trio.to_thread.run_sync(llama_batched, args, model)
+    # a run without llama.cpp (--smoke) has no baseline: its ratios print nan
+    nan = float("nan")
+    out["llama"] = {"runs": {str(n): dict.fromkeys(("decode", "end_to_end", "ttft_ms", "prefill"), nan)
+                             for n in args.sessions}}
+    if args.llama:
+        out["llama"] = await trio.to_thread.run_sync(llama_batched, model, args.threads, args.sessions,
+                                                     args.prompt_tokens, args.tokens)
     out["meshd"] = await meshd_run(args, model, n_layer, all_ids, logdir)
     out["host"]["loadavg_after"] = os.getloadavg()
     return out
@@ -248,7 +222,7 @@ def counts(text: str) -> list[int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", type=Path, help="GGUF (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads of every process (default 1)")
     ap.add_argument("--poll", type=int, default=None, help="ggml threadpool busy-poll level of every stage")
@@ -257,8 +231,12 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of every session (default 32)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per session (default 64)")
     ap.add_argument("--stall-timeout", type=float, default=120.0, help="seconds the asker waits for a token")
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "throughput.json", help="where the JSON goes")
+    ap.set_defaults(json=ROOT / "bench-out" / "throughput.json")
     args = ap.parse_args()
+    # the smallest run through every part: two sessions of a few tokens, no llama.cpp
+    args.llama = not args.smoke
+    if args.smoke:
+        args.sessions, args.delay_ms, args.prompt_tokens, args.tokens = [1, 2], 1.0, 8, 8
     if not 0 <= args.delay_ms <= 1000:
         ap.error("--delay-ms is from 0 to 1000")
     if not 2 <= args.prompt_tokens <= 256 or not 2 <= args.tokens <= 1024:
@@ -268,11 +246,7 @@ def main() -> int:
     except BenchError as exc:
         print(f"bench_throughput: {exc}", file=sys.stderr)
         return 1
-    text = table(out)
-    print(text)
-    out["table"] = text
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
+    publish("throughput", args, out, table(out))
     return 0
 
 

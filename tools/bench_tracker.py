@@ -10,22 +10,19 @@ brackets), in milliseconds of one CPU core.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchlib.result import parser, publish
 
-from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign, capacities  # noqa: E402
-from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange  # noqa: E402
-from meshd.mesh.routing import StageOption, plan_route, stage_options  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
+from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign, capacities
+from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
+from meshd.mesh.routing import StageOption, plan_route, stage_options
+from wire.identity import NodeIdentity
 
 GIB = 2**30
 MODEL = ModelInfo(
@@ -50,15 +47,22 @@ def timed(fn: Callable[[], object], repeat: int) -> tuple[object, float, float]:
     return result, statistics.median(times), max(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--nodes", type=int, default=1000)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--routes", type=int, default=100, help="routes planned per run, from random askers")
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
+def main() -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--routes", type=int, default=100, help="routes planned per run, from random askers")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    if args.smoke:  # the smallest mesh that goes through every part
+        args.nodes, args.repeat, args.routes = 60, 1, 4
+    lines: list[str] = []
+    figures: dict[str, dict[str, float]] = {}
+
+    def timed_as(key: str, fn: Callable[[], object]) -> tuple[object, float, float]:
+        result, median, worst = timed(fn, args.repeat)
+        figures[key] = {"median_ms": median, "max_ms": worst}
+        return result, median, worst
 
     rng = random.Random(args.seed)
     model = ModelSpec.from_info(MODEL, KV_TOKENS)
@@ -75,14 +79,14 @@ def main() -> None:
 
     total = sum(n.memory_bytes for n in nodes) / GIB
     whole = model.stage_bytes(0, model.n_layers) / GIB
-    print(
+    lines.append(
         f"mesh: {args.nodes} nodes, {total:.0f} GiB in all; "
         f"model: {model.n_layers} layers, {whole:.1f} GiB with KV for {KV_TOKENS} tokens"
     )
 
-    assignment, median, worst = timed(lambda: assign(nodes, model), args.repeat)
+    assignment, median, worst = timed_as("assign", lambda: assign(nodes, model))
     segments = len(assignment.boundaries) - 1
-    print(
+    lines.append(
         f"assign (fresh):            {median:8.1f} ms  [{worst:.1f}]  -> {segments} segments "
         f"{list(assignment.boundaries)}, {len(assignment.stages)} stages, "
         f"fastest chain of {len(assignment.chain)} at {assignment.seconds_per_token * 1000:.0f} ms/token"
@@ -92,11 +96,11 @@ def main() -> None:
     gone = set(rng.sample(names, 10))
     joiners = [NodeCapacity(f"joiner{i}", rng.choice([8, 16, 32]) * GIB, 0.005) for i in range(10)]
     churned = [n for n in nodes if n.node_id not in gone] + joiners
-    rebalanced, median, worst = timed(lambda: assign(churned, model, current=assignment), args.repeat)
+    rebalanced, median, worst = timed_as("rebalance", lambda: assign(churned, model, current=assignment))
     moved = sum(
         1 for node_id, r in rebalanced.ranges().items() if assignment.ranges().get(node_id) not in (None, r)
     )
-    print(
+    lines.append(
         f"assign (10 leave, 10 join):{median:8.1f} ms  [{worst:.1f}]  -> {moved} nodes moved, "
         f"{sum(1 for n in rebalanced.ranges() if n.startswith('joiner'))} joiners placed"
     )
@@ -110,19 +114,19 @@ def main() -> None:
     def routes() -> list:
         return [plan_route(options, model.n_layers, rtt=rtt, asker=asker) for asker in askers]
 
-    planned, median, worst = timed(routes, args.repeat)
+    planned, median, worst = timed_as("plan_routes", routes)
     hops = statistics.mean(len(route.stages) for route in planned)
     cost = statistics.mean(route.seconds for route in planned) * 1000
-    print(
+    lines.append(
         f"plan_route x{args.routes}:            {median:8.1f} ms  [{worst:.1f}]  -> "
         f"{median / args.routes:.2f} ms per route, {hops:.1f} stages, {cost:.0f} ms/token on average"
     )
 
     failed = planned[0].stages[len(planned[0].stages) // 2].node_id
-    _, median, worst = timed(
-        lambda: plan_route(options, model.n_layers, rtt=rtt, asker=askers[0], exclude={failed}), args.repeat
+    _, median, worst = timed_as(
+        "plan_route_failover", lambda: plan_route(options, model.n_layers, rtt=rtt, asker=askers[0], exclude={failed})
     )
-    print(f"plan_route (failover):     {median:8.1f} ms  [{worst:.1f}]")
+    lines.append(f"plan_route (failover):     {median:8.1f} ms  [{worst:.1f}]")
 
     # What a node does from its membership view: records in, capacities and stage options out.
     identities = [NodeIdentity.generate() for _ in range(args.nodes)]
@@ -145,9 +149,11 @@ def main() -> None:
         caps = capacities(records, MODEL.digest)
         return assign(caps, model), plan_route(stage_options(records, MODEL.digest), model.n_layers)
 
-    _, median, worst = timed(from_view, args.repeat)
-    print(f"from {args.nodes} records (assign + route): {median:.1f} ms  [{worst:.1f}]")
+    _, median, worst = timed_as("from_records", from_view)
+    lines.append(f"from {args.nodes} records (assign + route): {median:.1f} ms  [{worst:.1f}]")
+    publish("tracker", args, figures, "\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

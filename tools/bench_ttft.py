@@ -6,33 +6,30 @@ Noise handshake) is made anew: this is what a user's first question pays. The
 figure is the one `meshd ask` prints ("first token N ms", measured from the
 start of the session, route given) and the wall time of the whole command.
 
-Usage: .venv/bin/python tools/bench_ttft.py [--asks 7] [--stages 3]
+Usage: .venv/bin/python tools/bench_ttft.py [--asks 7] [--stages 3] [--json OUT]
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
-
-from localmesh import Served, run_meshd, start_serve  # noqa: E402
+from benchlib.result import parser, publish
+from localmesh import Served, run_meshd, start_serve
 
 FIRST = re.compile(r"first token (\d+) ms")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--asks", type=int, default=7, help="cold asks to time (default 7)")
-    parser.add_argument("--stages", type=int, default=3, help="stages of the route (default 3)")
-    parser.add_argument("--prompt", default="What is the capital of France?", help="the question")
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--asks", type=int, default=7, help="cold asks to time (default 7)")
+    ap.add_argument("--stages", type=int, default=3, help="stages of the route (default 3)")
+    ap.add_argument("--prompt", default="What is the capital of France?", help="the question")
+    args = ap.parse_args()
+    if args.smoke:  # the smallest run through every part: two stages, one timed ask
+        args.asks, args.stages = 1, 2
     n_layer = 30
     cuts = [round(i * n_layer / args.stages) for i in range(args.stages + 1)]
     stages: list[Served] = []
@@ -52,9 +49,12 @@ def main() -> int:
                 print(f"ask failed (rc {done.returncode}): {done.stderr.strip()}", file=sys.stderr)
                 return 1
             firsts.append(int(m.group(1)))
-        print(f"{args.stages} stages, {args.asks} cold asks: first token median {statistics.median(firsts):.0f} ms "
-              f"(min {min(firsts)}, max {max(firsts)}); whole `meshd ask` command median "
-              f"{statistics.median(walls):.0f} ms")
+        publish("ttft", args, {"first_token_ms": firsts, "command_ms": walls,
+                               "median": {"first_token_ms": statistics.median(firsts),
+                                          "command_ms": statistics.median(walls)}},
+                f"{args.stages} stages, {args.asks} cold asks: first token median {statistics.median(firsts):.0f} ms "
+                f"(min {min(firsts)}, max {max(firsts)}); whole `meshd ask` command median "
+                f"{statistics.median(walls):.0f} ms")
         return 0
     finally:
         for s in reversed(stages):

@@ -12,7 +12,7 @@ stage's daemon signing a receipt per span of 16 positions off the rows' path),
 unless it says "daemons' path".
 
 (a) Positions until caught: an attacker serves the route's middle range: its
-engine worker (tests/lying_worker.py, meshd's own with its fast path patched,
+engine worker (tools/lying_worker.py, meshd's own with its fast path patched,
 restarted for each such run) flips one float of its output at a random decode
 position, and its daemon signs what was sent as an honest one would; the asker
 checks 1 in 16 positions on a chain of replicas (meshd.client.chain_check).
@@ -59,27 +59,25 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import lying_worker
 import trio
+from benchlib.procs import pin as pin_threads
+from benchlib.procs import process_cpu_ns
+from benchlib.result import parser, publish
 
-# (the attacker's engine worker is a fake that lives with the tests)
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
-
-from lying_worker import restart_worker  # noqa: E402
-
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session  # noqa: E402
-from meshd.client.audit import SpanAudit  # noqa: E402
-from meshd.client.verifier import Verifier  # noqa: E402
-from meshd.client.verify import CheckPlan  # noqa: E402
-from meshd.mesh.models import default_model_path  # noqa: E402
-from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
-from meshd.stage.service import Session, StageLimits, StageNode, StageService, stage_node  # noqa: E402
-from wire.codec import encode  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
-from wire.receipt import Receipts  # noqa: E402
-from wire.stage import Inputs, InputsRequest, Seal  # noqa: E402
+from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
+from meshd.client.audit import SpanAudit
+from meshd.client.verifier import Verifier
+from meshd.client.verify import CheckPlan
+from meshd.mesh.models import default_model_path
+from meshd.net.peers import PeersConfig, open_peers
+from meshd.stage.service import Session, StageLimits, StageNode, StageService, stage_node
+from wire.codec import encode
+from wire.identity import NodeIdentity
+from wire.receipt import Receipts
+from wire.stage import Inputs, InputsRequest, Seal
 
 RANGES = {"head": (0, 10), "mid": (10, 20), "tail": (20, 30)}
 REPLICAS = {"head2": (0, 10), "mid2": (10, 20), "mid3": (10, 20), "tail2": (20, 30)}
@@ -93,13 +91,9 @@ PROMPTS = ["Write a short story about a dragon who learns to cook.",
            "What should I pack for a week of hiking in the mountains?"]
 EVERY = 16
 ROUTE = ("head", "mid", "tail")
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid: int) -> float:
     """User and system CPU a process has used (an engine worker: where a stage computes)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return process_cpu_ns(pid) / 1e9
 
 
 def pin(nodes: dict[str, StageNode], replica_pids: list[int]) -> tuple[str, set[int] | None]:
@@ -113,9 +107,9 @@ def pin(nodes: dict[str, StageNode], replica_pids: list[int]) -> tuple[str, set[
     for node in nodes.values():
         pid = node.service.engine.pid
         assert pid is not None
-        os.sched_setaffinity(pid, mine)
+        pin_threads(pid, mine)
     for pid in replica_pids:
-        os.sched_setaffinity(pid, theirs)
+        pin_threads(pid, theirs)
     return (f"the asker's process, the replicas' process and their workers on CPU {cpus[-1]}; the route's stage "
             f"services (one process) and engine workers on {sorted(mine)}"), theirs
 
@@ -246,7 +240,10 @@ async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
         if mode.startswith("spec"):
             request = dataclasses.replace(request, speculate="ngram")
         with trio.fail_after(600):
-            result = await run_session(peers, route, request, AskResult(), stall_timeout=120, verifier=verifier)
+            # (a client takes the tokens: a verified fast ask hands each over once its span's receipts agree,
+            # so its time to first token is the client's)
+            result = await run_session(peers, route, request, AskResult(), on_token=lambda token, piece: None,
+                                       stall_timeout=120, verifier=verifier)
         if every and not result.verified:
             raise SystemExit(f"an honest answer in mode {mode} was not verified: {result.unverified}")
         decoded[mode] += len(result.tokens)
@@ -428,10 +425,10 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
             # attacker's inputs to settle it (withheld, a failed check) or a third node settles it (a proof)
             lie_at = len(clean[prompt].prompt_tokens) + (rng.randrange(2, tokens // 2) if lie != "seal" else 0)
             if lie != "seal":
-                await restart_worker(nodes["mid"], lying(honest_spec, lie_at))
+                await lying_worker.restart_worker(nodes["mid"], lying_worker.lying(honest_spec, lie_at))
                 lying = True
             elif lying:
-                await restart_worker(nodes["mid"], honest_spec)
+                await lying_worker.restart_worker(nodes["mid"], honest_spec)
                 lying = False
             withholder.kind = None if lie == "flip" else lie
             checker = Verifier(peers, CheckPlan(every=EVERY, candidates=replicas, rng=random.Random(rng.random())))
@@ -468,14 +465,13 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=20, help="runs with a lying stage (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=96, help="new tokens per answer of those runs (default: %(default)s)")
     ap.add_argument("--rate-tokens", type=int, default=64, help="new tokens per answer for tok/s (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=2, help="rounds over the prompts for tok/s (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=14, help="seed of the lies' steps and the checks' draws")
     ap.add_argument("--no-pin", action="store_true", help="leave every engine worker on every CPU")
-    ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--serve-replicas", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ask-apart", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -485,25 +481,28 @@ def main() -> int:
     if args.ask_apart:
         trio.run(ask_apart)
         return 0
+    if args.smoke:  # the smallest run through every part: two lies, one round of short answers
+        args.runs, args.tokens, args.rate_tokens, args.repeats = 2, 24, 8, 1
     out = trio.run(bench, args.runs, args.tokens, args.rate_tokens, args.repeats, args.seed, not args.no_pin)
     c, r, b = out["caught"], out["decode_tok_s"], out["bytes_per_token"]
-    print(json.dumps(out, indent=2))
-    print("| figure | value |")
-    print("|---|---|")
-    print(f"| lying stage caught (1 in {out['every']}) | {c['caught']}/{c['runs']} runs, median {c['median_steps']} "
+    lines: list[str] = []
+    say = lines.append
+    say("| figure | value |")
+    say("|---|---|")
+    say(f"| lying stage caught (1 in {out['every']}) | {c['caught']}/{c['runs']} runs, median {c['median_steps']} "
           f"positions after the lie, max {c['max_steps']}; answers identical: {c['answers_identical']} |")
-    print("| caught, by lie | " + ", ".join(f"{lie} {n['caught']}/{n['runs']}" for lie, n in c["by_lie"].items()) + " |")
-    print(f"| decode tok/s, 3 stages, fast path, unverified | {r['off']:.1f} |")
-    print(f"| decode tok/s, fast path, receipts only | {r['receipts']:.1f} ({r['receipts'] / r['off']:.2f}x) |")
-    print(f"| decode tok/s, fast path, verify 1 in {out['every']} (the default ask) | {r['verify']:.1f} "
+    say("| caught, by lie | " + ", ".join(f"{lie} {n['caught']}/{n['runs']}" for lie, n in c["by_lie"].items()) + " |")
+    say(f"| decode tok/s, 3 stages, fast path, unverified | {r['off']:.1f} |")
+    say(f"| decode tok/s, fast path, receipts only | {r['receipts']:.1f} ({r['receipts'] / r['off']:.2f}x) |")
+    say(f"| decode tok/s, fast path, verify 1 in {out['every']} (the default ask) | {r['verify']:.1f} "
           f"({r['verify'] / r['off']:.2f}x unverified) |")
-    print(f"| decode tok/s, daemons' path, verify 1 in {out['every']} | {r['daemons']:.1f} "
+    say(f"| decode tok/s, daemons' path, verify 1 in {out['every']} | {r['daemons']:.1f} "
           f"({r['daemons'] / r['off']:.2f}x) |")
-    print(f"| rewriting task, decode tok/s | no speculation {r['plain']:.1f}; prompt lookup unverified "
+    say(f"| rewriting task, decode tok/s | no speculation {r['plain']:.1f}; prompt lookup unverified "
           f"{r['spec_off']:.1f} ({r['spec_off'] / r['plain']:.2f}x), verified {r['spec_verify']:.1f} "
           f"({r['spec_verify'] / r['plain']:.2f}x; {r['spec_verify'] / r['spec_off']:.2f} of unverified's) |")
     t = out["ttft_ms"]
-    print(f"| time to first token, ms (median) | unverified {t['off']:.0f}, receipts {t['receipts']:.0f}, verify "
+    say(f"| time to first token, ms (median) | unverified {t['off']:.0f}, receipts {t['receipts']:.0f}, verify "
           f"{t['verify']:.0f} ({t['verify'] / t['off']:.2f}x), daemons' path verify {t['daemons']:.0f} |")
     cpu = out["cpu"]
 
@@ -511,18 +510,16 @@ def main() -> int:
         ms = cpu[f"{part}_ms_per_token"]
         return ", ".join(f"{m} {ms[m]:.1f} ms" for m in MODES)
 
-    print(f"| route CPU per token (stage services + engine workers) | {by_mode('route')} |")
-    print(f"| of which the stage services (one process, one event loop) | {by_mode('stages')} |")
-    print(f"| asker CPU per token (a process of its own: another machine) | {by_mode('asker')} |")
+    say(f"| route CPU per token (stage services + engine workers) | {by_mode('route')} |")
+    say(f"| of which the stage services (one process, one event loop) | {by_mode('stages')} |")
+    say(f"| asker CPU per token (a process of its own: another machine) | {by_mode('asker')} |")
     per_step = cpu["replica_ms_per_replayed_step"]
-    print(f"| replicas' CPU per span compared, every range of the chain (stage services and engine workers; "
+    say(f"| replicas' CPU per span compared, every range of the chain (stage services and engine workers; "
           f"other machines in a mesh) | {'-' if per_step is None else f'{per_step:.1f} ms'} over "
           f"{cpu['replica_steps_replayed']} spans ({cpu['pinning']}) |")
-    print("| verification bytes per token at the asker: receipts; spot checks' inputs fetched | " + "; ".join(
+    say("| verification bytes per token at the asker: receipts; spot checks' inputs fetched | " + "; ".join(
         f"{m} {v['receipts']:.0f}, {v['inputs']:.0f}" for m, v in b.items()) + f" (a row is {out['row_bytes']} bytes) |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+    publish("verify", args, out, "\n".join(lines))
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import multiprocessing
 import os
 import statistics
@@ -30,23 +29,21 @@ import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
+from benchlib.result import parser, publish
 from trio_websocket import WebSocketRequest, WebSocketServer, open_websocket_url, serve_websocket
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from meshd.net.link import Stream  # noqa: E402
-from meshd.net.peers import PeersConfig, open_peers  # noqa: E402
-from meshd.net.transport import WS_RECEIVE_BUFFER  # noqa: E402
-from meshd.net.wsmask import stock_masking  # noqa: E402
-from wire.codec import Message  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
-from wire.mux import MuxConfig  # noqa: E402
-from wire.tensors import Activation, encode_activation, tensor_fields  # noqa: E402
+from meshd.net.link import Stream
+from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.transport import WS_RECEIVE_BUFFER
+from meshd.net.wsmask import stock_masking
+from wire.codec import Message
+from wire.identity import NodeIdentity
+from wire.mux import MuxConfig
+from wire.tensors import Activation, encode_activation, tensor_fields
 
 PREFILL_SHAPE = (16384, 1024)  # 64 MiB of f32
 # A peer may make a node hold only so much of unfinished messages (32 MiB by
@@ -344,17 +341,18 @@ def render(results: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3000)
-    parser.add_argument("--warmup", type=int, default=100, help="untimed rounds per pass")
-    parser.add_argument("--passes", type=int, default=5, help="rounds are split over this many passes")
-    parser.add_argument("--bulk-rounds", type=int, default=5)
-    parser.add_argument("--hidden", type=int, nargs="+", default=[576, 8192])
-    parser.add_argument(
+    ap = parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=3000)
+    ap.add_argument("--warmup", type=int, default=100, help="untimed rounds per pass")
+    ap.add_argument("--passes", type=int, default=5, help="rounds are split over this many passes")
+    ap.add_argument("--bulk-rounds", type=int, default=5)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[576, 8192])
+    ap.add_argument(
         "--processes", action="store_true", help="run the echo servers in a child process"
     )
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args()
+    args = ap.parse_args()
+    if args.smoke:  # the smallest run through every stack
+        args.rounds, args.warmup, args.passes, args.bulk_rounds, args.hidden = 20, 2, 1, 1, [576]
     load = os.getloadavg()[0]
     results = trio.run(run, args)
     results["setup"] = {
@@ -364,9 +362,7 @@ def main() -> None:
         "load": load,
         "python": sys.version.split()[0],
     }
-    print(render(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    publish("wire", args, results, render(results))
 
 
 if __name__ == "__main__":

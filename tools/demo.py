@@ -18,11 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from localmesh import Served, meshd_command, run_meshd, start_join
 
-sys.path.insert(0, str(ROOT / "tests"))  # the local-process helpers live with the tests
-from localmesh import Served, meshd_command, run_meshd, start_join  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # Three volunteers of 64 MiB hold SmolLM2 only with a small session budget (the README says why); one
 # compute thread each, as they share this machine's cores with the seed and each other.

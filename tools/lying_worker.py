@@ -1,7 +1,7 @@
-"""An attacker's engine worker (a fake for tests): meshd's own, whose fast path flips the sign of one float
-of its output rows at one position (``--flip-at``), sending and hashing what it flipped as an honest worker
-hashes what it sends: the receipts its daemon signs agree with the rows that went on, so only a replay on
-a replica shows the lie."""
+"""An attacker's engine worker (a fake, for tests and tools/bench_verify.py): meshd's own, whose fast path
+flips the sign of one float of its output rows at one position (``--flip-at``), sending and hashing what it
+flipped as an honest worker hashes what it sends: the receipts its daemon signs agree with the rows that
+went on, so only a replay on a replica shows the lie."""
 
 from __future__ import annotations
 
@@ -9,16 +9,13 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import numpy as np
 import trio
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
-
-from meshd.engine import fastpath, worker  # noqa: E402
-from meshd.engine.supervisor import WorkerSpec  # noqa: E402
-from meshd.stage.service import StageNode  # noqa: E402
+from meshd.engine import fastpath, worker
+from meshd.engine.supervisor import WorkerSpec
+from meshd.stage.service import StageNode
 
 
 @dataclass(frozen=True)

@@ -37,24 +37,23 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+import numpy as np
+import trio
+from benchlib.asks import DECODE_TEXT
+from benchlib.procs import cpu_ns
+from benchlib.result import parser, publish
 
-import numpy as np  # noqa: E402
-import trio  # noqa: E402
-from bench_pipeline import DECODE_TEXT, cpu_ns  # noqa: E402
-
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session  # noqa: E402
-from meshd.client.verifier import Verifier  # noqa: E402
-from meshd.client.verify import CheckPlan  # noqa: E402
-from meshd.engine.chain import LocalChain, even_ranges  # noqa: E402
-from meshd.engine.engine import Model  # noqa: E402
-from meshd.engine.supervisor import EngineSupervisor  # noqa: E402
-from meshd.mesh.models import default_model_path  # noqa: E402
-from meshd.net.peers import open_peers  # noqa: E402
-from meshd.stage.books import StageLimits  # noqa: E402
-from meshd.stage.service import StageNode, stage_node  # noqa: E402
-from wire.identity import NodeIdentity  # noqa: E402
+from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.client.verifier import Verifier
+from meshd.client.verify import CheckPlan
+from meshd.engine.chain import LocalChain, even_ranges
+from meshd.engine.engine import Model
+from meshd.engine.supervisor import EngineSupervisor
+from meshd.mesh.models import default_model_path
+from meshd.net.peers import open_peers
+from meshd.stage.books import StageLimits
+from meshd.stage.service import StageNode, stage_node
+from wire.identity import NodeIdentity
 
 HOPS = 3
 # Which part of a hop a profiled function belongs to, by its file.
@@ -261,14 +260,18 @@ def report(out: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", type=Path, help="GGUF (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--decode", type=int, default=64, help="tokens generated")
     ap.add_argument("--pings", type=int, default=200, help="ping round trips per worker")
     ap.add_argument("--profile", action="store_true", help="cProfile the decode run")
     ap.add_argument("--receipts", action="store_true", help="stages sign receipts (verification's default)")
     args = ap.parse_args()
-    print(report(trio.run(run, args)))
+    if args.smoke:  # the smallest run through every part
+        args.decode, args.pings = 8, 10
+    out = trio.run(run, args)
+    text = report(out)
+    publish("profile_hop", args, {k: v for k, v in out.items() if k != "profile"}, text)
     return 0
 
 
