@@ -35,6 +35,9 @@ class FakeMesh:
     asked: list[tuple[str, AskRequest]] = field(default_factory=list)
     cancelled: int = 0
     started: trio.Event = field(default_factory=trio.Event)
+    # after this many pieces a spot check "catches a lie": the client's pieces are withdrawn, the answer
+    # starts again (as meshd.client.ask.ask_with_failover counts them)
+    withdraw_after: int | None = None
     # what output verification says of every answer: checked on replicas, these ranges left unchecked
     checked: bool | None = True
     unchecked: list[Unchecked] = field(default_factory=list)
@@ -47,7 +50,12 @@ class FakeMesh:
         self.started.set()
         try:
             result.prompt_tokens = list(range(self.prompt_tokens))
-            for i, piece in enumerate(self.pieces[:request.max_tokens]):
+            pieces = list(self.pieces[:request.max_tokens])
+            if self.withdraw_after is not None:
+                pieces = pieces[:self.withdraw_after] + pieces
+            for i, piece in enumerate(pieces):
+                if i == self.withdraw_after:
+                    result.restart()
                 if self.error is not None and i == self.fail_after:
                     raise self.error
                 if self.gate is not None and i > 0:
@@ -61,6 +69,7 @@ class FakeMesh:
                     maybe = on_token(i, piece)
                     if maybe is not None:
                         await maybe
+                    result.shown += 1
             if self.error is not None and self.fail_after >= len(self.pieces):
                 raise self.error
             # as the tail: the budget ends an answer that the model would have gone on with

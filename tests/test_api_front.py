@@ -339,6 +339,21 @@ async def test_failure_mid_stream_is_an_error_event_in_each_dialect() -> None:
     assert "overloaded_error" in r.text.split("event: error")[-1]
 
 
+async def test_a_stream_whose_text_a_caught_lie_withdrew_ends_with_an_error_saying_so() -> None:
+    # (a spot check caught a stage lying after two pieces were sent: the answer starts again, which a
+    # stream cannot take back, so the request fails instead of sending the answer again after them)
+    stream = await oai(FrontDoor(FakeMesh(withdraw_after=2))).chat.completions.create(
+        model=NAME, messages=USER, stream=True)
+    got = []
+    with pytest.raises(openai.APIError, match="caught lying after 2 token"):
+        async for chunk in stream:
+            got.append(chunk.choices[0].delta.content)
+    assert "".join(g or "" for g in got) == "Hello"
+    # a whole answer is sent once it is in: the client never had the withdrawn text
+    whole = await oai(FrontDoor(FakeMesh(withdraw_after=2))).chat.completions.create(model=NAME, messages=USER)
+    assert whole.choices[0].message.content == "Hello world"
+
+
 async def test_unknown_path_and_method_in_json() -> None:
     async with http(FrontDoor(FakeMesh())) as client:
         missing = await client.get("/v1/nothing")
