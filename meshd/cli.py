@@ -18,6 +18,7 @@ import signal
 import socket
 import stat
 import sys
+import time
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from meshd.client.ask import (
     stop_trim,
 )
 from meshd.client.asker import Asker, Unverified, unverified_reason
+from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.daemon import CannotVolunteer, MeshDaemon, NodeConfig, rpc
 from meshd.engine import RangeReport
@@ -64,6 +66,17 @@ from meshd.store.sparse import SparseError
 from meshd.store.split import SplitError, model_files, part_paths, set_prefix, shown_name
 from relay.limits import RelayLimits
 from wire.codec import Message
+from wire.credit import (
+    CREDITS_PAGE,
+    CountersignRequest,
+    CreditsReply,
+    CreditsRequest,
+    PeerCredit,
+    Voucher,
+    VoucherReply,
+    VoucherRequest,
+    WorkTaken,
+)
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import FetchStatus, RouteReply, RouteRequest, StatusReply, StatusRequest
@@ -416,6 +429,15 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
             return await daemon.planned_route(request.model, request.exclude)
         if isinstance(request, ProofGossip):
             return daemon.take_proof(request.proof)
+        if isinstance(request, VoucherRequest):
+            return VoucherReply(voucher=daemon.credit.voucher(request.opener))
+        if isinstance(request, CountersignRequest):
+            # the operator's own asks (meshd ask dials from an identity of its own): the member signs them
+            return WorkTaken(taken=daemon.countersign([
+                Served(s.model, s.layer_begin, s.layer_end, s.prompt_tokens, s.generated_tokens, s.checked, s.head)
+                for s in request.summaries]))
+        if isinstance(request, CreditsRequest):
+            return daemon.credits(request.offset)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
     return answer
 
@@ -643,6 +665,52 @@ def fetch_line(f: FetchStatus) -> str:
             f"from {plural(f.sources, 'source')}; {f.state}")
 
 
+async def own_voucher(state_dir: Path, opener: str, timeout: float) -> Voucher | None:
+    """The local member's voucher for `opener` (this command's identity): stages rank the ask by the
+    member's credit. None where the daemon gives none (the ask is then a newcomer's); no daemon at all
+    is the ask's own error (ControlError), said as for its routes."""
+    try:
+        reply = await control_request(state_dir, VoucherRequest(opener=opener), timeout=timeout)
+    except ProtocolError:
+        return None
+    return reply.voucher if isinstance(reply, VoucherReply) else None
+
+
+async def credits(args: argparse.Namespace) -> int:
+    """The local member's credit ledger: its own standing and each member's (meshd.mesh.credit)."""
+    first = expect(await control_request(args.state_dir, CreditsRequest(), timeout=args.timeout), CreditsReply,
+                   "the local meshd")
+    members = list(first.members)
+    while len(members) < first.total_members and len(members) < MAX_STATUS_PAGES * CREDITS_PAGE:
+        page = expect(await control_request(args.state_dir, CreditsRequest(offset=len(members)),
+                                            timeout=args.timeout), CreditsReply, "the local meshd")
+        if not page.members:
+            break
+        members += page.members
+    if args.json:
+        doc = {"node": first.node_id, "own": first.own.model_dump(), "summaries": first.summaries,
+               "root": first.root.hex(), "newcomer_floor": first.floor,
+               "members": [m.model_dump() for m in members]}
+        print(json.dumps(doc, indent=2))
+        return 0
+    own = first.own
+    print(f"node {first.node_id[:16]}: balance {own.balance:.0f}, earned {own.earned:.0f}, spent {own.spent:.0f} "
+          f"(layers x tokens served, decayed); ledger of {plural(first.summaries, 'summary')}, root "
+          f"{first.root.hex()[:16]}; newcomers keep {first.floor:.0%} of a stage's slots")
+    if members:
+        print(credit_table(members))
+    return 0
+
+
+def credit_table(members: list[PeerCredit]) -> str:
+    rows = [("member", "balance", "earned", "spent", "served us", "we served", "placed")]
+    rows += [(m.node_id[:16], f"{m.balance:.0f}", f"{m.earned:.0f}", f"{m.spent:.0f}", f"{m.served_us:.0f}",
+              f"{m.asked_us:.0f}", "yes" if m.placed else "") for m in members]
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) if k == 0 else cell.rjust(w) for k, (cell, w) in
+                               enumerate(zip(row, widths, strict=True))).rstrip() for row in rows)
+
+
 async def models(args: argparse.Namespace) -> int:
     s = await ask_status(args)
     if not s.coverage:
@@ -820,9 +888,22 @@ async def ask(args: argparse.Namespace) -> int:
                     print(f"meshd: a proof that node {proof.culprit.node_id[:16]} lied was not taken: {exc}",
                           file=sys.stderr)
 
+            async def report_work(served: list[Served]) -> None:
+                # the local member countersigns what the stages served (with --seed no member asks: no credit)
+                if args.seed is not None or not served:
+                    return
+                at = int(time.time())
+                summaries = [w.signed(peers.identity, at) for w in served][:64]
+                try:
+                    await control_request(args.state_dir, CountersignRequest(summaries=summaries), timeout=args.timeout)
+                except (ProtocolError, ControlError) as exc:
+                    print(f"meshd: the stages' work was not countersigned: {exc}", file=sys.stderr)
+
+            if args.seed is None:
+                request.payer = await own_voucher(args.state_dir, peers.identity.node_id, args.timeout)
             asker = Asker(peers, RouteSources(find_route, ask_member), other_route, report_proof,
                           verify_every=args.verify, require_verified=args.require_verified,
-                          stall_timeout=args.timeout)
+                          stall_timeout=args.timeout, report_work=report_work)
             try:
                 await asker.ask(request, on_token, result)
             except Unverified as exc:
@@ -1110,6 +1191,12 @@ def build_parser() -> argparse.ArgumentParser:
                             help="print the status as one JSON document for scripts (keys in the README) "
                                  "(default: a table)")
 
+    cr = sub.add_parser("credits", help="this node's credit: balance, earned and spent, and each member's")
+    add_state_dir(cr, "the local daemon's state directory")
+    cr.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
+                    help="seconds to wait for the answer (default: %(default)s)")
+    cr.add_argument("--json", action="store_true", help="print the ledger as one JSON document (default: a table)")
+
     a = sub.add_parser("ask", help="ask a question")
     a.add_argument("prompt", help=f"the question; {STDIN} reads it from standard input")
     where = a.add_mutually_exclusive_group()
@@ -1184,7 +1271,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models": models, "relay": relay,
+COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models": models, "credits": credits,
+            "relay": relay,
             "pull": pull, "bench": bench.bench}
 
 

@@ -35,7 +35,9 @@ import trio
 from tqdm import tqdm
 
 from meshd.client.ask import first_error
+from meshd.client.ledger import LedgerKeeper
 from meshd.client.probe import probe_stage
+from meshd.client.served import Served
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, FetchReport, SourceRef, fetch_chunks, fetch_manifest
 from meshd.fetch.hub import (
@@ -51,6 +53,8 @@ from meshd.fetch.hub import (
 from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
 from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address
 from meshd.mesh.assignment import ModelSpec, held_ranges, stage_fits
+from meshd.mesh.authority import placement_of
+from meshd.mesh.credit import NEWCOMER_FLOOR
 from meshd.mesh.duty import (
     AskAssignment,
     AssignmentChanged,
@@ -98,6 +102,7 @@ from meshd.store.split import SplitError, model_files, shown_name
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
 from wire.codec import Message
+from wire.credit import CREDITS_PAGE, CreditsReply, PeerCredit, Voucher
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import (
@@ -186,6 +191,8 @@ class NodeConfig:
     progress: bool = False
     # What serving chunks to other members may cost this node: streams, upload budgets, timeouts.
     upload: SourceConfig = field(default_factory=SourceConfig)
+    # how often the credit ledger pulls what it lacks from one member (meshd.client.ledger)
+    ledger_interval: float = 30.0
 
 
 @dataclass
@@ -304,6 +311,7 @@ class MeshDaemon:
         self._slower_than_said: set[str] = set()
         # where fast-path connections meet the sessions of every range this node serves
         self.fast_door = FastDoor()
+        self.credit: LedgerKeeper
 
     # ----- lifecycle
 
@@ -349,6 +357,9 @@ class MeshDaemon:
                 kv_tokens=limits.max_sessions * limits.max_session_tokens, settle=cfg.settle, probes=cfg.probes))
             self.driver = MeshDriver(self.duty, self._send, self._on_event, cfg.swim_inbox)
             nursery.start_soon(self.driver.run)
+            self.credit = LedgerKeeper(self.identity, peers, rpc, self.placed_members, interval=cfg.ledger_interval,
+                                       timeout=cfg.rpc_timeout)
+            nursery.start_soon(self.credit.run, self._ledger_peers)
             await self._join_seeds()
             if cfg.seeds and not cfg.client:
                 await self._check_reachability()
@@ -636,6 +647,8 @@ class MeshDaemon:
             reply = await self._dial_back(stream, request)
         elif isinstance(request, ProofGossip):
             reply = self.take_proof(request.proof, stream.remote_node_id)
+        elif (answered := self.credit.answer(request)) is not None:
+            reply = answered
         else:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown mesh request {request.type!r}")
         await stream.send_message(reply)
@@ -679,6 +692,47 @@ class MeshDaemon:
             await rpc(self.peers, None, ProofGossip(proof=proof), node_id=node_id)
         except ProtocolError as exc:
             log.info("passing a proof to %s: %s", node_id[:16], exc)
+
+    # ----- credit (meshd.mesh.credit)
+
+    def placed_members(self) -> set[str]:
+        """The members whose placement by a tracker this node followed their records carry, and those
+        trackers: whose asks pay credit whatever they hold (meshd.mesh.credit)."""
+        followed = self.mesh.election.followed
+        placed = {r.node_id for r in self.live_records() if placement_of(r, followed) is not None}
+        return placed | {node_id for _, node_id in followed}
+
+    def _ledger_peers(self) -> list[tuple[str, str | None]]:
+        membership = self.mesh.membership
+        return [(r.node_id, self.dial_address(r)) for r in self.live_records()
+                if r.node_id != self.mesh.node_id and membership.rtt(r.node_id) is not None]
+
+    def voucher(self, opener: str) -> Voucher:
+        """Lets `opener` (an identity of this member's own commands) ask on this member's credit."""
+        return self.credit.voucher(opener)
+
+    def countersign(self, served: list[Served]) -> int:
+        """Countersigns what each stage of an ask made for this member served, and gives it to the stage."""
+        return len(self.credit.countersign(self._nursery, served, self.address_of))
+
+    def credits(self, offset: int = 0) -> CreditsReply:
+        """This node's ledger: its own standing and every member's (a page from `offset`), for `meshd credits`."""
+        me = self.mesh.node_id
+        standing = self.credit.standing()
+        between = self.credit.ledger.between(me, time.time())
+        members = sorted(set(standing) | set(between) | {me})
+
+        def line(node_id: str) -> PeerCredit:
+            held = standing.get(node_id)
+            served, asked = between.get(node_id, (0.0, 0.0))
+            return PeerCredit(node_id=node_id, balance=held.balance if held else 0.0,
+                              earned=held.earned if held else 0.0, spent=held.spent if held else 0.0,
+                              served_us=served, asked_us=asked, placed=bool(held and held.placed))
+
+        others = [m for m in members if m != me]
+        return CreditsReply(node_id=me, own=line(me), members=[line(m) for m in others[offset:offset + CREDITS_PAGE]],
+                            total_members=len(others), summaries=len(self.credit.ledger), root=self.credit.ledger.root,
+                            floor=NEWCOMER_FLOOR)
 
     def live_records(self) -> list[CapabilityRecord]:
         return self.mesh.membership.live_records()
@@ -848,7 +902,8 @@ class MeshDaemon:
             async with trio.open_nursery() as nursery:
                 report = await nursery.start(engine.run)
                 service = StageService(self.peers, engine, report, self.model.digest, self.model.name, limits,
-                                       may_dial=self.may_dial, door=self.fast_door)
+                                       may_dial=self.may_dial, door=self.fast_door,
+                                       credit_of=self.credit.credit_of)
                 engine.on_event = service.on_engine_event
 
                 def down(generation: int, reason: str) -> None:

@@ -281,7 +281,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_flag_has_help_that_names_its_default() -> None:
     parser = build_parser()
     commands = subcommands(parser)
-    assert set(commands) == {"serve", "join", "relay", "status", "models", "ask", "pull"}
+    assert set(commands) == {"serve", "join", "relay", "status", "models", "ask", "pull", "credits"}
     for name, command in commands.items():
         for action in command._actions:
             if not action.option_strings or action.dest == "help":

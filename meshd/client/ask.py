@@ -21,6 +21,7 @@ from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from relay.protocol import CIRCUIT_MARK
 from wire.codec import ErrorMessage, Message, error_from_message
+from wire.credit import Voucher
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, RouteStage
 from wire.receipt import Receipts
@@ -134,6 +135,8 @@ class AskRequest:
     cache: bool = True
     # it (every hop direct, f32, no receipts, no draft model); off, every row goes through the daemons
     fast: bool = True
+    # the member on whose credit the ask is made, when it dials from an identity of its own (wire.credit)
+    payer: Voucher | None = None
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                     sampling=request.sampling,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
                     wire_codec=request.wire_codec, speculate=speculate,
-                    max_draft=request.max_draft, receipts=verifier is not None, fast=fast), Opened,
+                    max_draft=request.max_draft, receipts=verifier is not None, fast=fast,
+                    payer=request.payer), Opened,
                     f"stage {stage.address} opening the session")
                 check_opened(stage, reply.info)
                 infos[i] = reply.info

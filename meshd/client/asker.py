@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover, deliver
+from meshd.client.served import Served
 from meshd.client.verifier import Verifier
 from meshd.client.verify import DEFAULT_VERIFY, CheckPlan
 from meshd.net.peers import Peers
@@ -60,6 +61,8 @@ class Asker:
     verify_every: int = DEFAULT_VERIFY
     require_verified: bool = False
     stall_timeout: float = 30.0
+    # hands what each stage served to the member this ask is made for, which countersigns it (wire.credit)
+    report_work: Callable[[list[Served]], Awaitable[None]] | None = None
 
     async def ask(self, request: AskRequest, on_token: OnToken | None = None,
                   result: AskResult | None = None) -> AskResult:
@@ -97,6 +100,8 @@ class Asker:
         finally:
             for proof in [] if verifier is None else verifier.proofs:
                 await self.report_proof(proof)
+            if verifier is not None and self.report_work is not None:
+                await self.report_work(verifier.work())
         if self.require_verified:
             for token, piece in zip(result.tokens, result.pieces, strict=True):
                 await deliver(on_token, token, piece)

@@ -18,6 +18,7 @@ import trio
 from meshd.client.ask import AskResult, OnToken, RouteError, RouteFinder, Stage, StageError, Unchecked, hand_over
 from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
 from meshd.client.chain_check import ChainCheck
+from meshd.client.served import Served, served_work
 from meshd.client.verify import MAX_PROOFS, REPLICAS_WANTED, CheckPlan, Draws, Inbox, RangeCheck, replicas_of
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
@@ -49,6 +50,8 @@ class Verifier:
         # the route's control streams (a seal goes on them), and the stages that ended the session after the answer
         self.streams: list[Stream | None] = []
         self.ended: set[int] = set()
+        # what the stages of the epochs before this one served (the asker countersigns it: meshd.client.served)
+        self.served: list[Served] = []
 
     async def prepare(self, route: Sequence[Stage], avoid: Collection[str] = ()) -> None:
         """Finds replicas for the route's ranges (a second and a third node for each, where the mesh
@@ -84,6 +87,8 @@ class Verifier:
         """A new epoch on ``route``; on the fast path (``fast``) each stage signs spans of its own."""
         ids = [n for n in node_ids if n is not None]
         assert len(ids) == len(node_ids), "every stage's node id is known once the route is open"
+        if self.audit is not None:
+            self.served += served_work(self.audit, result, self.liars)
         self.audit = (SpanAudit if fast else Audit)(session, epoch, ids, n_layer, result,
                                                     model=result.route[-1].model_digest)
         self.streams = list(streams)
@@ -214,6 +219,11 @@ class Verifier:
                                  "no replica" if check is None else check.stopped or cut_short)
                 log.info("spot checks: %s", note)
                 audit.result.note_unchecked(note)
+
+    def work(self) -> list[Served]:
+        """What every stage of the ask served, each epoch's (the last's too), but the liars' work."""
+        done = self.served + ([] if self.audit is None else served_work(self.audit, self.audit.result, self.liars))
+        return [w for w in done if w.stage not in self.liars]
 
     def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError:
         error = blamed(error, node_ids)

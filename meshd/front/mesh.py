@@ -8,7 +8,9 @@ from typing import Protocol
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, Stage, route_from_reply
 from meshd.client.asker import Asker
+from meshd.client.served import Served
 from meshd.net.peers import Peers
+from wire.credit import Voucher
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, StatusReply
 from wire.receipt import Proof, ProofAccepted
@@ -29,6 +31,10 @@ class Daemon(Protocol):
     async def planned_route(self, model: str | None, exclude: list[str]) -> RouteReply: ...
 
     def take_proof(self, proof: Proof) -> ProofAccepted: ...
+
+    def countersign(self, served: list[Served]) -> int: ...
+
+    def voucher(self, opener: str) -> Voucher: ...
 
 
 class DaemonMesh:
@@ -67,7 +73,13 @@ class DaemonMesh:
             except ProtocolError as exc:
                 log.warning("the daemon did not take a proof: %s", exc)
 
+        async def report_work(served: list[Served]) -> None:
+            # the front door's asks are its member's: the member countersigns what each stage served
+            self.daemon.countersign(served)
+
+        # the stages rank the front door's asks by its member's credit (it dials from an identity of its own)
+        request.payer = self.daemon.voucher(self.peers.identity.node_id)
         # verified at the default rate (not while speculating with a draft model: meshd.client.asker)
         asker = Asker(self.peers, find_route, other_route, report_proof, require_verified=self.require_verified,
-                      stall_timeout=self.stall_timeout)
+                      stall_timeout=self.stall_timeout, report_work=report_work)
         return await asker.ask(request, on_token, result)

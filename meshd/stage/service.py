@@ -26,6 +26,7 @@ import functools
 import itertools
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -225,8 +226,11 @@ class StageMetrics:
 class StageService:
     def __init__(self, peers: Peers, engine: EngineSupervisor, report: RangeReport, model_digest: str,
                  model_name: str, limits: StageLimits = StageLimits(), may_dial: DialCheck = plain_address,
-                 draft_engine: EngineSupervisor | None = None, door: FastDoor | None = None) -> None:
+                 draft_engine: EngineSupervisor | None = None, door: FastDoor | None = None,
+                 credit_of: Callable[[str], float] | None = None) -> None:
         self.peers = peers
+        # a member's credit (meshd.mesh.credit.priority), which ranks its sessions under contention
+        self.credit_of = credit_of
         # fast-path connections meet their sessions here (one door per node, shared by its services)
         self.door = door or FastDoor()
         # fast sessions by the tag the engine worker's events name them by (unique to this service)
@@ -387,6 +391,16 @@ class StageService:
             raise ProtocolError(ErrorCode.OVERLOADED, "the engine worker is restarting",
                                 retry_after_ms=self.limits.retry_after_ms)
 
+    def _credit(self, stream: Stream, msg: Open) -> float:
+        """The credit of the member the session asks for: the opener's own, or the member whose voucher
+        for the opener it carries (an identity of `meshd ask`'s or a front door's own)."""
+        if self.credit_of is None:
+            return 0.0
+        payer = stream.remote_node_id
+        if msg.payer is not None and msg.payer.valid_for(payer, time.time()):
+            payer = msg.payer.payer
+        return self.credit_of(payer)
+
     def _downstream_target(self, msg: Open) -> tuple[PeerRef, bool] | None:
         """Where this stage's output goes: the next stage, or (the tail) the ring to the head."""
         if not self.report.has_output:
@@ -413,7 +427,7 @@ class StageService:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "the fast path takes direct hops, not relay circuits")
         book, gone = self.books.open(msg.session, msg.epoch, self.engine.generation, msg.max_tokens, msg.stop,
                                      trio.current_time(), owner=stream.remote_node_id, upstream=msg.upstream,
-                                     source=host_of(stream.link.address))
+                                     source=host_of(stream.link.address), credit=self._credit(stream, msg))
         for other in gone:
             self._ended(other)
         # a check session's replay runs the steps fed together in one engine call (``SessionBook.joins``)

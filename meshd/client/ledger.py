@@ -1,0 +1,194 @@
+"""The trio shell of a member's credit ledger (meshd.mesh.credit): countersigning, giving, gossip.
+
+A member countersigns what each stage of its asks served (``countersign``) and gives each summary to
+its stage; it answers the ledger requests of others (``answer``) and, every ``interval``, pulls
+what it lacks from one member it has heard from first-hand (``pull``): roots first (one small
+message each way when the ledgers agree), then the ids of the buckets that differ, then the
+summaries it lacks, bounded per round (``PULL_BUDGET``). Credit is worked out from the ledger at
+most every ``STANDING_EVERY`` seconds (``standing``): a stage reads it at each session it opens.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from dataclasses import dataclass, field
+
+import trio
+
+from meshd.client.served import Served
+from meshd.mesh.credit import InvalidSummary, Ledger, Standing, priority
+from meshd.net import rpc as net_rpc
+from meshd.net.peers import Peers
+from wire.codec import Message, encode
+from wire.credit import (
+    MAX_SUMMARIES_PER_MESSAGE,
+    LedgerFetch,
+    LedgerIds,
+    LedgerIdsRequest,
+    LedgerRoots,
+    LedgerRootsRequest,
+    Voucher,
+    WorkGive,
+    WorkSummary,
+    WorkTaken,
+)
+from wire.errors import ErrorCode, ProtocolError
+from wire.identity import NodeIdentity
+
+log = logging.getLogger(__name__)
+
+# summaries one pull fetches at most: a member far behind catches up over a few rounds, at a bounded cost each
+PULL_BUDGET = 1024
+# buckets one pull walks at most (the rest wait for the next round)
+PULL_BUCKETS = 32
+STANDING_EVERY = 10.0
+# how long a voucher for one of this member's own command identities lasts
+VOUCHER_SECONDS = 24 * 3600
+
+
+@dataclass
+class LedgerKeeper:
+    identity: NodeIdentity
+    peers: Peers
+    # the mesh protocol's one request and reply (the daemon's `rpc`)
+    rpc: Callable[..., Awaitable[Message]]
+    # the members this node's view says are placed (and the trackers it follows)
+    placed: Callable[[], Collection[str]]
+    ledger: Ledger = field(default_factory=Ledger)
+    interval: float = 30.0
+    timeout: float = 5.0
+    # bytes this node's pulls moved (requests and answers, as encoded): a figure for /metrics and the sim
+    pulled_bytes: int = 0
+    _standing: dict[str, Standing] = field(default_factory=dict)
+    _standing_at: float = -1e18
+    _standing_version: int = -1
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    # ----- what this node asked
+
+    def voucher(self, opener: str) -> Voucher:
+        return Voucher.create(self.identity, opener, int(time.time()) + VOUCHER_SECONDS)
+
+    def countersign(self, nursery: trio.Nursery, served: Iterable[Served],
+                    address_of: Callable[[str], str | None]) -> list[WorkSummary]:
+        """Signs a summary of each stage's work, keeps it and gives it to its stage (in the background)."""
+        at = int(time.time())
+        signed = []
+        for work in served:
+            summary = work.signed(self.identity, at)
+            try:
+                self.ledger.add(time.time(), summary)
+            except InvalidSummary as exc:
+                log.info("no credit for the work of %s: %s", work.stage[:16], exc)
+                continue
+            signed.append(summary)
+            nursery.start_soon(self._give, summary, address_of(summary.stage))
+        return signed
+
+    async def _give(self, summary: WorkSummary, address: str | None) -> None:
+        try:
+            await self.rpc(self.peers, address, WorkGive(summaries=[summary]), node_id=summary.stage,
+                           timeout=self.timeout)
+        except ProtocolError as exc:
+            log.info("giving node %s its summary: %s", summary.stage[:16], exc)
+
+    # ----- what others ask of this node's ledger
+
+    def answer(self, request: Message) -> Message | None:
+        """The reply to a ledger request; None for a request of another kind."""
+        ledger = self.ledger
+        if isinstance(request, WorkGive):
+            taken = refused = 0
+            now = time.time()
+            for summary in request.summaries:
+                try:
+                    taken += ledger.add(now, summary)
+                except InvalidSummary as exc:
+                    refused += 1
+                    log.debug("a summary refused: %s", exc)
+            return WorkTaken(taken=taken, refused=refused)
+        if isinstance(request, LedgerRootsRequest):
+            return ledger.roots(request.root)
+        if isinstance(request, LedgerIdsRequest):
+            return ledger.ids(request.bucket, request.offset)
+        if isinstance(request, LedgerFetch):
+            return WorkGive(summaries=ledger.fetch(request.ids))
+        return None
+
+    # ----- gossip
+
+    async def run(self, members: Callable[[], list[tuple[str, str | None]]]) -> None:
+        """Every `interval`, pulls from one of `members` ((node id, address) it heard from first-hand)."""
+        while True:
+            await trio.sleep(self.interval * random.uniform(0.5, 1.5))
+            self.ledger.expire(time.time())
+            others = members()
+            if not others:
+                continue
+            node_id, address = random.choice(others)
+            try:
+                got = await self.pull(node_id, address)
+            except ProtocolError as exc:
+                log.info("ledger pull from %s: %s", node_id[:16], exc)
+                continue
+            if got:
+                log.debug("ledger pull from %s: %d summaries", node_id[:16], got)
+
+    async def _ask(self, node_id: str, address: str | None, request: Message, expected: type[net_rpc.R]) -> net_rpc.R:
+        reply = await self.rpc(self.peers, address, request, node_id=node_id, timeout=self.timeout)
+        self.pulled_bytes += _size(request) + _size(reply)
+        return net_rpc.expect(reply, expected, f"the ledger of {node_id[:16]}")
+
+    async def pull(self, node_id: str, address: str | None) -> int:
+        """Takes what `node_id`'s ledger holds and this one lacks, up to `PULL_BUDGET`; returns how many."""
+        ledger = self.ledger
+        roots = await self._ask(node_id, address, LedgerRootsRequest(root=ledger.root), LedgerRoots)
+        differing = ledger.differing(roots)
+        random.shuffle(differing)
+        got = 0
+        for bucket in differing[:PULL_BUCKETS]:
+            offset, total = 0, 1
+            while offset < total and got < PULL_BUDGET:
+                page = await self._ask(node_id, address, LedgerIdsRequest(bucket=bucket, offset=offset), LedgerIds)
+                if not page.ids:
+                    break
+                total, offset = page.total, offset + len(page.ids)
+                wanted = ledger.missing(page.ids)[:PULL_BUDGET - got]
+                for k in range(0, len(wanted), MAX_SUMMARIES_PER_MESSAGE):
+                    batch = wanted[k:k + MAX_SUMMARIES_PER_MESSAGE]
+                    give = await self._ask(node_id, address, LedgerFetch(ids=batch), WorkGive)
+                    if len(give.summaries) > len(batch):
+                        raise ProtocolError(ErrorCode.BAD_REQUEST, "more summaries than asked for")
+                    now = time.time()
+                    for summary in give.summaries:
+                        try:
+                            got += ledger.add(now, summary)
+                        except InvalidSummary as exc:
+                            log.info("node %s gave a summary that does not hold: %s", node_id[:16], exc)
+        return got
+
+    # ----- credit
+
+    def standing(self) -> dict[str, Standing]:
+        """Every member's credit, worked out again at most every `STANDING_EVERY` seconds."""
+        now = time.monotonic()
+        if now - self._standing_at >= STANDING_EVERY or (
+                self._standing_version != self.ledger.version and now - self._standing_at >= 1.0):
+            self._standing = self.ledger.standing(time.time(), self.placed())
+            self._standing_at, self._standing_version = now, self.ledger.version
+        return self._standing
+
+    def credit_of(self, node_id: str) -> float:
+        """A session's rank at a stage: its payer's balance (meshd.mesh.credit.priority)."""
+        held = self.standing().get(node_id)
+        return 0.0 if held is None else priority(held.balance)
+
+
+def _size(message: Message) -> int:
+    return len(encode(message))
