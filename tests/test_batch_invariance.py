@@ -53,26 +53,36 @@ def quantized_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Pa
     return copy_with_weights(src, dst, qtype, lambda data: gguf.quants.quantize(data.astype(np.float32), qtype))
 
 
-def random_kquant_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+def random_quant_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     """`src` with its 2-D layer and output weights replaced by random `qtype` blocks.
 
-    gguf-py cannot quantize to K- or IQ-quants, and a random-weight model needs no real weights:
+    gguf-py cannot quantize to K-, IQ- or MX-quants, and a random-weight model needs no real weights:
     random quant bytes with small block scales are valid weights of that type."""
     rng = np.random.default_rng(11)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-    # where each block's f16 scale(s) sit: Q4_K starts with d and dmin, Q6_K ends with d, the IQ4s start with d
+    half = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    # where each block's scale(s) sit (ggml-common.h's block layouts): an f16 d (and dmin), or MXFP4's
+    # E8M0 exponent byte (2**(e - 127): 117 scales its 4-bit values, up to 6, to under 0.006)
     q = gguf.GGMLQuantizationType
-    scale_at = {q.Q4_K: (0, 2), q.Q6_K: (size - 2,), q.IQ4_NL: (0,), q.IQ4_XS: (0,)}[qtype]
+    f16_at = {q.Q4_0: (0,), q.Q4_1: (0, 2), q.Q5_0: (0,), q.Q5_1: (0, 2), q.Q8_0: (0,), q.Q2_K: (size - 4, size - 2),
+              q.Q3_K: (size - 2,), q.Q4_K: (0, 2), q.Q5_K: (0, 2), q.Q6_K: (size - 2,), q.IQ2_XS: (0,),
+              q.IQ3_XXS: (0,), q.IQ4_NL: (0,), q.IQ4_XS: (0,), q.MXFP4: ()}[qtype]
 
     def blocks(data: np.ndarray) -> np.ndarray:
         rows, cols = data.shape
         raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-        for at in scale_at:
-            raw[:, at:at + 2] = scale
+        for at in f16_at:
+            raw[:, at:at + 2] = half
+        if qtype == q.MXFP4:
+            raw[:, 0] = 117
         return raw.reshape(rows, -1)
 
     return copy_with_weights(src, dst, qtype, blocks)
+
+
+# Every common quantization (issue 29): the legacy ones quantized by gguf-py, the others random blocks
+QUANTIZED = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
+RANDOM_BLOCKS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xs", "iq3_xxs", "iq4_nl", "iq4_xs", "mxfp4"]
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +95,9 @@ def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     wide = write_tiny_gguf(root / "wide.gguf", TinySpec("llama", tied=False, weight_dtype=np.float32, n_embd=256,
                                                         n_ff=512, n_layer=2, seed=2))
     return {"f16": tiny_models["llama-gqa-tied"], "f32": tiny_models["llama-gqa-untied"],
-            "q4_1": quantized_copy(tiny_models["llama-gqa-untied"], root / "q4_1.gguf", q.Q4_1),
-            "q4_k": random_kquant_copy(wide, root / "q4_k.gguf", q.Q4_K),
-            "q6_k": random_kquant_copy(wide, root / "q6_k.gguf", q.Q6_K),
-            # the tiled path took IQ-quant matmuls too
-            "iq4_nl": random_kquant_copy(wide, root / "iq4_nl.gguf", q.IQ4_NL),
-            "iq4_xs": random_kquant_copy(wide, root / "iq4_xs.gguf", q.IQ4_XS)}
+            **{k: quantized_copy(tiny_models["llama-gqa-untied"], root / f"{k}.gguf", q[k.upper()]) for k in QUANTIZED},
+            # (the tiled path took K- and IQ-quant matmuls)
+            **{k: random_quant_copy(wide, root / f"{k}.gguf", q[k.upper()]) for k in RANDOM_BLOCKS}}
 
 
 def batched_and_single(path: Path, n: int, prefix: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -116,9 +123,12 @@ def assert_identical(together: np.ndarray, apart: np.ndarray) -> None:
                               f"one-by-one decoding, by up to {float(np.abs(together - apart).max()):.3g}")
 
 
-@pytest.mark.parametrize("kind", ["f16", "f32", "q4_1", "q4_k", "q6_k", "iq4_nl", "iq4_xs"])
+@pytest.mark.parametrize("kind", ["f16", "f32", *QUANTIZED, *RANDOM_BLOCKS])
 def test_batch_rows_equal_decode_steps(models: dict[str, Path], kind: str) -> None:
-    assert_identical(*batched_and_single(models[kind], BATCH))
+    together, apart = batched_and_single(models[kind], BATCH)
+    # (weights that made every row the same, or nothing finite, would match without a kernel being checked)
+    assert np.isfinite(together).all() and np.ptp(together, axis=0).max() > 0
+    assert_identical(together, apart)
 
 
 
