@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,6 +30,16 @@ _profile = os.environ.get("HYPOTHESIS_PROFILE", "dev")
 if _profile not in ("ci", "dev", "big"):
     raise pytest.UsageError(f"HYPOTHESIS_PROFILE={_profile!r} is not one of ci, dev, big")
 settings.load_profile(_profile)
+
+
+@pytest.fixture
+def refusing_address() -> Iterator[str]:
+    """``127.0.0.1:PORT`` of a socket bound and never listening, held for the whole test: a dial there is
+    refused, and no other process can take the port meanwhile (a port found free and let go, as these
+    tests once picked them, may be another test's listener by the time it is dialled)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{held.getsockname()[1]}"
 
 
 @pytest.fixture(scope="session")

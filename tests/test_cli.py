@@ -33,12 +33,6 @@ from wire.meshrpc import FetchStatus, ModelCoverage, RouteReply, StatusReply
 from wire.noise import mesh_key_from_secret
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def halves() -> Iterator[list[Served]]:
     with serving(("0:15", "15:30"), 2, 256) as served:
@@ -128,8 +122,8 @@ def test_a_model_without_a_chat_template_points_to_raw(tiny_models: dict[str, Pa
         stage.stop()
 
 
-def test_unreachable_stage_is_one_line(halves: list[Served]) -> None:
-    route = f"{halves[0].address},127.0.0.1:{free_port()}"
+def test_unreachable_stage_is_one_line(halves: list[Served], refusing_address: str) -> None:
+    route = f"{halves[0].address},{refusing_address}"
     line = one_line_error(run_meshd("ask", "--route", route, "--timeout", "5", "hello"))
     assert "unreachable" in line
 

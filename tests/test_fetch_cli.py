@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,13 +54,6 @@ def test_pull_fetches_the_range_into_a_sparse_file_and_a_second_pull_fetches_not
     assert again.returncode == 0 and "0 MiB fetched (0 chunks" in again.stdout, again.stdout + again.stderr
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.mark.parametrize(
     ("args", "code", "says"),
     [
@@ -81,8 +73,8 @@ def test_a_mistake_in_the_flags_is_one_line(args: list[str], code: int, says: st
     assert len(lines) == 1 and says in lines[0]
 
 
-def test_a_seed_nobody_listens_on_is_one_line(tmp_path: Path) -> None:
-    line = one_line(run_meshd("pull", "ab" * 32, "--layers", "0:2", "--seed", f"127.0.0.1:{free_port()}",
+def test_a_seed_nobody_listens_on_is_one_line(tmp_path: Path, refusing_address: str) -> None:
+    line = one_line(run_meshd("pull", "ab" * 32, "--layers", "0:2", "--seed", refusing_address,
                               "--out", str(tmp_path / "x.gguf"), "--timeout", "5"), 1)
     assert "no seed gave model abababababababab" in line and "cannot reach" in line
 

@@ -150,13 +150,10 @@ async def test_dialing_an_expected_node_id_and_reaching_another_key_fails() -> N
         assert alice.links == []
 
 
-async def test_an_unreachable_address_is_a_typed_error() -> None:
+async def test_an_unreachable_address_is_a_typed_error(refusing_address: str) -> None:
     async with open_peers(ALICE, QUICK) as alice:
-        with trio.socket.socket() as probe:
-            await probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
         with pytest.raises(ProtocolError) as info:
-            await alice.connect(f"127.0.0.1:{port}")
+            await alice.connect(refusing_address)
         assert info.value.code is ErrorCode.UNREACHABLE and info.value.retryable
 
 

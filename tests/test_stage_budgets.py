@@ -223,15 +223,12 @@ async def test_opened_says_what_the_stage_serves_and_its_next_hop_is_dialled_alr
         assert node.peers.link_to(asker.peers.node_id) is not None
 
 
-async def test_unreachable_next_stage_fails_the_open(default_model: Path, asker: Asker) -> None:
+async def test_unreachable_next_stage_fails_the_open(default_model: Path, asker: Asker, refusing_address: str) -> None:
     async with stage(default_model, (0, 10)) as node:
-        with trio.socket.socket() as unused:
-            await unused.bind(("127.0.0.1", 0))
-            port = unused.getsockname()[1]
         s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
-        await s.send_message(Open(session="s", epoch=0, next=PeerRef(address=f"127.0.0.1:{port}")))
+        await s.send_message(Open(session="s", epoch=0, next=PeerRef(address=refusing_address)))
         err = await typed_error(s, timeout=10)
-        assert err.code == ErrorCode.UNREACHABLE and f"next stage 127.0.0.1:{port} is unreachable" in err.message
+        assert err.code == ErrorCode.UNREACHABLE and f"next stage {refusing_address} is unreachable" in err.message
         assert node.service.metric_values()["sessions"] == 0.0
 
 
