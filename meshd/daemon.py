@@ -98,7 +98,7 @@ from meshd.store.holding import WholeFile
 from meshd.store.manifest import CHUNK_SIZE, Chunk, Manifest
 from meshd.store.ranges import held_layer_ranges, range_chunks
 from meshd.store.sparse import SparseFile
-from meshd.store.split import SplitError, model_files, shown_name
+from meshd.store.split import SplitError, model_files
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
 from wire.codec import Message
@@ -993,8 +993,9 @@ class MeshDaemon:
         known = held_models(r for r in self.live_records() if r.node_id != self.mesh.node_id).get(digest)
         await self._volunteer_fetched(manifest, known.file if known is not None else "")
 
-    async def _volunteer_fetched(self, manifest: Manifest, file: str) -> None:
-        """Opens the sparse file of `manifest`, fetches its header, and volunteers the model as `file`."""
+    async def _volunteer_fetched(self, manifest: Manifest, file: str, hub: str = "") -> None:
+        """Opens the sparse file of `manifest`, fetches its header, and volunteers the model as `file` (fetched
+        from members, and from the `hub` file it names)."""
         cfg = self.config
         assert cfg.state_dir is not None, "a node that fetches needs a state directory"
         digest = manifest.model_id
@@ -1019,7 +1020,7 @@ class MeshDaemon:
                                 f"{failure}")
         # the sparse file is named by the id: the model keeps the file name its holders know it by
         info = (await trio.to_thread.run_sync(describe_model, sparse.path, digest)).model_copy(
-            update={"whole": False, "file": file})
+            update={"whole": False, "file": file, "hub": hub})
         check_volunteer(info, cfg)
         self.model = info
         self.source.offer(sparse)
@@ -1125,22 +1126,26 @@ class MeshDaemon:
             raise ModelNotFound(str(exc)) from None
         self.hub = reader
         log.info("%s of %s is model %s", model.name, model.where, manifest.model_id[:16])
-        await self._volunteer_fetched(manifest, shown_name(Path(model.name)))
+        await self._volunteer_fetched(manifest, Path(model.name).stem, f"hf:{model.repo}@{model.commit}")
 
     async def _member_manifest(self, reader: HubReader) -> Manifest | None:
         """The manifest of the hub model a member offers under its file name, once its sizes and headers are
         the hub's at the pinned commit. Its tensors' hashes are the member's word: chunks come from members
         only when a second one names the same model (else from the hub, each checked against it)."""
-        name = shown_name(Path(reader.model.name))
-        others = [r for r in self.live_records() if r.node_id != self.mesh.node_id]
-        offered: dict[str, set[str]] = {}
-        for record in others:
+        # as a model's record names its file: the file's (or set's) name less .gguf
+        name = Path(reader.model.name).stem
+        offered: dict[str, list[SourceRef]] = {}
+        for record in self.live_records():
+            address = self.dial_address(record)
+            if record.node_id == self.mesh.node_id or record.leaving or address is None:
+                continue
             for info in record.models:
                 if info.file == name:
-                    offered.setdefault(info.digest, set()).add(record.node_id)
+                    # a member fetching its range serves the manifest (and what it holds) before any layer
+                    offered.setdefault(info.digest, []).append(SourceRef(address, record.node_id))
         for digest, holders in sorted(offered.items(), key=lambda item: -len(item[1])):
             try:
-                manifest = await fetch_manifest(self.peers, self._sources(digest), digest)
+                manifest = await fetch_manifest(self.peers, holders, digest)
                 await trio.to_thread.run_sync(check_binding, reader, manifest)
             except (ProtocolError, HubError) as exc:
                 log.warning("model %s, offered as %s, is not %s of %s: %s", digest[:16], name, reader.model.name,

@@ -78,6 +78,10 @@ class ModelInfo(WireModel):
     # The file's name less `.gguf` (a split set's less its part numbers), the name its user knows it
     # by, for `general.name` is whatever its converter wrote; "": none told (a record of an older node).
     file: Text = ""
+    # Where a node that holds no file fetches what no member holds: the hub file of the model
+    # ("hf:ORG/REPO@COMMIT", meshd.fetch.hub); "": members only. Any layer of a model some live member
+    # names a hub for can be fetched, so placement does not wait for a member to hold it on disk.
+    hub: Text = ""
 
     def known_as(self, wanted: str) -> bool:
         """Whether `wanted` is one of this model's names: the GGUF's own or its file's."""

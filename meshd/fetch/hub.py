@@ -47,6 +47,9 @@ from meshd.store.split import MAX_PARTS, SPLIT_COUNT, SPLIT_NO, part_name, set_p
 from wire.fetch import MAX_MANIFEST_BYTES
 
 log = logging.getLogger(__name__)
+# huggingface_hub's transport logs every request at info: a range fetch makes one a chunk (thousands for a
+# big model), which would bury the daemon's own lines.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 PREFIX = "hf:"
 # A repo id as the hub allows one: ORG/NAME, letters, digits, "-", "_", "." (at most 96 characters each).

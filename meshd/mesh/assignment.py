@@ -303,11 +303,15 @@ def held_ranges(record: CapabilityRecord, digest: str) -> tuple[Range, ...]:
 
 def unheld_layers(records: Iterable[CapabilityRecord], digest: str, n_layers: int) -> list[Range]:
     """The layer ranges of `digest` that none of `records` (the live ones) holds on disk: a range
-    there can be neither served nor fetched."""
+    there can be neither served nor fetched. None where a member fetches the model from the hub
+    (its ModelInfo names one): every layer can be fetched from there."""
     held = [False] * n_layers
     for record in records:
         if record.leaving:
             continue
+        info = record.model(digest)
+        if info is not None and info.hub:
+            return []
         for start, end in held_ranges(record, digest):
             held[start:min(end, n_layers)] = [True] * (min(end, n_layers) - start)
     gaps: list[Range] = []
