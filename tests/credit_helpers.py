@@ -23,9 +23,10 @@ def served(asker: NodeIdentity, stage: NodeIdentity, tokens: int, layers: int = 
 
 
 
-def sync(mine: Ledger, theirs: Ledger, now: float) -> int:
-    """`mine` pulls what it lacks from `theirs` as the daemon does, every message through the codec;
-    returns the bytes that crossed."""
+def sync(mine: Ledger, theirs: Ledger, now: float, walk: bool = True) -> int:
+    """`mine` pulls what it lacks from `theirs` as the daemon does (meshd.client.ledger), every message
+    through the codec: the ids taken last, and with `walk` the buckets that differ; returns the bytes
+    that crossed."""
     sent = 0
 
     def over(message: object) -> object:
@@ -34,10 +35,17 @@ def sync(mine: Ledger, theirs: Ledger, now: float) -> int:
         sent += len(data)
         return decode(data)
 
-    request = over(LedgerRootsRequest(root=mine.root))
+    request = over(LedgerRootsRequest(root=mine.root, walk=walk))
     assert isinstance(request, LedgerRootsRequest)
-    roots = over(theirs.roots(request.root))
+    roots = over(theirs.roots(request.root, request.walk))
     assert isinstance(roots, LedgerRoots)
+    if mine.missing(roots.recent):
+        fetch = over(LedgerFetch(ids=mine.missing(roots.recent)))
+        assert isinstance(fetch, LedgerFetch)
+        give = over(WorkGive(summaries=theirs.fetch(fetch.ids)))
+        assert isinstance(give, WorkGive)
+        for summary in give.summaries:
+            mine.add(now, summary)
     for bucket in mine.differing(roots):
         offset, total = 0, 1
         while offset < total:

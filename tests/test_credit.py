@@ -179,3 +179,19 @@ def test_newcomers_keep_their_floor_of_slots_and_near_equals_do_not_take_each_ot
     assert "new" in books.sessions
     _, gone = books.open("y", 0, 0, 16, (), 1.0, owner="y" * 40, source="10.0.2.2", credit=5000.0)
     assert [g.id for g in gone] == ["rich0"]
+
+
+def test_a_member_in_step_takes_what_is_new_from_the_roots_alone_and_an_equal_pull_is_small() -> None:
+    ids = [NodeIdentity.generate() for _ in range(3)]
+    mine, theirs = Ledger(), Ledger()
+    for k in range(40):
+        summary = served(ids[k % 2], ids[2], tokens=10 + k, session=f"old{k}")
+        mine.add(NOW, summary)
+        theirs.add(NOW, summary)
+    assert sync(mine, theirs, NOW, walk=False) < 200
+    fresh = [served(ids[0], ids[1], tokens=5 + k, session=f"new{k}") for k in range(3)]
+    for summary in fresh:
+        theirs.add(NOW, summary)
+    # the three new ones come with the roots: no bucket walked
+    sync(mine, theirs, NOW, walk=False)
+    assert mine.root == theirs.root

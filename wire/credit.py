@@ -37,6 +37,8 @@ BUCKETS = 256
 IDS_PAGE = 1024
 # members one page of `meshd credits` lists
 CREDITS_PAGE = 512
+# ids of the summaries a ledger took last, sent with roots that differ: what a member in step lacks
+RECENT = 64
 
 
 class WorkSummary(WireModel):
@@ -125,15 +127,20 @@ class WorkTaken(Message, tag="work_taken"):
 
 
 class LedgerRootsRequest(Message, tag="ledger_roots_request"):
-    """The asker's ledger root; the answer carries the bucket digests only where the roots differ."""
+    """The asker's ledger root. Where the roots differ the answer carries the ids the answering ledger
+    took last (what a member in step lacks, new since its last pull), and with `walk` the bucket
+    digests too (a member that fell behind walks the buckets that differ)."""
 
     root: Hash
+    walk: bool = False
 
 
 class LedgerRoots(Message, tag="ledger_roots"):
     root: Hash
     count: Count
-    # one digest per bucket (BUCKETS of them), or none where the asker's root is this one
+    # the ids taken last, newest last, where the roots differ
+    recent: list[Hash] = Field(default_factory=list, max_length=RECENT)
+    # one digest per bucket (BUCKETS of them) where the roots differ and the asker walks; else none
     buckets: list[Hash] = Field(default_factory=list, max_length=BUCKETS)
 
 

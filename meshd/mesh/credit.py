@@ -33,11 +33,11 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from wire.credit import BUCKETS, IDS_PAGE, LedgerIds, LedgerRoots, WorkSummary
+from wire.credit import BUCKETS, IDS_PAGE, RECENT, LedgerIds, LedgerRoots, WorkSummary
 
 WINDOW = 3600.0
 HALF_LIFE = 7 * 86400.0
@@ -120,6 +120,8 @@ class Ledger:
     _per_window: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     # the askers whose summaries go last when the ledger is full: the payers of the last `standing`
     _payers: frozenset[str] = frozenset()
+    # the ids taken last (sent with roots that differ)
+    _recent: deque[bytes] = field(default_factory=lambda: deque(maxlen=RECENT))
     # bumped at each change: what a cached standing was worked out from
     version: int = 0
 
@@ -148,6 +150,7 @@ class Ledger:
         self._per_window[window] += 1
         self._held[summary_id] = summary
         heapq.heappush(self._ages, (summary.at, summary_id))
+        self._recent.append(summary_id)
         self._touch(summary_id, add=True)
         return True
 
@@ -207,11 +210,14 @@ class Ledger:
             self._root = hashlib.blake2b(b"".join(self.digest(b) for b in range(BUCKETS)), digest_size=16).digest()
         return self._root
 
-    def roots(self, theirs: bytes) -> LedgerRoots:
-        """The answer to a peer whose root is `theirs`: the bucket digests only where they differ."""
+    def roots(self, theirs: bytes, walk: bool = False) -> LedgerRoots:
+        """The answer to a peer whose root is `theirs`: where they differ, the ids taken last, and with
+        `walk` the bucket digests."""
         root = self.root
-        return LedgerRoots(root=root, count=len(self._held),
-                           buckets=[] if theirs == root else [self.digest(b) for b in range(BUCKETS)])
+        if theirs == root:
+            return LedgerRoots(root=root, count=len(self._held))
+        return LedgerRoots(root=root, count=len(self._held), recent=[i for i in self._recent if i in self._held],
+                           buckets=[self.digest(b) for b in range(BUCKETS)] if walk else [])
 
     def ids(self, bucket: int, offset: int) -> LedgerIds:
         ids = sorted(self._buckets[bucket])
@@ -241,41 +247,13 @@ class Ledger:
             held = by_head.get(key)
             if held is None or summary_id < held[0]:
                 by_head[key] = (summary_id, summary)
-        # (stage, asker) -> window -> work, capped per window, decayed
-        windows: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        # (stage, asker) -> window -> work
+        windows: Windows = defaultdict(lambda: defaultdict(float))
         for _, summary in by_head.values():
             windows[(summary.stage, summary.asker)][int(summary.at // WINDOW)] += work_of(summary)
-        pair: dict[tuple[str, str], float] = {}
-        for stage_asker, by_window in windows.items():
-            pair[stage_asker] = sum(min(work, ASKER_WINDOW_CAP) * 0.5 ** (max(0.0, now - (w + 1) * WINDOW) / HALF_LIFE)
-                            for w, work in by_window.items())
-        paid: dict[str, float] = defaultdict(float)
-        for (_, asker), work in pair.items():
-            paid[asker] += work
-        placed_set = frozenset(placed)
-        payers = set(placed_set)
-        scale = {a: 1.0 for a in placed_set}
-        earned: dict[str, float] = {}
-        for _ in range(PAYER_ROUNDS):
-            earned = defaultdict(float)
-            for (stage, asker), work in pair.items():
-                if asker in payers:
-                    earned[stage] += work * scale[asker]
-            grown = {m for m, e in earned.items() if e > 0.0} | placed_set
-            scale = {a: 1.0 if a in placed_set else min(1.0, earned.get(a, 0.0) / paid[a]) if paid[a] else 1.0
-                     for a in grown}
-            if grown == payers:
-                break
-            payers = grown
-        self._payers = frozenset(payers)
-        standing: dict[str, Standing] = defaultdict(Standing)
-        for member, work in earned.items():
-            standing[member].earned = work
-        for asker, work in paid.items():
-            standing[asker].spent = work
-        for member in placed_set:
-            standing[member].placed = True
-        return dict(standing)
+        standing, payers = credit_standing(windows, now, placed)
+        self._payers = payers
+        return standing
 
     def between(self, me: str, now: float) -> dict[str, tuple[float, float]]:
         """Per peer: (the work it served `me`, the work `me` served it), decayed, uncapped."""
@@ -289,6 +267,44 @@ class Ledger:
                 served, asked = out.get(summary.asker, (0.0, 0.0))
                 out[summary.asker] = (served, asked + work_of(summary) * decay)
         return out
+
+
+# (stage, asker) -> hour window (Unix seconds // WINDOW) -> the work the asker countersigned the stage
+Windows = dict[tuple[str, str], dict[int, float]]
+
+
+def credit_standing(windows: Windows, now: float, placed: Collection[str]) -> tuple[dict[str, Standing], frozenset[str]]:
+    """The rule (see the module): every member's standing from the work each asker countersigned each
+    stage per window, and the askers that pay. The simulation (tools/sim_credit.py) runs this too."""
+    pair: dict[tuple[str, str], float] = {}
+    for stage_asker, by_window in windows.items():
+        pair[stage_asker] = sum(min(work, ASKER_WINDOW_CAP) * 0.5 ** (max(0.0, now - (w + 1) * WINDOW) / HALF_LIFE)
+                                for w, work in by_window.items())
+    paid: dict[str, float] = defaultdict(float)
+    for (_, asker), work in pair.items():
+        paid[asker] += work
+    placed_set = frozenset(placed)
+    payers = set(placed_set)
+    scale = dict.fromkeys(placed_set, 1.0)
+    earned: dict[str, float] = {}
+    for _ in range(PAYER_ROUNDS):
+        earned = defaultdict(float)
+        for (stage, asker), work in pair.items():
+            if asker in payers:
+                earned[stage] += work * scale[asker]
+        grown = {m for m, e in earned.items() if e > 0.0} | placed_set
+        scale = {a: 1.0 if a in placed_set or not paid[a] else min(1.0, earned.get(a, 0.0) / paid[a]) for a in grown}
+        if grown == payers:
+            break
+        payers = grown
+    standing: dict[str, Standing] = defaultdict(Standing)
+    for member, work in earned.items():
+        standing[member].earned = work
+    for asker, work in paid.items():
+        standing[asker].spent = work
+    for member in placed_set:
+        standing[member].placed = True
+    return dict(standing), frozenset(payers)
 
 
 def priority(balance: float) -> float:
