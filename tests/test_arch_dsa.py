@@ -6,7 +6,7 @@ indexer, whose top-k (8, fewer positions than most contexts here) picks what eac
 query attends. The cuts sit right after the dense lead, inside it, and one layer
 before the nextn block; glm-dsa's only where it allows a cut.
 
-What native/patches/0008 makes true, and these tests check: both halves of the DSA
+What native/patches/0010 makes true, and these tests check: both halves of the DSA
 cache (the MLA keys and the indexer keys) hold only the owned layers; glm-dsa's
 shared-indexer layers reuse the top-k of the full layer before them, which stays
 inside a stage, so a range may be cut only just before a full-indexer layer and any

@@ -7,7 +7,7 @@ layer 3) and the sliding window. The cuts fall inside the hash-routed layers, so
 later stage owns some of them and routes by the token ids that ride with the
 residual, and right after them.
 
-What native/patches/0007 makes true, and these tests check: a stage boundary carries
+What native/patches/0009 makes true, and these tests check: a stage boundary carries
 hc_mult x n_embd floats per token (the engine reports that width), only the tail
 mixes the streams, a stage that owns a hash-routed layer after the head takes the
 token ids with the residual rows (and refuses to run without them), and the dsv4 KV

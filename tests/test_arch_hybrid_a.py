@@ -1,7 +1,7 @@
 """qwen35, qwen35moe, kimi-linear, lfm2 and lfm2moe split by layer ranges, bit-identical to the whole model.
 
 Tiny random-weight GGUFs (tests/gguf_hybrid_a.py). Each stage keeps the recurrent states and
-the KV cache of its own layers only (native/patches/0009: the range composed into the hybrid
+the KV cache of its own layers only (native/patches/0011: the range composed into the hybrid
 memory's layer filters, the hybrid inputs set only where a stage's graph reads them). Every
 architecture is cut into three stages twice, so that one stage holds no attention layer, one
 holds no recurrent layer, and cuts fall on both sides of an attention layer:

@@ -37,11 +37,11 @@ def test_wrong_sha256_stops_the_build_and_drops_the_file(cached_sdist: Path) -> 
     assert not cached_sdist.exists()
 
 
-def tiny_sdist(path: Path, files: dict[str, str]) -> Path:
-    """An sdist of the pinned package's layout holding only `files` of its llama.cpp tree: unpacking
-    the real one (some 10 s) shows nothing more about a patch that does not apply."""
+def tiny_sdist(path: Path, files: dict[str, str], version: str | None = None) -> Path:
+    """An sdist of the pinned package's layout (of `version`, else the pinned one) holding only `files`
+    of its llama.cpp tree: unpacking the real one (some 10 s) shows nothing more about a patch."""
     lock = build_native.read_lock()
-    prefix = f"{lock['package'].replace('-', '_')}-{lock['version']}/vendor/llama.cpp/"
+    prefix = f"{lock['package'].replace('-', '_')}-{version or lock['version']}/vendor/llama.cpp/"
     with tarfile.open(path, "w:gz") as tar:
         for name, text in files.items():
             data = text.encode()
@@ -64,6 +64,38 @@ def test_patch_that_does_not_apply_is_named(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(build_native, "patches", lambda: [good])
     build_native.unpack_and_patch(sdist, build_native.read_lock(), tmp_path / "src")
     assert (tmp_path / "src" / "src" / "llama.cpp").read_text() == "ONE\ntwo\ncontext\n"
+
+
+def test_a_hunk_whose_context_is_off_by_a_line_fails_by_name_instead_of_landing_by_fuzz(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GNU patch's default fuzz of 2 would apply this hunk with its first context line ignored
+    sdist = tiny_sdist(tmp_path / "sdist.tar.gz", {"src/llama.cpp": "one\ntwo\nthree\nfour\nfive\n"})
+    fuzzy = tmp_path / "0001-fuzzy.patch"
+    fuzzy.write_text("--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -1,5 +1,5 @@\n ONE\n two\n-three\n+THREE\n"
+                     " four\n five\n")
+    monkeypatch.setattr(build_native, "patches", lambda: [fuzzy])
+    with pytest.raises(build_native.BuildError, match=r"0001-fuzzy.patch does not apply .*: src/llama.cpp: Hunk #1 "
+                                                      r"FAILED at 1"):
+        build_native.unpack_and_patch(sdist, build_native.read_lock(), tmp_path / "src")
+
+
+def test_a_rebase_reports_each_patch_and_hunk_against_another_release(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # (the other release's tree: a line more at the top, and "two" rewritten)
+    files = {"src/llama.cpp": "new first line\na\none\nTWO\ncontext\n"}
+    monkeypatch.setattr(build_native, "download_sdist",
+                        lambda package, version, dest: tiny_sdist(dest / "other.tar.gz", files, version))
+    moved = tmp_path / "0001-moved.patch"
+    moved.write_text("--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -1,3 +1,3 @@\n a\n-one\n+ONE\n TWO\n")
+    gone = tmp_path / "0002-gone.patch"
+    gone.write_text("--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -3,2 +3,2 @@\n-two\n+2\n context\n")
+    monkeypatch.setattr(build_native, "patches", lambda: [moved, gone])
+    assert build_native.rebase_report("9.9.9") == 1
+    out = capsys.readouterr().out
+    assert "llama-cpp-python 9.9.9 (sha256 " in out
+    assert "0001-moved.patch: applies, 1 moved" in out and "moved  src/llama.cpp: Hunk #1 succeeded at 2" in out
+    assert "0002-gone.patch: 1 hunk(s) fail" in out and "FAILED src/llama.cpp: Hunk #1 FAILED at 3" in out
+    assert out.strip().endswith("1 of 2 patches need work")
 
 
 def test_unreachable_source_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:

@@ -15,6 +15,11 @@ keyed by the lock, the patches and the options, and found at
 build/native-tools/bin/. tools/bench_pipeline.py, bench_network.py and
 bench_throughput.py compare meshd against them.
 
+With --rebase VERSION it builds nothing: it applies the series to the llama.cpp
+that llama-cpp-python VERSION vendors and reports each patch and hunk that no
+longer applies (patches apply with no fuzz, so a hunk lands where it says or
+fails by name).
+
 Prints one clear line and exits non-zero on any failure.
 """
 
@@ -32,6 +37,7 @@ import sys
 import tarfile
 import tempfile
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,30 +143,32 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def download_sdist(package: str, version: str, dest: Path) -> Path:
+    """``package==version``'s source distribution, downloaded by pip into ``dest``."""
+    name = f"{package.replace('-', '_')}-{version}.tar.gz"
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+               f"{package}=={version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(tmp) / name
+        if not got.exists():
+            # pip may stop at metadata preparation after saving the file; only the file matters.
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise BuildError(f"pip could not download {package}=={version}: {tail[0]}")
+        return got.rename(dest / name)
+
+
 def fetch_sdist(lock: dict[str, str]) -> Path:
     dest = cache_root() / "sdist"
     dest.mkdir(parents=True, exist_ok=True)
-    name = f"{lock['package'].replace('-', '_')}-{lock['version']}.tar.gz"
-    sdist = dest / name
+    sdist = dest / f"{lock['package'].replace('-', '_')}-{lock['version']}.tar.gz"
     if not sdist.exists():
-        with tempfile.TemporaryDirectory(dir=dest) as tmp:
-            cmd = [
-                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                "--no-binary", ":all:", "-d", tmp,
-                f"{lock['package']}=={lock['version']}",
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            got = Path(tmp) / name
-            if not got.exists():
-                # pip may stop at metadata preparation after saving the file; only the file matters.
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                raise BuildError(f"pip could not download {lock['package']}=={lock['version']}: {tail[0]}")
-            got.rename(sdist)
+        download_sdist(lock["package"], lock["version"], dest)
     digest = sha256_of(sdist)
     if digest != lock["sha256"]:
         sdist.unlink()
         raise BuildError(
-            f"sha256 mismatch for {name}: expected {lock['sha256']}, got {digest} (file removed)"
+            f"sha256 mismatch for {sdist.name}: expected {lock['sha256']}, got {digest} (file removed)"
         )
     return sdist
 
@@ -181,14 +189,10 @@ def extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], into: Path) ->
     tar.extractall(into, members=members)
 
 
-def unpack_and_patch(sdist: Path, lock: dict[str, str], src: Path) -> None:
-    prefix = f"{lock['package'].replace('-', '_')}-{lock['version']}/vendor/llama.cpp/"
-    if src.exists():
-        shutil.rmtree(src)
-    tmp = src.with_name(src.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+def unpack(sdist: Path, package: str, version: str, into: Path) -> None:
+    """The llama.cpp tree the sdist vendors, at ``into`` (which must not exist)."""
+    prefix = f"{package.replace('-', '_')}-{version}/vendor/llama.cpp/"
+    into.mkdir(parents=True)
     with tarfile.open(sdist) as tar:
         members = []
         for m in tar.getmembers():
@@ -200,16 +204,79 @@ def unpack_and_patch(sdist: Path, lock: dict[str, str], src: Path) -> None:
             members.append(m)
         if not members:
             raise BuildError(f"{sdist.name} holds no vendor/llama.cpp tree")
-        extract(tar, members, tmp)
+        extract(tar, members, into)
+
+
+@dataclass
+class Applied:
+    """What one patch did to a tree: the hunks that did not apply, and those that landed elsewhere
+    than the patch says (by whole lines, never by fuzz), each as "file: hunk #n ...". """
+
+    failed: list[str]
+    moved: list[str]
+
+
+def apply_patch(tree: Path, patch: Path) -> Applied:
+    """Applies ``patch`` to ``tree`` with no fuzz: a hunk whose context lines are not all there fails,
+    loudly, instead of landing off-target (GNU patch's default takes up to two lines of fuzz, and
+    ``--silent`` said nothing of it). A failed hunk is dropped (no .rej), the rest apply."""
+    proc = subprocess.run(["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch",
+                           "--reject-file=-", "-d", str(tree), "-i", str(patch)], capture_output=True, text=True)
+    failed: list[str] = []
+    moved: list[str] = []
+    current = "?"
+    out = (proc.stdout + proc.stderr).strip()
+    for line in out.splitlines():
+        if line.startswith(("patching file ", "checking file ")):
+            current = line.split(" ", 2)[2].strip("'")
+        elif line.startswith("Hunk #") and "FAILED" in line:
+            failed.append(f"{current}: {line.strip().rstrip('.')}")
+        elif line.startswith("Hunk #") and "offset" in line:
+            moved.append(f"{current}: {line.strip().rstrip('.')}")
+        elif "can't find file" in line or "Skipping patch" in line or "Reversed" in line:
+            failed.append(f"{current}: {line.strip()}")
+    if proc.returncode != 0 and not failed:
+        failed.append(out.splitlines()[-1] if out else f"patch exited with {proc.returncode}")
+    return Applied(failed, moved)
+
+
+def unpack_and_patch(sdist: Path, lock: dict[str, str], src: Path) -> None:
+    if src.exists():
+        shutil.rmtree(src)
+    tmp = src.with_name(src.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    unpack(sdist, lock["package"], lock["version"], tmp)
     for p in patches():
-        proc = subprocess.run(
-            ["patch", "-p1", "--batch", "--forward", "--silent", "-d", str(tmp), "-i", str(p)],
-            capture_output=True, text=True,
-        )
-        if proc.returncode != 0:
-            detail = (proc.stdout + proc.stderr).strip().splitlines()[:1] or ["no detail"]
-            raise BuildError(f"patch {p.name} does not apply to llama.cpp {lock['llama_cpp_commit'][:7]}: {detail[0]}")
+        applied = apply_patch(tmp, p)
+        if applied.failed:
+            raise BuildError(f"patch {p.name} does not apply to llama.cpp {lock['llama_cpp_commit'][:7]}: "
+                             + "; ".join(applied.failed))
     tmp.rename(src)
+
+
+def rebase_report(version: str) -> int:
+    """Applies the series to the llama.cpp that llama-cpp-python ``version`` vendors and says, patch by
+    patch, which hunks no longer apply and which moved: where a move to that release starts."""
+    lock = read_lock()
+    with tempfile.TemporaryDirectory() as tmp:
+        sdist = download_sdist(lock["package"], version, Path(tmp))
+        tree = Path(tmp) / "llama.cpp"
+        unpack(sdist, lock["package"], version, tree)
+        print(f"{lock['package']} {version} (sha256 {sha256_of(sdist)}) against the series made for "
+              f"{lock['version']}:")
+        failing = 0
+        for p in patches():
+            applied = apply_patch(tree, p)
+            failing += bool(applied.failed)
+            state = f"{len(applied.failed)} hunk(s) fail" if applied.failed else "applies"
+            print(f"  {p.name}: {state}" + (f", {len(applied.moved)} moved" if applied.moved else ""))
+            for what in applied.failed:
+                print(f"    FAILED {what}")
+            for what in applied.moved:
+                print(f"    moved  {what}")
+    print(f"{failing} of {len(patches())} patches need work" if failing else "every patch applies as it is")
+    return 1 if failing else 0
 
 
 def patched_source(lock: dict[str, str]) -> Path:
@@ -341,6 +408,9 @@ def main() -> int:
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--print-key", action="store_true", help="print the build key and exit")
+    parser.add_argument("--rebase", metavar="VERSION",
+                        help="report which patches (and hunks) no longer apply to the llama.cpp that "
+                             "llama-cpp-python VERSION vendors, and build nothing")
     parser.add_argument("--tools", action="store_true",
                         help="also build llama.cpp's llama-bench, ggml-rpc-server and llama-batched-bench "
                              "(for the tools/bench_*.py that compare against llama.cpp)")
@@ -349,6 +419,8 @@ def main() -> int:
         if args.print_key:
             print(build_key())
             return 0
+        if args.rebase:
+            return rebase_report(args.rebase)
         lib = build(args.jobs, args.verbose)
         tools = build_tools(args.jobs, args.verbose) if args.tools else None
     except BuildError as exc:

@@ -139,7 +139,7 @@ def allowed_cuts(arch: str, metadata: Mapping[str, int | float | bool | str],
 
     glm-dsa's shared-indexer layers reuse the top-k of the full-indexer layer before them inside one
     stage, so a stage may start only at a full-indexer layer: the rule the engine enforces at load
-    (native/patches/0008), read from the same key with the same defaults. Every other architecture
+    (native/patches/0010), read from the same key with the same defaults. Every other architecture
     splits anywhere. ValueError where the file's indexer types do not fit its layers."""
     if arch != "glm-dsa":
         return None
