@@ -59,12 +59,12 @@ from wire.identity import NodeIdentity
 from wire.receipt import MAX_CHAIN, SPAN, PackedChain, read_chain, row_hash, sampling_bytes
 from wire.stage import (
     MAX_INPUTS_BYTES,
-    STAGE_PROTOCOL,
     PREFIX_BLOCK,
-    Cancel,
+    STAGE_PROTOCOL,
     CacheFound,
     CacheLookup,
     CacheUse,
+    Cancel,
     Done,
     Hop,
     Inputs,
@@ -156,11 +156,11 @@ class Session:
     fast_tag: int = 0
     fast_opened: trio.Event = field(default_factory=trio.Event)
     fast_ended: bool = False
-
     # the prefix cache: the keys of the prompt the asker looked up (an entry is kept of them when the
     # session ends cleanly), and at the head the prompt's ids, held until the asker's CacheUse
     prefix_keys: list[bytes] | None = None
     held_prompt: list[int] | None = None
+
 
 # how the draft model picks its drafts: its most likely token
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 0,
@@ -254,12 +254,12 @@ class StageService:
         self._timer_at: float | None = None
         # one decode thread: zstd's module-level decompressor is not for concurrent use
         self._decoder = trio.CapacityLimiter(1)
+        # the prefix cache is on (--cache-tokens) and the model's memory allows it (a copy said so)
+        self.caching = limits.cache_tokens > 0
 
     @functools.cached_property
     def signer(self) -> Signer:
         """This node's key for receipts, worked out when a session first asks for them."""
-        # the prefix cache is on (--cache-tokens) and the model's memory allows it (a copy said so)
-        self.caching = limits.cache_tokens > 0
         return Signer(self.peers.identity)
 
     @property
@@ -349,10 +349,6 @@ class StageService:
             "fast_decode_calls": float(fast("decode_calls")),
             "fast_hop_in_us": float(fast("hop_in_us")),
             "fast_hop_out_us": float(fast("hop_out_us")),
-            "worker_restarts": float(self.engine.restarts),
-            "worker_up": float(self.engine.is_up),
-        }
-
             # the prefix cache: tokens its entries hold, lookups and hits, prompt tokens asked for and found
             "cache_tokens": float(self.books.cache.tokens),
             "cache_lookups": float(self.books.cache.counts.lookups),
@@ -360,6 +356,10 @@ class StageService:
             "cache_looked_tokens": float(self.books.cache.counts.looked_tokens),
             "cache_hit_tokens": float(self.books.cache.counts.hit_tokens),
             "cache_evictions": float(self.books.cache.counts.evictions),
+            "worker_restarts": float(self.engine.restarts),
+            "worker_up": float(self.engine.is_up),
+        }
+
     # ----- sessions (the asker's control stream owns the session's lifetime)
 
     def _check_open(self, msg: Open) -> None:
@@ -483,6 +483,8 @@ class StageService:
                                            session.downstream)
                     await self._control_loop(stream, session)
                     nursery.cancel_scope.cancel()
+                if book.failure is None:
+                    await self._keep_prefix(session)
             # off the books before the asker hears of the failure
             self._detach(session)
             if book.failure is not None:
@@ -497,8 +499,6 @@ class StageService:
         except ProtocolError:
             pass
 
-                if book.failure is None:
-                    await self._keep_prefix(session)
     async def _open_hop(self, target: PeerRef, ring: bool) -> Stream:
         what = "the head" if ring else "the next stage"
         try:
@@ -531,6 +531,10 @@ class StageService:
                 await self._prompt(session, msg)
             elif isinstance(msg, PromptTokens):
                 self._take_prompt_ids(session, msg)
+            elif isinstance(msg, CacheLookup):
+                await self._cache_lookup(session, msg)
+            elif isinstance(msg, CacheUse):
+                await self._cache_use(session, msg)
             elif isinstance(msg, InputsRequest):
                 if session.open.fast and session.receipts is not None and not self.report.has_input:
                     await self._fast_inputs(session, msg)
@@ -545,10 +549,6 @@ class StageService:
         book = session.book
         if not self.report.has_input:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only the head stage takes the prompt")
-            elif isinstance(msg, CacheLookup):
-                await self._cache_lookup(session, msg)
-            elif isinstance(msg, CacheUse):
-                await self._cache_use(session, msg)
         if book.prompt_len is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has its prompt")
         self._check_downstream(session)
@@ -574,6 +574,16 @@ class StageService:
             tokens = reply["tokens"]
             self.books.set_prompt(book, len(tokens))
         session.carry = msg.carry_tokens
+        if msg.cache:
+            # the asker looks the prompt's prefix up on every stage first, and then says where it begins
+            session.held_prompt = tokens
+            session.to_asker.send_nowait(PromptTokens(session=book.id, epoch=book.epoch, tokens=tokens))
+            return
+        await self._run_prompt(session, tokens, tell=True)
+
+    async def _run_prompt(self, session: Session, tokens: list[int], tell: bool) -> None:
+        """Runs the prompt's rows from where the session starts (past a cached prefix, if it has one)."""
+        book = session.book
         if session.open.fast:
             # the worker runs the prompt and the ring's tokens itself, once its connections come
             await self._fast_open(session, prompt=tokens)
@@ -589,33 +599,9 @@ class StageService:
             part = arr[start:start + chunk]
             h_in = row_hash(part.tobytes()) if session.receipts is not None else b""
             ids = part.tolist()
-        if msg.cache:
-            # the asker looks the prompt's prefix up on every stage first, and then says where it begins
-            session.held_prompt = tokens
-            session.to_asker.send_nowait(PromptTokens(session=book.id, epoch=book.epoch, tokens=tokens))
-            return
-        await self._run_prompt(session, tokens, tell=True)
-
-    async def _run_prompt(self, session: Session, tokens: list[int], tell: bool) -> None:
-        """Runs the prompt's rows from where the session starts (past a cached prefix, if it has one)."""
-        book = session.book
             self._enqueue(session, start, len(part), Rows(session, part, None, ids if session.carry else None, h_in,
                                                           history=ids if whole else None))
 
-    def _take_prompt_ids(self, session: Session, msg: PromptTokens) -> None:
-        """The tail's penalty history and drafter text, from the asker: the head sends the ids on
-        only as far as a stage needs them."""
-        book = session.book
-        if (msg.session, msg.epoch) != (book.id, book.epoch):
-            raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt tokens of another session or epoch")
-        if not self.report.has_output or self.report.has_input:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "only a tail after the head takes the prompt's token ids")
-        if session.prompt_ids is not None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has the prompt's token ids")
-        if len(msg.tokens) > self.limits.max_session_tokens:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids exceed this stage's session "
-                                                       f"budget of {self.limits.max_session_tokens} tokens")
-        if book.prompt_len is not None and len(msg.tokens) != book.prompt_len:
     # ----- the prefix cache (meshd.stage.prefix)
 
     async def _cache_lookup(self, session: Session, msg: CacheLookup) -> None:
@@ -697,6 +683,20 @@ class StageService:
             return
         self.books.keep(book, keys[:int(reply["tokens"]) // PREFIX_BLOCK], trio.current_time())
 
+    def _take_prompt_ids(self, session: Session, msg: PromptTokens) -> None:
+        """The tail's penalty history and drafter text, from the asker: the head sends the ids on
+        only as far as a stage needs them."""
+        book = session.book
+        if (msg.session, msg.epoch) != (book.id, book.epoch):
+            raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt tokens of another session or epoch")
+        if not self.report.has_output or self.report.has_input:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "only a tail after the head takes the prompt's token ids")
+        if session.prompt_ids is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has the prompt's token ids")
+        if len(msg.tokens) > self.limits.max_session_tokens:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids exceed this stage's session "
+                                                       f"budget of {self.limits.max_session_tokens} tokens")
+        if book.prompt_len is not None and len(msg.tokens) != book.prompt_len:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for a prompt of "
                                                        f"{book.prompt_len}")
         steps.check_ids(msg.tokens, self.report.n_vocab)
@@ -787,6 +787,8 @@ class StageService:
             if not hop.ring or session.open.check:
                 self.books.set_prompt(book, hop.prompt_tokens)
             if not hop.ring:
+                await self._start(session, hop.start)
+            if not hop.ring:
                 session.gets_ids = hop.carry_tokens > 0
                 if self.report.needs_tokens and not session.gets_ids:
                     raise ProtocolError(ErrorCode.BAD_REQUEST, "this stage routes experts by token id: "
@@ -800,8 +802,6 @@ class StageService:
             # a check session's rows come from its opener, who has no receipt to give for them
             wanted = session.receipts is not None and not session.open.check
             # a decode step's rows are queued as they arrive, without waking this task
-            if not hop.ring:
-                await self._start(session, hop.start)
             stream.set_message_hook(functools.partial(self._activation_nowait, session, wanted,
                                                       stream.remote_node_id))
             while True:
@@ -831,6 +831,7 @@ class StageService:
             self._ended(other)
         await self._engine_call({"op": "fast_open", "seq": book.slot, "tag": session.fast_tag,
                                  "max_pos": book.next_pos, "prompt_len": prompt_len, "max_tokens": book.max_tokens,
+                                 "start": book.start,
                                  "carry": session.carry, "gets_ids": session.gets_ids, "prompt": prompt,
                                  "history": history, "chunk": self.limits.prefill_chunk,
                                  "span": SPAN if session.receipts is not None else 0,
@@ -845,7 +846,6 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session takes the fast path: its hop must offer "
                                                        "the connection")
         expected = self.door.expect(offer.token)
-                                 "start": book.start,
         try:
             if not hop.ring:
                 await self._fast_open(session)
