@@ -1118,9 +1118,13 @@ class MeshDaemon:
                          model.where, sum(f.size for f in model.files))
                 bar: Any = tqdm(total=sum(f.size for f in model.files), unit="B", unit_scale=True, file=sys.stderr,
                                 desc=f"hashing {model.name}", disable=not cfg.progress, leave=False)
+                started = time.monotonic()
                 with bar:
                     manifest = await trio.to_thread.run_sync(hash_model, reader, CHUNK_SIZE, bar.update,
                                                              abandon_on_cancel=True)
+                took = time.monotonic() - started
+                log.info("read and checked %d bytes of %s in %.1f s (%.1f MB/s) to build its manifest",
+                         reader.read_bytes, model.name, took, reader.read_bytes / max(took, 1e-9) / 1e6)
                 await trio.to_thread.run_sync(remember_manifest, cfg.state_dir, model, manifest)
         except HubError as exc:
             raise ModelNotFound(str(exc)) from None

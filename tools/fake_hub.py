@@ -1,4 +1,4 @@
-"""A fake hub for tests: a real HTTP server on loopback speaking the paths ``huggingface_hub`` calls.
+"""A fake hub for tests and benchmarks: a real HTTP server on loopback speaking the paths ``huggingface_hub`` calls.
 
 Point ``HF_ENDPOINT`` at ``FakeHub.endpoint`` and the library resolves, reads
 metadata and reads byte ranges from it:

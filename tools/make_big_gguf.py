@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Write a random-weight GGUF with a 3B-class llama's dimensions, Q4_K_M, as a gguf-split set (issue 29, part 3).
+
+The dimensions are Llama 3.2 3B's (3072 wide, 28 blocks, 24 query heads and 8
+KV heads of 128, a feed-forward of 8192, a tied head) with the default model's
+tokenizer (SmolLM2's 49,152 tokens, so meshd's tests can prompt it), quantized
+as llama-quantize's Q4_K_M lays such a model out: Q4_K for the matrices, Q6_K
+for attn_v and ffn_down (llama.cpp gives them more bits) and for the tied
+token embedding (the output head), f32 norms. About 1.9 GB in all.
+
+The blocks are random bytes with their scales set small (Q4_K's d and dmin,
+Q6_K's d): a real K-quant block layout whose weights are bounded, so
+activations stay finite, and whose answers are nonsense but deterministic
+(the seed fixes every byte). Written a tensor at a time through the `gguf`
+package's split writer (``split_max_tensors``), so the whole model is never in
+memory.
+
+Usage: .venv/bin/python tools/make_big_gguf.py OUT_DIR [--parts 3] [--layers 28] [--seed 0]
+       writes OUT_DIR/llama3b-rand-Q4_K_M-0000i-of-0000N.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from meshd.mesh.models import default_model_path
+
+
+@dataclass(frozen=True)
+class Dims:
+    """A llama's shape; the defaults are Llama 3.2 3B's."""
+
+    n_embd: int = 3072
+    n_ff: int = 8192
+    n_head: int = 24
+    n_head_kv: int = 8
+    head_dim: int = 128
+    n_layers: int = 28
+
+
+# The same layout at a few MB: a benchmark's smoke run.
+SMALL = Dims(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_layers=3)
+NAME = "llama3b-rand-Q4_K_M"
+# K-quant super-blocks: 256 weights each; Q4_K 144 bytes (d, dmin, 12 scale bytes, 128 of nibbles),
+# Q6_K 210 (128 low bits, 64 high bits, 16 int8 scales, d).
+QK = 256
+Q4_K_BYTES, Q6_K_BYTES = 144, 210
+# Block scales: a 6-bit sub-scale of up to 63 times a 4-bit (or 6-bit signed) quant, times d, keeps
+# each weight within about +-0.1.
+Q4_D, Q6_D = 1.0 / 4096, 1.0 / 8192
+
+
+def tokenizer_of(source: Path) -> dict[str, Any]:
+    return {key: field.contents() for key, field in gguf.GGUFReader(source).fields.items()
+            if key.startswith("tokenizer.")}
+
+
+def add_tokenizer(w: gguf.GGUFWriter, tokenizer: dict[str, Any]) -> int:
+    for key, value in tokenizer.items():
+        if key == "tokenizer.ggml.tokens":
+            w.add_token_list(value)
+        elif key == "tokenizer.ggml.token_type":
+            w.add_token_types(value)
+        elif key == "tokenizer.ggml.merges":
+            w.add_token_merges(value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+    return len(tokenizer["tokenizer.ggml.tokens"])
+
+
+def quant_blocks(rng: np.random.Generator, rows: int, cols: int, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Random K-quant blocks of a rows x cols matrix, scales set small: uint8 of shape (rows, bytes a row)."""
+    blocks = rows * cols // QK
+    if kind == gguf.GGMLQuantizationType.Q4_K:
+        data = rng.integers(0, 256, (blocks, Q4_K_BYTES), dtype=np.uint8)
+        data[:, 0:4] = np.array([Q4_D, Q4_D / 2], dtype=np.float16).view(np.uint8)
+    else:
+        data = rng.integers(0, 256, (blocks, Q6_K_BYTES), dtype=np.uint8)
+        data[:, 192:208] = rng.integers(1, 32, (blocks, 16), dtype=np.int8).view(np.uint8)
+        data[:, 208:210] = np.array([Q6_D], dtype=np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def plan(dims: Dims, n_vocab: int) -> list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]]:
+    """Every tensor: name, shape (rows, cols) as ggml counts it (cols fastest), type."""
+    q4, q6, f32 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.F32
+    e, q, kv, ff = dims.n_embd, dims.n_head * dims.head_dim, dims.n_head_kv * dims.head_dim, dims.n_ff
+    out: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]] = [
+        ("token_embd.weight", (n_vocab, e), q6), ("output_norm.weight", (e,), f32)]
+    for i in range(dims.n_layers):
+        b = f"blk.{i}"
+        out += [(f"{b}.attn_norm.weight", (e,), f32), (f"{b}.attn_q.weight", (q, e), q4),
+                (f"{b}.attn_k.weight", (kv, e), q4), (f"{b}.attn_v.weight", (kv, e), q6),
+                (f"{b}.attn_output.weight", (e, q), q4), (f"{b}.ffn_norm.weight", (e,), f32),
+                (f"{b}.ffn_gate.weight", (ff, e), q4), (f"{b}.ffn_up.weight", (ff, e), q4),
+                (f"{b}.ffn_down.weight", (e, ff), q6)]
+    return out
+
+
+def tensor_data(rng: np.random.Generator, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    if kind == gguf.GGMLQuantizationType.F32:
+        return (1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
+    return quant_blocks(rng, shape[0], shape[1], kind)
+
+
+def write(out_dir: Path, parts: int = 3, dims: Dims = Dims(), seed: int = 0, quiet: bool = False) -> list[Path]:
+    """The set's parts, written to ``out_dir`` (OUT_DIR/NAME-0000i-of-0000N.gguf)."""
+    rng = np.random.default_rng(seed)
+    tokenizer = tokenizer_of(default_model_path())
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    tensors = plan(dims, n_vocab)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(out_dir / f"{NAME}.gguf", "llama", split_max_tensors=-(-len(tensors) // parts))
+    w.add_name(NAME)
+    w.add_context_length(8192)
+    w.add_embedding_length(dims.n_embd)
+    w.add_block_count(dims.n_layers)
+    w.add_feed_forward_length(dims.n_ff)
+    w.add_head_count(dims.n_head)
+    w.add_head_count_kv(dims.n_head_kv)
+    w.add_rope_dimension_count(dims.head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    add_tokenizer(w, tokenizer)
+    for name, shape, kind in tensors:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        nbytes = int(np.prod(shape)) // block * block_bytes
+        if kind == gguf.GGMLQuantizationType.F32:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes)
+        else:
+            # a quant's bytes: rows of blocks (the writer turns the byte shape back into weights)
+            w.add_tensor_info(name, (shape[0], shape[1] // block * block_bytes), np.dtype(np.uint8), nbytes,
+                              raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    written, started = 0, time.monotonic()
+    for name, shape, kind in tensors:
+        data = tensor_data(rng, shape, kind)
+        w.write_tensor_data(data)
+        written += data.nbytes
+        if not quiet:
+            print(f"\r{written / 2**20:8.0f} MiB  {name:32}", end="", file=sys.stderr, flush=True)
+    w.close()
+    if not quiet:
+        print(f"\r{written / 2**20:8.0f} MiB of tensors in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return list(w.format_shard_names(out_dir / f"{NAME}.gguf"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--parts", type=int, default=3)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    for path in write(args.out_dir, args.parts, Dims(n_layers=args.layers), args.seed):
+        print(path, path.stat().st_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
