@@ -19,7 +19,7 @@ import pytest
 import trio
 from fake_hub import FakeHub
 from gguf_factory import TINY_SPECS, split_gguf, write_tiny_gguf
-from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
+from localmesh import Served, mesh_status, run_meshd, start_join, start_serve, stop_all
 from test_fetch_mesh import finder, served
 
 from meshd.client.ask import AskRequest, ask_with_failover
@@ -140,6 +140,11 @@ def test_pull_takes_a_hub_model_whole_or_by_range_every_byte_checked(hub: FakeHu
     headers = sum(p.header_size for p in manifest.parts)
     # the range, and the headers read again to check the server still serves the pinned commit's
     assert owned <= hub.bytes_read() - before <= owned + 2 * headers
+    # the same range again: resumed from the sparse file's journal, nothing of it read twice
+    before = hub.bytes_read()
+    done = run_meshd("pull", f"hf:{REPO}", "--layers", "4:6", "--state-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "0 MiB fetched from the hub" in done.stdout and hub.bytes_read() - before <= 2 * headers
 
 
 def test_a_lying_mirror_is_caught_with_one_line(hub: FakeHub, files: dict[str, Path], tmp_path: Path) -> None:
@@ -204,6 +209,34 @@ async def test_a_members_manifest_that_lies_about_a_tensor_gets_no_wrong_byte_in
         check_binding(reader, other)
     with pytest.raises(HubError, match="is not the one the manifest names"):
         check_binding(reader, dataclasses.replace(honest, header_sha256=bytes(32)))
+
+
+async def test_a_stalling_hub_fails_the_fetch_at_the_chunks_deadline(hub: FakeHub, tmp_path: Path,
+                                                                     files: dict[str, Path]) -> None:
+    model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    manifest = manifest_for(files["tiny-Q8_0.gguf"])
+    sparse = SparseFile.open(tmp_path / "stalled.gguf", manifest)
+    # headers sent, body held back: a read's own timeout would wait it out; the chunk's deadline does not
+    hub.stall = 30.0
+    with trio.fail_after(10), pytest.raises(FetchFailed, match="did not deliver .* of tiny-Q8_0.gguf within 1 s"):
+        await fetch_from_hub(HubReader(model), sparse, manifest.header_chunks_list(), first_byte=0.5, min_rate=1e9)
+    assert not sparse.has(0)
+    sparse.close()
+
+
+@pytest.mark.slow  # a stage process
+def test_serve_takes_a_hub_model(hub: FakeHub, files: dict[str, Path], tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    stage = start_serve("--model", f"hf:{REPO}", "--threads", "1", "--max-sessions", "1", "--session-tokens", "64")
+    try:
+        # the set pulled whole into the state directory, checked, and served from its first part
+        assert any(f"of {SET}.gguf ({manifest_for(files[f'{SET}-00001-of-00003.gguf']).model_id[:12]})" in line
+                   for line in stage.lines), stage.lines
+        assert (tmp_path / "meshd" / "models" / f"{SET}-00003-of-00003.gguf").read_bytes() == \
+            files[f"{SET}-00003-of-00003.gguf"].read_bytes()
+    finally:
+        stop_all([stage])
 
 
 # ----- a mesh of three volunteers, each its own range from the hub

@@ -17,7 +17,7 @@ no memory. Every body byte sent is counted per client token (the
 ``(token, path, start, end)``, so a test can say exactly which bytes each
 volunteer read. Hostile modes, each a mirror gone wrong: ``lie`` flips a byte
 of what it serves of one file, ``stale_commit`` answers every revision with an
-older commit's files and headers.
+older commit's files and headers, ``stall`` holds each body back.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -68,6 +69,8 @@ class FakeHub:
         # a mirror gone wrong: flip the byte at this offset of this path, or serve this commit for every revision
         self.lie: tuple[str, int] | None = None
         self.stale_commit: str | None = None
+        # a server that holds each ranged body back this many seconds (a stall)
+        self.stall = 0.0
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -190,6 +193,8 @@ class FakeHub:
                 self.end_headers()
                 if self.command == "HEAD":
                     return
+                if hub.stall:
+                    time.sleep(hub.stall)
                 token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
                 with hub.lock:
                     hub.reads.append((token, name, start, end))

@@ -42,6 +42,7 @@ import trio
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, FetchReport
 from meshd.store.gguf_header import GGUFError, GGUFLayout, read_layout
 from meshd.store.manifest import CACHE_SUFFIX, CHUNK_SIZE, Chunk, Manifest, ManifestError, Part, TensorEntry
+from meshd.store.plan import MIN_RATE
 from meshd.store.sparse import BadChunk, SparseFile
 from meshd.store.split import MAX_PARTS, SPLIT_COUNT, SPLIT_NO, part_name, set_prefix, shown_name
 from wire.fetch import MAX_MANIFEST_BYTES
@@ -516,10 +517,13 @@ def _chunk_bytes(reader: HubReader, chunk: Chunk) -> bytes:
 
 async def fetch_from_hub(reader: HubReader, target: SparseFile, chunks: Sequence[Chunk], *,
                          progress: Callable[[FetchProgress], None] | None = None,
-                         concurrency: int = HUB_CONCURRENCY) -> FetchReport:
+                         concurrency: int = HUB_CONCURRENCY, first_byte: float = 30.0,
+                         min_rate: float = MIN_RATE) -> FetchReport:
     """Fetch the chunks ``target`` lacks from the hub, each verified against the manifest before it is
     recorded (served, journalled), a few at once. FetchFailed, naming the first chunk, when the hub's bytes
-    do not match the manifest (a lying mirror, or a lying manifest) or it cannot be read."""
+    do not match the manifest (a lying mirror, or a lying manifest), it cannot be read, or it does not
+    deliver a chunk within ``first_byte`` seconds plus its size at ``min_rate`` (a server dribbling bytes
+    keeps a read's own timeout from ever firing: the deadline is the chunk's, as for members)."""
     key = f"hub {reader.model.endpoint}"
     missing = target.missing(chunks)
     total = sum(c.size for c in chunks)
@@ -533,7 +537,10 @@ async def fetch_from_hub(reader: HubReader, target: SparseFile, chunks: Sequence
             if failures:
                 return
             try:
-                data = await trio.to_thread.run_sync(_chunk_bytes, reader, chunk, abandon_on_cancel=True)
+                deadline = first_byte + chunk.size / min_rate
+                with trio.fail_after(deadline):
+                    # abandoned on the deadline: the read's thread ends at its own timeout, its bytes unused
+                    data = await trio.to_thread.run_sync(_chunk_bytes, reader, chunk, abandon_on_cancel=True)
                 await trio.to_thread.run_sync(target.store, chunk, data)
             except BadChunk:
                 failures.append(f"the bytes {reader.model.endpoint} serves at {chunk.part_offset} of "
@@ -542,6 +549,10 @@ async def fetch_from_hub(reader: HubReader, target: SparseFile, chunks: Sequence
                 return
             except HubError as exc:
                 failures.append(str(exc))
+                return
+            except trio.TooSlowError:
+                failures.append(f"{reader.model.endpoint} did not deliver {chunk.size} bytes of "
+                                f"{reader.model.files[chunk.part].path} within {deadline:.0f} s")
                 return
             target.record(chunk)
             report.fetched_chunks += 1
