@@ -155,6 +155,7 @@ for begin, end in ranges:
 _CACHE_LINE = re.compile(r"llama_kv_cache: size = .*?\(\s*\d+ cells,\s*(\d+) layers")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", list(DSA_SPECS))
 def test_both_halves_of_the_dsa_cache_hold_only_the_owned_layers(model_name: str, dsa_models: dict[str, Path]) -> None:
     spec = DSA_SPECS[model_name]

@@ -147,6 +147,7 @@ def test_each_stage_loads_its_own_tensors(name: str, models: dict[str, Path]) ->
                 assert m.report.arch == arch and m.report.stage_width == 64
 
 
+@pytest.mark.slow
 def test_each_stage_keeps_the_memory_of_its_own_layers(models: dict[str, Path]) -> None:
     """The stage's KV caches (both of the SWA variant's) hold exactly its attention layers; a stage
     without a recurrent layer allocates no recurrent state, one with them does."""

@@ -164,6 +164,7 @@ def _memories(loads: list[tuple[str, int, int]]) -> list[tuple[int, float]]:
     return found
 
 
+@pytest.mark.slow
 def test_each_stage_keeps_the_caches_and_states_of_its_own_layers_only(models: dict[str, Path]) -> None:
     loads: list[tuple[str, int, int]] = []
     expected: list[tuple[str, tuple[int, int], int, int]] = []  # name, layers, attention layers, recurrent layers

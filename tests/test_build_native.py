@@ -51,6 +51,7 @@ def tiny_sdist(path: Path, files: dict[str, str], version: str | None = None) ->
     return path
 
 
+@pytest.mark.slow
 def test_patch_that_does_not_apply_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sdist = tiny_sdist(tmp_path / "sdist.tar.gz", {"src/llama.cpp": "one\ntwo\ncontext\n"})
     good = tmp_path / "0001-good.patch"
@@ -98,6 +99,7 @@ def test_a_rebase_reports_each_patch_and_hunk_against_another_release(
     assert out.strip().endswith("1 of 2 patches need work")
 
 
+@pytest.mark.slow
 def test_unreachable_source_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
     env = {"MESHD_CACHE": str(tmp_path / "empty"), "PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1",
            "HOME": str(tmp_path)}

@@ -32,6 +32,9 @@ from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import FetchStatus, ModelCoverage, RouteReply, StatusReply
 from wire.noise import mesh_key_from_secret
 
+# real meshd processes: daemons, asks, interrupts
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def halves() -> Iterator[list[Served]]:
@@ -275,7 +278,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_flag_has_help_that_names_its_default() -> None:
     parser = build_parser()
     commands = subcommands(parser)
-    assert set(commands) == {"serve", "join", "relay", "status", "models", "ask", "pull", "credits"}
+    assert set(commands) == {"serve", "join", "relay", "status", "models", "ask", "pull", "credits", "bench"}
     for name, command in commands.items():
         for action in command._actions:
             if not action.option_strings or action.dest == "help":

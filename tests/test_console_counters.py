@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from meshd.net import rpc as net_rpc
@@ -11,6 +12,9 @@ from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.service import StageLimits, stage_node
 from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL, Done, Metrics, MetricsRequest, Open, Opened, Prompt, new_session_id
+
+# a stage with its engine worker process
+pytestmark = pytest.mark.slow
 
 
 async def test_decode_rows_count_the_generated_tokens_fed_back_and_reach_a_metrics_request(default_model: Path) -> None:

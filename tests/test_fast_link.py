@@ -805,6 +805,7 @@ def errors_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ev") == "error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack", list(MID_ATTACKS))
 def test_a_hostile_upstream_fails_its_session_alone(workers: dict[str, RawWorker], mid_ref: Reference,
                                                      attack: str) -> None:
@@ -851,6 +852,7 @@ HEAD_ATTACKS: dict[str, tuple[Attack, ErrorCode, int]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack", list(HEAD_ATTACKS))
 def test_a_hostile_ring_fails_its_head_session_alone(workers: dict[str, RawWorker], head_ref: Reference,
                                                       attack: str) -> None:
@@ -879,6 +881,7 @@ def test_a_hostile_ring_fails_its_head_session_alone(workers: dict[str, RawWorke
         honest.close()
 
 
+@pytest.mark.slow
 def test_drafted_rows_pass_on_and_a_rewind_replaces_them_exactly(workers: dict[str, RawWorker],
                                                                   mid_ref: Reference) -> None:
     """Speculation on the fast path, at a middle stage: drafted rows run and go on with their count; the
@@ -918,6 +921,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 def test_a_downstream_that_never_reads_stalls_only_its_session(workers: dict[str, RawWorker],
                                                                  mid_ref: Reference) -> None:
     mid = workers["mid"]
@@ -954,6 +958,7 @@ def test_a_downstream_that_never_reads_stalls_only_its_session(workers: dict[str
         honest.close()
 
 
+@pytest.mark.slow
 def test_three_workers_wired_into_a_ring_answer_the_whole_models_greedy_tokens(
         workers: dict[str, RawWorker], tiny: Path) -> None:
     """The data plane alone: head, middle and tail workers connected to each other directly (as
@@ -1017,6 +1022,7 @@ def test_three_workers_wired_into_a_ring_answer_the_whole_models_greedy_tokens(
         tail.ok({"op": "sampler_free", "sid": seq})
 
 
+@pytest.mark.slow
 def test_a_tail_whose_ring_comes_after_its_rows_still_sends_the_head_its_token(workers: dict[str, RawWorker]) -> None:
     """The daemon hands a session's two connections over from two tasks, in either order (a tail's
     upstream one often comes first). A tail that sampled before its ring connection came would owe
@@ -1043,6 +1049,7 @@ def test_a_tail_whose_ring_comes_after_its_rows_still_sends_the_head_its_token(w
         ring.close()
 
 
+@pytest.mark.slow
 def test_a_tail_tells_its_daemon_a_held_token_when_no_step_comes_after_it(workers: dict[str, RawWorker]) -> None:
     """The first token is told at once; the second is held for the ones after it (STREAM_INTERVAL),
     and with no step coming after it the worker's timer tells it: no token waits on the next one."""

@@ -56,9 +56,11 @@ def daemon_source(upload: SourceConfig | None = None) -> ChunkSource:
 
 
 @asynccontextmanager
-async def never_reading(at: str, manifest: Manifest, identities: int, streams: int) -> AsyncIterator[None]:
+async def never_reading(at: str, source: ChunkSource, manifest: Manifest, identities: int,
+                        streams: int) -> AsyncIterator[None]:
     """`identities` peers on the attackers' host, each opening `streams` fetch streams that ask for a
-    chunk and never read (never a byte: reading would grant the source the credit to go on)."""
+    chunk and never read (never a byte: reading would grant the source the credit to go on); yields once
+    `source` has taken or refused every one of them."""
     async with AsyncExitStack() as stack:
         chunk = manifest.chunks[1]
         for _ in range(identities):
@@ -66,8 +68,9 @@ async def never_reading(at: str, manifest: Manifest, identities: int, streams: i
             for _ in range(streams):
                 stream = await peers.open_stream(at, FETCH_PROTOCOL)
                 await stream.send_message(ChunkRequest(model=manifest.model_id, offset=chunk.offset, size=chunk.size))
-        # the source has taken or refused every one of them by then
-        await trio.sleep(0.5)
+        with trio.fail_after(10):
+            while source.streams + sum(u.refused for u in source.uploaded().values()) < identities * streams:
+                await trio.sleep(0.01)
         yield
 
 
@@ -77,7 +80,7 @@ async def test_16_never_read_streams_from_4_identities_on_one_host_leave_an_hone
     source = daemon_source()
     async with source_node(WholeFile(path, manifest), source=source) as (_, at, _), peers_node() as me:
         with trio.fail_after(15):
-            async with never_reading(at, manifest, identities=4, streams=4):
+            async with never_reading(at, source, manifest, identities=4, streams=4):
                 target = SparseFile.open(tmp_path / "mine.gguf", manifest)
                 report = await fetch_chunks(me, [SourceRef(at)], target, manifest.chunks)
                 target.close()
@@ -92,13 +95,13 @@ async def test_a_stream_that_asks_and_never_reads_is_ended_after_the_send_timeou
     path, manifest = model
     source = daemon_source()
     async with source_node(WholeFile(path, manifest), source=source) as (_, at, _):
-        async with never_reading(at, manifest, identities=1, streams=1):
+        async with never_reading(at, source, manifest, identities=1, streams=1):
             assert source.streams == 1
             started = trio.current_time()
             with trio.fail_after(600):
                 while source.streams:
                     await trio.sleep(2)
-            # the send blocked since the request came (half a second before `started`), looked at every 2 s
+            # the send blocked since the request came (just before `started`), looked at every 2 s
             assert trio.current_time() - started <= SourceConfig().send_timeout + 2
 
 

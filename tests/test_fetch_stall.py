@@ -22,6 +22,9 @@ from meshd.store.manifest import Manifest
 from meshd.store.sparse import SparseFile
 from wire.fetch import FETCH_PROTOCOL, ChunkData, ChunkRequest
 
+# a dribbling source in a process of its own
+pytestmark = pytest.mark.slow
+
 # The attack as it was tried: one byte every 20 s, inside the 30 s a silent source had.
 DRIBBLE_EVERY = 20.0
 

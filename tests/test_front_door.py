@@ -131,6 +131,7 @@ async def idle_connection(source: str, port: int, half_a_head: bool, held: list[
         await sock.send(b"GET /v1/models HTTP/1.1\r\nhost: localhost\r\n")
 
 
+@pytest.mark.slow
 async def test_two_thousand_idle_connections_leave_a_keyed_client_served_and_the_fds_bounded(
         tmp_path: Path) -> None:
     raise_fd_limit()

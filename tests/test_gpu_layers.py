@@ -82,6 +82,7 @@ def test_gpu_memory_holds_the_offloaded_layers_and_ram_the_rest() -> None:
     assert "GPU memory" in (stage_fits(spec, 2, 6, 10_000, 100, -1) or "")
 
 
+@pytest.mark.slow
 async def test_the_worker_loads_with_the_spec_gpu_layers(model: Path) -> None:
     engine = EngineSupervisor(WorkerSpec(model, (0, 4), n_ctx=64, n_seq_max=1, n_batch=16, threads=1, gpu_layers=2))
     async with trio.open_nursery() as nursery:

@@ -30,6 +30,9 @@ from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL, ChatMessage, Hop, Metrics, MetricsRequest, Open, Opened, PeerRef, Prompt
 from wire.tensors import Activation, TensorEntry, wire_size
 
+# a stage with its engine worker process
+pytestmark = pytest.mark.slow
+
 SESSION_TOKENS = 2048
 N_EMBD = 576
 HONEST = AskRequest(text="The three primary colours are", max_tokens=12)

@@ -15,6 +15,9 @@ import netns
 import pytest
 from localmesh import Served, gone, spawn, start_serve, stop_process
 
+# local meshd processes, started and killed
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 60.0
 

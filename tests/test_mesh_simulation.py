@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 from typing import TypeVar
 
+import pytest
 import trio
 import trio.testing
 
@@ -299,6 +300,7 @@ class Mesh:
             assert set(route.node_ids) <= set(self.alive)
 
 
+@pytest.mark.slow
 async def test_200_nodes_converge_and_the_tracker_duty_serves_the_model_through_joins_and_deaths(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -337,6 +339,7 @@ async def test_200_nodes_converge_and_the_tracker_duty_serves_the_model_through_
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_no_live_node_declared_dead_with_5_percent_loss(autojump_clock: trio.testing.MockClock) -> None:
     mesh = Mesh(seed=2, loss=0.05)
     async with trio.open_nursery() as nursery:
@@ -356,6 +359,7 @@ async def test_no_live_node_declared_dead_with_5_percent_loss(autojump_clock: tr
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_partition_gives_one_tracker_per_side_and_healing_leaves_one_serving_the_model(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -20,6 +20,9 @@ from localmesh import Served, run_meshd, start_join, start_meshd, stop_all
 
 from wire.swim import Reachability
 
+# the README's commands, run as written: meshd processes
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 

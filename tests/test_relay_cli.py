@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 from localmesh import run_meshd, start_join, start_meshd, stop_all
 
+# meshd relay and join processes
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("flags, says", [
     (["--max-reservations", "0"], "argument --max-reservations: must be a whole number from 1"),

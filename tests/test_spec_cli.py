@@ -10,6 +10,9 @@ import pytest
 from meshd.cli import build_parser, build_request, main, print_figures
 from meshd.client.ask import AskResult
 
+# meshd serve processes with draft models
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(("argv", "mode"), [([], "off"), (["--speculate", "ngram"], "ngram"),
                                             (["--speculate", "model"], "model")])

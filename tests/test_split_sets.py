@@ -109,6 +109,7 @@ def test_a_set_manifest_from_a_peer_is_bounded_and_checked(tiny_set: list[Path])
     refused([version, chunk_size, big, tensors], "a set of .* bytes is out of bounds")
 
 
+@pytest.mark.slow
 def test_a_missing_or_mismatched_part_is_one_clear_error_naming_it(tiny_set: list[Path], tmp_path: Path) -> None:
     def copy_set(name: str) -> list[Path]:
         out = [tmp_path / p.name.replace("tiny-set", name) for p in tiny_set]
@@ -177,6 +178,7 @@ def test_a_range_loads_from_a_sparse_copy_of_the_set_holding_only_its_tensors(ti
         assert allocated < manifest.bytes_of(range_chunks(manifest, 6, start, end)) + 16 * mmap.PAGESIZE
 
 
+@pytest.mark.slow
 async def test_three_stages_of_a_split_set_answer_like_the_single_file(tiny_set: list[Path],
                                                                        tiny_expected: list[int]) -> None:
     stages: list[Served] = []

@@ -45,6 +45,9 @@ from wire.stage import (
 )
 from wire.tensors import Activation, TensorEntry
 
+# stages with engine worker processes
+pytestmark = pytest.mark.slow
+
 # every ask ends within this (a bound against hangs, not a speed claim)
 ASK_DEADLINE = 60
 
