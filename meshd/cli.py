@@ -449,6 +449,8 @@ class ApiConfig:
     keys: list[str] | None
     # --require-verified: an answer a replica did not check whole is refused, after other routes
     require_verified: bool = False
+    # --verify N: 1 in N steps run again on a replica (0: off, and then the prefix cache serves the asks)
+    verify_every: int = DEFAULT_VERIFY
 
 
 def api_config(args: argparse.Namespace) -> ApiConfig | None:
@@ -470,7 +472,9 @@ def api_config(args: argparse.Namespace) -> ApiConfig | None:
     if keys is None and not is_loopback(host.strip("[]")):
         raise UsageError(f"--api {join_address(host.strip('[]'), port)} is beyond loopback: give --api-key-file FILE "
                          f"so only holders of a key may ask (or bind 127.0.0.1)")
-    return ApiConfig(host.strip("[]"), port, keys, args.require_verified)
+    if args.require_verified and args.verify == 0:
+        raise UsageError("--require-verified needs spot checks: it cannot go with --verify 0")
+    return ApiConfig(host.strip("[]"), port, keys, args.require_verified, args.verify)
 
 
 async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, *,
@@ -484,7 +488,8 @@ async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, 
 
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
         enable_circuits(peers)
-        front = FrontDoor(DaemonMesh(daemon, peers, require_verified=api.require_verified), api.keys)
+        front = FrontDoor(DaemonMesh(daemon, peers, require_verified=api.require_verified,
+                                     verify_every=api.verify_every), api.keys)
         await serve_front(build_app(front), api.host, api.port, front.connections, task_status=task_status)
 
 
@@ -1144,6 +1149,11 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--api", type=api_address, metavar="HOST:PORT",
                    help="serve the HTTP API (OpenAI and Anthropic) here; a port alone means 127.0.0.1 "
                         "(default: none)")
+    j.add_argument("--verify", type=integer(0, 1 << 20), default=DEFAULT_VERIFY, metavar="N",
+                   help="the HTTP API's asks: every stage signs receipts, and 1 in N steps is run again on a replica "
+                        "and compared; 0 turns verification off, and only then do the stages' prefix caches "
+                        "serve the asks (a spot check replays a stage's inputs from the prompt's start, which a "
+                        "cached prefix never sent) (default: %(default)s)")
     j.add_argument("--require-verified", action="store_true",
                    help="the HTTP API answers only once a replica checked every range of the answer: one with a "
                         "range left unchecked is generated again around it, and refused (503) if no route is left "

@@ -98,7 +98,13 @@ def text_of(content: str | list[TextBlock]) -> str:
 
 
 def usage(answer: Answer) -> dict[str, int]:
-    return {"input_tokens": answer.prompt_tokens, "output_tokens": answer.new_tokens}
+    return {**input_usage(answer.prompt_tokens, answer.cached_tokens), "output_tokens": answer.new_tokens}
+
+
+def input_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """As Anthropic's: input_tokens are those not read from the cache (the three add up to the prompt)."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens}
 
 
 def routes(front: FrontDoor) -> list[BaseRoute]:
@@ -123,7 +129,8 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
                 if not started:
                     started = True
                     opening = message(message_id, model, [], None, None)
-                    opening["usage"] = {"input_tokens": len(result.prompt_tokens), "output_tokens": 0}
+                    opening["usage"] = {**input_usage(len(result.prompt_tokens), result.cached_tokens),
+                                        "output_tokens": 0}
                     await event("message_start", {"message": opening})
                     await event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
                 if delta:

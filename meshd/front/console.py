@@ -185,9 +185,12 @@ class Rates:
 
 
 def stage_figures(values: dict[str, float], tok_s: float) -> dict[str, Any]:
+    looked, hit = figure(values, "cache_looked_tokens"), figure(values, "cache_hit_tokens")
     return {"sessions": figure(values, "sessions"), "kv_tokens": figure(values, "kv_tokens"),
             "step_ms_p50": figure(values, "step_ms_p50"), "tok_s": tok_s,
-            "worker_up": figure(values, "worker_up") == 1.0}
+            "worker_up": figure(values, "worker_up") == 1.0, "cache_tokens": figure(values, "cache_tokens"),
+            # the prefix cache's hit rate: of the prompt tokens looked up, the share it held (None: no lookup yet)
+            "cache_hit_rate": min(1.0, hit / looked) if looked and hit is not None else None}
 
 
 # ----- the snapshot: a pure function of the view, the figures and the routes

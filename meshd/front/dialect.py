@@ -37,6 +37,8 @@ class Answer:
     new_tokens: int
     # what output verification found (the "meshd" field of either dialect's answer)
     verification: dict[str, Any]
+    # prompt tokens taken from the stages' prefix caches (meshd.client.prefix), not run again
+    cached_tokens: int = 0
 
     @property
     def headers(self) -> dict[str, str]:
@@ -74,7 +76,7 @@ CLIENT_GONE = 499
 def answer_of(result: AskResult, text: AnswerText) -> Answer:
     reason = "stop" if text.stopped_by is not None else (result.reason or "eog")
     return Answer(text.text, reason, text.stopped_by, len(result.prompt_tokens), len(result.tokens),
-                  verification(result))
+                  verification(result), result.cached_tokens)
 
 
 def sampling(temperature: float, top_p: float | None, top_k: int | None, seed: int | None) -> Sampling:

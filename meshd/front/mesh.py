@@ -9,6 +9,7 @@ from typing import Protocol
 from meshd.client.ask import AskRequest, AskResult, OnToken, Stage, route_from_reply
 from meshd.client.asker import Asker
 from meshd.client.served import Served
+from meshd.client.verify import DEFAULT_VERIFY
 from meshd.net.peers import Peers
 from wire.credit import Voucher
 from wire.errors import ErrorCode, ProtocolError
@@ -39,12 +40,14 @@ class Daemon(Protocol):
 
 class DaemonMesh:
     def __init__(self, daemon: Daemon, peers: Peers, stall_timeout: float = STALL_TIMEOUT,
-                 require_verified: bool = False) -> None:
+                 require_verified: bool = False, verify_every: int = DEFAULT_VERIFY) -> None:
         self.daemon = daemon
         self.peers = peers
         self.stall_timeout = stall_timeout
         # the operator's policy (join --require-verified): an answer no replica checked whole is refused
         self.require_verified = require_verified
+        # 1 in how many steps a replica runs again (join --verify; 0: off)
+        self.verify_every = verify_every
 
     def status(self) -> StatusReply:
         return self.daemon.status()
@@ -81,5 +84,6 @@ class DaemonMesh:
         request.payer = self.daemon.voucher(self.peers.identity.node_id)
         # verified at the default rate (not while speculating with a draft model: meshd.client.asker)
         asker = Asker(self.peers, find_route, other_route, report_proof, require_verified=self.require_verified,
+                      verify_every=self.verify_every,
                       stall_timeout=self.stall_timeout, report_work=report_work)
         return await asker.ask(request, on_token, result)

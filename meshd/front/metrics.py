@@ -34,6 +34,9 @@ STAGE_FIGURES = {
     "kv_tokens": ("meshd_stage_kv_tokens", "Tokens of KV the member's stage holds for its sessions"),
     "tok_s": ("meshd_stage_tokens_per_second", "Tokens a second the member's stage decoded since the last reading"),
     "step_ms_p50": ("meshd_stage_step_milliseconds_p50", "Median time of the member's stage's recent steps"),
+    "cache_tokens": ("meshd_stage_cache_tokens", "Tokens of KV the member's stage keeps in its prefix cache"),
+    "cache_hit_rate": ("meshd_stage_cache_hit_ratio", "Of the prompt tokens looked up in the member's stage's "
+                       "prefix cache, the share it held"),
 }
 
 
@@ -46,6 +49,8 @@ class FrontMetrics:
                                 "cancelled, or the failure's kind)", ["dialect", "outcome"], registry=self.registry)
         self.prompt_tokens = Counter("meshd_prompt_tokens", "Prompt tokens of the asks", ["dialect"],
                                      registry=self.registry)
+        self.cached_tokens = Counter("meshd_cached_prompt_tokens", "Prompt tokens the stages' prefix caches gave, "
+                                     "not run again", ["dialect"], registry=self.registry)
         self.completion_tokens = Counter("meshd_completion_tokens", "New tokens of the answers", ["dialect"],
                                          registry=self.registry)
         self.ttft = Histogram("meshd_time_to_first_token_seconds", "Seconds from an ask to its first new token",
@@ -63,6 +68,7 @@ class FrontMetrics:
         """Counts one ask that ended with `outcome`, with what it made before it ended."""
         self.requests.labels(dialect, outcome).inc()
         self.prompt_tokens.labels(dialect).inc(len(result.prompt_tokens))
+        self.cached_tokens.labels(dialect).inc(result.cached_tokens)
         self.completion_tokens.labels(dialect).inc(len(result.tokens))
         self.failovers.inc(result.failovers)
         if result.ttft is not None:

@@ -136,9 +136,11 @@ class CompletionRequest(CommonRequest):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-def usage(answer: Answer) -> dict[str, int]:
+def usage(answer: Answer) -> dict[str, Any]:
+    # as OpenAI's: prompt_tokens counts the cached ones too, and the details say how many they were
     return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.new_tokens,
-            "total_tokens": answer.prompt_tokens + answer.new_tokens}
+            "total_tokens": answer.prompt_tokens + answer.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
 
 
 def finish_reason(answer: Answer) -> str:

@@ -100,6 +100,7 @@ function renderMembers(members) {
       el("td", { class: "num sessions" }, stage.sessions == null ? "–" : String(stage.sessions)),
       el("td", { class: "num" }, stage.kv_tokens == null ? "–" : String(stage.kv_tokens)),
       el("td", { class: "num" }, stage.step_ms_p50 ? `${num(stage.step_ms_p50, 1)} ms` : "–"),
+      el("td", { class: "num cache-hits" }, stage.cache_hit_rate == null ? "–" : `${num(100 * stage.cache_hit_rate, 0)} %`),
       el("td", { class: "num tok-s" }, m.stage ? num(stage.tok_s, 1) : "–"));
   }));
 }
