@@ -171,6 +171,7 @@ class Soak:
         self.http_failovers = 0
         self.chaos_until = 0.0
         self.phase = "setup"
+        self.checkpoint: Path | None = None
         self.relay_stopped = False
         self.warm = float("inf")  # when warm-up ends: growth is counted from the first sample after it
         self.identities: dict[tuple[str, int], str] = {}  # (slot, identity) -> its node id
@@ -294,6 +295,8 @@ class Soak:
             if time.monotonic() - last_sample >= self.prof.sample_every:
                 last_sample = time.monotonic()
                 self.sample()
+                if self.checkpoint is not None:  # a long run's figures so far, should it not end well
+                    self.checkpoint.write_text(json.dumps(self.report() | {"completed": False}, indent=1))
             for view_name, address in (("seed", SEED_ADDR), ("api", API_MEMBER)):
                 try:
                     with trio.fail_after(5):
@@ -642,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     base = args.workdir or Path(tempfile.mkdtemp(prefix="meshd-soak-"))
     base.mkdir(parents=True, exist_ok=True)
     soak = Soak(prof, args.seed, base, model)
+    soak.checkpoint = args.json
     print(f"soak: {prof}, seed {args.seed}, logs in {base}", flush=True)
     soak.asking.references = reference_answers(model, prof.max_tokens, soak.seeds)
     signal.signal(signal.SIGTERM, interrupted)
