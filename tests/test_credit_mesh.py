@@ -4,14 +4,24 @@ asked, the stage keeps the summary, both ledgers agree, and `meshd credits` show
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from localmesh import Served, run_meshd, start_join, stop_all
+import trio
+from localmesh import Served, meshd_command, run_meshd, spawn, start_join, stop_all
 
-pytestmark = pytest.mark.slow  # two daemons, two engine workers
+from meshd.client.ledger import STANDING_EVERY
+from meshd.daemon import rpc
+from meshd.net.peers import PeersConfig, open_peers
+from tests.credit_helpers import served as served_summary
+from wire.credit import WorkGive, WorkSummary, WorkTaken
+from wire.identity import NodeIdentity
+
+pytestmark = pytest.mark.slow  # real daemons and engine workers
 
 VOLUNTEER = ["--memory", "256M", "--max-sessions", "2", "--session-tokens", "256", "--threads", "1"]
 SETTLE_S = 120.0
@@ -60,5 +70,79 @@ def test_asks_between_two_volunteers_are_countersigned_kept_by_both_and_earn_the
             assert row["placed"] and row["earned"] == pytest.approx(docs[other]["own"]["earned"], rel=1e-3), docs
         table = run_meshd("credits", "--state-dir", str(states[0]))
         assert table.returncode == 0 and "balance" in table.stdout and ids[1][:16] in table.stdout, table.stdout
+    finally:
+        stop_all(nodes)
+
+
+def _give(address: str, summaries: list[WorkSummary]) -> WorkTaken:
+    """Hands `summaries` to the member at `address` from an identity of the test's own."""
+    async def give() -> WorkTaken:
+        async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
+            reply = await rpc(peers, address, WorkGive(summaries=summaries), timeout=10.0)
+        assert isinstance(reply, WorkTaken)
+        return reply
+
+    return trio.run(give)
+
+
+def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forgeries_and_rings_earn_nothing(
+        default_model: Path, tiny_draft_model: Path, tmp_path: Path) -> None:
+    states = {name: tmp_path / name for name in ("stage", "server", "newcomer")}
+    nodes: list[Served] = []
+    try:
+        # the stage serves the default model with one slot; the server volunteers another (tiny) model
+        stage = start_join("--state-dir", str(states["stage"]), "--model", str(default_model), "--memory", "256M",
+                           "--max-sessions", "1", "--session-tokens", "2048", "--threads", "1")
+        nodes.append(stage)
+        server = start_join("--seed", stage.address, "--state-dir", str(states["server"]), "--model",
+                            str(tiny_draft_model), *VOLUNTEER)
+        nodes.append(server)
+        newcomer = start_join("--seed", stage.address, "--state-dir", str(states["newcomer"]), "--no-model")
+        nodes.append(newcomer)
+        # the stage's member asks the server's model: the server serves it (100 tokens and more), verified
+        # by its receipts, and the stage's member countersigns it
+        for _ in range(3):
+            done = run_meshd("ask", "--state-dir", str(states["stage"]), "--model", "draft-llama", "--raw",
+                             "--max-tokens", "48", "--wait", "90", "Once upon a time")
+            assert done.returncode == 0, done.stderr
+        deadline = time.monotonic() + 30.0
+        while True:
+            rows = {m["node_id"]: m for m in credits(states["stage"])["members"]}
+            if rows.get(server.node_id, {}).get("balance", 0) > 0:
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(1.0)
+
+        # forged summaries and a ring's made-up work are refused or earn nothing
+        ring = [NodeIdentity.generate() for _ in range(10)]
+        now = time.time()
+        made_up = [served_summary(a, s, tokens=500, session=f"{i}-{j}", at=now) for i, a in enumerate(ring)
+                   for j, s in enumerate(ring) if i != j][:60]
+        taken = _give(stage.address, made_up)
+        assert taken.taken == len(made_up)
+        honest = served_summary(NodeIdentity.generate(), NodeIdentity.generate(), tokens=100, at=now)
+        forged = [honest.model_copy(update={"signature": bytes(64)}),
+                  WorkSummary.create(ring[0], honest.model, 0, 8, 1000, 0, True, int(now), honest.head),
+                  served_summary(ring[1], ring[1], tokens=100, at=now)]
+        assert _give(stage.address, forged) == WorkTaken(taken=0, refused=3)
+        time.sleep(STANDING_EVERY + 1.0)
+        rows = {m["node_id"]: m for m in credits(states["stage"])["members"]}
+        assert all(rows.get(r.node_id, {}).get("earned", 0.0) == 0.0 for r in ring), rows
+
+        # the newcomer's long answer holds the stage's one slot; the server asks the same model meanwhile
+        model = ["--model", default_model.stem, "--raw", "--wait", "60"]
+        long_ask = spawn(meshd_command("ask", "--state-dir", str(states["newcomer"]), *model, "--max-tokens", "600",
+                                       "Count: 1, 2, 3,"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"MESHD_LOG": "info"})
+        try:
+            assert long_ask.stdout is not None
+            if not long_ask.stdout.read(8):  # it streams: its session holds the slot
+                pytest.fail(f"the long answer did not stream: {long_ask.communicate(timeout=30)[1]}")
+            quick = run_meshd("ask", "--state-dir", str(states["server"]), *model, "--max-tokens", "8", "Hello")
+            assert quick.returncode == 0, quick.stderr
+        finally:
+            out, err = long_ask.communicate(timeout=400)
+        # the server was let in at once: the newcomer's session gave up the slot to it
+        assert "an asker with more credit" in err, err
     finally:
         stop_all(nodes)

@@ -542,9 +542,10 @@ class StageBooks(Generic[T]):
             return None
         newcomers = sum(1 for s in self.sessions.values() if s.credit <= 0.0)
         floor = int(self.limits.max_sessions * NEWCOMER_FLOOR)
-        # (work in the engine's hands is not taken away mid-step; a fast session's reservation is no such work)
-        poorer = [s for s in self.sessions.values() if (s.in_flight == 0 or s.fast)
-                  and s.credit * CREDIT_MARGIN < credit and (s.credit > 0.0 or newcomers > floor)]
+        # a busy session too (a one-stage route's is busy at every step): the step in the engine's hands
+        # is dropped when it returns (the session has failed), and the answer fails over, the same elsewhere
+        poorer = [s for s in self.sessions.values()
+                  if s.credit * CREDIT_MARGIN < credit and (s.credit > 0.0 or newcomers > floor)]
         if not poorer:
             return None
         victim = min(poorer, key=lambda s: (s.credit, s.last_used))
