@@ -19,8 +19,9 @@ import trio
 from meshd.daemon import describe_model
 from meshd.engine import Sampler
 from meshd.engine.chain import LocalChain
+from meshd.engine.engine import EngineError
 from meshd.mesh.assignment import ModelSpec
-from meshd.mesh.models import default_model_path
+from meshd.mesh.models import ModelNotFound, default_model_path
 from meshd.mesh.records import ModelInfo
 
 MIB = 1 << 20
@@ -117,6 +118,11 @@ async def bench(args: argparse.Namespace) -> int:
     path: Path = args.model or default_model_path()
     info = describe_model(path, "bench")
     spec = ModelSpec.from_info(info, args.max_sessions * args.session_tokens)
-    timed = await trio.to_thread.run_sync(time_model, path, args.threads, args.tokens, PREFILL_TOKENS + args.tokens + 8)
+    try:
+        timed = await trio.to_thread.run_sync(time_model, path, args.threads, args.tokens,
+                                              PREFILL_TOKENS + args.tokens + 8)
+    except EngineError as exc:
+        # the engine's word, in the one line a user's mistake gets (an architecture it cannot run, say)
+        raise ModelNotFound(f"{path.name} does not run here: {exc}") from None
     print(screen(info, path, spec, timed, args))
     return 0
