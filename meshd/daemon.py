@@ -89,6 +89,7 @@ from meshd.net import rpc as net_rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
+from meshd.relay.punch import Puncher
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService, Tap
 from meshd.stage.fast import FastDoor
@@ -107,12 +108,14 @@ from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import (
     MESH_PROTOCOL,
+    STATUS_PAGE,
     SWIM_PROTOCOL,
     AssignmentReply,
     AssignmentRequest,
     DialBackReply,
     DialBackRequest,
     FetchStatus,
+    LinkStatus,
     RouteReply,
     RouteRequest,
     SpeedsReply,
@@ -158,6 +161,9 @@ class NodeConfig:
     advertise: str | None = None
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
     relay_tap: Tap | None = None
+    # Whether a circuit a relay brings is tried as a hole punch (meshd.relay.punch): off, the link
+    # stays relayed, as before punching (the tests' baseline).
+    punch: bool = True
     # Relays a node behind NAT keeps reservations on.
     reservations: int = 2
     dial_back_timeout: float = 3.0
@@ -306,6 +312,7 @@ class MeshDaemon:
         self._sent = trio.Event()
         self._tracker_news = trio.Event()  # set (and replaced) at each change of the tracker followed
         self.relay: RelayService | None = None
+        self.puncher: Puncher | None = None
         self._keeper: ReservationKeeper | None = None
         # members whose probes timed them much slower than they say (warned of once each)
         self._slower_than_said: set[str] = set()
@@ -333,7 +340,8 @@ class MeshDaemon:
             peers.handle(STAGE_PROTOCOL, self._on_stage)
             peers.handle_fast(self.fast_door.accept)
             register(peers, self.source)
-            enable_circuits(peers, self._reserved_on)
+            self.puncher = Puncher(peers)
+            enable_circuits(peers, self._reserved_on, self.puncher.initiate if cfg.punch else None)
             if cfg.relay:
                 self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
             self.port = await peers.listen(*cfg.listen)
@@ -796,7 +804,16 @@ class MeshDaemon:
         """The mesh as this node sees it, from member `offset` on; with `peer` (the asker's host), only
         addresses it may be told."""
         reply = self.duty.status(None if peer is None else lambda address: address_fits(address, peer), offset)
-        return reply.model_copy(update={"fetches": self.fetches[-8:]}) if self.fetches else reply
+        update: dict[str, object] = {"fetches": self.fetches[-8:]} if self.fetches else {}
+        if not offset:
+            update["links"] = [LinkStatus(node_id=link.remote_node_id, path=link.path,
+                                          address=link.address if peer is None or address_fits(link.address, peer)
+                                          else "", rtt_ms=None if link.rtt is None else link.rtt * 1000.0)
+                               for link in sorted(self.peers.links, key=lambda link: link.remote_node_id)
+                               [:STATUS_PAGE]]
+        if self.relay is not None:
+            update["relayed_bytes"] = self.relay.forwarded_bytes
+        return reply.model_copy(update=update) if update else reply
 
     async def measured_status(self, peer: str | None = None, offset: int = 0) -> StatusReply:
         """`status`, with (on the first page) the stage speeds routes count as `stage_speeds` gives them."""

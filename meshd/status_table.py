@@ -12,7 +12,7 @@ from __future__ import annotations
 import unicodedata
 from typing import Any
 
-from wire.meshrpc import MemberStatus, ModelCoverage, StageSpeed, StatusReply
+from wire.meshrpc import LinkStatus, MemberStatus, ModelCoverage, StageSpeed, StatusReply
 
 WIDTH = 80
 NODE = 16
@@ -23,6 +23,7 @@ GAP = "  "
 DETAIL = " " * (NODE + len(GAP))
 RANGE = 12  # [4095, 4096)
 MS = 9  # ms/layer: 3 significant digits, up to 3.6e+06
+PATH = 8  # relayed
 
 
 def clean(text: str) -> str:
@@ -129,7 +130,23 @@ def render(s: StatusReply, width: int = WIDTH) -> str:
     for c in s.coverage:
         lines.extend(coverage_lines(c, width))
         lines.extend(speed_lines(s, c.model, width))
+    if s.links:
+        lines.append("")
+        lines.append(f"links of node {short(s.node_id, NODE)}:")
+        lines.append(f"  {'NODE':<{NODE}}{GAP}{'PATH':<{PATH}}{GAP}{'RTT MS':>{MS}}{GAP}ADDRESS")
+        for link in s.links:
+            lines.extend(link_lines(link, width))
+    if s.relayed_bytes is not None:
+        lines.append(f"relayed through this node: {s.relayed_bytes} bytes")
     return "\n".join(lines)
+
+
+def link_lines(link: LinkStatus, width: int) -> list[str]:
+    """One link: to whom, direct, punched (through two NATs) or relayed, its round trip and address."""
+    rtt = "-" if link.rtt_ms is None else f"{link.rtt_ms:.3g}"
+    row = f"  {pad(short(link.node_id, NODE), NODE)}{GAP}{pad(short(link.path, PATH), PATH)}{GAP}" \
+          f"{pad(rtt, MS, right=True)}{GAP}"
+    return wrap(clean(link.address) or "-", width, row, " " * columns(row))
 
 
 def member_lines(m: MemberStatus, width: int) -> list[str]:
@@ -229,4 +246,7 @@ def as_json(s: StatusReply) -> dict[str, Any]:
             "ms_per_layer": p.seconds_per_layer * 1000.0, "source": p.source, "samples": p.samples,
             "declared_ms_per_layer": p.declared * 1000.0 or None,
         } for p in s.speeds],
+        "links": [{"node_id": link.node_id, "path": link.path, "address": link.address or None,
+                   "rtt_ms": link.rtt_ms} for link in s.links],
+        "relayed_bytes": s.relayed_bytes,
     }

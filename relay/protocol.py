@@ -13,7 +13,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from wire.codec import Limits, Message, register_protocol
-from wire.types import Count, NodeId
+from wire.types import Count, Host, NodeId
 
 HOP_PROTOCOL = "meshd/relay-hop/1"
 STOP_PROTOCOL = "meshd/relay-stop/1"
@@ -48,13 +48,20 @@ class Connect(Message, tag="relay_connect"):
 
 
 class Connected(Message, tag="relay_connected"):
-    """The circuit is up: from now on the hop stream carries the target's bytes."""
+    """The circuit is up: from now on the hop stream carries the target's bytes.
+
+    ``observed``: the host the relay sees the target's link come from (its NAT's public address),
+    the only host a hole punch to the target may dial (meshd.relay.punch)."""
+
+    observed: Host = ""
 
 
 class Incoming(Message, tag="relay_incoming"):
-    """From a relay to a reserved node: ``source`` (authenticated by the relay) dials you."""
+    """From a relay to a reserved node: ``source`` (authenticated by the relay) dials you, from
+    ``observed`` as the relay sees it (see ``Connected``)."""
 
     source: NodeId
+    observed: Host = ""
 
 
 class Accepted(Message, tag="relay_accepted"):

@@ -71,6 +71,16 @@ class MemberStatus(WireModel):
     relay_addresses: list[Address] = Field(default_factory=list, max_length=MAX_ADDRESSES)
 
 
+class LinkStatus(WireModel):
+    """One of the answering node's links: to whom, how its bytes go ("direct", "punched" through two
+    NATs, or "relayed" through a relay's circuit), and its last keepalive's round trip."""
+
+    node_id: NodeId
+    path: Label
+    address: Text
+    rtt_ms: float | None = Field(default=None, ge=0.0)
+
+
 class ModelCoverage(WireModel):
     model: Digest
     name: Text
@@ -165,6 +175,10 @@ class StatusReply(Message, tag="status"):
     # the first page only. Empty from a node that predates them.
     speeds: list[StageSpeed] = Field(default_factory=list, max_length=MAX_SPEEDS)
     speeds_by: NodeId | None = None
+    # The answering node's own links (first page only), and, from a relay, the bytes its circuits
+    # have forwarded since it started (None from a node that relays nothing).
+    links: list[LinkStatus] = Field(default_factory=list, max_length=STATUS_PAGE)
+    relayed_bytes: Count | None = None
 
 
 class DialBackRequest(Message, tag="dial_back_request"):

@@ -494,6 +494,9 @@ class Link:
         self._rtt: float | None = None
         self._goodbye: ProtocolError | None = None
         self.going_away = False
+        # How the link's bytes go: "direct" (a TCP connection one end dialed), "punched" (a TCP
+        # connection both ends opened at once through their NATs) or "relayed" (a relay's circuit).
+        self.path = "direct"
         # a transport that can write a record from synchronous code (WebSocketTransport over TCP)
         self._send_nowait: Callable[[bytes], bool] | None = getattr(transport, "send_record_nowait", None)
         self._drain: Callable[[], Awaitable[None]] | None = getattr(transport, "drain", None)

@@ -25,6 +25,7 @@ its ``preauth_timeout``, under a small message cap until then.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -166,6 +167,8 @@ class Peers:
         self._preauth: dict[Ticket, trio.CancelScope] = {}
         self._closing = False
         self._fast: FastHandler | None = None
+        # The port of the first listener: punched connections are dialed from it (meshd.relay.punch).
+        self.listen_port: int | None = None
 
     # ----- serving
 
@@ -197,6 +200,13 @@ class Peers:
             limit = raise_fd_limit()
             self._admission = Admission(self.config.admission, fd_budget(limit, self.config.admission))
         listeners = await trio.open_tcp_listeners(port, host=host)
+        for listener in listeners:
+            # Set only once bound, so the bind still fails on a port another program holds; from now on
+            # this process may bind a dialing socket to the same port: a hole punch dials from the
+            # listening port, so a port-preserving NAT maps it to the public port the peer dials.
+            # (Another process of the same user that sets SO_REUSEPORT before binding may then share
+            # the port; one of another user may not.)
+            listener.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         scope = trio.CancelScope()
         self._listeners.append(scope)
 
@@ -209,6 +219,8 @@ class Peers:
 
         await self._nursery.start(serve)
         bound: int = listeners[0].socket.getsockname()[1]
+        if self.listen_port is None:
+            self.listen_port = bound
         return bound
 
     async def _accept_loop(self, listener: trio.SocketListener) -> None:
@@ -407,15 +419,16 @@ class Peers:
         return link
 
     async def attach(
-        self, transport: RecordTransport, *, dialer: bool, node_id: str | None = None
+        self, transport: RecordTransport, *, dialer: bool, node_id: str | None = None, path: str = "direct"
     ) -> Link:
         """Run a link over ``transport`` (a relay circuit, a pipe), once authenticated.
 
         ``dialer`` says which end this is; the two ends must disagree. The link
         lives in this ``Peers`` like any other and is returned after the
-        handshake (or the link to that node that wins over it).
+        handshake (or the link to that node that wins over it). ``path`` says how its bytes go
+        (``Link.path``): a relayed link yields to any other to the same node.
         """
-        link: Link = await self._nursery.start(self._attach, transport, dialer, node_id)
+        link: Link = await self._nursery.start(self._attach, transport, dialer, node_id, path)
         return link
 
     async def _attach(
@@ -423,14 +436,75 @@ class Peers:
         transport: RecordTransport,
         dialer: bool,
         node_id: str | None,
+        path: str,
         task_status: trio.TaskStatus[Link] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         core = self._core(dialer=dialer, node_id=node_id)
         link = await self._establish(core, transport, raise_errors=True)
         assert link is not None
+        link.path = path
         self._register(link)
         task_status.started(self._by_node.get(link.remote_node_id, link))
         await self._serve(link)
+
+    async def adopt(self, stream: trio.SocketStream, *, dialer: bool, node_id: str, path: str) -> Link:
+        """Run a link over a TCP connection opened some other way (a hole punch's simultaneous open):
+        the WebSocket upgrade (``dialer`` is its client) and the Noise handshake, which must
+        authenticate ``node_id``, within ``dial_timeout``; UNREACHABLE if they do not. The link
+        lives in this ``Peers`` like any other; returned is the one to that node that wins."""
+        link: Link = await self._nursery.start(self._adopt, stream, dialer, node_id, path)
+        return link
+
+    async def _adopt(
+        self,
+        stream: trio.SocketStream,
+        dialer: bool,
+        node_id: str,
+        path: str,
+        task_status: trio.TaskStatus[Link] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        try:
+            peer = stream.socket.getpeername()
+            address = f"{peer[0]}:{peer[1]}"
+        except OSError as exc:
+            await trio.aclose_forcefully(stream)
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"the connection went: {exc}") from None
+        link: Link | None = None
+        failure: str | None = None
+        refused: ProtocolError | None = None
+        async with trio.open_nursery() as connection:
+            try:
+                with trio.fail_after(self.config.dial_timeout):
+                    if dialer:
+                        ws = await client_websocket(connection, stream, address, "/")
+                    else:
+                        ws = await server_websocket(connection, stream)
+                    core = self._core(dialer=dialer, node_id=node_id)
+                    transport = WebSocketTransport(ws, address, established=lambda: core.established)
+                    link = await self._establish(core, transport, raise_errors=True)
+            except trio.TooSlowError:
+                failure = f"no link over the connection with {address} within {self.config.dial_timeout:g} s"
+            except (OSError, UpgradeFailed, ConnectionClosed) as exc:
+                failure = f"the connection with {address} failed: {exc}"
+            except ProtocolError as exc:
+                refused = exc  # the handshake's: raised as it is, out of this nursery
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+            if link is None:
+                await trio.aclose_forcefully(stream)
+                connection.cancel_scope.cancel()
+            else:
+                transport.authenticated()
+                link.path = path
+                self._register(link)
+                task_status.started(self._by_node.get(link.remote_node_id, link))
+                await self._serve(link)
+                connection.cancel_scope.cancel()
+        if refused is not None:
+            raise refused
+        if failure is not None:
+            raise ProtocolError(ErrorCode.UNREACHABLE, failure)
 
     def _core(self, *, dialer: bool, node_id: str | None) -> SecureLink:
         core = SecureLink(
@@ -502,8 +576,11 @@ class Peers:
         self._notify(LinkUp(link))
 
     def _prefer(self, new: Link, current: Link) -> bool:
-        """Both ends pick the same link: the one dialed by the lower node id;
-        between two dialed by the same node, the newer (the old one is stale)."""
+        """Both ends pick the same link: one not relayed over one relayed (both ends know which is a
+        circuit), then the one dialed by the lower node id; between two dialed by the same node, the
+        newer (the old one is stale)."""
+        if (new.path == "relayed") != (current.path == "relayed"):
+            return current.path == "relayed"
         lower_dialed = self.node_id if self.node_id < new.remote_node_id else new.remote_node_id
 
         def dialed_by(link: Link) -> str:

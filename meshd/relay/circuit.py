@@ -7,7 +7,7 @@ Noise handshake is end to end and the relay forwards only ciphertext.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -37,8 +37,10 @@ class CircuitTransport(StreamTransport):
     limit, or losing the other end) ends the transport as a hang-up would, and
     is kept in ``error`` for whoever wants to know why."""
 
-    def __init__(self, stream: Stream, remote_address: str) -> None:
+    def __init__(self, stream: Stream, remote_address: str, observed: str = "") -> None:
         super().__init__(stream, remote_address)
+        # The host the relay sees the other end at: where a hole punch may dial it.
+        self.observed = observed
         self.error: ProtocolError | None = None
         self.closed = trio.Event()
 
@@ -68,11 +70,11 @@ async def open_circuit(peers: Peers, address: str) -> CircuitTransport:
     with rpc.within(CONNECT_TIMEOUT, what):
         stream = await peers.open_stream(relay, HOP_PROTOCOL)
         try:
-            await rpc.request(stream, Connect(target=target), Connected, what)
+            reply = await rpc.request(stream, Connect(target=target), Connected, what)
         except BaseException:
             await stream.aclose()
             raise
-    return CircuitTransport(stream, address)
+    return CircuitTransport(stream, address, reply.observed)
 
 
 async def dial_circuit(peers: Peers, address: str, node_id: str | None) -> Link:
@@ -81,7 +83,7 @@ async def dial_circuit(peers: Peers, address: str, node_id: str | None) -> Link:
     if node_id is not None and node_id != target:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, f"{address} is a circuit to another node than {node_id[:16]}")
     transport = await open_circuit(peers, address)
-    return await peers.attach(transport, dialer=True, node_id=target)
+    return await peers.attach(transport, dialer=True, node_id=target, path="relayed")
 
 
 # Whether a node (the relay, by its node id) holds a reservation of ours, so may bring us circuits.
@@ -92,7 +94,12 @@ def reserved_nowhere(relay: str) -> bool:
     return False
 
 
-async def serve_incoming(peers: Peers, stream: Stream, reserved_on: ReservedOn = reserved_nowhere) -> None:
+# Called with the link a relay's circuit brought, once it is up (meshd.relay.punch tries to go direct).
+OnCircuit = Callable[[Link], Awaitable[None]]
+
+
+async def serve_incoming(peers: Peers, stream: Stream, reserved_on: ReservedOn = reserved_nowhere,
+                         on_circuit: OnCircuit | None = None) -> None:
     """A relay brings a circuit: accept it and run a link over it until that link ends.
 
     Only a relay we hold a reservation on may (anyone else would run links into us that
@@ -105,21 +112,26 @@ async def serve_incoming(peers: Peers, stream: Stream, reserved_on: ReservedOn =
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "this node holds no reservation on that relay")
     request = await rpc.receive(stream, Incoming, "a relay's incoming circuit")
     await stream.send_message(Accepted())
-    transport = CircuitTransport(stream, f"circuit from {request.source[:16]} via {stream.remote_node_id[:16]}")
+    transport = CircuitTransport(stream, f"circuit from {request.source[:16]} via {stream.remote_node_id[:16]}",
+                                 request.observed)
     # The relay vouches for who dials; the handshake checks it.
-    await peers.attach(transport, dialer=False, node_id=request.source)
+    link = await peers.attach(transport, dialer=False, node_id=request.source, path="relayed")
+    if on_circuit is not None and link.transport is transport:
+        await on_circuit(link)
     await transport.closed.wait()
 
 
-def enable_circuits(peers: Peers, reserved_on: ReservedOn = reserved_nowhere) -> None:
+def enable_circuits(peers: Peers, reserved_on: ReservedOn = reserved_nowhere,
+                    on_circuit: OnCircuit | None = None) -> None:
     """Let ``peers`` dial circuit addresses (``connect``, ``open_stream``) and take circuits the
-    relays ``reserved_on`` names bring (by default none: a node with no reservation takes none)."""
+    relays ``reserved_on`` names bring (by default none: a node with no reservation takes none);
+    ``on_circuit`` runs with the link each one brings, once it is up."""
 
     async def dial(address: str, node_id: str | None) -> Link:
         return await dial_circuit(peers, address, node_id)
 
     async def incoming(stream: Stream) -> None:
-        await serve_incoming(peers, stream, reserved_on)
+        await serve_incoming(peers, stream, reserved_on, on_circuit)
 
     peers.add_dialer(is_circuit_address, dial)
     peers.handle(STOP_PROTOCOL, incoming)

@@ -109,9 +109,9 @@ class RelayService:
         try:
             stop = link.open_stream(STOP_PROTOCOL)
             try:
-                await rpc.request(stop, Incoming(source=source), Accepted,
+                await rpc.request(stop, Incoming(source=source, observed=host_of(stream.link.address)), Accepted,
                                   f"node {target[:16]} taking the circuit", STOP_TIMEOUT)
-                await stream.send_message(Connected())
+                await stream.send_message(Connected(observed=host_of(link.address)))
                 await self._splice(circuit, stream, stop)
             finally:
                 await stop.aclose()
