@@ -90,6 +90,15 @@ class MeshSource(Protocol):
         ...
 
 
+@runtime_checkable
+class CreditSource(Protocol):
+    """A source that also knows each member's credit (meshd.mesh.credit): the daemon's ledger."""
+
+    def credits(self) -> dict[str, float]:
+        """Each member's balance (work units, decayed) as this node's ledger counts it."""
+        ...
+
+
 class DaemonSource:
     """The console's view of the `MeshDaemon` it runs beside: its own stage read directly,
     the others' asked over the stage protocol."""
@@ -121,6 +130,9 @@ class DaemonSource:
     async def stage_speeds(self) -> SpeedsReply | None:
         # the tracker's, as routes count them (MeshDaemon.stage_speeds), not this node's records
         return await self.daemon.stage_speeds()
+
+    def credits(self) -> dict[str, float]:
+        return {node_id: standing.balance for node_id, standing in self.daemon.credit.standing().items()}
 
 
 class StatusSource:
@@ -200,10 +212,11 @@ LIVE_STATES = (MemberState.ALIVE, MemberState.SUSPECT)
 
 def snapshot(status: StatusReply, members: Sequence[MemberInfo], stages: dict[str, dict[str, Any]],
              route_of: Callable[[str], RouteReply], asks: Sequence[Asking], now: float,
-             speeds: SpeedsReply | None = None) -> dict[str, Any]:
+             speeds: SpeedsReply | None = None, credits: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The console's JSON: `stages` holds each polled member's `stage_figures`; `route_of` gives a
     covered model's route (a ProtocolError says why there is none); `asks` are the front door's
-    asks in flight; `now` is Unix time; `speeds` what routes count of each stage (None: unknown)."""
+    asks in flight; `now` is Unix time; `speeds` what routes count of each stage (None: unknown);
+    `credits` each member's balance in this node's ledger (None: this source keeps none)."""
     info = {m.node_id: m for m in members}
     # a member's figure is one for all its ranges (routes count it per node), shown on its row
     speed_of = {(p.node_id, p.model, p.start, p.end): _speed(p, speeds.by, status.tracker)
@@ -224,6 +237,7 @@ def snapshot(status: StatusReply, members: Sequence[MemberInfo], stages: dict[st
             "load": record.load if record is not None else 0.0,
             "leaving": bool(record and record.leaving),
             "stage": stages.get(shown.node_id),
+            "credit": None if credits is None else credits.get(shown.node_id, 0.0),
         })
     return {"node_id": status.node_id, "tracker": status.tracker, "term": status.term, "time": now,
             "members": rows, "models": [_model(c, members, route_of, speed_of) for c in status.coverage],
@@ -332,7 +346,9 @@ class Console:
                 raise got
             return got
 
-        return snapshot(status, members, stages, route_of, list(self.asking.values()), time.time(), speeds[0])
+        credits = self.source.credits() if isinstance(self.source, CreditSource) else None
+        return snapshot(status, members, stages, route_of, list(self.asking.values()), time.time(), speeds[0],
+                        credits)
 
     async def _speeds(self, limiter: trio.CapacityLimiter, out: list[SpeedsReply | None]) -> None:
         async with limiter:

@@ -120,6 +120,12 @@ class Figures(Collector):
             up.add_metric([row["node_id"]], 1.0 if figures["worker_up"] else 0.0)
         yield from stages.values()
         yield up
+        credit = GaugeMetricFamily("meshd_member_credit", "A member's credit in this node's ledger (layers x tokens "
+                                   "served to members who pay, less what it asked, decayed)", labels=["node"])
+        for row in self.view["members"]:
+            if row.get("credit") is not None:
+                credit.add_metric([row["node_id"]], row["credit"])
+        yield credit
 
 
 def exposition(metrics: FrontMetrics, figures: Figures) -> bytes:

@@ -101,7 +101,8 @@ function renderMembers(members) {
       el("td", { class: "num" }, stage.kv_tokens == null ? "–" : String(stage.kv_tokens)),
       el("td", { class: "num" }, stage.step_ms_p50 ? `${num(stage.step_ms_p50, 1)} ms` : "–"),
       el("td", { class: "num cache-hits" }, stage.cache_hit_rate == null ? "–" : `${num(100 * stage.cache_hit_rate, 0)} %`),
-      el("td", { class: "num tok-s" }, m.stage ? num(stage.tok_s, 1) : "–"));
+      el("td", { class: "num tok-s" }, m.stage ? num(stage.tok_s, 1) : "–"),
+      el("td", { class: "num credit" }, m.credit == null ? "–" : num(m.credit, 0)));
   }));
 }
 
