@@ -23,6 +23,7 @@ Usage: .venv/bin/python tools/bench_hub.py [--dir /tmp/bench-hub] [--memory 800M
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import statistics
@@ -44,7 +45,8 @@ from wire.identity import NodeIdentity
 
 REPO = "org/llama3b"
 RAW_READ = 16 << 20
-FETCHED = re.compile(r"fetched layers \[(\d+), (\d+)\): (\d+) bytes over the network, (\d+) already here, in ([\d.]+) s")
+FETCHED = re.compile(r"^(\S+) INFO meshd.daemon: fetched layers \[(\d+), (\d+)\): (\d+) bytes over the network, "
+                     r"(\d+) already here, in ([\d.]+) s", re.MULTILINE)
 HASHED = re.compile(r"read and checked (\d+) bytes of .* in ([\d.]+) s")
 SESSIONS = ["--threads", "1", "--max-sessions", "1", "--session-tokens", "256"]
 
@@ -125,11 +127,16 @@ def main() -> int:
                 else:
                     os.environ[k] = v
         rows = []
+        # (start, end) of every range fetch, in the logs' clock: the three volunteers fetch at once
+        spans: list[tuple[float, float, int]] = []
         hashed = HASHED.search(logs[0])
         if hashed:
             figures["first_holder_whole_read_MBps"] = int(hashed[1]) / float(hashed[2]) / 1e6
         for i, log in enumerate(logs):
-            fetches = [(int(m[1]), int(m[2]), int(m[3]), float(m[5])) for m in FETCHED.finditer(log)]
+            fetches = [(int(m[2]), int(m[3]), int(m[4]), float(m[6])) for m in FETCHED.finditer(log)]
+            for m in FETCHED.finditer(log):
+                end = datetime.datetime.fromisoformat(m[1].replace("Z", "+00:00")).timestamp()
+                spans.append((end - float(m[6]), end, int(m[4])))
             got = sum(f[2] for f in fetches)
             seconds = sum(f[3] for f in fetches)
             read = hub.bytes_read(f"volunteer{i}")
@@ -139,6 +146,12 @@ def main() -> int:
             rows.append(f"  volunteer {i}: layers {', '.join(f'[{a}, {b})' for a, b, *_ in fetches)}: {got / 1e6:.0f} MB "
                         f"fetched in {seconds:.1f} s = {rate:.0f} MB/s ({rate / figures['raw_MBps_4']:.2f} of raw x4, "
                         f"{rate / figures['raw_MBps_1']:.2f} of raw x1); {read / 1e6:.0f} MB read from the hub")
+    if spans:
+        window = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
+        figures["all_fetch_MBps"] = sum(n for _, _, n in spans) / window / 1e6
+        rows.append(f"  all three together: {sum(n for _, _, n in spans) / 1e6:.0f} MB in {window:.1f} s = "
+                    f"{figures['all_fetch_MBps']:.0f} MB/s ({figures['all_fetch_MBps'] / figures['raw_MBps_4']:.2f} "
+                    "of raw x4)")
     table = "\n".join([
         f"hub fetch, {total / 1e9:.2f} GB 3-part Q4_K_M set, 3 volunteers at --memory {memory}, on "
         f"{os.cpu_count()} CPUs",
