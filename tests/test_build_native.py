@@ -9,12 +9,10 @@ import sys
 import tarfile
 from pathlib import Path
 
+import build_native
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import build_native  # noqa: E402
 
 
 @pytest.fixture

@@ -5,17 +5,11 @@ from __future__ import annotations
 import functools
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-from link_emulator import Counter, LinkEmulator, LinkSpec, Schedule, Waiter, carry  # noqa: E402
+from link_emulator import Counter, LinkEmulator, LinkSpec, Schedule, Waiter, carry
 
 
 async def test_each_chunk_arrives_one_delay_later(autojump_clock: trio.testing.MockClock) -> None:

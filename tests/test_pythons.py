@@ -12,18 +12,15 @@ from __future__ import annotations
 import filecmp
 import os
 import re
-import sys
 import tomllib
 from pathlib import Path
 
+import build_native
 import pytest
 from localmesh import stop_process
 from test_wheel import run, source_tree, start
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import build_native  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
