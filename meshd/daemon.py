@@ -54,7 +54,7 @@ from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
 from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address
 from meshd.mesh.assignment import ModelSpec, held_ranges, stage_fits
 from meshd.mesh.authority import placement_of
-from meshd.mesh.credit import NEWCOMER_FLOOR
+from meshd.mesh.credit import NEWCOMER_FLOOR, extra_votes
 from meshd.mesh.duty import (
     AskAssignment,
     AssignmentChanged,
@@ -138,6 +138,8 @@ CLAIM_WAIT = 2.0
 # Seconds a node joining with a hub model waits for a member to offer its manifest before it reads the whole
 # files itself to build it: records spread within a few push-pull rounds of a join.
 HUB_GOSSIP_WAIT = 5.0
+# how often the election's votes are weighed again by the credit ledger (meshd.mesh.credit.extra_votes)
+CREDIT_VOTES_EVERY = 60.0
 # the unit a volunteer's memory is told in, as on the command line (--memory 64M)
 MIB = 1 << 20
 
@@ -368,6 +370,7 @@ class MeshDaemon:
             self.credit = LedgerKeeper(self.identity, peers, rpc, self.placed_members, interval=cfg.ledger_interval,
                                        timeout=cfg.rpc_timeout)
             nursery.start_soon(self.credit.run, self._ledger_peers)
+            nursery.start_soon(self._weigh_by_credit)
             await self._join_seeds()
             if cfg.seeds and not cfg.client:
                 await self._check_reachability()
@@ -709,6 +712,17 @@ class MeshDaemon:
         followed = self.mesh.election.followed
         placed = {r.node_id for r in self.live_records() if placement_of(r, followed) is not None}
         return placed | {node_id for _, node_id in followed}
+
+    async def _weigh_by_credit(self) -> None:
+        """Every `CREDIT_VOTES_EVERY`, gives each placed member the extra votes its credit earns it in the
+        election (meshd.mesh.credit.extra_votes): rarely, as ledgers agree only a gossip round or two late."""
+        while True:
+            await trio.sleep(CREDIT_VOTES_EVERY)
+            placed = self.placed_members()
+            extra = {node_id: votes for node_id, standing in self.credit.standing().items()
+                     if node_id in placed and (votes := extra_votes(standing.balance))}
+            self.duty.credit_weights(trio.current_time(), extra)
+            self._flush()
 
     def _ledger_peers(self) -> list[tuple[str, str | None]]:
         membership = self.mesh.membership

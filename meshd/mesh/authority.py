@@ -2,8 +2,11 @@
 
 Identities are free, so a count of identities is no authority: three extra keys, each a real link,
 once outvoted a three-member mesh for the tracker role, and two keys whose own records claimed a
-range once framed an honest stage. The rule, until the credit ledger weighs members by the work
-they served, is *placed-and-measured*:
+range once framed an honest stage. The floor of the rule is *placed-and-measured*; on top of it, in
+elections, a placed member's vote counts once more per doubling of its credit in the ledger of served
+work (meshd.mesh.credit.extra_votes: a window cap's balance gives one more, at most four more), so
+placed identities that served nobody need up to five times the honest members' count to take the
+tracker:
 
 - **Placed.** The tracker signs each range it assigns (`wire.swim.Placement`: tracker, term,
   member, model, range) and the member carries that signature in its own record, so every member

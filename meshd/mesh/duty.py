@@ -535,6 +535,13 @@ class MeshDuty:
             or self.config.kv_tokens
         return ModelSpec.from_info(info, kv_tokens)
 
+    # ----- credit
+
+    def credit_weights(self, now: float, extra: dict[str, int]) -> None:
+        """Each member's extra votes for its credit (meshd.mesh.credit.extra_votes), from the node's ledger."""
+        self.node.election.credit(now, extra)
+        self._settle(now)
+
     # ----- proven liars
 
     def accept_proof(self, now: float, proof: Proof) -> str | None:

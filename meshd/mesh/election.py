@@ -35,7 +35,10 @@ Members are strangers, so a claim counts only when it is believable:
 Whose votes count once the mesh has placed anyone is meshd.mesh.authority's rule: the members
 that weigh (placed by a tracker this node followed, or the followed tracker itself) are then the
 whole electorate, and free identities count for nothing however many links they hold; before any
-placement, every live member heard from first-hand counts, so a fresh mesh bootstraps.
+placement, every live member heard from first-hand counts, so a fresh mesh bootstraps. A member that
+weighs counts as one vote plus the extra votes its credit earns it (`credit`:
+meshd.mesh.credit.extra_votes, up to four for served work), in the tally and in the electorate the
+majority is reckoned of.
 
 When no carried tracker is live for the election timeout, candidates claim
 term + 1 in order of merit (directly reachable, longest observed uptime,
@@ -135,6 +138,11 @@ class Election:
         self._earned: dict[str, float] = {}
         # members proven to lie (MeshDuty's exclusions): they weigh nothing while excluded
         self._disowned: frozenset[str] = frozenset()
+        # the extra votes a weighing member's credit earns it (meshd.mesh.credit.extra_votes), and the
+        # weight each weighing voter's vote was counted with in `_weighted` (and the electorate's total)
+        self._extra: dict[str, int] = {}
+        self._counted: dict[str, int] = {}
+        self._weighing_weight = 0
         # the seeds this node joined through: until members weigh here, it follows theirs (see `anchor`)
         self._anchors: list[str] = []
         # When this node first saw each live member live: the uptime the election trusts.
@@ -252,23 +260,38 @@ class Election:
                 self._count_vote(node_id, self._votes_of.get(node_id), self._weight(now, record))
         self._refresh(now)
 
+    def credit(self, now: float, extra: dict[str, int]) -> None:
+        """Each member's extra votes for its credit (meshd.mesh.credit.extra_votes), in place of those
+        before: a member that weighs counts as 1 + its extra votes, in the tally and the electorate."""
+        if extra == self._extra:
+            return
+        changed = {n for n in extra.keys() | self._extra.keys() if extra.get(n, 0) != self._extra.get(n, 0)}
+        self._extra = dict(extra)
+        for node_id in changed & self._weighing:
+            self._count_vote(node_id, self._votes_of.get(node_id), _PLACED if node_id in self._placed else _TRACKER)
+        self._refresh(now)
+
     def _count_vote(self, voter: str, vote: Tracker | None, weight: int) -> None:
         old = self._votes_of.pop(voter, None)
+        counted = self._counted.pop(voter, 0)
+        self._weighing_weight -= counted
         if old is not None:
             _drop(self._tally, old)
-            if voter in self._weighing:
-                _drop(self._weighted, old)
+            if counted:
+                _drop(self._weighted, old, counted)
         self._weighing.discard(voter)
         self._placed.discard(voter)
         if weight != _NONE:
             self._weighing.add(voter)
+            counted = self._counted[voter] = 1 + self._extra.get(voter, 0)
+            self._weighing_weight += counted
         if weight == _PLACED:
             self._placed.add(voter)
         if vote is not None:
             self._votes_of[voter] = vote
             self._tally[vote] += 1
             if weight != _NONE:
-                self._weighted[vote] += 1
+                self._weighted[vote] += counted
 
     # ----- meshd.mesh.authority's electorate
 
@@ -339,7 +362,10 @@ class Election:
         """How many live members a majority is reckoned of."""
         if not self.weighing:
             return len(self._live)
-        return len(self._weighing) + (self._self_weighs and self._node_id in self._live)
+        return self._weighing_weight + (self._own_weight() if self._node_id in self._live else 0)
+
+    def _own_weight(self) -> int:
+        return 1 + self._extra.get(self._node_id, 0) if self._self_weighs else 0
 
     def joined(self, now: float) -> None:
         """This node has joined the mesh (or founded it): its own uptime counts from now, as the
@@ -451,13 +477,13 @@ class Election:
                 break
             del self._newcomers[node_id]
         weighing = self.weighing
-        return sum(1 for node_id in self._newcomers if self._live[node_id].vote_term < tracker.term
-                   and (not weighing or node_id in self._weighing))
+        return sum(self._counted.get(node_id, 1) for node_id in self._newcomers
+                   if self._live[node_id].vote_term < tracker.term and (not weighing or node_id in self._weighing))
 
     def _votes(self, claim: Tracker) -> int:
         own = self._node_id in self._live and self._vote == claim
         if self.weighing:
-            return self._weighted[claim] + (own and self._self_weighs)
+            return self._weighted[claim] + (self._own_weight() if own else 0)
         return self._tally[claim] + own
 
     def _wait(self, deadline: float) -> None:
@@ -523,7 +549,7 @@ class Election:
             self._wait(pending)
 
 
-def _drop(tally: Counter[Tracker], vote: Tracker) -> None:
-    tally[vote] -= 1
+def _drop(tally: Counter[Tracker], vote: Tracker, weight: int = 1) -> None:
+    tally[vote] -= weight
     if not tally[vote]:
         del tally[vote]
