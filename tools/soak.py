@@ -631,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--minutes must be more than 0 and at most a day")
     if args.volunteers is not None and not 4 <= args.volunteers <= 12:
         ap.error("--volunteers must be 4 to 12 (three 64 MiB volunteers cover the model, one more to disturb)")
+    if args.json is not None and not args.json.parent.is_dir():
+        ap.error(f"--json: {args.json.parent} is not a directory")
     if os.geteuid() != 0:
         print("soak: network namespaces need root (run it with sudo)", file=sys.stderr)
         return 2
