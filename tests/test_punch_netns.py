@@ -1,0 +1,172 @@
+"""Hole punching between two homes behind real NATs (network namespaces, iptables MASQUERADE).
+
+    pub namespace: seed 10.211.0.1, relay .2, the asker (addresses on its loopback)
+      ├─ veth 10.211.1.0/24 ─ router r1 (MASQUERADE; drops what nobody inside asked for) ─ home h1: volunteer
+      └─ veth 10.211.2.0/24 ─ router r2 (MASQUERADE; drops what nobody inside asked for) ─ home h2: volunteer
+
+The routers drop unsolicited packets, to themselves too, as most home routers do (a router that
+answered an early SYN with a reset would need the punch's timing to beat the other SYN, which needs a
+delay on the links that this kernel's missing netem cannot give). With a port-preserving MASQUERADE
+the homes' link is punched and the head stage's activations go to the tail direct: the relay's
+forwarded bytes grow by the asker's few (it listens nowhere, so stays relayed), not by the hidden
+states. With ``MASQUERADE --random-fully`` (a symmetric NAT) the punch fails and the relay carries
+all, as before punching.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import netns
+import pytest
+from netns import sh
+from test_relay_netns import NEW_TOKENS, PROMPT, VOLUNTEER, Topology, tear_down
+
+pytestmark = pytest.mark.slow  # four namespaces, a seed, a relay and two volunteers, twice
+
+SEED = "10.211.0.1:7000"
+RELAY = "10.211.0.2:7001"
+# Hidden states of NEW_TOKENS steps from head to tail: 576 floats a token, f32.
+HIDDEN_BYTES = NEW_TOKENS * 576 * 4
+
+
+def build(topo: Topology, symmetric: bool) -> None:
+    t = topo.tag
+    for role in ("pub", "r1", "r2", "h1", "h2"):
+        name = netns.name(t, role)
+        sh("ip", "netns", "add", name)
+        topo.namespaces[role] = name
+        sh("ip", "-n", name, "link", "set", "lo", "up")
+    pub = topo.ns("pub")
+    for address in (SEED, RELAY, "10.211.0.4:0"):
+        sh("ip", "-n", pub, "addr", "add", f"{address.split(':')[0]}/32", "dev", "lo")
+    # the public segment routes between the homes' routers, as the internet does
+    sh("ip", "netns", "exec", pub, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+    for i in (1, 2):
+        router, home = topo.ns(f"r{i}"), topo.ns(f"h{i}")
+        uplink, lan = f"m{t}u{i}b", f"m{t}h{i}a"
+        for a, a_role, a_addr, b, b_role, b_addr in (
+                (f"m{t}u{i}a", "pub", f"10.211.{i}.1/24", uplink, f"r{i}", f"10.211.{i}.2/24"),
+                (lan, f"r{i}", f"10.212.{i}.1/24", f"m{t}h{i}b", f"h{i}", f"10.212.{i}.2/24")):
+            sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+            topo.veths.append(a)
+            for dev, role, addr in ((a, a_role, a_addr), (b, b_role, b_addr)):
+                sh("ip", "link", "set", dev, "netns", topo.ns(role))
+                sh("ip", "-n", topo.ns(role), "addr", "add", addr, "dev", dev)
+                sh("ip", "-n", topo.ns(role), "link", "set", dev, "up")
+        sh("ip", "-n", router, "route", "add", "default", "via", f"10.211.{i}.1")
+        sh("ip", "-n", home, "route", "add", "default", "via", f"10.212.{i}.1")
+        sh("ip", "-n", pub, "route", "add", f"10.212.{i}.0/24", "via", f"10.211.{i}.2")
+        sh("ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+        ipt = ["ip", "netns", "exec", router, "iptables"]
+        sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", uplink, "-j", "MASQUERADE",
+           *(["--random-fully"] if symmetric else []))
+        for chain in ("FORWARD", "INPUT"):
+            sh(*ipt, "-A", chain, "-i", uplink, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+               "-j", "ACCEPT")
+            sh(*ipt, "-A", chain, "-i", uplink, "-j", "DROP")
+
+
+def start(topo: Topology) -> None:
+    topo.start("seed", "pub", "join", "--no-model", "--listen", SEED, "--state-dir", str(topo.base / "seed"),
+               "--max-sessions", "2", "--session-tokens", "512")
+    topo.start("relay", "pub", "relay", "--listen", RELAY, "--seed", SEED, "--state-dir", str(topo.base / "relay"),
+               "--tap", str(topo.base / "relay.tap"))
+    for i in (1, 2):
+        topo.start(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", f"10.212.{i}.2:7100",
+                   "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER)
+
+
+@pytest.fixture(params=[False, True], ids=["port-preserving", "symmetric"])
+def homes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Topology, bool]]:
+    netns.require()
+    netns.remove_stale()
+    if shutil.which("iptables") is None:
+        pytest.fail("iptables is missing (tools/dev installs it)")
+    topo = Topology(secrets.token_hex(3), tmp_path)
+    try:
+        build(topo, request.param)
+        start(topo)
+        yield topo, request.param
+    finally:
+        tear_down(topo)
+
+
+def status(topo: Topology, role: str, seed: str) -> dict[str, Any]:
+    shown = topo.meshd(role, "status", "--json", "--seed", seed, "--timeout", "20", timeout=60)
+    return json.loads(shown.stdout) if shown.returncode == 0 else {}
+
+
+def home_links(topo: Topology) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each home's view of its link to the other home ({} while there is none)."""
+    views = [status(topo, f"h{i}", f"10.212.{i}.2:7100") for i in (1, 2)]
+    ids = [v.get("node_id") for v in views]
+    found = []
+    for view, other in zip(views, reversed(ids), strict=True):
+        found.append(next((link for link in view.get("links", []) if link["node_id"] == other), {}))
+    return found[0], found[1]
+
+
+def covered(topo: Topology) -> bool:
+    doc = status(topo, "pub", SEED)
+    return any(c["covered"] and c["n_layers"] == 30 for c in doc.get("coverage", [])) and \
+        sum(m["reachability"] == "nat" and bool(m["relay_addresses"]) for m in doc.get("members", [])) == 2
+
+
+def wait(topo: Topology, ok: Any, what: str, timeout: float) -> float:
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if ok():
+            return time.monotonic() - began
+        time.sleep(1.0)
+    raise AssertionError(f"{what} not within {timeout:.0f} s\n{topo.logs()}")
+
+
+def relayed_bytes(topo: Topology) -> int:
+    return status(topo, "pub", RELAY).get("relayed_bytes") or 0
+
+
+def test_two_homes_behind_nats_punch_through_and_the_relay_carries_no_stage_bytes(
+        homes: tuple[Topology, bool]) -> None:
+    topo, symmetric = homes
+    took = wait(topo, lambda: covered(topo), "both homes reserved on the relay and the model covered", 180)
+    print(f"\n{'symmetric' if symmetric else 'port-preserving'} NATs: covered after {took:.1f} s")
+    if symmetric:
+        # Each home's link to the other is made (SWIM) and tried; it stays relayed.
+        wait(topo, lambda: all(link.get("path") == "relayed" for link in home_links(topo)), "relayed links", 60)
+        time.sleep(8)  # three rounds of a failed punch, each bounded by its timeouts
+    else:
+        wait(topo, lambda: all(link.get("path") == "punched" for link in home_links(topo)), "punched links", 60)
+    links = home_links(topo)
+    print(f"h1 -> h2: {links[0]}\nh2 -> h1: {links[1]}")
+    expected = "relayed" if symmetric else "punched"
+    assert [link["path"] for link in links] == [expected, expected], links
+    logs = topo.logs()
+    assert ("hole punch to" in logs and "staying relayed" in logs) if symmetric else "went direct to" in logs
+
+    before = relayed_bytes(topo)
+    tap_before = (topo.base / "relay.tap").stat().st_size
+    began = time.monotonic()
+    asked = topo.meshd("pub", "ask", "--seed", SEED, "--max-tokens", str(NEW_TOKENS), "--timeout", "60", PROMPT,
+                       timeout=240)
+    assert asked.returncode == 0, f"{asked.stderr}\n{topo.logs()}"
+    seconds = time.monotonic() - began
+    grown = relayed_bytes(topo) - before
+    tapped = (topo.base / "relay.tap").stat().st_size - tap_before
+    print(f"ask: {seconds:.1f} s, {len(asked.stdout)} chars; the relay forwarded {grown} bytes "
+          f"(tap {tapped}); hidden states alone are {HIDDEN_BYTES} bytes; {asked.stderr.strip()}")
+    assert len(asked.stdout.strip()) > 20
+    # the relay's own counter (status) and its tap (every chunk it forwarded) agree, but for keepalives
+    # between the two reads
+    assert abs(grown - tapped) < 4096, (grown, tapped)
+    if symmetric:
+        assert grown > HIDDEN_BYTES
+    else:
+        # only the asker's own exchanges with the two stages (it listens nowhere to punch to)
+        assert grown < HIDDEN_BYTES / 2
