@@ -65,7 +65,7 @@ def main() -> int:
     ap.add_argument("--also-ranges", default="0:2,2:4,4:6", help="the split of each --also model")
     args = ap.parse_args()
     if args.smoke:  # the smallest run through every part
-        args.decode, args.prefill_tokens, args.repeats = 4, 16, 1
+        args.decode, args.prefill_tokens, args.repeats, args.threads = 4, 16, 1, 1
     path = args.model or default_model_path()
     reports = [bench(path, args.ranges, args)]
     for other in args.also:
