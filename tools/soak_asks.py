@@ -94,8 +94,10 @@ class Asker:
             if complete:
                 self.seeded_whole[text == want] += 1
             if complete and first != text:
+                # (meshd ask's failovers: a session opened anew samples from its seed's first draw again)
                 self.seeded_differ.append({"t": out.t, "kind": out.kind, "prompt": out.prompt, "seed": seed,
-                                           "got": text, "first": first, "whole_model": want})
+                                           "failovers": out.failovers, "got": text, "first": first,
+                                           "whole_model": want})
             return
         assert want is not None
         if (complete and text != want) or (not complete and not want.startswith(text)):
