@@ -51,6 +51,9 @@ STANDING_EVERY = 10.0
 # pulls (half an hour), or at once when it is plainly behind. tools/sim_credit.py, 1,000 members, a week:
 # 3.0 MB a member an hour walking every 10th pull, 1.6 MB every 60th (the summaries themselves: 1.2 MB)
 WALK_EVERY = 60
+# ...and after a pull whose roots differed but whose ids sent brought nothing new (what this member lacks
+# is older than them, or the other lacks what this one has), at most every this many pulls
+WALK_AFTER = 3
 # how long a voucher for one of this member's own command identities lasts
 VOUCHER_SECONDS = 24 * 3600
 
@@ -72,6 +75,7 @@ class LedgerKeeper:
     _standing_at: float = -1e18
     _standing_version: int = -1
     _pulls: int = 0
+    _walked: int = 0
 
     @property
     def node_id(self) -> str:
@@ -161,12 +165,14 @@ class LedgerKeeper:
         if roots.root == ledger.root:
             return 0
         got = await self._fetch(node_id, address, ledger.missing(roots.recent))
-        if not walk and roots.count > len(ledger) + RECENT:
-            # plainly behind (a newcomer, a partition healed): walk now, not rounds from now
+        if not walk and (roots.count > len(ledger) + RECENT or not got and self._pulls - self._walked >= WALK_AFTER):
+            # plainly behind (a newcomer, a partition healed), or the ids sent did not explain the difference:
+            # walk now, not rounds from now
             walk = True
             roots = await self._ask(node_id, address, LedgerRootsRequest(root=ledger.root, walk=True), LedgerRoots)
         if not walk:
             return got
+        self._walked = self._pulls
         differing = ledger.differing(roots)
         random.shuffle(differing)
         for bucket in differing[:PULL_BUCKETS]:
