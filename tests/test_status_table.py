@@ -10,11 +10,12 @@ import pytest
 from localmesh import Served, run_meshd, start_join
 
 from meshd.status_table import WIDTH, as_json, clean, columns, render, size
-from wire.meshrpc import MAX_SECONDS_PER_LAYER, MemberStatus, ModelCoverage, StageSpeed, StatusReply
+from wire.meshrpc import MAX_SECONDS_PER_LAYER, LinkStatus, MemberStatus, ModelCoverage, StageSpeed, StatusReply
 from wire.swim import MAX_ADDRESSES, MAX_MODELS, MAX_ROLES, MAX_SERVED
 from wire.types import MAX_ADDRESS_LEN, MAX_NODE_ID_LEN
 
-KEYS = {"node_id", "tracker", "term", "members", "coverage", "fetches", "speeds_by", "speeds"}
+KEYS = {"node_id", "tracker", "term", "members", "coverage", "fetches", "speeds_by", "speeds", "links",
+        "relayed_bytes"}
 SPEED_KEYS = {"node_id", "model", "start", "end", "ms_per_layer", "source", "samples", "declared_ms_per_layer"}
 MEMBER_KEYS = {"node_id", "address", "state", "roles", "reachability", "memory_bytes", "served", "models",
                "relay_addresses"}
@@ -203,3 +204,23 @@ def test_the_coverage_figures_stay_whole_however_the_name_wraps() -> None:
             model="d" * 64, name=name, n_layers=30, covered_layers=30, replicas=2, assigned=[])]})
         lines = render(s).splitlines()
         assert any("30/30 layers covered, 2 spare replicas;" in line for line in lines), lines
+
+
+def test_each_link_says_whether_it_is_direct_punched_or_relayed() -> None:
+    links = [LinkStatus(node_id=node(1), path="punched", address="203.0.113.7:7100", rtt_ms=12.25),
+             LinkStatus(node_id=node(2), path="relayed", address="198.51.100.1:7001/p2p-circuit/" + node(2)),
+             LinkStatus(node_id=node(3), path="direct", address="")]
+    s = small_mesh().model_copy(update={"links": links, "relayed_bytes": 4096})
+    lines = render(s).splitlines()
+    at = lines.index(f"links of node {s.node_id[:16]}:")
+    assert lines[at + 2].split() == [node(1)[:16], "punched", "12.2", "203.0.113.7:7100"]
+    assert lines[at + 3].split()[:3] == [node(2)[:16], "relayed", "-"]
+    # a circuit's address goes on below, in its column
+    assert "".join(lines[at + 3:at + 5]).replace(" ", "").endswith("/p2p-circuit/" + node(2))
+    assert lines[at + 5].split() == [node(3)[:16], "direct", "-", "-"]
+    assert "relayed through this node: 4096 bytes" in lines
+    assert all(columns(line) <= WIDTH for line in lines)
+    doc = as_json(s)
+    assert doc["links"][0] == {"node_id": node(1), "path": "punched", "address": "203.0.113.7:7100", "rtt_ms": 12.25}
+    assert doc["links"][2]["address"] is None and doc["relayed_bytes"] == 4096
+    assert as_json(small_mesh())["links"] == [] and as_json(small_mesh())["relayed_bytes"] is None
