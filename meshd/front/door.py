@@ -8,11 +8,13 @@ bounds how many run at once and keeps a record of each while it runs, for the co
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 import itertools
 import logging
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +27,16 @@ from meshd.front.connections import Connections
 from meshd.front.metrics import FrontMetrics
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import ModelCoverage, StatusReply
+
+# The API key the request being served presented, as a label that does not give the key away ("": no
+# keys): set by the key check, read where the ask is counted, so each key's usage is its own on /metrics.
+# Every key's asks are the member's: the stages count them against its credit (wire.credit.Voucher).
+KEY_USED: ContextVar[str] = ContextVar("meshd_api_key", default="")
+
+
+def key_label(key: str) -> str:
+    """A key as /metrics names it: a short hash, which tells keys apart without showing one."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +154,12 @@ class FrontDoor:
         if bearer is not None:
             scheme, _, value = bearer.partition(" ")
             token = value.strip() if scheme.lower() == "bearer" else None
-        if not (self.key_ok(token) if token is not None else self.key_ok(x_api_key)):
+        presented = token if token is not None else x_api_key
+        if not self.key_ok(presented):
             raise ApiError(Problem.UNAUTHORIZED, "a valid API key is required (Authorization: Bearer KEY or "
                                                  "x-api-key: KEY)")
+        assert presented is not None
+        KEY_USED.set(key_label(presented))
 
     # ----- which model
 
@@ -208,7 +223,8 @@ class FrontDoor:
             error = ApiError(Problem.TIMEOUT, "the mesh did not answer in time")
         finally:
             del self.asking[asking.id]
-            self.metrics.asked(dialect, asking.result, outcome if error is None else error.problem.name.lower())
+            self.metrics.asked(dialect, asking.result, outcome if error is None else error.problem.name.lower(),
+                               KEY_USED.get())
         # the operator's record of what the client is told
         log.log(logging.WARNING if error.status >= 500 else logging.INFO, "%s request failed (%d): %s", dialect,
                 error.status, error.message)

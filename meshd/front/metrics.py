@@ -63,10 +63,17 @@ class FrontMetrics:
                                     "spot checks ran)", ["outcome"], registry=self.registry)
         self.responses = Counter("meshd_http_responses", "HTTP responses by status code", ["code"],
                                  registry=self.registry)
+        self.key_tokens = Counter("meshd_api_key_tokens", "Tokens of each API key's asks (the key's short hash), "
+                                  "prompt and completion: every key's usage counts against this member's credit",
+                                  ["key", "kind"], registry=self.registry)
 
-    def asked(self, dialect: str, result: AskResult, outcome: str) -> None:
-        """Counts one ask that ended with `outcome`, with what it made before it ended."""
+    def asked(self, dialect: str, result: AskResult, outcome: str, key: str = "") -> None:
+        """Counts one ask that ended with `outcome`, with what it made before it ended; `key` is the API
+        key's label (door.key_label) where the front door takes keys."""
         self.requests.labels(dialect, outcome).inc()
+        if key:
+            self.key_tokens.labels(key, "prompt").inc(len(result.prompt_tokens))
+            self.key_tokens.labels(key, "completion").inc(len(result.tokens))
         self.prompt_tokens.labels(dialect).inc(len(result.prompt_tokens))
         self.cached_tokens.labels(dialect).inc(result.cached_tokens)
         self.completion_tokens.labels(dialect).inc(len(result.tokens))
