@@ -25,7 +25,7 @@ from meshd.daemon import rpc
 from meshd.net.peers import Peers, open_peers
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest
-from wire.stage import PREFIX_BLOCK, STAGE_PROTOCOL, Metrics, MetricsRequest, Sampling
+from wire.stage import PREFIX_BLOCK, STAGE_PROTOCOL, Metrics, MetricsRequest, Sampling, prefix_keys
 
 pytestmark = pytest.mark.slow  # four daemons, three engine workers
 
@@ -174,3 +174,23 @@ async def test_both_dialects_say_how_much_of_the_prompt_came_from_the_cache(mesh
                     break
                 await trio.sleep(0.5)
     assert sum(v for _, v in samples["meshd_cached_prompt_tokens_total"]) >= cached + read
+
+
+async def test_an_asker_lying_about_its_prefix_hurts_only_its_own_answers(mesh: Mesh, peers: Peers,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # the liar runs one prompt and names it with the keys of another's: each stage keeps what it ran
+    # under the names the liar gave, as the liar's own
+    honest_prompt, lie = "Which words come up least?", "Tell me a story about a harbor."
+    truth = await answer(peers, mesh, ask(honest_prompt, False))
+    async with open_peers(NodeIdentity.generate()) as liar:
+        honest_ids = truth.prompt_tokens
+        monkeypatch.setattr("meshd.client.prefix.prefix_keys", lambda ids: prefix_keys(honest_ids[:-1]))
+        lied = await answer(liar, mesh, ask(lie, True))
+        monkeypatch.undo()
+        # the liar's entry is found by the liar alone
+        again = await answer(liar, mesh, ask(honest_prompt, True))
+    assert lied.cached_tokens == 0 and again.cached_tokens > 0
+    # another asker with the very prompt the lie named: nothing of the liar's, the true answer
+    async with open_peers(NodeIdentity.generate()) as honest:
+        first = await answer(honest, mesh, ask(honest_prompt, True))
+    assert first.cached_tokens == 0 and first.tokens == truth.tokens
