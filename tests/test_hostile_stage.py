@@ -27,7 +27,22 @@ from meshd.net.link import Stream
 from meshd.net.peers import Peers, open_peers
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.stage import STAGE_PROTOCOL, ChatMessage, Hop, Metrics, MetricsRequest, Open, Opened, PeerRef, Prompt
+from wire.stage import (
+    PREFIX_BLOCK,
+    STAGE_PROTOCOL,
+    CacheLookup,
+    CacheUse,
+    ChatMessage,
+    Hop,
+    Metrics,
+    MetricsRequest,
+    Open,
+    Opened,
+    PeerRef,
+    Prompt,
+    PromptTokens,
+    prefix_keys,
+)
 from wire.tensors import Activation, TensorEntry, wire_size
 
 # a stage with its engine worker process
@@ -150,3 +165,38 @@ async def test_a_prompt_of_16_8_mb_is_a_typed_error_and_the_engine_worker_lives(
     assert await honest(peers, stages) == before
     os.kill(head.worker_pid, 0)
     assert await worker_restarts(peers, head) == 0.0
+
+
+async def test_the_prefix_cache_takes_no_start_a_stage_did_not_find_and_no_more_keys_than_a_session(
+        stages: list[Served], stranger: tuple[Peers, PeerRef]) -> None:
+    peers, sink = stranger
+    head, tail = stages
+    before = await honest(peers, stages)
+    # a head told its rows begin past anything it found of the prompt
+    control = await peers.open_stream(head.address, STAGE_PROTOCOL)
+    await control.send_message(Open(session="start", epoch=0, next=sink))
+    assert isinstance(await control.receive_message(), Opened)
+    await control.send_message(Prompt(session="start", epoch=0, text="x " * 200, cache=True))
+    assert isinstance(await control.receive_message(), PromptTokens)
+    await control.send_message(CacheUse(session="start", epoch=0, tokens=96))
+    err = await typed_error(control)
+    assert err.code == ErrorCode.CACHE_MISS and "found 0 positions" in err.message
+    # a stage after it whose upstream says so (the upstream is who the opener named: a stranger here)
+    control = await peers.open_stream(tail.address, STAGE_PROTOCOL)
+    await control.send_message(Open(session="hop", epoch=0, head=sink))
+    assert isinstance(await control.receive_message(), Opened)
+    hop = await peers.open_stream(tail.address, STAGE_PROTOCOL)
+    await hop.send_message(Hop(session="hop", epoch=0, prompt_tokens=200, start=128))
+    err = await typed_error(control)
+    assert err.code == ErrorCode.CACHE_MISS
+    # keys for more positions than a session may hold
+    control = await peers.open_stream(tail.address, STAGE_PROTOCOL)
+    await control.send_message(Open(session="keys", epoch=0, head=sink))
+    assert isinstance(await control.receive_message(), Opened)
+    keys = prefix_keys(list(range(SESSION_TOKENS + PREFIX_BLOCK)))
+    await control.send_message(CacheLookup(session="keys", epoch=0, keys=keys))
+    err = await typed_error(control)
+    assert err.code == ErrorCode.BAD_REQUEST and "prefix keys exceed" in err.message
+    for stage in stages:
+        assert await worker_restarts(peers, stage) == 0.0
+    assert await honest(peers, stages) == before
