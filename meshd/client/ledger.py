@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 # summaries one pull fetches at most: a member far behind catches up over a few rounds, at a bounded cost each
 PULL_BUDGET = 1024
-# buckets one pull walks at most (the rest wait for the next round)
+# buckets one pull walks at most (the rest wait for the next round), and pages of ids it reads at most: a
+# peer whose pages never end (or repeat what this member holds) costs one bounded pull
 PULL_BUCKETS = 32
+PULL_PAGES = 64
 STANDING_EVERY = 10.0
 # A member in step takes what is new from the ids sent with the roots; it walks the buckets (4.6 kB of
 # digests, then a page of ids per bucket that differs: 10 kB each at 140,000 summaries) every this many
@@ -164,8 +166,9 @@ class LedgerKeeper:
         roots = await self._ask(node_id, address, LedgerRootsRequest(root=ledger.root, walk=walk), LedgerRoots)
         if roots.root == ledger.root:
             return 0
+        held = len(ledger)
         got = await self._fetch(node_id, address, ledger.missing(roots.recent))
-        if not walk and (roots.count > len(ledger) + RECENT or not got and self._pulls - self._walked >= WALK_AFTER):
+        if not walk and (roots.count > held + RECENT or not got and self._pulls - self._walked >= WALK_AFTER):
             # plainly behind (a newcomer, a partition healed), or the ids sent did not explain the difference:
             # walk now, not rounds from now
             walk = True
@@ -175,11 +178,13 @@ class LedgerKeeper:
         self._walked = self._pulls
         differing = ledger.differing(roots)
         random.shuffle(differing)
+        pages = 0
         for bucket in differing[:PULL_BUCKETS]:
             offset, total = 0, 1
-            while offset < total and got < PULL_BUDGET:
+            while offset < total and got < PULL_BUDGET and pages < PULL_PAGES:
                 page = await self._ask(node_id, address, LedgerIdsRequest(bucket=bucket, offset=offset), LedgerIds)
-                if not page.ids:
+                pages += 1
+                if not page.ids or page.bucket != bucket:
                     break
                 total, offset = page.total, offset + len(page.ids)
                 got += await self._fetch(node_id, address, ledger.missing(page.ids)[:PULL_BUDGET - got])
