@@ -714,13 +714,14 @@ class MeshDaemon:
         return placed | {node_id for _, node_id in followed}
 
     async def _weigh_by_credit(self) -> None:
-        """Every `CREDIT_VOTES_EVERY`, gives each placed member the extra votes its credit earns it in the
-        election (meshd.mesh.credit.extra_votes): rarely, as ledgers agree only a gossip round or two late."""
+        """Every `CREDIT_VOTES_EVERY`, gives each placed member the extra votes its served work earns it in
+        the election (meshd.mesh.credit.extra_votes of what it earned: the work it served members who pay,
+        not less what it asked, as authority goes by work served): rarely, as ledgers agree a round or two late."""
         while True:
             await trio.sleep(CREDIT_VOTES_EVERY)
             placed = self.placed_members()
             extra = {node_id: votes for node_id, standing in self.credit.standing().items()
-                     if node_id in placed and (votes := extra_votes(standing.balance))}
+                     if node_id in placed and (votes := extra_votes(standing.earned))}
             self.duty.credit_weights(trio.current_time(), extra)
             self._flush()
 

@@ -3,8 +3,8 @@
 Identities are free, so a count of identities is no authority: three extra keys, each a real link,
 once outvoted a three-member mesh for the tracker role, and two keys whose own records claimed a
 range once framed an honest stage. The floor of the rule is *placed-and-measured*; on top of it, in
-elections, a placed member's vote counts once more per doubling of its credit in the ledger of served
-work (meshd.mesh.credit.extra_votes: a window cap's balance gives one more, at most four more), so
+elections, a placed member's vote counts once more per doubling of the work it served in the ledger of
+served work (meshd.mesh.credit.extra_votes: a window cap's worth earned gives one more, at most four), so
 placed identities that served nobody need up to five times the honest members' count to take the
 tracker:
 

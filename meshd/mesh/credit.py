@@ -308,16 +308,16 @@ def credit_standing(windows: Windows, now: float, placed: Collection[str]) -> tu
     return dict(standing), frozenset(payers)
 
 
-# A weighing member's extra votes for its credit (meshd.mesh.election.credit): one for a window cap's
-# worth of balance (one asker's most in an hour), one more per doubling, at most MAX_EXTRA_VOTES. Coarse on
-# purpose: members' ledgers differ for a gossip round or two, and a vote's weight should not differ with them.
+# A weighing member's extra votes for the work it served (meshd.mesh.election.credit), of what it earned:
+# one for a window cap's worth (one asker's most in an hour), one more per doubling, at most MAX_EXTRA_VOTES.
+# Coarse on purpose: members' ledgers differ for a gossip round or two, and a vote's weight should not.
 MAX_EXTRA_VOTES = 4
 
 
-def extra_votes(balance: float) -> int:
-    if not math.isfinite(balance) or balance < ASKER_WINDOW_CAP:
+def extra_votes(earned: float) -> int:
+    if not math.isfinite(earned) or earned < ASKER_WINDOW_CAP:
         return 0
-    return min(MAX_EXTRA_VOTES, int(math.log2(balance / ASKER_WINDOW_CAP)) + 1)
+    return min(MAX_EXTRA_VOTES, int(math.log2(earned / ASKER_WINDOW_CAP)) + 1)
 
 
 def priority(balance: float) -> float:
