@@ -167,7 +167,8 @@ class Peers:
         self._preauth: dict[Ticket, trio.CancelScope] = {}
         self._closing = False
         self._fast: FastHandler | None = None
-        # The port of the first listener: punched connections are dialed from it (meshd.relay.punch).
+        # The host and port of the first listener: punched connections are dialed from them (meshd.relay.punch).
+        self.listen_host: str | None = None
         self.listen_port: int | None = None
 
     # ----- serving
@@ -220,7 +221,7 @@ class Peers:
         await self._nursery.start(serve)
         bound: int = listeners[0].socket.getsockname()[1]
         if self.listen_port is None:
-            self.listen_port = bound
+            self.listen_host, self.listen_port = listeners[0].socket.getsockname()[:2]
         return bound
 
     async def _accept_loop(self, listener: trio.SocketListener) -> None:

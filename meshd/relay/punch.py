@@ -11,6 +11,7 @@ that pair. If no round of ``PunchLimits.tries`` succeeds, the link stays relayed
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import socket
 
@@ -47,15 +48,19 @@ class PunchFailed(Exception):
         self.landed = landed
 
 
-async def dial_from(port: int, target: tuple[str, int], timeout: float) -> trio.SocketStream:
-    """A TCP connection to ``target`` from this host's ``port`` (shared with our listener: see
-    ``Peers.listen``), within ``timeout``; ``PunchFailed`` otherwise."""
+async def dial_from(local: tuple[str, int], target: tuple[str, int], timeout: float) -> trio.SocketStream:
+    """A TCP connection to ``target`` from ``local``, the host and port our listener is bound to
+    (see ``Peers.listen``), within ``timeout``; ``PunchFailed`` otherwise."""
     family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
+    host = local[0]
+    if (":" in host) != (family == socket.AF_INET6) or ipaddress.ip_address(host).is_unspecified:
+        # a wildcard listener (or one of the other family): any address of ours, the route's choice
+        host = "::" if family == socket.AF_INET6 else "0.0.0.0"
     sock = trio.socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        await sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+        await sock.bind((host, local[1]))
         with trio.fail_after(timeout):
             await sock.connect(target)
     except trio.TooSlowError:
@@ -83,11 +88,11 @@ class Puncher:
         self.outcomes: dict[str, str] = {}
         peers.handle(PUNCH_PROTOCOL, self.respond)
 
-    def _port(self) -> int:
-        port = self.peers.listen_port
-        if port is None:
+    def _local(self) -> tuple[str, int]:
+        host, port = self.peers.listen_host, self.peers.listen_port
+        if host is None or port is None:
             raise ProtocolError(ErrorCode.UNREACHABLE, "this node listens on no port to punch from")
-        return port
+        return host, port
 
     @staticmethod
     def _observed(link: Link) -> str:
@@ -117,7 +122,7 @@ class Puncher:
                 break
         if self._went_direct(node):
             path = self.peers.link_to(node)
-            self.outcomes[node] = "punched"
+            self._note(node, "punched")
             log.info("went direct to %s (%s link)", node[:16], path.path if path is not None else "?")
         else:
             self._note(node, failure)
@@ -131,13 +136,22 @@ class Puncher:
     async def _round(self, link: Link) -> None:
         node = link.remote_node_id
         observed = self._observed(link)
-        port = self._port()
+        local = self._local()
+        refusal = self.budget.take(node, trio.current_time())
+        if refusal is not None:
+            raise PunchFailed(f"no more rounds now: {refusal}")
+        try:
+            await self._initiate_round(link, node, observed, local)
+        finally:
+            self.budget.done()
+
+    async def _initiate_round(self, link: Link, node: str, observed: str, local: tuple[str, int]) -> None:
         step = self.limits.step_timeout
         what = f"a hole punch with {node[:16]}"
         stream = link.open_stream(PUNCH_PROTOCOL)
         async with stream:
             sent = trio.current_time()
-            reply = await rpc.request(stream, PunchConnect(port=port), PunchConnect, what, step)
+            reply = await rpc.request(stream, PunchConnect(port=local[1]), PunchConnect, what, step)
             rtt = trio.current_time() - sent
             target = punch_target(observed, reply.port)
             if target is None:
@@ -145,7 +159,7 @@ class Puncher:
             with rpc.within(step, what):
                 await stream.send_message(PunchSync())
             await trio.sleep(dial_delay(rtt, self.limits))
-            await self._dial(node, port, target, dialer=False)
+            await self._dial(node, local, target, dialer=False)
 
     async def respond(self, stream: Stream) -> None:
         """The PUNCH_PROTOCOL handler: the other end of ``_round``."""
@@ -163,18 +177,19 @@ class Puncher:
             target = punch_target(observed, request.port)
             if target is None:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"the relay saw this node at {observed!r}: no host")
-            await rpc.request(stream, PunchConnect(port=self._port()), PunchSync, what, step)
+            local = self._local()
+            await rpc.request(stream, PunchConnect(port=local[1]), PunchSync, what, step)
             try:
-                await self._dial(node, self._port(), target, dialer=True)
+                await self._dial(node, local, target, dialer=True)
             except PunchFailed as exc:
                 log.debug("hole punch round with %s: %s", node[:16], exc)
         finally:
             self.budget.done()
 
-    async def _dial(self, node: str, port: int, target: tuple[str, int], *, dialer: bool) -> None:
-        """Opens the connection from ``port`` and runs a link over it that must authenticate ``node``."""
+    async def _dial(self, node: str, local: tuple[str, int], target: tuple[str, int], *, dialer: bool) -> None:
+        """Opens the connection from ``local`` and runs a link over it that must authenticate ``node``."""
         try:
-            connection = await dial_from(port, target, self.limits.connect_timeout)
+            connection = await dial_from(local, target, self.limits.connect_timeout)
         except PunchFailed as exc:
             if dialer or not exc.landed:
                 raise
