@@ -140,6 +140,11 @@ CLAIM_WAIT = 2.0
 HUB_GOSSIP_WAIT = 5.0
 # how often the election's votes are weighed again by the credit ledger (meshd.mesh.credit.extra_votes)
 CREDIT_VOTES_EVERY = 60.0
+# How often a member publishes how busy its stage is (its record's load, which routes count): a record's
+# every version is gossiped to every member, so not per session; the tracker's kept route moves off a
+# stage whose load makes it cost more than the route margin (meshd.mesh.routing.ROUTE_MARGIN), so one
+# hot route (the prefix cache keeps an agent's turns on theirs) spills onto idle replicas.
+LOAD_EVERY = 5.0
 # the unit a volunteer's memory is told in, as on the command line (--memory 64M)
 MIB = 1 << 20
 
@@ -371,6 +376,7 @@ class MeshDaemon:
                                        timeout=cfg.rpc_timeout)
             nursery.start_soon(self.credit.run, self._ledger_peers)
             nursery.start_soon(self._weigh_by_credit)
+            nursery.start_soon(self._publish_load)
             await self._join_seeds()
             if cfg.seeds and not cfg.client:
                 await self._check_reachability()
@@ -724,6 +730,15 @@ class MeshDaemon:
                      if node_id in placed and (votes := extra_votes(standing.earned))}
             self.duty.credit_weights(trio.current_time(), extra)
             self._flush()
+
+    async def _publish_load(self) -> None:
+        """Every `LOAD_EVERY`, the busiest of this member's stages as its record's load, when it changed."""
+        while True:
+            await trio.sleep(LOAD_EVERY)
+            load = max((s.service.books.load for s in self.serving if s.service is not None), default=0.0)
+            if load != self.mesh.record.load:
+                self.mesh.update_record(trio.current_time(), load=load)
+                self._flush()
 
     def _ledger_peers(self) -> list[tuple[str, str | None]]:
         membership = self.mesh.membership

@@ -150,3 +150,17 @@ def test_a_lost_worker_takes_the_entries_with_it() -> None:
     b.keep(b.sessions["s1"], keys(1), now=1)
     b.fail_all(ProtocolError(ErrorCode.INTERNAL, "worker gone"))
     assert b.cache.entries == [] and (slot, -1) in b.dirty
+
+
+def test_the_load_routes_see_counts_live_sessions_in_halves_and_no_entry() -> None:
+    b = books(max_sessions=4)
+    assert b.load == 0.0
+    opened(b, "s1", now=0)
+    assert b.load == 0.0
+    opened(b, "s2", now=1)
+    assert b.load == 0.5
+    b.keep(b.sessions["s2"], keys(1), now=2)
+    assert b.load == 0.0 and len(b.cache.entries) == 1
+    for i, name in enumerate(("s3", "s4", "s5")):
+        opened(b, name, now=3 + i)
+    assert b.load == 1.0

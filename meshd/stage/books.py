@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
@@ -313,6 +314,13 @@ class StageBooks(Generic[T]):
         for slot in slots:
             self.dirty.append((slot, generation))
             self._free.append(slot)
+
+    @property
+    def load(self) -> float:
+        """How busy the stage is, for routes (its record's ``load``): the share of its slots live sessions
+        hold, in halves (a cached prefix's slot is free for any session, so it does not count); a record
+        changes only when this does, so halves keep its versions few."""
+        return math.floor(2 * len(self.sessions) / self.limits.max_sessions) / 2
 
     def drop_cache(self, generation: int = -1) -> None:
         """Forgets every cache entry: their sequences are free, to be cleared in worker ``generation``
