@@ -241,3 +241,21 @@ def test_the_budget_bounds_rounds_per_peer_and_in_flight() -> None:
     assert budget.take("a", 61.0) is None
     assert budget.take("b", 61.0) is None and budget.take("c", 61.0) is None
     assert budget.take("d", 61.0) is not None  # three in flight
+
+
+async def test_a_dialer_that_does_not_punch_costs_one_round_and_stays_relayed() -> None:
+    async with trio.open_nursery() as nursery:
+        relay = await start_node(nursery, relay=True, punch=False)
+        target = await start_node(nursery)
+        asker = await start_node(nursery, punch=False)  # as `meshd ask`: circuits, no punch handler
+        await reserve(nursery, target, relay)
+        with trio.fail_after(10):
+            assert await echo(asker.peers, target.held[0], target.node_id, b"hello") == b"hello"
+        assert target.puncher is not None
+        await until(lambda: asker.node_id in target.puncher.outcomes)  # type: ignore[union-attr]
+        assert "does not punch" in target.puncher.outcomes[asker.node_id]
+        assert "NOT_FOUND" in target.puncher.outcomes[asker.node_id]
+        assert target.puncher.budget.running == 0
+        link = asker.peers.link_to(target.node_id)
+        assert link is not None and link.path == "relayed"
+        nursery.cancel_scope.cancel()

@@ -41,11 +41,14 @@ _LANDED_POLL = 0.05
 
 class PunchFailed(Exception):
     """One round did not open a connection; ``landed``: because the other end's dial came in on our
-    listener first (the connection is taken), which happens only with no NAT between us."""
+    listener first (the connection is taken), which happens only with no NAT between us; ``refused``:
+    the other end does not punch (it listens nowhere, as ``meshd ask`` does, or it refused), so no
+    later round would do better."""
 
-    def __init__(self, message: str, landed: bool = False) -> None:
+    def __init__(self, message: str, landed: bool = False, refused: bool = False) -> None:
         super().__init__(message)
         self.landed = landed
+        self.refused = refused
 
 
 async def dial_from(local: tuple[str, int], target: tuple[str, int], timeout: float) -> trio.SocketStream:
@@ -110,12 +113,18 @@ class Puncher:
         for the peer's doing."""
         node = link.remote_node_id
         failure = "no round ran"
+        refused = False
         for _ in range(self.limits.tries):
             if self._went_direct(node) or not link.usable:
                 break
             try:
                 await self._round(link)
-            except (PunchFailed, ProtocolError) as exc:
+            except PunchFailed as exc:
+                failure, refused = str(exc), exc.refused
+                if refused:
+                    break
+                continue
+            except ProtocolError as exc:
                 failure = str(exc)
                 continue
             if self._went_direct(node):
@@ -126,7 +135,10 @@ class Puncher:
             log.info("went direct to %s (%s link)", node[:16], path.path if path is not None else "?")
         else:
             self._note(node, failure)
-            log.info("hole punch to %s failed, staying relayed: %s", node[:16], failure)
+            # a peer that cannot punch (an asker listening nowhere) is no news: the node's own log says
+            # only when a punch was tried and failed
+            log.log(logging.DEBUG if refused else logging.INFO, "hole punch to %s failed, staying relayed: %s",
+                    node[:16], failure)
 
     def _note(self, node: str, outcome: str) -> None:
         if node not in self.outcomes and len(self.outcomes) >= 4096:
@@ -151,7 +163,12 @@ class Puncher:
         stream = link.open_stream(PUNCH_PROTOCOL)
         async with stream:
             sent = trio.current_time()
-            reply = await rpc.request(stream, PunchConnect(port=local[1]), PunchConnect, what, step)
+            try:
+                reply = await rpc.request(stream, PunchConnect(port=local[1]), PunchConnect, what, step)
+            except ProtocolError as exc:
+                if exc.code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.OVERLOADED):
+                    raise
+                raise PunchFailed(f"{node[:16]} does not punch: {exc}", refused=True) from None
             rtt = trio.current_time() - sent
             target = punch_target(observed, reply.port)
             if target is None:
