@@ -12,6 +12,7 @@ headers (the server's counters say which bytes each token read).
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,9 +20,10 @@ import pytest
 import trio
 from fake_hub import FakeHub
 from gguf_factory import TINY_SPECS, split_gguf, write_tiny_gguf
-from localmesh import Served, mesh_status, run_meshd, start_join, start_serve, stop_all
+from localmesh import Served, mesh_status, start_join, start_serve, stop_all
 from test_fetch_mesh import finder, served
 
+from meshd import cli
 from meshd.client.ask import AskRequest, ask_with_failover
 from meshd.fetch.fetcher import FetchFailed
 from meshd.fetch.hub import (
@@ -64,6 +66,18 @@ def hub(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Iterator[Fak
         yield server
 
 
+def meshd(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`meshd ARGS` in this process (the CLI's own main), as a finished process: a process each took some
+    4 s of the suite for the same lines."""
+    capsys.readouterr()
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:  # argparse's own exit
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def test_specs_name_a_repo_a_quant_a_file_and_a_revision() -> None:
     assert parse_spec("hf:org/repo") == HubSpec("org/repo")
     assert parse_spec("hf:org/repo:Q4_K_M") == HubSpec("org/repo", quant="Q4_K_M")
@@ -101,31 +115,33 @@ def test_a_hub_model_is_the_model_its_files_are_here_single_or_split(hub: FakeHu
     (f"hf:{REPO}/other.gguf", "no file other.gguf in org/tiny@"),
     ("hf:org", "'org' is not a repository (ORG/REPO)"),
 ])
-def test_a_users_mistake_is_one_line_and_a_failure(hub: FakeHub, spec: str, says: str) -> None:
-    done = run_meshd("pull", spec, "--state-dir", "/nonexistent/never-written")
+def test_a_users_mistake_is_one_line_and_a_failure(hub: FakeHub, spec: str, says: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    done = meshd(capsys, "pull", spec, "--state-dir", "/nonexistent/never-written")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
 
 
-def test_no_network_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_no_network_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
     # port 9 on loopback: nothing listens (the discard service is not run here)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    done = run_meshd("pull", f"hf:{REPO}", "--state-dir", str(tmp_path))
-    assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == "meshd pull: cannot reach the hub at http://127.0.0.1:9: ConnectError: " \
-        "[Errno 111] Connection refused"
+    done = meshd(capsys, "pull", f"hf:{REPO}", "--state-dir", str(tmp_path))
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "meshd pull: cannot reach the hub at http://127.0.0.1:9: ConnectError: [Errno 111] Connection refused")
 
 
 def test_pull_takes_a_hub_model_whole_or_by_range_every_byte_checked(hub: FakeHub, files: dict[str, Path],
-                                                                      tmp_path: Path) -> None:
-    done = run_meshd("pull", f"hf:{REPO}:Q8_0", "--state-dir", str(tmp_path))
+                                                                      tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    done = meshd(capsys, "pull", f"hf:{REPO}:Q8_0", "--state-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     pulled = tmp_path / "models" / "tiny-Q8_0.gguf"
     assert pulled.read_bytes() == files["tiny-Q8_0.gguf"].read_bytes()
     assert "every file checked against its sha256" in done.stdout
     # a range of the set: its manifest built once (the whole files read), then just the range's chunks
     manifest = manifest_for(files[f"{SET}-00001-of-00003.gguf"])
-    done = run_meshd("pull", f"hf:{REPO}", "--layers", "2:4", "--state-dir", str(tmp_path))
+    done = meshd(capsys, "pull", f"hf:{REPO}", "--layers", "2:4", "--state-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert manifest.model_id[:16] in done.stdout
     sparse = SparseFile.resume(tmp_path / "models" / f"{manifest.model_id}.gguf", manifest.model_id)
@@ -134,7 +150,7 @@ def test_pull_takes_a_hub_model_whole_or_by_range_every_byte_checked(hub: FakeHu
     sparse.close()
     # another range: the manifest is this node's already; only the new range's tensors are read
     before = hub.bytes_read()
-    done = run_meshd("pull", f"hf:{REPO}", "--layers", "4:6", "--state-dir", str(tmp_path))
+    done = meshd(capsys, "pull", f"hf:{REPO}", "--layers", "4:6", "--state-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     owned = manifest.bytes_of(c for c in range_chunks(manifest, 6, 4, 6) if c.tensor is not None)
     headers = sum(p.header_size for p in manifest.parts)
@@ -142,14 +158,15 @@ def test_pull_takes_a_hub_model_whole_or_by_range_every_byte_checked(hub: FakeHu
     assert owned <= hub.bytes_read() - before <= owned + 2 * headers
     # the same range again: resumed from the sparse file's journal, nothing of it read twice
     before = hub.bytes_read()
-    done = run_meshd("pull", f"hf:{REPO}", "--layers", "4:6", "--state-dir", str(tmp_path))
+    done = meshd(capsys, "pull", f"hf:{REPO}", "--layers", "4:6", "--state-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "0 MiB fetched from the hub" in done.stdout and hub.bytes_read() - before <= 2 * headers
 
 
-def test_a_lying_mirror_is_caught_with_one_line(hub: FakeHub, files: dict[str, Path], tmp_path: Path) -> None:
+def test_a_lying_mirror_is_caught_with_one_line(hub: FakeHub, files: dict[str, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     hub.lie = ("tiny-Q8_0.gguf", files["tiny-Q8_0.gguf"].stat().st_size - 10)
-    done = run_meshd("pull", f"hf:{REPO}:Q8_0", "--state-dir", str(tmp_path))
+    done = meshd(capsys, "pull", f"hf:{REPO}:Q8_0", "--state-dir", str(tmp_path))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         f"meshd pull: the bytes {hub.endpoint} serves as tiny-Q8_0.gguf do not hash to the sha256 "
@@ -163,7 +180,8 @@ def _sha(hub: FakeHub, path: str) -> str:
     return repo.commits[repo.refs["main"]].files[path][1]
 
 
-def test_a_stale_mirror_is_caught_with_one_line(hub: FakeHub, files: dict[str, Path], tmp_path: Path) -> None:
+def test_a_stale_mirror_is_caught_with_one_line(hub: FakeHub, files: dict[str, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     old = hub.repos[REPO].refs["main"]
     # a new revision: the single file changed by one byte of a tensor
     data = bytearray(files["tiny-Q8_0.gguf"].read_bytes())
@@ -172,7 +190,7 @@ def test_a_stale_mirror_is_caught_with_one_line(hub: FakeHub, files: dict[str, P
     new = hub.publish(REPO, {**files, "tiny-Q8_0.gguf": tmp_path / "new.gguf"})
     # the mirror still serves the old commit for every revision asked of it
     hub.stale_commit = old
-    done = run_meshd("pull", f"hf:{REPO}@{new}:Q8_0", "--state-dir", str(tmp_path))
+    done = meshd(capsys, "pull", f"hf:{REPO}@{new}:Q8_0", "--state-dir", str(tmp_path))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == (f"meshd pull: {hub.endpoint} serves {REPO} at commit {old[:12]}, not the "
                                    f"{new[:12]} named (a stale or wrong mirror)")
