@@ -81,8 +81,8 @@ class Profile:
 
 def profile(args: argparse.Namespace) -> Profile:
     if args.smoke:
-        # the CI profile: about 2.5 minutes in all on 2 busy cores (setup ~30 s, chaos 60 s, settling ~30 s)
-        return Profile(args.minutes or 1.0, args.volunteers or 4, 1, (7.0, 11.0), (4.0, 10.0), 16, 5.0, 10.0)
+        # the CI profile: about 2.5 minutes in all on 2 busy cores (setup ~30 s, chaos 50 s, settling ~30 s)
+        return Profile(args.minutes or 50 / 60, args.volunteers or 4, 1, (6.0, 9.0), (4.0, 10.0), 16, 5.0, 10.0)
     volunteers = args.volunteers or 6
     return Profile(args.minutes or 10.0, volunteers, max(1, volunteers // 3), (10.0, 25.0), (5.0, 30.0), 32,
                    15.0, 30.0)
@@ -201,10 +201,11 @@ class Soak:
         home = self.bridge.machines["pub"].home
         self.core["seed"] = self.track("seed", "seed", self.bridge.start("seed", "pub", meshd_command(
             ["join", "--no-model", "--listen", SEED_ADDR, "--state-dir", str(home / "seed")]), env=LOG))
-        self.core["relay"] = self.track("relay", "relay", self.bridge.start("relay", "pub", meshd_command(
+        # the others start side by side (main() waits for their ready lines with the volunteers')
+        self.core["relay"] = self.track("relay", "relay", self.bridge.launch("relay", "pub", meshd_command(
             ["relay", "--listen", RELAY_ADDR, "--seed", SEED_ADDR, "--state-dir", str(home / "relay")]),
             env=LOG))
-        self.core["api"] = self.track("api", "api", self.bridge.start("api", "pub", meshd_command(
+        self.core["api"] = self.track("api", "api", self.bridge.launch("api", "pub", meshd_command(
             ["join", "--seed", SEED_ADDR, "--no-model", "--listen", API_MEMBER, "--api", "127.0.0.1:8080",
              "--state-dir", str(home / "api")]), env=LOG))
         slow = next(s for s in self.slots if s.kind == "slow")
@@ -620,7 +621,7 @@ def summary(rep: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=None, help="length of the chaos (default: 10; --smoke: 1)")
+    ap.add_argument("--minutes", type=float, default=None, help="length of the chaos (default: 10; --smoke: 50 s)")
     ap.add_argument("--volunteers", type=int, default=None, help="volunteers at the start (default: 6; --smoke: 4)")
     ap.add_argument("--seed", type=int, default=1, help="seed of every random choice (default: 1)")
     ap.add_argument("--json", type=Path, default=None, help="write the whole report here")
@@ -660,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         enter_namespace(soak.bridge.machines["pub"].namespace)
         soak.start_core()
         started = [soak.launch_volunteer(s) for s in soak.slots if s.kind != "spare"]
-        for daemon in started:
+        for daemon in [soak.core["relay"], soak.core["api"], *started]:
             soak.wait_ready(daemon)
         soak.log("volunteers ready", count=len(started))
         trio.run(soak.run)
