@@ -33,7 +33,7 @@ def test_the_smoke_soak_gives_no_wrong_answer_no_unexplained_failure_and_no_ghos
     asks = rep["asks"]
     assert rep["completed"], tail
     # it did what it says: asks of every kind answered, and the mesh disturbed while they ran
-    assert asks["done"] >= 8 and {a["kind"] for a in rep["ask_log"] if a["status"] == "done"} == {"cli", "http"}, tail
+    assert asks["done"] >= 6 and {a["kind"] for a in rep["ask_log"] if a["status"] == "done"} == {"cli", "http"}, tail
     assert {e["event"] for e in rep["events"]} & {"SIGKILL", "SIGTERM", "SIGSTOP", "link down"}, tail
     assert asks["wrong"] == 0, rep["wrong"]
     assert asks["unexplained"] == 0, [f for f in rep["failures"] if not f["explained"]]
