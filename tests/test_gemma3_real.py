@@ -56,6 +56,7 @@ def whole_answer(gemma3: Path) -> tuple[list[int], list[np.ndarray]]:
     return _greedy(gemma3, None)
 
 
+@pytest.mark.slow
 def test_three_stages_give_the_whole_models_logits_and_tokens(
     gemma3: Path, whole_answer: tuple[list[int], list[np.ndarray]],
 ) -> None:
