@@ -111,11 +111,23 @@ async def anthropic_message(mesh: Mesh, prompt: str, stream: bool) -> str:
         return "".join([text async for text in events.text_stream])
 
 
+async def openai_response(mesh: Mesh, prompt: str, stream: bool) -> str:
+    client = oai(mesh)
+    if not stream:
+        reply = await client.responses.create(model="", input=prompt, temperature=0, max_output_tokens=NEW_TOKENS)
+        return reply.output_text
+    events = await client.responses.create(model="", input=prompt, temperature=0, max_output_tokens=NEW_TOKENS,
+                                           stream=True)
+    return "".join([e.delta async for e in events if e.type == "response.output_text.delta"])
+
+
 ASKS = {
     "openai": lambda mesh, prompt: openai_chat(mesh, prompt, stream=False),
     "openai-stream": lambda mesh, prompt: openai_chat(mesh, prompt, stream=True),
     "anthropic": lambda mesh, prompt: anthropic_message(mesh, prompt, stream=False),
     "anthropic-stream": lambda mesh, prompt: anthropic_message(mesh, prompt, stream=True),
+    "responses": lambda mesh, prompt: openai_response(mesh, prompt, stream=False),
+    "responses-stream": lambda mesh, prompt: openai_response(mesh, prompt, stream=True),
 }
 
 

@@ -20,12 +20,13 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshd.front import anthropic_api, console, local, openai_api, operations
+from meshd.front import anthropic_api, console, local, openai_api, operations, responses_api
 from meshd.front.door import ApiError, FrontDoor, Problem
 
 log = logging.getLogger(__name__)
 
-PARTS: tuple[Callable[[FrontDoor], list[BaseRoute]], ...] = (openai_api.routes, anthropic_api.routes)
+PARTS: tuple[Callable[[FrontDoor], list[BaseRoute]], ...] = (openai_api.routes, responses_api.routes,
+                                                              anthropic_api.routes)
 
 PROBLEMS = {400: Problem.BAD_REQUEST, 401: Problem.UNAUTHORIZED, 404: Problem.NOT_FOUND, 413: Problem.TOO_LARGE,
             429: Problem.BUSY, 503: Problem.UNAVAILABLE, 504: Problem.TIMEOUT}

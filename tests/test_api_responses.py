@@ -1,0 +1,80 @@
+"""OpenAI's Responses API (/v1/responses) with the official client, against the fake mesh (api_fakes)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from api_fakes import NAME, FakeMesh, fails_with
+from test_api_front import http, oai
+
+from meshd.front.door import FrontDoor
+from wire.errors import ErrorCode, ProtocolError
+
+
+async def test_a_whole_response_carries_the_answer_usage_and_verification() -> None:
+    mesh = FakeMesh()
+    response = await oai(FrontDoor(mesh)).responses.create(model=NAME, input="hi", instructions="Be brief.",
+                                                           max_output_tokens=50, temperature=0, extra_body={"seed": 7})
+    assert response.status == "completed" and response.output_text == "Hello world"
+    assert response.model == NAME and response.id.startswith("resp_")
+    assert response.usage is not None and (response.usage.input_tokens, response.usage.output_tokens) == (5, 4)
+    # the instructions are the system message, before the input as the user's
+    (_, asked), = mesh.asked
+    assert asked.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert (asked.max_tokens, asked.sampling.temperature, asked.sampling.seed) == (50, 0.0, 7)
+    assert response.model_extra is not None and response.model_extra["meshd"]["verified"] is True
+
+
+async def test_a_conversation_as_messages_and_a_cut_answer_is_incomplete() -> None:
+    mesh = FakeMesh()
+    response = await oai(FrontDoor(mesh)).responses.create(model=NAME, max_output_tokens=2, input=[
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour"}]},
+        {"role": "user", "content": "again"}])
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens" and response.output_text == "Hello"
+    (_, asked), = mesh.asked
+    assert [m["role"] for m in asked.messages or []] == ["system", "user", "assistant", "user"]
+
+
+async def test_a_stream_is_the_typed_events_in_order_and_ends_completed() -> None:
+    stream = await oai(FrontDoor(FakeMesh())).responses.create(model=NAME, input="hi", stream=True)
+    events = [event async for event in stream]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello world"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == "Hello world"
+
+
+async def test_a_failure_mid_stream_is_an_error_the_client_raises() -> None:
+    front = FrontDoor(fails_with(ProtocolError(ErrorCode.UNREACHABLE, "stage 127.0.0.1:9 is gone"), after=2))
+    stream = await oai(front).responses.create(model=NAME, input="hi", stream=True)
+    deltas = []
+    with pytest.raises(openai.APIError, match="stage 127.0.0.1:9 is gone"):
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+    assert "".join(deltas) == "Hello"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function", "name": "f", "parameters": {}}]),
+    ("previous_response_id", "resp_123"),
+    ("text", {"format": {"type": "json_object"}}),
+])
+async def test_what_the_endpoint_cannot_honour_is_refused_by_name(field: str, value: object) -> None:
+    mesh = FakeMesh()
+    async with http(FrontDoor(mesh)) as client:
+        r = await client.post("/v1/responses", json={"model": NAME, "input": "hi", field: value})
+    assert r.status_code == 400 and field in r.json()["error"]["message"]
+    assert mesh.asked == []
+
+
+async def test_no_response_is_kept_to_fetch_again() -> None:
+    with pytest.raises(openai.NotFoundError, match="keeps no response"):
+        await oai(FrontDoor(FakeMesh())).responses.retrieve("resp_123")
