@@ -1,0 +1,61 @@
+"""A cached answer is the one verification vouches for: stages of a tiny random model in this process, every
+range served twice, answer a prompt that shares a prefix with an earlier one from their prefix caches,
+and a verified ask of the same prompt (receipts at every stage, every step spot-checked on a replica; it
+takes no cached prefix) gives the same tokens, checked to the end of every range."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import trio
+from test_verify_route import stage_of
+
+from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
+from meshd.client.verifier import Verifier
+from meshd.client.verify import CheckPlan
+from meshd.net.peers import PeersConfig, open_peers
+from meshd.stage.service import StageLimits, StageNode, stage_node
+from wire.identity import NodeIdentity
+
+pytestmark = pytest.mark.slow  # six engine workers
+
+ASK_DEADLINE = 180
+RANGES = {"head": (0, 2), "head2": (0, 2), "mid": (2, 4), "mid2": (2, 4), "tail": (4, 6), "tail2": (4, 6)}
+# a shared beginning of about 90 tokens (the tiny model's tokenizer is byte-level), then each ask's own: the
+# whole prompt within one prefill chunk (128)
+SHARED = "The lighthouse keeper climbed the stairs. " * 2
+
+
+@asynccontextmanager
+async def caching_stages(model: Path) -> AsyncIterator[dict[str, StageNode]]:
+    limits = StageLimits(max_sessions=4, max_session_tokens=512, max_total_tokens=2048, cache_tokens=1024)
+    async with AsyncExitStack() as stack:
+        yield {name: await stack.enter_async_context(stage_node(
+            model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
+            for name, layers in RANGES.items()}
+
+
+async def test_a_cached_answer_is_the_verified_one(tiny_models: dict[str, Path]) -> None:
+    async with caching_stages(tiny_models["llama-gqa-untied"]) as nodes:
+        pool = [stage_of(n) for n in nodes.values()]
+        first = [stage_of(nodes[n]) for n in ("head", "mid", "tail")]
+
+        async def find(excluded: list[str]) -> list[Stage]:
+            return [next(s for s in pool if s.layers == r and s.node_id not in excluded)
+                    for r in ((0, 2), (2, 4), (4, 6))]
+
+        async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+            with trio.fail_after(ASK_DEADLINE):
+                ask = AskRequest(text=SHARED + "Then he", max_tokens=24)
+                cold = await run_session(peers, first, replace(ask, text=SHARED + "At dusk she"), AskResult())
+                cached = await run_session(peers, first, ask, AskResult())
+                slow = await run_session(peers, first, replace(ask, fast=False), AskResult())
+                plan = CheckPlan(every=1, candidates=pool)
+                verified = await ask_with_failover(peers, find, ask, verifier=Verifier(peers, plan))
+    assert cold.cached_tokens == 0 and cached.cached_tokens >= 64 and slow.cached_tokens >= 64
+    assert verified.cached_tokens == 0 and verified.verified and plan.checks > 0
+    assert cached.tokens == slow.tokens == verified.tokens and len(verified.tokens) > 0
