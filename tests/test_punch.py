@@ -7,6 +7,7 @@ simultaneous open through two MASQUERADE NATs runs in tests/test_punch_netns.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -15,7 +16,7 @@ import trio
 from meshd.net import rpc
 from meshd.net.link import LinkTimings, Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
-from meshd.relay.circuit import enable_circuits
+from meshd.relay.circuit import CircuitTransport, enable_circuits
 from meshd.relay.punch import Puncher
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService
@@ -53,12 +54,12 @@ class Node:
 
 
 async def start_node(nursery: trio.Nursery, *, relay: bool = False, punch: bool = True,
-                     limits: PunchLimits = QUICK) -> Node:
+                     limits: PunchLimits = QUICK, members: Callable[[str], bool] = lambda node: True) -> Node:
     async def run(task_status: trio.TaskStatus[Node]) -> None:
         async with open_peers(NodeIdentity.generate(), CONFIG) as peers:
             peers.handle(ECHO, echo_bytes)
             port = await peers.listen("127.0.0.1", 0)
-            node = Node(peers, f"127.0.0.1:{port}", RelayService(peers, RelayLimits()) if relay else None)
+            node = Node(peers, f"127.0.0.1:{port}", RelayService(peers, RelayLimits(), members) if relay else None)
             if punch:
                 node.puncher = Puncher(peers, limits)
 
@@ -258,4 +259,24 @@ async def test_a_dialer_that_does_not_punch_costs_one_round_and_stays_relayed() 
         assert target.puncher.budget.running == 0
         link = asker.peers.link_to(target.node_id)
         assert link is not None and link.path == "relayed"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dialer_that_is_no_member_learns_no_public_host_and_no_punch_runs() -> None:
+    strangers: set[str] = set()
+    async with trio.open_nursery() as nursery:
+        relay = await start_node(nursery, relay=True, punch=False, members=lambda node: node not in strangers)
+        target = await start_node(nursery)
+        asker = await start_node(nursery)
+        strangers.add(asker.node_id)
+        await reserve(nursery, target, relay)
+        with trio.fail_after(10):
+            assert await echo(asker.peers, target.held[0], target.node_id, b"hello") == b"hello"
+        link, back = asker.peers.link_to(target.node_id), target.peers.link_to(asker.node_id)
+        assert link is not None and back is not None
+        assert isinstance(link.transport, CircuitTransport) and isinstance(back.transport, CircuitTransport)
+        assert link.transport.observed == back.transport.observed == ""
+        await trio.sleep(0.5)
+        assert target.puncher is not None and asker.node_id not in target.puncher.outcomes
+        assert target.puncher.budget.running == 0 and link.path == "relayed"
         nursery.cancel_scope.cancel()

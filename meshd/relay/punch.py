@@ -112,6 +112,9 @@ class Puncher:
         """Tries to replace ``link`` (a circuit a relay brought) by a punched one; never raises
         for the peer's doing."""
         node = link.remote_node_id
+        if not self._observed(link):
+            log.debug("no hole punch to %s: the relay told no address (it is no member)", node[:16])
+            return
         failure = "no round ran"
         refused = False
         for _ in range(self.limits.tries):

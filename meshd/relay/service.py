@@ -106,12 +106,15 @@ class RelayService:
         if link is None or not link.usable or not self.state.holds_reservation(target, trio.current_time()):
             raise ProtocolError(ErrorCode.NOT_FOUND, f"node {target[:16]} holds no reservation on this relay")
         circuit = self.state.open_circuit(source, target, trio.current_time())
+        # Each end's public host, for a hole punch between members (meshd.relay.punch); a dialer that is
+        # no member (an asker) punches nothing, and learns no volunteer's public host, nor tells its own.
+        member = self._is_member(source)
         try:
             stop = link.open_stream(STOP_PROTOCOL)
             try:
-                await rpc.request(stop, Incoming(source=source, observed=host_of(stream.link.address)), Accepted,
-                                  f"node {target[:16]} taking the circuit", STOP_TIMEOUT)
-                await stream.send_message(Connected(observed=host_of(link.address)))
+                await rpc.request(stop, Incoming(source=source, observed=host_of(stream.link.address) if member else ""),
+                                  Accepted, f"node {target[:16]} taking the circuit", STOP_TIMEOUT)
+                await stream.send_message(Connected(observed=host_of(link.address) if member else ""))
                 await self._splice(circuit, stream, stop)
             finally:
                 await stop.aclose()
