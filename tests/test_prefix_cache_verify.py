@@ -20,6 +20,7 @@ from meshd.client.verify import CheckPlan
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.service import StageLimits, StageNode, stage_node
 from wire.identity import NodeIdentity
+from wire.stage import Sampling
 
 pytestmark = pytest.mark.slow  # six engine workers
 
@@ -31,12 +32,12 @@ SHARED = "The lighthouse keeper climbed the stairs. " * 2
 
 
 @asynccontextmanager
-async def caching_stages(model: Path) -> AsyncIterator[dict[str, StageNode]]:
+async def caching_stages(model: Path, ranges: dict[str, tuple[int, int]] = RANGES) -> AsyncIterator[dict[str, StageNode]]:
     limits = StageLimits(max_sessions=4, max_session_tokens=512, max_total_tokens=2048, cache_tokens=1024)
     async with AsyncExitStack() as stack:
         yield {name: await stack.enter_async_context(stage_node(
             model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
-            for name, layers in RANGES.items()}
+            for name, layers in ranges.items()}
 
 
 async def test_a_cached_answer_is_the_verified_one(tiny_models: dict[str, Path]) -> None:
@@ -59,3 +60,23 @@ async def test_a_cached_answer_is_the_verified_one(tiny_models: dict[str, Path])
     assert cold.cached_tokens == 0 and cached.cached_tokens >= 64 and slow.cached_tokens >= 64
     assert verified.cached_tokens == 0 and verified.verified and plan.checks > 0
     assert cached.tokens == slow.tokens == verified.tokens and len(verified.tokens) > 0
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "daemons"])
+async def test_a_cached_prefix_keeps_the_repetition_penalty_and_a_whole_model_stage(tiny_models: dict[str, Path],
+                                                                                    fast: bool) -> None:
+    # the penalty's history holds the prompt's ids, the cached prefix's too: a sampler that missed them
+    # would pick other tokens; one stage serving the whole model (head and tail at once) takes the cache too
+    sampling = Sampling(temperature=0.8, top_k=20, repeat_penalty=1.5, repeat_last_n=256, seed=7)
+    ranges = {"head": (0, 2), "mid": (2, 4), "tail": (4, 6), "whole": (0, 6)}
+    async with caching_stages(tiny_models["llama-gqa-untied"], ranges) as nodes:
+        split = [stage_of(nodes[n]) for n in ("head", "mid", "tail")]
+        async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+            with trio.fail_after(ASK_DEADLINE):
+                for route in (split, [stage_of(nodes["whole"])]):
+                    ask = AskRequest(text=SHARED + "Then he", max_tokens=24, sampling=sampling, fast=fast)
+                    await run_session(peers, route, replace(ask, text=SHARED + "At dusk she"), AskResult())
+                    cached = await run_session(peers, route, ask, AskResult())
+                    off = await run_session(peers, route, replace(ask, cache=False), AskResult())
+                    assert cached.cached_tokens >= 64 and off.cached_tokens == 0
+                    assert cached.tokens == off.tokens and len(off.tokens) > 0
