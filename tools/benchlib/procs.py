@@ -1,6 +1,8 @@
 """The processes a benchmark starts (meshd stages, llama.cpp's RPC servers, emulated links), where they may
-run (pinning), and what they spend: CPU time by /proc's per-thread schedstat (a live process, all threads)
-or by rusage (children already waited for), memory by /proc's status."""
+run (pinning), and what they spend. CPU time three ways, each for its own case: ``cpu_ns`` (the live
+threads' schedstat, in ns: a stage's daemon or worker across one measured run), ``process_cpu_ns`` (/proc
+stat, threads that ended included, in ticks: a whole process over a long run) and
+``exited_children_cpu_ns`` (rusage: programs already waited for, llama-bench). Memory by /proc's status."""
 
 from __future__ import annotations
 
