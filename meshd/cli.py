@@ -699,8 +699,9 @@ async def credits(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     own = first.own
+    held = f"{first.summaries} work {'summary' if first.summaries == 1 else 'summaries'}"
     print(f"node {first.node_id[:16]}: balance {own.balance:.0f}, earned {own.earned:.0f}, spent {own.spent:.0f} "
-          f"(layers x tokens served, decayed); ledger of {plural(first.summaries, 'summary')}, root "
+          f"(layers x tokens served, decayed); ledger of {held}, root "
           f"{first.root.hex()[:16]}; newcomers keep {first.floor:.0%} of a stage's slots")
     if members:
         print(credit_table(members))
