@@ -1133,17 +1133,42 @@ class MeshDaemon:
         assert self.sparse is not None
         if self.hub is None:
             return await fetch_chunks(self.peers, self._sources(digest), self.sparse, chunks, progress=progress)
-        report = FetchReport(chunks=0)
+        missing = self.sparse.missing(chunks)
+        report = FetchReport(chunks=len(chunks), reused_bytes=sum(c.size for c in chunks) - sum(c.size for c in missing))
         sources = self._sources(digest) if self._members_vouch else []
-        if sources:
+        held = self._held_by_members(digest) if sources else set()
+        # members preferred, asked only for what their records say they hold: a fetch from them ends as
+        # soon as a chunk is held by none (the rest would wait on it); the hub has what they lack
+        parts: list[FetchReport] = []
+        if any(c.index in held for c in missing):
             try:
-                report.add(await fetch_chunks(self.peers, sources, self.sparse, chunks, progress=progress))
-                return report
+                parts.append(await fetch_chunks(self.peers, sources, self.sparse,
+                                                [c for c in missing if c.index in held], progress=progress))
             except FetchFailed as exc:
-                # members preferred; the hub has what they lack
-                report.add(exc.report)
-        report.add(await fetch_from_hub(self.hub, self.sparse, chunks, progress=progress))
+                parts.append(exc.report)
+        parts.append(await fetch_from_hub(self.hub, self.sparse, self.sparse.missing(missing), progress=progress))
+        for part in parts:
+            report.fetched_chunks += part.fetched_chunks
+            report.fetched_bytes += part.fetched_bytes
+            for key, n in part.by_source.items():
+                report.by_source[key] = report.by_source.get(key, 0) + n
+            report.excluded.update(part.excluded)
+            report.lost.update(part.lost)
         return report
+
+    def _held_by_members(self, digest: str) -> set[int]:
+        """The chunks of `digest` other live members' records say they hold (the header's with any layer)."""
+        assert self.manifest is not None
+        held: set[int] = set()
+        for record in self.live_records():
+            if record.node_id == self.mesh.node_id or record.leaving:
+                continue
+            for start, end in held_ranges(record, digest):
+                if self.model is None:
+                    held.update(c.index for c in self.manifest.header_chunks_list())
+                else:
+                    held.update(c.index for c in range_chunks(self.manifest, self.model.n_layers, start, end))
+        return held
 
     async def _hub_model(self, model: HubModel) -> None:
         """Learns a hub model's manifest (a member's, bound to the hub's files, or its own from the whole
