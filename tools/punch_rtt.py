@@ -148,7 +148,7 @@ def line(proc: subprocess.Popen[str], prefix: str, timeout: float = 30.0) -> str
             return text[len(prefix):].strip()
         if not text and proc.poll() is not None:
             break
-    raise RuntimeError(f"no {prefix.strip()!r} line from {' '.join(map(str, proc.args))!r} (its log: {LOGS})")
+    raise RuntimeError(f"no {prefix.strip()!r} line from {proc.args!r} (its log: {LOGS})")
 
 
 def main() -> int:
