@@ -131,6 +131,22 @@ def test_no_network_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         "meshd pull: cannot reach the hub at http://127.0.0.1:9: ConnectError: [Errno 111] Connection refused")
 
 
+def test_a_private_repo_takes_its_token(hub: FakeHub, files: dict[str, Path], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    hub.private[REPO] = "hf_secret"
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token saved by a login either
+    done = meshd(capsys, "pull", f"hf:{REPO}:Q8_0", "--state-dir", str(tmp_path))
+    assert done.returncode == 1 and done.stderr.strip() == (
+        f"meshd pull: no repository {REPO} at {hub.endpoint} (or it is private: give a token, HF_TOKEN)")
+    # the library's token, from HF_TOKEN: every request carries it
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    done = meshd(capsys, "pull", f"hf:{REPO}:Q8_0", "--state-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "models" / "tiny-Q8_0.gguf").read_bytes() == files["tiny-Q8_0.gguf"].read_bytes()
+    assert hub.bytes_read("hf_secret") >= files["tiny-Q8_0.gguf"].stat().st_size
+
+
 def test_pull_takes_a_hub_model_whole_or_by_range_every_byte_checked(hub: FakeHub, files: dict[str, Path],
                                                                       tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,8 @@ metadata and reads byte ranges from it:
   reads): ``X-Repo-Commit``, ``X-Linked-Etag``, ``X-Linked-Size``, one
   ``Range`` a request (206 and ``Content-Range``);
 * errors as the hub sends them: 404 with ``X-Error-Code`` (``RepoNotFound``,
-  ``RevisionNotFound``, ``EntryNotFound``).
+  ``RevisionNotFound``, ``EntryNotFound``), 401 for a private repo asked without its
+  token (``private``).
 
 Files are served from disk (``os.pread``), so a benchmark's GB-sized set costs
 no memory. Every body byte sent is counted per client token (the
@@ -71,6 +72,8 @@ class FakeHub:
         self.stale_commit: str | None = None
         # a server that holds each ranged body back this many seconds (a stall)
         self.stall = 0.0
+        # private repos: the token each needs (asked without it, the hub answers as for no repo)
+        self.private: dict[str, str] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -124,6 +127,14 @@ class FakeHub:
                 if self.command != "HEAD":
                     self.wfile.write(body)
 
+            def _hidden(self, repo: str) -> bool:
+                """A repo not there, or private and asked without its token (401, as the hub answers)."""
+                wanted = hub.private.get(repo)
+                if repo in hub.repos and (wanted is None or self.headers.get("Authorization") == f"Bearer {wanted}"):
+                    return False
+                self._error(401 if repo in hub.repos else 404, "RepoNotFound")
+                return True
+
             def _commit(self, repo: str, revision: str) -> Commit | None:
                 r = hub.repos[repo]
                 if hub.stale_commit is not None:
@@ -143,8 +154,8 @@ class FakeHub:
             do_HEAD = do_GET
 
             def _info(self, repo: str, revision: str) -> None:
-                if repo not in hub.repos:
-                    return self._error(404, "RepoNotFound")
+                if self._hidden(repo):
+                    return
                 commit = self._commit(repo, revision)
                 if commit is None:
                     return self._error(404, "RevisionNotFound")
@@ -160,8 +171,8 @@ class FakeHub:
                 self.wfile.write(body)
 
             def _file(self, repo: str, revision: str, name: str) -> None:
-                if repo not in hub.repos:
-                    return self._error(404, "RepoNotFound")
+                if self._hidden(repo):
+                    return
                 commit = self._commit(repo, revision)
                 if commit is None:
                     return self._error(404, "RevisionNotFound")
