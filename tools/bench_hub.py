@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -123,6 +124,10 @@ def main() -> int:
             logs = [node.log.read_text() if node.log else "" for node in nodes]
         finally:
             stop_all(nodes)
+            # the volunteers' sparse files: the model's size in all
+            shutil.rmtree(state, ignore_errors=True)
+            if args.smoke:
+                shutil.rmtree(parts[0].parent, ignore_errors=True)
             for k, v in old.items():
                 if v is None:
                     os.environ.pop(k, None)
