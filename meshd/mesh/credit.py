@@ -240,21 +240,18 @@ class Ledger:
     def standing(self, now: float, placed: Collection[str]) -> dict[str, Standing]:
         """Every member's credit at Unix time `now`, with `placed` the members this node's view says
         are placed (and the tracker it follows): see the module's rule."""
-        # one summary per stage receipt: a receipt countersigned twice (by another asker too) counts once,
-        # the same one everywhere (the least id)
-        by_head: dict[bytes, tuple[bytes, WorkSummary]] = {}
-        for summary_id, summary in self._held.items():
-            key = summary.head.hash
-            held = by_head.get(key)
-            if held is None or summary_id < held[0]:
-                by_head[key] = (summary_id, summary)
-        # (stage, asker) -> window -> work
-        windows: Windows = defaultdict(lambda: defaultdict(float))
-        for _, summary in by_head.values():
-            windows[(summary.stage, summary.asker)][int(summary.at // WINDOW)] += work_of(summary)
-        standing, payers = credit_standing(windows, now, placed)
-        self._payers = payers
+        standing, payers = standing_of(self.facts(), now, placed)
+        self.paying(payers)
         return standing
+
+    def facts(self) -> list[Fact]:
+        """What the rule reads of each summary held, taken at once (the rule may then run in a thread
+        while the ledger takes more)."""
+        return [(summary_id, s.head.hash, s.stage, s.asker, s.at, work_of(s)) for summary_id, s in self._held.items()]
+
+    def paying(self, payers: frozenset[str]) -> None:
+        """The askers that pay, as the rule last found them: their summaries go last when the ledger is full."""
+        self._payers = payers
 
     def between(self, me: str, now: float) -> dict[str, tuple[float, float]]:
         """Per peer: (the work it served `me`, the work `me` served it), decayed, uncapped."""
@@ -272,6 +269,22 @@ class Ledger:
 
 # (stage, asker) -> hour window (Unix seconds // WINDOW) -> the work the asker countersigned the stage
 Windows = dict[tuple[str, str], dict[int, float]]
+# what the rule reads of one summary: its id, its receipt's hash, stage, asker, time and work
+Fact = tuple[bytes, bytes, str, str, int, float]
+
+
+def standing_of(facts: Iterable[Fact], now: float, placed: Collection[str]) -> tuple[dict[str, Standing], frozenset[str]]:
+    """The rule over a ledger's `facts`: a receipt countersigned twice (by another asker too) counts once,
+    the same one everywhere (the least summary id); then ``credit_standing``."""
+    by_head: dict[bytes, Fact] = {}
+    for fact in facts:
+        held = by_head.get(fact[1])
+        if held is None or fact[0] < held[0]:
+            by_head[fact[1]] = fact
+    windows: Windows = defaultdict(lambda: defaultdict(float))
+    for _, _, stage, asker, at, work in by_head.values():
+        windows[(stage, asker)][int(at // WINDOW)] += work
+    return credit_standing(windows, now, placed)
 
 
 def credit_standing(windows: Windows, now: float, placed: Collection[str]) -> tuple[dict[str, Standing], frozenset[str]]:
