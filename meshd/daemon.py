@@ -103,7 +103,7 @@ from meshd.store.split import SplitError, model_files
 from relay.limits import RelayLimits
 from relay.protocol import parse_circuit_address
 from wire.codec import Message
-from wire.credit import CREDITS_PAGE, CreditsReply, PeerCredit, Voucher
+from wire.credit import CREDITS_PAGE, CreditsReply, CreditsRequest, PeerCredit, Voucher
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import (
@@ -347,7 +347,7 @@ class MeshDaemon:
             peers.handle(STAGE_PROTOCOL, self._on_stage)
             peers.handle_fast(self.fast_door.accept)
             register(peers, self.source)
-            self.puncher = Puncher(peers)
+            self.puncher = Puncher(peers, direct_address=self._public_address)
             enable_circuits(peers, self._reserved_on, self.puncher.initiate if cfg.punch else None)
             if cfg.relay:
                 self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
@@ -605,6 +605,13 @@ class MeshDaemon:
         live = any(r.node_id == node_id for r in membership.live_records())
         return live and membership.rtt(node_id) is not None
 
+    def _public_address(self, node_id: str) -> str | None:
+        """Where a member that says it is public can be dialed (its signed record's first address)."""
+        record = self.mesh.membership.record_of(node_id)
+        if record is None or record.reachability != "public":
+            return None
+        return next((a for a in record.addresses if not is_unspecified(host_of(a))), None)
+
     def _relay_candidates(self) -> list[RelayCandidate]:
         records = [r for r in self.live_records() if ROLE_RELAY in r.roles and r.node_id != self.mesh.node_id
                    and r.reachability == "public" and r.addresses]
@@ -664,6 +671,8 @@ class MeshDaemon:
             reply = await self._dial_back(stream, request)
         elif isinstance(request, ProofGossip):
             reply = self.take_proof(request.proof, stream.remote_node_id)
+        elif isinstance(request, CreditsRequest):
+            reply = self.credits(request.offset)
         elif (answered := self.credit.answer(request)) is not None:
             reply = answered
         else:

@@ -54,14 +54,15 @@ class Node:
 
 
 async def start_node(nursery: trio.Nursery, *, relay: bool = False, punch: bool = True,
-                     limits: PunchLimits = QUICK, members: Callable[[str], bool] = lambda node: True) -> Node:
+                     limits: PunchLimits = QUICK, members: Callable[[str], bool] = lambda node: True,
+                     public: dict[str, str] | None = None) -> Node:
     async def run(task_status: trio.TaskStatus[Node]) -> None:
         async with open_peers(NodeIdentity.generate(), CONFIG) as peers:
             peers.handle(ECHO, echo_bytes)
             port = await peers.listen("127.0.0.1", 0)
             node = Node(peers, f"127.0.0.1:{port}", RelayService(peers, RelayLimits(), members) if relay else None)
             if punch:
-                node.puncher = Puncher(peers, limits)
+                node.puncher = Puncher(peers, limits, {}.get if public is None else public.get)
 
             def reserved_on(relay_id: str) -> bool:
                 return node.keeper is not None and node.keeper.reserved_on(relay_id)
@@ -279,4 +280,28 @@ async def test_a_dialer_that_is_no_member_learns_no_public_host_and_no_punch_run
         await trio.sleep(0.5)
         assert target.puncher is not None and asker.node_id not in target.puncher.outcomes
         assert target.puncher.budget.running == 0 and link.path == "relayed"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_whose_record_says_public_is_dialed_back_there() -> None:
+    public: dict[str, str] = {}
+    async with trio.open_nursery() as nursery:
+        relay = await start_node(nursery, relay=True, punch=False)
+        target = await start_node(nursery, public=public)
+        dialer = await start_node(nursery, punch=False)  # needs no punch handler: it is just dialed
+        public[dialer.node_id] = dialer.address
+        await reserve(nursery, target, relay)
+        with trio.fail_after(10):
+            assert await echo(dialer.peers, target.held[0], target.node_id, b"hello") == b"hello"
+        assert target.puncher is not None
+        await until(lambda: dialer.node_id in target.puncher.outcomes)  # type: ignore[union-attr]
+        assert target.puncher.outcomes[dialer.node_id] == "direct"
+        link, back = dialer.peers.link_to(target.node_id), target.peers.link_to(dialer.node_id)
+        assert link is not None and back is not None and link.path == back.path == "direct"
+        assert not link.dialer and back.dialer
+        assert relay.relay is not None
+        before = relay.relay.forwarded_bytes
+        with trio.fail_after(10):
+            assert await echo(dialer.peers, target.held[0], target.node_id, b"again") == b"again"
+        assert relay.relay.forwarded_bytes == before
         nursery.cancel_scope.cancel()

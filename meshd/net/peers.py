@@ -346,6 +346,12 @@ class Peers:
             del self._dials[url]
             done.set()
 
+    async def dial_direct(self, address: str, node_id: str) -> Link:
+        """A new link dialed to ``address`` (``host:port``), which must authenticate ``node_id``, even
+        when a link to that node exists: a relayed one yields to it (a hole punch's reversal)."""
+        link: Link = await self._nursery.start(self._dial, ws_url(address), node_id)
+        return link
+
     async def _dial(
         self,
         url: str,

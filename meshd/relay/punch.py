@@ -14,6 +14,7 @@ import errno
 import ipaddress
 import logging
 import socket
+from collections.abc import Callable
 
 import trio
 
@@ -33,6 +34,9 @@ from relay.punch import (
 from wire.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger(__name__)
+
+# Where a node can be dialed directly, if anywhere (its signed record's address when it is public).
+DirectAddress = Callable[[str], "str | None"]
 
 # How often the initiator looks, after a dial of its own failed, for the other end's dial having
 # landed on its listener (no NAT between them): a plain inbound link that replaces the circuit.
@@ -83,9 +87,11 @@ class Puncher:
     """Hole punches for one ``Peers``: answers the other end's requests, and runs them for circuits
     relays bring (pass ``initiate`` as ``enable_circuits``' ``on_circuit``)."""
 
-    def __init__(self, peers: Peers, limits: PunchLimits | None = None) -> None:
+    def __init__(self, peers: Peers, limits: PunchLimits | None = None,
+                 direct_address: DirectAddress = lambda node: None) -> None:
         self.peers = peers
         self.limits = limits or PunchLimits()
+        self._direct_address = direct_address
         self.budget = PunchBudget(self.limits)
         # node id -> "punched" or the last failure, for status and the tests
         self.outcomes: dict[str, str] = {}
@@ -115,6 +121,8 @@ class Puncher:
         if not self._observed(link):
             log.debug("no hole punch to %s: the relay told no address (it is no member)", node[:16])
             return
+        if await self._reverse(node):
+            return
         failure = "no round ran"
         refused = False
         for _ in range(self.limits.tries):
@@ -142,6 +150,23 @@ class Puncher:
             # only when a punch was tried and failed
             log.log(logging.DEBUG if refused else logging.INFO, "hole punch to %s failed, staying relayed: %s",
                     node[:16], failure)
+
+    async def _reverse(self, node: str) -> bool:
+        """DCUtR's unilateral upgrade: a peer whose record says it is public is dialed there, as any
+        member is (the address is its signed record's, not the peer's word on this stream)."""
+        address = self._direct_address(node)
+        if address is None:
+            return False
+        try:
+            await self.peers.dial_direct(address, node)
+        except ProtocolError as exc:
+            log.debug("dialing %s back at %s: %s", node[:16], address, exc)
+            return False
+        if not self._went_direct(node):
+            return False
+        self._note(node, "direct")
+        log.info("went direct to %s (dialed it back at %s)", node[:16], address)
+        return True
 
     def _note(self, node: str, outcome: str) -> None:
         if node not in self.outcomes and len(self.outcomes) >= 4096:
