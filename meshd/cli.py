@@ -67,7 +67,6 @@ from meshd.store.split import SplitError, model_files, part_paths, set_prefix, s
 from relay.limits import RelayLimits
 from wire.codec import Message
 from wire.credit import (
-    CREDITS_PAGE,
     CountersignRequest,
     CreditsReply,
     CreditsRequest,
@@ -682,16 +681,30 @@ async def own_voucher(state_dir: Path, opener: str, timeout: float) -> Voucher |
 
 
 async def credits(args: argparse.Namespace) -> int:
-    """The local member's credit ledger: its own standing and each member's (meshd.mesh.credit)."""
-    first = expect(await control_request(args.state_dir, CreditsRequest(), timeout=args.timeout), CreditsReply,
-                   "the local meshd")
-    members = list(first.members)
-    while len(members) < first.total_members and len(members) < MAX_STATUS_PAGES * CREDITS_PAGE:
-        page = expect(await control_request(args.state_dir, CreditsRequest(offset=len(members)),
-                                            timeout=args.timeout), CreditsReply, "the local meshd")
-        if not page.members:
-            break
-        members += page.members
+    """A member's credit ledger (the local one's, or the one `--seed` names): its own standing and each
+    member's (meshd.mesh.credit)."""
+    async def pages(ask: Callable[[CreditsRequest], Awaitable[Message]], what: str) -> tuple[CreditsReply,
+                                                                                                list[PeerCredit]]:
+        first = expect(await ask(CreditsRequest()), CreditsReply, what)
+        members = list(first.members)
+        # bounded: a node that keeps promising more members gets at most MAX_STATUS_PAGES asks
+        for _ in range(MAX_STATUS_PAGES - 1):
+            if len(members) >= first.total_members:
+                break
+            page = expect(await ask(CreditsRequest(offset=len(members))), CreditsReply, what)
+            if not page.members:
+                break
+            members += page.members
+        return first, members
+
+    if args.seed is None:
+        first, members = await pages(lambda r: control_request(args.state_dir, r, timeout=args.timeout),
+                                     "the local meshd")
+    else:
+        async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
+            enable_circuits(peers)
+            first, members = await pages(lambda r: rpc(peers, args.seed, r, timeout=args.timeout),
+                                         f"member {args.seed}")
     if args.json:
         doc = {"node": first.node_id, "own": first.own.model_dump(), "summaries": first.summaries,
                "root": first.root.hex(), "newcomer_floor": first.floor,
@@ -1203,7 +1216,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(default: a table)")
 
     cr = sub.add_parser("credits", help="this node's credit: balance, earned and spent, and each member's")
-    add_state_dir(cr, "the local daemon's state directory")
+    cr.add_argument("--seed", type=address, help="HOST:PORT of a member whose ledger to show (default: the local "
+                                                 "daemon's)")
+    add_state_dir(cr, "the local daemon's state directory, used without --seed")
+    add_mesh_key(cr)
     cr.add_argument("--timeout", type=number(0, 3600, above_low=True), default=10.0,
                     help="seconds to wait for the answer (default: %(default)s)")
     cr.add_argument("--json", action="store_true", help="print the ledger as one JSON document (default: a table)")

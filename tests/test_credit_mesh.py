@@ -70,6 +70,10 @@ def test_asks_between_two_volunteers_are_countersigned_kept_by_both_and_earn_the
             assert row["placed"] and row["earned"] == pytest.approx(docs[other]["own"]["earned"], rel=1e-3), docs
         table = run_meshd("credits", "--state-dir", str(states[0]))
         assert table.returncode == 0 and "balance" in table.stdout and ids[1][:16] in table.stdout, table.stdout
+        # any member's ledger, asked over the mesh as `meshd status --seed` asks
+        remote = run_meshd("credits", "--seed", nodes[1].address, "--json")
+        assert remote.returncode == 0, remote.stderr
+        assert (json.loads(remote.stdout)["node"], json.loads(remote.stdout)["root"]) == (ids[1], docs[1]["root"])
     finally:
         stop_all(nodes)
 
