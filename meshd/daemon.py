@@ -51,7 +51,7 @@ from meshd.fetch.hub import (
     remember_manifest,
 )
 from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
-from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address
+from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address, source_group
 from meshd.mesh.assignment import ModelSpec, held_ranges, stage_fits
 from meshd.mesh.authority import placement_of
 from meshd.mesh.credit import NEWCOMER_FLOOR, extra_votes
@@ -1216,7 +1216,8 @@ class MeshDaemon:
     async def _member_manifest(self, reader: HubReader) -> Manifest | None:
         """The manifest of the hub model a member offers under its file name, once its sizes and headers are
         the hub's at the pinned commit. Its tensors' hashes are the member's word: chunks come from members
-        only when a second one names the same model (else from the hub, each checked against it)."""
+        only when a second one, at another address, names the same model (else from the hub, each checked
+        against it). Addresses, not identities: identities cost nothing to make."""
         # as a model's record names its file: the file's (or set's) name less .gguf
         name = Path(reader.model.name).stem
         offered: dict[str, list[SourceRef]] = {}
@@ -1236,7 +1237,7 @@ class MeshDaemon:
                 log.warning("model %s, offered as %s, is not %s of %s: %s", digest[:16], name, reader.model.name,
                             reader.model.where, exc)
                 continue
-            self._members_vouch = len(holders) >= 2
+            self._members_vouch = len({source_group(host_of(ref.address or "")) for ref in holders}) >= 2
             return manifest
         return None
 

@@ -343,8 +343,8 @@ async def test_three_volunteers_joined_with_a_hub_model_read_only_their_own_tens
             assert manifest.bytes_of(owned) + header_bytes <= read <= manifest.bytes_of(owned) + 2 * header_bytes
 
 
-@pytest.mark.slow  # three daemons on the tiny set
-async def test_a_volunteer_takes_from_members_what_they_hold_once_two_name_the_manifest(
+@pytest.mark.slow  # four daemons on the tiny set
+async def test_a_volunteer_takes_from_members_what_they_hold_once_two_addresses_name_the_manifest(
         files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peers: Peers) -> None:
     manifest = manifest_for(files[f"{SET}-00001-of-00003.gguf"])
     headers = sum(p.header_size for p in manifest.parts)
@@ -354,23 +354,26 @@ async def test_a_volunteer_takes_from_members_what_they_hold_once_two_name_the_m
         hub.publish(REPO, files)
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
         try:
-            for i in range(3):
+            # the first two at one address (two identities of one host), the others at addresses of their own:
+            # each loopback address is a source group of its own
+            for i, host in enumerate(["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.3"]):
                 monkeypatch.setenv("HF_TOKEN", f"volunteer{i}")
                 seed = ["--seed", nodes[0].address] if nodes else []
                 # memory for the whole tiny model: each is given all of it, the later ones as replicas
-                nodes.append(start_join(*seed, "--state-dir", str(tmp_path / f"v{i}"), "--model", f"hf:{REPO}",
-                                        *VOLUNTEER))
+                nodes.append(start_join(*seed, "--listen", f"{host}:0", "--state-dir", str(tmp_path / f"v{i}"),
+                                        "--model", f"hf:{REPO}", *VOLUNTEER))
                 with trio.fail_after(120):
                     while not served(await mesh_status(peers, nodes[0])).get(nodes[-1].node_id):
                         assert nodes[-1].proc.poll() is None, "a daemon exited"
                         await trio.sleep(0.3)
         finally:
             stop_all(nodes)
-        read = [hub.bytes_read(f"volunteer{i}") for i in range(3)]
+        read = [hub.bytes_read(f"volunteer{i}") for i in range(4)]
     print(f"\nread from the hub: {read} B; the set {manifest.total_size} B, its headers {headers} B")
     # the first reads the set once to build the manifest, then its layers
     assert read[0] >= manifest.total_size + tensors
-    # the second has the manifest on one member's word alone: every tensor from the hub, checked
-    assert read[1] >= tensors
-    # the third has it from two: the members hold every tensor, and only the headers come from the hub
-    assert read[2] <= 2 * headers
+    # the second has the manifest on one member's word alone: every tensor from the hub, checked; so has
+    # the third, though two members name it: they are at one address, and a second identity is free
+    assert read[1] >= tensors and read[2] >= tensors
+    # the fourth has it from two addresses: the members hold every tensor, only the headers come from the hub
+    assert read[3] <= 2 * headers
