@@ -252,7 +252,7 @@ async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
 
     async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
         for round_ in range(spec["repeats"]):
-            for i, prompt in enumerate(PROMPTS):
+            for i, prompt in enumerate(PROMPTS[:spec["prompts"]]):
                 request = AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=spec["rate_tokens"])
                 order = MODES[::1 if (round_ + i) % 2 == 0 else -1]
                 answers = {}
@@ -269,7 +269,7 @@ async def rate_runs(spec: dict[str, Any]) -> dict[str, Any]:
                         ttfts[mode].append(answers[mode].ttft)
                 if len({tuple(a.tokens) for a in answers.values()}) != 1:
                     raise SystemExit(f"verification changed the answer to {prompt[:40]!r}")
-            for i, prompt in enumerate(REWRITE):
+            for i, prompt in enumerate(REWRITE[:spec["prompts"]]):
                 request = AskRequest(messages=[{"role": "user", "content": prompt}], max_tokens=spec["rate_tokens"])
                 answers = {mode: await answer(mode, request)
                            for mode in SPEC_MODES[::1 if (round_ + i) % 2 == 0 else -1]}
@@ -377,7 +377,8 @@ class Counting(Verifier):
         self.counts.compared += self.plan.compared
 
 
-async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: int, pin_cpus: bool) -> dict[str, Any]:
+async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: int, pin_cpus: bool,
+                prompts: int = len(PROMPTS)) -> dict[str, Any]:
     model = default_model_path()
     limits = StageLimits(max_sessions=8, max_session_tokens=1024)
     rng = random.Random(seed)
@@ -400,7 +401,7 @@ async def bench(runs: int, tokens: int, rate_tokens: int, repeats: int, seed: in
         route_pids = [os.getpid()] + [n.service.engine.pid for n in nodes.values() if n.service.engine.pid is not None]
         b = await rates_apart({"route": [stage_json(s) for s in route], "replicas": [stage_json(s) for s in replicas],
                                "route_pids": route_pids, "replica_pids": replica_pids, "seed": rng.random(),
-                               "repeats": repeats, "rate_tokens": rate_tokens,
+                               "repeats": repeats, "rate_tokens": rate_tokens, "prompts": prompts,
                                "width": nodes["mid"].service.report.stage_width}, asker_cpus)
         rates = b["rates"]
 
@@ -483,7 +484,9 @@ def main() -> int:
         return 0
     if args.smoke:  # the smallest run through every part: two lies, one round of short answers
         args.runs, args.tokens, args.rate_tokens, args.repeats = 2, 24, 8, 1
-    out = trio.run(bench, args.runs, args.tokens, args.rate_tokens, args.repeats, args.seed, not args.no_pin)
+    # the rates' prompts: every one, or in a smoke run the first of each task
+    prompts = 1 if args.smoke else len(PROMPTS)
+    out = trio.run(bench, args.runs, args.tokens, args.rate_tokens, args.repeats, args.seed, not args.no_pin, prompts)
     c, r, b = out["caught"], out["decode_tok_s"], out["bytes_per_token"]
     lines: list[str] = []
     say = lines.append
