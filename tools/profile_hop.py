@@ -267,8 +267,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the decode run")
     ap.add_argument("--receipts", action="store_true", help="stages sign receipts (verification's default)")
     args = ap.parse_args()
-    if args.smoke:  # the smallest run through every part
-        args.decode, args.pings = 8, 10
+    if args.smoke:  # the smallest run through every part: the profile and the receipts included
+        args.decode, args.pings, args.profile, args.receipts = 8, 10, True, True
     out = trio.run(run, args)
     text = report(out)
     publish("profile_hop", args, {k: v for k, v in out.items() if k != "profile"}, text)
