@@ -129,10 +129,10 @@ class AskRequest:
     # draft model (meshd serve --draft-model), up to max_draft a step
     speculate: Literal["off", "ngram", "model"] = "off"
     max_draft: int = 8
-    # the fast path (wire.fastlink): rows go engine worker to engine worker, where the route allows
     # the stages' prefix caches (meshd.client.prefix): the prompt's rows begin past the longest prefix
     # every stage of the route keeps of this asker's earlier sessions (a verified ask runs them all)
     cache: bool = True
+    # the fast path (wire.fastlink): rows go engine worker to engine worker, where the route allows
     # it (every hop direct, f32, no receipts, no draft model); off, every row goes through the daemons
     fast: bool = True
     # the member on whose credit the ask is made, when it dials from an identity of its own (wire.credit)
@@ -181,11 +181,11 @@ class AskResult:
     # last token before each failure to the first one after), and the nodes it routed around
     failovers: int = 0
     failover_seconds: float = 0.0
+    # the prompt's positions the last epoch took from the stages' prefix caches instead of running them
+    cached_tokens: int = 0
     excluded: list[str] = field(default_factory=list)
     # output verification: whether spot checks ran (None: not asked for), and the ranges whose steps
     # no replica checked to the end of the answer, one note a range and node
-    # the prompt's positions the last epoch took from the stages' prefix caches instead of running them
-    cached_tokens: int = 0
     checked: bool | None = None
     unverified: list[Unchecked] = field(default_factory=list)
     # where a failover carried the answer onto stages of other numerics (another engine build or
