@@ -2,9 +2,11 @@
 
 A mesh of members over simulated hours: honest volunteers (placed: they serve and ask), free-riders
 (ask only, never placed) and Sybil rings (free identities, ten a ring, one source address a ring,
-that ask honest stages and countersign each other's made-up work). Each hour every member asks at
+that ask honest stages and countersign each other's made-up work), and one greedy newcomer (one
+identity asking as much as a whole ring: the yardstick a ring is measured by). Each hour every member asks at
 its rate; the stages can serve only `capacity` of all that is asked (contention). Admission is the
-stage books' rule (meshd.stage.books): askers with credit first, by credit; newcomers (no credit)
+stage books' rule (meshd.stage.books): askers by rank (meshd.mesh.credit.priority: balance, and placed
+volunteers above those that serve nothing) first; newcomers (no rank)
 keep `NEWCOMER_FLOOR` of the capacity between them, one share per source address (a ring's
 identities share one). What is served becomes the asker's countersigned summaries, and the
 credit (the one rule, ``credit_standing``) is worked out again from them each hour.
@@ -32,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshd.client.ledger import WALK_EVERY  # noqa: E402
-from meshd.mesh.credit import NEWCOMER_FLOOR, WINDOW, Windows, credit_standing, priority  # noqa: E402
+from meshd.mesh.credit import NEWCOMER_FLOOR, WINDOW, Standing, Windows, credit_standing, priority  # noqa: E402
 from wire.codec import encode  # noqa: E402
 from wire.credit import (  # noqa: E402
     BUCKETS,
@@ -98,6 +100,8 @@ class Sim:
             self.members.append(Member(f"f{k:05d}", "free-rider", f"f{k}", c.greedy_rate))
         for k in range(n_sybil):
             self.members.append(Member(f"s{k:05d}", "sybil", f"ring{k // RING}", c.greedy_rate))
+        # the yardstick for a ring: one newcomer (one identity, one address) that asks as much as a whole ring
+        self.members.append(Member("g00000", "greedy newcomer", "g0", c.greedy_rate * RING))
         self.honest = [m for m in self.members if m.kind == "honest"]
         self.placed = frozenset(m.node_id for m in self.honest)
 
@@ -105,6 +109,7 @@ class Sim:
         c = self.config
         work = float(c.layers_per_stage * c.tokens_per_ask)
         credit: dict[str, float] = {}
+        standing: dict[str, Standing] = {}
         by_kind_asked: dict[str, int] = defaultdict(int)
         by_kind_served: dict[str, int] = defaultdict(int)
         for hour in range(c.hours):
@@ -130,7 +135,8 @@ class Sim:
                             self.windows[(stage, asker)][int(now // WINDOW)] += work * 10
                             self.summaries += 1
             standing, _ = credit_standing(self.windows, now + WINDOW, self.placed)
-            credit = {node: priority(s.balance) for node, s in standing.items()}
+            credit = {m.node_id: priority(standing[m.node_id].balance if m.node_id in standing else 0.0,
+                                          m.node_id in self.placed) for m in self.members}
         total_served = sum(by_kind_served.values())
         sybil_credit = max((credit.get(m.node_id, 0.0) for m in self.members if m.kind == "sybil"), default=0.0)
         rings = len({m.source for m in self.members if m.kind == "sybil"})
@@ -142,7 +148,8 @@ class Sim:
             "newcomer_floor": NEWCOMER_FLOOR,
             "served_per_source": per_newcomer_source, "sybil_rings": rings,
             "largest_sybil_credit": sybil_credit,
-            "honest_with_credit": sum(1 for m in self.honest if credit.get(m.node_id, 0.0) > 0),
+            "honest_with_credit": sum(1 for m in self.honest if m.node_id in standing
+                                      and standing[m.node_id].balance > 0),
             "summaries": self.summaries,
         }
 
@@ -175,7 +182,7 @@ class Sim:
         """Asks served per hour: an honest member's, a free-rider's, and a whole Sybil ring's (all its identities)."""
         c = self.config
         out: dict[str, float] = {}
-        for kind in ("honest", "free-rider"):
+        for kind in ("honest", "free-rider", "greedy newcomer"):
             group = [m for m in self.members if m.kind == kind]
             if group:
                 out[f"one {kind}"] = round(sum(m.served for m in group) / len(group) / c.hours, 4)

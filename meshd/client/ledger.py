@@ -74,6 +74,7 @@ class LedgerKeeper:
     # bytes this node's pulls moved (requests and answers, as encoded): a figure for /metrics and the sim
     pulled_bytes: int = 0
     _standing: dict[str, Standing] = field(default_factory=dict)
+    _placed: frozenset[str] = frozenset()
     _pulls: int = 0
     _walked: int = 0
 
@@ -151,7 +152,7 @@ class LedgerKeeper:
         65,536 summaries, which would stall every session's tokens on the event loop."""
         facts, placed = self.ledger.facts(), frozenset(self.placed())
         standing, payers = await trio.to_thread.run_sync(standing_of, facts, time.time(), placed)
-        self._standing = standing
+        self._standing, self._placed = standing, placed
         self.ledger.paying(payers)
 
     async def _gossip(self, members: Callable[[], list[tuple[str, str | None]]]) -> None:
@@ -229,9 +230,9 @@ class LedgerKeeper:
         return self._standing
 
     def credit_of(self, node_id: str) -> float:
-        """A session's rank at a stage: its payer's balance (meshd.mesh.credit.priority)."""
+        """A session's rank at a stage: its payer's balance, and whether it is placed (meshd.mesh.credit.priority)."""
         held = self.standing().get(node_id)
-        return 0.0 if held is None else priority(held.balance)
+        return priority(0.0 if held is None else held.balance, node_id in self._placed)
 
 
 def _size(message: Message) -> int:

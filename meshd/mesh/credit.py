@@ -333,7 +333,14 @@ def extra_votes(earned: float) -> int:
     return min(MAX_EXTRA_VOTES, int(math.log2(earned / ASKER_WINDOW_CAP)) + 1)
 
 
-def priority(balance: float) -> float:
-    """A session's rank under contention: its asker's balance, with every member at or below zero
-    (newcomers, and those that asked more than they served) ranked alike at zero."""
-    return max(0.0, balance) if math.isfinite(balance) else 0.0
+# What being placed (a volunteer serving a range now) adds to a member's rank: above every member that
+# serves nothing, below any real balance (one layer of one token). tools/sim_credit.py: without it, the
+# placed volunteers that asked more than they served shared the newcomers' floor with the free-riders,
+# who then got 27% of the service (200 members, a day) against a floor of 25%.
+PLACED_PRIORITY = 1.0
+
+
+def priority(balance: float, placed: bool = False) -> float:
+    """A session's rank under contention: its asker's balance, with every member at or below zero ranked
+    alike at zero, and a placed volunteer (one that serves now) above those that serve nothing."""
+    return (max(0.0, balance) if math.isfinite(balance) else 0.0) + (PLACED_PRIORITY if placed else 0.0)
