@@ -137,6 +137,14 @@ async def test_a_verified_ask_takes_the_fast_path_and_catches_lies(tiny_models: 
                 assert plan.checks > 0 and honest.unverified == [] and honest.verified
                 assert fetched == []
 
+                # a prompt of several prefill chunks (over 128 rows a step): the tail books the chunks it
+                # samples nothing from in its spans too (it failed the session at the second chunk before)
+                long = replace(REQUEST, text=REQUEST.text * 4, max_tokens=8)
+                plain = await run_session(peers, await route(nodes, every)([]), replace(long, fast=False), AskResult())
+                chunked = await ask_with_failover(peers, route(nodes, every), long,
+                                                  verifier=Verifier(peers, CheckPlan(every=4, candidates=pool)))
+                assert len(chunked.prompt_tokens) > 128 and chunked.tokens == plain.tokens and chunked.verified
+
                 # speculation with verification: the same answer, drafts accepted, checked to the end
                 got, on_token = client()
                 spec = await ask_with_failover(peers, route(nodes, every), replace(REQUEST, speculate="ngram"),

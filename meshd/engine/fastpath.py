@@ -604,6 +604,10 @@ class FastPlane:
             s = w.session
             if len(rows) and not s.failed:
                 self._verify(s, w, rows)
+            elif s.spans is not None and not s.failed:
+                # a chunk of the prompt before its last samples nothing, and its rows are in its spans all
+                # the same (without them the next chunk's step found no rows before it, and failed)
+                self._spanned_step(w, [b""] * w.n)
 
     def _verify(self, s: FastSession, w: Work, rows: np.ndarray) -> None:
         """Samples the step's rows in order, stopping at the first pick that is not the draft after it
