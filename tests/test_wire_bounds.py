@@ -223,7 +223,7 @@ def test_a_relay_message_over_its_cap_is_refused_at_the_length_prefix() -> None:
         ("activation", STAGE, "1048576 exceeds max_str_len(512)"),
         # Schemas whose whole message is smaller than the string.
         ("dial_back", MESH, "exceeds the 2136 its schema allows"),
-        ("hop", STAGE, "exceeds the 747 its schema allows"),  # 631 before Hop gained carry_tokens, 657 before fast
+        ("hop", STAGE, "exceeds the 766 its schema allows"),  # 747 before Hop gained start (the prefix cache)
     ],
 )
 def test_a_megabyte_string_is_refused_in_a_message_whose_schema_has_none(tag: str, limits: Limits, fragment: str) -> None:
