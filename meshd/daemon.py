@@ -350,7 +350,8 @@ class MeshDaemon:
             self.puncher = Puncher(peers, direct_address=self._public_address)
             enable_circuits(peers, self._reserved_on, self.puncher.initiate if cfg.punch else None)
             if cfg.relay:
-                self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap)
+                self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap,
+                                          self._has_record)
             self.port = await peers.listen(*cfg.listen)
             roles = ([ROLE_CLIENT] if cfg.client else []) + ([ROLE_RELAY] if cfg.relay else [])
             # A relay is public by its operator's word; others learn it from a seed's dial-back.
@@ -611,6 +612,11 @@ class MeshDaemon:
         if record is None or record.reachability != "public":
             return None
         return next((a for a in record.addresses if not is_unspecified(host_of(a))), None)
+
+    def _has_record(self, node_id: str) -> bool:
+        """A live member by its record (a light client such as `meshd ask` has none)."""
+        return self.mesh.membership.record_of(node_id) is not None and \
+            any(r.node_id == node_id for r in self.mesh.membership.live_records())
 
     def _relay_candidates(self) -> list[RelayCandidate]:
         records = [r for r in self.live_records() if ROLE_RELAY in r.roles and r.node_id != self.mesh.node_id

@@ -42,10 +42,15 @@ Tap = Callable[[bytes], None]
 
 class RelayService:
     def __init__(self, peers: Peers, limits: RelayLimits | None = None,
-                 is_member: Callable[[str], bool] = lambda node: True, tap: Tap | None = None) -> None:
+                 is_member: Callable[[str], bool] = lambda node: True, tap: Tap | None = None,
+                 is_known: Callable[[str], bool] | None = None) -> None:
         self.peers = peers
         self.state = RelayState(limits or RelayLimits())
         self._is_member = is_member
+        # Whom a circuit's end may learn the other's public host for (``_connect``): a node with a
+        # live member record, first-hand or not (a circuit can come before this relay has probed
+        # its dialer); by default the members who may reserve.
+        self._is_known = is_known or is_member
         self._tap = tap
         self._links: dict[str, Link] = {}
         self.forwarded_bytes = 0
@@ -108,7 +113,9 @@ class RelayService:
         circuit = self.state.open_circuit(source, target, trio.current_time())
         # Each end's public host, for a hole punch between members (meshd.relay.punch); a dialer that is
         # no member (an asker) punches nothing, and learns no volunteer's public host, nor tells its own.
-        member = self._is_member(source)
+        # (a dialer holding a reservation here is a member this relay probed, though its record may
+        # not have reached here yet, as when two homes' first circuit comes right after their joins)
+        member = self.state.holds_reservation(source, trio.current_time()) or self._is_known(source)
         try:
             stop = link.open_stream(STOP_PROTOCOL)
             try:
