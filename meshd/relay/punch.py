@@ -179,7 +179,8 @@ class Puncher:
         local = self._local()
         refusal = self.budget.take(node, trio.current_time())
         if refusal is not None:
-            raise PunchFailed(f"no more rounds now: {refusal}")
+            # tried lately (a failed punch, then another circuit between the same two): no news
+            raise PunchFailed(f"no more rounds now: {refusal}", refused=True)
         try:
             await self._initiate_round(link, node, observed, local)
         finally:
