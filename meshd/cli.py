@@ -1287,7 +1287,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="layer range START:END to fetch (required with an id; with hf: default the whole files)")
     pl.add_argument("--seed", type=address, action="append", default=[],
                     help="HOST:PORT of a member holding the model (all of it or part), repeatable: each is a source "
-                         "(required with an id)")
+                         "(required with an id; default with hf: none, the hub alone)")
     pl.add_argument("--out", type=Path,
                     help="the sparse file to fetch into, resumed if it is a partial download of this model "
                          "(default: STATE_DIR/models/ID.gguf; a whole hf: model: STATE_DIR/models/FILE.gguf)")
