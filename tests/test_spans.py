@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from meshd.client.ask import AskResult
 from meshd.client.audit import SpanAudit, StageLied
-from meshd.engine.spans import Span, SpanBook, SpanError
+from meshd.engine.spans import SpanBook, SpanError
 from meshd.stage.receipts import SessionReceipts, Signer
 from wire.identity import NodeIdentity
 from wire.receipt import SPAN, row_hash, sampling_bytes, span_end
@@ -60,9 +60,9 @@ def test_spans_hash_the_final_rows_however_the_steps_were_cut(total: int, prompt
     assert cut.kept == []
 
 
-def test_spans_are_cut_where_the_prompt_ends_and_shorter_just_after() -> None:
-    assert [span_end(p, 10) for p in (0, 10, 11, 12, 14, 18, 26, 32)] == [10, 11, 12, 14, 18, 26, 32, 64]
-    assert [span_end(p, 64) for p in (0, 32, 64, 65, 66, 68, 72, 80, 96)] == [32, 64, 65, 66, 68, 72, 80, 96, 128]
+def test_spans_are_cut_where_the_prompt_ends_and_at_every_32_positions() -> None:
+    assert [span_end(p, 10) for p in (0, 10, 31, 32)] == [10, 32, 32, 64]
+    assert [span_end(p, 40) for p in (0, 32, 40, 64)] == [32, 40, 64, 96]
 
 
 def test_a_span_closes_once_its_rows_are_final_and_steps_must_follow() -> None:
@@ -72,9 +72,9 @@ def test_a_span_closes_once_its_rows_are_final_and_steps_must_follow() -> None:
     assert (prompt.pos, prompt.n, prompt.h_in, prompt.h_out) == (0, 2, row_hash(b"ab"), row_hash(b"1"))
     assert prompt.rows_in == b""  # kept only where asked (every stage but the head)
     # a drafted row waits for the next step, which says whether it stood
-    assert book.step(2, [b"c", b"d"], [b"2", b"3"], drafts=1) == [Span(2, 1, row_hash(b"c"), row_hash(b"2"))]
+    assert book.step(2, [b"c", b"d"], [b"2", b"3"], drafts=1) == []
     (span,) = book.step(3, [b"D"], [b"4"])  # the draft at 3 was wrong: the step at 3 drops it
-    assert (span.pos, span.n, span.h_in, span.h_out) == (3, 1, row_hash(b"D"), row_hash(b"4"))
+    assert (span.pos, span.n, span.h_in, span.h_out) == (2, 2, row_hash(b"cD"), row_hash(b"24"))
     assert book.step(4, [b"e", b"f"], [b"5", b"6"], drafts=1) == []  # the span [4, 8) is still open
     assert book.step(6, [b"g"], [b"7"]) == []  # the draft at 5 stood
     (last,) = book.seal(7)
@@ -132,15 +132,15 @@ def test_the_asker_checks_a_span_once_every_stage_signed_it() -> None:
     while pos < until:
         spans.append((pos, min(span_end(pos, len(route.prompt)), until) - pos))
         pos += spans[-1][1]
-    # cut where the prompt ends, then 1, 2, 4, 8 and 16 positions on, then SPAN's multiples
-    assert [p for p, _ in spans] == [0, 5, 6, 7, 9, 13, 21, 32]
+    # cut where the prompt ends, then at SPAN's multiples
+    assert [p for p, _ in spans] == [0, 5, 32]
     for index in (2, 0):
         for pos, n in spans:
             audit.on_stage(index, "s1", 0, route.receipt(index, pos, n))
     assert audit.next_pos == 0  # the middle's receipts are not in
     for pos, n in spans:
         audit.on_stage(1, "s1", 0, route.receipt(1, pos, n))
-    assert audit.sealed and audit.by_stage[1][21].n_tokens == 11 and audit.by_stage[1][SPAN].n_tokens == 2
+    assert audit.sealed and audit.by_stage[1][5].n_tokens == 27 and audit.by_stage[1][SPAN].n_tokens == 2
 
 
 @pytest.mark.parametrize("lie", ["head input", "hop", "tail output", "out of turn", "other range", "cut short",

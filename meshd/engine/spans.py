@@ -3,9 +3,8 @@
 On the fast path the engine worker hashes what its stage took in and put out,
 and its daemon signs (meshd.stage.service): the rows never wait for a
 signature. One receipt covers a span of positions (``wire.receipt.span_end``
-cuts them: up to ``SPAN`` long, short ones where the prompt ends and just
-after; the last ends where the answer does, when the asker seals the
-session), not an engine step, so every stage of a route signs
+cuts them: up to ``SPAN`` long, a short one where the prompt ends; the last
+ends where the answer does, when the asker seals the session), not an engine step, so every stage of a route signs
 the same spans whatever steps it ran them in, and a replica replays a span as
 one step: the engine is batch-invariant, so a span's rows are the same bytes
 however its steps were cut, and its hashes (``row_hash`` of the span's rows in
@@ -52,7 +51,7 @@ class SpanBook:
     """One session's rows at one stage, hashed span by span once final."""
 
     span: int
-    # where the prompt ends (the spans are cut there and, shorter, just after: ``span_end``)
+    # where the prompt ends (a span is cut there: ``span_end``)
     prompt_len: int = 0
     # whether closed spans' inputs are kept until the asker takes them (every stage but the head, whose
     # input is token ids the asker has)
