@@ -7,6 +7,7 @@ simultaneous open through two MASQUERADE NATs runs in tests/test_punch_netns.py.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from meshd.net import rpc
 from meshd.net.link import LinkTimings, Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.relay.circuit import CircuitTransport, enable_circuits
-from meshd.relay.punch import Puncher
+from meshd.relay.punch import Puncher, dial_from
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService
 from relay.limits import RelayLimits
@@ -305,3 +306,17 @@ async def test_a_peer_whose_record_says_public_is_dialed_back_there() -> None:
             assert await echo(dialer.peers, target.held[0], target.node_id, b"again") == b"again"
         assert relay.relay.forwarded_bytes == before
         nursery.cancel_scope.cancel()
+
+
+async def test_a_listening_port_stays_its_own_for_other_listeners_and_takes_the_punch_s_dial() -> None:
+    async with open_peers(NodeIdentity.generate(), CONFIG) as a, open_peers(NodeIdentity.generate(), CONFIG) as b:
+        port = await a.listen("127.0.0.1", 0)
+        # SO_REUSEPORT is set once the listener is bound: a second daemon on the port still fails
+        with pytest.raises(OSError) as caught:
+            await b.listen("127.0.0.1", port)
+        assert caught.value.errno == errno.EADDRINUSE
+        other = await b.listen("127.0.0.1", 0)
+        # while a punch's dialing socket shares it, and the connection leaves from that very port
+        connection = await dial_from(("127.0.0.1", port), ("127.0.0.1", other), 2.0)
+        assert connection.socket.getsockname()[1] == port
+        await connection.aclose()
