@@ -37,8 +37,8 @@ import sys
 import tarfile
 import tempfile
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "native"
@@ -207,10 +207,10 @@ def unpack(sdist: Path, package: str, version: str, into: Path) -> None:
         extract(tar, members, into)
 
 
-@dataclass
-class Applied:
+class Applied(NamedTuple):
     """What one patch did to a tree: the hunks that did not apply, and those that landed elsewhere
-    than the patch says (by whole lines, never by fuzz), each as "file: hunk #n ...". """
+    than the patch says (by whole lines, never by fuzz), each as "file: hunk #n ...". (Not a
+    dataclass: setup.py runs this file as a module no import registered, where a dataclass fails.)"""
 
     failed: list[str]
     moved: list[str]
