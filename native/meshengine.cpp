@@ -132,6 +132,16 @@ void show_cpu_vulkan_device() {
     }
 }
 
+// ggml-vulkan picks a matrix product's kernel by its row count (patch 0012): one kernel for every
+// row count, as on the CPU, unless MESHD_STOCK_KERNELS=1 asks for ggml's own choice (what
+// tools/bench_vulkan.py compares against).
+void batch_invariant_gpu_kernels() {
+    const char * stock = getenv("MESHD_STOCK_KERNELS");
+    if (!(stock && strcmp(stock, "1") == 0)) {
+        setenv("GGML_VK_BATCH_INVARIANT", "1", 1);
+    }
+}
+
 // The first GPU-like device, the one a load offloads to: one device, not llama.cpp's default of
 // splitting layers over every GPU, so a stage's numerics are one device's and its report names it.
 ggml_backend_dev_t first_gpu() {
@@ -178,6 +188,7 @@ void ensure_init() {
         // both (two rounds side by side on a loaded 2-core box): repacking cost more than tiling gave.
         setenv("GGML_CPU_TILED_MM", "0", 1);
         show_cpu_vulkan_device();
+        batch_invariant_gpu_kernels();
         llama_log_set(log_callback, nullptr);
         llama_backend_init();
     });
