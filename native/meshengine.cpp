@@ -134,11 +134,14 @@ void show_cpu_vulkan_device() {
 
 // ggml-vulkan picks a matrix product's kernel by its row count (patch 0012): one kernel for every
 // row count, as on the CPU, unless MESHD_STOCK_KERNELS=1 asks for ggml's own choice (what
-// tools/bench_vulkan.py compares against).
+// tools/bench_vulkan.py compares against). Its fused kernels are formed by shape too: with the
+// matmuls fixed, an IQ4_NL model's batch of 16 still had rows 9-15 differ from their decode steps on
+// lavapipe until fusion was off as well.
 void batch_invariant_gpu_kernels() {
     const char * stock = getenv("MESHD_STOCK_KERNELS");
     if (!(stock && strcmp(stock, "1") == 0)) {
         setenv("GGML_VK_BATCH_INVARIANT", "1", 1);
+        setenv("GGML_VK_DISABLE_FUSION", "1", 1);
     }
 }
 

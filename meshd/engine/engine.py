@@ -191,8 +191,10 @@ class Model:
             n_bytes_gpu=info.n_bytes_gpu,
             needs_tokens=bool(info.needs_tokens),
             # the device is told: two GPU stages of one build differ on two GPU models (kernels are
-            # tuned per device); the CPU's are the build's own
-            numerics=f"{build_fingerprint()}/{device or 'cpu'}",
+            # tuned per device), and so do ggml's own kernel choices (MESHD_STOCK_KERNELS=1) from the
+            # engine's batch-invariant ones; the CPU's are the build's own
+            numerics=f"{build_fingerprint()}/{device or 'cpu'}"
+                     f"{'/stock-kernels' if device and os.environ.get('MESHD_STOCK_KERNELS') == '1' else ''}",
             device=device,
         )
         want_end = self.report.n_layer if end is None else end
