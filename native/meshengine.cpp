@@ -132,7 +132,7 @@ void show_cpu_vulkan_device() {
     }
 }
 
-// ggml-vulkan picks a matrix product's kernel by its row count (patch 0012): one kernel for every
+// ggml-vulkan picks a matrix product's kernel by its row count (patch 0015): one kernel for every
 // row count, as on the CPU, unless MESHD_STOCK_KERNELS=1 asks for ggml's own choice (what
 // tools/bench_vulkan.py compares against). Its fused kernels are formed by shape too: with the
 // matmuls fixed, an IQ4_NL model's batch of 16 still had rows 9-15 differ from their decode steps on

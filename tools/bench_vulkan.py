@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The default model on the Vulkan build (a GPU, or Mesa's lavapipe on the CPU) against the CPU build:
 decode and prefill tokens/s, whole, split and mixed (a CPU stage, then Vulkan stages), and what
-the batch-invariant GPU kernels (patch 0012, the engine's default) cost against ggml's own choice
+the batch-invariant GPU kernels (patch 0015, the engine's default) cost against ggml's own choice
 (MESHD_STOCK_KERNELS=1).
 
 Each configuration runs in a process of its own (the library and the kernel switch are chosen per
