@@ -378,6 +378,7 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         path = model_or_default(args.model)
     check_port(args.listen, "--listen")
+    resolve_gpu(args)
     kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after,
@@ -556,6 +557,7 @@ def seeds_text(seeds: Sequence[str]) -> str:
 
 async def join(args: argparse.Namespace) -> int:
     api = api_config(args)
+    resolve_gpu(args)
     if args.gpu_layers and not args.gpu_memory:
         raise UsageError("--gpu-layers needs --gpu-memory: how much GPU memory this node offers the layers")
     if args.model_id is not None and not args.seed:
@@ -1051,9 +1053,46 @@ def add_logging(p: argparse.ArgumentParser) -> None:
 
 
 def add_gpu_layers(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu-layers", type=integer(-1, MAX_LAYERS + 1), default=0, metavar="N",
+    p.add_argument("--gpu-layers", type=or_auto(integer(-1, MAX_LAYERS + 1)), default=0, metavar="N",
                    help="offload the last N layers of this node's range to the GPU (at the tail the output head "
-                        "counts as one more, the last); -1: all of them (default: 0, none; needs a CUDA build)")
+                        "counts as one more, the last); -1: all of them; auto: all of them where the engine finds "
+                        "a GPU, else none (default: 0, none; needs a CUDA or Vulkan build)")
+
+
+AUTO = "auto"
+
+
+def or_auto(convert: Callable[[str], int]) -> Callable[[str], int | str]:
+    """`convert`, or the word auto: filled from the devices the engine finds (resolve_gpu)."""
+    def either(text: str) -> int | str:
+        return AUTO if text.strip().lower() == AUTO else convert(text)
+    return either
+
+
+def resolve_gpu(args: argparse.Namespace) -> None:
+    """Fills --gpu-layers auto and --gpu-memory auto from the first GPU the engine finds (the one a
+    load offloads to), and says in one line what it found; a GPU build that finds none says so."""
+    from meshd.engine.devices import gpus, no_gpu_note
+    from meshd.engine.native import EngineUnavailable
+
+    asked = AUTO in (args.gpu_layers, getattr(args, "gpu_memory", None))
+    try:
+        note = no_gpu_note()
+        gpu = next(iter(gpus()), None) if asked else None
+    except EngineUnavailable as exc:
+        if asked:
+            raise CommandError(f"--gpu-layers/--gpu-memory auto: {exc}") from None
+        return  # the engine's own start names what is missing
+    if note:
+        print(f"meshd: {note}", file=sys.stderr, flush=True)
+    if not asked:
+        return
+    if args.gpu_layers == AUTO:
+        args.gpu_layers = -1 if gpu is not None else 0
+    if getattr(args, "gpu_memory", None) == AUTO:
+        args.gpu_memory = gpu.memory_free if gpu is not None else 0
+    if gpu is not None:
+        print(f"meshd: GPU {gpu}, {mib(gpu.memory_free)} free of {mib(gpu.memory_total)}", file=sys.stderr, flush=True)
 
 
 def gpu_layers_text(n: int) -> str:
@@ -1065,11 +1104,9 @@ def offload_text(report: RangeReport) -> str:
     begin, end = report.gpu_layers
     if end <= begin and not report.gpu_output:
         return ""
-    what = (f"layers [{begin}, {end})" if end > begin else "") + \
-        (" and " if end > begin and report.gpu_output else "") + ("the output head" if report.gpu_output else "")
     if not report.n_bytes_gpu:
-        return f"; no GPU took {what} (this build has none): all in RAM"
-    return f"; {what} on the GPU ({mib(report.n_bytes_gpu)})"
+        return f"; no GPU took {report.offload_plan} (this build has none, or it found no device): all in RAM"
+    return f"; {report.offload_plan} on {report.device or 'the GPU'} ({mib(report.n_bytes_gpu)})"
 
 
 def add_peer_quotas(parser: argparse.ArgumentParser) -> None:
@@ -1150,8 +1187,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "are dropped to stay within it (default: no limit, what is fetched stays to serve others)")
     add_state_dir(j, "where the node key and the control socket live")
     add_mesh_key(j)
-    j.add_argument("--gpu-memory", type=size, default="0",
-                   help="GPU memory this node offers for --gpu-layers, e.g. 8G (default: %(default)s)")
+    j.add_argument("--gpu-memory", type=or_auto(size), default="0",
+                   help="GPU memory this node offers for --gpu-layers, e.g. 8G; auto: what the engine's GPU has "
+                        "free now (default: %(default)s)")
     j.add_argument("--threads", type=threads, default=0, help="compute threads (default: 0, all cores)")
     add_gpu_layers(j)
     j.add_argument("--max-sessions", type=sessions, default=4,

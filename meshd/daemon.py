@@ -944,9 +944,12 @@ class MeshDaemon:
             return
         old, self.serving = self.serving, [serving]
         self.duty.range_loaded(trio.current_time(), load.start, load.end)
-        if serving.service is not None and serving.service.report.numerics != self.mesh.record.numerics:
-            # the tracker names replicas of one numerics with each stage of a route
-            self.mesh.update_record(trio.current_time(), numerics=serving.service.report.numerics)
+        report = serving.service.report if serving.service is not None else None
+        if report is not None and (report.numerics, report.offloaded[:256]) != (self.mesh.record.numerics,
+                                                                          self.mesh.record.offload):
+            # the tracker names replicas of one numerics with each stage of a route; members show
+            # what each offloaded, and where
+            self.mesh.update_record(trio.current_time(), numerics=report.numerics, offload=report.offloaded[:256])
         self._flush()
         for previous in old:
             self.retiring.append(previous)

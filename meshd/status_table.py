@@ -164,6 +164,8 @@ def member_lines(m: MemberStatus, width: int) -> list[str]:
         lines.extend(wrap_items(list(m.roles), ", ", width, DETAIL + "roles: ", DETAIL + "  "))
     if m.served:
         lines.extend(wrap_items(list(m.served), "; ", width, DETAIL + "serves: ", DETAIL + "  "))
+    if m.offload:
+        lines.extend(wrap(clean(m.offload), width, DETAIL + "GPU: ", DETAIL + "  "))
     if m.reachability == "nat":
         lines.append(DETAIL + "behind NAT, reachable via:" + ("" if m.relay_addresses else " no relay yet"))
         for relay in m.relay_addresses:
@@ -228,7 +230,7 @@ def as_json(s: StatusReply) -> dict[str, Any]:
         "members": [{
             "node_id": m.node_id, "address": m.address or None, "state": m.state, "roles": list(m.roles),
             "reachability": m.reachability, "memory_bytes": m.memory_bytes, "served": list(m.served),
-            "models": list(m.models), "relay_addresses": list(m.relay_addresses),
+            "models": list(m.models), "relay_addresses": list(m.relay_addresses), "offload": m.offload or None,
         } for m in sorted(s.members, key=lambda m: m.node_id)],
         "coverage": [{
             "model": c.model, "name": c.name, "n_layers": c.n_layers, "covered_layers": c.covered_layers,

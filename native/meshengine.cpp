@@ -24,6 +24,7 @@ struct me_model {
     const llama_vocab * vocab;
     llama_model_range_info range;
     std::string arch;
+    ggml_backend_dev_t gpu;  // the one device its offloaded layers are on, or null
 };
 
 struct me_context {
@@ -118,6 +119,67 @@ std::string logged_reason() {
     return reason;
 }
 
+// ---- Devices (GPU detection) ---------------------------------------------------------------------
+
+// ggml's Vulkan backend passes over a device whose Vulkan type is CPU (Mesa's lavapipe) unless
+// GGML_VK_VISIBLE_DEVICES names it: MESHD_VULKAN_DEVICE=N names Vulkan device N (vulkaninfo's order)
+// for it. ggml reads the variable once, when its backends register, so it is set before that; one
+// set by hand wins. An index past the last device leaves the build without its Vulkan backend.
+void show_cpu_vulkan_device() {
+    const char * want = getenv("MESHD_VULKAN_DEVICE");
+    if (want && *want && !getenv("GGML_VK_VISIBLE_DEVICES")) {
+        setenv("GGML_VK_VISIBLE_DEVICES", want, 1);
+    }
+}
+
+// ggml-vulkan picks a matrix product's kernel by its row count (patch 0015): one kernel for every
+// row count, as on the CPU, unless MESHD_STOCK_KERNELS=1 asks for ggml's own choice (what
+// tools/bench_vulkan.py compares against). Its fused kernels are formed by shape too: with the
+// matmuls fixed, an IQ4_NL model's batch of 16 still had rows 9-15 differ from their decode steps on
+// lavapipe until fusion was off as well.
+void batch_invariant_gpu_kernels() {
+    const char * stock = getenv("MESHD_STOCK_KERNELS");
+    if (!(stock && strcmp(stock, "1") == 0)) {
+        setenv("GGML_VK_BATCH_INVARIANT", "1", 1);
+        setenv("GGML_VK_DISABLE_FUSION", "1", 1);
+    }
+}
+
+// The first GPU-like device, the one a load offloads to: one device, not llama.cpp's default of
+// splitting layers over every GPU, so a stage's numerics are one device's and its report names it.
+ggml_backend_dev_t first_gpu() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const auto type = ggml_backend_dev_type(dev);
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            return dev;
+        }
+    }
+    return nullptr;
+}
+
+void describe_device(ggml_backend_dev_t dev, me_device_info * out) {
+    memset(out, 0, sizeof *out);
+    if (!dev) {
+        return;
+    }
+    snprintf(out->name, sizeof out->name, "%s", ggml_backend_dev_name(dev));
+    snprintf(out->description, sizeof out->description, "%s", ggml_backend_dev_description(dev));
+    snprintf(out->backend, sizeof out->backend, "%s", ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)));
+    switch (ggml_backend_dev_type(dev)) {
+        case GGML_BACKEND_DEVICE_TYPE_GPU:   out->type = ME_DEVICE_GPU; break;
+        case GGML_BACKEND_DEVICE_TYPE_IGPU:  out->type = ME_DEVICE_IGPU; break;
+        case GGML_BACKEND_DEVICE_TYPE_ACCEL: out->type = ME_DEVICE_ACCEL; break;
+        default:                             out->type = ME_DEVICE_CPU; break;
+    }
+    size_t free = 0, total = 0;
+    ggml_backend_dev_memory(dev, &free, &total);
+    out->memory_free = free;
+    out->memory_total = total;
+}
+
+// ---- end of devices ------------------------------------------------------------------------------
+
 void ensure_init() {
     std::call_once(g_init_once, [] {
         // ggml-cpu takes K- and IQ-quant matmuls of 8 or more rows (also per MoE expert) to a
@@ -128,6 +190,8 @@ void ensure_init() {
         // prefill went 58-82 -> 104-125 tok/s and decode 17-19 -> 23-30 against the library before
         // both (two rounds side by side on a loaded 2-core box): repacking cost more than tiling gave.
         setenv("GGML_CPU_TILED_MM", "0", 1);
+        show_cpu_vulkan_device();
+        batch_invariant_gpu_kernels();
         llama_log_set(log_callback, nullptr);
         llama_backend_init();
     });
@@ -162,6 +226,7 @@ size_t me_struct_size(int32_t which) {
         case ME_STRUCT_CONTEXT_PARAMS: return sizeof(me_context_params);
         case ME_STRUCT_SAMPLER_PARAMS: return sizeof(me_sampler_params);
         case ME_STRUCT_CHAT_MESSAGE:   return sizeof(me_chat_message);
+        case ME_STRUCT_DEVICE_INFO:    return sizeof(me_device_info);
         default:                       return 0;
     }
 }
@@ -203,6 +268,11 @@ int32_t me_model_load(const char * path, int32_t layer_begin, int32_t layer_end,
     // group of 4 differed from its decode step (gemma3-270m Q4_K_M's logits by up to 3.8). Weights
     // stay in plain CPU buffers, where every row count runs the same vec_dot.
     mp.use_extra_bufts = false;
+    // Offloaded layers go to one device (first_gpu); none offloaded, the load sees no GPU at all, so
+    // its context computes on the CPU alone, as the CPU-only build does.
+    ggml_backend_dev_t gpu = n_gpu_layers != 0 ? first_gpu() : nullptr;
+    ggml_backend_dev_t devices[2] = {gpu, nullptr};
+    mp.devices = devices;
 
     g_log_errors.clear();
     llama_model * model = nullptr;
@@ -219,7 +289,7 @@ int32_t me_model_load(const char * path, int32_t layer_begin, int32_t layer_end,
         return fail(code, "%s", reason.c_str());
     }
 
-    auto * m = new (std::nothrow) me_model{model, llama_model_get_vocab(model), llama_model_get_range_info(model), ""};
+    auto * m = new (std::nothrow) me_model{model, llama_model_get_vocab(model), llama_model_get_range_info(model), "", gpu};
     if (!m) {
         llama_model_free(model);
         return fail(ME_ERR_INTERNAL, "out of memory");
@@ -299,6 +369,11 @@ int32_t me_context_new(me_model * model, const me_context_params * params, me_co
     // one-batch re-prefill or a verified draft would part from the tokens decoded one by one.
     // The unfused attention runs the same kernels on every row count.
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    // With a GPU in the context and weights in host memory, ggml's scheduler moves an op of a large
+    // batch (32 rows or more) to the GPU: a row would then be computed by the GPU's kernels in a
+    // prefill and by the CPU's in a decode step (on lavapipe 9 of the 12 batch-invariance tests
+    // failed with layers on the CPU). A layer computes where its weights are, whatever the batch.
+    cp.op_offload = false;
 
     g_log_errors.clear();
     llama_context * ctx = nullptr;
@@ -717,5 +792,46 @@ int32_t me_sampler_accept(me_sampler * sampler, int32_t token) {
     llama_sampler_accept(sampler->chain, token);
     return ME_OK;
 }
+
+// ---- Devices (GPU detection) ---------------------------------------------------------------------
+
+const char * me_gpu_backend(void) {
+#if defined(GGML_USE_CUDA)
+    return "CUDA";
+#elif defined(GGML_USE_VULKAN)
+    return "Vulkan";
+#else
+    return "";
+#endif
+}
+
+int32_t me_devices(me_device_info * out, int32_t capacity, int32_t * n_devices) {
+    ensure_init();
+    if (!n_devices || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "n_devices is required and capacity must not be negative");
+    }
+    const size_t count = ggml_backend_dev_count();
+    *n_devices = (int32_t) count;
+    if (!out) {
+        return ME_OK;
+    }
+    if ((size_t) capacity < count) {
+        return fail(ME_ERR_BUFFER_TOO_SMALL, "%zu devices, room for %d", count, capacity);
+    }
+    for (size_t i = 0; i < count; ++i) {
+        describe_device(ggml_backend_dev_get(i), &out[i]);
+    }
+    return ME_OK;
+}
+
+int32_t me_model_device(const me_model * model, me_device_info * out) {
+    if (!model || !out) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model and out are required");
+    }
+    describe_device(model->gpu, out);
+    return ME_OK;
+}
+
+// ---- end of devices ------------------------------------------------------------------------------
 
 }  // extern "C"

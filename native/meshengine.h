@@ -28,7 +28,7 @@ extern "C" {
 
 /* cdef-begin */
 
-#define ME_ABI_VERSION 3
+#define ME_ABI_VERSION 4
 
 enum me_status {
     ME_OK = 0,
@@ -45,7 +45,8 @@ enum me_struct_id {
     ME_STRUCT_MODEL_INFO = 0,
     ME_STRUCT_CONTEXT_PARAMS = 1,
     ME_STRUCT_SAMPLER_PARAMS = 2,
-    ME_STRUCT_CHAT_MESSAGE = 3
+    ME_STRUCT_CHAT_MESSAGE = 3,
+    ME_STRUCT_DEVICE_INFO = 4
 };
 
 typedef struct me_model me_model;
@@ -163,6 +164,32 @@ ME_API void me_sampler_free(me_sampler * sampler);
 ME_API int32_t me_sampler_sample(me_sampler * sampler, const float * logits, int32_t n_vocab, int32_t * token);
 /* Records a token (e.g. of the prompt) in the history that the repetition penalty sees. */
 ME_API int32_t me_sampler_accept(me_sampler * sampler, int32_t token);
+
+/* ---- Devices (GPU detection): what this build can offload to ---------------------------------- */
+
+enum me_device_type {
+    ME_DEVICE_CPU = 0,
+    ME_DEVICE_GPU = 1,
+    ME_DEVICE_IGPU = 2,   /* integrated, sharing the host's memory */
+    ME_DEVICE_ACCEL = 3
+};
+
+typedef struct me_device_info {
+    char name[64];          /* ggml's name for it, e.g. "Vulkan0", "CUDA0", "CPU" */
+    char description[128];  /* the driver's, e.g. "llvmpipe (LLVM 15.0.6, 256 bits)", "NVIDIA H100 80GB HBM3" */
+    char backend[32];       /* the backend that drives it: "Vulkan", "CUDA", "CPU" */
+    int32_t type;           /* enum me_device_type */
+    uint64_t memory_free;   /* bytes, as the driver reports them now */
+    uint64_t memory_total;
+} me_device_info;
+
+/* The GPU backend compiled into this library ("Vulkan", "CUDA"), or "" for a CPU-only build. */
+ME_API const char * me_gpu_backend(void);
+/* The devices this process sees, the CPU included. Query-size-then-fill: with out NULL or capacity
+ * too small, *n_devices receives the count (ME_ERR_BUFFER_TOO_SMALL when out is not NULL). */
+ME_API int32_t me_devices(me_device_info * out, int32_t capacity, int32_t * n_devices);
+/* The device a model's offloaded layers live on; out->name is "" when nothing is offloaded. */
+ME_API int32_t me_model_device(const me_model * model, me_device_info * out);
 
 /* cdef-end */
 

@@ -96,6 +96,21 @@ async def peers() -> AsyncIterator[Peers]:
         yield p
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests need a device the engine offloads to (tests/gpu_lane.py); the engine is asked only
+    when such a test was collected."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    from gpu_lane import engine_gpu
+
+    device, why = engine_gpu()
+    if device is None:
+        skip = pytest.mark.skip(reason=f"no GPU: {why}")
+        for item in marked:
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """A test that fails while local daemons run shows their logs' tails and keeps their files."""

@@ -100,12 +100,12 @@ def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
             **{k: random_quant_copy(wide, root / f"{k}.gguf", q[k.upper()]) for k in RANDOM_BLOCKS}}
 
 
-def batched_and_single(path: Path, n: int, prefix: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def batched_and_single(path: Path, n: int, prefix: int = 0, gpu_layers: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Logits of positions prefix..prefix+n-1: all n in one batch, and one decode step each.
 
     Both contexts first take the same `prefix` rows in one batch, so only the n rows' shapes differ."""
     rng = np.random.default_rng(7)
-    with Model(path) as m:
+    with Model(path, n_gpu_layers=gpu_layers) as m:
         toks = rng.integers(3, m.report.n_vocab, prefix + n).tolist()
         with Context(m, n_ctx=1024, n_batch=max(prefix, n), n_threads=1) as batch, \
                 Context(m, n_ctx=1024, n_batch=max(prefix, n), n_threads=1) as single:

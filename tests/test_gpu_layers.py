@@ -9,12 +9,12 @@ the same rule, and the flag reaches the engine through the worker and the CLI.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import trio
 from gguf_factory import TINY_SPECS
+from gpu_lane import engine_gpu
 from localmesh import start_serve
 
 from meshd.cli import build_parser, main
@@ -23,7 +23,9 @@ from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.mesh.assignment import ModelSpec, NodeCapacity, offload_plan, stage_fits
 
 N_LAYER = TINY_SPECS["llama-gqa-untied"].n_layer
-ON_GPU = os.environ.get("MESHD_CUDA") == "1"
+# the device loads offload to, of any backend (tests/gpu_lane.py), None on a CPU build
+GPU = engine_gpu()[0]
+ON_GPU = GPU is not None
 
 # (range, --gpu-layers) -> (offloaded owned layers, output head offloaded)
 CASES = [
@@ -125,12 +127,79 @@ def test_serve_says_what_it_offloaded(model: Path) -> None:
     finally:
         served.stop()
     if ON_GPU:
-        assert banner.endswith("MiB)") and "; layers [3, 4) on the GPU (" in banner
+        assert banner.endswith("MiB)") and f"; layers [3, 4) on {GPU} (" in banner
     else:
-        assert banner.endswith("; no GPU took layers [3, 4) (this build has none): all in RAM")
+        assert banner.endswith("; no GPU took layers [3, 4) (this build has none, or it found no device): all in RAM")
 
 
 def test_cli_takes_minus_one_for_every_owned_layer() -> None:
     assert build_parser().parse_args(["serve", "--gpu-layers", "-1"]).gpu_layers == -1
     args = build_parser().parse_args(["join", "--gpu-layers", "-1", "--gpu-memory", "8G"])
     assert (args.gpu_layers, args.gpu_memory) == (-1, 8 << 30)
+
+
+# ----- GPU detection: the devices the engine sees
+
+
+def test_the_engine_lists_its_devices_the_cpu_among_them() -> None:
+    from meshd.engine.devices import devices, gpu_backend, gpus, no_gpu_note
+
+    found = devices()
+    cpu = [d for d in found if d.kind == "cpu"]
+    assert cpu and cpu[0].backend == "CPU" and cpu[0].memory_total > 0
+    assert all(0 <= d.memory_free <= d.memory_total for d in found if d.memory_total)
+    if ON_GPU:
+        assert str(gpus()[0]) == GPU and gpu_backend() in ("Vulkan", "CUDA") and no_gpu_note() is None
+    else:
+        assert gpus() == [] and (no_gpu_note() is None) == (gpu_backend() == "")
+
+
+def test_the_device_list_is_sized_then_filled() -> None:
+    from meshd.engine.native import load
+
+    ffi, lib = load()
+    n = ffi.new("int32_t *")
+    assert lib.me_devices(ffi.NULL, 0, n) == lib.ME_OK and n[0] >= 1
+    assert lib.me_devices(ffi.new("me_device_info[]", 1), 0, n) == lib.ME_ERR_BUFFER_TOO_SMALL
+    assert lib.me_devices(ffi.NULL, -1, n) == lib.ME_ERR_INVALID_ARGUMENT
+    assert lib.me_devices(ffi.NULL, 0, ffi.NULL) == lib.ME_ERR_INVALID_ARGUMENT
+    assert lib.me_model_device(ffi.NULL, ffi.new("me_device_info *")) == lib.ME_ERR_INVALID_ARGUMENT
+
+
+def test_a_bad_vulkan_device_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshd.engine import EngineUnavailable
+    from meshd.engine.devices import check_vulkan_device
+
+    monkeypatch.setenv("MESHD_VULKAN_DEVICE", "gpu0")
+    with pytest.raises(EngineUnavailable, match="MESHD_VULKAN_DEVICE='gpu0': give one Vulkan device's index"):
+        check_vulkan_device()
+
+
+def test_gpu_flags_take_auto() -> None:
+    args = build_parser().parse_args(["join", "--gpu-layers", "auto", "--gpu-memory", "auto"])
+    assert (args.gpu_layers, args.gpu_memory) == ("auto", "auto")
+    assert build_parser().parse_args(["serve", "--gpu-layers", "AUTO"]).gpu_layers == "auto"
+
+
+def test_auto_fills_from_the_engines_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshd.cli import resolve_gpu
+    from meshd.engine.devices import gpus
+
+    args = build_parser().parse_args(["join", "--gpu-layers", "auto", "--gpu-memory", "auto"])
+    resolve_gpu(args)
+    err = capsys.readouterr().err
+    if ON_GPU:
+        assert args.gpu_layers == -1 and 0 < args.gpu_memory <= gpus()[0].memory_total
+        assert f"meshd: GPU {GPU}, " in err
+    else:
+        assert (args.gpu_layers, args.gpu_memory) == (0, 0)
+
+
+def test_the_report_says_what_it_offloaded_and_where(model: Path) -> None:
+    with Model(model, (4, 6), n_gpu_layers=2) as m:
+        r = m.report
+    assert r.offload_plan == "layers [5, 6) and the output head"
+    if ON_GPU:
+        assert r.offloaded.startswith(f"layers [5, 6) and the output head on {GPU}, ") and r.offloaded.endswith(" MiB")
+    else:
+        assert r.offloaded == "" and r.device == ""

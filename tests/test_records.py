@@ -136,6 +136,7 @@ _MUTATIONS = {
     "kv_tokens": 4096,
     "seconds_per_layer": 0.001,
     "numerics": "0123456789abcdef/x86_64/gpu",
+    "offload": "layers [15, 30) and the output head on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits)), 80.0 MiB",
     "served": [ServedRange(model=MODEL.digest, start=15, end=30)],
     "holds": [HeldRange(model=MODEL.digest, start=0, end=30)],
     "models": [MODEL.model_copy(update={"whole": False})],

@@ -18,7 +18,7 @@ KEYS = {"node_id", "tracker", "term", "members", "coverage", "fetches", "speeds_
         "relayed_bytes"}
 SPEED_KEYS = {"node_id", "model", "start", "end", "ms_per_layer", "source", "samples", "declared_ms_per_layer"}
 MEMBER_KEYS = {"node_id", "address", "state", "roles", "reachability", "memory_bytes", "served", "models",
-               "relay_addresses"}
+               "relay_addresses", "offload"}
 COVERAGE_KEYS = {"model", "name", "n_layers", "covered_layers", "covered", "replicas", "assigned", "reason",
                  "unverified", "file"}
 
@@ -53,7 +53,8 @@ def wide_mesh() -> StatusReply:
             memory_bytes=[(1 << 63) - 1, 0, 9999 << 30, 123][i % 4],
             served=[f"{'e' * 12} [{k}, {k + 1})" for k in range(MAX_SERVED)],
             models=["m" * 256] * MAX_MODELS,
-            relay_addresses=[relay[:MAX_ADDRESS_LEN]] * MAX_ADDRESSES if i % 2 else []))
+            relay_addresses=[relay[:MAX_ADDRESS_LEN]] * MAX_ADDRESSES if i % 2 else [],
+            offload=("\x1b[2Jlayers [0, 4096) on " + "G" * 300)[:256] if i % 5 == 0 else ""))
     coverage = [ModelCoverage(
         model="c" * 128, name=("模型" * 200)[:256] if k % 2 else "\x1b[2J\x1b]0;pwned\x07" + "n" * 230,
         n_layers=4096, covered_layers=k, replicas=(1 << 63) - 1,
@@ -156,6 +157,15 @@ def test_each_stage_shows_the_speed_routes_count_and_where_it_came_from() -> Non
     assert doc["speeds"][3]["declared_ms_per_layer"] is None
     # a node that predates the figures sends none: no table, nothing else changes
     assert render(small_mesh()) == render(s.model_copy(update={"speeds": []}))
+
+
+def test_a_member_shows_what_it_offloaded_and_where() -> None:
+    reply = small_mesh()
+    gpu = "layers [20, 30) and the output head on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits)), 24.0 MiB"
+    reply.members[2] = reply.members[2].model_copy(update={"offload": gpu})
+    table = render(reply)
+    assert table.count("GPU: ") == 1 and "GPU: layers [20, 30) and the output head on Vulkan0" in table
+    assert [m["offload"] for m in as_json(reply)["members"]] == [None, None, gpu, None]
 
 
 def test_sizes_fit_their_column() -> None:

@@ -20,6 +20,9 @@ that llama-cpp-python VERSION vendors and reports each patch and hunk that no
 longer applies (patches apply with no fuzz, so a hunk lands where it says or
 fails by name).
 
+With MESHD_VULKAN=1 it builds the library with ggml's Vulkan backend as well, keyed apart
+and linked at build/native-vulkan (meshd picks it with MESHD_VULKAN=1), beside the CPU one.
+
 Prints one clear line and exits non-zero on any failure.
 """
 
@@ -94,6 +97,8 @@ def cmake_options() -> list[str]:
     opts = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_LLAMAFILE=OFF"]
     if os.environ.get("MESHD_CUDA") == "1":
         opts.append("-DGGML_CUDA=ON")
+    if vulkan():
+        opts.append("-DGGML_VULKAN=ON")
     if os.environ.get("MESHD_NATIVE_CPU") == "1":
         opts.append("-DGGML_NATIVE=ON")
     elif platform.machine() in ("x86_64", "AMD64"):
@@ -106,6 +111,18 @@ def cmake_options() -> list[str]:
     else:
         opts.append("-DGGML_NATIVE=OFF" if os.environ.get("MESHD_NATIVE_CPU") == "0" else "-DGGML_NATIVE=ON")
     return opts
+
+
+def vulkan() -> bool:
+    """MESHD_VULKAN=1: ggml's Vulkan backend too (a GPU of any vendor, or Mesa's lavapipe on the CPU)."""
+    return os.environ.get("MESHD_VULKAN") == "1"
+
+
+def flavour() -> str:
+    """The suffix of this build's directories: a Vulkan build keeps its own cmake tree and its own
+    build/native-vulkan, so the CPU library and it coexist and neither rebuild invalidates the other
+    (the Vulkan shader generation, about half of its build, is not cached by ccache)."""
+    return "-vulkan" if vulkan() else ""
 
 
 def build_key() -> str:
@@ -330,10 +347,10 @@ def _build(jobs: int, verbose: bool) -> Path:
     lock = read_lock()
     key = build_key()
     out = cache_root() / "native" / key
-    link = BUILD / "native"
+    link = BUILD / f"native{flavour()}"
     if not (out / LIB_NAME).exists():
         src = patched_source(lock)
-        cmake_dir = BUILD / "cmake"
+        cmake_dir = BUILD / f"cmake{flavour()}"
         env, launcher, generator = build_env()
         configure = ["cmake", "-S", str(ROOT), "-B", str(cmake_dir), *generator,
                      f"-DLLAMA_SOURCE_DIR={src}", *cmake_options(), *launcher]

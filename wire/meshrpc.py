@@ -69,6 +69,8 @@ class MemberStatus(WireModel):
     served: list[Text] = Field(max_length=MAX_SERVED)
     models: list[Text] = Field(max_length=MAX_MODELS)
     relay_addresses: list[Address] = Field(default_factory=list, max_length=MAX_ADDRESSES)
+    # the record's `offload`: what its stage put on a GPU and where ("": nothing)
+    offload: Text = ""
 
 
 class LinkStatus(WireModel):

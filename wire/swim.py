@@ -187,6 +187,9 @@ class CapabilityRecord(WireModel):
     # The numerics its stages compute with (engine build, machine, backend: meshd.engine.native);
     # a spot check compares bytes only within one, so routes name replicas of the stage's ("": unsaid)
     numerics: Text = ""
+    # What its stage put on a GPU and where (meshd.engine RangeReport.offloaded), for `meshd status`
+    # and the console: "layers [3, 6) on Vulkan0 (llvmpipe ...), 12.0 MiB"; "" where nothing is.
+    offload: Text = ""
     models: Annotated[list[ModelInfo], Field(max_length=MAX_MODELS)] = []
     served: Annotated[list[ServedRange], Field(max_length=MAX_SERVED)] = []
     # What fetchers may ask this node for (meshd.fetch): the sources of each model's layers.

@@ -36,12 +36,17 @@ class LocalChain:
     n_ctx: int = 2048
     n_threads: int | None = None
     n_batch: int = 512
+    # --gpu-layers of each stage (None: 0 for all), so a CPU stage can chain to a GPU one
+    gpu_layers: Sequence[int] | None = None
     models: list[Model] = field(init=False)
     contexts: list[Context] = field(init=False)
 
     def __post_init__(self) -> None:
         specs: list[tuple[int, int] | None] = list(self.ranges) if self.ranges else [None]
-        self.models = [Model(self.path, r) for r in specs]
+        offload = list(self.gpu_layers) if self.gpu_layers is not None else [0] * len(specs)
+        if len(offload) != len(specs):
+            raise ValueError(f"{len(offload)} gpu layer counts for {len(specs)} stages")
+        self.models = [Model(self.path, r, n_gpu_layers=g) for r, g in zip(specs, offload, strict=True)]
         first, last = self.models[0].report, self.models[-1].report
         if not first.has_input or not last.has_output:
             raise ValueError("a chain must start at layer 0 and end at the last layer")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from meshd.engine.devices import check_vulkan_device, device_of
 from meshd.engine.native import build_fingerprint, load
 
 
@@ -52,6 +53,7 @@ def _raise(code: int, what: str) -> None:
 
 
 def _init_once() -> None:
+    check_vulkan_device()
     _, lib = load()
     levels = {"none": -1, "error": 0, "warn": 1, "info": 2}
     lib.me_init(levels.get(os.environ.get("MESHD_LLAMA_LOG", "none"), -1))
@@ -86,6 +88,9 @@ class RangeReport:
     # the numerics it computes with (native.build_fingerprint, and whether layers run on a GPU, whose
     # kernels are not the CPU's): replicas compare bytes only within one
     numerics: str = ""
+    # the device its offloaded layers are on, e.g. "Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits))";
+    # "" where none are (a CPU-only build, no device found, or --gpu-layers 0)
+    device: str = ""
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> RangeReport:
@@ -94,6 +99,22 @@ class RangeReport:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def offloaded(self) -> str:
+        """What the load put on a GPU and where, e.g. "layers [3, 6) and the output head on Vulkan0
+        (llvmpipe (LLVM 15.0.6, 256 bits)), 1.2 MiB"; "" where nothing is."""
+        begin, end = self.gpu_layers
+        if not self.n_bytes_gpu or (end <= begin and not self.gpu_output):
+            return ""
+        return f"{self.offload_plan} on {self.device or 'the GPU'}, {self.n_bytes_gpu / 2**20:.1f} MiB"
+
+    @property
+    def offload_plan(self) -> str:
+        """The owned layers (and head) the load asked to offload, whether or not a GPU took them."""
+        begin, end = self.gpu_layers
+        return (f"layers [{begin}, {end})" if end > begin else "") + \
+            (" and " if end > begin and self.gpu_output else "") + ("the output head" if self.gpu_output else "")
 
     @property
     def is_head(self) -> bool:
@@ -148,6 +169,10 @@ class Model:
         self._handle = out[0]
         info = ffi.new("me_model_info *")
         self._check(lib.me_model_get_info(self._handle, info), "model info")
+        dev = ffi.new("me_device_info *")
+        self._check(lib.me_model_device(self._handle, dev), "model device")
+        offloaded = device_of(ffi, lib, dev) if info.n_bytes_gpu else None
+        device = str(offloaded) if offloaded is not None else ""
         self.report = RangeReport(
             layer_begin=info.layer_begin,
             layer_end=info.layer_end,
@@ -165,8 +190,12 @@ class Model:
             gpu_output=bool(info.gpu_output),
             n_bytes_gpu=info.n_bytes_gpu,
             needs_tokens=bool(info.needs_tokens),
-            # the device is not told: two GPU stages of one build may still differ (another GPU model)
-            numerics=f"{build_fingerprint()}/{'gpu' if info.n_bytes_gpu else 'cpu'}",
+            # the device is told: two GPU stages of one build differ on two GPU models (kernels are
+            # tuned per device), and so do ggml's own kernel choices (MESHD_STOCK_KERNELS=1) from the
+            # engine's batch-invariant ones; the CPU's are the build's own
+            numerics=f"{build_fingerprint()}/{device or 'cpu'}"
+                     f"{'/stock-kernels' if device and os.environ.get('MESHD_STOCK_KERNELS') == '1' else ''}",
+            device=device,
         )
         want_end = self.report.n_layer if end is None else end
         if (self.report.layer_begin, self.report.layer_end) != (begin, want_end):

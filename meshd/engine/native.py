@@ -24,11 +24,17 @@ class EngineUnavailable(Exception):
     """The native library is missing or was built from another header."""
 
 
+def checkout_dir() -> Path:
+    """The checkout's build of tools/build_native.py: build/native, or with MESHD_VULKAN=1 the build
+    with ggml's Vulkan backend (MESHD_VULKAN=1 tools/build_native.py), build/native-vulkan."""
+    return ROOT / "build" / ("native-vulkan" if os.environ.get("MESHD_VULKAN") == "1" else "native")
+
+
 def library_dirs() -> list[Path]:
     """Where the library is looked for, in order: beside the package (an installed wheel), then
-    $MESHD_ENGINE_DIR, then the checkout's build/native (tools/build_native.py, editable installs)."""
+    $MESHD_ENGINE_DIR, then the checkout's build (checkout_dir: tools/build_native.py, editable installs)."""
     override = os.environ.get("MESHD_ENGINE_DIR")
-    return [HERE, *([Path(override)] if override else []), ROOT / "build" / "native"]
+    return [HERE, *([Path(override)] if override else []), checkout_dir()]
 
 
 def _library_dir() -> Path:
@@ -57,7 +63,7 @@ def load() -> tuple[cffi.FFI, Any]:
     header's functions and constants, known only once the cdef is parsed.
     """
     directory = _library_dir()
-    if directory == ROOT / "build" / "native":
+    if directory == checkout_dir():
         _check_sources(directory)
     lib_path = directory / LIB_NAME
     # The header installed beside the library is the one it was built from.
@@ -117,6 +123,7 @@ def _check_abi(ffi: cffi.FFI, lib: Any) -> None:
         lib.ME_STRUCT_CONTEXT_PARAMS: "me_context_params",
         lib.ME_STRUCT_SAMPLER_PARAMS: "me_sampler_params",
         lib.ME_STRUCT_CHAT_MESSAGE: "me_chat_message",
+        lib.ME_STRUCT_DEVICE_INFO: "me_device_info",
     }
     for which, name in structs.items():
         native, ours = lib.me_struct_size(which), ffi.sizeof(name)

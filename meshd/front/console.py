@@ -229,7 +229,7 @@ def snapshot(status: StatusReply, members: Sequence[MemberInfo], stages: dict[st
         rows.append({
             "node_id": shown.node_id, "address": shown.address, "state": shown.state, "roles": shown.roles,
             "reachability": shown.reachability, "memory_bytes": shown.memory_bytes,
-            "served": _served(record), "models": shown.models,
+            "served": _served(record), "models": shown.models, "offload": shown.offload,
             "rtt_ms": member.rtt * 1000.0 if member is not None and member.rtt is not None else None,
             # what routes count (the tracker's probe, or the default while unmeasured), never its own word
             "ms_per_layer": node_speed[shown.node_id]["ms_per_layer"] if shown.node_id in node_speed else None,

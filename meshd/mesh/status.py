@@ -141,6 +141,7 @@ def _member_status(record: CapabilityRecord, state: str, tracker: Tracker | None
     return MemberStatus(node_id=record.node_id, address=address,
                         state=state, roles=roles, reachability=record.reachability,
                         relay_addresses=list(record.relay_addresses), memory_bytes=record.memory_bytes,
+                        offload=record.offload,
                         served=_cut([f"{s.model[:12]} [{s.start}, {s.end})" for s in record.served],
                                     MemberStatus, "served"),
                         models=_cut([m.name for m in record.models], MemberStatus, "models"))
