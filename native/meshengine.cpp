@@ -8,7 +8,15 @@
 #include "ggml-cpu.h"
 #include "llama.h"
 
+// chat: llama.cpp's common/chat and json-schema-to-grammar (the meshchat target)
+#include "chat.h"
+#include "common.h"
+#include "json-schema-to-grammar.h"
+#include "json.h"
+#include "log.h"
+
 #include <algorithm>
+#include <cmath>
 #include <cstdarg>
 #include <cstdlib>
 #include <cstdio>
@@ -44,6 +52,9 @@ struct me_context {
 struct me_sampler {
     llama_sampler * chain;
     std::vector<llama_token_data> candidates;
+    const llama_vocab * vocab;
+    // chat: the grammar that masks the logits before the chain (me_sampler_set_grammar); null: none
+    llama_sampler * grammar;
 };
 
 namespace {
@@ -745,7 +756,7 @@ int32_t me_sampler_new(const me_model * model, const me_sampler_params * p, me_s
         llama_sampler_chain_add(chain, llama_sampler_init_temp(p->temperature));
         llama_sampler_chain_add(chain, llama_sampler_init_dist(p->seed));
     }
-    auto * s = new (std::nothrow) me_sampler{chain, {}};
+    auto * s = new (std::nothrow) me_sampler{chain, {}, model->vocab, nullptr};
     if (!s) {
         llama_sampler_free(chain);
         return fail(ME_ERR_INTERNAL, "out of memory");
@@ -758,6 +769,9 @@ int32_t me_sampler_new(const me_model * model, const me_sampler_params * p, me_s
 void me_sampler_free(me_sampler * sampler) {
     if (sampler) {
         llama_sampler_free(sampler->chain);
+        if (sampler->grammar) {
+            llama_sampler_free(sampler->grammar);
+        }
         delete sampler;
     }
 }
@@ -773,12 +787,42 @@ int32_t me_sampler_sample(me_sampler * sampler, const float * logits, int32_t n_
         sampler->candidates[i] = llama_token_data{i, logits[i], 0.0f};
     }
     llama_token_data_array arr = {sampler->candidates.data(), sampler->candidates.size(), -1, false};
-    llama_sampler_apply(sampler->chain, &arr);
-    if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
-        return fail(ME_ERR_COMPUTE, "the sampler chain selected no token");
+    try {
+        llama_sampler_apply(sampler->chain, &arr);
+        if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
+            return fail(ME_ERR_COMPUTE, "the sampler chain selected no token");
+        }
+        *token = arr.data[arr.selected].id;
+        if (sampler->grammar) {
+            // As llama.cpp's common_sampler: the chain's pick is checked against the grammar alone, and
+            // only a refused pick is drawn again from the whole row with the grammar's mask applied
+            // first. Masking the whole vocabulary on every step cost 0.3 to 1 s a token here (49k
+            // pieces against the grammar's stacks); the check costs one piece. Either way the pick
+            // depends only on the logits, the tokens so far and the seed: the same on every route.
+            llama_token_data one = {*token, 1.0f, 0.0f};
+            llama_token_data_array single = {&one, 1, -1, false};
+            llama_sampler_apply(sampler->grammar, &single);
+            if (one.logit == -INFINITY) {
+                for (int32_t i = 0; i < n_vocab; ++i) {
+                    sampler->candidates[i] = llama_token_data{i, logits[i], 0.0f};
+                }
+                arr = {sampler->candidates.data(), sampler->candidates.size(), -1, false};
+                llama_sampler_apply(sampler->grammar, &arr);
+                llama_sampler_apply(sampler->chain, &arr);
+                if (arr.selected < 0 || (size_t) arr.selected >= arr.size ||
+                    arr.data[arr.selected].logit == -INFINITY) {
+                    return fail(ME_ERR_COMPUTE, "the grammar allows no token here");
+                }
+                *token = arr.data[arr.selected].id;
+            }
+        }
+        llama_sampler_accept(sampler->chain, *token);
+        if (sampler->grammar) {
+            llama_sampler_accept(sampler->grammar, *token);
+        }
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_COMPUTE, "sampling failed: %s", e.what());
     }
-    *token = arr.data[arr.selected].id;
-    llama_sampler_accept(sampler->chain, *token);
     return ME_OK;
 }
 
@@ -835,3 +879,322 @@ int32_t me_model_device(const me_model * model, me_device_info * out) {
 // ---- end of devices ------------------------------------------------------------------------------
 
 }  // extern "C"
+
+// --- chat: the model's own Jinja template, tool calls and grammars (llama.cpp's common/chat) ---
+
+namespace {
+
+std::once_flag g_chat_log_once;
+
+// common/'s own log (LOG_WRN and friends) follows me_init's level: a template's warnings ("supports
+// tool calls but does not natively describe tools") went to every asker's stderr.
+void chat_log_init() {
+    std::call_once(g_chat_log_once, [] {
+        common_log_set_verbosity_thold(g_log_level < 0 ? -1 : g_log_level + 1);
+    });
+}
+
+// Copies a result out by the query-size-then-fill idiom.
+int32_t fill_out(const std::string & text, char * buf, int32_t capacity, int32_t * n_bytes, const char * what) {
+    if (text.size() > (size_t) INT32_MAX) {
+        return fail(ME_ERR_INTERNAL, "%s is too large", what);
+    }
+    *n_bytes = (int32_t) text.size();
+    if (!buf || capacity < *n_bytes) {
+        return fail(ME_ERR_BUFFER_TOO_SMALL, "%s needs %d bytes", what, *n_bytes);
+    }
+    std::memcpy(buf, text.data(), text.size());
+    return ME_OK;
+}
+
+const char * trigger_type_name(common_grammar_trigger_type type) {
+    switch (type) {
+        case COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN: return "token";
+        case COMMON_GRAMMAR_TRIGGER_TYPE_WORD: return "word";
+        case COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN: return "pattern";
+        case COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN_FULL: return "pattern_full";
+    }
+    return "word";
+}
+
+std::string chat_render(const common_json & req) {
+    const std::string tmpl = req.value("template", std::string());
+    const std::string tool_use = req.value("tool_use_template", std::string());
+    // common_chat_templates_init reads the tool-use variant only from a model: with a template string
+    // alone it renders the default one, which is what a request without tools uses too
+    const bool has_tools = req.contains("tools") && req.at("tools").is_array() && req.at("tools").size() > 0;
+    const std::string & src = has_tools && !tool_use.empty() ? tool_use : tmpl;
+    if (src.empty()) {
+        throw std::invalid_argument("no chat template given");
+    }
+    auto tmpls = common_chat_templates_init(nullptr, src, req.value("bos_token", std::string()),
+                                            req.value("eos_token", std::string()));
+    common_chat_templates_inputs inputs;
+    inputs.messages = common_chat_msgs_parse_oaicompat(req.at("messages"));
+    if (has_tools) {
+        inputs.tools = common_chat_tools_parse_oaicompat(req.at("tools"));
+    }
+    inputs.tool_choice = common_chat_tool_choice_parse_oaicompat(req.value("tool_choice", std::string("auto")));
+    inputs.parallel_tool_calls = req.value("parallel_tool_calls", false);
+    inputs.add_generation_prompt = req.value("add_generation_prompt", true);
+    inputs.enable_thinking = req.value("enable_thinking", true);
+    inputs.reasoning_format = common_reasoning_format_from_name(req.value("reasoning_format", std::string("none")));
+    if (req.contains("json_schema") && !req.at("json_schema").is_null()) {
+        inputs.json_schema = req.at("json_schema").dump();
+    }
+    inputs.grammar = req.value("grammar", std::string());
+    if (req.contains("chat_template_kwargs")) {
+        for (const auto & [key, val] : req.at("chat_template_kwargs").items()) {
+            inputs.chat_template_kwargs[key] = val.dump();
+        }
+    }
+    // the render time is an input of some templates (dates): fixed, so one request renders alike on
+    // every member and after a failover
+    inputs.now = std::chrono::system_clock::time_point(std::chrono::seconds(req.value("now", (int64_t) 0)));
+    common_chat_params params = common_chat_templates_apply(tmpls.get(), inputs);
+    std::string prompt = params.prompt;
+    // as llama-server does: a BOS or EOS the tokenizer adds itself is not rendered twice
+    const std::string bos = req.value("bos_token", std::string());
+    const std::string eos = req.value("eos_token", std::string());
+    if (req.value("add_bos", false) && !bos.empty() && prompt.compare(0, bos.size(), bos) == 0) {
+        prompt = prompt.substr(bos.size());
+    }
+    if (req.value("add_eos", false) && !eos.empty() && prompt.size() >= eos.size() &&
+        prompt.compare(prompt.size() - eos.size(), eos.size(), eos) == 0) {
+        prompt = prompt.substr(0, prompt.size() - eos.size());
+    }
+    common_json out = common_json::object();
+    out["prompt"] = prompt;
+    out["format"] = (int) params.format;
+    out["grammar"] = params.grammar;
+    out["grammar_lazy"] = params.grammar_lazy;
+    common_json triggers = common_json::array();
+    for (const auto & t : params.grammar_triggers) {
+        common_json jt = common_json::object();
+        jt["type"] = trigger_type_name(t.type);
+        jt["value"] = t.value;
+        triggers.push_back(jt);
+    }
+    out["grammar_triggers"] = triggers;
+    out["preserved_tokens"] = params.preserved_tokens;
+    out["additional_stops"] = params.additional_stops;
+    out["generation_prompt"] = params.generation_prompt;
+    out["parser"] = params.parser;
+    out["supports_thinking"] = params.supports_thinking;
+    return out.dump();
+}
+
+std::string chat_parse(const common_json & spec, const std::string & text, bool partial) {
+    common_chat_parser_params params;
+    params.format = (common_chat_format) spec.value("format", (int) COMMON_CHAT_FORMAT_CONTENT_ONLY);
+    if (params.format < 0 || params.format >= COMMON_CHAT_FORMAT_COUNT) {
+        throw std::invalid_argument("unknown chat format");
+    }
+    params.generation_prompt = spec.value("generation_prompt", std::string());
+    params.reasoning_format = common_reasoning_format_from_name(spec.value("reasoning_format", std::string("none")));
+    const std::string parser = spec.value("parser", std::string());
+    if (!parser.empty()) {
+        params.parser.load(parser);
+    }
+    common_chat_msg msg = common_chat_parse(text, partial, params);
+    common_json out = msg.to_json_oaicompat(/* concat_typed_text= */ true);
+    if (!out.contains("content")) {
+        out["content"] = nullptr;
+    }
+    return out.dump();
+}
+
+common_json parse_json_arg(const char * text, const char * what) {
+    common_json j = common_json::parse_no_throw(text);
+    if (j.is_discarded() || !j.is_object()) {
+        throw std::invalid_argument(std::string(what) + " is not a JSON object");
+    }
+    return j;
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t me_model_chat_info(const me_model * model, char * buf, int32_t capacity, int32_t * n_bytes) {
+    if (!model || !n_bytes || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "model and n_bytes are required");
+    }
+    try {
+        const char * tmpl = llama_model_chat_template(model->model, nullptr);
+        const char * tool_use = llama_model_chat_template(model->model, "tool_use");
+        auto piece = [&](llama_token t) {
+            return t == LLAMA_TOKEN_NULL ? std::string() : common_token_to_piece(model->vocab, t, true);
+        };
+        common_json out = common_json::object();
+        out["template"] = tmpl ? tmpl : "";
+        out["tool_use_template"] = tool_use ? tool_use : "";
+        out["bos_token"] = piece(llama_vocab_bos(model->vocab));
+        out["eos_token"] = piece(llama_vocab_eos(model->vocab));
+        out["add_bos"] = llama_vocab_get_add_bos(model->vocab);
+        out["add_eos"] = llama_vocab_get_add_eos(model->vocab);
+        return fill_out(out.dump(), buf, capacity, n_bytes, "chat info");
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_INTERNAL, "chat info: %s", e.what());
+    }
+}
+
+int32_t me_chat_render(const char * request_json, char * buf, int32_t capacity, int32_t * n_bytes) {
+    chat_log_init();
+    if (!request_json || !n_bytes || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "request_json and n_bytes are required");
+    }
+    std::string out;
+    try {
+        out = chat_render(parse_json_arg(request_json, "the chat request"));
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "chat template: %s", e.what());
+    }
+    return fill_out(out, buf, capacity, n_bytes, "the rendered chat");
+}
+
+int32_t me_chat_parse(const char * parser_json, const char * text, int32_t text_len, int32_t partial,
+                      char * buf, int32_t capacity, int32_t * n_bytes) {
+    chat_log_init();
+    if (!parser_json || (!text && text_len > 0) || text_len < 0 || !n_bytes || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "parser_json, text and n_bytes are required");
+    }
+    std::string out;
+    try {
+        out = chat_parse(parse_json_arg(parser_json, "the parser"), std::string(text ? text : "", text_len),
+                         partial != 0);
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "chat parse: %s", e.what());
+    }
+    return fill_out(out, buf, capacity, n_bytes, "the parsed message");
+}
+
+int32_t me_json_schema_grammar(const char * schema_json, char * buf, int32_t capacity, int32_t * n_bytes) {
+    chat_log_init();
+    if (!schema_json || !n_bytes || capacity < 0) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "schema_json and n_bytes are required");
+    }
+    std::string out;
+    try {
+        common_json schema = common_json::parse_no_throw(schema_json);
+        if (schema.is_discarded()) {
+            throw std::invalid_argument("the schema is not JSON");
+        }
+        out = json_schema_to_grammar(schema);
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "json schema: %s", e.what());
+    }
+    return fill_out(out, buf, capacity, n_bytes, "the grammar");
+}
+
+int32_t me_sampler_set_grammar(me_sampler * sampler, const char * spec_json) {
+    chat_log_init();
+    if (!sampler || !spec_json) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sampler and spec_json are required");
+    }
+    if (sampler->grammar) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "the sampler already has a grammar");
+    }
+    try {
+        const common_json spec = parse_json_arg(spec_json, "the grammar spec");
+        const std::string grammar = spec.value("gbnf", std::string());
+        if (grammar.empty()) {
+            return fail(ME_ERR_INVALID_ARGUMENT, "the grammar is empty");
+        }
+        auto tokens_of = [&](const std::string & text) { return common_tokenize(sampler->vocab, text, false, true); };
+        // as llama-server does: a preserved token that is one token in this vocabulary, and a trigger
+        // word that is such a token, trigger by id; other words and patterns by regex on the text
+        std::set<llama_token> preserved;
+        if (spec.contains("preserved_tokens")) {
+            for (const auto & t : spec.at("preserved_tokens")) {
+                auto ids = tokens_of(t.get<std::string>());
+                if (ids.size() == 1) {
+                    preserved.insert(ids[0]);
+                }
+            }
+        }
+        std::vector<std::string> patterns;
+        std::vector<llama_token> trigger_tokens;
+        if (spec.contains("triggers")) {
+            for (const auto & t : spec.at("triggers")) {
+                const std::string type = t.value("type", std::string());
+                const std::string value = t.value("value", std::string());
+                if (type == "word" || type == "token") {
+                    auto ids = tokens_of(value);
+                    if (ids.size() == 1 && (type == "token" || preserved.count(ids[0]))) {
+                        trigger_tokens.push_back(ids[0]);
+                    } else {
+                        patterns.push_back(regex_escape(value));
+                    }
+                } else if (type == "pattern") {
+                    patterns.push_back(value);
+                } else if (type == "pattern_full") {
+                    std::string anchored = "^$";
+                    if (!value.empty()) {
+                        anchored = (value.front() != '^' ? "^" : "") + value + (value.back() != '$' ? "$" : "");
+                    }
+                    patterns.push_back(anchored);
+                } else {
+                    return fail(ME_ERR_INVALID_ARGUMENT, "unknown grammar trigger type '%s'", type.c_str());
+                }
+            }
+        }
+        const bool lazy = spec.value("lazy", false);
+        llama_sampler * g = nullptr;
+        if (lazy) {
+            if (patterns.empty() && trigger_tokens.empty()) {
+                return fail(ME_ERR_INVALID_ARGUMENT, "a lazy grammar needs triggers");
+            }
+            std::vector<const char *> pc;
+            for (const auto & p : patterns) {
+                pc.push_back(p.c_str());
+            }
+            g = llama_sampler_init_grammar_lazy_patterns(sampler->vocab, grammar.c_str(), "root", pc.data(), pc.size(),
+                                                         trigger_tokens.data(), trigger_tokens.size());
+        } else {
+            g = llama_sampler_init_grammar(sampler->vocab, grammar.c_str(), "root");
+        }
+        if (!g) {
+            return fail(ME_ERR_INVALID_ARGUMENT, "the grammar does not parse");
+        }
+        const std::string gen = spec.value("generation_prompt", std::string());
+        if (!lazy && spec.value("prefill", false) && !gen.empty()) {
+            // what common_sampler_init does: the generation prompt the template already put in the
+            // prompt advances the grammar (a space the tokenizer puts before it excepted)
+            auto ids = tokens_of(gen);
+            for (size_t i = 0; i < ids.size(); ++i) {
+                const std::string piece = common_token_to_piece(sampler->vocab, ids[i], true);
+                if (i == 0 && !piece.empty() && std::isspace((unsigned char) piece[0]) &&
+                    !std::isspace((unsigned char) gen[0])) {
+                    continue;
+                }
+                llama_sampler_accept(g, ids[i]);
+            }
+        }
+        sampler->grammar = g;
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "grammar: %s", e.what());
+    }
+    return ME_OK;
+}
+
+int32_t me_sampler_grammar_accept(me_sampler * sampler, int32_t token) {
+    if (!sampler) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "sampler is required");
+    }
+    if (token < 0 || token >= (int32_t) sampler->candidates.size()) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary", token);
+    }
+    if (!sampler->grammar) {
+        return ME_OK;
+    }
+    try {
+        llama_sampler_accept(sampler->grammar, token);
+    } catch (const std::exception & e) {
+        return fail(ME_ERR_INVALID_ARGUMENT, "the grammar refuses token %d: %s", token, e.what());
+    }
+    return ME_OK;
+}
+
+}  // extern "C"
+// --- end chat

@@ -28,7 +28,7 @@ extern "C" {
 
 /* cdef-begin */
 
-#define ME_ABI_VERSION 4
+#define ME_ABI_VERSION 5
 
 enum me_status {
     ME_OK = 0,
@@ -190,6 +190,43 @@ ME_API const char * me_gpu_backend(void);
 ME_API int32_t me_devices(me_device_info * out, int32_t capacity, int32_t * n_devices);
 /* The device a model's offloaded layers live on; out->name is "" when nothing is offloaded. */
 ME_API int32_t me_model_device(const me_model * model, me_device_info * out);
+/* --- chat: the model's own Jinja template, tool calls and grammars (llama.cpp's common/chat) ---
+ * Requests and results are JSON text (UTF-8): their shapes are llama-server's, so a template behaves
+ * here as it does there. Rendering and parsing need no model: the template is a string. */
+
+/* The model's chat template source (name NULL: the default one, else e.g. "tool_use"), and its BOS
+ * and EOS pieces and whether the tokenizer adds them, as JSON {"template", "tool_use_template",
+ * "bos_token", "eos_token", "add_bos", "add_eos"} ("" where the file has none). */
+ME_API int32_t me_model_chat_info(const me_model * model, char * buf, int32_t capacity, int32_t * n_bytes);
+
+/* Renders a chat request with a template, as llama-server does with --jinja.
+ * request_json: {"template", "tool_use_template"?, "bos_token", "eos_token", "add_bos", "add_eos",
+ *   "messages": [OpenAI chat messages], "tools"?: [OpenAI tools], "tool_choice"?: "auto"|"required"|"none",
+ *   "parallel_tool_calls"?, "add_generation_prompt"?, "enable_thinking"?, "chat_template_kwargs"?: {},
+ *   "json_schema"?: {}, "grammar"?: "GBNF", "reasoning_format"?: "none"|"auto"|"deepseek"|...}
+ * Writes {"prompt", "format", "grammar", "grammar_lazy", "grammar_triggers": [{"type", "value"}],
+ *   "preserved_tokens", "additional_stops", "generation_prompt", "parser", "supports_thinking"}.
+ * A template that fails to render is ME_ERR_INVALID_ARGUMENT with the template engine's message. */
+ME_API int32_t me_chat_render(const char * request_json, char * buf, int32_t capacity, int32_t * n_bytes);
+
+/* Parses a model's output (text_len bytes; partial: more may follow) with what me_chat_render gave:
+ * parser_json {"format", "parser", "generation_prompt", "reasoning_format"?}.
+ * Writes the assistant message as OpenAI's JSON {"role", "content", "reasoning_content", "tool_calls"}. */
+ME_API int32_t me_chat_parse(const char * parser_json, const char * text, int32_t text_len, int32_t partial,
+                             char * buf, int32_t capacity, int32_t * n_bytes);
+
+/* A JSON schema as a GBNF grammar (llama.cpp's json-schema-to-grammar). */
+ME_API int32_t me_json_schema_grammar(const char * schema_json, char * buf, int32_t capacity, int32_t * n_bytes);
+
+/* Constrains a sampler by a grammar, before its first sample: spec_json {"gbnf", "lazy",
+ * "triggers": [{"type": "word"|"pattern"|"pattern_full"|"token", "value"}], "preserved_tokens": [...],
+ * "generation_prompt", "prefill"} (prefill: the generation prompt's tokens are fed to the grammar first,
+ * as llama.cpp does for tool-call and output-format grammars). The grammar masks the logits before the
+ * rest of the chain, and sees only sampled tokens (me_sampler_grammar_accept), never the history. */
+ME_API int32_t me_sampler_set_grammar(me_sampler * sampler, const char * spec_json);
+/* Feeds a token generated earlier (a re-prefill after a failover) to the grammar alone. */
+ME_API int32_t me_sampler_grammar_accept(me_sampler * sampler, int32_t token);
+/* --- end chat */
 
 /* cdef-end */
 

@@ -65,6 +65,9 @@ class FakeMesh:
                     result.first_token_at = time.perf_counter()
                 result.tokens.append(i)
                 result.pieces.append(piece)
+                if request.logprobs is not None:
+                    # a fake's log-probabilities: the same for every token and every alternative
+                    result.logprobs.append((piece, -0.5, [(t, -0.5, piece) for t in range(request.logprobs)]))
                 if on_token is not None:
                     maybe = on_token(i, piece)
                     if maybe is not None:

@@ -83,9 +83,49 @@ async def test_chat_completion_with_usage_and_finish_reason() -> None:
     assert reply.usage is not None and (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (5, 4)
     model, asked = mesh.asked[0]
     assert model == DIGEST and asked.max_tokens == 50 and asked.stop == ["zzz"]
-    assert asked.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                              {"role": "assistant", "content": "yes?"}, {"role": "system", "content": "plain"}]
+    assert asked.chat is not None and asked.messages is None
+    assert asked.chat.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "yes?"}, {"role": "system", "content": "plain"}]
     assert (asked.sampling.temperature, asked.sampling.top_p, asked.sampling.seed) == (0.5, 0.9, 7)
+
+
+async def test_n_choices_are_n_sessions_seeded_one_apart_streamed_and_not() -> None:
+    mesh = FakeMesh()
+    reply = await oai(FrontDoor(mesh)).chat.completions.create(model=NAME, messages=USER, n=3, seed=5)  # type: ignore[arg-type]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert all(c.message.content == "Hello world" for c in reply.choices)
+    assert reply.usage is not None and (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (5, 12)
+    assert sorted(asked.sampling.seed for _, asked in mesh.asked) == [5, 6, 7]
+    mesh = FakeMesh()
+    texts: dict[int, str] = {}
+    finished = set()
+    async for chunk in await oai(FrontDoor(mesh)).chat.completions.create(
+            model=NAME, messages=USER, n=2, stream=True, stream_options={"include_usage": True}):  # type: ignore[arg-type]
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.add(c.index)
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == 8
+    assert texts == {0: "Hello world", 1: "Hello world"} and finished == {0, 1} and len(mesh.asked) == 2
+
+
+async def test_logprobs_of_each_token_streamed_and_not() -> None:
+    mesh = FakeMesh()
+    reply = await oai(FrontDoor(mesh)).chat.completions.create(model=NAME, messages=USER, logprobs=True,  # type: ignore[arg-type]
+                                                               top_logprobs=2)
+    assert mesh.asked[0][1].logprobs == 2
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and "".join(t.token for t in content) == "Hello world"
+    assert all(t.logprob == -0.5 and len(t.top_logprobs) == 2 for t in content)
+    streamed = []
+    async for chunk in await oai(FrontDoor(FakeMesh())).chat.completions.create(
+            model=NAME, messages=USER, logprobs=True, stream=True):  # type: ignore[arg-type]
+        for c in chunk.choices:
+            streamed += [t.token for t in (c.logprobs.content or [])] if c.logprobs else []
+    assert "".join(streamed) == "Hello world"
+    plain = await oai(FrontDoor(FakeMesh())).chat.completions.create(model=NAME, messages=USER)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
 
 
 async def test_budget_reached_is_length_and_the_default_budget_applies() -> None:
@@ -150,7 +190,8 @@ async def test_message_with_system_stop_sequence_and_usage() -> None:
     assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "wor")
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (5, 4)
     asked = mesh.asked[0][1]
-    assert asked.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert asked.chat is not None
+    assert asked.chat.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert (asked.max_tokens, asked.sampling.temperature, asked.sampling.top_k) == (20, 0.0, 5)
 
 
@@ -243,13 +284,14 @@ async def test_several_models_and_none_named_is_400() -> None:
     ({"messages": USER, "temperature": 3}, "temperature"),
     ({"messages": USER, "top_p": 0}, "top_p"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
-    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "n": 9}, "n"),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"messages": USER, "logprobs": True}, "logprobs"),
+    ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
 ])
 async def test_bad_openai_parameters_are_400_naming_the_field(body: dict[str, object], where: str) -> None:

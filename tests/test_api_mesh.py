@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import anthropic
 import httpx2
@@ -15,12 +16,14 @@ import trio
 from localmesh import Served, run_meshd, start_join, stop_all
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshd.client.chat import ChatRequest, render
 from meshd.daemon import rpc
+from meshd.engine.chain import LocalChain
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, open_peers
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest
-from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
+from wire.stage import STAGE_PROTOCOL, ChatTemplate, Metrics, MetricsRequest
 
 pytestmark = pytest.mark.slow  # four daemons, three engine workers
 
@@ -131,8 +134,23 @@ ASKS = {
 }
 
 
-async def test_greedy_answer_equals_meshd_ask_in_each_dialect_streamed_and_not(mesh: Mesh) -> None:
-    expected = await meshd_ask(mesh, PROMPT)
+async def whole_model_answer(model: Path, prompt: str) -> str:
+    """The greedy answer of the whole model in this process, to the prompt rendered with the model's own
+    chat template as the front door renders it (meshd.client.chat)."""
+    chain = LocalChain(model, None, n_ctx=1024, n_threads=1)
+    try:
+        rendered = await render(ChatRequest(messages=[{"role": "user", "content": prompt}]),
+                                ChatTemplate(**chain.head.chat_info()))
+        ids = chain.head.tokenize(rendered.prompt, add_special=True, parse_special=True)
+        tokens = [t for t in chain.generate(ids, NEW_TOKENS) if not chain.head.is_eog(t)]
+        return b"".join(chain.head.token_piece(t) for t in tokens).decode()
+    finally:
+        chain.close()
+
+
+async def test_greedy_answer_equals_the_whole_model_in_each_dialect_streamed_and_not(mesh: Mesh,
+                                                                                    default_model: Path) -> None:
+    expected = await whole_model_answer(default_model, PROMPT)
     assert expected  # the model says something
     assert {how: await ask(mesh, PROMPT) for how, ask in ASKS.items()} == dict.fromkeys(ASKS, expected)
 

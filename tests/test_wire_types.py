@@ -141,7 +141,7 @@ def _same_as_model_construct(model: type[WireModel], fields: dict[str, Any]) -> 
 @given(session_ids, counts, st.integers(0, 1 << 20), st.integers(0, MAX_TOKENS - 1), st.binary(max_size=64))
 def test_unvalidated_token_matches_model_construct(session: str, epoch: int, index: int, token: int, piece: bytes) -> None:
     fields = {"type": "token", "v": 1, "session": session, "epoch": epoch, "index": index, "token": token, "piece": piece,
-              "receipts": None}
+              "receipts": None, "logprob": None, "top_logprobs": None}
     _same_as_model_construct(Token, fields)
 
 
@@ -273,7 +273,8 @@ def test_token_ids_out_of_bounds_are_refused(tokens: object, fragment: str) -> N
 # of its stages, for the asker's spot checks; `record_ping` when the record gained `numerics`; `open`
 # when it gained payer, the credit ledger's voucher, meshd/stage/5, and `work_give` is the ledger's summary;
 # `record_ping` when ModelInfo gained `hub`, the hub file a volunteer fetches from, meshd.fetch.hub; `record_ping`
-# again when the record gained `offload`, what its stage put on a GPU and where)
+# again when the record gained `offload`, what its stage put on a GPU and where; `open` when it gained
+# chat_template and logprobs, and `token` logprob and top_logprobs, meshd/stage/6)
 
 _PINNED = {
     "error": "0000003d85a474797065a56572726f72a17601a4636f6465aa4f5645524c4f41444544a76d657373616765a46275"

@@ -29,7 +29,10 @@ from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId,
 # 5: Open.payer, the member whose credit a session asks on (wire.credit.Voucher), and the prefix cache
 # (Prompt.cache, Hop.start, CacheLookup/CacheFound/CacheUse, StageInfo.cache_tokens): a peer of /4 would
 # refuse them
-STAGE_PROTOCOL = "meshd/stage/5"
+# 6: the model's own chat template and grammars (Open.chat_template, Opened.chat, Prompt.special and
+# grammar, PromptTokens.grammar and generated), logprobs (Open.logprobs, Token.logprob and
+# top_logprobs): a peer of /5 would refuse them
+STAGE_PROTOCOL = "meshd/stage/6"
 
 # the most stages a route can have: every stage holds at least one layer
 MAX_ROUTE = 1 << 10
@@ -52,6 +55,49 @@ class Sampling(WireModel):
     repeat_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     repeat_last_n: int = Field(default=64, ge=-1, le=1 << 20)
     seed: int = Field(default=0, ge=0, le=(1 << 32) - 1)
+
+
+# OpenAI's top_logprobs bound
+MAX_TOP_LOGPROBS = 20
+# the largest of the 71 templates in llama.cpp's models/templates is 16.7 KiB (gpt-oss)
+MAX_TEMPLATE = 256 << 10
+# a tool-call grammar grows with the tools' schemas: llama.cpp's for 16 tools of a few fields each is ~20 KiB
+MAX_GRAMMAR = 1 << 20
+
+
+class ChatTemplate(WireModel):
+    """The model's chat template as its head read it from the GGUF (``tokenizer.chat_template`` and the
+    ``tool_use`` variant; "" where the file has none), and the BOS and EOS it names: what an asker needs
+    to render a chat request itself (meshd.engine.chat)."""
+
+    template: Annotated[str, Field(max_length=MAX_TEMPLATE)] = ""
+    tool_use_template: Annotated[str, Field(max_length=MAX_TEMPLATE)] = ""
+    bos_token: Annotated[str, Field(max_length=256)] = ""
+    eos_token: Annotated[str, Field(max_length=256)] = ""
+    # the tokenizer adds them itself: a rendered prompt does not carry them twice
+    add_bos: bool = False
+    add_eos: bool = False
+
+
+class GrammarTrigger(WireModel):
+    type: Literal["word", "pattern", "pattern_full", "token"]
+    value: Annotated[str, Field(max_length=4096)]
+
+
+class Grammar(WireModel):
+    """A GBNF grammar the tail's sampler obeys (llama.cpp's grammar sampler): a tool call's or a JSON
+    schema's, from llama.cpp's common/chat. A lazy one waits for a trigger (a word, a pattern or a
+    token) before it constrains anything."""
+
+    gbnf: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR)]
+    lazy: bool = False
+    triggers: list[GrammarTrigger] = Field(default_factory=list, max_length=64)
+    # strings the template treats as single tokens (a trigger word that is one is matched by id)
+    preserved_tokens: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=256)
+    # what the template put after the prompt for the answer to continue from; with prefill the
+    # grammar reads it first (as llama.cpp does for tool-call and output-format grammars)
+    generation_prompt: Annotated[str, Field(max_length=4096)] = ""
+    prefill: bool = False
 
 
 class ChatMessage(WireModel):
@@ -119,12 +165,17 @@ class Open(Message, tag="open"):
     # the member on whose credit the opener asks (an identity of `meshd ask`'s or the front door's own,
     # vouched for by its member): the stage ranks the session by that member's credit under contention
     payer: Voucher | None = None
+    # the head answers with its model's chat template (Opened.chat): the asker renders the chat itself
+    chat_template: bool = False
+    # the tail tells each token's log-probability and this many of the likeliest tokens' (None: none)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class Opened(Message, tag="opened"):
     session: SessionId
     epoch: Epoch
     info: StageInfo
+    chat: ChatTemplate | None = None
 
 
 class Prompt(Message, tag="prompt"):
@@ -142,6 +193,10 @@ class Prompt(Message, tag="prompt"):
     # the prefix cache: the head tokenizes and answers ``PromptTokens``, then runs nothing until the
     # asker's ``CacheUse`` says from which position the prompt's rows begin
     cache: bool = False
+    # text is a chat the asker rendered with the model's template: its special tokens are parsed
+    special: bool = False
+    # a one-stage route: the grammar its sampler obeys (on a longer route it rides in PromptTokens)
+    grammar: Grammar | None = None
 
 
 class PromptTokens(Message, tag="prompt_tokens"):
@@ -151,6 +206,10 @@ class PromptTokens(Message, tag="prompt_tokens"):
     session: SessionId
     epoch: Epoch
     tokens: Tokens
+    # to the tail: the grammar its sampler obeys, and how many of the tokens' last ones were generated
+    # before (a failover's re-prefill), which the grammar reads first
+    grammar: Grammar | None = None
+    generated: int = Field(default=0, ge=0, le=1 << 20)
 
 
 class FastOffer(WireModel):
@@ -181,6 +240,12 @@ class Hop(Message, tag="hop"):
     start: int = Field(default=0, ge=0, le=1 << 20)
 
 
+class TopLogprob(WireModel):
+    token: TokenId
+    logprob: float = Field(le=0.0)
+    piece: bytes = Field(max_length=1 << 10)
+
+
 class Token(Message, tag="token"):
     session: SessionId
     epoch: Epoch
@@ -189,6 +254,10 @@ class Token(Message, tag="token"):
     piece: bytes = Field(max_length=1 << 10)
     # with receipts on: the route's receipts of the step that sampled this token, head first
     receipts: Chain | None = None
+    # with Open.logprobs: the token's log-probability under the model (its raw logits), and the likeliest
+    # tokens' (the grammar and the sampling parameters change the pick, not these)
+    logprob: float | None = Field(default=None, le=0.0)
+    top_logprobs: list[TopLogprob] | None = Field(default=None, max_length=MAX_TOP_LOGPROBS)
 
 
 class Done(Message, tag="done"):

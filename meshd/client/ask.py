@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 
 import trio
 
+from meshd.client.chat import ChatRequest, Rendered, render
 from meshd.client.prefix import look_up
 from meshd.net import rpc
 from meshd.net.link import Stream
@@ -29,7 +30,9 @@ from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,
     ChatMessage,
+    ChatTemplate,
     Done,
+    Grammar,
     Inputs,
     Metrics,
     MetricsRequest,
@@ -120,6 +123,10 @@ def route_from_reply(reply: RouteReply) -> list[Stage]:
 class AskRequest:
     messages: list[dict[str, str]] | None = None
     text: str | None = None
+    # a chat the asker renders with the model's own template (tools, structured output: meshd.client.chat)
+    chat: ChatRequest | None = None
+    # each token's log-probability and this many of the likeliest tokens' (None: none)
+    logprobs: int | None = None
     sampling: Sampling = field(default_factory=Sampling)
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
@@ -200,6 +207,11 @@ class AskResult:
     first_shown_at: float | None = None
     shown: int = 0
     withdrawn: int = 0
+    # a chat request as the asker rendered it (AskRequest.chat): rendered once, kept across failovers
+    rendered: Rendered | None = None
+    # with AskRequest.logprobs: each new token's piece and log-probability, and the likeliest tokens' (token,
+    # logprob, piece), one entry a token of ``tokens``
+    logprobs: list[tuple[bytes, float, list[tuple[int, float, bytes]]]] = field(default_factory=list)
 
     @property
     def verified(self) -> bool:
@@ -222,6 +234,7 @@ class AskResult:
         self.shown = self.handed = 0
         self.tokens.clear()
         self.pieces.clear()
+        self.logprobs.clear()
         self.unverified.clear()
         self.crossed_numerics_at.clear()
 
@@ -360,10 +373,15 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
         # one stage cannot hold the same session twice
         raise RouteError(f"{repeated} is in the route twice, so its layers would be covered twice")
     session = session_id or new_session_id()
-    fast = fast_path(route, request)
+    # a grammar is applied where the tail samples on the daemons' path, one pick at a time
+    constrained = request.chat is not None and request.chat.constrained
+    # so are logprobs: the fast path's worker sends tokens alone
+    fast = fast_path(route, request) and not constrained and request.logprobs is None
     # receipts on the daemons' path sign one step at a time: there a verified ask does not speculate
     # (greedy or seeded, the answer is the same; only the fast path signs spans of whatever rows held)
-    speculate = "off" if verifier is not None and not fast else request.speculate
+    speculate = "off" if verifier is not None and not fast or constrained else request.speculate
+    want_template = request.chat is not None and result.rendered is None
+    head_template: list[ChatTemplate | None] = [None]
     result.epochs += 1
     remaining = request.max_tokens - len(result.tokens)
     opened: list[Stream | None] = [None] * len(route)
@@ -408,9 +426,12 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                     max_tokens=max(1, remaining), stop=request.stop, wire_dtype=request.wire_dtype,
                     wire_codec=request.wire_codec, speculate=speculate,
                     max_draft=request.max_draft, receipts=verifier is not None, fast=fast,
-                    payer=request.payer), Opened,
+                    payer=request.payer, chat_template=want_template and i == 0,
+                    logprobs=request.logprobs if nxt is None else None), Opened,
                     f"stage {stage.address} opening the session")
                 check_opened(stage, reply.info)
+                if i == 0:
+                    head_template[0] = reply.chat
                 infos[i] = reply.info
 
             with trio.fail_after(stall_timeout):
@@ -433,9 +454,17 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 nursery.start_soon(verifier.hand_over_checked, on_token)
             # the token ids ride from the head only as far as the last stage whose layers route by them
             carry = max((i for i, info in enumerate(result.route) if i and info.needs_tokens), default=0)
+            if request.chat is not None and result.rendered is None:
+                result.rendered = await render(request.chat, head_template[0])
+            grammar = result.rendered.grammar if result.rendered is not None else None
+            generated = len(result.tokens) if result.prompt_tokens else 0
+            one_stage = len(route) == 1
             if result.prompt_tokens:
                 prompt = Prompt(session=session, epoch=epoch, tokens=result.prompt_tokens + result.tokens,
-                                generated=len(result.tokens), carry_tokens=carry)
+                                generated=generated, carry_tokens=carry, grammar=grammar if one_stage else None)
+            elif result.rendered is not None:
+                prompt = Prompt(session=session, epoch=epoch, text=result.rendered.prompt, special=True,
+                                carry_tokens=carry, grammar=grammar if one_stage else None)
             elif request.messages is not None:
                 prompt = Prompt(session=session, epoch=epoch,
                                 messages=[ChatMessage(**m) for m in request.messages], carry_tokens=carry)
@@ -447,7 +476,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
             result.cached_tokens = 0
             if caching:
                 ids, result.cached_tokens = await look_up([s for s in opened if s is not None], session, epoch,
-                                                          stall_timeout, _from_stage)
+                                                          stall_timeout, _from_stage, grammar, generated)
                 result.prompt_tokens = result.prompt_tokens or ids
             last = len(opened) - 1
             for i, stream in enumerate(opened[1:-1], start=1):
@@ -457,7 +486,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 nursery.start_soon(_from_stage, 0, _watch_for_errors(head_stream, answered, verifier, 0))
             elif last > 0:
                 nursery.start_soon(_from_stage, 0, _receive_prompt_tokens(head_stream, result, stall_timeout,
-                                                                          tail_stream, verifier, answered))
+                                                                          tail_stream, verifier, answered,
+                                                                          grammar, generated))
             await _from_stage(last, _receive_tokens(tail_stream, result, None if hold else on_token, stall_timeout,
                                                     last == 0, verifier))
             answered.set()
@@ -495,12 +525,17 @@ def fast_path(route: Sequence[Stage], request: AskRequest) -> bool:
 
 
 async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float, tail: Stream,
-                                 verifier: Verifier | None = None, answered: trio.Event | None = None) -> None:
+                                 verifier: Verifier | None = None, answered: trio.Event | None = None,
+                                 grammar: Grammar | None = None, generated: int = 0) -> None:
     """The head's ids of the prompt (re-prefilled tokens included), which the asker hands the tail
-    itself: its sampler's penalty history and its drafter's text pass no stage between."""
+    itself: its sampler's penalty history and its drafter's text pass no stage between; with them the
+    grammar its sampler obeys, and how many of the ids are an answer the grammar reads first."""
     with trio.fail_after(timeout):
         msg = await stream.receive_message()
     ids = _take_prompt_tokens(msg, result, verifier)
+    if grammar is not None:
+        ids = PromptTokens(session=ids.session, epoch=ids.epoch, tokens=ids.tokens, grammar=grammar,
+                           generated=generated)
     await tail.send_message(ids)
     await _watch_for_errors(stream, answered, verifier, 0)
 
@@ -572,6 +607,9 @@ async def _receive_tokens(stream: Stream, result: AskResult, on_token: OnToken |
                 result.first_token_at = time.perf_counter()
             result.tokens.append(msg.token)
             result.pieces.append(msg.piece)
+            if msg.logprob is not None:
+                result.logprobs.append((msg.piece, msg.logprob,
+                                        [(t.token, t.logprob, t.piece) for t in msg.top_logprobs or []]))
             if verifier is not None:
                 # (a lie it shows starts the answer again: the token goes with the rest)
                 verifier.on_token(msg.token)

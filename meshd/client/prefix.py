@@ -24,7 +24,7 @@ import trio
 
 from meshd.net import rpc
 from meshd.net.link import Stream
-from wire.stage import PREFIX_BLOCK, CacheFound, CacheLookup, CacheUse, PromptTokens, prefix_keys
+from wire.stage import PREFIX_BLOCK, CacheFound, CacheLookup, CacheUse, Grammar, PromptTokens, prefix_keys
 
 
 def cache_start(found: Sequence[int], prompt_len: int) -> int:
@@ -37,9 +37,10 @@ FromStage = Callable[[int, Awaitable[None]], Awaitable[None]]
 
 
 async def look_up(streams: Sequence[Stream], session: str, epoch: int, timeout: float,
-                  from_stage: FromStage) -> tuple[list[int], int]:
+                  from_stage: FromStage, grammar: Grammar | None = None, generated: int = 0) -> tuple[list[int], int]:
     """Runs the lookup on a route's control streams (head first); returns the prompt's ids and the
-    position its rows begin at, which the head has been told."""
+    position its rows begin at, which the head has been told. The tail's ids carry the session's
+    ``grammar`` (and how many of them were generated before), as without the cache."""
     head, tail = streams[0], streams[-1]
     got: list[PromptTokens] = []
 
@@ -49,7 +50,9 @@ async def look_up(streams: Sequence[Stream], session: str, epoch: int, timeout: 
     await from_stage(0, prompt_ids())
     ids = got[0]
     if len(streams) > 1:
-        await from_stage(len(streams) - 1, tail.send_message(ids))
+        told = ids if grammar is None else PromptTokens(session=ids.session, epoch=ids.epoch, tokens=ids.tokens,
+                                                        grammar=grammar, generated=generated)
+        await from_stage(len(streams) - 1, tail.send_message(told))
     tokens = list(ids.tokens)
     # a key per whole block of the prompt, but never its last position: that row always runs
     keys = prefix_keys(tokens[:max(0, len(tokens) - 1)])

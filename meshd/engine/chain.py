@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -93,12 +94,16 @@ class LocalChain:
         return hidden
 
     def generate(self, prompt: Sequence[int], max_new: int, params: SamplingParams = SamplingParams(),
-                 on_logits: Callable[[np.ndarray], None] | None = None) -> Iterator[int]:
-        """Yields new tokens until an end-of-generation token or max_new."""
+                 on_logits: Callable[[np.ndarray], None] | None = None,
+                 grammar: dict[str, Any] | None = None) -> Iterator[int]:
+        """Yields new tokens until an end-of-generation token or max_new; with ``grammar`` (Sampler.set_grammar's
+        spec) every pick obeys it."""
         for c in self.contexts:
             c.clear()
         sampler = Sampler(self.head, params)
         try:
+            if grammar is not None:
+                sampler.set_grammar(grammar)
             for t in prompt:
                 sampler.accept(t)
             logits = self.forward(prompt, 0)

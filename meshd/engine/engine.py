@@ -8,6 +8,7 @@ and never aborts on what it can check.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -272,6 +273,14 @@ class Model:
             self.handle, arr, len(messages), add_assistant, buf, cap, n))
         return bytes(text).decode(errors="replace")
 
+    def chat_info(self) -> dict[str, Any]:
+        """The file's chat templates (default and tool-use, "" where none), BOS and EOS pieces, and
+        whether the tokenizer adds them: what ``meshd.engine.chat.render`` needs besides the request."""
+        text = bytes(self._fill("chat info", "char", 16 << 10, lambda buf, cap, n: self._lib.me_model_chat_info(
+            self.handle, buf, cap, n))).decode(errors="replace")
+        info: dict[str, Any] = json.loads(text)
+        return info
+
     def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
         ids = [int(t) for t in tokens]
         bad = [t for t in ids if not 0 <= t < self.report.n_vocab]
@@ -481,3 +490,19 @@ class Sampler:
         rc = self._lib.me_sampler_accept(self._handle, token)
         if rc != self._lib.ME_OK:
             _raise(rc, "accept")
+
+    def set_grammar(self, spec: dict[str, Any]) -> None:
+        """Constrains every later pick by a grammar (``meshd.engine.chat``'s spec: GBNF, lazy, triggers,
+        preserved tokens, generation prompt); before the first sample."""
+        raw = json.dumps(spec).encode()
+        rc = self._lib.me_sampler_set_grammar(self._handle, raw)
+        if rc != self._lib.ME_OK:
+            _raise(rc, "grammar")
+        # the greedy shortcut would skip the grammar's mask
+        self._greedy = False
+
+    def grammar_accept(self, token: int) -> None:
+        """A token generated before (a failover's re-prefill), fed to the grammar alone."""
+        rc = self._lib.me_sampler_grammar_accept(self._handle, token)
+        if rc != self._lib.ME_OK:
+            _raise(rc, "grammar accept")

@@ -54,6 +54,8 @@ class Worker:
         self.model = model
         self.ctx = ctx
         self.samplers: dict[int, Sampler] = {}
+        # per sampler: how many of the likeliest tokens' log-probabilities its picks carry (None: no logprobs)
+        self.logprobs: dict[int, int | None] = {}
         self.events = events
         self.selector = selectors.DefaultSelector()
         self.plane = FastPlane(model, ctx, self.samplers, self.selector, self._emit)
@@ -124,7 +126,11 @@ class Worker:
                 picks.append(None)
                 continue
             token = sampler.sample(out[row])
-            picks.append([token, self.model.is_eog(token), self.model.token_piece(token)])
+            pick = [token, self.model.is_eog(token), self.model.token_piece(token)]
+            top = self.logprobs.get(sid)
+            if top is not None:
+                pick.append(self._logprobs(out[row], token, top))
+            picks.append(pick)
             if draft and token != draft[0]:
                 rejected.add(sid)
         reply["picks"] = picks
@@ -193,11 +199,26 @@ class Worker:
         """The last position a sequence holds in llama.cpp's KV, -1 when it holds none."""
         return {"ok": True, "pos_max": self.ctx.pos_max(int(h["seq"]))}, b""
 
+    def _logprobs(self, row: np.ndarray, token: int, top: int) -> list[Any]:
+        """A pick's log-probability under the row's raw logits, and the ``top`` likeliest tokens' (id,
+        log-probability, piece), likeliest first."""
+        logits = row.astype(np.float64)
+        peak = logits.max()
+        lse = peak + np.log(np.exp(logits - peak).sum())
+        best: list[Any] = []
+        if top:
+            ids = np.argpartition(-logits, top - 1)[:top]
+            ids = ids[np.argsort(-logits[ids], kind="stable")]
+            best = [[int(t), min(0.0, float(logits[t] - lse)), self.model.token_piece(int(t))] for t in ids]
+        return [min(0.0, float(logits[token] - lse)), best]
+
     def op_sampler_new(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         sid = int(h["sid"])
         old = self.samplers.pop(sid, None)
         if old:
             old.close()
+        top = h.get("logprobs")
+        self.logprobs[sid] = None if top is None else max(0, min(int(top), 20))
         sampler = Sampler(self.model, SamplingParams(**h["params"]))
         for t in h.get("history", []):
             sampler.accept(int(t))
@@ -206,6 +227,7 @@ class Worker:
 
     def op_sampler_free(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         sampler = self.samplers.pop(int(h["sid"]), None)
+        self.logprobs.pop(int(h["sid"]), None)
         if sampler:
             sampler.close()
         return {"ok": True}, b""
@@ -215,8 +237,24 @@ class Worker:
             text = self.model.apply_chat(h["messages"], add_assistant=True)
             tokens = self.model.tokenize(text, add_special=False, parse_special=True)
         else:
-            tokens = self.model.tokenize(h["text"], add_special=True, parse_special=False)
+            # a chat the asker rendered with the model's template (special) carries its special tokens as
+            # text, as llama-server tokenizes its prompt; plain text's are the user's words, not markers
+            tokens = self.model.tokenize(h["text"], add_special=True, parse_special=bool(h.get("special")))
         return {"ok": True, "tokens": tokens}, b""
+
+    def op_chat_info(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        return {"ok": True, "chat": self.model.chat_info()}, b""
+
+    def op_sampler_grammar(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        """Constrains a session's sampler by a grammar; the tokens it generated before (a re-prefill's)
+        are read by the grammar first."""
+        sampler = self.samplers.get(int(h["sid"]))
+        if sampler is None:
+            raise EngineError(f"no sampler {h['sid']}")
+        sampler.set_grammar(h["spec"])
+        for t in h.get("generated", []):
+            sampler.grammar_accept(int(t))
+        return {"ok": True}, b""
 
     def op_detokenize(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True, "text": self.model.detokenize(h["tokens"], remove_special=True)}, b""

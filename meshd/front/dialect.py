@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import trio
 from starlette.requests import Request
 from starlette.responses import Response
 
 from meshd.client.ask import AskRequest, AskResult
+from meshd.client.chat import Rendered
 from meshd.front.door import ApiError, FrontDoor
 from meshd.front.http import unless_gone
 from meshd.front.text import AnswerText
@@ -39,6 +41,10 @@ class Answer:
     verification: dict[str, Any]
     # prompt tokens taken from the stages' prefix caches (meshd.client.prefix), not run again
     cached_tokens: int = 0
+    # a chat rendered with the model's template: how its text parses into content and tool calls
+    rendered: Rendered | None = None
+    # with logprobs asked: each new token's piece, log-probability and the likeliest tokens'
+    logprobs: list[tuple[bytes, float, list[tuple[int, float, bytes]]]] = field(default_factory=list)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -76,7 +82,7 @@ CLIENT_GONE = 499
 def answer_of(result: AskResult, text: AnswerText) -> Answer:
     reason = "stop" if text.stopped_by is not None else (result.reason or "eog")
     return Answer(text.text, reason, text.stopped_by, len(result.prompt_tokens), len(result.tokens),
-                  verification(result), result.cached_tokens)
+                  verification(result), result.cached_tokens, result.rendered, result.logprobs)
 
 
 def sampling(temperature: float, top_p: float | None, top_k: int | None, seed: int | None) -> Sampling:
@@ -97,3 +103,21 @@ def guarded(front: FrontDoor, endpoint: Endpoint, error_response: Callable[[ApiE
         except ApiError as exc:
             return error_response(exc)
     return run
+
+
+async def each_of(n: int, work: Callable[[int], Awaitable[None]]) -> None:
+    """``work(0)`` .. ``work(n - 1)`` at once (a request's n choices); the first to fail fails them all,
+    with its own error (an ApiError stays one, not a group)."""
+    if n == 1:
+        await work(0)
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(work, i)
+    except BaseExceptionGroup as group:
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+

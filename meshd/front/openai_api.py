@@ -2,8 +2,9 @@
 
 Requests are checked by pydantic models before anything reaches the mesh; fields a client
 may send that change nothing here (user, metadata, penalties at their defaults) are accepted,
-fields that would change the answer in a way the mesh cannot honour (n > 1, tools, logprobs)
-are refused by name.
+fields that would change the answer in a way the mesh cannot honour (logprobs) are refused by name;
+n > 1 runs n sessions. Chats are rendered with the model's own template; tools and response_format are enforced
+by a grammar at the tail (meshd.client.chat).
 """
 
 from __future__ import annotations
@@ -21,14 +22,30 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from meshd.client.ask import AskRequest, AskResult
+from meshd.client.chat import ChatRequest as ChatTurn
 from meshd.front import anthropic_api
-from meshd.front.dialect import CLIENT_GONE, MAX_NEW_TOKENS, MAX_STOP_CHARS, Answer, answer_of, ask_whole, guarded, sampling
+from meshd.front.dialect import (
+    CLIENT_GONE,
+    MAX_NEW_TOKENS,
+    MAX_STOP_CHARS,
+    VERIFIED_HEADER,
+    Answer,
+    answer_of,
+    ask_whole,
+    each_of,
+    guarded,
+    sampling,
+)
 from meshd.front.door import ApiError, FrontDoor, Problem
 from meshd.front.http import AskStream, Emit, read_json, retry_headers
 from meshd.front.text import AnswerText
+from meshd.front.tools import Delta, DeltaStream, parse_answer
 from wire.meshrpc import ModelCoverage
+from wire.stage import MAX_TOP_LOGPROBS
 
 DIALECT = "openai"
+# The most choices (n) one request may ask for: each is a session on the route's stages.
+MAX_CHOICES = 8
 # As OpenAI's: a completion without max_tokens gets 16 new tokens.
 COMPLETIONS_MAX_TOKENS = 16
 
@@ -86,8 +103,8 @@ class CommonRequest(BaseModel):
     stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    logprobs: Literal[False] | None = None
+    # n choices: n sessions of the same prompt (seeded seed, seed + 1, ...)
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
 
@@ -100,23 +117,144 @@ class TextPart(BaseModel):
     text: Content
 
 
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+# a tool's or a schema's JSON: bounded as the request is (read_json), its depth by pydantic's parse
+Schema = dict[str, Any]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Name
+    arguments: Content
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Annotated[str, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     # "developer" is what newer clients call the system message
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content | Annotated[list[TextPart], Field(max_length=256)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # an assistant's turn that only calls tools has no content
+    content: Content | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_chat(self) -> dict[str, Any]:
+        """The message as llama.cpp's common/chat reads OpenAI's."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Name
+    description: Annotated[str, Field(max_length=1 << 16)] = ""
+    parameters: Schema | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: Name
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(max_length=256)] = "response"
+    # OpenAI's clients send the schema as "schema"
+    schema_: Schema = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
 
 
 class ChatRequest(CommonRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
-    top_logprobs: Literal[0] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # each new token's log-probability, and the likeliest tokens' at each position
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # llama-server's extension: the template's own variables (enable_thinking, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat(self) -> ChatTurn:
+        """The request as the asker renders it with the model's template."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        choice = self.tool_choice if isinstance(self.tool_choice, str) else "auto"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            # a named function: a call is required, and only that tool is offered
+            wanted = self.tool_choice.function.name
+            tools = [t for t in tools if t["function"]["name"] == wanted]
+            if not tools:
+                raise ApiError(Problem.BAD_REQUEST, f"tool_choice names {wanted!r}, which is not in tools",
+                               param="tool_choice")
+            choice = "required"
+        if choice != "none" and self.tools is not None and not tools:
+            choice = "none"
+        schema = None
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_schema":
+                if self.response_format.json_schema is None:
+                    raise ApiError(Problem.BAD_REQUEST, "response_format json_schema needs its json_schema",
+                                   param="response_format")
+                schema = self.response_format.json_schema.schema_ or {"type": "object"}
+            else:
+                schema = {"type": "object"}
+            if tools and choice != "none":
+                raise ApiError(Problem.BAD_REQUEST, "give tools or a response_format schema, not both",
+                               param="response_format")
+        kwargs = dict(self.chat_template_kwargs or {})
+        return ChatTurn(messages=[m.as_chat() for m in self.messages], tools=tools, tool_choice=choice,
+                        parallel_tool_calls=bool(self.parallel_tool_calls), json_schema=schema,
+                        chat_template_kwargs=kwargs, enable_thinking=kwargs.get("enable_thinking") is not False)
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top(self) -> int | None:
+        """How many of the likeliest tokens' log-probabilities each token gets (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _one_budget(self) -> ChatRequest:
@@ -128,6 +266,7 @@ class ChatRequest(CommonRequest):
 
 class CompletionRequest(CommonRequest):
     prompt: Content | Annotated[list[Content], Field(min_length=1, max_length=1)]
+    logprobs: Literal[False, 0] | None = None
     echo: Literal[False] = False
     suffix: Literal[""] | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
@@ -136,11 +275,13 @@ class CompletionRequest(CommonRequest):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-def usage(answer: Answer) -> dict[str, Any]:
-    # as OpenAI's: prompt_tokens counts the cached ones too, and the details say how many they were
-    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.new_tokens,
-            "total_tokens": answer.prompt_tokens + answer.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
+def usage(answers: list[Answer]) -> dict[str, Any]:
+    """As OpenAI counts n choices: the prompt once, every choice's new tokens; prompt_tokens counts the
+    cached ones too, and the details say how many they were."""
+    prompt = answers[0].prompt_tokens if answers else 0
+    new = sum(a.new_tokens for a in answers)
+    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new,
+            "prompt_tokens_details": {"cached_tokens": answers[0].cached_tokens if answers else 0}}
 
 
 def finish_reason(answer: Answer) -> str:
@@ -149,63 +290,115 @@ def finish_reason(answer: Answer) -> str:
 
 
 def routes(front: FrontDoor) -> list[BaseRoute]:
-    def ask_request(body: CommonRequest, max_tokens: int | None, default_max: int, **prompt: Any) -> AskRequest:
-        return AskRequest(**prompt, max_tokens=max_tokens or default_max, stop=body.stops(),
-                          sampling=sampling(1.0 if body.temperature is None else body.temperature,
-                                            body.top_p, body.top_k, body.seed))
+    def ask_request(body: CommonRequest, max_tokens: int | None, default_max: int, **prompt: Any) -> list[AskRequest]:
+        """The request's n asks: one session each, seeded seed, seed + 1, ... (or each afresh without a seed)."""
+        temperature = 1.0 if body.temperature is None else body.temperature
+        return [AskRequest(**prompt, max_tokens=max_tokens or default_max, stop=body.stops(),
+                           sampling=sampling(temperature, body.top_p, body.top_k,
+                                             None if body.seed is None else body.seed + i))
+                for i in range(body.n)]
 
-    def stream(model: ModelCoverage, request: AskRequest, body: CommonRequest, chunk: Chunk) -> Response:
+    def stream(model: ModelCoverage, asks: list[AskRequest], body: CommonRequest, chunk: Chunk) -> Response:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-        async def produce(emit: Emit) -> None:
+        async def one(emit: Emit, request: AskRequest, index: int) -> Answer:
+            """One choice's chunks (its ``index``), as its ask streams."""
             text = AnswerText(request.stop)
             result = AskResult()
             started = False
+            parsed: DeltaStream | None = None
+            told = 0  # the tokens whose logprobs a chunk carried
 
-            async def send(delta: str) -> None:
+            def logprobs() -> dict[str, Any] | None:
+                """The logprobs of the tokens since the last chunk that carried some."""
+                nonlocal told
+                if request.logprobs is None:
+                    return None
+                new, told = result.logprobs[told:], len(result.logprobs)
+                return logprobs_of(new)
+
+            async def start() -> None:
                 nonlocal started
                 if not started and chunk.chat:
-                    await emit(chunk.event({"role": "assistant", "content": ""}, None, include_usage))
+                    await emit(chunk.event({"role": "assistant", "content": ""}, None, include_usage, index=index))
                 started = True
-                if delta:
-                    await emit(chunk.event({"content": delta}, None, include_usage))
+
+            async def send(delta: str, final: bool = False) -> None:
+                nonlocal parsed
+                await start()
+                if result.rendered is None:
+                    if delta:
+                        await emit(chunk.event({"content": delta}, None, include_usage, index=index,
+                                               logprobs=logprobs()))
+                    return
+                # a chat rendered with the model's template: its parser splits content, reasoning and calls
+                parsed = parsed or DeltaStream(result.rendered)
+                for d in parsed.feed(text.text, final):
+                    await emit(chunk.event(delta_of(d), None, include_usage, index=index, logprobs=logprobs()))
 
             async def on_token(token: int, piece: bytes) -> None:
                 await send(text.feed(piece))
 
             await front.ask(model, request, DIALECT, True, on_token, result)
-            await send(text.finish())
+            await send(text.finish(), final=True)
             answer = answer_of(result, text)
-            await emit(chunk.event({}, finish_reason(answer), include_usage, answer.verification))
+            called = parsed is not None and bool(parsed.sent.calls)
+            rest = logprobs()
+            await emit(chunk.event({}, "tool_calls" if called else finish_reason(answer),
+                                   include_usage, answer.verification, index=index,
+                                   logprobs=rest if rest is not None and rest["content"] else None))
+            return answer
+
+        async def produce(emit: Emit) -> None:
+            answers: list[Answer | None] = [None] * len(asks)
+
+            async def run(i: int) -> None:
+                answers[i] = await one(emit, asks[i], i)
+
+            # n choices: n sessions at once, their chunks interleaved as they come (each names its index)
+            await each_of(len(asks), run)
             if include_usage:
-                await emit(chunk.usage_event(answer))
+                await emit(chunk.usage_event([a for a in answers if a is not None]))
             await emit(ServerSentEvent("[DONE]"))
 
         return AskStream(produce, error_response, error_event)
 
-    async def respond(request: Request, body: CommonRequest, model: ModelCoverage, ask: AskRequest, chunk: Chunk,
-                      kind: str, content: Callable[[Answer], dict[str, Any]]) -> Response:
-        """A streamed answer as chunks, or the whole one as one `kind` object, its choice's `content` added."""
+    async def respond(request: Request, body: CommonRequest, model: ModelCoverage, asks: list[AskRequest],
+                      chunk: Chunk, kind: str, content: Callable[[Answer], dict[str, Any]]) -> Response:
+        """Streamed answers as chunks, or the whole ones as one `kind` object, each choice's `content` added."""
         if body.stream:
-            return stream(model, ask, body, chunk)
-        answer = await ask_whole(front, request, model, ask, DIALECT)
-        if answer is None:
+            return stream(model, asks, body, chunk)
+        answers: list[Answer | None] = [None] * len(asks)
+
+        async def run(i: int) -> None:
+            answers[i] = await ask_whole(front, request, model, asks[i], DIALECT)
+
+        await each_of(len(asks), run)
+        whole = [a for a in answers if a is not None]
+        if len(whole) < len(asks):
             return Response(status_code=CLIENT_GONE)
+        choices = []
+        for i, answer in enumerate(whole):
+            choice = content(answer)
+            # an answer with a call ends with it (calls after the first are dropped unless parallel)
+            reason = "tool_calls" if choice.get("message", {}).get("tool_calls") else finish_reason(answer)
+            choices.append({"index": i, **choice, "logprobs": logprobs_of(answer.logprobs) if asks[i].logprobs
+                            is not None else None, "finish_reason": reason})
+        first = whole[0]
         return JSONResponse({
             "id": chunk.id, "object": kind, "created": chunk.created, "model": model.name,
-            "system_fingerprint": model.model[:12],
-            "choices": [{"index": 0, **content(answer), "logprobs": None, "finish_reason": finish_reason(answer)}],
-            "usage": usage(answer), "meshd": answer.verification}, headers=answer.headers)
+            "system_fingerprint": model.model[:12], "choices": choices, "usage": usage(whole),
+            # one choice's verification as before; n choices', one each
+            "meshd": first.verification if len(whole) == 1 else {"choices": [a.verification for a in whole]}},
+            headers={VERIFIED_HEADER: "true" if all(a.verification["verified"] for a in whole) else "false"})
 
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, ChatRequest)
         model = front.resolve(body.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
         ask = ask_request(body, body.max_completion_tokens or body.max_tokens, front.default_max_tokens,
-                          messages=messages)
+                          chat=body.chat(), logprobs=body.top())
         return await respond(request, body, model, ask, Chunk("chat.completion.chunk", model), "chat.completion",
-                             lambda answer: {"message": {"role": "assistant", "content": answer.text}})
+                             chat_choice)
 
     async def completions(request: Request) -> Response:
         body = await read_json(request, CompletionRequest)
@@ -224,6 +417,44 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
         Route("/v1/completions", guarded(front, completions, error_response), methods=["POST"]),
         Route("/v1/models", guarded(front, models, error_response), methods=["GET"]),
     ]
+
+
+def chat_choice(answer: Answer) -> dict[str, Any]:
+    """A chat answer's message: content, and the tool calls and reasoning the template's parser found."""
+    if answer.rendered is None:
+        return {"message": {"role": "assistant", "content": answer.text}}
+    parsed = parse_answer(answer.rendered, answer.text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if parsed.calls else "")}
+    if parsed.reasoning:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                              "arguments": c.arguments}}
+                                 for c in parsed.calls]
+    return {"message": message}
+
+
+def logprobs_of(tokens: list[tuple[bytes, float, list[tuple[int, float, bytes]]]]) -> dict[str, Any]:
+    """Tokens' log-probabilities (and the likeliest tokens' at each) in OpenAI's shape."""
+    def entry(piece: bytes, logprob: float) -> dict[str, Any]:
+        return {"token": piece.decode(errors="replace"), "logprob": logprob, "bytes": list(piece)}
+
+    return {"content": [{**entry(piece, lp), "top_logprobs": [entry(p, v) for _, v, p in top]}
+                        for piece, lp, top in tokens], "refusal": None}
+
+
+def delta_of(d: Delta) -> dict[str, Any]:
+    """A parsed step of a streamed chat as OpenAI's chunk delta."""
+    if d.call_start is not None:
+        index, cid, name = d.call_start
+        return {"tool_calls": [{"index": index, "id": cid, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+    if d.arguments is not None:
+        index, more = d.arguments
+        return {"tool_calls": [{"index": index, "function": {"arguments": more}}]}
+    if d.reasoning:
+        return {"reasoning_content": d.reasoning}
+    return {"content": d.content}
 
 
 def model_entry(m: ModelCoverage) -> dict[str, Any]:
@@ -245,11 +476,12 @@ class Chunk:
         self.created = int(time.time())
         self.model = model
 
-    def event(self, delta: dict[str, str], finish: str | None, include_usage: bool,
-              verification: dict[str, Any] | None = None) -> ServerSentEvent:
+    def event(self, delta: dict[str, Any], finish: str | None, include_usage: bool,
+              verification: dict[str, Any] | None = None, index: int = 0,
+              logprobs: dict[str, Any] | None = None) -> ServerSentEvent:
         """A chunk of new text (or, with `finish`, the end): chat's `delta`, or a completion's `text`;
         the last carries the answer's `verification` (its "meshd" field), known only once it is in."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if self.chat:
             choice["delta"] = delta
         else:
@@ -263,7 +495,7 @@ class Chunk:
             data["meshd"] = verification
         return ServerSentEvent(json.dumps(data))
 
-    def usage_event(self, answer: Answer) -> ServerSentEvent:
+    def usage_event(self, answers: list[Answer]) -> ServerSentEvent:
         return ServerSentEvent(json.dumps({
             "id": self.id, "object": self.kind, "created": self.created, "model": self.model.name,
-            "system_fingerprint": self.model.model[:12], "choices": [], "usage": usage(answer)}))
+            "system_fingerprint": self.model.model[:12], "choices": [], "usage": usage(answers)}))

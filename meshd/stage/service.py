@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import trio
+from pydantic import ValidationError
 
 from meshd import steps
 from meshd.engine.draft import DraftLength, DraftModelKV, NgramDrafter
@@ -65,7 +66,9 @@ from wire.stage import (
     CacheLookup,
     CacheUse,
     Cancel,
+    ChatTemplate,
     Done,
+    Grammar,
     Hop,
     Inputs,
     InputsRequest,
@@ -81,6 +84,7 @@ from wire.stage import (
     StageInfo,
     StepInput,
     Token,
+    TopLogprob,
 )
 from wire.tensors import Activation, TensorEntry, encode_activation, tensor_fields
 
@@ -151,6 +155,8 @@ class Session:
     # the tail: the prompt's token ids, as the asker sent them (no stage before it needs to see them)
     prompt_ids: list[int] | None = None
     prompt_ids_known: trio.Event = field(default_factory=trio.Event)
+    # the tail: the grammar its sampler obeys and the tokens it read first (a sampler made anew takes both)
+    grammar: tuple[Grammar, list[int]] | None = None
     # the fast path (meshd.engine.fastpath): this session's tag in the engine worker's events, and
     # whether the worker has taken it (it takes the session's connections only after that)
     fast_tag: int = 0
@@ -235,6 +241,8 @@ class StageService:
         self.door = door or FastDoor()
         # fast sessions by the tag the engine worker's events name them by (unique to this service)
         self._fast: dict[int, Session] = {}
+        # the model's chat template, once an asker asked for it (Open.chat_template)
+        self._chat: ChatTemplate | None = None
         self._fast_tags = itertools.count(1)
         # fast sessions the books ended before their worker did (a stop string): it is told to stop
         self._fast_end_send, self._fast_end_recv = trio.open_memory_channel[Session](math.inf)
@@ -462,7 +470,8 @@ class StageService:
                     s = msg.sampling
                     await self._engine_call({"op": "sampler_new", "sid": book.slot, "params": {
                         "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-                        "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed}})
+                        "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed},
+                        "logprobs": msg.logprobs})
                 if target is not None:
                     # The next stage is dialled now, not once the prompt's length is
                     # known: every stage of a cold route pays its handshake while the
@@ -473,7 +482,8 @@ class StageService:
                         hop_stream = await self._open_hop(target[0], False)
                     session.downstream = Outlet(bytes)
                 self.books.opened(book)
-                await stream.send_message(Opened(session=book.id, epoch=book.epoch, info=self.info()))
+                chat = await self._chat_template() if msg.chat_template and self.report.has_input else None
+                await stream.send_message(Opened(session=book.id, epoch=book.epoch, info=self.info(), chat=chat))
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(session.to_asker.run, stream)
                     if draft_recv is not None:
@@ -530,7 +540,7 @@ class StageService:
                     raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt for another session or epoch")
                 await self._prompt(session, msg)
             elif isinstance(msg, PromptTokens):
-                self._take_prompt_ids(session, msg)
+                await self._take_prompt_ids(session, msg)
             elif isinstance(msg, CacheLookup):
                 await self._cache_lookup(session, msg)
             elif isinstance(msg, CacheUse):
@@ -561,7 +571,7 @@ class StageService:
             steps.check_ids(tokens, self.report.n_vocab)
         else:
             # Bounded before the engine worker sees it: the text must fit the session budget.
-            request: dict[str, Any] = {"op": "tokenize"}
+            request: dict[str, Any] = {"op": "tokenize", "special": msg.special}
             if msg.messages is not None:
                 self.books.check_prompt_bytes(sum(len(m.role.encode()) + len(m.content.encode())
                                                   for m in msg.messages))
@@ -573,6 +583,10 @@ class StageService:
             reply, _ = await self._engine_call(request)
             tokens = reply["tokens"]
             self.books.set_prompt(book, len(tokens))
+        if msg.grammar is not None:
+            if not self.report.has_output:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "a grammar goes to the tail, with the prompt's token ids")
+            await self._set_grammar(session, msg.grammar, tokens[len(tokens) - min(msg.generated, len(tokens)):])
         session.carry = msg.carry_tokens
         if msg.cache:
             # the asker looks the prompt's prefix up on every stage first, and then says where it begins
@@ -669,7 +683,12 @@ class StageService:
             s = session.open.sampling
             await self._engine_call({"op": "sampler_new", "sid": book.slot, "history": history, "params": {
                 "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-                "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed}})
+                "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed},
+                "logprobs": session.open.logprobs})
+            if session.grammar is not None:
+                # the new sampler obeys the session's grammar as the one it replaces did
+                await self._engine_call({"op": "sampler_grammar", "sid": book.slot,
+                                         "spec": session.grammar[0].model_dump(), "generated": session.grammar[1]})
 
     async def _keep_prefix(self, session: Session) -> None:
         """A session that ended cleanly leaves its sequence's prompt prefix as a cache entry."""
@@ -683,7 +702,30 @@ class StageService:
             return
         self.books.keep(book, keys[:int(reply["tokens"]) // PREFIX_BLOCK], trio.current_time())
 
-    def _take_prompt_ids(self, session: Session, msg: PromptTokens) -> None:
+    async def _chat_template(self) -> ChatTemplate:
+        """The model's chat template, read once from the engine (it is the file's)."""
+        if self._chat is None:
+            reply, _ = await self._engine_call({"op": "chat_info"})
+            try:
+                self._chat = ChatTemplate(**reply["chat"])
+            except ValidationError:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "the model's chat template is larger than the stage "
+                                                           "protocol carries") from None
+        return self._chat
+
+    async def _set_grammar(self, session: Session, grammar: Grammar, generated: list[int]) -> None:
+        """The tail's sampler obeys ``grammar`` from its next pick; ``generated`` (a re-prefill's answer so
+        far) is read by the grammar first. Neither a fast session nor speculation samples here."""
+        if session.open.fast or session.open.speculate != "off":
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a grammar-constrained session takes neither the fast "
+                                                       "path nor speculation")
+        if session.grammar is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has its grammar")
+        await self._engine_call({"op": "sampler_grammar", "sid": session.book.slot,
+                                 "spec": grammar.model_dump(), "generated": generated})
+        session.grammar = (grammar, generated)
+
+    async def _take_prompt_ids(self, session: Session, msg: PromptTokens) -> None:
         """The tail's penalty history and drafter text, from the asker: the head sends the ids on
         only as far as a stage needs them."""
         book = session.book
@@ -700,6 +742,10 @@ class StageService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.tokens)} token ids for a prompt of "
                                                        f"{book.prompt_len}")
         steps.check_ids(msg.tokens, self.report.n_vocab)
+        if msg.grammar is not None:
+            # before the rows' history is known, so before the first pick
+            await self._set_grammar(session, msg.grammar, list(msg.tokens[len(msg.tokens) - min(msg.generated,
+                                                                                                len(msg.tokens)):]))
         session.prompt_ids = list(msg.tokens)
         session.prompt_ids_known.set()
 
@@ -1296,13 +1342,14 @@ class StageService:
             accepted = steps.accepted([p[0] for p in picks if p is not None], drafts[:w.drafts])
             if s.draft_length is not None:
                 s.draft_length.record(w.drafts, accepted)
-        taken: list[tuple[int, bytes, Emitted]] = []
-        for token, eog, raw in picks[:accepted + 1]:
+        taken: list[tuple[int, bytes, Emitted, Any]] = []
+        for token, eog, raw, *logprobs in picks[:accepted + 1]:
             piece = bytes(raw)
             emitted = self._take(s, token, eog, piece, now)
             if emitted is None:
                 break
-            taken.append((token, piece, emitted))
+            # the worker's [logprob, [[token, logprob, piece], ...]] where the session asked for them
+            taken.append((token, piece, emitted, logprobs[0] if logprobs else None))
             if not emitted.feed:
                 break
         else:
@@ -1313,8 +1360,8 @@ class StageService:
             # and 51.1, then 52.3 and 52.2). The last token taken goes at the first position the drafts
             # did not get right.
             self._feed(s, token, w.pos + w.n - w.drafts + accepted)
-        for token, piece, emitted in taken:
-            self._tell(s, token, piece, emitted)
+        for token, piece, emitted, logprobs in taken:
+            self._tell(s, token, piece, emitted, logprobs)
 
     def _emit(self, s: Session, token: int, eog: bool, piece: bytes, now: float) -> bool:
         """Books a sampled token and sends it to the asker; True if the session goes on after it."""
@@ -1331,15 +1378,18 @@ class StageService:
             s.drafter.extend([token])
         return emitted
 
-    def _tell(self, s: Session, token: int, piece: bytes, emitted: Emitted) -> None:
+    def _tell(self, s: Session, token: int, piece: bytes, emitted: Emitted, logprobs: Any = None) -> None:
         """What the asker hears of a booked token: the token, and the end of the answer if it is one."""
         book = s.book
         if emitted.index is not None:
             # built unvalidated from our own values (the asker validates): this is per token
             chain, s.asker_chain = s.asker_chain, None
+            lp, top = (None, None) if logprobs is None else (float(logprobs[0]), [TopLogprob.unvalidated(
+                {"token": int(t), "logprob": float(v), "piece": bytes(p)}) for t, v, p in logprobs[1]])
             s.to_asker.send_nowait(Token.unvalidated({"type": "token", "v": 1, "session": book.id,
                                                    "epoch": book.epoch, "index": emitted.index, "token": token,
-                                                   "piece": piece, "receipts": chain}))
+                                                   "piece": piece, "receipts": chain, "logprob": lp,
+                                                   "top_logprobs": top}))
         if emitted.done is not None:
             self._send_chain(s)
             length = s.draft_length
