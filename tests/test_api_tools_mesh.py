@@ -18,13 +18,9 @@ from typing import Any
 
 import jsonschema
 import pytest
+from chat_goldens import templates_dir
 from localmesh import Served, start_join, stop_all
 from test_api_mesh import KEY, Mesh, claude, oai, wait_covered
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-from chat_goldens import templates_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow  # four daemons, three engine workers
 

@@ -5,23 +5,18 @@ tool-call formats parse, and a grammar at the sampler makes even the 135M defaul
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from chat_goldens import GOLDENS, requests, summary, templates_dir
 
 from meshd.client.chat import ChatRequest, Rendered
 from meshd.engine import chat
 from meshd.engine.chain import LocalChain
 from meshd.engine.engine import InvalidInput, Model, Sampler
 from wire.stage import ChatTemplate
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-from chat_goldens import GOLDENS, requests, summary, templates_dir  # noqa: E402
 
 GOLDEN = json.loads(GOLDENS.read_text())
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},

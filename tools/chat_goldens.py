@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
 GOLDENS = ROOT / "tests" / "chat_goldens.json"
 BOS, EOS = "<s>", "</s>"
