@@ -948,9 +948,11 @@ std::string chat_render(const common_json & req) {
             inputs.chat_template_kwargs[key] = val.dump();
         }
     }
-    // the render time is an input of some templates (dates): fixed, so one request renders alike on
-    // every member and after a failover
-    inputs.now = std::chrono::system_clock::time_point(std::chrono::seconds(req.value("now", (int64_t) 0)));
+    if (req.contains("now")) {
+        // the caller's render time (seconds since the epoch); the dates templates print (strftime_now,
+        // datetime) still come from the clock, in llama.cpp's Jinja engine as in llama-server
+        inputs.now = std::chrono::system_clock::time_point(std::chrono::seconds(req.value("now", (int64_t) 0)));
+    }
     common_chat_params params = common_chat_templates_apply(tmpls.get(), inputs);
     std::string prompt = params.prompt;
     // as llama-server does: a BOS or EOS the tokenizer adds itself is not rendered twice

@@ -240,3 +240,19 @@ def test_a_bad_grammar_from_a_peer_fails_that_sampler_alone(smollm2: LocalChain)
         logits = smollm2.forward([token], len(prompt) + i)
     sampler.close()
     assert head.detokenize(out) == "yes"
+
+
+def test_documents_and_template_kwargs_reach_the_template(templates: Path) -> None:
+    """chat_template_kwargs become the template's variables (llama-server's way): Granite's documents, and
+    Qwen 3's enable_thinking."""
+    granite = (templates / "ibm-granite-granite-3.3-2B-Instruct.jinja").read_text()
+    docs = [{"doc_id": 1, "title": "Lighthouses", "text": "The Pharos stood at Alexandria."}]
+    out = render(granite, messages=[{"role": "user", "content": "What does the document say?"}],
+                 chat_template_kwargs={"documents": docs})
+    assert "The Pharos stood at Alexandria." in out["prompt"]
+    assert "Alexandria" not in render(granite, messages=[{"role": "user", "content": "Hi"}])["prompt"]
+    qwen3 = (templates / "Qwen-Qwen3-0.6B.jinja").read_text()
+    messages = [{"role": "user", "content": "Hi"}]
+    thinking = render(qwen3, messages=messages)["prompt"]
+    plain = render(qwen3, messages=messages, chat_template_kwargs={"enable_thinking": False})["prompt"]
+    assert plain != thinking and "<think>" in plain and "<think>" not in thinking[-20:]

@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,24 @@ def requests(template: str) -> dict[str, dict[str, Any]]:
             "tools": {**base, "messages": WITH_TOOLS, "tools": TOOLS, "tool_choice": "auto"}}
 
 
+# Templates print today's date (strftime_now, and the datetime / date_string common/chat gives them) from the
+# clock, not from the request: in a golden it is a placeholder, or the goldens would fail tomorrow.
+DATE_FORMATS = ("%Y-%m-%d", "%d %b %Y", "%B %d, %Y", "%b %d %Y")
+
+
+def undated(text: str) -> str:
+    today = time.localtime()
+    for fmt in DATE_FORMATS:
+        text = text.replace(time.strftime(fmt, today), "{today}")
+    return text
+
+
 def summary(out: dict[str, Any]) -> dict[str, Any]:
-    """What a golden keeps of a rendering: the prompt whole, the grammar by its hash."""
-    return {"prompt": out["prompt"], "format": out["format"], "grammar_lazy": out["grammar_lazy"],
+    """What a golden keeps of a rendering: the prompt whole (today's date a placeholder), the grammar by its
+    hash."""
+    return {"prompt": undated(out["prompt"]), "format": out["format"], "grammar_lazy": out["grammar_lazy"],
             "grammar_sha256": hashlib.sha256(out["grammar"].encode()).hexdigest() if out["grammar"] else "",
-            "triggers": out["grammar_triggers"], "generation_prompt": out["generation_prompt"]}
+            "triggers": out["grammar_triggers"], "generation_prompt": undated(out["generation_prompt"])}
 
 
 def render_one(request: dict[str, Any]) -> dict[str, Any]:
@@ -104,7 +118,7 @@ def make() -> dict[str, Any]:
         entry: dict[str, Any] = {name: render_one(req) for name, req in requests(template).items()}
         second = jinja2_plain(template)
         if second is not None and "prompt" in entry["plain"]:
-            entry["jinja2_agrees"] = second == entry["plain"]["prompt"]
+            entry["jinja2_agrees"] = undated(second) == entry["plain"]["prompt"]
         goldens[path.name] = entry
     return goldens
 

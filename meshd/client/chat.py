@@ -18,9 +18,6 @@ from meshd.engine.engine import EngineError
 from wire.errors import ErrorCode, ProtocolError
 from wire.stage import ChatTemplate, Grammar, GrammarTrigger
 
-# the render's time (templates that print a date read it): fixed, so a request renders the same on every
-# member and after a failover; a caller that wants today's date says so in the request
-EPOCH_NOW = 0
 # the longest a render may take: the 70 pinned templates take 2 to 6 ms each with tools here
 RENDER_SECONDS = 5.0
 
@@ -38,7 +35,6 @@ class ChatRequest:
     json_schema: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_thinking: bool = True
-    now: int = EPOCH_NOW
 
     @property
     def constrained(self) -> bool:
@@ -49,7 +45,7 @@ class ChatRequest:
         request: dict[str, Any] = {
             **template.model_dump(), "messages": self.messages, "tool_choice": self.tool_choice,
             "parallel_tool_calls": self.parallel_tool_calls, "chat_template_kwargs": self.chat_template_kwargs,
-            "enable_thinking": self.enable_thinking, "add_generation_prompt": True, "now": self.now,
+            "enable_thinking": self.enable_thinking, "add_generation_prompt": True,
             # as llama-server's default: a thinking model's reasoning is parsed apart from its content
             "reasoning_format": "auto",
         }
