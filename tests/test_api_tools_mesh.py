@@ -133,6 +133,34 @@ async def test_anthropic_tool_choice_any_and_tool_give_a_tool_use_whose_input_va
             jsonschema.validate(uses[0].input, WEATHER)
 
 
+async def test_responses_api_calls_a_function_whose_arguments_validate_and_goes_on_with_its_output(
+        mesh: Mesh) -> None:
+    client = oai(mesh)
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],  # type: ignore[index]
+              "parameters": t["function"]["parameters"]} for t in (TOOL, OTHER)]  # type: ignore[index]
+    args: dict[str, Any] = {"model": "", "input": "Weather in Rome?", "tools": tools, "max_output_tokens": TOOL_TOKENS,
+                            "temperature": 0, "tool_choice": {"type": "function", "name": "get_weather"}}
+    reply = await client.responses.create(**args)
+    calls = [item for item in reply.output if item.type == "function_call"]
+    assert reply.status == "completed" and len(calls) == 1, reply
+    assert calls[0].name == "get_weather" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    # streamed: the call's item and its arguments as deltas, the same greedy call
+    events = [e async for e in await client.responses.create(**args, stream=True)]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert events[-1].type == "response.completed" and len(done) == 1
+    assert (done[0].name, done[0].arguments, deltas) == (calls[0].name, calls[0].arguments, calls[0].arguments)
+    # the call and its output go back in the input, and the answer goes on from them
+    follow = await client.responses.create(model="", temperature=0, max_output_tokens=TOOL_TOKENS, tools=tools,
+                                           input=[{"role": "user", "content": "Weather in Rome?"},
+                                                  {"type": "function_call", "call_id": calls[0].call_id,
+                                                   "name": calls[0].name, "arguments": calls[0].arguments},
+                                                  {"type": "function_call_output", "call_id": calls[0].call_id,
+                                                   "output": '{"temperature": 21}'}])
+    assert follow.status in ("completed", "incomplete") and follow.output
+
+
 async def test_a_json_schema_answer_validates(mesh: Mesh) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -1,10 +1,13 @@
 """OpenAI's Responses API: POST /v1/responses, streamed as its typed events or whole.
 
-Stateless, as a mesh is: an answer is not stored, so `previous_response_id` and `conversation`
-are refused by name, as are fields that would change the answer in a way this endpoint does not
-honour (tools, a text format other than plain text). `input` is a string or a list of messages;
-`instructions` is the system message. Errors are OpenAI's error body, and a stream that fails
-after it began ends with an `error` event (the official client raises it).
+Stateless, as a mesh is: an answer is not stored, so `previous_response_id` and `conversation` are
+refused by name. `input` is a string or a list of items: messages, the model's earlier function calls
+and their outputs; `instructions` is the system message. A chat is rendered with the model's own
+template, as chat completions are (meshd.client.chat): function `tools` with `tool_choice` (auto,
+none, required, a named function) and `text.format` (json_object, json_schema) are enforced by a
+grammar at the tail, and the answer is parsed into a message and function calls by the template's
+parser. Errors are OpenAI's error body; a stream that fails after it began ends with an `error`
+event (the official client raises it).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from meshd.client.ask import AskRequest, AskResult
+from meshd.client.chat import ChatRequest as ChatTurn
 from meshd.front.dialect import CLIENT_GONE, MAX_NEW_TOKENS, Answer, answer_of, ask_whole, guarded, sampling
 from meshd.front.door import ApiError, FrontDoor, Problem
 from meshd.front.http import AskStream, Emit, read_json
 from meshd.front.openai_api import Content, error_body, error_response
 from meshd.front.text import AnswerText
+from meshd.front.tools import Delta, DeltaStream, ToolCall, parse_answer
 from wire.meshrpc import ModelCoverage
 
 DIALECT = "responses"
@@ -44,13 +49,63 @@ class InputMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Content | Annotated[list[InputText], Field(max_length=256)]
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    def as_chat(self) -> dict[str, Any]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+CallId = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class FunctionCall(BaseModel):
+    """An earlier turn's function call, as the model made it."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: CallId
+    name: Name
+    arguments: Content
+
+
+class FunctionOutput(BaseModel):
+    """What the client's function gave back for a call."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: CallId
+    output: Content
+
+
+Item = Annotated[InputMessage | FunctionCall | FunctionOutput, Field(union_mode="left_to_right")]
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: Name
+    description: Annotated[str, Field(max_length=1 << 16)] | None = None
+    parameters: dict[str, Any] | None = None
+
+    def as_chat(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters or {"type": "object", "properties": {}}}
+        if self.description is not None:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: Name
 
 
 class TextFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    # json_schema's
+    name: Annotated[str, Field(max_length=128)] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
 class TextOptions(BaseModel):
@@ -62,7 +117,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Annotated[str, Field(max_length=256)] | None = None
-    input: Content | Annotated[list[InputMessage], Field(min_length=1, max_length=4096)]
+    input: Content | Annotated[list[Item], Field(min_length=1, max_length=4096)]
     instructions: Content | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -74,48 +129,113 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     previous_response_id: None = None
     conversation: None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
 
-    def messages(self) -> list[dict[str, str]]:
-        said = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else \
-            [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.input]
-        return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + said
+    def messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages: an earlier call is the assistant's turn, its output a tool's."""
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return [*out, {"role": "user", "content": self.input}]
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                out.append(item.as_chat())
+            elif isinstance(item, FunctionCall):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return out
+
+    def chat(self) -> ChatTurn:
+        """The request as the asker renders it with the model's template (as chat completions' are)."""
+        tools = [t.as_chat() for t in self.tools or []]
+        choice = self.tool_choice if isinstance(self.tool_choice, str) else "auto"
+        if isinstance(self.tool_choice, NamedFunction):
+            # a named function: a call is required, and only that tool is offered
+            wanted = self.tool_choice.name
+            tools = [t for t in tools if t["function"]["name"] == wanted]
+            if not tools:
+                raise ApiError(Problem.BAD_REQUEST, f"tool_choice names {wanted!r}, which is not in tools",
+                               param="tool_choice")
+            choice = "required"
+        if not tools:
+            choice = "none"
+        form = self.text.format if self.text is not None else None
+        schema = None
+        if form is not None and form.type != "text":
+            if choice != "none":
+                raise ApiError(Problem.BAD_REQUEST, "give tools or a text format schema, not both", param="text")
+            schema = form.schema_ or {"type": "object"} if form.type == "json_schema" else {"type": "object"}
+        # as chat completions': calls after the first only when asked for (a weak model goes on making them)
+        return ChatTurn(messages=self.messages(), tools=tools, tool_choice=choice,
+                        parallel_tool_calls=bool(self.parallel_tool_calls), json_schema=schema)
 
 
 class Reply:
-    """One answer's ids and the Response object around its text, as the API shapes it."""
+    """One answer's ids and the Response object around its output items, as the API shapes them."""
 
     def __init__(self, model: ModelCoverage, body: ResponsesRequest) -> None:
         self.id = f"resp_{secrets.token_hex(12)}"
-        self.item_id = f"msg_{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
         self.body = body
+        # the output items so far, in order: (their id, a message's text or a call)
+        self.items: list[tuple[str, str | ToolCall]] = []
 
-    def part(self, text: str) -> dict[str, Any]:
+    @staticmethod
+    def part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": []}
 
-    def item(self, text: str | None) -> dict[str, Any]:
-        """The answer's message item: without text, one still being written."""
-        return {"id": self.item_id, "type": "message", "role": "assistant",
-                "status": "in_progress" if text is None else "completed",
-                "content": [] if text is None else [self.part(text)]}
+    def item(self, k: int, done: bool) -> dict[str, Any]:
+        """Output item ``k``: a message or a function call, still being written or done."""
+        item_id, what = self.items[k]
+        status = "completed" if done else "in_progress"
+        if isinstance(what, ToolCall):
+            return {"id": item_id, "type": "function_call", "call_id": what.id, "name": what.name,
+                    "arguments": what.arguments if done else "", "status": status}
+        return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+                "content": [self.part(what)] if done else []}
+
+    def add(self, what: str | ToolCall) -> int:
+        self.items.append((f"{'fc' if isinstance(what, ToolCall) else 'msg'}_{secrets.token_hex(12)}", what))
+        return len(self.items) - 1
+
+    def take(self, answer: Answer) -> None:
+        """The whole answer's items: its text (a message, unless it only calls functions) and its calls."""
+        if answer.rendered is None:
+            self.add(answer.text)
+            return
+        parsed = parse_answer(answer.rendered, answer.text)
+        if parsed.content or not parsed.calls:
+            self.add(parsed.content)
+        for call in parsed.calls:
+            self.add(call)
 
     def response(self, answer: Answer | None) -> dict[str, Any]:
         """The Response object: without an answer, one in progress."""
         out: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "model": self.model.name,
-            "status": "in_progress", "output": [], "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "status": "in_progress", "output": [], "parallel_tool_calls": bool(self.body.parallel_tool_calls),
+            "tool_choice": (choice.model_dump() if isinstance(choice := self.body.tool_choice, NamedFunction)
+                            else choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in self.body.tools or []],
             "instructions": self.body.instructions, "max_output_tokens": self.body.max_output_tokens,
-            "temperature": self.body.temperature, "top_p": self.body.top_p, "text": {"format": {"type": "text"}},
-            "incomplete_details": None, "error": None, "usage": None}
+            "temperature": self.body.temperature, "top_p": self.body.top_p,
+            "text": {"format": {"type": "text"}}, "incomplete_details": None, "error": None, "usage": None}
         if answer is not None:
-            cut = answer.reason in ("max_tokens", "budget")
+            called = any(isinstance(what, ToolCall) for _, what in self.items)
+            cut = answer.reason in ("max_tokens", "budget") and not called
             out |= {"status": "incomplete" if cut else "completed",
                     "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-                    "output": [self.item(answer.text)], "usage": usage(answer), "meshd": answer.verification}
+                    "output": [self.item(k, True) for k in range(len(self.items))], "usage": usage(answer),
+                    "meshd": answer.verification}
         return out
 
 
@@ -138,6 +258,63 @@ class Events:
         await self._emit(ServerSentEvent(json.dumps(data), event=kind))
 
 
+class Streamed:
+    """A streamed answer's output items as its deltas open and extend them (the message's text, each call's
+    arguments), told as the API's events; ``finish`` closes them."""
+
+    def __init__(self, reply: Reply, events: Events) -> None:
+        self.reply = reply
+        self.events = events
+        # the output index of the message, and of each call by its index in the answer
+        self.message: int | None = None
+        self.calls: dict[int, int] = {}
+
+    async def _open(self, what: str | ToolCall) -> int:
+        k = self.reply.add(what)
+        await self.events("response.output_item.added", output_index=k, item=self.reply.item(k, False))
+        if not isinstance(what, ToolCall):
+            await self.events("response.content_part.added", item_id=self.reply.items[k][0], output_index=k,
+                              content_index=0, part=Reply.part(""))
+        return k
+
+    async def text(self, delta: str) -> None:
+        if self.message is None:
+            self.message = await self._open("")
+        item_id, text = self.reply.items[self.message]
+        assert isinstance(text, str)
+        self.reply.items[self.message] = (item_id, text + delta)
+        await self.events("response.output_text.delta", item_id=item_id, output_index=self.message,
+                          content_index=0, delta=delta, logprobs=[])
+
+    async def delta(self, d: Delta) -> None:
+        if d.content:
+            await self.text(d.content)
+        if d.call_start is not None:
+            index, call_id, name = d.call_start
+            self.calls[index] = await self._open(ToolCall(call_id, name, ""))
+        if d.arguments is not None and d.arguments[0] in self.calls:
+            k = self.calls[d.arguments[0]]
+            item_id, call = self.reply.items[k]
+            assert isinstance(call, ToolCall)
+            call.arguments += d.arguments[1]
+            await self.events("response.function_call_arguments.delta", item_id=item_id, output_index=k,
+                              delta=d.arguments[1])
+
+    async def finish(self) -> None:
+        if not self.reply.items:
+            self.message = await self._open("")
+        for k, (item_id, what) in enumerate(self.reply.items):
+            if isinstance(what, ToolCall):
+                await self.events("response.function_call_arguments.done", item_id=item_id, output_index=k,
+                                  name=what.name, arguments=what.arguments)
+            else:
+                await self.events("response.output_text.done", item_id=item_id, output_index=k, content_index=0,
+                                  text=what, logprobs=[])
+                await self.events("response.content_part.done", item_id=item_id, output_index=k, content_index=0,
+                                  part=Reply.part(what))
+            await self.events("response.output_item.done", output_index=k, item=self.reply.item(k, True))
+
+
 def error_event(exc: ApiError) -> ServerSentEvent:
     """The stream's end when the ask fails: the API's "error" event, which the official client raises
     as an APIError when its data also carries OpenAI's error body (under "error")."""
@@ -153,33 +330,32 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             events = Events(emit)
             text = AnswerText(ask.stop)
             result = AskResult()
-            where = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
+            out = Streamed(reply, events)
+            parsed: DeltaStream | None = None
             started = False
 
-            async def opened() -> None:
-                nonlocal started
+            async def send(delta: str, final: bool = False) -> None:
+                nonlocal started, parsed
                 if not started:
                     started = True
                     await events("response.created", response=reply.response(None))
                     await events("response.in_progress", response=reply.response(None))
-                    await events("response.output_item.added", output_index=0, item=reply.item(None))
-                    await events("response.content_part.added", **where, part=reply.part(""))
-
-            async def send(delta: str) -> None:
-                await opened()
-                if delta:
-                    await events("response.output_text.delta", **where, delta=delta, logprobs=[])
+                if result.rendered is None:
+                    if delta:
+                        await out.text(delta)
+                    return
+                # rendered with the model's template: its parser splits the text into content and calls
+                parsed = parsed or DeltaStream(result.rendered)
+                for d in parsed.feed(text.text, final):
+                    await out.delta(d)
 
             async def on_token(token: int, piece: bytes) -> None:
                 await send(text.feed(piece))
 
             await front.ask(model, ask, DIALECT, True, on_token, result)
-            await send(text.finish())
-            answer = answer_of(result, text)
-            await events("response.output_text.done", **where, text=answer.text, logprobs=[])
-            await events("response.content_part.done", **where, part=reply.part(answer.text))
-            await events("response.output_item.done", output_index=0, item=reply.item(answer.text))
-            done = reply.response(answer)
+            await send(text.finish(), final=True)
+            await out.finish()
+            done = reply.response(answer_of(result, text))
             await events("response.completed" if done["status"] == "completed" else "response.incomplete",
                          response=done)
 
@@ -188,7 +364,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
     async def create(request: Request) -> Response:
         body = await read_json(request, ResponsesRequest)
         model = front.resolve(body.model)
-        ask = AskRequest(messages=body.messages(), max_tokens=body.max_output_tokens or front.default_max_tokens,
+        ask = AskRequest(chat=body.chat(), max_tokens=body.max_output_tokens or front.default_max_tokens,
                          sampling=sampling(1.0 if body.temperature is None else body.temperature, body.top_p, None,
                                            body.seed))
         reply = Reply(model, body)
@@ -197,6 +373,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
         answer = await ask_whole(front, request, model, ask, DIALECT)
         if answer is None:
             return Response(status_code=CLIENT_GONE)
+        reply.take(answer)
         return JSONResponse(reply.response(answer), headers=answer.headers)
 
     async def not_kept(request: Request) -> Response:
