@@ -1,4 +1,4 @@
-"""Tiny GGUFs that take the loader's other paths, made from tests/gguf_factory.py's models.
+"""Tiny GGUFs that take the loader's other paths, made from tools/gguf_factory.py's models.
 
 Each variant rewrites a tiny model's tensors (the metadata is copied as it is):
 per-tensor `.scale` tensors as NVFP4/FP8 quantisers write them, a fused `attn_qkv`

@@ -1,6 +1,6 @@
 """Every supported architecture: a chain of layer ranges gives exactly the whole model's logits and tokens.
 
-Runs on tiny random-weight GGUFs (tests/gguf_factory.py): llama with grouped-query
+Runs on tiny random-weight GGUFs (tools/gguf_factory.py): llama with grouped-query
 attention, tied and untied head; qwen2 with q/k/v biases; qwen3 with q/k norms.
 """
 

@@ -1,7 +1,7 @@
 """gguf-split sets: one model, one manifest and one id whichever part is named; stages and volunteers that
 hold only their range's tensors of the parts serve it; a part missing or not of the set is one clear error.
 
-Sets are written with the `gguf` package's split writer (tests/gguf_factory.split_gguf) from a tiny
+Sets are written with the `gguf` package's split writer (tools/gguf_factory.split_gguf) from a tiny
 random-weight model and from the default model; stages are real `meshd serve` and `meshd join`
 processes on loopback, the engine real llama.cpp given the first part (its loader finds the others).
 """

@@ -26,10 +26,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
+from gguf_factory import add_vocab_of, tokenizer_of
 
 from meshd.mesh.models import default_model_path
 
@@ -56,28 +56,6 @@ Q4_K_BYTES, Q6_K_BYTES = 144, 210
 # Block scales: a 6-bit sub-scale of up to 63 times a 4-bit (or 6-bit signed) quant, times d, keeps
 # each weight within about +-0.1.
 Q4_D, Q6_D = 1.0 / 4096, 1.0 / 8192
-
-
-def tokenizer_of(source: Path) -> dict[str, Any]:
-    return {key: field.contents() for key, field in gguf.GGUFReader(source).fields.items()
-            if key.startswith("tokenizer.")}
-
-
-def add_tokenizer(w: gguf.GGUFWriter, tokenizer: dict[str, Any]) -> int:
-    for key, value in tokenizer.items():
-        if key == "tokenizer.ggml.tokens":
-            w.add_token_list(value)
-        elif key == "tokenizer.ggml.token_type":
-            w.add_token_types(value)
-        elif key == "tokenizer.ggml.merges":
-            w.add_token_merges(value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-    return len(tokenizer["tokenizer.ggml.tokens"])
 
 
 def quant_blocks(rng: np.random.Generator, rows: int, cols: int, kind: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -135,7 +113,7 @@ def write(out_dir: Path, parts: int = 3, dims: Dims = Dims(), seed: int = 0, qui
     w.add_rope_freq_base(500000.0)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    add_tokenizer(w, tokenizer)
+    add_vocab_of(w, tokenizer)
     for name, shape, kind in tensors:
         block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
         nbytes = int(np.prod(shape)) // block * block_bytes

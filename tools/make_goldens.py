@@ -9,7 +9,7 @@ and records:
 * tests/golden/smollm2_greedy.json: greedy token ids of the default model for
   a few short prompts (chat template applied by stock llama.cpp);
 * tests/golden/tiny_<spec>.json and .npy: for one tiny random-weight model of
-  tests/gguf_factory.py, the prompt, greedy ids and every logits row (float32).
+  tools/gguf_factory.py, the prompt, greedy ids and every logits row (float32).
 
 Run it again only when the pin changes:  .venv/bin/python tools/make_goldens.py
 The build goes to --work (default /tmp/meshd-stock). Its tree mirrors the
