@@ -443,7 +443,7 @@ async def fetch_range(
     if target.manifest.model_id != manifest.model_id:
         raise ValueError("the sparse file is of another model")
     report = await fetch_chunks(peers, sources, target, manifest.header_chunks_list(), config=config)
-    n_layers = await trio.to_thread.run_sync(_block_count, target.path)
+    n_layers = await trio.to_thread.run_sync(block_count, target.path)
     wanted = range_chunks(manifest, n_layers, *layers)
     if not keep_unowned:
         keep = {c.index for c in wanted}
@@ -454,7 +454,8 @@ async def fetch_range(
     return report
 
 
-def _block_count(path: Path) -> int:
+def block_count(path: Path) -> int:
+    """The layer count the GGUF header at ``path`` (as fetched, the body a hole) names."""
     try:
         with open(path, "rb") as f:
             layout = read_layout(f)

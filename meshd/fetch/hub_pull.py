@@ -17,10 +17,9 @@ from pathlib import Path
 
 import trio
 
-from meshd.fetch.fetcher import FetchProgress, FetchReport
+from meshd.fetch.fetcher import FetchProgress, FetchReport, block_count
 from meshd.fetch.hub import HubReader, cached_manifest, fetch_from_hub, hash_model, remember_manifest
-from meshd.store.gguf_header import GGUFError, read_layout
-from meshd.store.manifest import CHUNK_SIZE, Manifest, ManifestError, remember
+from meshd.store.manifest import CHUNK_SIZE, Manifest, remember
 from meshd.store.ranges import range_chunks
 from meshd.store.sparse import SparseFile
 from meshd.store.split import part_paths
@@ -62,17 +61,6 @@ def pull_whole(reader: HubReader, out: Path, state_dir: Path | None, progress: P
     return manifest
 
 
-def _block_count(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            layout = read_layout(f)
-    except GGUFError as exc:
-        raise ManifestError(f"the header is not a usable GGUF ({exc})") from None
-    if layout.block_count is None or layout.block_count < 1:
-        raise ManifestError(f"the header names no layer count for {layout.architecture!r}")
-    return layout.block_count
-
-
 async def pull_range(reader: HubReader, state_dir: Path, out: Path | None, layers: tuple[int, int],
                      hashing: Progress | None = None, progress: Callable[[FetchProgress], None] | None = None
                      ) -> tuple[Manifest, Path, FetchReport]:
@@ -86,7 +74,7 @@ async def pull_range(reader: HubReader, state_dir: Path, out: Path | None, layer
     sparse = await trio.to_thread.run_sync(SparseFile.open, path, manifest)
     try:
         report = await fetch_from_hub(reader, sparse, manifest.header_chunks_list())
-        n_layers = await trio.to_thread.run_sync(_block_count, sparse.path)
+        n_layers = await trio.to_thread.run_sync(block_count, sparse.path)
         body = [c for c in range_chunks(manifest, n_layers, *layers) if c.tensor is not None]
         report.add(await fetch_from_hub(reader, sparse, body, progress=progress))
     finally:
