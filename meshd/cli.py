@@ -92,6 +92,7 @@ STDIN = "-"
 LEAVE_ON_INTERRUPT = 0.25
 
 ReplyT = TypeVar("ReplyT", bound=Message)
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -265,24 +266,24 @@ def gguf_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def model_arg(text: str) -> Path | HubSpec:
-    """--model of serve and join: a GGUF file, or a hub model (hf:ORG/REPO[:QUANT][@REV], hf:ORG/REPO/FILE.gguf)."""
+def hub_or(text: str, otherwise: Callable[[str], T]) -> HubSpec | T:
+    """A hub model (hf:ORG/REPO[:QUANT][@REV], hf:ORG/REPO/FILE.gguf), else what ``otherwise`` makes of ``text``."""
     if is_spec(text):
         try:
             return parse_spec(text)
         except HubSpecError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-    return gguf_file(text)
+    return otherwise(text)
+
+
+def model_arg(text: str) -> Path | HubSpec:
+    """--model of serve and join: a GGUF file, or a hub model."""
+    return hub_or(text, gguf_file)
 
 
 def model_id_or_hub(text: str) -> str | HubSpec:
     """pull's model: an id, or a hub model."""
-    if is_spec(text):
-        try:
-            return parse_spec(text)
-        except HubSpecError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return model_id(text)
+    return hub_or(text, model_id)
 
 
 async def resolve_hub(spec: HubSpec) -> HubModel:

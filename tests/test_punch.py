@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import trio
+from test_relay_circuit import echo_bytes
 
 from meshd.net import rpc
 from meshd.net.link import LinkTimings, Stream
@@ -33,11 +34,6 @@ ECHO = "test/echo"
 CONFIG = PeersConfig(mesh_key=KEY, drain_timeout=0.2, dial_timeout=2.0,
                      timings=LinkTimings(keepalive_interval=300, dead_after=900))
 QUICK = PunchLimits(step_timeout=1.0, connect_timeout=1.0)
-
-
-async def echo_bytes(stream: Stream) -> None:
-    while data := await stream.receive_some():
-        await stream.send_all(data)
 
 
 @dataclass
