@@ -13,12 +13,14 @@ client (greedy, streamed, seeded, the stream closed mid-way). Meanwhile, at rand
 SIGKILLed, SIGTERMed (a leave), SIGSTOPped then SIGCONTed, their links set down then up, the relay
 stopped and continued, and volunteers joining (with their old identity or a new one).
 
-Every greedy answer, and every prefix a cancelled greedy ask showed, is compared with the whole model's
-(generated once, here, in-process): one that differs is wrong. Every failed ask is kept with the error
-its user saw, and counts as explained when that was one line (no traceback) and a disturbance was in
-force within ``EXPLAIN_WINDOW`` before it. Ghosts: a departed member still in the seed's or the API
-member's status more than ``GHOST_BOUND`` after that member's status first showed it dead, left or
-gone (or never shown so within ``UNCONFIRMED_BOUND``). RSS and open fds of every daemon (and its engine
+Every greedy answer, and every prefix a cancelled greedy ask showed, is compared with the undisturbed one:
+`meshd ask`'s with the whole model's (generated once, here, in-process), the API's with the calm mesh's API
+answer before the chaos (the API renders a chat with the model's own template, `meshd ask` with llama.cpp's
+built-in one; where they answer otherwise the report says so). One that differs is wrong. Every failed ask
+is kept with the error its user saw, and counts as explained when that was one line (no traceback) and a
+disturbance was in force within ``EXPLAIN_WINDOW`` before it. Ghosts: a departed member still in the seed's
+or the API member's status more than ``GHOST_BOUND`` after that member's status first showed it dead, left
+or gone (or never shown so within ``UNCONFIRMED_BOUND``). RSS and open fds of every daemon (and its engine
 worker) are sampled from /proc; growth is counted from the first sample after warm-up.
 
     sudo .venv/bin/python tools/soak.py --minutes 20 --volunteers 6 --seed 7 --json soak.json
@@ -50,7 +52,7 @@ from typing import Any
 
 import trio
 from netns_lab import ROOT, Bridge, Process, remove_stale, unavailable
-from soak_asks import Asker, Outcome, meshd_command, reference_answers
+from soak_asks import PROMPTS, Asker, Outcome, meshd_command, reference_answers
 
 SEED_ADDR = "10.77.0.1:7000"
 RELAY_ADDR = "10.77.0.1:7400"
@@ -124,8 +126,8 @@ class Daemon:
     process: Process
     started: float
     ended: float | None = None
-    # (t, daemon's RSS KiB, its children's RSS KiB, daemon's open fds, children's open fds)
-    samples: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    # (t, daemon's RSS KiB, its children's RSS KiB, daemon's open fds, children's open fds, children's PIDs)
+    samples: list[tuple[float, int, int, int, int, tuple[int, ...]]] = field(default_factory=list)
     workers: set[int] = field(default_factory=set)
     slot: Slot | None = None
 
@@ -285,7 +287,7 @@ class Soak:
             kids = children(daemon.pid)
             daemon.workers |= set(kids)
             daemon.samples.append((t, rss_kib(daemon.pid), sum(rss_kib(k) for k in kids), fd_count(daemon.pid),
-                                   sum(fd_count(k) for k in kids)))
+                                   sum(fd_count(k) for k in kids), tuple(sorted(kids))))
 
     async def watch(self, peers: Any, until: Callable[[], bool]) -> None:
         """RSS and fds every sample_every s; the status views every second (ghosts)."""
@@ -500,9 +502,9 @@ class Soak:
             took = await self.covered(peers, 240)
             self.log("covered", seconds=round(took, 1))
             self.phase = "calm"
-            for mode in ("greedy",):
-                self.record(await self.asking.cli_ask(mode))
-                self.record(await self.asking.http_ask(mode))
+            self.record(await self.asking.cli_ask("greedy"))
+            for prompt in PROMPTS:
+                self.record(await self.asking.http_ask("greedy", reference=prompt))
             if any(a.status != "done" for a in self.asks):
                 raise SoakError("the undisturbed mesh did not give the whole model's answer: "
                                 + "; ".join(f"{a.kind}: {a.error}" for a in self.asks if a.status != "done"))
@@ -548,9 +550,11 @@ class Soak:
                                      "ended": d.ended, "samples": [list(s) for s in d.samples]}
             if len(after) >= 2:
                 entry["rss_growth_kib"] = max(s[1] for s in after) - after[0][1]
-                entry["worker_rss_growth_kib"] = max(s[2] for s in after) - after[0][2]
                 entry["fd_growth"] = after[-1][3] - after[0][3]
-                entry["worker_fd_growth"] = after[-1][4] - after[0][4]
+                # a worker's growth is its own: a re-cut starts a new worker, which loads another range
+                worker = [s for s in after if s[5] == after[-1][5]]
+                entry["worker_rss_growth_kib"] = max(s[2] for s in worker) - worker[0][2]
+                entry["worker_fd_growth"] = worker[-1][4] - worker[0][4]
             daemons[d.name] = entry
         asks = [asdict(a) for a in self.asks]
         count = {s: sum(1 for a in self.asks if a.status == s) for s in ("done", "failed", "wrong", "cancelled")}
@@ -561,6 +565,9 @@ class Soak:
             "failovers": {"ask": sum(a.failovers for a in self.asks), "http": self.http_failovers},
             "failures": failed, "wrong": [a for a in asks if a["status"] == "wrong"],
             "seeded_differ": self.asking.seeded_differ,
+            # where the API's chat rendering (the model's own template) answers otherwise than meshd ask's
+            "front_ends_differ": [p for p, text in self.asking.http_references.items()
+                                  if text != self.asking.references.get((p, None))],
             "seeded_as_whole_model": {"same": self.asking.seeded_whole[True], "other": self.asking.seeded_whole[False]},
             "ghosts": self.ghosts, "orphans": self.orphans,
             "departures": [{"node": n, **d} for n, d in self.departed.items()],
@@ -607,6 +614,8 @@ def summary(rep: dict[str, Any]) -> str:
              f"(as the whole model's: {rep['seeded_as_whole_model']['same']} of "
              f"{sum(rep['seeded_as_whole_model'].values())}); "
              f"ghosts {len(rep['ghosts'])}; orphaned workers {len(rep['orphans'])}; {rep['wall_s']:.0f} s"]
+    if rep["front_ends_differ"]:
+        lines.append(f"  the API and meshd ask answer otherwise (chat rendering): {rep['front_ends_differ']}")
     for f in rep["failures"]:
         lines.append(f"  failed at {f['t']:.0f} s ({f['kind']} {f['mode']}, "
                      f"{'explained' if f['explained'] else 'UNEXPLAINED'}): {f['error'][:200]}")

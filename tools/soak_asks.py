@@ -83,6 +83,7 @@ class Asker:
         self.say = say
         self.seeded_first: dict[tuple[str, str, int], str] = {}
         self.seeded_differ: list[dict[str, Any]] = []
+        self.http_references: dict[str, str] = {}  # prompt -> the calm mesh's greedy answer through the API
         self.seeded_whole = {True: 0, False: 0}  # seeded answers equal to the whole model's with that seed, or not
 
     def judge(self, out: Outcome, text: str, want: str | None, complete: bool, seed: int | None,
@@ -91,7 +92,7 @@ class Asker:
         if seed is not None:
             key = (family, out.prompt, seed)
             first = self.seeded_first.setdefault(key, text) if complete else None
-            if complete:
+            if complete and want is not None:
                 self.seeded_whole[text == want] += 1
             if complete and first != text:
                 # (meshd ask's failovers: a session opened anew samples from its seed's first draw again)
@@ -178,8 +179,9 @@ class Asker:
         finally:
             client.close()
 
-    async def http_ask(self, mode: str) -> Outcome:
-        prompt = self.rng.choice(PROMPTS)
+    async def http_ask(self, mode: str, reference: str | None = None) -> Outcome:
+        """With ``reference`` (a prompt), a greedy ask of the calm mesh whose answer is the API's reference."""
+        prompt = reference or self.rng.choice(PROMPTS)
         seed = self.rng.choice(self.seeds) if mode == "seeded" else None
         out = Outcome(self.now(), "http", mode, prompt, 0.0, "done")
         began = time.monotonic()
@@ -200,5 +202,12 @@ class Asker:
         text, complete = result
         if not complete:
             out.status = "cancelled"
-        self.judge(out, text, self.references.get((prompt, seed)), complete, seed, "http")
+        if reference:
+            self.http_references[prompt] = text
+            return out
+        # the API renders a chat with the model's own template, `meshd ask` (and the in-process reference) with
+        # llama.cpp's built-in one: a greedy answer is held to the calm mesh's API answer, a seeded one to
+        # the first of its kind
+        want = self.http_references.get(prompt) if seed is None else None
+        self.judge(out, text, want, complete, seed, "http")
         return out
