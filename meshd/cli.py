@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import errno
 import importlib.metadata
 import json
@@ -20,7 +21,7 @@ import stat
 import sys
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -749,6 +750,31 @@ async def models(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def fetch_errors(what: str) -> Iterator[None]:
+    """A pull's failures, each one line: ``what`` names the model in the manifest's."""
+    try:
+        yield
+    except (HubError, FetchFailed) as exc:
+        raise CommandError(str(exc)) from None
+    except ManifestError as exc:
+        raise CommandError(f"{what}: {exc}") from None
+    except SparseError as exc:
+        raise CommandError(exc.strerror or str(exc)) from None
+    except RangeError as exc:
+        # the layers are checked against the model's layer count, which the fetched header says
+        raise UsageError(f"--layers: {exc}") from None
+
+
+def shown_on(bar: Any) -> Callable[[FetchProgress], None]:
+    """A fetch's progress, shown on a tqdm ``bar``."""
+    def show(p: FetchProgress) -> None:
+        bar.total = p.total_bytes
+        bar.n = p.done_bytes
+        bar.refresh()
+    return show
+
+
 async def pull_hub(args: argparse.Namespace, spec: HubSpec) -> int:
     model = await resolve_hub(spec)
     if args.layers is None:
@@ -758,23 +784,10 @@ async def pull_hub(args: argparse.Namespace, spec: HubSpec) -> int:
         return 0
     reader = HubReader(model)
     total = sum(f.size for f in model.files)
-    with hub_bar(f"hashing {model.name}", total) as hashing, hub_bar(f"pulling {model.name}", 0) as bar:
-        def show(p: FetchProgress) -> None:
-            bar.total = p.total_bytes
-            bar.n = p.done_bytes
-            bar.refresh()
-
-        try:
-            manifest, path, report = await pull_range(reader, args.state_dir, args.out, args.layers,
-                                                      hashing.update, show)
-        except (HubError, FetchFailed) as exc:
-            raise CommandError(str(exc)) from None
-        except ManifestError as exc:
-            raise CommandError(f"{model.name}: {exc}") from None
-        except SparseError as exc:
-            raise CommandError(exc.strerror or str(exc)) from None
-        except RangeError as exc:
-            raise UsageError(f"--layers: {exc}") from None
+    with hub_bar(f"hashing {model.name}", total) as hashing, hub_bar(f"pulling {model.name}", 0) as bar, \
+            fetch_errors(model.name):
+        manifest, path, report = await pull_range(reader, args.state_dir, args.out, args.layers, hashing.update,
+                                                  shown_on(bar))
     start, end = args.layers
     print(f"layers {start}:{end} of {model.name} ({manifest.model_id[:16]}) of {model.where} in {path}: "
           f"{mib(report.fetched_bytes)} fetched from the hub, {mib(report.reused_bytes)} already there; "
@@ -795,29 +808,16 @@ async def pull(args: argparse.Namespace) -> int:
     bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"pulling {short}", disable=not sys.stderr.isatty(),
                leave=False)
 
-    def show(p: FetchProgress) -> None:
-        bar.total = p.total_bytes
-        bar.n = p.done_bytes
-        bar.refresh()
-
     # Errors become one line inside the peers' context: out of it they would come wrapped in its nursery's group.
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
         enable_circuits(peers)
         try:
-            try:
-                manifest = await fetch_manifest(peers, sources, args.model_id, timeout=args.timeout)
-            except ProtocolError as exc:
-                raise CommandError(f"no seed gave model {short}: {exc.message}") from None
-            report = await fetch_range(peers, sources, manifest, out, args.layers, progress=show)
-        except FetchFailed as exc:
-            raise CommandError(str(exc)) from None
-        except ManifestError as exc:
-            raise CommandError(f"model {short}: {exc}") from None
-        except SparseError as exc:
-            raise CommandError(exc.strerror or str(exc)) from None
-        except RangeError as exc:
-            # The layers are checked against the model's layer count, which the fetched header says.
-            raise UsageError(f"--layers: {exc}") from None
+            with fetch_errors(f"model {short}"):
+                try:
+                    manifest = await fetch_manifest(peers, sources, args.model_id, timeout=args.timeout)
+                except ProtocolError as exc:
+                    raise CommandError(f"no seed gave model {short}: {exc.message}") from None
+                report = await fetch_range(peers, sources, manifest, out, args.layers, progress=shown_on(bar))
         finally:
             bar.close()
     start, end = args.layers
