@@ -7,7 +7,8 @@ the batch-invariant GPU kernels (patch 0015, the engine's default) cost against 
 Each configuration runs in a process of its own (the library and the kernel switch are chosen per
 process), the configurations interleaved over --repeats rounds and the median kept, so drift on a
 shared machine hits all alike. Needs `MESHD_VULKAN=1 tools/build_native.py`; on a machine without a
-GPU, --vulkan-device 0 names lavapipe.
+GPU, --vulkan-device 0 names lavapipe. --smoke runs the CPU build's whole model once, and the
+Vulkan build's too where --vulkan-device names a device (the test suite's build is the CPU one).
 
     .venv/bin/python tools/bench_vulkan.py --vulkan-device 0 --decode 8 --prefill-tokens 32
 """
@@ -24,8 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchlib.result import parser, publish
 
 # name -> (library, kernels, stages' --gpu-layers: one per range, none: the whole model)
 CONFIGS: dict[str, tuple[str, str, list[int]]] = {
@@ -90,7 +90,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     from meshd.mesh.models import default_model_path
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", type=Path)
     ap.add_argument("--ranges", default="0:10,10:20,20:30", help="the split and mixed chains' ranges")
     ap.add_argument("--threads", type=int, default=2)
@@ -107,16 +107,21 @@ def main() -> int:
                                  args.prefill_tokens)))
         return 0
     names = args.only or list(CONFIGS)
+    if args.smoke:
+        args.repeats, args.decode, args.prefill_tokens = 1, 2, 8
+        names = ["cpu whole"] + (["vulkan whole"] if args.vulkan_device is not None else [])
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(args.repeats):
         for n in names:
             runs[n].append(run_one(n, args))
-    print(f"{args.model.name}, {args.threads} threads, decode {args.decode} tokens, prefill {args.prefill_tokens}, "
-          f"median of {args.repeats}")
-    for n in names:
-        dec = statistics.median(r["decode"] for r in runs[n])
-        pre = statistics.median(r["prefill"] for r in runs[n])
-        print(f"  {n:30s} decode {dec:7.2f} tok/s  prefill {pre:7.2f} tok/s  ({', '.join(runs[n][0]['devices'])})")
+    figures = {n: {"decode_tok_s": statistics.median(r["decode"] for r in runs[n]),
+                   "prefill_tok_s": statistics.median(r["prefill"] for r in runs[n]), "devices": runs[n][0]["devices"]}
+               for n in names}
+    table = "\n".join([f"{args.model.name}, {args.threads} threads, decode {args.decode} tokens, prefill "
+                        f"{args.prefill_tokens}, median of {args.repeats}"] +
+                       [f"  {n:30s} decode {f['decode_tok_s']:7.2f} tok/s  prefill {f['prefill_tok_s']:7.2f} tok/s  "
+                        f"({', '.join(f['devices'])})" for n, f in figures.items()])
+    publish("bench_vulkan", args, figures, table)
     return 0
 
 
