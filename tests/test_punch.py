@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import trio
-from test_relay_circuit import echo_bytes
+from test_relay_circuit import ECHO, echo_bytes, echo_through
 
 from meshd.net import rpc
 from meshd.net.link import LinkTimings, Stream
@@ -30,7 +30,6 @@ from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 
 KEY = b"the mesh key"
-ECHO = "test/echo"
 CONFIG = PeersConfig(mesh_key=KEY, drain_timeout=0.2, dial_timeout=2.0,
                      timings=LinkTimings(keepalive_interval=300, dead_after=900))
 QUICK = PunchLimits(step_timeout=1.0, connect_timeout=1.0)
@@ -84,16 +83,6 @@ async def reserve(nursery: trio.Nursery, target: Node, relay: Node) -> None:
             await trio.sleep(0.02)
 
 
-async def echo(peers: Peers, address: str, node_id: str, payload: bytes) -> bytes:
-    stream = await peers.open_stream(address, ECHO, node_id=node_id)
-    async with stream:
-        await stream.send_all(payload)
-        got = b""
-        while len(got) < len(payload):
-            got += await stream.receive_some()
-        return got
-
-
 async def until(check: object, timeout: float = 10.0) -> None:
     with trio.fail_after(timeout):
         while not check():  # type: ignore[operator]
@@ -109,7 +98,7 @@ async def test_two_nodes_linked_through_a_relay_go_direct_and_the_relay_carries_
         assert target.held == [circuit_address(relay.address, target.node_id)]
         payload = b"x" * 200_000
         with trio.fail_after(10):
-            assert await echo(dialer.peers, target.held[0], target.node_id, payload) == payload
+            assert await echo_through(dialer.peers, target.held[0], target.node_id, payload) == payload
 
         def direct() -> bool:
             link = dialer.peers.link_to(target.node_id)
@@ -123,7 +112,7 @@ async def test_two_nodes_linked_through_a_relay_go_direct_and_the_relay_carries_
         before = relay.relay.forwarded_bytes
         # The circuit's address still names the target; the link to that node is the direct one.
         with trio.fail_after(10):
-            assert await echo(dialer.peers, target.held[0], target.node_id, payload) == payload
+            assert await echo_through(dialer.peers, target.held[0], target.node_id, payload) == payload
         assert relay.relay.forwarded_bytes == before
         await until(lambda: not relay.relay.state.circuits)  # type: ignore[union-attr]
         nursery.cancel_scope.cancel()
@@ -151,7 +140,7 @@ async def test_a_peer_that_never_dials_leaves_the_link_relayed_after_bounded_tri
         dialer.peers.handle(PUNCH_PROTOCOL, liar)
         await reserve(nursery, target, relay)
         with trio.fail_after(10):
-            assert await echo(dialer.peers, target.held[0], target.node_id, b"hello") == b"hello"
+            assert await echo_through(dialer.peers, target.held[0], target.node_id, b"hello") == b"hello"
         assert target.puncher is not None
         await until(lambda: dialer.node_id in target.puncher.outcomes)  # type: ignore[union-attr]
         outcome = target.puncher.outcomes[dialer.node_id]
@@ -160,7 +149,7 @@ async def test_a_peer_that_never_dials_leaves_the_link_relayed_after_bounded_tri
         link = dialer.peers.link_to(target.node_id)
         assert link is not None and link.path == "relayed"
         with trio.fail_after(10):
-            assert await echo(dialer.peers, target.held[0], target.node_id, b"still") == b"still"
+            assert await echo_through(dialer.peers, target.held[0], target.node_id, b"still") == b"still"
         nursery.cancel_scope.cancel()
 
 
@@ -172,7 +161,7 @@ async def test_a_flood_of_punch_requests_gets_typed_refusals_and_the_node_serves
         victim = await start_node(nursery, limits=PunchLimits(step_timeout=5.0, per_peer=3))
         await reserve(nursery, flooder, relay)
         with trio.fail_after(10):
-            assert await echo(victim.peers, flooder.held[0], flooder.node_id, b"hi") == b"hi"
+            assert await echo_through(victim.peers, flooder.held[0], flooder.node_id, b"hi") == b"hi"
         link = flooder.peers.link_to(victim.node_id)
         assert link is not None and link.path == "relayed"
         streams = [link.open_stream(PUNCH_PROTOCOL) for _ in range(12)]
@@ -192,7 +181,7 @@ async def test_a_flood_of_punch_requests_gets_typed_refusals_and_the_node_serves
         assert (answered, refused) == (3, 9)
         assert victim.puncher is not None and victim.puncher.budget.running <= 3
         with trio.fail_after(10):
-            assert await echo(victim.peers, flooder.held[0], flooder.node_id, b"on") == b"on"
+            assert await echo_through(victim.peers, flooder.held[0], flooder.node_id, b"on") == b"on"
         nursery.cancel_scope.cancel()
 
 
@@ -249,7 +238,7 @@ async def test_a_dialer_that_does_not_punch_costs_one_round_and_stays_relayed() 
         asker = await start_node(nursery, punch=False)  # as `meshd ask`: circuits, no punch handler
         await reserve(nursery, target, relay)
         with trio.fail_after(10):
-            assert await echo(asker.peers, target.held[0], target.node_id, b"hello") == b"hello"
+            assert await echo_through(asker.peers, target.held[0], target.node_id, b"hello") == b"hello"
         assert target.puncher is not None
         await until(lambda: asker.node_id in target.puncher.outcomes)  # type: ignore[union-attr]
         assert "does not punch" in target.puncher.outcomes[asker.node_id]
@@ -269,7 +258,7 @@ async def test_a_dialer_that_is_no_member_learns_no_public_host_and_no_punch_run
         strangers.add(asker.node_id)
         await reserve(nursery, target, relay)
         with trio.fail_after(10):
-            assert await echo(asker.peers, target.held[0], target.node_id, b"hello") == b"hello"
+            assert await echo_through(asker.peers, target.held[0], target.node_id, b"hello") == b"hello"
         link, back = asker.peers.link_to(target.node_id), target.peers.link_to(asker.node_id)
         assert link is not None and back is not None
         assert isinstance(link.transport, CircuitTransport) and isinstance(back.transport, CircuitTransport)
@@ -289,7 +278,7 @@ async def test_a_peer_whose_record_says_public_is_dialed_back_there() -> None:
         public[dialer.node_id] = dialer.address
         await reserve(nursery, target, relay)
         with trio.fail_after(10):
-            assert await echo(dialer.peers, target.held[0], target.node_id, b"hello") == b"hello"
+            assert await echo_through(dialer.peers, target.held[0], target.node_id, b"hello") == b"hello"
         assert target.puncher is not None
         await until(lambda: dialer.node_id in target.puncher.outcomes)  # type: ignore[union-attr]
         assert target.puncher.outcomes[dialer.node_id] == "direct"
@@ -299,7 +288,7 @@ async def test_a_peer_whose_record_says_public_is_dialed_back_there() -> None:
         assert relay.relay is not None
         before = relay.relay.forwarded_bytes
         with trio.fail_after(10):
-            assert await echo(dialer.peers, target.held[0], target.node_id, b"again") == b"again"
+            assert await echo_through(dialer.peers, target.held[0], target.node_id, b"again") == b"again"
         assert relay.relay.forwarded_bytes == before
         nursery.cancel_scope.cancel()
 
