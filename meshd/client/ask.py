@@ -449,8 +449,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 nursery.start_soon(verifier.run_checks)
             # the client gets the tokens as their receipts are checked, not as they come
             hold = verifier is not None and verifier.holds
-            if hold:
-                assert verifier is not None
+            if verifier is not None and hold:
                 nursery.start_soon(verifier.hand_over_checked, on_token)
             # the token ids ride from the head only as far as the last stage whose layers route by them
             carry = max((i for i, info in enumerate(result.route) if i and info.needs_tokens), default=0)
