@@ -179,5 +179,5 @@ async def test_an_unreachable_next_stage_is_reported_without_what_the_far_side_s
         nursery.cancel_scope.cancel()
     assert err.code == ErrorCode.UNREACHABLE
     assert err.message == f"the next stage 127.0.0.1:{port} is unreachable"
-    assert "403" not in err.message and "secret" not in err.message
+    assert "Forbidden" not in err.message and "secret" not in err.message  # (a port may hold "403")
     assert await honest_ask(stages) == await honest_ask(stages)
