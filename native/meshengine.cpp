@@ -55,9 +55,37 @@ struct me_sampler {
     const llama_vocab * vocab;
     // chat: the grammar that masks the logits before the chain (me_sampler_set_grammar); null: none
     llama_sampler * grammar;
+    // The random draw is not the chain's: one llama_sampler_init_dist for a whole session makes token k's
+    // draw depend on how many draws came before it in this process, so a tail that takes over a session
+    // mid-answer (its history accepted, no draws made) drew other tokens than the unbroken answer (13 of
+    // 240 seeded answers in a 60-minute soak). Each pick draws from its own generator seeded by (seed,
+    // tokens accepted so far), which the history alone fixes. temperature <= 0: no draw.
+    bool draws;
+    uint32_t seed;
+    uint64_t n_accepted;
 };
 
 namespace {
+
+// The seed of pick number n (tokens accepted before it) of a session seeded with `seed`: splitmix64's
+// finaliser over both, never LLAMA_DEFAULT_SEED (which llama_sampler_init_dist replaces by a random seed).
+uint32_t pick_seed(uint32_t seed, uint64_t n) {
+    uint64_t z = ((uint64_t) seed << 32 ^ n) + 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    const uint32_t out = (uint32_t) (z ^ (z >> 31));
+    return out == LLAMA_DEFAULT_SEED ? 0 : out;
+}
+
+// Runs the chain over `arr`, then the pick's own draw where the session samples at random.
+void apply_chain(me_sampler * sampler, llama_token_data_array * arr) {
+    llama_sampler_apply(sampler->chain, arr);
+    if (sampler->draws) {
+        llama_sampler * dist = llama_sampler_init_dist(pick_seed(sampler->seed, sampler->n_accepted));
+        llama_sampler_apply(dist, arr);
+        llama_sampler_free(dist);
+    }
+}
 
 thread_local std::string g_last_error;
 // llama.cpp reports load failures only through its log; the error lines
@@ -754,9 +782,8 @@ int32_t me_sampler_new(const me_model * model, const me_sampler_params * p, me_s
             llama_sampler_chain_add(chain, llama_sampler_init_min_p(p->min_p, 1));
         }
         llama_sampler_chain_add(chain, llama_sampler_init_temp(p->temperature));
-        llama_sampler_chain_add(chain, llama_sampler_init_dist(p->seed));
     }
-    auto * s = new (std::nothrow) me_sampler{chain, {}, model->vocab, nullptr};
+    auto * s = new (std::nothrow) me_sampler{chain, {}, model->vocab, nullptr, p->temperature > 0.0f, p->seed, 0};
     if (!s) {
         llama_sampler_free(chain);
         return fail(ME_ERR_INTERNAL, "out of memory");
@@ -788,7 +815,7 @@ int32_t me_sampler_sample(me_sampler * sampler, const float * logits, int32_t n_
     }
     llama_token_data_array arr = {sampler->candidates.data(), sampler->candidates.size(), -1, false};
     try {
-        llama_sampler_apply(sampler->chain, &arr);
+        apply_chain(sampler, &arr);
         if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
             return fail(ME_ERR_COMPUTE, "the sampler chain selected no token");
         }
@@ -808,7 +835,7 @@ int32_t me_sampler_sample(me_sampler * sampler, const float * logits, int32_t n_
                 }
                 arr = {sampler->candidates.data(), sampler->candidates.size(), -1, false};
                 llama_sampler_apply(sampler->grammar, &arr);
-                llama_sampler_apply(sampler->chain, &arr);
+                apply_chain(sampler, &arr);
                 if (arr.selected < 0 || (size_t) arr.selected >= arr.size ||
                     arr.data[arr.selected].logit == -INFINITY) {
                     return fail(ME_ERR_COMPUTE, "the grammar allows no token here");
@@ -817,6 +844,7 @@ int32_t me_sampler_sample(me_sampler * sampler, const float * logits, int32_t n_
             }
         }
         llama_sampler_accept(sampler->chain, *token);
+        sampler->n_accepted += 1;
         if (sampler->grammar) {
             llama_sampler_accept(sampler->grammar, *token);
         }
@@ -834,6 +862,7 @@ int32_t me_sampler_accept(me_sampler * sampler, int32_t token) {
         return fail(ME_ERR_INVALID_ARGUMENT, "token id %d is outside the vocabulary", token);
     }
     llama_sampler_accept(sampler->chain, token);
+    sampler->n_accepted += 1;
     return ME_OK;
 }
 

@@ -92,7 +92,7 @@ typedef struct me_sampler_params {
     float min_p;          /* <= 0: off */
     float repeat_penalty; /* 1: off */
     int32_t repeat_last_n;
-    uint32_t seed;
+    uint32_t seed;        /* a pick's draw depends on (seed, tokens accepted before it) alone */
 } me_sampler_params;
 
 typedef struct me_chat_message {
