@@ -457,6 +457,8 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 result.rendered = await render(request.chat, head_template[0])
             grammar = result.rendered.grammar if result.rendered is not None else None
             generated = len(result.tokens) if result.prompt_tokens else 0
+            if verifier is not None:
+                verifier.constrain(grammar, generated)
             one_stage = len(route) == 1
             if result.prompt_tokens:
                 prompt = Prompt(session=session, epoch=epoch, tokens=result.prompt_tokens + result.tokens,

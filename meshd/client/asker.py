@@ -42,9 +42,6 @@ def unverified_reason(request: AskRequest, verify_every: int) -> str | None:
     """Why an ask of ``request`` cannot be verified at all, or None if it can be."""
     if verify_every <= 0:
         return "spot checks are off (--verify 0)"
-    if request.chat is not None and request.chat.constrained:
-        # a replica's tail would replay the picks without the session's grammar, and differ
-        return "an ask constrained by a grammar (tools, a JSON schema) is not verified yet"
     if request.speculate == "model":
         # the draft model drafts on the daemons' path, whose receipts sign one step at a time, and a drafted
         # batch is several (prompt lookup drafts on the fast path, whose receipts sign spans of final rows)

@@ -35,6 +35,7 @@ from meshd.client.ask import AskResult, StageError
 from meshd.mesh.proofs import BrokenChain, Step, check_chain, check_signatures
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import Link, PackedChain, Proof, Receipt, read_chain, row_hash, span_end
+from wire.stage import Grammar
 
 NO_TOKENS = row_hash(b"")
 
@@ -130,6 +131,10 @@ class Audit:
     on_step: list[Draws] = field(default_factory=list)
     # the route's model: the receipts' own, which the chains do not carry (``unpack_chain``)
     model: str = ""
+    # the grammar the tail's sampler obeys and how many of the prompt's last ids it read first (a
+    # re-prefilled answer): a replica of the tail replays its picks under the same
+    grammar: Grammar | None = None
+    generated: int = 0
 
     def __post_init__(self) -> None:
         self.by_stage = [Signed() for _ in self.node_ids]

@@ -18,7 +18,18 @@ from meshd.client.ask import release_all
 from meshd.net import rpc
 from meshd.net.link import Stream
 from meshd.net.peers import Peers
-from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, PromptTokens, Sampling, StageInfo, new_session_id
+from wire.stage import (
+    STAGE_PROTOCOL,
+    Grammar,
+    Hop,
+    Open,
+    Opened,
+    PeerRef,
+    PromptTokens,
+    Sampling,
+    StageInfo,
+    new_session_id,
+)
 
 
 @dataclass
@@ -43,11 +54,14 @@ async def open_check_session(peers: Peers, address: str, node_id: str | None, mo
                              layers: tuple[int, int] | None, sampling: Sampling, max_tokens: int,
                              prompt_ids: Sequence[int], what: str,
                              check: Callable[[StageInfo], None], session: str | None = None,
-                             upstream: str | None = None, next_stage: PeerRef | None = None) -> CheckSession:
+                             upstream: str | None = None, next_stage: PeerRef | None = None,
+                             grammar: Grammar | None = None, generated: int = 0) -> CheckSession:
     """Opens a check session on the stage at ``address`` for a prompt of ``prompt_ids``. ``check``
     sees the stage's own account before anything more is sent and may refuse it (a ProtocolError):
     the session is then released, as on any failure here. A tail after the head gets the prompt's
-    ids (its sampler's penalty history); a head is fed as the ring feeds it. In a chain, the node
+    ids (its sampler's penalty history); a head is fed as the ring feeds it. A tail that samples under
+    ``grammar`` gets it with the ids (a whole-model tail too), the last ``generated`` of which it reads
+    first. In a chain, the node
     ``upstream`` feeds it (else the opener does, on a hop stream opened here) and it sends its rows
     on to ``next_stage``, whose link of the chain is open by then."""
     control = await peers.open_stream(address, STAGE_PROTOCOL, node_id=node_id)
@@ -62,8 +76,10 @@ async def open_check_session(peers: Peers, address: str, node_id: str | None, mo
         info = reply.info
         check(info)
         head = info.layer_begin == 0
-        if info.layer_end == info.n_layer and not head:
-            await control.send_message(PromptTokens(session=session, epoch=0, tokens=list(prompt_ids)))
+        # before the hop is opened, so the stage has set the grammar before a row can come to be sampled
+        if info.layer_end == info.n_layer and (not head or grammar is not None):
+            await control.send_message(PromptTokens(session=session, epoch=0, tokens=list(prompt_ids),
+                                                    grammar=grammar, generated=generated))
         if upstream is None:
             hop = await peers.open_stream(address, STAGE_PROTOCOL, node_id=info.node_id)
             await hop.send_message(Hop(session=session, epoch=0, ring=head, prompt_tokens=len(prompt_ids),

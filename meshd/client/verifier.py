@@ -24,7 +24,7 @@ from meshd.net.link import Stream
 from meshd.net.peers import Peers
 from wire.errors import ProtocolError
 from wire.receipt import Proof, Receipts
-from wire.stage import Inputs, Sampling, Seal
+from wire.stage import Grammar, Inputs, Sampling, Seal
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,12 @@ class Verifier:
                 self._checks.append((check, receive))
         if prompt_len is not None:
             self.prompt_known(prompt_len)
+
+    def constrain(self, grammar: Grammar | None, generated: int) -> None:
+        """The epoch's tail samples under ``grammar``, which reads the last ``generated`` ids of the
+        prompt first: so do the tail's replicas. Before the prompt goes, so before any check starts."""
+        assert self.audit is not None
+        self.audit.grammar, self.audit.generated = grammar, generated
 
     def prompt_known(self, prompt_len: int) -> None:
         assert self.audit is not None

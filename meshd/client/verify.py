@@ -387,9 +387,11 @@ class _Replay:
             check_numerics(mine, info)
 
         known = audit.result.prompt_tokens + audit.result.tokens
+        tail = index == audit.tail
         opened = await open_check_session(peers, stage.address, stage.node_id, stage.model_digest, stage.layers,
                                           sampling, 1 << 20, known[:audit.prompt_len],
-                                          f"replica {stage.address} opening a check session", comparable)
+                                          f"replica {stage.address} opening a check session", comparable,
+                                          grammar=audit.grammar if tail else None, generated=audit.generated)
         assert opened.hop is not None, "the asker feeds a replica it opened alone"
         return cls(stage, opened, opened.hop, index == 0 or opened.info.needs_tokens)
 

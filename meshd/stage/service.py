@@ -731,7 +731,9 @@ class StageService:
         book = session.book
         if (msg.session, msg.epoch) != (book.id, book.epoch):
             raise ProtocolError(ErrorCode.EPOCH_STALE, "prompt tokens of another session or epoch")
-        if not self.report.has_output or self.report.has_input:
+        # a check session of the whole model, which its opener feeds rows and ids, takes them for its grammar
+        whole_check = self.report.has_input and session.open.check and msg.grammar is not None
+        if not self.report.has_output or self.report.has_input and not whole_check:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only a tail after the head takes the prompt's token ids")
         if session.prompt_ids is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has the prompt's token ids")
