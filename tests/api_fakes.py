@@ -7,9 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import trio
+from chat_goldens import templates_dir
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, Unchecked
+from meshd.client.chat import render
 from wire.meshrpc import ModelCoverage, StatusReply
+from wire.stage import ChatTemplate
 
 DIGEST = "ab" * 32
 NAME = "Fake Model"
@@ -18,6 +21,16 @@ NAME = "Fake Model"
 def coverage(name: str = NAME, digest: str = DIGEST, covered: int = 30, reason: str = "") -> ModelCoverage:
     return ModelCoverage(model=digest, name=name, n_layers=30, covered_layers=covered, assigned=[], replicas=0,
                          reason=reason)
+
+
+# two calls in the Hermes format of Qwen 2.5's template (pinned("Qwen-Qwen2.5-7B-Instruct")), as a model makes them
+TWO_CALLS = (b'<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>\n',
+             b'<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+def pinned(name: str) -> ChatTemplate:
+    """One of llama.cpp's pinned templates (its models/templates/), as a ChatML model's head reports it."""
+    return ChatTemplate(template=(templates_dir() / f"{name}.jinja").read_text(), eos_token="<|im_end|>")
 
 
 @dataclass
@@ -41,6 +54,9 @@ class FakeMesh:
     # what output verification says of every answer: checked on replicas, these ranges left unchecked
     checked: bool | None = True
     unchecked: list[Unchecked] = field(default_factory=list)
+    # a chat template, as a head would report it: a chat ask is rendered with it (llama.cpp's common/chat,
+    # for real), so its canned pieces are parsed into content, reasoning and tool calls as a mesh's are
+    template: ChatTemplate | None = None
 
     def status(self) -> StatusReply:
         return StatusReply(node_id="cd" * 32, term=1, members=[], coverage=self.models)
@@ -50,6 +66,14 @@ class FakeMesh:
         self.started.set()
         try:
             result.prompt_tokens = list(range(self.prompt_tokens))
+            if request.chat is not None and self.template is not None:
+                result.rendered = await render(request.chat, self.template)
+                # a fake tokenizer: a token a byte of the rendered prompt
+                result.prompt_tokens = list(range(len(result.rendered.prompt.encode())))
+            if request.count_only:
+                # as the head's count: the prompt's tokens, and nothing runs
+                result.reason = "counted"
+                return result
             pieces = list(self.pieces[:request.max_tokens])
             if self.withdraw_after is not None:
                 pieces = pieces[:self.withdraw_after] + pieces

@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 import trio.testing
-from api_fakes import DIGEST, NAME, FakeMesh, coverage, fails_with
+from api_fakes import DIGEST, NAME, TWO_CALLS, FakeMesh, coverage, fails_with, pinned
 from starlette.requests import Request
 
 from meshd import cli
@@ -166,6 +166,44 @@ async def test_completions_raw_text_default_budget_and_stream() -> None:
     assert "".join([c.choices[0].text async for c in stream]) == "xxx"
 
 
+async def test_completion_logprobs_in_the_older_shape_streamed_and_not() -> None:
+    # a character split between two tokens: its text begins with the token that completes it
+    mesh = FakeMesh(pieces=(b"Caf", b"\xc3", b"\xa9", b" ok"))
+    client = oai(FrontDoor(mesh))
+    reply = await client.completions.create(model=NAME, prompt="Once", logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and mesh.asked[0][1].logprobs == 2 and reply.choices[0].text == "Café ok"
+    assert logprobs.tokens == ["Caf", "\ufffd", "\ufffd", " ok"] and logprobs.token_logprobs == [-0.5] * 4
+    assert logprobs.text_offset == [0, 3, 3, 4]
+    # the fake's alternatives are each the token itself: one text, one entry
+    assert logprobs.top_logprobs == [{"Caf": -0.5}, {"\ufffd": -0.5}, {"\ufffd": -0.5}, {" ok": -0.5}]
+    streamed = [c.choices[0].logprobs for c in [c async for c in await client.completions.create(
+        model=NAME, prompt="Once", logprobs=0, stream=True)] if c.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens or []] == logprobs.tokens
+    assert [o for lp in streamed for o in lp.text_offset or []] == [0, 3, 3, 4]
+    assert all(top == {} for lp in streamed for top in lp.top_logprobs or [])
+    none = await client.completions.create(model=NAME, prompt="Once", extra_body={"logprobs": False})
+    assert none.choices[0].logprobs is None and mesh.asked[-1][1].logprobs is None
+
+
+async def test_parallel_tool_calls_unless_false() -> None:
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": TIME_TOOL["input_schema"]}}
+    client = oai(FrontDoor(FakeMesh(pieces=TWO_CALLS, template=pinned(QWEN25))))
+    for parallel, calls in ((None, 2), (True, 2), (False, 1)):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        reply = await client.chat.completions.create(model=NAME, messages=USER, tools=[tool], **extra)  # type: ignore[arg-type, list-item]
+        made = reply.choices[0].message.tool_calls or []
+        assert reply.choices[0].finish_reason == "tool_calls" and len(made) == calls, (parallel, reply)
+        assert json.loads(made[0].function.arguments) == {"city": "Rome"}  # type: ignore[union-attr]
+        streamed: dict[int, str] = {}
+        async for chunk in await client.chat.completions.create(model=NAME, messages=USER, tools=[tool],  # type: ignore[arg-type, list-item]
+                                                                stream=True, **extra):
+            for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                streamed[call.index] = streamed.get(call.index, "") + (call.function.arguments or "" if call.function
+                                                                       else "")
+        assert [json.loads(a) for a in streamed.values()] == [{"city": "Rome"}, {"city": "Oslo"}][:calls]
+
+
 async def test_models_list_coverage_in_each_dialect() -> None:
     front = FrontDoor(FakeMesh(models=[coverage(), coverage("Other", "ef" * 32, covered=10, reason="needs 2 GiB")]))
     listed = [m async for m in oai(front).models.list()]
@@ -206,6 +244,110 @@ async def test_message_stream_events_in_order() -> None:
         "content_block_stop", "message_delta", "message_stop"]
     assert final.content[0].type == "text" and final.content[0].text == "Hello"
     assert final.stop_reason == "max_tokens" and (final.usage.input_tokens, final.usage.output_tokens) == (5, 2)
+
+
+# ----- Claude Code's shapes
+
+
+QWEN25 = "Qwen-Qwen2.5-7B-Instruct"
+TIME_TOOL = {"name": "get_time", "description": "The time in a city",
+             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+# what Claude Code sends beside its messages: the service's own fields, cache marks, a beta's
+CLAUDE_CODE: dict[str, object] = {
+    "metadata": {"user_id": "user_abc_account_def_session_ghi"}, "service_tier": "auto",
+    "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+               {"type": "text", "text": " Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+    "context_management": {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens",
+                                                                                       "value": 30000}}]},
+    "tools": [{**TIME_TOOL, "cache_control": {"type": "ephemeral"}},
+              # one of Anthropic's own tools, which its servers run: nobody here can
+              {"type": "web_search_20250305", "name": "web_search", "max_uses": 8}],
+}
+# a conversation as Claude Code sends it back: the model's thinking and its call, the call's result
+TURNS = [
+    {"role": "user", "content": [{"type": "text", "text": "Time in Rome?", "cache_control": {"type": "ephemeral"}}]},
+    {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Use the tool.", "signature": "c2lnbmF0dXJl"},
+        {"type": "redacted_thinking", "data": "ZW5jcnlwdGVk"},
+        {"type": "tool_use", "id": "toolu_01", "name": "get_time", "input": {"city": "Rome"}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_01", "content": [{"type": "text", "text": "noon"}],
+         "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "And now?"}]},
+]
+BETAS = ["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27",
+         "prompt-caching-scope-2026-01-05"]
+
+
+async def test_claude_codes_request_shapes_are_answered_streamed_and_not() -> None:
+    mesh = FakeMesh(template=pinned(QWEN25))
+    client = claude(FrontDoor(mesh))
+    args = {"model": NAME, "messages": TURNS, "betas": BETAS, "extra_body": {"temperature": 1}, **CLAUDE_CODE}
+    # the client streams a request this long (its own rule); Claude Code streams every one
+    async with client.beta.messages.stream(**args, max_tokens=32000,  # type: ignore[arg-type]
+                                           thinking={"type": "enabled", "budget_tokens": 31999}) as stream:
+        streamed = await stream.get_final_message()
+    whole = await client.beta.messages.create(**args, max_tokens=4096,  # type: ignore[arg-type]
+                                              thinking={"type": "enabled", "budget_tokens": 2048})
+    for reply in (whole, streamed):
+        assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == "Hello world"  # type: ignore[union-attr]
+    for _, asked in mesh.asked:
+        assert asked.chat is not None and asked.chat.enable_thinking
+        # the client's own tool only, and the system's blocks as one system message
+        assert [t["function"]["name"] for t in asked.chat.tools] == ["get_time"]
+        assert asked.chat.messages[0] == {"role": "system", "content": "You are Claude Code. Be brief."}
+        # the earlier thinking is the template's reasoning; the redacted one is nothing it can render
+        assert asked.chat.messages[2]["reasoning_content"] == "Use the tool."
+        assert [m["role"] for m in asked.chat.messages] == ["system", "user", "assistant", "tool", "user"]
+
+
+async def test_count_tokens_counts_the_prompt_a_message_request_renders() -> None:
+    mesh = FakeMesh(template=pinned(QWEN25))
+    client = claude(FrontDoor(mesh))
+    counted = await client.messages.count_tokens(model=NAME, messages=TURNS,  # type: ignore[arg-type]
+                                                 system="Be brief.", tools=[TIME_TOOL])  # type: ignore[list-item]
+    beta = await client.beta.messages.count_tokens(model=NAME, messages=TURNS, betas=BETAS,  # type: ignore[arg-type]
+                                                   thinking={"type": "enabled", "budget_tokens": 2048},
+                                                   system=CLAUDE_CODE["system"], tools=CLAUDE_CODE["tools"],  # type: ignore[arg-type]
+                                                   context_management=CLAUDE_CODE["context_management"])  # type: ignore[arg-type]
+    without_tools = await client.messages.count_tokens(model=NAME, messages=TURNS, system="Be brief.")  # type: ignore[arg-type]
+    answered = await client.messages.create(model=NAME, max_tokens=5, messages=TURNS,  # type: ignore[arg-type]
+                                            system="Be brief.", tools=[TIME_TOOL])  # type: ignore[list-item]
+    # the fake's tokenizer is a token a byte of the rendered prompt: the count is the message's prompt
+    assert counted.input_tokens == answered.usage.input_tokens > without_tools.input_tokens > 0
+    assert beta.input_tokens > without_tools.input_tokens
+    assert [asked.count_only for _, asked in mesh.asked] == [True, True, True, False]
+
+
+async def test_thinking_follows_the_template_that_thinks_and_a_template_that_does_not_answers_without_it() -> None:
+    pieces = (b"<think>\nA greeting.\n</think>\n\n", b"Hello")
+    thinking = FakeMesh(pieces=pieces, template=pinned("Qwen-Qwen3-0.6B"))
+    client = claude(FrontDoor(thinking))
+    on = await client.messages.create(model=NAME, max_tokens=2048, messages=USER,  # type: ignore[arg-type]
+                                      thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in on.content] == ["thinking", "text"]
+    assert on.content[0].thinking.strip() == "A greeting." and on.content[1].text == "Hello"  # type: ignore[union-attr]
+    async with client.messages.stream(model=NAME, max_tokens=2048, messages=USER,  # type: ignore[arg-type]
+                                      thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        final = await stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == "Hello"  # type: ignore[union-attr]
+    await client.messages.create(model=NAME, max_tokens=20, messages=USER,  # type: ignore[arg-type]
+                                 thinking={"type": "disabled"})
+    assert [asked.chat.enable_thinking for _, asked in thinking.asked if asked.chat] == [True, True, False]
+    # a template without thinking: the request is taken, the answer has none
+    plain = await claude(FrontDoor(FakeMesh(template=pinned(QWEN25)))).messages.create(
+        model=NAME, max_tokens=2048, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024})  # type: ignore[arg-type]
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == "Hello world"  # type: ignore[union-attr]
+
+
+async def test_parallel_tool_use_unless_disabled() -> None:
+    client = claude(FrontDoor(FakeMesh(pieces=TWO_CALLS, template=pinned(QWEN25))))
+    for choice, calls in (({"type": "auto"}, 2), ({"type": "auto", "disable_parallel_tool_use": True}, 1)):
+        reply = await client.messages.create(model=NAME, max_tokens=200, messages=USER, tools=[TIME_TOOL],  # type: ignore[arg-type, list-item]
+                                             tool_choice=choice)  # type: ignore[arg-type]
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        assert reply.stop_reason == "tool_use" and len(uses) == calls, reply
+        assert uses[0].input == {"city": "Rome"}  # type: ignore[union-attr]
 
 
 # ----- what output verification found, in each dialect
@@ -309,7 +451,7 @@ async def test_bad_openai_parameters_are_400_naming_the_field(body: dict[str, ob
     ({"max_tokens": 5, "messages": USER, "temperature": 1.5}, "temperature"),
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "content"),
-    ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"max_tokens": 5, "messages": USER, "thinking": {"type": "sometimes"}}, "thinking"),
 ])
 async def test_bad_anthropic_parameters_are_400_in_its_shape(body: dict[str, object], where: str) -> None:
     async with http(FrontDoor(FakeMesh())) as client:

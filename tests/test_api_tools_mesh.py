@@ -68,10 +68,11 @@ TOOL_TOKENS = 48
 
 
 async def openai_call(mesh: Mesh, choice: Any, stream: bool, **extra: Any) -> tuple[str, str, str | None]:
-    """The one tool call of an answer: its name, its arguments and the finish reason."""
+    """The one tool call of an answer (parallel calls off: the weak model goes on making calls while it
+    may): its name, its arguments and the finish reason."""
     client = oai(mesh)
     args: dict[str, Any] = {"model": "", "messages": ASK_WEATHER, "tools": [TOOL, OTHER], "tool_choice": choice,
-                            "max_tokens": TOOL_TOKENS, "temperature": 0, **extra}
+                            "max_tokens": TOOL_TOKENS, "temperature": 0, "parallel_tool_calls": False, **extra}
     if not stream:
         reply = await client.chat.completions.create(**args)
         calls = reply.choices[0].message.tool_calls
@@ -116,7 +117,8 @@ async def test_anthropic_tool_choice_any_and_tool_give_a_tool_use_whose_input_va
     client = claude(mesh)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],  # type: ignore[index]
               "input_schema": t["function"]["parameters"]} for t in (TOOL, OTHER)]  # type: ignore[index]
-    for choice in ({"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "get_weather"}):
+    for choice in ({"type": "any", "disable_parallel_tool_use": True},
+                   {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}):
         args: dict[str, Any] = {"model": "", "messages": ASK_WEATHER, "tools": tools, "tool_choice": choice,
                                 "max_tokens": TOOL_TOKENS, "extra_body": {"temperature": 0.0}}
         reply = await client.messages.create(**args)
@@ -139,7 +141,8 @@ async def test_responses_api_calls_a_function_whose_arguments_validate_and_goes_
     tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],  # type: ignore[index]
               "parameters": t["function"]["parameters"]} for t in (TOOL, OTHER)]  # type: ignore[index]
     args: dict[str, Any] = {"model": "", "input": "Weather in Rome?", "tools": tools, "max_output_tokens": TOOL_TOKENS,
-                            "temperature": 0, "tool_choice": {"type": "function", "name": "get_weather"}}
+                            "temperature": 0, "tool_choice": {"type": "function", "name": "get_weather"},
+                            "parallel_tool_calls": False}
     reply = await client.responses.create(**args)
     calls = [item for item in reply.output if item.type == "function_call"]
     assert reply.status == "completed" and len(calls) == 1, reply

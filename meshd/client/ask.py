@@ -144,6 +144,9 @@ class AskRequest:
     fast: bool = True
     # the member on whose credit the ask is made, when it dials from an identity of its own (wire.credit)
     payer: Voucher | None = None
+    # only the prompt's tokens (an API's count_tokens): the head tokenizes the prompt as for the prefix
+    # cache, hands the ids back and the session is released before any row runs (reason "counted")
+    count_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -378,7 +381,7 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
     # a grammar is applied where the tail samples on the daemons' path, one pick at a time
     constrained = request.chat is not None and request.chat.constrained
     # so are logprobs: the fast path's worker sends tokens alone
-    fast = fast_path(route, request) and not constrained and request.logprobs is None
+    fast = fast_path(route, request) and not constrained and request.logprobs is None and not request.count_only
     # receipts on the daemons' path sign one step at a time: there a verified ask does not speculate
     # (greedy or seeded, the answer is the same; only the fast path signs spans of whatever rows held)
     speculate = "off" if verifier is not None and not fast or constrained else request.speculate
@@ -473,6 +476,11 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                                 messages=[ChatMessage(**m) for m in request.messages], carry_tokens=carry)
             else:
                 prompt = Prompt(session=session, epoch=epoch, text=request.text or "", carry_tokens=carry)
+            if request.count_only:
+                # nothing runs: the session is released (finally, below) with the prompt's ids in hand
+                await _from_stage(0, _count_prompt(head_stream, prompt, result, stall_timeout))
+                failed = False
+                return result
             # the prefix cache, where every stage of the route keeps one
             caching = request.cache and verifier is None and all(info.cache_tokens for info in result.route)
             await _from_stage(0, head_stream.send_message(prompt.model_copy(update={"cache": caching})))
@@ -517,6 +525,15 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
         with trio.CancelScope(shield=True), trio.move_on_after(0.3 if failed else 2.0):
             await release_all([s for s in opened if s is not None], session, epoch)
     return result
+
+
+async def _count_prompt(head: Stream, prompt: Prompt, result: AskResult, timeout: float) -> None:
+    """The prompt's token ids from the head, which (asked as the prefix cache asks) runs nothing until
+    told where to begin, and is never told: releasing the session ends it."""
+    await head.send_message(prompt.model_copy(update={"cache": True, "grammar": None}))
+    result.prompt_tokens = list((await rpc.receive(head, PromptTokens, "the head's tokens of the prompt",
+                                                   timeout)).tokens)
+    result.reason = "counted"
 
 
 def fast_path(route: Sequence[Stage], request: AskRequest) -> bool:

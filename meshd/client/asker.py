@@ -69,6 +69,10 @@ class Asker:
         """The answer, verified as the policy asks; with ``require_verified`` its tokens reach
         ``on_token`` only once the answer is checked (an unchecked one is never shown)."""
         result = AskResult() if result is None else result
+        if request.count_only:
+            # the head's count of the prompt: nothing is generated, so there is nothing to check
+            return await ask_with_failover(self.peers, self.find_route, request, stall_timeout=self.stall_timeout,
+                                           result=result)
         why_not = unverified_reason(request, self.verify_every)
         if why_not is not None and self.require_verified:
             raise Unverified(result, f"the answer must be verified, but {why_not}")

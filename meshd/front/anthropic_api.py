@@ -1,6 +1,14 @@
 """Anthropic's dialect: /v1/messages, streaming (message_start, content_block_start/delta/stop,
-message_delta, message_stop) and not, with its error shape; and its shape of /v1/models for
-clients that send `anthropic-version` (OpenAI's clients get OpenAI's)."""
+message_delta, message_stop) and not, with its error shape; /v1/messages/count_tokens; and its shape
+of /v1/models for clients that send `anthropic-version` (OpenAI's clients get OpenAI's).
+
+Claude Code's shapes are taken as the API takes them: `?beta=true` and `anthropic-beta` headers (the
+path and the body say everything meshd acts on), `thinking` of each type (the model's template thinks
+or not: its `enable_thinking`), earlier thinking blocks (the template's reasoning_content), and the
+fields that steer only Anthropic's own service (cache_control, metadata, service_tier,
+context_management, container, ...) ignored, as is a tool of Anthropic's own `type` (web search, ...),
+which no member can run. The API has no logprobs.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from meshd.client.ask import AskRequest, AskResult
 from meshd.client.chat import ChatRequest as ChatTurn
 from meshd.front.dialect import CLIENT_GONE, MAX_NEW_TOKENS, MAX_STOP_CHARS, Answer, answer_of, ask_whole, guarded, sampling
 from meshd.front.door import ApiError, FrontDoor, Problem
-from meshd.front.http import AskStream, Emit, read_json, retry_headers
+from meshd.front.http import AskStream, Emit, read_json, retry_headers, unless_gone
 from meshd.front.text import AnswerText
 from meshd.front.tools import Delta, DeltaStream, parse_answer
 from wire.meshrpc import ModelCoverage
@@ -78,7 +86,24 @@ class ToolResultBlock(BaseModel):
     is_error: bool = False
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(BaseModel):
+    """An earlier turn's reasoning, which the template renders where it renders reasoning (or drops);
+    its signature is Anthropic's, meaningless here."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["thinking"]
+    thinking: Content
+
+
+class RedactedThinkingBlock(BaseModel):
+    """Reasoning Anthropic encrypted: nothing a template can render."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["redacted_thinking"]
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
 TextBlocks = Annotated[list[TextBlock], Field(max_length=256)]
 Blocks = Annotated[list[Block], Field(max_length=256)]
 
@@ -100,18 +125,26 @@ class Message(BaseModel):
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": text_of(b.content)})
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                  for b in self.content if isinstance(b, ToolUseBlock)]
+        reasoning = "".join(b.thinking for b in self.content if isinstance(b, ThinkingBlock))
+        said: dict[str, Any] = {"reasoning_content": reasoning} if reasoning and self.role == "assistant" else {}
         if calls:
-            out.append({"role": "assistant", "content": text, "tool_calls": calls})
-        elif text or not out:
-            out.append({"role": self.role, "content": text})
+            out.append({"role": "assistant", "content": text, "tool_calls": calls, **said})
+        elif text or said or not out:
+            out.append({"role": self.role, "content": text, **said})
         return out
 
 
 class AnthropicTool(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # "custom" (or none): the client's own tool; any other is one of Anthropic's (web_search_20250305, ...)
+    type: Annotated[str, Field(max_length=64)] | None = None
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: Annotated[str, Field(max_length=1 << 16)] = ""
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+    @property
+    def custom(self) -> bool:
+        return self.type in (None, "custom")
 
 
 class ToolChoice(BaseModel):
@@ -122,26 +155,24 @@ class ToolChoice(BaseModel):
 
 
 class Thinking(BaseModel):
-    """No thinking budget can be honoured; "adaptive" leaves it to the model, which here thinks aloud or not."""
+    """Thinking on ("enabled", "adaptive", "between_tools") or off ("disabled"), as the model's template
+    takes it (its enable_thinking); a template that does not think answers without thinking blocks. No
+    budget is enforced: thinking ends when the model ends it, or at max_tokens, which it counts toward
+    (as Anthropic's does)."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None
 
 
-class MessagesRequest(BaseModel):
+class CountRequest(BaseModel):
+    """What count_tokens takes: the prompt's part of a message request."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: Annotated[str, Field(max_length=256)] | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
     messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
     system: Content | TextBlocks | None = None
-    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
-                              Field(max_length=16)] | None = None
-    # newer clients send these only through extra_body; older ones and plain HTTP still do
-    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None
-    stream: bool = False
     tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
@@ -149,8 +180,10 @@ class MessagesRequest(BaseModel):
     def chat(self) -> ChatTurn:
         """The request as the asker renders it with the model's template."""
         system = [] if self.system is None else [{"role": "system", "content": text_of(self.system)}]
+        # Anthropic's own tools (web search, code execution) run on its servers: nobody here can run them
         tools: list[dict[str, Any]] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.input_schema}} for t in self.tools or []]
+            "name": t.name, "description": t.description, "parameters": t.input_schema}}
+            for t in self.tools or [] if t.custom]
         choice = self.tool_choice or ToolChoice(type="auto")
         mode = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}[choice.type]
         if choice.type == "tool":
@@ -160,8 +193,21 @@ class MessagesRequest(BaseModel):
         if not tools:
             mode = "none"
         return ChatTurn(messages=system + [m for msg in self.messages for m in msg.as_chat()], tools=tools,
-                        tool_choice=mode, parallel_tool_calls=not choice.disable_parallel_tool_use and len(tools) > 1,
+                        tool_choice=mode,
+                        # as Anthropic's: several calls (of one tool or more) unless disable_parallel_tool_use
+                        parallel_tool_calls=not choice.disable_parallel_tool_use,
                         enable_thinking=self.thinking is None or self.thinking.type != "disabled")
+
+
+class MessagesRequest(CountRequest):
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
+    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                              Field(max_length=16)] | None = None
+    # newer clients send these only through extra_body; older ones and plain HTTP still do
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None
+    stream: bool = False
 
 
 def text_of(content: str | list[TextBlock]) -> str:
@@ -274,7 +320,18 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
         reply["meshd"] = answer.verification
         return JSONResponse(reply, headers=answer.headers)
 
-    return [Route("/v1/messages", guarded(front, messages, error_response), methods=["POST"])]
+    async def count_tokens(request: Request) -> Response:
+        body = await read_json(request, CountRequest)
+        model = front.resolve(body.model)
+        # the head tokenizes the prompt as a message request's would be rendered; nothing runs
+        result = await unless_gone(request.receive, lambda: front.ask(
+            model, AskRequest(chat=body.chat(), max_tokens=1, count_only=True), DIALECT, False))
+        if result is None:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse({"input_tokens": len(result.prompt_tokens)})
+
+    return [Route("/v1/messages", guarded(front, messages, error_response), methods=["POST"]),
+            Route("/v1/messages/count_tokens", guarded(front, count_tokens, error_response), methods=["POST"])]
 
 
 class StreamBlocks:

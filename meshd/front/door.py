@@ -210,7 +210,7 @@ class FrontDoor:
 
         try:
             answered = await self.mesh.ask(model.model, request, None if on_token is None else take, asking.result)
-            outcome = "answered"
+            outcome = "counted" if request.count_only else "answered"
             return answered
         except ProtocolError as exc:
             error = api_error(model, exc)

@@ -46,7 +46,8 @@ class FrontMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("meshd_requests", "Asks this front door ran, by dialect and outcome (answered, "
-                                "cancelled, or the failure's kind)", ["dialect", "outcome"], registry=self.registry)
+                                "counted: a prompt's tokens only, cancelled, or the failure's kind)",
+                                ["dialect", "outcome"], registry=self.registry)
         self.prompt_tokens = Counter("meshd_prompt_tokens", "Prompt tokens of the asks", ["dialect"],
                                      registry=self.registry)
         self.cached_tokens = Counter("meshd_cached_prompt_tokens", "Prompt tokens the stages' prefix caches gave, "
@@ -71,6 +72,9 @@ class FrontMetrics:
         """Counts one ask that ended with `outcome`, with what it made before it ended; `key` is the API
         key's label (door.key_label) where the front door takes keys."""
         self.requests.labels(dialect, outcome).inc()
+        if outcome == "counted":
+            # a count of a prompt's tokens (count_tokens): the head tokenized it, nothing ran
+            return
         if key:
             self.key_tokens.labels(key, "prompt").inc(len(result.prompt_tokens))
             self.key_tokens.labels(key, "completion").inc(len(result.tokens))

@@ -2,13 +2,16 @@
 
 Requests are checked by pydantic models before anything reaches the mesh; fields a client
 may send that change nothing here (user, metadata, penalties at their defaults) are accepted,
-fields that would change the answer in a way the mesh cannot honour (logprobs) are refused by name;
-n > 1 runs n sessions. Chats are rendered with the model's own template; tools and response_format are enforced
-by a grammar at the tail (meshd.client.chat).
+fields that would change the answer in a way the mesh cannot honour (a completion's echo, suffix,
+best_of) are refused by name; n > 1 runs n sessions. Chats are rendered with the model's own template;
+tools and response_format are enforced by a grammar at the tail (meshd.client.chat). Log-probabilities
+come from the tail: chat's shape, and completions' older one (tokens, token_logprobs, top_logprobs,
+text_offset).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import secrets
 import time
@@ -242,8 +245,9 @@ class ChatRequest(CommonRequest):
                 raise ApiError(Problem.BAD_REQUEST, "give tools or a response_format schema, not both",
                                param="response_format")
         kwargs = dict(self.chat_template_kwargs or {})
+        # as OpenAI's: parallel calls unless the request says false (then at most one call)
         return ChatTurn(messages=[m.as_chat() for m in self.messages], tools=tools, tool_choice=choice,
-                        parallel_tool_calls=bool(self.parallel_tool_calls), json_schema=schema,
+                        parallel_tool_calls=self.parallel_tool_calls is not False, json_schema=schema,
                         chat_template_kwargs=kwargs, enable_thinking=kwargs.get("enable_thinking") is not False)
 
     @model_validator(mode="after")
@@ -266,13 +270,20 @@ class ChatRequest(CommonRequest):
 
 class CompletionRequest(CommonRequest):
     prompt: Content | Annotated[list[Content], Field(min_length=1, max_length=1)]
-    logprobs: Literal[False, 0] | None = None
+    # each new token's log-probability and this many of the likeliest tokens' (OpenAI's cap is 5;
+    # the tail gives up to 20, as chat's top_logprobs); false, as some clients send it, is none
+    # (strict: 0, asking for the tokens' own only, is not read as false)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS, strict=True)] | Literal[False] | None = None
     echo: Literal[False] = False
     suffix: Literal[""] | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def top(self) -> int | None:
+        """How many of the likeliest tokens' log-probabilities each token gets (None: no logprobs)."""
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
 
 def usage(answers: list[Answer]) -> dict[str, Any]:
@@ -308,6 +319,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             started = False
             parsed: DeltaStream | None = None
             told = 0  # the tokens whose logprobs a chunk carried
+            offsets = TextOffsets()
 
             def logprobs() -> dict[str, Any] | None:
                 """The logprobs of the tokens since the last chunk that carried some."""
@@ -315,7 +327,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
                 if request.logprobs is None:
                     return None
                 new, told = result.logprobs[told:], len(result.logprobs)
-                return logprobs_of(new)
+                return logprobs_of(new) if chunk.chat else completion_logprobs(new, offsets)
 
             async def start() -> None:
                 nonlocal started
@@ -346,7 +358,8 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             rest = logprobs()
             await emit(chunk.event({}, "tool_calls" if called else finish_reason(answer),
                                    include_usage, answer.verification, index=index,
-                                   logprobs=rest if rest is not None and rest["content"] else None))
+                                   logprobs=rest if rest is not None and (rest.get("content") or rest.get("tokens"))
+                                   else None))
             return answer
 
         async def produce(emit: Emit) -> None:
@@ -382,8 +395,9 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             choice = content(answer)
             # an answer with a call ends with it (calls after the first are dropped unless parallel)
             reason = "tool_calls" if choice.get("message", {}).get("tool_calls") else finish_reason(answer)
-            choices.append({"index": i, **choice, "logprobs": logprobs_of(answer.logprobs) if asks[i].logprobs
-                            is not None else None, "finish_reason": reason})
+            logprobs = None if asks[i].logprobs is None else logprobs_of(answer.logprobs) if chunk.chat else \
+                completion_logprobs(answer.logprobs, TextOffsets())
+            choices.append({"index": i, **choice, "logprobs": logprobs, "finish_reason": reason})
         first = whole[0]
         return JSONResponse({
             "id": chunk.id, "object": kind, "created": chunk.created, "model": model.name,
@@ -403,7 +417,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
     async def completions(request: Request) -> Response:
         body = await read_json(request, CompletionRequest)
         model = front.resolve(body.model)
-        ask = ask_request(body, body.max_tokens, COMPLETIONS_MAX_TOKENS, text=body.text())
+        ask = ask_request(body, body.max_tokens, COMPLETIONS_MAX_TOKENS, text=body.text(), logprobs=body.top())
         return await respond(request, body, model, ask, Chunk("text_completion", model), "text_completion",
                              lambda answer: {"text": answer.text})
 
@@ -441,6 +455,39 @@ def logprobs_of(tokens: list[tuple[bytes, float, list[tuple[int, float, bytes]]]
 
     return {"content": [{**entry(piece, lp), "top_logprobs": [entry(p, v) for _, v, p in top]}
                         for piece, lp, top in tokens], "refusal": None}
+
+
+class TextOffsets:
+    """Where each token's text begins in the answer's, as a client decoding its pieces in order sees it
+    (a character split between tokens belongs to the token that completes it)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at = 0
+
+    def next(self, piece: bytes) -> int:
+        at = self._at
+        self._at += len(self._decoder.decode(piece))
+        return at
+
+
+def completion_logprobs(tokens: list[tuple[bytes, float, list[tuple[int, float, bytes]]]],
+                        offsets: TextOffsets) -> dict[str, Any]:
+    """Tokens' log-probabilities in completions' older shape: each token's text, its log-probability,
+    the likeliest tokens' by their text (two with the same text are one entry, as OpenAI's), and where
+    its text begins in the answer's (``offsets`` goes on from the tokens before)."""
+    return {"tokens": [piece.decode(errors="replace") for piece, _, _ in tokens],
+            "token_logprobs": [lp for _, lp, _ in tokens],
+            "top_logprobs": [likeliest_by_text(top) for _, _, top in tokens],
+            "text_offset": [offsets.next(piece) for piece, _, _ in tokens]}
+
+
+def likeliest_by_text(top: list[tuple[int, float, bytes]]) -> dict[str, float]:
+    """The likeliest tokens (likeliest first) keyed by their text; of two with one text, the likelier."""
+    out: dict[str, float] = {}
+    for _, logprob, piece in top:
+        out.setdefault(piece.decode(errors="replace"), logprob)
+    return out
 
 
 def delta_of(d: Delta) -> dict[str, Any]:

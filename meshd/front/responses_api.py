@@ -6,8 +6,10 @@ and their outputs; `instructions` is the system message. A chat is rendered with
 template, as chat completions are (meshd.client.chat): function `tools` with `tool_choice` (auto,
 none, required, a named function) and `text.format` (json_object, json_schema) are enforced by a
 grammar at the tail, and the answer is parsed into a message and function calls by the template's
-parser. Errors are OpenAI's error body; a stream that fails after it began ends with an `error`
-event (the official client raises it).
+parser. With `include: ["message.output_text.logprobs"]` the message's text carries each token's
+log-probability (and `top_logprobs` of the likeliest tokens'), whole and in each streamed delta.
+Errors are OpenAI's error body; a stream that fails after it began ends with an `error` event (the
+official client raises it).
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from meshd.client.chat import ChatRequest as ChatTurn
 from meshd.front.dialect import CLIENT_GONE, MAX_NEW_TOKENS, Answer, answer_of, ask_whole, guarded, sampling
 from meshd.front.door import ApiError, FrontDoor, Problem
 from meshd.front.http import AskStream, Emit, read_json
-from meshd.front.openai_api import Content, error_body, error_response
+from meshd.front.openai_api import Content, error_body, error_response, logprobs_of
 from meshd.front.text import AnswerText
 from meshd.front.tools import Delta, DeltaStream, ToolCall, parse_answer
 from wire.meshrpc import ModelCoverage
+from wire.stage import MAX_TOP_LOGPROBS
 
 DIALECT = "responses"
+# what `include` names to have the message's text carry its tokens' log-probabilities
+LOGPROBS = "message.output_text.logprobs"
 
 
 class InputText(BaseModel):
@@ -133,6 +138,18 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
+    # what else the answer carries: of OpenAI's list, only the text's logprobs mean anything here
+    include: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=16)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @property
+    def parallel(self) -> bool:
+        """As OpenAI's: parallel calls unless the request says false (then at most one call)."""
+        return self.parallel_tool_calls is not False
+
+    def top(self) -> int | None:
+        """How many of the likeliest tokens' log-probabilities each token gets (None: no logprobs)."""
+        return (self.top_logprobs or 0) if LOGPROBS in (self.include or []) else None
 
     def messages(self) -> list[dict[str, Any]]:
         """The input as chat messages: an earlier call is the assistant's turn, its output a tool's."""
@@ -173,9 +190,8 @@ class ResponsesRequest(BaseModel):
             if choice != "none":
                 raise ApiError(Problem.BAD_REQUEST, "give tools or a text format schema, not both", param="text")
             schema = form.schema_ or {"type": "object"} if form.type == "json_schema" else {"type": "object"}
-        # as chat completions': calls after the first only when asked for (a weak model goes on making them)
-        return ChatTurn(messages=self.messages(), tools=tools, tool_choice=choice,
-                        parallel_tool_calls=bool(self.parallel_tool_calls), json_schema=schema)
+        return ChatTurn(messages=self.messages(), tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel,
+                        json_schema=schema)
 
 
 class Reply:
@@ -188,10 +204,12 @@ class Reply:
         self.body = body
         # the output items so far, in order: (their id, a message's text or a call)
         self.items: list[tuple[str, str | ToolCall]] = []
+        # with logprobs asked: the answer's tokens', which the message's text carries
+        self.logprobs: list[dict[str, Any]] = []
 
     @staticmethod
-    def part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": []}
+    def part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
     def item(self, k: int, done: bool) -> dict[str, Any]:
         """Output item ``k``: a message or a function call, still being written or done."""
@@ -201,7 +219,7 @@ class Reply:
             return {"id": item_id, "type": "function_call", "call_id": what.id, "name": what.name,
                     "arguments": what.arguments if done else "", "status": status}
         return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-                "content": [self.part(what)] if done else []}
+                "content": [self.part(what, self.logprobs)] if done else []}
 
     def add(self, what: str | ToolCall) -> int:
         self.items.append((f"{'fc' if isinstance(what, ToolCall) else 'msg'}_{secrets.token_hex(12)}", what))
@@ -209,6 +227,7 @@ class Reply:
 
     def take(self, answer: Answer) -> None:
         """The whole answer's items: its text (a message, unless it only calls functions) and its calls."""
+        self.logprobs = logprobs_of(answer.logprobs)["content"]
         if answer.rendered is None:
             self.add(answer.text)
             return
@@ -222,7 +241,7 @@ class Reply:
         """The Response object: without an answer, one in progress."""
         out: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "model": self.model.name,
-            "status": "in_progress", "output": [], "parallel_tool_calls": bool(self.body.parallel_tool_calls),
+            "status": "in_progress", "output": [], "parallel_tool_calls": self.body.parallel,
             "tool_choice": (choice.model_dump() if isinstance(choice := self.body.tool_choice, NamedFunction)
                             else choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in self.body.tools or []],
@@ -260,11 +279,14 @@ class Events:
 
 class Streamed:
     """A streamed answer's output items as its deltas open and extend them (the message's text, each call's
-    arguments), told as the API's events; ``finish`` closes them."""
+    arguments), told as the API's events; ``finish`` closes them. A text delta carries the logprobs of
+    the tokens since the last that carried some (``result``'s, where they were asked for)."""
 
-    def __init__(self, reply: Reply, events: Events) -> None:
+    def __init__(self, reply: Reply, events: Events, result: AskResult) -> None:
         self.reply = reply
         self.events = events
+        self.result = result
+        self.told = 0
         # the output index of the message, and of each call by its index in the answer
         self.message: int | None = None
         self.calls: dict[int, int] = {}
@@ -283,8 +305,9 @@ class Streamed:
         item_id, text = self.reply.items[self.message]
         assert isinstance(text, str)
         self.reply.items[self.message] = (item_id, text + delta)
+        new, self.told = self.result.logprobs[self.told:], len(self.result.logprobs)
         await self.events("response.output_text.delta", item_id=item_id, output_index=self.message,
-                          content_index=0, delta=delta, logprobs=[])
+                          content_index=0, delta=delta, logprobs=logprobs_of(new)["content"])
 
     async def delta(self, d: Delta) -> None:
         if d.content:
@@ -301,6 +324,7 @@ class Streamed:
                               delta=d.arguments[1])
 
     async def finish(self) -> None:
+        self.reply.logprobs = logprobs_of(self.result.logprobs)["content"]
         if not self.reply.items:
             self.message = await self._open("")
         for k, (item_id, what) in enumerate(self.reply.items):
@@ -309,9 +333,9 @@ class Streamed:
                                   name=what.name, arguments=what.arguments)
             else:
                 await self.events("response.output_text.done", item_id=item_id, output_index=k, content_index=0,
-                                  text=what, logprobs=[])
+                                  text=what, logprobs=self.reply.logprobs)
                 await self.events("response.content_part.done", item_id=item_id, output_index=k, content_index=0,
-                                  part=Reply.part(what))
+                                  part=Reply.part(what, self.reply.logprobs))
             await self.events("response.output_item.done", output_index=k, item=self.reply.item(k, True))
 
 
@@ -330,7 +354,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             events = Events(emit)
             text = AnswerText(ask.stop)
             result = AskResult()
-            out = Streamed(reply, events)
+            out = Streamed(reply, events, result)
             parsed: DeltaStream | None = None
             started = False
 
@@ -365,6 +389,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
         body = await read_json(request, ResponsesRequest)
         model = front.resolve(body.model)
         ask = AskRequest(chat=body.chat(), max_tokens=body.max_output_tokens or front.default_max_tokens,
+                         logprobs=body.top(),
                          sampling=sampling(1.0 if body.temperature is None else body.temperature, body.top_p, None,
                                            body.seed))
         reply = Reply(model, body)
