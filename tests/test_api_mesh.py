@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx2
@@ -160,6 +161,47 @@ async def test_completion_equals_meshd_ask_raw(mesh: Mesh) -> None:
     expected = await meshd_ask(mesh, prompt, "--raw")
     reply = await oai(mesh).completions.create(model="", prompt=prompt, temperature=0, max_tokens=NEW_TOKENS)
     assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "length"
+
+
+async def test_count_tokens_is_the_prompt_a_message_request_runs(mesh: Mesh) -> None:
+    """The head tokenizes the prompt rendered with the model's own template, as for the message itself;
+    no stage runs a row of it, and none keeps its session."""
+    client = claude(mesh)
+    messages = [{"role": "user", "content": PROMPT}]
+    async with open_peers(NodeIdentity.generate()) as peers:
+        route = await rpc(peers, mesh.seed.address, RouteRequest(), timeout=10)
+        assert isinstance(route, RouteReply) and len(route.stages) == 3
+        before = await stage_metrics(peers, route)
+        counted = await client.messages.count_tokens(model="", messages=messages, system="Be brief.")  # type: ignore[arg-type]
+        with trio.fail_after(20):
+            while not all(a["released"] > b["released"] for a, b in
+                          zip(await stage_metrics(peers, route), before, strict=True)):
+                await trio.sleep(0.1)
+        after = await stage_metrics(peers, route)
+    assert all(a["sessions"] == 0 and a["rows"] == b["rows"] for a, b in zip(after, before, strict=True))
+    reply = await client.messages.create(model="", messages=messages, system="Be brief.", max_tokens=2)  # type: ignore[arg-type]
+    assert counted.input_tokens == reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) > 10
+    longer = await client.messages.count_tokens(model="", messages=[*messages, {"role": "assistant", "content": "Paris."},
+                                                                     {"role": "user", "content": "And Spain?"}])  # type: ignore[list-item]
+    assert longer.input_tokens > counted.input_tokens
+
+
+async def test_completion_logprobs_come_from_the_tail_streamed_and_not(mesh: Mesh) -> None:
+    """Greedy: each token is its position's likeliest, so its log-probability is the highest of its top ones;
+    the tokens spell the text, their offsets walk it, and the streamed ones are the same."""
+    args: dict[str, Any] = {"model": "", "prompt": "The three primary colours are", "temperature": 0,
+                            "max_tokens": 8, "logprobs": 3}
+    reply = await oai(mesh).completions.create(**args)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs
+    assert reply.usage is not None and len(logprobs.tokens) == reply.usage.completion_tokens
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert logprob <= 0 and 1 <= len(top) <= 3 and top[token] == logprob == max(top.values())
+    streamed = [c.choices[0].logprobs async for c in await oai(mesh).completions.create(**args, stream=True)]
+    assert [t for lp in streamed if lp is not None for t in lp.tokens or []] == logprobs.tokens
+    assert [v for lp in streamed if lp is not None for v in lp.token_logprobs or []] == logprobs.token_logprobs
 
 
 async def test_eight_concurrent_requests_each_equal_their_solo_run(mesh: Mesh) -> None:

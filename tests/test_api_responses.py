@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
-from api_fakes import NAME, FakeMesh, fails_with
+from api_fakes import NAME, TWO_CALLS, FakeMesh, fails_with, pinned
 from test_api_front import http, oai
 
 from meshd.front.door import FrontDoor
@@ -103,3 +105,40 @@ async def test_what_the_endpoint_cannot_honour_is_refused_by_name(extra: dict[st
 async def test_no_response_is_kept_to_fetch_again() -> None:
     with pytest.raises(openai.NotFoundError, match="keeps no response"):
         await oai(FrontDoor(FakeMesh())).responses.retrieve("resp_123")
+
+
+async def test_the_texts_logprobs_when_included_whole_and_streamed() -> None:
+    mesh = FakeMesh()
+    client = oai(FrontDoor(mesh))
+    response = await client.responses.create(model=NAME, input="hi", include=["message.output_text.logprobs"],
+                                             top_logprobs=2)
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert mesh.asked[0][1].logprobs == 2 and part.type == "output_text" and part.logprobs is not None
+    assert "".join(t.token for t in part.logprobs) == "Hello world"
+    assert all(t.logprob == -0.5 and len(t.top_logprobs) == 2 for t in part.logprobs)
+    events = [e async for e in await client.responses.create(model=NAME, input="hi", stream=True,
+                                                              include=["message.output_text.logprobs"])]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    # each delta carries its own tokens' logprobs (the fake's tokens are its text's pieces)
+    assert [[t.token for t in e.logprobs] for e in deltas] == [["Hel"], ["lo"], [" wor"], ["ld"]]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [t.token for t in done.logprobs] == ["Hel", "lo", " wor", "ld"]
+    # not included: none, whatever top_logprobs says (as OpenAI's)
+    plain = await client.responses.create(model=NAME, input="hi", top_logprobs=3)
+    assert mesh.asked[-1][1].logprobs is None and not plain.output[0].content[0].logprobs  # type: ignore[union-attr]
+
+
+async def test_parallel_function_calls_unless_false() -> None:
+    tool = {"type": "function", "name": "get_time",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    client = oai(FrontDoor(FakeMesh(pieces=TWO_CALLS, template=pinned("Qwen-Qwen2.5-7B-Instruct"))))
+    for parallel, calls in ((None, 2), (False, 1)):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        response = await client.responses.create(model=NAME, input="hi", tools=[tool], **extra)  # type: ignore[arg-type, list-item]
+        made = [item for item in response.output if item.type == "function_call"]
+        assert [json.loads(c.arguments) for c in made] == [{"city": "Rome"}, {"city": "Oslo"}][:calls]
+        assert response.parallel_tool_calls is (parallel is not False)
+        events = [e async for e in await client.responses.create(model=NAME, input="hi", tools=[tool],  # type: ignore[arg-type, list-item]
+                                                                  stream=True, **extra)]
+        done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+        assert [c.arguments for c in done] == [c.arguments for c in made]

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshd.front.app import build_app
 from meshd.front.connections import MAX_CONNECTIONS, SEND_SECONDS, Connections
 from meshd.front.door import FrontDoor
+from meshd.front.http import MAX_BODY_BYTES
 from meshd.front.server import serve_front
 
 USER = [{"role": "user", "content": "hi"}]
@@ -225,6 +226,8 @@ async def test_a_keyless_api_refuses_a_foreign_host_a_cross_site_origin_and_a_bo
             rebound_page = await client.get("/", headers={"host": "evil.example"})
             rebound_claude = await client.post("/v1/messages", json={"max_tokens": 5, "messages": USER},
                                                headers={"host": "evil.example"})
+            rebound_count = await client.post("/v1/messages/count_tokens", json={"messages": USER},
+                                              headers={"host": "evil.example"})
             # a cross-site request carrying the right Host (a form or fetch from another site)
             cross = await client.post("/v1/chat/completions", json=chat,
                                       headers={"host": local, "origin": "https://evil.example"})
@@ -246,7 +249,8 @@ async def test_a_keyless_api_refuses_a_foreign_host_a_cross_site_origin_and_a_bo
                 .messages.create(model=NAME, max_tokens=5, messages=USER)
     for refused in (rebound, rebound_page, cross, sandboxed, other_port):
         assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error", refused.text
-    assert rebound_claude.status_code == 403 and rebound_claude.json()["type"] == "error"
+    for claude_refused_too in (rebound_claude, rebound_count):
+        assert claude_refused_too.status_code == 403 and claude_refused_too.json()["type"] == "error"
     assert "evil.example" in rebound.json()["error"]["message"] and "no key" in rebound.json()["error"]["message"]
     assert "needs an API key" in cross.json()["error"]["message"]
     assert form.status_code == 415 and "Content-Type: application/json" in form.json()["error"]["message"]
@@ -263,7 +267,13 @@ async def test_a_keyed_api_answers_any_host_and_origin_that_carries_the_key() ->
         keyed = await client.get("/v1/models", headers={"host": "api.example", "origin": "https://app.example",
                                                         "authorization": f"Bearer {KEY}"})
         keyless = await client.get("/v1/models", headers={"host": "api.example"})
+        keyless_count = await client.post("/v1/messages/count_tokens", json={"messages": USER})
+        # the body bound holds on the new endpoint too, before anything reaches the mesh
+        huge = await client.post("/v1/messages/count_tokens", content=b" " * (MAX_BODY_BYTES + 1),
+                                 headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
     assert keyed.status_code == 200 and keyless.status_code == 401
+    assert keyless_count.status_code == 401 and keyless_count.json()["error"]["type"] == "authentication_error"
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
 
 
 # ----- /health, /metrics, and paths that are not there
@@ -285,6 +295,9 @@ async def test_health_metrics_and_a_plain_404() -> None:
         assert "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
         await anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) \
             .messages.create(model=NAME, max_tokens=2, messages=USER)
+        # a count is an ask of the prompt's tokens only: counted as such, its tokens as nobody's work
+        await anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) \
+            .messages.count_tokens(model=NAME, messages=USER)
         with pytest.raises(openai.NotFoundError):
             await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) \
                 .chat.completions.create(model="no such model", messages=USER)
@@ -299,6 +312,7 @@ async def test_health_metrics_and_a_plain_404() -> None:
     samples = parse(scraped.text)
     assert value(samples, "meshd_requests_total", dialect="openai", outcome="answered") == 2
     assert value(samples, "meshd_requests_total", dialect="anthropic", outcome="answered") == 1
+    assert value(samples, "meshd_requests_total", dialect="anthropic", outcome="counted") == 1
     assert value(samples, "meshd_completion_tokens_total", dialect="openai") == 8
     assert value(samples, "meshd_completion_tokens_total", dialect="anthropic") == 2
     assert value(samples, "meshd_prompt_tokens_total") == 15
