@@ -174,11 +174,15 @@ async def test_count_tokens_is_the_prompt_a_message_request_runs(mesh: Mesh) -> 
         before = await stage_metrics(peers, route)
         counted = await client.messages.count_tokens(model="", messages=messages, system="Be brief.")  # type: ignore[arg-type]
         with trio.fail_after(20):
-            while not all(a["released"] > b["released"] for a, b in
-                          zip(await stage_metrics(peers, route), before, strict=True)):
+            while True:
+                after = await stage_metrics(peers, route)
+                if all(a["released"] > b["released"] and a["sessions"] == 0 for a, b in zip(after, before,
+                                                                                            strict=True)):
+                    break
                 await trio.sleep(0.1)
-        after = await stage_metrics(peers, route)
-    assert all(a["sessions"] == 0 and a["rows"] == b["rows"] for a, b in zip(after, before, strict=True))
+    # the tracker's speed probes run a few rows of their own (ProbeConfig.steps) now and then; the
+    # prompt would have run all of its rows on every stage
+    assert all(a["rows"] - b["rows"] < counted.input_tokens for a, b in zip(after, before, strict=True))
     reply = await client.messages.create(model="", messages=messages, system="Be brief.", max_tokens=2)  # type: ignore[arg-type]
     assert counted.input_tokens == reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) > 10
     longer = await client.messages.count_tokens(model="", messages=[*messages, {"role": "assistant", "content": "Paris."},
