@@ -1,7 +1,11 @@
 """A cached answer is the one verification vouches for: stages of a tiny random model in this process, every
 range served twice, answer a prompt that shares a prefix with an earlier one from their prefix caches,
-and a verified ask of the same prompt (receipts at every stage, every step spot-checked on a replica; it
-takes no cached prefix) gives the same tokens, checked to the end of every range."""
+and a verified ask of the same prompt on the fast path takes the cached prefix too (receipts at every
+stage from where the rows begin, every span spot-checked on a chain of replicas fed every token id, the
+prefix's included) and gives the same tokens, checked to the end of every range. A stage that lies past
+the cached prefix is caught: the chain's mismatch sends the answer round again without the cache (the
+prefix's KV, which this session's checks never saw made, could be why), and that session's checks name
+the liar."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from lying_worker import lying, restart_worker
 from test_verify_route import stage_of
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
@@ -40,7 +45,8 @@ async def caching_stages(model: Path, ranges: dict[str, tuple[int, int]] = RANGE
             for name, layers in ranges.items()}
 
 
-async def test_a_cached_answer_is_the_verified_one(tiny_models: dict[str, Path]) -> None:
+async def test_a_cached_answer_is_the_verified_one_and_a_liar_past_the_prefix_is_caught(
+        tiny_models: dict[str, Path]) -> None:
     async with caching_stages(tiny_models["llama-gqa-untied"]) as nodes:
         pool = [stage_of(n) for n in nodes.values()]
         first = [stage_of(nodes[n]) for n in ("head", "mid", "tail")]
@@ -57,9 +63,24 @@ async def test_a_cached_answer_is_the_verified_one(tiny_models: dict[str, Path])
                 slow = await run_session(peers, first, replace(ask, fast=False), AskResult())
                 plan = CheckPlan(every=1, candidates=pool)
                 verified = await ask_with_failover(peers, find, ask, verifier=Verifier(peers, plan))
-    assert cold.cached_tokens == 0 and cached.cached_tokens >= 64 and slow.cached_tokens >= 64
-    assert verified.cached_tokens == 0 and verified.verified and plan.checks > 0
-    assert cached.tokens == slow.tokens == verified.tokens and len(verified.tokens) > 0
+                assert cold.cached_tokens == 0 and cached.cached_tokens >= 64 and slow.cached_tokens >= 64
+                assert verified.cached_tokens >= 64 and verified.verified and plan.checks > 0
+                assert verified.epochs == 1 and verified.failovers == 0
+                assert cached.tokens == slow.tokens == verified.tokens and len(verified.tokens) > 0
+
+                # the middle stage's worker lies at an answer's position past the prefix (its KV stays honest:
+                # the lie is in the rows it sends on); an ask through it first keeps that prefix in its cache
+                liar = nodes["mid"]
+                await restart_worker(liar, lying(liar.service.engine.spec, len(verified.prompt_tokens) + 8))
+                await run_session(peers, first, replace(ask, text=SHARED + "At dusk she"), AskResult())
+                verifier = Verifier(peers, CheckPlan(every=1, candidates=pool))
+                caught = await ask_with_failover(peers, find, ask, verifier=verifier)
+                assert verifier.liars == {liar.peers.node_id}
+                # (the liar's range has one node left, with nobody to check it: the answer says so)
+                assert caught.tokens == verified.tokens
+                assert [(n.layers, n.why) for n in caught.unverified] == [("[2, 4)", "no replica")]
+                # doubted with the cache, caught without it, answered around it
+                assert caught.epochs == 3 and caught.cached_tokens == 0
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "daemons"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 import trio
@@ -71,6 +71,21 @@ class StageError(ProtocolError):
     def __init__(self, index: int, error: ProtocolError) -> None:
         super().__init__(error.code, error.message, error.retry_after_ms)
         self.index = index
+
+
+class CacheDoubted(StageError):
+    """A check found a stage's output other than a replica's on a session that began past a cached
+    prefix: the prefix's KV, which no check of this session saw made, may be why (an earlier session's
+    lie upstream left it so), as much as a lie of the stage. Nobody is blamed: the answer is generated
+    again without the cache, and that session's checks say who lies."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(index, ProtocolError(ErrorCode.PAYLOAD_CORRUPT, reason))
+        self.untrusted_from = 0
+
+    @property
+    def retryable(self) -> bool:
+        return True
 
 
 async def _from_stage(index: int, work: Awaitable[None]) -> None:
@@ -299,6 +314,11 @@ class Verifier(Protocol):
 
     def constrain(self, grammar: Grammar | None, generated: int) -> None: ...
 
+    @property
+    def caches(self) -> bool: ...
+
+    def cached(self, start: int) -> None: ...
+
     def prompt_known(self, prompt_len: int) -> None: ...
 
     def inbox(self, index: int) -> trio.MemorySendChannel[Inputs] | None: ...
@@ -482,13 +502,17 @@ async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest,
                 failed = False
                 return result
             # the prefix cache, where every stage of the route keeps one
-            caching = request.cache and verifier is None and all(info.cache_tokens for info in result.route)
+            caching = request.cache and (verifier is None or verifier.caches) and \
+                all(info.cache_tokens for info in result.route)
             await _from_stage(0, head_stream.send_message(prompt.model_copy(update={"cache": caching})))
             result.cached_tokens = 0
             if caching:
                 ids, result.cached_tokens = await look_up([s for s in opened if s is not None], session, epoch,
                                                           stall_timeout, _from_stage, grammar, generated)
                 result.prompt_tokens = result.prompt_tokens or ids
+                if verifier is not None:
+                    verifier.cached(result.cached_tokens)
+                    verifier.prompt_known(len(ids))
             last = len(opened) - 1
             for i, stream in enumerate(opened[1:-1], start=1):
                 assert stream is not None
@@ -732,6 +756,13 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
         try:
             await run_session(peers, route, request, result, on_progress, session, epoch, stall_timeout,
                               verifier)
+        except CacheDoubted as exc:
+            if not request.cache:
+                raise
+            log.info("epoch %d: %s; the answer starts again without the prefix cache", epoch, exc.message)
+            request = replace(request, cache=False)
+            result.failovers += 1
+            result.restart()
         except (StageError, trio.TooSlowError) as exc:
             _crossed(result, before, carried)
             if isinstance(exc, StageError) and exc.culprit is None and over_budget(exc):

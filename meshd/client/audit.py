@@ -135,6 +135,8 @@ class Audit:
     # re-prefilled answer): a replica of the tail replays its picks under the same
     grammar: Grammar | None = None
     generated: int = 0
+    # where the rows began, past a prefix the stages took from their caches (0: none)
+    cached: int = 0
 
     def __post_init__(self) -> None:
         self.by_stage = [Signed() for _ in self.node_ids]
@@ -293,6 +295,11 @@ class SpanAudit(Audit):
 
     def answerable(self, index: int, pos: int) -> int:
         return index
+
+    def start_at(self, pos: int) -> None:
+        """The rows begin at ``pos`` (a cached prefix): so do every stage's spans, and the checks."""
+        self.sent_until = [pos] * len(self.node_ids)
+        self.next_pos = self.cached = pos
 
     def on_packed(self, session: str, epoch: int, packed: bytes) -> None:
         raise self._lie(self.tail, "a chain of receipts on the fast path, where each stage sends its own")

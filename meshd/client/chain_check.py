@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.client.ask import Stage
+from meshd.client.ask import CacheDoubted, Stage
 from meshd.client.audit import Audit
 from meshd.client.check_session import CheckSession, open_check_session
 from meshd.client.verify import CheckPlan, Inbox, RangeCheck, check_numerics, failure_of, run_drawn
@@ -202,11 +202,14 @@ class ChainCheck:
             known = audit.result.prompt_tokens + audit.result.tokens
             head = self.links[0].session.hop
             assert head is not None
+            # a prefix the route's stages took from their caches: the chain computes it, and nothing of it
+            # is compared (the route signed nothing of it in this session)
+            steps = [(0, audit.cached)] if audit.cached and not self.fed_until else []
+            steps += [(pos, audit.by_stage[0][pos].n_tokens) for pos in spans]
             batch = [encode_activation(session=self.links[0].session.session, epoch=0, step=k, pos=pos,
-                                       n_tokens=audit.by_stage[0][pos].n_tokens, tensors=[],
-                                       tokens=known[pos:pos + audit.by_stage[0][pos].n_tokens])
-                     for k, pos in enumerate(spans, start=self._fed)]
-            self._fed += len(spans)
+                                       n_tokens=n, tensors=[], tokens=known[pos:pos + n])
+                     for k, (pos, n) in enumerate(steps, start=self._fed)]
+            self._fed += len(steps)
             try:
                 await head.send_all(b"".join(batch))
             except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -234,6 +237,14 @@ class ChainCheck:
         if theirs is None:
             return link.failure or f"the chain's link {link.stage.address} sent no receipt in {RECEIPTS_SECONDS:g} s"
         mine = audit.by_stage[link.index][pos]
+        if audit.cached:
+            # the route's history begins at the cached prefix, the chain's at 0: the same inputs, then
+            if (theirs.pos, theirs.n_tokens, theirs.h_in) != (mine.pos, mine.n_tokens, mine.h_in):
+                return f"the chain's link {link.stage.address} was fed other rows than the route's stage"
+            if theirs.h_out != mine.h_out:
+                raise CacheDoubted(link.index, f"range {link.index}'s output at {pos} differs from "
+                                               f"{link.stage.address}'s on a session begun past a cached prefix")
+            return None
         if not theirs.same_step(mine):
             # the route's receipt carries the history of its inputs, checked against the link before: this
             # link ran something else (the link before forwarded other rows than it signed)

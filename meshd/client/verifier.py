@@ -15,7 +15,17 @@ from collections.abc import Collection, Sequence
 
 import trio
 
-from meshd.client.ask import AskResult, OnToken, RouteError, RouteFinder, Stage, StageError, Unchecked, hand_over
+from meshd.client.ask import (
+    AskResult,
+    CacheDoubted,
+    OnToken,
+    RouteError,
+    RouteFinder,
+    Stage,
+    StageError,
+    Unchecked,
+    hand_over,
+)
 from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
 from meshd.client.chain_check import ChainCheck
 from meshd.client.served import Served, served_work
@@ -52,6 +62,8 @@ class Verifier:
         self.ended: set[int] = set()
         # what the stages of the epochs before this one served (the asker countersigns it: meshd.client.served)
         self.served: list[Served] = []
+        # the epoch's checks run on one chain of replicas (``begin``)
+        self.chained = False
 
     async def prepare(self, route: Sequence[Stage], avoid: Collection[str] = ()) -> None:
         """Finds replicas for the route's ranges (a second and a third node for each, where the mesh
@@ -101,6 +113,7 @@ class Verifier:
         # on the fast path one chain of replicas checks every range (meshd.client.chain_check), where no
         # range routes by token id (their ids would have to ride the chain too)
         chained = fast and not any(info.needs_tokens for info in result.route)
+        self.chained = chained
         self.inboxes = {i: Inbox() for i in (range(1, len(route)) if chained else self.replicas) if i > 0}
         self._done = trio.Event()
         self._failed = False
@@ -116,6 +129,18 @@ class Verifier:
                 self._checks.append((check, receive))
         if prompt_len is not None:
             self.prompt_known(prompt_len)
+
+    @property
+    def caches(self) -> bool:
+        """Whether this epoch's checks can begin past a cached prefix: a chain of replicas fed the token
+        ids computes the prefix itself (a range checked alone is fed its stage's kept inputs, and a
+        cached prefix's never came to the stage in this session)."""
+        return self.chained
+
+    def cached(self, start: int) -> None:
+        """The route's rows begin at ``start``, past the prefix its stages took from their caches."""
+        assert isinstance(self.audit, SpanAudit)
+        self.audit.start_at(start)
 
     def constrain(self, grammar: Grammar | None, generated: int) -> None:
         """The epoch's tail samples under ``grammar``, which reads the last ``generated`` ids of the
@@ -232,6 +257,9 @@ class Verifier:
         return [w for w in done if w.stage not in self.liars]
 
     def blame(self, error: StageError, node_ids: Sequence[str | None]) -> StageError:
+        if isinstance(error, CacheDoubted):
+            # nobody is to blame yet: the answer starts again without the cache
+            return error
         error = blamed(error, node_ids)
         if error.untrusted_from is None and self.audit is not None:
             # the answer keeps this epoch's tokens: the ranges' steps since their last check go unchecked

@@ -254,11 +254,12 @@ class FastPlane:
         # a prefix cache hit: the sequence holds the prompt's first ``start`` positions (the daemon copied
         # them), so its rows begin there; the prompt's last row always runs, where the tail samples
         s.next_pos = int(h.get("start", 0))
-        if not 0 <= s.next_pos < max(1, s.prompt_len) or (s.next_pos and h.get("span")):
-            raise EngineError(f"a session cannot start at {s.next_pos} (a prompt of {s.prompt_len}, receipts "
-                              f"{'on' if h.get('span') else 'off'})")
+        if not 0 <= s.next_pos < max(1, s.prompt_len):
+            raise EngineError(f"a session cannot start at {s.next_pos} (a prompt of {s.prompt_len})")
         if h.get("span"):
-            s.spans = SpanBook(int(h["span"]), s.prompt_len, keep=not report.has_input)
+            # past a cached prefix the spans begin where the rows do (the asker's chain of replicas computes
+            # the prefix from its token ids: meshd.client.chain_check)
+            s.spans = SpanBook(int(h["span"]), s.prompt_len, keep=not report.has_input, start=s.next_pos)
         if report.has_input:
             prompt = np.asarray(h["prompt"], dtype=np.int32)
             if len(prompt) != s.prompt_len or len(prompt) > s.max_pos:

@@ -626,9 +626,11 @@ class StageService:
             raise ProtocolError(ErrorCode.EPOCH_STALE, "a lookup for another session or epoch")
         if session.prefix_keys is not None or book.next_pos or book.in_flight or book.phase not in LIVE:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a session looks its prefix up once, before its rows")
-        if session.receipts is not None or session.open.check:
-            # a spot check replays a stage's kept inputs on a replica: a cached prefix's were never sent
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "a session with receipts takes no cached prefix")
+        if session.receipts is not None and not session.open.fast or session.open.check:
+            # a range's spot check replays the stage's kept inputs on a replica, and a cached prefix's were
+            # never sent (the fast path's chain of replicas is fed the token ids: it computes the prefix)
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a session with receipts on the daemons' path takes no "
+                                                       "cached prefix")
         if len(msg.keys) * PREFIX_BLOCK > self.limits.max_session_tokens:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(msg.keys)} prefix keys exceed this stage's session "
                                                        f"budget of {self.limits.max_session_tokens} tokens")
