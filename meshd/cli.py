@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import trio
 
@@ -44,7 +44,7 @@ from meshd.client.ask import (
 from meshd.client.asker import Asker, Unverified, unverified_reason
 from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
-from meshd.daemon import CannotVolunteer, MeshDaemon, NodeConfig, rpc
+from meshd.daemon import CannotVolunteer, MeshDaemon, NodeConfig, describe_model, rpc
 from meshd.engine import RangeReport
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
@@ -53,6 +53,7 @@ from meshd.fetch.hub import HubError, HubModel, HubReader, HubSpec, HubSpecError
 from meshd.fetch.hub_pull import file_paths, pull_range, pull_whole
 from meshd.front.door import load_api_keys
 from meshd.logs import DEFAULT_LEVEL, LEVELS, level_of, setup_logging
+from meshd.mesh.assignment import ModelSpec
 from meshd.mesh.models import ModelNotFound, default_model_path
 from meshd.mesh.records import is_loopback, is_unspecified, join_address
 from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
@@ -83,6 +84,9 @@ from wire.meshrpc import FetchStatus, RouteReply, RouteRequest, StatusReply, Sta
 from wire.receipt import Proof, ProofGossip
 from wire.stage import Sampling
 from wire.types import MAX_LAYERS
+
+if TYPE_CHECKING:
+    from meshd.engine.devices import Device
 
 # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences (sessions).
 MAX_SESSIONS = 256
@@ -380,8 +384,15 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         path = model_or_default(args.model)
     check_port(args.listen, "--listen")
-    resolve_gpu(args)
+    gpu = resolve_gpu(args, sizes_layers=True)
     kv_tokens = args.kv_tokens or args.max_sessions * args.session_tokens
+    if gpu is not None and args.gpu_layers == AUTO:
+        # as many of the range's last layers, with their KV, as the GPU's free memory holds
+        spec = ModelSpec.from_info(describe_model(path, "serve"), kv_tokens)
+        begin, end = args.layers or (0, spec.n_layers)
+        args.gpu_layers = spec.gpu_layers_within(begin, end, gpu.memory_free)
+        print(f"meshd: --gpu-layers auto: {gpu_layers_text(args.gpu_layers)} of [{begin}, {end}) fit the GPU's "
+              f"{mib(gpu.memory_free)} free", file=sys.stderr, flush=True)
     limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                          max_total_tokens=kv_tokens, ttl=args.ttl, evict_after=args.evict_after,
                          peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens,
@@ -1070,9 +1081,11 @@ def or_auto(convert: Callable[[str], int]) -> Callable[[str], int | str]:
     return either
 
 
-def resolve_gpu(args: argparse.Namespace) -> None:
-    """Fills --gpu-layers auto and --gpu-memory auto from the first GPU the engine finds (the one a
-    load offloads to), and says in one line what it found; a GPU build that finds none says so."""
+def resolve_gpu(args: argparse.Namespace, sizes_layers: bool = False) -> Device | None:
+    """Fills --gpu-memory auto from the first GPU the engine finds (the one a load offloads to), and
+    --gpu-layers auto unless the caller sizes them to its range (``sizes_layers``: serve's; join's
+    tracker places ranges that fit), and says in one line what it found; a GPU build that finds none
+    says so. The GPU, where auto asked for one and one was found."""
     from meshd.engine.devices import gpus, no_gpu_note
     from meshd.engine.native import EngineUnavailable
 
@@ -1083,17 +1096,18 @@ def resolve_gpu(args: argparse.Namespace) -> None:
     except EngineUnavailable as exc:
         if asked:
             raise CommandError(f"--gpu-layers/--gpu-memory auto: {exc}") from None
-        return  # the engine's own start names what is missing
+        return None  # the engine's own start names what is missing
     if note:
         print(f"meshd: {note}", file=sys.stderr, flush=True)
     if not asked:
-        return
-    if args.gpu_layers == AUTO:
+        return None
+    if args.gpu_layers == AUTO and not (sizes_layers and gpu is not None):
         args.gpu_layers = -1 if gpu is not None else 0
     if getattr(args, "gpu_memory", None) == AUTO:
         args.gpu_memory = gpu.memory_free if gpu is not None else 0
     if gpu is not None:
         print(f"meshd: GPU {gpu}, {mib(gpu.memory_free)} free of {mib(gpu.memory_total)}", file=sys.stderr, flush=True)
+    return gpu
 
 
 def gpu_layers_text(n: int) -> str:

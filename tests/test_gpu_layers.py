@@ -132,6 +132,35 @@ def test_serve_says_what_it_offloaded(model: Path) -> None:
         assert banner.endswith("; no GPU took layers [3, 4) (this build has none, or it found no device): all in RAM")
 
 
+def test_auto_offloads_the_most_of_a_range_the_gpu_memory_holds() -> None:
+    gb = 1 << 30
+    spec = ModelSpec("m", 8, gb, kv_bytes_per_layer=gb // 4, head_bytes=gb, tail_bytes=gb // 2)
+    # a middle range of 4: each layer takes 1.25 GB on the GPU with its KV
+    assert [spec.gpu_layers_within(2, 6, m) for m in (0, gb, 5 * gb // 4, 3 * gb, 5 * gb)] == [0, 0, 1, 2, -1]
+    # at the tail the output head is the first to go (it is the last of the range)
+    assert spec.gpu_layers_within(6, 8, gb // 2) == 1 and spec.gpu_layers_within(6, 8, 3 * gb) == -1
+    for m in range(0, 8 * gb, gb // 3):
+        k = spec.gpu_layers_within(0, 8, m)
+        assert spec.stage_split(0, 8, k)[1] <= m or k == 0
+        assert k == -1 or spec.stage_split(0, 8, k + 1)[1] > m
+
+
+@pytest.mark.slow
+def test_serve_sizes_auto_to_the_gpus_free_memory(model: Path) -> None:
+    served = start_serve("--model", str(model), "--layers", "2:6", "--gpu-layers", "auto", "--threads", "1",
+                         "--max-sessions", "1", "--session-tokens", "64")
+    try:
+        banner = next(line for line in served.lines if line.startswith("meshd: serving layers [2, 6)"))
+    finally:
+        served.stop()
+    if ON_GPU:
+        # a tiny model's range fits any GPU whole, the tail's output head too
+        assert f"; layers [2, 6) and the output head on {GPU} (" in banner, banner
+    else:
+        # no GPU: auto offloads nothing and says nothing of an offload
+        assert "GPU" not in banner, banner
+
+
 def test_cli_takes_minus_one_for_every_owned_layer() -> None:
     assert build_parser().parse_args(["serve", "--gpu-layers", "-1"]).gpu_layers == -1
     args = build_parser().parse_args(["join", "--gpu-layers", "-1", "--gpu-memory", "8G"])

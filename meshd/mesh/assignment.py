@@ -193,6 +193,14 @@ class ModelSpec:
         return self.split(end - start, start == 0, end == self.n_layers, gpu_layers,
                           self.weights(start, end), lambda k: self.weights(end - k, end))
 
+    def gpu_layers_within(self, start: int, end: int, gpu_memory: int) -> int:
+        """The most layers of [start, end) a stage offloads within ``gpu_memory`` (the output head counting
+        as one more at the tail, as the engine's plan does): -1 when they all fit."""
+        slots = end - start + (end == self.n_layers)
+        if self.stage_split(start, end, -1)[1] <= gpu_memory:
+            return -1
+        return max((k for k in range(slots) if self.stage_split(start, end, k)[1] <= gpu_memory), default=0)
+
     def split(self, count: int, head: bool, tail: bool, gpu_layers: int, weights: int,
               last_weights: Callable[[int], int]) -> tuple[int, int]:
         """(RAM, GPU memory) of a stage of `count` layers weighing `weights`, the last k of them `last_weights(k)`.
