@@ -21,6 +21,7 @@ import trio
 from fake_hub import FakeHub
 from gguf_factory import TINY_SPECS, split_gguf, write_tiny_gguf
 from localmesh import Served, mesh_status, start_join, start_serve, stop_all
+from test_split_sets import ask_route
 from test_fetch_mesh import finder, served
 
 from meshd import cli
@@ -271,6 +272,40 @@ def test_serve_takes_a_hub_model(hub: FakeHub, files: dict[str, Path], tmp_path:
             files[f"{SET}-00003-of-00003.gguf"].read_bytes()
     finally:
         stop_all([stage])
+
+
+@pytest.mark.slow  # three stage processes
+async def test_serve_with_layers_takes_the_header_and_its_range_of_a_hub_model(
+        hub: FakeHub, files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    manifest = manifest_for(files[f"{SET}-00001-of-00003.gguf"])
+    headers = sum(p.header_size for p in manifest.parts)
+    expected = greedy_reference(files["tiny-Q8_0.gguf"], [PROMPT], 8)[PROMPT]
+    stages: list[Served] = []
+    try:
+        # one after another: the first builds the manifest (a read of the set) and keeps it, the others take it
+        for start, end in [(0, 2), (2, 4), (4, 6)]:
+            monkeypatch.setenv("HF_TOKEN", f"stage{start}")
+            stages.append(start_serve("--model", f"hf:{REPO}", "--layers", f"{start}:{end}", "--threads", "1",
+                                      "--max-sessions", "1", "--session-tokens", "64"))
+        tokens = await ask_route([s.address for s in stages], 8)
+    finally:
+        stop_all(stages)
+    assert tokens == expected
+    sparse = SparseFile.resume(tmp_path / "meshd" / "models" / f"{manifest.model_id}.gguf", manifest.model_id)
+    # no whole file on disk: the one sparse copy holds the three ranges, the header and nothing else
+    assert not list((tmp_path / "meshd" / "models").glob(f"{SET}-*"))
+    assert {c.index for c in manifest.chunks if sparse.has(c.index)} == {c.index for c in manifest.chunks}
+    sparse.close()
+    for start, end in [(0, 2), (2, 4), (4, 6)]:
+        owned = manifest.bytes_of(c for c in range_chunks(manifest, 6, start, end) if c.tensor is not None)
+        read = hub.bytes_read(f"stage{start}")
+        if start == 0:
+            # the set once, to build the manifest, then its range
+            assert read >= manifest.total_size + owned
+        else:
+            # its own tensors, and the headers at most twice: nothing of another range
+            assert owned <= read <= owned + 2 * headers, (start, owned, read)
 
 
 # ----- a mesh of three volunteers, each its own range from the hub

@@ -79,4 +79,7 @@ async def pull_range(reader: HubReader, state_dir: Path, out: Path | None, layer
         report.add(await fetch_from_hub(reader, sparse, body, progress=progress))
     finally:
         await trio.to_thread.run_sync(sparse.close)
+    # the model's manifest, kept as the sparse file's own: a stage loading it (meshd serve) knows the model's id
+    # without hashing the file, whose holes are not the model's bytes
+    await trio.to_thread.run_sync(remember, sparse.path, manifest, None)
     return manifest, sparse.path, report
