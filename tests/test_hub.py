@@ -21,8 +21,8 @@ import trio
 from fake_hub import FakeHub
 from gguf_factory import TINY_SPECS, split_gguf, write_tiny_gguf
 from localmesh import Served, mesh_status, start_join, start_serve, stop_all
-from test_split_sets import ask_route
 from test_fetch_mesh import finder, served
+from test_split_sets import ask_route
 
 from meshd import cli
 from meshd.client.ask import AskRequest, ask_with_failover
@@ -121,6 +121,26 @@ def test_a_users_mistake_is_one_line_and_a_failure(hub: FakeHub, spec: str, says
     done = meshd(capsys, "pull", spec, "--state-dir", "/nonexistent/never-written")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
+
+
+def test_a_hub_set_with_a_part_missing_or_not_of_it_is_one_line_naming_the_part(
+        hub: FakeHub, files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    second, third = f"{SET}-00002-of-00003.gguf", f"{SET}-00003-of-00003.gguf"
+    missing = hub.publish("org/missing", {p: f for p, f in files.items() if p != second})
+    # the third part of another model's set (56 tensors: tied head) in place of this one's
+    other = split_gguf(write_tiny_gguf(tmp_path / "other.gguf", TINY_SPECS["llama-gqa-tied"]),
+                       tmp_path / "other-set.gguf", 3)
+    foreign = hub.publish("org/foreign", {**files, third: other[2]})
+    for spec, says in [
+            ("hf:org/missing", f"part 2 of 3 of {SET} is not in org/missing@{missing[:12]}: {second}"),
+            ("hf:org/foreign", f"org/foreign@{foreign[:12]}: {third} is not part 3 of this 3-part set of 57 tensors "
+                               "(its header says part 3 of 3, 56 tensors)")]:
+        for layers in ([], ["--layers", "0:2"]):
+            done = meshd(capsys, "pull", spec, *layers, "--state-dir", str(tmp_path / "state"))
+            assert done.returncode == 1 and "Traceback" not in done.stderr
+            assert done.stderr.strip().splitlines() == [f"meshd pull: {says}"], done.stderr
+    # nothing of either is left to be taken for the model
+    assert not list((tmp_path / "state" / "models").glob(f"{SET}*"))
 
 
 def test_no_network_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

@@ -46,7 +46,16 @@ from meshd.store.gguf_header import GGUFError, GGUFLayout, read_layout
 from meshd.store.manifest import CACHE_SUFFIX, CHUNK_SIZE, Chunk, Manifest, ManifestError, Part, TensorEntry
 from meshd.store.plan import MIN_RATE
 from meshd.store.sparse import BadChunk, SparseFile
-from meshd.store.split import MAX_PARTS, SPLIT_COUNT, SPLIT_NO, part_name, set_prefix, shown_name
+from meshd.store.split import (
+    MAX_PARTS,
+    SPLIT_TENSORS,
+    SplitError,
+    check_set,
+    part_name,
+    set_prefix,
+    shown_name,
+    split_count,
+)
 from wire.fetch import MAX_MANIFEST_BYTES
 
 log = logging.getLogger(__name__)
@@ -391,12 +400,20 @@ class HubReader:
 
 
 def _check_parts(model: HubModel, layouts: Sequence[GGUFLayout]) -> None:
-    count = len(layouts)
-    for i, layout in enumerate(layouts):
-        found = (layout.metadata.get(SPLIT_NO, 0), layout.metadata.get(SPLIT_COUNT, 1))
-        if count > 1 and found != (i, count):
-            raise HubError(f"{model.files[i].path} of {model.where} says it is part {found[0]} of {found[1]}, not "
-                           f"{i} of {count}")
+    """That the hub's files are one model: a file of its own, or every part of one set, as a set held here is
+    checked (``check_set``): HubError naming the part that is not."""
+    if len(layouts) == 1:
+        if split_count(layouts[0]) != 1:
+            raise HubError(f"{model.files[0].path} of {model.where} is a part of a "
+                           f"{split_count(layouts[0])}-part set, not a model of its own")
+        return
+    tensors = layouts[0].metadata.get(SPLIT_TENSORS)
+    try:
+        if not isinstance(tensors, int) or isinstance(tensors, bool):
+            raise SplitError(f"{model.files[0].path} is a part of a split set without a usable {SPLIT_TENSORS}")
+        check_set([f.path for f in model.files], layouts, tensors, model.name)
+    except SplitError as exc:
+        raise HubError(f"{model.where}: {exc}") from None
 
 
 # ----- the first holder: the whole file, hashed
