@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -277,6 +278,20 @@ async def test_a_stalling_hub_fails_the_fetch_at_the_chunks_deadline(hub: FakeHu
         await fetch_from_hub(HubReader(model), sparse, manifest.header_chunks_list(), first_byte=0.5, min_rate=1e9)
     assert not sparse.has(0)
     sparse.close()
+
+
+def test_a_mirror_sending_more_than_a_range_asked_costs_the_range_and_is_one_line(hub: FakeHub) -> None:
+    model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    # the range's bytes, then 256 MiB more, as its Content-Length says: read whole, the body would be held
+    hub.oversize = 256 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(HubError, match=r"answered bytes 0-4095 of tiny-Q8_0.gguf with more bytes, not 4096"):
+            HubReader(model).read(0, 0, 4096)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
 
 
 @pytest.mark.slow  # a stage process
