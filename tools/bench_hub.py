@@ -17,6 +17,10 @@ with Range; its counters say which bytes each volunteer's token read).
    range fetch's bytes and MB/s (against raw), the bytes each read from the
    server (its counters), and from the first join to the mesh covering the
    model, every volunteer serving.
+3. The answer: a greedy ask of the mesh once it covers the model, timed from
+   the first join to its first token, and its decode tok/s against the whole
+   model's in this process (one thread, as each volunteer; after the daemons
+   stop), the two answers compared token for token.
 
 Usage: .venv/bin/python tools/bench_hub.py [--dir /tmp/bench-hub] [--memory 800M] [--json bench-out/hub.json]
 """
@@ -154,22 +158,24 @@ def main() -> int:
             figures["join_to_covered_s"] = at - started
             assert answer.first_token_at is not None
             figures["join_to_first_token_s"] = at - started + answer.first_token_at - answer.started
-            figures["mesh_decode_tps"] = answer.decode_rate()
+            figures["mesh_decode_tps"] = answer.decode_rate
             # the logs go with the daemons
             logs = [node.log.read_text() if node.log else "" for node in nodes]
         finally:
             stop_all(nodes)
             # the volunteers' sparse files: the model's size in all
             shutil.rmtree(state, ignore_errors=True)
-            if args.smoke:
-                shutil.rmtree(parts[0].parent, ignore_errors=True)
             for k, v in old.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
         # the whole model in this process, once the volunteers are gone (their cores are free again)
-        figures["whole_decode_tps"], whole_answer = whole_decode(parts[0], tokens)
+        try:
+            figures["whole_decode_tps"], whole_answer = whole_decode(parts[0], tokens)
+        finally:
+            if args.smoke:
+                shutil.rmtree(parts[0].parent, ignore_errors=True)
         figures["answers_equal"] = whole_answer == answer.tokens
         rows = []
         # (start, end) of every range fetch, in the logs' clock: the three volunteers fetch at once
