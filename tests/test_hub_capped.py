@@ -4,8 +4,11 @@
 hold it whole.
 
 The mesh answers the whole model's greedy tokens (the set run in this process), and each volunteer keeps
-what it owns and no more: its sparse files' allocated blocks are its range's chunks, its engine worker's
-RSS its range's tensors plus the engine's own. tools/bench_hub.py does the same at a 3B-class size.
+what it owns and no more: its sparse files' allocated blocks are its range's chunks; its engine worker's
+resident pages of the model are its range's tensors (never a hole), and the rest of its RSS the engine's
+own, whatever the range. From the hub, the first volunteer read the set once (to build the manifest) and
+its range; the others, the headers and their own tensors. tools/bench_hub.py does the same at a 3B-class
+size.
 """
 
 from __future__ import annotations
@@ -111,6 +114,12 @@ async def test_three_capped_volunteers_hold_a_hub_model_none_can_whole_and_answe
             seed = ["--seed", nodes[0].address] if nodes else []
             nodes.append(start_join(*seed, "--state-dir", str(tmp_path / f"v{i}"), "--model", f"hf:{REPO}",
                                     "--memory", MEMORY, *SESSIONS))
+            if i == 0:
+                # the first builds the manifest (one read of the set) before the others look for a member's
+                # (a node that finds none within a few seconds reads the set itself)
+                with trio.fail_after(60):
+                    while not (await mesh_status(peers, nodes[0])).coverage:
+                        await trio.sleep(0.2)
         with trio.fail_after(120):
             while True:
                 assert not [n for n in nodes if n.proc.poll() is not None], "a daemon exited"
