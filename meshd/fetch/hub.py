@@ -316,12 +316,15 @@ def _response_total(content_range: str | None) -> tuple[int, int, int] | None:
 
 def _bounded(response: httpx2.Response, limit: int) -> bytes:
     """A streamed body's bytes, at most ``limit`` of them (reading stops there)."""
-    out = bytearray()
+    pieces, held = [], 0
     for piece in response.iter_bytes():
-        out += piece[: limit - len(out)]
-        if len(out) >= limit:
+        pieces.append(piece)
+        held += len(piece)
+        if held >= limit:
             break
-    return bytes(out)
+    # one copy of the body (the last piece may run past the limit: a few KiB more held for a moment)
+    data = b"".join(pieces)
+    return data[:limit] if held > limit else data
 
 
 class HubReader:
