@@ -144,6 +144,16 @@ def test_a_hub_set_with_a_part_missing_or_not_of_it_is_one_line_naming_the_part(
     assert not list((tmp_path / "state" / "models").glob(f"{SET}*"))
 
 
+def test_layers_the_hub_model_lacks_are_one_line_before_its_files_are_read(
+        hub: FakeHub, files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    done = meshd(capsys, "pull", f"hf:{REPO}", "--layers", "4:9", "--state-dir", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "meshd pull: --layers: layers 4:9 are not a range of a 6-layer model"], done.stderr
+    # the first part's header (read in growing prefixes from 64 KiB: at most twice it), not the set
+    header = manifest_for(files[f"{SET}-00001-of-00003.gguf"]).header_size
+    assert hub.bytes_read() <= max(64 << 10, 2 * header) < sum(f.stat().st_size for f in files.values())
+
+
 def test_no_network_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     # port 9 on loopback: nothing listens (the discard service is not run here)
