@@ -48,7 +48,7 @@ from meshd.daemon import CannotVolunteer, MeshDaemon, NodeConfig, describe_model
 from meshd.engine import RangeReport
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
-from meshd.fetch.fetcher import FetchFailed, FetchProgress, SourceRef, fetch_manifest, fetch_range
+from meshd.fetch.fetcher import FetchFailed, FetchProgress, FetchReport, SourceRef, fetch_manifest, fetch_range
 from meshd.fetch.hub import HubError, HubModel, HubReader, HubSpec, HubSpecError, cached_manifest, is_spec, parse_spec, resolve
 from meshd.fetch.hub_pull import file_paths, pull_range, pull_whole
 from meshd.front.door import load_api_keys
@@ -62,7 +62,7 @@ from meshd.net.peers import PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
 from meshd.stage.service import StageLimits, stage_node
 from meshd.store.gguf_header import GGUFError
-from meshd.store.manifest import ManifestError
+from meshd.store.manifest import Manifest, ManifestError
 from meshd.store.ranges import RangeError
 from meshd.store.sparse import SparseError
 from meshd.store.split import SplitError, model_files, part_paths, set_prefix, shown_name
@@ -379,7 +379,9 @@ def check_port(where: tuple[str, int], flag: str) -> None:
 # ----- serve
 
 async def serve(args: argparse.Namespace) -> int:
-    if isinstance(args.model, HubSpec):
+    if isinstance(args.model, HubSpec) and args.layers is not None:
+        path = await hub_range(await resolve_hub(args.model), default_state_dir(), args.layers)
+    elif isinstance(args.model, HubSpec):
         path, _ = await hub_whole(await resolve_hub(args.model), default_state_dir())
     else:
         path = model_or_default(args.model)
@@ -786,6 +788,24 @@ def shown_on(bar: Any) -> Callable[[FetchProgress], None]:
     return show
 
 
+async def hub_pulled_range(reader: HubReader, state_dir: Path, out: Path | None, layers: tuple[int, int]
+                           ) -> tuple[Manifest, Path, FetchReport]:
+    """The header and the tensors of ``layers`` of the hub model in a sparse file, with progress bars and each
+    failure one line (``pull_range``)."""
+    model = reader.model
+    total = sum(f.size for f in model.files)
+    with hub_bar(f"hashing {model.name}", total) as hashing, hub_bar(f"pulling {model.name}", 0) as bar, \
+            fetch_errors(model.name):
+        return await pull_range(reader, state_dir, out, layers, hashing.update, shown_on(bar))
+
+
+async def hub_range(model: HubModel, state_dir: Path, layers: tuple[int, int]) -> Path:
+    """A stage's own range of a hub model (serve --layers): the header and its tensors, in a sparse file of the
+    state directory, the file to load."""
+    _, path, _ = await hub_pulled_range(HubReader(model), state_dir, None, layers)
+    return path
+
+
 async def pull_hub(args: argparse.Namespace, spec: HubSpec) -> int:
     model = await resolve_hub(spec)
     if args.layers is None:
@@ -794,11 +814,7 @@ async def pull_hub(args: argparse.Namespace, spec: HubSpec) -> int:
               f"against its sha256")
         return 0
     reader = HubReader(model)
-    total = sum(f.size for f in model.files)
-    with hub_bar(f"hashing {model.name}", total) as hashing, hub_bar(f"pulling {model.name}", 0) as bar, \
-            fetch_errors(model.name):
-        manifest, path, report = await pull_range(reader, args.state_dir, args.out, args.layers, hashing.update,
-                                                  shown_on(bar))
+    manifest, path, report = await hub_pulled_range(reader, args.state_dir, args.out, args.layers)
     start, end = args.layers
     print(f"layers {start}:{end} of {model.name} ({manifest.model_id[:16]}) of {model.where} in {path}: "
           f"{mib(report.fetched_bytes)} fetched from the hub, {mib(report.reused_bytes)} already there; "
@@ -1151,8 +1167,9 @@ def build_parser() -> argparse.ArgumentParser:
     threads = integer(0, 1024)
 
     s = sub.add_parser("serve", help="serve one layer range by hand")
-    s.add_argument("--model", type=model_arg, help=f"{model_help}; or hf:ORG/REPO[:QUANT][@REV] (a hub model, "
-                   "fetched whole into the state directory first)")
+    s.add_argument("--model", type=model_arg, help=f"{model_help}; or hf:ORG/REPO[:QUANT][@REV] (a hub model: "
+                   "with --layers, its header and the range's tensors fetched into the state directory first; "
+                   "without, the whole model)")
     s.add_argument("--layers", type=layer_range, help="layer range START:END (default: all layers)")
     s.add_argument("--listen", type=host_port, default="127.0.0.1:0",
                    help="HOST:PORT to accept peers on (default: %(default)s)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from fake_hub import FakeHub
 from gguf_factory import TINY_SPECS, split_gguf, write_tiny_gguf
 from localmesh import Served, mesh_status, start_join, start_serve, stop_all
 from test_fetch_mesh import finder, served
+from test_split_sets import ask_route
 
 from meshd import cli
 from meshd.client.ask import AskRequest, ask_with_failover
@@ -120,6 +122,36 @@ def test_a_users_mistake_is_one_line_and_a_failure(hub: FakeHub, spec: str, says
     done = meshd(capsys, "pull", spec, "--state-dir", "/nonexistent/never-written")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
+
+
+def test_a_hub_set_with_a_part_missing_or_not_of_it_is_one_line_naming_the_part(
+        hub: FakeHub, files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    second, third = f"{SET}-00002-of-00003.gguf", f"{SET}-00003-of-00003.gguf"
+    missing = hub.publish("org/missing", {p: f for p, f in files.items() if p != second})
+    # the third part of another model's set (56 tensors: tied head) in place of this one's
+    other = split_gguf(write_tiny_gguf(tmp_path / "other.gguf", TINY_SPECS["llama-gqa-tied"]),
+                       tmp_path / "other-set.gguf", 3)
+    foreign = hub.publish("org/foreign", {**files, third: other[2]})
+    for spec, says in [
+            ("hf:org/missing", f"part 2 of 3 of {SET} is not in org/missing@{missing[:12]}: {second}"),
+            ("hf:org/foreign", f"org/foreign@{foreign[:12]}: {third} is not part 3 of this 3-part set of 57 tensors "
+                               "(its header says part 3 of 3, 56 tensors)")]:
+        for layers in ([], ["--layers", "0:2"]):
+            done = meshd(capsys, "pull", spec, *layers, "--state-dir", str(tmp_path / "state"))
+            assert done.returncode == 1 and "Traceback" not in done.stderr
+            assert done.stderr.strip().splitlines() == [f"meshd pull: {says}"], done.stderr
+    # nothing of either is left to be taken for the model
+    assert not list((tmp_path / "state" / "models").glob(f"{SET}*"))
+
+
+def test_layers_the_hub_model_lacks_are_one_line_before_its_files_are_read(
+        hub: FakeHub, files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    done = meshd(capsys, "pull", f"hf:{REPO}", "--layers", "4:9", "--state-dir", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "meshd pull: --layers: layers 4:9 are not a range of a 6-layer model"], done.stderr
+    # the first part's header (read in growing prefixes from 64 KiB: at most twice it), not the set
+    header = manifest_for(files[f"{SET}-00001-of-00003.gguf"]).header_size
+    assert hub.bytes_read() <= max(64 << 10, 2 * header) < sum(f.stat().st_size for f in files.values())
 
 
 def test_no_network_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -258,6 +290,20 @@ async def test_a_stalling_hub_fails_the_fetch_at_the_chunks_deadline(hub: FakeHu
     sparse.close()
 
 
+def test_a_mirror_sending_more_than_a_range_asked_costs_the_range_and_is_one_line(hub: FakeHub) -> None:
+    model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    # the range's bytes, then 256 MiB more, as its Content-Length says: read whole, the body would be held
+    hub.oversize = 256 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(HubError, match=r"answered bytes 0-4095 of tiny-Q8_0.gguf with more bytes, not 4096"):
+            HubReader(model).read(0, 0, 4096)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+
+
 @pytest.mark.slow  # a stage process
 def test_serve_takes_a_hub_model(hub: FakeHub, files: dict[str, Path], tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,6 +317,40 @@ def test_serve_takes_a_hub_model(hub: FakeHub, files: dict[str, Path], tmp_path:
             files[f"{SET}-00003-of-00003.gguf"].read_bytes()
     finally:
         stop_all([stage])
+
+
+@pytest.mark.slow  # three stage processes
+async def test_serve_with_layers_takes_the_header_and_its_range_of_a_hub_model(
+        hub: FakeHub, files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    manifest = manifest_for(files[f"{SET}-00001-of-00003.gguf"])
+    headers = sum(p.header_size for p in manifest.parts)
+    expected = greedy_reference(files["tiny-Q8_0.gguf"], [PROMPT], 8)[PROMPT]
+    stages: list[Served] = []
+    try:
+        # one after another: the first builds the manifest (a read of the set) and keeps it, the others take it
+        for start, end in [(0, 2), (2, 4), (4, 6)]:
+            monkeypatch.setenv("HF_TOKEN", f"stage{start}")
+            stages.append(start_serve("--model", f"hf:{REPO}", "--layers", f"{start}:{end}", "--threads", "1",
+                                      "--max-sessions", "1", "--session-tokens", "64"))
+        tokens = await ask_route([s.address for s in stages], 8)
+    finally:
+        stop_all(stages)
+    assert tokens == expected
+    sparse = SparseFile.resume(tmp_path / "meshd" / "models" / f"{manifest.model_id}.gguf", manifest.model_id)
+    # no whole file on disk: the one sparse copy holds the three ranges, the header and nothing else
+    assert not list((tmp_path / "meshd" / "models").glob(f"{SET}-*"))
+    assert {c.index for c in manifest.chunks if sparse.has(c.index)} == {c.index for c in manifest.chunks}
+    sparse.close()
+    for start, end in [(0, 2), (2, 4), (4, 6)]:
+        owned = manifest.bytes_of(c for c in range_chunks(manifest, 6, start, end) if c.tensor is not None)
+        read = hub.bytes_read(f"stage{start}")
+        if start == 0:
+            # the set once, to build the manifest, then its range
+            assert read >= manifest.total_size + owned
+        else:
+            # its own tensors, and the headers at most twice: nothing of another range
+            assert owned <= read <= owned + 2 * headers, (start, owned, read)
 
 
 # ----- a mesh of three volunteers, each its own range from the hub

@@ -17,6 +17,10 @@ with Range; its counters say which bytes each volunteer's token read).
    range fetch's bytes and MB/s (against raw), the bytes each read from the
    server (its counters), and from the first join to the mesh covering the
    model, every volunteer serving.
+3. The answer: a greedy ask of the mesh once it covers the model, timed from
+   the first join to its first token, and its decode tok/s against the whole
+   model's in this process (one thread, as each volunteer; after the daemons
+   stop), the two answers compared token for token.
 
 Usage: .venv/bin/python tools/bench_hub.py [--dir /tmp/bench-hub] [--memory 800M] [--json bench-out/hub.json]
 """
@@ -35,21 +39,27 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from benchlib.asks import decode_rate
 from benchlib.result import parser, publish
 from fake_hub import FakeHub
 from localmesh import Served, mesh_status, start_join, stop_all
 from make_big_gguf import NAME, SMALL, Dims, write
 
+from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply
+from meshd.daemon import rpc
+from meshd.engine.chain import LocalChain
 from meshd.fetch.hub import HubReader, parse_spec, resolve
 from meshd.net.peers import open_peers
 from wire.identity import NodeIdentity
+from wire.meshrpc import RouteReply, RouteRequest
 
 REPO = "org/llama3b"
 RAW_READ = 16 << 20
 FETCHED = re.compile(r"^(\S+) INFO meshd.daemon: fetched layers \[(\d+), (\d+)\): (\d+) bytes over the network, "
                      r"(\d+) already here, in ([\d.]+) s", re.MULTILINE)
 HASHED = re.compile(r"read and checked (\d+) bytes of .* in ([\d.]+) s")
-SESSIONS = ["--threads", "1", "--max-sessions", "1", "--session-tokens", "256"]
+SESSIONS = ["--threads", "1", "--max-sessions", "2", "--session-tokens", "256"]
+PROMPT = "What is the capital of France?"
 
 
 def model_files(directory: Path, smoke: bool) -> list[Path]:
@@ -69,8 +79,10 @@ def raw_rate(reader: HubReader, connections: int) -> float:
     return total / (time.monotonic() - started)
 
 
-async def covered(node: Served, nodes: list[Served], timeout: float) -> None:
-    """Until every volunteer serves and the model is covered."""
+async def covered_and_asked(node: Served, nodes: list[Served], timeout: float, tokens: int
+                            ) -> tuple[float, AskResult]:
+    """Until every volunteer serves and the model is covered (the monotonic time it was), then the mesh's greedy
+    answer to PROMPT (its first token's time and decode rate)."""
     async with open_peers(NodeIdentity.generate()) as peers:
         with trio.fail_after(timeout):
             while True:
@@ -79,8 +91,31 @@ async def covered(node: Served, nodes: list[Served], timeout: float) -> None:
                 serving = {m.node_id for m in view.members if m.state == "alive" and m.served}
                 if view.coverage and view.coverage[0].covered_layers == view.coverage[0].n_layers and \
                         all(n.node_id in serving for n in nodes):
-                    return
+                    break
                 await trio.sleep(0.5)
+        at = time.monotonic()
+
+        async def find(excluded: list[str]) -> list[Stage]:
+            reply = await rpc(peers, node.address, RouteRequest(exclude=excluded), timeout=60.0)
+            assert isinstance(reply, RouteReply)
+            return route_from_reply(reply)
+
+        with trio.fail_after(timeout):
+            answer = await ask_with_failover(peers, find, AskRequest(
+                messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens),
+                stall_timeout=120)
+        return at, answer
+
+
+def whole_decode(first_part: Path, tokens: int) -> tuple[float, list[int]]:
+    """The whole model in this process, one thread as each volunteer: its greedy decode tok/s, and its answer."""
+    chain = LocalChain(first_part, None, n_ctx=1024, n_threads=1)
+    try:
+        prompt = chain.head.tokenize(chain.head.apply_chat([{"role": "user", "content": PROMPT}]), add_special=False)
+        answer = [t for t in chain.generate(prompt, tokens) if not chain.head.is_eog(t)]
+        return decode_rate(chain, prompt, tokens), answer
+    finally:
+        chain.close()
 
 
 def main() -> int:
@@ -93,6 +128,7 @@ def main() -> int:
     parts = model_files(Path(tempfile.mkdtemp(prefix="bench-hub-smoke-")) if args.smoke else args.dir / "model",
                         args.smoke)
     memory = "24M" if args.smoke else args.memory
+    tokens = 4 if args.smoke else 16
     total = sum(p.stat().st_size for p in parts)
     figures: dict[str, Any] = {"model_bytes": total}
     with FakeHub() as hub:
@@ -118,21 +154,29 @@ def main() -> int:
                     first = nodes[0].log
                     while first and not HASHED.search(first.read_text()) and time.monotonic() < deadline:
                         time.sleep(0.5)
-            trio.run(covered, nodes[0], nodes, 900.0)
-            figures["join_to_covered_s"] = time.monotonic() - started
+            at, answer = trio.run(covered_and_asked, nodes[0], nodes, 900.0, tokens)
+            figures["join_to_covered_s"] = at - started
+            assert answer.first_token_at is not None
+            figures["join_to_first_token_s"] = at - started + answer.first_token_at - answer.started
+            figures["mesh_decode_tps"] = answer.decode_rate
             # the logs go with the daemons
             logs = [node.log.read_text() if node.log else "" for node in nodes]
         finally:
             stop_all(nodes)
             # the volunteers' sparse files: the model's size in all
             shutil.rmtree(state, ignore_errors=True)
-            if args.smoke:
-                shutil.rmtree(parts[0].parent, ignore_errors=True)
             for k, v in old.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        # the whole model in this process, once the volunteers are gone (their cores are free again)
+        try:
+            figures["whole_decode_tps"], whole_answer = whole_decode(parts[0], tokens)
+        finally:
+            if args.smoke:
+                shutil.rmtree(parts[0].parent, ignore_errors=True)
+        figures["answers_equal"] = whole_answer == answer.tokens
         rows = []
         # (start, end) of every range fetch, in the logs' clock: the three volunteers fetch at once
         spans: list[tuple[float, float, int]] = []
@@ -166,7 +210,11 @@ def main() -> int:
         f"  first holder's whole read (hashing each part against its sha256): "
         f"{figures.get('first_holder_whole_read_MBps', float('nan')):.0f} MB/s",
         *rows,
-        f"  first join to every volunteer serving and the model covered: {figures['join_to_covered_s']:.0f} s"])
+        f"  first join to every volunteer serving and the model covered: {figures['join_to_covered_s']:.0f} s; "
+        f"to the first token of an answer: {figures['join_to_first_token_s']:.0f} s",
+        f"  decode: the mesh {figures['mesh_decode_tps']:.2f} tok/s, the whole model in one process "
+        f"{figures['whole_decode_tps']:.2f} tok/s ({figures['mesh_decode_tps'] / figures['whole_decode_tps']:.2f}x), "
+        f"one thread each; answers equal: {figures['answers_equal']}"])
     publish("bench_hub", args, figures, table)
     return 0
 

@@ -18,7 +18,8 @@ no memory. Every body byte sent is counted per client token (the
 ``(token, path, start, end)``, so a test can say exactly which bytes each
 volunteer read. Hostile modes, each a mirror gone wrong: ``lie`` flips a byte
 of what it serves of one file, ``stale_commit`` answers every revision with an
-older commit's files and headers, ``stall`` holds each body back.
+older commit's files and headers, ``stall`` holds each body back, ``oversize`` sends more than
+each range asked.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class FakeHub:
         self.stale_commit: str | None = None
         # a server that holds each ranged body back this many seconds (a stall)
         self.stall = 0.0
+        # a server that sends this many bytes more than each range asked (its Content-Length says so too)
+        self.oversize = 0
         # private repos: the token each needs (asked without it, the hub answers as for no repo)
         self.private: dict[str, str] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -200,7 +203,7 @@ class FakeHub:
                 self.send_header("Accept-Ranges", "bytes")
                 if wanted is not None:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-                self.send_header("Content-Length", str(end - start))
+                self.send_header("Content-Length", str(end - start + (hub.oversize if wanted else 0)))
                 self.end_headers()
                 if self.command == "HEAD":
                     return
@@ -219,6 +222,11 @@ class FakeHub:
                             block = block[:at] + bytes([block[at] ^ 0xFF]) + block[at + 1:]
                         self.wfile.write(block)
                         pos += len(block)
+                    if wanted is not None:
+                        for at in range(0, hub.oversize, 1 << 20):
+                            self.wfile.write(bytes(min(1 << 20, hub.oversize - at)))
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # a client that stopped reading (one cut off what it did not ask for)
                 finally:
                     os.close(fd)
 

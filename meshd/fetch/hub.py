@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -46,8 +47,20 @@ from meshd.store.gguf_header import GGUFError, GGUFLayout, read_layout
 from meshd.store.manifest import CACHE_SUFFIX, CHUNK_SIZE, Chunk, Manifest, ManifestError, Part, TensorEntry
 from meshd.store.plan import MIN_RATE
 from meshd.store.sparse import BadChunk, SparseFile
-from meshd.store.split import MAX_PARTS, SPLIT_COUNT, SPLIT_NO, part_name, set_prefix, shown_name
+from meshd.store.split import (
+    MAX_PARTS,
+    SPLIT_TENSORS,
+    SplitError,
+    check_set,
+    part_name,
+    set_prefix,
+    shown_name,
+    split_count,
+)
 from wire.fetch import MAX_MANIFEST_BYTES
+
+if TYPE_CHECKING:
+    import httpx2
 
 log = logging.getLogger(__name__)
 # huggingface_hub's transport logs every request at info: a range fetch makes one a chunk (thousands for a
@@ -71,6 +84,8 @@ MAX_HEADER_BYTES = 256 << 20
 # Bytes read a request while hashing a whole file: one long GET would do, but ranges let a broken
 # connection resume where it broke.
 _PASS_READ = 16 << 20
+# Of an error's body, what is read for its message (the hub's are a line of JSON).
+_ERROR_BODY = 64 << 10
 # Chunks read from the hub at once by one fetch: 4 connections keep a link busy while each waits
 # on its first byte.
 HUB_CONCURRENCY = 4
@@ -299,6 +314,19 @@ def _response_total(content_range: str | None) -> tuple[int, int, int] | None:
     return (int(found[1]), int(found[2]), int(found[3])) if found else None
 
 
+def _bounded(response: httpx2.Response, limit: int) -> bytes:
+    """A streamed body's bytes, at most ``limit`` of them (reading stops there)."""
+    pieces, held = [], 0
+    for piece in response.iter_bytes():
+        pieces.append(piece)
+        held += len(piece)
+        if held >= limit:
+            break
+    # one copy of the body (the last piece may run past the limit: a few KiB more held for a moment)
+    data = b"".join(pieces)
+    return data[:limit] if held > limit else data
+
+
 class HubReader:
     """Byte ranges of a hub model's files at its commit, through the library's HTTP session.
 
@@ -341,25 +369,37 @@ class HubReader:
                                f"{model.commit[:12]} pins (a stale or lying mirror)")
 
     def read(self, part: int, start: int, end: int) -> bytes:
-        """Bytes [start, end) of file ``part``: HubError if the server sends anything else."""
+        """Bytes [start, end) of file ``part``: HubError if the server sends anything else. The body is read as it
+        comes and no further than asked (a server sending more, whatever its headers say, is cut off there):
+        a hostile mirror's endless body costs one range's memory."""
+        import httpx2
         from huggingface_hub import get_session, hf_raise_for_status
 
         f = self.model.files[part]
         if not 0 <= start < end <= f.size:
             raise ValueError(f"bytes {start}-{end} are not within {f.path}")
+        want = end - start
         try:
-            response = get_session().get(self.model.url(part), headers=self._headers(start, end),
-                                         timeout=self.timeout, follow_redirects=True)
-            hf_raise_for_status(response)
-            data: bytes = response.content
+            with get_session().stream("GET", self.model.url(part), headers=self._headers(start, end),
+                                      timeout=self.timeout, follow_redirects=True) as response:
+                if response.status_code >= 400:
+                    # the library's error from the status and headers, and as much of the body as an error's
+                    # message takes
+                    hf_raise_for_status(httpx2.Response(response.status_code, headers=response.headers,
+                                                        content=_bounded(response, _ERROR_BODY),
+                                                        request=response.request))
+                found = _response_total(response.headers.get("Content-Range"))
+                if response.status_code != 206 or found != (start, end - 1, f.size):
+                    raise HubError(f"{self.model.endpoint} answered bytes {start}-{end - 1} of {f.path} with "
+                                   f"{response.status_code} {response.headers.get('Content-Range')!r}")
+                data = _bounded(response, want + 1)
+                commit = response.headers.get("X-Repo-Commit")
         except _transport_errors() as exc:
             raise HubError(f"cannot read {f.path} of {self.model.where} from {self.model.endpoint}: "
                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-        found = _response_total(response.headers.get("Content-Range"))
-        if response.status_code != 206 or found != (start, end - 1, f.size) or len(data) != end - start:
+        if len(data) != want:
             raise HubError(f"{self.model.endpoint} answered bytes {start}-{end - 1} of {f.path} with "
-                           f"{response.status_code} {response.headers.get('Content-Range')!r}, {len(data)} bytes")
-        commit = response.headers.get("X-Repo-Commit")
+                           f"{'more' if len(data) > want else len(data)} bytes, not {want}")
         if commit is not None and commit != self.model.commit:
             raise HubError(f"{self.model.endpoint} serves {f.path} of commit {commit[:12]}, not the pinned "
                            f"{self.model.commit[:12]} (a stale mirror)")
@@ -391,12 +431,20 @@ class HubReader:
 
 
 def _check_parts(model: HubModel, layouts: Sequence[GGUFLayout]) -> None:
-    count = len(layouts)
-    for i, layout in enumerate(layouts):
-        found = (layout.metadata.get(SPLIT_NO, 0), layout.metadata.get(SPLIT_COUNT, 1))
-        if count > 1 and found != (i, count):
-            raise HubError(f"{model.files[i].path} of {model.where} says it is part {found[0]} of {found[1]}, not "
-                           f"{i} of {count}")
+    """That the hub's files are one model: a file of its own, or every part of one set, as a set held here is
+    checked (``check_set``): HubError naming the part that is not."""
+    if len(layouts) == 1:
+        if split_count(layouts[0]) != 1:
+            raise HubError(f"{model.files[0].path} of {model.where} is a part of a "
+                           f"{split_count(layouts[0])}-part set, not a model of its own")
+        return
+    tensors = layouts[0].metadata.get(SPLIT_TENSORS)
+    try:
+        if not isinstance(tensors, int) or isinstance(tensors, bool):
+            raise SplitError(f"{model.files[0].path} is a part of a split set without a usable {SPLIT_TENSORS}")
+        check_set([f.path for f in model.files], layouts, tensors, model.name)
+    except SplitError as exc:
+        raise HubError(f"{model.where}: {exc}") from None
 
 
 # ----- the first holder: the whole file, hashed

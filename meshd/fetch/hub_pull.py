@@ -20,7 +20,7 @@ import trio
 from meshd.fetch.fetcher import FetchProgress, FetchReport, block_count
 from meshd.fetch.hub import HubReader, cached_manifest, fetch_from_hub, hash_model, remember_manifest
 from meshd.store.manifest import CHUNK_SIZE, Manifest, remember
-from meshd.store.ranges import range_chunks
+from meshd.store.ranges import owned_tensors, range_chunks
 from meshd.store.sparse import SparseFile
 from meshd.store.split import part_paths
 
@@ -68,6 +68,10 @@ async def pull_range(reader: HubReader, state_dir: Path, out: Path | None, layer
     each chunk checked against the model's manifest: this node's own, built once from the whole files."""
     manifest = await trio.to_thread.run_sync(cached_manifest, state_dir, reader.model)
     if manifest is None:
+        # layers the model does not have are a mistake said at once, not after a read of the whole files
+        _, layout = await trio.to_thread.run_sync(reader.header, 0)
+        if layout.block_count is not None:
+            owned_tensors([], layout.block_count, *layers)
         manifest = await trio.to_thread.run_sync(hash_model, reader, CHUNK_SIZE, hashing, abandon_on_cancel=True)
         await trio.to_thread.run_sync(remember_manifest, state_dir, reader.model, manifest)
     path = out or state_dir / "models" / f"{manifest.model_id}.gguf"
@@ -79,4 +83,7 @@ async def pull_range(reader: HubReader, state_dir: Path, out: Path | None, layer
         report.add(await fetch_from_hub(reader, sparse, body, progress=progress))
     finally:
         await trio.to_thread.run_sync(sparse.close)
+    # the model's manifest, kept as the sparse file's own: a stage loading it (meshd serve) knows the model's id
+    # without hashing the file, whose holes are not the model's bytes
+    await trio.to_thread.run_sync(remember, sparse.path, manifest, None)
     return manifest, sparse.path, report

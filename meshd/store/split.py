@@ -13,6 +13,7 @@ header came from a peer.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,14 +110,24 @@ def model_files(path: Path) -> ModelFiles:
                          f"{no + 1:05d}-of-{count:05d}.gguf, the name llama.cpp finds the other parts by")
     paths = part_paths(path, count)
     layouts: list[GGUFLayout] = []
-    names: set[str] = set()
     for i, part in enumerate(paths):
         if not part.is_file():
             raise SplitError(f"part {i + 1} of {count} of {set_prefix(path)} is missing: {part}")
         try:
-            layout = given if part == path else _layout(part)
+            layouts.append(given if part == path else _layout(part))
         except (GGUFError, OSError) as exc:
             raise SplitError(f"part {i + 1} of {count} ({part}) is not a readable GGUF ({exc})") from None
+    check_set([str(p) for p in paths], layouts, tensors, set_prefix(path) or path.stem)
+    return ModelFiles(tuple(paths), tuple(layouts))
+
+
+def check_set(parts: Sequence[str], layouts: Sequence[GGUFLayout], tensors: int, name: str) -> None:
+    """That ``layouts``, the headers of the parts named ``parts`` in order, are one set ``name`` of ``tensors``
+    tensors: each numbered as its place and of the set's counts, no tensor twice, none missing. SplitError
+    names the part that is not (wherever the parts came from: files here, or a hub's)."""
+    count = len(layouts)
+    names: set[str] = set()
+    for i, (part, layout) in enumerate(zip(parts, layouts, strict=True)):
         found = (layout.metadata.get(SPLIT_NO), layout.metadata.get(SPLIT_COUNT), layout.metadata.get(SPLIT_TENSORS))
         if found != (i, count, tensors):
             raise SplitError(f"{part} is not part {i + 1} of this {count}-part set of {tensors} tensors (its header "
@@ -125,11 +136,9 @@ def model_files(path: Path) -> ModelFiles:
         if twice:
             raise SplitError(f"{part} is not of this set: tensor {sorted(twice)[0]} is in an earlier part too")
         names.update(t.name for t in layout.tensors)
-        layouts.append(layout)
     if len(names) != tensors:
-        raise SplitError(f"the {count} parts of {set_prefix(path)} hold {len(names)} tensors, not the {tensors} "
+        raise SplitError(f"the {count} parts of {name} hold {len(names)} tensors, not the {tensors} "
                          "their headers say: a part is of another set")
-    return ModelFiles(tuple(paths), tuple(layouts))
 
 
 def _shown(no: object, plus: int) -> object:
