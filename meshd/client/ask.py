@@ -727,6 +727,8 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
     deadline: float | None = None
     # the live stages of the last route that stalled: a stage that stalls but answers probes is among them
     suspects: set[str] = set()
+    # stages that said they were busy for a moment, and were waited for once before being routed around
+    waited: set[str] = set()
 
     def progressed() -> None:
         nonlocal last_progress, stalled_since
@@ -780,6 +782,16 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 stalled_since = last_progress
             if deadline is None:
                 deadline = last_progress + stall_timeout + budget_seconds
+            busy = busy_for(exc, route)
+            if busy is not None and busy[0] not in waited and epoch < attempts - 1:
+                # All its slots were taken for a moment (another asker's session, the tracker's probe of a
+                # stage it just placed): wait as it says, once, rather than route around it for good (with
+                # one slot a stage, that left "no route" where the stage was free a second later).
+                waited.add(busy[0])
+                log.info("epoch %d: stage %s is busy (%s); asking again in %.1f s", epoch, busy[0][:12],
+                         exc, busy[1])
+                await trio.sleep(busy[1])
+                continue
             # a proven liar is routed around whatever its error says; any other error, if it may pass
             if isinstance(exc, StageError) and exc.culprit is None and not exc.retryable:
                 raise
@@ -820,6 +832,22 @@ def _crossed(result: AskResult, before: frozenset[str], carried: int) -> None:
     if carried and before and result.numerics and result.numerics != before and \
             carried not in result.crossed_numerics_at:
         result.crossed_numerics_at.append(carried)
+
+
+def busy_for(exc: BaseException, route: Sequence[Stage]) -> tuple[str, float] | None:
+    """The node and how long (s, at most BUSY_WAIT) it asked to be left alone, where a stage of ``route``
+    refused the session as busy for a moment (OVERLOADED with a retry hint); else None."""
+    if not isinstance(exc, StageError) or exc.code is not ErrorCode.OVERLOADED or exc.retry_after_ms is None:
+        return None
+    if not 0 <= exc.index < len(route) or route[exc.index].node_id is None:
+        return None
+    node = route[exc.index].node_id
+    assert node is not None
+    return node, min(BUSY_WAIT, exc.retry_after_ms / 1000)
+
+
+# The longest an asker waits on a busy stage's word before it asks again (a peer's number, bounded here).
+BUSY_WAIT = 2.0
 
 
 def over_budget(exc: ProtocolError) -> bool:
