@@ -55,15 +55,8 @@ from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address, source_g
 from meshd.mesh.assignment import ModelSpec, held_ranges, stage_fits
 from meshd.mesh.authority import placement_of
 from meshd.mesh.credit import NEWCOMER_FLOOR, extra_votes
-from meshd.mesh.duty import (
-    AskAssignment,
-    AssignmentChanged,
-    DutyConfig,
-    DutyEvent,
-    LoadRange,
-    MeshDuty,
-    RangeRefused,
-)
+from meshd.mesh.duty import MeshDuty
+from meshd.mesh.duty_events import AskAssignment, AssignmentChanged, DutyConfig, DutyEvent, LoadRange, RangeRefused
 from meshd.mesh.membership import SWIM_MESSAGES, MemberEvent, SwimMessage
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged

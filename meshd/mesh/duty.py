@@ -24,44 +24,34 @@ own view.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection
+from dataclasses import replace
 
-from meshd.mesh.assignment import (
-    Assignment,
-    AssignmentPolicy,
-    CoverageError,
-    ModelSpec,
-    NodeCapacity,
-    Placer,
-    capacities,
-    coverage_shortfall,
-    served_assignment,
-    stage_fits,
-    unheld_layers,
-)
+from meshd.mesh.assignment import Assignment, CoverageError, ModelSpec, NodeCapacity, capacities, stage_fits, unheld_layers
 from meshd.mesh.authority import Exclusions, ProofAgainstSelf, placed_on
+from meshd.mesh.duty_events import AskAssignment, AssignmentChanged, DutyConfig, DutyEvent, LoadRange, RangeRefused
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
-from meshd.mesh.probes import ProbeConfig, Prober, ProbeResult, StageProbe
+from meshd.mesh.placement import Placer, served_assignment
+from meshd.mesh.probes import Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
+from meshd.mesh.route_reply import pick_model, route_reply
 from meshd.mesh.routing import (
     DEFAULT_SECONDS_PER_LAYER,
-    NoRouteError,
     RouteKey,
     SpeedBook,
     StageOption,
     believe,
-    plan_route,
     route_key,
     stage_hop_seconds,
     stage_options,
 )
+from meshd.mesh.shortfall import coverage_shortfall
 from meshd.mesh.status import held_models, stage_speeds, status_view
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import MAX_REPLICAS_PER_STAGE, AssignmentReply, RouteReply, RouteStage, SpeedsReply, StatusReply
+from wire.meshrpc import AssignmentReply, RouteReply, SpeedsReply, StatusReply
 from wire.receipt import Proof
 from wire.swim import Placement
 
@@ -79,61 +69,6 @@ REPLACE_SPEED_RATIO = 4.0
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
 
-@dataclass(frozen=True)
-class DutyConfig:
-    # The model this node offers to serve, if any (a node that fetches it learns it later: `volunteer`).
-    volunteer: ModelInfo | None = None
-    # Disk a node that fetches its range may fill (None: no limit, or it holds the whole file).
-    disk_bytes: int | None = None
-    # KV tokens a stage holds when no volunteer of the model says (sessions x tokens each).
-    kv_tokens: int = 4096
-    # The tracker places this long after the first news of a burst, not at each piece of it.
-    settle: float = 0.5
-    # After a failed ask or load, ask again after `retry`, doubling up to `retry_max`.
-    retry: float = 1.0
-    retry_max: float = 30.0
-    policy: AssignmentPolicy = AssignmentPolicy()
-    # As tracker, how it times the stages it placed (meshd.mesh.probes); None: it does not.
-    probes: ProbeConfig | None = ProbeConfig()
-
-
-@dataclass(frozen=True)
-class AskAssignment:
-    """Ask `tracker` for this node's range; answer with `MeshDuty.assignment_reply`."""
-
-    tracker: Tracker
-
-
-@dataclass(frozen=True)
-class LoadRange:
-    """Load layers [start, end) of `model` beside what is served; answer with `range_loaded` or
-    `range_failed`. Sessions on the old range keep it until they end."""
-
-    model: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class AssignmentChanged:
-    """As tracker, this node placed `model` anew; `assignment` None: it cannot be covered, `reason` says why."""
-
-    model: str
-    assignment: Assignment | None
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class RangeRefused:
-    """The tracker assigned a range this node will not load."""
-
-    start: int
-    end: int
-    reason: str
-
-
-DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | AssignmentChanged | RangeRefused | StageProbe
-
 
 def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
     """What placement reads of a record: a new version that changes none of it needs no new placement."""
@@ -141,35 +76,6 @@ def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
             record.seconds_per_layer, record.leaving, tuple(record.roles),
             tuple((m.digest, m.whole) for m in record.models),
             tuple((h.model, h.start, h.end) for h in record.holds))
-
-
-def pick_model(models: dict[str, ModelInfo], wanted: str | None) -> ModelInfo:
-    """The model an asker means: by digest, or by name (its own or its file's) if one digest alone bears it; with none
-    named, the mesh's only model. Never the first one heard of: any member can add a model (a
-    made-up digest under a real model's name), so an ambiguous ask fails listing the candidates."""
-    if wanted is not None:
-        if wanted in models:
-            return models[wanted]
-        named = [info for info in models.values() if info.known_as(wanted)]
-        if len(named) == 1:
-            return named[0]
-        if not named:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {wanted[:64]}; "
-                                f"the mesh holds: {_listed(models.values())}")
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(named)} models are named {wanted[:64]}: "
-                            f"{_listed(named)}; name one by its digest")
-    if not models:
-        raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
-    if len(models) > 1:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the mesh holds {len(models)} models: "
-                            f"{_listed(models.values())}; name one with --model")
-    return next(iter(models.values()))
-
-
-def _listed(models: Iterable[ModelInfo], most: int = 8) -> str:
-    shown = list(models)
-    text = ", ".join(f"{info.name[:40]} ({info.digest})" for info in shown[:most])
-    return text + (f" and {len(shown) - most} more" if len(shown) > most else "")
 
 
 class MeshDuty:
@@ -421,63 +327,15 @@ class MeshDuty:
             return stage_hop_seconds(rtt(a), rtt(b))
 
         options = stage_options(records.values(), model, assigned=self._assigned(model), speeds=self.speeds, own=own)
-        found = None
-        for offered in self._timed_first(options):
-            try:
-                found = plan_route(offered, info.n_layers, link_cost, exclude={*exclude, *self.liars},
-                                   keep=self._routes.get(model))
-                break
-            except NoRouteError as exc:
-                failure = exc
-        if found is None:
-            reason = self.coverage_reason(info)
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {failure}"
-                                + (f"; {reason}" if reason else ""))
+        reply, found = route_reply(info, records, self._timed_first(options), link_cost, {*exclude, *self.liars},
+                                   self._routes.get(model), address_of, self.coverage_reason)
         if not exclude:
             # a failover's route (or a spot check's replica) is that asker's: the one in use stays
             self._routes.pop(model, None)
             if len(self._routes) >= MAX_KEPT_ROUTES:
                 del self._routes[next(iter(self._routes))]
             self._routes[model] = route_key(found)
-        stages = []
-        for s in found.stages:
-            address = address_of(records[s.node_id])
-            if address is None:
-                raise ProtocolError(ErrorCode.UNREACHABLE, f"no address to dial {s.node_id[:12]}")
-            stages.append(RouteStage(node_id=s.node_id, address=address, start=s.start, end=s.end))
-        return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds,
-                          replicas=self._replicas(found.stages, options, {*exclude, *self.liars}, records, address_of))
-
-    @staticmethod
-    def _replicas(route: Sequence[StageOption], options: Sequence[StageOption], exclude: Collection[str],
-                  records: Mapping[str, CapabilityRecord],
-                  address_of: Callable[[CapabilityRecord], str | None]) -> list[RouteStage]:
-        """For each stage of ``route``, the fastest other members offered on exactly its range (up to
-        MAX_REPLICAS_PER_STAGE): where the asker's spot checks run, named with the route so that
-        finding them costs the asker no round trip before its first token."""
-        on_route = {s.node_id for s in route}
-        out: list[RouteStage] = []
-
-        def numerics(node_id: str) -> str:
-            record = records.get(node_id)
-            return record.numerics if record is not None else ""
-
-        for stage in route:
-            # a replica of other numerics (another build or backend) would be skipped by the asker
-            mine = numerics(stage.node_id)
-            same = sorted((o for o in options if (o.start, o.end) == (stage.start, stage.end)
-                           and o.node_id not in on_route and o.node_id not in exclude
-                           and (not mine or numerics(o.node_id) in ("", mine))),
-                          key=lambda o: (o.compute_seconds, o.node_id))
-            taken = 0
-            for o in same:
-                address = address_of(records[o.node_id]) if o.node_id in records else None
-                if address is not None:
-                    out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end))
-                    taken += 1
-                    if taken == MAX_REPLICAS_PER_STAGE:
-                        break
-        return out
+        return reply
 
     def _timed_first(self, options: list[StageOption]) -> list[list[StageOption]]:
         """The stage options to plan from, in turn: as tracker, first only the stages it timed (and
