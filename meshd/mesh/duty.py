@@ -50,8 +50,9 @@ from meshd.mesh.routing import (
 )
 from meshd.mesh.shortfall import coverage_shortfall
 from meshd.mesh.status import held_models, stage_speeds, status_view
+from meshd.mesh.traffic import TrafficBook, attribute
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import AssignmentReply, RouteReply, SpeedsReply, StatusReply
+from wire.meshrpc import AssignmentReply, RouteReply, SpeedsReply, StatusReply, TrafficReport, TrafficTaken
 from wire.receipt import Proof
 from wire.swim import Placement
 
@@ -65,6 +66,8 @@ MAX_KEPT_ROUTES = 64
 # noise of timings (a probe's steps on a shared box vary by tens of per cent, not fourfold), which
 # would move ranges (and reload engines) back and forth.
 REPLACE_SPEED_RATIO = 4.0
+# The fewest tokens a traffic report may time a decode by (a shorter answer is mostly its first token's wait)
+MIN_TRAFFIC_TOKENS = 4
 # Member news that can change a placement; "suspect" cannot (suspects still count as live).
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
@@ -118,6 +121,11 @@ class MeshDuty:
         self._routes: dict[str, RouteKey] = {}
         # the speed each member's last placement counted (as believed then): a probe far off it places anew
         self._placed_speeds: dict[str, float] = {}
+        # as tracker, what members' asks saw of the stages (meshd.mesh.traffic); routes count it beside the probes
+        self.traffic = TrafficBook(node.node_id, config.traffic)
+        self.speeds.traffic = self.traffic
+        # each member's extra votes for its credit (`credit_weights`): credit gives a member's traffic reports weight
+        self._credit: dict[str, int] = {}
 
     # ----- queries
 
@@ -148,7 +156,9 @@ class MeshDuty:
     def next_timer(self) -> float | None:
         ask_at = self._ask_at if self._ask_at is not None and self._ask_pending() else None
         probe_at = self.prober.next_timer() if self.prober is not None and self.is_tracker else None
-        return earliest(self.node.next_timer(), self._place_at, ask_at, probe_at, self.exclusions.next_timer())
+        traffic_at = self.traffic.next_timer() if self.is_tracker else None
+        return earliest(self.node.next_timer(), self._place_at, ask_at, probe_at, self.exclusions.next_timer(),
+                        traffic_at)
 
     # ----- inputs
 
@@ -159,6 +169,7 @@ class MeshDuty:
     def handle_timer(self, now: float) -> None:
         """Run whatever is due by `now`; calling it early is harmless."""
         self.node.handle_timer(now)
+        self.traffic.expire(now)
         if self.exclusions.expire(now):
             self.node.election.disown(now, self.liars)
             if self.is_tracker:
@@ -398,7 +409,54 @@ class MeshDuty:
     def credit_weights(self, now: float, extra: dict[str, int]) -> None:
         """Each member's extra votes for its credit (meshd.mesh.credit.extra_votes), from the node's ledger."""
         self.node.election.credit(now, extra)
+        self._credit = dict(extra)
         self._settle(now)
+
+    # ----- what real asks saw
+
+    def traffic_report(self, now: float, reporter: str, report: TrafficReport) -> TrafficTaken:
+        """As tracker, takes what `reporter`'s ask saw of a route (meshd.mesh.traffic): counted only from a
+        member with weight (this node itself, one it placed, or one with credit), within its rate, and
+        only for a route of ranges this tracker placed, over enough tokens to time a decode."""
+        if not self.is_tracker:
+            return TrafficTaken(taken=False, reason="this node is not the tracker")
+        if not self._weighs(reporter):
+            return TrafficTaken(taken=False, reason="the reporter is neither placed nor credited")
+        if not self.traffic.admit(now, reporter):
+            return TrafficTaken(taken=False, reason="the reporter reports faster than the rate kept")
+        if report.tokens < MIN_TRAFFIC_TOKENS:
+            return TrafficTaken(taken=False, reason=f"fewer than {MIN_TRAFFIC_TOKENS} tokens time no decode")
+        assigned = self._assigned(report.model)
+        at, nodes = 0, []
+        for s in report.stages:
+            if assigned is None or s.start != at or (s.start, s.end) not in assigned.get(s.node_id, ()):
+                return TrafficTaken(taken=False, reason="not a route of ranges this tracker placed")
+            at = s.end
+            nodes.append(s.node_id)
+        if at != self.assignments[report.model].n_layers or len(set(nodes)) != len(nodes):
+            return TrafficTaken(taken=False, reason="not a route of ranges this tracker placed")
+        # the others are weighed at what this tracker timed (or believes) of them, never at traffic
+        records = {r.node_id: r.seconds_per_layer for r in self.node.membership.live_records()}
+        base = believe({n: records.get(n, 0.0) for n in nodes}, self.speeds, own=self.node_id, traffic=False)
+        rtt = self.node.membership.rtt
+
+        def to(node_id: str) -> float | None:
+            return 0.0 if node_id == self.node_id else rtt(node_id)
+
+        # every hop of the ring, the tail's token to the head's next step included
+        links = sum(stage_hop_seconds(to(a), to(b)) for a, b in zip(nodes, nodes[1:] + nodes[:1], strict=True)) \
+            if len(nodes) > 1 else 0.0
+        figures = attribute([(s.node_id, s.end - s.start) for s in report.stages], report.seconds_per_token, links,
+                            lambda n: base[n].seconds_per_layer)
+        for node_id, figure in figures.items():
+            self.traffic.observe(now, reporter, node_id, figure)
+        return TrafficTaken(taken=True)
+
+    def _weighs(self, reporter: str) -> bool:
+        """Whether a member's word on traffic weighs: this node's own, a member this tracker placed
+        (whose capacity it timed), or one with credit for verified work served."""
+        return reporter == self.node_id or self._credit.get(reporter, 0) > 0 or \
+            any(reporter in a.ranges() for a in self.assignments.values())
 
     # ----- proven liars
 

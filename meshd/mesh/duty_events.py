@@ -11,6 +11,7 @@ from meshd.mesh.membership import MemberEvent
 from meshd.mesh.node import TrackerChanged
 from meshd.mesh.probes import ProbeConfig, StageProbe
 from meshd.mesh.records import ModelInfo
+from meshd.mesh.traffic import TrafficConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class DutyConfig:
     policy: AssignmentPolicy = AssignmentPolicy()
     # As tracker, how it times the stages it placed (meshd.mesh.probes); None: it does not.
     probes: ProbeConfig | None = ProbeConfig()
+    # As tracker, how it weighs what members' asks saw of the stages (meshd.mesh.traffic).
+    traffic: TrafficConfig = TrafficConfig()
 
 
 @dataclass(frozen=True)
