@@ -115,6 +115,8 @@ from wire.meshrpc import (
     SpeedsRequest,
     StatusReply,
     StatusRequest,
+    TrafficReport,
+    TrafficTaken,
 )
 from wire.receipt import Proof, ProofAccepted, ProofGossip
 from wire.stage import STAGE_PROTOCOL, Hop, Open, PeerRef
@@ -670,6 +672,8 @@ class MeshDaemon:
             reply = await self._dial_back(stream, request)
         elif isinstance(request, ProofGossip):
             reply = self.take_proof(request.proof, stream.remote_node_id)
+        elif isinstance(request, TrafficReport):
+            reply = self.duty.traffic_report(trio.current_time(), stream.remote_node_id, request)
         elif isinstance(request, CreditsRequest):
             reply = self.credits(request.offset)
         elif (answered := self.credit.answer(request)) is not None:
@@ -852,6 +856,20 @@ class MeshDaemon:
         if self.relay is not None:
             update["relayed_bytes"] = self.relay.forwarded_bytes
         return reply.model_copy(update=update) if update else reply
+
+    async def report_traffic(self, report: TrafficReport) -> TrafficTaken:
+        """What this node's own asker saw of a route (meshd.mesh.traffic), to the tracker as this
+        member's report: taken here where this node is the tracker (first-hand), else passed on."""
+        tracker = self.mesh.tracker
+        if tracker is not None and tracker.node_id == self.mesh.node_id:
+            return self.duty.traffic_report(trio.current_time(), self.mesh.node_id, report)
+        address = None if tracker is None else self.address_of(tracker.node_id)
+        if tracker is None or address is None:
+            return TrafficTaken(taken=False, reason="no tracker to report to")
+        reply = await rpc(self.peers, address, report, tracker.node_id, self.config.rpc_timeout)
+        if not isinstance(reply, TrafficTaken):
+            raise ProtocolError(ErrorCode.INTERNAL, f"the tracker answered a traffic report with {reply.type!r}")
+        return reply
 
     async def measured_status(self, peer: str | None = None, offset: int = 0) -> StatusReply:
         """`status`, with (on the first page) the stage speeds routes count as `stage_speeds` gives them."""

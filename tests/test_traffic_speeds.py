@@ -9,9 +9,9 @@ import pytest
 from test_mesh_duty import MODEL, Mesh
 from test_stage_probes import FakeStageTimings, dial, probing_tracker, replica
 
-from meshd.mesh.duty import MIN_TRAFFIC_TOKENS, MeshDuty
+from meshd.mesh.duty import MeshDuty
 from meshd.mesh.routing import PROBED, TRAFFIC, TRAFFIC_RATIO, SpeedBook, believe
-from meshd.mesh.traffic import TrafficBook, TrafficConfig, attribute
+from meshd.mesh.traffic import MIN_TRAFFIC_TOKENS, TRAFFIC_ALLOWANCE, TrafficBook, TrafficConfig, attribute
 from wire.meshrpc import TimedStage, TrafficReport
 
 TRACKER = "tracker"
@@ -133,7 +133,9 @@ def test_a_stage_fast_for_probes_and_slow_for_users_loses_the_route_after_real_a
     assert taken.taken, taken.reason
     assert route_of(tracker) == [other]
     shown = {s.node_id: s for s in tracker.speed_view().speeds}
-    assert (shown[slow].source, shown[slow].seconds_per_layer) == (TRAFFIC, pytest.approx(0.05, rel=0.01))
+    # charged what its wait leaves past the allowance every token has (sampling, hops: TRAFFIC_ALLOWANCE)
+    charged = (MODEL.n_layers * 0.05 - TRAFFIC_ALLOWANCE) / MODEL.n_layers
+    assert (shown[slow].source, shown[slow].seconds_per_layer) == (TRAFFIC, pytest.approx(charged, rel=0.01))
     assert shown[other].source == PROBED
     # its probes go on being fast; the figure stands until it ages out, then the route stays where it is
     timings.run_until(now + tracker.traffic.config.ttl + 5.0)
@@ -163,11 +165,11 @@ def test_one_reporter_lying_about_a_stage_with_many_reports_does_not_move_routes
 
 
 def test_honest_asks_with_noise_keep_the_route_in_use() -> None:
-    # every ask's token time a little over what the probes say (hops, sampling), and noisy: nothing moves
+    # every ask's token time over what the probes say by the allowance and then some, and noisy: nothing moves
     tracker, replicas, mesh, timings = timed_replicas(2)
     kept = route_of(tracker)
     for k in range(40):
         timings.run_until(mesh.net.now + 2.0)  # an ask every 2 s: within the rate a reporter may report at
-        noisy = MODEL.n_layers * 1e-3 * (1.5 + (k % 5) * 0.25)
+        noisy = TRAFFIC_ALLOWANCE + MODEL.n_layers * 1e-3 * (1.5 + (k % 5) * 0.25)
         assert tracker.traffic_report(mesh.net.now, tracker.node_id, report(*kept, seconds_per_token=noisy)).taken
         assert route_of(tracker) == kept

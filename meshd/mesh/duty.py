@@ -50,7 +50,7 @@ from meshd.mesh.routing import (
 )
 from meshd.mesh.shortfall import coverage_shortfall
 from meshd.mesh.status import held_models, stage_speeds, status_view
-from meshd.mesh.traffic import TrafficBook, attribute
+from meshd.mesh.traffic import MIN_TRAFFIC_TOKENS, TRAFFIC_ALLOWANCE, TrafficBook, attribute
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply, RouteReply, SpeedsReply, StatusReply, TrafficReport, TrafficTaken
 from wire.receipt import Proof
@@ -66,8 +66,6 @@ MAX_KEPT_ROUTES = 64
 # noise of timings (a probe's steps on a shared box vary by tens of per cent, not fourfold), which
 # would move ranges (and reload engines) back and forth.
 REPLACE_SPEED_RATIO = 4.0
-# The fewest tokens a traffic report may time a decode by (a shorter answer is mostly its first token's wait)
-MIN_TRAFFIC_TOKENS = 4
 # Member news that can change a placement; "suspect" cannot (suspects still count as live).
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
@@ -446,8 +444,8 @@ class MeshDuty:
         # every hop of the ring, the tail's token to the head's next step included
         links = sum(stage_hop_seconds(to(a), to(b)) for a, b in zip(nodes, nodes[1:] + nodes[:1], strict=True)) \
             if len(nodes) > 1 else 0.0
-        figures = attribute([(s.node_id, s.end - s.start) for s in report.stages], report.seconds_per_token, links,
-                            lambda n: base[n].seconds_per_layer)
+        figures = attribute([(s.node_id, s.end - s.start) for s in report.stages], report.seconds_per_token,
+                            links + TRAFFIC_ALLOWANCE, lambda n: base[n].seconds_per_layer)
         for node_id, figure in figures.items():
             self.traffic.observe(now, reporter, node_id, figure)
         return TrafficTaken(taken=True)

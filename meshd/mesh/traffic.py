@@ -5,8 +5,11 @@ which a stage can tell from a user's: a stage may run the probes at full speed a
 user's step. So each ask a member made (its `meshd ask`'s or its front door's) is reported to the
 tracker: the route it took and the seconds per token its asker saw over the decode. The tracker
 turns that into a figure for each stage of the route (`attribute`): what is left of a token's time
-once the links and every other stage, at the figures the tracker measured itself, are taken off.
-A stage that users wait on is charged the wait; one beside it only what the others' figures leave.
+once the links, an allowance, and every other stage at the figures the tracker measured itself are
+taken off. One route's token time cannot say which of its stages took it: every stage of a slow
+route is charged its wait, a stage beside the slow one too, until its figure ages out (or asks over
+other routes with it say otherwise). Where replicas exist that is what routes need: the slow route
+goes, and the stage that made it slow has no route while its figure stands.
 
 Why the asker's clock and not the stages': on a route every stage (and the asker) sees one period
 per token, the whole loop; what a stage says it spent of it is its own word, which counts for nothing
@@ -36,6 +39,16 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# What a token may cost beyond its stages' compute and its links before any stage is charged with it: an
+# ask's token time holds what no probe times (sampling, the fast path's hops, the receipts' hold of a
+# verified ask, a loaded machine's scheduling). Where layers are light (the tiny test models, about a
+# millisecond a stage) that is most of a token, and a stage charged with it would lose its routes to
+# its replicas, which the next asks charge in turn: routes would move at every ask. A stage that sleeps
+# at each user's step is charged all past this.
+TRAFFIC_ALLOWANCE = 0.05
+# The fewest tokens a report may time a decode by: a shorter answer is mostly its first token's wait
+MIN_TRAFFIC_TOKENS = 4
 
 
 @dataclass(frozen=True)
