@@ -570,7 +570,10 @@ class MeshDuty:
         """The nodes with the speeds routes count (`believe`: what this tracker timed, the conservative
         default before that), not their own word: a member saying 1e-9 s/layer must not draw every
         layer to itself."""
-        figures = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds, own=self.node_id)
+        # (not what asks saw: routes follow that at once, and a placement that followed the asks' noise
+        # would reload engines for it)
+        figures = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds, own=self.node_id,
+                          traffic=False)
         # Timings only replace what members say here: one that says nothing counts at the default, timed
         # or not, so a placement weighs stages and hops as it always did, and timing noise moves nothing.
         believed = {n.node_id: figures[n.node_id].seconds_per_layer if n.seconds_per_layer
