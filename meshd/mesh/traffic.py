@@ -86,6 +86,8 @@ class TrafficBook:
         self.config = config
         self._buckets: dict[str, tuple[float, float]] = {}  # reporter: (tokens left, when counted)
         self._stages: dict[str, dict[str, _Reported]] = {}  # stage: reporter: its reports
+        # when the oldest report ages out (None: none kept): the timers between cost nothing
+        self._due: float | None = None
 
     def admit(self, now: float, reporter: str) -> bool:
         """Whether `reporter` may report now (one report spends one token of its bucket)."""
@@ -114,6 +116,8 @@ class TrafficBook:
                 del by[next(iter(by))]
         seen.samples.append(seconds_per_layer)
         seen.at = now
+        if self._due is None:
+            self._due = now + c.ttl
         by[reporter] = seen
         self._stages[node_id] = by
 
@@ -132,6 +136,8 @@ class TrafficBook:
 
     def expire(self, now: float) -> bool:
         """Forgets reports older than `ttl`; whether any figure changed."""
+        if self._due is None or now < self._due:
+            return False
         changed = False
         for node_id in list(self._stages):
             by = self._stages[node_id]
@@ -140,10 +146,12 @@ class TrafficBook:
                 changed = True
             if not by:
                 del self._stages[node_id]
+        self._due = min((seen.at + self.config.ttl for by in self._stages.values() for seen in by.values()),
+                        default=None)
         return changed
 
     def next_timer(self) -> float | None:
-        return min((seen.at + self.config.ttl for by in self._stages.values() for seen in by.values()), default=None)
+        return self._due
 
 
 def attribute(stages: Sequence[tuple[str, int]], seconds_per_token: float, links: float,
