@@ -253,3 +253,23 @@ def unheld_layers(records: Iterable[CapabilityRecord], digest: str, n_layers: in
         else:
             gaps.append((layer, layer + 1))
     return gaps
+
+
+def range_refusal(info: ModelInfo, model: str, start: int, end: int, own: CapabilityRecord, kv_tokens: int,
+                  disk: int | None) -> str | None:
+    """Why a volunteer of `info` (its record `own`, `kv_tokens` of KV a stage, `disk` bytes to fetch into;
+    None: no limit) will not load layers [start, end) of `model` a tracker placed it on; None: it will."""
+    if model != info.digest or not 0 <= start < end <= info.n_layers:
+        return f"not a range of {info.name} ({model[:12]})"
+    spec = ModelSpec.from_info(info, kv_tokens)
+    if not spec.allows(start, end):
+        # the engine would refuse it at load: a tracker that placed it does not know the model's cuts
+        rule = f"may be cut only before layers {', '.join(map(str, info.cuts))[:200]}" if info.cuts \
+            else "may not be cut"
+        return f"{info.name} {rule}"
+    refused = stage_fits(spec, start, end, own.memory_bytes, own.gpu_memory_bytes, own.gpu_layers)
+    if refused is not None:
+        return refused
+    if not info.whole and disk is not None and spec.weight_bytes(start, end) > disk:
+        return f"needs {spec.weight_bytes(start, end)} bytes of disk, this node offers {disk} (--disk)"
+    return None

@@ -27,7 +27,15 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import replace
 
-from meshd.mesh.assignment import Assignment, CoverageError, ModelSpec, NodeCapacity, capacities, stage_fits, unheld_layers
+from meshd.mesh.assignment import (
+    Assignment,
+    CoverageError,
+    ModelSpec,
+    NodeCapacity,
+    capacities,
+    range_refusal,
+    unheld_layers,
+)
 from meshd.mesh.authority import Exclusions, ProofAgainstSelf, placed_on
 from meshd.mesh.duty_events import AskAssignment, AssignmentChanged, DutyConfig, DutyEvent, LoadRange, RangeRefused
 from meshd.mesh.election import Tracker
@@ -50,7 +58,7 @@ from meshd.mesh.routing import (
 )
 from meshd.mesh.shortfall import coverage_shortfall
 from meshd.mesh.status import held_models, stage_speeds, status_view
-from meshd.mesh.traffic import MIN_TRAFFIC_TOKENS, TRAFFIC_ALLOWANCE, TrafficBook, attribute
+from meshd.mesh.traffic import MIN_TRAFFIC_TOKENS, TrafficBook, route_charges
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import AssignmentReply, RouteReply, SpeedsReply, StatusReply, TrafficReport, TrafficTaken
 from wire.receipt import Proof
@@ -424,28 +432,20 @@ class MeshDuty:
             return TrafficTaken(taken=False, reason="the reporter reports faster than the rate kept")
         if report.tokens < MIN_TRAFFIC_TOKENS:
             return TrafficTaken(taken=False, reason=f"fewer than {MIN_TRAFFIC_TOKENS} tokens time no decode")
-        assigned = self._assigned(report.model)
-        at, nodes = 0, []
-        for s in report.stages:
-            if assigned is None or s.start != at or (s.start, s.end) not in assigned.get(s.node_id, ()):
-                return TrafficTaken(taken=False, reason="not a route of ranges this tracker placed")
-            at = s.end
-            nodes.append(s.node_id)
-        if at != self.assignments[report.model].n_layers or len(set(nodes)) != len(nodes):
-            return TrafficTaken(taken=False, reason="not a route of ranges this tracker placed")
+        placed = self.assignments.get(report.model)
+        nodes = [s.node_id for s in report.stages]
         # the others are weighed at what this tracker timed (or believes) of them, never at traffic
         records = {r.node_id: r.seconds_per_layer for r in self.node.membership.live_records()}
         base = believe({n: records.get(n, 0.0) for n in nodes}, self.speeds, own=self.node_id, traffic=False)
         rtt = self.node.membership.rtt
 
-        def to(node_id: str) -> float | None:
-            return 0.0 if node_id == self.node_id else rtt(node_id)
+        def hop(a: str, b: str) -> float:
+            return stage_hop_seconds(*(0.0 if n == self.node_id else rtt(n) for n in (a, b)))
 
-        # every hop of the ring, the tail's token to the head's next step included
-        links = sum(stage_hop_seconds(to(a), to(b)) for a, b in zip(nodes, nodes[1:] + nodes[:1], strict=True)) \
-            if len(nodes) > 1 else 0.0
-        figures = attribute([(s.node_id, s.end - s.start) for s in report.stages], report.seconds_per_token,
-                            links + TRAFFIC_ALLOWANCE, lambda n: base[n].seconds_per_layer)
+        figures = route_charges(report, self._assigned(report.model), placed.n_layers if placed else 0, hop,
+                                lambda n: base[n].seconds_per_layer)
+        if figures is None:
+            return TrafficTaken(taken=False, reason="not a route of ranges this tracker placed")
         for node_id, figure in figures.items():
             self.traffic.observe(now, reporter, node_id, figure)
         return TrafficTaken(taken=True)
@@ -657,25 +657,11 @@ class MeshDuty:
         if info is None or reply.model is None:
             return False  # no range for us (yet): keep serving what we serve
         start, end = reply.start, reply.end
-        if reply.model != info.digest or not 0 <= start < end <= info.n_layers:
-            self._events.append(RangeRefused(start, end, f"not a range of {info.name} ({reply.model[:12]})"))
-            return False
         own = self.node.record
-        spec = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens)
-        if not spec.allows(start, end):
-            # the engine would refuse it at load: a tracker that placed it does not know the model's cuts
-            rule = f"may be cut only before layers {', '.join(map(str, info.cuts))[:200]}" if info.cuts \
-                else "may not be cut"
-            self._events.append(RangeRefused(start, end, f"{info.name} {rule}"))
-            return False
-        refused = stage_fits(spec, start, end, own.memory_bytes, own.gpu_memory_bytes, own.gpu_layers)
+        refused = range_refusal(info, reply.model, start, end, own, own.kv_tokens or self.config.kv_tokens,
+                                self.config.disk_bytes)
         if refused is not None:
             self._events.append(RangeRefused(start, end, refused))
-            return False
-        disk = self.config.disk_bytes
-        if not info.whole and disk is not None and spec.weight_bytes(start, end) > disk:
-            self._events.append(RangeRefused(start, end, f"needs {spec.weight_bytes(start, end)} bytes of disk, "
-                                                         f"this node offers {disk} (--disk)"))
             return False
         self.wanted = (start, end)
         self._load_wanted()

@@ -37,8 +37,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+
+from wire.meshrpc import TrafficReport
 
 # What a token may cost beyond its stages' compute and its links before any stage is charged with it: an
 # ask's token time holds what no probe times (sampling, the fast path's hops, the receipts' hold of a
@@ -169,3 +171,21 @@ def attribute(stages: Sequence[tuple[str, int]], seconds_per_token: float, links
             left = seconds_per_token - links - (total - compute[node_id])
             out[node_id] = max(0.0, left) / layers
     return out
+
+
+def route_charges(report: TrafficReport, placed: Mapping[str, Collection[tuple[int, int]]] | None, n_layers: int,
+                  hop: Callable[[str, str], float], reference: Callable[[str], float]) -> dict[str, float] | None:
+    """Each stage's seconds per layer by one report (`attribute`), its links every hop of the ring (the
+    tail's token to the head included) at `hop`'s cost, plus `TRAFFIC_ALLOWANCE`; None where the
+    report's stages are no route over `n_layers` of ranges `placed` (node id: its placed ranges)."""
+    at, nodes = 0, []
+    for s in report.stages:
+        if placed is None or s.start != at or (s.start, s.end) not in placed.get(s.node_id, ()):
+            return None
+        at = s.end
+        nodes.append(s.node_id)
+    if at != n_layers or len(set(nodes)) != len(nodes):
+        return None
+    links = sum(hop(a, b) for a, b in zip(nodes, nodes[1:] + nodes[:1], strict=True)) if len(nodes) > 1 else 0.0
+    return attribute([(s.node_id, s.end - s.start) for s in report.stages], report.seconds_per_token,
+                     links + TRAFFIC_ALLOWANCE, reference)
