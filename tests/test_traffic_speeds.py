@@ -5,14 +5,19 @@ under one reporter lying, in virtual time (the simulation's clock; nothing sleep
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_mesh_duty import MODEL, Mesh
 from test_stage_probes import FakeStageTimings, dial, probing_tracker, replica
 
+from meshd.client.ask import AskResult
+from meshd.client.traffic import traffic_report
 from meshd.mesh.duty import MeshDuty
 from meshd.mesh.routing import PROBED, TRAFFIC, TRAFFIC_RATIO, SpeedBook, believe
 from meshd.mesh.traffic import MIN_TRAFFIC_TOKENS, TRAFFIC_ALLOWANCE, TrafficBook, TrafficConfig, attribute
 from wire.meshrpc import TimedStage, TrafficReport
+from wire.stage import StageInfo
 
 TRACKER = "tracker"
 
@@ -173,3 +178,15 @@ def test_honest_asks_with_noise_keep_the_route_in_use() -> None:
         noisy = TRAFFIC_ALLOWANCE + MODEL.n_layers * 1e-3 * (1.5 + (k % 5) * 0.25)
         assert tracker.traffic_report(mesh.net.now, tracker.node_id, report(*kept, seconds_per_token=noisy)).taken
         assert route_of(tracker) == kept
+
+
+def test_an_ask_reports_its_route_and_decode_only_where_it_timed_one_route() -> None:
+    result = AskResult(tokens=list(range(9)), first_token_at=10.0, finished_at=10.8, epochs=1,
+                       route=[StageInfo(node_id=n, model_digest="m", model_name="m", layer_begin=a, layer_end=b,
+                                        n_layer=8, stage_width=8, ready=True) for n, a, b in (("h", 0, 3), ("t", 3, 8))])
+    seen = traffic_report(result)
+    assert seen is not None and seen.tokens == 9 and seen.seconds_per_token == pytest.approx(0.1)
+    assert [(s.node_id, s.start, s.end) for s in seen.stages] == [("h", 0, 3), ("t", 3, 8)]
+    # a failover mixes two routes' times, a restarted answer two answers', and 3 tokens time no decode
+    for other in ({"failovers": 1, "epochs": 2}, {"withdrawn": 4}, {"tokens": [1, 2, 3]}, {"route": []}):
+        assert traffic_report(replace(result, **other)) is None, other
