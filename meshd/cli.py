@@ -454,7 +454,7 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
         if isinstance(request, CreditsRequest):
             return daemon.credits(request.offset)
         if isinstance(request, TrafficReport):
-            return await daemon.report_traffic(request)
+            return daemon.report_traffic(request)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
     return answer
 

@@ -170,7 +170,8 @@ class TrafficReport(Message, tag="traffic_report"):
 
 
 class TrafficTaken(Message, tag="traffic_taken"):
-    """Whether the tracker counted a `TrafficReport`, and why not where it did not."""
+    """Whether the tracker counted a `TrafficReport` (a member's answer to its own asker: whether it
+    counted it, as the tracker, or passed it on), and why not where it did not."""
 
     taken: bool
     reason: Text = ""

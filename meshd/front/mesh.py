@@ -37,7 +37,7 @@ class Daemon(Protocol):
 
     def voucher(self, opener: str) -> Voucher: ...
 
-    async def report_traffic(self, report: TrafficReport) -> TrafficTaken: ...
+    def report_traffic(self, report: TrafficReport) -> TrafficTaken: ...
 
 
 class DaemonMesh:
@@ -84,10 +84,7 @@ class DaemonMesh:
 
         async def report_traffic(report: TrafficReport) -> None:
             # what the front door's asks saw of their routes: its member's report to the tracker
-            try:
-                await self.daemon.report_traffic(report)
-            except ProtocolError as exc:
-                log.info("the tracker did not take a traffic report: %s", exc)
+            self.daemon.report_traffic(report)
 
         # the stages rank the front door's asks by its member's credit (it dials from an identity of its own)
         request.payer = self.daemon.voucher(self.peers.identity.node_id)
