@@ -80,7 +80,7 @@ from wire.credit import (
 )
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.meshrpc import FetchStatus, RouteReply, RouteRequest, StatusReply, StatusRequest
+from wire.meshrpc import FetchStatus, RouteReply, RouteRequest, StatusReply, StatusRequest, TrafficReport
 from wire.receipt import Proof, ProofGossip
 from wire.stage import Sampling
 from wire.types import MAX_LAYERS
@@ -453,6 +453,8 @@ def local_answers(daemon: MeshDaemon) -> ControlHandler:
                 for s in request.summaries]))
         if isinstance(request, CreditsRequest):
             return daemon.credits(request.offset)
+        if isinstance(request, TrafficReport):
+            return daemon.report_traffic(request)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{request.type!r} is not a control request")
     return answer
 
@@ -948,11 +950,17 @@ async def ask(args: argparse.Namespace) -> int:
                 except (ProtocolError, ControlError) as exc:
                     print(f"meshd: the stages' work was not countersigned: {exc}", file=sys.stderr)
 
+            async def report_traffic(report: TrafficReport) -> None:
+                # to the local member, which reports it to the tracker as its own (with --seed no member asks)
+                if args.seed is None:
+                    with contextlib.suppress(ProtocolError, ControlError):  # a figure lost is the user's no concern
+                        await control_request(args.state_dir, report, timeout=args.timeout)
+
             if args.seed is None:
                 request.payer = await own_voucher(args.state_dir, peers.identity.node_id, args.timeout)
             asker = Asker(peers, RouteSources(find_route, ask_member), other_route, report_proof,
                           verify_every=args.verify, require_verified=args.require_verified,
-                          stall_timeout=args.timeout, report_work=report_work)
+                          stall_timeout=args.timeout, report_work=report_work, report_traffic=report_traffic)
             try:
                 await asker.ask(request, on_token, result)
             except Unverified as exc:

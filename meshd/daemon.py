@@ -55,15 +55,8 @@ from meshd.mesh.addresses import fit_for_peer, is_ip, observed_address, source_g
 from meshd.mesh.assignment import ModelSpec, held_ranges, stage_fits
 from meshd.mesh.authority import placement_of
 from meshd.mesh.credit import NEWCOMER_FLOOR, extra_votes
-from meshd.mesh.duty import (
-    AskAssignment,
-    AssignmentChanged,
-    DutyConfig,
-    DutyEvent,
-    LoadRange,
-    MeshDuty,
-    RangeRefused,
-)
+from meshd.mesh.duty import MeshDuty
+from meshd.mesh.duty_events import AskAssignment, AssignmentChanged, DutyConfig, DutyEvent, LoadRange, RangeRefused
 from meshd.mesh.membership import SWIM_MESSAGES, MemberEvent, SwimMessage
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.mesh.node import MeshNode, TrackerChanged
@@ -122,6 +115,8 @@ from wire.meshrpc import (
     SpeedsRequest,
     StatusReply,
     StatusRequest,
+    TrafficReport,
+    TrafficTaken,
 )
 from wire.receipt import Proof, ProofAccepted, ProofGossip
 from wire.stage import STAGE_PROTOCOL, Hop, Open, PeerRef
@@ -315,6 +310,8 @@ class MeshDaemon:
         self.source = ChunkSource(config.upload, busy=activity(self._engine_calls))
         self._seed_addresses: dict[str, str] = {}
         self._nursery: trio.Nursery
+        # a traffic report of this node's own asks is on its way to the tracker (`report_traffic`)
+        self._traffic_passing = False
         self._sends = 0
         self._sent = trio.Event()
         self._tracker_news = trio.Event()  # set (and replaced) at each change of the tracker followed
@@ -677,6 +674,8 @@ class MeshDaemon:
             reply = await self._dial_back(stream, request)
         elif isinstance(request, ProofGossip):
             reply = self.take_proof(request.proof, stream.remote_node_id)
+        elif isinstance(request, TrafficReport):
+            reply = self.duty.traffic_report(trio.current_time(), stream.remote_node_id, request)
         elif isinstance(request, CreditsRequest):
             reply = self.credits(request.offset)
         elif (answered := self.credit.answer(request)) is not None:
@@ -859,6 +858,32 @@ class MeshDaemon:
         if self.relay is not None:
             update["relayed_bytes"] = self.relay.forwarded_bytes
         return reply.model_copy(update=update) if update else reply
+
+    def report_traffic(self, report: TrafficReport) -> TrafficTaken:
+        """What this node's own asker saw of a route (meshd.mesh.traffic), as this member's report:
+        taken here where this node is the tracker (first-hand), else passed on in the background (the
+        asker's answer is done; it does not wait on the tracker), one report at a time (the rest dropped)."""
+        tracker = self.mesh.tracker
+        if tracker is not None and tracker.node_id == self.mesh.node_id:
+            return self.duty.traffic_report(trio.current_time(), self.mesh.node_id, report)
+        address = None if tracker is None else self.address_of(tracker.node_id)
+        if tracker is None or address is None:
+            return TrafficTaken(taken=False, reason="no tracker to report to")
+        if self._traffic_passing:
+            return TrafficTaken(taken=False, reason="a report is on its way to the tracker already")
+        self._traffic_passing = True
+        self._nursery.start_soon(self._pass_traffic, address, tracker.node_id, report)
+        return TrafficTaken(taken=True, reason="passed on to the tracker")
+
+    async def _pass_traffic(self, address: str, tracker: str, report: TrafficReport) -> None:
+        try:
+            reply = await rpc(self.peers, address, report, tracker, self.config.rpc_timeout)
+            if isinstance(reply, TrafficTaken) and not reply.taken:
+                log.debug("the tracker did not count a traffic report: %s", reply.reason)
+        except ProtocolError as exc:
+            log.info("passing a traffic report to the tracker %s: %s", tracker[:16], exc)
+        finally:
+            self._traffic_passing = False
 
     async def measured_status(self, peer: str | None = None, offset: int = 0) -> StatusReply:
         """`status`, with (on the first page) the stage speeds routes count as `stage_speeds` gives them."""

@@ -202,6 +202,10 @@ def speed_from(speed: StageSpeed, by: str | None, tracker: str | None) -> str:
         return f"the {who}'s own stage{said}"
     if speed.source == "default":
         return f"unmeasured: default{said}"
+    if speed.source == "traffic":
+        # what real asks saw: a figure of one reporter is the tracker's own asks' (others need a quorum)
+        whose = "the tracker's own asks" if speed.samples == 1 else f"median of {speed.samples} askers"
+        return f"traffic seen by askers, {whose}{said}"
     if speed.source == "declared":
         return "self-declared (unmeasured)"  # slower than the default: its word counts against it alone
     return clean(speed.source)  # a source a newer node names

@@ -15,11 +15,11 @@ from meshd.mesh.assignment import (
     CoverageError,
     ModelSpec,
     NodeCapacity,
-    assign,
     capacities,
     held_ranges,
     unheld_layers,
 )
+from meshd.mesh.placement import assign
 from meshd.mesh.records import ROLE_CLIENT, HeldRange, ModelInfo
 
 GB = 2**30

@@ -22,17 +22,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from meshd.daemon import describe_model
-from meshd.mesh.assignment import (
-    Assignment,
-    CoverageError,
-    ModelSpec,
-    NodeCapacity,
-    Stage,
-    assign,
-    coverage_shortfall,
-)
+from meshd.mesh.assignment import Assignment, CoverageError, ModelSpec, NodeCapacity, Stage
 from meshd.mesh.models import ModelNotFound, allowed_cuts, model_info
+from meshd.mesh.placement import assign
 from meshd.mesh.records import ModelInfo
+from meshd.mesh.shortfall import coverage_shortfall
 from wire.codec import decode, encode
 from wire.swim import Alive, Ping
 
@@ -329,7 +323,7 @@ def test_a_volunteer_refuses_a_range_cut_where_its_model_may_not_be() -> None:
     from test_mesh_duty import MODEL as DUTY_MODEL
     from test_mesh_duty import Mesh, duty
 
-    from meshd.mesh.duty import LoadRange, RangeRefused
+    from meshd.mesh.duty_events import LoadRange, RangeRefused
     from wire.meshrpc import AssignmentReply
 
     cut = DUTY_MODEL.model_copy(update={"cuts": [2, 5, 7]})

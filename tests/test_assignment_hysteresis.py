@@ -10,15 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_assignment import GB, node, segments
 
-from meshd.mesh.assignment import (
-    RETURN_GRACE,
-    Assignment,
-    AssignmentPolicy,
-    ModelSpec,
-    Placer,
-    assign,
-    served_assignment,
-)
+from meshd.mesh.assignment import Assignment, AssignmentPolicy, ModelSpec
+from meshd.mesh.placement import RETURN_GRACE, Placer, assign, served_assignment
 
 # 30 layers of 0.6 GiB with KV, a 1 GiB embedding and a 1 GiB output head: 8 GiB nodes cut it in three
 # segments, 12 GiB ones in two, 20 GiB ones hold it whole.

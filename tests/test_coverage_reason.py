@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from localmesh import Served, run_meshd, start_join, stop_all
 
-from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign, coverage_shortfall
+from meshd.mesh.assignment import ModelSpec, NodeCapacity
+from meshd.mesh.placement import assign
 from meshd.mesh.records import ModelInfo
+from meshd.mesh.shortfall import coverage_shortfall
 
 MIB = 1 << 20
 # SmolLM2-135M Q4_1 as model_info measures it.

@@ -23,7 +23,8 @@ from parity import assert_same_logits
 
 from meshd.daemon import describe_model
 from meshd.engine.chain import LocalChain
-from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign
+from meshd.mesh.assignment import ModelSpec, NodeCapacity
+from meshd.mesh.placement import assign
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAIN = [(0, 4), (4, 11), (11, 18)]

@@ -7,15 +7,8 @@ from collections.abc import Iterable
 import pytest
 from instant_net import InstantNet, identity, record, rng
 
-from meshd.mesh.duty import (
-    AskAssignment,
-    AssignmentChanged,
-    DutyConfig,
-    DutyEvent,
-    LoadRange,
-    MeshDuty,
-    RangeRefused,
-)
+from meshd.mesh.duty import MeshDuty
+from meshd.mesh.duty_events import AskAssignment, AssignmentChanged, DutyConfig, DutyEvent, LoadRange, RangeRefused
 from meshd.mesh.election import ElectionConfig
 from meshd.mesh.membership import SwimConfig
 from meshd.mesh.node import MeshNode

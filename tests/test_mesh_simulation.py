@@ -21,7 +21,8 @@ import trio
 import trio.testing
 
 from meshd.daemon import MeshDriver
-from meshd.mesh.duty import AskAssignment, DutyConfig, DutyEvent, LoadRange, MeshDuty
+from meshd.mesh.duty import MeshDuty
+from meshd.mesh.duty_events import AskAssignment, DutyConfig, DutyEvent, LoadRange
 from meshd.mesh.membership import MemberEvent, MemberState, Ping, SwimMessage
 from meshd.mesh.node import MeshNode
 from meshd.mesh.records import CapabilityRecord, ModelInfo

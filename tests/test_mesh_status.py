@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from instant_net import record
 
-from meshd.mesh.duty import pick_model
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberInfo, MemberState
 from meshd.mesh.records import ROLE_RELAY, CapabilityRecord, ModelInfo, ServedRange
+from meshd.mesh.route_reply import pick_model
 from meshd.mesh.status import held_models, status_view
 from wire.codec import decode, encode
 from wire.errors import ProtocolError

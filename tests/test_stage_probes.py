@@ -9,7 +9,8 @@ import pytest
 from instant_net import identity, record, rng
 from test_mesh_duty import MODEL, Mesh, duty
 
-from meshd.mesh.duty import DutyConfig, MeshDuty
+from meshd.mesh.duty import MeshDuty
+from meshd.mesh.duty_events import DutyConfig
 from meshd.mesh.election import ElectionConfig
 from meshd.mesh.membership import SwimConfig
 from meshd.mesh.node import MeshNode

@@ -155,6 +155,12 @@ def test_each_stage_shows_the_speed_routes_count_and_where_it_came_from() -> Non
     assert doc["speeds"][0] == {"node_id": node(2), "model": "d" * 64, "start": 10, "end": 20, "ms_per_layer": 1.0,
                                 "source": "default", "samples": 0, "declared_ms_per_layer": pytest.approx(1e-6)}
     assert doc["speeds"][3]["declared_ms_per_layer"] is None
+    # what real asks saw (meshd.mesh.traffic): the tracker's own asks', or the median of several askers'
+    asked = s.model_copy(update={"speeds": [speed(2, 10, 20, 0.05, "traffic", samples=1, declared=1e-9),
+                                            speed(1, 0, 10, 0.04, "traffic", samples=3)]})
+    shown = " ".join(render(asked).split())
+    assert "50 traffic seen by askers, the tracker's own asks; it says 1e-06" in shown
+    assert "40 traffic seen by askers, median of 3 askers" in shown
     # a node that predates the figures sends none: no table, nothing else changes
     assert render(small_mesh()) == render(s.model_copy(update={"speeds": []}))
 

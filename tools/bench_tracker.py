@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 from benchlib.result import parser, publish
 
-from meshd.mesh.assignment import ModelSpec, NodeCapacity, assign, capacities
+from meshd.mesh.assignment import ModelSpec, NodeCapacity, capacities
+from meshd.mesh.placement import assign
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.mesh.routing import StageOption, plan_route, stage_options
 from wire.identity import NodeIdentity

@@ -166,13 +166,16 @@ def start_join(*args: str, timeout: float = 60.0) -> Served:
     return start_meshd("join", *args, timeout=timeout)
 
 
-def start_meshd(command: str, *args: str, timeout: float = 60.0) -> Served:
+def start_meshd(command: str, *args: str, timeout: float = 60.0, program: list[str] | None = None) -> Served:
     """Output goes to a log file, not a pipe: a pipe nobody reads would block a chatty daemon. At
     info level unless $MESHD_LOG says: tracker changes, placements, asks and fetches are what a
-    failure's log must show (warnings alone left a placement stall unexplained)."""
+    failure's log must show (warnings alone left a placement stall unexplained). `program`: what runs in
+    place of `meshd` (an attacker's wrapper of it, say), taking the same arguments."""
     env = os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": os.environ.get("MESHD_LOG", "info")}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"meshd-{command}-", suffix=".log", delete=False)
-    proc = spawn(meshd_command(command, "--listen", "127.0.0.1:0", *args), stdout=log,
+    argv = [*program, command, "--listen", "127.0.0.1:0", *args] if program is not None \
+        else meshd_command(command, "--listen", "127.0.0.1:0", *args)
+    proc = spawn(argv, stdout=log,
                  stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + timeout
     lines: list[str] = []

@@ -133,8 +133,9 @@ MAX_SECONDS_PER_LAYER = 3600.0
 class StageSpeed(WireModel):
     """The seconds per layer routes count for one served range, and where that figure came from:
     "probe" (the tracker timed it), "own" (the answering tracker's own stage), "default" (not timed
-    yet: the conservative default), "declared" (not timed yet, slower than that by its own word).
-    `samples`: the probes whose samples the figure is the median of; `declared`: what the member says of
+    yet: the conservative default), "declared" (not timed yet, slower than that by its own word),
+    "traffic" (real asks saw it far slower than any of those: meshd.mesh.traffic).
+    `samples`: the probes whose samples the figure is the median of (traffic: the reporters'); `declared`: what the member says of
     itself (0: nothing), shown beside what counts."""
 
     node_id: NodeId
@@ -145,6 +146,35 @@ class StageSpeed(WireModel):
     source: Label
     samples: Count = 0
     declared: float = Field(default=0.0, ge=0.0, le=MAX_SECONDS_PER_LAYER, allow_inf_nan=False)
+
+
+# The most seconds a token may be reported to have taken (the report is the asker's word: bounded)
+MAX_SECONDS_PER_TOKEN = 3600.0
+
+
+class TimedStage(WireModel):
+    node_id: NodeId
+    start: Layer
+    end: Layer
+
+
+class TrafficReport(Message, tag="traffic_report"):
+    """To the tracker, from a member (or to a member from its own `meshd ask`, which it passes on):
+    the route one ask took, stage by stage, and the seconds per token its asker saw over the decode
+    of `tokens` tokens. The tracker turns it into stage speeds (meshd.mesh.traffic)."""
+
+    model: Digest
+    stages: list[TimedStage] = Field(min_length=1, max_length=256)
+    tokens: int = Field(ge=2, le=1 << 20)
+    seconds_per_token: float = Field(gt=0.0, le=MAX_SECONDS_PER_TOKEN, allow_inf_nan=False)
+
+
+class TrafficTaken(Message, tag="traffic_taken"):
+    """Whether the tracker counted a `TrafficReport` (a member's answer to its own asker: whether it
+    counted it, as the tracker, or passed it on), and why not where it did not."""
+
+    taken: bool
+    reason: Text = ""
 
 
 class SpeedsRequest(Message, tag="speeds_request"):

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover, deliver
 from meshd.client.served import Served
+from meshd.client.traffic import traffic_report
 from meshd.client.verifier import Verifier
 from meshd.client.verify import DEFAULT_VERIFY, CheckPlan
 from meshd.net.peers import Peers
 from wire.errors import ProtocolError
+from wire.meshrpc import TrafficReport
 from wire.receipt import Proof
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class Asker:
     stall_timeout: float = 30.0
     # hands what each stage served to the member this ask is made for, which countersigns it (wire.credit)
     report_work: Callable[[list[Served]], Awaitable[None]] | None = None
+    # hands what the ask saw of its route's speed to that member, for the tracker (meshd.client.traffic)
+    report_traffic: Callable[[TrafficReport], Awaitable[None]] | None = None
 
     async def ask(self, request: AskRequest, on_token: OnToken | None = None,
                   result: AskResult | None = None) -> AskResult:
@@ -109,4 +113,6 @@ class Asker:
         if self.require_verified:
             for token, piece in zip(result.tokens, result.pieces, strict=True):
                 await deliver(on_token, token, piece)
+        if self.report_traffic is not None and (seen := traffic_report(result)) is not None:
+            await self.report_traffic(seen)
         return result

@@ -13,7 +13,7 @@ from meshd.client.verify import DEFAULT_VERIFY
 from meshd.net.peers import Peers
 from wire.credit import Voucher
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import RouteReply, StatusReply
+from wire.meshrpc import RouteReply, StatusReply, TrafficReport, TrafficTaken
 from wire.receipt import Proof, ProofAccepted
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ class Daemon(Protocol):
     def countersign(self, served: list[Served]) -> int: ...
 
     def voucher(self, opener: str) -> Voucher: ...
+
+    def report_traffic(self, report: TrafficReport) -> TrafficTaken: ...
 
 
 class DaemonMesh:
@@ -80,10 +82,14 @@ class DaemonMesh:
             # the front door's asks are its member's: the member countersigns what each stage served
             self.daemon.countersign(served)
 
+        async def report_traffic(report: TrafficReport) -> None:
+            # what the front door's asks saw of their routes: its member's report to the tracker
+            self.daemon.report_traffic(report)
+
         # the stages rank the front door's asks by its member's credit (it dials from an identity of its own)
         request.payer = self.daemon.voucher(self.peers.identity.node_id)
         # verified at the default rate (not while speculating with a draft model: meshd.client.asker)
         asker = Asker(self.peers, find_route, other_route, report_proof, require_verified=self.require_verified,
                       verify_every=self.verify_every,
-                      stall_timeout=self.stall_timeout, report_work=report_work)
+                      stall_timeout=self.stall_timeout, report_work=report_work, report_traffic=report_traffic)
         return await asker.ask(request, on_token, result)

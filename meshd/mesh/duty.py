@@ -24,44 +24,43 @@ own view.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection
+from dataclasses import replace
 
 from meshd.mesh.assignment import (
     Assignment,
-    AssignmentPolicy,
     CoverageError,
     ModelSpec,
     NodeCapacity,
-    Placer,
     capacities,
-    coverage_shortfall,
-    served_assignment,
-    stage_fits,
+    range_refusal,
     unheld_layers,
 )
 from meshd.mesh.authority import Exclusions, ProofAgainstSelf, placed_on
+from meshd.mesh.duty_events import AskAssignment, AssignmentChanged, DutyConfig, DutyEvent, LoadRange, RangeRefused
 from meshd.mesh.election import Tracker
 from meshd.mesh.membership import MemberEvent, SwimMessage
 from meshd.mesh.node import MeshNode, TrackerChanged, earliest
-from meshd.mesh.probes import ProbeConfig, Prober, ProbeResult, StageProbe
+from meshd.mesh.placement import Placer, served_assignment
+from meshd.mesh.probes import Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
+from meshd.mesh.route_reply import pick_model, route_reply
 from meshd.mesh.routing import (
     DEFAULT_SECONDS_PER_LAYER,
-    NoRouteError,
     RouteKey,
     SpeedBook,
     StageOption,
     believe,
-    plan_route,
     route_key,
     stage_hop_seconds,
     stage_options,
 )
+from meshd.mesh.shortfall import coverage_shortfall
 from meshd.mesh.status import held_models, stage_speeds, status_view
+from meshd.mesh.traffic import MIN_TRAFFIC_TOKENS, TrafficBook, route_charges
 from wire.errors import ErrorCode, ProtocolError
-from wire.meshrpc import MAX_REPLICAS_PER_STAGE, AssignmentReply, RouteReply, RouteStage, SpeedsReply, StatusReply
+from wire.meshrpc import AssignmentReply, RouteReply, SpeedsReply, StatusReply, TrafficReport, TrafficTaken
 from wire.receipt import Proof
 from wire.swim import Placement
 
@@ -79,61 +78,6 @@ REPLACE_SPEED_RATIO = 4.0
 _PLACEMENT_NEWS = frozenset({"joined", "alive", "updated", "dead", "left"})
 
 
-@dataclass(frozen=True)
-class DutyConfig:
-    # The model this node offers to serve, if any (a node that fetches it learns it later: `volunteer`).
-    volunteer: ModelInfo | None = None
-    # Disk a node that fetches its range may fill (None: no limit, or it holds the whole file).
-    disk_bytes: int | None = None
-    # KV tokens a stage holds when no volunteer of the model says (sessions x tokens each).
-    kv_tokens: int = 4096
-    # The tracker places this long after the first news of a burst, not at each piece of it.
-    settle: float = 0.5
-    # After a failed ask or load, ask again after `retry`, doubling up to `retry_max`.
-    retry: float = 1.0
-    retry_max: float = 30.0
-    policy: AssignmentPolicy = AssignmentPolicy()
-    # As tracker, how it times the stages it placed (meshd.mesh.probes); None: it does not.
-    probes: ProbeConfig | None = ProbeConfig()
-
-
-@dataclass(frozen=True)
-class AskAssignment:
-    """Ask `tracker` for this node's range; answer with `MeshDuty.assignment_reply`."""
-
-    tracker: Tracker
-
-
-@dataclass(frozen=True)
-class LoadRange:
-    """Load layers [start, end) of `model` beside what is served; answer with `range_loaded` or
-    `range_failed`. Sessions on the old range keep it until they end."""
-
-    model: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class AssignmentChanged:
-    """As tracker, this node placed `model` anew; `assignment` None: it cannot be covered, `reason` says why."""
-
-    model: str
-    assignment: Assignment | None
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class RangeRefused:
-    """The tracker assigned a range this node will not load."""
-
-    start: int
-    end: int
-    reason: str
-
-
-DutyEvent = MemberEvent | TrackerChanged | AskAssignment | LoadRange | AssignmentChanged | RangeRefused | StageProbe
-
 
 def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
     """What placement reads of a record: a new version that changes none of it needs no new placement."""
@@ -141,35 +85,6 @@ def _capacity_key(record: CapabilityRecord) -> tuple[object, ...]:
             record.seconds_per_layer, record.leaving, tuple(record.roles),
             tuple((m.digest, m.whole) for m in record.models),
             tuple((h.model, h.start, h.end) for h in record.holds))
-
-
-def pick_model(models: dict[str, ModelInfo], wanted: str | None) -> ModelInfo:
-    """The model an asker means: by digest, or by name (its own or its file's) if one digest alone bears it; with none
-    named, the mesh's only model. Never the first one heard of: any member can add a model (a
-    made-up digest under a real model's name), so an ambiguous ask fails listing the candidates."""
-    if wanted is not None:
-        if wanted in models:
-            return models[wanted]
-        named = [info for info in models.values() if info.known_as(wanted)]
-        if len(named) == 1:
-            return named[0]
-        if not named:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no member holds model {wanted[:64]}; "
-                                f"the mesh holds: {_listed(models.values())}")
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(named)} models are named {wanted[:64]}: "
-                            f"{_listed(named)}; name one by its digest")
-    if not models:
-        raise ProtocolError(ErrorCode.NOT_FOUND, "no member holds a model")
-    if len(models) > 1:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the mesh holds {len(models)} models: "
-                            f"{_listed(models.values())}; name one with --model")
-    return next(iter(models.values()))
-
-
-def _listed(models: Iterable[ModelInfo], most: int = 8) -> str:
-    shown = list(models)
-    text = ", ".join(f"{info.name[:40]} ({info.digest})" for info in shown[:most])
-    return text + (f" and {len(shown) - most} more" if len(shown) > most else "")
 
 
 class MeshDuty:
@@ -212,6 +127,11 @@ class MeshDuty:
         self._routes: dict[str, RouteKey] = {}
         # the speed each member's last placement counted (as believed then): a probe far off it places anew
         self._placed_speeds: dict[str, float] = {}
+        # as tracker, what members' asks saw of the stages (meshd.mesh.traffic); routes count it beside the probes
+        self.traffic = TrafficBook(node.node_id, config.traffic)
+        self.speeds.traffic = self.traffic
+        # each member's extra votes for its credit (`credit_weights`): credit gives a member's traffic reports weight
+        self._credit: dict[str, int] = {}
 
     # ----- queries
 
@@ -242,7 +162,9 @@ class MeshDuty:
     def next_timer(self) -> float | None:
         ask_at = self._ask_at if self._ask_at is not None and self._ask_pending() else None
         probe_at = self.prober.next_timer() if self.prober is not None and self.is_tracker else None
-        return earliest(self.node.next_timer(), self._place_at, ask_at, probe_at, self.exclusions.next_timer())
+        traffic_at = self.traffic.next_timer() if self.is_tracker else None
+        return earliest(self.node.next_timer(), self._place_at, ask_at, probe_at, self.exclusions.next_timer(),
+                        traffic_at)
 
     # ----- inputs
 
@@ -253,6 +175,7 @@ class MeshDuty:
     def handle_timer(self, now: float) -> None:
         """Run whatever is due by `now`; calling it early is harmless."""
         self.node.handle_timer(now)
+        self.traffic.expire(now)
         if self.exclusions.expire(now):
             self.node.election.disown(now, self.liars)
             if self.is_tracker:
@@ -421,63 +344,15 @@ class MeshDuty:
             return stage_hop_seconds(rtt(a), rtt(b))
 
         options = stage_options(records.values(), model, assigned=self._assigned(model), speeds=self.speeds, own=own)
-        found = None
-        for offered in self._timed_first(options):
-            try:
-                found = plan_route(offered, info.n_layers, link_cost, exclude={*exclude, *self.liars},
-                                   keep=self._routes.get(model))
-                break
-            except NoRouteError as exc:
-                failure = exc
-        if found is None:
-            reason = self.coverage_reason(info)
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no route for {info.name}: {failure}"
-                                + (f"; {reason}" if reason else ""))
+        reply, found = route_reply(info, records, self._timed_first(options), link_cost, {*exclude, *self.liars},
+                                   self._routes.get(model), address_of, self.coverage_reason)
         if not exclude:
             # a failover's route (or a spot check's replica) is that asker's: the one in use stays
             self._routes.pop(model, None)
             if len(self._routes) >= MAX_KEPT_ROUTES:
                 del self._routes[next(iter(self._routes))]
             self._routes[model] = route_key(found)
-        stages = []
-        for s in found.stages:
-            address = address_of(records[s.node_id])
-            if address is None:
-                raise ProtocolError(ErrorCode.UNREACHABLE, f"no address to dial {s.node_id[:12]}")
-            stages.append(RouteStage(node_id=s.node_id, address=address, start=s.start, end=s.end))
-        return RouteReply(model=model, n_layers=info.n_layers, stages=stages, seconds_per_token=found.seconds,
-                          replicas=self._replicas(found.stages, options, {*exclude, *self.liars}, records, address_of))
-
-    @staticmethod
-    def _replicas(route: Sequence[StageOption], options: Sequence[StageOption], exclude: Collection[str],
-                  records: Mapping[str, CapabilityRecord],
-                  address_of: Callable[[CapabilityRecord], str | None]) -> list[RouteStage]:
-        """For each stage of ``route``, the fastest other members offered on exactly its range (up to
-        MAX_REPLICAS_PER_STAGE): where the asker's spot checks run, named with the route so that
-        finding them costs the asker no round trip before its first token."""
-        on_route = {s.node_id for s in route}
-        out: list[RouteStage] = []
-
-        def numerics(node_id: str) -> str:
-            record = records.get(node_id)
-            return record.numerics if record is not None else ""
-
-        for stage in route:
-            # a replica of other numerics (another build or backend) would be skipped by the asker
-            mine = numerics(stage.node_id)
-            same = sorted((o for o in options if (o.start, o.end) == (stage.start, stage.end)
-                           and o.node_id not in on_route and o.node_id not in exclude
-                           and (not mine or numerics(o.node_id) in ("", mine))),
-                          key=lambda o: (o.compute_seconds, o.node_id))
-            taken = 0
-            for o in same:
-                address = address_of(records[o.node_id]) if o.node_id in records else None
-                if address is not None:
-                    out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end))
-                    taken += 1
-                    if taken == MAX_REPLICAS_PER_STAGE:
-                        break
-        return out
+        return reply
 
     def _timed_first(self, options: list[StageOption]) -> list[list[StageOption]]:
         """The stage options to plan from, in turn: as tracker, first only the stages it timed (and
@@ -540,7 +415,46 @@ class MeshDuty:
     def credit_weights(self, now: float, extra: dict[str, int]) -> None:
         """Each member's extra votes for its credit (meshd.mesh.credit.extra_votes), from the node's ledger."""
         self.node.election.credit(now, extra)
+        self._credit = dict(extra)
         self._settle(now)
+
+    # ----- what real asks saw
+
+    def traffic_report(self, now: float, reporter: str, report: TrafficReport) -> TrafficTaken:
+        """As tracker, takes what `reporter`'s ask saw of a route (meshd.mesh.traffic): counted only from a
+        member with weight (this node itself, one it placed, or one with credit), within its rate, and
+        only for a route of ranges this tracker placed, over enough tokens to time a decode."""
+        if not self.is_tracker:
+            return TrafficTaken(taken=False, reason="this node is not the tracker")
+        if not self._weighs(reporter):
+            return TrafficTaken(taken=False, reason="the reporter is neither placed nor credited")
+        if not self.traffic.admit(now, reporter):
+            return TrafficTaken(taken=False, reason="the reporter reports faster than the rate kept")
+        if report.tokens < MIN_TRAFFIC_TOKENS:
+            return TrafficTaken(taken=False, reason=f"fewer than {MIN_TRAFFIC_TOKENS} tokens time no decode")
+        placed = self.assignments.get(report.model)
+        nodes = [s.node_id for s in report.stages]
+        # the others are weighed at what this tracker timed (or believes) of them, never at traffic
+        records = {r.node_id: r.seconds_per_layer for r in self.node.membership.live_records()}
+        base = believe({n: records.get(n, 0.0) for n in nodes}, self.speeds, own=self.node_id, traffic=False)
+        rtt = self.node.membership.rtt
+
+        def hop(a: str, b: str) -> float:
+            return stage_hop_seconds(*(0.0 if n == self.node_id else rtt(n) for n in (a, b)))
+
+        figures = route_charges(report, self._assigned(report.model), placed.n_layers if placed else 0, hop,
+                                lambda n: base[n].seconds_per_layer)
+        if figures is None:
+            return TrafficTaken(taken=False, reason="not a route of ranges this tracker placed")
+        for node_id, figure in figures.items():
+            self.traffic.observe(now, reporter, node_id, figure)
+        return TrafficTaken(taken=True)
+
+    def _weighs(self, reporter: str) -> bool:
+        """Whether a member's word on traffic weighs: this node's own, a member this tracker placed
+        (whose capacity it timed), or one with credit for verified work served."""
+        return reporter == self.node_id or self._credit.get(reporter, 0) > 0 or \
+            any(reporter in a.ranges() for a in self.assignments.values())
 
     # ----- proven liars
 
@@ -656,7 +570,10 @@ class MeshDuty:
         """The nodes with the speeds routes count (`believe`: what this tracker timed, the conservative
         default before that), not their own word: a member saying 1e-9 s/layer must not draw every
         layer to itself."""
-        figures = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds, own=self.node_id)
+        # (not what asks saw: routes follow that at once, and a placement that followed the asks' noise
+        # would reload engines for it)
+        figures = believe({n.node_id: n.seconds_per_layer for n in nodes}, self.speeds, own=self.node_id,
+                          traffic=False)
         # Timings only replace what members say here: one that says nothing counts at the default, timed
         # or not, so a placement weighs stages and hops as it always did, and timing noise moves nothing.
         believed = {n.node_id: figures[n.node_id].seconds_per_layer if n.seconds_per_layer
@@ -740,25 +657,11 @@ class MeshDuty:
         if info is None or reply.model is None:
             return False  # no range for us (yet): keep serving what we serve
         start, end = reply.start, reply.end
-        if reply.model != info.digest or not 0 <= start < end <= info.n_layers:
-            self._events.append(RangeRefused(start, end, f"not a range of {info.name} ({reply.model[:12]})"))
-            return False
         own = self.node.record
-        spec = ModelSpec.from_info(info, own.kv_tokens or self.config.kv_tokens)
-        if not spec.allows(start, end):
-            # the engine would refuse it at load: a tracker that placed it does not know the model's cuts
-            rule = f"may be cut only before layers {', '.join(map(str, info.cuts))[:200]}" if info.cuts \
-                else "may not be cut"
-            self._events.append(RangeRefused(start, end, f"{info.name} {rule}"))
-            return False
-        refused = stage_fits(spec, start, end, own.memory_bytes, own.gpu_memory_bytes, own.gpu_layers)
+        refused = range_refusal(info, reply.model, start, end, own, own.kv_tokens or self.config.kv_tokens,
+                                self.config.disk_bytes)
         if refused is not None:
             self._events.append(RangeRefused(start, end, refused))
-            return False
-        disk = self.config.disk_bytes
-        if not info.whole and disk is not None and spec.weight_bytes(start, end) > disk:
-            self._events.append(RangeRefused(start, end, f"needs {spec.weight_bytes(start, end)} bytes of disk, "
-                                                         f"this node offers {disk} (--disk)"))
             return False
         self.wanted = (start, end)
         self._load_wanted()

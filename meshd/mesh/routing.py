@@ -19,6 +19,7 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from meshd.mesh.records import CapabilityRecord
 
@@ -83,16 +84,34 @@ PROBED = "probe"  # this node's own probes timed it (as tracker: meshd.mesh.prob
 OWN = "own"  # this node itself: its own figure, the default if it has none (it does not probe itself)
 DEFAULT = "default"  # not timed yet: the conservative default
 DECLARED = "declared"  # not timed yet and, by its own word, slower than that default (a word against itself)
+TRAFFIC = "traffic"  # what askers saw on real asks, far slower than any other figure (meshd.mesh.traffic)
+
+# A traffic figure counts only where it is this many times the stage's figure from elsewhere: the
+# asker's token time holds what no probe's does (the fast path's hops, sampling, a loaded machine's
+# scheduling), which the probe figures of the others do not take off (past the allowance there,
+# meshd.mesh.traffic.TRAFFIC_ALLOWANCE), so an honest stage's traffic figure may run above its probe
+# figure. Measured on this 2-core box under the other tests' load: SmolLM2 whole on one stage probed
+# at 1.58 ms a layer (47 ms a step) while `meshd ask` over it ran 14-39 tokens/s (26-71 ms a token),
+# which counts it at 0.6 ms a layer at most. A stage slow for users is slower by its whole wait.
+# Below the ratio nothing moves: no route follows the noise of asks.
+TRAFFIC_RATIO = 3.0
 
 
 @dataclass(frozen=True)
 class Believed:
     """The seconds per layer routes count for a member, where that figure came from (one of the
-    sources above), and how many probes' samples it is the median of (0: none)."""
+    sources above), and how many probes' samples it is the median of (from traffic: how many
+    reporters'; 0: none)."""
 
     seconds_per_layer: float
     source: str
     samples: int = 0
+
+
+class Figures(Protocol):
+    """Figures this node did not time itself, but counts where they are far slower (meshd.mesh.traffic)."""
+
+    def measured(self, node_id: str) -> tuple[float, int] | None: ...
 
 
 class SpeedBook:
@@ -107,6 +126,8 @@ class SpeedBook:
         self._samples = samples
         self._members = members
         self._steps: dict[str, deque[float]] = {}
+        # what real asks say of members (as tracker: meshd.mesh.traffic), beside what it timed
+        self.traffic: Figures | None = None
 
     def observe(self, node_id: str, layers: int, seconds: float) -> None:
         if layers <= 0 or not math.isfinite(seconds) or seconds < 0.0:
@@ -136,7 +157,8 @@ def believed_speeds(records: Iterable[CapabilityRecord], model: str, default_sec
 
 
 def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None,
-            default: float = DEFAULT_SECONDS_PER_LAYER, own: str | None = None) -> dict[str, Believed]:
+            default: float = DEFAULT_SECONDS_PER_LAYER, own: str | None = None,
+            traffic: bool = True) -> dict[str, Believed]:
     """The seconds per layer to count for each member, from what this node timed of it (`speeds`)
     and what it `reported` (its word; 0: it said nothing).
 
@@ -144,7 +166,11 @@ def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None,
     counts at the conservative default: `default`, or the slowest timed member's figure plus the
     route margin where that is slower, so an untimed member never even ties a timed one (nor does a
     route through it take over a timed route on noise); its word counts only where it says it is
-    slower still. This node (`own`) counts at its own figure: it does not probe itself."""
+    slower still. This node (`own`) counts at its own figure: it does not probe itself.
+
+    Whatever the figure, where real asks (`speeds.traffic`) saw a member `TRAFFIC_RATIO` times
+    slower, it counts at that: a stage fast for probes and slow for users is as slow as users see
+    (`traffic` False: not, for the figures a traffic report is weighed against)."""
     timed = {node_id: Believed(seen, PROBED, speeds.samples(node_id)) for node_id in reported
              if speeds is not None and (seen := speeds.measured(node_id)) is not None}
     unmeasured = max([default, *((1.0 + ROUTE_MARGIN) * b.seconds_per_layer for b in timed.values())])
@@ -158,6 +184,9 @@ def believe(reported: Mapping[str, float], speeds: SpeedBook | None = None,
             out[node_id] = Believed(report, DECLARED)
         else:
             out[node_id] = Believed(unmeasured, DEFAULT)
+        asked = speeds.traffic.measured(node_id) if traffic and speeds is not None and speeds.traffic else None
+        if asked is not None and asked[0] > TRAFFIC_RATIO * out[node_id].seconds_per_layer:
+            out[node_id] = Believed(asked[0], TRAFFIC, asked[1])
     return out
 
 

@@ -136,7 +136,7 @@ function renderModel(m) {
     el("span", {}, `${m.replicas} ${m.replicas === 1 ? "replica" : "replicas"}`));
   const box = el("div", { class: "model", "data-digest": m.digest, "data-covered": m.covered }, head,
     drawLayers(m));
-  // what routes count of each stage, and where that came from (the tracker's probe, or a default)
+  // what routes count of each stage, and where that came from (the tracker's probe, real asks' traffic, or a default)
   const figured = m.ranges.filter((r) => r.speed).sort((a, b) => a.start - b.start || a.end - b.end);
   if (figured.length) {
     box.append(el("ul", { class: "speeds" }, ...figured.map((r) => el("li", { "data-source": r.speed.source },

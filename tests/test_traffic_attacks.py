@@ -1,0 +1,136 @@
+"""Routes by what real asks saw (meshd.mesh.traffic), against real `meshd join` daemons on loopback.
+
+The attackers: a volunteer fast for the tracker's probes and slow for every user (its engine
+worker's fast path sleeps before each batch: tools/slow_worker.py; the probes are check sessions on
+the daemons' path, which it runs at full speed), and a placed member sending the tracker report after
+report that an honest stage is slow. Real asks through the tracker's member take the first off the
+routes; the second moves nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from attackers import attacker
+from localmesh import Served, mesh_status, run_meshd, start_join, start_meshd, stop_all
+from test_attacks import PROMPT, SESSIONS, TOKENS, Mesh, converged, honest_ask, honest_mesh, honest_route, placed_liar
+
+from meshd.daemon import describe_model, rpc
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.stage.service import model_manifest
+from tests.conftest import greedy_reference
+from wire.identity import NodeIdentity
+from wire.meshrpc import StageSpeed, TimedStage, TrafficReport, TrafficTaken
+
+pytestmark = pytest.mark.slow  # four volunteers and a seed, real engine workers
+
+SLOW_WORKER = Path(__file__).resolve().parent.parent / "tools" / "slow_worker.py"
+# what the slow stage sleeps before each of a user's steps: a token takes it 40 times an honest stage's
+SLEEP = 0.2
+
+
+async def speeds(peers: Peers, node: Served, model: str) -> dict[str, StageSpeed]:
+    """The stage speeds the tracker counts, asked of `node`, by node id."""
+    return {s.node_id: s for s in (await mesh_status(peers, node)).speeds if s.model == model}
+
+
+async def route_nodes(peers: Peers, mesh: Mesh, via: Served | None = None) -> list[str]:
+    return [s.node_id for s in (await honest_route(peers, mesh, via)).stages]
+
+
+async def route_ranges(peers: Peers, mesh: Mesh, via: Served | None = None) -> list[tuple[str, int, int]]:
+    return [(s.node_id, s.start, s.end) for s in (await honest_route(peers, mesh, via)).stages]
+
+
+async def test_a_stage_fast_for_probes_and_slow_for_users_loses_the_route_after_real_asks(
+        tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    path = tiny_models["llama-gqa-untied"]
+    nodes: list[Served] = []
+    try:
+        nodes.append(seed := start_join("--no-model", "--state-dir", str(tmp_path / "seed"), *SESSIONS))
+        volunteer = ["--seed", seed.address, "--model", str(path), "--memory", "1M", *SESSIONS]
+        nodes.append(honest := start_join(*volunteer, "--state-dir", str(tmp_path / "honest")))
+        nodes.append(slow := start_meshd("join", *volunteer, "--state-dir", str(tmp_path / "slow"),
+                                         program=[sys.executable, str(SLOW_WORKER), "daemon", str(SLEEP)]))
+        digest = model_manifest(path, tmp_path / "honest").model_id
+        mesh = Mesh(seed, [honest, slow], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
+        async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
+            view = await converged(peers, mesh)
+            assert view.tracker != slow.node_id
+            tracker_state = tmp_path / {seed.node_id: "seed", honest.node_id: "honest"}[view.tracker]
+            # the two volunteers split the model: the route in use goes through the slow one
+            assert slow.node_id in await route_nodes(peers, mesh)
+            # two honest replicas join, one a range, and the tracker times every stage (the slow one as fast)
+            for name in ("r1", "r2"):
+                nodes.append(replica := start_join(*volunteer, "--state-dir", str(tmp_path / name)))
+                mesh.volunteers.append(replica)
+            with trio.fail_after(90):
+                while True:
+                    figures = await speeds(peers, seed, mesh.model.digest)
+                    status = await mesh_status(peers, seed)
+                    if all(v.node_id in figures and figures[v.node_id].source in ("probe", "own")
+                           for v in mesh.volunteers) and any(c.replicas >= 2 for c in status.coverage):
+                        break
+                    await trio.sleep(0.5)
+            probed = figures[slow.node_id].seconds_per_layer
+            # the route in use is kept (hysteresis): its probes are as fast as an honest stage's
+            assert slow.node_id in await route_nodes(peers, mesh), figures
+            # real asks, through the tracker's own member: each reports what it saw of the route
+            for _ in range(2):
+                asked = await trio.to_thread.run_sync(lambda: run_meshd(
+                    "ask", "--state-dir", str(tracker_state), "--max-tokens", str(TOKENS), PROMPT))
+                assert asked.returncode == 0, asked.stderr
+            # no route goes through it, asked at any member, and the answer is the whole model's
+            for via in mesh.nodes:
+                assert slow.node_id not in await route_nodes(peers, mesh, via), via
+            await honest_ask(peers, mesh)
+            # counted at about what users wait (its sleep a step, less the allowance any token has; a step
+            # may sample more than one token where prompt lookup's drafts hold), whatever its probes say
+            figures = await speeds(peers, seed, mesh.model.digest)
+            layers = figures[slow.node_id].end - figures[slow.node_id].start
+            assert figures[slow.node_id].source == "traffic", figures[slow.node_id]
+            assert figures[slow.node_id].seconds_per_layer * layers >= SLEEP / 2 > 10 * probed * layers
+            # the replicas the asks then took stay at their probe figures (honest asks charge nothing)
+            asked = await trio.to_thread.run_sync(lambda: run_meshd(
+                "ask", "--state-dir", str(tracker_state), "--max-tokens", str(TOKENS), PROMPT))
+            assert asked.returncode == 0, asked.stderr
+            figures = await speeds(peers, seed, mesh.model.digest)
+            for node_id in await route_nodes(peers, mesh):
+                assert figures[node_id].source in ("probe", "own"), figures[node_id]
+            # `meshd status` says where the figure came from
+            shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", seed.address)
+            assert shown.returncode == 0, shown.stderr
+            text = " ".join(shown.stdout.split())
+            assert "traffic seen by askers, the tracker's own asks" in text, shown.stdout
+    finally:
+        stop_all(nodes)
+
+
+async def test_a_placed_member_reporting_an_honest_stage_slow_again_and_again_moves_no_route(
+        tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    with honest_mesh(tmp_path, tiny_models["llama-gqa-untied"]) as mesh:
+        async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
+            view = await converged(peers, mesh)
+            tracker = next(n for n in mesh.nodes if n.node_id == view.tracker)
+            async with attacker(mesh.seed.address) as bad:
+                await placed_liar(peers, mesh, bad, tracker)  # placed: its word has weight
+                with trio.fail_after(60):
+                    while (before := await route_ranges(peers, mesh)) != await route_ranges(peers, mesh):
+                        await trio.sleep(1.0)  # the placement that took it in has settled
+                lie = TrafficReport(model=mesh.model.digest, tokens=TOKENS, seconds_per_token=100.0,
+                                    stages=[TimedStage(node_id=n, start=a, end=b) for n, a, b in before])
+                taken = []
+                for _ in range(40):
+                    reply = await rpc(bad.peers, tracker.address, lie, tracker.node_id, 20.0)
+                    assert isinstance(reply, TrafficTaken)
+                    taken.append(reply)
+                # counted (it is placed) until its rate runs out, and then refused
+                assert taken[0].taken and not taken[-1].taken and "rate" in taken[-1].reason
+                figures = await speeds(peers, mesh.seed, mesh.model.digest)
+                assert all(figures[n].source in ("probe", "own") for n, _, _ in before), figures
+                for via in mesh.nodes:
+                    assert await route_ranges(peers, mesh, via) == before
+                await honest_ask(peers, mesh)
