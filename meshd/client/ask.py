@@ -18,8 +18,8 @@ import trio
 from meshd.client.chat import ChatRequest, Rendered, render
 from meshd.client.prefix import look_up
 from meshd.net import rpc
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from relay.protocol import CIRCUIT_MARK
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.credit import Voucher

@@ -45,8 +45,9 @@ from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused,
 from meshd.mesh.models import ModelNotFound
 from meshd.mesh.records import host_of
 from meshd.net.fastconn import accepted, detach, dial_fast
-from meshd.net.link import Stream
-from meshd.net.peers import Peers, PeersConfig, open_peers, split_address
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
+from meshd.net.urls import split_address
 from meshd.stage.books import LIVE, Emitted, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.fast import FastDoor, new_offer
 from meshd.stage.outlet import Outlet
