@@ -36,6 +36,7 @@ from trio_websocket import ConnectionClosed
 from meshd.net.admission import Admission, AdmissionConfig, Ticket, fd_budget, raise_fd_limit
 from meshd.net.events import HandshakeFailed, LinkDown, LinkUp, Observer, PeerEvent
 from meshd.net.fastconn import FastHandler, is_fast, read_token
+from meshd.net.fastpunch import FastPunchAnswer
 from meshd.net.link import Link, LinkTimings
 from meshd.net.stream import Stream
 from meshd.net.transport import (
@@ -46,6 +47,7 @@ from meshd.net.transport import (
     server_websocket,
 )
 from meshd.net.urls import split_url, ws_url
+from relay.punch import FAST_PUNCH_PROTOCOL
 from wire.codec import DEFAULT_LIMITS, Limits, same_protocol_other_version
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -137,8 +139,10 @@ class Peers:
 
     def handle_fast(self, handler: FastHandler) -> None:
         """Give inbound fast-path connections (``meshd.net.fastconn``) to ``handler``, which has the
-        pre-auth deadline to take them; without one they are closed like any failed upgrade."""
+        pre-auth deadline to take them; without one they are closed like any failed upgrade. Those
+        punched over a link (``meshd.net.fastpunch``) go to it too."""
         self._fast = handler
+        self.handle(FAST_PUNCH_PROTOCOL, FastPunchAnswer(handler, self.config.admission.preauth_timeout))
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Accept peers on ``ws://host:port``; returns the bound port.
