@@ -1,8 +1,8 @@
 """Volunteers behind real NATs serve through relays: network namespaces, veth pairs, iptables MASQUERADE.
 
     pub namespace: seed 10.201.0.1, relays .2 and .3, the asker (addresses on its loopback)
-      ├─ veth 10.201.1.0/24 ─ router r1 (MASQUERADE, drops new inbound) ─ 10.202.1.0/24 ─ home h1: volunteer
-      └─ veth 10.201.2.0/24 ─ router r2 (MASQUERADE, drops new inbound) ─ 10.202.2.0/24 ─ home h2: volunteer
+      ├─ veth 10.201.1.0/24 ─ router r1 (MASQUERADE --random-fully, drops new inbound) ─ 10.202.1.0/24 ─ home h1: volunteer
+      └─ veth 10.201.2.0/24 ─ router r2 (MASQUERADE --random-fully, drops new inbound) ─ 10.202.2.0/24 ─ home h2: volunteer
     (``build_homes``, which tests/test_punch_netns.py builds its homes with too)
 
 The public segment even has routes to the home subnets, so what keeps it out
@@ -144,7 +144,9 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         pytest.fail("iptables is missing (tools/dev installs it)")
     topo = Topology(secrets.token_hex(3), tmp_path_factory.mktemp("netns"))
     try:
-        build_homes(topo, (SEED, *RELAYS, "10.201.0.4:0"), "10.201", "10.202")
+        # symmetric NATs: no hole punch between the homes opens, so the relays carry the stages' traffic
+        # (tests/test_punch_netns.py has the homes behind port-preserving NATs)
+        build_homes(topo, (SEED, *RELAYS, "10.201.0.4:0"), "10.201", "10.202", symmetric=True)
         topo.start("seed", "pub", "join", "--no-model", "--listen", SEED, "--state-dir", str(topo.base / "seed"), *KV)
         for i, address in enumerate(RELAYS):
             topo.start(f"relay{i}", "pub", "relay", "--listen", address, "--seed", SEED,

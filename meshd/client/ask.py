@@ -21,6 +21,7 @@ from meshd.net import rpc
 from meshd.net.fastpunch import RELAYED_HOP
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
+from relay.protocol import CIRCUIT_MARK
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.credit import Voucher
 from wire.errors import ErrorCode, ProtocolError
@@ -813,6 +814,12 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 retry = not suspects
                 suspects = {s.node_id for s in route if s.node_id is not None} - set(culprits) - set(result.excluded)
             if not culprits and not (retry and suspects):
+                if request.fast and any(CIRCUIT_MARK in s.address for s in route):
+                    # nobody failed, but a hop to a stage behind a NAT did not open on the fast path (its
+                    # punched connection did not): the daemons' path carries the rows over the links that did
+                    log.info("epoch %d failed (%s); asking on the daemons' path", epoch, exc)
+                    request = replace(request, fast=False)
+                    continue
                 raise
             log.info("epoch %d failed (%s); routing around %s", epoch, exc, ", ".join(c[:12] for c in culprits))
             result.excluded.extend(culprits)
