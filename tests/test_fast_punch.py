@@ -81,7 +81,8 @@ async def test_over_a_relayed_link_no_fast_path_connection_is_punched() -> None:
         assert not fast_reaches(address, link)
         with pytest.raises(ProtocolError) as raised:
             await connect_fast(address, link, secrets.token_bytes(TOKEN_BYTES), 5.0)
-        assert raised.value.code is ErrorCode.UNREACHABLE and "relay's circuit" in raised.value.message
+        assert raised.value.code is ErrorCode.BAD_REQUEST and raised.value.message.startswith(RELAYED_HOP)
+        assert "only a relay's circuit reaches" in raised.value.message
         # and the answering end refuses what comes over a relayed link (a peer that lies about the path)
         link.path = "direct"
         [theirs] = b.links
@@ -132,7 +133,7 @@ async def test_a_flood_of_fast_punches_gets_at_most_the_per_peer_rounds_at_once(
         silent.close()
 
 
-async def test_an_answer_that_is_no_fast_punch_fails_the_rounds_with_unreachable() -> None:
+async def test_an_answer_that_is_no_fast_punch_fails_the_rounds_with_the_asker_told_to_go_without() -> None:
     async with linked() as (_, b, _door, link):
         async def wrong(stream: object) -> None:
             from meshd.net.stream import Stream
@@ -144,4 +145,5 @@ async def test_an_answer_that_is_no_fast_punch_fails_the_rounds_with_unreachable
         b.handle(FAST_PUNCH_PROTOCOL, wrong)
         with trio.fail_after(20), pytest.raises(ProtocolError) as raised:
             await connect_fast(behind_a_relay(b.node_id), link, secrets.token_bytes(TOKEN_BYTES), 5.0)
-        assert raised.value.code is ErrorCode.UNREACHABLE and "no fast punch answered" in raised.value.message
+        assert raised.value.code is ErrorCode.BAD_REQUEST and raised.value.message.startswith(RELAYED_HOP)
+        assert "no fast punch answered" in raised.value.message

@@ -768,9 +768,9 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             result.restart()
         except (StageError, trio.TooSlowError) as exc:
             _crossed(result, before, carried)
-            if isinstance(exc, StageError) and exc.code is ErrorCode.BAD_REQUEST and exc.message == RELAYED_HOP:
-                # a hop of this route goes through a relay's circuit (no punched link): the daemons' path
-                # carries its rows, and nobody failed
+            if isinstance(exc, StageError) and exc.code is ErrorCode.BAD_REQUEST and exc.message.startswith(RELAYED_HOP):
+                # a hop of this route goes through a relay's circuit (no punched link, or no connection
+                # punched over it): the daemons' path carries its rows, and nobody failed
                 log.info("epoch %d: %s; asking on the daemons' path", epoch, exc.message)
                 request = replace(request, fast=False)
                 continue

@@ -38,8 +38,10 @@ from wire.fastlink import preamble
 log = logging.getLogger(__name__)
 
 
-# What a stage answers (BAD_REQUEST) to a fast session whose next hop only a relay's circuit reaches:
-# the asker then runs the session on the daemons' path (meshd.client.ask)
+# How a stage's error (BAD_REQUEST) begins when a fast session's next hop is a stage behind a NAT that
+# only a relay's circuit reaches (said at open), or to which no connection could be punched (said when
+# the hop begins): the asker then runs the session on the daemons' path (meshd.client.ask), and nobody
+# is routed around
 RELAYED_HOP = "the fast path takes direct or punched hops, not a relay's circuit"
 
 
@@ -61,14 +63,15 @@ async def connect_fast(address: str, link: StreamLink, token: bytes, timeout: fl
                        limits: PunchLimits = PunchLimits(),
                        rounds: FastPunchLimits = FastPunchLimits()) -> trio.SocketStream:
     """A connection to the stage at ``address`` (which ``link`` reaches) that has sent the preamble for
-    ``token``: dialed where the address is a host and port, punched over ``link`` where it is a relay's
-    circuit; UNREACHABLE within ``timeout`` otherwise."""
+    ``token``: dialed where the address is a host and port (UNREACHABLE if that fails), punched over
+    ``link`` where it is a relay's circuit (BAD_REQUEST, starting with RELAYED_HOP, if that fails
+    within ``timeout``)."""
     if CIRCUIT_MARK not in address:
         host, port = split_address(address)
         return await dial_fast(host, port, token, timeout)
     node = link.remote_node_id[:16]
     if link.path == "relayed":
-        raise ProtocolError(ErrorCode.UNREACHABLE, f"only a relay's circuit reaches {node}: no fast-path connection")
+        raise _not_punched(f"only a relay's circuit reaches {node}")
     failure = "no round ran"
     with trio.move_on_after(timeout):
         for _ in range(rounds.tries):
@@ -88,9 +91,12 @@ async def connect_fast(address: str, link: StreamLink, token: bytes, timeout: fl
                 _told.add(link)
                 log.info("fast path to %s: punched a connection over the %s link", node, link.path)
             return connection
-        raise ProtocolError(ErrorCode.UNREACHABLE, f"no fast-path connection punched to {node}: {failure}")
-    raise ProtocolError(ErrorCode.UNREACHABLE, f"no fast-path connection punched to {node} within {timeout:g} s: "
-                                               f"{failure}")
+        raise _not_punched(f"no fast-path connection punched to {node}: {failure}")
+    raise _not_punched(f"no fast-path connection punched to {node} within {timeout:g} s: {failure}")
+
+
+def _not_punched(why: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, f"{RELAYED_HOP} ({why})")
 
 
 def _link_host(link: StreamLink) -> str:

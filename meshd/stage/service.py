@@ -818,6 +818,11 @@ class StageService:
         except trio.TooSlowError:
             self._fail(session, ProtocolError(ErrorCode.INTERNAL, "the session's engine worker never took it"))
         except ProtocolError as exc:
+            if exc.message.startswith(RELAYED_HOP):
+                # no fast-path connection opened to a stage behind a NAT: nobody is lost, and the asker
+                # goes on on the daemons' path
+                self._fail(session, exc)
+                return
             what = "the head" if ring else "the next stage"
             self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost {what} {target.address}: {exc}"))
 
