@@ -143,7 +143,11 @@ async def test_an_answer_that_is_no_fast_punch_fails_the_rounds_with_the_asker_t
             await stream.send_message(ErrorMessage(code=ErrorCode.BAD_REQUEST, message="no"))
 
         b.handle(FAST_PUNCH_PROTOCOL, wrong)
+        address = behind_a_relay(b.node_id)
+        assert fast_reaches(address, link)
         with trio.fail_after(20), pytest.raises(ProtocolError) as raised:
-            await connect_fast(behind_a_relay(b.node_id), link, secrets.token_bytes(TOKEN_BYTES), 5.0)
+            await connect_fast(address, link, secrets.token_bytes(TOKEN_BYTES), 5.0)
+        # and the link's next sessions are refused the fast path at their open, not tried again
+        assert not fast_reaches(address, link)
         assert raised.value.code is ErrorCode.BAD_REQUEST and raised.value.message.startswith(RELAYED_HOP)
         assert "no fast punch answered" in raised.value.message

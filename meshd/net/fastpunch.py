@@ -45,8 +45,11 @@ log = logging.getLogger(__name__)
 RELAYED_HOP = "the fast path takes direct or punched hops, not a relay's circuit"
 
 
-# links whose first punched fast-path connection the log has told (weak: a link's entry goes with it)
+# links whose first punched fast-path connection the log has told, and links over which a connection
+# could not be punched, whose sessions then open on the daemons' path at once (weak: an entry goes with
+# its link, and a new link to the node is tried afresh)
 _told: weakref.WeakSet[StreamLink] = weakref.WeakSet()
+_unpunchable: weakref.WeakSet[StreamLink] = weakref.WeakSet()
 
 
 class _RoundFailed(Exception):
@@ -55,8 +58,9 @@ class _RoundFailed(Exception):
 
 def fast_reaches(address: str, link: StreamLink | None) -> bool:
     """Whether a fast-path connection can go to ``address``: a host and port is dialed; a relay's
-    circuit needs a link to that node that is direct or punched (``link``: this node's, if any)."""
-    return CIRCUIT_MARK not in address or link is not None and link.path != "relayed"
+    circuit needs a link to that node that is direct or punched (``link``: this node's, if any), and
+    over which no punch has failed (a proxy in between, a NAT that changed its mind)."""
+    return CIRCUIT_MARK not in address or link is not None and link.path != "relayed" and link not in _unpunchable
 
 
 async def connect_fast(address: str, link: StreamLink, token: bytes, timeout: float,
@@ -91,7 +95,9 @@ async def connect_fast(address: str, link: StreamLink, token: bytes, timeout: fl
                 _told.add(link)
                 log.info("fast path to %s: punched a connection over the %s link", node, link.path)
             return connection
+        _unpunchable.add(link)
         raise _not_punched(f"no fast-path connection punched to {node}: {failure}")
+    _unpunchable.add(link)
     raise _not_punched(f"no fast-path connection punched to {node} within {timeout:g} s: {failure}")
 
 
