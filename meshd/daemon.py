@@ -79,8 +79,8 @@ from meshd.mesh.records import (
 )
 from meshd.mesh.status import held_models
 from meshd.net import rpc as net_rpc
-from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.relay.circuit import enable_circuits
 from meshd.relay.punch import Puncher
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper

@@ -37,6 +37,30 @@ class PunchSync(Message, tag="punch_sync"):
     """From the initiator: dial now (it dials half the measured round trip later)."""
 
 
+# A fast-path connection (meshd.net.fastpunch) over a direct or punched link to a node that has no
+# address to dial: a round on a stream of that link, one connection per round.
+FAST_PUNCH_PROTOCOL = "meshd/punch-fast/1"
+
+register_protocol(FAST_PUNCH_PROTOCOL, Limits(max_message_bytes=256, max_objects=8, max_depth=2))
+
+
+class FastPunch(Message, tag="punch_fast"):
+    """Each end's fresh port for one fast-path connection (the asking end's first, the answer's after
+    it); each end dials the other's port at the host its link comes from."""
+
+    port: Port
+
+
+@dataclass(frozen=True)
+class FastPunchLimits:
+    # rounds one connection may take, each with new ports (a NAT that drops a first SYN often takes the next)
+    tries: int = 3
+    # rounds this node answers at once for one peer, and for all: each holds a socket and a dial, and a
+    # stage holds a few sessions (--max-sessions), each wanting one connection
+    per_peer: int = 4
+    in_flight: int = 32
+
+
 @dataclass(frozen=True)
 class PunchLimits:
     # DCUtR's three rounds: a NAT that drops a first SYN often takes the next.

@@ -23,8 +23,8 @@ from meshd.mesh.membership import Dead, Gossip, Sync, SyncEntry
 from meshd.mesh.node import MeshNode
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net import rpc as net_rpc
-from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig
+from meshd.net.stream import Stream
 from meshd.stage.receipts import SessionReceipts, Signer
 from meshd.stage.service import answer_typed
 from wire.codec import Message

@@ -7,8 +7,8 @@ import contextlib
 import numpy as np
 import trio
 
-from meshd.net.link import Stream
 from meshd.net.peers import Peers, open_peers
+from meshd.net.stream import Stream
 from wire.codec import ErrorMessage
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity

@@ -62,7 +62,8 @@ from meshd.engine.supervisor import WorkerSpec
 from meshd.engine.workerproto import encode_prefix, take_frames
 from meshd.net import fastconn
 from meshd.net.admission import AdmissionConfig
-from meshd.net.peers import Peers, PeersConfig, open_peers, split_address
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.urls import split_address
 from meshd.stage.books import StageLimits
 from meshd.stage.fast import FastDoor
 from meshd.stage.service import StageNode, stage_node

@@ -13,7 +13,7 @@ from fetchnet import SMALL_CHUNK, chunked, peers_node, source_node
 from meshd.fetch.fetcher import FetchConfig, FetchFailed, SourceRef, fetch_chunks, fetch_manifest, fetch_range
 from meshd.fetch.source import ChunkSource, SourceConfig, UploadBucket, activity, register
 from meshd.net import rpc
-from meshd.net.link import Stream
+from meshd.net.stream import Stream
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import Chunk, Manifest, compute
 from meshd.store.ranges import range_chunks

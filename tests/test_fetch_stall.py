@@ -16,7 +16,7 @@ from fetchnet import chunked, peers_node, source_node
 from test_fetch_sources import lying_handler
 
 from meshd.fetch.fetcher import FetchConfig, FetchFailed, SourceRef, fetch_chunks
-from meshd.net.link import Stream
+from meshd.net.stream import Stream
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import Manifest
 from meshd.store.sparse import SparseFile

@@ -23,8 +23,8 @@ from attacks import typed_error
 from localmesh import Served, start_serve
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
-from meshd.net.link import Stream
 from meshd.net.peers import Peers, open_peers
+from meshd.net.stream import Stream
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.stage import (

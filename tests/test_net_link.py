@@ -10,7 +10,8 @@ import trio
 import trio.testing
 from memory_transport import MemoryTransport, memory_transport_pair
 
-from meshd.net.link import Link, LinkTimings, Stream, StreamBroken, StreamClosed
+from meshd.net.link import Link, LinkTimings
+from meshd.net.stream import Stream, StreamBroken, StreamClosed
 from wire.codec import LENGTH_PREFIX, ErrorMessage, Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity

@@ -11,8 +11,8 @@ from memory_transport import memory_transport_pair
 from test_net_link import ALICE, BOB, CALM, link_pair
 
 from meshd.net import rpc
-from meshd.net.link import Stream
 from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.stream import Stream
 from relay.protocol import Accepted, Connect, Connected
 from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError

@@ -18,8 +18,10 @@ from memory_transport import MemoryTransport, memory_transport_pair
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from meshd.net.admission import AdmissionConfig
-from meshd.net.link import LinkTimings, Stream
-from meshd.net.peers import HandshakeFailed, LinkDown, PeerEvent, Peers, PeersConfig, open_peers
+from meshd.net.events import HandshakeFailed, LinkDown, PeerEvent
+from meshd.net.link import LinkTimings
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.net.transport import StreamTransport
 from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
@@ -484,7 +486,7 @@ async def test_a_link_error_reaches_the_peer_as_the_reason_for_closing() -> None
         [link], [bob_link] = alice.links, bob.links
         # Forge a frame of an unknown type, as the peer's mux would see it.
         link.core.mux._out.append(b"\x63" + bytes(9))
-        await link._flush()
+        await link.flush()
         with trio.fail_after(5):
             await link.wait_closed()
             await bob_link.wait_closed()

@@ -23,8 +23,8 @@ import trio
 from attacks import stranger_error
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
-from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
 from wire.codec import Message
 from wire.errors import ErrorCode

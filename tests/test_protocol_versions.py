@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from meshd.net.link import Stream
 from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, same_protocol_other_version
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity

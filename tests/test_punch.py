@@ -16,8 +16,9 @@ import trio
 from test_relay_circuit import ECHO, echo_bytes, echo_through
 
 from meshd.net import rpc
-from meshd.net.link import LinkTimings, Stream
+from meshd.net.link import LinkTimings
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.relay.circuit import CircuitTransport, enable_circuits
 from meshd.relay.punch import Puncher, dial_from
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper

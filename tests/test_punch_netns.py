@@ -7,7 +7,8 @@
 The routers drop unsolicited packets, to themselves too, as most home routers do (a router that
 answered an early SYN with a reset would need the punch's timing to beat the other SYN, which needs a
 delay on the links that this kernel's missing netem cannot give). With a port-preserving MASQUERADE
-the homes' link is punched and the head stage's activations go to the tail direct: the relay's
+the homes' link is punched, and so is the fast path's connection between the two stages
+(meshd.net.fastpunch): the head's activations go to the tail's engine worker direct, and the relay's
 forwarded bytes grow by the asker's few (it listens nowhere, so stays relayed), not by the hidden
 states. With ``MASQUERADE --random-fully`` (a symmetric NAT) the punch fails and the relay carries
 all, as before punching.
@@ -25,8 +26,7 @@ from typing import Any
 
 import netns
 import pytest
-from netns import sh
-from test_relay_netns import NEW_TOKENS, PROMPT, VOLUNTEER, Topology, tear_down
+from test_relay_netns import NEW_TOKENS, PROMPT, VOLUNTEER, Topology, build_homes, tear_down
 
 pytestmark = pytest.mark.slow  # four namespaces, a seed, a relay and two volunteers, twice
 
@@ -34,43 +34,6 @@ SEED = "10.211.0.1:7000"
 RELAY = "10.211.0.2:7001"
 # Hidden states of NEW_TOKENS steps from head to tail: 576 floats a token, f32.
 HIDDEN_BYTES = NEW_TOKENS * 576 * 4
-
-
-def build(topo: Topology, symmetric: bool) -> None:
-    t = topo.tag
-    for role in ("pub", "r1", "r2", "h1", "h2"):
-        name = netns.name(t, role)
-        sh("ip", "netns", "add", name)
-        topo.namespaces[role] = name
-        sh("ip", "-n", name, "link", "set", "lo", "up")
-    pub = topo.ns("pub")
-    for address in (SEED, RELAY, "10.211.0.4:0"):
-        sh("ip", "-n", pub, "addr", "add", f"{address.split(':')[0]}/32", "dev", "lo")
-    # the public segment routes between the homes' routers, as the internet does
-    sh("ip", "netns", "exec", pub, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
-    for i in (1, 2):
-        router, home = topo.ns(f"r{i}"), topo.ns(f"h{i}")
-        uplink, lan = f"m{t}u{i}b", f"m{t}h{i}a"
-        for a, a_role, a_addr, b, b_role, b_addr in (
-                (f"m{t}u{i}a", "pub", f"10.211.{i}.1/24", uplink, f"r{i}", f"10.211.{i}.2/24"),
-                (lan, f"r{i}", f"10.212.{i}.1/24", f"m{t}h{i}b", f"h{i}", f"10.212.{i}.2/24")):
-            sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
-            topo.veths.append(a)
-            for dev, role, addr in ((a, a_role, a_addr), (b, b_role, b_addr)):
-                sh("ip", "link", "set", dev, "netns", topo.ns(role))
-                sh("ip", "-n", topo.ns(role), "addr", "add", addr, "dev", dev)
-                sh("ip", "-n", topo.ns(role), "link", "set", dev, "up")
-        sh("ip", "-n", router, "route", "add", "default", "via", f"10.211.{i}.1")
-        sh("ip", "-n", home, "route", "add", "default", "via", f"10.212.{i}.1")
-        sh("ip", "-n", pub, "route", "add", f"10.212.{i}.0/24", "via", f"10.211.{i}.2")
-        sh("ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
-        ipt = ["ip", "netns", "exec", router, "iptables"]
-        sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", uplink, "-j", "MASQUERADE",
-           *(["--random-fully"] if symmetric else []))
-        for chain in ("FORWARD", "INPUT"):
-            sh(*ipt, "-A", chain, "-i", uplink, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
-               "-j", "ACCEPT")
-            sh(*ipt, "-A", chain, "-i", uplink, "-j", "DROP")
 
 
 def start(topo: Topology) -> None:
@@ -91,7 +54,7 @@ def homes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Topo
         pytest.fail("iptables is missing (tools/dev installs it)")
     topo = Topology(secrets.token_hex(3), tmp_path)
     try:
-        build(topo, request.param)
+        build_homes(topo, (SEED, RELAY, "10.211.0.4:0"), "10.211", "10.212", symmetric=request.param)
         start(topo)
         yield topo, request.param
     finally:
@@ -165,8 +128,15 @@ def test_two_homes_behind_nats_punch_through_and_the_relay_carries_no_stage_byte
     # the relay's own counter (status) and its tap (every chunk it forwarded) agree, but for keepalives
     # between the two reads
     assert abs(grown - tapped) < 4096, (grown, tapped)
+    volunteers = "".join(topo.processes[f"v{i}"].log.read_text() for i in (1, 2))
     if symmetric:
+        # the stages said at the session's open that a relay's circuit is their hop, and the ask went on on
+        # the daemons' path, through the relay
+        assert "fast path to" not in volunteers
         assert grown > HIDDEN_BYTES
     else:
-        # only the asker's own exchanges with the two stages (it listens nowhere to punch to)
+        # the fast path's rows went engine worker to engine worker over a connection punched through both
+        # NATs beside the homes' punched link; the relay forwarded only the asker's own exchanges with the
+        # two stages (it listens nowhere to punch to), the prompt and the tokens, no hidden states
+        assert "punched a connection over the punched link" in volunteers, volunteers[-4000:]
         assert grown < HIDDEN_BYTES / 2

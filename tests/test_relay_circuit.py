@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 import trio
 
-from meshd.net.link import LinkTimings, Stream
+from meshd.net.link import LinkTimings
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.relay.circuit import CircuitTransport, enable_circuits
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService

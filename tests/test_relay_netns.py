@@ -1,8 +1,9 @@
 """Volunteers behind real NATs serve through relays: network namespaces, veth pairs, iptables MASQUERADE.
 
     pub namespace: seed 10.201.0.1, relays .2 and .3, the asker (addresses on its loopback)
-      ├─ veth 10.201.1.0/24 ─ router r1 (MASQUERADE, drops new inbound) ─ 10.202.1.0/24 ─ home h1: volunteer
-      └─ veth 10.201.2.0/24 ─ router r2 (MASQUERADE, drops new inbound) ─ 10.202.2.0/24 ─ home h2: volunteer
+      ├─ veth 10.201.1.0/24 ─ router r1 (MASQUERADE --random-fully, drops new inbound) ─ 10.202.1.0/24 ─ home h1: volunteer
+      └─ veth 10.201.2.0/24 ─ router r2 (MASQUERADE --random-fully, drops new inbound) ─ 10.202.2.0/24 ─ home h2: volunteer
+    (``build_homes``, which tests/test_punch_netns.py builds its homes with too)
 
 The public segment even has routes to the home subnets, so what keeps it out
 is the routers' NAT, as at home. Traffic goes only to addresses inside these
@@ -20,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,11 @@ class Topology:
         return "\n".join(f"----- {p.name}\n{p.log.read_text()[-4000:]}" for p in self.processes.values())
 
 
-def build(topo: Topology) -> None:
+def build_homes(topo: Topology, public: Sequence[str], wan: str, lan: str, symmetric: bool = False) -> None:
+    """Five namespaces: pub, the public segment, with the hosts of ``public`` on its loopback, and two homes
+    h1 and h2 (``lan``.i.2) behind routers r1 and r2 (``wan``.i.2 on pub's ``wan``.i.0/24). The routers
+    MASQUERADE (``symmetric``: with --random-fully, a symmetric NAT) and drop what nobody inside asked for,
+    to themselves too, as most home routers do."""
     t = topo.tag
     for role in ("pub", "r1", "r2", "h1", "h2"):
         name = netns.name(t, role)
@@ -83,8 +88,10 @@ def build(topo: Topology) -> None:
         topo.namespaces[role] = name
         sh("ip", "-n", name, "link", "set", "lo", "up")
     pub = topo.ns("pub")
-    for address in (SEED, *RELAYS, "10.201.0.4:0"):
+    for address in public:
         sh("ip", "-n", pub, "addr", "add", f"{address.split(':')[0]}/32", "dev", "lo")
+    # the public segment routes between the homes' routers, as the internet does
+    sh("ip", "netns", "exec", pub, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
 
     def veth(a_role: str, a_addr: str, b_role: str, b_addr: str, label: str) -> tuple[str, str]:
         a, b = f"m{t}{label}a", f"m{t}{label}b"
@@ -98,18 +105,20 @@ def build(topo: Topology) -> None:
 
     for i in (1, 2):
         router, home = topo.ns(f"r{i}"), topo.ns(f"h{i}")
-        _, uplink = veth("pub", f"10.201.{i}.1/24", f"r{i}", f"10.201.{i}.2/24", f"u{i}")
-        veth(f"r{i}", f"10.202.{i}.1/24", f"h{i}", f"10.202.{i}.2/24", f"h{i}")
-        sh("ip", "-n", router, "route", "add", "default", "via", f"10.201.{i}.1")
-        sh("ip", "-n", home, "route", "add", "default", "via", f"10.202.{i}.1")
-        sh("ip", "-n", pub, "route", "add", f"10.202.{i}.0/24", "via", f"10.201.{i}.2")
+        _, uplink = veth("pub", f"{wan}.{i}.1/24", f"r{i}", f"{wan}.{i}.2/24", f"u{i}")
+        veth(f"r{i}", f"{lan}.{i}.1/24", f"h{i}", f"{lan}.{i}.2/24", f"h{i}")
+        sh("ip", "-n", router, "route", "add", "default", "via", f"{wan}.{i}.1")
+        sh("ip", "-n", home, "route", "add", "default", "via", f"{lan}.{i}.1")
+        sh("ip", "-n", pub, "route", "add", f"{lan}.{i}.0/24", "via", f"{wan}.{i}.2")
         # /proc rather than sysctl(8), which minimal images lack; the setting is per namespace.
         sh("ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
         ipt = ["ip", "netns", "exec", router, "iptables"]
-        sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", uplink, "-j", "MASQUERADE")
-        sh(*ipt, "-A", "FORWARD", "-i", uplink, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
-           "-j", "ACCEPT")
-        sh(*ipt, "-A", "FORWARD", "-i", uplink, "-j", "DROP")
+        sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", uplink, "-j", "MASQUERADE",
+           *(["--random-fully"] if symmetric else []))
+        for chain in ("FORWARD", "INPUT"):
+            sh(*ipt, "-A", chain, "-i", uplink, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+               "-j", "ACCEPT")
+            sh(*ipt, "-A", chain, "-i", uplink, "-j", "DROP")
 
 
 def tear_down(topo: Topology) -> None:
@@ -135,7 +144,9 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         pytest.fail("iptables is missing (tools/dev installs it)")
     topo = Topology(secrets.token_hex(3), tmp_path_factory.mktemp("netns"))
     try:
-        build(topo)
+        # symmetric NATs: no hole punch between the homes opens, so the relays carry the stages' traffic
+        # (tests/test_punch_netns.py has the homes behind port-preserving NATs)
+        build_homes(topo, (SEED, *RELAYS, "10.201.0.4:0"), "10.201", "10.202", symmetric=True)
         topo.start("seed", "pub", "join", "--no-model", "--listen", SEED, "--state-dir", str(topo.base / "seed"), *KV)
         for i, address in enumerate(RELAYS):
             topo.start(f"relay{i}", "pub", "relay", "--listen", address, "--seed", SEED,

@@ -24,8 +24,8 @@ from meshd.client.ask import (
     route_from_reply,
     run_session,
 )
-from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.stage.service import StageLimits, StageNode, stage_node
 from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError

@@ -14,7 +14,7 @@ import trio
 from test_relay_circuit import CANARY, Node, echo_through, reserve, start_node
 
 from meshd.net import rpc
-from meshd.net.link import Stream
+from meshd.net.stream import Stream
 from relay.limits import RelayLimits
 from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Accepted, Incoming, Reserve, Reserved
 from wire.errors import ErrorCode, ProtocolError

@@ -30,8 +30,8 @@ from meshd.client.verify import CheckPlan
 from meshd.mesh.probes import ProbeConfig, StageProbe, probe_seconds
 from meshd.mesh.proofs import check_proof
 from meshd.net import rpc
-from meshd.net.link import Stream
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
 from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError

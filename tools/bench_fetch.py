@@ -42,8 +42,8 @@ from localmesh import run_meshd, spawn, start_serve, stop_process
 from meshd.fetch.fetcher import SourceRef, fetch_chunks, fetch_manifest
 from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
 from meshd.mesh.models import default_model_path
-from meshd.net.link import Stream
 from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.stage.service import StageLimits, stage_node
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import Manifest, compute

@@ -36,8 +36,8 @@ import trio
 from benchlib.result import parser, publish
 from trio_websocket import WebSocketRequest, WebSocketServer, open_websocket_url, serve_websocket
 
-from meshd.net.link import Stream
 from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.net.transport import WS_RECEIVE_BUFFER
 from meshd.net.wsmask import stock_masking
 from wire.codec import Message

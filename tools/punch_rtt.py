@@ -75,8 +75,9 @@ async def node(role: str, listen: str, relay_id: str, target: str, pings: int) -
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from meshd.net.link import LinkTimings, Stream
+    from meshd.net.link import LinkTimings
     from meshd.net.peers import PeersConfig, open_peers
+    from meshd.net.stream import Stream
     from meshd.relay.circuit import enable_circuits
     from meshd.relay.punch import Puncher
     from meshd.relay.reservations import RelayCandidate, ReservationKeeper

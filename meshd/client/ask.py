@@ -18,8 +18,9 @@ import trio
 from meshd.client.chat import ChatRequest, Rendered, render
 from meshd.client.prefix import look_up
 from meshd.net import rpc
-from meshd.net.link import Stream
+from meshd.net.fastpunch import RELAYED_HOP
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from relay.protocol import CIRCUIT_MARK
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.credit import Voucher
@@ -155,7 +156,7 @@ class AskRequest:
     # every stage of the route keeps of this asker's earlier sessions (a verified ask runs them all)
     cache: bool = True
     # the fast path (wire.fastlink): rows go engine worker to engine worker, where the route allows
-    # it (every hop direct, f32, no receipts, no draft model); off, every row goes through the daemons
+    # it (every hop direct or punched, f32, no draft model); off, every row goes through the daemons
     fast: bool = True
     # the member on whose credit the ask is made, when it dials from an identity of its own (wire.credit)
     payer: Voucher | None = None
@@ -561,11 +562,11 @@ async def _count_prompt(head: Stream, prompt: Prompt, result: AskResult, timeout
 
 
 def fast_path(route: Sequence[Stage], request: AskRequest) -> bool:
-    """Whether a session takes the fast path: asked for, a split route of direct hops (a relay
-    circuit's frames go through the relay's daemon), f32 rows and no draft model."""
+    """Whether a session takes the fast path: asked for, a split route, f32 rows and no draft model.
+    A stage behind a NAT takes it where the stage before it holds a direct or punched link to it;
+    where only a relay's circuit does, it says so at once (RELAYED_HOP) and the ask goes on without."""
     return (request.fast and len(route) > 1 and request.speculate != "model"
-            and (request.wire_dtype, request.wire_codec) == ("f32", "raw")
-            and not any(CIRCUIT_MARK in s.address for s in route))
+            and (request.wire_dtype, request.wire_codec) == ("f32", "raw"))
 
 
 async def _receive_prompt_tokens(stream: Stream, result: AskResult, timeout: float, tail: Stream,
@@ -767,6 +768,12 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             result.restart()
         except (StageError, trio.TooSlowError) as exc:
             _crossed(result, before, carried)
+            if isinstance(exc, StageError) and exc.code is ErrorCode.BAD_REQUEST and exc.message.startswith(RELAYED_HOP):
+                # a hop of this route goes through a relay's circuit (no punched link, or no connection
+                # punched over it): the daemons' path carries its rows, and nobody failed
+                log.info("epoch %d: %s; asking on the daemons' path", epoch, exc.message)
+                request = replace(request, fast=False)
+                continue
             if isinstance(exc, StageError) and exc.culprit is None and over_budget(exc):
                 # A stage's session budget is its own (--session-tokens): no route is roomier for being
                 # another, and failing over found "no route" half a minute later. An answer that reached
@@ -807,6 +814,12 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 retry = not suspects
                 suspects = {s.node_id for s in route if s.node_id is not None} - set(culprits) - set(result.excluded)
             if not culprits and not (retry and suspects):
+                if request.fast and any(CIRCUIT_MARK in s.address for s in route):
+                    # nobody failed, but a hop to a stage behind a NAT did not open on the fast path (its
+                    # punched connection did not): the daemons' path carries the rows over the links that did
+                    log.info("epoch %d failed (%s); asking on the daemons' path", epoch, exc)
+                    request = replace(request, fast=False)
+                    continue
                 raise
             log.info("epoch %d failed (%s); routing around %s", epoch, exc, ", ".join(c[:12] for c in culprits))
             result.excluded.extend(culprits)

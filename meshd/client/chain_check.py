@@ -31,8 +31,8 @@ from meshd.client.ask import CacheDoubted, Stage
 from meshd.client.audit import Audit
 from meshd.client.check_session import CheckSession, open_check_session
 from meshd.client.verify import CheckPlan, Inbox, RangeCheck, check_numerics, failure_of, run_drawn
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import Proof, Receipt, Receipts, unpack_chain

@@ -16,8 +16,8 @@ import trio
 
 from meshd.client.ask import release_all
 from meshd.net import rpc
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from wire.stage import (
     STAGE_PROTOCOL,
     Grammar,

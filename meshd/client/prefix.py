@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from meshd.net import rpc
-from meshd.net.link import Stream
+from meshd.net.stream import Stream
 from wire.stage import PREFIX_BLOCK, CacheFound, CacheLookup, CacheUse, Grammar, PromptTokens, prefix_keys
 
 

@@ -15,8 +15,8 @@ import trio
 from meshd.client.check_session import open_check_session
 from meshd.mesh.probes import ProbeConfig, ProbeResult, StageProbe
 from meshd.net import rpc
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import Receipts

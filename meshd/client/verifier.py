@@ -30,8 +30,8 @@ from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
 from meshd.client.chain_check import ChainCheck
 from meshd.client.served import Served, served_work
 from meshd.client.verify import MAX_PROOFS, REPLICAS_WANTED, CheckPlan, Draws, Inbox, RangeCheck, replicas_of
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from wire.errors import ProtocolError
 from wire.receipt import Proof, Receipts
 from wire.stage import Grammar, Inputs, Sampling, Seal

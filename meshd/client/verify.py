@@ -39,8 +39,8 @@ from meshd.client.ask import (
 )
 from meshd.client.audit import Audit, StageLied
 from meshd.client.check_session import CheckSession, open_check_session
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import (

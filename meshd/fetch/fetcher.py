@@ -36,9 +36,9 @@ from pathlib import Path
 
 import trio
 
-from meshd.net.link import Stream, StreamBroken
 from meshd.net.peers import Peers
 from meshd.net.rpc import request, within
+from meshd.net.stream import Stream, StreamBroken
 from meshd.store.gguf_header import GGUFError, read_layout
 from meshd.store.manifest import Chunk, Manifest, ManifestError
 from meshd.store.plan import MIN_RATE, FetchPlan

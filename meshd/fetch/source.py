@@ -43,8 +43,8 @@ import trio
 
 from meshd.mesh.addresses import source_group
 from meshd.mesh.records import host_of
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from meshd.store.holding import Holding
 from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError

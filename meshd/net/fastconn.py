@@ -69,19 +69,20 @@ async def dial_fast(host: str, port: int, token: bytes, timeout: float) -> trio.
                 raise
             return stream
     except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-        raise _unreachable(host, port, exc) from None
+        raise _unreachable(f"{host}:{port}", exc) from None
 
 
-async def accepted(stream: trio.SocketStream, host: str, port: int, timeout: float) -> None:
-    """Returns once the far daemon has answered ACCEPTED; UNREACHABLE if it refused or never did."""
+async def accepted(stream: trio.SocketStream, address: str, timeout: float) -> None:
+    """Returns once the far daemon (at ``address``) has answered ACCEPTED; UNREACHABLE if it refused or
+    never did."""
     try:
         with trio.fail_after(timeout):
             answer = await stream.receive_some(len(ACCEPTED))
     except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-        raise _unreachable(host, port, exc) from None
+        raise _unreachable(address, exc) from None
     if answer != ACCEPTED:
-        raise ProtocolError(ErrorCode.UNREACHABLE, f"{host}:{port} refused the fast-path connection")
+        raise ProtocolError(ErrorCode.UNREACHABLE, f"{address} refused the fast-path connection")
 
 
-def _unreachable(host: str, port: int, exc: BaseException) -> ProtocolError:
-    return ProtocolError(ErrorCode.UNREACHABLE, f"no fast-path connection to {host}:{port}: {exc or 'timed out'}")
+def _unreachable(address: str, exc: BaseException) -> ProtocolError:
+    return ProtocolError(ErrorCode.UNREACHABLE, f"no fast-path connection to {address}: {exc or 'timed out'}")

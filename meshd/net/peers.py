@@ -29,14 +29,16 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import trio
 from trio_websocket import ConnectionClosed
 
 from meshd.net.admission import Admission, AdmissionConfig, Ticket, fd_budget, raise_fd_limit
+from meshd.net.events import HandshakeFailed, LinkDown, LinkUp, Observer, PeerEvent
 from meshd.net.fastconn import FastHandler, is_fast, read_token
-from meshd.net.link import Link, LinkTimings, Stream
+from meshd.net.fastpunch import FastPunchAnswer
+from meshd.net.link import Link, LinkTimings
+from meshd.net.stream import Stream
 from meshd.net.transport import (
     RecordTransport,
     UpgradeFailed,
@@ -44,6 +46,8 @@ from meshd.net.transport import (
     client_websocket,
     server_websocket,
 )
+from meshd.net.urls import split_url, ws_url
+from relay.punch import FAST_PUNCH_PROTOCOL
 from wire.codec import DEFAULT_LIMITS, Limits, same_protocol_other_version
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -76,59 +80,6 @@ class PeersConfig:
     first_message_timeout: float = 10.0
     # The local host outgoing dials bind to (None: the kernel's choice), on a multi-homed host.
     dial_from: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LinkUp:
-    link: Link
-
-
-@dataclass(frozen=True, slots=True)
-class LinkDown:
-    link: Link
-    error: ProtocolError
-
-
-@dataclass(frozen=True, slots=True)
-class HandshakeFailed:
-    address: str
-    inbound: bool
-    error: ProtocolError
-
-
-PeerEvent = LinkUp | LinkDown | HandshakeFailed
-Observer = Callable[[PeerEvent], None]
-
-
-def ws_url(address: str) -> str:
-    """``host:port`` or ``ws://host:port[/]`` as a WebSocket URL."""
-    if address.startswith(("ws://", "wss://")):
-        return address
-    if ":" not in address:
-        raise ValueError(f"address {address!r} needs a port (host:port)")
-    return f"ws://{address}/"
-
-
-def _split_url(url: str) -> tuple[str, int, str]:
-    parts = urlsplit(url)
-    if parts.scheme != "ws" or not parts.hostname:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot dial {url!r}: only ws://host:port is supported")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if port is None:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot dial {url!r}: it needs a port")
-    return parts.hostname, port, parts.path or "/"
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` as its host and port; BAD_REQUEST for anything else."""
-    try:
-        host, port, _ = _split_url(ws_url(address))
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
-    return host, port
 
 
 _STAGE_TIMEOUTS = {
@@ -188,8 +139,10 @@ class Peers:
 
     def handle_fast(self, handler: FastHandler) -> None:
         """Give inbound fast-path connections (``meshd.net.fastconn``) to ``handler``, which has the
-        pre-auth deadline to take them; without one they are closed like any failed upgrade."""
+        pre-auth deadline to take them; without one they are closed like any failed upgrade. Those
+        punched over a link (``meshd.net.fastpunch``) go to it too."""
         self._fast = handler
+        self.handle(FAST_PUNCH_PROTOCOL, FastPunchAnswer(handler, self.config.admission.preauth_timeout))
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Accept peers on ``ws://host:port``; returns the bound port.
@@ -360,7 +313,7 @@ class Peers:
     ) -> None:
         if self._closing:
             raise ProtocolError(ErrorCode.UNREACHABLE, "this node is shutting down")
-        host, port, resource = _split_url(url)
+        host, port, resource = split_url(url)
         link: Link | None = None
         error: ProtocolError | None = None
         async with trio.open_nursery() as connection:

@@ -16,8 +16,8 @@ from typing import TypeVar
 
 import trio
 
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 

@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from meshd.net import rpc
-from meshd.net.link import Link, Stream
+from meshd.net.link import Link
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from meshd.net.transport import StreamTransport
 from relay.protocol import (
     HOP_PROTOCOL,

@@ -19,8 +19,9 @@ from collections.abc import Callable
 import trio
 
 from meshd.net import rpc
-from meshd.net.link import Link, Stream
+from meshd.net.link import Link
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream, StreamLink
 from meshd.relay.circuit import CircuitTransport
 from relay.punch import (
     PUNCH_PROTOCOL,
@@ -104,7 +105,7 @@ class Puncher:
         return host, port
 
     @staticmethod
-    def _observed(link: Link) -> str:
+    def _observed(link: StreamLink) -> str:
         transport = link.transport
         if link.path != "relayed" or not isinstance(transport, CircuitTransport):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a hole punch runs over a relay's circuit only")

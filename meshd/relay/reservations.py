@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import trio
 
 from meshd.net import rpc
-from meshd.net.link import Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream
 from relay.protocol import HOP_PROTOCOL, Reserve, Reserved, circuit_address
 from relay.reservations import RelayCandidate, Renew, ReservationPolicy
 from relay.reservations import Reserve as ReserveAction

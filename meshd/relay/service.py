@@ -14,8 +14,8 @@ import trio
 
 from meshd.mesh.records import host_of
 from meshd.net import rpc
-from meshd.net.link import Link, Stream
 from meshd.net.peers import Peers
+from meshd.net.stream import Stream, StreamLink
 from meshd.relay.circuit import CircuitTransport
 from relay.limits import Circuit, RelayLimits, RelayState
 from relay.protocol import (
@@ -52,7 +52,7 @@ class RelayService:
         # its dialer); by default the members who may reserve.
         self._is_known = is_known or is_member
         self._tap = tap
-        self._links: dict[str, Link] = {}
+        self._links: dict[str, StreamLink] = {}
         self.forwarded_bytes = 0
         peers.handle(HOP_PROTOCOL, self._on_hop)
 

@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 import trio
 
-from meshd.net.link import Stream
+from meshd.net.stream import Stream
 
 T = TypeVar("T")
 

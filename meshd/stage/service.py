@@ -44,9 +44,10 @@ from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec
 from meshd.mesh.models import ModelNotFound
 from meshd.mesh.records import host_of
-from meshd.net.fastconn import accepted, detach, dial_fast
-from meshd.net.link import Stream
-from meshd.net.peers import Peers, PeersConfig, open_peers, split_address
+from meshd.net.fastconn import accepted, detach
+from meshd.net.fastpunch import RELAYED_HOP, connect_fast, fast_reaches
+from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.stage.books import LIVE, Emitted, SessionBook, StageBooks, StageLimits, Work
 from meshd.stage.fast import FastDoor, new_offer
 from meshd.stage.outlet import Outlet
@@ -431,8 +432,8 @@ class StageService:
         target = self._downstream_target(msg)
         if target is not None:
             self.may_dial(target[0])
-            if msg.fast and CIRCUIT_MARK in target[0].address:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "the fast path takes direct hops, not relay circuits")
+            if msg.fast and not fast_reaches(target[0].address, self.peers.link_to(target[0].node_id or "")):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, RELAYED_HOP)
         book, gone = self.books.open(msg.session, msg.epoch, self.engine.generation, msg.max_tokens, msg.stop,
                                      trio.current_time(), owner=stream.remote_node_id, upstream=msg.upstream,
                                      source=host_of(stream.link.address), credit=self._credit(stream, msg))
@@ -796,8 +797,7 @@ class StageService:
                 # from now on a step's rows go straight onto the stream when they can (Outlet)
                 await outlet.run(hop_stream)
                 return
-            host, port = split_address(target.address)
-            conn = await dial_fast(host, port, offer.token, self.limits.hop_timeout)
+            conn = await connect_fast(target.address, hop_stream.link, offer.token, self.limits.hop_timeout)
             async with conn:
                 with trio.fail_after(self.limits.hop_timeout):
                     await session.fast_opened.wait()
@@ -809,7 +809,7 @@ class StageService:
                                              "out": True, "key": offer.key}, fds=(sock.fileno(),))
                 finally:
                     sock.close()
-                await accepted(conn, host, port, self.limits.hop_timeout)
+                await accepted(conn, target.address, self.limits.hop_timeout)
             # the rows go on the fast connection; the stream ends when the next stage lets the session go
             msg = await hop_stream.receive_message()
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {msg.type!r} on a fast hop stream")
@@ -818,6 +818,11 @@ class StageService:
         except trio.TooSlowError:
             self._fail(session, ProtocolError(ErrorCode.INTERNAL, "the session's engine worker never took it"))
         except ProtocolError as exc:
+            if exc.message.startswith(RELAYED_HOP):
+                # no fast-path connection opened to a stage behind a NAT: nobody is lost, and the asker
+                # goes on on the daemons' path
+                self._fail(session, exc)
+                return
             what = "the head" if ring else "the next stage"
             self._fail(session, ProtocolError(ErrorCode.UNREACHABLE, f"lost {what} {target.address}: {exc}"))
 
