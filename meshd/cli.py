@@ -60,7 +60,8 @@ from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_st
 from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_create_identity
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.relay.circuit import enable_circuits
-from meshd.stage.service import StageLimits, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import stage_node
 from meshd.store.gguf_header import GGUFError
 from meshd.store.manifest import Manifest, ManifestError
 from meshd.store.ranges import RangeError

@@ -80,13 +80,16 @@ from meshd.mesh.records import (
 from meshd.mesh.status import held_models
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.rpc import answer_typed
 from meshd.net.stream import Stream
 from meshd.relay.circuit import enable_circuits
 from meshd.relay.punch import Puncher
 from meshd.relay.reservations import RelayCandidate, ReservationKeeper
 from meshd.relay.service import RelayService, Tap
+from meshd.stage.books import StageLimits
 from meshd.stage.fast import FastDoor
-from meshd.stage.service import StageLimits, StageService, answer_typed, model_manifest
+from meshd.stage.node import model_manifest
+from meshd.stage.service import StageService
 from meshd.store.gguf_header import GGUFError
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import CHUNK_SIZE, Chunk, Manifest

@@ -24,9 +24,9 @@ from meshd.mesh.node import MeshNode
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig
+from meshd.net.rpc import answer_typed
 from meshd.net.stream import Stream
 from meshd.stage.receipts import SessionReceipts, Signer
-from meshd.stage.service import answer_typed
 from wire.codec import Message
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity

@@ -81,7 +81,7 @@ def honest_mesh(base: Path, path: Path) -> Iterator[Mesh]:
         for i in range(2):
             nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", "1M",
                                     "--state-dir", str(base / f"v{i}"), *SESSIONS))
-        from meshd.stage.service import model_manifest
+        from meshd.stage.node import model_manifest
         digest = model_manifest(path, base / "v0").model_id
         yield Mesh(nodes[0], nodes[1:], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
     finally:

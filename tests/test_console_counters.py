@@ -9,7 +9,8 @@ import trio
 
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import PeersConfig, open_peers
-from meshd.stage.service import StageLimits, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import stage_node
 from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL, Done, Metrics, MetricsRequest, Open, Opened, Prompt, new_session_id
 

@@ -66,7 +66,7 @@ from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.urls import split_address
 from meshd.stage.books import StageLimits
 from meshd.stage.fast import FastDoor
-from meshd.stage.service import StageNode, stage_node
+from meshd.stage.node import StageNode, stage_node
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.fastlink import (
@@ -1361,7 +1361,7 @@ async def test_a_fast_sessions_rows_never_go_through_the_middle_daemon(
 def test_the_fast_paths_counts_only_grow_across_a_new_worker() -> None:
     """What a worker last told of its fast batches stays counted after it dies (the console's live
     figures are differences of these counts: a new worker's small ones must not make them fall)."""
-    from meshd.stage.service import StageMetrics
+    from meshd.stage.metrics import StageMetrics
 
     m = StageMetrics()
     m.fast = {"engine_calls": 10, "decode_rows": 40, "max_sessions_per_call": 3}

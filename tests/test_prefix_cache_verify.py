@@ -23,7 +23,8 @@ from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, ru
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.net.peers import PeersConfig, open_peers
-from meshd.stage.service import StageLimits, StageNode, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import StageNode, stage_node
 from wire.identity import NodeIdentity
 from wire.stage import Sampling
 

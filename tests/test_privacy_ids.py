@@ -25,7 +25,9 @@ from attacks import stranger_error
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.stream import Stream
-from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import StageNode, stage_node
+from meshd.stage.service import StageService
 from wire.codec import Message
 from wire.errors import ErrorCode
 from wire.identity import NodeIdentity

@@ -12,7 +12,8 @@ import trio
 from meshd.cli import figures_line
 from meshd.client.ask import AskRequest, AskResult, Stage, StageError, ask_with_failover, run_session
 from meshd.net.peers import PeersConfig, open_peers
-from meshd.stage.service import StageLimits, StageNode, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import StageNode, stage_node
 from wire.errors import ErrorCode
 from wire.identity import NodeIdentity
 

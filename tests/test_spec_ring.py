@@ -19,7 +19,8 @@ import trio
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_at, run_session
 from meshd.net.peers import Peers, PeersConfig, open_peers
-from meshd.stage.service import StageLimits, StageNode, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import StageNode, stage_node
 from tests.conftest import greedy_reference
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity

@@ -26,7 +26,8 @@ from meshd.client.ask import (
 )
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.stream import Stream
-from meshd.stage.service import StageLimits, StageNode, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import StageNode, stage_node
 from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity

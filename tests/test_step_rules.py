@@ -23,8 +23,10 @@ from hypothesis import strategies as st
 from meshd import steps
 from meshd.engine.engine import RangeReport
 from meshd.engine.fastpath import FastPlane
+from meshd.stage.books import StageLimits
 from meshd.stage.outlet import Outlet
-from meshd.stage.service import Session, StageLimits, StageService
+from meshd.stage.service import StageService
+from meshd.stage.state import Session
 from wire.codec import encode
 from wire.errors import ProtocolError
 from wire.fastlink import ROWS, ROWS_IDS, TOKENS, Step
@@ -117,7 +119,7 @@ class SlowPlane:
         self.service.books.set_prompt(book, PROMPT)
         self.session = Session(book=book, open=Open(session="s", epoch=0), to_asker=Outlet(encode))
         self.session.gets_ids = gets_ids
-        self.service._sessions[book] = self.session
+        self.service.state.sessions[book] = self.session
 
     def take(self, sent: Sent) -> tuple[str, str] | None:
         rows = np.full((sent.n, WIDTH), np.nan if sent.nan else 0.5, np.float32)
@@ -128,10 +130,10 @@ class SlowPlane:
                                       "deadline_ms": None, "drafts": sent.drafts, "receipts": None})
 
         def check() -> None:
-            checked = self.service._checked_activation(self.session, msg, None)
+            checked = self.service.hops.checked_activation(self.session, msg, None)
             if checked is not None:
-                from meshd.stage.service import _decoded
-                _decoded(checked[0])
+                from meshd.stage.hops import decoded
+                decoded(checked[0])
                 books = self.service.books
                 books.enqueue(self.session.book, sent.pos, sent.n, None, 0.0, sent.drafts)
             # the engine ran the step (the head's was queued by the check itself)

@@ -20,7 +20,7 @@ from test_attacks import PROMPT, SESSIONS, TOKENS, Mesh, converged, honest_ask, 
 
 from meshd.daemon import describe_model, rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
-from meshd.stage.service import model_manifest
+from meshd.stage.node import model_manifest
 from tests.conftest import greedy_reference
 from wire.identity import NodeIdentity
 from wire.meshrpc import StageSpeed, TimedStage, TrafficReport, TrafficTaken

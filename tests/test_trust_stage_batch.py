@@ -15,9 +15,10 @@ import trio
 
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import WorkerRefused
-from meshd.stage.books import Phase
+from meshd.stage.books import Phase, StageLimits
 from meshd.stage.outlet import Outlet
-from meshd.stage.service import Rows, Session, StageLimits, StageService
+from meshd.stage.service import StageService
+from meshd.stage.state import Rows, Session
 from wire.codec import encode
 from wire.errors import ErrorCode
 from wire.stage import Open
@@ -58,7 +59,7 @@ def session(service: StageService, name: str, owner: str) -> tuple[Session, trio
     s = Session(book=book, open=Open(session=name, epoch=0), to_asker=Outlet(encode))
     # no stream attached: what goes downstream waits in the outlet's channel, where the test reads it
     s.downstream = Outlet(bytes)
-    service._sessions[book] = s
+    service.state.sessions[book] = s
     return s, s.downstream.receive
 
 
@@ -68,10 +69,10 @@ async def test_a_bystander_batched_with_an_offender_gets_its_rows_and_only_the_o
     bystander, bystander_out = session(service, "bystander", "honest")
     offender, offender_out = session(service, "offender", "attacker")
     for s, value in ((bystander, 1.0), (offender, POISON)):
-        service._enqueue(s, 0, 1, Rows(s, None, np.full((1, N_EMBD), value, dtype=np.float32), None))
+        service.state.enqueue(s, 0, 1, Rows(s, None, np.full((1, N_EMBD), value, dtype=np.float32), None))
     batch = service.books.next_batch()
     assert len(batch) == 2
-    await service._run_batch(batch)
+    await service.batcher.run_batch(batch)
     assert engine.calls == [2, 1, 1]
     assert bystander.book.phase is Phase.DECODE and bystander.book.failure is None
     assert bystander_out.receive_nowait()

@@ -29,7 +29,9 @@ from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.mesh.proofs import check_proof
 from meshd.net.peers import PeersConfig, open_peers
-from meshd.stage.service import Session, StageNode, StageService
+from meshd.stage.node import StageNode
+from meshd.stage.service import StageService
+from meshd.stage.state import Session
 from wire.identity import NodeIdentity
 from wire.receipt import row_hash
 from wire.stage import Inputs, Seal
@@ -44,12 +46,12 @@ REQUEST = AskRequest(text="The lighthouse keeper climbed the stairs and", max_to
 
 def signing_other_input(service: StageService) -> None:
     """An attacker's daemon: signs its spans' input as other rows than its worker took in."""
-    honest = service._sign_span
+    honest = service.signing.sign_span
 
     def other(session: Session, pos: int, n: int, h_in: bytes, h_out: bytes) -> None:
         honest(session, pos, n, row_hash(b"other" + h_in), h_out)
 
-    service._sign_span = other  # type: ignore[method-assign]
+    service.signing.sign_span = other  # type: ignore[method-assign]
 
 
 def signing_other_check_outputs(service: StageService) -> None:
@@ -59,9 +61,9 @@ def signing_other_check_outputs(service: StageService) -> None:
         assert session.receipts is not None
         session.check_receipts.append(session.receipts.sign_wire(w.pos, w.n, w.payload.h_in, row_hash(b"other")))
         if session.book.in_flight == 0:
-            service._check_receipts(session, session.check_receipts.pop())
+            service.signing.check_receipts(session, session.check_receipts.pop())
 
-    service._check_receipt = other  # type: ignore[method-assign]
+    service.signing.check_receipt = other  # type: ignore[method-assign]
 
 
 def withholding_inputs(service: StageService) -> None:
@@ -71,7 +73,7 @@ def withholding_inputs(service: StageService) -> None:
         session.kept = []
         session.to_asker.send_nowait(Inputs(session=session.book.id, epoch=session.book.epoch, steps=[]))
 
-    service._send_inputs = nothing  # type: ignore[method-assign]
+    service.signing.send_inputs = nothing  # type: ignore[method-assign]
 
 
 def withholding_seal(service: StageService) -> None:
@@ -80,19 +82,19 @@ def withholding_seal(service: StageService) -> None:
     async def silent(session: Session, msg: Any) -> None:
         return None
 
-    service._seal = silent  # type: ignore[method-assign]
+    service.fast.seal = silent  # type: ignore[method-assign]
 
 
 def inputs_asked(service: StageService) -> list[int]:
     """Records the positions up to which the asker asks ``service`` for a fast session's kept inputs."""
     asked: list[int] = []
-    honest = service._fast_inputs
+    honest = service.fast.inputs
 
     async def recording(session: Session, msg: Any) -> None:
         asked.append(msg.until)
         await honest(session, msg)
 
-    service._fast_inputs = recording  # type: ignore[method-assign]
+    service.fast.inputs = recording  # type: ignore[method-assign]
     return asked
 
 

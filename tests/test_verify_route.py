@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import trio
 
-import meshd.stage.service as service_module
+import meshd.stage.batching as batching_module
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
 from meshd.client.probe import probe_stage
 from meshd.client.verifier import Verifier
@@ -32,7 +32,9 @@ from meshd.mesh.proofs import check_proof
 from meshd.net import rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.stream import Stream
-from meshd.stage.service import StageLimits, StageNode, StageService, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import StageNode, stage_node
+from meshd.stage.service import StageService
 from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
@@ -56,7 +58,7 @@ def stage_of(node: StageNode) -> Stage:
 def attacker_flipping_a_float(service: StageService, at_call: int) -> None:
     """An attacker: flips the sign of one float of its output in its ``at_call``-th engine call of a
     routed session (not of a check session), and signs what it sends as an honest stage would."""
-    honest = service._dispatch
+    honest = service.batcher.dispatch
     calls = [0]
 
     def lying(batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
@@ -67,28 +69,28 @@ def attacker_flipping_a_float(service: StageService, at_call: int) -> None:
                 rows[0] = -rows[0] if rows[0] else 1.0
         honest(batch, reply, body)
 
-    service._dispatch = lying  # type: ignore[method-assign]
+    service.batcher.dispatch = lying  # type: ignore[method-assign]
 
 
 def attacker_one_position_off(service: StageService) -> None:
     """An attacker: forwards every activation one position further on than the rows it computed."""
-    honest = service._dispatch
+    honest = service.batcher.dispatch
 
     def shifted(batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
         # _dispatch does not yield, so no other stage of this process encodes meanwhile
-        real = service_module.encode_activation
+        real = batching_module.encode_activation
 
         def moved(**fields: Any) -> bytes:
             fields["pos"] += 1
             return real(**fields)
 
-        service_module.encode_activation = moved
+        batching_module.encode_activation = moved
         try:
             honest(batch, reply, body)
         finally:
-            service_module.encode_activation = real
+            batching_module.encode_activation = real
 
-    service._dispatch = shifted  # type: ignore[method-assign]
+    service.batcher.dispatch = shifted  # type: ignore[method-assign]
 
 
 async def refused_chain(peers: Peers, head: PeerRef, node: StageNode, chain: Callable[[str, bytes], bytes],

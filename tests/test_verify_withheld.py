@@ -27,7 +27,9 @@ from meshd.client.asker import Asker, Unverified
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.net.peers import PeersConfig, open_peers
-from meshd.stage.service import Session, StageNode, StageService
+from meshd.stage.node import StageNode
+from meshd.stage.service import StageService
+from meshd.stage.state import Session
 from wire.identity import NodeIdentity
 from wire.receipt import Proof
 from wire.stage import Inputs, InputsRequest, Sampling
@@ -52,13 +54,13 @@ def withholding(service: StageService, kind: str) -> None:
         steps = {"nothing": [], "short": taken[:-1], "reordered": taken[::-1]}[kind]
         session.to_asker.send_nowait(Inputs(session=session.book.id, epoch=session.book.epoch, steps=steps))
 
-    service._send_inputs = lying  # type: ignore[method-assign]
+    service.signing.send_inputs = lying  # type: ignore[method-assign]
 
 
 def forging_tokens(service: StageService, from_call: int) -> None:
     """An attacker serving the whole model: from its ``from_call``-th engine call of a routed session
     on, it sends (and signs, as an honest stage would) another token than the one it sampled."""
-    honest = service._dispatch
+    honest = service.batcher.dispatch
     calls = [0]
     n_vocab = service.report.n_vocab
 
@@ -70,7 +72,7 @@ def forging_tokens(service: StageService, from_call: int) -> None:
                 reply["picks"][0] = ((token + 1) % n_vocab, False, b" FORGED")
         honest(batch, reply, body)
 
-    service._dispatch = lying  # type: ignore[method-assign]
+    service.batcher.dispatch = lying  # type: ignore[method-assign]
 
 
 def route_finder(pool: Sequence[StageNode], whole: bool) -> Callable[[list[str]], Any]:
@@ -115,28 +117,28 @@ async def test_inputs_kept_from_a_check_and_a_one_stage_liar_are_caught_or_said(
                     answer = await ask_with_failover(peers, split, REQUEST, verifier=verifier)
                     assert verifier.liars == {liar.peers.node_id}, kind
                     assert answer.tokens == undisturbed.tokens and answer.epochs == 2, kind
-                    del liar.service._send_inputs
+                    del liar.service.signing.send_inputs
 
                 # a replica of other numerics (another build, a GPU: other last bits, as this one's flipped float
                 # stands for) is never compared with the stage: its range goes unchecked, and nobody is blamed
                 other = nodes["tail2"]
                 report = other.service.report
-                other.service.report = dataclasses.replace(report, numerics="another-build/x86_64/gpu")
-                honest = other.service._dispatch
+                other.service.state.report = dataclasses.replace(report, numerics="another-build/x86_64/gpu")
+                honest = other.service.batcher.dispatch
 
                 def other_bits(batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
                     if reply.get("picks"):
                         reply["picks"][0] = ((reply["picks"][0][0] + 1) % other.service.report.n_vocab, False, b"")
                     honest(batch, reply, body)
 
-                other.service._dispatch = other_bits  # type: ignore[method-assign]
+                other.service.batcher.dispatch = other_bits  # type: ignore[method-assign]
                 verifier = Verifier(peers, CheckPlan(every=4, candidates=[stage_of(n) for n in halves]))
                 answer = await ask_with_failover(peers, split, REQUEST, verifier=verifier)
                 assert verifier.liars == set() and answer.tokens == undisturbed.tokens and answer.epochs == 1
                 (note,) = [n for n in answer.unverified if n.layers == "[3, 6)"]
                 assert "other numerics (another-build/x86_64/gpu)" in note.why, note
-                del other.service._dispatch
-                other.service.report = report
+                del other.service.batcher.dispatch
+                other.service.state.report = report
 
                 # a stage serving the whole model is a route of one stage, checked on a replica of the whole range:
                 # honest, with a repeat penalty (whose history, the prompt's ids, the replica reads off the

@@ -44,7 +44,8 @@ from meshd.fetch.source import ChunkSource, SourceConfig, activity, register
 from meshd.mesh.models import default_model_path
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.net.stream import Stream
-from meshd.stage.service import StageLimits, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import stage_node
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import Manifest, compute
 from meshd.store.sparse import SparseFile

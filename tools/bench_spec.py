@@ -33,7 +33,8 @@ from link_emulator import LinkEmulator, LinkSpec
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
 from meshd.mesh.models import default_model_path
 from meshd.net.peers import PeersConfig, open_peers
-from meshd.stage.service import StageLimits, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import stage_node
 from wire.identity import NodeIdentity
 
 PASSAGE = ("The lighthouse keeper climbed the stairs every evening at dusk. He wiped the lens, trimmed the wick "

@@ -73,7 +73,10 @@ from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.mesh.models import default_model_path
 from meshd.net.peers import PeersConfig, open_peers
-from meshd.stage.service import Session, StageLimits, StageNode, StageService, stage_node
+from meshd.stage.books import StageLimits
+from meshd.stage.node import StageNode, stage_node
+from meshd.stage.service import StageService
+from meshd.stage.state import Session
 from wire.codec import encode
 from wire.identity import NodeIdentity
 from wire.receipt import Receipts
@@ -301,9 +304,10 @@ class WithholdingAttacker:
     def __init__(self, service: StageService) -> None:
         self.service = service
         self.kind: str | None = None
-        service._send_inputs = self.send_inputs  # type: ignore[method-assign]
-        self.honest_seal = service._seal
-        service._seal = self.seal  # type: ignore[method-assign]
+        self.honest_send_inputs = service.signing.send_inputs
+        service.signing.send_inputs = self.send_inputs  # type: ignore[method-assign]
+        self.honest_seal = service.fast.seal
+        service.fast.seal = self.seal  # type: ignore[method-assign]
 
     async def seal(self, session: Session, msg: Seal) -> None:
         """The asker's word that the answer ended: ``seal`` never signs the last span."""
@@ -312,7 +316,7 @@ class WithholdingAttacker:
 
     def send_inputs(self, session: Session, msg: InputsRequest) -> None:
         if self.kind is None:
-            StageService._send_inputs(self.service, session, msg)
+            self.honest_send_inputs(session, msg)
             return
         taken = [s for s in session.kept if s.pos < msg.until]
         session.kept = session.kept[len(taken):]

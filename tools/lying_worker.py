@@ -15,7 +15,7 @@ import trio
 
 from meshd.engine import fastpath, worker
 from meshd.engine.supervisor import WorkerSpec
-from meshd.stage.service import StageNode
+from meshd.stage.node import StageNode
 
 
 @dataclass(frozen=True)

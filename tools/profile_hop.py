@@ -52,7 +52,7 @@ from meshd.engine.supervisor import EngineSupervisor
 from meshd.mesh.models import default_model_path
 from meshd.net.peers import open_peers
 from meshd.stage.books import StageLimits
-from meshd.stage.service import StageNode, stage_node
+from meshd.stage.node import StageNode, stage_node
 from wire.identity import NodeIdentity
 
 HOPS = 3

@@ -10,7 +10,7 @@ too, so a caller handles every failure of an exchange with one
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -18,7 +18,7 @@ import trio
 
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
-from wire.codec import ErrorMessage, Message, error_from_message
+from wire.codec import ErrorMessage, Message, error_from_message, error_message
 from wire.errors import ErrorCode, ProtocolError
 
 R = TypeVar("R", bound=Message)
@@ -86,6 +86,18 @@ async def call(
         async with stream:
             reply = await request(stream, message, expected, what)
     return reply
+
+
+async def answer_typed(stream: Stream, serve: Callable[[Stream, Message], Awaitable[None]]) -> None:
+    """The serving side: reads a stream's first message and serves it; a refusal is a typed error
+    message, then the end."""
+    try:
+        await serve(stream, await stream.receive_message())
+    except ProtocolError as exc:
+        try:
+            await stream.send_message(error_message(exc))
+        except ProtocolError:
+            pass
 
 
 @contextmanager
