@@ -16,13 +16,13 @@ from pathlib import Path
 
 import trio
 
-from meshd.daemon import describe_model
 from meshd.engine import Sampler
 from meshd.engine.chain import LocalChain
 from meshd.engine.engine import EngineError
 from meshd.mesh.assignment import ModelSpec
 from meshd.mesh.models import ModelNotFound, default_model_path
 from meshd.mesh.records import ModelInfo
+from meshd.stage.model_file import describe_model
 
 MIB = 1 << 20
 # tokens of the prefill prompt: long enough that the per-call cost is not what is timed

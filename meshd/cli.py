@@ -44,7 +44,9 @@ from meshd.client.ask import (
 from meshd.client.asker import Asker, Unverified, unverified_reason
 from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
-from meshd.daemon import CannotVolunteer, MeshDaemon, NodeConfig, describe_model, rpc
+from meshd.daemon import MeshDaemon
+from meshd.daemon.config import NodeConfig
+from meshd.daemon.volunteer import CannotVolunteer
 from meshd.engine import RangeReport
 from meshd.engine.chain import parse_ranges
 from meshd.engine.supervisor import EngineSupervisor, WorkerStartError
@@ -59,8 +61,10 @@ from meshd.mesh.records import is_loopback, is_unspecified, join_address
 from meshd.net.control import ControlError, ControlHandler, StateClaim, claim_state_dir, control_request, serve_control
 from meshd.net.identity_store import IdentityError, load_mesh_key, load_or_create_identity
 from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.rpc import mesh_rpc
 from meshd.relay.circuit import enable_circuits
 from meshd.stage.books import StageLimits
+from meshd.stage.model_file import describe_model
 from meshd.stage.node import stage_node
 from meshd.store.gguf_header import GGUFError
 from meshd.store.manifest import Manifest, ManifestError
@@ -671,7 +675,7 @@ async def ask_status(args: argparse.Namespace) -> StatusReply:
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
         enable_circuits(peers)
         try:
-            return await pages(lambda r: rpc(peers, args.seed, r, timeout=args.timeout), args.seed)
+            return await pages(lambda r: mesh_rpc(peers, args.seed, r, timeout=args.timeout), args.seed)
         except trio.TooSlowError:
             raise CommandError(f"{args.seed} did not answer within {args.timeout:g} s") from None
 
@@ -723,7 +727,7 @@ async def credits(args: argparse.Namespace) -> int:
     else:
         async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=args.mesh_key)) as peers:
             enable_circuits(peers)
-            first, members = await pages(lambda r: rpc(peers, args.seed, r, timeout=args.timeout),
+            first, members = await pages(lambda r: mesh_rpc(peers, args.seed, r, timeout=args.timeout),
                                          f"member {args.seed}")
     if args.json:
         doc = {"node": first.node_id, "own": first.own.model_dump(), "summaries": first.summaries,
@@ -913,7 +917,7 @@ async def ask(args: argparse.Namespace) -> int:
                 wanted = RouteRequest(model=args.model, exclude=excluded)
                 if args.seed is None:
                     return await control_request(args.state_dir, wanted, timeout=args.timeout)
-                return await rpc(peers, args.seed, wanted, timeout=args.timeout)
+                return await mesh_rpc(peers, args.seed, wanted, timeout=args.timeout)
 
             async def find_route(excluded: list[str]) -> list[Stage]:
                 # mid-failover the model is covered: a missing route means the failed stages were the
@@ -922,7 +926,7 @@ async def ask(args: argparse.Namespace) -> int:
                                                 0.0 if excluded else args.wait)
 
             async def ask_member(member: Stage, excluded: list[str]) -> list[Stage]:
-                reply = await rpc(peers, member.address, RouteRequest(model=args.model, exclude=excluded),
+                reply = await mesh_rpc(peers, member.address, RouteRequest(model=args.model, exclude=excluded),
                                   member.node_id, timeout=args.timeout)
                 return route_from_reply(expect(reply, RouteReply, f"member {member.address}"))
 
@@ -934,7 +938,7 @@ async def ask(args: argparse.Namespace) -> int:
                 # of routes and placements and passes it on
                 try:
                     await (control_request(args.state_dir, ProofGossip(proof=proof), timeout=args.timeout)
-                           if args.seed is None else rpc(peers, args.seed, ProofGossip(proof=proof),
+                           if args.seed is None else mesh_rpc(peers, args.seed, ProofGossip(proof=proof),
                                                          timeout=args.timeout))
                 except (ProtocolError, ControlError) as exc:
                     print(f"meshd: a proof that node {proof.culprit.node_id[:16]} lied was not taken: {exc}",

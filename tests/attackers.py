@@ -17,7 +17,8 @@ from typing import TypeVar
 
 import trio
 
-from meshd.daemon import MeshDaemon, NodeConfig
+from meshd.daemon import MeshDaemon
+from meshd.daemon.config import NodeConfig
 from meshd.mesh.election import Election, Tracker
 from meshd.mesh.membership import Dead, Gossip, Sync, SyncEntry
 from meshd.mesh.node import MeshNode

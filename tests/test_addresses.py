@@ -10,9 +10,11 @@ import pytest
 import trio
 from pydantic import ValidationError
 
-import meshd.daemon
+import meshd.daemon.reachability
 from meshd import cli
-from meshd.daemon import MeshDaemon, NodeConfig, route_source, rpc
+from meshd.daemon import MeshDaemon
+from meshd.daemon.config import NodeConfig
+from meshd.daemon.reachability import route_source
 from meshd.mesh.addresses import fit_for_peer, observed_address
 from meshd.mesh.membership import Alive, Gossip, Ping, Suspect, Sync, SyncEntry
 from meshd.mesh.records import (
@@ -26,6 +28,7 @@ from meshd.mesh.records import (
     split_address,
 )
 from meshd.net.peers import open_peers
+from meshd.net.rpc import mesh_rpc
 from wire.identity import NodeIdentity
 from wire.meshrpc import DialBackReply, DialBackRequest, StatusReply, StatusRequest
 
@@ -138,7 +141,7 @@ async def test_a_volunteer_on_every_interface_publishes_where_its_seed_sees_it()
                     # the volunteer's new record reaches the seed by gossip, a moment after it is signed
                     want = sorted([seed.address, volunteer.address])
                     for _ in range(200):
-                        shown = await rpc(peers, seed.local_address, StatusRequest())
+                        shown = await mesh_rpc(peers, seed.local_address, StatusRequest())
                         assert isinstance(shown, StatusReply)
                         if sorted(m.address for m in shown.members) == want:
                             break
@@ -146,10 +149,10 @@ async def test_a_volunteer_on_every_interface_publishes_where_its_seed_sees_it()
                     assert isinstance(shown, StatusReply)
                     assert sorted(m.address for m in shown.members) == want
                     # Nobody can aim a seed's dial-back at a third host.
-                    refused = await rpc(peers, seed.local_address, DialBackRequest(address="10.9.9.9:80"))
+                    refused = await mesh_rpc(peers, seed.local_address, DialBackRequest(address="10.9.9.9:80"))
                     assert isinstance(refused, DialBackReply) and not refused.reachable
                     assert "not where you dial from" in refused.detail and refused.observed == "127.0.0.1"
-                    closed = await rpc(peers, seed.local_address, DialBackRequest(port=1))
+                    closed = await mesh_rpc(peers, seed.local_address, DialBackRequest(port=1))
                     assert isinstance(closed, DialBackReply) and not closed.reachable
 
 
@@ -175,7 +178,7 @@ async def test_a_changed_address_is_published_with_its_own_dial_back(monkeypatch
         async with daemon(NodeConfig(listen=("0.0.0.0", 0))) as seed, \
                 daemon(NodeConfig(listen=("0.0.0.0", 0), seeds=(seed.local_address,))) as node:
             port, version = node.port, node.mesh.record.version
-            monkeypatch.setattr(meshd.daemon, "rpc", fake_rpc)
+            monkeypatch.setattr(meshd.daemon.reachability, "mesh_rpc", fake_rpc)
             replies.append(DialBackReply(reachable=True, observed="127.0.0.2"))
             await node._check_reachability()
             assert node.address == f"127.0.0.2:{port}" and reachability(node) == "public"
@@ -194,7 +197,7 @@ async def test_a_changed_address_is_published_with_its_own_dial_back(monkeypatch
 async def test_a_first_node_keeps_the_first_address_off_loopback_its_peers_show_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     sources = {"10.77.0.5": "10.77.0.1", "10.88.0.5": "10.88.0.1", "127.0.0.1": "127.0.0.1"}
-    monkeypatch.setattr(meshd.daemon, "route_source", sources.get)
+    monkeypatch.setattr(meshd.daemon.reachability, "route_source", sources.get)
     with trio.fail_after(30):
         async with daemon(NodeConfig(listen=("0.0.0.0", 0))) as seed:
             port = seed.port

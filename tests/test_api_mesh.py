@@ -18,10 +18,10 @@ from localmesh import Served, run_meshd, start_join, stop_all
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.client.chat import ChatRequest, render
-from meshd.daemon import rpc
 from meshd.engine.chain import LocalChain
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, open_peers
+from meshd.net.rpc import mesh_rpc
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest
 from wire.stage import STAGE_PROTOCOL, ChatTemplate, Metrics, MetricsRequest
@@ -169,7 +169,7 @@ async def test_count_tokens_is_the_prompt_a_message_request_runs(mesh: Mesh) -> 
     client = claude(mesh)
     messages = [{"role": "user", "content": PROMPT}]
     async with open_peers(NodeIdentity.generate()) as peers:
-        route = await rpc(peers, mesh.seed.address, RouteRequest(), timeout=10)
+        route = await mesh_rpc(peers, mesh.seed.address, RouteRequest(), timeout=10)
         assert isinstance(route, RouteReply) and len(route.stages) == 3
         before = await stage_metrics(peers, route)
         counted = await client.messages.count_tokens(model="", messages=messages, system="Be brief.")  # type: ignore[arg-type]
@@ -238,7 +238,7 @@ async def stage_metrics(peers: Peers, route: RouteReply) -> list[dict[str, float
 async def test_client_gone_mid_stream_frees_the_kv_on_every_stage(mesh: Mesh) -> None:
     budget = 200
     async with open_peers(NodeIdentity.generate()) as peers:
-        route = await rpc(peers, mesh.seed.address, RouteRequest(), timeout=10)
+        route = await mesh_rpc(peers, mesh.seed.address, RouteRequest(), timeout=10)
         assert isinstance(route, RouteReply) and len(route.stages) == 3
         before = await stage_metrics(peers, route)
         async with httpx2.AsyncClient(base_url=mesh.url, headers={"x-api-key": KEY}, timeout=60) as client:

@@ -123,7 +123,7 @@ def test_granite_with_deepstack_inputs_refuses_a_partial_range_by_name(tmp_path:
 
 def test_the_tracker_plans_the_trunk_without_the_mtp_layers(dense_models: dict[str, Path]) -> None:
     # block_count counts the nextn layer; a plan over it would hand the tail a range the engine refuses
-    from meshd.daemon import describe_model
+    from meshd.stage.model_file import describe_model
 
     spec = DENSE_SPECS["exaone4"]
     path = dense_models["exaone4"]

@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from meshd.daemon import describe_model
 from meshd.mesh.assignment import Assignment, CoverageError, ModelSpec, NodeCapacity, Stage
 from meshd.mesh.models import ModelNotFound, allowed_cuts, model_info
 from meshd.mesh.placement import assign
 from meshd.mesh.records import ModelInfo
 from meshd.mesh.shortfall import coverage_shortfall
+from meshd.stage.model_file import describe_model
 from wire.codec import decode, encode
 from wire.swim import Alive, Ping
 

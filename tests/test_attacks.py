@@ -25,12 +25,15 @@ from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 from test_hostile_stage import typed_error
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply, run_session
-from meshd.daemon import MeshDaemon, NodeConfig, describe_model, rpc
+from meshd.daemon import MeshDaemon
+from meshd.daemon.config import NodeConfig
 from meshd.mesh.membership import SwimConfig, Sync, SyncEntry
 from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.rpc import mesh_rpc
 from meshd.stage.books import StageLimits
+from meshd.stage.model_file import describe_model
 from meshd.stage.receipts import SessionReceipts, Signer
 from relay.limits import RelayLimits
 from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Accepted, Incoming, Reserve, Reserved
@@ -81,7 +84,7 @@ def honest_mesh(base: Path, path: Path) -> Iterator[Mesh]:
         for i in range(2):
             nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", "1M",
                                     "--state-dir", str(base / f"v{i}"), *SESSIONS))
-        from meshd.stage.node import model_manifest
+        from meshd.stage.model_file import model_manifest
         digest = model_manifest(path, base / "v0").model_id
         yield Mesh(nodes[0], nodes[1:], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
     finally:
@@ -95,7 +98,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path])
 
 
 async def honest_route(peers: Peers, mesh: Mesh, via: Served | None = None) -> RouteReply:
-    reply = await rpc(peers, (via or mesh.seed).address, RouteRequest(model=mesh.model.digest), timeout=20.0)
+    reply = await mesh_rpc(peers, (via or mesh.seed).address, RouteRequest(model=mesh.model.digest), timeout=20.0)
     assert isinstance(reply, RouteReply)
     return reply
 
@@ -117,7 +120,7 @@ async def converged(peers: Peers, mesh: Mesh, timeout: float = 60.0) -> StatusRe
 async def honest_ask(peers: Peers, mesh: Mesh) -> list[int]:
     """The honest user's ask, by the model's digest through the seed: the whole model's answer."""
     async def find(excluded: list[str]) -> list[Stage]:
-        reply = await rpc(peers, mesh.seed.address, RouteRequest(model=mesh.model.digest, exclude=excluded),
+        reply = await mesh_rpc(peers, mesh.seed.address, RouteRequest(model=mesh.model.digest, exclude=excluded),
                           timeout=20.0)
         assert isinstance(reply, RouteReply)
         return route_from_reply(reply)
@@ -281,7 +284,7 @@ async def test_a_made_up_digest_named_like_the_real_model_never_takes_an_ask(mes
                 await trio.sleep(0.25)
         for request in (RouteRequest(), RouteRequest(model=mesh.model.name)):
             with pytest.raises(ProtocolError) as refused:
-                await rpc(peers, mesh.seed.address, request, timeout=20.0)
+                await mesh_rpc(peers, mesh.seed.address, request, timeout=20.0)
             assert mesh.model.digest[:16] in str(refused.value) and fake.digest[:16] in str(refused.value)
         asked = await trio.to_thread.run_sync(run_meshd, "ask", "--seed", mesh.volunteers[0].address, "--max-tokens",
                                               "4", PROMPT)
@@ -578,7 +581,7 @@ def proven_in_log(node: Served, culprit: str) -> bool:
 
 async def placed(bad: AttackerDaemon, tracker: Served) -> AssignmentReply:
     """What the tracker answers the attacker's ask for its range."""
-    reply = await rpc(bad.peers, tracker.address, AssignmentRequest(), node_id=tracker.node_id, timeout=20.0)
+    reply = await mesh_rpc(bad.peers, tracker.address, AssignmentRequest(), node_id=tracker.node_id, timeout=20.0)
     assert isinstance(reply, AssignmentReply)
     return reply
 
@@ -617,17 +620,17 @@ async def test_a_replica_slower_than_it_says_is_timed_and_a_proof_takes_it_out_o
         # forged: the second receipt altered after signing; refused, and nobody learns a culprit from it
         forged = Proof(kind="equivocation", culprit=one, witnesses=[two.model_copy(update={"h_hist": row_hash(b"x")})])
         with pytest.raises(ProtocolError, match="does not hold") as refused:
-            await rpc(peers, first.address, ProofGossip(proof=forged), timeout=20.0)
+            await mesh_rpc(peers, first.address, ProofGossip(proof=forged), timeout=20.0)
         assert refused.value.code is ErrorCode.BAD_REQUEST
         assert not any(proven_in_log(n, bad.mesh.node_id) for n in mesh.nodes)
         # the real one, handed to one volunteer only, reaches the tracker and every member
-        accepted = await rpc(peers, first.address, ProofGossip(proof=proof), timeout=20.0)
+        accepted = await mesh_rpc(peers, first.address, ProofGossip(proof=proof), timeout=20.0)
         assert isinstance(accepted, ProofAccepted) and accepted.news and accepted.culprit == bad.mesh.node_id
         with trio.fail_after(30):
             while not all(proven_in_log(n, bad.mesh.node_id) for n in others):
                 await trio.sleep(0.1)
         for node in mesh.nodes:
-            again = await rpc(peers, node.address, ProofGossip(proof=proof), timeout=20.0)
+            again = await mesh_rpc(peers, node.address, ProofGossip(proof=proof), timeout=20.0)
             assert isinstance(again, ProofAccepted) and not again.news, node.address
         # the tracker placed the liar no more: nothing is left for it to serve
         with trio.fail_after(30):
@@ -662,7 +665,7 @@ async def test_ten_thousand_planted_members_and_a_record_of_17_ranges_leave_stat
             # every page of every node's status decodes within the reply's bounds, as the command asks them
             shown_members = len(view.members)
             while shown_members < view.total_members:
-                page = await rpc(peers, node.address, StatusRequest(offset=shown_members), timeout=20.0)
+                page = await mesh_rpc(peers, node.address, StatusRequest(offset=shown_members), timeout=20.0)
                 assert isinstance(page, StatusReply) and page.members, page
                 shown_members += len(page.members)
             # one sender introduces a burst (1024) and 32 a second after it, not ten thousand

@@ -36,10 +36,10 @@ from test_attacks import (
 
 from meshd.client.ask import AskRequest, ask_with_failover, route_from_reply
 from meshd.client.ask import Stage as AskStage
-from meshd.daemon import rpc
 from meshd.mesh.election import Tracker
 from meshd.mesh.records import ServedRange
 from meshd.net.peers import Peers
+from meshd.net.rpc import mesh_rpc
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, RouteRequest
 from wire.receipt import ProofGossip
@@ -71,7 +71,7 @@ def own_mesh(tmp_path: Path, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
 async def ask_via(peers: Peers, mesh: Mesh, via: Served) -> None:
     """The honest ask, its routes asked of `via`: the whole model's answer."""
     async def find(excluded: list[str]) -> list[AskStage]:
-        reply = await rpc(peers, via.address, RouteRequest(model=mesh.model.digest, exclude=excluded), timeout=20.0)
+        reply = await mesh_rpc(peers, via.address, RouteRequest(model=mesh.model.digest, exclude=excluded), timeout=20.0)
         assert isinstance(reply, RouteReply)
         return route_from_reply(reply)
 
@@ -132,12 +132,12 @@ async def test_two_free_identities_claiming_a_stages_range_frame_it_at_no_node_t
         proof = framing(await genuine_receipt(witnesses[0].peers, head, mesh.model.digest), witnesses)
         # the victim first: it never takes (nor passes on) a proof against itself
         with pytest.raises(ProtocolError) as refused:
-            await rpc(peers, victim.address, ProofGossip(proof=proof), timeout=20.0)
+            await mesh_rpc(peers, victim.address, ProofGossip(proof=proof), timeout=20.0)
         assert refused.value.code is ErrorCode.BAD_REQUEST and "against itself" in refused.value.message
         # every other node checks the witnesses against the tracker's placements, not their records
         for node in others:
             with pytest.raises(ProtocolError) as refused:
-                await rpc(peers, node.address, ProofGossip(proof=proof), timeout=20.0)
+                await mesh_rpc(peers, node.address, ProofGossip(proof=proof), timeout=20.0)
             assert refused.value.code is ErrorCode.BAD_REQUEST and "does not serve" in refused.value.message, node
         await trio.sleep(2.0)  # a proof passed on would have gone round by now
         assert not any(proven_in_log(n, victim.node_id) for n in mesh.nodes)

@@ -12,7 +12,8 @@ import pytest
 import trio
 from attackers import running
 
-from meshd.daemon import MeshDaemon, NodeConfig
+from meshd.daemon import MeshDaemon
+from meshd.daemon.config import NodeConfig
 from tests.credit_helpers import served
 from wire.identity import NodeIdentity
 

@@ -15,8 +15,8 @@ import trio
 from localmesh import Served, meshd_command, run_meshd, spawn, start_join, stop_all
 
 from meshd.client.ledger import STANDING_EVERY
-from meshd.daemon import rpc
 from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.rpc import mesh_rpc
 from tests.credit_helpers import served as served_summary
 from wire.credit import WorkGive, WorkSummary, WorkTaken
 from wire.identity import NodeIdentity
@@ -88,7 +88,7 @@ def _give(address: str, summaries: list[WorkSummary]) -> WorkTaken:
     """Hands `summaries` to the member at `address` from an identity of the test's own."""
     async def give() -> WorkTaken:
         async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
-            reply = await rpc(peers, address, WorkGive(summaries=summaries), timeout=10.0)
+            reply = await mesh_rpc(peers, address, WorkGive(summaries=summaries), timeout=10.0)
         assert isinstance(reply, WorkTaken)
         return reply
 

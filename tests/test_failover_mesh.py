@@ -21,8 +21,8 @@ import trio
 from localmesh import READY, Served, mesh_status, meshd_command, spawn, stop_all, stop_process
 
 from meshd.client.ask import AskRequest, RouteSources, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import rpc
 from meshd.net.peers import Peers
+from meshd.net.rpc import mesh_rpc
 from tests.conftest import greedy_reference
 from wire.meshrpc import RouteReply, RouteRequest
 
@@ -110,7 +110,7 @@ async def wait_every_range_twice(peers: Peers, seed: Served, volunteers: list[Se
 def sources(peers: Peers, first: Served) -> RouteSources:
     """`meshd ask --seed`'s route finding: the seed first, then the members its routes named."""
     async def ask(address: str, node_id: str | None, excluded: list[str]) -> list[Stage]:
-        reply = await rpc(peers, address, RouteRequest(exclude=excluded), node_id, timeout=10.0)
+        reply = await mesh_rpc(peers, address, RouteRequest(exclude=excluded), node_id, timeout=10.0)
         assert isinstance(reply, RouteReply)
         return route_from_reply(reply)
 

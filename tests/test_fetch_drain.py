@@ -15,7 +15,8 @@ import trio
 import trio.testing
 from fetchnet import CALM, peers_node, source_node
 
-from meshd.daemon import MeshDaemon, NodeConfig
+from meshd.daemon import MeshDaemon
+from meshd.daemon.config import NodeConfig
 from meshd.fetch.fetcher import SourceRef, fetch_chunks
 from meshd.fetch.source import ChunkSource, SourceConfig
 from meshd.net import rpc

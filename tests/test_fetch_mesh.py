@@ -20,10 +20,11 @@ import trio
 from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import describe_model, rpc
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.net.identity_store import load_or_create_identity
 from meshd.net.peers import Peers
+from meshd.net.rpc import mesh_rpc
+from meshd.stage.model_file import describe_model
 from meshd.store.manifest import Manifest, manifest_for
 from meshd.store.ranges import held_layer_ranges, range_chunks
 from tests.conftest import greedy_reference
@@ -195,7 +196,7 @@ async def wait_serving(peers: Peers, mesh: FetchMesh, timeout: float = 240.0) ->
 
 def finder(peers: Peers, via: Served):
     async def find(excluded: list[str]) -> list[Stage]:
-        reply = await rpc(peers, via.address, RouteRequest(exclude=excluded), timeout=20.0)
+        reply = await mesh_rpc(peers, via.address, RouteRequest(exclude=excluded), timeout=20.0)
         assert isinstance(reply, RouteReply)
         return route_from_reply(reply)
     return find

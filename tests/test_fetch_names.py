@@ -16,8 +16,10 @@ import trio
 from attackers import attacker, every_layer, fake_model, running
 
 from meshd.client.ask import first_error
-from meshd.daemon import MeshDaemon, NodeConfig, describe_model
+from meshd.daemon import MeshDaemon
+from meshd.daemon.config import NodeConfig
 from meshd.mesh.models import ModelNotFound
+from meshd.stage.model_file import describe_model
 from meshd.store.manifest import compute
 from wire.identity import NodeIdentity
 

@@ -21,10 +21,10 @@ import pytest
 from localmesh import run_meshd, start_serve, stop_all
 from parity import assert_same_logits
 
-from meshd.daemon import describe_model
 from meshd.engine.chain import LocalChain
 from meshd.mesh.assignment import ModelSpec, NodeCapacity
 from meshd.mesh.placement import assign
+from meshd.stage.model_file import describe_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAIN = [(0, 4), (4, 11), (11, 18)]

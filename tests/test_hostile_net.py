@@ -41,9 +41,9 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Message, Request
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import rpc
 from meshd.net.identity_store import load_mesh_key
 from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.rpc import mesh_rpc
 from wire.identity import NodeIdentity
 from wire.link import SecureLink
 from wire.meshrpc import MESH_PROTOCOL, RouteReply, RouteRequest, StatusReply, StatusRequest
@@ -129,7 +129,7 @@ async def status_time(mesh: Mesh, address: str) -> float:
     """One status request on a fresh connection, as `meshd status` makes it."""
     started = time.perf_counter()
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh.key, drain_timeout=0.1)) as peers:
-        reply = await rpc(peers, address, StatusRequest(), timeout=STATUS_BOUND)
+        reply = await mesh_rpc(peers, address, StatusRequest(), timeout=STATUS_BOUND)
         took = time.perf_counter() - started
     assert isinstance(reply, StatusReply)
     return took
@@ -143,7 +143,7 @@ async def honest_ask(mesh: Mesh) -> list[int]:
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh.key, drain_timeout=0.1)) as peers:
 
         async def find(excluded: list[str]) -> list[Stage]:
-            reply = await rpc(peers, mesh.seed.address, RouteRequest(exclude=excluded), timeout=20.0)
+            reply = await mesh_rpc(peers, mesh.seed.address, RouteRequest(exclude=excluded), timeout=20.0)
             assert isinstance(reply, RouteReply)
             return route_from_reply(reply)
 

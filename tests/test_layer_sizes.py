@@ -16,11 +16,11 @@ import pytest
 from gguf_factory import TINY_SPECS
 from gguf_variants import with_uneven_layers, write_dense_lead_moe, write_mamba2, write_variant
 
-from meshd.daemon import describe_model
 from meshd.engine import Model
 from meshd.mesh.assignment import ModelSpec, NodeCapacity
 from meshd.mesh.models import weight_budget
 from meshd.mesh.placement import assign
+from meshd.stage.model_file import describe_model
 from wire.swim import ModelInfo
 
 N_LAYER, N_DENSE = 6, 2

@@ -17,8 +17,8 @@ import trio
 from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import rpc
 from meshd.net.peers import Peers
+from meshd.net.rpc import mesh_rpc
 from tests.conftest import greedy_reference
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply
 
@@ -67,7 +67,7 @@ async def wait_converged(peers: Peers, nodes: list[Served], timeout: float = 60.
 
 def finder(peers: Peers, via: Served):
     async def find(excluded: list[str]) -> list[Stage]:
-        reply = await rpc(peers, via.address, RouteRequest(exclude=excluded), timeout=20.0)
+        reply = await mesh_rpc(peers, via.address, RouteRequest(exclude=excluded), timeout=20.0)
         assert isinstance(reply, RouteReply)
         return route_from_reply(reply)
     return find

@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from meshd.daemon import MeshDriver
+from meshd.daemon.driver import MeshDriver
 from meshd.mesh.duty import MeshDuty
 from meshd.mesh.duty_events import AskAssignment, DutyConfig, DutyEvent, LoadRange
 from meshd.mesh.membership import MemberEvent, MemberState, Ping, SwimMessage

@@ -21,8 +21,8 @@ from localmesh import Served, start_join, stop_all
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.client.ask import AskRequest, AskResult, Stage, route_from_reply, run_session
-from meshd.daemon import rpc
 from meshd.net.peers import Peers, open_peers
+from meshd.net.rpc import mesh_rpc
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest
 from wire.stage import PREFIX_BLOCK, STAGE_PROTOCOL, Metrics, MetricsRequest, Sampling, prefix_keys
@@ -76,7 +76,7 @@ def route_of(seed: Served, base: Path, timeout: float = 120.0) -> list[Stage]:
     async def ask() -> RouteReply | None:
         async with open_peers(NodeIdentity.generate()) as peers:
             try:
-                reply = await rpc(peers, seed.address, RouteRequest(), timeout=10)
+                reply = await mesh_rpc(peers, seed.address, RouteRequest(), timeout=10)
             except Exception:  # noqa: BLE001 (not covered yet: asked again)
                 return None
         return reply if isinstance(reply, RouteReply) else None

@@ -226,14 +226,14 @@ def ask(topo: Topology) -> tuple[str, str]:
 
 ROUTE = """
 import sys, trio
-from meshd.daemon import rpc
+from meshd.net.rpc import mesh_rpc
 from meshd.net.peers import open_peers
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteRequest
 
 async def main():
     async with open_peers(NodeIdentity.generate()) as peers:
-        reply = await rpc(peers, sys.argv[1], RouteRequest(), timeout=20)
+        reply = await mesh_rpc(peers, sys.argv[1], RouteRequest(), timeout=20)
         for stage in reply.stages:
             print(stage.start, stage.end, stage.address)
 

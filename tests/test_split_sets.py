@@ -24,9 +24,9 @@ from localmesh import Served, mesh_status, run_meshd, start_join, start_serve, s
 from test_fetch_mesh import finder, served
 
 from meshd.client.ask import AskRequest, ask_with_failover
-from meshd.daemon import describe_model
 from meshd.engine import Model
 from meshd.net.peers import Peers
+from meshd.stage.model_file import describe_model
 from meshd.store.holding import WholeFile
 from meshd.store.manifest import MAX_PARTS, Manifest, ManifestError, compute, manifest_for
 from meshd.store.ranges import held_layer_ranges, range_chunks

@@ -18,9 +18,9 @@ from attackers import attacker
 from localmesh import Served, mesh_status, run_meshd, start_join, start_meshd, stop_all
 from test_attacks import PROMPT, SESSIONS, TOKENS, Mesh, converged, honest_ask, honest_mesh, honest_route, placed_liar
 
-from meshd.daemon import describe_model, rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
-from meshd.stage.node import model_manifest
+from meshd.net.rpc import mesh_rpc
+from meshd.stage.model_file import describe_model, model_manifest
 from tests.conftest import greedy_reference
 from wire.identity import NodeIdentity
 from wire.meshrpc import StageSpeed, TimedStage, TrafficReport, TrafficTaken
@@ -124,7 +124,7 @@ async def test_a_placed_member_reporting_an_honest_stage_slow_again_and_again_mo
                                     stages=[TimedStage(node_id=n, start=a, end=b) for n, a, b in before])
                 taken = []
                 for _ in range(40):
-                    reply = await rpc(bad.peers, tracker.address, lie, tracker.node_id, 20.0)
+                    reply = await mesh_rpc(bad.peers, tracker.address, lie, tracker.node_id, 20.0)
                     assert isinstance(reply, TrafficTaken)
                     taken.append(reply)
                 # counted (it is placed) until its rate runs out, and then refused

@@ -19,9 +19,9 @@ from localmesh import Served, mesh_status, start_join, stop_all
 from test_mesh_daemons import workers
 
 from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import rpc
 from meshd.engine.supervisor import EngineSupervisor
 from meshd.net.peers import Peers
+from meshd.net.rpc import mesh_rpc
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply
@@ -109,7 +109,7 @@ async def test_a_volunteer_whose_model_file_is_gone_withdraws_its_range_and_says
     other = next(n for n in volunteers if n is not victim)
     with trio.fail_after(60):
         while True:
-            route = await rpc(peers, seed.address, RouteRequest(model=view.coverage[0].model), timeout=20.0)
+            route = await mesh_rpc(peers, seed.address, RouteRequest(model=view.coverage[0].model), timeout=20.0)
             assert isinstance(route, RouteReply)
             if [s.node_id for s in route.stages] == [other.node_id]:
                 break

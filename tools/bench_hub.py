@@ -46,10 +46,10 @@ from localmesh import Served, mesh_status, start_join, stop_all
 from make_big_gguf import NAME, SMALL, Dims, write
 
 from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply
-from meshd.daemon import rpc
 from meshd.engine.chain import LocalChain
 from meshd.fetch.hub import HubReader, parse_spec, resolve
 from meshd.net.peers import open_peers
+from meshd.net.rpc import mesh_rpc
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest
 
@@ -96,7 +96,7 @@ async def covered_and_asked(node: Served, nodes: list[Served], timeout: float, t
         at = time.monotonic()
 
         async def find(excluded: list[str]) -> list[Stage]:
-            reply = await rpc(peers, node.address, RouteRequest(exclude=excluded), timeout=60.0)
+            reply = await mesh_rpc(peers, node.address, RouteRequest(exclude=excluded), timeout=60.0)
             assert isinstance(reply, RouteReply)
             return route_from_reply(reply)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from meshd.daemon import rpc
 from meshd.net.peers import Peers
+from meshd.net.rpc import mesh_rpc
 from wire.meshrpc import StatusReply, StatusRequest
 
 READY = re.compile(r"^ready (\S+) pid=(\d+) (?:worker|node)=(\w+)")
@@ -217,6 +217,6 @@ def gone(pid: int) -> bool:
 
 async def mesh_status(peers: Peers, node: Served) -> StatusReply:
     """The status reply of a member, asked over the mesh."""
-    reply = await rpc(peers, node.address, StatusRequest(), timeout=20.0)
+    reply = await mesh_rpc(peers, node.address, StatusRequest(), timeout=20.0)
     assert isinstance(reply, StatusReply)
     return reply

@@ -256,10 +256,10 @@ class Soak:
     # -- observing -----------------------------------------------------------------------------------------
 
     async def status(self, peers: Any, address: str) -> Any:
-        from meshd.daemon import rpc
+        from meshd.net.rpc import mesh_rpc
         from wire.meshrpc import StatusRequest
 
-        return await rpc(peers, address, StatusRequest(), timeout=5.0)
+        return await mesh_rpc(peers, address, StatusRequest(), timeout=5.0)
 
     async def covered(self, peers: Any, timeout: float) -> float:
         began = time.monotonic()

@@ -20,6 +20,7 @@ from meshd.net.peers import Peers
 from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, Message, error_from_message, error_message
 from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import MESH_PROTOCOL
 
 R = TypeVar("R", bound=Message)
 
@@ -86,6 +87,13 @@ async def call(
         async with stream:
             reply = await request(stream, message, expected, what)
     return reply
+
+
+async def mesh_rpc(peers: Peers, address: str | None, request: Message, node_id: str | None = None,
+                   timeout: float = 5.0) -> Message:
+    """One mesh request (``wire.meshrpc``) on a fresh stream, one reply of whatever type it is; a typed
+    error reply is raised."""
+    return await call(peers, address, MESH_PROTOCOL, request, Message, node_id=node_id, timeout=timeout)
 
 
 async def answer_typed(stream: Stream, serve: Callable[[Stream, Message], Awaitable[None]]) -> None:

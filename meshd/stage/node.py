@@ -16,8 +16,8 @@ from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.mesh.models import ModelNotFound
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import StageLimits
+from meshd.stage.model_file import model_manifest
 from meshd.stage.service import StageService
-from meshd.store.manifest import Manifest, manifest_for
 from wire.identity import NodeIdentity
 from wire.stage import STAGE_PROTOCOL
 
@@ -30,16 +30,6 @@ class StageNode:
     service: StageService
     engine: EngineSupervisor
     peers: Peers
-
-
-def model_manifest(path: Path, state_dir: Path | None) -> Manifest:
-    """The manifest of a model file, whose hash is the model id the mesh knows it by (computed once,
-    with a progress bar on a TTY, then cached); ModelNotFound, naming the file, if it is no usable GGUF."""
-    try:
-        return manifest_for(path, state_dir)
-    except (ValueError, OSError) as exc:
-        reason = " ".join(str(exc).split())[:200]
-        raise ModelNotFound(f"{path.name} is not a usable GGUF model ({reason})") from None
 
 
 class DraftModelMismatch(ModelNotFound):

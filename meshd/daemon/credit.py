@@ -1,0 +1,72 @@
+"""The daemon's credit: the ledger's peers and pages, and the election's votes weighed by it."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from meshd.client.served import Served
+from meshd.daemon.state import DaemonState
+from meshd.mesh.authority import placement_of
+from meshd.mesh.credit import NEWCOMER_FLOOR, extra_votes
+from wire.credit import CREDITS_PAGE, CreditsReply, PeerCredit, Voucher
+
+# how often the election's votes are weighed again by the credit ledger (meshd.mesh.credit.extra_votes)
+CREDIT_VOTES_EVERY = 60.0
+
+
+class Credit(DaemonState):
+    """The credit ledger's part in the daemon (meshd.mesh.credit): who pays, votes weighed by work served,
+    vouchers for this member's own commands, countersigned work, and the ledger as ``meshd credits`` shows it."""
+
+    def placed_members(self) -> set[str]:
+        """The members whose placement by a tracker this node followed their records carry, and those
+        trackers: whose asks pay credit whatever they hold (meshd.mesh.credit)."""
+        followed = self.mesh.election.followed
+        placed = {r.node_id for r in self.live_records() if placement_of(r, followed) is not None}
+        return placed | {node_id for _, node_id in followed}
+
+    async def _weigh_by_credit(self) -> None:
+        """Every `CREDIT_VOTES_EVERY`, gives each placed member the extra votes its served work earns it in
+        the election (meshd.mesh.credit.extra_votes of what it earned: the work it served members who pay,
+        not less what it asked, as authority goes by work served): rarely, as ledgers agree a round or two late."""
+        while True:
+            await trio.sleep(CREDIT_VOTES_EVERY)
+            placed = self.placed_members()
+            extra = {node_id: votes for node_id, standing in self.credit.standing().items()
+                     if node_id in placed and (votes := extra_votes(standing.earned))}
+            self.duty.credit_weights(trio.current_time(), extra)
+            self._flush()
+
+    def _ledger_peers(self) -> list[tuple[str, str | None]]:
+        membership = self.mesh.membership
+        return [(r.node_id, self.dial_address(r)) for r in self.live_records()
+                if r.node_id != self.mesh.node_id and membership.rtt(r.node_id) is not None]
+
+    def voucher(self, opener: str) -> Voucher:
+        """Lets `opener` (an identity of this member's own commands) ask on this member's credit."""
+        return self.credit.voucher(opener)
+
+    def countersign(self, served: list[Served]) -> int:
+        """Countersigns what each stage of an ask made for this member served, and gives it to the stage."""
+        return len(self.credit.countersign(self._nursery, served, self.address_of))
+
+    def credits(self, offset: int = 0) -> CreditsReply:
+        """This node's ledger: its own standing and every member's (a page from `offset`), for `meshd credits`."""
+        me = self.mesh.node_id
+        standing = self.credit.standing()
+        between = self.credit.ledger.between(me, time.time())
+        members = sorted(set(standing) | set(between) | {me})
+
+        def line(node_id: str) -> PeerCredit:
+            held = standing.get(node_id)
+            served, asked = between.get(node_id, (0.0, 0.0))
+            return PeerCredit(node_id=node_id, balance=held.balance if held else 0.0,
+                              earned=held.earned if held else 0.0, spent=held.spent if held else 0.0,
+                              served_us=served, asked_us=asked, placed=bool(held and held.placed))
+
+        others = [m for m in members if m != me]
+        return CreditsReply(node_id=me, own=line(me), members=[line(m) for m in others[offset:offset + CREDITS_PAGE]],
+                            total_members=len(others), summaries=len(self.credit.ledger), root=self.credit.ledger.root,
+                            floor=NEWCOMER_FLOOR)
