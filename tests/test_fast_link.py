@@ -55,6 +55,7 @@ from hypothesis import strategies as st
 from localmesh import Served, serving
 
 from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.engine import ops
 from meshd.engine.chain import LocalChain
 from meshd.engine.engine import Context, Model
 from meshd.engine.fastpath import FastPlane, HeldEvents
@@ -384,13 +385,13 @@ def test_a_step_that_does_not_fit_the_batch_waits_unwatched_and_runs_next() -> N
     n = MAX_ROWS // 2 + 1  # two of them are over the batch
     ends = {}
     for seq in (0, 1):
-        plane.open({"seq": seq, "tag": seq + 1, "max_pos": n + 4, "prompt_len": n})
+        plane.open(ops.FastOpen(seq=seq, tag=seq + 1, max_pos=n + 4, prompt_len=n))
         up, up_theirs = socket.socketpair()
         down, down_theirs = socket.socketpair()
         ends[seq] = (up, down, Sealer(KEY), Opener(OTHER_KEY, WIDTH, MAX_ROWS))
         up.sendall(ends[seq][2].seal(ROWS, 0, n, rows_of(n, WIDTH, seed=seq)))
-        plane.link({"seq": seq, "tag": seq + 1, "key": OTHER_KEY, "out": True}, down_theirs)
-        plane.link({"seq": seq, "tag": seq + 1, "key": KEY, "out": False}, up_theirs)
+        plane.link(ops.FastLink(seq=seq, tag=seq + 1, key=OTHER_KEY, out=True), down_theirs)
+        plane.link(ops.FastLink(seq=seq, tag=seq + 1, key=KEY, out=False), up_theirs)
     watched = {key.fileobj for key in selector.get_map().values()}
     assert all(getattr(plane.sessions[seq].link_in, "sock", None) in watched for seq in (0, 1))
 

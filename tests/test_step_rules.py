@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshd import steps
+from meshd.engine import ops
 from meshd.engine.engine import RangeReport
 from meshd.engine.fastpath import FastPlane
 from meshd.stage.books import StageLimits
@@ -154,8 +155,8 @@ class FastPlaneOf:
         self.head = head
         self.plane = FastPlane(FakeModel(report(head)), FakeContext(), {},  # type: ignore[arg-type]
                                selectors.DefaultSelector(), lambda events: None)
-        self.plane.open({"seq": 0, "tag": 1, "max_pos": BUDGET, "prompt_len": PROMPT, "gets_ids": gets_ids,
-                         "prompt": list(range(PROMPT))})
+        self.plane.open(ops.FastOpen(seq=0, tag=1, max_pos=BUDGET, prompt_len=PROMPT, gets_ids=gets_ids,
+                                     prompt=list(range(PROMPT))))
         self.session = self.plane.sessions[0]
         # the head has run its prompt: the ring's steps come next
         self.session.prompt = None

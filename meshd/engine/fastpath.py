@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from meshd import steps
+from meshd.engine import ops
 from meshd.engine.draft import DraftLength, NgramDrafter
 from meshd.engine.engine import Context, EngineError, Model, Sampler
 from meshd.engine.spans import Span, SpanBook, SpanError
@@ -238,30 +239,31 @@ class FastPlane:
 
     # ----- the daemon's ops
 
-    def open(self, h: dict[str, Any]) -> None:
+    def open(self, op: ops.FastOpen) -> None:
         report = self.model.report
         if report.has_input and report.has_output:
             raise EngineError("the whole model is its own ring: no fast path")
-        seq = int(h["seq"])
+        seq = op.seq
         if not 0 <= seq < self.ctx.n_seq_max:
             raise EngineError(f"sequence {seq} outside [0, {self.ctx.n_seq_max})")
         self.drop(seq)
-        s = FastSession(seq=seq, tag=int(h["tag"]), max_pos=int(h["max_pos"]), prompt_len=int(h["prompt_len"]),
-                        max_tokens=int(h.get("max_tokens", 0)), carry=int(h.get("carry", 0)),
-                        gets_ids=bool(h.get("gets_ids", False)), chunk=max(1, int(h.get("chunk", 128))))
+        s = FastSession(seq=seq, tag=op.tag, max_pos=op.max_pos, prompt_len=op.prompt_len, max_tokens=op.max_tokens,
+                        carry=op.carry, gets_ids=op.gets_ids, chunk=op.chunk)
         if not 0 < s.max_pos <= self.ctx.n_ctx_seq:
             raise EngineError(f"{s.max_pos} positions for a session, this context holds {self.ctx.n_ctx_seq}")
         # a prefix cache hit: the sequence holds the prompt's first ``start`` positions (the daemon copied
         # them), so its rows begin there; the prompt's last row always runs, where the tail samples
-        s.next_pos = int(h.get("start", 0))
+        s.next_pos = op.start
         if not 0 <= s.next_pos < max(1, s.prompt_len):
             raise EngineError(f"a session cannot start at {s.next_pos} (a prompt of {s.prompt_len})")
-        if h.get("span"):
+        if op.span:
             # past a cached prefix the spans begin where the rows do (the asker's chain of replicas computes
             # the prefix from its token ids: meshd.client.chain_check)
-            s.spans = SpanBook(int(h["span"]), s.prompt_len, keep=not report.has_input, start=s.next_pos)
+            s.spans = SpanBook(op.span, s.prompt_len, keep=not report.has_input, start=s.next_pos)
         if report.has_input:
-            prompt = np.asarray(h["prompt"], dtype=np.int32)
+            if op.prompt is None:
+                raise EngineError("the head's fast session comes with its prompt")
+            prompt = np.asarray(op.prompt, dtype=np.int32)
             if len(prompt) != s.prompt_len or len(prompt) > s.max_pos:
                 raise EngineError(f"a prompt of {len(prompt)} ids for {s.prompt_len} ({s.max_pos} positions)")
             s.prompt = prompt
@@ -269,23 +271,23 @@ class FastPlane:
             sampler = self.samplers.get(seq)
             if sampler is None:
                 raise EngineError(f"no sampler {seq}")
-            history = [int(t) for t in h.get("history") or []]
+            history = op.history or []
             for t in history:
                 sampler.accept(t)
-            if h.get("max_draft"):
-                s.drafter, s.length = NgramDrafter(), DraftLength(int(h["max_draft"]))
+            if op.max_draft:
+                s.drafter, s.length = NgramDrafter(), DraftLength(op.max_draft)
                 s.drafter.extend(history)
         self.sessions[seq] = s
 
-    def link(self, h: dict[str, Any], sock: socket.socket) -> None:
+    def link(self, op: ops.FastLink, sock: socket.socket) -> None:
         """A connection of the session, handed over by the daemon: from upstream, or to downstream."""
         try:
-            s = self._session(h)
+            s = self._session(op.seq, op.tag)
         except EngineError:
             sock.close()
             raise
-        key = bytes(h["key"])
-        if h["out"]:
+        key = op.key
+        if op.out:
             if s.link_out is not None:
                 sock.close()
                 raise EngineError("the session has its downstream connection")
@@ -306,32 +308,32 @@ class FastPlane:
             raise EngineError(f"no fast session {seq}")
         return {"next_pos": s.next_pos, "draft_from": s.draft_from, "stopped": s.stopped}
 
-    def seal(self, h: dict[str, Any]) -> None:
+    def seal(self, op: ops.FastSeal) -> None:
         """The asker's word that the session ends at ``until``: the last spans' hashes up to there are
         told as events, after every one held (one channel, so the daemon signs them in order)."""
-        s = self._session(h)
+        s = self._session(op.seq, op.tag)
         try:
-            closed = s.spans.seal(int(h["until"])) if s.spans is not None else []
+            closed = s.spans.seal(op.until) if s.spans is not None else []
         except SpanError as exc:
             raise EngineError(str(exc)) from None
         self._tell(self.held.take() + [span_event(s, c) for c in closed])
 
-    def inputs(self, h: dict[str, Any]) -> list[Span]:
+    def inputs(self, op: ops.FastInputs) -> list[Span]:
         """The kept inputs of the closed spans before ``until`` (a spot check's), forgotten once taken."""
-        s = self._session(h)
-        return [] if s.spans is None else s.spans.take(int(h["until"]))
+        s = self._session(op.seq, op.tag)
+        return [] if s.spans is None else s.spans.take(op.until)
 
-    def _session(self, h: dict[str, Any]) -> FastSession:
+    def _session(self, seq: int, tag: int) -> FastSession:
         """The fast session the daemon's op names (its slot and tag)."""
-        s = self.sessions.get(int(h["seq"]))
-        if s is None or s.tag != int(h["tag"]):
-            raise EngineError(f"no fast session {h['seq']} ({h['tag']})")
+        s = self.sessions.get(seq)
+        if s is None or s.tag != tag:
+            raise EngineError(f"no fast session {seq} ({tag})")
         return s
 
-    def end(self, h: dict[str, Any]) -> None:
+    def end(self, op: ops.FastEnd) -> None:
         """The daemon's word that the session takes no more steps (a stop string ended it)."""
-        s = self.sessions.get(int(h["seq"]))
-        if s is not None and s.tag == int(h["tag"]):
+        s = self.sessions.get(op.seq)
+        if s is not None and s.tag == op.tag:
             s.stopped = True
 
     def drop(self, seq: int) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from meshd.engine import ops
 from meshd.engine.engine import RangeReport
 from meshd.engine.workerproto import (
     MAX_HEADER,
@@ -239,7 +240,7 @@ class EngineSupervisor:
                 while True:
                     await trio.sleep(self.health_interval)
                     try:
-                        await self.call({"op": "ping"}, timeout=self.health_timeout)
+                        await self.call(ops.Ping().header(), timeout=self.health_timeout)
                     except WorkerDown as exc:
                         reason = f"failed its health check: {exc}"
                         proc.kill()
@@ -273,7 +274,8 @@ class EngineSupervisor:
 
     async def call(self, header: dict[str, Any], payload: bytes | memoryview = b"",
                    timeout: float | None = None, fds: tuple[int, ...] = ()) -> tuple[dict[str, Any], bytearray]:
-        """One request, one reply. Raises WorkerDown if the worker is or goes away.
+        """One request (an op's ``header()``, meshd.engine.ops, which the worker checks on decode), one
+        reply. Raises WorkerDown if the worker is or goes away.
 
         ``fds`` go with the request (SCM_RIGHTS): the worker holds its own copies once
         the call returns. A request over the frame limits (a 16 MiB prompt) is refused

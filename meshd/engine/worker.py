@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from meshd.engine.engine import Context, EngineError, Model, Sampler, SamplingParams
+from meshd.engine import ops
+from meshd.engine.engine import Context, EngineError, InvalidInput, Model, Sampler, SamplingParams
 from meshd.engine.fastpath import FastPlane
 from meshd.engine.native import EngineUnavailable
 from meshd.engine.workerproto import (
@@ -42,7 +43,7 @@ from meshd.engine.workerproto import (
 )
 
 Reply = tuple[dict[str, Any], bytes | memoryview]
-Handler = Callable[[dict[str, Any], memoryview], Reply]
+Handler = Callable[[Any, memoryview], Reply]
 
 
 # The most descriptors one request brings (a fast-path connection: one)
@@ -68,24 +69,26 @@ class Worker:
             send_parts(self.events, [part for event in events for part in frame_parts(encode_prefix(event, 0), b"")])
 
     def handle(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
-        op = h.get("op")
-        handler: Handler | None = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
-        if handler is None:
-            return {"ok": False, "kind": "InvalidInput", "message": f"unknown worker op {op!r}"}, b""
         try:
-            return handler(h, payload)
+            # every field checked against the op's schema before a handler reads it (meshd.engine.ops)
+            op = ops.decode(h)
+        except ops.BadOp as exc:
+            return {"ok": False, "kind": "InvalidInput", "message": str(exc)}, b""
+        handler: Handler = getattr(self, f"op_{op.op}")
+        try:
+            return handler(op, payload)
         except EngineError as exc:
             return {"ok": False, "kind": type(exc).__name__, "message": str(exc)}, b""
         except Exception as exc:
-            # A request's fields are the daemon's, shaped by what peers sent: a wrong
-            # type or size anywhere (KeyError, TypeError, ValueError, AttributeError,
-            # OverflowError, ...) is that request's error, never the worker's end.
-            return {"ok": False, "kind": "InvalidInput", "message": f"bad {op} request: {exc!r}"}, b""
+            # A request's fields are the daemon's, shaped by what peers sent: what its schema cannot
+            # say (rows of another size than the positions, an id the model lacks: ValueError,
+            # IndexError, OverflowError, ...) is that request's error, never the worker's end.
+            return {"ok": False, "kind": "InvalidInput", "message": f"bad {op.op} request: {exc!r}"}, b""
 
-    def op_ping(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_ping(self, op: ops.Ping, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True}, b""
 
-    def op_forward(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
+    def op_forward(self, op: ops.Forward, payload: memoryview) -> tuple[dict[str, Any], bytes | memoryview]:
         """One batched engine call; at the tail, rows may be sampled right here.
 
         `sample` lists (output row, sampler id[, draft]): the tail samples those
@@ -97,28 +100,32 @@ class Worker:
         without speculation: the same random draws, in the same order.
         """
         report = self.model.report
-        for sid, tokens in h.get("history", []):
-            sampler = self.samplers.get(sid)
+        for entry in op.history:
+            sampler = self.samplers.get(entry.sid)
             if sampler is None:
-                raise EngineError(f"no sampler {sid}")
-            for t in tokens:
-                sampler.accept(int(t))
-        seq = np.frombuffer(h["seq"], dtype=np.int32)
-        pos = np.frombuffer(h["pos"], dtype=np.int32)
-        want = np.frombuffer(h["want"], dtype=np.int8) if h.get("want") is not None else None
+                raise EngineError(f"no sampler {entry.sid}")
+            for t in entry.tokens:
+                sampler.accept(t)
+        seq = np.frombuffer(op.seq, dtype=np.int32)
+        pos = np.frombuffer(op.pos, dtype=np.int32)
+        want = np.frombuffer(op.want, dtype=np.int8) if op.want is not None else None
         if report.has_input:
-            out = self.ctx.forward(seq, pos, tokens=np.frombuffer(h["tokens"], dtype=np.int32), want_output=want)
+            if op.tokens is None:
+                raise InvalidInput("the head's rows are token ids: the request has none")
+            out = self.ctx.forward(seq, pos, tokens=np.frombuffer(op.tokens, dtype=np.int32), want_output=want)
         else:
             hidden = np.frombuffer(payload, dtype=np.float32).reshape(len(pos), report.stage_width)
             # a stage with hash-routed layers (deepseek4) takes the token ids with the residual
-            ids = np.frombuffer(h["tokens"], dtype=np.int32) if report.needs_tokens else None
+            if report.needs_tokens and op.tokens is None:
+                raise InvalidInput("this stage routes experts by token id: the request has none")
+            ids = np.frombuffer(op.tokens, dtype=np.int32) if report.needs_tokens and op.tokens is not None else None
             out = self.ctx.forward(seq, pos, tokens=ids, hidden=hidden, want_output=want)
         reply: dict[str, Any] = {"ok": True, "rows": int(out.shape[0])}
         if not report.has_output:
             return reply, out.data.cast("B")
         picks: list[list[Any] | None] = []
         rejected: set[int] = set()
-        for row, sid, *draft in h.get("sample", []):
+        for row, sid, *draft in op.sample:
             sampler = self.samplers.get(sid)
             if sampler is None:
                 raise EngineError(f"no sampler {sid}")
@@ -134,70 +141,70 @@ class Worker:
             if draft and token != draft[0]:
                 rejected.add(sid)
         reply["picks"] = picks
-        if h.get("return_logits"):
+        if op.return_logits:
             return reply, out.data.cast("B")
         return reply, b""
 
-    def op_remove(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
-        seq, p0, p1 = int(h["seq"]), int(h.get("p0", 0)), int(h.get("p1", -1))
+    def op_remove(self, op: ops.Remove, payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        seq, p0, p1 = op.seq, op.p0, op.p1
         if (p0, p1) == (0, -1):
             # the whole sequence is cleared: a fast session on it ends with its KV
             self.plane.drop(seq)
         self.ctx.remove(seq, p0, p1)
         return {"ok": True}, b""
 
-    def op_prefix_keep(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_prefix_keep(self, op: ops.PrefixKeep, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """A finished session's sequence becomes a prefix cache entry: it runs nothing more (a fast
         session on it is dropped) and keeps the positions it holds up to ``upto``; the reply says how
         many it holds (positions are written in order, so every one below the last is there)."""
-        seq = int(h["seq"])
+        seq = op.seq
         self.plane.drop(seq)
-        held = min(self.ctx.pos_max(seq) + 1, max(0, int(h["upto"])))
+        held = min(self.ctx.pos_max(seq) + 1, op.upto)
         self.ctx.remove(seq, held, -1)
         return {"ok": True, "tokens": held}, b""
 
-    def op_prefix_copy(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_prefix_copy(self, op: ops.PrefixCopy, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """A cache hit: the session's sequence ``dst`` takes positions [0, n) of entry ``src``."""
-        self.ctx.copy_prefix(int(h["src"]), int(h["dst"]), int(h["n"]))
+        self.ctx.copy_prefix(op.src, op.dst, op.n)
         return {"ok": True}, b""
 
-    def op_fast_open(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_fast_open(self, op: ops.FastOpen, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """A session whose rows go worker to worker (meshd.engine.fastpath)."""
-        self.plane.open(h)
+        self.plane.open(op)
         return {"ok": True}, b""
 
-    def op_fast_link(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_fast_link(self, op: ops.FastLink, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """One of a fast session's connections, the descriptor sent with this request."""
         if not self.fds:
             raise EngineError("fast_link came without its connection")
-        self.plane.link(h, socket.socket(fileno=self.fds.pop(0)))
+        self.plane.link(op, socket.socket(fileno=self.fds.pop(0)))
         return {"ok": True}, b""
 
-    def op_fast_state(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
-        return {"ok": True, **self.plane.state(int(h["seq"]))}, b""
+    def op_fast_state(self, op: ops.FastState, payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        return {"ok": True, **self.plane.state(op.seq)}, b""
 
-    def op_fast_stats(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_fast_stats(self, op: ops.FastStats, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True, "stats": self.plane.stats}, b""
 
-    def op_fast_seal(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_fast_seal(self, op: ops.FastSeal, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """A fast session's last spans, closed where the asker says the session ends (told as events)."""
-        self.plane.seal(h)
+        self.plane.seal(op)
         return {"ok": True}, b""
 
-    def op_fast_inputs(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_fast_inputs(self, op: ops.FastInputs, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """A fast session's kept inputs (a spot check's): each span's position, row count, bytes of rows
         and token ids in the header, the rows one after the other in the payload."""
-        spans = self.plane.inputs(h)
+        spans = self.plane.inputs(op)
         return ({"ok": True, "spans": [[sp.pos, sp.n, len(sp.rows_in), sp.ids] for sp in spans]},
                 b"".join(sp.rows_in for sp in spans))
 
-    def op_fast_end(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
-        self.plane.end(h)
+    def op_fast_end(self, op: ops.FastEnd, payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        self.plane.end(op)
         return {"ok": True}, b""
 
-    def op_seq_pos_max(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_seq_pos_max(self, op: ops.SeqPosMax, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """The last position a sequence holds in llama.cpp's KV, -1 when it holds none."""
-        return {"ok": True, "pos_max": self.ctx.pos_max(int(h["seq"]))}, b""
+        return {"ok": True, "pos_max": self.ctx.pos_max(op.seq)}, b""
 
     def _logprobs(self, row: np.ndarray, token: int, top: int) -> list[Any]:
         """A pick's log-probability under the row's raw logits, and the ``top`` likeliest tokens' (id,
@@ -212,54 +219,55 @@ class Worker:
             best = [[int(t), min(0.0, float(logits[t] - lse)), self.model.token_piece(int(t))] for t in ids]
         return [min(0.0, float(logits[token] - lse)), best]
 
-    def op_sampler_new(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
-        sid = int(h["sid"])
+    def op_sampler_new(self, op: ops.SamplerNew, payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        sid = op.sid
         old = self.samplers.pop(sid, None)
         if old:
             old.close()
-        top = h.get("logprobs")
-        self.logprobs[sid] = None if top is None else max(0, min(int(top), 20))
-        sampler = Sampler(self.model, SamplingParams(**h["params"]))
-        for t in h.get("history", []):
-            sampler.accept(int(t))
+        self.logprobs[sid] = None if op.logprobs is None else min(op.logprobs, 20)
+        sampler = Sampler(self.model, SamplingParams(**op.params.model_dump()))
+        for t in op.history:
+            sampler.accept(t)
         self.samplers[sid] = sampler
         return {"ok": True}, b""
 
-    def op_sampler_free(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
-        sampler = self.samplers.pop(int(h["sid"]), None)
-        self.logprobs.pop(int(h["sid"]), None)
+    def op_sampler_free(self, op: ops.SamplerFree, payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        sampler = self.samplers.pop(op.sid, None)
+        self.logprobs.pop(op.sid, None)
         if sampler:
             sampler.close()
         return {"ok": True}, b""
 
-    def op_tokenize(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
-        if h.get("messages") is not None:
-            text = self.model.apply_chat(h["messages"], add_assistant=True)
+    def op_tokenize(self, op: ops.Tokenize, payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        if op.messages is not None:
+            text = self.model.apply_chat(op.messages, add_assistant=True)
             tokens = self.model.tokenize(text, add_special=False, parse_special=True)
         else:
             # a chat the asker rendered with the model's template (special) carries its special tokens as
             # text, as llama-server tokenizes its prompt; plain text's are the user's words, not markers
-            tokens = self.model.tokenize(h["text"], add_special=True, parse_special=bool(h.get("special")))
+            if op.text is None:
+                raise InvalidInput("a tokenize request has text or messages")
+            tokens = self.model.tokenize(op.text, add_special=True, parse_special=op.special)
         return {"ok": True, "tokens": tokens}, b""
 
-    def op_chat_info(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_chat_info(self, op: ops.ChatInfo, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         return {"ok": True, "chat": self.model.chat_info()}, b""
 
-    def op_sampler_grammar(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_sampler_grammar(self, op: ops.SamplerGrammar, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """Constrains a session's sampler by a grammar; the tokens it generated before (a re-prefill's)
         are read by the grammar first."""
-        sampler = self.samplers.get(int(h["sid"]))
+        sampler = self.samplers.get(op.sid)
         if sampler is None:
-            raise EngineError(f"no sampler {h['sid']}")
-        sampler.set_grammar(h["spec"])
-        for t in h.get("generated", []):
-            sampler.grammar_accept(int(t))
+            raise EngineError(f"no sampler {op.sid}")
+        sampler.set_grammar(op.spec)
+        for t in op.generated:
+            sampler.grammar_accept(t)
         return {"ok": True}, b""
 
-    def op_detokenize(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
-        return {"ok": True, "text": self.model.detokenize(h["tokens"], remove_special=True)}, b""
+    def op_detokenize(self, op: ops.Detokenize, payload: memoryview) -> tuple[dict[str, Any], bytes]:
+        return {"ok": True, "text": self.model.detokenize(op.tokens, remove_special=True)}, b""
 
-    def op_vocab_digest(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], bytes]:
+    def op_vocab_digest(self, op: ops.VocabDigest, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         """A hash of every token's bytes and end-of-generation flag, in id order: two models draft
         for each other only where it is the same."""
         digest = hashlib.sha256()

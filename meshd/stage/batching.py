@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from meshd.engine import ops
 from meshd.stage.books import LIVE, Work
 from meshd.stage.ring import Ring
 from meshd.stage.signing import Signing
@@ -49,13 +50,13 @@ class Batcher:
             try:
                 for slot, generation, pos in books.take_trims():
                     if generation == state.engine.generation:
-                        await state.engine_call({"op": "remove", "seq": slot, "p0": pos, "p1": -1})
+                        await state.engine_call(ops.Remove(seq=slot, p0=pos))
                 for slot, generation in books.take_dirty():
                     if generation != state.engine.generation:
                         continue
-                    await state.engine_call({"op": "remove", "seq": slot})
+                    await state.engine_call(ops.Remove(seq=slot))
                     if state.report.has_output:
-                        await state.engine_call({"op": "sampler_free", "sid": slot})
+                        await state.engine_call(ops.SamplerFree(sid=slot))
             except ProtocolError:
                 return
 
@@ -86,18 +87,20 @@ class Batcher:
         report, books = self.state.report, self.state.books
         seq = _joined([np.full(w.n, w.session.slot, dtype=np.int32) for w in batch])
         pos = _joined([np.arange(w.pos, w.pos + w.n, dtype=np.int32) for w in batch])
-        header: dict[str, Any] = {"op": "forward", "seq": seq.tobytes(), "pos": pos.tobytes()}
         payload: bytes | memoryview = b""
+        tokens: bytes | None = None
+        want_rows: bytes | None = None
+        sample: list[list[int]] = []
+        history: list[ops.SlotHistory] = []
         if report.has_input:
-            header["tokens"] = _joined([w.payload.tokens for w in batch if w.payload.tokens is not None]).tobytes()
+            tokens = _joined([w.payload.tokens for w in batch if w.payload.tokens is not None]).tobytes()
         else:
             payload = _joined([w.payload.hidden for w in batch if w.payload.hidden is not None]).data.cast("B")
             if report.needs_tokens:
-                header["tokens"] = _joined([np.asarray(w.payload.carry, dtype=np.int32) for w in batch
-                                            if w.payload.carry is not None]).tobytes()
+                tokens = _joined([np.asarray(w.payload.carry, dtype=np.int32) for w in batch
+                                  if w.payload.carry is not None]).tobytes()
         if report.has_output:
             want = np.zeros(len(pos), dtype=np.int8)
-            sample = []
             row, out_row = 0, 0
             for w in batch:
                 row += w.n
@@ -108,11 +111,11 @@ class Batcher:
                     sample.append([out_row, w.session.slot, drafts[i] if i < len(drafts) else -1]
                                   if i < w.drafts else [out_row, w.session.slot])
                     out_row += 1
-            header["want"] = want.tobytes()
-            header["sample"] = sample
-            header["history"] = [[w.session.slot, w.payload.history[:books.history(w)]]
-                                 for w in batch if w.payload.history and books.history(w)]
-        return await self.state.engine_call(header, payload)
+            want_rows = want.tobytes()
+            history = [ops.SlotHistory(sid=w.session.slot, tokens=list(w.payload.history[:books.history(w)]))
+                       for w in batch if w.payload.history and books.history(w)]
+        return await self.state.engine_call(ops.Forward(seq=seq.tobytes(), pos=pos.tobytes(), tokens=tokens,
+                                                        want=want_rows, sample=sample, history=history), payload)
 
     def dispatch(self, batch: list[Work[Rows]], reply: dict[str, Any], body: bytearray) -> None:
         report, books, signing = self.state.report, self.state.books, self.signing

@@ -13,6 +13,7 @@ import logging
 
 import trio
 
+from meshd.engine import ops
 from meshd.stage.books import LIVE
 from meshd.stage.state import Session, StageState, sampler_new
 from wire.errors import ErrorCode, ProtocolError
@@ -50,8 +51,7 @@ class CachedPrefix:
             # the entry's sequence is not given to a new session while its cells are copied
             books.cache.pin(entry)
             try:
-                await state.engine_call({"op": "prefix_copy", "src": entry.slot, "dst": book.slot,
-                                         "n": shared * PREFIX_BLOCK})
+                await state.engine_call(ops.PrefixCopy(src=entry.slot, dst=book.slot, n=shared * PREFIX_BLOCK))
                 found = shared * PREFIX_BLOCK
             except ProtocolError as exc:
                 if exc.code is not ErrorCode.BAD_REQUEST:
@@ -87,15 +87,15 @@ class CachedPrefix:
         for other in state.books.start_at(book, pos, trio.current_time()):
             state.ended(other)
         if book.found > pos:
-            await state.engine_call({"op": "remove", "seq": book.slot, "p0": pos, "p1": -1})
+            await state.engine_call(ops.Remove(seq=book.slot, p0=pos))
         if pos and state.report.has_output and not session.open.fast:
             if history is None:
                 history = await state.history(session, 0, pos)
             await state.engine_call(sampler_new(session, history or []))
             if session.grammar is not None:
                 # the new sampler obeys the session's grammar as the one it replaces did
-                await state.engine_call({"op": "sampler_grammar", "sid": book.slot,
-                                         "spec": session.grammar[0].model_dump(), "generated": session.grammar[1]})
+                await state.engine_call(ops.SamplerGrammar(sid=book.slot, spec=session.grammar[0].model_dump(),
+                                                           generated=session.grammar[1]))
 
     async def keep(self, session: Session) -> None:
         """A session that ended cleanly leaves its sequence's prompt prefix as a cache entry."""
@@ -103,8 +103,7 @@ class CachedPrefix:
         if not state.caching or not keys or not state.books.holds(book) or book.generation != state.engine.generation:
             return
         try:
-            reply, _ = await state.engine_call({"op": "prefix_keep", "seq": book.slot,
-                                                "upto": len(keys) * PREFIX_BLOCK})
+            reply, _ = await state.engine_call(ops.PrefixKeep(seq=book.slot, upto=len(keys) * PREFIX_BLOCK))
         except ProtocolError:
             return
         state.books.keep(book, keys[:int(reply["tokens"]) // PREFIX_BLOCK], trio.current_time())

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from meshd.engine import ops
 from meshd.net.fastconn import accepted, detach
 from meshd.net.fastpunch import connect_fast
 from meshd.net.stream import Stream, StreamLink
@@ -111,13 +112,12 @@ class FastPath:
             history = await state.history(session, 0, prompt_len)
         for other in state.books.reserve(book, prompt_len + book.max_tokens, trio.current_time()):
             state.ended(other)
-        await state.engine_call({"op": "fast_open", "seq": book.slot, "tag": session.fast_tag,
-                                 "max_pos": book.next_pos, "prompt_len": prompt_len, "max_tokens": book.max_tokens,
-                                 "start": book.start,
-                                 "carry": session.carry, "gets_ids": session.gets_ids, "prompt": prompt,
-                                 "history": history, "chunk": state.limits.prefill_chunk,
-                                 "span": SPAN if session.receipts is not None else 0,
-                                 "max_draft": session.open.max_draft if session.open.speculate == "ngram" else 0})
+        await state.engine_call(ops.FastOpen(
+            seq=book.slot, tag=session.fast_tag, max_pos=book.next_pos, prompt_len=prompt_len,
+            max_tokens=book.max_tokens, start=book.start, carry=session.carry, gets_ids=session.gets_ids,
+            prompt=prompt, history=history, chunk=state.limits.prefill_chunk,
+            span=SPAN if session.receipts is not None else 0,
+            max_draft=session.open.max_draft if session.open.speculate == "ngram" else 0))
         session.fast_opened.set()
 
     async def link_out(self, session: Session, address: str, link: StreamLink, offer: FastOffer) -> None:
@@ -132,8 +132,8 @@ class FastPath:
             # with the connection, so its answer costs the session no round trip
             sock = detach(conn)
             try:
-                await self.state.engine_call({"op": "fast_link", "seq": session.book.slot, "tag": session.fast_tag,
-                                              "out": True, "key": offer.key}, fds=(sock.fileno(),))
+                await self.state.engine_call(ops.FastLink(seq=session.book.slot, tag=session.fast_tag, out=True,
+                                                          key=offer.key), fds=(sock.fileno(),))
             finally:
                 sock.close()
             await accepted(conn, address, timeout)
@@ -155,8 +155,8 @@ class FastPath:
             if expected.sock is None or not session.fast_opened.is_set():
                 raise ProtocolError(ErrorCode.UNREACHABLE, "the fast-path connection from the previous stage "
                                                            "never came")
-            await self.state.engine_call({"op": "fast_link", "seq": session.book.slot, "tag": session.fast_tag,
-                                          "out": False, "key": offer.key}, fds=(expected.sock.fileno(),))
+            await self.state.engine_call(ops.FastLink(seq=session.book.slot, tag=session.fast_tag, out=False,
+                                                      key=offer.key), fds=(expected.sock.fileno(),))
         finally:
             self.door.forget(offer.token)
             expected.close()
@@ -200,14 +200,13 @@ class FastPath:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "only a fast session with receipts is sealed")
         await session.fast_opened.wait()
         # the worker tells the last spans as events, after the ones it told before (``on_engine_event``)
-        await self.state.engine_call({"op": "fast_seal", "seq": book.slot, "tag": session.fast_tag,
-                                      "until": msg.until})
+        await self.state.engine_call(ops.FastSeal(seq=book.slot, tag=session.fast_tag, until=msg.until))
 
     async def inputs(self, session: Session, msg: InputsRequest) -> None:
         """A fast session's kept inputs, span by span, from its engine worker (``Signing.send_inputs``)."""
         book = session.book
-        reply, body = await self.state.engine_call({"op": "fast_inputs", "seq": book.slot, "tag": session.fast_tag,
-                                                    "until": msg.until})
+        reply, body = await self.state.engine_call(ops.FastInputs(seq=book.slot, tag=session.fast_tag,
+                                                                  until=msg.until))
         offset = 0
         for pos, n, size, ids in reply["spans"]:
             rows = np.frombuffer(body, dtype=np.float32, count=size // 4, offset=offset).reshape(n, -1)
@@ -223,7 +222,6 @@ class FastPath:
         async for session in self._end_recv:
             if self.state.books.holds(session.book):
                 try:
-                    await self.state.engine_call({"op": "fast_end", "seq": session.book.slot,
-                                                  "tag": session.fast_tag})
+                    await self.state.engine_call(ops.FastEnd(seq=session.book.slot, tag=session.fast_tag))
                 except ProtocolError:
                     pass

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from meshd.engine import ops
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.mesh.models import ModelNotFound
 from meshd.net.peers import Peers, PeersConfig, open_peers
@@ -37,7 +38,7 @@ class DraftModelMismatch(ModelNotFound):
 
 
 async def vocab_digest(engine: EngineSupervisor) -> str:
-    reply, _ = await engine.call({"op": "vocab_digest"})
+    reply, _ = await engine.call(ops.VocabDigest().header())
     return str(reply["digest"])
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import trio
 
 from meshd import steps
+from meshd.engine import ops
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused
 from meshd.stage.books import LIVE, Emitted, Work
 from meshd.stage.signing import Signing
@@ -26,8 +27,7 @@ from wire.stage import Done, Token, TopLogprob
 from wire.tensors import encode_activation
 
 # how the draft model picks its drafts: its most likely token
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 0,
-          "seed": 0}
+GREEDY = ops.Sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, repeat_last_n=0, seed=0)
 
 
 class Ring:
@@ -133,20 +133,20 @@ class Ring:
                 # a new draft worker (or a slot another session used before): nothing of ours in its KV
                 s.draft_generation = engine.generation
                 kv.held = []
-                await self._draft_call(engine, {"op": "sampler_new", "sid": slot, "params": GREEDY})
+                await self._draft_call(engine, ops.SamplerNew(sid=slot, params=GREEDY))
             keep, feed = kv.plan(tokens)
-            await self._draft_call(engine, {"op": "remove", "seq": slot, "p0": keep, "p1": -1})
+            await self._draft_call(engine, ops.Remove(seq=slot, p0=keep))
             drafts: list[int] = []
             pos = keep
             while len(drafts) < k:
                 chunk = feed[:self.state.limits.n_batch] if feed else drafts[-1:]
                 feed = feed[len(chunk):]
-                reply = await self._draft_call(engine, {
-                    "op": "forward", "seq": np.full(len(chunk), slot, dtype=np.int32).tobytes(),
-                    "pos": np.arange(pos, pos + len(chunk), dtype=np.int32).tobytes(),
-                    "tokens": np.asarray(chunk, dtype=np.int32).tobytes(),
-                    "want": np.eye(1, len(chunk), len(chunk) - 1, dtype=np.int8).tobytes(),
-                    "sample": [[0, slot]] if not feed else []})
+                reply = await self._draft_call(engine, ops.Forward(
+                    seq=np.full(len(chunk), slot, dtype=np.int32).tobytes(),
+                    pos=np.arange(pos, pos + len(chunk), dtype=np.int32).tobytes(),
+                    tokens=np.asarray(chunk, dtype=np.int32).tobytes(),
+                    want=np.eye(1, len(chunk), len(chunk) - 1, dtype=np.int8).tobytes(),
+                    sample=[[0, slot]] if not feed else []))
                 pos += len(chunk)
                 if not feed:
                     drafts.append(int(reply["picks"][0][0]))
@@ -156,9 +156,9 @@ class Ring:
         kv.ran(tokens, drafts)
         return drafts
 
-    async def _draft_call(self, engine: EngineSupervisor, header: dict[str, Any]) -> dict[str, Any]:
+    async def _draft_call(self, engine: EngineSupervisor, op: ops.Op) -> dict[str, Any]:
         try:
-            reply, _ = await engine.call(header)
+            reply, _ = await engine.call(op.header())
         except (WorkerDown, WorkerRefused) as exc:
             raise ProtocolError(ErrorCode.INTERNAL, f"draft model: {exc}") from exc
         return reply

@@ -34,6 +34,7 @@ from typing import Any
 
 import trio
 
+from meshd.engine import ops
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor
 from meshd.net.peers import Peers
@@ -140,7 +141,7 @@ class StageService:
         """Serves a stage stream whose first message has been read."""
         if isinstance(first, MetricsRequest):
             try:
-                reply, _ = await self.state.engine_call({"op": "fast_stats"})
+                reply, _ = await self.state.engine_call(ops.FastStats())
                 self.state.metrics.fast = dict(reply["stats"])
             except ProtocolError:
                 pass  # the worker is down: its last counts stand

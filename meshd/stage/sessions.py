@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -21,6 +20,7 @@ import trio
 from pydantic import ValidationError
 
 from meshd import steps
+from meshd.engine import ops
 from meshd.engine.draft import DraftLength, DraftModelKV, NgramDrafter
 from meshd.mesh.records import host_of
 from meshd.net.fastpunch import RELAYED_HOP, fast_reaches
@@ -178,7 +178,7 @@ class SessionProtocol:
         hop_stream: Stream | None = None
         try:
             with session.scope:
-                await state.engine_call({"op": "remove", "seq": book.slot})
+                await state.engine_call(ops.Remove(seq=book.slot))
                 if report.has_output:
                     await state.engine_call(sampler_new(session))
                 if target is not None:
@@ -270,15 +270,15 @@ class SessionProtocol:
             steps.check_ids(tokens, report.n_vocab)
         else:
             # Bounded before the engine worker sees it: the text must fit the session budget.
-            request: dict[str, Any] = {"op": "tokenize", "special": msg.special}
             if msg.messages is not None:
                 state.books.check_prompt_bytes(sum(len(m.role.encode()) + len(m.content.encode())
                                                    for m in msg.messages))
-                request["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
+                request = ops.Tokenize(messages=[{"role": m.role, "content": m.content} for m in msg.messages],
+                                       special=msg.special)
             else:
                 assert msg.text is not None
                 state.books.check_prompt_bytes(len(msg.text.encode()))
-                request["text"] = msg.text
+                request = ops.Tokenize(text=msg.text, special=msg.special)
             reply, _ = await state.engine_call(request)
             tokens = reply["tokens"]
             state.books.set_prompt(book, len(tokens))
@@ -318,7 +318,7 @@ class SessionProtocol:
     async def _chat_template(self) -> ChatTemplate:
         """The model's chat template, read once from the engine (it is the file's)."""
         if self._chat is None:
-            reply, _ = await self.state.engine_call({"op": "chat_info"})
+            reply, _ = await self.state.engine_call(ops.ChatInfo())
             try:
                 self._chat = ChatTemplate(**reply["chat"])
             except ValidationError:
@@ -334,8 +334,8 @@ class SessionProtocol:
                                                        "path nor speculation")
         if session.grammar is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the session already has its grammar")
-        await self.state.engine_call({"op": "sampler_grammar", "sid": session.book.slot,
-                                      "spec": grammar.model_dump(), "generated": generated})
+        await self.state.engine_call(ops.SamplerGrammar(sid=session.book.slot, spec=grammar.model_dump(),
+                                                        generated=generated))
         session.grammar = (grammar, generated)
 
     async def _take_prompt_ids(self, session: Session, msg: PromptTokens) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from meshd.engine import ops
 from meshd.engine.draft import DraftLength, DraftModelKV, NgramDrafter
 from meshd.engine.engine import RangeReport
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused
@@ -180,10 +181,10 @@ class StageState:
         if not self.books.sessions:
             self.idle.set()
 
-    async def engine_call(self, header: dict[str, Any], payload: bytes | memoryview = b"",
+    async def engine_call(self, op: ops.Op, payload: bytes | memoryview = b"",
                           fds: tuple[int, ...] = ()) -> tuple[dict[str, Any], bytearray]:
         try:
-            return await self.engine.call(header, payload, fds=fds)
+            return await self.engine.call(op.header(), payload, fds=fds)
         except WorkerDown as exc:
             raise ProtocolError(ErrorCode.INTERNAL, f"engine worker unavailable: {exc}") from exc
         except WorkerRefused as exc:
@@ -204,13 +205,9 @@ class StageState:
         return ids[pos:min(pos + n, prompt_len)]
 
 
-def sampler_new(session: Session, history: list[int] | None = None) -> dict[str, Any]:
+def sampler_new(session: Session, history: list[int] | None = None) -> ops.SamplerNew:
     """The tail's request for a sampler of the session's parameters, which reads ``history`` first."""
     s = session.open.sampling
-    request: dict[str, Any] = {"op": "sampler_new", "sid": session.book.slot, "params": {
-        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-        "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "seed": s.seed},
-        "logprobs": session.open.logprobs}
-    if history is not None:
-        request["history"] = history
-    return request
+    return ops.SamplerNew(sid=session.book.slot, params=ops.Sampling(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, repeat_penalty=s.repeat_penalty,
+        repeat_last_n=s.repeat_last_n, seed=s.seed), logprobs=session.open.logprobs, history=history or [])
