@@ -31,7 +31,7 @@ RANK: dict[str, float] = {
     "meshd.status_table": 3,
     "meshd.daemon": 4,
     "meshd.front": 5,
-    # `meshd bench`: a model's figures from the daemon's describe_model and the engine
+    # `meshd bench`: a model's figures from the stage's describe_model (meshd.stage.model_file) and the engine
     "meshd.bench": 5,
     "meshd.cli": 6,
     "meshd.__main__": 7,

@@ -18,8 +18,7 @@ from meshd.client.audit import Audit, StageLied, blamed
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan, Draws
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
-from meshd.stage.receipts import SessionReceipts, Signer
-from meshd.stage.verify import chain_of, check_incoming
+from meshd.stage.receipts import SessionReceipts, Signer, chain_of, check_incoming
 from wire.codec import Message, decode, encode, error_message, protocol_limits
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity

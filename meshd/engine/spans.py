@@ -1,7 +1,7 @@
 """A fast session's receipt spans at one stage: which rows are final, and each span's hashes (sans-IO).
 
 On the fast path the engine worker hashes what its stage took in and put out,
-and its daemon signs (meshd.stage.service): the rows never wait for a
+and its daemon signs (meshd.stage.signing): the rows never wait for a
 signature. One receipt covers a span of positions (``wire.receipt.span_end``
 cuts them: up to ``SPAN`` long, a short one where the prompt ends; the last
 ends where the answer does, when the asker seals the session), not an engine step, so every stage of a route signs

@@ -23,9 +23,9 @@ from meshd.stage.books import LIVE
 from meshd.stage.cached_prefix import CachedPrefix
 from meshd.stage.fast import FastPath, new_offer
 from meshd.stage.outlet import Outlet
+from meshd.stage.receipts import chain_of
 from meshd.stage.signing import Signing
 from meshd.stage.state import HIDDEN, Rows, Session, StageState
-from meshd.stage.verify import chain_of
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import PackedChain

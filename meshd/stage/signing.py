@@ -7,7 +7,7 @@ receipt around the ring; a check session's receipts go to the asker alone, and
 a fast session's spans as its worker hashed them. Past the head, each step's
 input is kept as it came until the asker takes it for a spot check. The chain
 that comes with an input is checked here before the rows are looked at
-(``meshd.stage.verify``).
+(``meshd.stage.receipts``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from meshd.stage.books import Work
+from meshd.stage.receipts import check_incoming, receipts_message
 from meshd.stage.state import HIDDEN, Rows, Session, StageState
-from meshd.stage.verify import check_incoming, receipts_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import MAX_CHAIN, PackedChain, row_hash, sampling_bytes
 from wire.stage import MAX_INPUTS_BYTES, Inputs, InputsRequest, StepInput
