@@ -82,7 +82,7 @@ def test_a_forged_accuser_signature_counts_as_the_sender() -> None:
     node.handle_message(0.0, liar, Gossip(version=0, gossip=[forged]))
     node.handle_message(0.0, liar, Gossip(version=0, gossip=[Suspect(node=target, incarnation=1, accuser=liar)]))
     assert node.state(target) is MemberState.SUSPECT
-    assert node._suspicions[target].accusers == {liar}
+    assert node.suspicions.held[target].accusers == {liar}
 
 
 def test_syncs_planting_thousands_of_members_are_capped_per_sender_and_in_all() -> None:

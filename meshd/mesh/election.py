@@ -271,6 +271,18 @@ class Election:
             self._count_vote(node_id, self._votes_of.get(node_id), _PLACED if node_id in self._placed else _TRACKER)
         self._refresh(now)
 
+    def weight_of(self, node_id: str) -> int:
+        """What `node_id`'s word weighs in this node's view, as an accuser (meshd.mesh.suspicion) or a
+        witness (meshd.mesh.proofs): before any placement every member one; once members weigh, one that
+        weighs its vote's weight (1 + its extra votes for credit) and any other nothing."""
+        if not self.weighing:
+            return 1
+        return self._own_weight() if node_id == self._node_id else self._counted.get(node_id, 0)
+
+    def extra_votes(self, node_id: str) -> int:
+        """The extra votes `node_id`'s credit earns it (meshd.mesh.credit.extra_votes), as last given."""
+        return self._extra.get(node_id, 0)
+
     def _count_vote(self, voter: str, vote: Tracker | None, weight: int) -> None:
         old = self._votes_of.pop(voter, None)
         counted = self._counted.pop(voter, 0)

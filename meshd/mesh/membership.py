@@ -11,21 +11,24 @@ full push-pull state exchange runs now and then and on join. Every "alive"
 update carries the member's signed record; its version is the incarnation, so
 only a node itself can refute a suspicion of itself. Every message also names
 its sender's version, so a node that missed an update pulls it at once.
+
+Its parts: what it says of members and how it is tuned (meshd.mesh.swim_config), the suspicions it
+holds, each confirmation weighed by its accuser's authority (meshd.mesh.suspicion), and the queues
+and sets it runs on (meshd.mesh.swim_sets).
 """
 
 from __future__ import annotations
 
-import enum
-import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
 
 from meshd.mesh.records import RecordStore, StoreStats, Verdict
-from wire.codec import WireModel
+from meshd.mesh.suspicion import Suspicions, Weigh, everyone_once
+from meshd.mesh.swim_config import EventKind, MemberEvent, MemberInfo, MemberState, SwimConfig, advance, push_pull_scale
+from meshd.mesh.swim_sets import BroadcastQueue, Buckets, RandomSet, made
 from wire.identity import NodeIdentity
 from wire.swim import (
     MAX_SYNC_ENTRIES,
@@ -46,138 +49,15 @@ from wire.swim import (
 )
 
 __all__ = [
-    "MAX_SYNC_ENTRIES",
-    "MAX_UPDATES_PER_MESSAGE",
-    "SWIM_MESSAGES",
-    "Ack",
-    "Alive",
-    "Dead",
-    "Gossip",
-    "MemberEvent",
-    "MemberInfo",
-    "MemberState",
-    "Membership",
-    "Ping",
-    "PingReq",
-    "Suspect",
-    "SwimConfig",
-    "SwimMessage",
-    "Sync",
-    "SyncEntry",
-    "Update",
+    "MAX_SYNC_ENTRIES", "MAX_UPDATES_PER_MESSAGE", "SWIM_MESSAGES", "Ack", "Alive", "Dead", "Gossip", "MemberEvent",
+    "MemberInfo", "MemberState", "Membership", "Ping", "PingReq", "Suspect", "SwimConfig", "SwimMessage", "Sync",
+    "SyncEntry", "Update",
 ]
 
 
-class MemberState(str, enum.Enum):
-    ALIVE = "alive"
-    SUSPECT = "suspect"
-    DEAD = "dead"
-    LEFT = "left"
-
-
-# Module-level aliases: attribute access on an Enum class is slow, and these are on every path.
 _ALIVE, _SUSPECT, _DEAD, _LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 _LIVE = (_ALIVE, _SUSPECT)
 _ACCEPTED = Verdict.ACCEPTED
-
-
-# ---- wire messages ----------------------------------------------------------------------------
-# They live in wire.swim, with the record they carry; `codec.encode`/`codec.decode` carry them.
-
-_Made = TypeVar("_Made", bound=WireModel)
-_DEFAULTS: dict[type[WireModel], dict[str, Any]] = {
-    model: {name: field.default for name, field in model.model_fields.items() if not field.is_required()}
-    for model in (Alive, Suspect, Dead, SyncEntry, *SWIM_MESSAGES)
-}
-
-
-def _made(model: type[_Made], **fields: object) -> _Made:
-    """A message or update built from this node's own state, not validated again (the receiver
-    validates): a gossip round builds many, and validating them was most of its cost."""
-    return model.unvalidated({**_DEFAULTS[model], **fields})
-
-
-# ---- configuration and events -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SwimConfig:
-    """Defaults from HashiCorp memberlist's LAN profile, with Lifeguard suspicion."""
-
-    probe_interval: float = 1.0
-    probe_timeout: float = 0.5
-    indirect_checks: int = 3
-    # Suspicion lasts suspicion_mult * log10(N) probe intervals once confirmed, up to
-    # suspicion_max_mult times that when nobody else confirms.
-    suspicion_mult: float = 4.0
-    suspicion_max_mult: float = 6.0
-    # Each node passes each update on retransmit_mult * ceil(log10(N + 1)) times, so a node misses
-    # it with odds of about exp(-that); the version every message carries lets it pull what it
-    # missed at the next message from that member rather than at the next push-pull.
-    retransmit_mult: int = 4
-    gossip_interval: float = 0.2
-    gossip_nodes: int = 3
-    # Keep gossiping to a dead member this long (one per round), so a falsely declared node hears.
-    gossip_to_dead: float = 30.0
-    push_pull_interval: float = 30.0
-    # Try a push-pull with a random dead member this often: heals partitions.
-    reconnect_interval: float = 30.0
-    # Forget a dead or departed member after this long (its version is kept, so its old records are
-    # stale and a peer's Sync cannot bring it back), checked at each push-pull round: no member is kept
-    # past reap_after + push_pull_interval of its death here. The table keeps the dead only so that a
-    # falsely declared node hears (gossip_to_dead) and a partition heals (the reconnect loop tries one
-    # dead member each reconnect_interval): half an hour is 60 such tries, while a volunteer mesh's
-    # churn (every departed laptop kept a day, as before) no longer fills the table with the gone.
-    reap_after: float = 1800.0
-    join_retry_interval: float = 2.0
-    max_piggyback: int = 32
-    # Members are strangers: the table holds at most this many others (a status reply lists them
-    # all), and one sender introduces at most a burst of `introductions` members it alone vouches
-    # for, refilled at `introductions_per_second`: two Syncs cannot plant ten thousand members.
-    max_members: int = 4095
-    introductions: int = 1024
-    introductions_per_second: float = 32.0
-    # Accusations count per accuser: one accuser may start or confirm a suspicion of one member
-    # `accusations` times in a burst, refilled one per shortest suspicion (suspicion_mult probe
-    # intervals); the rest are dropped before they suspect anyone or travel on. An honest node
-    # accuses a member once per incarnation, and again (dead) only when its own suspicion runs out,
-    # no sooner than that, so its accusations all count, while a member sending a fresh accusation
-    # every 50 ms makes its target suspect here once every 4 s at most.
-    accusations: int = 1
-    # A node refutes a suspicion of itself at most once a `refute_interval`: accusations within it
-    # are answered by one refutation at its end. It is not counted per accuser like the above: a
-    # refutation it withheld from an accuser it had heard too often could leave others, who had not,
-    # to time the suspicion out and declare it dead. Well under the shortest suspicion
-    # (suspicion_mult probe intervals), so a refutation always comes in time, while a stream of
-    # accusations, from any number of accusers, re-signs its record at most this often.
-    refute_interval: float = 1.0
-    # A member counts as a voter only once heard from over its own link (`first_hand`): each probe
-    # period, ping this many live members not heard from yet, in the order they became live, so
-    # that joiners and a healed partition's other side vote within seconds rather than after a
-    # probe round, while records a Sync planted for nobody who answers never do.
-    confirmations: int = 8
-
-
-EventKind = Literal["joined", "alive", "updated", "suspect", "dead", "left"]
-
-
-@dataclass(frozen=True)
-class MemberEvent:
-    """A change in this node's view. `joined`: newly live; `alive`: refuted a suspicion or came
-    back; `updated`: a live member published a new record; then `suspect`, `dead`, `left`."""
-
-    kind: EventKind
-    node_id: str
-    record: CapabilityRecord
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    node_id: str
-    state: MemberState
-    incarnation: int
-    record: CapabilityRecord
-    rtt: float | None
 
 
 # ---- internal state ---------------------------------------------------------------------------
@@ -192,40 +72,6 @@ class _Member:
 
 
 @dataclass
-class _Suspicion:
-    """Lifeguard: the timeout falls from max to min as independent accusers confirm."""
-
-    incarnation: int
-    start: float
-    min_timeout: float
-    max_timeout: float
-    expected: int
-    accusers: set[str]
-    deadline: float = 0.0
-
-    def __post_init__(self) -> None:
-        self._reschedule()
-
-    def confirm(self, accuser: str) -> bool:
-        if accuser in self.accusers or len(self.accusers) > self.expected:
-            return False
-        self.accusers.add(accuser)
-        self._reschedule()
-        return True
-
-    def _reschedule(self) -> None:
-        confirmations = len(self.accusers) - 1
-        if self.expected < 1:
-            timeout = self.min_timeout
-        else:
-            fraction = math.log(confirmations + 1) / math.log(self.expected + 1)
-            timeout = max(
-                self.min_timeout, self.max_timeout - fraction * (self.max_timeout - self.min_timeout)
-            )
-        self.deadline = self.start + timeout
-
-
-@dataclass
 class _Probe:
     target: str
     seq: int
@@ -233,127 +79,6 @@ class _Probe:
     acked: bool = False
     helpers: tuple[str, ...] = ()
     indirect_sent: bool = False
-
-
-class _Buckets:
-    """Token buckets by key: a burst of `size`, refilled at `rate` a second. At most `cap` keys are
-    kept: the one charged longest ago is forgotten first (its bucket would mostly be full again)."""
-
-    def __init__(self, size: int, rate: float, cap: int) -> None:
-        self._size, self._rate, self._cap = float(size), rate, cap
-        self._buckets: dict[Any, tuple[float, float]] = {}  # key: (tokens, when counted), oldest first
-
-    def take(self, key: Any, now: float) -> bool:
-        """Whether `key` may spend a token now (then it has)."""
-        tokens, at = self._buckets.pop(key, (self._size, now))
-        tokens = min(self._size, tokens + (now - at) * self._rate)
-        taken = tokens >= 1.0
-        self._buckets[key] = (tokens - 1.0 if taken else tokens, now)
-        if len(self._buckets) > self._cap:
-            del self._buckets[next(iter(self._buckets))]
-        return taken
-
-
-class _BroadcastQueue:
-    """Updates waiting to ride on outgoing messages: one per node (the newest), least-sent first."""
-
-    def __init__(self) -> None:
-        self._buckets: list[dict[str, Update]] = []  # index: times sent so far
-        self._sent: dict[str, int] = {}
-
-    def put(self, node_id: str, update: Update) -> None:
-        sent = self._sent.get(node_id)
-        if sent is not None:
-            del self._buckets[sent][node_id]
-        if not self._buckets:
-            self._buckets.append({})
-        self._buckets[0][node_id] = update
-        self._sent[node_id] = 0
-
-    def take(self, most: int, limit: int) -> list[Update]:
-        buckets = self._buckets
-        taken: list[tuple[str, Update, int]] = []
-        for sent, bucket in enumerate(buckets):
-            if not bucket:
-                continue
-            if sent >= limit:
-                # The cluster shrank and lowered the limit: these have been sent enough.
-                for node_id in bucket:
-                    del self._sent[node_id]
-                bucket.clear()
-                continue
-            for node_id in bucket:
-                taken.append((node_id, bucket[node_id], sent + 1))
-                if len(taken) == most:
-                    break
-            if len(taken) == most:
-                break
-        sent_counts = self._sent
-        for node_id, update, sent in taken:
-            del buckets[sent - 1][node_id]
-            if sent >= limit:
-                del sent_counts[node_id]
-                continue
-            if sent == len(buckets):
-                buckets.append({})
-            buckets[sent][node_id] = update
-            sent_counts[node_id] = sent
-        return [update for _, update, _ in taken]
-
-    def __len__(self) -> int:
-        return len(self._sent)
-
-    def __contains__(self, node_id: object) -> bool:
-        return node_id in self._sent
-
-
-class _RandomSet:
-    """A set with O(1) add, remove and uniform sampling, iterated in a reproducible order."""
-
-    def __init__(self) -> None:
-        self._items: list[str] = []
-        self._index: dict[str, int] = {}
-
-    def add(self, item: str) -> None:
-        if item not in self._index:
-            self._index[item] = len(self._items)
-            self._items.append(item)
-
-    def discard(self, item: str) -> None:
-        index = self._index.pop(item, None)
-        if index is None:
-            return
-        last = self._items.pop()
-        if index < len(self._items):
-            self._items[index] = last
-            self._index[last] = index
-
-    def sample(self, rng: random.Random, k: int, exclude: Iterable[str] = ()) -> list[str]:
-        excluded = set(exclude)
-        wanted = min(k, len(self._items) - sum(1 for item in excluded if item in self._index))
-        if wanted <= 0:
-            return []
-        if wanted * 3 >= len(self._items):
-            return rng.sample([item for item in self._items if item not in excluded], wanted)
-        picked: list[str] = []
-        while len(picked) < wanted:
-            item = self._items[rng.randrange(len(self._items))]
-            if item not in excluded:
-                picked.append(item)
-                excluded.add(item)
-        return picked
-
-    def __getitem__(self, index: int) -> str:
-        return self._items[index]
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._index
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
 
 
 # ---- the state machine ------------------------------------------------------------------------
@@ -368,14 +93,8 @@ class Membership:
     suspicions of this node it has refuted.
     """
 
-    def __init__(
-        self,
-        identity: NodeIdentity,
-        record: CapabilityRecord,
-        now: float,
-        config: SwimConfig = SwimConfig(),
-        rng: random.Random | None = None,
-    ) -> None:
+    def __init__(self, identity: NodeIdentity, record: CapabilityRecord, now: float, config: SwimConfig = SwimConfig(),
+                 rng: random.Random | None = None, weigh: Weigh = everyone_once) -> None:
         if record.node_id != identity.node_id or not record.verify():
             raise ValueError("the node's own record must be signed by its identity")
         self._identity = identity
@@ -385,13 +104,15 @@ class Membership:
         self._rng = rng or random.Random()
         self._store = RecordStore()
         self._members: dict[str, _Member] = {}
-        self._live = _RandomSet()
+        self._live = RandomSet()
         self._dead: dict[str, None] = {}  # ordered, for reproducible picks
         self._recently_dead: deque[tuple[float, str]] = deque()
         self._gossip_pool_dead: list[str] | None = None  # recently dead and still dead; None: stale
-        self._suspicions: dict[str, _Suspicion] = {}
-        self._suspicion_heap: list[tuple[float, str]] = []
-        self._broadcasts = _BroadcastQueue()
+        # by (accuser, accused): the accusations each accuser may still make count; a confirmation
+        # counts by its accuser's weight (`weigh`: meshd.mesh.suspicion)
+        self.suspicions = Suspicions(self._node_id, config.accusations,
+                                     1 / (config.suspicion_mult * config.probe_interval), 4 * config.max_members, weigh)
+        self._broadcasts = BroadcastQueue()
         self._outbox: list[tuple[str, SwimMessage]] = []
         self._events: list[MemberEvent] = []
         self._seq = 0
@@ -402,10 +123,7 @@ class Membership:
         # live members heard from first-hand, and those not yet, in the order they became live
         self._first_hand: set[str] = set()
         self._unconfirmed: deque[str] = deque(maxlen=config.max_members)
-        self._introductions = _Buckets(config.introductions, config.introductions_per_second, 2 * config.max_members)
-        # by (accuser, accused): the accusations each accuser may still make count
-        self._accusations = _Buckets(config.accusations, 1 / (config.suspicion_mult * config.probe_interval),
-                                     4 * config.max_members)
+        self._introductions = Buckets(config.introductions, config.introductions_per_second, 2 * config.max_members)
         # when this node last refuted a suspicion of itself, and (when, of which version) the next
         # refutation is due that accusations within `refute_interval` of it asked for
         self._refuted = -math.inf
@@ -511,17 +229,17 @@ class Membership:
         self._left = True
         self._probe = None
         self._record = self._record.evolve(self._identity, leaving=True)
-        update = _made(Alive, record=self._record)
+        update = made(Alive, record=self._record)
         self._broadcasts.put(self._node_id, update)
         for node_id in self._live.sample(self._rng, self._config.gossip_nodes):
-            self._send(node_id, _made(Gossip, version=self._record.version, gossip=[update]))
+            self._send(node_id, made(Gossip, version=self._record.version, gossip=[update]))
 
     def update_record(self, now: float, **changes: object) -> CapabilityRecord:
         """Publish a new version of this node's record with `changes` (served ranges, load, ...)."""
         if self._left:
             raise RuntimeError("this node has left the mesh")
         self._record = self._record.evolve(self._identity, None, **changes)
-        self._broadcasts.put(self._node_id, _made(Alive, record=self._record))
+        self._broadcasts.put(self._node_id, made(Alive, record=self._record))
         return self._record
 
     def handle_message(self, now: float, src: str, message: SwimMessage) -> None:
@@ -542,12 +260,10 @@ class Membership:
         if (held is None or held < message.version) and now >= self._next_pull and self._joined:
             # We missed news of the sender: ask for its view (its reply carries its record).
             self._next_pull = now + self._config.probe_interval
-            own = _made(SyncEntry, record=self._record, state=self._own_state().value)
-            self._send(src, _made(Sync, reply=True, entries=[own]))
+            own = made(SyncEntry, record=self._record, state=self._own_state().value)
+            self._send(src, made(Sync, reply=True, entries=[own]))
         if isinstance(message, Ping):
-            self._send(
-                src, _made(Ack, version=self._record.version, seq=message.seq, gossip=self._piggyback())
-            )
+            self._send(src, made(Ack, version=self._record.version, seq=message.seq, gossip=self._piggyback()))
         elif isinstance(message, Ack):
             self._handle_ack(now, src, message)
         elif isinstance(message, PingReq):
@@ -559,15 +275,12 @@ class Membership:
         if not self._left and now >= self._next_probe:
             self._probe_tick(now)
             self._confirm()
-            self._next_probe = _advance(self._next_probe, config.probe_interval, now)
+            self._next_probe = advance(self._next_probe, config.probe_interval, now)
         probe = self._probe
         if probe and not probe.acked and not probe.indirect_sent and now >= probe.sent + config.probe_timeout:
             self._send_ping_reqs(probe)
-        while self._suspicion_heap and self._suspicion_heap[0][0] <= now:
-            deadline, node_id = heapq.heappop(self._suspicion_heap)
-            suspicion = self._suspicions.get(node_id)
-            if suspicion is not None and suspicion.deadline == deadline:
-                self._apply(now, self._accuse(Dead, node_id, suspicion.incarnation))
+        for node_id, incarnation in self.suspicions.due(now):
+            self._apply(now, self._accuse(Dead, node_id, incarnation))
         due = self._refute_due
         if due is not None and now >= due[0]:
             self._refute_due = None
@@ -577,14 +290,14 @@ class Membership:
                 self._refute()
         if now >= self._next_gossip:
             self._gossip_round(now)
-            self._next_gossip = _advance(self._next_gossip, config.gossip_interval, now)
+            self._next_gossip = advance(self._next_gossip, config.gossip_interval, now)
         if now >= self._next_push_pull:
             self._push_pull_round(now)
-            scaled = _push_pull_scale(config.push_pull_interval, self.live_count())
-            self._next_push_pull = _advance(self._next_push_pull, scaled, now)
+            scaled = push_pull_scale(config.push_pull_interval, self.live_count())
+            self._next_push_pull = advance(self._next_push_pull, scaled, now)
         if now >= self._next_reconnect:
             self._reconnect_round(now)
-            self._next_reconnect = _advance(self._next_reconnect, config.reconnect_interval, now)
+            self._next_reconnect = advance(self._next_reconnect, config.reconnect_interval, now)
         if not self._joined and now >= self._next_join:
             self._send_join(now)
 
@@ -599,8 +312,9 @@ class Membership:
         probe = self._probe
         if probe and not probe.acked and not probe.indirect_sent:
             deadline = min(deadline, probe.sent + self._config.probe_timeout)
-        if self._suspicion_heap:
-            deadline = min(deadline, self._suspicion_heap[0][0])
+        suspected = self.suspicions.next_timer()
+        if suspected is not None:
+            deadline = min(deadline, suspected)
         if not self._joined:
             deadline = min(deadline, self._next_join)
         if self._refute_due is not None:
@@ -637,7 +351,7 @@ class Membership:
         if member.state is _SUSPECT:
             # Tell a suspect straight away, so it can refute before the suspicion runs out.
             gossip.insert(0, self._accuse(Suspect, target, member.incarnation))
-        self._send(target, _made(Ping, version=self._record.version, seq=self._seq, gossip=gossip))
+        self._send(target, made(Ping, version=self._record.version, seq=self._seq, gossip=gossip))
         self._probe = _Probe(target=target, seq=self._seq, sent=now)
 
     def _confirm(self) -> None:
@@ -649,7 +363,7 @@ class Membership:
             if node_id in self._live and node_id not in self._first_hand:
                 self._seq += 1
                 # No piggybacked news: a planted member would only waste its retransmissions.
-                self._send(node_id, _made(Ping, version=self._record.version, seq=self._seq, gossip=[]))
+                self._send(node_id, made(Ping, version=self._record.version, seq=self._seq, gossip=[]))
                 sent += 1
 
     def _next_probe_target(self) -> str | None:
@@ -667,20 +381,10 @@ class Membership:
 
     def _send_ping_reqs(self, probe: _Probe) -> None:
         probe.indirect_sent = True
-        probe.helpers = tuple(
-            self._live.sample(self._rng, self._config.indirect_checks, exclude=(probe.target,))
-        )
+        probe.helpers = tuple(self._live.sample(self._rng, self._config.indirect_checks, exclude=(probe.target,)))
         for helper in probe.helpers:
-            self._send(
-                helper,
-                _made(
-                    PingReq,
-                    version=self._record.version,
-                    seq=probe.seq,
-                    target=probe.target,
-                    gossip=self._piggyback(),
-                ),
-            )
+            self._send(helper, made(PingReq, version=self._record.version, seq=probe.seq, target=probe.target,
+                                     gossip=self._piggyback()))
 
     def _handle_ack(self, now: float, src: str, ack: Ack) -> None:
         probe = self._probe
@@ -695,18 +399,14 @@ class Membership:
         relayed = self._relayed.pop(ack.seq, None)
         if relayed is not None:
             requester, their_seq, _ = relayed
-            self._send(
-                requester, _made(Ack, version=self._record.version, seq=their_seq, gossip=self._piggyback())
-            )
+            self._send(requester, made(Ack, version=self._record.version, seq=their_seq, gossip=self._piggyback()))
 
     def _handle_ping_req(self, now: float, src: str, request: PingReq) -> None:
         if self._store.get(request.target) is None:
             return  # we could not dial it
         self._seq += 1
         self._relayed[self._seq] = (src, request.seq, now + self._config.probe_timeout)
-        self._send(
-            request.target, _made(Ping, version=self._record.version, seq=self._seq, gossip=self._piggyback())
-        )
+        self._send(request.target, made(Ping, version=self._record.version, seq=self._seq, gossip=self._piggyback()))
 
     def _prune_relayed(self, now: float) -> None:
         expired = [seq for seq, (_, _, expiry) in self._relayed.items() if expiry <= now]
@@ -732,7 +432,7 @@ class Membership:
             updates = self._piggyback()
             if not updates:
                 break
-            self._send(target, _made(Gossip, version=self._record.version, gossip=updates))
+            self._send(target, made(Gossip, version=self._record.version, gossip=updates))
             sent = sent or updates
         # One recently dead member also hears the news, so a falsely declared node learns it
         # must refute. It gets a copy that spends no retransmissions: after a partition most
@@ -745,33 +445,31 @@ class Membership:
         if self._gossip_pool_dead:
             updates = sent or self._piggyback()
             if updates:
-                self._send(
-                    self._rng.choice(self._gossip_pool_dead),
-                    _made(Gossip, version=self._record.version, gossip=updates),
-                )
+                self._send(self._rng.choice(self._gossip_pool_dead),
+                           made(Gossip, version=self._record.version, gossip=updates))
 
     def _sync_state(self) -> list[SyncEntry]:
-        entries = [_made(SyncEntry, record=self._record, state=self._own_state().value)]
+        entries = [made(SyncEntry, record=self._record, state=self._own_state().value)]
         for node_id, member in self._members.items():
-            entries.append(_made(SyncEntry, record=self._store.get(node_id), state=member.state.value))
+            entries.append(made(SyncEntry, record=self._store.get(node_id), state=member.state.value))
         return entries
 
     def _send_join(self, now: float) -> None:
         state = self._sync_state()
         for seed in self._seeds:
-            self._send(seed, _made(Sync, reply=True, entries=state))
+            self._send(seed, made(Sync, reply=True, entries=state))
         self._next_join = now + self._config.join_retry_interval
 
     def _push_pull_round(self, now: float) -> None:
         self._reap(now)
         targets = self._live.sample(self._rng, 1)
         if targets:
-            self._send(targets[0], _made(Sync, reply=True, entries=self._sync_state()))
+            self._send(targets[0], made(Sync, reply=True, entries=self._sync_state()))
 
     def _reconnect_round(self, now: float) -> None:
         if self._dead:
             target = self._rng.choice(list(self._dead))
-            self._send(target, _made(Sync, reply=True, entries=self._sync_state()))
+            self._send(target, made(Sync, reply=True, entries=self._sync_state()))
 
     def _handle_sync(self, now: float, src: str, sync: Sync) -> None:
         for entry in sync.entries:
@@ -783,10 +481,10 @@ class Membership:
             # As memberlist does, a remote "dead" about a member we know only makes us suspect it:
             # we may know better. It is the sender's accusation, unsigned: counted as the sender's.
             if entry.state in ("suspect", "dead"):
-                self._apply(now, _made(Suspect, node=node_id, incarnation=entry.record.version, accuser=src), src)
+                self._apply(now, made(Suspect, node=node_id, incarnation=entry.record.version, accuser=src), src)
         self._joined = True
         if sync.reply:
-            self._send(src, _made(Sync, reply=False, entries=self._sync_state()))
+            self._send(src, made(Sync, reply=False, entries=self._sync_state()))
 
     def _learn_dead(self, now: float, src: str, entry: SyncEntry) -> None:
         # Nothing contradicts the sender about a node we never knew; keep it only so that the
@@ -799,11 +497,8 @@ class Membership:
         self._dead[entry.record.node_id] = None
 
     def _reap(self, now: float) -> None:
-        expired = [
-            node_id
-            for node_id, member in self._members.items()
-            if member.state in (_DEAD, _LEFT) and member.since + self._config.reap_after <= now
-        ]
+        expired = [node_id for node_id, member in self._members.items()
+                   if member.state in (_DEAD, _LEFT) and member.since + self._config.reap_after <= now]
         for node_id in expired:
             del self._members[node_id]
             self._dead.pop(node_id, None)
@@ -829,7 +524,7 @@ class Membership:
             self._apply_suspect(now, update, self._accuser(update, src))
 
     def _accuse(self, kind: type[Suspect] | type[Dead], node_id: str, incarnation: int) -> Suspect | Dead:
-        return _made(kind, node=node_id, incarnation=incarnation, accuser=self._node_id).signed(self._identity)
+        return made(kind, node=node_id, incarnation=incarnation, accuser=self._node_id).signed(self._identity)
 
     def _accuser(self, update: Suspect | Dead, src: str | None) -> str:
         """Who an accusation counts for: its named accuser when that member signed it, else the
@@ -861,9 +556,8 @@ class Membership:
         self._gossip_pool_dead = None
         return True
 
-    def _apply_alive(
-        self, now: float, record: CapabilityRecord, update: Alive | None = None, src: str | None = None
-    ) -> None:
+    def _apply_alive(self, now: float, record: CapabilityRecord, update: Alive | None = None,
+                     src: str | None = None) -> None:
         node_id = record.node_id
         if node_id == self._node_id:
             # A record of ours newer than the one we hold: from a previous run. Supersede it.
@@ -877,7 +571,7 @@ class Membership:
                 return
         if self._store.offer(record) is not _ACCEPTED:
             return
-        self._broadcasts.put(node_id, update or _made(Alive, record=record))
+        self._broadcasts.put(node_id, update or made(Alive, record=record))
         # Accusations name a version we hold (see _accusable), so a newer record beats any of them.
         member = self._members.get(node_id)
         previous = member.state if member else None
@@ -915,36 +609,20 @@ class Membership:
         member = self._accusable(update)
         if member is None:
             return
-        suspicion = self._suspicions.get(node_id)
-        if suspicion is not None and suspicion.incarnation != update.incarnation:
-            suspicion = None  # of an older version: this accusation starts a new one
-        if suspicion is not None and accuser in suspicion.accusers:
-            return  # counted already: a copy from another gossiper costs its accuser nothing
-        if accuser != self._node_id and not self._accusations.take((accuser, node_id), now):
-            return
-        if suspicion is not None:
-            if suspicion.confirm(accuser):
-                heapq.heappush(self._suspicion_heap, (suspicion.deadline, node_id))
-                self._broadcasts.put(node_id, update)
-            return
         n = self.live_count()
         min_timeout = self._config.suspicion_mult * max(1.0, math.log10(n)) * self._config.probe_interval
         # Lifeguard expects suspicion_mult - 2 confirmations, when there are enough others to give them.
         expected = int(self._config.suspicion_mult) - 2
         if n - 2 < expected:
             expected = 0
-        suspicion = _Suspicion(
-            incarnation=update.incarnation,
-            start=now,
-            min_timeout=min_timeout,
-            max_timeout=self._config.suspicion_max_mult * min_timeout,
-            expected=expected,
-            accusers={accuser},
-        )
-        self._suspicions[node_id] = suspicion
-        heapq.heappush(self._suspicion_heap, (suspicion.deadline, node_id))
-        self._set_state(now, node_id, member, _SUSPECT)
+        news = self.suspicions.accuse(now, node_id, update.incarnation, accuser,
+                                      (min_timeout, self._config.suspicion_max_mult * min_timeout, expected))
+        if news is None:
+            return
         self._broadcasts.put(node_id, update)
+        if news == "confirmed":
+            return
+        self._set_state(now, node_id, member, _SUSPECT)
         self._event("suspect", node_id)
 
     def _apply_dead(self, now: float, update: Dead) -> None:
@@ -977,11 +655,10 @@ class Membership:
         self.refutations += 1
         version = max(superseded or 0, self._record.version) + 1
         self._record = self._record.evolve(self._identity, version=version)
-        self._broadcasts.put(self._node_id, _made(Alive, record=self._record))
+        self._broadcasts.put(self._node_id, made(Alive, record=self._record))
 
     def _end_suspicion(self, node_id: str) -> None:
-        # Its heap entry stays behind and is skipped when it comes up.
-        self._suspicions.pop(node_id, None)
+        self.suspicions.end(node_id)
 
     def _set_state(self, now: float, node_id: str, member: _Member, state: MemberState) -> None:
         if member.state is state:
@@ -1014,15 +691,3 @@ class Membership:
     def _send(self, dest: str, message: SwimMessage) -> None:
         self._outbox.append((dest, message))
 
-
-def _advance(deadline: float, interval: float, now: float) -> float:
-    """The next tick of a periodic timer; after a stall, skip the missed ticks rather than burst."""
-    deadline += interval
-    return deadline if deadline > now else now + interval
-
-
-def _push_pull_scale(interval: float, n: int) -> float:
-    # memberlist's scaling: full-state exchanges grow with N, so space them out beyond 32 nodes.
-    if n <= 32:
-        return interval
-    return interval * (math.ceil(math.log2(n) - math.log2(32)) + 1)

@@ -54,7 +54,9 @@ class MeshNode:
         election: ElectionConfig = ElectionConfig(),
         rng: random.Random | None = None,
     ) -> None:
-        self.membership = Membership(identity, record, now, swim, rng)
+        # an accuser's confirmation counts by its weight in the election's view (meshd.mesh.suspicion); read
+        # through `self`, as a test's attacker puts an election of its own in place
+        self.membership = Membership(identity, record, now, swim, rng, weigh=lambda node_id: self.election.weight_of(node_id))
         # as tracker, the node signs the placements it gives (meshd.mesh.authority)
         self.identity = identity
         self.election = Election(record.node_id, now, election)
