@@ -478,7 +478,10 @@ class MeshDuty:
             record = live.get(node_id)
             return record is not None and placed_on(record, followed, model, begin, end)
 
-        culprit = check_proof(proof, serves)
+        def weight(node_id: str) -> int:
+            return 1 + self.node.election.extra_votes(node_id)
+
+        culprit = check_proof(proof, serves, weight)
         try:
             news = self.exclusions.add(now, culprit, proof)
         except Exclusions.Full:

@@ -37,12 +37,24 @@ class BrokenChain(ValueError):
 Serves = Callable[[str, str, int, int], bool]
 
 
+# What a member's word weighs as a witness, or against a witness as a culprit: 1 plus the extra votes
+# its served work earns it (meshd.mesh.credit.extra_votes, as the election has them).
+Weight = Callable[[str], int]
+
+
 def _anyone(node_id: str, model: str, begin: int, end: int) -> bool:
     return True
 
 
-def check_proof(proof: Proof, serves: Serves = _anyone) -> str:
-    """The culprit's node id if ``proof`` holds; raises InvalidProof otherwise."""
+def _once(node_id: str) -> int:
+    return 1
+
+
+def check_proof(proof: Proof, serves: Serves = _anyone, weight: Weight = _once) -> str:
+    """The culprit's node id if ``proof`` holds; raises InvalidProof otherwise. A divergence's
+    witnesses, each placed on the range (``serves``), must together weigh more than the culprit
+    (``weight``): two placed identities that served nobody convict a stage that served nobody either,
+    and framing one that served takes witnesses that served too (meshd.mesh.authority)."""
     culprit = proof.culprit
     for receipt in (culprit, *proof.witnesses):
         if not receipt.verify():
@@ -68,6 +80,10 @@ def check_proof(proof: Proof, serves: Serves = _anyone) -> str:
     for w in proof.witnesses:
         if not serves(w.node_id, w.model, w.layer_begin, w.layer_end):
             raise InvalidProof(f"witness {w.node_id[:16]} does not serve layers [{w.layer_begin}, {w.layer_end})")
+    witnessed, accused = sum(max(0, weight(w.node_id)) for w in proof.witnesses), weight(culprit.node_id)
+    if witnessed <= accused:
+        raise InvalidProof(f"the witnesses weigh {witnessed} against the culprit's {accused}: a stage that served "
+                           f"more than its accusers is convicted only by witnesses that served more")
     return culprit.node_id
 
 
