@@ -511,7 +511,7 @@ async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, 
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
         enable_circuits(peers)
         front = FrontDoor(DaemonMesh(daemon, peers, require_verified=api.require_verified,
-                                     verify_every=api.verify_every), api.keys)
+                                     verify_every=api.verify_every, keys=len(api.keys or ())), api.keys)
         await serve_front(build_app(front), api.host, api.port, front.connections, task_status=task_status)
 
 

@@ -10,7 +10,9 @@ stage keeps it, and members gossip the summaries they hold (``LedgerRoots``, ``L
 
 A ``Voucher`` lets an identity the member made for one command (``meshd ask``, the HTTP front
 door: they dial from identities of their own) ask on the member's credit: the member signs that
-node id, until a time, and a stage reads the opener's priority off the member the voucher names.
+node id, until a time, and a stage reads the opener's priority off the member the voucher names,
+scaled by the voucher's ``share``: a front door gives each API key's asks the share of its member's
+priority that the key's own use leaves it (meshd.mesh.credit.key_share).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ IDS_PAGE = 1024
 CREDITS_PAGE = 512
 # ids of the summaries a ledger took last, sent with roots that differ: what a member in step lacks
 RECENT = 64
+# a voucher's share of its payer's priority, in parts of this
+SHARE_WHOLE = 1 << 16
+Share = Annotated[int, Field(ge=0, le=SHARE_WHOLE)]
 
 
 class WorkSummary(WireModel):
@@ -95,11 +100,15 @@ class Voucher(WireModel):
     payer_key: PublicKey
     opener: NodeId
     until: Count
+    # the part of the payer's priority (of SHARE_WHOLE) the opener's sessions rank with
+    share: Share = SHARE_WHOLE
     signature: Signature = b""
 
     @classmethod
-    def create(cls, identity: NodeIdentity, opener: str, until: int) -> Voucher:
-        unsigned = cls(payer=identity.node_id, payer_key=identity.public_key, opener=opener, until=until)
+    def create(cls, identity: NodeIdentity, opener: str, until: int, share: float = 1.0) -> Voucher:
+        """`share`: the fraction of `identity`'s priority the opener's sessions rank with (0 to 1)."""
+        part = round(min(1.0, max(0.0, share)) * SHARE_WHOLE)
+        unsigned = cls(payer=identity.node_id, payer_key=identity.public_key, opener=opener, until=until, share=part)
         return unsigned.model_copy(update={"signature": identity.sign(unsigned.signing_bytes())})
 
     def signing_bytes(self) -> bytes:
@@ -110,6 +119,10 @@ class Voucher(WireModel):
         """Signed by the payer, for `opener`, and not run out at Unix time `now`."""
         return (self.opener == opener and now <= self.until and node_id_of(self.payer_key) == self.payer
                 and verify(self.payer_key, self.signing_bytes(), self.signature))
+
+    def ranked(self, priority: float) -> float:
+        """The opener's rank, of its payer's `priority`: the voucher's share of it."""
+        return priority * self.share / SHARE_WHOLE
 
 
 class WorkGive(Message, tag="work_give"):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import trio
 
 from meshd.client.served import Served
-from meshd.mesh.credit import InvalidSummary, Ledger, Standing, priority, standing_of
+from meshd.mesh.credit import InvalidSummary, KeyShares, Ledger, Standing, key_share, priority, standing_of, work_of
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers
 from wire.codec import Message, encode
@@ -73,6 +73,8 @@ class LedgerKeeper:
     timeout: float = 5.0
     # bytes this node's pulls moved (requests and answers, as encoded): a figure for /metrics and the sim
     pulled_bytes: int = 0
+    # what each of the front door's API keys spent of this member's credit (meshd.mesh.credit.key_share)
+    key_use: KeyShares = field(default_factory=KeyShares)
     _standing: dict[str, Standing] = field(default_factory=dict)
     _placed: frozenset[str] = frozenset()
     _pulls: int = 0
@@ -84,12 +86,19 @@ class LedgerKeeper:
 
     # ----- what this node asked
 
-    def voucher(self, opener: str) -> Voucher:
-        return Voucher.create(self.identity, opener, int(time.time()) + VOUCHER_SECONDS)
+    def voucher(self, opener: str, key: str = "", keys: int = 0) -> Voucher:
+        """Lets `opener` ask on this member's credit; for the front door's API key `key` (one of `keys`),
+        with the share of this member's priority the key's own use leaves it."""
+        share = 1.0
+        if key and keys > 1:
+            own = self.standing().get(self.node_id)
+            share = key_share(own, self.node_id in self._placed, self.key_use.spent(key, time.time()), keys)
+        return Voucher.create(self.identity, opener, int(time.time()) + VOUCHER_SECONDS, share)
 
     def countersign(self, nursery: trio.Nursery, served: Iterable[Served],
-                    address_of: Callable[[str], str | None]) -> list[WorkSummary]:
-        """Signs a summary of each stage's work, keeps it and gives it to its stage (in the background)."""
+                    address_of: Callable[[str], str | None], key: str = "") -> list[WorkSummary]:
+        """Signs a summary of each stage's work, keeps it and gives it to its stage (in the background);
+        what it asked is spent by the front door's API key `key` too, where one asked."""
         at = int(time.time())
         signed = []
         for work in served:
@@ -101,6 +110,8 @@ class LedgerKeeper:
                 continue
             signed.append(summary)
             nursery.start_soon(self._give, summary, address_of(summary.stage))
+        if key:
+            self.key_use.spend(key, sum(work_of(s) for s in signed), time.time())
         return signed
 
     async def _give(self, summary: WorkSummary, address: str | None) -> None:

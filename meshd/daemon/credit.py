@@ -44,13 +44,15 @@ class Credit(DaemonState):
         return [(r.node_id, self.dial_address(r)) for r in self.live_records()
                 if r.node_id != self.mesh.node_id and membership.rtt(r.node_id) is not None]
 
-    def voucher(self, opener: str) -> Voucher:
-        """Lets `opener` (an identity of this member's own commands) ask on this member's credit."""
-        return self.credit.voucher(opener)
+    def voucher(self, opener: str, key: str = "", keys: int = 0) -> Voucher:
+        """Lets `opener` (an identity of this member's own commands) ask on this member's credit: for the
+        front door's API key `key` (one of `keys`), on that key's share of it."""
+        return self.credit.voucher(opener, key, keys)
 
-    def countersign(self, served: list[Served]) -> int:
-        """Countersigns what each stage of an ask made for this member served, and gives it to the stage."""
-        return len(self.credit.countersign(self._nursery, served, self.address_of))
+    def countersign(self, served: list[Served], key: str = "") -> int:
+        """Countersigns what each stage of an ask made for this member served (for API key `key`), and
+        gives it to the stage."""
+        return len(self.credit.countersign(self._nursery, served, self.address_of, key))
 
     def credits(self, offset: int = 0) -> CreditsReply:
         """This node's ledger: its own standing and every member's (a page from `offset`), for `meshd credits`."""

@@ -25,12 +25,14 @@ from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, deliver
 from meshd.client.asker import Unverified
 from meshd.front.connections import Connections
 from meshd.front.metrics import FrontMetrics
+from wire.credit import SHARE_WHOLE
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import ModelCoverage, StatusReply
 
 # The API key the request being served presented, as a label that does not give the key away ("": no
 # keys): set by the key check, read where the ask is counted, so each key's usage is its own on /metrics.
-# Every key's asks are the member's: the stages count them against its credit (wire.credit.Voucher).
+# Every key's asks are the member's: the stages count them against its credit (wire.credit.Voucher), each
+# key's with its own share of the member's priority (meshd.mesh.credit.key_share).
 KEY_USED: ContextVar[str] = ContextVar("meshd_api_key", default="")
 
 
@@ -223,8 +225,9 @@ class FrontDoor:
             error = ApiError(Problem.TIMEOUT, "the mesh did not answer in time")
         finally:
             del self.asking[asking.id]
+            share = None if request.payer is None else request.payer.share / SHARE_WHOLE
             self.metrics.asked(dialect, asking.result, outcome if error is None else error.problem.name.lower(),
-                               KEY_USED.get())
+                               KEY_USED.get(), share)
         # the operator's record of what the client is told
         log.log(logging.WARNING if error.status >= 500 else logging.INFO, "%s request failed (%d): %s", dialect,
                 error.status, error.message)

@@ -10,6 +10,7 @@ from meshd.client.ask import AskRequest, AskResult, OnToken, Stage, route_from_r
 from meshd.client.asker import Asker
 from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
+from meshd.front.door import KEY_USED
 from meshd.net.peers import Peers
 from wire.credit import Voucher
 from wire.errors import ErrorCode, ProtocolError
@@ -33,17 +34,19 @@ class Daemon(Protocol):
 
     def take_proof(self, proof: Proof) -> ProofAccepted: ...
 
-    def countersign(self, served: list[Served]) -> int: ...
+    def countersign(self, served: list[Served], key: str = "") -> int: ...
 
-    def voucher(self, opener: str) -> Voucher: ...
+    def voucher(self, opener: str, key: str = "", keys: int = 0) -> Voucher: ...
 
     def report_traffic(self, report: TrafficReport) -> TrafficTaken: ...
 
 
 class DaemonMesh:
     def __init__(self, daemon: Daemon, peers: Peers, stall_timeout: float = STALL_TIMEOUT,
-                 require_verified: bool = False, verify_every: int = DEFAULT_VERIFY) -> None:
+                 require_verified: bool = False, verify_every: int = DEFAULT_VERIFY, keys: int = 0) -> None:
         self.daemon = daemon
+        # how many API keys the front door takes: each key's asks rank with its share of the member's priority
+        self.keys = keys
         self.peers = peers
         self.stall_timeout = stall_timeout
         # the operator's policy (join --require-verified): an answer no replica checked whole is refused
@@ -78,16 +81,20 @@ class DaemonMesh:
             except ProtocolError as exc:
                 log.warning("the daemon did not take a proof: %s", exc)
 
+        key = KEY_USED.get()
+
         async def report_work(served: list[Served]) -> None:
-            # the front door's asks are its member's: the member countersigns what each stage served
-            self.daemon.countersign(served)
+            # the front door's asks are its member's: the member countersigns what each stage served, and
+            # counts it against the key that asked
+            self.daemon.countersign(served, key)
 
         async def report_traffic(report: TrafficReport) -> None:
             # what the front door's asks saw of their routes: its member's report to the tracker
             self.daemon.report_traffic(report)
 
-        # the stages rank the front door's asks by its member's credit (it dials from an identity of its own)
-        request.payer = self.daemon.voucher(self.peers.identity.node_id)
+        # the stages rank the front door's asks by its member's credit (it dials from an identity of its own),
+        # each API key's by its share of it
+        request.payer = self.daemon.voucher(self.peers.identity.node_id, key, self.keys)
         # verified at the default rate (not while speculating with a draft model: meshd.client.asker)
         asker = Asker(self.peers, find_route, other_route, report_proof, require_verified=self.require_verified,
                       verify_every=self.verify_every,

@@ -16,7 +16,7 @@ from collections import Counter as Tally
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -67,14 +67,20 @@ class FrontMetrics:
         self.key_tokens = Counter("meshd_api_key_tokens", "Tokens of each API key's asks (the key's short hash), "
                                   "prompt and completion: every key's usage counts against this member's credit",
                                   ["key", "kind"], registry=self.registry)
+        self.key_share = Gauge("meshd_api_key_share", "The share of this member's priority at the stages each API "
+                               "key's last ask ranked with: an equal part of what the member earned, less what the "
+                               "key's own asks spent (meshd.mesh.credit.key_share)", ["key"], registry=self.registry)
 
-    def asked(self, dialect: str, result: AskResult, outcome: str, key: str = "") -> None:
+    def asked(self, dialect: str, result: AskResult, outcome: str, key: str = "", share: float | None = None) -> None:
         """Counts one ask that ended with `outcome`, with what it made before it ended; `key` is the API
-        key's label (door.key_label) where the front door takes keys."""
+        key's label (door.key_label) where the front door takes keys, `share` the share of the member's
+        priority its voucher gave it."""
         self.requests.labels(dialect, outcome).inc()
         if outcome == "counted":
             # a count of a prompt's tokens (count_tokens): the head tokenized it, nothing ran
             return
+        if key and share is not None:
+            self.key_share.labels(key).set(share)
         if key:
             self.key_tokens.labels(key, "prompt").inc(len(result.prompt_tokens))
             self.key_tokens.labels(key, "completion").inc(len(result.tokens))

@@ -89,8 +89,12 @@ def check_summary(summary: WorkSummary, now: float) -> str:
 
 def work_of(summary: WorkSummary) -> float:
     """Layers x tokens, halved where no replica checked the range to the end."""
-    work = float((summary.layer_end - summary.layer_begin) * (summary.prompt_tokens + summary.generated_tokens))
-    return work if summary.checked else work * UNCHECKED_WEIGHT
+    return work(summary.layer_end - summary.layer_begin, summary.prompt_tokens + summary.generated_tokens,
+                summary.checked)
+
+
+def work(layers: int, tokens: int, checked: bool) -> float:
+    return float(layers * tokens) * (1.0 if checked else UNCHECKED_WEIGHT)
 
 
 @dataclass
@@ -344,3 +348,46 @@ def priority(balance: float, placed: bool = False) -> float:
     """A session's rank under contention: its asker's balance, with every member at or below zero ranked
     alike at zero, and a placed volunteer (one that serves now) above those that serve nothing."""
     return (max(0.0, balance) if math.isfinite(balance) else 0.0) + (PLACED_PRIORITY if placed else 0.0)
+
+
+# API keys whose use a front door keeps (the key file's 64 KiB holds about this many short keys); past
+# it the key used longest ago is forgotten, as if it had spent nothing
+MAX_KEYS = 4096
+
+
+def key_share(member: Standing | None, placed: bool, spent: float, keys: int) -> float:
+    """The share of its member's rank (``priority``) the asks of one of a front door's `keys` API keys
+    carry, where that key's own asks have spent `spent` (decayed as credit is). Each key has a balance
+    of its own: an equal part of what the member earned, less what the key spent, and never more than
+    the member's balance. So a key that spent its part ranks as a member with nothing left (placed or
+    not, as the member is) whatever the others left unspent, and one key's use never takes another's
+    part of the member's priority. One key (or none: the door is open to its loopback) is the member."""
+    balance = member.balance if member is not None else 0.0
+    whole = priority(balance, placed)
+    if keys <= 1 or whole <= 0.0:
+        return 1.0
+    earned = member.earned if member is not None else 0.0
+    return priority(min(balance, earned / keys - spent), placed) / whole
+
+
+@dataclass
+class KeyShares:
+    """What each of a front door's API keys spent of its member's credit (work units, halving each
+    ``HALF_LIFE`` as credit does), by the label the door knows a key by."""
+
+    most: int = MAX_KEYS
+    # label: (work, Unix time it was reckoned at), the one used longest ago first
+    _spent: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def spend(self, key: str, work: float, now: float) -> None:
+        self._spent[key] = (self.spent(key, now) + max(0.0, work), now)
+        if len(self._spent) > self.most:
+            del self._spent[next(iter(self._spent))]
+
+    def spent(self, key: str, now: float) -> float:
+        held = self._spent.pop(key, None)
+        if held is None:
+            return 0.0
+        spent: float = held[0] * 0.5 ** (max(0.0, now - held[1]) / HALF_LIFE)
+        self._spent[key] = (spent, now)  # last in order: used just now
+        return spent

@@ -125,10 +125,10 @@ class SessionProtocol:
         for the opener it carries (an identity of `meshd ask`'s or a front door's own)."""
         if self.credit_of is None:
             return 0.0
-        payer = stream.remote_node_id
-        if msg.payer is not None and msg.payer.valid_for(payer, time.time()):
-            payer = msg.payer.payer
-        return self.credit_of(payer)
+        opener = stream.remote_node_id
+        if msg.payer is not None and msg.payer.valid_for(opener, time.time()):
+            return msg.payer.ranked(self.credit_of(msg.payer.payer))  # a front door's key: its share
+        return self.credit_of(opener)
 
     def _downstream_target(self, msg: Open) -> tuple[PeerRef, bool] | None:
         """Where this stage's output goes: the next stage, or (the tail) the ring to the head."""
