@@ -9,10 +9,12 @@ import pytest
 
 from meshd.mesh.credit import (
     ASKER_WINDOW_CAP,
+    FOLD_AFTER,
     HALF_LIFE,
     MAX_FUTURE,
     InvalidSummary,
     Ledger,
+    Standing,
     check_summary,
 )
 from tests.credit_helpers import MODEL, NOW, served, sync
@@ -128,7 +130,7 @@ def test_a_full_ledger_drops_the_summaries_of_askers_that_do_not_pay_first() -> 
     for k, asker in enumerate(flood):
         ledger.add(NOW, served(asker, stage, tokens=10, session=f"f{k}"))
     assert len(ledger) == 4
-    assert sum(1 for s in ledger.summaries() if s.asker == placed.node_id) == 2
+    assert sum(1 for fact in ledger.facts() if fact[3] == placed.node_id) == 2
 
 
 def test_gossip_pulls_make_every_ledger_the_same() -> None:
@@ -195,3 +197,40 @@ def test_a_member_in_step_takes_what_is_new_from_the_roots_alone_and_an_equal_pu
     # the three new ones come with the roots: no bucket walked
     sync(mine, theirs, NOW, walk=False)
     assert mine.root == theirs.root
+
+
+def test_summaries_fold_after_two_days_into_the_same_credit_and_are_never_counted_again() -> None:
+    payer, stage, other = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+    ledger = Ledger()
+    held = [served(payer, stage, tokens=100 + k, session=f"s{k}", at=NOW + 600 * k) for k in range(12)]
+    held += [served(stage, other, tokens=50, session="o", at=NOW)]
+    for summary in held:
+        ledger.add(NOW + 7200, summary)
+    placed = {payer.node_id}
+    later = NOW + FOLD_AFTER + 3 * 3600
+    before = ledger.standing(later, placed)
+    assert ledger.expire(later) == len(held) and len(ledger) == 0
+    after = ledger.standing(later, placed)
+    for member in (stage.node_id, payer.node_id, other.node_id):
+        assert after.get(member, Standing()).earned == pytest.approx(before.get(member, Standing()).earned)
+        assert after.get(member, Standing()).spent == pytest.approx(before.get(member, Standing()).spent)
+    assert after[stage.node_id].earned > 0 and after[other.node_id].earned > 0
+    # a week on, it has halved like any credit
+    assert ledger.standing(later + HALF_LIFE, placed)[stage.node_id].earned == \
+        pytest.approx(after[stage.node_id].earned / 2)
+    # a peer that gives a folded summary again gets it refused: it is counted already
+    with pytest.raises(InvalidSummary, match="folded"):
+        ledger.add(NOW + 7200, held[0])
+
+
+def test_a_full_ledger_folds_its_oldest_hour_early_and_refuses_that_hour_after() -> None:
+    payer, stage = NodeIdentity.generate(), NodeIdentity.generate()
+    ledger = Ledger(most=4)
+    ledger.standing(NOW, {payer.node_id})  # the payer pays: its summaries fold, not drop
+    for k in range(4):
+        ledger.add(NOW, served(payer, stage, tokens=10, session=f"a{k}", at=NOW - 7200 + k))
+    ledger.add(NOW, served(payer, stage, tokens=10, session="b", at=NOW))
+    assert len(ledger) == 1
+    assert ledger.standing(NOW, {payer.node_id})[stage.node_id].earned == pytest.approx(400, rel=1e-2)  # 5 x 8 x 10, an hour old
+    with pytest.raises(InvalidSummary, match="folded"):
+        ledger.add(NOW, served(payer, stage, tokens=10, session="c", at=NOW - 7200 + 9))

@@ -12,8 +12,10 @@ says is placed (meshd.mesh.authority), by one rule (``Ledger.standing``):
 - **Once per asker per window.** The work one asker credits one stage is summed per hour
   (``WINDOW``) and capped there (``ASKER_WINDOW_CAP``): one asker, however busy, buys a stage at
   most one cap an hour, so credit says how many askers a member served, not how often one did.
-- **Decay.** A window's work counts ``0.5 ** (age / HALF_LIFE)`` (a week); summaries older than
-  ``HORIZON`` are dropped.
+- **Decay.** A window's work counts ``0.5 ** (age / HALF_LIFE)`` (a week). Summaries are held and
+  gossiped for ``FOLD_AFTER`` (two days), then each member folds them into figures of its own per
+  member (``Ledger.fold``), kept until ``HORIZON`` (eight weeks): credit lasts as long as its decay
+  says, in a few floats a member rather than a summary an ask.
 - **Payers.** Work counts only from an asker that is a placed volunteer (its placement signed by a
   tracker this node followed) or holds credit itself, and an asker that is not placed pays at most
   what it earned (its payments are scaled down to its earnings): credit moves among identities
@@ -23,9 +25,10 @@ says is placed (meshd.mesh.authority), by one rule (``Ledger.standing``):
 - **Balance** = earned - spent, where spent is the (capped, decayed) work the member asked of others.
 
 A summary's asker must not be its stage, its receipt must verify and name the summary's model,
-range and positions, and its time must not be far in the receiver's future. Bounded: at most
-``MAX_SUMMARIES`` (the ones of askers that do not pay go first when full, then the oldest), at
-most ``ASKER_WINDOW_SUMMARIES`` per asker and hour.
+range and positions, and its time must not be far in the receiver's future nor in an hour already
+folded. Bounded: at most ``MAX_SUMMARIES`` held, some 1 kB each (the ones of askers that do not pay go
+first when full, then the oldest hour is folded early), at most ``ASKER_WINDOW_SUMMARIES`` per asker
+and hour, and the folded figures of at most ``MAX_FOLDED`` members.
 """
 
 from __future__ import annotations
@@ -33,15 +36,22 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+import sys
 from collections import defaultdict, deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+
+import msgpack
 
 from wire.credit import BUCKETS, IDS_PAGE, RECENT, LedgerIds, LedgerRoots, WorkSummary
 
 WINDOW = 3600.0
 HALF_LIFE = 7 * 86400.0
 HORIZON = 8 * 7 * 86400.0
+# summaries are held and gossiped this long, then folded into per-member figures (``Ledger.fold``)
+FOLD_AFTER = 2 * 86400.0
+# members whose folded figures a ledger keeps: the member table's order of size, a few floats each
+MAX_FOLDED = 1 << 14
 # work units (layers x tokens) one asker credits one stage per window: a 32-layer range over 2,048
 # tokens; about ten ordinary asks (a few hundred tokens) of a whole small model
 ASKER_WINDOW_CAP = 32.0 * 2048
@@ -75,8 +85,8 @@ def check_summary(summary: WorkSummary, now: float) -> str:
                              f"{summary.prompt_tokens + summary.generated_tokens}")
     if summary.at > now + MAX_FUTURE:
         raise InvalidSummary("a summary dated in the future")
-    if summary.at < now - HORIZON:
-        raise InvalidSummary("a summary past the ledger's horizon")
+    if summary.at < now - FOLD_AFTER:
+        raise InvalidSummary("a summary older than the ledger holds (its hour is folded)")
     stage = head.node_id
     if stage == summary.asker:
         raise InvalidSummary("a stage cannot countersign its own work")
@@ -112,18 +122,27 @@ class Standing:
 
 @dataclass
 class Ledger:
-    """The summaries a node holds, their digests, and the credit they give each member."""
+    """The summaries a node holds, their digests, and the credit they give each member.
+
+    A summary is held packed (667 bytes, where the decoded model took some 4 kB) beside the few
+    figures the rule reads of it (``Fact``); it is decoded again only to be given to a peer."""
 
     most: int = MAX_SUMMARIES
-    _held: dict[bytes, WorkSummary] = field(default_factory=dict)
+    _held: dict[bytes, Fact] = field(default_factory=dict)
+    _packed: dict[bytes, bytes] = field(default_factory=dict)
     _buckets: list[set[bytes]] = field(default_factory=lambda: [set() for _ in range(BUCKETS)])
     _digests: list[bytes | None] = field(default_factory=lambda: [None] * BUCKETS)
     _root: bytes | None = None
     # (at, id) of every summary held, oldest first (lazily: ids evicted stay until popped)
     _ages: list[tuple[int, bytes]] = field(default_factory=list)
     _per_window: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
-    # the askers whose summaries go last when the ledger is full: the payers of the last `standing`
-    _payers: frozenset[str] = frozenset()
+    # the askers that pay, with the share of their payments that counts (1 for the placed), as the rule
+    # last found them: their summaries go last when the ledger is full, and fold at that share
+    _payers: Mapping[str, float] = field(default_factory=dict)
+    # per member: (earned, spent, Unix time they hold at) of the summaries folded (see `fold`)
+    _folded: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # the hours before this Unix time are folded: a summary of them is refused (it may be counted already)
+    _folded_until: float = 0.0
     # the ids taken last (sent with roots that differ)
     _recent: deque[bytes] = field(default_factory=lambda: deque(maxlen=RECENT))
     # bumped at each change: what a cached standing was worked out from
@@ -134,9 +153,6 @@ class Ledger:
 
     def __contains__(self, summary_id: object) -> bool:
         return summary_id in self._held
-
-    def summaries(self) -> Iterable[WorkSummary]:
-        return self._held.values()
 
     def add(self, now: float, summary: WorkSummary) -> bool:
         """Checks and keeps `summary`; True if it was news. InvalidSummary for one that does not
@@ -149,45 +165,84 @@ class Ledger:
         if self._per_window.get(window, 0) >= ASKER_WINDOW_SUMMARIES:
             raise InvalidSummary(f"asker {summary.asker[:16]} has put {ASKER_WINDOW_SUMMARIES} summaries in "
                                  f"this hour's ledger already")
+        if summary.at < self._folded_until:
+            raise InvalidSummary("a summary of an hour this ledger has folded")
         check_summary(summary, now)
-        if len(self._held) >= self.most and not self._make_room(summary):
+        if len(self._held) >= self.most and not self._make_room(now, summary):
             raise InvalidSummary("the ledger is full of summaries that count for more")
         self._per_window[window] += 1
-        self._held[summary_id] = summary
+        # node ids interned: a member's id is held once, however many summaries name it
+        self._held[summary_id] = (summary_id, summary.head.hash, sys.intern(summary.stage), sys.intern(summary.asker),
+                                  summary.at, work_of(summary))
+        self._packed[summary_id] = msgpack.packb(summary.model_dump(), use_bin_type=True)
         heapq.heappush(self._ages, (summary.at, summary_id))
         self._recent.append(summary_id)
         self._touch(summary_id, add=True)
         return True
 
     def expire(self, now: float) -> int:
-        """Drops the summaries past the horizon; returns how many."""
-        dropped = 0
-        while self._ages and self._ages[0][0] < now - HORIZON:
-            _, summary_id = heapq.heappop(self._ages)
-            if summary_id in self._held:
-                self._drop(summary_id)
-                dropped += 1
-        return dropped
+        """Folds the summaries of the hours that ended ``FOLD_AFTER`` ago (see `fold`), and forgets the
+        folded figures past the horizon; returns how many summaries folded."""
+        folded = self.fold(now, (now - FOLD_AFTER) // WINDOW * WINDOW)
+        for member, (_, _, at) in list(self._folded.items()):
+            if at < now - HORIZON:
+                del self._folded[member]
+        return folded
 
-    def _make_room(self, incoming: WorkSummary) -> bool:
+    def fold(self, now: float, until: float) -> int:
+        """Folds every summary of the hour windows ended by Unix time `until` into per-member figures
+        (earned, spent: as the rule would count them now, each asker's hour capped and its payments
+        at the share the rule last found for it) and drops them from the ledger and its digests.
+
+        Summaries are held, gossiped and audited for ``FOLD_AFTER`` (two days: some 43,000 at 1,000
+        members), while credit halves weekly: past that, a member keeps only what it made of them
+        itself, a few floats a member, and refuses them from anyone (``check_summary``), so a folded
+        summary is never counted twice. A member that joins later sees the last two days whole and
+        nothing older: the members' standings differ by what they folded, never by what they hold."""
+        pairs: dict[tuple[str, str, int], float] = defaultdict(float)
+        folded = 0
+        self._folded_until = max(self._folded_until, until)
+        while self._ages and (self._ages[0][0] // WINDOW + 1) * WINDOW <= until:
+            _, summary_id = heapq.heappop(self._ages)
+            fact = self._held.get(summary_id)
+            if fact is None:
+                continue
+            _, _, stage, asker, at, work = fact
+            pairs[(stage, asker, int(at // WINDOW))] += work
+            self._drop(summary_id)
+            folded += 1
+        for (stage, asker, window), work in pairs.items():
+            counted = min(work, ASKER_WINDOW_CAP) * 0.5 ** (max(0.0, now - (window + 1) * WINDOW) / HALF_LIFE)
+            self._fold_into(asker, now, 0.0, counted)
+            if asker in self._payers:
+                self._fold_into(stage, now, counted * self._payers[asker], 0.0)
+        return folded
+
+    def _fold_into(self, member: str, now: float, earned: float, spent: float) -> None:
+        held_earned, held_spent, at = self._folded.pop(member, (0.0, 0.0, now))
+        decay = 0.5 ** (max(0.0, now - at) / HALF_LIFE)
+        self._folded[member] = (held_earned * decay + earned, held_spent * decay + spent, now)
+        if len(self._folded) > MAX_FOLDED:
+            # the member whose figures changed longest ago goes (what is left of them is the least)
+            del self._folded[next(iter(self._folded))]
+
+    def _make_room(self, now: float, incoming: WorkSummary) -> bool:
         """Frees one place for `incoming`: the oldest summary of an asker that does not pay, else (if
-        `incoming`'s asker pays) the oldest of all."""
-        unpaid = [(s.at, i) for i, s in self._held.items() if s.asker not in self._payers]
+        `incoming`'s asker pays) the oldest hour's summaries, folded."""
+        unpaid = [(fact[4], i) for i, fact in self._held.items() if fact[3] not in self._payers]
         if unpaid:
             self._drop(min(unpaid)[1])
             return True
         if incoming.asker not in self._payers:
             return False
-        while self._ages:
-            _, summary_id = heapq.heappop(self._ages)
-            if summary_id in self._held:
-                self._drop(summary_id)
-                return True
-        return False
+        while self._ages and self._ages[0][1] not in self._held:
+            heapq.heappop(self._ages)
+        return bool(self._ages) and self.fold(now, (self._ages[0][0] // WINDOW + 1) * WINDOW) > 0
 
     def _drop(self, summary_id: bytes) -> None:
-        summary = self._held.pop(summary_id)
-        window = (summary.asker, int(summary.at // WINDOW))
+        fact = self._held.pop(summary_id)
+        del self._packed[summary_id]
+        window = (fact[3], int(fact[4] // WINDOW))
         self._per_window[window] -= 1
         if self._per_window[window] <= 0:
             del self._per_window[window]
@@ -237,37 +292,42 @@ class Ledger:
         return [i for i in ids if i not in self._held]
 
     def fetch(self, ids: Iterable[bytes]) -> list[WorkSummary]:
-        return [self._held[i] for i in ids if i in self._held]
+        return [WorkSummary.model_validate(msgpack.unpackb(self._packed[i], raw=False)) for i in ids if i in self._packed]
 
     # ----- credit
 
     def standing(self, now: float, placed: Collection[str]) -> dict[str, Standing]:
         """Every member's credit at Unix time `now`, with `placed` the members this node's view says
         are placed (and the tracker it follows): see the module's rule."""
-        standing, payers = standing_of(self.facts(), now, placed)
+        standing, payers = standing_of(self.facts(), now, placed, self.folded())
         self.paying(payers)
         return standing
 
     def facts(self) -> list[Fact]:
         """What the rule reads of each summary held, taken at once (the rule may then run in a thread
         while the ledger takes more)."""
-        return [(summary_id, s.head.hash, s.stage, s.asker, s.at, work_of(s)) for summary_id, s in self._held.items()]
+        return list(self._held.values())
 
-    def paying(self, payers: frozenset[str]) -> None:
-        """The askers that pay, as the rule last found them: their summaries go last when the ledger is full."""
+    def folded(self) -> dict[str, tuple[float, float, float]]:
+        """Per member, (earned, spent, when) of the summaries folded, taken at once as `facts` is."""
+        return dict(self._folded)
+
+    def paying(self, payers: Mapping[str, float]) -> None:
+        """The askers that pay and the share of their payments that counts, as the rule last found them."""
         self._payers = payers
 
     def between(self, me: str, now: float) -> dict[str, tuple[float, float]]:
-        """Per peer: (the work it served `me`, the work `me` served it), decayed, uncapped."""
+        """Per peer: (the work it served `me`, the work `me` served it), decayed, uncapped, of the
+        summaries held."""
         out: dict[str, tuple[float, float]] = {}
-        for summary in self._held.values():
-            decay = 0.5 ** (max(0.0, now - summary.at) / HALF_LIFE)
-            if summary.asker == me:
-                served, asked = out.get(summary.stage, (0.0, 0.0))
-                out[summary.stage] = (served + work_of(summary) * decay, asked)
-            elif summary.stage == me:
-                served, asked = out.get(summary.asker, (0.0, 0.0))
-                out[summary.asker] = (served, asked + work_of(summary) * decay)
+        for _, _, stage, asker, at, work in self._held.values():
+            decay = 0.5 ** (max(0.0, now - at) / HALF_LIFE)
+            if asker == me:
+                served, asked = out.get(stage, (0.0, 0.0))
+                out[stage] = (served + work * decay, asked)
+            elif stage == me:
+                served, asked = out.get(asker, (0.0, 0.0))
+                out[asker] = (served, asked + work * decay)
         return out
 
 
@@ -275,11 +335,14 @@ class Ledger:
 Windows = dict[tuple[str, str], dict[int, float]]
 # what the rule reads of one summary: its id, its receipt's hash, stage, asker, time and work
 Fact = tuple[bytes, bytes, str, str, int, float]
+# per member: (earned, spent, the Unix time they hold at) of the summaries a ledger folded
+Folded = Mapping[str, tuple[float, float, float]]
 
 
-def standing_of(facts: Iterable[Fact], now: float, placed: Collection[str]) -> tuple[dict[str, Standing], frozenset[str]]:
-    """The rule over a ledger's `facts`: a receipt countersigned twice (by another asker too) counts once,
-    the same one everywhere (the least summary id); then ``credit_standing``."""
+def standing_of(facts: Iterable[Fact], now: float, placed: Collection[str],
+                folded: Folded | None = None) -> tuple[dict[str, Standing], dict[str, float]]:
+    """The rule over a ledger's `facts` (and what it `folded`): a receipt countersigned twice (by another
+    asker too) counts once, the same one everywhere (the least summary id); then ``credit_standing``."""
     by_head: dict[bytes, Fact] = {}
     for fact in facts:
         held = by_head.get(fact[1])
@@ -288,12 +351,14 @@ def standing_of(facts: Iterable[Fact], now: float, placed: Collection[str]) -> t
     windows: Windows = defaultdict(lambda: defaultdict(float))
     for _, _, stage, asker, at, work in by_head.values():
         windows[(stage, asker)][int(at // WINDOW)] += work
-    return credit_standing(windows, now, placed)
+    return credit_standing(windows, now, placed, folded)
 
 
-def credit_standing(windows: Windows, now: float, placed: Collection[str]) -> tuple[dict[str, Standing], frozenset[str]]:
+def credit_standing(windows: Windows, now: float, placed: Collection[str],
+                    folded: Folded | None = None) -> tuple[dict[str, Standing], dict[str, float]]:
     """The rule (see the module): every member's standing from the work each asker countersigned each
-    stage per window, and the askers that pay. The simulation (tools/sim_credit.py) runs this too."""
+    stage per window (and what a ledger folded of older ones), and the askers that pay with the share
+    of their payments that counts. The simulation (tools/sim_credit.py) runs this too."""
     pair: dict[tuple[str, str], float] = {}
     for stage_asker, by_window in windows.items():
         pair[stage_asker] = sum(min(work, ASKER_WINDOW_CAP) * 0.5 ** (max(0.0, now - (w + 1) * WINDOW) / HALF_LIFE)
@@ -301,12 +366,17 @@ def credit_standing(windows: Windows, now: float, placed: Collection[str]) -> tu
     paid: dict[str, float] = defaultdict(float)
     for (_, asker), work in pair.items():
         paid[asker] += work
+    old_earned: dict[str, float] = {}
+    old_spent: dict[str, float] = {}
+    for member, (earned_then, spent_then, at) in (folded or {}).items():
+        decay = 0.5 ** (max(0.0, now - at) / HALF_LIFE)
+        old_earned[member], old_spent[member] = earned_then * decay, spent_then * decay
     placed_set = frozenset(placed)
     payers = set(placed_set)
     scale = dict.fromkeys(placed_set, 1.0)
     earned: dict[str, float] = {}
     for _ in range(PAYER_ROUNDS):
-        earned = defaultdict(float)
+        earned = defaultdict(float, old_earned)
         for (stage, asker), work in pair.items():
             if asker in payers:
                 earned[stage] += work * scale[asker]
@@ -318,11 +388,11 @@ def credit_standing(windows: Windows, now: float, placed: Collection[str]) -> tu
     standing: dict[str, Standing] = defaultdict(Standing)
     for member, work in earned.items():
         standing[member].earned = work
-    for asker, work in paid.items():
-        standing[asker].spent = work
+    for asker in paid.keys() | old_spent.keys():
+        standing[asker].spent = paid.get(asker, 0.0) + old_spent.get(asker, 0.0)
     for member in placed_set:
         standing[member].placed = True
-    return dict(standing), frozenset(payers)
+    return dict(standing), {a: scale[a] for a in payers}
 
 
 # A weighing member's extra votes for the work it served (meshd.mesh.election.credit), of what it earned:
