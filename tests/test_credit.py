@@ -234,3 +234,18 @@ def test_a_full_ledger_folds_its_oldest_hour_early_and_refuses_that_hour_after()
     assert ledger.standing(NOW, {payer.node_id})[stage.node_id].earned == pytest.approx(400, rel=1e-2)  # 5 x 8 x 10, an hour old
     with pytest.raises(InvalidSummary, match="folded"):
         ledger.add(NOW, served(payer, stage, tokens=10, session="c", at=NOW - 7200 + 9))
+
+
+async def test_the_keeper_reckons_what_its_ledger_folded_too() -> None:
+    import time
+
+    from meshd.client.ledger import LedgerKeeper
+
+    payer, stage = NodeIdentity.generate(), NodeIdentity.generate()
+    keeper = LedgerKeeper(stage, None, None, lambda: {payer.node_id})  # type: ignore[arg-type]
+    now = time.time()
+    keeper.ledger.add(now, served(payer, stage, tokens=100, at=now))
+    keeper.ledger.standing(now, {payer.node_id})
+    assert keeper.ledger.fold(now, now + 7200) == 1 and len(keeper.ledger) == 0
+    await keeper.reckon()
+    assert keeper.standing()[stage.node_id].earned == pytest.approx(800, rel=1e-3)

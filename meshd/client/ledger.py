@@ -161,8 +161,8 @@ class LedgerKeeper:
     async def reckon(self) -> None:
         """Works every member's credit out again from the ledger as it is now, in a thread: 0.68 s at
         65,536 summaries, which would stall every session's tokens on the event loop."""
-        facts, placed = self.ledger.facts(), frozenset(self.placed())
-        standing, payers = await trio.to_thread.run_sync(standing_of, facts, time.time(), placed)
+        facts, folded, placed = self.ledger.facts(), self.ledger.folded(), frozenset(self.placed())
+        standing, payers = await trio.to_thread.run_sync(standing_of, facts, time.time(), placed, folded)
         self._standing, self._placed = standing, placed
         self.ledger.paying(payers)
 
