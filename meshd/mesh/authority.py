@@ -2,11 +2,12 @@
 
 Identities are free, so a count of identities is no authority: three extra keys, each a real link,
 once outvoted a three-member mesh for the tracker role, and two keys whose own records claimed a
-range once framed an honest stage. The floor of the rule is *placed-and-measured*; on top of it, in
-elections, a placed member's vote counts once more per doubling of the work it served in the ledger of
-served work (meshd.mesh.credit.extra_votes: a window cap's worth earned gives one more, at most four), so
-placed identities that served nobody need up to five times the honest members' count to take the
-tracker:
+range once framed an honest stage. The floor of the rule is *placed-and-measured*; on top of it a
+placed member weighs once more per doubling of the work it served in the ledger of served work
+(meshd.mesh.credit.extra_votes: a window cap's worth earned gives one more, at most four), in votes,
+as a proof's witness and as an accuser (``Election.weight_of``), so placed identities that served
+nobody need up to five times the honest members' count to take the tracker, and framing a stage
+that served takes witnesses that served more:
 
 - **Placed.** The tracker signs each range it assigns (`wire.swim.Placement`: tracker, term,
   member, model, range) and the member carries that signature in its own record, so every member
@@ -35,8 +36,11 @@ What counts:
   it would follow whatever claim enough free identities back.
 - **Witnesses** (meshd.mesh.proofs, `MeshDuty.accept_proof`): a divergence proof counts only with
   witnesses placed on exactly that model and range (the tracker: by its own assignment; any other
-  node: by the placements it knows, never by a witness's own `served`). A node never accepts a
-  proof against itself (`ProofAgainstSelf`, refused and not passed on).
+  node: by the placements it knows, never by a witness's own `served`), whose weights (1 + extra
+  votes each) together exceed the culprit's. A node never accepts a proof against itself
+  (`ProofAgainstSelf`, refused and not passed on).
+- **Accusations** (meshd.mesh.suspicion): a Lifeguard confirmation of a suspicion counts by its
+  accuser's weight, so free identities cannot hurry an honest member's death.
 - **Exclusions expire** (`Exclusions`): a proven culprit is kept out of placements and routes for
   `EXCLUSION_SECONDS`, then judged again; a new proof (another lie, not the same one replayed)
   renews it. While excluded, a culprit weighs nothing in the election (`Election.disown`),
@@ -46,24 +50,30 @@ What an attacker needs, for a mesh of H honest members, all placed (spare capaci
 replicas), and a model cut into S segments of W bytes (weights and KV) each; S comes from the
 model and the members' memory, not from H:
 
-=================  =================================  ==========================================
-honest members H    take the tracker                   frame an honest stage (an hour out)
-=================  =================================  ==========================================
-10                  11 placed identities, 11 W          2 identities placed on the victim's segment:
-100                 101 placed identities, 101 W        about 2 S placed identities to steer two
-1,000               1,001 placed identities, 1,001 W    there (replicas go to the weakest), any H
-=================  =================================  ==========================================
+=================  ==========================================  ==========================================
+honest members H    take the tracker (honest with 8 caps of     frame an honest stage (an hour out)
+                    work each weigh 5, fresh ones 1)
+=================  ==========================================  ==========================================
+10                  51 placed identities (11 against fresh       victim that served nothing: 2 identities
+                    members, or 11 that served each other 8      placed on its segment (about 2 S placed to
+                    caps: an hour, 5.8 M layer x tokens)         steer two there); victim at weight 5: 6
+100                 501 (101; 101 in an hour, 53 M)              such, or 2 that served 2 caps each
+1,000               5,001 (1,001; 1,001 in an hour, 525 M)       (262,144 layer x tokens), any H
+=================  ==========================================  ==========================================
 
 Free identities count for nothing in either column, however many. A placed attacker with A
-identities against H weighing members carries a claim only if 2A > A + H, so A >= H + 1 (H + 2
-where the tracker serves nothing and weighs as the tracker alone): it must more than double the
-mesh with volunteers the honest tracker chose to place: each directly dialable, offering a
-segment's memory, holding or fetching its layers, answering the tracker's probes at the speed it
-claims and the spot checks of every route it serves (a lie caught there is a proof, and an hour
-out). The limits: declared memory is not proven until the credit ledger; before the first
-placement (a fresh mesh's first seconds) H + 1 first-hand identities take the tracker, as
-before; two placed identities on one segment can frame its other members and renew that with a
-fresh receipt of the victim every half hour.
+identities of weight w against H weighing members of weight v carries a claim only if
+2 A w > A w + H v, so A > H v / w: with no served work (w = 1) against members that served
+(v = 5), five times the mesh, of volunteers the honest tracker chose to place: each directly
+dialable, offering a segment's memory, holding or fetching its layers, answering the tracker's
+probes at the speed it claims and the spot checks of every route it serves (a lie caught there is
+a proof, and an hour out). The limits: placed identities are payers, so a ring of them that serve
+each other earns weight 5 in ceil(8 / (A - 1)) hours, and credit then adds nothing over the floor
+(/tmp/proposals/credit.md names the candidates); before the first placement (a fresh mesh's first
+seconds) H + 1 first-hand identities take the tracker, as before; two placed identities on one
+segment, with enough served work to outweigh its members, can frame them and renew that with a
+fresh receipt of the victim every half hour; and a liar that earned weight 5 is convicted mesh-wide
+only by witnesses weighing 6 (its askers still route around it at once).
 """
 
 from __future__ import annotations
