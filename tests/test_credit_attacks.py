@@ -41,7 +41,9 @@ from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest
 from wire.receipt import Proof
 
-pytestmark = pytest.mark.slow  # three daemons and four in-process volunteers, each with an engine worker
+# three daemons and four in-process volunteers, each with an engine worker; some 300 asks to earn credit
+# and a minute for the daemons to weigh it: about five minutes
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PLACED_ATTACKERS = 4
 # what each volunteer must have earned in every honest ledger: a little over a cap, decay included
