@@ -30,11 +30,12 @@ from test_attacks_authority import BID_SECONDS
 from meshd.client.ask import AskRequest, Stage, route_from_reply
 from meshd.client.asker import Asker
 from meshd.client.served import Served as Work
-from meshd.daemon import NodeConfig, rpc
+from meshd.daemon.config import NodeConfig
 from meshd.mesh.credit import ASKER_WINDOW_CAP
 from meshd.mesh.election import Tracker
 from meshd.net.control import control_request
 from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.rpc import mesh_rpc
 from meshd.stage.books import StageLimits
 from wire.credit import CountersignRequest, VoucherReply, VoucherRequest
 from wire.identity import NodeIdentity
@@ -79,7 +80,7 @@ async def member_asks(state: Path, member: Served, digest: str, prompts: int) ->
         assert isinstance(reply, VoucherReply)
 
         async def find(excluded: list[str]) -> list[Stage]:
-            routed = await rpc(peers, member.address, RouteRequest(model=digest, exclude=excluded), timeout=20.0)
+            routed = await mesh_rpc(peers, member.address, RouteRequest(model=digest, exclude=excluded), timeout=20.0)
             assert isinstance(routed, RouteReply)
             return route_from_reply(routed)
 
