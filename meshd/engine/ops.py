@@ -37,7 +37,8 @@ FrameIds = Annotated[list[TokenId], Field(max_length=MAX_HEADER)]
 PosOrEnd = Annotated[int, Field(ge=-1, le=(1 << 31) - 1)]
 # a drafted row's draft, -1 where the row's draft is unknown
 Draft = Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)]
-Text = Annotated[str, Field(max_length=MAX_HEADER)]
+# a prompt's text or a chat message's, up to what one header holds (the stage bounded it by its budget first)
+PromptText = Annotated[str, Field(max_length=MAX_HEADER)]
 
 
 class Closed(BaseModel):
@@ -209,8 +210,8 @@ class Tokenize(Op):
     ``messages`` in the model's chat template."""
 
     op: Literal["tokenize"] = "tokenize"
-    text: Text | None = None
-    messages: Annotated[list[dict[str, Text]], Field(max_length=MAX_TOKENS)] | None = None
+    text: PromptText | None = None
+    messages: Annotated[list[dict[str, PromptText]], Field(max_length=MAX_TOKENS)] | None = None
     special: bool = False
 
 
