@@ -29,20 +29,11 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import trio
 
 from meshd import bench, progress, status_table
-from meshd.client.ask import (
-    AskRequest,
-    AskResult,
-    RouteError,
-    RouteSources,
-    Stage,
-    first_error,
-    route_at,
-    route_from_reply,
-    run_session,
-    stop_trim,
-)
+from meshd.client.ask import AskRequest, AskResult, RouteError, first_error, stop_trim
 from meshd.client.asker import Asker, Unverified, unverified_reason
+from meshd.client.route import RouteSources, Stage, route_at, route_from_reply
 from meshd.client.served import Served
+from meshd.client.session import run_session
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.daemon import MeshDaemon
 from meshd.daemon.config import NodeConfig

@@ -49,7 +49,7 @@ class FakeMesh:
     cancelled: int = 0
     started: trio.Event = field(default_factory=trio.Event)
     # after this many pieces a spot check "catches a lie": the client's pieces are withdrawn, the answer
-    # starts again (as meshd.client.ask.ask_with_failover counts them)
+    # starts again (as meshd.client.failover.ask_with_failover counts them)
     withdraw_after: int | None = None
     # what output verification says of every answer: checked on replicas, these ranges left unchecked
     checked: bool | None = True

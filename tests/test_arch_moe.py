@@ -32,7 +32,9 @@ from localmesh import Served, run_meshd, start_serve, stop_all
 from parity import assert_same_logits
 from test_engine_arch_parity import NEW_TOKENS, PROMPT_LENGTHS, Run, chain_runs
 
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import route_at
+from meshd.client.session import run_session
 from meshd.engine import Model, Sampler, UnsupportedModel
 from meshd.engine.chain import LocalChain
 from meshd.net.peers import open_peers

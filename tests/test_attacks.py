@@ -24,7 +24,10 @@ from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_mod
 from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 from test_hostile_stage import typed_error
 
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage, route_from_reply
+from meshd.client.session import run_session
 from meshd.daemon import MeshDaemon
 from meshd.daemon.config import NodeConfig
 from meshd.mesh.membership import SwimConfig, Sync, SyncEntry

@@ -34,8 +34,10 @@ from test_attacks import (
     proven_in_log,
 )
 
-from meshd.client.ask import AskRequest, ask_with_failover, route_from_reply
-from meshd.client.ask import Stage as AskStage
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage as AskStage
+from meshd.client.route import route_from_reply
 from meshd.mesh.election import Tracker
 from meshd.mesh.records import ServedRange
 from meshd.net.peers import Peers

@@ -19,8 +19,10 @@ from chat_goldens import templates_dir
 from localmesh import Served, start_serve, stop_all
 from test_api_tools_mesh import OTHER, TOOL, WEATHER, with_template
 
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover
+from meshd.client.ask import AskRequest, AskResult
 from meshd.client.chat import ChatRequest, parse
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage
 from meshd.net.peers import Peers
 from wire.stage import STAGE_PROTOCOL, Sampling
 

@@ -20,7 +20,9 @@ import pytest
 import trio
 from localmesh import READY, Served, mesh_status, meshd_command, spawn, stop_all, stop_process
 
-from meshd.client.ask import AskRequest, RouteSources, Stage, ask_with_failover, route_from_reply
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import RouteSources, Stage, route_from_reply
 from meshd.net.peers import Peers
 from meshd.net.rpc import mesh_rpc
 from tests.conftest import greedy_reference

@@ -12,19 +12,11 @@ import trio
 from test_mesh_duty import MODEL, Mesh, duty
 
 from meshd.cli import figures_line
-from meshd.client import ask
-from meshd.client.ask import (
-    FAILOVER_ATTEMPTS,
-    FAILOVER_SECONDS,
-    AskRequest,
-    AskResult,
-    RouteSources,
-    Stage,
-    StageError,
-    ask_with_failover,
-    blamed,
-    route_from_reply,
-)
+from meshd.client import ask, failover
+from meshd.client import route as routes
+from meshd.client.ask import AskRequest, AskResult, StageError
+from meshd.client.failover import FAILOVER_ATTEMPTS, FAILOVER_SECONDS, ask_with_failover, blamed
+from meshd.client.route import RouteSources, Stage, route_from_reply
 from meshd.client.verifier import Verifier
 from meshd.mesh.duty import MeshDuty
 from wire.errors import ErrorCode, ProtocolError
@@ -36,7 +28,7 @@ REPLICAS = {name: Stage(f"10.0.0.{i}:7000", name, "sha256:m", ((ord(name[0]) - 9
             for i, name in enumerate(["a0", "a1", "b0", "b1", "c0", "c1"], start=1)}
 
 
-def fake_tracker(asked: list[list[str]]) -> ask.RouteFinder:
+def fake_tracker(asked: list[list[str]]) -> routes.RouteFinder:
     """A fake route source: the first replica of each range that is not excluded."""
     async def find(excluded: list[str]) -> list[Stage]:
         asked.append(list(excluded))
@@ -60,8 +52,8 @@ class FakeMesh:
         self.routes: list[list[str | None]] = []
         self.probes = 0
         self.kill_between: list[set[str]] = []
-        monkeypatch.setattr(ask, "run_session", self.run_session)
-        monkeypatch.setattr(ask, "_probe", self.probe)
+        monkeypatch.setattr(failover, "run_session", self.run_session)
+        monkeypatch.setattr(failover, "_probe", self.probe)
 
     async def run_session(self, peers: object, route: Sequence[Stage], request: AskRequest, result: AskResult,
                           on_token: ask.OnToken, session: str, epoch: int, stall_timeout: float,
@@ -91,7 +83,7 @@ async def test_one_replica_of_every_range_dead_at_once_costs_one_failover(
         monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture) -> None:
     fake = FakeMesh(monkeypatch, dead={"a0", "b0", "c0"})
     asked: list[list[str]] = []
-    with caplog.at_level(logging.INFO, "meshd.client.ask"):
+    with caplog.at_level(logging.INFO, "meshd.client.failover"):
         result = await ask_with_failover(None, fake_tracker(asked), AskRequest())  # type: ignore[arg-type]
     # lost: from the last progress (the start) through the failed epoch's 1 s and the next one's 1 s (fake clock)
     assert "answered after 1 failover(s) around 3 stage(s), 2.0 s lost" in caplog.text
@@ -132,7 +124,7 @@ async def test_a_stage_error_naming_its_culprit_excludes_it_without_probing(
             raise FakeLied(2, ProtocolError(ErrorCode.BAD_REQUEST, "the hop's input hash does not match"))
         return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
 
-    monkeypatch.setattr(ask, "run_session", session)
+    monkeypatch.setattr(failover, "run_session", session)
     result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
     assert fake.probes == 0 and result.excluded == ["b0"] and fake.routes == [["a0", "b1", "c0"]]
 
@@ -150,7 +142,7 @@ def stalling_at(node: str, fake: FakeMesh, monkeypatch: pytest.MonkeyPatch,
             raise error(route)
         return await fake.run_session(peers, route, request, result, on_token, session, epoch, stall_timeout)
 
-    monkeypatch.setattr(ask, "run_session", session)
+    monkeypatch.setattr(failover, "run_session", session)
 
 
 async def test_a_middle_stage_that_stalls_but_answers_probes_is_blamed_on_the_second_stall(
@@ -202,8 +194,8 @@ async def test_failover_gives_up_after_its_attempts(
         fake.routes.append([s.node_id for s in route])
         raise StageError(1, ProtocolError(ErrorCode.UNREACHABLE, "gone"))
 
-    monkeypatch.setattr(ask, "run_session", session)
-    monkeypatch.setattr(ask, "_probe", probe)
+    monkeypatch.setattr(failover, "run_session", session)
+    monkeypatch.setattr(failover, "_probe", probe)
     with pytest.raises(StageError, match="gone"):
         await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
     assert len(fake.routes) == FAILOVER_ATTEMPTS
@@ -229,8 +221,8 @@ async def test_failover_gives_up_past_its_time_budget(
     async def probe(peers: object, route: Sequence[Stage]) -> list[bool]:
         return [True] * len(route)
 
-    monkeypatch.setattr(ask, "run_session", session)
-    monkeypatch.setattr(ask, "_probe", probe)
+    monkeypatch.setattr(failover, "run_session", session)
+    monkeypatch.setattr(failover, "_probe", probe)
     began = trio.current_time()
     with pytest.raises(StageError, match="stalled"):
         await ask_with_failover(None, find, AskRequest(), stall_timeout=30.0)  # type: ignore[arg-type]
@@ -247,7 +239,7 @@ async def test_a_non_retryable_error_is_not_failed_over(
     async def session(*args: object) -> AskResult:
         raise StageError(0, ProtocolError(ErrorCode.BAD_REQUEST, "the prompt is too long"))
 
-    monkeypatch.setattr(ask, "run_session", session)
+    monkeypatch.setattr(failover, "run_session", session)
     with pytest.raises(StageError, match="too long"):
         await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
     assert fake.probes == 0
@@ -270,13 +262,13 @@ async def test_a_stage_busy_for_a_moment_is_waited_for_once_then_routed_around(
                                                   retry_after_ms=60_000))
         return await honest(peers, route, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ask, "run_session", session)
+    monkeypatch.setattr(failover, "run_session", session)
     t0 = trio.current_time()
     result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
     assert fake.routes == [["a0", "b0", "c0"], ["a0", "b0", "c0"], ["a0", "b1", "c0"]]
     assert result.excluded == ["b0"] and len(result.tokens) == 4
     # its word (60 s) is bounded by the asker's own
-    assert trio.current_time() - t0 < ask.BUSY_WAIT + 3
+    assert trio.current_time() - t0 < failover.BUSY_WAIT + 3
 
 
 async def test_with_the_tracker_unreachable_the_route_is_asked_of_the_members_it_named(
@@ -328,7 +320,7 @@ def test_the_members_a_route_source_learns_are_bounded() -> None:
     sources = RouteSources(fake_tracker([]), fake_tracker([]))  # type: ignore[arg-type]
     route = [Stage(f"10.0.3.{i % 250}:{7000 + i}", f"{i:064x}", None, (i, i + 1)) for i in range(256)]
     sources._learn(route)
-    assert len(sources.members) == ask.MAX_ROUTE_SOURCES
+    assert len(sources.members) == routes.MAX_ROUTE_SOURCES
 
 
 def six_members() -> tuple[list[MeshDuty], MeshDuty, Mesh]:
@@ -407,9 +399,9 @@ def test_a_failover_onto_other_numerics_is_said_where_it_happened() -> None:
                        finished_at=0.5, route=[info("build-a/x86_64/cpu")])
     # the same numerics, a first epoch, or a new route that took over no token: nothing to say
     for before, carried in ((frozenset({"build-a/x86_64/cpu"}), 3), (frozenset(), 3), (frozenset({"x"}), 0)):
-        ask._crossed(result, before, carried)
+        failover._crossed(result, before, carried)
     assert result.crossed_numerics_at == [] and "numerics" not in figures_line(result)
-    ask._crossed(result, frozenset({"build-a/x86_64/gpu"}), 3)
+    failover._crossed(result, frozenset({"build-a/x86_64/gpu"}), 3)
     assert result.crossed_numerics_at == [3]
     assert ", continued on other numerics after 3 tokens (one engine build and backend throughout may answer " \
            "otherwise)" in figures_line(result)

@@ -54,7 +54,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from localmesh import Served, serving
 
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import route_at
+from meshd.client.session import run_session
 from meshd.engine import ops
 from meshd.engine.chain import LocalChain
 from meshd.engine.engine import Context, Model

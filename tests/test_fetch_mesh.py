@@ -19,7 +19,9 @@ import pytest
 import trio
 from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 
-from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage, route_from_reply
 from meshd.mesh.models import ModelNotFound, model_info
 from meshd.net.identity_store import load_or_create_identity
 from meshd.net.peers import Peers

@@ -40,7 +40,9 @@ from localmesh import READY, Served, meshd_command, stop_all, stop_process
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Message, Request
 
-from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage, route_from_reply
 from meshd.net.identity_store import load_mesh_key
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.net.rpc import mesh_rpc

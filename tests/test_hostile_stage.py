@@ -22,7 +22,9 @@ import zstandard
 from attacks import typed_error
 from localmesh import Served, start_serve
 
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import route_at
+from meshd.client.session import run_session
 from meshd.net.peers import Peers, open_peers
 from meshd.net.stream import Stream
 from wire.errors import ErrorCode, ProtocolError

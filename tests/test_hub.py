@@ -26,7 +26,8 @@ from test_fetch_mesh import finder, served
 from test_split_sets import ask_route
 
 from meshd import cli
-from meshd.client.ask import AskRequest, ask_with_failover
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
 from meshd.fetch.fetcher import FetchFailed
 from meshd.fetch.hub import (
     HubError,

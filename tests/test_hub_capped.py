@@ -25,7 +25,8 @@ from localmesh import Served, mesh_status, start_join, stop_all
 from make_big_gguf import Dims, write
 from test_fetch_mesh import finder, served, workers
 
-from meshd.client.ask import AskRequest, ask_with_failover
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
 from meshd.net.peers import Peers
 from meshd.store.manifest import Chunk, Manifest, manifest_for
 from meshd.store.ranges import range_chunks

@@ -20,7 +20,8 @@ import trio
 from localmesh import Served, mesh_status, start_join, stop_all
 from test_mesh_daemons import SESSIONS, finder
 
-from meshd.client.ask import AskRequest, ask_with_failover
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
 from meshd.net.peers import Peers
 from wire.errors import ProtocolError
 

@@ -16,7 +16,9 @@ import pytest
 import trio
 from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 
-from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage, route_from_reply
 from meshd.net.peers import Peers
 from meshd.net.rpc import mesh_rpc
 from tests.conftest import greedy_reference

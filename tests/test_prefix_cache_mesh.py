@@ -20,7 +20,9 @@ import trio
 from localmesh import Served, start_join, stop_all
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.client.ask import AskRequest, AskResult, Stage, route_from_reply, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import Stage, route_from_reply
+from meshd.client.session import run_session
 from meshd.net.peers import Peers, open_peers
 from meshd.net.rpc import mesh_rpc
 from wire.identity import NodeIdentity

@@ -19,7 +19,10 @@ import trio
 from lying_worker import lying, restart_worker
 from test_verify_route import stage_of
 
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage
+from meshd.client.session import run_session
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.net.peers import PeersConfig, open_peers

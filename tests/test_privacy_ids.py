@@ -22,7 +22,9 @@ import pytest
 import trio
 from attacks import stranger_error
 
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import route_at
+from meshd.client.session import run_session
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.stream import Stream
 from meshd.stage.books import StageLimits

@@ -10,7 +10,10 @@ import pytest
 import trio
 
 from meshd.cli import figures_line
-from meshd.client.ask import AskRequest, AskResult, Stage, StageError, ask_with_failover, run_session
+from meshd.client.ask import AskRequest, AskResult, StageError
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage
+from meshd.client.session import run_session
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.books import StageLimits
 from meshd.stage.node import StageNode, stage_node

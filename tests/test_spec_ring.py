@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage, route_at
+from meshd.client.session import run_session
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import StageLimits
 from meshd.stage.node import StageNode, stage_node

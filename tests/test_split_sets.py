@@ -23,7 +23,8 @@ from gguf_factory import TINY_SPECS, split_gguf, write_tiny_gguf
 from localmesh import Served, mesh_status, run_meshd, start_join, start_serve, stop_all
 from test_fetch_mesh import finder, served
 
-from meshd.client.ask import AskRequest, ask_with_failover
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
 from meshd.engine import Model
 from meshd.net.peers import Peers
 from meshd.stage.model_file import describe_model
@@ -153,7 +154,9 @@ def stage_copy(manifest: Manifest, whole: WholeFile, path: Path, n_layers: int, 
 
 
 async def ask_route(route: list[str], max_tokens: int) -> list[int]:
-    from meshd.client.ask import AskResult, route_at, run_session
+    from meshd.client.ask import AskResult
+    from meshd.client.route import route_at
+    from meshd.client.session import run_session
     from meshd.net.peers import open_peers
     from wire.identity import NodeIdentity
 

@@ -14,16 +14,9 @@ import pytest
 import trio
 from attacks import typed_error
 
-from meshd.client.ask import (
-    AskRequest,
-    AskResult,
-    RouteError,
-    Stage,
-    check_opened,
-    check_route,
-    route_from_reply,
-    run_session,
-)
+from meshd.client.ask import AskRequest, AskResult, RouteError
+from meshd.client.route import Stage, check_opened, check_route, route_from_reply
+from meshd.client.session import run_session
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.stream import Stream
 from meshd.stage.books import StageLimits

@@ -11,7 +11,9 @@ import pytest
 import trio
 from localmesh import Served, serving
 
-from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import Stage, route_at
+from meshd.client.session import run_session
 from meshd.net.peers import Peers, open_peers
 from tests.conftest import greedy_reference
 from wire.errors import ErrorCode, ProtocolError

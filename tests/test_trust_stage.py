@@ -20,7 +20,9 @@ import trio
 from localmesh import Served, start_serve
 from test_hostile_stage import drain, typed_error
 
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import route_at
+from meshd.client.session import run_session
 from meshd.net.peers import Peers, open_peers
 from wire.errors import ErrorCode
 from wire.identity import NodeIdentity

@@ -18,8 +18,10 @@ from test_api_tools_mesh import with_template
 from test_verify_route import stage_nodes, stage_of
 from test_verify_withheld import forging_tokens, route_finder
 
-from meshd.client.ask import AskRequest, AskResult, ask_with_failover, run_session
+from meshd.client.ask import AskRequest, AskResult
 from meshd.client.chat import ChatRequest
+from meshd.client.failover import ask_with_failover
+from meshd.client.session import run_session
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.net.peers import PeersConfig, open_peers

@@ -24,7 +24,9 @@ import trio
 from lying_worker import lying, restart_worker
 from test_verify_route import stage_nodes, stage_of
 
-from meshd.client.ask import AskRequest, AskResult, ask_with_failover, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.failover import ask_with_failover
+from meshd.client.session import run_session
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.mesh.proofs import check_proof

@@ -13,8 +13,10 @@ import pytest
 import trio
 
 from meshd.cli import figures_line
-from meshd.client.ask import AskResult, Stage, StageError, _watch_for_errors, first_error
+from meshd.client.ask import AskResult, StageError, first_error
 from meshd.client.audit import Audit, StageLied, blamed
+from meshd.client.route import Stage
+from meshd.client.session import _watch_for_errors
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan, Draws
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof

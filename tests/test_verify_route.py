@@ -23,8 +23,11 @@ import pytest
 import trio
 
 import meshd.stage.batching as batching_module
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.failover import ask_with_failover
 from meshd.client.probe import probe_stage
+from meshd.client.route import Stage
+from meshd.client.session import run_session
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.mesh.probes import ProbeConfig, StageProbe, probe_seconds

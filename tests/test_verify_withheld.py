@@ -22,8 +22,11 @@ import pytest
 import trio
 from test_verify_route import stage_nodes, stage_of
 
-from meshd.client.ask import AskRequest, AskResult, RouteError, Stage, ask_with_failover, run_session
+from meshd.client.ask import AskRequest, AskResult, RouteError
 from meshd.client.asker import Asker, Unverified
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage
+from meshd.client.session import run_session
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.net.peers import PeersConfig, open_peers

@@ -18,7 +18,9 @@ from attacks import typed_error
 from localmesh import Served, mesh_status, start_join, stop_all
 from test_mesh_daemons import workers
 
-from meshd.client.ask import AskRequest, Stage, ask_with_failover, route_from_reply
+from meshd.client.ask import AskRequest
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage, route_from_reply
 from meshd.engine.supervisor import EngineSupervisor
 from meshd.net.peers import Peers
 from meshd.net.rpc import mesh_rpc

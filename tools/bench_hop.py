@@ -66,7 +66,9 @@ from benchlib.asks import DECODE_TEXT, decode_rate, meshd_decode, stage_metrics
 from benchlib.procs import BenchError, Proc, affinity, cpu_ns, median, pin, start_stage, usable_cores
 from benchlib.result import parser, publish
 
-from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import Stage, route_at
+from meshd.client.session import run_session
 from meshd.engine.chain import LocalChain, even_ranges
 from meshd.engine.engine import Model
 from meshd.mesh.models import default_model_path

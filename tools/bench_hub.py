@@ -45,7 +45,9 @@ from fake_hub import FakeHub
 from localmesh import Served, mesh_status, start_join, stop_all
 from make_big_gguf import NAME, SMALL, Dims, write
 
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, route_from_reply
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage, route_from_reply
 from meshd.engine.chain import LocalChain
 from meshd.fetch.hub import HubReader, parse_spec, resolve
 from meshd.net.peers import open_peers

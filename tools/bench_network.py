@@ -112,7 +112,7 @@ from benchlib.procs import (
 from benchlib.result import parser, publish
 from localmesh import stop_all
 
-from meshd.client.ask import Stage, route_at
+from meshd.client.route import Stage, route_at
 from meshd.engine.chain import LocalChain, even_ranges
 from meshd.mesh.models import default_model_path
 from meshd.net.peers import Peers, open_peers

@@ -17,7 +17,7 @@ already runs 3 engine processes; pass --threads 2 to compare at 2):
   with the last range, the token embedding stays in the driving process as
   llama.cpp always does). The split is checked from llama.cpp's own log.
 * meshd with 1, 2 and 3 `meshd serve` stages on loopback (even layer ranges),
-  driven by this process through meshd.ask.run_session, as `meshd ask` does.
+  driven by this process through meshd.client.session.run_session, as `meshd ask` does.
 
 Figures (medians over --repeats rounds; in each round every setup runs once,
 in rotating order, so drift on a shared machine hits all alike):

@@ -2,7 +2,7 @@
 """The prefix cache: time to first token cold vs cached, and an agent transcript's prefill with and without.
 
 Three `meshd serve` stages of the default model (one thread each) on loopback, asked in process
-(meshd.client.ask.run_session), greedy:
+(meshd.client.session.run_session), greedy:
 
 * TTFT: a ~2,000-token system prompt and a ~20-token question, each question new. Cold: the ask
   takes no cached prefix (AskRequest.cache off), so every stage runs the whole prompt. Cached: the
@@ -26,7 +26,9 @@ import trio
 from benchlib.result import parser, publish
 from localmesh import Served, start_serve, stop_all
 
-from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import Stage, route_at
+from meshd.client.session import run_session
 from meshd.net.peers import Peers, open_peers
 from wire.identity import NodeIdentity
 

@@ -30,7 +30,9 @@ import trio
 from benchlib.result import parser, publish
 from link_emulator import LinkEmulator, LinkSpec
 
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import route_at
+from meshd.client.session import run_session
 from meshd.mesh.models import default_model_path
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.books import StageLimits

@@ -55,7 +55,9 @@ from benchlib.llama import llama_batched
 from benchlib.procs import ROOT, TOOLS, BenchError, Proc, carried, start_proxy, start_stage
 from benchlib.result import parser, publish
 
-from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import Stage, route_at
+from meshd.client.session import run_session
 from meshd.engine.chain import even_ranges
 from meshd.mesh.models import default_model_path
 from meshd.net.peers import Peers, open_peers

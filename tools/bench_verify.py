@@ -67,8 +67,11 @@ from benchlib.procs import pin as pin_threads
 from benchlib.procs import process_cpu_ns
 from benchlib.result import parser, publish
 
-from meshd.client.ask import AskRequest, AskResult, Stage, ask_with_failover, run_session
+from meshd.client.ask import AskRequest, AskResult
 from meshd.client.audit import SpanAudit
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import Stage
+from meshd.client.session import run_session
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.mesh.models import default_model_path

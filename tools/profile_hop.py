@@ -43,7 +43,9 @@ from benchlib.asks import DECODE_TEXT
 from benchlib.procs import cpu_ns
 from benchlib.result import parser, publish
 
-from meshd.client.ask import AskRequest, AskResult, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import route_at
+from meshd.client.session import run_session
 from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan
 from meshd.engine.chain import LocalChain, even_ranges

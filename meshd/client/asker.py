@@ -13,7 +13,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, RouteFinder, ask_with_failover, deliver
+from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, deliver
+from meshd.client.failover import ask_with_failover
+from meshd.client.route import RouteFinder
 from meshd.client.served import Served
 from meshd.client.traffic import traffic_report
 from meshd.client.verifier import Verifier

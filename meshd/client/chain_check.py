@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.client.ask import CacheDoubted, Stage
+from meshd.client.ask import CacheDoubted
 from meshd.client.audit import Audit
 from meshd.client.check_session import CheckSession, open_check_session
+from meshd.client.route import Stage
 from meshd.client.verify import CheckPlan, Inbox, RangeCheck, check_numerics, failure_of, run_drawn
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream

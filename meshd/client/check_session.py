@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import trio
 
-from meshd.client.ask import release_all
+from meshd.client.session import release_all
 from meshd.net import rpc
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream

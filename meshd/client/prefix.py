@@ -32,7 +32,7 @@ def cache_start(found: Sequence[int], prompt_len: int) -> int:
     return max(0, min([*found, prompt_len - 1]))
 
 
-# runs a stage's part, its errors told as that stage's (``meshd.client.ask._from_stage``)
+# runs a stage's part, its errors told as that stage's (``meshd.client.session._from_stage``)
 FromStage = Callable[[int, Awaitable[None]], Awaitable[None]]
 
 

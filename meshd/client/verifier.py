@@ -15,19 +15,10 @@ from collections.abc import Collection, Sequence
 
 import trio
 
-from meshd.client.ask import (
-    AskResult,
-    CacheDoubted,
-    OnToken,
-    RouteError,
-    RouteFinder,
-    Stage,
-    StageError,
-    Unchecked,
-    hand_over,
-)
+from meshd.client.ask import AskResult, CacheDoubted, OnToken, RouteError, StageError, Unchecked, hand_over
 from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
 from meshd.client.chain_check import ChainCheck
+from meshd.client.route import RouteFinder, Stage
 from meshd.client.served import Served, served_work
 from meshd.client.verify import MAX_PROOFS, REPLICAS_WANTED, CheckPlan, Draws, Inbox, RangeCheck, replicas_of
 from meshd.net.peers import Peers

@@ -33,12 +33,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.client.ask import (
-    Stage,
-    check_opened,
-)
 from meshd.client.audit import Audit, StageLied
 from meshd.client.check_session import CheckSession, open_check_session
+from meshd.client.route import Stage, check_opened
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, error_from_message

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, Stage, route_from_reply
+from meshd.client.ask import AskRequest, AskResult, OnToken
 from meshd.client.asker import Asker
+from meshd.client.route import Stage, route_from_reply
 from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.front.door import KEY_USED

@@ -12,7 +12,9 @@ from typing import Any
 import trio
 
 from benchlib.procs import BenchError, Proc, cpu_ns
-from meshd.client.ask import AskRequest, AskResult, Stage, route_at, run_session
+from meshd.client.ask import AskRequest, AskResult
+from meshd.client.route import Stage, route_at
+from meshd.client.session import run_session
 from meshd.engine import Sampler
 from meshd.engine.chain import LocalChain
 from meshd.net.peers import Peers
