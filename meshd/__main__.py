@@ -7,7 +7,7 @@ import sys
 
 def main() -> int:
     try:
-        from meshd.cli import main as run_command
+        from meshd.cli.main import main as run_command
     except KeyboardInterrupt:
         print("meshd: interrupted", file=sys.stderr)
         return 130

@@ -11,7 +11,7 @@ import trio
 from pydantic import ValidationError
 
 import meshd.daemon.reachability
-from meshd import cli
+from meshd.cli.main import main
 from meshd.daemon import MeshDaemon
 from meshd.daemon.config import NodeConfig
 from meshd.daemon.reachability import route_source
@@ -221,7 +221,7 @@ def test_join_refuses_an_advertised_address_nobody_can_dial(advertise: str, tmp_
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     # in-process: argparse refuses it before anything starts (a subprocess spent seconds on imports)
     with pytest.raises(SystemExit) as exited:
-        cli.main(["join", "--no-model", "--advertise", advertise, "--state-dir", str(tmp_path / "state")])
+        main(["join", "--no-model", "--advertise", advertise, "--state-dir", str(tmp_path / "state")])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1 and "--advertise" in err, err
     assert not (tmp_path / "state").exists()

@@ -18,7 +18,7 @@ import trio.testing
 from api_fakes import DIGEST, NAME, TWO_CALLS, FakeMesh, coverage, fails_with, pinned
 from starlette.requests import Request
 
-from meshd import cli
+from meshd.cli.main import main
 from meshd.client.ask import AskResult, Unchecked
 from meshd.client.asker import Unverified
 from meshd.front.app import build_app
@@ -586,7 +586,7 @@ def test_a_key_file_without_keys_is_refused(tmp_path: Path, content: str, why: s
 def test_api_beyond_loopback_without_a_key_is_refused_at_start(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], line: str) -> None:
     try:
-        code = cli.main(["join", "--no-model", "--state-dir", str(tmp_path / "state"), *argv])
+        code = main(["join", "--no-model", "--state-dir", str(tmp_path / "state"), *argv])
     except SystemExit as exit:  # argparse's own refusals
         code = exit.code
     err = capsys.readouterr().err

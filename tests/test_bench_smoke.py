@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from benchlib.result import check
 
-from meshd import cli
+from meshd.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
@@ -62,7 +62,7 @@ def test_every_benchmark_runs_its_smoke(tmp_path: Path) -> None:
 
 
 def bench_screen(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
-    assert cli.main(["bench", "--threads", "1", "--tokens", "2", *args]) == 0
+    assert main(["bench", "--threads", "1", "--tokens", "2", *args]) == 0
     return capsys.readouterr().out.splitlines()
 
 

@@ -25,7 +25,11 @@ from localmesh import (
     stop_process,
 )
 
-from meshd.cli import build_parser, expect, fetch_line, main, print_figures, print_status
+from meshd.cli.failures import expect
+from meshd.cli.figures import print_figures
+from meshd.cli.main import main
+from meshd.cli.parser import build_parser
+from meshd.cli.status import fetch_line, print_status
 from meshd.client.ask import AskResult
 from meshd.net.identity_store import load_mesh_key
 from wire.errors import ErrorCode, ProtocolError

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from localmesh import gone
 
-from meshd.cli import report_restarts
+from meshd.cli.serve import report_restarts
 from meshd.engine.supervisor import EngineSupervisor, WorkerDown, WorkerRefused, WorkerSpec, _read_frame, _send_frame
 from meshd.engine.workerproto import MAX_HEADER, PREFIX, encode_prefix, take_frames
 

@@ -11,7 +11,7 @@ import pytest
 import trio
 from test_mesh_duty import MODEL, Mesh, duty
 
-from meshd.cli import figures_line
+from meshd.cli.figures import figures_line
 from meshd.client import ask, failover
 from meshd.client import route as routes
 from meshd.client.ask import AskRequest, AskResult, StageError

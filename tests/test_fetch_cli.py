@@ -9,7 +9,7 @@ import pytest
 from fetchnet import SourceProcess, start_source_process
 from localmesh import run_meshd, stop_process
 
-from meshd.cli import main
+from meshd.cli.main import main
 from meshd.store.manifest import CHUNK_SIZE, compute
 from meshd.store.ranges import range_chunks
 from meshd.store.sparse import SparseFile

@@ -17,7 +17,8 @@ from gguf_factory import TINY_SPECS
 from gpu_lane import engine_gpu
 from localmesh import start_serve
 
-from meshd.cli import build_parser, main
+from meshd.cli.main import main
+from meshd.cli.parser import build_parser
 from meshd.engine import InvalidInput, Model
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.mesh.assignment import ModelSpec, NodeCapacity, offload_plan, stage_fits
@@ -211,7 +212,7 @@ def test_gpu_flags_take_auto() -> None:
 
 
 def test_auto_fills_from_the_engines_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    from meshd.cli import resolve_gpu
+    from meshd.cli.gpu import resolve_gpu
     from meshd.engine.devices import gpus
 
     args = build_parser().parse_args(["join", "--gpu-layers", "auto", "--gpu-memory", "auto"])

@@ -25,7 +25,7 @@ from localmesh import Served, mesh_status, start_join, start_serve, stop_all
 from test_fetch_mesh import finder, served
 from test_split_sets import ask_route
 
-from meshd import cli
+from meshd.cli.main import main
 from meshd.client.ask import AskRequest
 from meshd.client.failover import ask_with_failover
 from meshd.fetch.fetcher import FetchFailed
@@ -74,7 +74,7 @@ def meshd(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.Complete
     4 s of the suite for the same lines."""
     capsys.readouterr()
     try:
-        code = cli.main(list(args))
+        code = main(list(args))
     except SystemExit as exc:  # argparse's own exit
         code = int(exc.code or 0)
     out, err = capsys.readouterr()

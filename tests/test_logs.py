@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from localmesh import Served, start_join
 
-from meshd.cli import build_parser, main
+from meshd.cli.main import main
+from meshd.cli.parser import build_parser
 from meshd.logs import level_of, setup_logging, utc_time
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"

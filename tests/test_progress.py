@@ -24,7 +24,8 @@ import trio.testing
 from localmesh import READY, Served, meshd_command, spawn, start_join, stop_process
 
 from meshd import progress
-from meshd.cli import range_wait, route_when_covered
+from meshd.cli.ask import route_when_covered
+from meshd.cli.serve import range_wait
 from meshd.logs import setup_logging
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError

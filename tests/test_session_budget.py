@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from meshd.cli import figures_line
+from meshd.cli.figures import figures_line
 from meshd.client.ask import AskRequest, AskResult, StageError
 from meshd.client.failover import ask_with_failover
 from meshd.client.route import Stage

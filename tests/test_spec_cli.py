@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from meshd.cli import build_parser, build_request, main, print_figures
+from meshd.cli.ask import build_request
+from meshd.cli.figures import print_figures
+from meshd.cli.main import main
+from meshd.cli.parser import build_parser
 from meshd.client.ask import AskResult
 
 # meshd serve processes with draft models

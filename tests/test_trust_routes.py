@@ -7,7 +7,7 @@ import pytest
 from instant_net import identity, record, rng
 from test_mesh_duty import MODEL, Mesh, duty
 
-from meshd.cli import build_parser
+from meshd.cli.parser import build_parser
 from meshd.mesh.duty import MeshDuty
 from meshd.mesh.duty_events import AskAssignment, DutyConfig, LoadRange, RangeRefused
 from meshd.mesh.election import ElectionConfig

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import trio
 
-from meshd.cli import figures_line
+from meshd.cli.figures import figures_line
 from meshd.client.ask import AskResult, StageError, first_error
 from meshd.client.audit import Audit, StageLied, blamed
 from meshd.client.route import Stage

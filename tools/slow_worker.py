@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from meshd import cli
+from meshd.cli.main import main as run_command
 from meshd.engine import fastpath, supervisor, worker
 
 
@@ -24,7 +24,7 @@ def slow_daemon(sleep: float, args: list[str]) -> int:
         return [sys.executable, __file__, "worker", str(sleep), *honest(self, fd, events_fd)[3:]]
 
     supervisor.WorkerSpec.argv = slow  # type: ignore[method-assign]
-    return cli.main(args)
+    return run_command(args)
 
 
 def slow_worker(sleep: float, args: list[str]) -> int:

@@ -1,0 +1,7 @@
+"""`python -m meshd.cli`: the command line, as the tests and tools start daemons."""
+
+import sys
+
+from meshd.cli.main import main
+
+sys.exit(main())
