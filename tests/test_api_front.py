@@ -19,12 +19,12 @@ from api_fakes import DIGEST, NAME, TWO_CALLS, FakeMesh, coverage, fails_with, p
 from starlette.requests import Request
 
 from meshd.cli.main import main
-from meshd.client.ask import AskResult, Unchecked
-from meshd.client.asker import Unverified
+from meshd.client.ask import AskResult, Gap, Unchecked
+from meshd.client.asker import Unverified, member_routes
 from meshd.front.app import build_app
 from meshd.front.door import MAX_KEY_FILE_BYTES, ApiError, FrontDoor, load_api_keys
 from meshd.front.http import BODY_SECONDS, MAX_BODY_BYTES, read_body
-from meshd.front.mesh import DaemonMesh
+from meshd.front.mesh import DaemonMember
 from meshd.front.server import MAX_HEAD_BYTES, serve_front
 from meshd.front.text import AnswerText
 from wire.errors import ErrorCode, ProtocolError
@@ -354,11 +354,12 @@ async def test_parallel_tool_use_unless_disabled() -> None:
 
 
 async def test_whether_the_answer_was_verified_reaches_each_dialect_streamed_or_not() -> None:
-    note = Unchecked(4, 8, "ef" * 32, 12, "no replica")
+    note = Unchecked(4, 8, "ef" * 32, 12, Gap.NO_REPLICA)
     for mesh, verified in ((FakeMesh(), True), (FakeMesh(unchecked=[note]), False), (FakeMesh(checked=None), False)):
         front = FrontDoor(mesh)
         field = {"verified": verified, "checked": mesh.checked is True,
-                 "unchecked": [{"layers": [4, 8], "node": "ef" * 32, "since": 12, "why": "no replica"}]
+                 "unchecked": [{"layers": [4, 8], "node": "ef" * 32, "since": 12, "kind": "no_replica",
+                                "why": "no replica"}]
                  if mesh.unchecked else [], "crossed_numerics_at": []}
         header = "true" if verified else "false"
         chat = await oai(front).chat.completions.with_raw_response.create(model=NAME, messages=USER)
@@ -642,12 +643,12 @@ class FakeDaemon:
 
 
 async def test_no_route_is_not_coverage_once_failed_stages_are_avoided() -> None:
-    mesh = DaemonMesh(FakeDaemon(), peers=None)  # type: ignore[arg-type]
+    find_route, _ = member_routes(None, DaemonMember(FakeDaemon()), DIGEST, 5.0)  # type: ignore[arg-type]
     with pytest.raises(ProtocolError) as first:
-        await mesh.find_route(DIGEST, [])
+        await find_route([])
     assert first.value.code is ErrorCode.NOT_FOUND  # the front door says "not covered", with the reason
     with pytest.raises(ProtocolError) as failover:
-        await mesh.find_route(DIGEST, ["ef" * 32])
+        await find_route(["ef" * 32])
     assert failover.value.code is ErrorCode.UNREACHABLE and "around the 1 stage(s)" in failover.value.message
 
 

@@ -220,7 +220,7 @@ class TwoPlans:
 
 
 async def test_the_console_shows_the_route_the_tracker_plans_for_an_ask() -> None:
-    """What an ask through this member gets (DaemonMesh.find_route): the tracker's plan."""
+    """What an ask through this member gets (meshd.front.mesh.DaemonMember.route): the tracker's plan."""
     planned = RouteReply(model=MODEL.digest, n_layers=30, seconds_per_token=0.02, stages=[
         RouteStage(node_id="a" * 40, address="10.0.0.4:7000", start=0, end=15),
         RouteStage(node_id="b" * 40, address="10.0.0.3:7000", start=15, end=30)])

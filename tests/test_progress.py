@@ -130,7 +130,7 @@ UNCOVERED = ProtocolError(ErrorCode.NOT_FOUND, "no route for m: layers [15, 30) 
 async def test_ask_waits_for_coverage_and_takes_the_route_once_there(autojump_clock: trio.testing.MockClock) -> None:
     ask, asked = answers(UNCOVERED, UNCOVERED, ROUTE)
     route = await route_when_covered(ask, "seed", wait=10.0)
-    assert [s.address for s in route] == ["10.0.0.1:7000"]
+    assert [s.address for s in route.stages] == ["10.0.0.1:7000"]
     assert [round(t - asked[0], 3) for t in asked] == [0.0, 1.0, 2.0]
 
 

@@ -1,4 +1,10 @@
-"""`meshd ask`: a question put to the mesh, its answer streamed to the terminal."""
+"""`meshd ask`: a question put to the mesh, its answer streamed to the terminal.
+
+It asks through the one asker (meshd.client.asker), as the HTTP front door does; its member is the
+local daemon (on its control socket) or the member `--seed` names. A chat is rendered on the model's
+own template (meshd.client.chat), as the front door renders it, so the same question gets the same
+prompt and the same greedy answer either way.
+"""
 
 from __future__ import annotations
 
@@ -16,21 +22,17 @@ from meshd import progress
 from meshd.cli.failures import CommandError, UsageError, expect
 from meshd.cli.figures import print_figures
 from meshd.client.ask import AskRequest, AskResult, stop_trim
-from meshd.client.asker import Asker, Unverified, unverified_reason
-from meshd.client.route import RouteSources, Stage, route_at, route_from_reply
+from meshd.client.asker import Unverified, member_asker, unverified_reason
+from meshd.client.chat import ChatRequest
+from meshd.client.route import route_at
 from meshd.client.served import Served
 from meshd.client.session import run_session
 from meshd.net.control import ControlError, control_request
-from meshd.net.peers import PeersConfig, open_peers
+from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.rpc import mesh_rpc
 from meshd.relay.circuit import enable_circuits
 from wire.codec import Message
-from wire.credit import (
-    CountersignRequest,
-    Voucher,
-    VoucherReply,
-    VoucherRequest,
-)
+from wire.credit import CountersignRequest, Voucher, VoucherReply, VoucherRequest
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, TrafficReport
@@ -39,17 +41,10 @@ from wire.stage import Sampling
 
 # `meshd ask -`: the prompt comes from standard input (a file, a pipe), as with cat and grep.
 STDIN = "-"
-
-
-async def own_voucher(state_dir: Path, opener: str, timeout: float) -> Voucher | None:
-    """The local member's voucher for `opener` (this command's identity): stages rank the ask by the
-    member's credit. None where the daemon gives none (the ask is then a newcomer's); no daemon at all
-    is the ask's own error (ControlError), said as for its routes."""
-    try:
-        reply = await control_request(state_dir, VoucherRequest(opener=opener), timeout=timeout)
-    except ProtocolError:
-        return None
-    return reply.voucher if isinstance(reply, VoucherReply) else None
+# How often `ask --wait` asks again for a route while the mesh cannot cover the model.
+COVERAGE_POLL = 1.0
+# Most work summaries one countersign request carries (the control socket's bound).
+MAX_SUMMARIES = 64
 
 
 async def ask(args: argparse.Namespace) -> int:
@@ -89,59 +84,9 @@ async def ask(args: argparse.Namespace) -> int:
             await run_session(peers, route_at(args.route), request, result, on_token=on_token,
                               stall_timeout=args.timeout)
         else:
-            async def ask_route(excluded: list[str]) -> Message:
-                wanted = RouteRequest(model=args.model, exclude=excluded)
-                if args.seed is None:
-                    return await control_request(args.state_dir, wanted, timeout=args.timeout)
-                return await mesh_rpc(peers, args.seed, wanted, timeout=args.timeout)
-
-            async def find_route(excluded: list[str]) -> list[Stage]:
-                # mid-failover the model is covered: a missing route means the failed stages were the
-                # last of their ranges, which no waiting for coverage brings back
-                return await route_when_covered(lambda: ask_route(excluded), args.seed or "the local meshd",
-                                                0.0 if excluded else args.wait)
-
-            async def ask_member(member: Stage, excluded: list[str]) -> list[Stage]:
-                reply = await mesh_rpc(peers, member.address, RouteRequest(model=args.model, exclude=excluded),
-                                  member.node_id, timeout=args.timeout)
-                return route_from_reply(expect(reply, RouteReply, f"member {member.address}"))
-
-            async def other_route(excluded: list[str]) -> list[Stage]:
-                return route_from_reply(expect(await ask_route(excluded), RouteReply, "a route for a spot check"))
-
-            async def report_proof(proof: Proof) -> None:
-                # to the node the ask got its routes from, which checks the proof, keeps its culprit out
-                # of routes and placements and passes it on
-                try:
-                    await (control_request(args.state_dir, ProofGossip(proof=proof), timeout=args.timeout)
-                           if args.seed is None else mesh_rpc(peers, args.seed, ProofGossip(proof=proof),
-                                                         timeout=args.timeout))
-                except (ProtocolError, ControlError) as exc:
-                    print(f"meshd: a proof that node {proof.culprit.node_id[:16]} lied was not taken: {exc}",
-                          file=sys.stderr)
-
-            async def report_work(served: list[Served]) -> None:
-                # the local member countersigns what the stages served (with --seed no member asks: no credit)
-                if args.seed is not None or not served:
-                    return
-                at = int(time.time())
-                summaries = [w.signed(peers.identity, at) for w in served][:64]
-                try:
-                    await control_request(args.state_dir, CountersignRequest(summaries=summaries), timeout=args.timeout)
-                except (ProtocolError, ControlError) as exc:
-                    print(f"meshd: the stages' work was not countersigned: {exc}", file=sys.stderr)
-
-            async def report_traffic(report: TrafficReport) -> None:
-                # to the local member, which reports it to the tracker as its own (with --seed no member asks)
-                if args.seed is None:
-                    with contextlib.suppress(ProtocolError, ControlError):  # a figure lost is the user's no concern
-                        await control_request(args.state_dir, report, timeout=args.timeout)
-
-            if args.seed is None:
-                request.payer = await own_voucher(args.state_dir, peers.identity.node_id, args.timeout)
-            asker = Asker(peers, RouteSources(find_route, ask_member), other_route, report_proof,
-                          verify_every=args.verify, require_verified=args.require_verified,
-                          stall_timeout=args.timeout, report_work=report_work, report_traffic=report_traffic)
+            member = LocalMember(args, peers) if args.seed is None else SeedMember(args, peers)
+            asker = member_asker(peers, member, args.model, verify_every=args.verify,
+                                 require_verified=args.require_verified, stall_timeout=args.timeout)
             try:
                 await asker.ask(request, on_token, result)
             except Unverified as exc:
@@ -157,16 +102,98 @@ async def ask(args: argparse.Namespace) -> int:
     return 0
 
 
-# How often `ask --wait` asks again for a route while the mesh cannot cover the model.
-COVERAGE_POLL = 1.0
+class LocalMember:
+    """The daemon on this machine, on its control socket, as the asker's member: its operator's asks
+    are made on its credit, and it countersigns what they were served."""
+
+    remote = True
+
+    def __init__(self, args: argparse.Namespace, peers: Peers) -> None:
+        self.state_dir: Path = args.state_dir
+        self.timeout: float = args.timeout
+        self.wait: float = args.wait
+        # the asker's own identity, which signs the summaries the member countersigns
+        self.identity = peers.identity
+
+    async def route(self, model: str | None, excluded: list[str]) -> RouteReply:
+        async def ask_route() -> Message:
+            return await control_request(self.state_dir, RouteRequest(model=model, exclude=excluded),
+                                         timeout=self.timeout)
+        # mid-failover the model is covered: a missing route means the failed stages were the last of
+        # their ranges, which no waiting for coverage brings back
+        return await route_when_covered(ask_route, "the local meshd", 0.0 if excluded else self.wait)
+
+    async def take_proof(self, proof: Proof) -> None:
+        await self._request(ProofGossip(proof=proof))
+
+    async def countersign(self, served: list[Served]) -> None:
+        if served:
+            at = int(time.time())
+            summaries = [w.signed(self.identity, at) for w in served][:MAX_SUMMARIES]
+            await self._request(CountersignRequest(summaries=summaries))
+
+    async def voucher(self, opener: str) -> Voucher | None:
+        return await own_voucher(self.state_dir, opener, self.timeout)
+
+    async def report_traffic(self, report: TrafficReport) -> None:
+        # the member reports it to the tracker as its own; a figure lost is the user's no concern
+        with contextlib.suppress(ProtocolError, ControlError):
+            await control_request(self.state_dir, report, timeout=self.timeout)
+
+    async def _request(self, request: Message) -> None:
+        try:
+            await control_request(self.state_dir, request, timeout=self.timeout)
+        except ControlError as exc:
+            raise ProtocolError(ErrorCode.UNREACHABLE, str(exc)) from None
 
 
-async def route_when_covered(ask_route: Callable[[], Awaitable[Message]], what: str, wait: float) -> list[Stage]:
+class SeedMember:
+    """The member `--seed` names, over the mesh: it plans the routes and takes the proofs; the ask is a
+    newcomer's (no member vouches for it, and nobody countersigns its work)."""
+
+    remote = True
+
+    def __init__(self, args: argparse.Namespace, peers: Peers) -> None:
+        self.seed: str = args.seed
+        self.timeout: float = args.timeout
+        self.wait: float = args.wait
+        self.peers = peers
+
+    async def route(self, model: str | None, excluded: list[str]) -> RouteReply:
+        async def ask_route() -> Message:
+            return await mesh_rpc(self.peers, self.seed, RouteRequest(model=model, exclude=excluded), timeout=self.timeout)
+        return await route_when_covered(ask_route, self.seed, 0.0 if excluded else self.wait)
+
+    async def take_proof(self, proof: Proof) -> None:
+        await mesh_rpc(self.peers, self.seed, ProofGossip(proof=proof), timeout=self.timeout)
+
+    async def countersign(self, served: list[Served]) -> None:
+        return None
+
+    async def voucher(self, opener: str) -> Voucher | None:
+        return None
+
+    async def report_traffic(self, report: TrafficReport) -> None:
+        return None  # with --seed no member asks: nobody reports for it
+
+
+async def own_voucher(state_dir: Path, opener: str, timeout: float) -> Voucher | None:
+    """The local member's voucher for `opener` (this command's identity): stages rank the ask by the
+    member's credit. None where the daemon gives none (the ask is then a newcomer's); no daemon at all
+    is the ask's own error (ControlError), said as for its routes."""
+    try:
+        reply = await control_request(state_dir, VoucherRequest(opener=opener), timeout=timeout)
+    except ProtocolError:
+        return None
+    return reply.voucher if isinstance(reply, VoucherReply) else None
+
+
+async def route_when_covered(ask_route: Callable[[], Awaitable[Message]], what: str, wait: float) -> RouteReply:
     """A route, asked for again while the mesh has none to give (NOT_FOUND) for up to `wait` seconds;
     on a terminal the wait shows what is missing. Any other error, or the last NOT_FOUND, is raised."""
     deadline = trio.current_time() + wait
     try:
-        return route_from_reply(expect(await ask_route(), RouteReply, what))
+        return expect(await ask_route(), RouteReply, what)
     except ProtocolError as exc:
         if exc.code is not ErrorCode.NOT_FOUND or wait < COVERAGE_POLL:
             raise
@@ -176,7 +203,7 @@ async def route_when_covered(ask_route: Callable[[], Awaitable[Message]], what: 
         for _ in range(int(wait / COVERAGE_POLL)):
             await trio.sleep(COVERAGE_POLL)
             try:
-                return route_from_reply(expect(await ask_route(), RouteReply, what))
+                return expect(await ask_route(), RouteReply, what)
             except ProtocolError as exc:
                 if exc.code is not ErrorCode.NOT_FOUND or trio.current_time() + COVERAGE_POLL > deadline:
                     raise
@@ -185,11 +212,14 @@ async def route_when_covered(ask_route: Callable[[], Awaitable[Message]], what: 
 
 
 def build_request(args: argparse.Namespace) -> AskRequest:
+    """The ask's request: the prompt as plain text with --raw, else a chat the asker renders with the
+    model's own template, as the HTTP API renders a chat completion of the same messages."""
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
     if args.raw:
         return AskRequest(text=args.prompt, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop or [],
                           wire_dtype=args.wire_dtype, speculate=args.speculate, fast=not args.no_fast)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
-    return AskRequest(messages=messages, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop or [],
-                      wire_dtype=args.wire_dtype, speculate=args.speculate, fast=not args.no_fast)
+    return AskRequest(chat=ChatRequest(messages=messages), sampling=sampling, max_tokens=args.max_tokens,
+                      stop=args.stop or [], wire_dtype=args.wire_dtype, speculate=args.speculate,
+                      fast=not args.no_fast)

@@ -24,12 +24,12 @@ def figures_line(result: AskResult) -> str:
         f"routed around, {result.failover_seconds:.1f} s lost)"
     # output verification: what no replica checked (a lie there would go unseen); the ranges no
     # other member serves are said once, together (a mesh of single servers has every range so)
-    alone = [n.layers for n in result.unverified if (n.since, n.why) == (0, "no replica")]
+    alone = [n.layers for n in result.unverified if n.alone]
     if result.checked is False or (result.checked is None and result.route):
         failover += ", unverified (no spot checks)"
     if alone:
         failover += f", unchecked (no replica): layers {', '.join(alone)}"
-    failover += "".join(f", {note}" for note in result.unverified if (note.since, note.why) != (0, "no replica"))
+    failover += "".join(f", {note}" for note in result.unverified if not note.alone)
     if result.crossed_numerics_at:
         # another build or backend gives other last bits: the same answer is not promised across them
         failover += (f", continued on other numerics after {plural(result.crossed_numerics_at[0], 'token')} "

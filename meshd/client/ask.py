@@ -8,6 +8,7 @@ exactly where it stopped (meshd.client.failover).
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,27 +113,48 @@ class AskRequest:
     count_only: bool = False
 
 
+class Gap(enum.Enum):
+    """Why a range of an answer went unchecked."""
+
+    # no other member serves the range: nothing could check it
+    NO_REPLICA = "no replica"
+    # its checks ended before the answer did (every replica failed, one disagreed and was settled against)
+    CHECKS_ENDED = "checks ended"
+    # the epoch ended before its check did (the route failed, or the check did not end in time)
+    CUT_SHORT = "cut short"
+
+
 @dataclass(frozen=True)
 class Unchecked:
     """A range of a route whose steps no replica matched to the end of the answer: a lie there would
-    go unseen. ``since`` is the first position left unchecked; ``why`` says why, in words."""
+    go unseen. ``since`` is the first position left unchecked; ``kind`` says why, ``detail`` in words."""
 
     layer_begin: int
     layer_end: int
     node_id: str
     since: int
-    why: str
+    kind: Gap
+    detail: str = ""
 
     @property
     def layers(self) -> str:
         return f"[{self.layer_begin}, {self.layer_end})"
+
+    @property
+    def alone(self) -> bool:
+        """The range had no replica from the answer's start: a mesh of single servers has every range so."""
+        return self.kind is Gap.NO_REPLICA and self.since == 0
+
+    @property
+    def why(self) -> str:
+        return self.detail or self.kind.value
 
     def __str__(self) -> str:
         return f"layers {self.layers} of node {self.node_id[:16]} unchecked from position {self.since} ({self.why})"
 
     def as_json(self) -> dict[str, object]:
         return {"layers": [self.layer_begin, self.layer_end], "node": self.node_id, "since": self.since,
-                "why": self.why}
+                "kind": self.kind.name.lower(), "why": self.why}
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""One asker for every front: `meshd ask` and the HTTP front door ask through it.
+"""One asker for every front: `meshd ask` and the HTTP front door ask through it (``member_asker``).
 
-It puts together what an ask needs beyond one session: routes with failover, output
-verification (a ``Verifier`` whose replicas come from routes around each stage), the proofs
-of lies it caught handed on, and the operator's policy on answers that could not be checked
-(``require_verified``): such an answer is generated again on a route around the ranges no
-replica checked, and refused if no route is left whose every range was checked.
+It puts together what an ask needs beyond one session: routes from a member (and, once that member
+cannot be reached, from the members its routes named) with failover, output verification (a
+``Verifier`` whose replicas come from routes around each stage), the proofs of lies it caught and
+the work the stages served handed to the member, and the operator's policy on answers that could
+not be checked (``require_verified``): such an answer is generated again on a route around the
+ranges no replica checked, and refused if no route is left whose every range was checked. What
+differs between the fronts is only how they reach their member (``Member``).
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, deliver
 from meshd.client.failover import ask_with_failover
-from meshd.client.route import RouteFinder
+from meshd.client.route import RouteFinder, RouteSources, Stage, route_from_reply
 from meshd.client.served import Served
 from meshd.client.traffic import traffic_report
 from meshd.client.verifier import Verifier
 from meshd.client.verify import DEFAULT_VERIFY, CheckPlan
+from meshd.net import rpc
 from meshd.net.peers import Peers
-from wire.errors import ProtocolError
-from wire.meshrpc import TrafficReport
+from wire.credit import Voucher
+from wire.errors import ErrorCode, ProtocolError
+from wire.meshrpc import MESH_PROTOCOL, RouteReply, RouteRequest, TrafficReport
 from wire.receipt import Proof
 
 log = logging.getLogger(__name__)
@@ -69,12 +74,16 @@ class Asker:
     report_work: Callable[[list[Served]], Awaitable[None]] | None = None
     # hands what the ask saw of its route's speed to that member, for the tracker (meshd.client.traffic)
     report_traffic: Callable[[TrafficReport], Awaitable[None]] | None = None
+    # the member's voucher for the asker's identity, on whose credit the stages rank the ask (None: a newcomer's)
+    payer: Callable[[str], Awaitable[Voucher | None]] | None = None
 
     async def ask(self, request: AskRequest, on_token: OnToken | None = None,
                   result: AskResult | None = None) -> AskResult:
         """The answer, verified as the policy asks; with ``require_verified`` its tokens reach
         ``on_token`` only once the answer is checked (an unchecked one is never shown)."""
         result = AskResult() if result is None else result
+        if self.payer is not None:
+            request.payer = await self.payer(self.peers.identity.node_id)
         if request.count_only:
             # the head's count of the prompt: nothing is generated, so there is nothing to check
             return await ask_with_failover(self.peers, self.find_route, request, stall_timeout=self.stall_timeout,
@@ -118,3 +127,86 @@ class Asker:
         if self.report_traffic is not None and (seen := traffic_report(result)) is not None:
             await self.report_traffic(seen)
         return result
+
+
+class Member(Protocol):
+    """The member an asker works through: it plans the routes, takes the proofs of the lies the asker
+    caught, countersigns what the stages served and vouches for the asker's identity."""
+
+    @property
+    def remote(self) -> bool:
+        """Reached over a link that may go down: then the members its routes named are asked for routes."""
+        ...
+
+    async def route(self, model: str | None, excluded: list[str]) -> RouteReply:
+        """The tracker's plan for ``model`` around ``excluded``; NOT_FOUND where the mesh does not cover it."""
+        ...
+
+    async def take_proof(self, proof: Proof) -> None:
+        """Hands on a proof that a stage lied; a ProtocolError where it is refused or cannot be."""
+        ...
+
+    async def countersign(self, served: list[Served]) -> None:
+        """Countersigns what the stages served this ask; a ProtocolError where it cannot."""
+        ...
+
+    async def voucher(self, opener: str) -> Voucher | None:
+        """The member's voucher for ``opener`` (the asker's identity), if it gives one."""
+        ...
+
+    async def report_traffic(self, report: TrafficReport) -> None:
+        """Hands on what an ask saw of its route's speed, for the tracker (a figure lost is nobody's failure)."""
+        ...
+
+
+def member_routes(peers: Peers, member: Member, model: str | None, timeout: float) -> tuple[RouteFinder, RouteFinder]:
+    """The route finder of an answer and the one its replicas come from, both through ``member``.
+
+    The answer's finder survives a remote member that cannot be reached (``RouteSources``), and says
+    that a route missing mid-failover is no gap in coverage: the stages that failed the answer were
+    what was left of their ranges. The replicas' finder asks the member alone (a replica is optional)."""
+
+    async def planned(excluded: list[str]) -> list[Stage]:
+        # the tracker's plan, not the member's own records: a member's self-report cannot win the route
+        return route_from_reply(await member.route(model, excluded))
+
+    async def ask_member(stage: Stage, excluded: list[str]) -> list[Stage]:
+        return route_from_reply(await rpc.call(peers, stage.address, MESH_PROTOCOL,
+                                               RouteRequest(model=model, exclude=excluded), RouteReply,
+                                               node_id=stage.node_id, timeout=timeout))
+
+    source: RouteFinder = RouteSources(planned, ask_member) if member.remote else planned
+
+    async def find_route(excluded: list[str]) -> list[Stage]:
+        try:
+            return await source(excluded)
+        except ProtocolError as exc:
+            if not excluded or exc.code is not ErrorCode.NOT_FOUND:
+                raise
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"no route is left around the {len(excluded)} "
+                                                       f"stage(s) that failed this answer: {exc.message}") from None
+
+    return find_route, planned
+
+
+def member_asker(peers: Peers, member: Member, model: str | None, *, verify_every: int = DEFAULT_VERIFY,
+                 require_verified: bool = False, stall_timeout: float = 30.0) -> Asker:
+    """The asker of ``model`` through ``member``, on whose credit it asks and to whom it hands what it found."""
+    find_route, other_route = member_routes(peers, member, model, stall_timeout)
+
+    async def report_proof(proof: Proof) -> None:
+        # the member checks the proof, keeps its culprit out of routes and placements and passes it on
+        try:
+            await member.take_proof(proof)
+        except ProtocolError as exc:
+            log.warning("a proof that node %s lied was not taken: %s", proof.culprit.node_id[:16], exc)
+
+    async def report_work(served: list[Served]) -> None:
+        try:
+            await member.countersign(served)
+        except ProtocolError as exc:
+            log.warning("the stages' work was not countersigned: %s", exc)
+
+    return Asker(peers, find_route, other_route, report_proof, verify_every=verify_every,
+                 require_verified=require_verified, stall_timeout=stall_timeout, report_work=report_work,
+                 payer=member.voucher, report_traffic=member.report_traffic)

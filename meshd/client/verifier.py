@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 
 import trio
 
-from meshd.client.ask import AskResult, CacheDoubted, OnToken, RouteError, StageError, Unchecked, hand_over
+from meshd.client.ask import AskResult, CacheDoubted, Gap, OnToken, RouteError, StageError, Unchecked, hand_over
 from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
 from meshd.client.chain_check import ChainCheck
 from meshd.client.route import RouteFinder, Stage
@@ -237,8 +237,11 @@ class Verifier:
             check = checks.get(index)
             until = (0 if check is None else check.checked_until) if self.plan.every > 0 else audit.next_pos
             if until < end:
-                note = Unchecked(info.layer_begin, info.layer_end, audit.node_ids[index], until,
-                                 "no replica" if check is None else check.stopped or cut_short)
+                if check is None:
+                    kind, detail = Gap.NO_REPLICA, ""
+                else:
+                    kind, detail = (Gap.CHECKS_ENDED, check.stopped) if check.stopped else (Gap.CUT_SHORT, cut_short)
+                note = Unchecked(info.layer_begin, info.layer_end, audit.node_ids[index], until, kind, detail)
                 log.info("spot checks: %s", note)
                 audit.result.note_unchecked(note)
 

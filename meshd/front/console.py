@@ -113,7 +113,7 @@ class DaemonSource:
         return self.daemon.mesh.membership.members()
 
     async def route(self, model: str) -> RouteReply:
-        # the tracker's plan, as the front door's asks get it (DaemonMesh.find_route), not this node's records
+        # the tracker's plan, as the front door's asks get it (meshd.front.mesh.DaemonMember.route), not this node's records
         return await self.daemon.planned_route(model)
 
     async def stage_metrics(self, node_id: str) -> dict[str, float]:

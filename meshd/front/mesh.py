@@ -1,24 +1,20 @@
 """The mesh as the front door of a `meshd join` daemon sees it: the daemon's view and routes,
-and asks from a peer identity of the front door's own (as `meshd ask` makes them)."""
+and asks from a peer identity of the front door's own (as `meshd ask` makes them), through the
+one asker (meshd.client.asker) with the daemon as its member."""
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 from meshd.client.ask import AskRequest, AskResult, OnToken
-from meshd.client.asker import Asker
-from meshd.client.route import Stage, route_from_reply
+from meshd.client.asker import member_asker
 from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.front.door import KEY_USED
 from meshd.net.peers import Peers
 from wire.credit import Voucher
-from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, StatusReply, TrafficReport, TrafficTaken
 from wire.receipt import Proof, ProofAccepted
-
-log = logging.getLogger(__name__)
 
 # Seconds a stage may stay silent before the asker gives up on it and fails over, as `meshd ask`'s default.
 STALL_TIMEOUT = 30.0
@@ -42,6 +38,39 @@ class Daemon(Protocol):
     def report_traffic(self, report: TrafficReport) -> TrafficTaken: ...
 
 
+class DaemonMember:
+    """The daemon as the asker's member (meshd.client.asker.Member): in this process, never out of reach.
+    ``key`` is the API key an ask came with, of the front door's ``keys``: its asks rank with its share
+    of the member's priority, and their work counts against it."""
+
+    remote = False
+
+    def __init__(self, daemon: Daemon, key: str = "", keys: int = 0) -> None:
+        self.daemon = daemon
+        self.key = key
+        self.keys = keys
+
+    async def route(self, model: str | None, excluded: list[str]) -> RouteReply:
+        return await self.daemon.planned_route(model, excluded)
+
+    async def take_proof(self, proof: Proof) -> None:
+        self.daemon.take_proof(proof)
+
+    async def countersign(self, served: list[Served]) -> None:
+        # the front door's asks are its member's: the member countersigns what each stage served, and
+        # counts it against the key that asked
+        self.daemon.countersign(served, self.key)
+
+    async def voucher(self, opener: str) -> Voucher:
+        # the stages rank the front door's asks by its member's credit (it dials from an identity of its own),
+        # each API key's by its share of it
+        return self.daemon.voucher(opener, self.key, self.keys)
+
+    async def report_traffic(self, report: TrafficReport) -> None:
+        # what the front door's asks saw of their routes: its member's report to the tracker
+        self.daemon.report_traffic(report)
+
+
 class DaemonMesh:
     def __init__(self, daemon: Daemon, peers: Peers, stall_timeout: float = STALL_TIMEOUT,
                  require_verified: bool = False, verify_every: int = DEFAULT_VERIFY, keys: int = 0) -> None:
@@ -58,46 +87,9 @@ class DaemonMesh:
     def status(self) -> StatusReply:
         return self.daemon.status()
 
-    async def find_route(self, model: str, excluded: list[str]) -> list[Stage]:
-        # the tracker's plan, not this node's records: a member's self-report cannot win the route
-        try:
-            return route_from_reply(await self.daemon.planned_route(model, excluded))
-        except ProtocolError as exc:
-            if not excluded or exc.code is not ErrorCode.NOT_FOUND:
-                raise
-            # the model is covered: the stages that failed this answer are what is missing, not coverage
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"no route is left around the {len(excluded)} "
-                                                       f"stage(s) that failed this answer: {exc.message}") from None
-
     async def ask(self, model: str, request: AskRequest, on_token: OnToken | None, result: AskResult) -> AskResult:
-        async def find_route(excluded: list[str]) -> list[Stage]:
-            return await self.find_route(model, excluded)
-
-        async def other_route(excluded: list[str]) -> list[Stage]:
-            return route_from_reply(await self.daemon.planned_route(model, excluded))
-
-        async def report_proof(proof: Proof) -> None:
-            try:
-                self.daemon.take_proof(proof)
-            except ProtocolError as exc:
-                log.warning("the daemon did not take a proof: %s", exc)
-
-        key = KEY_USED.get()
-
-        async def report_work(served: list[Served]) -> None:
-            # the front door's asks are its member's: the member countersigns what each stage served, and
-            # counts it against the key that asked
-            self.daemon.countersign(served, key)
-
-        async def report_traffic(report: TrafficReport) -> None:
-            # what the front door's asks saw of their routes: its member's report to the tracker
-            self.daemon.report_traffic(report)
-
-        # the stages rank the front door's asks by its member's credit (it dials from an identity of its own),
-        # each API key's by its share of it
-        request.payer = self.daemon.voucher(self.peers.identity.node_id, key, self.keys)
         # verified at the default rate (not while speculating with a draft model: meshd.client.asker)
-        asker = Asker(self.peers, find_route, other_route, report_proof, require_verified=self.require_verified,
-                      verify_every=self.verify_every,
-                      stall_timeout=self.stall_timeout, report_work=report_work, report_traffic=report_traffic)
+        member = DaemonMember(self.daemon, KEY_USED.get(), self.keys)
+        asker = member_asker(self.peers, member, model, verify_every=self.verify_every,
+                             require_verified=self.require_verified, stall_timeout=self.stall_timeout)
         return await asker.ask(request, on_token, result)
