@@ -89,6 +89,28 @@ def greedy_reference(model: Path, prompts: list[str], new_tokens: int) -> dict[s
         chain.close()
 
 
+def greedy_chat_reference(model: Path, prompts: list[str], new_tokens: int) -> dict[str, list[int]]:
+    """Greedy answers of the whole model in one process to each prompt as one user message, rendered on
+    the model's own chat template as the asker renders it (meshd.client.chat): what `meshd ask` and a
+    chat completion of the same message must give."""
+    from meshd.client.chat import ChatRequest, own_or_chatml
+    from meshd.engine import chat as native_chat
+    from meshd.engine.chain import LocalChain
+    from wire.stage import ChatTemplate
+
+    chain = LocalChain(model, None, n_ctx=1024, n_threads=1)
+    try:
+        template = own_or_chatml(ChatTemplate(**chain.head.chat_info()))
+        out = {}
+        for p in prompts:
+            text = native_chat.render(ChatRequest(messages=[{"role": "user", "content": p}]).as_request(template))
+            prompt = chain.head.tokenize(text["prompt"], add_special=True, parse_special=True)
+            out[p] = [t for t in chain.generate(prompt, new_tokens) if not chain.head.is_eog(t)]
+        return out
+    finally:
+        chain.close()
+
+
 @pytest.fixture
 async def peers() -> AsyncIterator[Peers]:
     """A peer identity of the test's own, for asking members over the mesh."""

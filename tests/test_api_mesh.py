@@ -17,14 +17,14 @@ import trio
 from localmesh import Served, run_meshd, start_join, stop_all
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.client.chat import ChatRequest, render
-from meshd.engine.chain import LocalChain
+from meshd.engine import Model
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, open_peers
 from meshd.net.rpc import mesh_rpc
+from tests.conftest import greedy_chat_reference
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest
-from wire.stage import STAGE_PROTOCOL, ChatTemplate, Metrics, MetricsRequest
+from wire.stage import STAGE_PROTOCOL, Metrics, MetricsRequest
 
 pytestmark = pytest.mark.slow  # four daemons, three engine workers
 
@@ -135,23 +135,17 @@ ASKS = {
 }
 
 
-async def whole_model_answer(model: Path, prompt: str) -> str:
+def whole_model_answer(model: Path, prompt: str) -> str:
     """The greedy answer of the whole model in this process, to the prompt rendered with the model's own
     chat template as the front door renders it (meshd.client.chat)."""
-    chain = LocalChain(model, None, n_ctx=1024, n_threads=1)
-    try:
-        rendered = await render(ChatRequest(messages=[{"role": "user", "content": prompt}]),
-                                ChatTemplate(**chain.head.chat_info()))
-        ids = chain.head.tokenize(rendered.prompt, add_special=True, parse_special=True)
-        tokens = [t for t in chain.generate(ids, NEW_TOKENS) if not chain.head.is_eog(t)]
-        return b"".join(chain.head.token_piece(t) for t in tokens).decode()
-    finally:
-        chain.close()
+    tokens = greedy_chat_reference(model, [prompt], NEW_TOKENS)[prompt]
+    with Model(model) as m:
+        return b"".join(m.token_piece(t) for t in tokens).decode()
 
 
 async def test_greedy_answer_equals_the_whole_model_in_each_dialect_streamed_and_not(mesh: Mesh,
                                                                                     default_model: Path) -> None:
-    expected = await whole_model_answer(default_model, PROMPT)
+    expected = whole_model_answer(default_model, PROMPT)
     assert expected  # the model says something
     assert {how: await ask(mesh, PROMPT) for how, ask in ASKS.items()} == dict.fromkeys(ASKS, expected)
 
@@ -206,6 +200,21 @@ async def test_completion_logprobs_come_from_the_tail_streamed_and_not(mesh: Mes
     streamed = [c.choices[0].logprobs async for c in await oai(mesh).completions.create(**args, stream=True)]
     assert [t for lp in streamed if lp is not None for t in lp.tokens or []] == logprobs.tokens
     assert [v for lp in streamed if lp is not None for v in lp.token_logprobs or []] == logprobs.token_logprobs
+
+
+async def test_meshd_ask_equals_a_chat_completion_of_the_same_messages(mesh: Mesh) -> None:
+    """`meshd ask` renders its chat on the model's own template, as a chat completion is rendered: the same
+    prompt, so the same greedy answer (with a system message too)."""
+    for prompt in (PROMPT, "Which city is the capital of France?"):
+        expected = await openai_chat(mesh, prompt, stream=False)
+        assert expected  # the model says something
+        assert await meshd_ask(mesh, prompt) == expected
+    system = "You answer in French."
+    reply = await oai(mesh).chat.completions.create(
+        model="", messages=[{"role": "system", "content": system}, {"role": "user", "content": PROMPT}],
+        temperature=0, max_tokens=NEW_TOKENS)
+    assert reply.choices[0].message.content
+    assert await meshd_ask(mesh, PROMPT, "--system", system) == reply.choices[0].message.content
 
 
 async def test_eight_concurrent_requests_each_equal_their_solo_run(mesh: Mesh) -> None:

@@ -29,11 +29,12 @@ from parity import assert_same_logits
 from test_engine_arch_parity import N_CTX, NEW_TOKENS, PROMPT_LENGTHS, Run, chain_runs
 
 from meshd.client.ask import AskRequest, AskResult
+from meshd.client.chat import ChatRequest
 from meshd.client.route import route_at
 from meshd.client.session import run_session
 from meshd.engine import Context, InvalidInput, Model
 from meshd.net.peers import open_peers
-from tests.conftest import greedy_reference
+from tests.conftest import greedy_chat_reference
 from wire.errors import ErrorCode
 from wire.identity import NodeIdentity
 
@@ -152,7 +153,7 @@ ASK_DEADLINE = 120
 
 @pytest.mark.slow  # three daemons and their workers
 async def test_three_serve_processes_answer_token_for_token_like_the_whole_model(dsv4_model: Path) -> None:
-    want = greedy_reference(dsv4_model, [PIPELINE_PROMPT], PIPELINE_TOKENS)[PIPELINE_PROMPT]
+    want = greedy_chat_reference(dsv4_model, [PIPELINE_PROMPT], PIPELINE_TOKENS)[PIPELINE_PROMPT]
     with Model(dsv4_model) as m:
         want_text = m.detokenize(want)
     stages: list[Served] = []
@@ -165,7 +166,8 @@ async def test_three_serve_processes_answer_token_for_token_like_the_whole_model
         asked = await trio.to_thread.run_sync(lambda: run_meshd(
             "ask", "--route", ",".join(route), "--max-tokens", str(PIPELINE_TOKENS), PIPELINE_PROMPT,
             timeout=ASK_DEADLINE))
-        request = AskRequest(messages=[{"role": "user", "content": PIPELINE_PROMPT}], max_tokens=PIPELINE_TOKENS)
+        request = AskRequest(chat=ChatRequest(messages=[{"role": "user", "content": PIPELINE_PROMPT}]),
+                             max_tokens=PIPELINE_TOKENS)
         async with open_peers(NodeIdentity.generate()) as peers:
             with trio.fail_after(ASK_DEADLINE):
                 result = await run_session(peers, route_at(route), request, AskResult())

@@ -33,12 +33,13 @@ from parity import assert_same_logits
 from test_engine_arch_parity import NEW_TOKENS, PROMPT_LENGTHS, Run, chain_runs
 
 from meshd.client.ask import AskRequest, AskResult
+from meshd.client.chat import ChatRequest
 from meshd.client.route import route_at
 from meshd.client.session import run_session
 from meshd.engine import Model, Sampler, UnsupportedModel
 from meshd.engine.chain import LocalChain
 from meshd.net.peers import open_peers
-from tests.conftest import greedy_reference
+from tests.conftest import greedy_chat_reference
 from wire.identity import NodeIdentity
 
 Chain = list[tuple[int, int]]
@@ -165,7 +166,7 @@ async def test_three_serve_processes_answer_token_for_token_like_the_whole_model
     model_name: str, moe_models: dict[str, Path],
 ) -> None:
     path = moe_models[model_name]
-    want = greedy_reference(path, [PIPELINE_PROMPT], PIPELINE_TOKENS)[PIPELINE_PROMPT]
+    want = greedy_chat_reference(path, [PIPELINE_PROMPT], PIPELINE_TOKENS)[PIPELINE_PROMPT]
     with Model(path) as m:
         want_text = m.detokenize(want)
     stages: list[Served] = []
@@ -179,7 +180,8 @@ async def test_three_serve_processes_answer_token_for_token_like_the_whole_model
             "ask", "--route", ",".join(route), "--max-tokens", str(PIPELINE_TOKENS), PIPELINE_PROMPT,
             timeout=ASK_DEADLINE))
         # the same pipeline token by token: random weights make much of the text U+FFFD, tokens they do not
-        request = AskRequest(messages=[{"role": "user", "content": PIPELINE_PROMPT}], max_tokens=PIPELINE_TOKENS)
+        request = AskRequest(chat=ChatRequest(messages=[{"role": "user", "content": PIPELINE_PROMPT}]),
+                             max_tokens=PIPELINE_TOKENS)
         async with open_peers(NodeIdentity.generate()) as peers:
             with trio.fail_after(ASK_DEADLINE):
                 result = await run_session(peers, route_at(route), request, AskResult())

@@ -289,10 +289,10 @@ def test_a_seed_and_two_volunteers_serve_the_tiny_glm_dsa_cut_where_it_may_be_li
     from localmesh import Served, run_meshd, start_join, stop_all
 
     from meshd.engine import Model
-    from tests.conftest import greedy_reference
+    from tests.conftest import greedy_chat_reference
 
     path = dsa_files["glm-dsa"]
-    want = greedy_reference(path, [PROMPT], NEW_TOKENS)[PROMPT]
+    want = greedy_chat_reference(path, [PROMPT], NEW_TOKENS)[PROMPT]
     with Model(path) as m:
         want_text = m.detokenize(want)
     nodes: list[Served] = []

@@ -66,19 +66,16 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Brid
 
 @pytest.fixture(scope="module")
 def expected(model: Path) -> str:
-    """The whole model's greedy answer as `meshd ask` prints it (its pieces decoded as they come)."""
-    from meshd.engine.chain import LocalChain
+    """The whole model's greedy answer as `meshd ask` prints it (its pieces decoded as they come), to the
+    chat rendered on the model's own template."""
+    from meshd.engine import Model
+    from tests.conftest import greedy_chat_reference
 
-    chain = LocalChain(model, None, n_ctx=1024, n_threads=1)
-    try:
-        head = chain.head
-        prompt = head.tokenize(head.apply_chat([{"role": "user", "content": PROMPT}]), add_special=False)
-        tokens = [t for t in chain.generate(prompt, TOKENS) if not head.is_eog(t)]
-        assert len(tokens) == TOKENS, "the reference answer ends early: the partition would come after it"
+    tokens = greedy_chat_reference(model, [PROMPT], TOKENS)[PROMPT]
+    assert len(tokens) == TOKENS, "the reference answer ends early: the partition would come after it"
+    with Model(model) as m:
         # the tail sends each token's piece; `meshd ask` decodes them as they come, bad bytes replaced
-        return b"".join(head.token_piece(t) for t in tokens).decode(errors="replace")
-    finally:
-        chain.close()
+        return b"".join(m.token_piece(t) for t in tokens).decode(errors="replace")
 
 
 def served_twice(mesh: Bridge) -> bool:

@@ -17,11 +17,12 @@ import trio
 from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
 
 from meshd.client.ask import AskRequest
+from meshd.client.chat import ChatRequest
 from meshd.client.failover import ask_with_failover
 from meshd.client.route import Stage, route_from_reply
 from meshd.net.peers import Peers
 from meshd.net.rpc import mesh_rpc
-from tests.conftest import greedy_reference
+from tests.conftest import greedy_chat_reference, greedy_reference
 from wire.meshrpc import RouteReply, RouteRequest, StatusReply
 
 pytestmark = pytest.mark.slow  # six daemons and their workers
@@ -76,14 +77,15 @@ def finder(peers: Peers, via: Served):
 
 
 async def test_five_volunteers_converge_on_one_tracker_and_answer_like_the_whole_model(
-        mesh: list[Served], peers: Peers, expected: list[int]) -> None:
+        mesh: list[Served], peers: Peers, default_model: Path) -> None:
     t0 = time.perf_counter()
     views = await wait_converged(peers, mesh)
     print(f"converged in {time.perf_counter() - t0:.1f} s; tracker {views[0].tracker[:12]}; "
           f"stages {views[0].coverage[0].assigned}")
+    # a chat rendered on the model's own template, as `meshd ask` and the HTTP API render it
     result = await ask_with_failover(peers, finder(peers, mesh[0]), AskRequest(
-        messages=[{"role": "user", "content": PROMPT}], max_tokens=128))
-    assert result.tokens == expected
+        chat=ChatRequest(messages=[{"role": "user", "content": PROMPT}]), max_tokens=128))
+    assert result.tokens == greedy_chat_reference(default_model, [PROMPT], 128)[PROMPT]
     shown = run_meshd("status", "--seed", mesh[2].address)
     assert shown.returncode == 0, shown.stderr
     assert "30/30 layers covered" in shown.stdout and "tracker" in shown.stdout

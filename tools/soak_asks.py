@@ -35,16 +35,23 @@ def meshd_command(words: list[str]) -> list[str]:
 # -- the whole model's answers ------------------------------------------------------------------------
 
 def reference_answers(model: Path, max_tokens: int, seeds: list[int]) -> dict[tuple[str, int | None], str]:
-    """(prompt, sampling seed or None for greedy) -> the whole model's answer as `meshd ask` prints it."""
+    """(prompt, sampling seed or None for greedy) -> the whole model's answer as `meshd ask` prints it, to
+    the prompt as one user message on the model's own chat template, as `meshd ask` and the API render it."""
+    from meshd.client.chat import ChatRequest, own_or_chatml
+    from meshd.engine import chat as native_chat
     from meshd.engine.chain import LocalChain
     from meshd.engine.engine import SamplingParams
+    from wire.stage import ChatTemplate
 
     chain = LocalChain(model, None, n_ctx=1024, n_threads=1)
     out: dict[tuple[str, int | None], str] = {}
     try:
         head = chain.head
+        template = own_or_chatml(ChatTemplate(**head.chat_info()))
         for prompt in PROMPTS:
-            tokens = head.tokenize(head.apply_chat([{"role": "user", "content": prompt}]), add_special=False)
+            chat = ChatRequest(messages=[{"role": "user", "content": prompt}])
+            text = native_chat.render(chat.as_request(template))["prompt"]
+            tokens = head.tokenize(text, add_special=True, parse_special=True)
             for seed in [None, *seeds]:
                 params = SamplingParams() if seed is None else SamplingParams(temperature=SAMPLED, seed=seed)
                 new = [t for t in chain.generate(tokens, max_tokens, params) if not head.is_eog(t)]
@@ -83,7 +90,6 @@ class Asker:
         self.say = say
         self.seeded_first: dict[tuple[str, str, int], str] = {}
         self.seeded_differ: list[dict[str, Any]] = []
-        self.http_references: dict[str, str] = {}  # prompt -> the calm mesh's greedy answer through the API
         self.seeded_whole = {True: 0, False: 0}  # seeded answers equal to the whole model's with that seed, or not
 
     def judge(self, out: Outcome, text: str, want: str | None, complete: bool, seed: int | None,
@@ -179,9 +185,9 @@ class Asker:
         finally:
             client.close()
 
-    async def http_ask(self, mode: str, reference: str | None = None) -> Outcome:
-        """With ``reference`` (a prompt), a greedy ask of the calm mesh whose answer is the API's reference."""
-        prompt = reference or self.rng.choice(PROMPTS)
+    async def http_ask(self, mode: str, prompt: str | None = None) -> Outcome:
+        """An ask through the API of ``prompt`` (default: one at random), judged as `meshd ask`'s are."""
+        prompt = prompt or self.rng.choice(PROMPTS)
         seed = self.rng.choice(self.seeds) if mode == "seeded" else None
         out = Outcome(self.now(), "http", mode, prompt, 0.0, "done")
         began = time.monotonic()
@@ -202,12 +208,8 @@ class Asker:
         text, complete = result
         if not complete:
             out.status = "cancelled"
-        if reference:
-            self.http_references[prompt] = text
-            return out
-        # the API renders a chat with the model's own template, `meshd ask` (and the in-process reference) with
-        # llama.cpp's built-in one: a greedy answer is held to the calm mesh's API answer, a seeded one to
-        # the first of its kind
-        want = self.http_references.get(prompt) if seed is None else None
+        # the API renders the chat as `meshd ask` does (the model's own template): a greedy answer is held to
+        # the whole model's, a seeded one to the first of its kind (the API's sampler defaults are its own)
+        want = self.references[(prompt, None)] if seed is None else None
         self.judge(out, text, want, complete, seed, "http")
         return out

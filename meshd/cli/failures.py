@@ -55,7 +55,7 @@ def report_failure(command: str, exc: BaseException) -> int:
     elif isinstance(exc, ProtocolError):
         message = f"{exc.code.value}: {exc.message}"
         if command == "ask" and "chat template" in exc.message:
-            # a base model has no chat template (or one llama.cpp cannot apply): its prompts go in as text
+            # a chat template llama.cpp's renderer cannot apply: a prompt still goes in as plain text
             message += "; ask with --raw to send the prompt as plain text"
     elif isinstance(exc, trio.TooSlowError):
         message = "timed out waiting for a stage"

@@ -67,12 +67,18 @@ class Rendered:
     parallel: bool = False
 
 
+def own_or_chatml(template: ChatTemplate | None) -> ChatTemplate:
+    """The file's own template, or llama.cpp's own fallback, chatml, where the file has none."""
+    if template is None:
+        return ChatTemplate(template="chatml")
+    if not (template.template or template.tool_use_template):
+        return template.model_copy(update={"template": "chatml"})
+    return template
+
+
 async def render(chat: ChatRequest, template: ChatTemplate | None) -> Rendered:
     """``chat`` rendered with the head's template (in a thread: a long template takes milliseconds)."""
-    if template is None or not (template.template or template.tool_use_template):
-        # llama.cpp's own fallback, chatml, where the file names no template
-        template = ChatTemplate(template="chatml") if template is None else template.model_copy(
-            update={"template": "chatml"})
+    template = own_or_chatml(template)
     try:
         # the template came from a peer (the head): one that loops is given up on, not waited for
         with trio.fail_after(RENDER_SECONDS):
