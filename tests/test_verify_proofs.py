@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from meshd.cli.figures import figures_line
-from meshd.client.ask import AskResult, StageError, first_error
+from meshd.client.ask import AskResult, Gap, StageError, first_error
 from meshd.client.audit import Audit, StageLied, blamed
 from meshd.client.route import Stage
 from meshd.client.session import _watch_for_errors
@@ -460,7 +460,8 @@ async def test_what_no_replica_checked_is_said_in_the_result_and_the_figures_lin
     line = figures_line(result)
     assert ", unchecked (no replica): layers [2, 4), layers [0, 2) of node" in line
     assert line.count("(no replica)") == 1 and line.endswith("(its check did not end within 1 s), stopped by max_tokens]")
-    result.unverified[1] = replace(result.unverified[1], since=3, why="its check did not end within 1 s")
+    result.unverified[1] = replace(result.unverified[1], since=3, kind=Gap.CUT_SHORT,
+                                    detail="its check did not end within 1 s")
     assert "(no replica)" not in figures_line(result)
     # a failover's next route that shares a range and node says it once, from where it was first unchecked
     for note in list(result.unverified):
