@@ -245,13 +245,13 @@ async def test_a_non_retryable_error_is_not_failed_over(
     assert fake.probes == 0
 
 
-async def test_a_stage_busy_for_a_moment_is_waited_for_once_then_routed_around(
+async def test_a_stage_busy_for_a_moment_is_waited_for_a_few_times_then_routed_around(
         monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock) -> None:
     fake = FakeMesh(monkeypatch, dead=set())
     honest = fake.run_session
-    # b0 refuses two sessions as busy (its one slot taken by the tracker's probe, say), the second of them
-    # after the asker waited: the first costs a wait on the same route, the second routes around it
-    busy = {"b0": 2}
+    # b0 refuses sessions as busy (its one slot taken by the tracker's probe, say) once more than the asker
+    # waits for it: each refusal but the last costs a wait on the same route, the last routes around it
+    busy = {"b0": failover.BUSY_TRIES + 1}
 
     async def session(peers: object, route: Sequence[Stage], *args: object) -> AskResult:
         for i, stage in enumerate(route):
@@ -265,10 +265,10 @@ async def test_a_stage_busy_for_a_moment_is_waited_for_once_then_routed_around(
     monkeypatch.setattr(failover, "run_session", session)
     t0 = trio.current_time()
     result = await ask_with_failover(None, fake_tracker([]), AskRequest())  # type: ignore[arg-type]
-    assert fake.routes == [["a0", "b0", "c0"], ["a0", "b0", "c0"], ["a0", "b1", "c0"]]
+    assert fake.routes == [["a0", "b0", "c0"]] * (failover.BUSY_TRIES + 1) + [["a0", "b1", "c0"]]
     assert result.excluded == ["b0"] and len(result.tokens) == 4
-    # its word (60 s) is bounded by the asker's own
-    assert trio.current_time() - t0 < failover.BUSY_WAIT + 3
+    # its word (60 s) is bounded by the asker's own, doubling
+    assert trio.current_time() - t0 < failover.BUSY_WAIT * (2 ** failover.BUSY_TRIES - 1) + 3
 
 
 async def test_with_the_tracker_unreachable_the_route_is_asked_of_the_members_it_named(

@@ -4,6 +4,7 @@ are routed around and the session opens again at a higher epoch, within a failov
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Collection, Sequence
@@ -59,8 +60,9 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
     deadline: float | None = None
     # the live stages of the last route that stalled: a stage that stalls but answers probes is among them
     suspects: set[str] = set()
-    # stages that said they were busy for a moment, and were waited for once before being routed around
-    waited: set[str] = set()
+    # stages that said they were busy for a moment: how often each was waited for (up to BUSY_TRIES) before
+    # being routed around
+    waited: collections.Counter[str] = collections.Counter()
 
     def progressed() -> None:
         nonlocal last_progress, stalled_since
@@ -121,14 +123,15 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             if deadline is None:
                 deadline = last_progress + stall_timeout + budget_seconds
             busy = busy_for(exc, route)
-            if busy is not None and busy[0] not in waited and epoch < attempts - 1:
+            if busy is not None and waited[busy[0]] < BUSY_TRIES and epoch < attempts - 1 \
+                    and trio.current_time() < deadline:
                 # All its slots were taken for a moment (another asker's session, the tracker's probe of a
-                # stage it just placed): wait as it says, once, rather than route around it for good (with
-                # one slot a stage, that left "no route" where the stage was free a second later).
-                waited.add(busy[0])
-                log.info("epoch %d: stage %s is busy (%s); asking again in %.1f s", epoch, busy[0][:12],
-                         exc, busy[1])
-                await trio.sleep(busy[1])
+                # stage it just placed): wait as it says, doubling, a few times, rather than route around it
+                # for good (with one slot a stage, that left "no route" where the stage was free a second later).
+                wait = busy[1] * 2 ** waited[busy[0]]
+                waited[busy[0]] += 1
+                log.info("epoch %d: stage %s is busy (%s); asking again in %.1f s", epoch, busy[0][:12], exc, wait)
+                await trio.sleep(wait)
                 continue
             # a proven liar is routed around whatever its error says; any other error, if it may pass
             if isinstance(exc, StageError) and exc.culprit is None and not exc.retryable:
@@ -179,19 +182,32 @@ def _crossed(result: AskResult, before: frozenset[str], carried: int) -> None:
 
 
 def busy_for(exc: BaseException, route: Sequence[Stage]) -> tuple[str, float] | None:
-    """The node and how long (s, at most BUSY_WAIT) it asked to be left alone, where a stage of ``route``
-    refused the session as busy for a moment (OVERLOADED with a retry hint); else None."""
-    if not isinstance(exc, StageError) or exc.code is not ErrorCode.OVERLOADED or exc.retry_after_ms is None:
+    """The node and how long (s, at most BUSY_WAIT) to leave it alone, where a stage of ``route`` refused
+    the session as busy for a moment (OVERLOADED with a retry hint) or gave its slot to another
+    (CACHE_MISS: evicted, or its rows no longer held); else None."""
+    if not isinstance(exc, StageError) or exc.culprit is not None:
+        return None
+    if exc.code is ErrorCode.OVERLOADED and exc.retry_after_ms is not None:
+        wait = min(BUSY_WAIT, exc.retry_after_ms / 1000)
+    elif exc.code is ErrorCode.CACHE_MISS:
+        # the stage is alive and serving: with no replica of its range, routing around it left no
+        # route (the soak: an API ask evicted by a newcomer because its own spot check held a second slot)
+        wait = EVICTED_WAIT
+    else:
         return None
     if not 0 <= exc.index < len(route) or route[exc.index].node_id is None:
         return None
     node = route[exc.index].node_id
     assert node is not None
-    return node, min(BUSY_WAIT, exc.retry_after_ms / 1000)
+    return node, wait
 
 
-# The longest an asker waits on a busy stage's word before it asks again (a peer's number, bounded here).
+# The longest an asker waits on a busy stage's word before it asks again (a peer's number, bounded here),
+# and how many times it waits on one stage before it routes around it.
 BUSY_WAIT = 2.0
+BUSY_TRIES = 3
+# How long an asker whose session a stage evicted waits before it opens one there again.
+EVICTED_WAIT = 0.5
 
 
 async def _culprits(peers: Peers, route: Sequence[Stage], exc: BaseException,
