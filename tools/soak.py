@@ -15,7 +15,8 @@ stopped and continued, and volunteers joining (with their old identity or a new 
 
 Every greedy answer, and every prefix a cancelled greedy ask showed, is compared with the undisturbed one:
 `meshd ask`'s and the API's alike with the whole model's (generated once, here, in-process, on the model's
-own chat template, which both front ends render). One that differs is wrong. Every failed ask
+own chat template, which both front ends render), and every complete seeded answer with the whole model's
+with that seed and with the first of its kind. One that differs is wrong. Every failed ask
 is kept with the error its user saw, and counts as explained when that was one line (no traceback) and a
 disturbance was in force within ``EXPLAIN_WINDOW`` before it. Ghosts: a departed member still in the seed's
 or the API member's status more than ``GHOST_BOUND`` after that member's status first showed it dead, left

@@ -100,11 +100,15 @@ class Asker:
             first = self.seeded_first.setdefault(key, text) if complete else None
             if complete and want is not None:
                 self.seeded_whole[text == want] += 1
-            if complete and first != text:
-                # (meshd ask's failovers: a session opened anew samples from its seed's first draw again)
+            if complete and (first != text or want is not None and text != want):
+                # a pick's draw depends on the seed and the tokens before it alone, on any route and after a
+                # failover: a seeded answer is as exact as a greedy one
                 self.seeded_differ.append({"t": out.t, "kind": out.kind, "prompt": out.prompt, "seed": seed,
                                            "failovers": out.failovers, "got": text, "first": first,
                                            "whole_model": want})
+                out.status = "wrong"
+                out.error = f"seeded {seed}: got {text!r}, before {first!r}, the whole model's {want!r}"
+                self.say("WRONG", kind=out.kind, mode=out.mode, prompt=out.prompt, seed=seed, got=text[:80])
             return
         assert want is not None
         if (complete and text != want) or (not complete and not want.startswith(text)):
