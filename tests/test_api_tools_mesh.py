@@ -36,11 +36,9 @@ def with_template(src: Path, dst: Path, template: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[Mesh]:
-    base = tmp_path_factory.mktemp("toolmesh")
-    model = with_template(default_model, base / "smollm2-qwen25-tools.gguf",
-                          templates_dir() / "Qwen-Qwen2.5-7B-Instruct.jinja")
+def tool_mesh(base: Path, model: Path, volunteer: list[str]) -> Iterator[Mesh]:
+    """A `--no-model --api` member (keyed) in front of three volunteers of ``model`` started with
+    ``volunteer``'s flags, once the model is covered by three stages; stopped by PID after."""
     (base / "keys").write_text(KEY + "\n")
     nodes: list[Served] = []
     try:
@@ -49,11 +47,19 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Itera
         url = next(line.split()[4] for line in nodes[0].lines if line.startswith("meshd: HTTP API on "))
         for i in range(3):
             nodes.append(start_join("--seed", nodes[0].address, "--model", str(model), "--state-dir",
-                                    str(base / f"v{i}"), *VOLUNTEER))
+                                    str(base / f"v{i}"), *volunteer))
         wait_covered(url)
         yield Mesh(nodes[0], url, nodes[1:])
     finally:
         stop_all(nodes)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[Mesh]:
+    base = tmp_path_factory.mktemp("toolmesh")
+    model = with_template(default_model, base / "smollm2-qwen25-tools.gguf",
+                          templates_dir() / "Qwen-Qwen2.5-7B-Instruct.jinja")
+    yield from tool_mesh(base, model, VOLUNTEER)
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},

@@ -15,9 +15,8 @@ import jsonschema
 import pytest
 from chat_goldens import templates_dir
 from gguf_factory import TINY_SPECS, write_tiny_gguf
-from localmesh import Served, start_join, stop_all
-from test_api_mesh import KEY, Mesh, claude, oai, wait_covered
-from test_api_tools_mesh import ASK_WEATHER, OTHER, openai_call, with_template
+from test_api_mesh import Mesh, claude, oai
+from test_api_tools_mesh import ASK_WEATHER, OTHER, openai_call, tool_mesh, with_template
 
 pytestmark = pytest.mark.slow  # four daemons, three engine workers
 
@@ -40,19 +39,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     base = tmp_path_factory.mktemp("tinytools")
     tiny = write_tiny_gguf(base / "tiny.gguf", dataclasses.replace(TINY_SPECS["llama-gqa-untied"], n_ctx=2048))
     model = with_template(tiny, base / "tiny-qwen25-tools.gguf", templates_dir() / "Qwen-Qwen2.5-7B-Instruct.jinja")
-    (base / "keys").write_text(KEY + "\n")
-    nodes: list[Served] = []
-    try:
-        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), "--api", "127.0.0.1:0",
-                                "--api-key-file", str(base / "keys")))
-        url = next(line.split()[4] for line in nodes[0].lines if line.startswith("meshd: HTTP API on "))
-        for i in range(3):
-            nodes.append(start_join("--seed", nodes[0].address, "--model", str(model), "--state-dir",
-                                    str(base / f"v{i}"), *VOLUNTEER))
-        wait_covered(url)
-        yield Mesh(nodes[0], url, nodes[1:])
-    finally:
-        stop_all(nodes)
+    yield from tool_mesh(base, model, VOLUNTEER)
 
 
 async def test_a_random_weight_model_calls_tools_in_shape_in_every_dialect(mesh: Mesh) -> None:
