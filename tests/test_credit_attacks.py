@@ -27,8 +27,9 @@ from localmesh import Served, mesh_status, run_meshd
 from test_attacks import SESSIONS, Mesh, converged, honest_mesh, joined
 from test_attacks_authority import BID_SECONDS
 
-from meshd.client.ask import AskRequest, Stage, route_from_reply
+from meshd.client.ask import AskRequest
 from meshd.client.asker import Asker
+from meshd.client.route import Stage, route_from_reply
 from meshd.client.served import Served as Work
 from meshd.daemon.config import NodeConfig
 from meshd.mesh.credit import ASKER_WINDOW_CAP
