@@ -65,6 +65,12 @@ class FastPunchLimits:
 class PunchLimits:
     # DCUtR's three rounds: a NAT that drops a first SYN often takes the next.
     tries: int = 3
+    # A failed punch (every round) is tried again while the relayed link lives, after `retry_after`
+    # s doubling to `retry_cap`: one failure under a load spike or a NAT's slow start would
+    # otherwise leave a pair relayed for the circuit's whole life (days). The first wait outlasts
+    # `window`, so the budget has rounds for it; a symmetric NAT costs a few dials per 15 min.
+    retry_after: float = 90.0
+    retry_cap: float = 900.0
     # Seconds each message of a round may take over the circuit, and the punched connection's TCP
     # connect (the WebSocket upgrade and Noise handshake after it have the peers' dial_timeout).
     step_timeout: float = 5.0

@@ -154,6 +154,44 @@ async def test_a_peer_that_never_dials_leaves_the_link_relayed_after_bounded_tri
         nursery.cancel_scope.cancel()
 
 
+class NeverDialsFirst:
+    """A fake punch responder: fails the first attempt's rounds as ``NeverDials`` does, then lets the
+    node's own puncher answer (a NAT slow to map, a load spike: a failure that passes)."""
+
+    def __init__(self, never: NeverDials, puncher: Puncher) -> None:
+        self.never = never
+        self.puncher = puncher
+
+    async def __call__(self, stream: Stream) -> None:
+        if self.never.rounds < QUICK.tries:
+            await self.never(stream)
+        else:
+            await self.puncher.respond(stream)
+
+
+async def test_a_failed_punch_is_tried_again_later_while_the_relayed_link_lives(refusing_address: str) -> None:
+    # the budget's window shorter than the wait, as PunchLimits' own are, so the retry has rounds
+    retrying = PunchLimits(step_timeout=1.0, connect_timeout=1.0, window=0.2, retry_after=0.5)
+    async with trio.open_nursery() as nursery:
+        relay = await start_node(nursery, relay=True, punch=False)
+        target = await start_node(nursery, limits=retrying)
+        dialer = await start_node(nursery)
+        assert dialer.puncher is not None
+        liar = NeverDials(int(refusing_address.rsplit(":", 1)[1]))
+        dialer.peers.handle(PUNCH_PROTOCOL, NeverDialsFirst(liar, dialer.puncher))
+        await reserve(nursery, target, relay)
+        with trio.fail_after(10):
+            assert await echo_through(dialer.peers, target.held[0], target.node_id, b"hello") == b"hello"
+        assert target.puncher is not None
+        await until(lambda: dialer.node_id in target.puncher.outcomes)  # type: ignore[union-attr]
+        assert target.puncher.outcomes[dialer.node_id] != "punched"
+        await until(lambda: target.puncher.outcomes[dialer.node_id] == "punched")  # type: ignore[union-attr]
+        assert liar.rounds == QUICK.tries
+        link = dialer.peers.link_to(target.node_id)
+        assert link is not None and link.path != "relayed"
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_flood_of_punch_requests_gets_typed_refusals_and_the_node_serves_on() -> None:
     async with trio.open_nursery() as nursery:
         relay = await start_node(nursery, relay=True, punch=False)

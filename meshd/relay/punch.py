@@ -5,7 +5,8 @@ swaps ports and a sync with the other end (``Puncher.respond``, the PUNCH_PROTOC
 the circuit; both then dial from their listening ports. The connection both SYNs open runs an
 ordinary link (WebSocket, Noise authenticating the node the circuit reached, mux), and
 ``Peers`` prefers it to the relayed one, which it retires: the relay carries nothing more for
-that pair. If no round of ``PunchLimits.tries`` succeeds, the link stays relayed, with one log line.
+that pair. If no round of ``PunchLimits.tries`` succeeds, the link stays relayed, with one log line,
+and the punch is tried again later (``PunchLimits.retry_after``) while the link lives.
 """
 
 from __future__ import annotations
@@ -116,41 +117,57 @@ class Puncher:
         return link is not None and link.path != "relayed"
 
     async def initiate(self, link: Link) -> None:
-        """Tries to replace ``link`` (a circuit a relay brought) by a punched one; never raises
-        for the peer's doing."""
+        """Tries to replace ``link`` (a circuit a relay brought) by a punched one, again after a
+        failure while the link lives (``PunchLimits.retry_after``); never raises for the peer's doing."""
         node = link.remote_node_id
         if not self._observed(link):
             log.debug("no hole punch to %s: the relay told no address (it is no member)", node[:16])
             return
         if await self._reverse(node):
             return
+        wait, told = self.limits.retry_after, False
+        while True:
+            failure, refused = await self._attempt(link)
+            if self._went_direct(node):
+                path = self.peers.link_to(node)
+                self._note(node, "punched")
+                log.info("went direct to %s (%s link)", node[:16], path.path if path is not None else "?")
+                return
+            self._note(node, failure)
+            # a peer that cannot punch (an asker listening nowhere) is no news, nor is a retry's failure
+            # after the first: the node's own log says once when a punch was tried and failed
+            log.log(logging.DEBUG if refused or told else logging.INFO,
+                    "hole punch to %s failed, staying relayed: %s", node[:16], failure)
+            told = True
+            if refused or not link.usable:
+                return
+            with trio.move_on_after(wait):
+                await link.wait_closed()
+            if not link.usable or self._went_direct(node):
+                return
+            wait = min(2 * wait, self.limits.retry_cap)
+
+    async def _attempt(self, link: Link) -> tuple[str, bool]:
+        """Up to ``PunchLimits.tries`` rounds, until one goes direct: the last failure, and whether
+        the other end refused (no later round would do better)."""
+        node = link.remote_node_id
         failure = "no round ran"
-        refused = False
         for _ in range(self.limits.tries):
             if self._went_direct(node) or not link.usable:
                 break
             try:
                 await self._round(link)
             except PunchFailed as exc:
-                failure, refused = str(exc), exc.refused
-                if refused:
-                    break
+                if exc.refused:
+                    return str(exc), True
+                failure = str(exc)
                 continue
             except ProtocolError as exc:
                 failure = str(exc)
                 continue
             if self._went_direct(node):
                 break
-        if self._went_direct(node):
-            path = self.peers.link_to(node)
-            self._note(node, "punched")
-            log.info("went direct to %s (%s link)", node[:16], path.path if path is not None else "?")
-        else:
-            self._note(node, failure)
-            # a peer that cannot punch (an asker listening nowhere) is no news: the node's own log says
-            # only when a punch was tried and failed
-            log.log(logging.DEBUG if refused else logging.INFO, "hole punch to %s failed, staying relayed: %s",
-                    node[:16], failure)
+        return failure, False
 
     async def _reverse(self, node: str) -> bool:
         """DCUtR's unilateral upgrade: a peer whose record says it is public is dialed there, as any
