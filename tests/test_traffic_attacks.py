@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ from meshd.net.rpc import mesh_rpc
 from meshd.stage.model_file import describe_model, model_manifest
 from tests.conftest import greedy_reference
 from wire.identity import NodeIdentity
-from wire.meshrpc import StageSpeed, TimedStage, TrafficReport, TrafficTaken
+from wire.meshrpc import StageSpeed, StatusReply, TimedStage, TrafficReport, TrafficTaken
 
 pytestmark = pytest.mark.slow  # four volunteers and a seed, real engine workers
 
@@ -81,23 +81,10 @@ async def slow_beside_honest(tmp_path: Path, path: Path, role: str) -> AsyncIter
             view = await converged(peers, mesh)
             assert view.tracker != slow.node_id
             tracker_state = tmp_path / {seed.node_id: "seed", honest.node_id: "honest"}[view.tracker]
-            # the two volunteers split the model: the route in use goes through the slow one
+            # the two volunteers split the model, and the tracker times both (the slow one as fast: its probes are)
             assert slow.node_id in await route_nodes(peers, mesh)
-            # two honest replicas join, one a range, and the tracker times every stage (the slow one as fast)
-            for name in ("r1", "r2"):
-                nodes.append(replica := start_join(*volunteer, "--state-dir", str(tmp_path / name)))
-                mesh.volunteers.append(replica)
-            with trio.fail_after(90):
-                while True:
-                    figures = await speeds(peers, seed, mesh.model.digest)
-                    status = await mesh_status(peers, seed)
-                    if all(v.node_id in figures and figures[v.node_id].source in ("probe", "own")
-                           for v in mesh.volunteers) and any(c.replicas >= 2 for c in status.coverage):
-                        break
-                    await trio.sleep(0.5)
+            figures = await probed_all(peers, mesh, lambda status: True)
             probed = figures[slow.node_id].seconds_per_layer
-            # the route in use is kept (hysteresis): its probes are as fast as an honest stage's
-            assert slow.node_id in await route_nodes(peers, mesh), figures
             # real asks, through the tracker's own member: each reports what it saw of the route
             waited = []
             for _ in range(2):
@@ -107,6 +94,11 @@ async def slow_beside_honest(tmp_path: Path, path: Path, role: str) -> AsyncIter
                 rate = re.search(r"([0-9.]+) tokens/s", asked.stderr)
                 assert rate is not None, asked.stderr
                 waited.append(1.0 / float(rate.group(1)))
+            # two honest replicas join, one a range, and the tracker times them
+            for name in ("r1", "r2"):
+                nodes.append(replica := start_join(*volunteer, "--state-dir", str(tmp_path / name)))
+                mesh.volunteers.append(replica)
+            await probed_all(peers, mesh, lambda status: any(c.replicas >= 2 for c in status.coverage))
             # no route goes through it, asked at any member, and the answer is the whole model's
             for via in mesh.nodes:
                 assert slow.node_id not in await route_nodes(peers, mesh, via), via
@@ -115,6 +107,18 @@ async def slow_beside_honest(tmp_path: Path, path: Path, role: str) -> AsyncIter
                              tracker_state)
     finally:
         stop_all(nodes)
+
+
+async def probed_all(peers: Peers, mesh: Mesh, covered: Callable[[StatusReply], bool]) -> dict[str, StageSpeed]:
+    """The tracker's figures once it has one of every volunteer (probed, or traffic where asks charged it)
+    and the coverage is as `covered` wants it."""
+    with trio.fail_after(90):
+        while True:
+            figures = await speeds(peers, mesh.seed, mesh.model.digest)
+            if all(v.node_id in figures and figures[v.node_id].source in ("probe", "own", "traffic")
+                   for v in mesh.volunteers) and covered(await mesh_status(peers, mesh.seed)):
+                return figures
+            await trio.sleep(0.5)
 
 
 def charged(figure: StageSpeed) -> float:

@@ -35,11 +35,17 @@ def test_a_stage_figure_needs_a_quorum_of_reporters_and_one_reporter_moves_nothi
     for _ in range(100):  # one reporter, however many reports: no figure
         book.observe(0.0, "a", "stage", 1.0)
     assert book.measured("stage") is None
+    # two: the lower of them, so one alone frames no stage
     book.observe(0.0, "b", "stage", 1e-3)
-    assert book.measured("stage") is None  # two: either would win one side of a median
+    assert book.measured("stage") == (pytest.approx(1e-3), 2)
     book.observe(0.0, "c", "stage", 2e-3)
     # three: the median of the reporters' own medians, the liar's 1.0 an outlier
     assert book.measured("stage") == (pytest.approx(2e-3), 3)
+    # two that agree a stage is slow count (a mesh with two weighted askers beside the tracker)
+    pair = TrafficBook(TRACKER)
+    pair.observe(0.0, "a", "slow", 0.05)
+    pair.observe(0.0, "b", "slow", 0.06)
+    assert pair.measured("slow") == (pytest.approx(0.05), 2)
     # a liar shielding a slow stage (reporting it fast) does no better against two honest reporters
     shielded = TrafficBook(TRACKER)
     for reporter, figure in (("liar", 1e-9), ("b", 0.05), ("c", 0.06)):

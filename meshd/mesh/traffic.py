@@ -42,10 +42,13 @@ Whose word counts (`TrafficBook`):
 - a member's only where the mesh sees weight behind it (the tracker placed it, or it has credit:
   the shell's `weighs`), so free identities report nothing that counts;
 - a reporter's figure for a stage is the median of its last `samples` reports, and the stage's the
-  median over reporters, counted once `quorum` reporters (3) say something: one reporter, however
-  many reports it sends, moves no figure, whether it says a stage is slow (framing an honest one)
-  or fast (shielding a slow one). With two, either one would win one side of the median. The
-  tracker's own asks are first-hand, as its probes are: its figure counts alone and wins;
+  lower median over reporters, counted once `quorum` reporters (2) say something: one reporter,
+  however many reports it sends, moves no figure, whether it says a stage is slow (framing an honest
+  one) or fast (shielding a slow one). Of two the lower counts: framing takes both (as it takes two
+  of three, or three of four, since the lower median is never an upper outlier), and one can shield
+  a slow stage only until a third reports, where a quorum of three counted nothing at all before it:
+  so a mesh whose members ask through two weighted members (beside the tracker) has figures too.
+  The tracker's own asks are first-hand, as its probes are: its figure counts alone and wins;
 - reports are rate-limited per reporter (a token bucket), and every book is bounded (oldest out);
 - a figure ages out `ttl` after its last report: a stage that routes now avoid gets no reports, and
   counts at its probe figure again after that (a stage briefly slow, or framed, is not out for good).
@@ -78,8 +81,8 @@ MIN_TRAFFIC_TOKENS = 4
 class TrafficConfig:
     # reports of one stage by one reporter whose median is that reporter's figure
     samples: int = 8
-    # reporters (other than the tracker itself) a stage's figure needs
-    quorum: int = 3
+    # reporters (other than the tracker itself) a stage's figure needs (their lower median counts)
+    quorum: int = 2
     # a reporter's figure is forgotten this long after its last report
     ttl: float = 600.0
     # reports a reporter may send: `rate` a second, `burst` at once (an ask makes one)
