@@ -24,9 +24,9 @@ asker) sees one period per token, the whole loop, each on its own clock. A stage
 own hold; what a neighbour sees of it (the time from sending its rows to the next token's coming
 back) is the whole loop less the neighbour's hold, so a stage that shrinks its hold and grows its
 wait to match says exactly what an honest stage beside it says: no one ask, nor its receipts, can
-say which of the two hid the time. Routes with other neighbours can: a stage's figure is the median
-over a reporter's last asks, so an honest stage seen on a clean route sheds a charge it got beside a
-liar, as a liar cannot.
+say which of the two hid the time. Asks over other routes can: a reporter's figure is the median of
+its last asks, so an honest stage whose later asks go over routes without the liar sheds the charge,
+where the liar carries it on every route it is on.
 
 Without timed receipts (an unverified ask, the daemons' path: `attribute`) a stage is charged what
 is left of a token once the links, the allowance and every other stage at the figures the tracker
