@@ -23,6 +23,7 @@ from attackers import attacker
 from localmesh import Served, mesh_status, run_meshd, start_join, start_meshd, stop_all
 from test_attacks import PROMPT, SESSIONS, TOKENS, Mesh, converged, honest_ask, honest_mesh, honest_route, placed_liar
 
+from meshd.mesh.routing import TRAFFIC_RATIO
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.rpc import mesh_rpc
 from meshd.stage.model_file import describe_model, model_manifest
@@ -133,18 +134,22 @@ async def test_a_stage_fast_for_probes_and_slow_for_users_loses_the_route_and_it
         # counted at about what users wait (its sleep a step, which its receipts sign; a step may sample more
         # than one token where prompt lookup's drafts hold), whatever its probes say
         assert figures[slow].source == "traffic", figures[slow]
-        assert charged(figures[slow]) >= SLEEP / 2 > 10 * seen.probed * (figures[slow].end - figures[slow].start)
-        # the honest stage on the same slow route is charged its own time alone: its figure stays its probe's
-        # (the route's time alone, without the stages' signed times, charged it the slow one's wait)
-        assert figures[honest].source in ("probe", "own"), figures[honest]
-        # the replicas the asks then took stay at their probe figures (honest asks charge nothing)
+        # (past what routes need of it, however loaded this box makes the probes)
+        assert charged(figures[slow]) >= SLEEP / 2
+        assert charged(figures[slow]) > TRAFFIC_RATIO * seen.probed * (figures[slow].end - figures[slow].start)
+        # the honest stage on the same slow route is charged its own time alone, none of the slow one's wait (the
+        # route's time alone, without the stages' signed times, charged it that wait: 155 ms a token here).
+        # Its figure stays its probe's, or where it is the tracker (which counts itself at its own word, an
+        # engine's time without a hop's) its time on real steps, a fraction of a millisecond a token
+        assert figures[honest].source in ("probe", "own") or charged(figures[honest]) < SLEEP / 50, figures[honest]
+        # the stages the asks then took are charged their own time alone, nothing of the slow one's
         asked = await trio.to_thread.run_sync(lambda: run_meshd(
             "ask", "--state-dir", str(seen.tracker_state), "--max-tokens", str(TOKENS), PROMPT))
         assert asked.returncode == 0, asked.stderr
         figures = await speeds(seen.peers, seen.mesh.seed, seen.mesh.model.digest)
-        for node_id in await route_nodes(seen.peers, seen.mesh):
-            assert figures[node_id].source in ("probe", "own"), figures[node_id]
-        assert figures[honest].source in ("probe", "own"), figures[honest]
+        for node_id in [*await route_nodes(seen.peers, seen.mesh), honest]:
+            assert figures[node_id].source in ("probe", "own") or charged(figures[node_id]) < SLEEP / 50, \
+                figures[node_id]
         # `meshd status` says where the figure came from
         shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", seen.mesh.seed.address)
         assert shown.returncode == 0, shown.stderr
