@@ -16,13 +16,14 @@ from wire.stage import STAGE_PROTOCOL
 QUICK = PeersConfig(drain_timeout=0.1)
 
 
-def test_the_stage_protocol_is_version_6() -> None:
+def test_the_stage_protocol_is_version_7() -> None:
     # 2: a tail waits for the asker's PromptTokens; receipts moved to meshd/receipt/2
     # 3: receipts sign meshd/receipt/3 bytes
     # 4: the fast path (Open.fast, Hop.fast)
     # 5: the prefix cache (Prompt.cache, Hop.start, the cache messages, StageInfo.cache_tokens)
     # 6: the model's own chat template and grammars (Open.chat_template, Prompt.grammar, ...), logprobs
-    assert STAGE_PROTOCOL == "meshd/stage/6"
+    # 7: receipts sign meshd/receipt/4 bytes, with the stage's own time (Receipt.t_us)
+    assert STAGE_PROTOCOL == "meshd/stage/7"
 
 
 def test_a_name_of_a_known_family_at_another_version_is_recognised() -> None:
@@ -50,7 +51,7 @@ async def test_a_peer_speaking_another_stage_version_gets_a_typed_error_and_othe
             with pytest.raises(ProtocolError) as refused:
                 await stale.receive_message()
             assert refused.value.code is ErrorCode.VERSION_MISMATCH and not refused.value.retryable
-            assert "speaks meshd/stage/6, not meshd/stage/1" in refused.value.message
+            assert "speaks meshd/stage/7, not meshd/stage/1" in refused.value.message
             # an unknown protocol is still only unknown; the current version is served on the same link
             other = await old.open_stream(address, "meshd/nonesuch/1")
             with pytest.raises(ProtocolError) as unknown:

@@ -89,6 +89,20 @@ def test_a_span_closes_once_its_rows_are_final_and_steps_must_follow() -> None:
         book.step(7, [b"x"], [b"y"], drafts=2)
 
 
+def test_a_span_signs_its_steps_own_time_a_step_across_its_end_in_the_first() -> None:
+    book = SpanBook(4, 2)
+    (prompt,) = book.step(0, [b"a", b"b"], [b"", b"1"], held=0.25)
+    assert prompt.us == 250_000
+    assert book.step(2, [b"c"], [b"2"], held=0.001) == []
+    # a step of three rows across the span's end at 4: its time counts in the span it started in
+    (span,) = book.step(3, [b"d", b"e", b"f"], [b"3", b"4", b"5"], held=0.002)
+    assert (span.pos, span.n, span.us) == (2, 2, 3000)
+    (last,) = book.seal(6)
+    assert (last.pos, last.n, last.us) == (4, 2, 0)
+    # a clock's step back times nothing, never less
+    assert book.step(6, [b"g"], [b"6"], held=-5.0) == [] and book.held == 0.0
+
+
 class Route:
     """Three honest stages' receipts of an answer (a prompt of 5, then tokens), span by span."""
 
@@ -109,8 +123,8 @@ class Route:
         return h_in, row_hash(b"".join(row_hash(bytes([index + 1]) + p.to_bytes(4, "little"))
                                        for p in range(pos, pos + n)))
 
-    def receipt(self, index: int, pos: int, n: int) -> bytes:
-        return self.ledgers[index].sign_wire(pos, n, *self.hashes(index, pos, n))
+    def receipt(self, index: int, pos: int, n: int, t_us: int = 0) -> bytes:
+        return self.ledgers[index].sign_wire(pos, n, *self.hashes(index, pos, n), t_us=t_us)
 
 
 def audit_of(route: Route) -> SpanAudit:
@@ -141,6 +155,19 @@ def test_the_asker_checks_a_span_once_every_stage_signed_it() -> None:
     for pos, n in spans:
         audit.on_stage(1, "s1", 0, route.receipt(1, pos, n))
     assert audit.sealed and audit.by_stage[1][5].n_tokens == 27 and audit.by_stage[1][SPAN].n_tokens == 2
+
+
+def test_the_asker_sums_each_stages_signed_time_over_the_decode_spans_alone() -> None:
+    route = Route([1, 2, 3, 4, 5], list(range(10, 40)))
+    audit = audit_of(route)
+    until = len(route.ids) - 1
+    audit.seal(until)
+    for pos, n in ((0, 5), (5, 27), (32, 2)):
+        for index in range(3):
+            # stage k says (k + 1) ms a position; the prompt's span 1 s, which no decode figure holds
+            audit.on_stage(index, "s1", 0, route.receipt(index, pos, n, 1_000_000 if pos == 0 else (index + 1) * n * 1000))
+    assert audit.sealed and audit.result.own_rows == 29
+    assert audit.result.own_seconds == [pytest.approx((k + 1) * 0.029) for k in range(3)]
 
 
 @pytest.mark.parametrize("lie", ["head input", "hop", "tail output", "out of turn", "other range", "cut short",

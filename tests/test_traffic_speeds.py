@@ -15,7 +15,15 @@ from meshd.client.ask import AskResult
 from meshd.client.traffic import traffic_report
 from meshd.mesh.duty import MeshDuty
 from meshd.mesh.routing import PROBED, TRAFFIC, TRAFFIC_RATIO, SpeedBook, believe
-from meshd.mesh.traffic import MIN_TRAFFIC_TOKENS, TRAFFIC_ALLOWANCE, TrafficBook, TrafficConfig, attribute
+from meshd.mesh.traffic import (
+    MIN_TRAFFIC_TOKENS,
+    TRAFFIC_ALLOWANCE,
+    TrafficBook,
+    TrafficConfig,
+    attribute,
+    attribute_own,
+    route_charges,
+)
 from wire.meshrpc import TimedStage, TrafficReport
 from wire.stage import StageInfo
 
@@ -27,11 +35,17 @@ def test_a_stage_figure_needs_a_quorum_of_reporters_and_one_reporter_moves_nothi
     for _ in range(100):  # one reporter, however many reports: no figure
         book.observe(0.0, "a", "stage", 1.0)
     assert book.measured("stage") is None
+    # two: the lower of them, so one alone frames no stage
     book.observe(0.0, "b", "stage", 1e-3)
-    assert book.measured("stage") is None  # two: either would win one side of a median
+    assert book.measured("stage") == (pytest.approx(1e-3), 2)
     book.observe(0.0, "c", "stage", 2e-3)
     # three: the median of the reporters' own medians, the liar's 1.0 an outlier
     assert book.measured("stage") == (pytest.approx(2e-3), 3)
+    # two that agree a stage is slow count (a mesh with two weighted askers beside the tracker)
+    pair = TrafficBook(TRACKER)
+    pair.observe(0.0, "a", "slow", 0.05)
+    pair.observe(0.0, "b", "slow", 0.06)
+    assert pair.measured("slow") == (pytest.approx(0.05), 2)
     # a liar shielding a slow stage (reporting it fast) does no better against two honest reporters
     shielded = TrafficBook(TRACKER)
     for reporter, figure in (("liar", 1e-9), ("b", 0.05), ("c", 0.06)):
@@ -88,6 +102,44 @@ def test_a_route_token_time_is_charged_to_a_stage_as_far_as_the_others_figures_d
     assert got == {n: pytest.approx(0.05) for n in ("head", "mid", "tail")}
     # where the others' figures explain all of it, nothing (never less than nothing)
     assert attribute(route, 0.01, 0.003, reference) == {"head": 0.0, "mid": 0.0, "tail": 0.0}
+
+
+def test_with_each_stages_own_signed_time_an_honest_stage_beside_a_slow_one_is_charged_its_own() -> None:
+    # head 10 layers at 1 ms a layer, a slow stage of 10 layers taking 0.5 s, 3 ms of links, 20 ms of the rest
+    token = 0.01 + 0.5 + 0.003 + 0.02
+    honest = attribute_own([("head", 10, 0.01), ("slow", 10, 0.5)], token, 0.003, TRAFFIC_ALLOWANCE)
+    assert honest == {"head": pytest.approx(1e-3), "slow": pytest.approx(0.05)}
+    # the route's time alone (at the head's probed figure for the others) charged the head the slow one's wait
+    assert attribute([("head", 10), ("slow", 10)], token, 0.003 + TRAFFIC_ALLOWANCE, lambda n: 1e-3)["head"] > 0.04
+
+
+def test_a_stage_that_signs_less_than_it_took_is_charged_the_rest_and_its_neighbour_at_most_the_token() -> None:
+    token, links = 0.01 + 0.5 + 0.003 + 0.02, 0.003
+    lied = attribute_own([("head", 10, 0.01), ("liar", 10, 0.0)], token, links, TRAFFIC_ALLOWANCE)
+    # it cannot lower its own figure: what it hid is charged to it (all but the allowance)
+    assert lied["liar"] * 10 == pytest.approx(token - links - TRAFFIC_ALLOWANCE - 0.01)
+    assert lied["liar"] * 10 >= 0.5 - TRAFFIC_ALLOWANCE
+    # nor raise its honest neighbour's past what the asker waited: no more than the route's time charged it
+    assert lied["head"] * 10 <= token - links
+    assert lied["head"] <= attribute([("head", 10), ("liar", 10)], token, links, lambda n: 0.0)["head"]
+    # a stage saying more than the token took is charged at most the token less the links (its own loss)
+    assert attribute_own([("a", 5, 30.0), ("b", 5, 0.01)], 0.1, links, TRAFFIC_ALLOWANCE) == {
+        "a": pytest.approx((0.1 - links) / 5), "b": pytest.approx(0.01 / 5)}
+
+
+def test_a_report_is_charged_by_its_stages_own_time_only_where_every_stage_has_one() -> None:
+    placed = {"h": [(0, 4)], "t": [(4, 8)]}
+
+    def charges(owns: tuple[float | None, float | None]) -> dict[str, float] | None:
+        stages = [TimedStage(node_id=n, start=a, end=b, own=o) for (n, a, b), o in zip(
+            (("h", 0, 4), ("t", 4, 8)), owns, strict=True)]
+        lone = TrafficReport(model=MODEL.digest, stages=stages, tokens=16, seconds_per_token=0.45)
+        return route_charges(lone, placed, 8, lambda a, b: 0.0, lambda n: 1e-3)
+
+    assert charges((0.004, 0.4)) == {"h": pytest.approx(1e-3), "t": pytest.approx(0.1)}
+    # one stage's missing: the route's time at the tracker's figures, as before receipts were timed
+    assert charges((0.004, None)) == charges((None, None)) == {
+        n: pytest.approx((0.45 - TRAFFIC_ALLOWANCE - 4e-3) / 4) for n in "ht"}
 
 
 def test_a_traffic_figure_counts_only_far_past_the_probe_figure() -> None:
@@ -186,7 +238,10 @@ def test_an_ask_reports_its_route_and_decode_only_where_it_timed_one_route() -> 
                                         n_layer=8, stage_width=8, ready=True) for n, a, b in (("h", 0, 3), ("t", 3, 8))])
     seen = traffic_report(result)
     assert seen is not None and seen.tokens == 9 and seen.seconds_per_token == pytest.approx(0.1)
-    assert [(s.node_id, s.start, s.end) for s in seen.stages] == [("h", 0, 3), ("t", 3, 8)]
+    assert [(s.node_id, s.start, s.end, s.own) for s in seen.stages] == [("h", 0, 3, None), ("t", 3, 8, None)]
+    # a verified fast ask's receipts: each stage's signed time per position of the decode's spans
+    timed = traffic_report(replace(result, own_seconds=[0.03, 0.6], own_rows=6))
+    assert timed is not None and [s.own for s in timed.stages] == [pytest.approx(0.005), pytest.approx(0.1)]
     # a failover mixes two routes' times, a restarted answer two answers', and 3 tokens time no decode
     for other in ({"failovers": 1, "epochs": 2}, {"withdrawn": 4}, {"tokens": [1, 2, 3]}, {"route": []}):
         assert traffic_report(replace(result, **other)) is None, other

@@ -50,8 +50,8 @@ def signing_other_input(service: StageService) -> None:
     """An attacker's daemon: signs its spans' input as other rows than its worker took in."""
     honest = service.signing.sign_span
 
-    def other(session: Session, pos: int, n: int, h_in: bytes, h_out: bytes) -> None:
-        honest(session, pos, n, row_hash(b"other" + h_in), h_out)
+    def other(session: Session, pos: int, n: int, h_in: bytes, h_out: bytes, t_us: int) -> None:
+        honest(session, pos, n, row_hash(b"other" + h_in), h_out, t_us)
 
     service.signing.sign_span = other  # type: ignore[method-assign]
 

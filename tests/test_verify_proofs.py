@@ -221,7 +221,7 @@ def test_a_packed_chain_holds_its_receipts_and_refuses_garbage_as_payload_corrup
     outs = [row_hash(b"rows after head"), row_hash(b"rows after mid"), tokens_hash([])]
     chain = honest_chain(0, 5, tokens_hash([1, 2, 3, 4, 5]), outs, ledgers)
     packed = pack_chain(chain)
-    assert len(packed) == WIRE_BYTES * len(chain) and WIRE_BYTES == 176
+    assert len(packed) == WIRE_BYTES * len(chain) and WIRE_BYTES == 180
     # the session, epoch and model are the receiver's: the same receipts, signatures holding
     back = unpack_chain(packed, "s1", 0, MODEL)
     assert list(back) == chain and all(r.verify() for r in back)

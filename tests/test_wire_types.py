@@ -274,7 +274,8 @@ def test_token_ids_out_of_bounds_are_refused(tokens: object, fragment: str) -> N
 # when it gained payer, the credit ledger's voucher, meshd/stage/5, and `work_give` is the ledger's summary;
 # `record_ping` when ModelInfo gained `hub`, the hub file a volunteer fetches from, meshd.fetch.hub; `record_ping`
 # again when the record gained `offload`, what its stage put on a GPU and where; `open` when it gained
-# chat_template and logprobs, and `token` logprob and top_logprobs, meshd/stage/6)
+# chat_template and logprobs, and `token` logprob and top_logprobs, meshd/stage/6; `work_give` when the
+# receipt gained t_us, the stage's own time, meshd/receipt/4 and meshd/stage/7)
 
 _PINNED = {
     "error": "0000003d85a474797065a56572726f72a17601a4636f6465aa4f5645524c4f41444544a76d657373616765a46275"

@@ -156,6 +156,9 @@ class TimedStage(WireModel):
     node_id: NodeId
     start: Layer
     end: Layer
+    # the stage's own seconds per token over the decode, as its signed span receipts said to the asker
+    # (None: the ask had no such receipts, an unverified one or on the daemons' path)
+    own: float | None = Field(default=None, ge=0.0, le=MAX_SECONDS_PER_TOKEN, allow_inf_nan=False)
 
 
 class TrafficReport(Message, tag="traffic_report"):

@@ -69,8 +69,8 @@ def span_end(pos: int, prompt_len: int, span: int = SPAN) -> int:
     end = (pos // span + 1) * span
     return min(end, prompt_len) if pos < prompt_len else end
 
-# 3: the signed bytes are a fixed layout after the session's (``_BODY``), not a msgpack map
-_RECEIPT_DOMAIN = b"meshd/receipt/3\x00"
+# 3: the signed bytes are a fixed layout after the session's (``_BODY``), not a msgpack map; 4: with ``t_us``
+_RECEIPT_DOMAIN = b"meshd/receipt/4\x00"
 _HIST_DOMAIN = b"meshd/history/1\x00"
 # the h_prev of a chain's first receipt
 NO_PREV = bytes(HASH_BYTES)
@@ -94,15 +94,17 @@ def sampling_bytes(sampling: WireModel, prompt_len: int) -> bytes:
     return packed
 
 
-# What a receipt signs after its session's ``_context``: pos, n_tokens, layer_begin, layer_end, h_in, h_out,
-# h_hist, h_prev, public_key, little-endian and fixed in width (every field's bounds fit), so packing
+# What a receipt signs after its session's ``_context``: pos, n_tokens, layer_begin, layer_end, t_us, h_in,
+# h_out, h_hist, h_prev, public_key, little-endian and fixed in width (every field's bounds fit), so packing
 # it is one call, not a map built and packed per receipt
-_BODY = struct.Struct("<IIII16s16s16s16s32s")
+_BODY = struct.Struct("<IIIII16s16s16s16s32s")
 SIGNATURE_BYTES = 64
 # a receipt as it travels in a chain (``pack_chain``): its body, then its signature; the session,
 # epoch and model are the receiver's own (every receipt of a chain speaks of the session it comes in)
 WIRE_BYTES = _BODY.size + SIGNATURE_BYTES
 _INT32_MAX = (1 << 31) - 1
+# a receipt's ``t_us``: any u32 (some 71 minutes; a span's time is seconds at most)
+UInt32 = Annotated[int, Field(ge=0, le=(1 << 32) - 1)]
 
 
 @lru_cache(maxsize=1024)
@@ -158,6 +160,11 @@ class Receipt(WireModel):
     model: Digest
     layer_begin: Layer
     layer_end: Layer
+    # the stage's own time on these rows, in µs: from each step's rows coming whole to its output's send,
+    # summed (a fast session's span, as its worker timed it; 0: not timed, a step on the daemons' path).
+    # Its own word, signed so that it is one: the tracker charges a stage what an ask saw past the others'
+    # words (meshd.mesh.traffic), so saying less than it took moves its wait onto the route, not off it
+    t_us: UInt32 = 0
     h_in: Hash
     h_out: Hash
     # every input of this session at this stage up to and including this step
@@ -176,14 +183,14 @@ class Receipt(WireModel):
     @classmethod
     def build(cls, session: str, epoch: int, pos: int, n_tokens: int, model: str, layer_begin: int, layer_end: int,
               h_in: bytes, h_out: bytes, h_hist: bytes, h_prev: bytes, public_key: bytes,
-              signer: NodeIdentity | None = None) -> Receipt:
+              signer: NodeIdentity | None = None, t_us: int = 0) -> Receipt:
         """A receipt of local values, unvalidated (the receiver validates), signed by ``signer`` (whose
         key must be ``public_key``) if given: its signed bytes are packed once, for the signature and
         for whoever asks later."""
         receipt = cls.unvalidated({
             "session": session, "epoch": epoch, "pos": pos, "n_tokens": n_tokens, "model": model,
-            "layer_begin": layer_begin, "layer_end": layer_end, "h_in": h_in, "h_out": h_out, "h_hist": h_hist,
-            "h_prev": h_prev, "public_key": public_key, "signature": b""})
+            "layer_begin": layer_begin, "layer_end": layer_end, "t_us": t_us, "h_in": h_in, "h_out": h_out,
+            "h_hist": h_hist, "h_prev": h_prev, "public_key": public_key, "signature": b""})
         signing = receipt.signing_bytes()
         if signer is not None:
             signature = signer.sign(signing)
@@ -201,8 +208,8 @@ class Receipt(WireModel):
             pass
         v = self.__dict__
         signing = _context(v["session"], v["epoch"], v["model"]) + _BODY.pack(
-            v["pos"], v["n_tokens"], v["layer_begin"], v["layer_end"], v["h_in"], v["h_out"], v["h_hist"],
-            v["h_prev"], v["public_key"])
+            v["pos"], v["n_tokens"], v["layer_begin"], v["layer_end"], v["t_us"], v["h_in"], v["h_out"],
+            v["h_hist"], v["h_prev"], v["public_key"])
         object.__setattr__(self, "_signing", signing)
         return signing
 
@@ -258,7 +265,7 @@ def pack_chain(chain: Sequence[Receipt]) -> bytes:
 
 
 # a receipt as a chain carries it: its body's fields, then its signature
-_WIRE = struct.Struct("<IIII16s16s16s16s32s64s")
+_WIRE = struct.Struct("<IIIII16s16s16s16s32s64s")
 assert _WIRE.size == WIRE_BYTES
 
 
@@ -271,6 +278,7 @@ class Link(NamedTuple):
     n_tokens: int
     layer_begin: int
     layer_end: int
+    t_us: int
     h_in: bytes
     h_out: bytes
     h_hist: bytes
@@ -320,7 +328,8 @@ class PackedChain:
         link, wire = self.links[k], self.wire(k)
         receipt = Receipt.unvalidated({
             "session": self.session, "epoch": self.epoch, "pos": link.pos, "n_tokens": link.n_tokens,
-            "model": self.model, "layer_begin": link.layer_begin, "layer_end": link.layer_end, "h_in": link.h_in,
+            "model": self.model, "layer_begin": link.layer_begin, "layer_end": link.layer_end, "t_us": link.t_us,
+            "h_in": link.h_in,
             "h_out": link.h_out, "h_hist": link.h_hist, "h_prev": link.h_prev, "public_key": link.public_key,
             "signature": link.signature})
         signing = self._context + wire[:_BODY.size]
@@ -357,10 +366,10 @@ def unpack_chain(data: bytes, session: str, epoch: int, model: str) -> tuple[Rec
 
 def signed_wire(identity: NodeIdentity, session: str, epoch: int, model: str, pos: int, n_tokens: int,
                 layer_begin: int, layer_end: int, h_in: bytes, h_out: bytes, h_hist: bytes, h_prev: bytes,
-                public_key: bytes) -> bytes:
+                public_key: bytes, t_us: int = 0) -> bytes:
     """A receipt of local values signed by ``identity`` (whose key must be ``public_key``), as it travels
     in a chain (``pack_chain``): a stage signs one per step and forwards it packed, building no ``Receipt``."""
-    body = _BODY.pack(pos, n_tokens, layer_begin, layer_end, h_in, h_out, h_hist, h_prev, public_key)
+    body = _BODY.pack(pos, n_tokens, layer_begin, layer_end, t_us, h_in, h_out, h_hist, h_prev, public_key)
     return body + identity.sign(_context(session, epoch, model) + body)
 
 

@@ -32,7 +32,9 @@ from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId,
 # 6: the model's own chat template and grammars (Open.chat_template, Opened.chat, Prompt.special and
 # grammar, PromptTokens.grammar and generated), logprobs (Open.logprobs, Token.logprob and
 # top_logprobs): a peer of /5 would refuse them
-STAGE_PROTOCOL = "meshd/stage/6"
+# 7: receipts sign meshd/receipt/4 bytes, with the stage's own time on the rows (Receipt.t_us), 4 bytes
+# longer: a peer of /6 would read every chain as garbage
+STAGE_PROTOCOL = "meshd/stage/7"
 
 # the most stages a route can have: every stage holds at least one layer
 MAX_ROUTE = 1 << 10

@@ -197,6 +197,10 @@ class AskResult:
     withdrawn: int = 0
     # a chat request as the asker rendered it (AskRequest.chat): rendered once, kept across failovers
     rendered: Rendered | None = None
+    # a fast verified ask's last epoch: each stage's own time (seconds, in route order) over the decode's
+    # spans, as its signed receipts say, and how many positions those spans hold (meshd.client.traffic)
+    own_seconds: list[float] = field(default_factory=list)
+    own_rows: int = 0
     # with AskRequest.logprobs: each new token's piece and log-probability, and the likeliest tokens' (token,
     # logprob, piece), one entry a token of ``tokens``
     logprobs: list[tuple[bytes, float, list[tuple[int, float, bytes]]]] = field(default_factory=list)

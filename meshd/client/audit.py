@@ -292,6 +292,8 @@ class SpanAudit(Audit):
         self.held = [{} for _ in self.node_ids]
         self.sent_until = [0] * len(self.node_ids)
         self.tokens_before = len(self.result.tokens)
+        self.result.own_seconds = [0.0] * len(self.node_ids)
+        self.result.own_rows = 0
 
     def answerable(self, index: int, pos: int) -> int:
         return index
@@ -388,6 +390,11 @@ class SpanAudit(Audit):
             sampled = known[max(pos, prompt_len - 1) + 1:pos + n + 1]
             if links[-1].h_out != row_hash(np.asarray(sampled, np.int32).tobytes()):
                 raise self._lie(self.tail, "tokens other than the ones its receipt signs", pos=pos)
+            if pos >= prompt_len:
+                # the decode's spans: what each stage signed it spent on them, for the tracker
+                for index, link in enumerate(links):
+                    self.result.own_seconds[index] += link.t_us / 1e6
+                self.result.own_rows += n
             self._stepped(pos, n)
             self.progress.set()
             self.progress = trio.Event()

@@ -16,7 +16,11 @@ def traffic_report(result: AskResult) -> TrafficReport | None:
     model = result.route[0].model_digest
     if any(info.model_digest != model for info in result.route):
         return None
+    # each stage's own word (its signed span receipts) only where every stage's of the decode is in
+    timed = len(result.own_seconds) == len(result.route) and result.own_rows > 0
     return TrafficReport(model=model, tokens=len(result.tokens),
                          seconds_per_token=min(1.0 / result.decode_rate, MAX_SECONDS_PER_TOKEN),
-                         stages=[TimedStage(node_id=i.node_id, start=i.layer_begin, end=i.layer_end)
-                                 for i in result.route])
+                         stages=[TimedStage(node_id=i.node_id, start=i.layer_begin, end=i.layer_end,
+                                            own=min(result.own_seconds[k] / result.own_rows, MAX_SECONDS_PER_TOKEN)
+                                            if timed else None)
+                                 for k, i in enumerate(result.route)])

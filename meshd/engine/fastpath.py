@@ -584,8 +584,11 @@ class FastPlane:
         else:
             assert w.tokens is not None
             ins, ids = [t.tobytes() for t in w.tokens], []
+        # the stage's own time on the step: from its rows coming whole to its output's send, just before
+        # (none for the head's own prompt, which no upstream sent)
+        held = time.perf_counter() - w.arrived if w.arrived else 0.0
         try:
-            closed = s.spans.step(w.pos, ins, outs, ids, w.drafts)
+            closed = s.spans.step(w.pos, ins, outs, ids, w.drafts, held)
         except SpanError as exc:
             self._fail(s, ErrorCode.BAD_REQUEST, str(exc))
             return
@@ -689,4 +692,4 @@ class FastPlane:
 
 def span_event(s: FastSession, span: Span) -> dict[str, Any]:
     return {"ev": "span", "seq": s.seq, "tag": s.tag, "pos": span.pos, "n": span.n, "h_in": span.h_in,
-            "h_out": span.h_out}
+            "h_out": span.h_out, "us": span.us}

@@ -19,6 +19,10 @@ stage's receipt of it is in and agrees, so a span must not wait on a later step
 when nothing in it can change. At the tail a row's output is the token
 sampled from it (none for the prompt's rows before its last), so its span's
 ``h_out`` signs the tokens the asker got.
+
+Each span also carries the stage's own time on its rows (``us``): each step's, from its rows coming
+whole to its output's send, summed into the span open when the step ran (a step across a span's end
+counts in the first). The tracker reads it against what the asker waited (meshd.mesh.traffic).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class Span:
     rows_in: bytes = b""
     # the token ids that came with the rows (a stage whose layers route by token id), else empty
     ids: bytes = b""
+    # the stage's own time on the span's steps, µs
+    us: int = 0
 
 
 @dataclass
@@ -62,15 +68,18 @@ class SpanBook:
     outs: list[bytes] = field(default_factory=list)
     ids: list[bytes] = field(default_factory=list)
     kept: list[Span] = field(default_factory=list)
+    # the stage's own time on the open span's steps so far, seconds
+    held: float = 0.0
 
     def step(self, pos: int, ins: Sequence[bytes], outs: Sequence[bytes], ids: Sequence[bytes] = (),
-             drafts: int = 0) -> list[Span]:
-        """A step ran rows ``[pos, pos + len(ins))``, its last ``drafts`` rows drafts: the rows
-        before ``pos`` are final (those from it on were drafts, dropped), and so are the step's own
-        but its drafts; returns the spans that closed."""
+             drafts: int = 0, held: float = 0.0) -> list[Span]:
+        """A step ran rows ``[pos, pos + len(ins))``, its last ``drafts`` rows drafts, in ``held``
+        seconds of this stage's: the rows before ``pos`` are final (those from it on were drafts,
+        dropped), and so are the step's own but its drafts; returns the spans that closed."""
         if len(outs) != len(ins) or ids and len(ids) != len(ins) or not 0 <= drafts <= len(ins):
             raise SpanError("a step's rows, outputs, ids and drafts differ in count")
         closed = self._settle(pos)
+        self.held += max(0.0, held)
         self.ins += ins
         self.outs += outs
         self.ids += ids or [b""] * len(ins)
@@ -108,7 +117,9 @@ class SpanBook:
     def _close(self, n: int) -> Span:
         rows_in = b"".join(self.ins[:n])
         span = Span(self.start, n, row_hash(rows_in), row_hash(b"".join(self.outs[:n])),
-                    rows_in if self.keep else b"", b"".join(self.ids[:n]) if self.keep else b"")
+                    rows_in if self.keep else b"", b"".join(self.ids[:n]) if self.keep else b"",
+                    round(self.held * 1e6))
+        self.held = 0.0
         del self.ins[:n], self.outs[:n], self.ids[:n]
         self.start += n
         if self.keep:

@@ -4,27 +4,51 @@ The tracker times the stages it placed itself (meshd.mesh.probes), but a probe i
 which a stage can tell from a user's: a stage may run the probes at full speed and sleep at every
 user's step. So each ask a member made (its `meshd ask`'s or its front door's) is reported to the
 tracker: the route it took and the seconds per token its asker saw over the decode. The tracker
-turns that into a figure for each stage of the route (`attribute`): what is left of a token's time
-once the links, an allowance, and every other stage at the figures the tracker measured itself are
-taken off. One route's token time cannot say which of its stages took it: every stage of a slow
-route is charged its wait, a stage beside the slow one too, until its figure ages out (or asks over
-other routes with it say otherwise). Where replicas exist that is what routes need: the slow route
-goes, and the stage that made it slow has no route while its figure stands.
+turns that into a figure for each stage of the route.
 
-Why the asker's clock and not the stages': on a route every stage (and the asker) sees one period
-per token, the whole loop; what a stage says it spent of it is its own word, which counts for nothing
-(a slow stage would say it is fast). What isolates one stage is the others' measured figures, and
-only the asker, and the tracker that planned the route, know the whole route.
+A verified fast ask knows more: each stage's signed span receipts carry its own time on the rows
+(``Receipt.t_us``: from each step's rows coming whole to its output's send), and the report carries
+each stage's per token (`TimedStage.own`). Then (`attribute_own`) each stage is charged its own word,
+and what the asker waited past all of them, the links and an allowance (the residual) is charged to
+every stage of the route as well. So:
+- a stage that says what it took (an honest stage, or a slow one whose daemon is honest: its worker
+  sleeps, its daemon times it) is charged that, and its honest neighbour only its own: the slow one
+  loses the route, the neighbour keeps its figure;
+- a stage saying less than it took cannot lower its figure: what it hid is the residual, charged to
+  it too (its figure is at least what the asker's clock leaves it, less the allowance);
+- nor raise an honest neighbour's past what the asker's clock allows: the neighbour is charged its
+  own word plus the residual, at most the token's time less the links (what a route's time charged a
+  stage before receipts were timed).
+Why the residual is charged to every stage, not the one that hid it: on a ring every stage (and the
+asker) sees one period per token, the whole loop, each on its own clock. A stage can time only its
+own hold; what a neighbour sees of it (the time from sending its rows to the next token's coming
+back) is the whole loop less the neighbour's hold, so a stage that shrinks its hold and grows its
+wait to match says exactly what an honest stage beside it says: no one ask, nor its receipts, can
+say which of the two hid the time. Asks over other routes can: a reporter's figure is the median of
+its last asks, so an honest stage whose later asks go over routes without the liar sheds the charge,
+where the liar carries it on every route it is on.
+
+Without timed receipts (an unverified ask, the daemons' path: `attribute`) a stage is charged what
+is left of a token once the links, the allowance and every other stage at the figures the tracker
+measured itself are taken off: every stage of a slow route is charged its wait, a stage beside the
+slow one too, until its figure ages out.
+
+Why the asker's clock, and no stage's, bounds a stage: what a stage says of itself counts only as far
+as the others and the asker's wait bear it out (a slow stage would say it is fast), and only the
+asker, and the tracker that planned the route, know the whole route.
 
 Whose word counts (`TrafficBook`):
 - a stage's report about itself never;
 - a member's only where the mesh sees weight behind it (the tracker placed it, or it has credit:
   the shell's `weighs`), so free identities report nothing that counts;
 - a reporter's figure for a stage is the median of its last `samples` reports, and the stage's the
-  median over reporters, counted once `quorum` reporters (3) say something: one reporter, however
-  many reports it sends, moves no figure, whether it says a stage is slow (framing an honest one)
-  or fast (shielding a slow one). With two, either one would win one side of the median. The
-  tracker's own asks are first-hand, as its probes are: its figure counts alone and wins;
+  lower median over reporters, counted once `quorum` reporters (2) say something: one reporter,
+  however many reports it sends, moves no figure, whether it says a stage is slow (framing an honest
+  one) or fast (shielding a slow one). Of two the lower counts: framing takes both (as it takes two
+  of three, or three of four, since the lower median is never an upper outlier), and one can shield
+  a slow stage only until a third reports, where a quorum of three counted nothing at all before it:
+  so a mesh whose members ask through two weighted members (beside the tracker) has figures too.
+  The tracker's own asks are first-hand, as its probes are: its figure counts alone and wins;
 - reports are rate-limited per reporter (a token bucket), and every book is bounded (oldest out);
 - a figure ages out `ttl` after its last report: a stage that routes now avoid gets no reports, and
   counts at its probe figure again after that (a stage briefly slow, or framed, is not out for good).
@@ -57,8 +81,8 @@ MIN_TRAFFIC_TOKENS = 4
 class TrafficConfig:
     # reports of one stage by one reporter whose median is that reporter's figure
     samples: int = 8
-    # reporters (other than the tracker itself) a stage's figure needs
-    quorum: int = 3
+    # reporters (other than the tracker itself) a stage's figure needs (their lower median counts)
+    quorum: int = 2
     # a reporter's figure is forgotten this long after its last report
     ttl: float = 600.0
     # reports a reporter may send: `rate` a second, `burst` at once (an ask makes one)
@@ -173,11 +197,24 @@ def attribute(stages: Sequence[tuple[str, int]], seconds_per_token: float, links
     return out
 
 
+def attribute_own(stages: Sequence[tuple[str, int, float]], seconds_per_token: float, links: float,
+                  allowance: float) -> dict[str, float]:
+    """Each stage's seconds per layer as one report of its route says where every stage's own time is in:
+    its own seconds per token, plus what the token took past every stage's own, the `links` and the
+    `allowance` (the residual, charged to each stage: one ask cannot say whose it was), at most what
+    the token took less the links, over its layers. `stages`: (node id, layers, own seconds per token)
+    in route order."""
+    left = max(0.0, seconds_per_token - links)
+    residual = max(0.0, left - allowance - sum(own for _, _, own in stages))
+    return {node_id: min(own + residual, left) / layers for node_id, layers, own in stages if layers > 0}
+
+
 def route_charges(report: TrafficReport, placed: Mapping[str, Collection[tuple[int, int]]] | None, n_layers: int,
                   hop: Callable[[str, str], float], reference: Callable[[str], float]) -> dict[str, float] | None:
-    """Each stage's seconds per layer by one report (`attribute`), its links every hop of the ring (the
-    tail's token to the head included) at `hop`'s cost, plus `TRAFFIC_ALLOWANCE`; None where the
-    report's stages are no route over `n_layers` of ranges `placed` (node id: its placed ranges)."""
+    """Each stage's seconds per layer by one report (`attribute_own` where every stage's own time is in,
+    else `attribute`), its links every hop of the ring (the tail's token to the head included) at
+    `hop`'s cost, plus `TRAFFIC_ALLOWANCE`; None where the report's stages are no route over `n_layers`
+    of ranges `placed` (node id: its placed ranges)."""
     at, nodes = 0, []
     for s in report.stages:
         if placed is None or s.start != at or (s.start, s.end) not in placed.get(s.node_id, ()):
@@ -187,5 +224,9 @@ def route_charges(report: TrafficReport, placed: Mapping[str, Collection[tuple[i
     if at != n_layers or len(set(nodes)) != len(nodes):
         return None
     links = sum(hop(a, b) for a, b in zip(nodes, nodes[1:] + nodes[:1], strict=True)) if len(nodes) > 1 else 0.0
+    owns = [s.own for s in report.stages]
+    if all(own is not None for own in owns):
+        return attribute_own([(s.node_id, s.end - s.start, s.own or 0.0) for s in report.stages],
+                             report.seconds_per_token, links, TRAFFIC_ALLOWANCE)
     return attribute([(s.node_id, s.end - s.start) for s in report.stages], report.seconds_per_token,
                      links + TRAFFIC_ALLOWANCE, reference)

@@ -180,7 +180,7 @@ class FastPath:
             state.fail(session, ProtocolError(code, str(event.get("message"))))
         elif event.get("ev") == "span":
             self.signing.sign_span(session, int(event["pos"]), int(event["n"]), bytes(event["h_in"]),
-                                   bytes(event["h_out"]))
+                                   bytes(event["h_out"]), min(max(int(event["us"]), 0), (1 << 32) - 1))
         elif event.get("ev") == "token":
             if session.draft_length is not None and "drafted" in event:
                 # the worker drafts and verifies; Done reports its counts

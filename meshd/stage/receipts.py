@@ -47,15 +47,17 @@ class SessionReceipts:
     sampling: bytes = b""
     hist: bytes = field(default=b"")
 
-    def sign_wire(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes, h_prev: bytes = NO_PREV) -> bytes:
+    def sign_wire(self, pos: int, n_tokens: int, h_in: bytes, h_out: bytes, h_prev: bytes = NO_PREV,
+                  t_us: int = 0) -> bytes:
         """This step's receipt as it travels (``pack_chain``), after the receipt whose hash is ``h_prev``
-        (the last of the checked chain it extends; the first of a chain names NO_PREV)."""
+        (the last of the checked chain it extends; the first of a chain names NO_PREV), ``t_us`` this
+        stage's own time on its rows (0: not timed)."""
         if not self.hist:
             self.hist = history_start(self.model, self.layer_begin, self.layer_end, self.sampling)
         self.hist = history_next(self.hist, pos, n_tokens, h_in)
         s = self.signer
         return signed_wire(s.identity, self.session, self.epoch, self.model, pos, n_tokens, self.layer_begin,
-                           self.layer_end, h_in, h_out, self.hist, h_prev, s.public_key)
+                           self.layer_end, h_in, h_out, self.hist, h_prev, s.public_key, t_us)
 
     def extend(self, chain: PackedChain | None, pos: int, n_tokens: int, h_in: bytes, h_out: bytes,
                ) -> tuple[bytes, bytes]:

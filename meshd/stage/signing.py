@@ -75,16 +75,17 @@ class Signing:
             s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, s.asker_chain))
             s.asker_chain = None
 
-    def sign_span(self, session: Session, pos: int, n: int, h_in: bytes, h_out: bytes) -> None:
-        """Signs a fast session's span as its worker hashed it and sends it to the asker, this stage's
-        receipt alone: the asker checks that each stage's input is the one before's output."""
+    def sign_span(self, session: Session, pos: int, n: int, h_in: bytes, h_out: bytes, t_us: int) -> None:
+        """Signs a fast session's span as its worker hashed and timed it and sends it to the asker, this
+        stage's receipt alone: the asker checks that each stage's input is the one before's output, and
+        tells the tracker what each stage said its time was (meshd.mesh.traffic)."""
         receipts = session.receipts
         if receipts is None:
             return
         if self.state.report.has_output and not receipts.hist:
             receipts.sampling = sampling_bytes(session.open.sampling, session.book.prompt_len or 0)
         session.to_asker.send_nowait(receipts_message(session.book.id, session.book.epoch,
-                                                      receipts.sign_wire(pos, n, h_in, h_out)))
+                                                      receipts.sign_wire(pos, n, h_in, h_out, t_us=t_us)))
 
     def checked_chain(self, session: Session, msg: Activation, chain: tuple[str, bytes] | None,
                       ) -> tuple[bytes, PackedChain | None]:
