@@ -50,6 +50,7 @@ from wire.receipt import (
     sampling_bytes,
     unpack_chain,
 )
+from wire.sketch import PICK_K, Sketches, tokens_differ
 from wire.stage import (
     Inputs,
     InputsRequest,
@@ -88,6 +89,8 @@ class CheckPlan:
     # figures for the asker: steps compared on replicas, and checks run
     compared: int = 0
     checks: int = 0
+    # of those compared, how many on a replica of other numerics, within a tolerance (wire.sketch)
+    across: int = 0
 
 
 def replicas_of(route: Sequence[Stage], candidates: Sequence[Stage]) -> dict[int, list[Stage]]:
@@ -293,7 +296,12 @@ class RangeCheck:
                 self.replicas.pop(0)
                 continue
             self.plan.compared += len(self.inputs) - fed
+            if replica.cross:
+                self.plan.across += len(self.inputs) - fed
             if verdict is not None:
+                if replica.cross:
+                    # no third opinion in bytes across numerics: the tolerance is the asker's own judgement
+                    raise self.audit.lie_about(self.index, verdict.pos, replica.why)
                 await self.settle(replica.stage, verdict)
                 return False
             self.checked_until = until
@@ -373,24 +381,37 @@ class _Replay:
         # the replica gets the token ids with the rows only where the route's stage did: the head,
         # or layers that route by token id
         self.with_ids = with_ids
+        # a tail of other numerics than the route's (the audit whose tokens it checks within a tolerance,
+        # wire.sketch), its picks' sketches by position, and why it disagreed
+        self.cross: Audit | None = None
+        self.sketches: dict[int, bytes] = {}
+        self.why = ""
 
     @classmethod
     async def open(cls, peers: Peers, stage: Stage, audit: Audit, index: int, sampling: Sampling) -> _Replay:
         assert audit.prompt_len is not None
         mine = audit.result.route[index].numerics
+        # the planner names a replica's numerics where they are not the stage's: at the tail (whose picks the
+        # asker compares within a tolerance) it asks for sketches, only there and only then
+        cross = index == audit.tail and bool(mine) and stage.numerics not in ("", mine)
 
         def comparable(info: StageInfo) -> None:
             check_opened(stage, info)
-            check_numerics(mine, info)
+            if not cross:
+                check_numerics(mine, info)
 
         known = audit.result.prompt_tokens + audit.result.tokens
         tail = index == audit.tail
         opened = await open_check_session(peers, stage.address, stage.node_id, stage.model_digest, stage.layers,
                                           sampling, 1 << 20, known[:audit.prompt_len],
                                           f"replica {stage.address} opening a check session", comparable,
-                                          grammar=audit.grammar if tail else None, generated=audit.generated)
+                                          grammar=audit.grammar if tail else None, generated=audit.generated,
+                                          sketch=PICK_K if cross else 0)
         assert opened.hop is not None, "the asker feeds a replica it opened alone"
-        return cls(stage, opened, opened.hop, index == 0 or opened.info.needs_tokens)
+        replay = cls(stage, opened, opened.hop, index == 0 or opened.info.needs_tokens)
+        if cross and opened.info.numerics != mine:
+            replay.cross = audit
+        return replay
 
     async def feed(self, steps: Sequence[StepInput], original: Callable[[int], Receipt],
                    stop_at: int | None = None) -> Receipt | None:
@@ -416,13 +437,16 @@ class _Replay:
         answered: list[Receipt] = []
         for step in steps:
             if not answered:
-                msg = await self._next_receipt()
+                msg, sketches = await self._next_receipt()
                 try:
                     answered = list(unpack_chain(msg.chain, self.session, 0, self.model))
                 except ProtocolError:
                     answered = []
-                if not answered or msg.session != self.session:
+                if not answered or msg.session != self.session or (
+                        self.cross is not None and len(sketches) != len(answered)):
                     raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
+                if self.cross is not None:
+                    self.sketches.update((a.pos, sketch) for a, sketch in zip(answered, sketches, strict=True))
             r = answered.pop(0)
             if r.node_id != self.node_id or r.pos != step.pos:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
@@ -436,18 +460,39 @@ class _Replay:
                 if not r.verify():
                     raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
                 self.at[r.pos] = r
-                return r
+                # across numerics, other bits are no lie: only a token beyond the tolerance is
+                if self.cross is None or self._disallowed(r):
+                    return r
             self.at[r.pos] = r
             if stop_at is not None and r.pos >= stop_at:
                 return None
         return None
 
-    async def _next_receipt(self) -> Receipts:
+    def _disallowed(self, r: Receipt) -> bool:
+        """Across numerics: whether the route's tokens sampled in ``r``'s step are beyond what this replica's
+        picks allow (wire.sketch); ``why`` then says how."""
+        audit = self.cross
+        assert audit is not None and audit.prompt_len is not None
+        known = audit.result.prompt_tokens + audit.result.tokens
+        first = max(r.pos, audit.prompt_len - 1) + 1
+        verdict = tokens_differ(known[first:r.pos + r.n_tokens + 1], self.sketches.get(r.pos, b""))
+        if verdict is None:
+            return False
+        row, why = verdict
+        self.why = (f"its token after position {first - 1 + row} is not what a replica of other numerics "
+                    f"({self.check.info.numerics}) allows: {why}")
+        return True
+
+    async def _next_receipt(self) -> tuple[Receipts, list[bytes]]:
+        """The replica's next receipts, and (across numerics) the sketches that came just before them."""
+        sketches: list[bytes] = []
         while True:
             with trio.fail_after(60):
                 msg = await self.control.receive_message()
+            if isinstance(msg, Sketches) and self.cross is not None and msg.session == self.session:
+                sketches = msg.sketches
             if isinstance(msg, Receipts):
-                return msg
+                return msg, sketches
             if isinstance(msg, ErrorMessage):
                 raise error_from_message(msg)
 

@@ -55,17 +55,24 @@ def replicas_of(route: Sequence[StageOption], options: Sequence[StageOption], ex
         return record.numerics if record is not None else ""
 
     for stage in route:
-        # a replica of other numerics (another build or backend) would be skipped by the asker
+        # replicas of the stage's own numerics first: they compare bytes. One of other numerics (another
+        # build or backend) only at the tail, whose tokens the asker compares within a measured tolerance
+        # (wire.sketch; a range before it would need its downstream's rows too), and named as such
         mine = numerics(stage.node_id)
+        tail = stage is route[-1]
+
+        def other(o: StageOption, mine: str = mine) -> bool:
+            return bool(mine) and numerics(o.node_id) not in ("", mine)
+
         same = sorted((o for o in options if (o.start, o.end) == (stage.start, stage.end)
-                       and o.node_id not in on_route and o.node_id not in exclude
-                       and (not mine or numerics(o.node_id) in ("", mine))),
-                      key=lambda o: (o.compute_seconds, o.node_id))
+                       and o.node_id not in on_route and o.node_id not in exclude and (tail or not other(o))),
+                      key=lambda o: (other(o), o.compute_seconds, o.node_id))
         taken = 0
         for o in same:
             address = address_of(records[o.node_id]) if o.node_id in records else None
             if address is not None:
-                out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end))
+                out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end,
+                                      numerics=numerics(o.node_id) if other(o) else ""))
                 taken += 1
                 if taken == MAX_REPLICAS_PER_STAGE:
                     break
