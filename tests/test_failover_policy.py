@@ -380,6 +380,19 @@ async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_as
     again = tracker.route(MODEL.digest, (), dial)
     assert again.stages[0].node_id == stage.node_id and again.replicas is not None
     assert first.node_id not in {r.node_id for r in again.replicas if (r.start, r.end) == (stage.start, stage.end)}
+    # at the tail, whose tokens the asker compares within a tolerance across numerics (wire.sketch), it is
+    # one, named with its numerics
+    tail = again.stages[-1]
+    other = [r for r in again.replicas if (r.start, r.end) == (tail.start, tail.end)][0]
+    duties_by_id[tail.node_id].node.update_record(mesh.net.now, numerics="build-a/x86_64/cpu")
+    duties_by_id[other.node_id].node.update_record(mesh.net.now, numerics="build-a/x86_64/gpu")
+    mesh.run_until(mesh.net.now + 5.0)
+    third = tracker.route(MODEL.digest, (), dial)
+    assert third.stages[-1].node_id == tail.node_id and third.replicas is not None
+    named = {r.node_id: r.numerics for r in third.replicas if (r.start, r.end) == (tail.start, tail.end)}
+    assert named[other.node_id] == "build-a/x86_64/gpu"
+    assert route_from_reply(third)[-1].replicas is not None
+    assert {r.node_id: r.numerics for r in route_from_reply(third)[-1].replicas or ()} == named
 
     route = route_from_reply(reply)
     verifier = Verifier(None, find_route=no_route_requests)  # type: ignore[arg-type]

@@ -126,7 +126,8 @@ def tokens_differ(tokens: list[int], sketch: bytes, tolerance: float = TOKEN_TOL
         where = np.flatnonzero(ids[1:] == token)
         if not len(where):
             return row, f"token {token} is not among its {k} likeliest (it picked {int(ids[0])})"
-        gap = (lps[ids[1:] >= 0].max() - lps[where[0]]) / scale
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gap = (lps[ids[1:] >= 0].max() - lps[where[0]]) / scale
         # (a scale of 0, a NaN or an infinity is no leave to differ)
         if not (np.isfinite(gap) and gap <= tolerance):
             return row, f"token {token} is {gap:.3g} logit scales below its likeliest (tolerance {tolerance:g})"
