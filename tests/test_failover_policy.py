@@ -370,7 +370,8 @@ async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_as
     async def no_route_requests(excluded: list[str]) -> list[Stage]:
         raise AssertionError("the route named its replicas: no request before the first token")
 
-    # a member of other numerics (another build or backend) is no replica of a stage: its bytes differ
+    # a member of other numerics (another build or backend) is a stage's replica after those of its own, named
+    # with its numerics: the asker compares its sketches within a tolerance (wire.sketch), not its bytes
     stage = reply.stages[0]
     duties_by_id = {d.node_id: d for d in duties}
     first = [r for r in reply.replicas if (r.start, r.end) == (stage.start, stage.end)][0]
@@ -379,9 +380,10 @@ async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_as
     mesh.run_until(mesh.net.now + 5.0)
     again = tracker.route(MODEL.digest, (), dial)
     assert again.stages[0].node_id == stage.node_id and again.replicas is not None
-    assert first.node_id not in {r.node_id for r in again.replicas if (r.start, r.end) == (stage.start, stage.end)}
-    # at the tail, whose tokens the asker compares within a tolerance across numerics (wire.sketch), it is
-    # one, named with its numerics
+    mine = [r for r in again.replicas if (r.start, r.end) == (stage.start, stage.end)]
+    assert mine[-1].node_id == first.node_id and mine[-1].numerics == "build-a/x86_64/gpu"
+    assert all(r.numerics == "" for r in mine[:-1])
+    # the same at the tail, whose tokens the asker compares
     tail = again.stages[-1]
     other = [r for r in again.replicas if (r.start, r.end) == (tail.start, tail.end)][0]
     duties_by_id[tail.node_id].node.update_record(mesh.net.now, numerics="build-a/x86_64/cpu")

@@ -5,7 +5,8 @@ with no layer offloaded (the CPU's numerics), one with every layer on lavapipe. 
 so a spot check of one on the other compares the route's tokens with the replica's likeliest within the
 measured tolerance (wire.sketch), never bytes: verified at 1 in 1, an honest answer blames nobody over
 200 steps; a lavapipe stage that picks another token is caught by the CPU replica; and an answer that
-fails over from the CPU stage onto the lavapipe one says that it crossed numerics.
+fails over from the CPU stage onto the lavapipe one says that it crossed numerics. The same with the first
+half of the model's layers served on both, whose rows are compared with the next stage's kept inputs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 
@@ -124,3 +126,59 @@ async def test_a_cpu_and_a_lavapipe_replica_check_each_other(tiny_models: dict[s
                 assert 5 <= moved.crossed_numerics_at[0] <= len(moved.tokens)
                 assert "continued on other numerics after" in figures_line(moved)
                 assert verification(moved)["crossed_numerics_at"] == moved.crossed_numerics_at
+
+
+def negating_a_row(node: StageNode, at_call: int) -> None:
+    """An attacker before the tail: its ``at_call``-th engine call of a routed session (not a check
+    session's) sends its first row negated, and signs what it sends as an honest stage does."""
+    honest = node.service.batcher.dispatch
+    calls = [0]
+
+    def lying(batch: list[Any], reply: dict[str, Any], body: bytearray) -> None:
+        if any(not w.payload.session.open.check for w in batch):
+            calls[0] += 1
+            if calls[0] == at_call:
+                rows = np.frombuffer(body, dtype=np.float32)
+                rows[:node.service.report.stage_width] *= -1
+        honest(batch, reply, body)
+
+    node.service.batcher.dispatch = lying  # type: ignore[method-assign]
+
+
+async def test_a_range_before_the_tail_is_checked_across_numerics_on_the_next_stages_rows(
+        tiny_models: dict[str, Path]) -> None:
+    """The head's range on the CPU and on lavapipe: a replica of other numerics replays the route's inputs
+    and sketches its rows, which the asker compares with the rows the tail took in (its kept inputs)."""
+    limits = StageLimits(max_sessions=4, max_session_tokens=512)
+    async with AsyncExitStack() as stack:
+        head, head_vk, tail, tail2 = [await stack.enter_async_context(stage_node(
+            tiny_models["llama-gqa-tied"], layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5),
+            threads=1, gpu_layers=gpu)) for layers, gpu in (((0, 3), 0), ((0, 3), -1), ((3, 6), 0), ((3, 6), 0))]
+
+        def split(first: StageNode, other: StageNode) -> object:
+            async def find(excluded: list[str]) -> list[Stage]:
+                pick = first if first.peers.node_id not in excluded else other
+                return [stage_of(pick, named=False), stage_of(tail, named=False)]
+
+            return find
+
+        async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+            with trio.fail_after(ASK_DEADLINE):
+                request = AskRequest(text=PROMPTS[0], max_tokens=48)
+                plan = CheckPlan(every=1, candidates=[stage_of(head_vk), stage_of(tail2, named=False)])
+                verifier = Verifier(peers, plan)
+                honest = await ask_with_failover(peers, split(head, head_vk), request, verifier=verifier)
+                assert verifier.liars == set() and honest.epochs == 1, figures_line(honest)
+                assert honest.unverified == [] and honest.verified, [n.detail for n in honest.unverified]
+                # (the fast path's steps are spans: the head's range was compared across numerics on each)
+                assert 0 < plan.across < plan.compared
+
+                # the lavapipe head sends one row negated (its rows' receipts agree with what it sent): the CPU
+                # replica's sketch of that row does not allow it
+                negating_a_row(head_vk, at_call=12)
+                verifier = Verifier(peers, CheckPlan(every=1, candidates=[stage_of(head), stage_of(tail2, named=False)]))
+                caught = await ask_with_failover(peers, split(head_vk, head), replace(request, fast=False),
+                                                 verifier=verifier)
+                assert verifier.liars == {head_vk.peers.node_id} and not verifier.proofs, figures_line(caught)
+                assert caught.epochs == 2 and caught.tokens == honest.tokens
+                del head_vk.service.batcher.dispatch

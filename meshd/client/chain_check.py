@@ -31,7 +31,7 @@ from meshd.client.ask import CacheDoubted
 from meshd.client.audit import Audit
 from meshd.client.check_session import CheckSession, open_check_session
 from meshd.client.route import Stage
-from meshd.client.verify import CheckPlan, Inbox, RangeCheck, check_numerics, failure_of, run_drawn
+from meshd.client.verify import CheckPlan, Inbox, KeptInputs, RangeCheck, check_numerics, failure_of, run_drawn
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, error_from_message
@@ -283,7 +283,9 @@ class ChainCheck:
                                   Proof(kind="equivocation", culprit=mine, witnesses=[theirs]))
         # a replica against the route's stage: its inputs fetched from it, a third node decides
         index = link.index
-        settle = RangeCheck(self.peers, audit, index, self.streams[index], self.inboxes.get(index),
+        stream, inbox = self.streams[index], self.inboxes.get(index)
+        source = KeptInputs(audit, index, stream, inbox, self.plan) if stream is not None and inbox is not None else None
+        settle = RangeCheck(self.peers, audit, index, source,
                             [link.stage, *[r for r in self.replicas.get(index, []) if r is not link.stage]],
                             self.sampling, self.plan)
         if not await settle.fetch(pos + mine.n_tokens):

@@ -55,17 +55,16 @@ def replicas_of(route: Sequence[StageOption], options: Sequence[StageOption], ex
         return record.numerics if record is not None else ""
 
     for stage in route:
-        # replicas of the stage's own numerics first: they compare bytes. One of other numerics (another
-        # build or backend) only at the tail, whose tokens the asker compares within a measured tolerance
-        # (wire.sketch; a range before it would need its downstream's rows too), and named as such
+        # replicas of the stage's own numerics first: they compare bytes. Then those of other numerics
+        # (another build or backend), named as such: the asker compares their sketches within a measured
+        # tolerance (wire.sketch)
         mine = numerics(stage.node_id)
-        tail = stage is route[-1]
 
         def other(o: StageOption, mine: str = mine) -> bool:
             return bool(mine) and numerics(o.node_id) not in ("", mine)
 
         same = sorted((o for o in options if (o.start, o.end) == (stage.start, stage.end)
-                       and o.node_id not in on_route and o.node_id not in exclude and (tail or not other(o))),
+                       and o.node_id not in on_route and o.node_id not in exclude),
                       key=lambda o: (other(o), o.compute_seconds, o.node_id))
         taken = 0
         for o in same:
