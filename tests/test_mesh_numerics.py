@@ -151,9 +151,10 @@ async def test_a_range_before_the_tail_is_checked_across_numerics_on_the_next_st
     and sketches its rows, which the asker compares with the rows the tail took in (its kept inputs)."""
     limits = StageLimits(max_sessions=4, max_session_tokens=512)
     async with AsyncExitStack() as stack:
-        head, head_vk, tail, tail2 = [await stack.enter_async_context(stage_node(
+        head, head_vk, head2, tail, tail2 = [await stack.enter_async_context(stage_node(
             tiny_models["llama-gqa-tied"], layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5),
-            threads=1, gpu_layers=gpu)) for layers, gpu in (((0, 3), 0), ((0, 3), -1), ((3, 6), 0), ((3, 6), 0))]
+            threads=1, gpu_layers=gpu)) for layers, gpu in (((0, 3), 0), ((0, 3), -1), ((0, 3), 0), ((3, 6), 0),
+                                                            ((3, 6), 0))]
 
         def split(first: StageNode, other: StageNode) -> object:
             async def find(excluded: list[str]) -> list[Stage]:
@@ -182,3 +183,20 @@ async def test_a_range_before_the_tail_is_checked_across_numerics_on_the_next_st
                 assert verifier.liars == {head_vk.peers.node_id} and not verifier.proofs, figures_line(caught)
                 assert caught.epochs == 2 and caught.tokens == honest.tokens
                 del head_vk.service.batcher.dispatch
+
+                # the lavapipe replica frames the honest CPU head (its check sessions' rows, and their sketches,
+                # negated): a third node of the head's own numerics sides with it by bytes, so nobody is blamed
+                # and the replica checks no more
+                honest_receipt = head_vk.service.signing.check_receipt
+
+                def framing(s: Any, w: Any, out: np.ndarray) -> None:
+                    honest_receipt(s, w, -out)
+
+                head_vk.service.signing.check_receipt = framing  # type: ignore[method-assign]
+                verifier = Verifier(peers, CheckPlan(every=1, candidates=[stage_of(head_vk), stage_of(head2, named=False),
+                                                                          stage_of(tail2, named=False)]))
+                framed = await ask_with_failover(peers, split(head, head_vk), request, verifier=verifier)
+                assert verifier.liars == set() and framed.epochs == 1 and framed.tokens == honest.tokens
+                (note,) = framed.unverified
+                assert "of other numerics disagreed with the route and a third node" in note.detail, note
+                del head_vk.service.signing.check_receipt

@@ -359,9 +359,9 @@ class RangeCheck:
                 self.plan.across += len(self.inputs) - fed
             if verdict is not None:
                 if replica.cross:
-                    # no third opinion in bytes across numerics: the tolerance is the asker's own judgement
-                    raise self.audit.lie_about(self.index, verdict.pos, replica.why)
-                await self.settle(replica.stage, verdict)
+                    await self.settle_across(replica.stage, replica.why, verdict)
+                else:
+                    await self.settle(replica.stage, verdict)
                 return False
             self.checked_until = until
             return True
@@ -404,6 +404,36 @@ class RangeCheck:
             return
         raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} differs from a "
                                                              f"replica's (no third node to settle it)")
+
+
+    async def settle_across(self, replica: Stage, why: str, mismatch: Receipt) -> None:
+        """A replica of other numerics found the stage's output at one step beyond the tolerance (``why``):
+        a third node of the stage's own numerics, fed the inputs fetched so far, decides by bytes. Either
+        way no proof: a tolerance across numerics is the asker's judgement, not bytes any node can check."""
+        mine = self.audit.result.route[self.index].numerics
+        original = self._original(mismatch.pos)
+        for third_stage in self.replicas:
+            if third_stage is replica or third_stage.numerics not in ("", mine):
+                continue
+            third = await self._start(third_stage)
+            if third is None:
+                continue
+            try:
+                await third.feed([s for s in self.inputs if s.pos <= mismatch.pos], self._original, stop_at=mismatch.pos)
+            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    trio.EndOfChannel) as exc:
+                log.info("third node %s for a spot check failed: %s", third_stage.address, exc)
+                continue
+            opinion = third.at.get(mismatch.pos)
+            if opinion is None:
+                continue
+            if opinion.h_out == original.h_out:
+                log.info("replica %s of other numerics disagreed with the route and a third node: not trusted for "
+                         "checks", replica.address)
+                self.stopped = f"its replica {replica.address} of other numerics disagreed with the route and a third node"
+                return
+            raise self.audit.lie_about(self.index, mismatch.pos, f"{why}, and a third node's output differs too")
+        raise self.audit.lie_about(self.index, mismatch.pos, f"{why} (no third node of its numerics to settle it)")
 
 
 def check_numerics(mine: str, info: StageInfo) -> None:
