@@ -26,12 +26,12 @@ and 36 of SmolLM2-135M Q4_1:
   (SmolLM2, whose few huge entries, 500x the median, are most of its norm);
 * picks, the greedy token's gap below the replica's likeliest: on the tiny models no token differed
   (logits at most 0.0027 of their standard deviation apart); SmolLM2's tail range picked another token
-  in 5 of 24 steps, at most 0.075 standard deviations below the likeliest (single logits up to 0.46
-  apart, whose Q4_1 matmuls lavapipe accumulates otherwise); the next token id instead of the pick
-  lay 0.25 (tiny) and 0.45 (SmolLM2) standard deviations below it at the least.
+  in 4 of 25 sampled rows, at most 0.044 standard deviations below the likeliest (single logits up to
+  0.46 apart: lavapipe sums its Q4_1 matmuls otherwise); the next token id instead of the pick lay
+  0.25 (tiny) and 0.68 (SmolLM2) standard deviations below it at the least.
 So ``ROW_TOLERANCE`` is 3.8x the largest honest error and 2.7x below the smallest lie (noise is caught
-from 25-42% of the row's norm, about the distance to another position's row); ``TOKEN_TOLERANCE`` is 2.7x
-SmolLM2's largest honest gap.
+from 25-42% of the row's norm, about the distance to another position's row); ``TOKEN_TOLERANCE`` is 4.5x
+SmolLM2's largest honest gap and below every next-token lie measured.
 """
 
 from __future__ import annotations
