@@ -352,6 +352,27 @@ def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive
     assert refused.value.code is ErrorCode.NOT_FOUND
 
 
+def test_a_failover_keeps_the_range_it_replaces_on_the_numerics_it_was_computed_with() -> None:
+    duties, tracker, mesh = six_members()
+    route = tracker.route(MODEL.digest, (), dial)
+    stage = route.stages[-1]
+    # where the tail goes when its member is routed around, with every member of one numerics
+    cheapest = tracker.route(MODEL.digest, [stage.node_id], dial).stages[-1]
+    same = next(d for d in duties if d.node_id not in (stage.node_id, cheapest.node_id) and any(
+        (sr.start, sr.end) == (stage.start, stage.end) for sr in d.node.record.served))
+    assert cheapest.node_id != stage.node_id and (cheapest.start, cheapest.end) == (stage.start, stage.end)
+    by_id = {d.node_id: d for d in duties}
+    for d in duties:
+        d.node.update_record(mesh.net.now, numerics="build-a/x86_64/gpu" if d.node_id == cheapest.node_id
+                             else "build-a/x86_64/cpu")
+    mesh.run_until(mesh.net.now + 5.0)
+    # the cheapest computes other last bits than the routed-around tail: one of the tail's own numerics is taken
+    moved = tracker.route(MODEL.digest, [stage.node_id], dial).stages[-1]
+    assert moved.node_id == same.node_id and by_id[moved.node_id].node.record.numerics == "build-a/x86_64/cpu"
+    # none of its numerics left: the cheapest of any
+    assert tracker.route(MODEL.digest, [stage.node_id, same.node_id], dial).stages[-1].node_id == cheapest.node_id
+
+
 async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_asks_no_more() -> None:
     duties, tracker, mesh = six_members()
     reply = tracker.route(MODEL.digest, (), dial)

@@ -78,6 +78,24 @@ def replicas_of(route: Sequence[StageOption], options: Sequence[StageOption], ex
     return out
 
 
+def same_numerics(options: Sequence[StageOption], routed_around: Iterable[CapabilityRecord],
+                  records: Mapping[str, CapabilityRecord], model: str) -> list[StageOption] | None:
+    """The options a failover's route tries first: on the layers each routed-around member served, only
+    members of its numerics (a replica of other numerics computes other last bits, and the answer so far
+    is its numerics'); None where no routed-around member said its numerics."""
+    held: list[tuple[int, int, str]] = [(s.start, s.end, r.numerics) for r in routed_around if r.numerics
+                                        for s in r.served if s.model == model]
+    if not held:
+        return None
+
+    def fits(o: StageOption) -> bool:
+        record = records.get(o.node_id)
+        theirs = record.numerics if record is not None else ""
+        return all(theirs == numerics for start, end, numerics in held if o.start < end and start < o.end)
+
+    return [o for o in options if fits(o)]
+
+
 def route_reply(info: ModelInfo, records: Mapping[str, CapabilityRecord], tries: Sequence[Sequence[StageOption]],
                 link_cost: Callable[[str | None, str], float], exclude: Collection[str], keep: RouteKey | None,
                 address_of: Callable[[CapabilityRecord], str | None],
