@@ -54,6 +54,8 @@ class FakeMesh:
     # what output verification says of every answer: checked on replicas, these ranges left unchecked
     checked: bool | None = True
     unchecked: list[Unchecked] = field(default_factory=list)
+    # where a failover carried every answer onto other numerics (after how many tokens)
+    crossed: list[int] = field(default_factory=list)
     # a chat template, as a head would report it: a chat ask is rendered with it (llama.cpp's common/chat,
     # for real), so its canned pieces are parsed into content, reasoning and tool calls as a mesh's are
     template: ChatTemplate | None = None
@@ -106,6 +108,7 @@ class FakeMesh:
             result.checked = self.checked
             for note in self.unchecked:
                 result.note_unchecked(note)
+            result.crossed_numerics_at.extend(self.crossed)
             return result
         except trio.Cancelled:
             self.cancelled += 1

@@ -374,6 +374,19 @@ async def test_whether_the_answer_was_verified_reaches_each_dialect_streamed_or_
         async with claude(front).messages.stream(model=NAME, max_tokens=8, messages=USER) as stream:
             deltas = [e for e in [e async for e in stream] if e.type == "message_delta"]
         assert [d.model_extra["meshd"] for d in deltas] == [field]
+        assert "x-meshd-crossed-numerics" not in chat.headers
+
+
+async def test_an_answer_that_crossed_numerics_says_so_in_each_dialect() -> None:
+    front = FrontDoor(FakeMesh(crossed=[3]))
+    chat = await oai(front).chat.completions.with_raw_response.create(model=NAME, messages=USER)
+    assert chat.headers["x-meshd-crossed-numerics"] == "3"
+    assert chat.parse().model_extra["meshd"]["crossed_numerics_at"] == [3]
+    message = await claude(front).messages.with_raw_response.create(model=NAME, max_tokens=8, messages=USER)
+    assert message.headers["x-meshd-crossed-numerics"] == "3"
+    # n choices: where any of them crossed
+    both = await oai(front).chat.completions.with_raw_response.create(model=NAME, messages=USER, n=2)
+    assert both.headers["x-meshd-crossed-numerics"] == "3"
 
 
 async def test_an_answer_ended_by_a_stages_session_budget_is_a_length_stop_in_each_dialect() -> None:

@@ -352,6 +352,27 @@ def test_the_trackers_route_honours_exclusions_of_members_swim_still_calls_alive
     assert refused.value.code is ErrorCode.NOT_FOUND
 
 
+def test_a_failover_keeps_the_range_it_replaces_on_the_numerics_it_was_computed_with() -> None:
+    duties, tracker, mesh = six_members()
+    route = tracker.route(MODEL.digest, (), dial)
+    stage = route.stages[-1]
+    # where the tail goes when its member is routed around, with every member of one numerics
+    cheapest = tracker.route(MODEL.digest, [stage.node_id], dial).stages[-1]
+    same = next(d for d in duties if d.node_id not in (stage.node_id, cheapest.node_id) and any(
+        (sr.start, sr.end) == (stage.start, stage.end) for sr in d.node.record.served))
+    assert cheapest.node_id != stage.node_id and (cheapest.start, cheapest.end) == (stage.start, stage.end)
+    by_id = {d.node_id: d for d in duties}
+    for d in duties:
+        d.node.update_record(mesh.net.now, numerics="build-a/x86_64/gpu" if d.node_id == cheapest.node_id
+                             else "build-a/x86_64/cpu")
+    mesh.run_until(mesh.net.now + 5.0)
+    # the cheapest computes other last bits than the routed-around tail: one of the tail's own numerics is taken
+    moved = tracker.route(MODEL.digest, [stage.node_id], dial).stages[-1]
+    assert moved.node_id == same.node_id and by_id[moved.node_id].node.record.numerics == "build-a/x86_64/cpu"
+    # none of its numerics left: the cheapest of any
+    assert tracker.route(MODEL.digest, [stage.node_id, same.node_id], dial).stages[-1].node_id == cheapest.node_id
+
+
 async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_asks_no_more() -> None:
     duties, tracker, mesh = six_members()
     reply = tracker.route(MODEL.digest, (), dial)
@@ -370,7 +391,8 @@ async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_as
     async def no_route_requests(excluded: list[str]) -> list[Stage]:
         raise AssertionError("the route named its replicas: no request before the first token")
 
-    # a member of other numerics (another build or backend) is no replica of a stage: its bytes differ
+    # a member of other numerics (another build or backend) is a stage's replica after those of its own, named
+    # with its numerics: the asker compares its sketches within a tolerance (wire.sketch), not its bytes
     stage = reply.stages[0]
     duties_by_id = {d.node_id: d for d in duties}
     first = [r for r in reply.replicas if (r.start, r.end) == (stage.start, stage.end)][0]
@@ -379,7 +401,21 @@ async def test_the_trackers_route_names_each_stages_replicas_and_the_verifier_as
     mesh.run_until(mesh.net.now + 5.0)
     again = tracker.route(MODEL.digest, (), dial)
     assert again.stages[0].node_id == stage.node_id and again.replicas is not None
-    assert first.node_id not in {r.node_id for r in again.replicas if (r.start, r.end) == (stage.start, stage.end)}
+    mine = [r for r in again.replicas if (r.start, r.end) == (stage.start, stage.end)]
+    assert mine[-1].node_id == first.node_id and mine[-1].numerics == "build-a/x86_64/gpu"
+    assert all(r.numerics == "" for r in mine[:-1])
+    # the same at the tail, whose tokens the asker compares
+    tail = again.stages[-1]
+    other = [r for r in again.replicas if (r.start, r.end) == (tail.start, tail.end)][0]
+    duties_by_id[tail.node_id].node.update_record(mesh.net.now, numerics="build-a/x86_64/cpu")
+    duties_by_id[other.node_id].node.update_record(mesh.net.now, numerics="build-a/x86_64/gpu")
+    mesh.run_until(mesh.net.now + 5.0)
+    third = tracker.route(MODEL.digest, (), dial)
+    assert third.stages[-1].node_id == tail.node_id and third.replicas is not None
+    named = {r.node_id: r.numerics for r in third.replicas if (r.start, r.end) == (tail.start, tail.end)}
+    assert named[other.node_id] == "build-a/x86_64/gpu"
+    assert route_from_reply(third)[-1].replicas is not None
+    assert {r.node_id: r.numerics for r in route_from_reply(third)[-1].replicas or ()} == named
 
     route = route_from_reply(reply)
     verifier = Verifier(None, find_route=no_route_requests)  # type: ignore[arg-type]

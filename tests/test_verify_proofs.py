@@ -18,7 +18,7 @@ from meshd.client.audit import Audit, StageLied, blamed
 from meshd.client.route import Stage
 from meshd.client.session import _watch_for_errors
 from meshd.client.verifier import Verifier
-from meshd.client.verify import CheckPlan, Draws
+from meshd.client.verify import CheckPlan, Draws, KeptInputs, RangeCheck
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer, chain_of, check_incoming
 from wire.codec import Message, decode, encode, error_message, protocol_limits
@@ -565,7 +565,10 @@ async def checked_middle(answer: Callable[[list[StepInput]], list[Inputs] | None
     verifier.begin("s1", 0, route, ids, 6, result, 3, [None, None, None], Sampling())
     inbox = verifier.inbox(1)
     assert inbox is not None and verifier.audit is not None
-    verifier._checks[0][0].stage_stream = FakeMiddleStage(kept, answer, inbox)  # type: ignore[assignment]
+    check = verifier._checks[0][0]
+    assert isinstance(check, RangeCheck)
+    check.source = KeptInputs(verifier.audit, 1, FakeMiddleStage(kept, answer, inbox),  # type: ignore[arg-type]
+                              verifier.inboxes[1], verifier.plan)
     lie = None
     try:
         async with trio.open_nursery() as nursery:

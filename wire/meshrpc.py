@@ -36,6 +36,9 @@ class RouteStage(WireModel):
     address: Address
     start: Layer
     end: Layer
+    # a replica's numerics fingerprint as its record says ("": the same as its stage's, or not known):
+    # the asker asks a replica of other numerics for sketches to compare within a tolerance (wire.sketch)
+    numerics: Text = ""
 
 
 class RouteRequest(Message, tag="route_request"):

@@ -18,6 +18,7 @@ from wire.codec import Limits, Message, WireModel, register_protocol
 from wire.credit import Voucher
 from wire.fastlink import KEY_BYTES, TOKEN_BYTES
 from wire.receipt import Chain
+from wire.sketch import MAX_SKETCH_K
 from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry
 from wire.types import MAX_TOKENS, Address, Digest, Epoch, Int32, Layer, NodeId, SessionId, Text, TokenId, Tokens
 
@@ -160,6 +161,9 @@ class Open(Message, tag="open"):
     # a check session (the asker's spot check on a replica): fed by its opener, no next stage;
     # each step's receipt goes back to the opener
     check: bool = False
+    # a check session across numerics fingerprints (wire.sketch): each receipt comes with a sketch of
+    # the step's output, its rows' ``sketch`` largest entries (at the tail: each pick's likeliest tokens)
+    sketch: int = Field(default=0, ge=0, le=MAX_SKETCH_K)
     # the fast path (wire.fastlink): the session's rows go from engine worker to engine worker on
     # connections of their own, not through the daemons; the asker asks for it on every stage of
     # a route whose hops are all direct, without receipts or speculation

@@ -31,12 +31,13 @@ from meshd.client.ask import CacheDoubted
 from meshd.client.audit import Audit
 from meshd.client.check_session import CheckSession, open_check_session
 from meshd.client.route import Stage
-from meshd.client.verify import CheckPlan, Inbox, RangeCheck, check_numerics, failure_of, run_drawn
+from meshd.client.verify import CheckPlan, Inbox, KeptInputs, RangeCheck, check_numerics, failure_of, run_drawn
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
 from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import Proof, Receipt, Receipts, unpack_chain
+from wire.sketch import PICK_K, Sketches, tokens_differ
 from wire.stage import PeerRef, Sampling, StageInfo, new_session_id
 from wire.tensors import encode_activation
 
@@ -61,6 +62,10 @@ class _Link:
     own: bool
     session: CheckSession
     at: dict[int, Receipt] = field(default_factory=dict)
+    # a replica of other numerics than the route's stage (the tail's alone): its picks' sketches by
+    # position, which the route's tokens are compared with within a tolerance (wire.sketch)
+    cross: bool = False
+    sketches: dict[int, bytes] = field(default_factory=dict)
     arrived: trio.Event = field(default_factory=trio.Event)
     # why its stream ended ("": it has not)
     failure: str = ""
@@ -149,9 +154,12 @@ class ChainCheck:
     async def _open_link(self, index: int, session: str, stage: Stage, own: bool, prompt: list[int],
                          upstream: str | None, after: _Link | None) -> _Link:
         mine = self.audit.result.route[index].numerics
+        # the planner names a replica's numerics where they are not the stage's: at the tail (whose picks
+        # the asker compares within a tolerance) it asks for sketches, only there and only then
+        cross = not own and index == self.audit.tail and bool(mine) and stage.numerics not in ("", mine)
 
         def comparable(info: StageInfo) -> None:
-            if not own:
+            if not own and not cross:
                 check_numerics(mine, info)
 
         try:
@@ -160,26 +168,38 @@ class ChainCheck:
                 prompt, f"a chained check of range {index} on {stage.address}", comparable, session=session,
                 upstream=upstream,
                 next_stage=None if after is None else PeerRef(address=after.stage.address,
-                                                              node_id=after.session.info.node_id))
+                                                              node_id=after.session.info.node_id),
+                sketch=PICK_K if cross else 0)
         except (ProtocolError, trio.BrokenResourceError, trio.EndOfChannel) as exc:
             log.info("a chained check of range %d on %s: %s", index, stage.address, exc)
             raise _LinkFailed(index, stage, own, f"{stage.address}: {failure_of(exc)}") from None
-        return _Link(index, stage, own, opened)
+        return _Link(index, stage, own, opened, cross=cross and opened.info.numerics != mine)
 
     async def _receive(self, link: _Link) -> None:
         """A link's receipts as they come (a message for the spans fed together), by position."""
         control = link.session.control
+        # across numerics, the sketches of the receipts that come next
+        sketches: list[bytes] = []
         try:
             while True:
                 msg = await control.receive_message()
                 if isinstance(msg, ErrorMessage):
                     raise error_from_message(msg)
+                if isinstance(msg, Sketches) and link.cross and msg.session == link.session.session:
+                    sketches = msg.sketches
+                    continue
                 if not isinstance(msg, Receipts) or msg.session != link.session.session:
                     continue
-                for r in unpack_chain(msg.chain, link.session.session, 0, link.session.info.model_digest):
+                receipts = unpack_chain(msg.chain, link.session.session, 0, link.session.info.model_digest)
+                if link.cross and len(sketches) != len(receipts):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, "receipts without their sketches")
+                for k, r in enumerate(receipts):
                     if r.node_id != link.session.info.node_id or len(link.at) >= MAX_HELD:
                         raise ProtocolError(ErrorCode.BAD_REQUEST, "a receipt not its own, or too many")
                     link.at[r.pos] = r
+                    if link.cross:
+                        link.sketches[r.pos] = sketches[k]
+                sketches = []
                 link.arrived.set()
                 link.arrived = trio.Event()
         except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -228,6 +248,7 @@ class ChainCheck:
                     self.stopped = verdict
                     return False
             self.plan.compared += 1
+            self.plan.across += any(link.cross for link in self.links)
             self.checked_until = pos + audit.by_stage[0][pos].n_tokens
         return True
 
@@ -254,19 +275,44 @@ class ChainCheck:
             return None
         if not theirs.verify():
             return f"the chain's link {link.stage.address} sent a receipt with a bad signature"
+        # across numerics, other bits are no lie: only a token beyond the tolerance is
+        why = self._picks_differ(link, pos) if link.cross else None
+        if link.cross and why is None:
+            return None
         if link.own:
             # one node, two outputs signed for one step: anyone can check that
             raise audit.lie_about(link.index, pos, f"it signed two outputs of the step at {pos}",
                                   Proof(kind="equivocation", culprit=mine, witnesses=[theirs]))
         # a replica against the route's stage: its inputs fetched from it, a third node decides
         index = link.index
-        settle = RangeCheck(self.peers, audit, index, self.streams[index], self.inboxes.get(index),
+        stream, inbox = self.streams[index], self.inboxes.get(index)
+        source = KeptInputs(audit, index, stream, inbox, self.plan) if stream is not None and inbox is not None else None
+        settle = RangeCheck(self.peers, audit, index, source,
                             [link.stage, *[r for r in self.replicas.get(index, []) if r is not link.stage]],
                             self.sampling, self.plan)
         if not await settle.fetch(pos + mine.n_tokens):
             return "its stage ended the session before it handed over the inputs to settle a mismatch"
-        await settle.settle(link.stage, theirs)
+        if why is not None:
+            await settle.settle_across(link.stage, why, theirs)
+        else:
+            await settle.settle(link.stage, theirs)
         return settle.stopped or "a mismatch was settled against the replica"
+
+    def _picks_differ(self, link: _Link, pos: int) -> str | None:
+        """A tail replica of other numerics picked other tokens than the route's in the span at ``pos``: each
+        of the route's must be near enough to the replica's likeliest (wire.sketch); how one is not, or None."""
+        audit = self.audit
+        assert audit.prompt_len is not None
+        mine = audit.by_stage[link.index][pos]
+        known = audit.result.prompt_tokens + audit.result.tokens
+        tokens = known[max(pos, audit.prompt_len - 1) + 1:pos + mine.n_tokens + 1]
+        verdict = tokens_differ(tokens, link.sketches.get(pos, b""))
+        if verdict is None:
+            return None
+        row, why = verdict
+        at = max(pos, audit.prompt_len - 1) + row
+        return f"its token after position {at} is not what a replica of other numerics " \
+               f"({link.session.info.numerics}) allows: {why}"
 
 
 # a chain whose link fails is opened again around it at most this many times

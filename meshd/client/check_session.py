@@ -55,7 +55,7 @@ async def open_check_session(peers: Peers, address: str, node_id: str | None, mo
                              prompt_ids: Sequence[int], what: str,
                              check: Callable[[StageInfo], None], session: str | None = None,
                              upstream: str | None = None, next_stage: PeerRef | None = None,
-                             grammar: Grammar | None = None, generated: int = 0) -> CheckSession:
+                             grammar: Grammar | None = None, generated: int = 0, sketch: int = 0) -> CheckSession:
     """Opens a check session on the stage at ``address`` for a prompt of ``prompt_ids``. ``check``
     sees the stage's own account before anything more is sent and may refuse it (a ProtocolError):
     the session is then released, as on any failure here. A tail after the head gets the prompt's
@@ -63,7 +63,8 @@ async def open_check_session(peers: Peers, address: str, node_id: str | None, mo
     ``grammar`` gets it with the ids (a whole-model tail too), the last ``generated`` of which it reads
     first. In a chain, the node
     ``upstream`` feeds it (else the opener does, on a hop stream opened here) and it sends its rows
-    on to ``next_stage``, whose link of the chain is open by then."""
+    on to ``next_stage``, whose link of the chain is open by then. With ``sketch`` each receipt comes
+    with a sketch of its step's output (a replica of other numerics: wire.sketch)."""
     control = await peers.open_stream(address, STAGE_PROTOCOL, node_id=node_id)
     session = session or new_session_id()
     hop: Stream | None = None
@@ -72,7 +73,7 @@ async def open_check_session(peers: Peers, address: str, node_id: str | None, mo
         reply = await rpc.request(control, Open(
             session=session, epoch=0, model_digest=model, layer_begin=begin, layer_end=end, next=next_stage,
             upstream=upstream or peers.node_id, sampling=sampling, max_tokens=max_tokens, receipts=True,
-            check=True), Opened, what)
+            check=True, sketch=sketch), Opened, what)
         info = reply.info
         check(info)
         head = info.layer_begin == 0

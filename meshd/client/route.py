@@ -32,6 +32,8 @@ class Stage:
     # other members serving exactly these layers, as the route's planner named them for spot checks
     # (None: it did not say, and the verifier asks for routes around the stage to find some)
     replicas: tuple[Stage, ...] | None = None
+    # its numerics fingerprint as the planner named it ("": not named, or the same as the stage it replicates)
+    numerics: str = ""
 
 
 def route_at(addresses: Sequence[str]) -> list[Stage]:
@@ -45,7 +47,7 @@ def route_from_reply(reply: RouteReply) -> list[Stage]:
     def replicas(s: RouteStage) -> tuple[Stage, ...] | None:
         if reply.replicas is None:
             return None
-        return tuple(Stage(r.address, r.node_id, reply.model, (r.start, r.end)) for r in reply.replicas
+        return tuple(Stage(r.address, r.node_id, reply.model, (r.start, r.end), numerics=r.numerics) for r in reply.replicas
                      if (r.start, r.end) == (s.start, s.end) and r.node_id != s.node_id)
 
     return [Stage(s.address, s.node_id, reply.model, (s.start, s.end), replicas(s)) for s in reply.stages]

@@ -20,7 +20,16 @@ from meshd.client.audit import Audit, SpanAudit, StageLied, blamed
 from meshd.client.chain_check import ChainCheck
 from meshd.client.route import RouteFinder, Stage
 from meshd.client.served import Served, served_work
-from meshd.client.verify import MAX_PROOFS, REPLICAS_WANTED, CheckPlan, Draws, Inbox, RangeCheck, replicas_of
+from meshd.client.verify import (
+    MAX_PROOFS,
+    REPLICAS_WANTED,
+    CheckPlan,
+    Draws,
+    Inbox,
+    KeptInputs,
+    RangeCheck,
+    replicas_of,
+)
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
 from wire.errors import ProtocolError
@@ -102,18 +111,26 @@ class Verifier:
         candidates = [c for c in self.plan.candidates if c.node_id not in avoid]
         self.replicas = replicas_of(route, candidates) if self.plan.every > 0 else {}
         # on the fast path one chain of replicas checks every range (meshd.client.chain_check), where no
-        # range routes by token id (their ids would have to ride the chain too)
-        chained = fast and not any(info.needs_tokens for info in result.route)
+        # range routes by token id (their ids would have to ride the chain too) and no range before the
+        # tail is to be checked on a replica of other numerics (it replays the route's own inputs, and
+        # its sketches are compared with the next stage's: wire.sketch)
+        tail = len(route) - 1
+        across = any(replicas[0].numerics for i, replicas in self.replicas.items() if i != tail)
+        chained = fast and not across and not any(info.needs_tokens for info in result.route)
         self.chained = chained
-        self.inboxes = {i: Inbox() for i in (range(1, len(route)) if chained else self.replicas) if i > 0}
+        # (a range's inputs, and the next stage's, which are its outputs)
+        kept = range(1, len(route)) if chained else {j for i in self.replicas for j in (i, i + 1) if 0 < j <= tail}
+        self.inboxes = {i: Inbox() for i in kept}
+        sources = {i: KeptInputs(self.audit, i, stream, self.inboxes[i], self.plan)
+                   for i in self.inboxes if (stream := streams[i]) is not None}
         self._done = trio.Event()
         self._failed = False
         self._checks = []
         if self.replicas:
             checks: list[RangeCheck | ChainCheck] = [
                 ChainCheck(self.peers, self.audit, route, self.replicas, streams, self.inboxes, sampling, self.plan)
-            ] if chained else [RangeCheck(self.peers, self.audit, index, streams[index], self.inboxes.get(index),
-                                          replicas, sampling, self.plan) for index, replicas in self.replicas.items()]
+            ] if chained else [RangeCheck(self.peers, self.audit, index, sources.get(index), replicas, sampling,
+                                          self.plan, sources.get(index + 1)) for index, replicas in self.replicas.items()]
             for check in checks:
                 send, receive = trio.open_memory_channel[int](math.inf)
                 self.audit.on_step.append(Draws(send, self.plan))

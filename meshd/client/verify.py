@@ -31,6 +31,7 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import trio
 
 from meshd.client.audit import Audit, StageLied
@@ -50,6 +51,7 @@ from wire.receipt import (
     sampling_bytes,
     unpack_chain,
 )
+from wire.sketch import PICK_K, ROW_K, ROW_TOLERANCE, Sketches, rows_differ, tokens_differ
 from wire.stage import (
     Inputs,
     InputsRequest,
@@ -88,6 +90,8 @@ class CheckPlan:
     # figures for the asker: steps compared on replicas, and checks run
     compared: int = 0
     checks: int = 0
+    # of those compared, how many on a replica of other numerics, within a tolerance (wire.sketch)
+    across: int = 0
 
 
 def replicas_of(route: Sequence[Stage], candidates: Sequence[Stage]) -> dict[int, list[Stage]]:
@@ -147,17 +151,108 @@ class Inbox:
         self.send, self.receive = trio.open_memory_channel[Inputs](64)
 
 
-class RangeCheck:
-    """Spot checks of one range of the route on its replicas: inputs from the stage under check,
-    replayed on a replica's check session, receipts compared step by step."""
+class KeptInputs:
+    """The inputs a stage past the head kept of its steps, fetched from it as checks need them, each
+    checked against its own signed h_in: the inputs of its range's check, and across numerics the
+    outputs of the range before it (the rows it took in are the ones that range signed out). A stage
+    forgets what it hands over, so every check that reads them reads them here."""
 
-    def __init__(self, peers: Peers, audit: Audit, index: int, stage_stream: Stream | None, inbox: Inbox | None,
-                 replicas: list[Stage], sampling: Sampling, plan: CheckPlan) -> None:
-        self.peers = peers
+    def __init__(self, audit: Audit, index: int, stage_stream: Stream, inbox: Inbox, plan: CheckPlan) -> None:
         self.audit = audit
         self.index = index
         self.stage_stream = stage_stream
         self.inbox = inbox
+        self.plan = plan
+        self.inputs: list[StepInput] = []
+        self._at: dict[int, StepInput] = {}
+        self.fed_until = 0
+        self._lock = trio.Lock()
+
+    def _original(self, pos: int) -> Receipt:
+        return self.audit.by_stage[self.index][pos]
+
+    async def fetch(self, until: int, checked_until: int) -> bool:
+        """The stage's inputs up to ``until``; False if it ended the session first (its stream's watcher
+        says so while the answer still streams: here the check just ends). A stage that withholds them
+        is not trusted from ``checked_until`` on (the check's last position that held)."""
+        async with self._lock:
+            if self.fed_until >= until:
+                return True
+            return await self._fetch(until, checked_until)
+
+    async def _fetch(self, until: int, checked_until: int) -> bool:
+        audit = self.audit
+        # the steps the stage signed receipts of and has not handed over yet: exactly these must come
+        wanted = sorted(p for p in audit.by_stage[self.index] if self.fed_until <= p < until)
+        # the request too: a stage that grants no credit for it stalls the check as surely as one that never answers
+        with trio.move_on_after(self._deadline(wanted)) as late:
+            try:
+                await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch,
+                                                                   until=until))
+            except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+            more = True
+            while more:
+                try:
+                    reply = await self.inbox.receive.receive()
+                except trio.EndOfChannel:
+                    return False
+                more = reply.more
+                for step in reply.steps:
+                    original = audit.by_stage[self.index].get(step.pos)
+                    if (original is None or step.tensor is None or step.pos != self._expected_pos()
+                            or step.pos >= until):
+                        raise self._withheld("it handed over inputs of steps its receipts do not sign, or out "
+                                             "of order", checked_until)
+                    if step.n_tokens != original.n_tokens or row_hash(step.tensor.data) != original.h_in:
+                        raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
+                    self.inputs.append(step)
+                    self._at[step.pos] = step
+        if late.cancelled_caught:
+            raise self._withheld(f"it did not hand over the inputs to check within {self._deadline(wanted):.3g} s",
+                                 checked_until)
+        if self._expected_pos() < until:
+            # an empty or short answer: steps it signed receipts of are kept from the check
+            missing = sum(p >= self._expected_pos() for p in wanted)
+            raise self._withheld(f"it withheld the inputs of {missing} step(s) its receipts sign", checked_until)
+        self.fed_until = until
+        return True
+
+    def rows(self, pos: int) -> np.ndarray | None:
+        """The rows the stage took in at the step at ``pos`` (the range before it signed them out), if fetched."""
+        step = self._at.get(pos)
+        if step is None or step.tensor is None:
+            return None
+        return np.asarray(step.tensor.to_array()).reshape(step.n_tokens, -1)
+
+    def _deadline(self, steps: Sequence[int]) -> float:
+        """How long the stage may take to hand over ``steps``' inputs: a round trip's allowance, and their
+        rows at a slow link's rate."""
+        rows = sum(self._original(p).n_tokens for p in steps)
+        width = self.audit.result.route[self.index - 1].stage_width if self.audit.result.route else 0
+        return self.plan.inputs_seconds + rows * width * 4 / INPUTS_RATE
+
+    def _withheld(self, reason: str, since: int) -> StageLied:
+        """A stage that keeps a check from its inputs has failed it: what it computed since the check's
+        last position that held is not trusted (no proof: what it withheld is not evidence anyone can check)."""
+        return StageLied(self.index, self.audit.node_ids[self.index], reason, pos=since)
+
+    def _expected_pos(self) -> int:
+        return 0 if not self.inputs else self.inputs[-1].pos + self.inputs[-1].n_tokens
+
+
+class RangeCheck:
+    """Spot checks of one range of the route on its replicas: inputs from the stage under check,
+    replayed on a replica's check session, receipts compared step by step (across numerics, the
+    replica's sketches with the route's outputs: the next stage's kept inputs, ``downstream``)."""
+
+    def __init__(self, peers: Peers, audit: Audit, index: int, source: KeptInputs | None, replicas: list[Stage],
+                 sampling: Sampling, plan: CheckPlan, downstream: KeptInputs | None = None) -> None:
+        self.peers = peers
+        self.audit = audit
+        self.index = index
+        self.source = source
+        self.downstream = downstream
         self.replicas = list(replicas)
         self.sampling = sampling
         self.plan = plan
@@ -184,8 +279,7 @@ class RangeCheck:
 
     async def fetch(self, until: int) -> bool:
         """The range's inputs up to ``until``, each checked against the stage's own signed h_in;
-        False if the stage ended the session first (its stream's watcher says so while the answer
-        still streams: here the check just ends)."""
+        False if the stage ended the session first."""
         audit = self.audit
         if self.index == 0:
             known = audit.result.prompt_tokens + audit.result.tokens
@@ -194,52 +288,14 @@ class RangeCheck:
                 self._take(StepInput(pos=pos, n_tokens=r.n_tokens, tokens=known[pos:pos + r.n_tokens]))
             self.fed_until = until
             return True
-        assert self.stage_stream is not None and self.inbox is not None
-        # the steps the stage signed receipts of and has not handed over yet: exactly these must come
-        wanted = sorted(p for p in audit.by_stage[self.index] if self.fed_until <= p < until)
-        # the request too: a stage that grants no credit for it stalls the check as surely as one that never answers
-        with trio.move_on_after(self._deadline(wanted)) as late:
-            try:
-                await self.stage_stream.send_message(InputsRequest(session=audit.session, epoch=audit.epoch,
-                                                                   until=until))
-            except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                return False
-            more = True
-            while more:
-                try:
-                    reply = await self.inbox.receive.receive()
-                except trio.EndOfChannel:
-                    return False
-                more = reply.more
-                for step in reply.steps:
-                    original = audit.by_stage[self.index].get(step.pos)
-                    if (original is None or step.tensor is None or step.pos != self._expected_pos()
-                            or step.pos >= until):
-                        raise self._withheld("it handed over inputs of steps its receipts do not sign, or out "
-                                             "of order")
-                    if step.n_tokens != original.n_tokens or row_hash(step.tensor.data) != original.h_in:
-                        raise audit.lie_about(self.index, step.pos, "it handed over other inputs than its receipts sign")
-                    self._take(step)
-        if late.cancelled_caught:
-            raise self._withheld(f"it did not hand over the inputs to check within {self._deadline(wanted):.3g} s")
-        if self._expected_pos() < until:
-            # an empty or short answer: steps it signed receipts of are kept from the check
-            missing = sum(p >= self._expected_pos() for p in wanted)
-            raise self._withheld(f"it withheld the inputs of {missing} step(s) its receipts sign")
+        assert self.source is not None
+        if not await self.source.fetch(until, self.checked_until):
+            return False
+        for step in self.source.inputs[len(self.inputs):]:
+            if step.pos < until:
+                self._take(step)
         self.fed_until = until
         return True
-
-    def _deadline(self, steps: Sequence[int]) -> float:
-        """How long the stage under check may take to hand over ``steps``' inputs: a round trip's
-        allowance, and their rows at a slow link's rate."""
-        rows = sum(self._original(p).n_tokens for p in steps)
-        width = self.audit.result.route[self.index - 1].stage_width if self.audit.result.route else 0
-        return self.plan.inputs_seconds + rows * width * 4 / INPUTS_RATE
-
-    def _withheld(self, reason: str) -> StageLied:
-        """A stage that keeps the check from its inputs has failed it: what it computed since its
-        last check is not trusted (no proof: what it withheld is not evidence anyone can check)."""
-        return StageLied(self.index, self.audit.node_ids[self.index], reason, pos=self.checked_until)
 
     def _take(self, step: StepInput) -> None:
         """One more input of the range; the stage's receipt of it must carry the history so far."""
@@ -280,6 +336,12 @@ class RangeCheck:
                     self.replicas.pop(0)
                     continue
             replica = self.replica
+            if replica.cross is not None and self.index != self.audit.tail:
+                # the route's outputs to compare the replica's sketches with: the next stage's inputs
+                assert self.downstream is not None
+                if not await self.downstream.fetch(until, self.checked_until):
+                    self.stopped = "the next stage ended the session before it handed over the rows to check"
+                    return False
             # a replica that took over from one that failed replays the range from its first step
             fed = replica.sent
             try:
@@ -293,8 +355,13 @@ class RangeCheck:
                 self.replicas.pop(0)
                 continue
             self.plan.compared += len(self.inputs) - fed
+            if replica.cross:
+                self.plan.across += len(self.inputs) - fed
             if verdict is not None:
-                await self.settle(replica.stage, verdict)
+                if replica.cross:
+                    await self.settle_across(replica.stage, replica.why, verdict)
+                else:
+                    await self.settle(replica.stage, verdict)
                 return False
             self.checked_until = until
             return True
@@ -303,7 +370,7 @@ class RangeCheck:
 
     async def _start(self, stage: Stage) -> _Replay | None:
         try:
-            replay = await _Replay.open(self.peers, stage, self.audit, self.index, self.sampling)
+            replay = await _Replay.open(self.peers, stage, self.audit, self.index, self.sampling, self.downstream)
         except (ProtocolError, trio.BrokenResourceError, trio.EndOfChannel) as exc:
             log.info("replica %s for a spot check: %s", stage.address, exc)
             self.failure = f"{stage.address}: {failure_of(exc)}"
@@ -337,6 +404,36 @@ class RangeCheck:
             return
         raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} differs from a "
                                                              f"replica's (no third node to settle it)")
+
+
+    async def settle_across(self, replica: Stage, why: str, mismatch: Receipt) -> None:
+        """A replica of other numerics found the stage's output at one step beyond the tolerance (``why``):
+        a third node of the stage's own numerics, fed the inputs fetched so far, decides by bytes. Either
+        way no proof: a tolerance across numerics is the asker's judgement, not bytes any node can check."""
+        mine = self.audit.result.route[self.index].numerics
+        original = self._original(mismatch.pos)
+        for third_stage in self.replicas:
+            if third_stage is replica or third_stage.numerics not in ("", mine):
+                continue
+            third = await self._start(third_stage)
+            if third is None:
+                continue
+            try:
+                await third.feed([s for s in self.inputs if s.pos <= mismatch.pos], self._original, stop_at=mismatch.pos)
+            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    trio.EndOfChannel) as exc:
+                log.info("third node %s for a spot check failed: %s", third_stage.address, exc)
+                continue
+            opinion = third.at.get(mismatch.pos)
+            if opinion is None:
+                continue
+            if opinion.h_out == original.h_out:
+                log.info("replica %s of other numerics disagreed with the route and a third node: not trusted for "
+                         "checks", replica.address)
+                self.stopped = f"its replica {replica.address} of other numerics disagreed with the route and a third node"
+                return
+            raise self.audit.lie_about(self.index, mismatch.pos, f"{why}, and a third node's output differs too")
+        raise self.audit.lie_about(self.index, mismatch.pos, f"{why} (no third node of its numerics to settle it)")
 
 
 def check_numerics(mine: str, info: StageInfo) -> None:
@@ -373,24 +470,40 @@ class _Replay:
         # the replica gets the token ids with the rows only where the route's stage did: the head,
         # or layers that route by token id
         self.with_ids = with_ids
+        # a replica of other numerics than the route's stage (the audit whose outputs it checks within a
+        # tolerance, wire.sketch: the next stage's inputs before the tail, ``downstream``, the tokens at it),
+        # its sketches by position, and why it disagreed
+        self.cross: Audit | None = None
+        self.downstream: KeptInputs | None = None
+        self.sketches: dict[int, bytes] = {}
+        self.why = ""
 
     @classmethod
-    async def open(cls, peers: Peers, stage: Stage, audit: Audit, index: int, sampling: Sampling) -> _Replay:
+    async def open(cls, peers: Peers, stage: Stage, audit: Audit, index: int, sampling: Sampling,
+                   downstream: KeptInputs | None = None) -> _Replay:
         assert audit.prompt_len is not None
         mine = audit.result.route[index].numerics
+        tail = index == audit.tail
+        # the planner names a replica's numerics where they are not the stage's: the asker then compares
+        # its sketches within a tolerance (before the tail with the next stage's inputs), only then
+        cross = (tail or downstream is not None) and bool(mine) and stage.numerics not in ("", mine)
 
         def comparable(info: StageInfo) -> None:
             check_opened(stage, info)
-            check_numerics(mine, info)
+            if not cross:
+                check_numerics(mine, info)
 
         known = audit.result.prompt_tokens + audit.result.tokens
-        tail = index == audit.tail
         opened = await open_check_session(peers, stage.address, stage.node_id, stage.model_digest, stage.layers,
                                           sampling, 1 << 20, known[:audit.prompt_len],
                                           f"replica {stage.address} opening a check session", comparable,
-                                          grammar=audit.grammar if tail else None, generated=audit.generated)
+                                          grammar=audit.grammar if tail else None, generated=audit.generated,
+                                          sketch=0 if not cross else PICK_K if tail else ROW_K)
         assert opened.hop is not None, "the asker feeds a replica it opened alone"
-        return cls(stage, opened, opened.hop, index == 0 or opened.info.needs_tokens)
+        replay = cls(stage, opened, opened.hop, index == 0 or opened.info.needs_tokens)
+        if cross and opened.info.numerics != mine:
+            replay.cross, replay.downstream = audit, None if tail else downstream
+        return replay
 
     async def feed(self, steps: Sequence[StepInput], original: Callable[[int], Receipt],
                    stop_at: int | None = None) -> Receipt | None:
@@ -416,13 +529,16 @@ class _Replay:
         answered: list[Receipt] = []
         for step in steps:
             if not answered:
-                msg = await self._next_receipt()
+                msg, sketches = await self._next_receipt()
                 try:
                     answered = list(unpack_chain(msg.chain, self.session, 0, self.model))
                 except ProtocolError:
                     answered = []
-                if not answered or msg.session != self.session:
+                if not answered or msg.session != self.session or (
+                        self.cross is not None and len(sketches) != len(answered)):
                     raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
+                if self.cross is not None:
+                    self.sketches.update((a.pos, sketch) for a, sketch in zip(answered, sketches, strict=True))
             r = answered.pop(0)
             if r.node_id != self.node_id or r.pos != step.pos:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
@@ -436,18 +552,53 @@ class _Replay:
                 if not r.verify():
                     raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad receipt")
                 self.at[r.pos] = r
-                return r
+                # across numerics, other bits are no lie: only a token beyond the tolerance is
+                if self.cross is None or self._disallowed(r):
+                    return r
             self.at[r.pos] = r
             if stop_at is not None and r.pos >= stop_at:
                 return None
         return None
 
-    async def _next_receipt(self) -> Receipts:
+    def _disallowed(self, r: Receipt) -> bool:
+        """Across numerics: whether the route's output at ``r``'s step is beyond what this replica's sketch
+        allows (wire.sketch); ``why`` then says how."""
+        audit = self.cross
+        assert audit is not None and audit.prompt_len is not None
+        sketch = self.sketches.get(r.pos, b"")
+        if self.downstream is not None:
+            rows = self.downstream.rows(r.pos)
+            assert rows is not None, "the next stage's inputs are fetched before the replica's are compared"
+            try:
+                differs = rows_differ(rows, sketch)
+            except ProtocolError:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"replica {self.stage.address} sent a bad sketch") from None
+            if differs is None:
+                return False
+            row, error = differs
+            self.why = (f"its output at position {r.pos + row} is {error:.3g} from a replica of other numerics' "
+                        f"({self.check.info.numerics}; tolerance {ROW_TOLERANCE:g})")
+            return True
+        known = audit.result.prompt_tokens + audit.result.tokens
+        first = max(r.pos, audit.prompt_len - 1) + 1
+        verdict = tokens_differ(known[first:r.pos + r.n_tokens + 1], self.sketches.get(r.pos, b""))
+        if verdict is None:
+            return False
+        row, why = verdict
+        self.why = (f"its token after position {first - 1 + row} is not what a replica of other numerics "
+                    f"({self.check.info.numerics}) allows: {why}")
+        return True
+
+    async def _next_receipt(self) -> tuple[Receipts, list[bytes]]:
+        """The replica's next receipts, and (across numerics) the sketches that came just before them."""
+        sketches: list[bytes] = []
         while True:
             with trio.fail_after(60):
                 msg = await self.control.receive_message()
+            if isinstance(msg, Sketches) and self.cross is not None and msg.session == self.session:
+                sketches = msg.sketches
             if isinstance(msg, Receipts):
-                return msg
+                return msg, sketches
             if isinstance(msg, ErrorMessage):
                 raise error_from_message(msg)
 

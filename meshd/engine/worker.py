@@ -207,8 +207,9 @@ class Worker:
         return {"ok": True, "pos_max": self.ctx.pos_max(op.seq)}, b""
 
     def _logprobs(self, row: np.ndarray, token: int, top: int) -> list[Any]:
-        """A pick's log-probability under the row's raw logits, and the ``top`` likeliest tokens' (id,
-        log-probability, piece), likeliest first."""
+        """A pick's log-probability under the row's raw logits, the ``top`` likeliest tokens' (id,
+        log-probability, piece), likeliest first, and the logits' standard deviation (the scale a check
+        across numerics measures a pick's gap by, wire.sketch)."""
         logits = row.astype(np.float64)
         peak = logits.max()
         lse = peak + np.log(np.exp(logits - peak).sum())
@@ -217,7 +218,7 @@ class Worker:
             ids = np.argpartition(-logits, top - 1)[:top]
             ids = ids[np.argsort(-logits[ids], kind="stable")]
             best = [[int(t), min(0.0, float(logits[t] - lse)), self.model.token_piece(int(t))] for t in ids]
-        return [min(0.0, float(logits[token] - lse)), best]
+        return [min(0.0, float(logits[token] - lse)), best, float(logits.std())]
 
     def op_sampler_new(self, op: ops.SamplerNew, payload: memoryview) -> tuple[dict[str, Any], bytes]:
         sid = op.sid

@@ -27,6 +27,9 @@ MAX_STOP_CHARS = 256
 
 # The response header that says whether a replica checked every range of the answer: "true" or "false"
 VERIFIED_HEADER = "x-meshd-verified"
+# on an answer a failover carried onto other numerics (another engine build or backend): after how many
+# tokens, comma-separated (the same as the "meshd" field's crossed_numerics_at); absent where it did not
+CROSSED_HEADER = "x-meshd-crossed-numerics"
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,17 @@ class Answer:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {VERIFIED_HEADER: "true" if self.verification["verified"] else "false"}
+        return answer_headers([self])
+
+
+def answer_headers(answers: list[Answer]) -> dict[str, str]:
+    """The headers of a non-streamed answer of one or more choices: verified only if all are, and
+    where any crossed numerics (a streamed answer says both in its last event's "meshd" field alone)."""
+    headers = {VERIFIED_HEADER: "true" if all(a.verification["verified"] for a in answers) else "false"}
+    crossed = sorted({at for a in answers for at in a.verification["crossed_numerics_at"]})
+    if crossed:
+        headers[CROSSED_HEADER] = ",".join(map(str, crossed))
+    return headers
 
 
 def verification(result: AskResult) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from meshd.front.dialect import (
     CLIENT_GONE,
     MAX_NEW_TOKENS,
     MAX_STOP_CHARS,
-    VERIFIED_HEADER,
     Answer,
+    answer_headers,
     answer_of,
     ask_whole,
     each_of,
@@ -404,7 +404,7 @@ def routes(front: FrontDoor) -> list[BaseRoute]:
             "system_fingerprint": model.model[:12], "choices": choices, "usage": usage(whole),
             # one choice's verification as before; n choices', one each
             "meshd": first.verification if len(whole) == 1 else {"choices": [a.verification for a in whole]}},
-            headers={VERIFIED_HEADER: "true" if all(a.verification["verified"] for a in whole) else "false"})
+            headers=answer_headers(whole))
 
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, ChatRequest)

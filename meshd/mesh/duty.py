@@ -45,7 +45,7 @@ from meshd.mesh.placement import Placer, served_assignment
 from meshd.mesh.probes import Prober, ProbeResult, StageProbe
 from meshd.mesh.proofs import check_proof
 from meshd.mesh.records import CapabilityRecord, HeldRange, ModelInfo, ServedRange
-from meshd.mesh.route_reply import pick_model, route_reply
+from meshd.mesh.route_reply import pick_model, route_reply, same_numerics
 from meshd.mesh.routing import (
     DEFAULT_SECONDS_PER_LAYER,
     RouteKey,
@@ -344,7 +344,12 @@ class MeshDuty:
             return stage_hop_seconds(rtt(a), rtt(b))
 
         options = stage_options(records.values(), model, assigned=self._assigned(model), speeds=self.speeds, own=own)
-        reply, found = route_reply(info, records, self._timed_first(options), link_cost, {*exclude, *self.liars},
+        tries = self._timed_first(options)
+        # a failover's route keeps each range it replaces on the numerics it was computed with, where it can
+        # (the answer so far is theirs): first the options of the routed-around members' numerics on their layers
+        around = [r for n in exclude if (r := self.node.membership.record_of(n)) is not None]
+        kept = [same for offered in tries if (same := same_numerics(offered, around, records, model)) is not None]
+        reply, found = route_reply(info, records, [*kept, *tries], link_cost, {*exclude, *self.liars},
                                    self._routes.get(model), address_of, self.coverage_reason)
         if not exclude:
             # a failover's route (or a spot check's replica) is that asker's: the one in use stays

@@ -55,21 +55,45 @@ def replicas_of(route: Sequence[StageOption], options: Sequence[StageOption], ex
         return record.numerics if record is not None else ""
 
     for stage in route:
-        # a replica of other numerics (another build or backend) would be skipped by the asker
+        # replicas of the stage's own numerics first: they compare bytes. Then those of other numerics
+        # (another build or backend), named as such: the asker compares their sketches within a measured
+        # tolerance (wire.sketch)
         mine = numerics(stage.node_id)
+
+        def other(o: StageOption, mine: str = mine) -> bool:
+            return bool(mine) and numerics(o.node_id) not in ("", mine)
+
         same = sorted((o for o in options if (o.start, o.end) == (stage.start, stage.end)
-                       and o.node_id not in on_route and o.node_id not in exclude
-                       and (not mine or numerics(o.node_id) in ("", mine))),
-                      key=lambda o: (o.compute_seconds, o.node_id))
+                       and o.node_id not in on_route and o.node_id not in exclude),
+                      key=lambda o: (other(o), o.compute_seconds, o.node_id))
         taken = 0
         for o in same:
             address = address_of(records[o.node_id]) if o.node_id in records else None
             if address is not None:
-                out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end))
+                out.append(RouteStage(node_id=o.node_id, address=address, start=o.start, end=o.end,
+                                      numerics=numerics(o.node_id) if other(o) else ""))
                 taken += 1
                 if taken == MAX_REPLICAS_PER_STAGE:
                     break
     return out
+
+
+def same_numerics(options: Sequence[StageOption], routed_around: Iterable[CapabilityRecord],
+                  records: Mapping[str, CapabilityRecord], model: str) -> list[StageOption] | None:
+    """The options a failover's route tries first: on the layers each routed-around member served, only
+    members of its numerics (a replica of other numerics computes other last bits, and the answer so far
+    is its numerics'); None where no routed-around member said its numerics."""
+    held: list[tuple[int, int, str]] = [(s.start, s.end, r.numerics) for r in routed_around if r.numerics
+                                        for s in r.served if s.model == model]
+    if not held:
+        return None
+
+    def fits(o: StageOption) -> bool:
+        record = records.get(o.node_id)
+        theirs = record.numerics if record is not None else ""
+        return all(theirs == numerics for start, end, numerics in held if o.start < end and start < o.end)
+
+    return [o for o in options if fits(o)]
 
 
 def route_reply(info: ModelInfo, records: Mapping[str, CapabilityRecord], tries: Sequence[Sequence[StageOption]],

@@ -21,7 +21,8 @@ from meshd.stage.receipts import check_incoming, receipts_message
 from meshd.stage.state import HIDDEN, Rows, Session, StageState
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import MAX_CHAIN, PackedChain, row_hash, sampling_bytes
-from wire.stage import MAX_INPUTS_BYTES, Inputs, InputsRequest, StepInput
+from wire.sketch import Sketches, pick_sketch, row_sketch
+from wire.stage import MAX_INPUTS_BYTES, MAX_TOP_LOGPROBS, Inputs, InputsRequest, StepInput
 from wire.tensors import Activation, tensor_fields
 
 
@@ -40,15 +41,22 @@ class Signing:
         if s.receipts is None:
             return
         fields = tensor_fields(HIDDEN, out, s.open.wire_dtype, s.open.wire_codec)
-        self.check_receipts(s, s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, row_hash(fields["data"])))
+        sketch = row_sketch(out, s.open.sketch) if s.open.sketch else b""
+        self.check_receipts(s, s.receipts.sign_wire(w.pos, w.n, w.payload.h_in, row_hash(fields["data"])), sketch)
 
-    def check_receipts(self, s: Session, mine: bytes) -> None:
+    def check_receipts(self, s: Session, mine: bytes, sketch: bytes = b"") -> None:
         """A check session's receipts go to the asker in one message once the steps it fed together
-        have run (a probe's one at a time): one message per check, not one per step it replays."""
+        have run (a probe's one at a time): one message per check, not one per step it replays. Across
+        numerics each comes with its output's sketch."""
         s.check_receipts.append(mine)
+        if s.open.sketch:
+            s.check_sketches.append(sketch)
         if s.book.in_flight == 0 or len(s.check_receipts) == MAX_CHAIN:
+            if s.open.sketch:
+                s.to_asker.send_nowait(Sketches.unvalidated({"type": "sketches", "v": 1, "session": s.book.id,
+                                                             "epoch": s.book.epoch, "sketches": s.check_sketches}))
             s.to_asker.send_nowait(receipts_message(s.book.id, s.book.epoch, b"".join(s.check_receipts)))
-            s.check_receipts = []
+            s.check_receipts, s.check_sketches = [], []
 
     def tail_receipts(self, s: Session, w: Work[Rows], picks: list[Any]) -> None:
         """The tail signs the tokens it sampled (none for a prompt chunk before the last); the whole
@@ -62,7 +70,11 @@ class Signing:
         mine, chain = s.receipts.extend(w.payload.chain, w.pos, w.n, w.payload.h_in, row_hash(sampled.tobytes()))
         if s.open.check:
             # a replica's receipt goes to the asker that checks it, on its own: nothing reads its tokens
-            self.check_receipts(s, mine)
+            # but, across numerics, the asker's tolerance (each pick's likeliest tokens, wire.sketch)
+            sketch = b"".join(pick_sketch(p[0], [(t, lp) for t, lp, _ in p[3][1]], p[3][2],
+                                          min(s.open.sketch, MAX_TOP_LOGPROBS))
+                              for p in taken if p is not None) if s.open.sketch else b""
+            self.check_receipts(s, mine, sketch)
             return
         s.asker_chain = chain
         if picks:

@@ -32,7 +32,7 @@ from meshd.stage.receipts import SessionReceipts, Signer
 from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import PackedChain
-from wire.stage import Grammar, Open, StepInput
+from wire.stage import MAX_TOP_LOGPROBS, Grammar, Open, StepInput
 
 # the tensor a step's hidden states travel as
 HIDDEN = "hidden_states"
@@ -84,6 +84,8 @@ class Session:
     asker_chain: bytes | None = None
     # a check session: its receipts not yet sent (they go together once its queued steps have run)
     check_receipts: list[bytes] = field(default_factory=list)
+    # and, across numerics (``Open.sketch``), a sketch of each one's output (wire.sketch)
+    check_sketches: list[bytes] = field(default_factory=list)
     # with receipts on, past the head: each step's input as it came, until the asker takes it
     # (bounded by the session's token budget: one entry per position at most)
     kept: list[StepInput] = field(default_factory=list)
@@ -210,4 +212,6 @@ def sampler_new(session: Session, history: list[int] | None = None) -> ops.Sampl
     s = session.open.sampling
     return ops.SamplerNew(sid=session.book.slot, params=ops.Sampling(
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, repeat_penalty=s.repeat_penalty,
-        repeat_last_n=s.repeat_last_n, seed=s.seed), logprobs=session.open.logprobs, history=history or [])
+        repeat_last_n=s.repeat_last_n, seed=s.seed), history=history or [],
+        # a check session across numerics: each pick's likeliest tokens go into its sketch (wire.sketch)
+        logprobs=min(session.open.sketch, MAX_TOP_LOGPROBS) if session.open.sketch else session.open.logprobs)
