@@ -35,6 +35,7 @@ from wire.swim import Placement
 TRACKER = 1
 HONEST = (2, 3, 4)
 SYBILS = range(10, 16)  # six free identities, each heard first-hand: twice the honest members
+UNPLACED = 5  # an honest member no tracker placed (yet)
 
 
 def placed(i: int, by: int = TRACKER, term: int = 1, **fields: object) -> dict[str, object]:
@@ -111,27 +112,34 @@ def test_a_newcomer_follows_the_claim_its_seed_backs_where_free_identities_back_
     assert election.tracker == (Tracker(1, record(TRACKER).node_id) if seeded else sybil)
 
 
-@pytest.mark.parametrize("seed", [TRACKER, HONEST[0]], ids=["seed is the tracker", "seed is placed"])
+@pytest.mark.parametrize("seed", [TRACKER, HONEST[0], UNPLACED],
+                         ids=["seed is the tracker", "seed is placed", "seed is not placed"])
 def test_a_newcomer_keeps_the_tracker_its_seed_backs_whichever_order_it_hears_members_first_hand(seed: int) -> None:
     # test_attacks_authority's flake: six free identities heard first-hand before any placed member
     # outnumbered the few heard from, and a head count dropped the tracker the seed backs
     tracker = Tracker(1, record(TRACKER).node_id)
-    honest = {TRACKER: record(TRACKER, tracker_term=1, **voting_for(TRACKER, 1))}
-    honest |= {i: record(i, **placed(i, **voting_for(TRACKER, 1))) for i in HONEST}
+    honest = {TRACKER: record(TRACKER, 2, tracker_term=1, **voting_for(TRACKER, 1)),
+              UNPLACED: record(UNPLACED, 2, **voting_for(TRACKER, 1))}
+    honest |= {i: record(i, 2, **placed(i, **voting_for(TRACKER, 1))) for i in HONEST}
+    # what a Sync may hold of a member instead: its version from before it voted (or was placed)
+    stale = {i: record(i) for i in (*HONEST, UNPLACED)}
     crowd = {i: record(i, **({"tracker_term": 2} if i == SYBILS[0] else {}), **voting_for(SYBILS[0], 2))
              for i in SYBILS}
-    others = [i for i in [*honest, *crowd] if i != seed]
+    current = honest | crowd
+    others = [i for i in current if i != seed]
     shuffled = random.Random(0)
-    # after the join (the seed's record first-hand), in any order: the seed's Sync (None: every other
-    # record, second-hand), and each other member's first word; the election's timers run between them.
-    # First the flake's: the Sync, then the free identities' probes before any placed member's.
+    # After the join (the seed's record first-hand), in any order: the seed's Sync (None: every other
+    # record, second-hand, some stale), and each other member's first word (its current record, or
+    # first its word alone); the election's timers run between them. First the flake's order: the
+    # Sync, then the free identities' probes before any member of the mesh speaks.
     orders: list[list[int | None]] = [[None, *crowd, *(i for i in others if i in honest)]]
-    orders += [shuffled.sample([None, *others], len(others) + 1) for _ in range(60)]
+    orders += [shuffled.sample([None, *others], len(others) + 1) for _ in range(80)]
     for events in orders:
         election = Election(record(0).node_id, 0.0)
         election.observe(0.0, record(0), live=True)
         election.observe(0.0, honest[seed], live=True)
         election.anchor(0.0, [record(seed).node_id])
+        synced = {i: stale[i] if i in stale and shuffled.random() < 0.5 else current[i] for i in others}
         followed = False
         for step, i in enumerate(events, 1):
             now = step * TIMEOUT / 4
@@ -140,14 +148,15 @@ def test_a_newcomer_keeps_the_tracker_its_seed_backs_whichever_order_it_hears_me
             if i is None:
                 for j in others:
                     if record(j).node_id not in election._live:  # not heard first-hand yet
-                        election.observe(now, (honest | crowd)[j], live=True, vouched=False)
-            elif record(i).node_id in election._heard:
-                election.vouch(now, record(i).node_id)
+                        election.observe(now, synced[j], live=True, vouched=False)
             else:
-                election.observe(now, (honest | crowd)[i], live=True)
+                if shuffled.random() < 0.5:
+                    election.vouch(now, record(i).node_id)
+                election.observe(now, current[i], live=True)
             followed = followed or election.tracker is not None
             assert election.tracker == (tracker if followed else None), events[:step]
         assert followed and election.weighing
+        assert not election._heard  # every member heard first-hand: nothing kept aside
 
 
 @pytest.mark.parametrize("trial", range(12))

@@ -197,6 +197,9 @@ class Election:
                 self._heard.pop(node_id, None)
                 self._first_seen.pop(node_id, None)
             return
+        # heard from first-hand with news (not through `vouch`): the copy kept aside is stale, and a
+        # stale copy would answer for the member in `_backed` once it is gone
+        self._heard.pop(node_id, None)
         held = self._live.get(node_id)
         if live and held is not None and _says(held) == _says(record):
             self._live[node_id] = record  # a new version saying nothing new to the election: most are
