@@ -6,8 +6,11 @@ a placed mesh on an instant network (tests/test_mesh_duty.py's)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from instant_net import identity, record
+from attackers import HijackingElection, VotingElection
+from instant_net import identity, record, rng
 from test_election import TIMEOUT, election_with, voting_for
 from test_mesh_duty import MODEL, Mesh, duty
 
@@ -21,6 +24,7 @@ from meshd.mesh.authority import (
 )
 from meshd.mesh.duty import MeshDuty
 from meshd.mesh.election import Election, Tracker
+from meshd.mesh.node import MeshNode
 from meshd.mesh.proofs import InvalidProof
 from meshd.mesh.records import ServedRange
 from meshd.stage.receipts import SessionReceipts, Signer
@@ -31,6 +35,7 @@ from wire.swim import Placement
 TRACKER = 1
 HONEST = (2, 3, 4)
 SYBILS = range(10, 16)  # six free identities, each heard first-hand: twice the honest members
+UNPLACED = 5  # an honest member no tracker placed (yet)
 
 
 def placed(i: int, by: int = TRACKER, term: int = 1, **fields: object) -> dict[str, object]:
@@ -105,6 +110,88 @@ def test_a_newcomer_follows_the_claim_its_seed_backs_where_free_identities_back_
     sybil = Tracker(2, record(SYBILS[0]).node_id)
     # the seed's claim, whose placements then weigh; without a seed, heads count (the bootstrap)
     assert election.tracker == (Tracker(1, record(TRACKER).node_id) if seeded else sybil)
+
+
+@pytest.mark.parametrize("seed", [TRACKER, HONEST[0], UNPLACED],
+                         ids=["seed is the tracker", "seed is placed", "seed is not placed"])
+def test_a_newcomer_keeps_the_tracker_its_seed_backs_whichever_order_it_hears_members_first_hand(seed: int) -> None:
+    # test_attacks_authority's flake: six free identities heard first-hand before any placed member
+    # outnumbered the few heard from, and a head count dropped the tracker the seed backs
+    tracker = Tracker(1, record(TRACKER).node_id)
+    honest = {TRACKER: record(TRACKER, 2, tracker_term=1, **voting_for(TRACKER, 1)),
+              UNPLACED: record(UNPLACED, 2, **voting_for(TRACKER, 1))}
+    honest |= {i: record(i, 2, **placed(i, **voting_for(TRACKER, 1))) for i in HONEST}
+    # what a Sync may hold of a member instead: its version from before it voted (or was placed)
+    stale = {i: record(i) for i in (*HONEST, UNPLACED)}
+    crowd = {i: record(i, **({"tracker_term": 2} if i == SYBILS[0] else {}), **voting_for(SYBILS[0], 2))
+             for i in SYBILS}
+    current = honest | crowd
+    others = [i for i in current if i != seed]
+    shuffled = random.Random(0)
+    # After the join (the seed's record first-hand), in any order: the seed's Sync (None: every other
+    # record, second-hand, some stale), and each other member's first word (its current record, or
+    # first its word alone); the election's timers run between them. First the flake's order: the
+    # Sync, then the free identities' probes before any member of the mesh speaks.
+    orders: list[list[int | None]] = [[None, *crowd, *(i for i in others if i in honest)]]
+    orders += [shuffled.sample([None, *others], len(others) + 1) for _ in range(80)]
+    for events in orders:
+        election = Election(record(0).node_id, 0.0)
+        election.observe(0.0, record(0), live=True)
+        election.observe(0.0, honest[seed], live=True)
+        election.anchor(0.0, [record(seed).node_id])
+        synced = {i: stale[i] if i in stale and shuffled.random() < 0.5 else current[i] for i in others}
+        followed = False
+        for step, i in enumerate(events, 1):
+            now = step * TIMEOUT / 4
+            if (due := election.next_timer()) is not None and due <= now:
+                election.handle_timer(due, joined=True)
+            if i is None:
+                for j in others:
+                    if record(j).node_id not in election._live:  # not heard first-hand yet
+                        election.observe(now, synced[j], live=True, vouched=False)
+            else:
+                if shuffled.random() < 0.5:
+                    election.vouch(now, record(i).node_id)
+                election.observe(now, current[i], live=True)
+            followed = followed or election.tracker is not None
+            assert election.tracker == (tracker if followed else None), events[:step]
+        assert followed and election.weighing
+        assert not election._heard  # every member heard first-hand: nothing kept aside
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_a_newcomer_joining_a_placed_mesh_while_free_identities_bid_never_drops_its_tracker(trial: int) -> None:
+    # test_attacks_authority's mesh, sans-IO: a seed that serves nothing is the tracker of two placed
+    # volunteers, and six free identities bid for term 2; the trial's keys (hence probe orders) decide
+    # which members probe the newcomer first (free identities first, in some: the flake)
+    newcomer, sybils = 100 + trial, range(20 + 10 * trial, 26 + 10 * trial)
+    seed = duty(0, volunteer=None)
+    mesh = Mesh(seed, duty(1), duty(2))
+    mesh.run_until(10.0)
+    assert mesh.tracker is seed
+    tracker = seed.node.tracker
+    assert tracker is not None
+    now = mesh.net.now
+    crowd = [MeshNode(identity(i), record(i, reachability="public"), now, rng=rng(i)) for i in sybils]
+    claim = Tracker(tracker.term + 1, crowd[0].node_id)
+    for sybil in crowd:
+        sybil.election = HijackingElection(sybil, lambda _: claim.term, now) if sybil is crowd[0] \
+            else VotingElection(sybil, lambda: claim, now)
+        sybil.election.observe(now, sybil.record, live=True)
+        sybil.update_record(now)
+        mesh.net.add(sybil)
+        sybil.join(now, [seed.node_id])
+    mesh.run_until(now + 10.0)
+    assert all(d.node.tracker == tracker for d in mesh.duties.values())
+    late = MeshNode(identity(newcomer), record(newcomer, reachability="public"), mesh.net.now, rng=rng(newcomer))
+    mesh.net.add(late)
+    late.join(mesh.net.now, [seed.node_id])
+    followed = False
+    for _ in range(200):
+        mesh.run_until(mesh.net.now + 0.05)
+        followed = followed or late.tracker is not None
+        assert late.tracker == (tracker if followed else None), mesh.net.now
+    assert followed
 
 
 def test_a_fresh_mesh_with_no_placement_counts_every_member_heard_first_hand() -> None:

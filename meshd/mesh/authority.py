@@ -32,8 +32,9 @@ What counts:
   always did, so a mesh can still bootstrap. Only a member that weighs is backed for tracker: a
   free identity around longer than anyone would otherwise win the honest votes of a vacancy. A
   newcomer has no placement to weigh anyone by until it follows a tracker, so until members
-  weigh in its view it follows only the claim its seed backs (`Election.anchor`): counting heads,
-  it would follow whatever claim enough free identities back.
+  weigh in its view it follows only the claim its seed backs (`Election.anchor`), on the seed's
+  word: counting heads, it would follow whatever claim enough free identities back, or drop its
+  seed's when they outnumber the members it has heard from first-hand.
 - **Witnesses** (meshd.mesh.proofs, `MeshDuty.accept_proof`): a divergence proof counts only with
   witnesses placed on exactly that model and range (the tracker: by its own assignment; any other
   node: by the placements it knows, never by a witness's own `served`), whose weights (1 + extra

@@ -197,6 +197,9 @@ class Election:
                 self._heard.pop(node_id, None)
                 self._first_seen.pop(node_id, None)
             return
+        # heard from first-hand with news (not through `vouch`): the copy kept aside is stale, and a
+        # stale copy would answer for the member in `_backed` once it is gone
+        self._heard.pop(node_id, None)
         held = self._live.get(node_id)
         if live and held is not None and _says(held) == _says(record):
             self._live[node_id] = record  # a new version saying nothing new to the election: most are
@@ -240,8 +243,11 @@ class Election:
         """This node joins through `seeds`. Until members weigh in its view, the claim a seed backs
         (its record's vote, for a claim its claimant still makes) is the only one it follows, and
         that claim's placements are the ones that weigh: a newcomer has no placement to go by yet,
-        and counting heads it would follow whatever claim enough free identities back. The seed is
-        the one member its operator chose to trust; with no seed backing a live claim, heads count."""
+        and counting heads it would follow whatever claim enough free identities back. It is carried
+        on the seed's word, once its claimant is heard first-hand, not by a head count: free
+        identities heard before any placed member would otherwise outnumber its backers and drop it.
+        The seed is the one member its operator chose to trust; with no seed backing a claim (no
+        vote, or one its claimant no longer makes), heads count."""
         self._anchors = list(seeds)
         self._refresh(now)
 
@@ -353,13 +359,15 @@ class Election:
                 self._count_vote(node_id, self._votes_of.get(node_id), self._weight(now, record))
 
     def _backed(self) -> Tracker | None:
-        """The live claim a seed of this node's backs (see `anchor`), if any."""
+        """The live claim a seed of this node's backs (see `anchor`), if any. A claimant not heard of
+        yet is taken on the seed's word (free identities that speak first must not leave heads to count
+        until its record comes); it is carried only once heard from first-hand."""
         for seed in self._anchors:
             record = self._live.get(seed) or self._heard.get(seed)
             if record is None or not record.vote_term:
                 continue
             claimant = self._live.get(record.vote_for) or self._heard.get(record.vote_for)
-            if claimant is not None and claimant.tracker_term == record.vote_term and eligible(claimant):
+            if claimant is None or (claimant.tracker_term == record.vote_term and eligible(claimant)):
                 return Tracker(record.vote_term, record.vote_for)
         return None
 
@@ -458,17 +466,20 @@ class Election:
                 return True
         return False
 
-    def _claims(self, now: float) -> tuple[dict[str, int], list[Tracker]]:
+    def _claims(self, now: float, backed: Tracker | None = None) -> tuple[dict[str, int], list[Tracker]]:
         """Believable claims of live eligible members, this node's own (`_claim`) included, and
         the carried ones. A carried claim is believed at any term: a majority of live members
-        backs it (which is how a newcomer learns the term), and voters back only believable ones."""
+        backs it (which is how a newcomer learns the term), and voters back only believable ones.
+        `backed`: the claim a seed backs while no member weighs here (see `anchor`), carried by the
+        seed's word alone once its claimant is heard first-hand."""
         claims = dict(self._claiming)
         if self._claim:
             claims[self._node_id] = self._claim  # our record may lag behind a step-down
         live = self._electorate()
         followed = self._tracker
         carried = [claim for claim in (Tracker(term, node_id) for node_id, term in claims.items())
-                   if 2 * self._votes(claim) > live - (self._excused(now, claim) if claim == followed else 0)]
+                   if claim == backed
+                   or 2 * self._votes(claim) > live - (self._excused(now, claim) if claim == followed else 0)]
         highest = max((claim.term for claim in carried), default=0)
         self._highest_term = believable_terms(claims.values(), max(self._highest_term, highest))
         believable = {node_id: term for node_id, term in claims.items() if term <= self._highest_term}
@@ -505,8 +516,10 @@ class Election:
         backed = self._backed() if self._anchors and not self.weighing else None
         if backed is not None:
             self._follow(now, backed)
-        claims, carried = self._claims(now)
-        if backed is not None and not self.weighing:
+            if self.weighing:
+                backed = None  # its placements weigh: majorities go by weight from now on
+        claims, carried = self._claims(now, backed)
+        if backed is not None:
             carried = [claim for claim in carried if claim == backed]
         tracker = max(carried, default=None)
         if tracker is not None:
@@ -526,7 +539,7 @@ class Election:
         if tracker is not None:
             self._vacant_since = None
             self._deadline = None
-            if 2 * self._votes(tracker) <= self._electorate():
+            if backed is None and 2 * self._votes(tracker) <= self._electorate():
                 # carried thanks to newcomers yet to vote: look again when the oldest one's grace ends
                 self._wait(next(iter(self._newcomers.values())) + self._config.election_timeout)
         elif self._vacant_since is None:
