@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import trio
 from chat_goldens import templates_dir
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, Unchecked
+from meshd.client.ask import AskRequest, AskResult, OnToken, Unchecked, give
 from meshd.client.chat import render
 from wire.meshrpc import ModelCoverage, StatusReply
 from wire.stage import ChatTemplate
@@ -48,8 +48,8 @@ class FakeMesh:
     asked: list[tuple[str, AskRequest]] = field(default_factory=list)
     cancelled: int = 0
     started: trio.Event = field(default_factory=trio.Event)
-    # after this many pieces a spot check "catches a lie": the client's pieces are withdrawn, the answer
-    # starts again (as meshd.client.failover.ask_with_failover counts them)
+    # after this many pieces a spot check "catches a lie": the answer starts again, with other tokens, so
+    # the client's pieces are withdrawn (as meshd.client.ask.give counts them)
     withdraw_after: int | None = None
     # what output verification says of every answer: checked on replicas, these ranges left unchecked
     checked: bool | None = True
@@ -95,10 +95,7 @@ class FakeMesh:
                     # a fake's log-probabilities: the same for every token and every alternative
                     result.logprobs.append((piece, -0.5, [(t, -0.5, piece) for t in range(request.logprobs)]))
                 if on_token is not None:
-                    maybe = on_token(i, piece)
-                    if maybe is not None:
-                        await maybe
-                    result.shown += 1
+                    await give(result, on_token, i, piece)
             if self.error is not None and self.fail_after >= len(self.pieces):
                 raise self.error
             # as the tail: the budget ends an answer that the model would have gone on with

@@ -458,3 +458,34 @@ def test_the_figures_line_says_when_and_at_what_cost_the_answer_failed_over() ->
     silent = AskResult(prompt_tokens=[1], reason="stop", failovers=1, failover_seconds=0.5, excluded=["a0"])
     assert figures_line(silent) == "[1 prompt token, no new tokens, failed over 1 time (1 stage routed around, " \
                                    "0.5 s lost), stopped by stop]"
+
+
+async def test_an_answer_given_again_gives_the_client_only_what_it_does_not_hold() -> None:
+    got: list[int] = []
+
+    def client(token: int, piece: bytes) -> None:
+        got.append(token)
+
+    async def answer(result: AskResult, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            result.tokens.append(token)
+            result.pieces.append(b"%d " % token)
+            await ask.give(result, client, token, result.pieces[-1])
+
+    result = AskResult()
+    await answer(result, [5, 6, 7])
+    # a stage stalled on its receipts: the answer starts again, and comes out the same (an honest stall
+    # changes no token): the client holds the first three and is given only what follows
+    result.restart()
+    await answer(result, [5, 6, 7, 8])
+    assert got == [5, 6, 7, 8] and result.withdrawn == 0 and result.held == [5, 6, 7, 8]
+    # a lie caught: the answer given again differs at its third token, so what the client holds is
+    # withdrawn and the new answer given whole
+    result.restart()
+    await answer(result, [5, 6, 9])
+    assert got == [5, 6, 7, 8, 5, 6, 9] and result.withdrawn == 4 and result.held == [5, 6, 9]
+    # the answer given again ends before the text the client holds does: that text is withdrawn too
+    result.restart()
+    await answer(result, [5, 6])
+    await ask.withdraw_past_end(result, client)
+    assert got[-2:] == [5, 6] and result.withdrawn == 7 and result.held == [5, 6]

@@ -189,11 +189,13 @@ class AskResult:
     # the stage's word when the answer ended at a stage's session budget (reason "budget")
     budget: str = ""
     # tokens handed on past the checks (``hand_over``; a verified fast ask's wait on their span's receipts)
-    # and when the first was; of them, those an asker's client took, and those it took that a caught lie
-    # then threw away (the answer started again: the client must be told, as it cannot take them back)
+    # and when the first was; of them, those an asker's client took (``give``); the tokens its client
+    # holds, from before the answer started again too; and those it took that the answer given again
+    # did not (the client must be told, as it cannot take them back)
     handed: int = 0
     first_shown_at: float | None = None
     shown: int = 0
+    held: list[int] = field(default_factory=list)
     withdrawn: int = 0
     # a chat request as the asker rendered it (AskRequest.chat): rendered once, kept across failovers
     rendered: Rendered | None = None
@@ -221,8 +223,8 @@ class AskResult:
         self.unverified.append(note)
 
     def restart(self) -> None:
-        """The answer is generated again from the prompt: what was said of the old one goes with it."""
-        self.withdrawn += self.shown
+        """The answer is generated again from the prompt: what was said of the old one goes with it. What
+        the client holds of it stays held: withdrawn only where the answer given again differs (``give``)."""
         self.shown = self.handed = 0
         self.tokens.clear()
         self.pieces.clear()
@@ -265,6 +267,43 @@ async def deliver(on_token: OnToken | None, token: int, piece: bytes) -> None:
         maybe = on_token(token, piece)
         if maybe is not None:
             await maybe
+
+
+class AnswerWithdrawn(Exception):
+    """Raised by a client's ``on_token`` that cannot take back text it holds and the answer given again
+    differs from (a stream): the ask ends. Not a ``ProtocolError``, so no stage is blamed for it."""
+
+
+async def give(result: AskResult, on_token: OnToken, token: int, piece: bytes) -> None:
+    """Gives the client the answer's next token (the ``result.shown``-th). After the answer started again
+    (a stage stalled on its receipts, a check caught a lie), a token the client already holds at that place
+    is not given twice: an honest stage's stall changes no token. Where the answer given again differs, the
+    text the client holds is withdrawn and the new answer given whole."""
+    k = result.shown
+    if k < len(result.held):
+        if result.held[k] == token:
+            result.shown += 1
+            return
+        result.withdrawn += len(result.held)
+        result.held.clear()
+        for earlier, earlier_piece in zip(result.tokens[:k], result.pieces[:k], strict=True):
+            await deliver(on_token, earlier, earlier_piece)
+            result.held.append(earlier)
+    await deliver(on_token, token, piece)
+    result.held.append(token)
+    result.shown += 1
+
+
+async def withdraw_past_end(result: AskResult, on_token: OnToken | None) -> None:
+    """At the answer's end: text the client holds from before it started again, past where the answer
+    given again ended, is withdrawn, and the answer given whole."""
+    if on_token is None or result.shown >= len(result.held):
+        return
+    result.withdrawn += len(result.held)
+    result.held.clear()
+    for token, piece in zip(result.tokens[:result.shown], result.pieces[:result.shown], strict=True):
+        await deliver(on_token, token, piece)
+        result.held.append(token)
 
 
 async def hand_over(result: AskResult, on_token: OnToken | None, until: int) -> None:

@@ -12,7 +12,17 @@ from dataclasses import replace
 
 import trio
 
-from meshd.client.ask import AskRequest, AskResult, CacheDoubted, OnToken, StageError, deliver, hand_over, over_budget
+from meshd.client.ask import (
+    AskRequest,
+    AskResult,
+    CacheDoubted,
+    OnToken,
+    StageError,
+    give,
+    hand_over,
+    over_budget,
+    withdraw_past_end,
+)
 from meshd.client.route import RouteFinder, Stage
 from meshd.client.session import Verifier, run_session
 from meshd.net import rpc
@@ -74,8 +84,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
     async def on_progress(token: int, piece: bytes) -> None:
         progressed()
         if on_token is not None:
-            await deliver(on_token, token, piece)
-            result.shown += 1
+            await give(result, on_token, token, piece)
 
     for epoch in range(attempts):
         if result.tokens and len(result.tokens) >= request.max_tokens:
@@ -84,6 +93,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             result.reason, result.finished_at = "max_tokens", time.perf_counter()
             progressed()
             await hand_over(result, on_progress, len(result.tokens))
+            await withdraw_past_end(result, on_token)
             return result
         route = await find_route(list(result.excluded))
         log.debug("epoch %d of session %s: route %s", epoch, session[:12],
@@ -117,6 +127,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 result.budget = exc.message
                 progressed()
                 await hand_over(result, on_progress, len(result.tokens))
+                await withdraw_past_end(result, on_token)
                 return result
             if stalled_since is None:
                 stalled_since = last_progress
@@ -170,6 +181,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                 # the front door's log says what `meshd ask`'s figures line does
                 log.info("answered after %d failover(s) around %d stage(s), %.1f s lost", result.failovers,
                          len(result.excluded), result.failover_seconds)
+            await withdraw_past_end(result, on_token)
             return result
     raise AssertionError("unreachable")
 

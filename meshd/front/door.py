@@ -21,7 +21,7 @@ from typing import Protocol
 
 import trio
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, deliver, over_budget
+from meshd.client.ask import AnswerWithdrawn, AskRequest, AskResult, OnToken, RouteError, deliver, over_budget
 from meshd.client.asker import Unverified
 from meshd.front.connections import Connections
 from meshd.front.metrics import FrontMetrics
@@ -203,11 +203,11 @@ class FrontDoor:
         error: ApiError | None = None
         async def take(token: int, piece: bytes) -> None:
             if asking.result.withdrawn:
-                # a spot check caught a stage lying after the client had part of its text, which a stream
-                # cannot take back: the request fails, saying so, rather than the answer start again in it
-                raise ProtocolError(ErrorCode.PAYLOAD_CORRUPT, f"a stage was caught lying after "
-                                    f"{asking.result.withdrawn} token(s) of this answer were sent; they are "
-                                    "withdrawn: ask again")
+                # a spot check caught a stage lying after the client had part of its text, and the answer
+                # given again differs from it, which a stream cannot take back: the request fails, saying
+                # so, rather than the answer start again in it
+                raise AnswerWithdrawn(f"a stage was caught lying after {asking.result.withdrawn} token(s) of "
+                                      "this answer were sent; they are withdrawn: ask again")
             await deliver(on_token, token, piece)
 
         try:
@@ -216,6 +216,8 @@ class FrontDoor:
             return answered
         except ProtocolError as exc:
             error = api_error(model, exc)
+        except AnswerWithdrawn as exc:
+            error = ApiError(Problem.UNAVAILABLE, f"the mesh could not answer: {exc}")
         except RouteError as exc:
             error = ApiError(Problem.UNAVAILABLE, f"{model.name} cannot be served: {exc}")
         except Unverified as exc:
