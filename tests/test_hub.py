@@ -291,6 +291,51 @@ async def test_a_stalling_hub_fails_the_fetch_at_the_chunks_deadline(hub: FakeHu
     sparse.close()
 
 
+async def test_a_read_given_up_on_writes_nothing_once_its_fetch_has_returned(hub: FakeHub, tmp_path: Path,
+                                                                            files: dict[str, Path]) -> None:
+    model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    manifest = manifest_for(files["tiny-Q8_0.gguf"])
+    path = tmp_path / "late.gguf"
+    sparse = SparseFile.open(path, manifest)
+    # the body comes after the chunk's deadline: its thread, given up on, reads it whole a moment later
+    hub.stall = 1.0
+    with pytest.raises(FetchFailed, match="did not deliver"):
+        await fetch_from_hub(HubReader(model), sparse, list(manifest.chunks), first_byte=0.2, min_rate=1e9)
+    # once a fetch returns its caller may close the file, and the descriptor be another file's: the thread
+    # writes nothing from then on
+    await trio.sleep(2.0)
+    assert hub.bytes_read() > 0
+    sparse.close()
+    assert not path.read_bytes().strip(b"\0")
+
+
+async def test_a_fetch_reads_a_run_of_chunks_in_one_request_and_a_mirror_sending_more_is_cut_off(
+        hub: FakeHub, tmp_path: Path, files: dict[str, Path]) -> None:
+    model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    manifest = manifest_for(files["tiny-Q8_0.gguf"], chunk_size=4 << 10)
+    sparse = SparseFile.open(tmp_path / "runs.gguf", manifest)
+    await fetch_from_hub(HubReader(model), sparse, list(manifest.chunks))
+    # chunks one after another (tensors 32 bytes apart at most) are one request, not one each
+    reads = hub.ranges("")
+    assert len(manifest.chunks) > 100 and len(reads) == 1, (len(manifest.chunks), reads[:4])
+    sparse.close()
+    assert (tmp_path / "runs.gguf").read_bytes() == files["tiny-Q8_0.gguf"].read_bytes()
+    # a mirror sending 256 MiB past each range: the run's last chunk is refused with one line, and what is
+    # held meanwhile is the workers' buffers, not the body
+    hub.oversize = 256 << 20
+    sparse = SparseFile.open(tmp_path / "more.gguf", manifest)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FetchFailed, match=r"answered bytes 0-\d+ of tiny-Q8_0.gguf with more bytes"):
+            await fetch_from_hub(HubReader(model), sparse, list(manifest.chunks))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    assert not sparse.has(manifest.chunks[-1].index)
+    sparse.close()
+
+
 def test_a_mirror_sending_more_than_a_range_asked_costs_the_range_and_is_one_line(hub: FakeHub) -> None:
     model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
     # the range's bytes, then 256 MiB more, as its Content-Length says: read whole, the body would be held
