@@ -270,6 +270,10 @@ async def test_a_members_manifest_that_lies_about_a_tensor_gets_no_wrong_byte_in
         await fetch_from_hub(reader, sparse, list(forged.chunks))
     assert not any(sparse.has(c.index) for c in forged.chunks_of([victim.name]))
     sparse.close()
+    # what was written of it as it came is freed, not left for anything to read
+    with open(tmp_path / "forged.gguf", "rb") as f:
+        f.seek(victim.offset)
+        assert not f.read(victim.size).strip(b"\0")
     # a manifest of another file (its header differs) does not bind at all
     other = manifest_for(files[f"{SET}-00001-of-00003.gguf"])
     with pytest.raises(HubError, match="parts where org/tiny@"):

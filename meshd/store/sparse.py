@@ -81,9 +81,8 @@ def _zero(fd: int, offset: int, size: int) -> None:
         size -= step
 
 
-def verify(chunk: Chunk, data: bytes | memoryview, sha256: bytes | None = None) -> None:
-    """BadChunk unless ``data`` is ``chunk``'s bytes (``sha256``: their hash, where the caller took it)."""
-    if len(data) != chunk.size or (sha256 or hashlib.sha256(data).digest()) != chunk.sha256:
+def verify(chunk: Chunk, data: bytes) -> None:
+    if len(data) != chunk.size or hashlib.sha256(data).digest() != chunk.sha256:
         raise BadChunk(f"bytes at {chunk.offset} do not match chunk {chunk.index} of the manifest")
 
 
@@ -180,17 +179,16 @@ class SparseFile:
         self.store(chunk, data)
         self.record(chunk)
 
-    def store(self, chunk: Chunk, data: bytes | memoryview, sha256: bytes | None = None) -> None:
-        """``write`` without the record: the part that may run in a worker thread, beside others (``sha256``:
-        the bytes' hash, where the caller took it as they came)."""
+    def store(self, chunk: Chunk, data: bytes) -> None:
+        """``write`` without the record: the part that may run in a worker thread, beside others."""
         if self._manifest.chunks[chunk.index] != chunk:
             raise KeyError(chunk.index)
-        verify(chunk, data, sha256)
+        verify(chunk, data)
         written = os.pwrite(self._fds[chunk.part], data, chunk.part_offset)
         if written != len(data):
             raise OSError(errno.EIO, f"short write at {chunk.offset}")
 
-    def write_piece(self, chunk: Chunk, start: int, data: bytes) -> None:
+    def write_piece(self, chunk: Chunk, start: int, data: bytes | memoryview) -> None:
         """Write bytes of ``chunk`` from its byte ``start`` as they arrive, unverified.
 
         Safe because only recorded chunks are trusted (read, served, journalled):
