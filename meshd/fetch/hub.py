@@ -90,8 +90,8 @@ _ERROR_BODY = 64 << 10
 # Requests to the hub at once by one fetch: 4 connections keep a link busy while each waits on its first
 # byte.
 HUB_CONCURRENCY = 4
-# A fetch asks for the chunks it lacks in runs: those one after another in a file, apart from at most
-# _GAP_BYTES between (GGUF aligns each tensor to 32 bytes, or general.alignment), in one request of at most
+# A fetch asks for the chunks it lacks in runs: those one after another in the manifest and a file, apart from
+# at most _GAP_BYTES between (GGUF aligns each tensor to 32 bytes, or general.alignment), in one request of at most
 # _RUN_BYTES, read and checked a chunk at a time. A request a 4 MiB chunk (bytes joined from their pieces, then
 # hashed and written in another thread hop) took 0.35 of the server's raw rate (issue 29's benchmark).
 _RUN_BYTES = 32 << 20
@@ -663,14 +663,15 @@ def check_binding(reader: HubReader, manifest: Manifest) -> None:
 
 
 def _runs(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
-    """``chunks`` in runs a request each: those that follow one another in a file (but for at most _GAP_BYTES
-    between, the alignment between tensors), spanning at most _RUN_BYTES (one chunk at least)."""
+    """``chunks`` in runs a request each: those that follow one another in the manifest and in a file (but for at
+    most _GAP_BYTES between, the alignment between tensors: never a chunk held already), spanning at most
+    _RUN_BYTES (one chunk at least)."""
     runs: list[list[Chunk]] = []
     for chunk in chunks:
         if runs:
             run, last = runs[-1], runs[-1][-1]
             gap = chunk.part_offset - (last.part_offset + last.size)
-            if chunk.part == last.part and 0 <= gap <= _GAP_BYTES and \
+            if chunk.index == last.index + 1 and chunk.part == last.part and 0 <= gap <= _GAP_BYTES and \
                     chunk.part_offset + chunk.size - run[0].part_offset <= _RUN_BYTES:
                 run.append(chunk)
                 continue
