@@ -421,11 +421,10 @@ class HubReader:
         """Bytes [start, end) of file ``part``: HubError if the server sends anything else. The body is read as it
         comes and no further than asked (a server sending more, whatever its headers say, is cut off there):
         a hostile mirror's endless body costs one range's memory."""
-        data = bytearray(end - start)
         with self.open(part, start, end) as body:
-            body.readinto(memoryview(data))
+            data = b"".join(body.take(end - start))
             body.finish()
-        return bytes(data)
+        return data
 
     def header(self, part: int) -> tuple[bytes, GGUFLayout]:
         """File ``part``'s header bytes (everything before its tensor data) and its layout, read in growing
@@ -452,9 +451,8 @@ class HubReader:
 
 
 class RangeBody:
-    """A ranged request's body, read in order as its pieces come from the socket (``take``), or into a buffer of
-    the caller's (``readinto``): no piece list, no joined copy. Blocking; one thread at a time
-    (``HubReader.open``)."""
+    """A ranged request's body, read in order as its pieces come from the socket (``take``). Blocking; one thread
+    at a time (``HubReader.open``)."""
 
     def __init__(self, reader: HubReader, part: int, start: int, end: int, response: httpx2.Response) -> None:
         self.reader, self.part, self.start, self.end = reader, part, start, end
@@ -498,13 +496,6 @@ class RangeBody:
                 yield out
         except _transport_errors() as exc:
             raise self.reader._unreadable(self.part, exc) from None
-
-    def readinto(self, view: memoryview) -> None:
-        """Fill ``view`` with the body's next bytes: HubError if the body ends first or breaks."""
-        got = 0
-        for piece in self.take(len(view)):
-            view[got:got + len(piece)] = piece
-            got += len(piece)
 
     def skip(self, size: int) -> None:
         """Read past ``size`` bytes (the alignment between two tensors' chunks)."""
