@@ -479,8 +479,8 @@ class RangeBody:
     def take(self, size: int) -> Iterator[memoryview]:
         """The body's next ``size`` bytes in the pieces they come in from the socket (what runs past them is kept
         for the next call): HubError if the body ends first or breaks."""
-        if self.pos + size > self.end:
-            raise ValueError(f"{size} bytes from {self.pos} run past the range's end {self.end}")
+        if not 0 <= size <= self.end - self.pos:
+            raise ValueError(f"{size} bytes from {self.pos} are not within the range's end {self.end}")
         left = size
         try:
             while left:
