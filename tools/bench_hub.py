@@ -6,9 +6,11 @@ dimensions, Q4_K_M, a 3-part gguf-split set (about 1.9 GB), published on
 tools/fake_hub.py (a real HTTP server on loopback speaking the hub's paths,
 with Range; its counters say which bytes each volunteer's token read).
 
-1. Raw: this process reads every part from the server in 16 MiB ranges, on
-   one connection and on four, through the same client (huggingface_hub's
-   session) and nothing else: no hashing, no disk. The server's raw rate.
+1. Raw: a process of its own (as each volunteer is: a reader in this one would
+   share the server's interpreter lock) reads every part from the server in
+   16 MiB ranges, on one connection and on four, through the same client
+   (huggingface_hub's session) and nothing else: no hashing, no disk. The
+   server's raw rate.
 2. Three volunteers: real ``meshd join --model hf:org/llama3b`` daemons whose
    ``--memory`` holds about a third each (none can hold the model). The first
    reads the whole set once to build the manifest (checked against each part's
@@ -28,6 +30,7 @@ Usage: .venv/bin/python tools/bench_hub.py [--dir /tmp/bench-hub] [--memory 800M
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import re
 import shutil
@@ -57,7 +60,7 @@ from wire.meshrpc import RouteReply, RouteRequest
 
 REPO = "org/llama3b"
 RAW_READ = 16 << 20
-FETCHED = re.compile(r"^(\S+) INFO meshd.daemon: fetched layers \[(\d+), (\d+)\): (\d+) bytes over the network, "
+FETCHED = re.compile(r"^(\S+) INFO meshd\.daemon(?:\.\w+)?: fetched layers \[(\d+), (\d+)\): (\d+) bytes over the network, "
                      r"(\d+) already here, in ([\d.]+) s", re.MULTILINE)
 HASHED = re.compile(r"read and checked (\d+) bytes of .* in ([\d.]+) s")
 SESSIONS = ["--threads", "1", "--max-sessions", "2", "--session-tokens", "256"]
@@ -71,14 +74,25 @@ def model_files(directory: Path, smoke: bool) -> list[Path]:
     return write(directory, 3, SMALL if smoke else Dims(), quiet=True)
 
 
-def raw_rate(reader: HubReader, connections: int) -> float:
-    """Bytes a second the server sends of every part, read in 16 MiB ranges over `connections` at once."""
+def raw_rate(endpoint: str, connections: int) -> float:
+    """Bytes a second the server sends of every part, read in 16 MiB ranges over `connections` at once (in a
+    process of its own: ``raw_rates``)."""
+    reader = HubReader(resolve(parse_spec(f"hf:{REPO}"), endpoint=endpoint))
     jobs = [(i, start, min(f.size, start + RAW_READ)) for i, f in enumerate(reader.model.files)
             for start in range(0, f.size, RAW_READ)]
     started = time.monotonic()
     with ThreadPoolExecutor(connections) as pool:
         total = sum(len(data) for data in pool.map(lambda job: reader.read(*job), jobs))
     return total / (time.monotonic() - started)
+
+
+def raw_rates(endpoint: str) -> tuple[float, float]:
+    """The server's raw rate on one connection and on four, MB/s (the median of 3 each), read by a process of its
+    own, as each volunteer is."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        ones = [pool.apply(raw_rate, (endpoint, 1)) / 1e6 for _ in range(3)]
+        fours = [pool.apply(raw_rate, (endpoint, 4)) / 1e6 for _ in range(3)]
+    return statistics.median(ones), statistics.median(fours)
 
 
 async def covered_and_asked(node: Served, nodes: list[Served], timeout: float, tokens: int
@@ -135,9 +149,8 @@ def main() -> int:
     figures: dict[str, Any] = {"model_bytes": total}
     with FakeHub() as hub:
         hub.publish(REPO, {p.name: p for p in parts})
-        reader = HubReader(resolve(parse_spec(f"hf:{REPO}"), endpoint=hub.endpoint))
-        figures["raw_MBps_1"] = statistics.median(raw_rate(reader, 1) / 1e6 for _ in range(3))
-        figures["raw_MBps_4"] = statistics.median(raw_rate(reader, 4) / 1e6 for _ in range(3))
+        figures["load_before"] = os.getloadavg()[0]
+        figures["raw_MBps_1"], figures["raw_MBps_4"] = raw_rates(hub.endpoint)
         env = {"HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
         old = {k: os.environ.get(k) for k in (*env, "HF_TOKEN")}
         os.environ.update(env)
@@ -157,6 +170,7 @@ def main() -> int:
                     while first and not HASHED.search(first.read_text()) and time.monotonic() < deadline:
                         time.sleep(0.5)
             at, answer = trio.run(covered_and_asked, nodes[0], nodes, 900.0, tokens)
+            figures["load_covered"] = os.getloadavg()[0]
             figures["join_to_covered_s"] = at - started
             assert answer.first_token_at is not None
             figures["join_to_first_token_s"] = at - started + answer.first_token_at - answer.started
@@ -207,7 +221,7 @@ def main() -> int:
                     "of raw x4)")
     table = "\n".join([
         f"hub fetch, {total / 1e9:.2f} GB 3-part Q4_K_M set, 3 volunteers at --memory {memory}, on "
-        f"{os.cpu_count()} CPUs",
+        f"{os.cpu_count()} CPUs, load {figures['load_before']:.1f} before, {figures['load_covered']:.1f} once covered",
         f"  server raw rate: {figures['raw_MBps_1']:.0f} MB/s on one connection, {figures['raw_MBps_4']:.0f} MB/s on four",
         f"  first holder's whole read (hashing each part against its sha256): "
         f"{figures.get('first_holder_whole_read_MBps', float('nan')):.0f} MB/s",

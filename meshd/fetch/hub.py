@@ -34,6 +34,7 @@ import io
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,9 +87,14 @@ MAX_HEADER_BYTES = 256 << 20
 _PASS_READ = 16 << 20
 # Of an error's body, what is read for its message (the hub's are a line of JSON).
 _ERROR_BODY = 64 << 10
-# Chunks read from the hub at once by one fetch: 4 connections keep a link busy while each waits
-# on its first byte.
+# Requests to the hub at once by one fetch: 4 connections keep a link busy while each waits on its first
+# byte.
 HUB_CONCURRENCY = 4
+# A fetch asks for the chunks it lacks in runs: those one after another in the manifest and a file, apart from
+# at most _GAP_BYTES between (GGUF aligns each tensor to 32 bytes, or general.alignment), in one request of at most
+# _RUN_BYTES, read and checked a chunk at a time (``_Run``), where it asked for each 4 MiB chunk on its own.
+_RUN_BYTES = 32 << 20
+_GAP_BYTES = 64 << 10
 
 
 class HubError(Exception):
@@ -368,42 +374,55 @@ class HubReader:
                                f"{(meta.etag or '?')[:12]}, not the {f.size} bytes of {f.sha256[:12]} commit "
                                f"{model.commit[:12]} pins (a stale or lying mirror)")
 
-    def read(self, part: int, start: int, end: int) -> bytes:
-        """Bytes [start, end) of file ``part``: HubError if the server sends anything else. The body is read as it
-        comes and no further than asked (a server sending more, whatever its headers say, is cut off there):
-        a hostile mirror's endless body costs one range's memory."""
+    def open(self, part: int, start: int, end: int) -> RangeBody:
+        """The body of a request for bytes [start, end) of file ``part``, its status, range and commit checked
+        (HubError otherwise), to be read as it comes (``RangeBody``); the caller closes it."""
         import httpx2
         from huggingface_hub import get_session, hf_raise_for_status
 
         f = self.model.files[part]
         if not 0 <= start < end <= f.size:
             raise ValueError(f"bytes {start}-{end} are not within {f.path}")
-        want = end - start
         try:
-            with get_session().stream("GET", self.model.url(part), headers=self._headers(start, end),
-                                      timeout=self.timeout, follow_redirects=True) as response:
-                if response.status_code >= 400:
-                    # the library's error from the status and headers, and as much of the body as an error's
-                    # message takes
-                    hf_raise_for_status(httpx2.Response(response.status_code, headers=response.headers,
-                                                        content=_bounded(response, _ERROR_BODY),
-                                                        request=response.request))
-                found = _response_total(response.headers.get("Content-Range"))
-                if response.status_code != 206 or found != (start, end - 1, f.size):
-                    raise HubError(f"{self.model.endpoint} answered bytes {start}-{end - 1} of {f.path} with "
-                                   f"{response.status_code} {response.headers.get('Content-Range')!r}")
-                data = _bounded(response, want + 1)
-                commit = response.headers.get("X-Repo-Commit")
+            session = get_session()
+            request = session.build_request("GET", self.model.url(part), headers=self._headers(start, end),
+                                            timeout=self.timeout)
+            response = session.send(request, stream=True, follow_redirects=True)
         except _transport_errors() as exc:
-            raise HubError(f"cannot read {f.path} of {self.model.where} from {self.model.endpoint}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-        if len(data) != want:
-            raise HubError(f"{self.model.endpoint} answered bytes {start}-{end - 1} of {f.path} with "
-                           f"{'more' if len(data) > want else len(data)} bytes, not {want}")
-        if commit is not None and commit != self.model.commit:
-            raise HubError(f"{self.model.endpoint} serves {f.path} of commit {commit[:12]}, not the pinned "
-                           f"{self.model.commit[:12]} (a stale mirror)")
-        self.read_bytes += len(data)
+            raise self._unreadable(part, exc) from None
+        try:
+            if response.status_code >= 400:
+                # the library's error from the status and headers, and as much of the body as an error's
+                # message takes
+                hf_raise_for_status(httpx2.Response(response.status_code, headers=response.headers,
+                                                    content=_bounded(response, _ERROR_BODY),
+                                                    request=response.request))
+            found = _response_total(response.headers.get("Content-Range"))
+            if response.status_code != 206 or found != (start, end - 1, f.size):
+                raise HubError(f"{self.model.endpoint} answered bytes {start}-{end - 1} of {f.path} with "
+                               f"{response.status_code} {response.headers.get('Content-Range')!r}")
+            commit = response.headers.get("X-Repo-Commit")
+            if commit is not None and commit != self.model.commit:
+                raise HubError(f"{self.model.endpoint} serves {f.path} of commit {commit[:12]}, not the pinned "
+                               f"{self.model.commit[:12]} (a stale mirror)")
+        except BaseException as exc:
+            response.close()
+            if isinstance(exc, _transport_errors()):
+                raise self._unreadable(part, exc) from None
+            raise
+        return RangeBody(self, part, start, end, response)
+
+    def _unreadable(self, part: int, exc: BaseException) -> HubError:
+        return HubError(f"cannot read {self.model.files[part].path} of {self.model.where} from {self.model.endpoint}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+
+    def read(self, part: int, start: int, end: int) -> bytes:
+        """Bytes [start, end) of file ``part``: HubError if the server sends anything else. The body is read as it
+        comes and no further than asked (a server sending more, whatever its headers say, is cut off there):
+        a hostile mirror's endless body costs one range's memory."""
+        with self.open(part, start, end) as body:
+            data = b"".join(body.take(end - start))
+            body.finish()
         return data
 
     def header(self, part: int) -> tuple[bytes, GGUFLayout]:
@@ -428,6 +447,72 @@ class HubReader:
             if len(data) < layout.header_size:
                 data += self.read(part, len(data), layout.header_size)
             return data[: layout.header_size], layout
+
+
+class RangeBody:
+    """A ranged request's body, read in order as its pieces come from the socket (``take``). Blocking; one thread
+    at a time (``HubReader.open``)."""
+
+    def __init__(self, reader: HubReader, part: int, start: int, end: int, response: httpx2.Response) -> None:
+        self.reader, self.part, self.start, self.end = reader, part, start, end
+        self.pos = start  # the file offset of the next byte to read
+        self._response = response
+        self._pieces = response.iter_bytes()
+        self._left = memoryview(b"")
+
+    def __enter__(self) -> RangeBody:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Done with it: a body not read to its end closes its connection (nothing more is read of it)."""
+        self._response.close()
+
+    def _short(self, got: int, want: int) -> HubError:
+        f = self.reader.model.files[self.part]
+        return HubError(f"{self.reader.model.endpoint} answered bytes {self.start}-{self.end - 1} of {f.path} with "
+                        f"{got} bytes, not {want}")
+
+    def take(self, size: int) -> Iterator[memoryview]:
+        """The body's next ``size`` bytes in the pieces they come in from the socket (what runs past them is kept
+        for the next call): HubError if the body ends first or breaks."""
+        if not 0 <= size <= self.end - self.pos:
+            raise ValueError(f"{size} bytes from {self.pos} are not within the range's end {self.end}")
+        left = size
+        try:
+            while left:
+                if not self._left:
+                    piece = next(self._pieces, None)
+                    if piece is None:
+                        raise self._short(self.pos - self.start, self.end - self.start)
+                    self._left = memoryview(piece)
+                out, self._left = self._left[:left], self._left[left:]
+                left -= len(out)
+                self.pos += len(out)
+                self.reader.read_bytes += len(out)
+                yield out
+        except _transport_errors() as exc:
+            raise self.reader._unreadable(self.part, exc) from None
+
+    def skip(self, size: int) -> None:
+        """Read past ``size`` bytes (the alignment between two tensors' chunks)."""
+        for _ in self.take(size):
+            pass
+
+    def finish(self) -> None:
+        """The range read whole: HubError if the server sends more than it (one more piece is all that is read)."""
+        if self.pos != self.end:
+            raise ValueError(f"{self.end - self.pos} bytes of the range are unread")
+        try:
+            more = bool(self._left) or bool(next(self._pieces, b""))
+        except _transport_errors() as exc:
+            raise self.reader._unreadable(self.part, exc) from None
+        if more:
+            f = self.reader.model.files[self.part]
+            raise HubError(f"{self.reader.model.endpoint} answered bytes {self.start}-{self.end - 1} of {f.path} "
+                           f"with more bytes, not {self.end - self.start}")
 
 
 def _check_parts(model: HubModel, layouts: Sequence[GGUFLayout]) -> None:
@@ -457,8 +542,13 @@ class _Hasher:
     """Fed a file's bytes in order: the whole file's sha256, and each region's (header, tensors) as a manifest
     hashes it, chunk by chunk."""
 
-    def __init__(self, regions: list[tuple[str | None, int, int]], chunk_size: int) -> None:
+    def __init__(self, regions: list[tuple[str | None, int, int]], chunk_size: int,
+                 beside: ThreadPoolExecutor) -> None:
         self.whole = hashlib.sha256()
+        # the whole file's hash runs in a thread beside the regions' (hashlib lets the GIL go): with all three
+        # hashes of every byte in one thread the whole read of tools/bench_hub.py's set took 284-315 MB/s from
+        # the fake hub here, 423-441 this way (load 3-4)
+        self.beside = beside
         self.regions = regions
         self.chunk_size = chunk_size
         self.pos = 0
@@ -469,7 +559,13 @@ class _Hasher:
         self.done: list[tuple[str | None, int, int, bytes, tuple[bytes, ...]]] = []
 
     def feed(self, data: bytes) -> None:
-        self.whole.update(data)
+        whole = self.beside.submit(self.whole.update, data)
+        try:
+            self._regions(data)
+        finally:
+            whole.result()
+
+    def _regions(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
             if self.at >= len(self.regions):
@@ -526,12 +622,13 @@ def hash_model(reader: HubReader, chunk_size: int = CHUNK_SIZE, progress: Progre
     for i, (f, (_, layout)) in enumerate(zip(model.files, headers, strict=True)):
         regions: list[tuple[str | None, int, int]] = [(None, 0, layout.header_size)]
         regions += [(t.name, t.offset, t.size) for t in layout.tensors]
-        hasher = _Hasher(regions, chunk_size)
-        for block in _blocks(reader, i):
-            hasher.feed(block)
-            if sink is not None:
-                sink(i, hasher.pos - len(block), block)
-            tick(len(block))
+        with ThreadPoolExecutor(1) as beside:
+            hasher = _Hasher(regions, chunk_size, beside)
+            for block in _blocks(reader, i):
+                hasher.feed(block)
+                if sink is not None:
+                    sink(i, hasher.pos - len(block), block)
+                tick(len(block))
         if hasher.whole.hexdigest() != f.sha256:
             raise HubError(f"the bytes {model.endpoint} serves as {f.path} do not hash to the sha256 "
                            f"{f.sha256[:12]} that commit {model.commit[:12]} pins (a lying mirror)")
@@ -567,8 +664,97 @@ def check_binding(reader: HubReader, manifest: Manifest) -> None:
 # ----- a volunteer: its own chunks
 
 
-def _chunk_bytes(reader: HubReader, chunk: Chunk) -> bytes:
-    return reader.read(chunk.part, chunk.part_offset, chunk.part_offset + chunk.size)
+def _runs(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
+    """``chunks`` in runs a request each: those that follow one another in the manifest and in a file (but for at
+    most _GAP_BYTES between, the alignment between tensors: never a chunk held already), spanning at most
+    _RUN_BYTES (one chunk at least)."""
+    runs: list[list[Chunk]] = []
+    for chunk in chunks:
+        if runs:
+            run, last = runs[-1], runs[-1][-1]
+            gap = chunk.part_offset - (last.part_offset + last.size)
+            if chunk.index == last.index + 1 and chunk.part == last.part and 0 <= gap <= _GAP_BYTES and \
+                    chunk.part_offset + chunk.size - run[0].part_offset <= _RUN_BYTES:
+                run.append(chunk)
+                continue
+        runs.append([chunk])
+    return runs
+
+
+class _Stop:
+    """Keeps the threads of a fetch that has returned from writing: one it gave up on (past its chunk's
+    deadline, or cancelled) may still be reading, and the sparse file's descriptors may since be closed and
+    another file's. A thread writes holding the lock, and only while the fetch goes on."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stopped = False
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+
+
+class _Run:
+    """One run of chunks: one request, read a chunk at a time (``store_next``, in whichever worker thread trio
+    gives). Each piece is hashed and written at its offset as it comes, while it is in the cache (a chunk
+    gathered in a buffer first, then hashed and written, read it from memory twice more: the client took 2.1-2.6
+    ns of CPU a byte that way, 2.0-2.3 this one); a chunk is recorded only once its hash matches, as a member's
+    pieces are (``SparseFile.write_piece``), and what was written of one that does not is freed."""
+
+    def __init__(self, reader: HubReader, target: SparseFile, chunks: list[Chunk], stop: _Stop) -> None:
+        self.reader, self.target, self.chunks, self.stop = reader, target, chunks, stop
+        self._body: RangeBody | None = None
+        # a thread given up on may still be reading when the worker is done with the run: it closes the body
+        self._lock = threading.Lock()
+        self._busy = self._closed = False
+
+    def store_next(self, chunk: Chunk) -> None:
+        """Read ``chunk`` (the run's next) and write it: BadChunk if its bytes do not match the manifest (what
+        was written of them freed), HubError if the server sends anything but the run's range."""
+        with self._lock:
+            if self._closed:
+                raise HubError("the fetch has stopped")
+            self._busy = True
+        try:
+            if self._body is None:
+                first, last = self.chunks[0], self.chunks[-1]
+                self._body = self.reader.open(first.part, first.part_offset, last.part_offset + last.size)
+            self._body.skip(chunk.part_offset - self._body.pos)
+            digest, at = hashlib.sha256(), 0
+            for piece in self._body.take(chunk.size):
+                # hashlib and pwrite let the GIL go: the workers' pieces are hashed and written at once
+                digest.update(piece)
+                self._write(chunk, at, piece)
+                at += len(piece)
+            if chunk is self.chunks[-1]:
+                self._body.finish()
+            if digest.digest() != chunk.sha256:
+                with self.stop.lock:
+                    if not self.stop.stopped:
+                        self.target.discard(chunk)
+                raise BadChunk(f"bytes at {chunk.offset} do not match chunk {chunk.index} of the manifest")
+        finally:
+            with self._lock:
+                self._busy, closed = False, self._closed
+            if closed:
+                self._close_body()
+
+    def _write(self, chunk: Chunk, at: int, piece: memoryview) -> None:
+        with self.stop.lock:
+            if self.stop.stopped:
+                raise HubError("the fetch has stopped")
+            self.target.write_piece(chunk, at, piece)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, busy = True, self._busy
+        if not busy:
+            self._close_body()
+
+    def _close_body(self) -> None:
+        if self._body is not None:
+            self._body.close()
 
 
 async def fetch_from_hub(reader: HubReader, target: SparseFile, chunks: Sequence[Chunk], *,
@@ -576,28 +762,46 @@ async def fetch_from_hub(reader: HubReader, target: SparseFile, chunks: Sequence
                          concurrency: int = HUB_CONCURRENCY, first_byte: float = 30.0,
                          min_rate: float = MIN_RATE) -> FetchReport:
     """Fetch the chunks ``target`` lacks from the hub, each verified against the manifest before it is
-    recorded (served, journalled), a few at once. FetchFailed, naming the first chunk, when the hub's bytes
-    do not match the manifest (a lying mirror, or a lying manifest), it cannot be read, or it does not
-    deliver a chunk within ``first_byte`` seconds plus its size at ``min_rate`` (a server dribbling bytes
-    keeps a read's own timeout from ever firing: the deadline is the chunk's, as for members)."""
+    written and recorded (served, journalled): runs of adjacent chunks a request each, a few requests at once.
+    FetchFailed, naming the first chunk, when the hub's bytes do not match the manifest (a lying mirror, or a
+    lying manifest), it cannot be read, or it does not deliver a chunk within ``first_byte`` seconds plus its
+    size at ``min_rate`` of the last (a server dribbling bytes keeps a read's own timeout from ever firing: the
+    deadline is the chunk's, as for members)."""
     key = f"hub {reader.model.endpoint}"
     missing = target.missing(chunks)
     total = sum(c.size for c in chunks)
     report = FetchReport(chunks=len(chunks), reused_bytes=total - sum(c.size for c in missing))
-    queue = iter(missing)
+    queue = iter(_runs(missing))
+    stop = _Stop()
+    # chunks being written and not yet recorded: what a fetch that fails leaves of them is freed
+    unrecorded: set[Chunk] = set()
     failures: list[str] = []
     started = trio.current_time()
 
     async def worker() -> None:
-        for chunk in queue:
-            if failures:
-                return
+        for chunks in queue:
+            run = _Run(reader, target, chunks, stop)
             try:
-                deadline = first_byte + chunk.size / min_rate
-                with trio.fail_after(deadline):
-                    # abandoned on the deadline: the read's thread ends at its own timeout, its bytes unused
-                    data = await trio.to_thread.run_sync(_chunk_bytes, reader, chunk, abandon_on_cancel=True)
-                await trio.to_thread.run_sync(target.store, chunk, data)
+                for chunk in chunks:
+                    if failures:
+                        return
+                    deadline = first_byte + chunk.size / min_rate
+                    unrecorded.add(chunk)
+                    with trio.fail_after(deadline):
+                        # abandoned on the deadline: its thread ends at the read's own timeout, writing nothing
+                        # once the fetch has returned
+                        await trio.to_thread.run_sync(run.store_next, chunk, abandon_on_cancel=True)
+                    target.record(chunk)
+                    unrecorded.discard(chunk)
+                    report.fetched_chunks += 1
+                    report.fetched_bytes += chunk.size
+                    report.by_source[key] = report.by_source.get(key, 0) + chunk.size
+                    if progress is not None:
+                        elapsed = max(trio.current_time() - started, 1e-9)
+                        done = report.reused_bytes + report.fetched_bytes
+                        rate = report.fetched_bytes / elapsed
+                        progress(FetchProgress(total, done, report.fetched_bytes, rate,
+                                               (total - done) / rate if rate > 0 else None, 1))
             except BadChunk:
                 failures.append(f"the bytes {reader.model.endpoint} serves at {chunk.part_offset} of "
                                 f"{reader.model.files[chunk.part].path} do not match the manifest (chunk "
@@ -610,16 +814,14 @@ async def fetch_from_hub(reader: HubReader, target: SparseFile, chunks: Sequence
                 failures.append(f"{reader.model.endpoint} did not deliver {chunk.size} bytes of "
                                 f"{reader.model.files[chunk.part].path} within {deadline:.0f} s")
                 return
-            target.record(chunk)
-            report.fetched_chunks += 1
-            report.fetched_bytes += chunk.size
-            report.by_source[key] = report.by_source.get(key, 0) + chunk.size
-            if progress is not None:
-                elapsed = max(trio.current_time() - started, 1e-9)
-                done = report.reused_bytes + report.fetched_bytes
-                rate = report.fetched_bytes / elapsed
-                progress(FetchProgress(total, done, report.fetched_bytes, rate,
-                                       (total - done) / rate if rate > 0 else None, 1))
+            finally:
+                run.close()
+
+    def finish() -> None:
+        stop.stop()
+        for chunk in unrecorded:
+            target.discard(chunk)
+        target.flush()
 
     try:
         async with trio.open_nursery() as nursery:
@@ -627,7 +829,7 @@ async def fetch_from_hub(reader: HubReader, target: SparseFile, chunks: Sequence
                 nursery.start_soon(worker)
     finally:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(target.flush)
+            await trio.to_thread.run_sync(finish)
     if failures:
         report.excluded[key] = failures[0]
         raise FetchFailed(failures[0], report)

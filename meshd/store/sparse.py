@@ -188,7 +188,7 @@ class SparseFile:
         if written != len(data):
             raise OSError(errno.EIO, f"short write at {chunk.offset}")
 
-    def write_piece(self, chunk: Chunk, start: int, data: bytes) -> None:
+    def write_piece(self, chunk: Chunk, start: int, data: bytes | memoryview) -> None:
         """Write bytes of ``chunk`` from its byte ``start`` as they arrive, unverified.
 
         Safe because only recorded chunks are trusted (read, served, journalled):
