@@ -215,3 +215,35 @@ async def test_a_reservation_is_renewed_before_it_runs_out_and_one_never_renewed
         assert ran_out.value.code is ErrorCode.DEADLINE_EXCEEDED
         assert silent.node_id not in state.reservations
         nursery.cancel_scope.cancel()
+
+
+async def test_a_sender_cancelled_while_its_record_crosses_the_relay_neither_repeats_nor_loses_it() -> None:
+    # A circuit's record is handed to the relay's link before that link writes it; a sender
+    # cancelled in that write (an asker cancelling, an RPC timing out while the relay stalls)
+    # once had the circuit's link keep the record and send it again, and the far end then
+    # failed the link with PAYLOAD_CORRUPT (a replayed nonce) instead of carrying on.
+    async with trio.open_nursery() as nursery:
+        relay = await start_node(nursery, limits=RelayLimits())
+        target = await start_node(nursery)
+        dialer = await start_node(nursery)
+        await reserve(nursery, target, [relay])
+        address = target.held[0]
+        with trio.fail_after(10):
+            assert await echo_through(dialer.peers, address, target.node_id, b"hello") == b"hello"
+            stream = await dialer.peers.open_stream(address, ECHO, node_id=target.node_id)
+            sent = b""
+            for i in range(20):
+                piece = b"piece %d;" % i
+                with trio.CancelScope() as scope:
+                    scope.cancel()
+                    await stream.send_all(piece)
+                sent += piece
+            got = b""
+            while len(got) < len(sent):
+                got += await stream.receive_some()
+        assert got == sent
+        link = dialer.peers.link_to(target.node_id)
+        back = target.peers.link_to(dialer.node_id)
+        assert link is not None and not link.closed and isinstance(link.transport, CircuitTransport)
+        assert back is not None and back.error is None
+        nursery.cancel_scope.cancel()

@@ -7,7 +7,12 @@ import socket
 import trio
 import trio.testing
 
+from meshd.net.link import LinkTimings
+from meshd.net.peers import PeersConfig, open_peers
 from meshd.net.sockstream import DirectStream
+from meshd.net.stream import Stream
+from meshd.net.transport import WebSocketTransport
+from wire.identity import NodeIdentity
 
 BLOB = bytes(range(256)) * 4096  # 1 MiB: more than a socket pair's buffers hold
 
@@ -76,3 +81,71 @@ async def test_a_write_cancelled_midway_keeps_its_rest_and_one_not_begun_is_drop
         async with trio.open_nursery() as nursery:
             nursery.start_soon(mine.send_all, b"end")
             assert await read_exactly(theirs, filler + 3) == b"f" * filler + b"end"
+
+
+async def test_a_link_whose_sender_is_cancelled_midway_through_a_record_sends_it_once() -> None:
+    # A peer that stops reading (SIGSTOPped, say) fills the socket, and the kernel takes part of a
+    # record. A sender cancelled then once had its link send the whole record again after the rest,
+    # and the peer failed the link with PAYLOAD_CORRUPT (a replayed nonce) when it read again.
+    config = PeersConfig(mesh_key=b"key", timings=LinkTimings(keepalive_interval=300, dead_after=900))
+    record = b"r" * (12 << 10)  # under the link's unshielded size
+    paused = False
+    resumed = trio.Event()
+    received = bytearray()
+
+    async def sink(stream: Stream) -> None:
+        while data := await stream.receive_some():
+            received.extend(data)
+
+    async def forward(src: trio.SocketStream, dst: trio.SocketStream, gated: bool) -> None:
+        while data := await src.receive_some(4096):
+            if gated and paused:
+                await resumed.wait()
+            await dst.send_all(data)
+
+    async with trio.open_nursery() as nursery, open_peers(NodeIdentity.generate(), config) as alice, \
+            open_peers(NodeIdentity.generate(), config) as bob:
+        bob.handle("test/sink", sink)
+        bob_port = await bob.listen("127.0.0.1", 0)
+        # Alice links to Bob through this proxy, whose way to Bob stalls while ``paused``; its tiny
+        # receive buffer closes Alice's window within a record or two
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        listener.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 10)
+
+        async def proxy() -> None:
+            near = await listener.accept()
+            far = await trio.open_tcp_stream("127.0.0.1", bob_port)
+            nursery.start_soon(forward, near, far, True)
+            nursery.start_soon(forward, far, near, False)
+
+        nursery.start_soon(proxy)
+        with trio.fail_after(20):
+            link = await alice.connect(f"127.0.0.1:{listener.socket.getsockname()[1]}", node_id=bob.node_id)
+            assert isinstance(link.transport, WebSocketTransport)
+            direct = link.transport._direct
+            assert direct is not None
+            stream = link.open_stream("test/sink")
+            await stream.send_all(b"start")
+            # the link idle, so that the sender below writes its records itself
+            await trio.testing.wait_all_tasks_blocked()
+            paused = True
+
+            async def send() -> None:
+                while True:
+                    await stream.send_all(record)
+
+            async with trio.open_nursery() as sending:
+                sending.start_soon(send)
+                await trio.testing.wait_all_tasks_blocked()
+                sending.cancel_scope.cancel()
+            assert direct.pending, "the socket took the whole record: nothing was cut short"
+            resumed.set()
+            await stream.send_all(b"end")
+            back = bob.link_to(alice.node_id)
+            assert back is not None
+            while not received.endswith(b"end") and back.error is None:
+                await trio.sleep(0.01)
+        assert back.error is None and not link.closed
+        body = received[len(b"start"):-len(b"end")]
+        assert received.startswith(b"start") and len(body) % len(record) == 0 and body == b"r" * len(body)
+        nursery.cancel_scope.cancel()

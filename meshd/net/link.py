@@ -300,10 +300,9 @@ class Link:
         try:
             if len(outbox) == 1 and len(outbox[0]) <= _UNSHIELDED_RECORD:
                 # One small record: a shield would cost more than the write.
-                # A cancellation that interrupts it strikes before any byte
-                # is written (a small write to a writable socket does not
-                # block), so the record stays queued for the writer task and
-                # the nonce sequence holds.
+                # A transport raises Cancelled only before any of it is
+                # written (``RecordTransport.send_record``), so the record
+                # stays queued for the writer task and the nonce sequence holds.
                 try:
                     await send(outbox[0])
                 except trio.Cancelled:
@@ -321,6 +320,9 @@ class Link:
         finally:
             self._sending = False
             self._send_scope = None
+        if self._write_pending is not None and self._write_pending():
+            # a write cut short kept the end of a record back (DirectStream): the writer task finishes it
+            self.want_write()
         if self._error is not None:
             raise self._error
 

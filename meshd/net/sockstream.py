@@ -14,7 +14,9 @@ moment the engine returns a step's rows). What the kernel does not take is
 kept, and goes out before anything written after it: by the next
 ``send_all``, or by ``drain``, which the link's writer task runs. A write cut
 short by a cancellation keeps its unwritten rest the same way, so the byte
-stream never loses the middle of a frame.
+stream never loses the middle of a frame, and returns as done: a caller that
+makes again a write that raised (a link does, ``meshd.net.link``) would
+otherwise put the frame on the wire twice.
 """
 
 from __future__ import annotations
@@ -75,10 +77,14 @@ class DirectStream(trio.abc.HalfCloseableStream):
             try:
                 while written < len(view):
                     written += await self._write_some(view[written:])
+            except trio.Cancelled:
+                if not written:
+                    # a write not begun is the caller's to make again
+                    raise
+                # begun: it is done (the cancellation comes at the caller's next checkpoint)
             finally:
                 if 0 < written < len(view):
-                    # cut short (cancelled) midway: the rest goes out first next time, so the
-                    # frame stays whole; a write not begun is the caller's to make again
+                    # cut short midway: the rest goes out first next time, so the frame stays whole
                     self._pending = bytes(view[written:])
         finally:
             self._busy = False

@@ -48,9 +48,11 @@ class RecordTransport(Protocol):
     async def send_record(self, record: bytes) -> None:
         """Raises ``trio.BrokenResourceError`` once the transport is gone.
 
-        If cancelled, the record must not have been partly written (nothing,
-        or all of it), or the link breaks: trio's channels and socket streams
-        behave so for writes that fit the socket's buffer.
+        It raises ``trio.Cancelled`` only if none of the record was written:
+        the link then writes it again (``Link.flush``), so a record begun must
+        be finished (before anything written after it) and reported sent, or it
+        reaches the peer twice and the link fails (a spent nonce).
+        ``DirectStream`` and ``CircuitTransport`` behave so.
         """
 
     async def receive_record(self) -> bytes:

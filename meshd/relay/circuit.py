@@ -27,6 +27,7 @@ from relay.protocol import (
     parse_circuit_address,
 )
 from wire.errors import ErrorCode, ProtocolError
+from wire.noise import RecordReader
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,33 @@ class CircuitTransport(StreamTransport):
 
     def __init__(self, stream: Stream, remote_address: str, observed: str = "") -> None:
         super().__init__(stream, remote_address)
+        self._circuit = stream
         # The host the relay sees the other end at: where a hole punch may dial it.
         self.observed = observed
         self.error: ProtocolError | None = None
         self.closed = trio.Event()
 
     async def send_record(self, record: bytes) -> None:
+        # A link sends again a record whose write raised Cancelled (meshd.net.link): a record
+        # must therefore raise it only if none of it went, or the far end gets it twice and
+        # fails the link (a spent nonce, PAYLOAD_CORRUPT). The stream's ``send_all`` can raise
+        # it after queuing all of it, in the relay link's flush.
+        stream = self._circuit
+        frame = RecordReader.frame(record)
         try:
-            await super().send_record(record)
+            if stream.send_nowait(frame):
+                # Queued whole on the relay's link, which writes it in order with all else: sent.
+                # A cancellation comes at the caller's next checkpoint instead.
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return
+            try:
+                # Short of the relay link's credit: the stream's way, which waits for it.
+                await stream.send_all(frame)
+            except trio.Cancelled:
+                # Whether any of it went is unknown now: neither sending it again nor skipping
+                # it keeps the nonces in step, so the circuit ends (the link sees it broken).
+                stream.reset(ProtocolError(ErrorCode.CANCELLED, "a record's write was cut short"))
+                raise
         except ProtocolError as exc:
             self.error = self.error or exc
             raise trio.BrokenResourceError(str(exc)) from None
