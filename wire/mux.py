@@ -53,27 +53,21 @@ from wire.mux_frames import (
     GOAWAY,
     HEADER,
     HEADER_BYTES,
-    MAX_FRAME,
     MAX_PROTOCOL_BYTES,
     MAX_STREAM_ID,
     MAX_WINDOW,
-    MIN_FRAME,
     OPEN,
     PING,
     PING_BODY,
     PONG,
     RESET,
-    S_LINK_WINDOW,
-    S_MAX_FRAME,
-    S_MAX_STREAMS,
-    S_STREAM_WINDOW,
-    SETTING,
     SETTINGS,
     U32,
     WINDOW,
     pack_error,
     unpack_error,
 )
+from wire.mux_settings import PeerSettings, read_settings, settings_payload
 
 _MAX_OUTSTANDING_PINGS = 16
 
@@ -87,14 +81,6 @@ class _Stream:
     unconsumed: int = 0
     pending_update: int = 0
     held: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _PeerSettings:
-    stream_window: int
-    link_window: int
-    max_frame: int
-    max_streams: int
 
 
 
@@ -121,7 +107,7 @@ class Mux:
         self._streams: dict[int, _Stream] = {}
         self._local_count = 0
         self._peer_count = 0
-        self._peer: _PeerSettings | None = None
+        self._peer: PeerSettings | None = None
         self._link_send_window = 0
         self._link_recv_window = self.config.link_window
         self._link_unconsumed = 0
@@ -501,31 +487,7 @@ class Mux:
             raise bad_request("SETTINGS must be on stream 0")
         if self._peer is not None:
             raise bad_request("SETTINGS sent twice")
-        if len(payload) % SETTING.size:
-            raise bad_request("SETTINGS payload is not whole entries")
-        values = {
-            S_STREAM_WINDOW: 0,
-            S_LINK_WINDOW: 0,
-            S_MAX_FRAME: 0,
-            S_MAX_STREAMS: -1,
-        }
-        for offset in range(0, len(payload), SETTING.size):
-            key, value = SETTING.unpack_from(payload, offset)
-            if key in values:
-                values[key] = value
-        if not (
-            1 <= values[S_STREAM_WINDOW] <= MAX_WINDOW
-            and 1 <= values[S_LINK_WINDOW] <= MAX_WINDOW
-            and MIN_FRAME <= values[S_MAX_FRAME] <= MAX_FRAME
-            and values[S_MAX_STREAMS] >= 0
-        ):
-            raise bad_request("SETTINGS missing or out of range")
-        self._peer = _PeerSettings(
-            stream_window=values[S_STREAM_WINDOW],
-            link_window=values[S_LINK_WINDOW],
-            max_frame=values[S_MAX_FRAME],
-            max_streams=values[S_MAX_STREAMS],
-        )
+        self._peer = read_settings(payload)
         self._link_send_window = self._peer.link_window
         for stream in self._streams.values():
             stream.send_window = self._peer.stream_window
@@ -617,17 +579,7 @@ class Mux:
     # ----- internals
 
     def _queue_settings(self) -> None:
-        config = self.config
-        payload = b"".join(
-            SETTING.pack(key, value)
-            for key, value in (
-                (S_STREAM_WINDOW, config.stream_window),
-                (S_LINK_WINDOW, config.link_window),
-                (S_MAX_FRAME, config.max_frame),
-                (S_MAX_STREAMS, config.max_streams),
-            )
-        )
-        self._frame(SETTINGS, 0, 0, payload)
+        self._frame(SETTINGS, 0, 0, settings_payload(self.config))
 
     def _frame(
         self, kind: int, flags: int, stream_id: int, payload: bytes | bytearray | memoryview

@@ -22,7 +22,6 @@ MAX_STREAM_ID = (1 << 32) - 1
 SETTING = struct.Struct(">HI")
 U32 = struct.Struct(">I")
 PING_BODY = struct.Struct(">Q")
-S_STREAM_WINDOW, S_LINK_WINDOW, S_MAX_FRAME, S_MAX_STREAMS = 1, 2, 3, 4
 MIN_FRAME, MAX_FRAME = 64, 16 << 20
 
 CONTROL_LIMITS = {
