@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -141,10 +142,14 @@ async def earn(mesh: Mesh, base: Path) -> None:
 
 
 def weighs_by_credit(daemon: Served, volunteers: list[str]) -> bool:
-    """Whether `daemon`'s election last weighed each of `volunteers` with extra votes (its log's line)."""
+    """Whether `daemon`'s election weighs each of `volunteers` with extra votes, as its log's lines of
+    changes say (meshd.daemon.credit)."""
     assert daemon.log is not None
-    said = [line for line in daemon.log.read_text().splitlines() if "the election weighs by credit: " in line]
-    return bool(said) and all(f"{node_id[:16]} +" in said[-1] for node_id in volunteers)
+    votes: dict[str, int] = {}
+    for line in daemon.log.read_text().splitlines():
+        if "the election weighs by credit: " in line:
+            votes.update((short, int(n)) for short, n in re.findall(r"([0-9a-f]{16}) \+(\d+)", line))
+    return all(votes.get(node_id[:16], 0) >= 1 for node_id in volunteers)
 
 
 async def weighed(mesh: Mesh) -> None:
