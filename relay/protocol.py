@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from wire.codec import Limits, Message, register_protocol
+from wire.limits import Limits, register_protocol
+from wire.message import Message
 from wire.types import Count, Host, NodeId
 
 HOP_PROTOCOL = "meshd/relay-hop/1"

@@ -19,7 +19,8 @@ import ipaddress
 from collections import deque
 from dataclasses import dataclass, field
 
-from wire.codec import Limits, Message, register_protocol
+from wire.limits import Limits, register_protocol
+from wire.message import Message
 from wire.types import Port
 
 PUNCH_PROTOCOL = "meshd/punch/1"

@@ -28,10 +28,10 @@ from meshd.net.peers import Peers, PeersConfig
 from meshd.net.rpc import answer_typed
 from meshd.net.stream import Stream
 from meshd.stage.receipts import SessionReceipts, Signer
-from wire.codec import Message
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import SWIM_PROTOCOL, AssignmentReply, AssignmentRequest, RouteStage
+from wire.message import Message
 from wire.receipt import Proof, Receipt, Receipts, pack_chain, row_hash, unpack_chain
 from wire.stage import STAGE_PROTOCOL, Hop, Metrics, MetricsRequest, Open, Opened, PeerRef, StageInfo, new_session_id
 from wire.tensors import Activation, encode_activation

@@ -9,9 +9,9 @@ import trio
 
 from meshd.net.peers import Peers, open_peers
 from meshd.net.stream import Stream
-from wire.codec import ErrorMessage
 from wire.errors import ProtocolError
 from wire.identity import NodeIdentity
+from wire.message import ErrorMessage
 from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, PromptTokens
 from wire.tensors import Activation, TensorEntry, encode_activation, tensor_fields
 

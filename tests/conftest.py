@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -118,9 +119,44 @@ async def peers() -> AsyncIterator[Peers]:
         yield p
 
 
+# Seconds each test file took in a whole run (setup, call and teardown of its tests), longest first: the
+# suite runs the longest files first, so under xdist's whole-file scheduling (tools/dev test) no long file
+# starts last while the other worker idles. A stale or missing entry only costs time, never a result.
+# Refresh it with MESHD_DURATIONS_OUT=tests/durations.json tools/dev test.
+DURATIONS = Path(__file__).with_name("durations.json")
+_took: dict[str, float] = {}
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def longest_files_first(items: list[pytest.Item]) -> None:
+    seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    # stable: a file's tests keep their order, and files of equal (or unknown) time theirs
+    items.sort(key=lambda item: -seconds.get(file_of(item.nodeid), 0.0))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Counts each file's time (in the xdist controller too, where every worker's reports arrive)."""
+    _took[file_of(report.nodeid)] = _took.get(file_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = os.environ.get("MESHD_DURATIONS_OUT")
+    # only where every test ran (the controller, or a run without xdist): a worker saw a part of them
+    if not out or hasattr(session.config, "workerinput"):
+        return
+    path = Path(out)
+    kept: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    kept.update({name: round(took, 1) for name, took in _took.items()})
+    path.write_text(json.dumps(dict(sorted(kept.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests need a device the engine offloads to (tests/gpu_lane.py); the engine is asked only
-    when such a test was collected."""
+    """The longest files first (DURATIONS). `gpu` tests need a device the engine offloads to
+    (tests/gpu_lane.py); the engine is asked only when such a test was collected."""
+    longest_files_first(items)
     marked = [item for item in items if item.get_closest_marker("gpu")]
     if not marked:
         return

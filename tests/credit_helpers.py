@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from meshd.mesh.credit import Ledger
-from wire.codec import decode, encode
 from wire.credit import LedgerFetch, LedgerIds, LedgerRoots, LedgerRootsRequest, WorkGive, WorkSummary
+from wire.decode import decode
 from wire.identity import NodeIdentity
+from wire.message import encode
 from wire.receipt import NO_PREV, Receipt, row_hash
 
 MODEL = "ab" * 32

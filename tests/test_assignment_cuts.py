@@ -27,7 +27,8 @@ from meshd.mesh.placement import assign
 from meshd.mesh.records import ModelInfo
 from meshd.mesh.shortfall import coverage_shortfall
 from meshd.stage.model_file import describe_model
-from wire.codec import decode, encode
+from wire.decode import decode
+from wire.message import encode
 from wire.swim import Alive, Ping
 
 GB = 2**30

@@ -78,14 +78,14 @@ class Mesh:
 
 
 @contextmanager
-def honest_mesh(base: Path, path: Path) -> Iterator[Mesh]:
-    """A seed with no model and two volunteers offering about half the model each: the honest route
-    has two stages."""
+def honest_mesh(base: Path, path: Path, memory: str = "1M") -> Iterator[Mesh]:
+    """A seed with no model and two volunteers offering about half the model each (`memory` each: half
+    the tiny model by default): the honest route has two stages."""
     nodes: list[Served] = []
     try:
         nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS))
         for i in range(2):
-            nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", "1M",
+            nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", memory,
                                     "--state-dir", str(base / f"v{i}"), *SESSIONS))
         from meshd.stage.model_file import model_manifest
         digest = model_manifest(path, base / "v0").model_id

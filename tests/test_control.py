@@ -27,9 +27,12 @@ from meshd.net.control import (
     serve_listener,
     socket_path,
 )
-from wire.codec import ErrorMessage, Limits, Message, MessageDecoder, decode, encode
+from wire.codec import MessageDecoder
+from wire.decode import decode
 from wire.errors import ErrorCode, ProtocolError
+from wire.limits import Limits
 from wire.meshrpc import RouteRequest, StatusReply, StatusRequest
+from wire.message import ErrorMessage, Message, encode
 
 NOBODY = 65534
 STATUS = StatusReply(node_id="n" * 40, term=3, members=[], coverage=[])

@@ -18,9 +18,10 @@ from meshd.mesh.credit import (
     check_summary,
 )
 from tests.credit_helpers import MODEL, NOW, served, sync
-from wire.codec import decode, encode
 from wire.credit import WorkGive, WorkSummary
+from wire.decode import decode
 from wire.identity import NodeIdentity
+from wire.message import encode
 from wire.receipt import NO_PREV, Receipt
 
 

@@ -5,6 +5,8 @@ splitting the tiny model, real `meshd join` processes). Its members first serve 
 asks through its own daemon, as `meshd ask` does (an identity of the command's own, the member's
 voucher, the member countersigning what each stage served), until each volunteer has earned a
 window cap's worth from the others, which gives each one extra vote (meshd.mesh.credit.extra_votes).
+The model is the tiny llama made 24 layers deep: a volunteer's stage holds 12, so an ask earns it four
+times the work (layers x tokens) of one on the 6-layer model, and a cap takes a quarter of the asks.
 Then four attackers join as real volunteers of the same model, which the honest tracker places
 (so they weigh: placed identities, not free ones), and bid for the tracker. By head count the bid
 carries (4 placed attackers of 7 weighing members); by weight it is 4 against 1 + 2 + 2, and fails.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -32,6 +35,7 @@ from meshd.client.asker import Asker
 from meshd.client.route import Stage, route_from_reply
 from meshd.client.served import Served as Work
 from meshd.daemon.config import NodeConfig
+from meshd.daemon.credit import CREDIT_VOTES_EVERY
 from meshd.mesh.credit import ASKER_WINDOW_CAP
 from meshd.mesh.election import Tracker
 from meshd.net.control import control_request
@@ -43,15 +47,29 @@ from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest
 from wire.receipt import Proof
 
-# three daemons and four in-process volunteers, each with an engine worker; some 300 asks to earn credit
-# and a minute for the daemons to weigh it: about five minutes
+# three daemons and four in-process volunteers, each with an engine worker; some 90 asks to earn credit
+# and up to a minute for the daemons to weigh it: about two minutes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PLACED_ATTACKERS = 4
 # what each volunteer must have earned in every honest ledger: a little over a cap, decay included
 EARNED = 1.05 * ASKER_WINDOW_CAP
-# the daemon gives the election each member's extra votes every 60 s (meshd.daemon.CREDIT_VOTES_EVERY)
-VOTES_SETTLE_S = 70.0
+# the daemon gives the election each member's extra votes every 60 s (CREDIT_VOTES_EVERY)
+VOTES_SETTLE_S = CREDIT_VOTES_EVERY + 10.0
+DEEP_LAYERS = 24
+# 12 layers with the KV of 4 sessions of 256 tokens (SESSIONS), and the embedding or the LM head: half
+# the deep model, and 13 layers do not fit (meshd.mesh.assignment)
+HALF_DEEP = 3400 << 10
+# each member's asks between two looks at the ledgers: two rounds earn both volunteers their cap
+ASKS_A_ROUND = 15
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gguf_factory import TINY_SPECS, write_tiny_gguf
+
+    spec = replace(TINY_SPECS["llama-gqa-untied"], n_layer=DEEP_LAYERS)
+    return write_tiny_gguf(tmp_path_factory.mktemp("deep") / "llama-deep.gguf", spec)
 
 
 def credits(state: Path) -> dict[str, Any]:
@@ -103,7 +121,9 @@ async def member_asks(state: Path, member: Served, digest: str, prompts: int) ->
 
 async def earn(mesh: Mesh, base: Path) -> None:
     """The honest members ask through each other until both volunteers have earned `EARNED` in every
-    honest ledger (the seed's asks and the other volunteer's each pay a volunteer up to a cap an hour)."""
+    honest ledger (the seed's asks and the other volunteer's each pay a volunteer up to a cap an hour).
+    A volunteer's own ledger holds what it served as each ask ends (the asker gives it the summary);
+    once both hold enough, more asks add nothing, and the others' ledgers catch up by gossip."""
     digest = mesh.model.digest
     askers = [(base / "seed", mesh.seed), (base / "v0", mesh.volunteers[0]), (base / "v1", mesh.volunteers[1])]
     volunteers = [v.node_id for v in mesh.volunteers]
@@ -113,15 +133,37 @@ async def earn(mesh: Mesh, base: Path) -> None:
         if all(earned_in(doc, v) >= EARNED for doc in docs for v in volunteers):
             return
         assert time.monotonic() < deadline, [[earned_in(doc, v) for v in volunteers] for doc in docs]
+        if all(earned_in(doc, doc["node"]) >= EARNED for doc in docs[1:]):
+            await trio.sleep(1.0)
+            continue
         async with trio.open_nursery() as nursery:
             for state, member in askers:
-                nursery.start_soon(member_asks, state, member, digest, 25)
+                nursery.start_soon(member_asks, state, member, digest, ASKS_A_ROUND)
+
+
+def weighs_by_credit(daemon: Served, volunteers: list[str]) -> bool:
+    """Whether `daemon`'s election weighs each of `volunteers` with extra votes, as its log's lines of
+    changes say (meshd.daemon.credit)."""
+    assert daemon.log is not None
+    votes: dict[str, int] = {}
+    for line in daemon.log.read_text().splitlines():
+        if "the election weighs by credit: " in line:
+            votes.update((short, int(n)) for short, n in re.findall(r"([0-9a-f]{16}) \+(\d+)", line))
+    return all(votes.get(node_id[:16], 0) >= 1 for node_id in volunteers)
+
+
+async def weighed(mesh: Mesh) -> None:
+    """Until every honest daemon's election weighs both volunteers by their credit."""
+    volunteers = [v.node_id for v in mesh.volunteers]
+    with trio.fail_after(VOTES_SETTLE_S):
+        while not all(weighs_by_credit(node, volunteers) for node in mesh.nodes):
+            await trio.sleep(0.5)
 
 
 async def placed_attackers(mesh: Mesh, path: Path, base: Path, n: int,
                            body: Callable[[list[Any]], Awaitable[None]]) -> None:
     """`n` attackers joined as real volunteers of `path` (the honest tracker places them), for `body`."""
-    config = NodeConfig(model=path, memory_bytes=1 << 20, threads=1, probes=None,
+    config = NodeConfig(model=path, memory_bytes=HALF_DEEP, threads=1, probes=None,
                         limits=StageLimits(max_sessions=4, max_session_tokens=256), peers=PeersConfig())
     async with attacker(mesh.seed.address, replace(config, state_dir=base / "a0")) as a0, \
             attacker(mesh.seed.address, replace(config, state_dir=base / "a1")) as a1, \
@@ -132,14 +174,14 @@ async def placed_attackers(mesh: Mesh, path: Path, base: Path, n: int,
 
 
 async def test_placed_identities_outnumbering_members_with_credit_never_take_the_tracker(
-        tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    path = tiny_models["llama-gqa-untied"]
+        deep_model: Path, tmp_path: Path) -> None:
+    path = deep_model
     assert SESSIONS[-1] == "256"
-    with honest_mesh(tmp_path, path) as mesh:
+    with honest_mesh(tmp_path, path, memory=f"{HALF_DEEP >> 10}K") as mesh:
         async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
             before = await converged(peers, mesh)
             await earn(mesh, tmp_path)
-            await trio.sleep(VOTES_SETTLE_S)
+            await weighed(mesh)
 
             async def bid(crowd: list[Any]) -> None:
                 ids = {a.mesh.node_id for a in crowd}

@@ -13,10 +13,10 @@ import trio
 from meshd.client.ledger import PULL_PAGES, WALK_AFTER, LedgerKeeper
 from meshd.mesh.credit import Ledger
 from tests.credit_helpers import served
-from wire.codec import ErrorMessage, Message
 from wire.credit import IDS_PAGE, LedgerFetch, LedgerIds, LedgerIdsRequest, LedgerRootsRequest, WorkGive
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.message import ErrorMessage, Message
 
 
 class FakeLedgerPeer:

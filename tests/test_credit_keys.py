@@ -14,9 +14,9 @@ from meshd.client.served import Served
 from meshd.mesh.credit import HALF_LIFE, KeyShares, Standing, key_share, priority
 from meshd.stage.books import StageBooks, StageLimits
 from tests.credit_helpers import served
-from wire.codec import Message
 from wire.credit import SHARE_WHOLE, Voucher, WorkTaken
 from wire.identity import NodeIdentity
+from wire.message import Message
 
 
 def test_each_key_ranks_with_an_equal_part_of_what_the_member_earned_less_its_own_use() -> None:

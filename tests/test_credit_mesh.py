@@ -135,8 +135,13 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
                   WorkSummary.create(ring[0], honest.model, 0, 8, 1000, 0, True, int(now), honest.head),
                   served_summary(ring[1], ring[1], tokens=100, at=now)]
         assert _give(stage.address, forged) == WorkTaken(taken=0, refused=3)
-        time.sleep(STANDING_EVERY + 1.0)
-        rows = {m["node_id"]: m for m in credits(states["stage"])["members"]}
+        # the ledger's credit is worked out again every STANDING_EVERY: once it holds the ring's summaries,
+        # each ring member that asked stands in it (it spent), and no ring member earned anything
+        askers = {summary.asker for summary in made_up}
+        deadline = time.monotonic() + 3 * STANDING_EVERY
+        while not askers <= (rows := {m["node_id"]: m for m in credits(states["stage"])["members"]}).keys():
+            assert time.monotonic() < deadline, rows
+            time.sleep(1.0)
         assert all(rows.get(r.node_id, {}).get("earned", 0.0) == 0.0 for r in ring), rows
 
         # the newcomer's long answer holds the stage's one slot; the server asks the same model meanwhile

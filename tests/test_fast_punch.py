@@ -22,10 +22,10 @@ from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.fast import FastDoor
 from relay.protocol import circuit_address
 from relay.punch import FAST_PUNCH_PROTOCOL, FastPunch, FastPunchLimits, PunchLimits
-from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
 from wire.fastlink import TOKEN_BYTES
 from wire.identity import NodeIdentity
+from wire.message import ErrorMessage
 
 CONFIG = PeersConfig(mesh_key=b"the mesh key", drain_timeout=0.2, dial_timeout=2.0,
                      timings=LinkTimings(keepalive_interval=300, dead_after=900))

@@ -26,7 +26,7 @@ from meshd.store.manifest import Manifest, compute
 from meshd.store.sparse import SparseFile
 from wire.fetch import FETCH_PROTOCOL, ChunkData, ChunkRequest
 from wire.identity import NodeIdentity
-from wire.mux import MuxConfig
+from wire.mux_config import MuxConfig
 
 SMALL_CHUNK = 4 << 10
 # The attackers' own host (all of 127/8 is loopback): the source tells them from the honest puller by it.

@@ -18,9 +18,9 @@ from meshd.store.holding import WholeFile
 from meshd.store.manifest import Chunk, Manifest, compute
 from meshd.store.ranges import range_chunks
 from meshd.store.sparse import SparseFile
-from wire.codec import ErrorMessage, encode
 from wire.errors import ErrorCode, ProtocolError
 from wire.fetch import FETCH_PROTOCOL, FRAME_BYTES, ChunkData, ChunkRequest, Have, HaveRequest, ManifestPiece, ManifestRequest
+from wire.message import ErrorMessage, encode
 
 N_LAYERS = 6
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from wire.codec import MessageDecoder, decode, encode, protocol_limits
+from wire.codec import MessageDecoder
+from wire.decode import decode
 from wire.errors import ProtocolError
 from wire.fetch import (
     FETCH_PROTOCOL,
@@ -18,6 +19,8 @@ from wire.fetch import (
     ManifestPiece,
     ManifestRequest,
 )
+from wire.limits import protocol_limits
+from wire.message import encode
 
 LIMITS = protocol_limits(FETCH_PROTOCOL)
 MODEL = "ab" * 32

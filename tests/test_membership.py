@@ -24,8 +24,9 @@ from meshd.mesh.membership import (
     Sync,
     SyncEntry,
 )
-from wire import codec
+from wire.decode import decode, decode_body
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import encode
 
 CONFIG = SwimConfig()
 
@@ -323,11 +324,11 @@ def test_messages_round_trip_through_the_wire_codec() -> None:
         Sync(reply=True, entries=[SyncEntry(record=rec, state="alive")]),
     ]
     for message in messages:
-        received = codec.decode(codec.encode(message))
+        received = decode(encode(message))
         assert received == message
         assert type(received) is type(message)
         assert isinstance(received, SWIM_MESSAGES)
-    assert codec.decode(codec.encode(messages[0])).gossip[0].record.verify()
+    assert decode(encode(messages[0])).gossip[0].record.verify()
 
 
 @pytest.mark.parametrize(
@@ -348,7 +349,7 @@ def test_messages_round_trip_through_the_wire_codec() -> None:
 )
 def test_malformed_messages_are_typed_errors(bad: dict) -> None:
     with pytest.raises(ProtocolError) as caught:
-        codec.decode_body(msgpack.packb(bad, use_bin_type=True))
+        decode_body(msgpack.packb(bad, use_bin_type=True))
     assert caught.value.code is ErrorCode.BAD_REQUEST
 
 

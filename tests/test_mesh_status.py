@@ -10,9 +10,10 @@ from meshd.mesh.membership import MemberInfo, MemberState
 from meshd.mesh.records import ROLE_RELAY, CapabilityRecord, ModelInfo, ServedRange
 from meshd.mesh.route_reply import pick_model
 from meshd.mesh.status import held_models, status_view
-from wire.codec import decode, encode
+from wire.decode import decode
 from wire.errors import ProtocolError
 from wire.meshrpc import StatusReply
+from wire.message import encode
 
 MODEL = ModelInfo(digest="sha256:m", name="m", n_layers=10, bytes_per_layer=1, kv_bytes_per_token=1)
 

@@ -12,11 +12,11 @@ from memory_transport import MemoryTransport, memory_transport_pair
 
 from meshd.net.link import Link, LinkTimings
 from meshd.net.stream import Stream, StreamBroken, StreamClosed
-from wire.codec import LENGTH_PREFIX, ErrorMessage, Message, encode, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.link import SecureLink
-from wire.mux import MuxConfig
+from wire.message import LENGTH_PREFIX, ErrorMessage, Message, encode, error_message
+from wire.mux_config import MuxConfig
 
 ALICE = NodeIdentity.from_private_bytes(b"a" * 32)
 BOB = NodeIdentity.from_private_bytes(b"b" * 32)

@@ -14,8 +14,8 @@ from meshd.net import rpc
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.net.stream import Stream
 from relay.protocol import Accepted, Connect, Connected
-from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import ErrorMessage
 
 
 async def test_a_reply_of_the_expected_type_is_returned() -> None:

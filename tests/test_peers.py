@@ -23,10 +23,10 @@ from meshd.net.link import LinkTimings
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.stream import Stream
 from meshd.net.transport import StreamTransport
-from wire.codec import ErrorMessage
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.mux import MuxConfig
+from wire.message import ErrorMessage
+from wire.mux_config import MuxConfig
 from wire.tensors import Activation, TensorEntry
 
 ALICE = NodeIdentity.from_private_bytes(b"a" * 32)

@@ -30,9 +30,9 @@ from meshd.net.stream import Stream
 from meshd.stage.books import StageLimits
 from meshd.stage.node import StageNode, stage_node
 from meshd.stage.service import StageService
-from wire.codec import Message
 from wire.errors import ErrorCode
 from wire.identity import NodeIdentity
+from wire.message import Message
 from wire.stage import Hop, Open, PromptTokens, Sampling
 from wire.tensors import Activation
 

@@ -27,9 +27,9 @@ from meshd import progress
 from meshd.cli.ask import route_when_covered
 from meshd.cli.serve import range_wait
 from meshd.logs import setup_logging
-from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import RouteReply, RouteStage
+from wire.message import Message
 
 
 @pytest.fixture

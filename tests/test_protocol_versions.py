@@ -8,9 +8,10 @@ import trio
 
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.net.stream import Stream
-from wire.codec import ErrorMessage, same_protocol_other_version
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.limits import same_protocol_other_version
+from wire.message import ErrorMessage
 from wire.stage import STAGE_PROTOCOL
 
 QUICK = PeersConfig(drain_timeout=0.1)

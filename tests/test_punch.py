@@ -26,9 +26,10 @@ from meshd.relay.service import RelayService
 from relay.limits import RelayLimits
 from relay.protocol import circuit_address
 from relay.punch import PUNCH_PROTOCOL, PunchBudget, PunchConnect, PunchLimits, PunchSync, punch_target
-from wire.codec import decode, encode
+from wire.decode import decode
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.message import encode
 
 KEY = b"the mesh key"
 CONFIG = PeersConfig(mesh_key=KEY, drain_timeout=0.2, dial_timeout=2.0,

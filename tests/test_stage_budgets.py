@@ -21,10 +21,10 @@ from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.stream import Stream
 from meshd.stage.books import StageLimits
 from meshd.stage.node import StageNode, stage_node
-from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteStage
+from wire.message import ErrorMessage, Message
 from wire.stage import (
     STAGE_PROTOCOL,
     Cancel,

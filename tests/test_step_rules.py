@@ -28,9 +28,9 @@ from meshd.stage.books import StageLimits
 from meshd.stage.outlet import Outlet
 from meshd.stage.service import StageService
 from meshd.stage.state import Session
-from wire.codec import encode
 from wire.errors import ProtocolError
 from wire.fastlink import ROWS, ROWS_IDS, TOKENS, Step
+from wire.message import encode
 from wire.stage import Open
 from wire.tensors import Activation, TensorEntry
 

@@ -9,8 +9,9 @@ from instant_net import InstantNet, identity, record, rng
 
 from meshd.mesh.membership import Ack, Alive, Dead, Gossip, Membership, MemberState, Ping, Suspect, SwimConfig, Sync
 from meshd.mesh.status import status_view
-from wire.codec import decode, encode
+from wire.decode import decode
 from wire.meshrpc import StatusReply
+from wire.message import encode
 from wire.swim import MAX_SERVED, ServedRange, SyncEntry
 
 CONFIG = SwimConfig()

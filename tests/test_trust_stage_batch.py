@@ -19,8 +19,8 @@ from meshd.stage.books import Phase, StageLimits
 from meshd.stage.outlet import Outlet
 from meshd.stage.service import StageService
 from meshd.stage.state import Rows, Session
-from wire.codec import encode
 from wire.errors import ErrorCode
+from wire.message import encode
 from wire.stage import Open
 
 N_EMBD = 4

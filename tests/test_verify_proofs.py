@@ -21,9 +21,11 @@ from meshd.client.verifier import Verifier
 from meshd.client.verify import CheckPlan, Draws, KeptInputs, RangeCheck
 from meshd.mesh.proofs import BrokenChain, InvalidProof, Step, check_chain, check_proof
 from meshd.stage.receipts import SessionReceipts, Signer, chain_of, check_incoming
-from wire.codec import Message, decode, encode, error_message, protocol_limits
+from wire.decode import decode
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.limits import protocol_limits
+from wire.message import Message, encode, error_message
 from wire.receipt import (
     MAX_CHAIN,
     MAX_WITNESSES,

@@ -38,9 +38,9 @@ from meshd.net.stream import Stream
 from meshd.stage.books import StageLimits
 from meshd.stage.node import StageNode, stage_node
 from meshd.stage.service import StageService
-from wire.codec import ErrorMessage, Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.message import ErrorMessage, Message
 from wire.receipt import MAX_CHAIN, NO_PREV, WIRE_BYTES, Receipt, Receipts, row_hash
 from wire.stage import STAGE_PROTOCOL, Hop, Open, Opened, PeerRef, Token, new_session_id
 from wire.tensors import Activation, TensorEntry

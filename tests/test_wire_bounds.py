@@ -19,26 +19,19 @@ from hypothesis import strategies as st
 
 import wire.meshrpc
 from relay.protocol import HOP_PROTOCOL, STOP_PROTOCOL, Connect
-from wire.codec import (
-    DEFAULT_LIMITS,
-    PREFIX_BYTES,
-    Bounds,
-    Limits,
-    Message,
-    MessageDecoder,
-    _walk,
-    decode,
-    decode_body,
-    encode,
-    protocol_limits,
-)
+from wire.bounds import Bounds
+from wire.codec import MessageDecoder
+from wire.decode import decode, decode_body
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.limits import DEFAULT_LIMITS, Limits, protocol_limits
 from wire.meshrpc import MESH_PROTOCOL, StatusReply
+from wire.message import PREFIX_BYTES, Message, encode
 from wire.stage import STAGE_PROTOCOL, ChatMessage, Prompt, PromptTokens
 from wire.swim import SWIM_PROTOCOL, CapabilityRecord, Sync, SyncEntry
 from wire.tensors import Activation
 from wire.types import MAX_TOKENS
+from wire.walk import walk_headers
 
 SWIM = protocol_limits(SWIM_PROTOCOL)
 STAGE = protocol_limits(STAGE_PROTOCOL)
@@ -149,9 +142,9 @@ def test_the_walk_counts_objects_exactly() -> None:
     assert objects == 18
     body = head("t", 3) + msgpack.packb("x") + msgpack.packb(value)
     pos = len(head("t", 3))
-    _walk(body, pos, 2, wide, Limits(max_objects=objects), "t")
+    walk_headers(body, pos, 2, wide, Limits(max_objects=objects), "t")
     with pytest.raises(ProtocolError, match=f"more than {objects - 1} msgpack objects"):
-        _walk(body, pos, 2, wide, Limits(max_objects=objects - 1), "t")
+        walk_headers(body, pos, 2, wide, Limits(max_objects=objects - 1), "t")
 
 
 msgpack_values = st.recursive(
@@ -185,14 +178,14 @@ def test_the_walk_agrees_with_msgpack_on_any_value(value: Any, cut: int) -> None
     prefix = head("t", 3) + msgpack.packb("x")
     body = prefix + msgpack.packb(value, use_bin_type=True)
     objects = 1 + 2 * 3 + _count(value) - 1
-    _walk(body, len(head("t", 3)), 2, wide, Limits(max_objects=objects, max_depth=1 + _depth(value)), "t")
+    walk_headers(body, len(head("t", 3)), 2, wide, Limits(max_objects=objects, max_depth=1 + _depth(value)), "t")
     if _depth(value) > 0:
         with pytest.raises(ProtocolError, match="nesting"):
-            _walk(body, len(head("t", 3)), 2, wide, Limits(max_depth=1 + _depth(value) - 1), "t")
+            walk_headers(body, len(head("t", 3)), 2, wide, Limits(max_depth=1 + _depth(value) - 1), "t")
     if cut < len(body) - len(prefix):
         # Any truncation is a typed error, never an IndexError or a pass.
         with pytest.raises(ProtocolError, match="truncated|after"):
-            _walk(body[: len(body) - cut - 1], len(head("t", 3)), 2, wide, DEFAULT_LIMITS, "t")
+            walk_headers(body[: len(body) - cut - 1], len(head("t", 3)), 2, wide, DEFAULT_LIMITS, "t")
 
 
 # ----- per-protocol caps: small everywhere but the stage protocol, and large only in bin fields

@@ -12,17 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wire.codec import (
-    ErrorMessage,
-    Limits,
-    Message,
-    MessageDecoder,
-    decode,
-    encode,
-    error_from_message,
-    error_message,
-)
+from wire.codec import MessageDecoder
+from wire.decode import decode
 from wire.errors import ErrorCode, ProtocolError
+from wire.limits import Limits
+from wire.message import ErrorMessage, Message, encode, error_from_message, error_message
 from wire.tensors import Activation, TensorEntry
 
 FAST = settings(max_examples=100, deadline=None)

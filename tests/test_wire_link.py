@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from wire.errors import ErrorCode
 from wire.identity import NodeIdentity
 from wire.link import SecureLink
-from wire.mux import PongReceived
+from wire.mux_events import PongReceived
 
 ALICE = NodeIdentity.from_private_bytes(b"a" * 32)
 BOB = NodeIdentity.from_private_bytes(b"b" * 32)

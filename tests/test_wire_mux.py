@@ -11,28 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wire.codec import ErrorMessage, Message, MessageDecoder, encode
+from wire.codec import MessageDecoder
 from wire.errors import ErrorCode, ProtocolError
-from wire.mux import (
-    DATA,
-    GOAWAY,
-    HEADER,
-    OPEN,
-    PING,
-    PONG,
-    RESET,
-    WINDOW,
-    CreditAvailable,
-    DataReceived,
-    GoAwayReceived,
-    HeldBudget,
-    Mux,
-    MuxConfig,
-    PongReceived,
-    StreamEnded,
-    StreamOpened,
-    StreamReset,
-)
+from wire.message import ErrorMessage, Message, encode
+from wire.mux import Mux
+from wire.mux_config import HeldBudget, MuxConfig
+from wire.mux_events import CreditAvailable, DataReceived, GoAwayReceived, PongReceived, StreamEnded, StreamOpened, StreamReset
+from wire.mux_frames import DATA, GOAWAY, HEADER, OPEN, PING, PONG, RESET, WINDOW
 from wire.tensors import Activation, TensorEntry
 
 

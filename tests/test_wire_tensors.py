@@ -14,8 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from wire.codec import Limits, MessageDecoder, decode, encode
+from wire.codec import MessageDecoder
+from wire.decode import decode
 from wire.errors import ErrorCode, ProtocolError
+from wire.limits import Limits
+from wire.message import encode
 from wire.tensors import Activation, TensorEntry, encode_activation, tensor_fields, wire_size
 
 FAST = settings(max_examples=60, deadline=None)

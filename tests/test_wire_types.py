@@ -16,11 +16,13 @@ import relay.protocol
 import wire.meshrpc
 import wire.stage
 import wire.swim
-from wire.codec import ErrorMessage, Message, WireModel, decode, encode, registered, schema_bounds
+from wire.bounds import schema_bounds
 from wire.credit import WorkGive, WorkSummary
+from wire.decode import decode
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteStage, StatusRequest
+from wire.message import ErrorMessage, Message, WireModel, encode, registered
 from wire.receipt import NO_PREV, Receipt
 from wire.stage import Open, PeerRef, Prompt, PromptTokens, Sampling, Token
 from wire.swim import Alive, CapabilityRecord, ModelInfo, Ping, ServedRange, Sync, SyncEntry

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from meshd.engine import ops
 from wire.fastlink import KEY_BYTES
+from wire.stage import Sampling
 
 EVERY_OP: list[ops.Op] = [
     ops.Ping(),
@@ -24,7 +25,7 @@ EVERY_OP: list[ops.Op] = [
     ops.FastLink(seq=0, tag=1, out=True, key=b"k" * KEY_BYTES), ops.FastState(seq=0), ops.FastStats(),
     ops.FastSeal(seq=0, tag=1, until=9), ops.FastInputs(seq=0, tag=1, until=9), ops.FastEnd(seq=0, tag=1),
     ops.SeqPosMax(seq=0),
-    ops.SamplerNew(sid=0, params=ops.Sampling(temperature=0.7, seed=3), logprobs=2, history=[4]),
+    ops.SamplerNew(sid=0, params=Sampling(temperature=0.7, seed=3), logprobs=2, history=[4]),
     ops.SamplerFree(sid=0), ops.SamplerGrammar(sid=0, spec={"grammar": "root ::= \"a\""}, generated=[1]),
     ops.Tokenize(text="the cat", special=True), ops.Tokenize(messages=[{"role": "user", "content": "hi"}]),
     ops.Detokenize(tokens=[1, 2]), ops.ChatInfo(), ops.VocabDigest(),

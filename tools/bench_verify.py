@@ -80,8 +80,8 @@ from meshd.stage.books import StageLimits
 from meshd.stage.node import StageNode, stage_node
 from meshd.stage.service import StageService
 from meshd.stage.state import Session
-from wire.codec import encode
 from wire.identity import NodeIdentity
+from wire.message import encode
 from wire.receipt import Receipts
 from wire.stage import Inputs, InputsRequest, Seal
 

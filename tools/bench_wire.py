@@ -40,9 +40,9 @@ from meshd.net.peers import PeersConfig, open_peers
 from meshd.net.stream import Stream
 from meshd.net.transport import WS_RECEIVE_BUFFER
 from meshd.net.wsmask import stock_masking
-from wire.codec import Message
 from wire.identity import NodeIdentity
-from wire.mux import MuxConfig
+from wire.message import Message
+from wire.mux_config import MuxConfig
 from wire.tensors import Activation, encode_activation, tensor_fields
 
 PREFILL_SHAPE = (16384, 1024)  # 64 MiB of f32

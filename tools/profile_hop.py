@@ -61,9 +61,10 @@ HOPS = 3
 # Which part of a hop a profiled function belongs to, by its file.
 PARTS = [
     ("noise/crypto", ("wire/noise.py", "chacha", "cryptography", "noise/")),
-    ("mux/link", ("wire/mux.py", "wire/link.py", "meshd/net/link.py", "meshd/net/transport.py",
+    ("mux/link", ("wire/mux", "wire/link.py", "meshd/net/link.py", "meshd/net/transport.py",
                   "trio_websocket", "wsproto", "meshd/net/wsmask.py")),
-    ("messages", ("wire/codec.py", "wire/stage.py", "wire/tensors.py", "msgpack", "pydantic")),
+    ("messages", ("wire/codec.py", "wire/message.py", "wire/decode.py", "wire/walk.py", "wire/stage.py", "wire/tensors.py",
+                  "msgpack", "pydantic")),
     ("worker IPC", ("meshd/engine/supervisor.py", "meshd/engine/workerproto.py")),
     ("stage service", ("meshd/stage/",)),
     ("asker", ("meshd/client/",)),

@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshd.client.ledger import WALK_EVERY  # noqa: E402
 from meshd.mesh.credit import NEWCOMER_FLOOR, WINDOW, Standing, Windows, credit_standing, priority  # noqa: E402
-from wire.codec import encode  # noqa: E402
 from wire.credit import (  # noqa: E402
     BUCKETS,
     RECENT,
@@ -49,6 +48,7 @@ from wire.credit import (  # noqa: E402
     WorkTaken,
 )
 from wire.identity import NodeIdentity  # noqa: E402
+from wire.message import encode  # noqa: E402
 from wire.receipt import NO_PREV, Receipt  # noqa: E402
 
 RING = 10

@@ -22,8 +22,8 @@ from typing import Annotated
 import msgpack
 from pydantic import Field
 
-from wire.codec import Message, WireModel
 from wire.identity import NodeIdentity, node_id_of, verify
+from wire.message import Message, WireModel
 from wire.receipt import Hash, PublicKey, Receipt, row_hash
 from wire.types import Count, Digest, Int32, Layer, NodeId
 

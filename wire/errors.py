@@ -53,3 +53,8 @@ class ProtocolError(Exception):
     @property
     def retryable(self) -> bool:
         return self.code.retryable
+
+
+def bad_request(message: str) -> ProtocolError:
+    """The error of a message that breaks the protocol's rules (its peer's fault, not a retryable one)."""
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)

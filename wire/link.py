@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
-from wire.mux import Event, Mux, MuxConfig
+from wire.mux import Mux
+from wire.mux_config import MuxConfig
+from wire.mux_events import Event
 from wire.noise import SecureChannel
 
 

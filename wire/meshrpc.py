@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from wire.codec import Limits, Message, WireModel, register_protocol
+from wire.limits import Limits, register_protocol
+from wire.message import Message, WireModel
 from wire.swim import MAX_ADDRESSES, MAX_MODELS, MAX_ROLES, MAX_SERVED, SWIM_PROTOCOL, Placement
 from wire.types import Address, Count, Digest, Host, Label, Layer, NodeId, Port, Prose, Text
 

@@ -32,145 +32,44 @@ and -9514 class, and unfinished messages):
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
-from wire.errors import ErrorCode, ProtocolError
-
-HEADER = struct.Struct(">BBII")
-HEADER_BYTES = HEADER.size
-
-DATA, OPEN, RESET, WINDOW, PING, PONG, GOAWAY, SETTINGS = range(8)
-FIN = 0x1
-
-MAX_WINDOW = (1 << 31) - 1
-MAX_PROTOCOL_BYTES = 64
-MAX_REASON_BYTES = 1024
-MAX_STREAM_ID = (1 << 32) - 1
-_MAX_OUTSTANDING_PINGS = 16
-
-_SETTING = struct.Struct(">HI")
-_U32 = struct.Struct(">I")
-_PING = struct.Struct(">Q")
-_S_STREAM_WINDOW, _S_LINK_WINDOW, _S_MAX_FRAME, _S_MAX_STREAMS = 1, 2, 3, 4
-_MIN_FRAME, _MAX_FRAME = 64, 16 << 20
-
-_CONTROL_LIMITS = {
-    OPEN: MAX_PROTOCOL_BYTES,
-    RESET: 1 + 32 + MAX_REASON_BYTES,
-    WINDOW: 4,
-    PING: 8,
-    PONG: 8,
-    GOAWAY: 4 + 1 + 32 + MAX_REASON_BYTES,
-    SETTINGS: 16 * _SETTING.size,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class MuxConfig:
-    """What this side grants its peer. Windows are in bytes."""
-
-    stream_window: int = 4 << 20
-    link_window: int = 16 << 20
-    max_frame: int = 64 << 10
-    max_streams: int = 256
-    # Bytes held in unfinished messages that are granted again as credit.
-    max_held: int = 16 << 20
-    # Per timer tick (a keepalive interval): PINGs answered, PINGs tolerated,
-    # and refused OPENs plus RESETs either way tolerated.
-    max_pongs: int = 8
-    ping_flood: int = 64
-    reset_flood: int = 512
-
-    def __post_init__(self) -> None:
-        if not (1 <= self.stream_window <= MAX_WINDOW and 1 <= self.link_window <= MAX_WINDOW):
-            raise ValueError("windows must be between 1 and 2**31-1 bytes")
-        if not _MIN_FRAME <= self.max_frame <= _MAX_FRAME:
-            raise ValueError(f"max_frame must be between {_MIN_FRAME} and {_MAX_FRAME}")
-        if not 0 <= self.max_streams <= 1 << 20:
-            raise ValueError("max_streams must be between 0 and 2**20")
-        if self.max_held < 0 or not 0 <= self.max_pongs <= self.ping_flood or self.reset_flood < 1:
-            raise ValueError("max_held, max_pongs <= ping_flood and reset_flood must be sensible")
-
-
-class HeldBudget:
-    """Bytes held in unfinished messages across all of a node's links."""
-
-    __slots__ = ("held", "limit")
-
-    def __init__(self, limit: int) -> None:
-        if limit < 0:
-            raise ValueError("a held-bytes budget is not negative")
-        self.limit = limit
-        self.held = 0
-
-
-# Events are plain slotted dataclasses: a frozen one costs twice as much to
-# build, and one is built per received frame.
-
-
-@dataclass(slots=True)
-class StreamOpened:
-    stream_id: int
-    protocol: str
-
-
-@dataclass(slots=True)
-class DataReceived:
-    """Stream data; ``data`` is a read-only view of the received buffer."""
-
-    stream_id: int
-    data: memoryview
-
-
-@dataclass(slots=True)
-class StreamEnded:
-    """The peer will send no more on this stream (half-close)."""
-
-    stream_id: int
-
-
-@dataclass(slots=True)
-class StreamReset:
-    """The stream is gone. ``remote`` tells who reset it; unread data is void
-    unless the peer had already ended its side."""
-
-    stream_id: int
-    error: ProtocolError
-    remote: bool
-
-
-@dataclass(slots=True)
-class CreditAvailable:
-    """Send credit grew: for one stream, or (id 0) for the link or after SETTINGS."""
-
-    stream_id: int
-
-
-@dataclass(slots=True)
-class PongReceived:
-    """The answer to a ``send_ping(now)``; ``sent_at`` is that ``now``."""
-
-    sent_at: float
-
-
-@dataclass(slots=True)
-class GoAwayReceived:
-    """The peer takes no new streams; ours above ``last_stream_id`` were reset."""
-
-    last_stream_id: int
-    error: ProtocolError
-
-
-Event = (
-    StreamOpened
-    | DataReceived
-    | StreamEnded
-    | StreamReset
-    | CreditAvailable
-    | PongReceived
-    | GoAwayReceived
+from wire.errors import ErrorCode, ProtocolError, bad_request
+from wire.mux_config import HeldBudget, MuxConfig
+from wire.mux_events import (
+    CreditAvailable,
+    DataReceived,
+    Event,
+    GoAwayReceived,
+    PongReceived,
+    StreamEnded,
+    StreamOpened,
+    StreamReset,
 )
+from wire.mux_frames import (
+    CONTROL_LIMITS,
+    DATA,
+    FIN,
+    GOAWAY,
+    HEADER,
+    HEADER_BYTES,
+    MAX_PROTOCOL_BYTES,
+    MAX_STREAM_ID,
+    MAX_WINDOW,
+    OPEN,
+    PING,
+    PING_BODY,
+    PONG,
+    RESET,
+    SETTINGS,
+    U32,
+    WINDOW,
+    pack_error,
+    unpack_error,
+)
+from wire.mux_settings import PeerSettings, read_settings, settings_payload
+
+_MAX_OUTSTANDING_PINGS = 16
 
 
 @dataclass(slots=True)
@@ -183,40 +82,6 @@ class _Stream:
     pending_update: int = 0
     held: int = 0
 
-
-@dataclass(frozen=True, slots=True)
-class _PeerSettings:
-    stream_window: int
-    link_window: int
-    max_frame: int
-    max_streams: int
-
-
-def _link_error(message: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.BAD_REQUEST, message)
-
-
-def _pack_error(error: ProtocolError) -> bytes:
-    code = error.code.value.encode("ascii")
-    reason = error.message.encode()[:MAX_REASON_BYTES]
-    return bytes([len(code)]) + code + reason
-
-
-def _unpack_error(payload: bytes) -> ProtocolError:
-    if not payload or len(payload) < 1 + payload[0]:
-        raise _link_error("truncated error code")
-    end = 1 + payload[0]
-    try:
-        code_text = payload[1:end].decode("ascii")
-    except UnicodeDecodeError:
-        raise _link_error("error code is not ASCII") from None
-    # The reason is only for people to read, and may have been cut mid-character.
-    message = payload[end:].decode("utf-8", "replace")
-    try:
-        code = ErrorCode(code_text)
-    except ValueError:
-        return ProtocolError(ErrorCode.INTERNAL, f"{code_text[:32]}: {message}")
-    return ProtocolError(code, message)
 
 
 class Mux:
@@ -242,7 +107,7 @@ class Mux:
         self._streams: dict[int, _Stream] = {}
         self._local_count = 0
         self._peer_count = 0
-        self._peer: _PeerSettings | None = None
+        self._peer: PeerSettings | None = None
         self._link_send_window = 0
         self._link_recv_window = self.config.link_window
         self._link_unconsumed = 0
@@ -378,7 +243,7 @@ class Mux:
         stream = self._streams.get(stream_id)
         if stream is None:
             return
-        self._frame(RESET, 0, stream_id, _pack_error(error))
+        self._frame(RESET, 0, stream_id, pack_error(error))
         self._forget(stream_id)
         if not self._is_local(stream_id):
             # Not raised here (the application is resetting): the peer's next
@@ -433,7 +298,7 @@ class Mux:
             return
         stream.pending_update += size
         if stream.pending_update >= self._stream_update_threshold:
-            self._frame(WINDOW, 0, stream_id, _U32.pack(stream.pending_update))
+            self._frame(WINDOW, 0, stream_id, U32.pack(stream.pending_update))
             stream.recv_window += stream.pending_update
             stream.pending_update = 0
 
@@ -457,7 +322,7 @@ class Mux:
         if grant >= self._link_update_threshold or (
             grant > 0 and self._link_pending_update >= self._link_update_threshold
         ):
-            self._frame(WINDOW, 0, 0, _U32.pack(grant))
+            self._frame(WINDOW, 0, 0, U32.pack(grant))
             self._link_recv_window += grant
             self._link_pending_update -= grant
 
@@ -484,7 +349,7 @@ class Mux:
         if len(self._pings) >= _MAX_OUTSTANDING_PINGS:
             self._pings.pop(next(iter(self._pings)))
         self._ping_counter += 1
-        opaque = _PING.pack(self._ping_counter)
+        opaque = PING_BODY.pack(self._ping_counter)
         self._pings[opaque] = now
         self._frame(PING, 0, 0, opaque)
 
@@ -493,7 +358,7 @@ class Mux:
         if self._error is not None or self._goaway_sent:
             return
         self._goaway_sent = True
-        self._frame(GOAWAY, 0, 0, _U32.pack(self._last_peer_id) + _pack_error(error))
+        self._frame(GOAWAY, 0, 0, U32.pack(self._last_peer_id) + pack_error(error))
 
     def data_to_send(self) -> bytes:
         if not self._out:
@@ -517,11 +382,11 @@ class Mux:
         try:
             while total - offset >= HEADER_BYTES:
                 kind, flags, stream_id, length = HEADER.unpack_from(buf, offset)
-                limit = max_frame if kind == DATA else _CONTROL_LIMITS.get(kind)
+                limit = max_frame if kind == DATA else CONTROL_LIMITS.get(kind)
                 if limit is None:
-                    raise _link_error(f"unknown frame type {kind}")
+                    raise bad_request(f"unknown frame type {kind}")
                 if length > limit:
-                    raise _link_error(f"frame type {kind} of {length} bytes exceeds {limit}")
+                    raise bad_request(f"frame type {kind} of {length} bytes exceeds {limit}")
                 end = offset + HEADER_BYTES + length
                 if end > total:
                     break
@@ -541,18 +406,18 @@ class Mux:
         self, flags: int, stream_id: int, payload: memoryview, events: list[Event]
     ) -> None:
         if flags & ~FIN:
-            raise _link_error(f"unknown DATA flags {flags:#x}")
+            raise bad_request(f"unknown DATA flags {flags:#x}")
         if self._peer is None:
-            raise _link_error("DATA before SETTINGS")
+            raise bad_request("DATA before SETTINGS")
         size = len(payload)
         if size > self._link_recv_window:
-            raise _link_error("peer overran the link window")
+            raise bad_request("peer overran the link window")
         self._link_recv_window -= size
         self._link_unconsumed += size
         stream = self._streams.get(stream_id)
         if stream is None:
             if not self._was_opened(stream_id):
-                raise _link_error(f"DATA on stream {stream_id}, which was never opened")
+                raise bad_request(f"DATA on stream {stream_id}, which was never opened")
             # Data in flight when the stream was reset: drop it, keep the credit flowing.
             self._release_link_credit(size)
             return
@@ -582,15 +447,15 @@ class Mux:
         events: list[Event],
     ) -> None:
         if flags:
-            raise _link_error(f"frame type {kind} carries unknown flags {flags:#x}")
+            raise bad_request(f"frame type {kind} carries unknown flags {flags:#x}")
         if kind == SETTINGS:
             self._on_settings(stream_id, payload, events)
             return
         if self._peer is None:
-            raise _link_error(f"frame type {kind} before SETTINGS")
+            raise bad_request(f"frame type {kind} before SETTINGS")
         if kind in (OPEN, RESET):
             if stream_id == 0:
-                raise _link_error(f"frame type {kind} on stream 0")
+                raise bad_request(f"frame type {kind} on stream 0")
             if kind == OPEN:
                 self._on_open(stream_id, payload, events)
             else:
@@ -598,10 +463,10 @@ class Mux:
         elif kind == WINDOW:
             self._on_window(stream_id, payload, events)
         elif stream_id != 0:
-            raise _link_error(f"frame type {kind} must be on stream 0")
+            raise bad_request(f"frame type {kind} must be on stream 0")
         elif kind == PING:
             if len(payload) != 8:
-                raise _link_error("PING payload must be 8 bytes")
+                raise bad_request("PING payload must be 8 bytes")
             self._pings_seen += 1
             if self._pings_seen > self.config.ping_flood:
                 raise ProtocolError(ErrorCode.OVERLOADED, f"PING flood ({self._pings_seen} in one interval)")
@@ -610,7 +475,7 @@ class Mux:
                 self._frame(PONG, 0, 0, payload)
         elif kind == PONG:
             if len(payload) != 8:
-                raise _link_error("PONG payload must be 8 bytes")
+                raise bad_request("PONG payload must be 8 bytes")
             sent_at = self._pings.pop(payload, None)
             if sent_at is not None:
                 events.append(PongReceived(sent_at))
@@ -619,34 +484,10 @@ class Mux:
 
     def _on_settings(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
         if stream_id != 0:
-            raise _link_error("SETTINGS must be on stream 0")
+            raise bad_request("SETTINGS must be on stream 0")
         if self._peer is not None:
-            raise _link_error("SETTINGS sent twice")
-        if len(payload) % _SETTING.size:
-            raise _link_error("SETTINGS payload is not whole entries")
-        values = {
-            _S_STREAM_WINDOW: 0,
-            _S_LINK_WINDOW: 0,
-            _S_MAX_FRAME: 0,
-            _S_MAX_STREAMS: -1,
-        }
-        for offset in range(0, len(payload), _SETTING.size):
-            key, value = _SETTING.unpack_from(payload, offset)
-            if key in values:
-                values[key] = value
-        if not (
-            1 <= values[_S_STREAM_WINDOW] <= MAX_WINDOW
-            and 1 <= values[_S_LINK_WINDOW] <= MAX_WINDOW
-            and _MIN_FRAME <= values[_S_MAX_FRAME] <= _MAX_FRAME
-            and values[_S_MAX_STREAMS] >= 0
-        ):
-            raise _link_error("SETTINGS missing or out of range")
-        self._peer = _PeerSettings(
-            stream_window=values[_S_STREAM_WINDOW],
-            link_window=values[_S_LINK_WINDOW],
-            max_frame=values[_S_MAX_FRAME],
-            max_streams=values[_S_MAX_STREAMS],
-        )
+            raise bad_request("SETTINGS sent twice")
+        self._peer = read_settings(payload)
         self._link_send_window = self._peer.link_window
         for stream in self._streams.values():
             stream.send_window = self._peer.stream_window
@@ -655,9 +496,9 @@ class Mux:
     def _on_open(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
         self._count_reset(0)
         if self._is_local(stream_id):
-            raise _link_error(f"peer opened stream {stream_id} with our parity")
+            raise bad_request(f"peer opened stream {stream_id} with our parity")
         if stream_id <= self._last_peer_id:
-            raise _link_error(f"peer reopened stream {stream_id}")
+            raise bad_request(f"peer reopened stream {stream_id}")
         self._last_peer_id = stream_id
         try:
             protocol = payload.decode()
@@ -674,7 +515,7 @@ class Mux:
             )
         if refusal is not None:
             self._count_reset()
-            self._frame(RESET, 0, stream_id, _pack_error(refusal))
+            self._frame(RESET, 0, stream_id, pack_error(refusal))
             return
         assert self._peer is not None
         self._streams[stream_id] = _Stream(
@@ -685,30 +526,30 @@ class Mux:
 
     def _on_reset(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
         self._count_reset()
-        error = _unpack_error(payload)
+        error = unpack_error(payload)
         if stream_id not in self._streams:
             if not self._was_opened(stream_id):
-                raise _link_error(f"RESET of stream {stream_id}, which was never opened")
+                raise bad_request(f"RESET of stream {stream_id}, which was never opened")
             return
         self._forget(stream_id)
         events.append(StreamReset(stream_id, error, remote=True))
 
     def _on_window(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
         if len(payload) != 4:
-            raise _link_error("WINDOW payload must be 4 bytes")
-        (increment,) = _U32.unpack(payload)
+            raise bad_request("WINDOW payload must be 4 bytes")
+        (increment,) = U32.unpack(payload)
         if not 1 <= increment <= MAX_WINDOW:
-            raise _link_error(f"window increment {increment} out of range")
+            raise bad_request(f"window increment {increment} out of range")
         if stream_id == 0:
             self._link_send_window += increment
             if self._link_send_window > MAX_WINDOW:
-                raise _link_error("link window overflow")
+                raise bad_request("link window overflow")
             events.append(CreditAvailable(0))
             return
         stream = self._streams.get(stream_id)
         if stream is None:
             if not self._was_opened(stream_id):
-                raise _link_error(f"WINDOW for stream {stream_id}, which was never opened")
+                raise bad_request(f"WINDOW for stream {stream_id}, which was never opened")
             return
         stream.send_window += increment
         if stream.send_window > MAX_WINDOW:
@@ -718,9 +559,9 @@ class Mux:
 
     def _on_goaway(self, payload: bytes, events: list[Event]) -> None:
         if len(payload) < 4:
-            raise _link_error("truncated GOAWAY")
-        (last_stream_id,) = _U32.unpack_from(payload)
-        error = _unpack_error(payload[4:])
+            raise bad_request("truncated GOAWAY")
+        (last_stream_id,) = U32.unpack_from(payload)
+        error = unpack_error(payload[4:])
         if self._goaway_received is None:
             self._goaway_received = error
         events.append(GoAwayReceived(last_stream_id, error))
@@ -738,17 +579,7 @@ class Mux:
     # ----- internals
 
     def _queue_settings(self) -> None:
-        config = self.config
-        payload = b"".join(
-            _SETTING.pack(key, value)
-            for key, value in (
-                (_S_STREAM_WINDOW, config.stream_window),
-                (_S_LINK_WINDOW, config.link_window),
-                (_S_MAX_FRAME, config.max_frame),
-                (_S_MAX_STREAMS, config.max_streams),
-            )
-        )
-        self._frame(SETTINGS, 0, 0, payload)
+        self._frame(SETTINGS, 0, 0, settings_payload(self.config))
 
     def _frame(
         self, kind: int, flags: int, stream_id: int, payload: bytes | bytearray | memoryview
@@ -775,7 +606,7 @@ class Mux:
     def _stream_error(self, stream_id: int, message: str, events: list[Event]) -> None:
         self._count_reset()
         error = ProtocolError(ErrorCode.BAD_REQUEST, message)
-        self._frame(RESET, 0, stream_id, _pack_error(error))
+        self._frame(RESET, 0, stream_id, pack_error(error))
         self._forget(stream_id)
         events.append(StreamReset(stream_id, error, remote=False))
 
@@ -801,5 +632,5 @@ class Mux:
     def _fail(self, error: ProtocolError) -> None:
         self.release_held()
         self._out.clear()
-        self._frame(GOAWAY, 0, 0, _U32.pack(self._last_peer_id) + _pack_error(error))
+        self._frame(GOAWAY, 0, 0, U32.pack(self._last_peer_id) + pack_error(error))
         self._error = error

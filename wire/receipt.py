@@ -36,9 +36,9 @@ from nacl.bindings import crypto_sign_open
 from nacl.exceptions import CryptoError
 from pydantic import Field
 
-from wire.codec import Message, WireModel
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity, node_id_of
+from wire.message import Message, WireModel
 from wire.types import MAX_LAYERS, MAX_TOKENS, Digest, Epoch, Int32, Layer, NodeId, SessionId
 
 HASH_BYTES = 16

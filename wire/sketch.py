@@ -41,8 +41,8 @@ from typing import Annotated
 import numpy as np
 from pydantic import Field
 
-from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import Message
 from wire.types import MAX_TOKENS, Epoch, SessionId
 
 ROW_TOLERANCE = 0.2

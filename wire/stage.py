@@ -14,9 +14,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from wire.codec import Limits, Message, WireModel, register_protocol
 from wire.credit import Voucher
 from wire.fastlink import KEY_BYTES, TOKEN_BYTES
+from wire.limits import Limits, register_protocol
+from wire.message import Message, WireModel
 from wire.receipt import Chain
 from wire.sketch import MAX_SKETCH_K
 from wire.tensors import MAX_DRAFT, TensorCodec, TensorEntry

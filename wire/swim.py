@@ -17,8 +17,9 @@ from typing import Annotated, Literal, Self
 import msgpack
 from pydantic import Field, model_validator
 
-from wire.codec import Limits, Message, WireModel, register_protocol
 from wire.identity import NodeIdentity, node_id_of, verify
+from wire.limits import Limits, register_protocol
+from wire.message import Message, WireModel
 from wire.types import MAX_LAYERS, MAX_NODE_ID_LEN, Address, Count, Digest, Label, LayerCount, NodeId, Seconds, Text
 
 SWIM_PROTOCOL = "meshd/swim/1"

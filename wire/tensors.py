@@ -24,8 +24,8 @@ import numpy as np
 import zstandard
 from pydantic import Field, model_validator
 
-from wire.codec import Message, WireModel, encode
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import Message, WireModel, encode
 from wire.receipt import Chain
 from wire.types import Count, Epoch, Int32, SessionId, TokenIds, Tokens
 

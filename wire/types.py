@@ -3,7 +3,7 @@
 Every message module (stage, mesh RPC, SWIM, records, relay) takes its ids,
 counts, layers and addresses from here, so a node id or an address means the
 same bytes, and is refused past the same length, in every protocol. The codec
-derives its per-message limits from these bounds (``wire.codec``), so the
+derives its per-message limits from these bounds (``wire.bounds``), so the
 schema and the decoder cannot disagree.
 """
 
@@ -144,7 +144,7 @@ class TokenIds(Sequence[int]):
         return core_schema.no_info_plain_validator_function(
             _validate_tokens,
             serialization=core_schema.plain_serializer_function_ser_schema(list, when_used="always"),
-            # The codec reads this to bound the field before unpacking (wire.codec).
+            # The codec reads this to bound the field before unpacking (wire.bounds).
             metadata={"wire_bin_max": 4 * MAX_TOKENS},
         )
 

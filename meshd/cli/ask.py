@@ -31,11 +31,11 @@ from meshd.net.control import ControlError, control_request
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.rpc import mesh_rpc
 from meshd.relay.circuit import enable_circuits
-from wire.codec import Message
 from wire.credit import CountersignRequest, Voucher, VoucherReply, VoucherRequest
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteReply, RouteRequest, TrafficReport
+from wire.message import Message
 from wire.receipt import Proof, ProofGossip
 from wire.stage import Sampling
 

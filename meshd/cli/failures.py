@@ -18,8 +18,8 @@ from meshd.daemon.volunteer import CannotVolunteer
 from meshd.engine.supervisor import WorkerStartError
 from meshd.mesh.models import ModelNotFound
 from meshd.net.control import ControlError
-from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import Message
 
 ReplyT = TypeVar("ReplyT", bound=Message)
 

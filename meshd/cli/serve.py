@@ -40,7 +40,6 @@ from meshd.stage.model_file import describe_model
 from meshd.stage.node import stage_node
 from meshd.store.split import shown_name
 from relay.limits import RelayLimits
-from wire.codec import Message
 from wire.credit import (
     CountersignRequest,
     CreditsRequest,
@@ -51,6 +50,7 @@ from wire.credit import (
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 from wire.meshrpc import RouteRequest, StatusRequest, TrafficReport
+from wire.message import Message
 from wire.receipt import ProofGossip
 
 # How long a daemon stopped by Ctrl-C gossips its goodbye: the rest of the second is for shutting down.

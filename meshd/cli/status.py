@@ -15,7 +15,6 @@ from meshd.net.control import control_request
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.net.rpc import mesh_rpc
 from meshd.relay.circuit import enable_circuits
-from wire.codec import Message
 from wire.credit import (
     CreditsReply,
     CreditsRequest,
@@ -23,6 +22,7 @@ from wire.credit import (
 )
 from wire.identity import NodeIdentity
 from wire.meshrpc import FetchStatus, StatusReply, StatusRequest
+from wire.message import Message
 
 # pages a status asks for at most: the member table's cap over a page, and one more
 MAX_STATUS_PAGES = 8

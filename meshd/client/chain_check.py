@@ -34,8 +34,8 @@ from meshd.client.route import Stage
 from meshd.client.verify import CheckPlan, Inbox, KeptInputs, RangeCheck, check_numerics, failure_of, run_drawn
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
-from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import ErrorMessage, error_from_message
 from wire.receipt import Proof, Receipt, Receipts, unpack_chain
 from wire.sketch import PICK_K, Sketches, tokens_differ
 from wire.stage import PeerRef, Sampling, StageInfo, new_session_id

@@ -22,7 +22,6 @@ from meshd.client.served import Served
 from meshd.mesh.credit import InvalidSummary, KeyShares, Ledger, Standing, key_share, priority, standing_of, work_of
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers
-from wire.codec import Message, encode
 from wire.credit import (
     MAX_SUMMARIES_PER_MESSAGE,
     RECENT,
@@ -38,6 +37,7 @@ from wire.credit import (
 )
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.message import Message, encode
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from meshd.mesh.probes import ProbeConfig, ProbeResult, StageProbe
 from meshd.net import rpc
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
-from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import ErrorMessage, error_from_message
 from wire.receipt import Receipts
 from wire.stage import STAGE_PROTOCOL, Cancel, Metrics, MetricsRequest, Sampling, StageInfo
 from wire.tensors import encode_activation, tensor_fields

@@ -18,8 +18,8 @@ from meshd.client.route import Stage, check_opened, check_route
 from meshd.net import rpc
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
-from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import ErrorMessage, Message, error_from_message
 from wire.receipt import Receipts
 from wire.stage import (
     STAGE_PROTOCOL,

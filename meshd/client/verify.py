@@ -39,8 +39,8 @@ from meshd.client.check_session import CheckSession, open_check_session
 from meshd.client.route import Stage, check_opened
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
-from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import ErrorMessage, error_from_message
 from wire.receipt import (
     Proof,
     Receipt,

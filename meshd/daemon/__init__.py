@@ -57,9 +57,9 @@ from meshd.relay.service import RelayService
 from meshd.stage.model_file import describe_model, model_manifest
 from meshd.stage.service import StageService
 from meshd.store.holding import WholeFile
-from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import MESH_PROTOCOL, SWIM_PROTOCOL, AssignmentReply, AssignmentRequest
+from wire.message import Message
 from wire.stage import STAGE_PROTOCOL, Hop, Open
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,6 @@ from meshd.mesh.proofs import InvalidProof
 from meshd.mesh.records import address_fits, host_of, record_fits
 from meshd.net.rpc import answer_typed, mesh_rpc
 from meshd.net.stream import Stream
-from wire.codec import Message
 from wire.credit import CreditsRequest
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import (
@@ -30,6 +29,7 @@ from wire.meshrpc import (
     TrafficReport,
     TrafficTaken,
 )
+from wire.message import Message
 from wire.receipt import Proof, ProofAccepted, ProofGossip
 
 log = logging.getLogger(__name__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import trio
@@ -14,6 +15,10 @@ from wire.credit import CREDITS_PAGE, CreditsReply, PeerCredit, Voucher
 
 # how often the election's votes are weighed again by the credit ledger (meshd.mesh.credit.extra_votes)
 CREDIT_VOTES_EVERY = 60.0
+# members named in the log line of a change of their extra votes
+CHANGES_NAMED = 16
+
+log = logging.getLogger(__name__)
 
 
 class Credit(DaemonState):
@@ -31,6 +36,7 @@ class Credit(DaemonState):
         """Every `CREDIT_VOTES_EVERY`, gives each placed member the extra votes its served work earns it in
         the election (meshd.mesh.credit.extra_votes of what it earned: the work it served members who pay,
         not less what it asked, as authority goes by work served): rarely, as ledgers agree a round or two late."""
+        weighed: dict[str, int] = {}
         while True:
             await trio.sleep(CREDIT_VOTES_EVERY)
             placed = self.placed_members()
@@ -38,6 +44,15 @@ class Credit(DaemonState):
                      if node_id in placed and (votes := extra_votes(standing.earned))}
             self.duty.credit_weights(trio.current_time(), extra)
             self._flush()
+            # who outweighs a head count is worth a line when it changes (an operator's, and a test's sign that
+            # the election weighs what the ledger holds now): the members whose extra votes changed, a few named
+            changed = sorted((node_id, extra.get(node_id, 0)) for node_id in extra.keys() | weighed.keys()
+                             if extra.get(node_id, 0) != weighed.get(node_id, 0))
+            if changed:
+                named = ", ".join(f"{node_id[:16]} +{votes}" for node_id, votes in changed[:CHANGES_NAMED])
+                more = f" and {len(changed) - CHANGES_NAMED} more" if len(changed) > CHANGES_NAMED else ""
+                log.info("the election weighs by credit: %s%s", named, more)
+            weighed = extra
 
     def _ledger_peers(self) -> list[tuple[str, str | None]]:
         membership = self.mesh.membership

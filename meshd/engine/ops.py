@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, 
 
 from meshd.engine.workerproto import MAX_HEADER
 from wire.fastlink import KEY_BYTES
+from wire.stage import Sampling
 from wire.types import MAX_TOKEN_ID, MAX_TOKENS, Int32, TokenId, TokenIds
 
 
@@ -166,18 +167,6 @@ class FastEnd(Op):
 class SeqPosMax(Op):
     op: Literal["seq_pos_max"] = "seq_pos_max"
     seq: Int32
-
-
-class Sampling(Closed):
-    """A sampler's parameters (``meshd.engine.engine.SamplingParams``)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    seed: int = 0
 
 
 class SamplerNew(Op):

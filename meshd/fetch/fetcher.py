@@ -44,9 +44,9 @@ from meshd.store.manifest import Chunk, Manifest, ManifestError
 from meshd.store.plan import MIN_RATE, FetchPlan
 from meshd.store.ranges import range_chunks
 from meshd.store.sparse import BadChunk, SparseFile
-from wire.codec import ErrorMessage, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.fetch import FETCH_PROTOCOL, FRAME_BYTES, ChunkData, ChunkRequest, Have, HaveRequest, ManifestPiece, ManifestRequest
+from wire.message import ErrorMessage, error_from_message
 
 log = logging.getLogger(__name__)
 

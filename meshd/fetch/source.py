@@ -46,7 +46,6 @@ from meshd.mesh.records import host_of
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
 from meshd.store.holding import Holding
-from wire.codec import Message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.fetch import (
     FETCH_PROTOCOL,
@@ -58,6 +57,7 @@ from wire.fetch import (
     ManifestPiece,
     ManifestRequest,
 )
+from wire.message import Message, error_message
 
 log = logging.getLogger(__name__)
 

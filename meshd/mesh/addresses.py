@@ -8,7 +8,7 @@ import socket
 
 from meshd.mesh.membership import Ack, Alive, Gossip, Ping, PingReq, Sync
 from meshd.mesh.records import address_fits, join_address, record_fits
-from wire.codec import Message
+from wire.message import Message
 
 # One IPv6 source is its /64 (``source_group``)
 IPV6_SOURCE_PREFIX = 64

@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from wire.codec import WireModel
+from wire.message import WireModel
 from wire.swim import SWIM_MESSAGES, Alive, Dead, Suspect, SyncEntry, Update
 
 _Made = TypeVar("_Made", bound=WireModel)

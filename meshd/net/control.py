@@ -38,8 +38,10 @@ from pathlib import Path
 
 import trio
 
-from wire.codec import ErrorMessage, Limits, Message, MessageDecoder, encode, error_from_message, error_message
+from wire.codec import MessageDecoder
 from wire.errors import ErrorCode, ProtocolError
+from wire.limits import Limits
+from wire.message import ErrorMessage, Message, encode, error_from_message, error_message
 
 log = logging.getLogger(__name__)
 

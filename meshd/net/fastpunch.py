@@ -31,9 +31,9 @@ from meshd.net.stream import Stream, StreamLink
 from meshd.net.urls import split_address, split_url, ws_url
 from relay.protocol import CIRCUIT_MARK
 from relay.punch import FAST_PUNCH_PROTOCOL, FastPunch, FastPunchLimits, PunchLimits, dial_delay, punch_target
-from wire.codec import ErrorMessage, Message, error_from_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.fastlink import preamble
+from wire.message import ErrorMessage, Message, error_from_message
 
 log = logging.getLogger(__name__)
 

@@ -33,18 +33,10 @@ import trio
 
 from meshd.net.stream import Stream, StreamBroken
 from meshd.net.transport import RecordTransport
-from wire.codec import DEFAULT_LIMITS, Limits
 from wire.errors import ErrorCode, ProtocolError
+from wire.limits import DEFAULT_LIMITS, Limits
 from wire.link import SecureLink
-from wire.mux import (
-    CreditAvailable,
-    DataReceived,
-    GoAwayReceived,
-    PongReceived,
-    StreamEnded,
-    StreamOpened,
-    StreamReset,
-)
+from wire.mux_events import CreditAvailable, DataReceived, GoAwayReceived, PongReceived, StreamEnded, StreamOpened, StreamReset
 
 log = logging.getLogger(__name__)
 

@@ -48,11 +48,11 @@ from meshd.net.transport import (
 )
 from meshd.net.urls import split_url, ws_url
 from relay.punch import FAST_PUNCH_PROTOCOL
-from wire.codec import DEFAULT_LIMITS, Limits, same_protocol_other_version
 from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
+from wire.limits import DEFAULT_LIMITS, Limits, same_protocol_other_version
 from wire.link import SecureLink
-from wire.mux import HeldBudget, MuxConfig
+from wire.mux_config import HeldBudget, MuxConfig
 from wire.noise import mesh_key_from_secret
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import trio
 
 from meshd.net.peers import Peers
 from meshd.net.stream import Stream
-from wire.codec import ErrorMessage, Message, error_from_message, error_message
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import MESH_PROTOCOL
+from wire.message import ErrorMessage, Message, error_from_message, error_message
 
 R = TypeVar("R", bound=Message)
 

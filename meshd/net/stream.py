@@ -20,9 +20,11 @@ from typing import Protocol
 import trio
 
 from meshd.net.transport import RecordTransport
-from wire.codec import Limits, Message, MessageDecoder, encode, protocol_limits
+from wire.codec import MessageDecoder
 from wire.errors import ErrorCode, ProtocolError
+from wire.limits import Limits, protocol_limits
 from wire.link import SecureLink
+from wire.message import Message, encode
 
 
 class StreamLink(Protocol):

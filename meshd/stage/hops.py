@@ -26,8 +26,8 @@ from meshd.stage.outlet import Outlet
 from meshd.stage.receipts import chain_of
 from meshd.stage.signing import Signing
 from meshd.stage.state import HIDDEN, Rows, Session, StageState
-from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import Message
 from wire.receipt import PackedChain
 from wire.stage import STAGE_PROTOCOL, Hop, PeerRef
 from wire.tensors import Activation, TensorEntry

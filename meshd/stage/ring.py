@@ -23,11 +23,11 @@ from meshd.stage.signing import Signing
 from meshd.stage.state import Rows, Session, StageState
 from wire.errors import ErrorCode, ProtocolError
 from wire.receipt import read_chain, row_hash
-from wire.stage import Done, Token, TopLogprob
+from wire.stage import Done, Sampling, Token, TopLogprob
 from wire.tensors import encode_activation
 
 # how the draft model picks its drafts: its most likely token
-GREEDY = ops.Sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, repeat_last_n=0, seed=0)
+GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, repeat_last_n=0, seed=0)
 
 
 class Ring:

@@ -50,8 +50,8 @@ from meshd.stage.ring import Ring
 from meshd.stage.sessions import DialCheck, SessionProtocol, plain_address
 from meshd.stage.signing import Signing
 from meshd.stage.state import Rows, StageState
-from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import Message
 from wire.stage import Hop, Metrics, MetricsRequest, Open, StageInfo
 
 

@@ -34,8 +34,8 @@ from meshd.stage.ring import Ring
 from meshd.stage.signing import Signing
 from meshd.stage.state import Rows, Session, StageState, sampler_new
 from relay.protocol import CIRCUIT_MARK
-from wire.codec import encode, error_message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import encode, error_message
 from wire.receipt import row_hash
 from wire.stage import (
     CacheLookup,

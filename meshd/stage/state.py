@@ -29,8 +29,8 @@ from meshd.stage.books import SessionBook, StageBooks, StageLimits
 from meshd.stage.metrics import StageMetrics
 from meshd.stage.outlet import Outlet
 from meshd.stage.receipts import SessionReceipts, Signer
-from wire.codec import Message
 from wire.errors import ErrorCode, ProtocolError
+from wire.message import Message
 from wire.receipt import PackedChain
 from wire.stage import MAX_TOP_LOGPROBS, Grammar, Open, StepInput
 
@@ -209,9 +209,7 @@ class StageState:
 
 def sampler_new(session: Session, history: list[int] | None = None) -> ops.SamplerNew:
     """The tail's request for a sampler of the session's parameters, which reads ``history`` first."""
-    s = session.open.sampling
-    return ops.SamplerNew(sid=session.book.slot, params=ops.Sampling(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, repeat_penalty=s.repeat_penalty,
-        repeat_last_n=s.repeat_last_n, seed=s.seed), history=history or [],
-        # a check session across numerics: each pick's likeliest tokens go into its sketch (wire.sketch)
-        logprobs=min(session.open.sketch, MAX_TOP_LOGPROBS) if session.open.sketch else session.open.logprobs)
+    return ops.SamplerNew(sid=session.book.slot, params=session.open.sampling, history=history or [],
+                          # a check session across numerics: each pick's likeliest tokens go into its sketch (wire.sketch)
+                          logprobs=min(session.open.sketch, MAX_TOP_LOGPROBS) if session.open.sketch
+                          else session.open.logprobs)
