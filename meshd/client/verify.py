@@ -378,21 +378,26 @@ class RangeCheck:
         self.opened.append(replay)
         return replay
 
+    async def _third_opinion(self, third_stage: Stage, mismatch: Receipt) -> Receipt | None:
+        """A third node's receipt of the mismatched step, fed the inputs fetched so far; None if it
+        could not give one."""
+        third = await self._start(third_stage)
+        if third is None:
+            return None
+        try:
+            await third.feed([s for s in self.inputs if s.pos <= mismatch.pos], self._original, stop_at=mismatch.pos)
+        except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                trio.EndOfChannel) as exc:
+            log.info("third node %s for a spot check failed: %s", third_stage.address, exc)
+            return None
+        return third.at.get(mismatch.pos)
+
     async def settle(self, replica: Stage, mismatch: Receipt) -> None:
         """``replica``'s output differs from the stage's at one step: a third node's decides, fed the
         inputs fetched so far (up to the step, at least)."""
         original = self._original(mismatch.pos)
         for third_stage in self.replicas[1:]:
-            third = await self._start(third_stage)
-            if third is None:
-                continue
-            try:
-                await third.feed([s for s in self.inputs if s.pos <= mismatch.pos], self._original, stop_at=mismatch.pos)
-            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
-                    trio.EndOfChannel) as exc:
-                log.info("third node %s for a spot check failed: %s", third_stage.address, exc)
-                continue
-            opinion = third.at.get(mismatch.pos)
+            opinion = await self._third_opinion(third_stage, mismatch)
             if opinion is None:
                 continue
             if opinion.h_out == mismatch.h_out:
@@ -405,7 +410,6 @@ class RangeCheck:
         raise self.audit.lie_about(self.index, mismatch.pos, f"its output at position {mismatch.pos} differs from a "
                                                              f"replica's (no third node to settle it)")
 
-
     async def settle_across(self, replica: Stage, why: str, mismatch: Receipt) -> None:
         """A replica of other numerics found the stage's output at one step beyond the tolerance (``why``):
         a third node of the stage's own numerics, fed the inputs fetched so far, decides by bytes. Either
@@ -415,16 +419,7 @@ class RangeCheck:
         for third_stage in self.replicas:
             if third_stage is replica or third_stage.numerics not in ("", mine):
                 continue
-            third = await self._start(third_stage)
-            if third is None:
-                continue
-            try:
-                await third.feed([s for s in self.inputs if s.pos <= mismatch.pos], self._original, stop_at=mismatch.pos)
-            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
-                    trio.EndOfChannel) as exc:
-                log.info("third node %s for a spot check failed: %s", third_stage.address, exc)
-                continue
-            opinion = third.at.get(mismatch.pos)
+            opinion = await self._third_opinion(third_stage, mismatch)
             if opinion is None:
                 continue
             if opinion.h_out == original.h_out:
