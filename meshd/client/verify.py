@@ -576,7 +576,7 @@ class _Replay:
             return True
         known = audit.result.prompt_tokens + audit.result.tokens
         first = max(r.pos, audit.prompt_len - 1) + 1
-        verdict = tokens_differ(known[first:r.pos + r.n_tokens + 1], self.sketches.get(r.pos, b""))
+        verdict = tokens_differ(known[first:r.pos + r.n_tokens + 1], sketch)
         if verdict is None:
             return False
         row, why = verdict
