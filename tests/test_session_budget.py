@@ -1,5 +1,6 @@
 """An answer that reaches a stage's session budget ends there, at once and saying so; it is not a dead
-route found half a minute later. Two real stages of a tiny random model, in this process."""
+route found half a minute later. Nor is a client that stops taking the answer. Two real stages of a
+tiny random model, in this process."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import pytest
 import trio
 
 from meshd.cli.figures import figures_line
-from meshd.client.ask import AskRequest, AskResult, StageError
+from meshd.client.ask import AskRequest, AskResult, ClientStopped, StageError
 from meshd.client.failover import ask_with_failover
 from meshd.client.route import Stage
 from meshd.client.session import run_session
 from meshd.net.peers import PeersConfig, open_peers
 from meshd.stage.books import StageLimits
 from meshd.stage.node import StageNode, stage_node
-from wire.errors import ErrorCode
+from wire.errors import ErrorCode, ProtocolError
 from wire.identity import NodeIdentity
 
 pytestmark = pytest.mark.slow  # four engine workers
@@ -62,3 +63,34 @@ async def test_an_answer_at_a_stages_session_budget_ends_there_saying_so(tiny_mo
         with trio.fail_after(20), pytest.raises(StageError) as refused:
             await ask_with_failover(peers, tight_route, AskRequest(text=PROMPT * 3, max_tokens=4))
         assert refused.value.code is ErrorCode.OVERLOADED and "session budget of 44 tokens" in refused.value.message
+
+
+@pytest.mark.parametrize("failure", [trio.TooSlowError(), ProtocolError(ErrorCode.UNREACHABLE, "the client's socket")],
+                         ids=["timeout", "protocol"])
+async def test_a_client_that_stops_taking_the_answer_ends_the_ask_and_no_stage_is_blamed(
+        tiny_models: dict[str, Path], failure: Exception) -> None:
+    model = tiny_models["llama-gqa-untied"]
+    async with AsyncExitStack() as stack:
+        route = [stage_of(await stack.enter_async_context(stage_node(
+            model, layers, StageLimits(max_sessions=2, max_session_tokens=256), NodeIdentity.generate(),
+            PeersConfig(drain_timeout=0.5), threads=1))) for layers in ((0, 3), (3, 6))]
+        peers = await stack.enter_async_context(open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)))
+        asked: list[list[str]] = []
+
+        async def find(excluded: list[str]) -> list[Stage]:
+            asked.append(excluded)
+            return route
+
+        taken: list[int] = []
+
+        async def client(token: int, piece: bytes) -> None:
+            # what the tail's own errors look like to the session, raised by the client at its third token
+            if len(taken) == 2:
+                raise failure
+            taken.append(token)
+
+        result = AskResult()
+        with trio.fail_after(60), pytest.raises(ClientStopped) as stopped:
+            await ask_with_failover(peers, find, AskRequest(text=PROMPT, max_tokens=8), client, result=result)
+        assert str(stopped.value) == f"the client stopped taking the answer: {failure}"
+        assert len(taken) == 2 and result.failovers == 0 and result.excluded == [] and asked == [[]]

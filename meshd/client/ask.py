@@ -262,16 +262,28 @@ OnToken = Callable[[int, bytes], Awaitable[None] | None]
 
 
 async def deliver(on_token: OnToken | None, token: int, piece: bytes) -> None:
-    """Hands a token to ``on_token``, awaiting it where it is a coroutine function."""
-    if on_token is not None:
+    """Hands a token to ``on_token``, awaiting it where it is a coroutine function. What the client raises
+    that reads as a stage's failure (a protocol error, a channel's end, a timeout of its own) comes out as
+    ``ClientStopped``: the session tells those as the stage's it was reading (``session._from_stage``),
+    which would blame an honest tail and route around it for the client's fault."""
+    if on_token is None:
+        return
+    try:
         maybe = on_token(token, piece)
         if maybe is not None:
             await maybe
+    except (ProtocolError, trio.EndOfChannel, trio.TooSlowError) as exc:
+        raise ClientStopped(f"the client stopped taking the answer: {exc}") from exc
 
 
-class AnswerWithdrawn(Exception):
+class ClientStopped(Exception):
+    """The client's ``on_token`` failed: the ask ends with it. Not a ``ProtocolError``, so no stage is
+    blamed for it and no failover tries again."""
+
+
+class AnswerWithdrawn(ClientStopped):
     """Raised by a client's ``on_token`` that cannot take back text it holds and the answer given again
-    differs from (a stream): the ask ends. Not a ``ProtocolError``, so no stage is blamed for it."""
+    differs from (a stream)."""
 
 
 async def give(result: AskResult, on_token: OnToken, token: int, piece: bytes) -> None:

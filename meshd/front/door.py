@@ -21,7 +21,16 @@ from typing import Protocol
 
 import trio
 
-from meshd.client.ask import AnswerWithdrawn, AskRequest, AskResult, OnToken, RouteError, deliver, over_budget
+from meshd.client.ask import (
+    AnswerWithdrawn,
+    AskRequest,
+    AskResult,
+    ClientStopped,
+    OnToken,
+    RouteError,
+    deliver,
+    over_budget,
+)
 from meshd.client.asker import Unverified
 from meshd.front.connections import Connections
 from meshd.front.metrics import FrontMetrics
@@ -216,7 +225,7 @@ class FrontDoor:
             return answered
         except ProtocolError as exc:
             error = api_error(model, exc)
-        except AnswerWithdrawn as exc:
+        except ClientStopped as exc:
             error = ApiError(Problem.UNAVAILABLE, f"the mesh could not answer: {exc}")
         except RouteError as exc:
             error = ApiError(Problem.UNAVAILABLE, f"{model.name} cannot be served: {exc}")
