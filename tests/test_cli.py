@@ -384,20 +384,17 @@ def test_ctrl_c_on_a_hung_dial_is_one_line_before_the_dial_bound(silent_listener
         silent_listener.settimeout(60)
         connection, _ = silent_listener.accept()  # the dial has begun, and will hang
         with connection:
-            interrupted = time.monotonic()
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=10)
-            took = time.monotonic() - interrupted
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
     assert "Traceback" not in err
+    # the interrupt is all it says: a command that waited out the dial's own 5 s bound would say that
+    # the seed gave no WebSocket upgrade (and `status` and `ask` would exit 1 with it), not this line
     assert err.strip().splitlines() == [f"meshd {args[0]}: interrupted"]
-    # the dial itself gives up after 5 s: an interrupt must not wait for that (a loaded box
-    # takes a second or so just to unwind and exit)
-    assert took < 4.0, f"took {took:.2f} s after SIGINT"
 
 
 # ----- the local daemon, through its control socket
