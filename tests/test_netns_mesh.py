@@ -69,8 +69,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bridge]:
         assert SEED.split(":")[0] == bridge.machines["seed"].ip, "the README's seed address is the seed's"
         env = {"MESHD_LOG": "INFO"}
         bridge.start("seed", "seed", meshd_argv(COMMANDS["seed"]), env=env)
-        for role in VOLUNTEERS:
-            bridge.start(role, role, meshd_argv(COMMANDS["volunteer"]), env=env)
+        # the volunteers start side by side, as on their own machines
+        for process in [bridge.launch(role, role, meshd_argv(COMMANDS["volunteer"]), env=env) for role in VOLUNTEERS]:
+            process.wait_ready(90.0)
         yield bridge
     finally:
         errors = bridge.tear_down()

@@ -40,11 +40,15 @@ HOMES = ("10.212.1.2:7100", "10.212.2.2:7100")
 def start(topo: Topology) -> None:
     topo.start("seed", "pub", "join", "--no-model", "--listen", SEED, "--state-dir", str(topo.base / "seed"),
                "--max-sessions", "2", "--session-tokens", "512")
-    topo.start("relay", "pub", "relay", "--listen", RELAY, "--seed", SEED, "--state-dir", str(topo.base / "relay"),
-               "--tap", str(topo.base / "relay.tap"))
-    for i in (1, 2):
-        topo.start(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", f"10.212.{i}.2:7100",
-                   "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER, env={"MESHD_PUNCH_RETRY": str(PUNCH_RETRY)})
+    # the relay and the volunteers start side by side
+    started = [topo.launch("relay", "pub", "relay", "--listen", RELAY, "--seed", SEED,
+                           "--state-dir", str(topo.base / "relay"), "--tap", str(topo.base / "relay.tap"))]
+    started += [topo.launch(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", address,
+                            "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER,
+                            env={"MESHD_PUNCH_RETRY": str(PUNCH_RETRY)})
+                for i, address in enumerate(HOMES, start=1)]
+    for process in started:
+        process.wait_ready(90.0)
 
 
 @pytest.fixture

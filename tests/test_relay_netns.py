@@ -66,6 +66,11 @@ class Topology:
 
     def start(self, name: str, role: str, *args: str, timeout: float = 90.0,
               env: dict[str, str] | None = None) -> Process:
+        """`meshd ARGS` in ``role``'s namespace, once it prints its ready line."""
+        return self.launch(name, role, *args, env=env).wait_ready(timeout)
+
+    def launch(self, name: str, role: str, *args: str, env: dict[str, str] | None = None) -> Process:
+        """`meshd ARGS` in ``role``'s namespace, at once (wait_ready waits for its ready line)."""
         log = self.base / f"{name}.log"
         with log.open("w") as out:
             proc = spawn(["ip", "netns", "exec", self.ns(role), sys.executable, "-m", "meshd.cli", *args],
@@ -73,7 +78,7 @@ class Topology:
                          env=os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": "INFO"} | (env or {}))
         process = Process(name, proc, log)
         self.processes[name] = process
-        return process.wait_ready(timeout)
+        return process
 
     def logs(self) -> str:
         return "\n".join(f"----- {p.name}\n{p.log.read_text()[-4000:]}" for p in self.processes.values())
@@ -151,12 +156,15 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         # (tests/test_punch_netns.py has the homes behind port-preserving NATs)
         build_homes(topo, (SEED, *RELAYS, "10.201.0.4:0"), "10.201", "10.202", symmetric=True)
         topo.start("seed", "pub", "join", "--no-model", "--listen", SEED, "--state-dir", str(topo.base / "seed"), *KV)
-        for i, address in enumerate(RELAYS):
-            topo.start(f"relay{i}", "pub", "relay", "--listen", address, "--seed", SEED,
-                       "--state-dir", str(topo.base / f"relay{i}"), "--tap", str(topo.base / f"relay{i}.tap"))
-        for i, address in enumerate(HOMES, start=1):
-            topo.start(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", address,
-                       "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER)
+        # the relays and volunteers start side by side
+        started = [topo.launch(f"relay{i}", "pub", "relay", "--listen", address, "--seed", SEED,
+                               "--state-dir", str(topo.base / f"relay{i}"), "--tap", str(topo.base / f"relay{i}.tap"))
+                   for i, address in enumerate(RELAYS)]
+        started += [topo.launch(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", address,
+                                "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER)
+                    for i, address in enumerate(HOMES, start=1)]
+        for process in started:
+            process.wait_ready(90.0)
         yield topo
     finally:
         tear_down(topo)

@@ -24,7 +24,7 @@ or gone (or never shown so within ``UNCONFIRMED_BOUND``). RSS and open fds of ev
 worker) are sampled from /proc; growth is counted from the first sample after warm-up.
 
     sudo .venv/bin/python tools/soak.py --minutes 20 --volunteers 6 --seed 7 --json soak.json
-    sudo .venv/bin/python tools/soak.py --smoke        # the CI profile (tests/test_soak.py), about 2 minutes
+    sudo .venv/bin/python tools/soak.py --smoke        # the CI profile (tests/test_soak.py): each disturbance once
 
 Every process it starts is stopped by its PID and every namespace removed, on success, failure or
 Ctrl-C (exit 130). Exit 0 when nothing was wrong, every failure was explained and no ghost was seen; 1
@@ -79,12 +79,18 @@ class Profile:
     max_tokens: int
     sample_every: float
     calm: float  # seconds after the chaos for the mesh to settle, before the last checks
+    # every kind of disturbance once, in a seeded order, one after another, and the chaos ends with the
+    # last (the smoke's); otherwise disturbances at random for `minutes`
+    scripted: bool = False
+    ask_pause: float = 0.5  # seconds an asker waits after an answer before asking again
 
 
 def profile(args: argparse.Namespace) -> Profile:
     if args.smoke:
-        # the CI profile: about 2.5 minutes in all on 2 busy cores (setup ~30 s, chaos 50 s, settling ~30 s)
-        return Profile(args.minutes or 50 / 60, args.volunteers or 4, 1, (6.0, 9.0), (4.0, 10.0), 16, 5.0, 10.0)
+        # the CI profile: each kind of disturbance once, short, while two askers ask at a user's pace (setup
+        # ~30 s, chaos ~40 s, settling ~20 s on 2 busy cores); --minutes caps the chaos
+        return Profile(args.minutes or 2.0, args.volunteers or 4, 1, (1.0, 2.0), (3.0, 5.0), 16, 5.0, GHOST_BOUND,
+                       scripted=True, ask_pause=2.0)
     volunteers = args.volunteers or 6
     return Profile(args.minutes or 10.0, volunteers, max(1, volunteers // 3), (10.0, 25.0), (5.0, 30.0), 32,
                    15.0, 30.0)
@@ -330,15 +336,15 @@ class Soak:
                 self.ghosts.append({"t": t, "node": node, "daemon": dep["daemon"], "view": view, "why": why})
                 self.log("GHOST", node=node[:12], view=view, why=why)
 
-    async def asker(self, kind: str, modes: list[str], weights: list[float], until: float) -> None:
+    async def asker(self, kind: str, modes: list[str], weights: list[float], until: Callable[[], bool]) -> None:
         for _ in range(10_000):
-            if time.monotonic() >= until:
+            if until():
                 return
             mode = self.rng.choices(modes, weights)[0]
             out = await (self.asking.cli_ask(mode) if kind == "cli" else self.asking.http_ask(mode))
             self.record(out)
             # after a failure a user waits a little before asking again (it fails fast while nothing covers)
-            await trio.sleep(3.0 if out.status == "failed" else 0.5)
+            await trio.sleep(max(3.0, self.prof.ask_pause) if out.status == "failed" else self.prof.ask_pause)
 
     def record(self, out: Outcome) -> None:
         out.t = self.now()  # when it ended
@@ -371,6 +377,28 @@ class Soak:
         entry: list[Any] = [self.now(), None, what]
         self.disturbances.append(entry)
         return entry
+
+    async def script(self, until: float) -> None:
+        """Every kind of disturbance once, in a seeded order, each once the one before it has ended (on the
+        smoke's mesh one volunteer is to spare; the relay's stop takes the one behind the NAT)."""
+        kinds = ["kill", "leave", "stop", "link", "relay", "join"]
+        self.rng.shuffle(kinds)
+        for what in kinds:
+            await trio.sleep(self.rng.uniform(*self.prof.every))
+            if time.monotonic() >= until:
+                self.log("skip", why=f"the chaos's time is up before {what}")
+                return
+            outage = self.rng.uniform(*self.prof.outage)
+            if what == "relay":
+                await self.stop_relay(outage)
+                continue
+            spare = next(s for s in self.slots if s.kind == "spare")
+            if what == "join":
+                await self.join_spare(spare)
+                continue
+            slot = self.rng.choice([s for s in self.quiet_slots() if s.kind != "spare"])
+            await {"kill": self.depart, "leave": self.depart, "stop": self.stop, "link": self.cut}[what](
+                slot, outage, what)
 
     async def chaos(self, nursery: trio.Nursery, until: float) -> None:
         max_down = max(1, self.prof.volunteers - 3)
@@ -458,8 +486,11 @@ class Soak:
         except Exception:
             daemon.process.proc.kill()
         daemon.ended = self.now()
-        await trio.sleep(10.0)
-        # its engine worker must end with it, whatever ended the daemon (its group is killed only below)
+        # its engine worker must end with it, whatever ended the daemon (its group is killed only below),
+        # within 10 s
+        with trio.move_on_after(10.0):
+            while any(rss_kib(pid) for pid in workers):
+                await trio.sleep(0.2)
         left = [pid for pid in workers if rss_kib(pid)]
         if left:
             self.orphans.append({"t": self.now(), "daemon": daemon.name, "how": how, "pids": left})
@@ -469,7 +500,7 @@ class Soak:
         if slot.kind == "spare":  # the spare leaves for good: its row must go from every status
             entry[1], slot.disturbed = self.now(), ""
             return
-        await trio.sleep(max(0.0, outage - 10.0))
+        await trio.sleep(max(0.0, outage - (self.now() - entry[0])))
         if self.rng.random() < 0.5:
             slot.identity += 1  # a new identity: the old one must leave every status for good
         try:
@@ -512,14 +543,28 @@ class Soak:
             self.phase = "chaos"
             chaos_end = time.monotonic() + self.prof.minutes * 60
             self.warm = self.now() + max(30.0, self.prof.minutes * 60 / 4)
-            done = False
+            done = chaos_over = False
+
+            async def scripted() -> None:
+                nonlocal chaos_over
+                try:
+                    await self.script(chaos_end)
+                finally:
+                    chaos_over = True
+
+            def over() -> bool:
+                return chaos_over or time.monotonic() >= chaos_end
+
             async with trio.open_nursery() as watching:
                 watching.start_soon(self.watch, peers, lambda: done)
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self.chaos, nursery, chaos_end)
-                    nursery.start_soon(self.asker, "cli", ["greedy", "seeded", "cancel"], [6, 2, 2], chaos_end)
+                    if self.prof.scripted:
+                        nursery.start_soon(scripted)
+                    else:
+                        nursery.start_soon(self.chaos, nursery, chaos_end)
+                    nursery.start_soon(self.asker, "cli", ["greedy", "seeded", "cancel"], [6, 2, 2], over)
                     nursery.start_soon(self.asker, "http", ["greedy", "stream", "seeded", "cancel"], [3, 3, 2, 2],
-                                       chaos_end)
+                                       over)
                 self.phase = "settle"
                 self.log("chaos over")
                 await self.restore()
@@ -625,7 +670,7 @@ def summary(rep: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=None, help="length of the chaos (default: 10; --smoke: 50 s)")
+    ap.add_argument("--minutes", type=float, default=None, help="length of the chaos (default: 10; --smoke: each disturbance once, at most 2)")
     ap.add_argument("--volunteers", type=int, default=None, help="volunteers at the start (default: 6; --smoke: 4)")
     ap.add_argument("--seed", type=int, default=1, help="seed of every random choice (default: 1)")
     ap.add_argument("--json", type=Path, default=None, help="write the whole report here")
