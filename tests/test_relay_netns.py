@@ -13,7 +13,6 @@ namespaces.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -29,7 +28,7 @@ from typing import Any
 import netns
 import pytest
 from localmesh import spawn, terminate_together
-from netns import Process, sh
+from netns import Process, StatusProbe, sh
 
 pytestmark = pytest.mark.slow  # five namespaces, relays and daemons
 
@@ -53,6 +52,7 @@ class Topology:
     namespaces: dict[str, str] = field(default_factory=dict)
     veths: list[str] = field(default_factory=list)
     processes: dict[str, Process] = field(default_factory=dict)
+    probes: dict[str, StatusProbe] = field(default_factory=dict)
 
     def ns(self, role: str) -> str:
         return self.namespaces[role]
@@ -79,6 +79,12 @@ class Topology:
         process = Process(name, proc, log)
         self.processes[name] = process
         return process
+
+    def probe(self, role: str) -> StatusProbe:
+        """The lasting status asker in ``role``'s namespace."""
+        if role not in self.probes:
+            self.probes[role] = StatusProbe(self.ns(role))
+        return self.probes[role]
 
     def logs(self) -> str:
         return "\n".join(f"----- {p.name}\n{p.log.read_text()[-4000:]}" for p in self.processes.values())
@@ -140,6 +146,8 @@ def tear_down(topo: Topology) -> None:
             stack.callback(subprocess.run, ["ip", "netns", "del", name], capture_output=True, timeout=30)
         for process in topo.processes.values():
             stack.callback(process.stop)
+        for probe in topo.probes.values():
+            stack.callback(probe.stop)
         # first of all (and so registered last): every process told to leave at once, not one after another
         stack.callback(terminate_together, [p.proc for p in topo.processes.values()])
 
@@ -181,9 +189,9 @@ def expected(default_model: Path) -> str:
 
 
 def status_at(topo: Topology, role: str, address: str) -> dict[str, Any]:
-    """`meshd status --json` of the node at ``address``, asked from namespace ``role`` ({} while it cannot answer)."""
-    shown = topo.meshd(role, "status", "--json", "--seed", address, "--timeout", "20", timeout=60)
-    return json.loads(shown.stdout) if shown.returncode == 0 else {}
+    """What `meshd status --json` says of the node at ``address``, asked from namespace ``role`` ({} while it
+    cannot answer)."""
+    return topo.probe(role).status(address)
 
 
 def status(topo: Topology) -> dict[str, Any]:
