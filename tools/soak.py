@@ -45,7 +45,7 @@ import tempfile
 import time
 import traceback
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -590,8 +590,13 @@ class Soak:
                     while self.undecided():
                         await trio.sleep(0.5)
                 took = await self.covered(peers, 120)
-                self.record(await self.asking.cli_ask("greedy"))
-                self.record(await self.asking.http_ask("stream"))
+
+                async def last(ask: Callable[[], Awaitable[Outcome]]) -> None:
+                    self.record(await ask())
+
+                async with trio.open_nursery() as settled:  # the two front ends side by side
+                    settled.start_soon(last, lambda: self.asking.cli_ask("greedy"))
+                    settled.start_soon(last, lambda: self.asking.http_ask("stream"))
                 self.sample()
                 done = True
             self.http_failovers = await self.api_failovers() - before
