@@ -79,8 +79,8 @@ class Profile:
     max_tokens: int
     sample_every: float
     calm: float  # seconds after the chaos for the mesh to settle, before the last checks
-    # every kind of disturbance once, in a seeded order, one after another, and the chaos ends with the
-    # last (the smoke's); otherwise disturbances at random for `minutes`
+    # every kind of disturbance once (the smoke's): the spare's join beside the others, which run one after
+    # another in a seeded order, and the chaos ends with the last; otherwise disturbances at random for `minutes`
     scripted: bool = False
     ask_pause: float = 0.5  # seconds an asker waits after an answer before asking again
 
