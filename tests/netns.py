@@ -6,10 +6,22 @@ from __future__ import annotations
 import os
 
 import pytest
-from netns_lab import PREFIX, ROOT, Bridge, Machine, Process, meshd_argv, name, remove_stale, sh, unavailable
+from netns_lab import (
+    PREFIX,
+    ROOT,
+    Bridge,
+    Machine,
+    Process,
+    StatusProbe,
+    meshd_argv,
+    name,
+    remove_stale,
+    sh,
+    unavailable,
+)
 
-__all__ = ["PREFIX", "ROOT", "Bridge", "Machine", "Process", "meshd_argv", "name", "remove_stale", "require", "sh",
-           "unavailable"]
+__all__ = ["PREFIX", "ROOT", "Bridge", "Machine", "Process", "StatusProbe", "meshd_argv", "name", "remove_stale",
+           "require", "sh", "unavailable"]
 
 
 def require() -> None:

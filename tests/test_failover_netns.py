@@ -53,11 +53,14 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Brid
     try:
         bridge.build(ROLES)
         bridge.start("seed", "seed", meshd_argv(["meshd", "join", "--no-model", "--listen", "0.0.0.0:7000"]))
-        for role in VOLUNTEERS:
-            # 760 KiB: three of the tiny model's six layers with their KV, so two ranges, each served twice
-            bridge.start(role, role, meshd_argv(["meshd", "join", "--seed", SEED, "--model", str(model),
-                                                 "--memory", "760K", "--max-sessions", "2", "--session-tokens",
-                                                 "256", "--threads", "1"]))
+        # 760 KiB: three of the tiny model's six layers with their KV, so two ranges, each served twice; the
+        # volunteers start side by side
+        started = [bridge.launch(role, role, meshd_argv(["meshd", "join", "--seed", SEED, "--model", str(model),
+                                                         "--memory", "760K", "--max-sessions", "2",
+                                                         "--session-tokens", "256", "--threads", "1"]))
+                   for role in VOLUNTEERS]
+        for process in started:
+            process.wait_ready(90.0)
         yield bridge
     finally:
         errors = bridge.tear_down()

@@ -104,6 +104,8 @@ async def test_joins_and_leaves_while_asks_run_move_only_forced_ranges_and_leave
                     await trio.sleep(0.5)
                 else:
                     answers.append(result.tokens)
+                    # at a user's pace, not back to back: each ask's stages compete with the churn for the CPU
+                    await trio.sleep(1.0)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask_all_along)

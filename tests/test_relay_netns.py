@@ -13,7 +13,6 @@ namespaces.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -29,13 +28,15 @@ from typing import Any
 import netns
 import pytest
 from localmesh import spawn, terminate_together
-from netns import Process, sh
+from netns import Process, StatusProbe, sh
 
 pytestmark = pytest.mark.slow  # five namespaces, relays and daemons
 
 PROMPT = "Write a short story about a lighthouse keeper named CANARY-5f3a9c-KEEPER."
 CANARY = b"CANARY-5f3a9c"
 NEW_TOKENS = 24
+# Hidden states of NEW_TOKENS steps from head to tail: 576 floats a token, f32.
+HIDDEN_BYTES = NEW_TOKENS * 576 * 4
 SEED = "10.201.0.1:7000"
 RELAYS = ("10.201.0.2:7001", "10.201.0.3:7002")
 HOMES = ("10.202.1.2:7100", "10.202.2.2:7100")
@@ -51,6 +52,7 @@ class Topology:
     namespaces: dict[str, str] = field(default_factory=dict)
     veths: list[str] = field(default_factory=list)
     processes: dict[str, Process] = field(default_factory=dict)
+    probes: dict[str, StatusProbe] = field(default_factory=dict)
 
     def ns(self, role: str) -> str:
         return self.namespaces[role]
@@ -62,15 +64,27 @@ class Topology:
     def meshd(self, role: str, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
         return self.exec(role, sys.executable, "-m", "meshd.cli", *args, timeout=timeout)
 
-    def start(self, name: str, role: str, *args: str, timeout: float = 90.0) -> Process:
+    def start(self, name: str, role: str, *args: str, timeout: float = 90.0,
+              env: dict[str, str] | None = None) -> Process:
+        """`meshd ARGS` in ``role``'s namespace, once it prints its ready line."""
+        return self.launch(name, role, *args, env=env).wait_ready(timeout)
+
+    def launch(self, name: str, role: str, *args: str, env: dict[str, str] | None = None) -> Process:
+        """`meshd ARGS` in ``role``'s namespace, at once (wait_ready waits for its ready line)."""
         log = self.base / f"{name}.log"
         with log.open("w") as out:
             proc = spawn(["ip", "netns", "exec", self.ns(role), sys.executable, "-m", "meshd.cli", *args],
                          stdout=out, stderr=subprocess.STDOUT, text=True,
-                         env=os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": "INFO"})
+                         env=os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": "INFO"} | (env or {}))
         process = Process(name, proc, log)
         self.processes[name] = process
-        return process.wait_ready(timeout)
+        return process
+
+    def probe(self, role: str) -> StatusProbe:
+        """The lasting status asker in ``role``'s namespace."""
+        if role not in self.probes:
+            self.probes[role] = StatusProbe(self.ns(role))
+        return self.probes[role]
 
     def logs(self) -> str:
         return "\n".join(f"----- {p.name}\n{p.log.read_text()[-4000:]}" for p in self.processes.values())
@@ -132,6 +146,8 @@ def tear_down(topo: Topology) -> None:
             stack.callback(subprocess.run, ["ip", "netns", "del", name], capture_output=True, timeout=30)
         for process in topo.processes.values():
             stack.callback(process.stop)
+        for probe in topo.probes.values():
+            stack.callback(probe.stop)
         # first of all (and so registered last): every process told to leave at once, not one after another
         stack.callback(terminate_together, [p.proc for p in topo.processes.values()])
 
@@ -148,12 +164,15 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         # (tests/test_punch_netns.py has the homes behind port-preserving NATs)
         build_homes(topo, (SEED, *RELAYS, "10.201.0.4:0"), "10.201", "10.202", symmetric=True)
         topo.start("seed", "pub", "join", "--no-model", "--listen", SEED, "--state-dir", str(topo.base / "seed"), *KV)
-        for i, address in enumerate(RELAYS):
-            topo.start(f"relay{i}", "pub", "relay", "--listen", address, "--seed", SEED,
-                       "--state-dir", str(topo.base / f"relay{i}"), "--tap", str(topo.base / f"relay{i}.tap"))
-        for i, address in enumerate(HOMES, start=1):
-            topo.start(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", address,
-                       "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER)
+        # the relays and volunteers start side by side
+        started = [topo.launch(f"relay{i}", "pub", "relay", "--listen", address, "--seed", SEED,
+                               "--state-dir", str(topo.base / f"relay{i}"), "--tap", str(topo.base / f"relay{i}.tap"))
+                   for i, address in enumerate(RELAYS)]
+        started += [topo.launch(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", address,
+                                "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER)
+                    for i, address in enumerate(HOMES, start=1)]
+        for process in started:
+            process.wait_ready(90.0)
         yield topo
     finally:
         tear_down(topo)
@@ -169,10 +188,25 @@ def expected(default_model: Path) -> str:
         return m.detokenize(greedy_chat_reference(default_model, [PROMPT], NEW_TOKENS)[PROMPT])
 
 
+def status_at(topo: Topology, role: str, address: str) -> dict[str, Any]:
+    """What `meshd status --json` says of the node at ``address``, asked from namespace ``role`` ({} while it
+    cannot answer)."""
+    return topo.probe(role).status(address)
+
+
 def status(topo: Topology) -> dict[str, Any]:
     """`meshd status --json` from the public segment ({} while it cannot answer)."""
-    shown = topo.meshd("pub", "status", "--json", "--seed", SEED, "--timeout", "20", timeout=60)
-    return json.loads(shown.stdout) if shown.returncode == 0 else {}
+    return status_at(topo, "pub", SEED)
+
+
+def home_links(topo: Topology, homes: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each home's (h1's, h2's, listening at ``homes``) view of its link to the other home ({} while there is none)."""
+    views = [status_at(topo, f"h{i}", address) for i, address in enumerate(homes, start=1)]
+    ids = [v.get("node_id") for v in views]
+    found = []
+    for view, other in zip(views, reversed(ids), strict=True):
+        found.append(next((link for link in view.get("links", []) if link["node_id"] == other), {}))
+    return found[0], found[1]
 
 
 def behind_nat(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -251,6 +285,49 @@ def assert_opaque(forwarded: bytes, answer: str) -> None:
         assert text[start:start + 16] not in forwarded
 
 
+def test_homes_behind_symmetric_nats_try_a_punch_stay_relayed_and_the_relays_carry_the_stage_bytes(
+        topology: Topology) -> None:
+    """The counterpart of tests/test_punch_netns.py's port-preserving NATs: each home's link to the other is
+    made (SWIM) and a hole punch tried over a relay's circuit; every round fails, the link stays relayed, and
+    an ask's hidden states cross the relays, with no fast path between the stages."""
+    topo = topology
+    _, took = wait_for(topo, lambda s: covered(s) and len(behind_nat(s)) == 2 and
+                       all(m["relay_addresses"] for m in behind_nat(s)),
+                       "both homes reserved on a relay and the model covered", 180)
+    print(f"\nsymmetric NATs: covered after {took:.1f} s")
+    began = time.monotonic()
+    while not all(link.get("path") == "relayed" for link in home_links(topo, HOMES)):
+        assert time.monotonic() - began < 60, f"relayed links not within 60 s\n{topo.logs()}"
+        time.sleep(1.0)
+    # every round of a punch failed (each bounded by its timeouts), and the link stays relayed after
+    while "staying relayed" not in topo.logs():
+        assert time.monotonic() - began < 120, f"no failed punch within 120 s\n{topo.logs()}"
+        time.sleep(1.0)
+    links = home_links(topo, HOMES)
+    print(f"h1 -> h2: {links[0]}\nh2 -> h1: {links[1]}")
+    assert [link["path"] for link in links] == ["relayed", "relayed"], links
+    assert "hole punch to" in topo.logs()
+
+    def relayed_bytes() -> int:
+        return sum(status_at(topo, "pub", relay).get("relayed_bytes") or 0 for relay in RELAYS)
+
+    before, tap_before = relayed_bytes(), sum(len(tap_bytes(topo, i)) for i in range(2))
+    answer, figures = ask(topo)
+    grown = relayed_bytes() - before
+    tapped = sum(len(tap_bytes(topo, i)) for i in range(2)) - tap_before
+    print(f"ask: {len(answer)} chars; the relays forwarded {grown} bytes (taps {tapped}); hidden states alone "
+          f"are {HIDDEN_BYTES} bytes; {figures.strip()}")
+    assert len(answer.strip()) > 20
+    # the relays' own counters (status) and their taps (every chunk forwarded) agree, but for keepalives
+    # between the reads
+    assert abs(grown - tapped) < 2 * 4096, (grown, tapped)
+    volunteers = "".join(topo.processes[f"v{i}"].log.read_text() for i in (1, 2))
+    # the stages said at the session's open that a relay's circuit is their hop, and the ask went on on the
+    # daemons' path, through a relay
+    assert "fast path to" not in volunteers
+    assert grown > HIDDEN_BYTES
+
+
 def test_volunteers_behind_nat_serve_through_relays(topology: Topology, expected: str) -> None:
     topo = topology
     shown, took = wait_for(topo, lambda s: covered(s) and relayed(s, RELAYS),
@@ -280,7 +357,7 @@ def test_volunteers_behind_nat_serve_through_relays(topology: Topology, expected
     taps = [tap_bytes(topo, i) for i in range(2)]
     grown = [len(taps[i]) - before[i] for i in range(2)]
     # Hidden states of ~NEW_TOKENS steps cross from head to tail (576 floats a token), then tokens come back.
-    assert sum(grown) > NEW_TOKENS * 576 * 4, grown
+    assert sum(grown) > HIDDEN_BYTES, grown
     for forwarded in taps:
         assert_opaque(forwarded, answer)
 
@@ -297,5 +374,5 @@ def test_volunteers_behind_nat_serve_through_relays(topology: Topology, expected
     print(f"asked again after the kill ({time.monotonic() - began:.1f} s after it): {figures.strip()}")
     assert answer_after.strip() == expected.strip()
     spare_tap = tap_bytes(topo, 1 - used)
-    assert len(spare_tap) - before_spare > NEW_TOKENS * 576 * 4
+    assert len(spare_tap) - before_spare > HIDDEN_BYTES
     assert_opaque(spare_tap, answer_after)

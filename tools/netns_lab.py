@@ -10,6 +10,7 @@ namespaces: the bridge lives in a namespace of its own, not on the host.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -19,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from localmesh import READY, spawn, stop_process, terminate_together
 
@@ -120,6 +122,51 @@ class Process:
         raise RuntimeError(f"{self.name} did not become ready:\n{self.text()}")
 
 
+# The status probe's loop: one address a line in, `meshd status --json`'s document (or {} if it did not
+# answer) a line out.
+_PROBE = """
+import argparse, json, sys, trio
+from meshd import status_table
+from meshd.cli.status import ask_status
+
+async def ask(address):
+    with trio.fail_after(60):
+        return status_table.as_json(await ask_status(argparse.Namespace(seed=address, mesh_key=None, timeout=20.0,
+                                                                        state_dir=None)))
+
+for line in sys.stdin:
+    try:
+        doc = trio.run(ask, line.strip())
+    except Exception:
+        doc = {}
+    print(json.dumps(doc), flush=True)
+"""
+
+
+class StatusProbe:
+    """What `meshd status --json --seed ADDRESS` prints, asked from one lasting process in a namespace: a
+    test polling a mesh each second by a new `meshd status` paid a Python start-up (about a second of CPU)
+    per poll."""
+
+    def __init__(self, namespace: str) -> None:
+        self.proc = spawn(["ip", "netns", "exec", namespace, sys.executable, "-c", _PROBE], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def status(self, address: str) -> dict[str, Any]:
+        """The member at ``address``'s status document ({} while it does not answer)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(address + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the status probe ended (exit {self.proc.poll()})")
+        doc: dict[str, Any] = json.loads(line)
+        return doc
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
 @dataclass
 class Machine:
     """A namespace with one address on the bridge and a HOME of its own."""
@@ -148,6 +195,7 @@ class Bridge:
     machines: dict[str, Machine] = field(default_factory=dict)
     namespaces: list[str] = field(default_factory=list)
     processes: list[Process] = field(default_factory=list)
+    probes: dict[str, StatusProbe] = field(default_factory=dict)
     _ports: int = 0
 
     @property
@@ -237,6 +285,12 @@ class Bridge:
         self.processes.append(process)
         return process
 
+    def probe(self, role: str) -> StatusProbe:
+        """The lasting status asker in ``role``'s namespace."""
+        if role not in self.probes:
+            self.probes[role] = StatusProbe(self.machines[role].namespace)
+        return self.probes[role]
+
     def logs(self, tail: int = 4000) -> str:
         return "\n".join(f"----- {p.name}\n{p.text()[-tail:]}" for p in self.processes)
 
@@ -244,10 +298,10 @@ class Bridge:
         """Stops every process by PID, then deletes every namespace; goes on past any error."""
         errors: list[str] = []
         try:
-            terminate_together(p.proc for p in self.processes)
+            terminate_together([*(p.proc for p in self.processes), *(p.proc for p in self.probes.values())])
         except Exception as exc:  # teardown reports and goes on
             errors.append(f"stopping every process: {exc!r}")
-        for process in self.processes:
+        for process in [*self.processes, *self.probes.values()]:
             try:
                 process.stop()
             except Exception as exc:  # teardown reports and goes on

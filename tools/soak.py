@@ -24,7 +24,7 @@ or gone (or never shown so within ``UNCONFIRMED_BOUND``). RSS and open fds of ev
 worker) are sampled from /proc; growth is counted from the first sample after warm-up.
 
     sudo .venv/bin/python tools/soak.py --minutes 20 --volunteers 6 --seed 7 --json soak.json
-    sudo .venv/bin/python tools/soak.py --smoke        # the CI profile (tests/test_soak.py), about 2 minutes
+    sudo .venv/bin/python tools/soak.py --smoke        # the CI profile (tests/test_soak.py): each disturbance once
 
 Every process it starts is stopped by its PID and every namespace removed, on success, failure or
 Ctrl-C (exit 130). Exit 0 when nothing was wrong, every failure was explained and no ghost was seen; 1
@@ -45,7 +45,7 @@ import tempfile
 import time
 import traceback
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,12 +79,18 @@ class Profile:
     max_tokens: int
     sample_every: float
     calm: float  # seconds after the chaos for the mesh to settle, before the last checks
+    # every kind of disturbance once (the smoke's): the spare's join beside the others, which run one after
+    # another in a seeded order, and the chaos ends with the last; otherwise disturbances at random for `minutes`
+    scripted: bool = False
+    ask_pause: float = 0.5  # seconds an asker waits after an answer before asking again
 
 
 def profile(args: argparse.Namespace) -> Profile:
     if args.smoke:
-        # the CI profile: about 2.5 minutes in all on 2 busy cores (setup ~30 s, chaos 50 s, settling ~30 s)
-        return Profile(args.minutes or 50 / 60, args.volunteers or 4, 1, (6.0, 9.0), (4.0, 10.0), 16, 5.0, 10.0)
+        # the CI profile: each kind of disturbance once, short, while two askers ask at a user's pace; no calm
+        # beyond the ghost checks' own bounds; --minutes caps the chaos
+        return Profile(args.minutes or 2.0, args.volunteers or 4, 1, (1.0, 2.0), (3.0, 5.0), 16, 5.0, 0.0,
+                       scripted=True, ask_pause=2.0)
     volunteers = args.volunteers or 6
     return Profile(args.minutes or 10.0, volunteers, max(1, volunteers // 3), (10.0, 25.0), (5.0, 30.0), 32,
                    15.0, 30.0)
@@ -309,6 +315,15 @@ class Soak:
                 self.check_ghosts(view_name, {m.node_id: m.state for m in view.members})
             await trio.sleep(1.0)
 
+    def undecided(self) -> list[str]:
+        """Departed members a ghost could still be seen of: a view has not yet shown them gone (and
+        UNCONFIRMED_BOUND has not passed since they departed), or showed it less than GHOST_BOUND ago (and a
+        round of the watch since)."""
+        t = self.now()
+        return [node for node, dep in self.departed.items()
+                if (len(dep["confirmed"]) < 2 and t - dep["at"] <= UNCONFIRMED_BOUND + 2)
+                or any(t - since <= GHOST_BOUND + 2 for since in dep["confirmed"].values())]
+
     def check_ghosts(self, view: str, rows: dict[str, str]) -> None:
         t = self.now()
         for node, dep in self.departed.items():
@@ -330,15 +345,15 @@ class Soak:
                 self.ghosts.append({"t": t, "node": node, "daemon": dep["daemon"], "view": view, "why": why})
                 self.log("GHOST", node=node[:12], view=view, why=why)
 
-    async def asker(self, kind: str, modes: list[str], weights: list[float], until: float) -> None:
+    async def asker(self, kind: str, modes: list[str], weights: list[float], until: Callable[[], bool]) -> None:
         for _ in range(10_000):
-            if time.monotonic() >= until:
+            if until():
                 return
             mode = self.rng.choices(modes, weights)[0]
             out = await (self.asking.cli_ask(mode) if kind == "cli" else self.asking.http_ask(mode))
             self.record(out)
             # after a failure a user waits a little before asking again (it fails fast while nothing covers)
-            await trio.sleep(3.0 if out.status == "failed" else 0.5)
+            await trio.sleep(max(3.0, self.prof.ask_pause) if out.status == "failed" else self.prof.ask_pause)
 
     def record(self, out: Outcome) -> None:
         out.t = self.now()  # when it ended
@@ -371,6 +386,26 @@ class Soak:
         entry: list[Any] = [self.now(), None, what]
         self.disturbances.append(entry)
         return entry
+
+    async def script(self, nursery: trio.Nursery, until: float) -> None:
+        """Every kind of disturbance once: a volunteer joins at the spare slot (it takes no one away) while the
+        others run in a seeded order, each once the one before it has ended (on the smoke's mesh one volunteer
+        is to spare; the relay's stop takes the one behind the NAT)."""
+        nursery.start_soon(self.join_spare, next(s for s in self.slots if s.kind == "spare"))
+        kinds = ["kill", "leave", "stop", "link", "relay"]
+        self.rng.shuffle(kinds)
+        for what in kinds:
+            await trio.sleep(self.rng.uniform(*self.prof.every))
+            if time.monotonic() >= until:
+                self.log("skip", why=f"the chaos's time is up before {what}")
+                return
+            outage = self.rng.uniform(*self.prof.outage)
+            if what == "relay":
+                await self.stop_relay(outage)
+                continue
+            slot = self.rng.choice([s for s in self.quiet_slots() if s.kind != "spare"])
+            await {"kill": self.depart, "leave": self.depart, "stop": self.stop, "link": self.cut}[what](
+                slot, outage, what)
 
     async def chaos(self, nursery: trio.Nursery, until: float) -> None:
         max_down = max(1, self.prof.volunteers - 3)
@@ -458,8 +493,11 @@ class Soak:
         except Exception:
             daemon.process.proc.kill()
         daemon.ended = self.now()
-        await trio.sleep(10.0)
-        # its engine worker must end with it, whatever ended the daemon (its group is killed only below)
+        # its engine worker must end with it, whatever ended the daemon (its group is killed only below),
+        # within 10 s
+        with trio.move_on_after(10.0):
+            while any(rss_kib(pid) for pid in workers):
+                await trio.sleep(0.2)
         left = [pid for pid in workers if rss_kib(pid)]
         if left:
             self.orphans.append({"t": self.now(), "daemon": daemon.name, "how": how, "pids": left})
@@ -469,7 +507,7 @@ class Soak:
         if slot.kind == "spare":  # the spare leaves for good: its row must go from every status
             entry[1], slot.disturbed = self.now(), ""
             return
-        await trio.sleep(max(0.0, outage - 10.0))
+        await trio.sleep(max(0.0, outage - (self.now() - entry[0])))
         if self.rng.random() < 0.5:
             slot.identity += 1  # a new identity: the old one must leave every status for good
         try:
@@ -502,9 +540,17 @@ class Soak:
             took = await self.covered(peers, 240)
             self.log("covered", seconds=round(took, 1))
             self.phase = "calm"
-            self.record(await self.asking.cli_ask("greedy"))
-            for prompt in PROMPTS:
-                self.record(await self.asking.http_ask("greedy", prompt))
+
+            async def http_calm() -> None:
+                for prompt in PROMPTS:
+                    self.record(await self.asking.http_ask("greedy", prompt))
+
+            async def cli_calm() -> None:
+                self.record(await self.asking.cli_ask("greedy"))
+
+            async with trio.open_nursery() as calm:  # the two front ends side by side
+                calm.start_soon(cli_calm)
+                calm.start_soon(http_calm)
             if any(a.status != "done" for a in self.asks):
                 raise SoakError("the undisturbed mesh did not give the whole model's answer: "
                                 + "; ".join(f"{a.kind}: {a.error}" for a in self.asks if a.status != "done"))
@@ -512,21 +558,45 @@ class Soak:
             self.phase = "chaos"
             chaos_end = time.monotonic() + self.prof.minutes * 60
             self.warm = self.now() + max(30.0, self.prof.minutes * 60 / 4)
-            done = False
+            done = chaos_over = False
+
+            async def scripted() -> None:
+                nonlocal chaos_over
+                try:
+                    async with trio.open_nursery() as joins:
+                        await self.script(joins, chaos_end)
+                finally:
+                    chaos_over = True
+
+            def over() -> bool:
+                return chaos_over or time.monotonic() >= chaos_end
+
             async with trio.open_nursery() as watching:
                 watching.start_soon(self.watch, peers, lambda: done)
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self.chaos, nursery, chaos_end)
-                    nursery.start_soon(self.asker, "cli", ["greedy", "seeded", "cancel"], [6, 2, 2], chaos_end)
+                    if self.prof.scripted:
+                        nursery.start_soon(scripted)
+                    else:
+                        nursery.start_soon(self.chaos, nursery, chaos_end)
+                    nursery.start_soon(self.asker, "cli", ["greedy", "seeded", "cancel"], [6, 2, 2], over)
                     nursery.start_soon(self.asker, "http", ["greedy", "stream", "seeded", "cancel"], [3, 3, 2, 2],
-                                       chaos_end)
+                                       over)
                 self.phase = "settle"
                 self.log("chaos over")
                 await self.restore()
                 await trio.sleep(self.prof.calm)
+                # until every departed member's ghost check is decided (the watch runs on meanwhile)
+                with trio.move_on_after(UNCONFIRMED_BOUND + GHOST_BOUND + 5):
+                    while self.undecided():
+                        await trio.sleep(0.5)
                 took = await self.covered(peers, 120)
-                self.record(await self.asking.cli_ask("greedy"))
-                self.record(await self.asking.http_ask("stream"))
+
+                async def last(ask: Callable[[], Awaitable[Outcome]]) -> None:
+                    self.record(await ask())
+
+                async with trio.open_nursery() as settled:  # the two front ends side by side
+                    settled.start_soon(last, lambda: self.asking.cli_ask("greedy"))
+                    settled.start_soon(last, lambda: self.asking.http_ask("stream"))
                 self.sample()
                 done = True
             self.http_failovers = await self.api_failovers() - before
@@ -625,7 +695,8 @@ def summary(rep: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=None, help="length of the chaos (default: 10; --smoke: 50 s)")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="length of the chaos (default: 10; --smoke: each disturbance once, at most 2)")
     ap.add_argument("--volunteers", type=int, default=None, help="volunteers at the start (default: 6; --smoke: 4)")
     ap.add_argument("--seed", type=int, default=1, help="seed of every random choice (default: 1)")
     ap.add_argument("--json", type=Path, default=None, help="write the whole report here")
@@ -654,7 +725,6 @@ def main(argv: list[str] | None = None) -> int:
     soak = Soak(prof, args.seed, base, model)
     soak.checkpoint = args.json
     print(f"soak: {prof}, seed {args.seed}, logs in {base}", flush=True)
-    soak.asking.references = reference_answers(model, prof.max_tokens, soak.seeds)
     signal.signal(signal.SIGTERM, interrupted)
     code = 0
     try:
@@ -665,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
         enter_namespace(soak.bridge.machines["pub"].namespace)
         soak.start_core()
         started = [soak.launch_volunteer(s) for s in soak.slots if s.kind != "spare"]
+        # the whole model's answers while the daemons start
+        soak.asking.references = reference_answers(model, prof.max_tokens, soak.seeds)
         for daemon in [soak.core["relay"], soak.core["api"], *started]:
             soak.wait_ready(daemon)
         soak.log("volunteers ready", count=len(started))

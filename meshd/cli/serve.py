@@ -40,6 +40,7 @@ from meshd.stage.model_file import describe_model
 from meshd.stage.node import stage_node
 from meshd.store.split import shown_name
 from relay.limits import RelayLimits
+from relay.punch import PunchLimits
 from wire.credit import (
     CountersignRequest,
     CreditsRequest,
@@ -275,7 +276,7 @@ async def join(args: argparse.Namespace) -> int:
                             threads=args.threads, limits=limits, advertise=args.advertise,
                             peers=PeersConfig(mesh_key=args.mesh_key), state_dir=args.state_dir,
                             model_id=args.model_id, hub=hub_model, disk_bytes=args.disk,
-                            progress=sys.stderr.isatty())
+                            progress=sys.stderr.isatty(), punch_limits=punch_limits())
         what = (f"volunteering {shown_name(model)}" if model else
                 f"volunteering {shown_name(Path(hub_model.name))} of {hub_model.where} by range" if hub_model else
                 f"fetching its range of model {args.model_id[:16]}" if args.model_id else "without a model")
@@ -285,6 +286,21 @@ async def join(args: argparse.Namespace) -> int:
         await run_until_signal(MeshDaemon(identity, config),
                                f"{what}{offered}, seeds: {seeds_text(args.seed)}", claim, api)
     return 0
+
+
+def punch_limits() -> PunchLimits:
+    """The hole punch's limits, with the first retry's delay from $MESHD_PUNCH_RETRY (seconds; undocumented:
+    the network-namespace tests wait for a failed punch's retry seconds, not the product's minute and a half)."""
+    text = os.environ.get("MESHD_PUNCH_RETRY")
+    if text is None:
+        return PunchLimits()
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= PunchLimits.retry_cap:
+        raise UsageError(f"MESHD_PUNCH_RETRY={text}: give seconds, more than 0 and at most {PunchLimits.retry_cap:g}")
+    return PunchLimits(retry_after=seconds)
 
 
 async def relay(args: argparse.Namespace) -> int:

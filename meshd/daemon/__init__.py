@@ -91,7 +91,7 @@ class MeshDaemon(Answers, ModelFetch):
             peers.handle(STAGE_PROTOCOL, self._on_stage)
             peers.handle_fast(self.fast_door.accept)
             register(peers, self.source)
-            self.puncher = Puncher(peers, direct_address=self._public_address)
+            self.puncher = Puncher(peers, cfg.punch_limits, direct_address=self._public_address)
             enable_circuits(peers, self._reserved_on, self.puncher.initiate if cfg.punch else None)
             if cfg.relay:
                 self.relay = RelayService(peers, cfg.relay_limits, self._is_member, cfg.relay_tap,

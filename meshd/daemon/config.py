@@ -15,6 +15,7 @@ from meshd.relay.service import Tap
 from meshd.stage.books import StageLimits
 from meshd.stage.service import StageService
 from relay.limits import RelayLimits
+from relay.punch import PunchLimits
 
 # the unit a volunteer's memory is told in, as on the command line (--memory 64M)
 MIB = 1 << 20
@@ -42,6 +43,8 @@ class NodeConfig:
     # Whether a circuit a relay brings is tried as a hole punch (meshd.relay.punch): off, the link
     # stays relayed, as before punching (the tests' baseline).
     punch: bool = True
+    # the punch's rounds, timeouts and retry delay (the tests shorten the retry: $MESHD_PUNCH_RETRY)
+    punch_limits: PunchLimits = field(default_factory=PunchLimits)
     # Relays a node behind NAT keeps reservations on.
     reservations: int = 2
     dial_back_timeout: float = 3.0
