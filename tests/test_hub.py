@@ -418,27 +418,30 @@ async def test_serve_with_layers_takes_the_header_and_its_range_of_a_hub_model(
 
 SESSIONS = ["--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]
 VOLUNTEER = ["--memory", "64M", *SESSIONS]
+# Two of the tiny model's six layers with that KV (279 KB a layer, 592 KB at the head, 626 KB at the tail),
+# not three (871 KB at the head, 837 KB in the middle): the model takes three volunteers.
+THIRD = ["--memory", "700K", *SESSIONS]
 PROMPT = "What is the capital of France?"
 TOKENS = 16
 
 
-@pytest.mark.slow  # three daemons on the default model, published on the fake hub as a 3-part set
+@pytest.mark.slow  # three daemons on the tiny 3-part set
 async def test_three_volunteers_joined_with_a_hub_model_read_only_their_own_tensors_and_answer_like_the_whole(
-        tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch, peers: Peers) -> None:
-    parts = split_gguf(default_model, tmp_path / "smollm2-Q4_1.gguf", 3)
+        files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peers: Peers) -> None:
+    parts = [files[f"{SET}-0000{i}-of-00003.gguf"] for i in (1, 2, 3)]
     manifest = manifest_for(parts[0])
-    expected = greedy_reference(default_model, [PROMPT], TOKENS)[PROMPT]
+    expected = greedy_reference(files["tiny-Q8_0.gguf"], [PROMPT], TOKENS)[PROMPT]
     started: list[Served] = []
     with FakeHub() as hub:
-        hub.publish("org/smollm2", {p.name: p for p in parts})
+        hub.publish(REPO, {p.name: p for p in parts})
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
         try:
             nodes: list[Served] = []
             for i in range(3):
                 monkeypatch.setenv("HF_TOKEN", f"volunteer{i}")
                 seed = ["--seed", nodes[0].address] if nodes else []
-                nodes.append(start_join(*seed, "--state-dir", str(tmp_path / f"v{i}"), "--model", "hf:org/smollm2",
-                                        *VOLUNTEER))
+                nodes.append(start_join(*seed, "--state-dir", str(tmp_path / f"v{i}"), "--model", f"hf:{REPO}",
+                                        *THIRD))
                 started.append(nodes[-1])
                 if i == 0:
                     # the first holder builds the manifest (one read of the whole set) before the others look
@@ -460,13 +463,12 @@ async def test_three_volunteers_joined_with_a_hub_model_read_only_their_own_tens
             assert result.tokens == expected
         finally:
             stop_all(started)
-        headers = {(f"smollm2-Q4_1-0000{i + 1}-of-00003.gguf", 0, p.header_size)
-                   for i, p in enumerate(manifest.parts)}
+        names = [p.name for p in parts]
+        headers = {(names[i], 0, p.header_size) for i, p in enumerate(manifest.parts)}
         print()
         for i, node in enumerate(nodes):
             (rng,) = ranges[node.node_id]
-            owned = [c for c in range_chunks(manifest, 30, *rng) if c.tensor is not None]
-            names = [f"smollm2-Q4_1-0000{p + 1}-of-00003.gguf" for p in range(3)]
+            owned = [c for c in range_chunks(manifest, 6, *rng) if c.tensor is not None]
             allowed = headers | {(names[c.part], c.part_offset, c.part_offset + c.size) for c in owned}
             reads = hub.ranges(f"volunteer{i}")
             read = sum(e - s for _, s, e in reads)
