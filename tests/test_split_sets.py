@@ -58,6 +58,17 @@ def tiny_expected(tiny: Path) -> list[int]:
     return greedy_reference(tiny, [PROMPT], TOKENS)[PROMPT]
 
 
+@pytest.fixture(scope="module")
+def default_set(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> list[Path]:
+    """The default model written again as a 3-part set, once for the module (some 100 MB to write)."""
+    return split_gguf(default_model, tmp_path_factory.mktemp("split-default") / "smollm2.gguf", 3)
+
+
+@pytest.fixture(scope="module")
+def default_expected(default_model: Path) -> list[int]:
+    return greedy_reference(default_model, [PROMPT], TOKENS)[PROMPT]
+
+
 def test_a_set_is_one_model_with_one_manifest_whichever_part_is_named(tiny: Path, tiny_set: list[Path],
                                                                       tmp_path: Path) -> None:
     single = manifest_for(tiny)
@@ -197,18 +208,16 @@ async def test_three_stages_of_a_split_set_answer_like_the_single_file(tiny_set:
 
 @pytest.mark.slow  # the default model written again as a set, and three stages of it
 async def test_the_default_model_split_in_three_serves_across_three_stages_like_the_single_file(
-        default_model: Path, tmp_path: Path) -> None:
-    expected = greedy_reference(default_model, [PROMPT], TOKENS)[PROMPT]
-    parts = split_gguf(default_model, tmp_path / "smollm2.gguf", 3)
+        default_set: list[Path], default_expected: list[int]) -> None:
     stages: list[Served] = []
     try:
-        for (start, end), part in zip([(0, 10), (10, 20), (20, 30)], parts, strict=True):
+        for (start, end), part in zip([(0, 10), (10, 20), (20, 30)], default_set, strict=True):
             # any part names the set
             stages.append(start_serve("--model", str(part), "--layers", f"{start}:{end}", *SERVE))
         tokens = await ask_route([s.address for s in stages], TOKENS)
     finally:
         stop_all(stages)
-    assert tokens == expected
+    assert tokens == default_expected
 
 
 # ----- volunteers that join by model id fetch their range of a set from a holder of it
@@ -252,9 +261,9 @@ def resident(path: Path, start: int, end: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def set_mesh(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[SetMesh]:
+def set_mesh(tmp_path_factory: pytest.TempPathFactory, default_set: list[Path]) -> Iterator[SetMesh]:
     base = tmp_path_factory.mktemp("split-mesh")
-    parts = split_gguf(default_model, base / "smollm2.gguf", 3)
+    parts = default_set
     manifest = manifest_for(parts[0])
     started: list[Served] = []
     try:
@@ -273,9 +282,8 @@ def set_mesh(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> I
 
 @pytest.mark.slow  # three daemons on the default model
 async def test_volunteers_joining_by_model_id_fetch_just_their_range_of_a_set_and_answer_like_the_single_file(
-        set_mesh: SetMesh, peers: Peers, default_model: Path) -> None:
+        set_mesh: SetMesh, peers: Peers, default_expected: list[int]) -> None:
     holder, fetchers, dirs, manifest = set_mesh
-    expected = greedy_reference(default_model, [PROMPT], TOKENS)[PROMPT]
     nodes = [holder, *fetchers]
     with trio.fail_after(240):
         while True:
@@ -288,7 +296,7 @@ async def test_volunteers_joining_by_model_id_fetch_just_their_range_of_a_set_an
             await trio.sleep(0.5)
     result = await ask_with_failover(peers, finder(peers, holder), AskRequest(
         messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS))
-    assert result.tokens == expected
+    assert result.tokens == default_expected
     print()
     for node, state in zip(fetchers, dirs, strict=True):
         (rng,) = ranges[node.node_id]
