@@ -28,6 +28,8 @@ from wire.meshrpc import RouteReply, RouteRequest, StatusReply
 pytestmark = pytest.mark.slow  # six daemons and their workers
 
 PROMPT = "Write a short story about a lighthouse keeper."
+# an answer's length is not what these tests show: enough tokens to cross every stage many times
+TOKENS = 32
 # Small KV budgets and memory, so the default model needs three stages and spare nodes become replicas.
 SESSIONS = ["--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]
 VOLUNTEER = ["--memory", "62M", *SESSIONS]
@@ -49,7 +51,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served]]:
 
 @pytest.fixture(scope="module")
 def expected(default_model: Path) -> list[int]:
-    return greedy_reference(default_model, [PROMPT], 128)[PROMPT]
+    return greedy_reference(default_model, [PROMPT], TOKENS)[PROMPT]
 
 
 async def wait_converged(peers: Peers, nodes: list[Served], timeout: float = 60.0) -> list[StatusReply]:
@@ -84,13 +86,13 @@ async def test_five_volunteers_converge_on_one_tracker_and_answer_like_the_whole
           f"stages {views[0].coverage[0].assigned}")
     # a chat rendered on the model's own template, as `meshd ask` and the HTTP API render it
     result = await ask_with_failover(peers, finder(peers, mesh[0]), AskRequest(
-        chat=ChatRequest(messages=[{"role": "user", "content": PROMPT}]), max_tokens=128))
-    assert result.tokens == greedy_chat_reference(default_model, [PROMPT], 128)[PROMPT]
+        chat=ChatRequest(messages=[{"role": "user", "content": PROMPT}]), max_tokens=TOKENS))
+    assert result.tokens == greedy_chat_reference(default_model, [PROMPT], TOKENS)[PROMPT]
     shown = run_meshd("status", "--seed", mesh[2].address)
     assert shown.returncode == 0, shown.stderr
     assert "30/30 layers covered" in shown.stdout and "tracker" in shown.stdout
     assert sum(1 for n in mesh if n.node_id[:16] in shown.stdout) == len(mesh)
-    asked = run_meshd("ask", "--seed", mesh[0].address, "--max-tokens", "128", PROMPT)
+    asked = run_meshd("ask", "--seed", mesh[0].address, "--max-tokens", str(TOKENS), PROMPT)
     assert asked.returncode == 0, asked.stderr
     # the CLI prints the whole model's answer (the same tokens as the asker's above), then one line of figures
     assert asked.stdout == result.text + "\n"
@@ -115,7 +117,7 @@ async def test_killing_the_tracker_elects_a_new_one_and_asks_keep_working(
     print(f"new tracker {views[0].tracker[:12]} (term {views[0].term}) agreed "
           f"{time.perf_counter() - killed_at:.2f} s after SIGKILL of the old one")
     result = await ask_with_failover(peers, finder(peers, rest[0]), AskRequest(
-        messages=[{"role": "user", "content": PROMPT}], max_tokens=128))
+        messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS))
     assert result.tokens == expected
 
 
@@ -135,8 +137,14 @@ async def test_a_volunteer_whose_worker_dies_stops_offering_its_range_until_the_
         mesh: list[Served], peers: Peers) -> None:
     alive = [n for n in mesh if n.proc.poll() is None]
     await wait_converged(peers, alive)
-    view = await served_ranges(peers, alive[0])
-    victim = next(n for n in alive if view.get(n.node_id))
+    with trio.fail_after(60):
+        while True:
+            # one range, one worker: a range the last placement moved keeps its worker until its sessions end
+            view = await served_ranges(peers, alive[0])
+            victim = next((n for n in alive if len(view.get(n.node_id, [])) == 1 and len(workers(n)) == 1), None)
+            if victim is not None:
+                break
+            await trio.sleep(0.2)
     before = (await served_ranges(peers, victim))[victim.node_id]
     (worker,) = workers(victim)
     os.kill(worker, signal.SIGKILL)
@@ -159,7 +167,7 @@ async def test_a_volunteer_joining_mid_answer_moves_every_range_and_the_answer_i
     So that the rebalance lands while tokens are still to come, whatever the speed of this machine,
     the tail's engine worker is held (SIGSTOP) until it has landed, let go for a moment every few
     seconds so that it answers its health checks (10 s) and is not taken for hung."""
-    tokens = 24
+    tokens = 24  # of the TOKENS of `expected`
     nodes: list[Served] = []
     held: list[int] = []
     try:
