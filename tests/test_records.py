@@ -203,3 +203,16 @@ def test_the_signature_cache_holds_digests_and_no_more_than_its_size(monkeypatch
     assert swim._verify_cached(genuine.public_key, signed, genuine.signature)
     assert not swim._verify_cached(genuine.public_key + genuine.signature[:1], signed, genuine.signature[1:])
     assert not swim._verify_cached(genuine.public_key[:-1], genuine.public_key[-1:] + signed, genuine.signature)
+
+
+def test_a_checked_record_answers_again_from_memory_and_is_forgotten_with_it() -> None:
+    """`verify` remembers its answer per live instance (frozen, it cannot change under it); a copy
+    with one field changed is a new instance, checked afresh, and the answers go with the records."""
+    before = len(swim._checked)
+    genuine = full_record(4)
+    assert genuine.verify() and genuine.verify()
+    tampered = genuine.model_copy(update={"memory_bytes": 1 << 40})
+    assert not tampered.verify() and not tampered.verify()
+    assert len(swim._checked) == before + 2
+    del genuine, tampered
+    assert len(swim._checked) == before

@@ -10,7 +10,9 @@ that admits records is ``meshd.mesh.records``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import weakref
 from collections import OrderedDict
 from typing import Annotated, Literal, Self
 
@@ -160,9 +162,11 @@ class Placement(WireModel):
 
     def verify(self) -> bool:
         """Signed by the key it names, and that key hashes to the tracker's node id."""
-        if node_id_of(self.tracker_key) != self.tracker:
-            return False
-        return _verify_cached(self.tracker_key, self.signing_bytes(), self.signature)
+        checked = _checked.get(id(self))
+        if checked is not None and checked[0]() is self:
+            return checked[1]
+        return _remember_check(self, node_id_of(self.tracker_key) == self.tracker
+                               and _verify_cached(self.tracker_key, self.signing_bytes(), self.signature))
 
 
 class CapabilityRecord(WireModel):
@@ -245,9 +249,11 @@ class CapabilityRecord(WireModel):
 
     def verify(self) -> bool:
         """Signed by the key it names, and that key hashes to its node id."""
-        if node_id_of(self.public_key) != self.node_id:
-            return False
-        return _verify_cached(self.public_key, self.signing_bytes(), self.signature)
+        checked = _checked.get(id(self))
+        if checked is not None and checked[0]() is self:
+            return checked[1]
+        return _remember_check(self, node_id_of(self.public_key) == self.node_id
+                               and _verify_cached(self.public_key, self.signing_bytes(), self.signature))
 
     def model(self, digest: str) -> ModelInfo | None:
         return next((m for m in self.models if m.digest == digest), None)
@@ -258,6 +264,25 @@ _VERIFY_CACHE_SIZE = 8192
 # keyed by them a full cache held ~10 MiB, which took hours of gossip to fill (the soak's seed, relay and
 # API member grew 0.2-0.35 MiB a minute for its whole hour); by digest it holds ~1.2 MiB (measured)
 _verified: OrderedDict[bytes, bool] = OrderedDict()
+
+
+# The answer of `verify` per live record or placement, by id: one checked again (a placement each time
+# the election weighs its member, a record passed on by reference: a node's own, one object held by
+# the many nodes of a simulation) is not re-encoded and hashed again (~40 us). Both are frozen, so
+# their fields cannot change under the answer; an entry goes with its instance.
+_checked: dict[int, tuple[weakref.ref[WireModel], bool]] = {}
+
+
+def _remember_check(checked: WireModel, ok: bool) -> bool:
+    key = id(checked)
+    _checked[key] = (weakref.ref(checked, functools.partial(_forget_check, key)), ok)
+    return ok
+
+
+def _forget_check(key: int, gone: weakref.ref[WireModel]) -> None:
+    checked = _checked.get(key)
+    if checked is not None and checked[0] is gone:
+        del _checked[key]
 
 
 def _checked_key(public_key: bytes, message: bytes, signature: bytes) -> bytes:

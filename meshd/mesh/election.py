@@ -499,9 +499,13 @@ class Election:
             if since + self._config.election_timeout > now:  # as the timer for it reckons, to the bit
                 break
             del self._newcomers[node_id]
-        weighing = self.weighing
-        return sum(self._counted.get(node_id, 1) for node_id in self._newcomers
-                   if self._live[node_id].vote_term < tracker.term and (not weighing or node_id in self._weighing))
+        # bound once: the refresh after each member's news runs this over every newcomer
+        live, counted, term = self._live, self._counted, tracker.term
+        if self.weighing:
+            weighs = self._weighing
+            return sum(counted.get(node_id, 1) for node_id in self._newcomers
+                       if live[node_id].vote_term < term and node_id in weighs)
+        return sum(counted.get(node_id, 1) for node_id in self._newcomers if live[node_id].vote_term < term)
 
     def _votes(self, claim: Tracker) -> int:
         own = self._node_id in self._live and self._vote == claim

@@ -254,8 +254,16 @@ class Membership:
         if isinstance(message, Sync):
             self._handle_sync(now, src, message)
             return
+        versions, duplicates = self._store.versions, 0
         for update in message.gossip:
+            if type(update) is Alive:
+                record = update.record
+                # Most updates are a record already held: dropped here as `_apply_alive` drops them.
+                if versions.get(record.node_id) == record.version and record.node_id != self._node_id:
+                    duplicates += 1
+                    continue
             self._apply(now, update, src)
+        self._store.stats.duplicate += duplicates
         held = self._store.version(src)
         if (held is None or held < message.version) and now >= self._next_pull and self._joined:
             # We missed news of the sender: ask for its view (its reply carries its record).
@@ -472,8 +480,12 @@ class Membership:
             self._send(target, made(Sync, reply=True, entries=self._sync_state()))
 
     def _handle_sync(self, now: float, src: str, sync: Sync) -> None:
+        held, own, duplicates = self._store.versions, self._node_id, 0
         for entry in sync.entries:
             node_id = entry.record.node_id
+            if entry.state == "alive" and held.get(node_id) == entry.record.version and node_id != own:
+                duplicates += 1  # a record already held, dropped here as `_apply_alive` drops it
+                continue
             if entry.state == "dead" and node_id not in self._members and node_id != self._node_id:
                 self._learn_dead(now, src, entry)
                 continue
@@ -482,6 +494,7 @@ class Membership:
             # we may know better. It is the sender's accusation, unsigned: counted as the sender's.
             if entry.state in ("suspect", "dead"):
                 self._apply(now, made(Suspect, node=node_id, incarnation=entry.record.version, accuser=src), src)
+        self._store.stats.duplicate += duplicates
         self._joined = True
         if sync.reply:
             self._send(src, made(Sync, reply=False, entries=self._sync_state()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from relay.protocol import CIRCUIT_MARK
@@ -161,6 +162,11 @@ class RecordStore:
         self._records[record.node_id] = record
         self._versions[record.node_id] = record.version
         return _ACCEPTED
+
+    @property
+    def versions(self) -> Mapping[str, int]:
+        """The version held per node (kept after its record is forgotten), read-only."""
+        return self._versions
 
     def get(self, node_id: str) -> CapabilityRecord | None:
         return self._records.get(node_id)

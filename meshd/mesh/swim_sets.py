@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from typing import Any, TypeVar
 
 from wire.message import WireModel
@@ -60,34 +61,44 @@ class BroadcastQueue:
         self._sent[node_id] = 0
 
     def take(self, most: int, limit: int) -> list[Update]:
-        buckets = self._buckets
-        taken: list[tuple[str, Update, int]] = []
+        """Up to `most` (at least one) updates, least sent first; each counts one more send, and one
+        sent `limit` times is done. Moved bucket by bucket: a message's piggyback takes dozens."""
+        buckets, sent_counts = self._buckets, self._sent
+        groups: list[tuple[int, list[tuple[str, Update]]]] = []
+        count = 0
         for sent, bucket in enumerate(buckets):
             if not bucket:
                 continue
             if sent >= limit:
                 # The cluster shrank and lowered the limit: these have been sent enough.
                 for node_id in bucket:
-                    del self._sent[node_id]
+                    del sent_counts[node_id]
                 bucket.clear()
                 continue
-            for node_id in bucket:
-                taken.append((node_id, bucket[node_id], sent + 1))
-                if len(taken) == most:
-                    break
-            if len(taken) == most:
+            group = list(islice(bucket.items(), most - count))
+            groups.append((sent, group))
+            count += len(group)
+            if count >= most:
                 break
-        sent_counts = self._sent
-        for node_id, update, sent in taken:
-            del buckets[sent - 1][node_id]
+        taken: list[Update] = []
+        for sent, group in groups:
+            bucket = buckets[sent]
+            if len(group) == len(bucket):
+                bucket.clear()
+            else:
+                for node_id, _ in group:
+                    del bucket[node_id]
+            sent += 1
             if sent >= limit:
-                del sent_counts[node_id]
-                continue
-            if sent == len(buckets):
-                buckets.append({})
-            buckets[sent][node_id] = update
-            sent_counts[node_id] = sent
-        return [update for _, update, _ in taken]
+                for node_id, _ in group:
+                    del sent_counts[node_id]
+            else:
+                if sent == len(buckets):
+                    buckets.append({})
+                buckets[sent].update(group)
+                sent_counts.update((node_id, sent) for node_id, _ in group)
+            taken.extend(update for _, update in group)
+        return taken
 
     def __len__(self) -> int:
         return len(self._sent)
