@@ -48,6 +48,8 @@ def document(words: int, seed: int = 5) -> str:
 
 # about 2,010 tokens of the default model's tokenizer with its chat template
 SYSTEM = "Answer from this document.\n" + document(1980)
+# about 220: what the liar's test shows is whose entries a stage finds, not how long they are
+SHORT_SYSTEM = "Answer from this document.\n" + document(200)
 
 
 @dataclass
@@ -98,8 +100,9 @@ async def peers() -> AsyncIterator[Peers]:
         yield p
 
 
-def ask(question: str, cache: bool, sampling: Sampling = Sampling(), fast: bool = True) -> AskRequest:
-    return AskRequest(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+def ask(question: str, cache: bool, sampling: Sampling = Sampling(), fast: bool = True,
+        system: str = SYSTEM) -> AskRequest:
+    return AskRequest(messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
                       max_tokens=NEW_TOKENS, sampling=sampling, cache=cache, fast=fast)
 
 
@@ -132,6 +135,10 @@ async def test_a_cached_prefix_gives_the_uncached_answer(mesh: Mesh, peers: Peer
     shared = next(i for i, (a, b) in enumerate(zip(cold.prompt_tokens, warm.prompt_tokens, strict=False)) if a != b)
     assert warm.cached_tokens == shared // PREFIX_BLOCK * PREFIX_BLOCK >= 1900
     assert warm.tokens == off.tokens and len(off.tokens) > 0
+    if sampling.temperature:
+        # what follows holds of the cache's keys and paths, whatever the sampling: shown once, greedy (each
+        # whole run of the 2,000-token prompt is a few seconds of a core on each stage)
+        return
     # the daemons' path takes the same prefix (the fast session left it) and gives the same answer
     slow = await answer(peers, mesh, ask(second, True, sampling, fast=False))
     assert slow.cached_tokens >= warm.cached_tokens and slow.tokens == off.tokens
@@ -183,16 +190,16 @@ async def test_an_asker_lying_about_its_prefix_hurts_only_its_own_answers(mesh: 
     # the liar runs one prompt and names it with the keys of another's: each stage keeps what it ran
     # under the names the liar gave, as the liar's own
     honest_prompt, lie = "Which words come up least?", "Tell me a story about a harbor."
-    truth = await answer(peers, mesh, ask(honest_prompt, False))
+    truth = await answer(peers, mesh, ask(honest_prompt, False, system=SHORT_SYSTEM))
     async with open_peers(NodeIdentity.generate()) as liar:
         honest_ids = truth.prompt_tokens
         monkeypatch.setattr("meshd.client.prefix.prefix_keys", lambda ids: prefix_keys(honest_ids[:-1]))
-        lied = await answer(liar, mesh, ask(lie, True))
+        lied = await answer(liar, mesh, ask(lie, True, system=SHORT_SYSTEM))
         monkeypatch.undo()
         # the liar's entry is found by the liar alone
-        again = await answer(liar, mesh, ask(honest_prompt, True))
+        again = await answer(liar, mesh, ask(honest_prompt, True, system=SHORT_SYSTEM))
     assert lied.cached_tokens == 0 and again.cached_tokens > 0
     # another asker with the very prompt the lie named: nothing of the liar's, the true answer
     async with open_peers(NodeIdentity.generate()) as honest:
-        first = await answer(honest, mesh, ask(honest_prompt, True))
+        first = await answer(honest, mesh, ask(honest_prompt, True, system=SHORT_SYSTEM))
     assert first.cached_tokens == 0 and first.tokens == truth.tokens
