@@ -110,7 +110,7 @@ class MeshDaemon(Answers, ModelFetch):
                 gpu_memory_bytes=cfg.gpu_memory_bytes if offers else 0, gpu_layers=cfg.gpu_layers if offers else 0,
                 kv_tokens=cfg.limits.max_sessions * cfg.limits.max_session_tokens if self.model else 0,
                 roles=roles, started_at=time.time())
-            self.mesh = MeshNode(self.identity, record, trio.current_time())
+            self.mesh = MeshNode(self.identity, record, trio.current_time(), election=cfg.election)
             limits = cfg.limits
             self.duty = MeshDuty(self.mesh, DutyConfig(
                 volunteer=self.model if not cfg.client else None,
