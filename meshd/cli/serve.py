@@ -279,6 +279,7 @@ async def join(args: argparse.Namespace) -> int:
                             model_id=args.model_id, hub=hub_model, disk_bytes=args.disk,
                             progress=sys.stderr.isatty(), punch_limits=punch_limits(),
                             ledger_interval=args.ledger_interval, credit_votes_every=args.credit_votes_every,
+                            asker_window_cap=args.asker_window_cap,
                             election=ElectionConfig(election_timeout=args.election_timeout))
         what = (f"volunteering {shown_name(model)}" if model else
                 f"volunteering {shown_name(Path(hub_model.name))} of {hub_model.where} by range" if hub_model else

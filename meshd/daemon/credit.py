@@ -39,7 +39,7 @@ class Credit(DaemonState):
             await trio.sleep(self.config.credit_votes_every)
             placed = self.placed_members()
             extra = {node_id: votes for node_id, standing in self.credit.standing().items()
-                     if node_id in placed and (votes := extra_votes(standing.earned))}
+                     if node_id in placed and (votes := extra_votes(standing.earned, self.credit.ledger.cap))}
             self.duty.credit_weights(trio.current_time(), extra)
             self._flush()
             # who outweighs a head count is worth a line when it changes (an operator's, and a test's sign that
