@@ -104,17 +104,16 @@ def test_a_key_that_spent_its_part_gives_up_a_one_slot_stage_to_another_key_of_t
                 time.sleep(0.05)
             quick = clients[KEYS[1]].chat.completions.create(model=model, messages=hello, max_tokens=8)  # type: ignore[arg-type]
             assert quick.choices[0].message.content is not None
-            # B was let in at once: A's session gave up the slot to it (both the door's, on one voucher key),
-            # as the door's log says once A's answer hears of it
+            # A's answer goes on (failed over) until the door's log says why it gave up the slot, or to its end
             assert door.log is not None
-            deadline = time.monotonic() + 60.0
-            while "an asker with more credit" not in door.log.read_text():
-                assert time.monotonic() < deadline, door.log.read_text()[-4000:]
+            while runner.is_alive() and "an asker with more credit" not in door.log.read_text():
                 time.sleep(0.2)
         finally:
             enough.set()
             runner.join(timeout=400)
         share_b = share_of(url, KEYS[1])
         assert share_b is not None and share_b > 0.4, share_b
+        # B was let in at once: A's session gave up the slot to it (both the door's, on one voucher key)
+        assert "an asker with more credit" in door.log.read_text(), door.log.read_text()[-4000:]
     finally:
         stop_all(nodes)
