@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,15 +78,15 @@ class Mesh:
 
 
 @contextmanager
-def honest_mesh(base: Path, path: Path, memory: str = "1M") -> Iterator[Mesh]:
+def honest_mesh(base: Path, path: Path, memory: str = "1M", flags: Sequence[str] = ()) -> Iterator[Mesh]:
     """A seed with no model and two volunteers offering about half the model each (`memory` each: half
-    the tiny model by default): the honest route has two stages."""
+    the tiny model by default): the honest route has two stages. `flags`: more for every `meshd join`."""
     nodes: list[Served] = []
     try:
-        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS))
+        nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS, *flags))
         for i in range(2):
             nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", memory,
-                                    "--state-dir", str(base / f"v{i}"), *SESSIONS))
+                                    "--state-dir", str(base / f"v{i}"), *SESSIONS, *flags))
         from meshd.stage.model_file import model_manifest
         digest = model_manifest(path, base / "v0").model_id
         yield Mesh(nodes[0], nodes[1:], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])

@@ -109,6 +109,11 @@ def test_one_asker_credits_a_stage_at_most_a_cap_an_hour_and_credit_decays() -> 
     assert ledger.standing(NOW, {placed.node_id})[stage.node_id].earned == pytest.approx(ASKER_WINDOW_CAP, rel=1e-3)
     later = ledger.standing(NOW + HALF_LIFE, {placed.node_id})[stage.node_id].earned
     assert later == pytest.approx(ASKER_WINDOW_CAP / 2, rel=1e-2)
+    # a mesh's own cap (a test mesh's --asker-window-cap) caps it there
+    small = Ledger(cap=ASKER_WINDOW_CAP / 8)
+    for k in range(20):
+        small.add(NOW, served(placed, stage, tokens=2000, layers=32, session=f"s{k}"))
+    assert small.standing(NOW, {placed.node_id})[stage.node_id].earned == pytest.approx(ASKER_WINDOW_CAP / 8, rel=1e-3)
 
 
 def test_the_same_receipt_countersigned_twice_counts_once() -> None:

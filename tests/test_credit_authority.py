@@ -44,6 +44,9 @@ def test_extra_votes_grow_by_doublings_of_served_work_and_are_capped() -> None:
     assert extra_votes(0.0) == extra_votes(-5.0) == extra_votes(ASKER_WINDOW_CAP / 2) == 0
     assert extra_votes(ASKER_WINDOW_CAP) == 1 and extra_votes(2 * ASKER_WINDOW_CAP) == 2
     assert extra_votes(1e12) == MAX_EXTRA_VOTES
+    # a mesh's own cap (a test mesh's --asker-window-cap) in the product's place
+    cap = ASKER_WINDOW_CAP / 8
+    assert extra_votes(cap / 2, cap) == 0 and extra_votes(cap, cap) == 1 and extra_votes(4 * cap, cap) == 3
 
 
 def test_two_placed_witnesses_convict_a_stage_that_served_no_more_than_they_and_frame_none_that_served_more() -> None:

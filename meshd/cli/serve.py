@@ -30,6 +30,7 @@ from meshd.engine.supervisor import EngineSupervisor
 from meshd.fetch.hub import HubSpec
 from meshd.front.door import load_api_keys
 from meshd.mesh.assignment import ModelSpec
+from meshd.mesh.election import ElectionConfig
 from meshd.mesh.records import is_loopback, join_address
 from meshd.net.control import ControlHandler, StateClaim, claim_state_dir, serve_control
 from meshd.net.identity_store import IdentityError, load_or_create_identity
@@ -276,7 +277,10 @@ async def join(args: argparse.Namespace) -> int:
                             threads=args.threads, limits=limits, advertise=args.advertise,
                             peers=PeersConfig(mesh_key=args.mesh_key), state_dir=args.state_dir,
                             model_id=args.model_id, hub=hub_model, disk_bytes=args.disk,
-                            progress=sys.stderr.isatty(), punch_limits=punch_limits())
+                            progress=sys.stderr.isatty(), punch_limits=punch_limits(),
+                            ledger_interval=args.ledger_interval, credit_votes_every=args.credit_votes_every,
+                            asker_window_cap=args.asker_window_cap,
+                            election=ElectionConfig(election_timeout=args.election_timeout))
         what = (f"volunteering {shown_name(model)}" if model else
                 f"volunteering {shown_name(Path(hub_model.name))} of {hub_model.where} by range" if hub_model else
                 f"fetching its range of model {args.model_id[:16]}" if args.model_id else "without a model")

@@ -162,7 +162,7 @@ class LedgerKeeper:
         """Works every member's credit out again from the ledger as it is now, in a thread: 0.68 s at
         65,536 summaries, which would stall every session's tokens on the event loop."""
         facts, folded, placed = self.ledger.facts(), self.ledger.folded(), frozenset(self.placed())
-        standing, payers = await trio.to_thread.run_sync(standing_of, facts, time.time(), placed, folded)
+        standing, payers = await trio.to_thread.run_sync(standing_of, facts, time.time(), placed, folded, self.ledger.cap)
         self._standing, self._placed = standing, placed
         self.ledger.paying(payers)
 

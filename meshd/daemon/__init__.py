@@ -42,6 +42,7 @@ from meshd.daemon.volunteer import check_volunteer
 from meshd.engine.supervisor import EngineSupervisor, WorkerSpec
 from meshd.fetch.source import register
 from meshd.mesh.addresses import fit_for_peer
+from meshd.mesh.credit import Ledger
 from meshd.mesh.duty import MeshDuty
 from meshd.mesh.duty_events import AskAssignment, AssignmentChanged, DutyConfig, DutyEvent, LoadRange, RangeRefused
 from meshd.mesh.membership import SWIM_MESSAGES, MemberEvent, SwimMessage
@@ -110,14 +111,15 @@ class MeshDaemon(Answers, ModelFetch):
                 gpu_memory_bytes=cfg.gpu_memory_bytes if offers else 0, gpu_layers=cfg.gpu_layers if offers else 0,
                 kv_tokens=cfg.limits.max_sessions * cfg.limits.max_session_tokens if self.model else 0,
                 roles=roles, started_at=time.time())
-            self.mesh = MeshNode(self.identity, record, trio.current_time())
+            self.mesh = MeshNode(self.identity, record, trio.current_time(), election=cfg.election)
             limits = cfg.limits
             self.duty = MeshDuty(self.mesh, DutyConfig(
                 volunteer=self.model if not cfg.client else None,
                 kv_tokens=limits.max_sessions * limits.max_session_tokens, settle=cfg.settle, probes=cfg.probes))
             self.driver = MeshDriver(self.duty, self._send, self._on_event, cfg.swim_inbox)
             nursery.start_soon(self.driver.run)
-            self.credit = LedgerKeeper(self.identity, peers, mesh_rpc, self.placed_members, interval=cfg.ledger_interval,
+            self.credit = LedgerKeeper(self.identity, peers, mesh_rpc, self.placed_members,
+                                       ledger=Ledger(cap=cfg.asker_window_cap), interval=cfg.ledger_interval,
                                        timeout=cfg.rpc_timeout)
             nursery.start_soon(self.credit.run, self._ledger_peers)
             nursery.start_soon(self._weigh_by_credit)

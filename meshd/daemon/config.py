@@ -9,6 +9,8 @@ import trio
 
 from meshd.fetch.hub import HubModel
 from meshd.fetch.source import SourceConfig
+from meshd.mesh.credit import ASKER_WINDOW_CAP
+from meshd.mesh.election import ElectionConfig
 from meshd.mesh.probes import ProbeConfig
 from meshd.net.peers import PeersConfig
 from meshd.relay.service import Tap
@@ -80,6 +82,14 @@ class NodeConfig:
     upload: SourceConfig = field(default_factory=SourceConfig)
     # how often the credit ledger pulls what it lacks from one member (meshd.client.ledger)
     ledger_interval: float = 30.0
+    # how often the election's votes are weighed again by the credit ledger: rarely, as ledgers agree a
+    # round or two late (a test mesh sets it to seconds, so as not to wait a minute for the first weighing)
+    credit_votes_every: float = 60.0
+    # the work one asker credits one stage an hour (meshd.mesh.credit.ASKER_WINDOW_CAP), the same on every
+    # member of a mesh (a test mesh's is smaller, so a few asks earn a cap's worth)
+    asker_window_cap: float = ASKER_WINDOW_CAP
+    # the election's timers (a test mesh shortens them, to watch a bid over several terms in seconds)
+    election: ElectionConfig = field(default_factory=ElectionConfig)
 
 
 @dataclass

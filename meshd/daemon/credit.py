@@ -13,8 +13,6 @@ from meshd.mesh.authority import placement_of
 from meshd.mesh.credit import NEWCOMER_FLOOR, extra_votes
 from wire.credit import CREDITS_PAGE, CreditsReply, PeerCredit, Voucher
 
-# how often the election's votes are weighed again by the credit ledger (meshd.mesh.credit.extra_votes)
-CREDIT_VOTES_EVERY = 60.0
 # members named in the log line of a change of their extra votes
 CHANGES_NAMED = 16
 
@@ -33,15 +31,15 @@ class Credit(DaemonState):
         return placed | {node_id for _, node_id in followed}
 
     async def _weigh_by_credit(self) -> None:
-        """Every `CREDIT_VOTES_EVERY`, gives each placed member the extra votes its served work earns it in
+        """Every `NodeConfig.credit_votes_every`, gives each placed member the extra votes its served work earns it in
         the election (meshd.mesh.credit.extra_votes of what it earned: the work it served members who pay,
         not less what it asked, as authority goes by work served): rarely, as ledgers agree a round or two late."""
         weighed: dict[str, int] = {}
         while True:
-            await trio.sleep(CREDIT_VOTES_EVERY)
+            await trio.sleep(self.config.credit_votes_every)
             placed = self.placed_members()
             extra = {node_id: votes for node_id, standing in self.credit.standing().items()
-                     if node_id in placed and (votes := extra_votes(standing.earned))}
+                     if node_id in placed and (votes := extra_votes(standing.earned, self.credit.ledger.cap))}
             self.duty.credit_weights(trio.current_time(), extra)
             self._flush()
             # who outweighs a head count is worth a line when it changes (an operator's, and a test's sign that

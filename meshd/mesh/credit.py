@@ -128,6 +128,9 @@ class Ledger:
     figures the rule reads of it (``Fact``); it is decoded again only to be given to a peer."""
 
     most: int = MAX_SUMMARIES
+    # the work one asker credits one stage per window (ASKER_WINDOW_CAP: a test mesh's is smaller, so it
+    # earns a cap's worth in a few asks; every member of a mesh must hold the same)
+    cap: float = ASKER_WINDOW_CAP
     _held: dict[bytes, Fact] = field(default_factory=dict)
     _packed: dict[bytes, bytes] = field(default_factory=dict)
     _buckets: list[set[bytes]] = field(default_factory=lambda: [set() for _ in range(BUCKETS)])
@@ -212,7 +215,7 @@ class Ledger:
             self._drop(summary_id)
             folded += 1
         for (stage, asker, window), work in pairs.items():
-            counted = min(work, ASKER_WINDOW_CAP) * 0.5 ** (max(0.0, now - (window + 1) * WINDOW) / HALF_LIFE)
+            counted = min(work, self.cap) * 0.5 ** (max(0.0, now - (window + 1) * WINDOW) / HALF_LIFE)
             self._fold_into(asker, now, 0.0, counted)
             if asker in self._payers:
                 self._fold_into(stage, now, counted * self._payers[asker], 0.0)
@@ -299,7 +302,7 @@ class Ledger:
     def standing(self, now: float, placed: Collection[str]) -> dict[str, Standing]:
         """Every member's credit at Unix time `now`, with `placed` the members this node's view says
         are placed (and the tracker it follows): see the module's rule."""
-        standing, payers = standing_of(self.facts(), now, placed, self.folded())
+        standing, payers = standing_of(self.facts(), now, placed, self.folded(), self.cap)
         self.paying(payers)
         return standing
 
@@ -339,8 +342,8 @@ Fact = tuple[bytes, bytes, str, str, int, float]
 Folded = Mapping[str, tuple[float, float, float]]
 
 
-def standing_of(facts: Iterable[Fact], now: float, placed: Collection[str],
-                folded: Folded | None = None) -> tuple[dict[str, Standing], dict[str, float]]:
+def standing_of(facts: Iterable[Fact], now: float, placed: Collection[str], folded: Folded | None = None,
+                cap: float = ASKER_WINDOW_CAP) -> tuple[dict[str, Standing], dict[str, float]]:
     """The rule over a ledger's `facts` (and what it `folded`): a receipt countersigned twice (by another
     asker too) counts once, the same one everywhere (the least summary id); then ``credit_standing``."""
     by_head: dict[bytes, Fact] = {}
@@ -351,17 +354,17 @@ def standing_of(facts: Iterable[Fact], now: float, placed: Collection[str],
     windows: Windows = defaultdict(lambda: defaultdict(float))
     for _, _, stage, asker, at, work in by_head.values():
         windows[(stage, asker)][int(at // WINDOW)] += work
-    return credit_standing(windows, now, placed, folded)
+    return credit_standing(windows, now, placed, folded, cap)
 
 
-def credit_standing(windows: Windows, now: float, placed: Collection[str],
-                    folded: Folded | None = None) -> tuple[dict[str, Standing], dict[str, float]]:
+def credit_standing(windows: Windows, now: float, placed: Collection[str], folded: Folded | None = None,
+                    cap: float = ASKER_WINDOW_CAP) -> tuple[dict[str, Standing], dict[str, float]]:
     """The rule (see the module): every member's standing from the work each asker countersigned each
-    stage per window (and what a ledger folded of older ones), and the askers that pay with the share
+    stage per window (up to `cap`) (and what a ledger folded of older ones), and the askers that pay with the share
     of their payments that counts. The simulation (tools/sim_credit.py) runs this too."""
     pair: dict[tuple[str, str], float] = {}
     for stage_asker, by_window in windows.items():
-        pair[stage_asker] = sum(min(work, ASKER_WINDOW_CAP) * 0.5 ** (max(0.0, now - (w + 1) * WINDOW) / HALF_LIFE)
+        pair[stage_asker] = sum(min(work, cap) * 0.5 ** (max(0.0, now - (w + 1) * WINDOW) / HALF_LIFE)
                                 for w, work in by_window.items())
     paid: dict[str, float] = defaultdict(float)
     for (_, asker), work in pair.items():
@@ -401,10 +404,10 @@ def credit_standing(windows: Windows, now: float, placed: Collection[str],
 MAX_EXTRA_VOTES = 4
 
 
-def extra_votes(earned: float) -> int:
-    if not math.isfinite(earned) or earned < ASKER_WINDOW_CAP:
+def extra_votes(earned: float, cap: float = ASKER_WINDOW_CAP) -> int:
+    if not math.isfinite(earned) or earned < cap:
         return 0
-    return min(MAX_EXTRA_VOTES, int(math.log2(earned / ASKER_WINDOW_CAP)) + 1)
+    return min(MAX_EXTRA_VOTES, int(math.log2(earned / cap)) + 1)
 
 
 # What being placed (a volunteer serving a range now) adds to a member's rank: above every member that
