@@ -44,8 +44,7 @@ def start(topo: Topology) -> None:
     started = [topo.launch("relay", "pub", "relay", "--listen", RELAY, "--seed", SEED,
                            "--state-dir", str(topo.base / "relay"), "--tap", str(topo.base / "relay.tap"))]
     started += [topo.launch(f"v{i}", f"h{i}", "join", "--seed", SEED, "--listen", address,
-                            "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER,
-                            env={"MESHD_PUNCH_RETRY": str(PUNCH_RETRY)})
+                            "--state-dir", str(topo.base / f"v{i}"), *VOLUNTEER, "--punch-retry", str(PUNCH_RETRY))
                 for i, address in enumerate(HOMES, start=1)]
     for process in started:
         process.wait_ready(90.0)

@@ -277,7 +277,7 @@ async def join(args: argparse.Namespace) -> int:
                             threads=args.threads, limits=limits, advertise=args.advertise,
                             peers=PeersConfig(mesh_key=args.mesh_key), state_dir=args.state_dir,
                             model_id=args.model_id, hub=hub_model, disk_bytes=args.disk,
-                            progress=sys.stderr.isatty(), punch_limits=punch_limits(),
+                            progress=sys.stderr.isatty(), punch_limits=PunchLimits(retry_after=args.punch_retry),
                             ledger_interval=args.ledger_interval, credit_votes_every=args.credit_votes_every,
                             asker_window_cap=args.asker_window_cap,
                             election=ElectionConfig(election_timeout=args.election_timeout))
@@ -290,21 +290,6 @@ async def join(args: argparse.Namespace) -> int:
         await run_until_signal(MeshDaemon(identity, config),
                                f"{what}{offered}, seeds: {seeds_text(args.seed)}", claim, api)
     return 0
-
-
-def punch_limits() -> PunchLimits:
-    """The hole punch's limits, with the first retry's delay from $MESHD_PUNCH_RETRY (seconds; undocumented:
-    the network-namespace tests wait for a failed punch's retry seconds, not the product's minute and a half)."""
-    text = os.environ.get("MESHD_PUNCH_RETRY")
-    if text is None:
-        return PunchLimits()
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds <= PunchLimits.retry_cap:
-        raise UsageError(f"MESHD_PUNCH_RETRY={text}: give seconds, more than 0 and at most {PunchLimits.retry_cap:g}")
-    return PunchLimits(retry_after=seconds)
 
 
 async def relay(args: argparse.Namespace) -> int:

@@ -45,7 +45,7 @@ class NodeConfig:
     # Whether a circuit a relay brings is tried as a hole punch (meshd.relay.punch): off, the link
     # stays relayed, as before punching (the tests' baseline).
     punch: bool = True
-    # the punch's rounds, timeouts and retry delay (the tests shorten the retry: $MESHD_PUNCH_RETRY)
+    # the punch's rounds, timeouts and retry delay (the tests shorten the retry: join --punch-retry)
     punch_limits: PunchLimits = field(default_factory=PunchLimits)
     # Relays a node behind NAT keeps reservations on.
     reservations: int = 2
