@@ -121,7 +121,9 @@ async def bench(seed: Served, url: str, args: argparse.Namespace) -> dict[str, A
         "openai": lambda: figures(openai_stream(url, args.tokens)),
         "anthropic": lambda: figures(anthropic_stream(url, args.tokens)),
     }
-    for run in contestants.values():  # warm every path once (links, the workers' caches)
+    # warm every path once (links, the workers' caches); a smoke run's figures are no measurement, and its one
+    # round goes through every path as the warm-up would
+    for run in () if args.smoke else contestants.values():
         await run()
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in contestants}
     for _ in range(args.rounds):

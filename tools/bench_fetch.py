@@ -37,6 +37,7 @@ from typing import Any
 import trio
 from benchlib.procs import ROOT
 from benchlib.result import parser, publish
+from benchlib.smoke import use_tiny_model
 from localmesh import run_meshd, spawn, start_serve, stop_process
 
 from meshd.fetch.fetcher import SourceRef, fetch_chunks, fetch_manifest
@@ -125,14 +126,15 @@ async def raw_read(peers: Any, at: str, size: int) -> float:
     return time.perf_counter() - t0
 
 
-async def throughput(rounds: int, scratch: Path) -> dict[str, Any]:
+async def throughput(rounds: int, scratch: Path, warm: bool) -> dict[str, Any]:
     proc, at = start_server("raw")
     try:
         async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
             manifest = await fetch_manifest(peers, [SourceRef(at)], compute_id())
             size = sum(c.size for c in manifest.chunks)
             raw, fetched = [], []
-            await raw_read(peers, at, size)  # warm the link
+            if warm:
+                await raw_read(peers, at, size)  # the link
             for _ in range(rounds):
                 raw.append(size / await raw_read(peers, at, size))
                 fetched.append(size / await fetch_all(peers, at, manifest, scratch))
@@ -159,11 +161,12 @@ def ask_rate(at: str, tokens: int) -> float:
     return float(m.group(1))
 
 
-async def decode_under_load(kind: str, asks: int, tokens: int, scratch: Path) -> dict[str, Any]:
+async def decode_under_load(kind: str, asks: int, tokens: int, scratch: Path, warm: bool) -> dict[str, Any]:
     """Decode tok/s of a stage idle and while this process fetches the model from it, alternating."""
     proc, at = start_server(kind)
     try:
-        await trio.to_thread.run_sync(ask_rate, at, 8)  # warm the worker
+        if warm:
+            await trio.to_thread.run_sync(ask_rate, at, 8)  # the worker
         idle, loaded = [], []
         fetched, fetch_seconds = 0, 0.0
         async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
@@ -230,10 +233,13 @@ def table(out: dict[str, Any]) -> str:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="bench-fetch-"))
+    # warm-ups before what is timed; a smoke run's figures are no measurement, and it goes the same ways without
+    warm = not args.smoke
     try:
-        out = {"model": default_model_path().name, "throughput": await throughput(args.rounds, scratch),
-               "decode": await decode_under_load("stage", args.asks, args.tokens, scratch),
-               "decode_unthrottled": await decode_under_load("stage-unthrottled", args.asks, args.tokens, scratch)}
+        out = {"model": default_model_path().name, "throughput": await throughput(args.rounds, scratch, warm),
+               "decode": await decode_under_load("stage", args.asks, args.tokens, scratch, warm),
+               "decode_unthrottled": await decode_under_load("stage-unthrottled", args.asks, args.tokens, scratch,
+                                                             warm)}
         out["fetch_then_serve"] = await trio.to_thread.run_sync(fetch_then_serve, scratch)
         return out
     finally:
@@ -250,8 +256,9 @@ def main() -> int:
     if args.server:
         trio.run(server, args.server)
         return 0
-    if args.smoke:  # the smallest run through every part: one transfer, one ask of a few tokens each way
+    if args.smoke:  # the smallest run through every part: one transfer, one ask of a few tokens each way, a tiny model
         args.rounds, args.asks, args.tokens = 1, 1, 4
+        use_tiny_model()
     out = trio.run(bench, args)
     publish("fetch", args, out, table(out))
     return 0

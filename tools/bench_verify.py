@@ -66,6 +66,7 @@ import trio
 from benchlib.procs import pin as pin_threads
 from benchlib.procs import process_cpu_ns
 from benchlib.result import parser, publish
+from benchlib.smoke import use_tiny_model
 
 from meshd.client.ask import AskRequest, AskResult
 from meshd.client.audit import SpanAudit
@@ -489,8 +490,9 @@ def main() -> int:
     if args.ask_apart:
         trio.run(ask_apart)
         return 0
-    if args.smoke:  # the smallest run through every part: two lies, one round of short answers
+    if args.smoke:  # the smallest run through every part: two lies, one round of short answers, a tiny model
         args.runs, args.tokens, args.rate_tokens, args.repeats = 2, 24, 8, 1
+        use_tiny_model()
     # the rates' prompts: every one, or in a smoke run the first of each task
     prompts = 1 if args.smoke else len(PROMPTS)
     out = trio.run(bench, args.runs, args.tokens, args.rate_tokens, args.repeats, args.seed, not args.no_pin, prompts)

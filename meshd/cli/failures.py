@@ -13,11 +13,6 @@ from typing import TypeVar
 
 import trio
 
-from meshd.client.ask import RouteError
-from meshd.daemon.volunteer import CannotVolunteer
-from meshd.engine.supervisor import WorkerStartError
-from meshd.mesh.models import ModelNotFound
-from meshd.net.control import ControlError
 from wire.errors import ErrorCode, ProtocolError
 from wire.message import Message
 
@@ -39,6 +34,22 @@ def expect(reply: Message, kind: type[ReplyT], what: str) -> ReplyT:
     return reply
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    """The other modules' errors a user can cause (a wrong route, model, control socket, offer).
+
+    Imported when a command fails, not when this module loads: every command imports this module, and
+    these modules (the daemon's among them) cost a second of CPU to import, which `meshd status`, `ask`
+    and `--version` would otherwise pay on every run.
+    """
+    from meshd.client.ask import RouteError
+    from meshd.daemon.volunteer import CannotVolunteer
+    from meshd.engine.supervisor import WorkerStartError
+    from meshd.mesh.models import ModelNotFound
+    from meshd.net.control import ControlError
+
+    return RouteError, ModelNotFound, WorkerStartError, ControlError, CannotVolunteer
+
+
 def report_failure(command: str, exc: BaseException) -> int:
     """One line for what a user can cause; anything else is a bug and keeps its traceback."""
     prefix = f"meshd {command}".strip()
@@ -49,8 +60,7 @@ def report_failure(command: str, exc: BaseException) -> int:
         # promised). That is the interrupt's doing, not something to tell the user.
         warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
         return 130
-    if isinstance(exc, (UsageError, CommandError, RouteError, ModelNotFound, WorkerStartError, ControlError,
-                        CannotVolunteer)):
+    if isinstance(exc, (UsageError, CommandError)):
         message = str(exc)
     elif isinstance(exc, ProtocolError):
         message = f"{exc.code.value}: {exc.message}"
@@ -61,6 +71,8 @@ def report_failure(command: str, exc: BaseException) -> int:
         message = "timed out waiting for a stage"
     elif isinstance(exc, OSError):
         message = exc.strerror or str(exc)
+    elif isinstance(exc, user_errors()):
+        message = str(exc)
     else:
         raise exc
     print(f"{prefix}: {message}", file=sys.stderr)

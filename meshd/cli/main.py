@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import cast
 
 import trio
 
-from meshd import bench
-from meshd.cli.ask import ask
 from meshd.cli.failures import UsageError, report_failure
 from meshd.cli.parser import build_parser
-from meshd.cli.pull import pull
-from meshd.cli.serve import join, relay, serve
-from meshd.cli.status import credits, models, status
 from meshd.client.ask import first_error
 from meshd.logs import DEFAULT_LEVEL, LEVELS, level_of, setup_logging
 
-COMMANDS = {"serve": serve, "ask": ask, "join": join, "status": status, "models": models, "credits": credits,
-            "relay": relay,
-            "pull": pull, "bench": bench.bench}
+# each command's module:function, imported when that command runs: `serve`'s modules (the daemon's) take
+# about half a second of CPU to import, which `meshd status` and `ask`, run often and by scripts, need not pay
+COMMANDS = {"serve": "meshd.cli.serve:serve", "ask": "meshd.cli.ask:ask", "join": "meshd.cli.serve:join",
+            "status": "meshd.cli.status:status", "models": "meshd.cli.status:models",
+            "credits": "meshd.cli.status:credits", "relay": "meshd.cli.serve:relay", "pull": "meshd.cli.pull:pull",
+            "bench": "meshd.bench:bench"}
+
+
+def command(name: str) -> Callable[[argparse.Namespace], Awaitable[int]]:
+    module, function = COMMANDS[name].split(":")
+    return cast(Callable[[argparse.Namespace], Awaitable[int]], getattr(importlib.import_module(module), function))
 
 
 def log_setup(args: argparse.Namespace) -> None:
@@ -45,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         return report_failure(args.command, exc)
     try:
-        return trio.run(COMMANDS[args.command], args)
+        return trio.run(command(args.command), args)
     except BaseExceptionGroup as group:
         return report_failure(args.command, first_error(group))
     except BaseException as exc:
