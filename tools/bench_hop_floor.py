@@ -75,9 +75,8 @@ class Link:
         return self.aead.decrypt(nonce.to_bytes(12, "little"), bytes(self.buf[:n]), None)
 
 
-def worker(index: int, model: str, engine: bool, tokens: int, port_in: int, port_out: int, key_in: bytes,
-           key_out: bytes, prompt: list[int], out: Any) -> None:
-    listener = socket.create_server(("127.0.0.1", port_in))
+def worker(index: int, model: str, engine: bool, tokens: int, listener: socket.socket, port_out: int,
+           key_in: bytes, key_out: bytes, prompt: list[int], out: Any) -> None:
     down = None
     for _ in range(300):  # the next worker may not listen yet: 30 s at most
         try:
@@ -159,15 +158,18 @@ def main() -> int:
     # token ids of a short chat prompt of the default model (any ids do: both sides take the same)
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 7018, 30, 2, 198, 1, 4093, 198,
               2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-    base = 20000 + os.getpid() % 20000
-    ports = [base, base + 1, base + 2]
+    # each worker's listener bound here, on a port the kernel picks, and handed over: no port to collide on
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    ports = [listener.getsockname()[1] for listener in listeners]
     keys = [os.urandom(32) for _ in range(3)]  # key i seals the link into worker i
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    procs = [ctx.Process(target=worker, args=(i, model, engine, args.tokens, ports[i], ports[(i + 1) % 3],
+    procs = [ctx.Process(target=worker, args=(i, model, engine, args.tokens, listeners[i], ports[(i + 1) % 3],
                                                keys[i], keys[(i + 1) % 3], prompt, child)) for i in range(3)]
     for p in procs:
         p.start()
+    for listener in listeners:
+        listener.close()
     try:
         results: dict[int, tuple[float, float, list[int]]] = {}
         deadline = time.monotonic() + 600
