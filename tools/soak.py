@@ -700,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--volunteers", type=int, default=None, help="volunteers at the start (default: 6; --smoke: 4)")
     ap.add_argument("--seed", type=int, default=1, help="seed of every random choice (default: 1)")
     ap.add_argument("--json", type=Path, default=None, help="write the whole report here")
-    ap.add_argument("--smoke", action="store_true", help="the CI profile: about 2 minutes in all")
+    ap.add_argument("--smoke", action="store_true", help="the CI profile: each kind of disturbance once, about a minute")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and homes here (default: a new temporary dir)")
     args = ap.parse_args(argv)
     if args.minutes is not None and not 0 < args.minutes <= 24 * 60:
