@@ -162,11 +162,7 @@ class Placement(WireModel):
 
     def verify(self) -> bool:
         """Signed by the key it names, and that key hashes to the tracker's node id."""
-        checked = _checked.get(id(self))
-        if checked is not None and checked[0]() is self:
-            return checked[1]
-        return _remember_check(self, node_id_of(self.tracker_key) == self.tracker
-                               and _verify_cached(self.tracker_key, self.signing_bytes(), self.signature))
+        return _checked_once(self, self.tracker, self.tracker_key, self.signature)
 
 
 class CapabilityRecord(WireModel):
@@ -249,11 +245,7 @@ class CapabilityRecord(WireModel):
 
     def verify(self) -> bool:
         """Signed by the key it names, and that key hashes to its node id."""
-        checked = _checked.get(id(self))
-        if checked is not None and checked[0]() is self:
-            return checked[1]
-        return _remember_check(self, node_id_of(self.public_key) == self.node_id
-                               and _verify_cached(self.public_key, self.signing_bytes(), self.signature))
+        return _checked_once(self, self.node_id, self.public_key, self.signature)
 
     def model(self, digest: str) -> ModelInfo | None:
         return next((m for m in self.models if m.digest == digest), None)
@@ -273,9 +265,14 @@ _verified: OrderedDict[bytes, bool] = OrderedDict()
 _checked: dict[int, tuple[weakref.ref[WireModel], bool]] = {}
 
 
-def _remember_check(checked: WireModel, ok: bool) -> bool:
-    key = id(checked)
-    _checked[key] = (weakref.ref(checked, functools.partial(_forget_check, key)), ok)
+def _checked_once(signed: Placement | CapabilityRecord, node_id: str, public_key: bytes, signature: bytes) -> bool:
+    """``signed`` is signed by ``public_key``, which hashes to ``node_id``: answered once per instance."""
+    key = id(signed)
+    checked = _checked.get(key)
+    if checked is not None and checked[0]() is signed:
+        return checked[1]
+    ok = node_id_of(public_key) == node_id and _verify_cached(public_key, signed.signing_bytes(), signature)
+    _checked[key] = (weakref.ref(signed, functools.partial(_forget_check, key)), ok)
     return ok
 
 

@@ -501,11 +501,9 @@ class Election:
             del self._newcomers[node_id]
         # bound once: the refresh after each member's news runs this over every newcomer
         live, counted, term = self._live, self._counted, tracker.term
-        if self.weighing:
-            weighs = self._weighing
-            return sum(counted.get(node_id, 1) for node_id in self._newcomers
-                       if live[node_id].vote_term < term and node_id in weighs)
-        return sum(counted.get(node_id, 1) for node_id in self._newcomers if live[node_id].vote_term < term)
+        weighs = self._weighing if self.weighing else None
+        return sum(counted.get(node_id, 1) for node_id in self._newcomers
+                   if live[node_id].vote_term < term and (weighs is None or node_id in weighs))
 
     def _votes(self, claim: Tracker) -> int:
         own = self._node_id in self._live and self._vote == claim
