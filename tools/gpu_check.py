@@ -30,6 +30,12 @@ MoE families first), in a worker process that is restarted past a crash:
     the whole model's tokens: its own greedy picks must be the same tokens and its
     logits are compared with the whole model's at every step (max abs difference,
     how many steps were bit-identical);
+  * batch invariance: the whole model, offloaded, takes each prompt and its answer as one
+    batch, and every row's logits must be its decode step's bit for bit (a prefix cache, a
+    speculative step and a failover's re-prefill take in a batch rows a decode took one by one);
+  * failover: each chain, fresh, takes over each answer at half its steps as a failover's
+    new route does (the prompt and the answer so far prefilled as one batch, then decoding
+    on), and must give the undisturbed chain's tokens and logits;
   * the whole model with gpu layers 0 is compared with the offloaded one the same
     way (informative: kernels differ).
 
@@ -58,7 +64,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -629,6 +635,13 @@ def _result_line(r: dict[str, Any], expect_gpu: bool = True) -> str:
             f"bit-identical {same}/{compared} steps")
     if failed:
         line += f", {len(failed)} split(s) FAILED ({failed[0]['error']})"
+    b = r.get("batch")
+    if b:
+        line += f" | batch rows vs decode steps: bit-identical {b['bit_identical']}/{b['compared']}"
+    over = [c["failover"] for c in done if c.get("failover")]
+    if over:
+        line += (f" | failover: tokens {'identical' if all(f['tokens_identical'] for f in over) else 'DIFFER'}, "
+                 f"bit-identical {sum(f['bit_identical'] for f in over)}/{sum(f['compared'] for f in over)} steps")
     cg = r.get("cpu_vs_gpu", {})
     if "error" in cg:
         line += f" | cpu-vs-gpu ERROR {cg['error']}"
@@ -653,6 +666,15 @@ def _detail_lines(r: dict[str, Any]) -> list[str]:
                     f" bit-identical {c['bit_identical']}/{c['compared']} steps"
                     + (f", first token divergence {c['first_divergence']}" if c["first_divergence"] else "")
                     + (f", {c['nonfinite_rows']} non-finite rows" if c["nonfinite_rows"] else ""))
+        f = c.get("failover")
+        if f:
+            rows.append(f"    split {c['ranges']:<22} taken over at step {f['at']} (a fresh chain prefills the answer so far):"
+                        f" tokens {'identical' if f['tokens_identical'] else 'DIFFER'}, max|dlogit| {_fmt(f['max_abs_diff'])},"
+                        f" bit-identical {f['bit_identical']}/{f['compared']} steps")
+    b = r.get("batch")
+    if b:
+        rows.append(f"    whole, the prompt and answer as one batch vs decode steps: max|dlogit| {_fmt(b['max_abs_diff'])},"
+                    f" bit-identical {b['bit_identical']}/{b['compared']} rows")
     cg = r.get("cpu_vs_gpu", {})
     if cg and "error" not in cg:
         rows.append(f"    whole, gpu layers 0 vs -1: tokens {'identical' if cg['tokens_identical'] else 'differ'},"
@@ -717,16 +739,25 @@ def run(args: argparse.Namespace) -> int:
         "error" not in c and c["tokens_identical"] for c in chains)
     exact = ok and all(c["max_abs_diff"] == 0 for c in chains)
     loaded = [r for r in results if "error" not in r]
+    batched = [r["batch"] for r in loaded if r.get("batch")]
+    over = [c["failover"] for c in chains if c.get("failover")]
+    invariant = bool(batched) and all(b["bit_identical"] == b["compared"] for b in batched)
+    resumed = bool(over) and all(f["tokens_identical"] for f in over)
+    resumed_exact = resumed and all(f["bit_identical"] == f["compared"] for f in over)
+    failover_words = ("tokens NOT all identical" if not resumed else
+                      "tokens identical, logits " + ("bit for bit" if resumed_exact else "NOT all bit for bit"))
     on_gpu = args.cpu or bool(loaded) and all(r.get("n_bytes_gpu") for r in loaded)
     say(f"verdict: {'build ok' if built or args.lib else 'BUILD NOT DONE'}; "
         f"{'FALLBACK library; ' if library.startswith('FALLBACK') else ''}{len(results)} models, {len(chains)} splits; "
         f"split tokens {'all identical' if ok else 'NOT all identical (or errors)'}; "
         f"split logits {'bit-identical everywhere' if exact else 'NOT bit-identical everywhere'}; "
+        f"batch rows {'= decode steps bit for bit in every model' if invariant else 'NOT all = decode steps'}; "
+        f"failover {failover_words}; "
         f"{'CPU build' if args.cpu else 'every model had weights on the GPU' if on_gpu else 'SOME MODEL NOT ON THE GPU'}; "
         f"{time.monotonic() - t0:.0f} s in all")
     (out / "summary.txt").write_text("\n".join(say.lines) + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    return 0 if ok and on_gpu and (built or args.lib) else 1
+    return 0 if ok and invariant and resumed and on_gpu and (built or args.lib) else 1
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -767,20 +798,23 @@ def worker(args: argparse.Namespace) -> int:
             for m in self.models:
                 m.close()
 
-        def forward(self, tokens: Sequence[int], start: int) -> np.ndarray:
+        def forward(self, tokens: Sequence[int], start: int, every_row: bool = False) -> np.ndarray:
+            """The last row's logits, or with `every_row` every row's (one batch through each stage)."""
             n = len(tokens)
             pos = np.arange(start, start + n, dtype=np.int32)
             seq = np.zeros(n, dtype=np.int32)
+            want = np.ones(n, dtype=bool) if every_row else None
             hidden: np.ndarray | None = None
             for i, ctx in enumerate(self.contexts):
+                last_stage = i == len(self.contexts) - 1
                 if i == 0:
-                    hidden = ctx.forward(seq, pos, tokens=tokens)
+                    hidden = ctx.forward(seq, pos, tokens=tokens, want_output=want if last_stage else None)
                 else:
                     ids = tokens if ctx.model.report.needs_tokens else None
-                    hidden = ctx.forward(seq, pos, tokens=ids, hidden=hidden)
+                    hidden = ctx.forward(seq, pos, tokens=ids, hidden=hidden, want_output=want if last_stage else None)
             assert hidden is not None
-            last: np.ndarray = hidden[-1].copy()
-            return last
+            out: np.ndarray = hidden.copy() if every_row else hidden[-1].copy()
+            return out
 
         def greedy(self, prompt: list[int], forced: list[int] | None) -> tuple[list[int], list[np.ndarray]]:
             """Own greedy picks and the logits after prefill and each step; fed `forced` when given."""
@@ -795,14 +829,73 @@ def worker(args: argparse.Namespace) -> int:
                 seen.append(logits)
             return picks, seen
 
+        def batched(self, prompt: list[int], forced: list[int]) -> list[np.ndarray]:
+            """The logits `greedy` sees fed `forced`, from one batch of the prompt and the whole answer:
+            batch rows must equal decode steps (a prefix cache, a speculative step and a failover's
+            re-prefill all take rows in a batch that a decode took one by one)."""
+            for c in self.contexts:
+                c.clear()
+            rows = self.forward(prompt + forced, 0, every_row=True)
+            return [rows[i] for i in range(len(prompt) - 1, len(prompt) + len(forced))]
+
+        def resumed(self, prompt: list[int], forced: list[int], at: int) -> list[np.ndarray]:
+            """The logits from step `at` on of an answer taken over there, as a failover's new route
+            takes it: fresh contexts prefill the prompt and the answer so far as one batch, then decode
+            the rest one step at a time."""
+            for c in self.contexts:
+                c.clear()
+            seen = [self.forward(prompt + forced[:at], 0)]
+            for step in range(at, len(forced)):
+                seen.append(self.forward([forced[step]], len(prompt) + step))
+            return seen
+
+    Also = Callable[[Stages, list[list[int]], list[list[int]], list[list[np.ndarray]]], None]
+
     def runs(path: Path, ranges: Sequence[Sequence[int]] | None, n_gpu: int, prompts: list[list[int]],
-             forced: list[list[int]] | None) -> tuple[list[list[int]], list[list[np.ndarray]], Any]:
+             forced: list[list[int]] | None,
+             also: Also | None = None,
+             ) -> tuple[list[list[int]], list[list[np.ndarray]], Any]:
+        """Greedy runs of every prompt on one chain (fed `forced` where given); `also` runs more on the
+        same contexts, given the picks and logits."""
         stages = Stages(path, ranges, n_gpu)
         try:
             got = [stages.greedy(p, None if forced is None else forced[i]) for i, p in enumerate(prompts)]
-            return [g[0] for g in got], [g[1] for g in got], stages.models[0].report
+            picks, logits = [g[0] for g in got], [g[1] for g in got]
+            if also is not None:
+                also(stages, prompts, picks, logits)
+            return picks, logits, stages.models[0].report
         finally:
             stages.close()
+
+    def same_rows(ref: Sequence[Sequence[np.ndarray]], got: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:
+        """How far two runs' logits lie apart, row by row: the greatest difference and how many are
+        bit-identical, and whether every row's likeliest token is the same."""
+        diff, same, compared, picks = 0.0, 0, 0, True
+        for la, lb in zip(ref, got, strict=True):
+            for a, b in zip(la, lb, strict=True):
+                d = float(np.max(np.abs(a - b)))
+                diff = d if np.isnan(d) else max(diff, d)
+                same += int(np.array_equal(a, b))
+                picks &= int(np.argmax(a)) == int(np.argmax(b))
+                compared += 1
+        return {"max_abs_diff": diff, "bit_identical": same, "compared": compared, "tokens_identical": picks}
+
+    def batch_check(out: dict[str, Any]) -> Also:
+        """Batch rows against the decode steps of the greedy run just made (its own picks fed)."""
+        def check(stages: Stages, prompts: list[list[int]], picks: list[list[int]],
+                  logits: list[list[np.ndarray]]) -> None:
+            out.update(same_rows(logits, [stages.batched(p, picks[i]) for i, p in enumerate(prompts)]))
+        return check
+
+    def failover_check(out: dict[str, Any], forced: list[list[int]]) -> Also:
+        """A take-over at half the answer against the chain's undisturbed run (fed `forced`)."""
+        at = args.steps // 2
+
+        def check(stages: Stages, prompts: list[list[int]], _: list[list[int]],
+                  logits: list[list[np.ndarray]]) -> None:
+            out.update(same_rows([seen[at:] for seen in logits],
+                                 [stages.resumed(p, forced[i], at) for i, p in enumerate(prompts)]), at=at)
+        return check
 
     def compare(ref: tuple[list[list[int]], list[list[np.ndarray]]],
                 got: tuple[list[list[int]], list[list[np.ndarray]]]) -> dict[str, Any]:
@@ -832,8 +925,10 @@ def worker(args: argparse.Namespace) -> int:
                 n_vocab = probe.report.n_vocab
             rng = np.random.default_rng(e["seed"])
             prompts = [rng.integers(0, n_vocab, size=n).tolist() for n in PROMPT_LENGTHS]
-            whole_tokens, whole_logits, report = runs(path, None, gpu, prompts, None)
+            batch: dict[str, Any] = {}
+            whole_tokens, whole_logits, report = runs(path, None, gpu, prompts, None, batch_check(batch))
             whole = (whole_tokens, whole_logits)
+            result["batch"] = batch
             result["arch"] = report.arch
             result["offload"] = (f"layers {list(report.gpu_layers)} of {report.n_layer}, head {report.gpu_output}, "
                                  f"{report.n_bytes_gpu}/{report.n_bytes} bytes on GPU")
@@ -843,8 +938,11 @@ def worker(args: argparse.Namespace) -> int:
             for ranges in e["chains"]:
                 label = ",".join(f"{a}:{b}" for a, b in ranges)
                 try:
-                    tokens, logits, _ = runs(path, ranges, gpu, prompts, whole_tokens)
-                    result["chains"].append({"ranges": label, **compare(whole, (tokens, logits))})
+                    failover: dict[str, Any] = {}
+                    tokens, logits, _ = runs(path, ranges, gpu, prompts, whole_tokens,
+                                             failover_check(failover, whole_tokens))
+                    result["chains"].append({"ranges": label, **compare(whole, (tokens, logits)),
+                                             "failover": failover})
                 except EngineError as exc:
                     result["chains"].append({"ranges": label, "error": f"{type(exc).__name__}: {exc}"})
             try:
