@@ -29,17 +29,9 @@ from meshd.cli.main import main
 from meshd.client.ask import AskRequest
 from meshd.client.failover import ask_with_failover
 from meshd.fetch.fetcher import FetchFailed
-from meshd.fetch.hub import (
-    HubError,
-    HubReader,
-    HubSpec,
-    HubSpecError,
-    check_binding,
-    fetch_from_hub,
-    hash_model,
-    parse_spec,
-    resolve,
-)
+from meshd.fetch.hub import HubError, HubReader, HubSpec, HubSpecError, parse_spec, resolve
+from meshd.fetch.hub_chunks import fetch_from_hub
+from meshd.fetch.hub_hash import check_binding, hash_model
 from meshd.net.peers import Peers
 from meshd.store.manifest import TensorEntry, manifest_for
 from meshd.store.ranges import range_chunks

@@ -19,16 +19,9 @@ from tqdm import tqdm
 from meshd.daemon.state import DaemonState
 from meshd.daemon.volunteer import check_volunteer
 from meshd.fetch.fetcher import FetchFailed, FetchProgress, FetchReport, SourceRef, fetch_chunks, fetch_manifest
-from meshd.fetch.hub import (
-    HubError,
-    HubModel,
-    HubReader,
-    cached_manifest,
-    check_binding,
-    fetch_from_hub,
-    hash_model,
-    remember_manifest,
-)
+from meshd.fetch.hub import HubError, HubModel, HubReader, cached_manifest, remember_manifest
+from meshd.fetch.hub_chunks import fetch_from_hub
+from meshd.fetch.hub_hash import check_binding, hash_model
 from meshd.mesh.addresses import source_group
 from meshd.mesh.assignment import held_ranges
 from meshd.mesh.models import ModelNotFound

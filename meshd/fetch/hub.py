@@ -6,8 +6,8 @@ from the hub (or the mirror ``HF_ENDPOINT`` names) with HTTP ``Range``, each one
     model = resolve(parse_spec("hf:org/repo:Q4_K_M"))      # the commit, each file's size and LFS sha256
     hub = HubReader(model)
     hub.check()                                            # the server serves that commit (a stale mirror fails)
-    manifest = hash_model(hub)                             # the first holder: the whole file, checked
-    report = await fetch_from_hub(hub, sparse, chunks)     # a volunteer: its own chunks, checked
+    manifest = hash_model(hub)                             # the first holder: the whole file, checked (hub_hash)
+    report = await fetch_from_hub(hub, sparse, chunks)     # a volunteer: its own chunks, checked (hub_chunks)
 
 Everything goes through ``huggingface_hub``: ``HfApi.model_info`` (with the
 files' metadata) resolves a revision to a commit and gives each file's size and
@@ -34,20 +34,13 @@ import io
 import logging
 import os
 import re
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-import trio
-
-from meshd.fetch.fetcher import FetchFailed, FetchProgress, FetchReport
 from meshd.store.gguf_header import GGUFError, GGUFLayout, read_layout
-from meshd.store.manifest import CACHE_SUFFIX, CHUNK_SIZE, Chunk, Manifest, ManifestError, Part, TensorEntry
-from meshd.store.plan import MIN_RATE
-from meshd.store.sparse import BadChunk, SparseFile
+from meshd.store.manifest import CACHE_SUFFIX, Manifest, ManifestError
 from meshd.store.split import (
     MAX_PARTS,
     SPLIT_TENSORS,
@@ -82,19 +75,8 @@ DEFAULT_QUANT = "Q4_K_M"
 # is larger than MAX_HEADER_BYTES.
 _FIRST_HEADER_READ = 64 << 10
 MAX_HEADER_BYTES = 256 << 20
-# Bytes read a request while hashing a whole file: one long GET would do, but ranges let a broken
-# connection resume where it broke.
-_PASS_READ = 16 << 20
 # Of an error's body, what is read for its message (the hub's are a line of JSON).
 _ERROR_BODY = 64 << 10
-# Requests to the hub at once by one fetch: 4 connections keep a link busy while each waits on its first
-# byte.
-HUB_CONCURRENCY = 4
-# A fetch asks for the chunks it lacks in runs: those one after another in the manifest and a file, apart from
-# at most _GAP_BYTES between (GGUF aligns each tensor to 32 bytes, or general.alignment), in one request of at most
-# _RUN_BYTES, read and checked a chunk at a time (``_Run``), where it asked for each 4 MiB chunk on its own.
-_RUN_BYTES = 32 << 20
-_GAP_BYTES = 64 << 10
 
 
 class HubError(Exception):
@@ -515,7 +497,7 @@ class RangeBody:
                            f"with more bytes, not {self.end - self.start}")
 
 
-def _check_parts(model: HubModel, layouts: Sequence[GGUFLayout]) -> None:
+def check_parts(model: HubModel, layouts: Sequence[GGUFLayout]) -> None:
     """That the hub's files are one model: a file of its own, or every part of one set, as a set held here is
     checked (``check_set``): HubError naming the part that is not."""
     if len(layouts) == 1:
@@ -530,310 +512,6 @@ def _check_parts(model: HubModel, layouts: Sequence[GGUFLayout]) -> None:
         check_set([f.path for f in model.files], layouts, tensors, model.name)
     except SplitError as exc:
         raise HubError(f"{model.where}: {exc}") from None
-
-
-# ----- the first holder: the whole file, hashed
-
-
-Progress = Callable[[int], None]
-
-
-class _Hasher:
-    """Fed a file's bytes in order: the whole file's sha256, and each region's (header, tensors) as a manifest
-    hashes it, chunk by chunk."""
-
-    def __init__(self, regions: list[tuple[str | None, int, int]], chunk_size: int,
-                 beside: ThreadPoolExecutor) -> None:
-        self.whole = hashlib.sha256()
-        # the whole file's hash runs in a thread beside the regions' (hashlib lets the GIL go): with all three
-        # hashes of every byte in one thread the whole read of tools/bench_hub.py's set took 284-315 MB/s from
-        # the fake hub here, 423-441 this way (load 3-4)
-        self.beside = beside
-        self.regions = regions
-        self.chunk_size = chunk_size
-        self.pos = 0
-        self.at = 0  # the region being hashed
-        self.region_hash = hashlib.sha256()
-        self.piece = hashlib.sha256()
-        self.pieces: list[bytes] = []
-        self.done: list[tuple[str | None, int, int, bytes, tuple[bytes, ...]]] = []
-
-    def feed(self, data: bytes) -> None:
-        whole = self.beside.submit(self.whole.update, data)
-        try:
-            self._regions(data)
-        finally:
-            whole.result()
-
-    def _regions(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            if self.at >= len(self.regions):
-                self.pos += len(view)
-                return
-            name, offset, size = self.regions[self.at]
-            if self.pos < offset:
-                step = min(len(view), offset - self.pos)
-                view, self.pos = view[step:], self.pos + step
-                continue
-            into = self.pos - offset
-            step = min(len(view), size - into, self.chunk_size - into % self.chunk_size)
-            self.region_hash.update(view[:step])
-            self.piece.update(view[:step])
-            view, self.pos = view[step:], self.pos + step
-            into += step
-            if into % self.chunk_size == 0 or into == size:
-                self.pieces.append(self.piece.digest())
-                self.piece = hashlib.sha256()
-            if into == size:
-                hashes = tuple(self.pieces) if len(self.pieces) > 1 else ()
-                self.done.append((name, offset, size, self.region_hash.digest(), hashes))
-                self.region_hash, self.pieces = hashlib.sha256(), []
-                self.at += 1
-
-
-def _blocks(reader: HubReader, part: int) -> Iterator[bytes]:
-    """File ``part``'s bytes in order, a block read ahead while the last is hashed (the read waits on the
-    network, the hash on a core: in turn they took 0.54 of the server's rate here)."""
-    size = reader.model.files[part].size
-    ranges = [(start, min(size, start + _PASS_READ)) for start in range(0, size, _PASS_READ)]
-    with ThreadPoolExecutor(1) as ahead:
-        pending = ahead.submit(reader.read, part, *ranges[0])
-        for following in [*ranges[1:], None]:
-            data = pending.result()
-            if following is not None:
-                pending = ahead.submit(reader.read, part, *following)
-            yield data
-
-
-def hash_model(reader: HubReader, chunk_size: int = CHUNK_SIZE, progress: Progress | None = None,
-               sink: Callable[[int, int, bytes], None] | None = None) -> Manifest:
-    """Read every file of the hub model once, check each against the sha256 its commit pins, and build its
-    manifest (the one a local copy of the same files has: the same model id).
-
-    ``sink(part, offset, data)`` is given the bytes as they come (a whole pull writes them). HubError if a
-    file's bytes are not the pinned ones."""
-    tick: Progress = progress or (lambda n: None)
-    model = reader.model
-    reader.check()
-    headers = [reader.header(i) for i in range(len(model.files))]
-    _check_parts(model, [layout for _, layout in headers])
-    parts, tensors = [], []
-    for i, (f, (_, layout)) in enumerate(zip(model.files, headers, strict=True)):
-        regions: list[tuple[str | None, int, int]] = [(None, 0, layout.header_size)]
-        regions += [(t.name, t.offset, t.size) for t in layout.tensors]
-        with ThreadPoolExecutor(1) as beside:
-            hasher = _Hasher(regions, chunk_size, beside)
-            for block in _blocks(reader, i):
-                hasher.feed(block)
-                if sink is not None:
-                    sink(i, hasher.pos - len(block), block)
-                tick(len(block))
-        if hasher.whole.hexdigest() != f.sha256:
-            raise HubError(f"the bytes {model.endpoint} serves as {f.path} do not hash to the sha256 "
-                           f"{f.sha256[:12]} that commit {model.commit[:12]} pins (a lying mirror)")
-        (_, _, header_size, header_sha, header_chunks), *rest = hasher.done
-        parts.append(Part(f.size, header_size, header_sha, header_chunks))
-        tensors += [TensorEntry(name or "", offset, size, digest, hashes, i) for name, offset, size, digest, hashes
-                    in rest]
-    first = parts[0]
-    try:
-        return Manifest(first.file_size, first.header_size, first.header_sha256, tuple(tensors), chunk_size,
-                        first.header_chunks, tuple(parts[1:]))
-    except ManifestError as exc:
-        raise HubError(f"{model.name} of {model.where} has no usable manifest: {exc}") from None
-
-
-def check_binding(reader: HubReader, manifest: Manifest) -> None:
-    """That ``manifest`` (a member's word) describes the hub model: as many files, of the sizes the commit pins,
-    each header the bytes the hub serves (read here). HubError otherwise. The tensors' hashes are checked as
-    their bytes come (``fetch_from_hub``)."""
-    model = reader.model
-    if len(manifest.parts) != len(model.files):
-        raise HubError(f"the manifest has {len(manifest.parts)} parts where {model.where} has {len(model.files)}")
-    for i, (part, f) in enumerate(zip(manifest.parts, model.files, strict=True)):
-        if part.file_size != f.size:
-            raise HubError(f"the manifest says {f.path} is {part.file_size} bytes; commit {model.commit[:12]} "
-                           f"says {f.size}")
-        # exactly the header the manifest names: a volunteer reads nothing of the hub but headers and its tensors
-        header = reader.read(i, 0, part.header_size)
-        if hashlib.sha256(header).digest() != part.header_sha256:
-            raise HubError(f"the header of {f.path} the hub serves is not the one the manifest names")
-
-
-# ----- a volunteer: its own chunks
-
-
-def _runs(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
-    """``chunks`` in runs a request each: those that follow one another in the manifest and in a file (but for at
-    most _GAP_BYTES between, the alignment between tensors: never a chunk held already), spanning at most
-    _RUN_BYTES (one chunk at least)."""
-    runs: list[list[Chunk]] = []
-    for chunk in chunks:
-        if runs:
-            run, last = runs[-1], runs[-1][-1]
-            gap = chunk.part_offset - (last.part_offset + last.size)
-            if chunk.index == last.index + 1 and chunk.part == last.part and 0 <= gap <= _GAP_BYTES and \
-                    chunk.part_offset + chunk.size - run[0].part_offset <= _RUN_BYTES:
-                run.append(chunk)
-                continue
-        runs.append([chunk])
-    return runs
-
-
-class _Stop:
-    """Keeps the threads of a fetch that has returned from writing: one it gave up on (past its chunk's
-    deadline, or cancelled) may still be reading, and the sparse file's descriptors may since be closed and
-    another file's. A thread writes holding the lock, and only while the fetch goes on."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.stopped = False
-
-    def stop(self) -> None:
-        with self.lock:
-            self.stopped = True
-
-
-class _Run:
-    """One run of chunks: one request, read a chunk at a time (``store_next``, in whichever worker thread trio
-    gives). Each piece is hashed and written at its offset as it comes, while it is in the cache (a chunk
-    gathered in a buffer first, then hashed and written, read it from memory twice more: the client took 2.1-2.6
-    ns of CPU a byte that way, 2.0-2.3 this one); a chunk is recorded only once its hash matches, as a member's
-    pieces are (``SparseFile.write_piece``), and what was written of one that does not is freed."""
-
-    def __init__(self, reader: HubReader, target: SparseFile, chunks: list[Chunk], stop: _Stop) -> None:
-        self.reader, self.target, self.chunks, self.stop = reader, target, chunks, stop
-        self._body: RangeBody | None = None
-        # a thread given up on may still be reading when the worker is done with the run: it closes the body
-        self._lock = threading.Lock()
-        self._busy = self._closed = False
-
-    def store_next(self, chunk: Chunk) -> None:
-        """Read ``chunk`` (the run's next) and write it: BadChunk if its bytes do not match the manifest (what
-        was written of them freed), HubError if the server sends anything but the run's range."""
-        with self._lock:
-            if self._closed:
-                raise HubError("the fetch has stopped")
-            self._busy = True
-        try:
-            if self._body is None:
-                first, last = self.chunks[0], self.chunks[-1]
-                self._body = self.reader.open(first.part, first.part_offset, last.part_offset + last.size)
-            self._body.skip(chunk.part_offset - self._body.pos)
-            digest, at = hashlib.sha256(), 0
-            for piece in self._body.take(chunk.size):
-                # hashlib and pwrite let the GIL go: the workers' pieces are hashed and written at once
-                digest.update(piece)
-                self._write(chunk, at, piece)
-                at += len(piece)
-            if chunk is self.chunks[-1]:
-                self._body.finish()
-            if digest.digest() != chunk.sha256:
-                with self.stop.lock:
-                    if not self.stop.stopped:
-                        self.target.discard(chunk)
-                raise BadChunk(f"bytes at {chunk.offset} do not match chunk {chunk.index} of the manifest")
-        finally:
-            with self._lock:
-                self._busy, closed = False, self._closed
-            if closed:
-                self._close_body()
-
-    def _write(self, chunk: Chunk, at: int, piece: memoryview) -> None:
-        with self.stop.lock:
-            if self.stop.stopped:
-                raise HubError("the fetch has stopped")
-            self.target.write_piece(chunk, at, piece)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed, busy = True, self._busy
-        if not busy:
-            self._close_body()
-
-    def _close_body(self) -> None:
-        if self._body is not None:
-            self._body.close()
-
-
-async def fetch_from_hub(reader: HubReader, target: SparseFile, chunks: Sequence[Chunk], *,
-                         progress: Callable[[FetchProgress], None] | None = None,
-                         concurrency: int = HUB_CONCURRENCY, first_byte: float = 30.0,
-                         min_rate: float = MIN_RATE) -> FetchReport:
-    """Fetch the chunks ``target`` lacks from the hub, each verified against the manifest before it is
-    written and recorded (served, journalled): runs of adjacent chunks a request each, a few requests at once.
-    FetchFailed, naming the first chunk, when the hub's bytes do not match the manifest (a lying mirror, or a
-    lying manifest), it cannot be read, or it does not deliver a chunk within ``first_byte`` seconds plus its
-    size at ``min_rate`` of the last (a server dribbling bytes keeps a read's own timeout from ever firing: the
-    deadline is the chunk's, as for members)."""
-    key = f"hub {reader.model.endpoint}"
-    missing = target.missing(chunks)
-    total = sum(c.size for c in chunks)
-    report = FetchReport(chunks=len(chunks), reused_bytes=total - sum(c.size for c in missing))
-    queue = iter(_runs(missing))
-    stop = _Stop()
-    # chunks being written and not yet recorded: what a fetch that fails leaves of them is freed
-    unrecorded: set[Chunk] = set()
-    failures: list[str] = []
-    started = trio.current_time()
-
-    async def worker() -> None:
-        for chunks in queue:
-            run = _Run(reader, target, chunks, stop)
-            try:
-                for chunk in chunks:
-                    if failures:
-                        return
-                    deadline = first_byte + chunk.size / min_rate
-                    unrecorded.add(chunk)
-                    with trio.fail_after(deadline):
-                        # abandoned on the deadline: its thread ends at the read's own timeout, writing nothing
-                        # once the fetch has returned
-                        await trio.to_thread.run_sync(run.store_next, chunk, abandon_on_cancel=True)
-                    target.record(chunk)
-                    unrecorded.discard(chunk)
-                    report.fetched_chunks += 1
-                    report.fetched_bytes += chunk.size
-                    report.by_source[key] = report.by_source.get(key, 0) + chunk.size
-                    if progress is not None:
-                        elapsed = max(trio.current_time() - started, 1e-9)
-                        done = report.reused_bytes + report.fetched_bytes
-                        rate = report.fetched_bytes / elapsed
-                        progress(FetchProgress(total, done, report.fetched_bytes, rate,
-                                               (total - done) / rate if rate > 0 else None, 1))
-            except BadChunk:
-                failures.append(f"the bytes {reader.model.endpoint} serves at {chunk.part_offset} of "
-                                f"{reader.model.files[chunk.part].path} do not match the manifest (chunk "
-                                f"{chunk.index}): a lying mirror, or a manifest not of {reader.model.where}")
-                return
-            except HubError as exc:
-                failures.append(str(exc))
-                return
-            except trio.TooSlowError:
-                failures.append(f"{reader.model.endpoint} did not deliver {chunk.size} bytes of "
-                                f"{reader.model.files[chunk.part].path} within {deadline:.0f} s")
-                return
-            finally:
-                run.close()
-
-    def finish() -> None:
-        stop.stop()
-        for chunk in unrecorded:
-            target.discard(chunk)
-        target.flush()
-
-    try:
-        async with trio.open_nursery() as nursery:
-            for _ in range(max(1, concurrency)):
-                nursery.start_soon(worker)
-    finally:
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(finish)
-    if failures:
-        report.excluded[key] = failures[0]
-        raise FetchFailed(failures[0], report)
-    return report
 
 
 # ----- the manifest of a hub model, kept

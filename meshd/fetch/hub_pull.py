@@ -18,7 +18,9 @@ from pathlib import Path
 import trio
 
 from meshd.fetch.fetcher import FetchProgress, FetchReport, block_count
-from meshd.fetch.hub import HubReader, cached_manifest, fetch_from_hub, hash_model, remember_manifest
+from meshd.fetch.hub import HubReader, cached_manifest, remember_manifest
+from meshd.fetch.hub_chunks import fetch_from_hub
+from meshd.fetch.hub_hash import hash_model
 from meshd.store.manifest import CHUNK_SIZE, Manifest, remember
 from meshd.store.ranges import owned_tensors, range_chunks
 from meshd.store.sparse import SparseFile
