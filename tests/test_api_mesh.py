@@ -205,10 +205,9 @@ async def test_completion_logprobs_come_from_the_tail_streamed_and_not(mesh: Mes
 async def test_meshd_ask_equals_a_chat_completion_of_the_same_messages(mesh: Mesh) -> None:
     """`meshd ask` renders its chat on the model's own template, as a chat completion is rendered: the same
     prompt, so the same greedy answer (with a system message too)."""
-    for prompt in (PROMPT, "Which city is the capital of France?"):
-        expected = await openai_chat(mesh, prompt, stream=False)
-        assert expected  # the model says something
-        assert await meshd_ask(mesh, prompt) == expected
+    expected = await openai_chat(mesh, PROMPT, stream=False)
+    assert expected  # the model says something
+    assert await meshd_ask(mesh, PROMPT) == expected
     system = "You answer in French."
     reply = await oai(mesh).chat.completions.create(
         model="", messages=[{"role": "system", "content": system}, {"role": "user", "content": PROMPT}],

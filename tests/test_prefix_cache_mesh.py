@@ -94,9 +94,16 @@ def route_of(seed: Served, base: Path, timeout: float = 120.0) -> list[Stage]:
     raise AssertionError(f"no three-stage route in {timeout:g} s")
 
 
+@pytest.fixture(scope="module")
+def asker() -> NodeIdentity:
+    """The identity the module's asks go out under: a stage finds an asker's own entries only, so the seeded
+    run's first ask takes the greedy run's prefix instead of running all 2,000 tokens again."""
+    return NodeIdentity.generate()
+
+
 @pytest.fixture
-async def peers() -> AsyncIterator[Peers]:
-    async with open_peers(NodeIdentity.generate()) as p:
+async def peers(asker: NodeIdentity) -> AsyncIterator[Peers]:
+    async with open_peers(asker) as p:
         yield p
 
 
@@ -126,7 +133,8 @@ async def cache_metrics(peers: Peers, address: str) -> dict[str, float]:
 async def test_a_cached_prefix_gives_the_uncached_answer(mesh: Mesh, peers: Peers, sampling: Sampling) -> None:
     first, second = "What is the first word?", "Which words come up most?"
     cold = await answer(peers, mesh, ask(first, True, sampling))
-    assert cold.cached_tokens == 0 or sampling.temperature  # the greedy run comes first: nothing kept yet
+    # the greedy run comes first: nothing kept yet (the seeded run, the same asker, finds the greedy run's prefix)
+    assert cold.cached_tokens == 0 or sampling.temperature
     assert len(cold.prompt_tokens) >= 2000
     warm = await answer(peers, mesh, ask(second, True, sampling))
     off = await answer(peers, mesh, ask(second, False, sampling))
@@ -146,10 +154,7 @@ async def test_a_cached_prefix_gives_the_uncached_answer(mesh: Mesh, peers: Peer
     again = await answer(peers, mesh, ask(second, True, sampling))
     assert again.cached_tokens == (len(again.prompt_tokens) - 1) // PREFIX_BLOCK * PREFIX_BLOCK
     assert again.tokens == off.tokens
-    # another asker's entries are not its own: it runs the whole prompt, to the same answer
-    async with open_peers(NodeIdentity.generate()) as stranger:
-        other = await answer(stranger, mesh, ask(second, True, sampling))
-    assert other.cached_tokens == 0 and other.tokens == off.tokens
+    # (that another asker's entries are not its own is shown on a shorter prompt, beside the liar's)
     for stage in mesh.route:
         figures = await cache_metrics(peers, stage.address)
         assert figures["cache_hits"] >= 3 and figures["cache_tokens"] <= 4608, figures
@@ -185,21 +190,32 @@ async def test_both_dialects_say_how_much_of_the_prompt_came_from_the_cache(mesh
     assert sum(v for _, v in samples["meshd_cached_prompt_tokens_total"]) >= cached + read
 
 
-async def test_an_asker_lying_about_its_prefix_hurts_only_its_own_answers(mesh: Mesh, peers: Peers,
+async def test_an_asker_lying_about_its_prefix_hurts_only_its_own_answers(mesh: Mesh,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # the liar runs one prompt and names it with the keys of another's: each stage keeps what it ran
-    # under the names the liar gave, as the liar's own
-    honest_prompt, lie = "Which words come up least?", "Tell me a story about a harbor."
-    truth = await answer(peers, mesh, ask(honest_prompt, False, system=SHORT_SYSTEM))
-    async with open_peers(NodeIdentity.generate()) as liar:
-        honest_ids = truth.prompt_tokens
-        monkeypatch.setattr("meshd.client.prefix.prefix_keys", lambda ids: prefix_keys(honest_ids[:-1]))
-        lied = await answer(liar, mesh, ask(lie, True, system=SHORT_SYSTEM))
-        monkeypatch.undo()
-        # the liar's entry is found by the liar alone
-        again = await answer(liar, mesh, ask(honest_prompt, True, system=SHORT_SYSTEM))
-    assert lied.cached_tokens == 0 and again.cached_tokens > 0
-    # another asker with the very prompt the lie named: nothing of the liar's, the true answer
-    async with open_peers(NodeIdentity.generate()) as honest:
-        first = await answer(honest, mesh, ask(honest_prompt, True, system=SHORT_SYSTEM))
-    assert first.cached_tokens == 0 and first.tokens == truth.tokens
+    # a first asker of its own, with no entries yet (the module's asker keeps the long prompt's, whose
+    # first 200 words are SHORT_SYSTEM's)
+    async with open_peers(NodeIdentity.generate()) as peers:
+        # the liar runs one prompt and names it with the keys of another's: each stage keeps what it ran
+        # under the names the liar gave, as the liar's own
+        honest_prompt, lie = "Which words come up least?", "Tell me a story about a harbor."
+        truth = await answer(peers, mesh, ask(honest_prompt, False, system=SHORT_SYSTEM))
+        async with open_peers(NodeIdentity.generate()) as liar:
+            honest_ids = truth.prompt_tokens
+            monkeypatch.setattr("meshd.client.prefix.prefix_keys", lambda ids: prefix_keys(honest_ids[:-1]))
+            lied = await answer(liar, mesh, ask(lie, True, system=SHORT_SYSTEM))
+            monkeypatch.undo()
+            # the liar's entry is found by the liar alone
+            again = await answer(liar, mesh, ask(honest_prompt, True, system=SHORT_SYSTEM))
+        assert lied.cached_tokens == 0 and again.cached_tokens > 0
+        # the first asker keeps an entry of that very prompt too (the latest: each stage's least recently used
+        # entries give their sequences up first, so it outlives the next ask)
+        kept = await answer(peers, mesh, ask(honest_prompt, True, system=SHORT_SYSTEM))
+        assert kept.tokens == truth.tokens
+        # another asker with the very prompt the lie named and the first asker kept: nothing of the liar's
+        # nor of the first asker's, it runs the whole prompt, to the true answer
+        async with open_peers(NodeIdentity.generate()) as honest:
+            first = await answer(honest, mesh, ask(honest_prompt, True, system=SHORT_SYSTEM))
+        assert first.cached_tokens == 0 and first.tokens == truth.tokens
+        # while the first asker's own entry is still found by it
+        mine = await answer(peers, mesh, ask(honest_prompt, True, system=SHORT_SYSTEM))
+        assert mine.cached_tokens > 0 and mine.tokens == truth.tokens

@@ -15,10 +15,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from localmesh import Served, meshd_command, run_meshd, start_join
+from localmesh import Served, meshd_command, run_meshd, start_join, stop_all, wait_covered
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,16 +29,6 @@ VOLUNTEER = ["--memory", "64M", "--max-sessions", "2", "--session-tokens", "512"
 def typed(args: list[str]) -> str:
     """The command line a process ran, as a user types it: `meshd` and the process's own arguments."""
     return "$ " + shlex.join(["meshd", *args[len(meshd_command()):]])
-
-
-def wait_for_coverage(seed: Served, timeout: float = 120.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        shown = run_meshd("status", "--seed", seed.address)
-        if shown.returncode == 0 and "30/30 layers covered" in shown.stdout:
-            return shown.stdout
-        time.sleep(0.5)
-    raise SystemExit("demo: the mesh did not cover the model in time:\n" + shown.stdout + shown.stderr)
 
 
 def main() -> int:
@@ -56,14 +45,16 @@ def main() -> int:
             for i in range(args.volunteers):
                 nodes.append(start_join("--seed", nodes[0].address, "--state-dir", f"{state}/v{i}", *VOLUNTEER))
                 print(f"{typed(nodes[-1].proc.args)}   # a volunteer, on {nodes[-1].address}")
-            wait_for_coverage(nodes[0])
+            try:
+                wait_covered(nodes[0])
+            except AssertionError as e:
+                raise SystemExit(f"demo: the mesh did not cover the model in time: {e}") from None
             asked = run_meshd("ask", "--seed", nodes[0].address, "--max-tokens", str(args.max_tokens), args.prompt)
             show(asked)
             show(run_meshd("status", "--seed", nodes[0].address))
             return asked.returncode
         finally:
-            for node in reversed(nodes):
-                node.stop()
+            stop_all(nodes)
 
 
 def show(done: subprocess.CompletedProcess[str]) -> None:

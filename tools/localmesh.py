@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from meshd.net.peers import Peers
+import trio
+
+from meshd.net.peers import Peers, open_peers
 from meshd.net.rpc import mesh_rpc
+from wire.identity import NodeIdentity
 from wire.meshrpc import StatusReply, StatusRequest
 
 READY = re.compile(r"^ready (\S+) pid=(\d+) (?:worker|node)=(\w+)")
@@ -220,3 +223,23 @@ async def mesh_status(peers: Peers, node: Served) -> StatusReply:
     reply = await mesh_rpc(peers, node.address, StatusRequest(), timeout=20.0)
     assert isinstance(reply, StatusReply)
     return reply
+
+
+def wait_covered(node: Served, timeout: float = 120.0) -> StatusReply:
+    """Polls the member's status over the mesh, from this process, until it knows a model and every layer
+    of each it knows is served (what `meshd status` shows as "30/30 layers covered"): a `meshd status`
+    process per poll is most of a second of CPU."""
+    async def poll() -> StatusReply:
+        async with open_peers(NodeIdentity.generate()) as peers:
+            with trio.fail_after(timeout):
+                while True:
+                    with contextlib.suppress(Exception):  # a member not yet answering is asked again
+                        view = await mesh_status(peers, node)
+                        if view.coverage and all(c.covered_layers == c.n_layers for c in view.coverage):
+                            return view
+                    await trio.sleep(0.5)
+
+    try:
+        return trio.run(poll)
+    except trio.TooSlowError:
+        raise AssertionError(f"{node.address} did not see its model covered within {timeout:g} s") from None
