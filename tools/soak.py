@@ -52,7 +52,7 @@ from typing import Any
 
 import trio
 from netns_lab import ROOT, Bridge, Process, remove_stale, unavailable
-from soak_asks import PROMPTS, Asker, Outcome, meshd_command, reference_answers
+from soak_asks import ASK_STALL, PROMPTS, Asker, Outcome, meshd_command, reference_answers
 
 SEED_ADDR = "10.77.0.1:7000"
 RELAY_ADDR = "10.77.0.1:7400"
@@ -215,7 +215,7 @@ class Soak:
             env=LOG))
         self.core["api"] = self.track("api", "api", self.bridge.launch("api", "pub", meshd_command(
             ["join", "--seed", SEED_ADDR, "--no-model", "--listen", API_MEMBER, "--api", "127.0.0.1:8080",
-             "--state-dir", str(home / "api")]), env=LOG))
+             "--api-stall-timeout", str(ASK_STALL), "--state-dir", str(home / "api")]), env=LOG))
         slow = next(s for s in self.slots if s.kind == "slow")
         machine = self.bridge.machines[slow.role]
         # the slow volunteer listens on its loopback; every connection to it crosses a 15 ms (+0-10 ms) link

@@ -147,6 +147,8 @@ class ApiConfig:
     require_verified: bool = False
     # --verify N: 1 in N steps run again on a replica (0: off, and then the prefix cache serves the asks)
     verify_every: int = DEFAULT_VERIFY
+    # --api-stall-timeout (hidden); None: meshd.front.mesh's STALL_TIMEOUT
+    stall_timeout: float | None = None
 
 
 def api_config(args: argparse.Namespace) -> ApiConfig | None:
@@ -170,7 +172,7 @@ def api_config(args: argparse.Namespace) -> ApiConfig | None:
                          f"so only holders of a key may ask (or bind 127.0.0.1)")
     if args.require_verified and args.verify == 0:
         raise UsageError("--require-verified needs spot checks: it cannot go with --verify 0")
-    return ApiConfig(host.strip("[]"), port, keys, args.require_verified, args.verify)
+    return ApiConfig(host.strip("[]"), port, keys, args.require_verified, args.verify, args.api_stall_timeout)
 
 
 async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, *,
@@ -179,12 +181,13 @@ async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, 
     # Imported here: Starlette and Hypercorn cost every other command a second of start-up on a busy machine.
     from meshd.front.app import build_app
     from meshd.front.door import FrontDoor
-    from meshd.front.mesh import DaemonMesh
+    from meshd.front.mesh import STALL_TIMEOUT, DaemonMesh
     from meshd.front.server import serve_front
 
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
         enable_circuits(peers)
-        front = FrontDoor(DaemonMesh(daemon, peers, require_verified=api.require_verified,
+        stall = STALL_TIMEOUT if api.stall_timeout is None else api.stall_timeout
+        front = FrontDoor(DaemonMesh(daemon, peers, stall, require_verified=api.require_verified,
                                      verify_every=api.verify_every, keys=len(api.keys or ())), api.keys)
         await serve_front(build_app(front), api.host, api.port, front.connections, task_status=task_status)
 
