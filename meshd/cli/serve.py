@@ -28,7 +28,6 @@ from meshd.daemon import MeshDaemon
 from meshd.daemon.config import NodeConfig
 from meshd.engine.supervisor import EngineSupervisor
 from meshd.fetch.hub import HubSpec
-from meshd.front.door import load_api_keys
 from meshd.mesh.assignment import ModelSpec
 from meshd.mesh.election import ElectionConfig
 from meshd.mesh.records import is_loopback, join_address
@@ -163,6 +162,10 @@ def api_config(args: argparse.Namespace) -> ApiConfig | None:
     host, port = args.api
     keys = None
     if args.api_key_file is not None:
+        # imported with a key file only: the front door's module loads prometheus_client, which a daemon without
+        # an HTTP API (most volunteers) would pay for at every start
+        from meshd.front.door import load_api_keys
+
         try:
             keys = load_api_keys(args.api_key_file)
         except ValueError as exc:
