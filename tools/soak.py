@@ -27,8 +27,8 @@ worker) are sampled from /proc; growth is counted from the first sample after wa
     sudo .venv/bin/python tools/soak.py --smoke        # the CI profile (tests/test_soak.py): each disturbance once
 
 Every process it starts is stopped by its PID and every namespace removed, on success, failure or
-Ctrl-C (exit 130). Exit 0 when nothing was wrong, every failure was explained and no ghost was seen; 1
-otherwise; 2 when it cannot run here.
+Ctrl-C (exit 130). Exit 0 when nothing was wrong, every failure was explained, no ghost was seen and no
+daemon's log holds a traceback; 1 otherwise; 2 when it cannot run here.
 """
 
 from __future__ import annotations
@@ -684,6 +684,8 @@ def summary(rep: dict[str, Any]) -> str:
     for f in rep["failures"]:
         lines.append(f"  failed at {f['t']:.0f} s ({f['kind']} {f['mode']}, "
                      f"{'explained' if f['explained'] else 'UNEXPLAINED'}): {f['error'][:200]}")
+    if rep.get("tracebacks"):
+        lines.append(f"  a traceback in the log of {', '.join(rep['tracebacks'])}")
     for name, d in rep["daemons"].items():
         if "rss_growth_kib" in d:
             last = d["samples"][-1]
@@ -760,7 +762,10 @@ def main(argv: list[str] | None = None) -> int:
     rep = soak.report()
     rep["completed"] = code == 0
     rep["namespaces"] = soak.bridge.namespaces
-    ok = code == 0 and rep["asks"]["wrong"] == 0 and rep["asks"]["unexplained"] == 0 and not rep["ghosts"]
+    # every daemon's log, once all are stopped: a traceback (a leave that raised, say) is a failure a user sees
+    rep["tracebacks"] = [d.name for d in soak.daemons if "Traceback" in d.process.text()]
+    ok = code == 0 and rep["asks"]["wrong"] == 0 and rep["asks"]["unexplained"] == 0 and not rep["ghosts"] and \
+        not rep["tracebacks"]
     rep["ok"] = ok
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1))
