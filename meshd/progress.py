@@ -12,11 +12,12 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import trio
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 # How often the elapsed time is redrawn: often enough to look alive, rarely enough to cost nothing.
 REDRAW = 0.5
@@ -72,6 +73,11 @@ async def waiting(what: str, stream: IO[str] | None = None) -> AsyncIterator[Wai
     # Fitted to the terminal as it is resized; tqdm draws nothing on a terminal that reports no size
     # (0 x 0, as a fresh pty or a serial console): such a one is taken as 80 x 24.
     sized = min(_size(out)) > 0
+    # imported only for a terminal: tqdm's logging helper loads asyncio and the rest of tqdm (0.05 CPU-s), which
+    # every daemon and `meshd ask` run by a script or a service would pay for a line it never draws
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     handle = Waiting(tqdm(desc=" ".join(what.split()), total=None, file=out, leave=False, dynamic_ncols=sized,
                           ncols=None if sized else 80, nrows=None if sized else 24, bar_format="{desc} {elapsed}",
                           mininterval=0))

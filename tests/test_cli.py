@@ -29,6 +29,7 @@ from meshd.cli.failures import expect
 from meshd.cli.figures import print_figures
 from meshd.cli.main import main
 from meshd.cli.parser import build_parser
+from meshd.cli.serve import api_config
 from meshd.cli.status import fetch_line, print_status
 from meshd.client.ask import AskResult
 from meshd.engine import Model
@@ -300,6 +301,15 @@ def test_every_flag_has_help_that_names_its_default() -> None:
 def test_the_sampling_seed_and_the_member_address_are_different_flags() -> None:
     args = build_parser().parse_args(["ask", "--seed", "10.0.0.1:7000", "--sampling-seed", "42", "hi"])
     assert args.seed == "10.0.0.1:7000" and args.sampling_seed == 42
+
+
+def test_the_api_stall_bound_is_the_asks_unless_a_soak_shortens_it() -> None:
+    """join --api-stall-timeout (hidden): what tools/soak.py gives its API member, as its asks' --timeout."""
+    parser = build_parser()
+    default = api_config(parser.parse_args(["join", "--no-model", "--api", "127.0.0.1:0"]))
+    short = api_config(parser.parse_args(["join", "--no-model", "--api", "127.0.0.1:0", "--api-stall-timeout", "8"]))
+    assert default is not None and default.stall_timeout is None  # meshd.front.mesh's STALL_TIMEOUT
+    assert short is not None and short.stall_timeout == 8.0
 
 
 @pytest.mark.parametrize("content", [bytes(range(32)).hex().encode() + b"\n", bytes(range(32)), b"open sesame\n"],

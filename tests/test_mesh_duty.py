@@ -443,3 +443,13 @@ def test_a_stage_far_from_the_planner_loses_the_route_and_rtt_noise_does_not_mov
         assert route_with({n: 0.001 * (0.7 + 0.6 * ((k * 7 + i * 3) % 10) / 9) for i, n in enumerate(near)}) == kept
     far = route_with(near | {kept[-1]: 0.05})
     assert far[0] == kept[0] and far[-1] != kept[-1]
+
+
+def test_a_record_change_after_the_leave_publishes_nothing_and_raises_nothing() -> None:
+    """A daemon's relay reservation can end while it leaves (the relay stops too): the leaving record stays."""
+    node = duty(0).node
+    node.leave(0.0)
+    last = node.record
+    assert last.leaving
+    assert node.update_record(0.1, relay_addresses=["10.0.0.1:7400/p2p-circuit/x"], load=0.5) is last
+    assert node.record is last

@@ -12,6 +12,7 @@ from __future__ import annotations
 import filecmp
 import os
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -90,8 +91,13 @@ def test_installed_with_this_python_meshd_imports_and_answers(python: Path, tmp_
     assert cached.exists(), f"{cached} is not built: run tools/dev setup first"
     version = run([str(python), "-c", "import platform; print(platform.python_version())"], tmp_path, 30).stdout.strip()
     venv = tmp_path / "venv"
-    run([str(python), "-m", "venv", str(venv)], tmp_path, 120)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # a venv without a pip of its own, installed into by this checkout's pip run under the venv's Python
+    # (`pip --python`), as pipx installs with its one shared pip: the build (setup.py, tools/build_native.py) and
+    # the install still run under this interpreter. Each venv's own pip cost 3 CPU-s to put in (ensurepip) and its
+    # older pip (23.2 with 3.12) 20 CPU-s to install meshd, where this one takes 12.
+    run([str(python), "-m", "venv", "--without-pip", str(venv)], tmp_path, 120)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
+           "--disable-pip-version-check"]
     # `pip install .` here, not a wheel built once for all three (it would be the same py3-none bytes): a user's
     # install builds under their Python, setup.py and tools/build_native.py included, and that is where issue
     # 32's first defect was. It costs little: on 3.13, building took 4 CPU-s, installing the wheel and its

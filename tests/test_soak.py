@@ -2,7 +2,8 @@
 (one behind a MASQUERADE NAT, one behind an emulated slow link) in network namespaces, asked by `meshd ask`
 and the `openai` client while, once each, a volunteer is SIGKILLed, one SIGTERMed, one SIGSTOPped, one cut
 off, the relay stopped and a volunteer joined. Every greedy answer equals the whole model's, every failure is
-one line put down to a disturbance, and no departed member stays in a status past its bound."""
+one line put down to a disturbance, no departed member stays in a status past its bound, and no daemon's log
+holds a traceback."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def test_the_smoke_soak_gives_no_wrong_answer_no_unexplained_failure_and_no_ghos
     assert all(f["error"] and "Traceback" not in f["error"] for f in rep["failures"]), rep["failures"]
     assert rep["ghosts"] == [], rep["ghosts"]
     assert rep["orphans"] == [], rep["orphans"]
+    assert rep["tracebacks"] == [], f"a traceback in the log of {rep['tracebacks']}; logs in {rep['logs']}"
     assert run.returncode == 0, tail
     # every namespace it made is gone
     listed = {line.split(" ", 1)[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,

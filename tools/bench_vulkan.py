@@ -108,7 +108,8 @@ def main() -> int:
         return 0
     names = args.only or list(CONFIGS)
     if args.smoke:
-        args.repeats, args.decode, args.prefill_tokens = 1, 2, 8
+        # one thread: two of llama.cpp's spin on a busy 2-core box, and a smoke run took 5.6 CPU-s for 10 tokens
+        args.repeats, args.decode, args.prefill_tokens, args.threads = 1, 2, 8, 1
         names = ["cpu whole"] + (["vulkan whole"] if args.vulkan_device is not None else [])
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(args.repeats):

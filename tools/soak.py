@@ -27,8 +27,8 @@ worker) are sampled from /proc; growth is counted from the first sample after wa
     sudo .venv/bin/python tools/soak.py --smoke        # the CI profile (tests/test_soak.py): each disturbance once
 
 Every process it starts is stopped by its PID and every namespace removed, on success, failure or
-Ctrl-C (exit 130). Exit 0 when nothing was wrong, every failure was explained and no ghost was seen; 1
-otherwise; 2 when it cannot run here.
+Ctrl-C (exit 130). Exit 0 when nothing was wrong, every failure was explained, no ghost was seen and no
+daemon's log holds a traceback; 1 otherwise; 2 when it cannot run here.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Any
 
 import trio
 from netns_lab import ROOT, Bridge, Process, remove_stale, unavailable
-from soak_asks import PROMPTS, Asker, Outcome, meshd_command, reference_answers
+from soak_asks import ASK_STALL, PROMPTS, Asker, Outcome, meshd_command, reference_answers
 
 SEED_ADDR = "10.77.0.1:7000"
 RELAY_ADDR = "10.77.0.1:7400"
@@ -215,7 +215,7 @@ class Soak:
             env=LOG))
         self.core["api"] = self.track("api", "api", self.bridge.launch("api", "pub", meshd_command(
             ["join", "--seed", SEED_ADDR, "--no-model", "--listen", API_MEMBER, "--api", "127.0.0.1:8080",
-             "--state-dir", str(home / "api")]), env=LOG))
+             "--api-stall-timeout", str(ASK_STALL), "--state-dir", str(home / "api")]), env=LOG))
         slow = next(s for s in self.slots if s.kind == "slow")
         machine = self.bridge.machines[slow.role]
         # the slow volunteer listens on its loopback; every connection to it crosses a 15 ms (+0-10 ms) link
@@ -684,6 +684,8 @@ def summary(rep: dict[str, Any]) -> str:
     for f in rep["failures"]:
         lines.append(f"  failed at {f['t']:.0f} s ({f['kind']} {f['mode']}, "
                      f"{'explained' if f['explained'] else 'UNEXPLAINED'}): {f['error'][:200]}")
+    if rep.get("tracebacks"):
+        lines.append(f"  a traceback in the log of {', '.join(rep['tracebacks'])}")
     for name, d in rep["daemons"].items():
         if "rss_growth_kib" in d:
             last = d["samples"][-1]
@@ -760,7 +762,10 @@ def main(argv: list[str] | None = None) -> int:
     rep = soak.report()
     rep["completed"] = code == 0
     rep["namespaces"] = soak.bridge.namespaces
-    ok = code == 0 and rep["asks"]["wrong"] == 0 and rep["asks"]["unexplained"] == 0 and not rep["ghosts"]
+    # every daemon's log, once all are stopped: a traceback (a leave that raised, say) is a failure a user sees
+    rep["tracebacks"] = [d.name for d in soak.daemons if "Traceback" in d.process.text()]
+    ok = code == 0 and rep["asks"]["wrong"] == 0 and rep["asks"]["unexplained"] == 0 and not rep["ghosts"] and \
+        not rep["tracebacks"]
     rep["ok"] = ok
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1))

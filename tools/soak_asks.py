@@ -20,7 +20,8 @@ import trio
 
 PROMPTS = ["Name three colours.", "What is the capital of France?", "Tell me about lighthouses."]
 SAMPLED = 0.8  # the temperature of seeded asks
-# an ask's stall timeout (`meshd ask --timeout`): short, so a stopped stage is routed around within it
+# an ask's stall timeout (`meshd ask --timeout`, the API member's --api-stall-timeout): short, so a stopped stage
+# is routed around within it
 ASK_STALL = 8.0
 ASK_BOUND = 120.0  # seconds any one ask may take before the harness gives up on it (a failure)
 FAILOVER = re.compile(r"failed over (\d+) time")

@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--asker-window-cap", type=number(0, 1e12, above_low=True), default=ASKER_WINDOW_CAP,
                    help=argparse.SUPPRESS)
     j.add_argument("--election-timeout", type=number(0, 3600, above_low=True), default=3.0, help=argparse.SUPPRESS)
+    # the seconds a stage of an HTTP API ask may stay silent before the ask fails over (default: meshd.front.mesh's,
+    # `meshd ask --timeout`'s): a soak that stops stages shortens it as it shortens its `meshd ask --timeout`
+    j.add_argument("--api-stall-timeout", type=number(0, 3600, above_low=True), default=None, help=argparse.SUPPRESS)
     j.add_argument("--punch-retry", type=number(0, PunchLimits.retry_cap, above_low=True),
                    default=PunchLimits.retry_after, help=argparse.SUPPRESS)
     add_logging(j)

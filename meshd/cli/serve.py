@@ -28,7 +28,6 @@ from meshd.daemon import MeshDaemon
 from meshd.daemon.config import NodeConfig
 from meshd.engine.supervisor import EngineSupervisor
 from meshd.fetch.hub import HubSpec
-from meshd.front.door import load_api_keys
 from meshd.mesh.assignment import ModelSpec
 from meshd.mesh.election import ElectionConfig
 from meshd.mesh.records import is_loopback, join_address
@@ -147,6 +146,8 @@ class ApiConfig:
     require_verified: bool = False
     # --verify N: 1 in N steps run again on a replica (0: off, and then the prefix cache serves the asks)
     verify_every: int = DEFAULT_VERIFY
+    # --api-stall-timeout (hidden); None: meshd.front.mesh's STALL_TIMEOUT
+    stall_timeout: float | None = None
 
 
 def api_config(args: argparse.Namespace) -> ApiConfig | None:
@@ -161,6 +162,10 @@ def api_config(args: argparse.Namespace) -> ApiConfig | None:
     host, port = args.api
     keys = None
     if args.api_key_file is not None:
+        # imported with a key file only: the front door's module loads prometheus_client, which a daemon without
+        # an HTTP API (most volunteers) would pay for at every start
+        from meshd.front.door import load_api_keys
+
         try:
             keys = load_api_keys(args.api_key_file)
         except ValueError as exc:
@@ -170,7 +175,7 @@ def api_config(args: argparse.Namespace) -> ApiConfig | None:
                          f"so only holders of a key may ask (or bind 127.0.0.1)")
     if args.require_verified and args.verify == 0:
         raise UsageError("--require-verified needs spot checks: it cannot go with --verify 0")
-    return ApiConfig(host.strip("[]"), port, keys, args.require_verified, args.verify)
+    return ApiConfig(host.strip("[]"), port, keys, args.require_verified, args.verify, args.api_stall_timeout)
 
 
 async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, *,
@@ -179,12 +184,13 @@ async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, 
     # Imported here: Starlette and Hypercorn cost every other command a second of start-up on a busy machine.
     from meshd.front.app import build_app
     from meshd.front.door import FrontDoor
-    from meshd.front.mesh import DaemonMesh
+    from meshd.front.mesh import STALL_TIMEOUT, DaemonMesh
     from meshd.front.server import serve_front
 
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
         enable_circuits(peers)
-        front = FrontDoor(DaemonMesh(daemon, peers, require_verified=api.require_verified,
+        stall = STALL_TIMEOUT if api.stall_timeout is None else api.stall_timeout
+        front = FrontDoor(DaemonMesh(daemon, peers, stall, require_verified=api.require_verified,
                                      verify_every=api.verify_every, keys=len(api.keys or ())), api.keys)
         await serve_front(build_app(front), api.host, api.port, front.connections, task_status=task_status)
 

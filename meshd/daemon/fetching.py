@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from tqdm import tqdm
 
 from meshd.daemon.state import DaemonState
 from meshd.daemon.volunteer import check_volunteer
@@ -161,6 +160,9 @@ class ModelFetch(DaemonState):
                              total_bytes=sum(c.size for c in chunks), rate=0.0)
         self.fetches = [*self.fetches[-7:], status]
         index = len(self.fetches) - 1
+        # tqdm imported when a fetch starts, not with the daemon: most daemons never fetch, and it costs 0.05 CPU-s
+        from tqdm import tqdm
+
         bar: Any = tqdm(total=status.total_bytes, unit="B", unit_scale=True, file=sys.stderr,
                         desc=f"fetch {what} [{start}, {end})" if end else f"fetch {what}",
                         disable=not self.config.progress, leave=False)
@@ -247,6 +249,8 @@ class ModelFetch(DaemonState):
             if manifest is None:
                 log.info("no member offers %s of %s: reading its %d bytes once to build its manifest", model.name,
                          model.where, sum(f.size for f in model.files))
+                from tqdm import tqdm
+
                 bar: Any = tqdm(total=sum(f.size for f in model.files), unit="B", unit_scale=True, file=sys.stderr,
                                 desc=f"hashing {model.name}", disable=not cfg.progress, leave=False)
                 started = time.monotonic()

@@ -99,7 +99,13 @@ class MeshNode:
         """Publish a new version of this node's record (served ranges, load, models, ...).
 
         Each version is gossiped to every member: publish load changes at a measured pace,
-        not per request. `tracker_term` and the vote belong to the election and are set here by themselves."""
+        not per request. `tracker_term` and the vote belong to the election and are set here by themselves.
+
+        After `leave` nothing new is published: the last record said the node is leaving, and what changes
+        while the news spreads (a relay's reservation lost as the relay stops too, the load) is moot; the smoke
+        soak's volunteers ended their graceful leave in a traceback for it."""
+        if self._left:
+            return self.membership.record
         self.membership.update_record(now, **changes)
         self._settle(now)
         return self.membership.record

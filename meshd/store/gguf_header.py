@@ -17,8 +17,6 @@ import struct
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
 MAGIC = b"GGUF"
 _MAX_KEY = 1 << 16
 _MAX_STRING = 1 << 26
@@ -161,6 +159,10 @@ class _Reader:
 
 
 def _tensor_bytes(dims: list[int], ggml_type: int) -> int:
+    # imported here, not with the module: the gguf package loads its writer, reader and yaml with it (0.05
+    # CPU-s), and every `meshd` command imports this module through its flag checks, most never reading a header
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     try:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
