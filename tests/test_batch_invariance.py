@@ -6,7 +6,8 @@ gave. ggml-cpu picks kernels by row count (llamafile's sgemm from two rows, flas
 attention's tiled kernel from 64 query rows, its split-KV kernel for one row over 512
 cells, repacked Q4_K weights' gemm for groups of 4 rows, the tiled K- and IQ-quant matmul
 from 8 rows), and each sums in its own order; the build, the model's buffers
-and the engine's start turn those off.
+and the engine's start turn those off, or (Q4_K and Q6_K, native/patches/0016) send every row
+count to the tiled matmul.
 """
 
 from __future__ import annotations
