@@ -226,10 +226,11 @@ void ensure_init() {
         // logits moved by up to 0.26 with the batch, gemma3-270m Q4_K_M's by 2.5. With
         // native/patches/0016's switch Q4_K and Q6_K take the tiled sums at every row count (few
         // rows through row kernels that sum the same way) and every other type vec_dot at every
-        // row count: batch-invariant, and the tiled kernel's prefill (vec_dot for every row count,
-        // the way before, halved a 3B-wide Q4_K_M's prefill against stock llama.cpp). Both are
-        // pinned: a volunteer must not compute other bytes than its replicas. ggml reads them
-        // once, at its first matmul, so they are set before any model loads.
+        // row count: batch-invariant at the tiled kernel's prefill speed (tools/bench_kquant.py, a
+        // 3B-wide Q4_K_M on one thread: vec_dot for every row count, the way before, prefilled at
+        // 0.6-0.8 of stock llama.cpp, this at 0.97; a decode step costs about a tenth more CPU than
+        // vec_dot's). Both are pinned: a volunteer must not compute other bytes than its
+        // replicas. ggml reads them once, at its first matmul, so they are set before any model loads.
         setenv("GGML_CPU_TILED_MM", "1", 1);
         setenv("GGML_CPU_TILED_MM_BATCH_INVARIANT", "1", 1);
         show_cpu_vulkan_device();
