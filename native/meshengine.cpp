@@ -223,12 +223,16 @@ void ensure_init() {
     std::call_once(g_init_once, [] {
         // ggml-cpu takes K- and IQ-quant matmuls of 8 or more rows (also per MoE expert) to a
         // tiled kernel that sums in another order than the vec_dot of fewer rows: a Q6_K model's
-        // logits moved by up to 0.26 with the batch, gemma3-270m Q4_K_M's by 2.5. ggml reads this
-        // switch once, at its first matmul, so it is set before any model loads. Alone it cost
-        // gemma3-270m's prefill 127 -> 84 tok/s (1 thread); with weight repacking off too (below)
-        // prefill went 58-82 -> 104-125 tok/s and decode 17-19 -> 23-30 against the library before
-        // both (two rounds side by side on a loaded 2-core box): repacking cost more than tiling gave.
-        setenv("GGML_CPU_TILED_MM", "0", 1);
+        // logits moved by up to 0.26 with the batch, gemma3-270m Q4_K_M's by 2.5. With
+        // native/patches/0016's switch Q4_K and Q6_K take the tiled sums at every row count (few
+        // rows through row kernels that sum the same way) and every other type vec_dot at every
+        // row count: batch-invariant at the tiled kernel's prefill speed (tools/bench_kquant.py, a
+        // 3B-wide Q4_K_M on one thread: vec_dot for every row count, the way before, prefilled at
+        // 0.6-0.8 of stock llama.cpp, this at 0.97; a decode step costs about a tenth more CPU than
+        // vec_dot's). Both are pinned: a volunteer must not compute other bytes than its
+        // replicas. ggml reads them once, at its first matmul, so they are set before any model loads.
+        setenv("GGML_CPU_TILED_MM", "1", 1);
+        setenv("GGML_CPU_TILED_MM_BATCH_INVARIANT", "1", 1);
         show_cpu_vulkan_device();
         batch_invariant_gpu_kernels();
         llama_log_set(log_callback, nullptr);

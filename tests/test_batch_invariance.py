@@ -6,7 +6,8 @@ gave. ggml-cpu picks kernels by row count (llamafile's sgemm from two rows, flas
 attention's tiled kernel from 64 query rows, its split-KV kernel for one row over 512
 cells, repacked Q4_K weights' gemm for groups of 4 rows, the tiled K- and IQ-quant matmul
 from 8 rows), and each sums in its own order; the build, the model's buffers
-and the engine's start turn those off.
+and the engine's start turn those off, or (Q4_K and Q6_K, native/patches/0016) send every row
+count to the tiled matmul.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def random_quant_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) ->
 # Every common quantization (issue 29): the legacy ones quantized by gguf-py, the others random blocks
 QUANTIZED = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 RANDOM_BLOCKS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xs", "iq3_xxs", "iq4_nl", "iq4_xs", "mxfp4"]
+# the types that take ggml-cpu's tiled matmul at every row count (native/patches/0016)
+WIDE = ["q4_k", "q6_k"]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +97,11 @@ def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     # K-quant blocks hold 256 weights: a model as wide as one block
     wide = write_tiny_gguf(root / "wide.gguf", TinySpec("llama", tied=False, weight_dtype=np.float32, n_embd=256,
                                                         n_ff=512, n_layer=2, seed=2))
+    # rows of 10 and 17 K-quant blocks: the row kernels total 8 blocks at a time, tails included
+    wider = write_tiny_gguf(root / "wider.gguf", TinySpec("llama", tied=False, weight_dtype=np.float32, n_embd=2560,
+                                                          n_ff=4352, n_head=20, n_head_kv=4, n_layer=1, seed=3))
     return {"f16": tiny_models["llama-gqa-tied"], "f32": tiny_models["llama-gqa-untied"],
+            **{f"wide_{k}": random_quant_copy(wider, root / f"wide_{k}.gguf", q[k.upper()]) for k in WIDE},
             **{k: quantized_copy(tiny_models["llama-gqa-untied"], root / f"{k}.gguf", q[k.upper()]) for k in QUANTIZED},
             # (the tiled path took K- and IQ-quant matmuls)
             **{k: random_quant_copy(wide, root / f"{k}.gguf", q[k.upper()]) for k in RANDOM_BLOCKS}}
@@ -130,6 +137,15 @@ def test_batch_rows_equal_decode_steps(models: dict[str, Path], kind: str) -> No
     assert np.isfinite(together).all() and np.ptp(together, axis=0).max() > 0
     assert_identical(together, apart)
 
+
+
+@pytest.mark.parametrize("kind", WIDE)
+@pytest.mark.parametrize("rows", [12, 70], ids=["narrow-tile", "wide-tile"])
+def test_wide_k_quant_rows_equal_decode_steps(models: dict[str, Path], kind: str, rows: int) -> None:
+    # one row takes the row kernels, up to 16 the tiled matmul's narrow path, more its 256-wide tiles
+    together, apart = batched_and_single(models[f"wide_{kind}"], rows)
+    assert np.isfinite(together).all() and np.ptp(together, axis=0).max() > 0
+    assert_identical(together, apart)
 
 
 def test_batch_rows_equal_decode_steps_past_512_cells(models: dict[str, Path]) -> None:

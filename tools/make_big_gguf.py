@@ -15,8 +15,10 @@ activations stay finite, and whose answers are nonsense but deterministic
 package's split writer (``split_max_tensors``), so the whole model is never in
 memory.
 
-Usage: .venv/bin/python tools/make_big_gguf.py OUT_DIR [--parts 3] [--layers 28] [--seed 0]
-       writes OUT_DIR/llama3b-rand-Q4_K_M-0000i-of-0000N.gguf
+With --mix Q6_K every matrix is Q6_K instead (tools/bench_kquant.py times both).
+
+Usage: .venv/bin/python tools/make_big_gguf.py OUT_DIR [--parts 3] [--layers 28] [--seed 0] [--mix Q4_K_M]
+       writes OUT_DIR/llama3b-rand-Q4_K_M-0000i-of-0000N.gguf (one part: OUT_DIR/llama3b-rand-Q4_K_M.gguf)
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Dims:
 # The same layout at a few MB: a benchmark's smoke run.
 SMALL = Dims(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_layers=3)
 NAME = "llama3b-rand-Q4_K_M"
+# the quantization mixes written: llama-quantize's Q4_K_M layout, or Q6_K for every matrix
+MIXES = ("Q4_K_M", "Q6_K")
 # K-quant super-blocks: 256 weights each; Q4_K 144 bytes (d, dmin, 12 scale bytes, 128 of nibbles),
 # Q6_K 210 (128 low bits, 64 high bits, 16 int8 scales, d).
 QK = 256
@@ -71,9 +75,10 @@ def quant_blocks(rng: np.random.Generator, rows: int, cols: int, kind: gguf.GGML
     return data.reshape(rows, -1)
 
 
-def plan(dims: Dims, n_vocab: int) -> list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]]:
+def plan(dims: Dims, n_vocab: int, mix: str = "Q4_K_M") -> list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]]:
     """Every tensor: name, shape (rows, cols) as ggml counts it (cols fastest), type."""
-    q4, q6, f32 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.F32
+    q6, f32 = gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.F32
+    q4 = gguf.GGMLQuantizationType.Q4_K if mix == "Q4_K_M" else q6
     e, q, kv, ff = dims.n_embd, dims.n_head * dims.head_dim, dims.n_head_kv * dims.head_dim, dims.n_ff
     out: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]] = [
         ("token_embd.weight", (n_vocab, e), q6), ("output_norm.weight", (e,), f32)]
@@ -93,15 +98,19 @@ def tensor_data(rng: np.random.Generator, shape: tuple[int, ...], kind: gguf.GGM
     return quant_blocks(rng, shape[0], shape[1], kind)
 
 
-def write(out_dir: Path, parts: int = 3, dims: Dims = Dims(), seed: int = 0, quiet: bool = False) -> list[Path]:
+def write(out_dir: Path, parts: int = 3, dims: Dims = Dims(), seed: int = 0, quiet: bool = False,
+          mix: str = "Q4_K_M") -> list[Path]:
     """The set's parts, written to ``out_dir`` (OUT_DIR/NAME-0000i-of-0000N.gguf)."""
+    if mix not in MIXES:
+        raise ValueError(f"mix {mix!r} is none of {', '.join(MIXES)}")
+    model = f"llama3b-rand-{mix}"
     rng = np.random.default_rng(seed)
     tokenizer = tokenizer_of(default_model_path())
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
-    tensors = plan(dims, n_vocab)
+    tensors = plan(dims, n_vocab, mix)
     out_dir.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(out_dir / f"{NAME}.gguf", "llama", split_max_tensors=-(-len(tensors) // parts))
-    w.add_name(NAME)
+    w = gguf.GGUFWriter(out_dir / f"{model}.gguf", "llama", split_max_tensors=-(-len(tensors) // parts))
+    w.add_name(model)
     w.add_context_length(8192)
     w.add_embedding_length(dims.n_embd)
     w.add_block_count(dims.n_layers)
@@ -112,7 +121,7 @@ def write(out_dir: Path, parts: int = 3, dims: Dims = Dims(), seed: int = 0, qui
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(500000.0)
     w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if mix == "Q4_K_M" else gguf.LlamaFileType.MOSTLY_Q6_K)
     add_vocab_of(w, tokenizer)
     for name, shape, kind in tensors:
         block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
@@ -136,7 +145,7 @@ def write(out_dir: Path, parts: int = 3, dims: Dims = Dims(), seed: int = 0, qui
     w.close()
     if not quiet:
         print(f"\r{written / 2**20:8.0f} MiB of tensors in {time.monotonic() - started:.0f} s", file=sys.stderr)
-    return list(w.format_shard_names(out_dir / f"{NAME}.gguf"))
+    return list(w.format_shard_names(out_dir / f"{model}.gguf"))
 
 
 def main() -> int:
@@ -145,8 +154,9 @@ def main() -> int:
     p.add_argument("--parts", type=int, default=3)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mix", choices=MIXES, default="Q4_K_M")
     args = p.parse_args()
-    for path in write(args.out_dir, args.parts, Dims(n_layers=args.layers), args.seed):
+    for path in write(args.out_dir, args.parts, Dims(n_layers=args.layers), args.seed, mix=args.mix):
         print(path, path.stat().st_size)
     return 0
 
