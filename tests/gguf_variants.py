@@ -15,6 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf_factory import (
+    GGUFReader,
     TinySpec,
     _bias,
     _norm,
@@ -34,7 +35,7 @@ SCALED = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ff
 
 def rewrite_gguf(src: Path, dst: Path, transform: Transform) -> Path:
     """`src` with its metadata as it is and each tensor replaced by what `transform` makes of it."""
-    reader = gguf.GGUFReader(src)
+    reader = GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
     w = gguf.GGUFWriter(dst, arch)
     for name, field in reader.fields.items():

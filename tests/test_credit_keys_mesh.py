@@ -12,10 +12,11 @@ import httpx2
 import openai
 import pytest
 import trio
-from localmesh import Served, run_meshd, start_join, stop_all
+from localmesh import Served, start_join, stop_all
 from prometheus_client.parser import text_string_to_metric_families
 from test_credit_mesh import credits, ledger
 
+from meshd.cli.main import main
 from meshd.front.door import key_label
 
 pytestmark = pytest.mark.slow  # real daemons and engine workers
@@ -53,15 +54,15 @@ def test_a_key_that_spent_its_part_gives_up_a_one_slot_stage_to_another_key_of_t
                                         str(tiny_draft_model), *DOOR, "--api", "127.0.0.1:0",
                                         "--api-key-file", str(tmp_path / "keys")))
         url = next(line.split()[4] for line in door.lines if line.startswith("meshd: HTTP API on "))
-        # the door's member earns: it serves the stage's member its draft model
+        # the door's member earns: it serves the stage's member its draft model (`meshd ask` run in this
+        # process: the asks are the stage member's, on its control socket, as from a `meshd` of its own)
         for _ in range(EARNING_ASKS):
-            done = run_meshd("ask", "--state-dir", str(states["stage"]), "--model", "draft-llama", "--raw",
-                             "--max-tokens", "200", "--wait", "90", "Once upon a time")
-            assert done.returncode == 0, done.stderr
+            assert main(["ask", "--state-dir", str(states["stage"]), "--model", "draft-llama", "--raw",
+                         "--max-tokens", "200", "--wait", "90", "Once upon a time"]) == 0
         deadline = time.monotonic() + 30.0
         while (earned := trio.run(ledger, states["door"])["own"]["earned"]) < 2000:
             assert time.monotonic() < deadline, earned
-            time.sleep(1.0)
+            time.sleep(0.2)
 
         clients = {key: openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120) for key in KEYS}
         model = default_model.stem  # the stage's model, by its file's name

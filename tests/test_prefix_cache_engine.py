@@ -4,6 +4,7 @@ and the copied cells are where the sequence's own would be)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,25 +26,42 @@ def _prefill(ctx: Context, seq: int, tokens: list[int], start: int = 0) -> np.nd
     return out
 
 
-@pytest.mark.parametrize("cut", [100, 299])
-def test_a_copied_prefix_gives_the_logits_of_the_whole_prompt(default_model: Path, cut: int) -> None:
-    rng = np.random.default_rng(3)
+# the entry both cuts copy from: 400 random ids, prefilled once for the module on sequence 0
+ENTRY = 400
+
+
+@pytest.fixture(scope="module")
+def entry(default_model: Path) -> Iterator[tuple[Model, Context, list[int]]]:
     with Model(default_model) as m, Context(m, n_ctx=3 * 512, n_seq_max=3, n_batch=CHUNK, n_threads=1) as ctx:
-        first = rng.integers(3, m.report.n_vocab, 400).tolist()
+        first = np.random.default_rng(3).integers(3, m.report.n_vocab, ENTRY).tolist()
+        _prefill(ctx, 0, first)
+        yield m, ctx, first
+
+
+@pytest.mark.parametrize("cut", [100, 299])
+def test_a_copied_prefix_gives_the_logits_of_the_whole_prompt(entry: tuple[Model, Context, list[int]],
+                                                              cut: int) -> None:
+    m, ctx, first = entry
+    rng = np.random.default_rng(cut)
+    try:
         # the second prompt shares the first's first `cut` ids and goes elsewhere from there
         second = first[:cut] + rng.integers(3, m.report.n_vocab, 300 - cut + 1).tolist()
-        _prefill(ctx, 0, first)
         whole = _prefill(ctx, 2, second)
         ctx.copy_prefix(0, 1, cut)
         assert ctx.pos_max(1) == cut - 1
         cached = _prefill(ctx, 1, second, start=cut)
         assert np.array_equal(cached, whole)
         # the entry is untouched: its own next step is what it would have been
-        ctx.copy_prefix(0, 2, 400)
+        ctx.copy_prefix(0, 2, ENTRY)
         step = [int(rng.integers(3, m.report.n_vocab))]
-        a = ctx.forward([0], [400], tokens=step)
-        b = ctx.forward([2], [400], tokens=step)
+        a = ctx.forward([0], [ENTRY], tokens=step)
+        b = ctx.forward([2], [ENTRY], tokens=step)
         assert np.array_equal(a, b)
+    finally:
+        # the entry as the fixture made it, for the other cut
+        ctx.remove(0, ENTRY)
+        ctx.remove(1)
+        ctx.remove(2)
 
 
 def test_bad_copies_are_refused(default_model: Path) -> None:

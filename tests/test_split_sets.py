@@ -224,11 +224,13 @@ async def test_the_default_model_split_in_three_serves_across_three_stages_like_
 
 VOLUNTEER = ["--memory", "64M", "--threads", "1", "--max-sessions", "2", "--session-tokens", "512"]
 # Pages a fault or a read near an owned region may bring in: the kernel's read-around of a mapped file
-# (128 KiB) and its read-ahead, in page-cache folios of up to 2 MiB, each aligned to its size. Under the
-# memory pressure of a busy test run (the written pages evicted, then faulted back in), a fault at an owned
-# page 0.23 MiB past a 2 MiB boundary brought in the 2 MiB before that boundary, and a read to an owned
-# region's end brought in folios past it: seen 2.2 MiB and more from owned bytes (2 MiB was too tight:
-# a run in three failed under `pytest -n 3`). Regions this far from any owned byte must never be read.
+# (the device's read_ahead_kb, half of it either side of the fault: 8 MiB on this machine's disk, 128 KiB by
+# default; sparse copies read their chunks without read-ahead, meshd.store.sparse) and its read-ahead, in
+# page-cache folios of up to 2 MiB, each aligned to its size. Under the memory pressure of a busy test run
+# (the written pages evicted, then faulted back in), a fault at an owned page 0.23 MiB past a 2 MiB boundary
+# brought in the 2 MiB before that boundary, and a read to an owned region's end brought in folios past it:
+# seen 2.2 MiB and more from owned bytes (2 MiB was too tight: a run in three failed under `pytest -n 3`).
+# Regions this far from any owned byte must never be read.
 READ_AROUND = 6 << 20
 # the holder, the fetchers, their state directories and the set's manifest
 SetMesh = tuple[Served, list[Served], list[Path], Manifest]

@@ -5,6 +5,8 @@ range two members serve counts as a replica, and a node with no model offers no 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import time
@@ -13,6 +15,8 @@ from typing import Any
 
 import pytest
 from localmesh import Served, run_meshd, start_join, stop_all
+
+from meshd.cli.main import main
 
 pytestmark = pytest.mark.slow  # five daemons, four engine workers
 
@@ -25,9 +29,12 @@ SETTLE_S = 180.0
 
 
 def status_json(seed: Served) -> dict[str, Any]:
-    done = run_meshd("status", "--seed", seed.address, "--json")
-    assert done.returncode == 0, done.stderr
-    status: dict[str, Any] = json.loads(done.stdout)
+    # `meshd status --json` in this process: polled every second, a process each time would cost more than
+    # the daemons it watches (the plain `meshd status` and `meshd models` below run as the user runs them)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["status", "--seed", seed.address, "--json"]) == 0
+    status: dict[str, Any] = json.loads(out.getvalue())
     return status
 
 
@@ -61,7 +68,7 @@ def test_a_model_is_joined_by_its_file_name_replicas_are_counted_and_a_seed_offe
                     and duplicated(coverage["assigned"]):
                 break
             assert time.monotonic() < deadline, f"no replica placed on the fetcher: {status}"
-            time.sleep(1.0)
+            time.sleep(0.5)
 
         assert coverage["file"] == FILE_STEM and coverage["name"] != FILE_STEM, coverage
         # every stage that repeats another's range is a replica, though the other ranges have none

@@ -127,6 +127,9 @@ class SparseFile:
         try:
             for part, file in zip(manifest.parts, paths, strict=True):
                 fds.append(os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                # chunks are read whole, in whatever order peers ask for them: the device's read-ahead (8 MiB
+                # on some disks) would read past a held run into the holes beside it and keep their pages
+                os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_RANDOM)
                 if os.fstat(fds[-1]).st_size != part.file_size:
                     os.ftruncate(fds[-1], part.file_size)
             if not companion.exists() or companion.read_bytes() != manifest.encoded:
