@@ -35,7 +35,6 @@ from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.rpc import mesh_rpc
-from meshd.stage.books import StageLimits
 from meshd.stage.model_file import describe_model
 from meshd.stage.receipts import SessionReceipts, Signer
 from relay.limits import RelayLimits
@@ -63,6 +62,9 @@ TOKENS = 12
 # the attackers' own host (all of 127/8 is loopback): a stage tells them from the bystander by it
 ATTACKER_HOST = PeersConfig(dial_from="127.0.0.2")
 SESSIONS = ["--threads", "1", "--max-sessions", "4", "--session-tokens", "256"]
+# The module's stages' tenure (StageLimits.tenure, hidden `join --tenure`): 3 s, not the product's 10 s, so
+# that the slot of a source that held one past it goes round 3 s after the last of four opened, not 10 s
+TENURE = 3.0
 
 
 @dataclass
@@ -96,7 +98,8 @@ def honest_mesh(base: Path, path: Path, memory: str = "1M", flags: Sequence[str]
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
-    with honest_mesh(tmp_path_factory.mktemp("attacks"), tiny_models["llama-gqa-untied"]) as honest:
+    with honest_mesh(tmp_path_factory.mktemp("attacks"), tiny_models["llama-gqa-untied"],
+                     flags=("--tenure", f"{TENURE:g}")) as honest:
         yield honest
 
 
@@ -512,10 +515,10 @@ async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_byst
 async def test_four_slow_sessions_from_four_source_addresses_do_not_lock_a_bystander_out(
         mesh: Mesh, peers: Peers) -> None:
     # one identity on each of 127.0.0.2..5: no source holds more than one slot of the tail's four; a
-    # slot goes round once its holder has had the stage's tenure (StageLimits.tenure), so the honest
-    # ask comes this long after the last of them opened
+    # slot goes round once its holder has had the stage's tenure (TENURE), so the honest ask comes
+    # this long after the last of them opened
     evicted = await evicted_by_a_bystander(peers, mesh, [PeersConfig(dial_from=f"127.0.0.{2 + i}") for i in range(4)],
-                                           StageLimits().tenure + 1.0)
+                                           TENURE + 1.0)
     # the bystander's session took the slot of the one that had held it longest
     assert evicted.code is ErrorCode.CACHE_MISS and "has held a slot here longest" in evicted.message, evicted
 

@@ -33,6 +33,7 @@ from meshd.cli.gpu import or_auto
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.logs import DEFAULT_LEVEL, LEVELS
 from meshd.mesh.credit import ASKER_WINDOW_CAP
+from meshd.stage.books import StageLimits
 from relay.punch import PunchLimits
 from wire.types import MAX_LAYERS
 
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--api-stall-timeout", type=number(0, 3600, above_low=True), default=None, help=argparse.SUPPRESS)
     j.add_argument("--punch-retry", type=number(0, PunchLimits.retry_cap, above_low=True),
                    default=PunchLimits.retry_after, help=argparse.SUPPRESS)
+    j.add_argument("--tenure", type=number(0, 3600, above_low=True), default=StageLimits.tenure,
+                   help=argparse.SUPPRESS)
     add_logging(j)
 
     r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")

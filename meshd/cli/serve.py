@@ -277,7 +277,7 @@ async def join(args: argparse.Namespace) -> int:
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                              max_total_tokens=args.max_sessions * args.session_tokens,
                              peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens,
-                             cache_tokens=args.cache_tokens)
+                             cache_tokens=args.cache_tokens, tenure=args.tenure)
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
                             gpu_memory_bytes=args.gpu_memory, gpu_layers=args.gpu_layers,
                             threads=args.threads, limits=limits, advertise=args.advertise,
