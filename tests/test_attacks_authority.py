@@ -22,6 +22,7 @@ import trio
 from attackers import framing, genuine_receipt, sybils
 from localmesh import Served, mesh_status, start_join, stop_all
 from test_attacks import (
+    ELECTION,
     PROMPT,
     SESSIONS,
     TOKENS,
@@ -53,17 +54,12 @@ pytestmark = pytest.mark.slow  # three daemons, two engine workers and in-proces
 # only the 3 the tracker placed or is (meshd.mesh.authority: free identities weigh nothing,
 # however many; a placed attacker would need more placements than the honest mesh holds).
 FREE_IDENTITIES = 6
-# The honest daemons' election timeout: 1 s, not the product's 3 s, so that a bid sits on every record
-# for as many election rounds in a third of the time (a shorter timeout only makes an honest node quicker
-# to look for a new tracker: it weakens no defence; much shorter, and a vote may not have gone round a
-# loaded machine's mesh within one, five gossip rounds of 0.2 s).
-ELECTION = ("--election-timeout", "1")
 # A member that becomes live in a node's view is pinged at that node's next probe tick (one a second;
 # SwimConfig.confirmations of them a tick: the 6 sybils at once), and its ack is the node hearing it
 # first-hand: three ticks after every honest node holds every sybil live, each has heard each of them.
 CONFIRMED_S = 3 * SwimConfig().probe_interval
-# Long enough for the bid to sit on every record for six or seven election timeouts (as 20 s did at 3 s
-# each).
+# Long enough for the bid to sit on every record for six or seven election timeouts of the honest
+# daemons' (ELECTION: 1 s; as 20 s did at 3 s each).
 BID_SECONDS = 7.0
 
 

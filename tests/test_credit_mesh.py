@@ -24,7 +24,10 @@ from wire.identity import NodeIdentity
 
 pytestmark = pytest.mark.slow  # real daemons and engine workers
 
-VOLUNTEER = ["--memory", "256M", "--max-sessions", "2", "--session-tokens", "256", "--threads", "1"]
+# Every daemon works its ledger's credit out every 2 s, not the product's STANDING_EVERY (10 s): the loops
+# that wait for a standing to show what the ledger holds wait seconds (what is worked out is the same).
+STANDING = ["--standing-every", "2"]
+VOLUNTEER = ["--memory", "256M", "--max-sessions", "2", "--session-tokens", "256", "--threads", "1", *STANDING]
 SETTLE_S = 120.0
 
 
@@ -65,7 +68,7 @@ def test_asks_between_two_volunteers_are_countersigned_kept_by_both_and_earn_the
         ids = [n.node_id for n in nodes]
 
         def agree(docs: list[dict[str, Any]]) -> bool:
-            """The same ledger on both, and the same standing worked out of it (each reckons every 10 s)."""
+            """The same ledger on both, and the same standing worked out of it (each reckons every 2 s)."""
             if docs[0]["root"] != docs[1]["root"] or not docs[0]["summaries"]:
                 return False
             for me, other in ((0, 1), (1, 0)):
@@ -114,12 +117,12 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
     try:
         # the stage serves the default model with one slot; the server volunteers another (tiny) model
         stage = start_join("--state-dir", str(states["stage"]), "--model", str(default_model), "--memory", "256M",
-                           "--max-sessions", "1", "--session-tokens", "2048", "--threads", "1")
+                           "--max-sessions", "1", "--session-tokens", "2048", "--threads", "1", *STANDING)
         nodes.append(stage)
         server = start_join("--seed", stage.address, "--state-dir", str(states["server"]), "--model",
                             str(tiny_draft_model), *VOLUNTEER)
         nodes.append(server)
-        newcomer = start_join("--seed", stage.address, "--state-dir", str(states["newcomer"]), "--no-model")
+        newcomer = start_join("--seed", stage.address, "--state-dir", str(states["newcomer"]), "--no-model", *STANDING)
         nodes.append(newcomer)
         # the stage's member asks the server's model: the server serves it (100 tokens and more), verified
         # by its receipts, and the stage's member countersigns it
@@ -147,7 +150,7 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
                   WorkSummary.create(ring[0], honest.model, 0, 8, 1000, 0, True, int(now), honest.head),
                   served_summary(ring[1], ring[1], tokens=100, at=now)]
         assert _give(stage.address, forged) == WorkTaken(taken=0, refused=3)
-        # the ledger's credit is worked out again every STANDING_EVERY: once it holds the ring's summaries,
+        # the ledger's credit is worked out again every 2 s (STANDING): once it holds the ring's summaries,
         # each ring member that asked stands in it (it spent), and no ring member earned anything
         askers = {summary.asker for summary in made_up}
         deadline = time.monotonic() + 3 * STANDING_EVERY
