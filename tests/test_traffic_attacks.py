@@ -21,7 +21,18 @@ import pytest
 import trio
 from attackers import attacker
 from localmesh import Served, mesh_status, run_meshd, start_join, start_meshd, stop_all
-from test_attacks import PROMPT, SESSIONS, TOKENS, Mesh, converged, honest_ask, honest_mesh, honest_route, placed_liar
+from test_attacks import (
+    ELECTION,
+    PROMPT,
+    SESSIONS,
+    TOKENS,
+    Mesh,
+    converged,
+    honest_ask,
+    honest_mesh,
+    honest_route,
+    placed_liar,
+)
 
 from meshd.mesh.routing import TRAFFIC_RATIO
 from meshd.net.peers import Peers, PeersConfig, open_peers
@@ -71,8 +82,9 @@ async def slow_beside_honest(tmp_path: Path, path: Path, role: str) -> AsyncIter
     """`role`: tools/slow_worker.py's, "daemon" (its receipts sign the time it took) or "liar" (0 µs)."""
     nodes: list[Served] = []
     try:
-        nodes.append(seed := start_join("--no-model", "--state-dir", str(tmp_path / "seed"), *SESSIONS))
-        volunteer = ["--seed", seed.address, "--model", str(path), "--memory", "1M", *SESSIONS]
+        # (the honest daemons' elections as test_attacks' mesh times them: a fresh mesh settles sooner)
+        nodes.append(seed := start_join("--no-model", "--state-dir", str(tmp_path / "seed"), *SESSIONS, *ELECTION))
+        volunteer = ["--seed", seed.address, "--model", str(path), "--memory", "1M", *SESSIONS, *ELECTION]
         nodes.append(honest := start_join(*volunteer, "--state-dir", str(tmp_path / "honest")))
         nodes.append(slow := start_meshd("join", *volunteer, "--state-dir", str(tmp_path / "slow"),
                                          program=[sys.executable, str(SLOW_WORKER), role, str(SLEEP)]))
@@ -171,7 +183,7 @@ async def test_a_slow_stage_that_signs_its_spans_as_taking_no_time_still_loses_t
 
 async def test_a_placed_member_reporting_an_honest_stage_slow_again_and_again_moves_no_route(
         tmp_path: Path, tiny_models: dict[str, Path]) -> None:
-    with honest_mesh(tmp_path, tiny_models["llama-gqa-untied"]) as mesh:
+    with honest_mesh(tmp_path, tiny_models["llama-gqa-untied"], flags=ELECTION) as mesh:
         async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
             view = await converged(peers, mesh)
             tracker = next(n for n in mesh.nodes if n.node_id == view.tracker)
