@@ -24,6 +24,7 @@ from meshd.client.ask import AskRequest, AskResult
 from meshd.client.failover import ask_with_failover
 from meshd.client.route import Stage, route_at
 from meshd.client.session import run_session
+from meshd.engine.supervisor import WorkerDown
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.stage.books import StageLimits
 from meshd.stage.node import StageNode, stage_node
@@ -99,7 +100,13 @@ async def rewinds(ring: Ring, nodes: Sequence[StageNode] | None = None) -> list[
     async def count() -> list[float]:
         counts = []
         for n in ring.value if nodes is None else nodes:
-            reply, _ = await n.engine.call({"op": "fast_stats"})
+            with trio.fail_after(ASK_DEADLINE):
+                while True:
+                    try:
+                        reply, _ = await n.engine.call({"op": "fast_stats"})
+                        break
+                    except WorkerDown:  # a worker the test killed, not yet back (its new one counts from 0)
+                        await trio.sleep(0.1)
             counts.append(n.service.books.counts.rewinds + reply["stats"]["draft_rewinds"])
         return counts
 
