@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import trio
 from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_model, planted_sync
-from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
+from localmesh import Launched, Served, launch_meshd, mesh_status, run_meshd, start_join, stop_all, stop_process
 from test_hostile_stage import typed_error
 
 from meshd.client.ask import AskRequest, AskResult
@@ -90,16 +90,23 @@ def honest_mesh(base: Path, path: Path, memory: str = "1M", flags: Sequence[str]
     """A seed with no model and two volunteers offering about half the model each (`memory` each: half
     the tiny model by default): the honest route has two stages. `flags`: more for every `meshd join`."""
     nodes: list[Served] = []
+    launched: list[Launched] = []
     try:
         nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS, *flags))
-        for i in range(2):
-            nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", memory,
-                                    "--state-dir", str(base / f"v{i}"), *SESSIONS, *flags))
+        # the two volunteers start side by side
+        launched = [launch_meshd("join", "--seed", nodes[0].address, "--model", str(path), "--memory", memory,
+                                 "--state-dir", str(base / f"v{i}"), *SESSIONS, *flags) for i in range(2)]
+        for one in launched:
+            nodes.append(one.ready())
         from meshd.stage.model_file import model_manifest
         digest = model_manifest(path, base / "v0").model_id
         yield Mesh(nodes[0], nodes[1:], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
     finally:
-        stop_all(nodes)
+        try:
+            stop_all(nodes)
+        finally:
+            for one in launched[len(nodes) - 1:]:
+                stop_process(one.proc)
 
 
 @pytest.fixture(scope="module")
