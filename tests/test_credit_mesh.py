@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from localmesh import Served, meshd_command, run_meshd, spawn, start_join, stop_all
+from localmesh import Launched, Served, launch_meshd, meshd_command, run_meshd, spawn, start_join, stop_all, stop_process
 
 from meshd.client.ledger import STANDING_EVERY
 from meshd.net.control import control_request
@@ -114,16 +114,20 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
         default_model: Path, tiny_draft_model: Path, tmp_path: Path) -> None:
     states = {name: tmp_path / name for name in ("stage", "server", "newcomer")}
     nodes: list[Served] = []
+    launched: list[Launched] = []
     try:
         # the stage serves the default model with one slot; the server volunteers another (tiny) model
         stage = start_join("--state-dir", str(states["stage"]), "--model", str(default_model), "--memory", "256M",
                            "--max-sessions", "1", "--session-tokens", "2048", "--threads", "1", *STANDING)
         nodes.append(stage)
-        server = start_join("--seed", stage.address, "--state-dir", str(states["server"]), "--model",
-                            str(tiny_draft_model), *VOLUNTEER)
-        nodes.append(server)
-        newcomer = start_join("--seed", stage.address, "--state-dir", str(states["newcomer"]), "--no-model", *STANDING)
-        nodes.append(newcomer)
+        # the other two start side by side
+        launched = [launch_meshd("join", "--seed", stage.address, "--state-dir", str(states["server"]), "--model",
+                                 str(tiny_draft_model), *VOLUNTEER),
+                    launch_meshd("join", "--seed", stage.address, "--state-dir", str(states["newcomer"]), "--no-model",
+                                 *STANDING)]
+        for one in launched:
+            nodes.append(one.ready())
+        server, newcomer = nodes[1:]
         # the stage's member asks the server's model: the server serves it (100 tokens and more), verified
         # by its receipts, and the stage's member countersigns it
         for _ in range(3):
@@ -184,4 +188,10 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
         # the server was let in at once: the newcomer's session gave up the slot to it
         assert "an asker with more credit" in err, err
     finally:
-        stop_all(nodes)
+        try:
+            stop_all(nodes)
+        finally:
+            held = {n.proc for n in nodes}
+            for one in launched:
+                if one.proc not in held:  # started, never ready
+                    stop_process(one.proc)
