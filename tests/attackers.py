@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 import trio
+from hosted import together
 
 from meshd.daemon import MeshDaemon
 from meshd.daemon.config import NodeConfig
@@ -241,9 +242,10 @@ def every_layer(model: ModelInfo) -> list[ServedRange]:
 
 @asynccontextmanager
 async def sybils(seed: str, n: int) -> AsyncIterator[list[AttackerDaemon]]:
-    """`n` attackers joined through `seed` (each a real link and identity), stopped together on exit."""
-    async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(attacker(seed)) for _ in range(n)]
+    """`n` attackers joined through `seed` (each a real link and identity), started side by side and
+    stopped together on exit (one after another, six stops took some 10 s)."""
+    async with together([attacker(seed) for _ in range(n)]) as crowd:
+        yield crowd
 
 
 async def genuine_receipt(peers: Peers, head: RouteStage, model: str) -> Receipt:

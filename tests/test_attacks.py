@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import trio
 from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_model, planted_sync
-from localmesh import Served, mesh_status, run_meshd, start_join, stop_all
+from localmesh import Launched, Served, launch_meshd, mesh_status, run_meshd, start_join, stop_all, stop_process
 from test_hostile_stage import typed_error
 
 from meshd.client.ask import AskRequest, AskResult
@@ -35,7 +35,6 @@ from meshd.mesh.records import CapabilityRecord, ModelInfo, ServedRange
 from meshd.net import rpc as net_rpc
 from meshd.net.peers import Peers, PeersConfig, open_peers
 from meshd.net.rpc import mesh_rpc
-from meshd.stage.books import StageLimits
 from meshd.stage.model_file import describe_model
 from meshd.stage.receipts import SessionReceipts, Signer
 from relay.limits import RelayLimits
@@ -63,6 +62,15 @@ TOKENS = 12
 # the attackers' own host (all of 127/8 is loopback): a stage tells them from the bystander by it
 ATTACKER_HOST = PeersConfig(dial_from="127.0.0.2")
 SESSIONS = ["--threads", "1", "--max-sessions", "4", "--session-tokens", "256"]
+# The module's stages' tenure (StageLimits.tenure, hidden `join --tenure`): 3 s, not the product's 10 s, so
+# that the slot of a source that held one past it goes round 3 s after the last of four opened, not 10 s
+TENURE = 3.0
+# The honest daemons' election timeout: 1 s, not the product's 3 s, so that a fresh mesh settles on its
+# tracker and a claim sits on every record for as many election rounds in a third of the time (a shorter
+# timeout only makes an honest node quicker to look for a new tracker: it weakens no defence; much
+# shorter, and a vote may not have gone round a loaded machine's mesh within one, five gossip rounds of
+# 0.2 s).
+ELECTION = ("--election-timeout", "1")
 
 
 @dataclass
@@ -82,21 +90,29 @@ def honest_mesh(base: Path, path: Path, memory: str = "1M", flags: Sequence[str]
     """A seed with no model and two volunteers offering about half the model each (`memory` each: half
     the tiny model by default): the honest route has two stages. `flags`: more for every `meshd join`."""
     nodes: list[Served] = []
+    launched: list[Launched] = []
     try:
         nodes.append(start_join("--no-model", "--state-dir", str(base / "seed"), *SESSIONS, *flags))
-        for i in range(2):
-            nodes.append(start_join("--seed", nodes[0].address, "--model", str(path), "--memory", memory,
-                                    "--state-dir", str(base / f"v{i}"), *SESSIONS, *flags))
+        # the two volunteers start side by side
+        launched = [launch_meshd("join", "--seed", nodes[0].address, "--model", str(path), "--memory", memory,
+                                 "--state-dir", str(base / f"v{i}"), *SESSIONS, *flags) for i in range(2)]
+        for one in launched:
+            nodes.append(one.ready())
         from meshd.stage.model_file import model_manifest
         digest = model_manifest(path, base / "v0").model_id
         yield Mesh(nodes[0], nodes[1:], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
     finally:
-        stop_all(nodes)
+        try:
+            stop_all(nodes)
+        finally:
+            for one in launched[len(nodes) - 1:]:
+                stop_process(one.proc)
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Mesh]:
-    with honest_mesh(tmp_path_factory.mktemp("attacks"), tiny_models["llama-gqa-untied"]) as honest:
+    with honest_mesh(tmp_path_factory.mktemp("attacks"), tiny_models["llama-gqa-untied"],
+                     flags=("--tenure", f"{TENURE:g}", *ELECTION)) as honest:
         yield honest
 
 
@@ -512,10 +528,10 @@ async def test_four_slow_sessions_of_four_attacker_identities_do_not_lock_a_byst
 async def test_four_slow_sessions_from_four_source_addresses_do_not_lock_a_bystander_out(
         mesh: Mesh, peers: Peers) -> None:
     # one identity on each of 127.0.0.2..5: no source holds more than one slot of the tail's four; a
-    # slot goes round once its holder has had the stage's tenure (StageLimits.tenure), so the honest
-    # ask comes this long after the last of them opened
+    # slot goes round once its holder has had the stage's tenure (TENURE), so the honest ask comes
+    # this long after the last of them opened
     evicted = await evicted_by_a_bystander(peers, mesh, [PeersConfig(dial_from=f"127.0.0.{2 + i}") for i in range(4)],
-                                           StageLimits().tenure + 1.0)
+                                           TENURE + 1.0)
     # the bystander's session took the slot of the one that had held it longest
     assert evicted.code is ErrorCode.CACHE_MISS and "has held a slot here longest" in evicted.message, evicted
 

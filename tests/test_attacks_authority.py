@@ -22,6 +22,7 @@ import trio
 from attackers import framing, genuine_receipt, sybils
 from localmesh import Served, mesh_status, start_join, stop_all
 from test_attacks import (
+    ELECTION,
     PROMPT,
     SESSIONS,
     TOKENS,
@@ -40,6 +41,7 @@ from meshd.client.route import Stage as AskStage
 from meshd.client.route import route_from_reply
 from meshd.mesh.election import Tracker
 from meshd.mesh.records import ServedRange
+from meshd.mesh.swim_config import SwimConfig
 from meshd.net.peers import Peers
 from meshd.net.rpc import mesh_rpc
 from wire.errors import ErrorCode, ProtocolError
@@ -52,17 +54,13 @@ pytestmark = pytest.mark.slow  # three daemons, two engine workers and in-proces
 # only the 3 the tracker placed or is (meshd.mesh.authority: free identities weigh nothing,
 # however many; a placed attacker would need more placements than the honest mesh holds).
 FREE_IDENTITIES = 6
-# The honest daemons' election timeout: 1.5 s, not the product's 3 s, so that a bid sits on every record
-# for as many election rounds in half the time (a shorter timeout only makes an honest node quicker to
-# look for a new tracker: it weakens no defence; much shorter, and a vote may not have gone round a
-# loaded machine's mesh within one).
-ELECTION = ("--election-timeout", "1.5")
-# One probe of every member by every honest node (SWIM probes one member a second, round-robin: the
-# mesh's 3 and the 6 sybils), so each honest node has heard each attacker first-hand.
-PROBE_ROUND_S = 9.0
-# Long enough for a probe round, and for the bid to sit on every record for six or seven election
-# timeouts (as 20 s did at 3 s each).
-BID_SECONDS = 10.0
+# A member that becomes live in a node's view is pinged at that node's next probe tick (one a second;
+# SwimConfig.confirmations of them a tick: the 6 sybils at once), and its ack is the node hearing it
+# first-hand: three ticks after every honest node holds every sybil live, each has heard each of them.
+CONFIRMED_S = 3 * SwimConfig().probe_interval
+# Long enough for the bid to sit on every record for six or seven election timeouts of the honest
+# daemons' (ELECTION: 1 s; as 20 s did at 3 s each).
+BID_SECONDS = 7.0
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +195,7 @@ async def test_with_the_tracker_killed_free_identities_bidding_at_every_term_nev
             backer.vote_for(lambda: Tracker(bidder.mesh.record.tracker_term, bidder.mesh.node_id))
         for bad in crowd:
             await joined(peers, mesh, bad)
-        await trio.sleep(PROBE_ROUND_S)  # every volunteer probes (hears first-hand) each sybil
+        await trio.sleep(CONFIRMED_S)  # every volunteer has pinged (heard first-hand) each sybil
         os.kill(mesh.seed.proc.pid, signal.SIGKILL)
         honest = {v.node_id for v in mesh.volunteers}
         with trio.fail_after(60):

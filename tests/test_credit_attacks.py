@@ -28,8 +28,8 @@ import pytest
 import trio
 from attackers import attacker
 from localmesh import Served, mesh_status
-from test_attacks import SESSIONS, Mesh, converged, honest_mesh, joined
-from test_attacks_authority import BID_SECONDS, ELECTION
+from test_attacks import ELECTION, SESSIONS, Mesh, converged, honest_mesh, joined
+from test_attacks_authority import BID_SECONDS
 from test_credit_mesh import ledger
 
 from meshd.client.ask import AskRequest
@@ -65,7 +65,10 @@ VOTES_EVERY = 2.0
 # the honest daemons' ledgers pull what they lack every 2 s or so, not 30: the others' ledgers catch up
 # with what a volunteer earned in seconds (the gossip, not its period, is what test_credit_gossip shows)
 LEDGER_INTERVAL = 2.0
+# and they work their ledgers' credit out every 2 s, not the product's 10 s (STANDING_EVERY), for the weighing to take
+STANDING_S = 2.0
 FLAGS = ("--asker-window-cap", f"{CAP:g}", "--credit-votes-every", f"{VOTES_EVERY:g}",
+         "--standing-every", f"{STANDING_S:g}",
          "--ledger-interval", f"{LEDGER_INTERVAL:g}", *ELECTION)
 VOTES_SETTLE_S = VOTES_EVERY + 10.0
 DEEP_LAYERS = 24

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from localmesh import Served, meshd_command, run_meshd, spawn, start_join, stop_all
+from localmesh import Launched, Served, launch_meshd, meshd_command, run_meshd, spawn, start_join, stop_all, stop_process
 
 from meshd.client.ledger import STANDING_EVERY
 from meshd.net.control import control_request
@@ -24,7 +24,10 @@ from wire.identity import NodeIdentity
 
 pytestmark = pytest.mark.slow  # real daemons and engine workers
 
-VOLUNTEER = ["--memory", "256M", "--max-sessions", "2", "--session-tokens", "256", "--threads", "1"]
+# Every daemon works its ledger's credit out every 2 s, not the product's STANDING_EVERY (10 s): the loops
+# that wait for a standing to show what the ledger holds wait seconds (what is worked out is the same).
+STANDING = ["--standing-every", "2"]
+VOLUNTEER = ["--memory", "256M", "--max-sessions", "2", "--session-tokens", "256", "--threads", "1", *STANDING]
 SETTLE_S = 120.0
 
 
@@ -65,7 +68,7 @@ def test_asks_between_two_volunteers_are_countersigned_kept_by_both_and_earn_the
         ids = [n.node_id for n in nodes]
 
         def agree(docs: list[dict[str, Any]]) -> bool:
-            """The same ledger on both, and the same standing worked out of it (each reckons every 10 s)."""
+            """The same ledger on both, and the same standing worked out of it (each reckons every 2 s)."""
             if docs[0]["root"] != docs[1]["root"] or not docs[0]["summaries"]:
                 return False
             for me, other in ((0, 1), (1, 0)):
@@ -111,16 +114,20 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
         default_model: Path, tiny_draft_model: Path, tmp_path: Path) -> None:
     states = {name: tmp_path / name for name in ("stage", "server", "newcomer")}
     nodes: list[Served] = []
+    launched: list[Launched] = []
     try:
         # the stage serves the default model with one slot; the server volunteers another (tiny) model
         stage = start_join("--state-dir", str(states["stage"]), "--model", str(default_model), "--memory", "256M",
-                           "--max-sessions", "1", "--session-tokens", "2048", "--threads", "1")
+                           "--max-sessions", "1", "--session-tokens", "2048", "--threads", "1", *STANDING)
         nodes.append(stage)
-        server = start_join("--seed", stage.address, "--state-dir", str(states["server"]), "--model",
-                            str(tiny_draft_model), *VOLUNTEER)
-        nodes.append(server)
-        newcomer = start_join("--seed", stage.address, "--state-dir", str(states["newcomer"]), "--no-model")
-        nodes.append(newcomer)
+        # the other two start side by side
+        launched = [launch_meshd("join", "--seed", stage.address, "--state-dir", str(states["server"]), "--model",
+                                 str(tiny_draft_model), *VOLUNTEER),
+                    launch_meshd("join", "--seed", stage.address, "--state-dir", str(states["newcomer"]), "--no-model",
+                                 *STANDING)]
+        for one in launched:
+            nodes.append(one.ready())
+        server, newcomer = nodes[1:]
         # the stage's member asks the server's model: the server serves it (100 tokens and more), verified
         # by its receipts, and the stage's member countersigns it
         for _ in range(3):
@@ -147,7 +154,7 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
                   WorkSummary.create(ring[0], honest.model, 0, 8, 1000, 0, True, int(now), honest.head),
                   served_summary(ring[1], ring[1], tokens=100, at=now)]
         assert _give(stage.address, forged) == WorkTaken(taken=0, refused=3)
-        # the ledger's credit is worked out again every STANDING_EVERY: once it holds the ring's summaries,
+        # the ledger's credit is worked out again every 2 s (STANDING): once it holds the ring's summaries,
         # each ring member that asked stands in it (it spent), and no ring member earned anything
         askers = {summary.asker for summary in made_up}
         deadline = time.monotonic() + 3 * STANDING_EVERY
@@ -181,4 +188,10 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
         # the server was let in at once: the newcomer's session gave up the slot to it
         assert "an asker with more credit" in err, err
     finally:
-        stop_all(nodes)
+        try:
+            stop_all(nodes)
+        finally:
+            held = {n.proc for n in nodes}
+            for one in launched:
+                if one.proc not in held:  # started, never ready
+                    stop_process(one.proc)

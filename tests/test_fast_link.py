@@ -42,7 +42,7 @@ import subprocess
 import termios
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from hosted import together
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from localmesh import Served, serving
@@ -1093,11 +1094,8 @@ TINY_TOKENS = 6
 async def tiny_mesh(model: Path) -> AsyncIterator[list[StageNode]]:
     """Head, middle and tail of the tiny model, each a stage node of this process with its engine worker."""
     config = PeersConfig(drain_timeout=0.5, admission=AdmissionConfig(preauth_timeout=PREAUTH))
-    async with AsyncExitStack() as stack:
-        nodes = []
-        for layers in TINY_RANGES.values():
-            node = stage_node(model, layers, TINY_LIMITS, NodeIdentity.generate(), config, threads=1)
-            nodes.append(await stack.enter_async_context(node))
+    async with together([stage_node(model, layers, TINY_LIMITS, NodeIdentity.generate(), config, threads=1)
+                         for layers in TINY_RANGES.values()]) as nodes:
         yield nodes
 
 

@@ -9,13 +9,14 @@ the liar."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import trio
+from hosted import Hosted, hosted, together
 from lying_worker import lying, restart_worker
 from test_verify_route import stage_of
 
@@ -43,10 +44,10 @@ SHARED = "The lighthouse keeper climbed the stairs. " * 2
 @asynccontextmanager
 async def caching_stages(model: Path, ranges: dict[str, tuple[int, int]] = RANGES) -> AsyncIterator[dict[str, StageNode]]:
     limits = StageLimits(max_sessions=4, max_session_tokens=512, max_total_tokens=2048, cache_tokens=1024)
-    async with AsyncExitStack() as stack:
-        yield {name: await stack.enter_async_context(stage_node(
-            model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
-            for name, layers in ranges.items()}
+    # started side by side, and stopped so
+    async with together([stage_node(model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5),
+                                    threads=1) for layers in ranges.values()]) as nodes:
+        yield dict(zip(ranges, nodes, strict=True))
 
 
 async def test_a_cached_answer_is_the_verified_one_and_a_liar_past_the_prefix_is_caught(
@@ -87,21 +88,29 @@ async def test_a_cached_answer_is_the_verified_one_and_a_liar_past_the_prefix_is
                 assert caught.epochs == 3 and caught.cached_tokens == 0
 
 
+@pytest.fixture(scope="module")
+def penalty_stages(tiny_models: dict[str, Path]) -> Iterator[Hosted[dict[str, StageNode]]]:
+    """A split route and a whole-model stage, the module's: the fast and the daemons' case ask them alike
+    (each case's own asks show its cache hit, and its answer without the cache)."""
+    ranges = {"head": (0, 2), "mid": (2, 4), "tail": (4, 6), "whole": (0, 6)}
+    with hosted(lambda: caching_stages(tiny_models["llama-gqa-untied"], ranges)) as nodes:
+        yield nodes
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "daemons"])
-async def test_a_cached_prefix_keeps_the_repetition_penalty_and_a_whole_model_stage(tiny_models: dict[str, Path],
-                                                                                    fast: bool) -> None:
+async def test_a_cached_prefix_keeps_the_repetition_penalty_and_a_whole_model_stage(
+        penalty_stages: Hosted[dict[str, StageNode]], fast: bool) -> None:
     # the penalty's history holds the prompt's ids, the cached prefix's too: a sampler that missed them
     # would pick other tokens; one stage serving the whole model (head and tail at once) takes the cache too
     sampling = Sampling(temperature=0.8, top_k=20, repeat_penalty=1.5, repeat_last_n=256, seed=7)
-    ranges = {"head": (0, 2), "mid": (2, 4), "tail": (4, 6), "whole": (0, 6)}
-    async with caching_stages(tiny_models["llama-gqa-untied"], ranges) as nodes:
-        split = [stage_of(nodes[n]) for n in ("head", "mid", "tail")]
-        async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
-            with trio.fail_after(ASK_DEADLINE):
-                for route in (split, [stage_of(nodes["whole"])]):
-                    ask = AskRequest(text=SHARED + "Then he", max_tokens=24, sampling=sampling, fast=fast)
-                    await run_session(peers, route, replace(ask, text=SHARED + "At dusk she"), AskResult())
-                    cached = await run_session(peers, route, ask, AskResult())
-                    off = await run_session(peers, route, replace(ask, cache=False), AskResult())
-                    assert cached.cached_tokens >= 64 and off.cached_tokens == 0
-                    assert cached.tokens == off.tokens and len(off.tokens) > 0
+    nodes = penalty_stages.value
+    split = [stage_of(nodes[n]) for n in ("head", "mid", "tail")]
+    async with open_peers(NodeIdentity.generate(), PeersConfig(drain_timeout=0.5)) as peers:
+        with trio.fail_after(ASK_DEADLINE):
+            for route in (split, [stage_of(nodes["whole"])]):
+                ask = AskRequest(text=SHARED + "Then he", max_tokens=24, sampling=sampling, fast=fast)
+                await run_session(peers, route, replace(ask, text=SHARED + "At dusk she"), AskResult())
+                cached = await run_session(peers, route, ask, AskResult())
+                off = await run_session(peers, route, replace(ask, cache=False), AskResult())
+                assert cached.cached_tokens >= 64 and off.cached_tokens == 0
+                assert cached.tokens == off.tokens and len(off.tokens) > 0

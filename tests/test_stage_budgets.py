@@ -1,9 +1,14 @@
-"""KV budgets and bad input at a stage: typed errors, freed KV (read from llama.cpp), and a stage that keeps serving."""
+"""KV budgets and bad input at a stage: typed errors, freed KV (read from llama.cpp), and a stage that keeps serving.
+
+The stages of the default limits that several tests open sessions on (the whole model, the head, a middle
+stage) are the module's, held on a loop of their own (tests/hosted.py): a test begins once the stage holds
+none of an earlier one's sessions (their asker gone, each was released).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +18,7 @@ import numpy as np
 import pytest
 import trio
 from attacks import typed_error
+from hosted import Hosted, hosted, together
 
 from meshd.client.ask import AskRequest, AskResult, RouteError
 from meshd.client.route import Stage, check_opened, check_route, route_from_reply
@@ -51,6 +57,59 @@ async def stage(model: Path, layers: tuple[int, int] | None, **limits: float) ->
     lim = StageLimits(**({"max_sessions": 4, "max_session_tokens": 256} | limits))
     async with stage_node(model, layers, lim, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1) as node:
         yield node
+
+
+class Shared:
+    """A module's stage, asked by one test: ``node``, and what its books hold, read on its own loop."""
+
+    def __init__(self, host: Hosted[StageNode]) -> None:
+        self.host, self.node = host, host.value
+
+    async def sessions(self) -> float:
+        async def count() -> float:
+            return self.node.service.metric_values()["sessions"]
+
+        return await self.host.run(count)
+
+    async def idle(self) -> Shared:
+        """Once the stage holds no session (an earlier test's are released as their asker goes)."""
+        with trio.fail_after(20):
+            while await self.sessions():
+                await trio.sleep(0.02)
+        return self
+
+
+@pytest.fixture(scope="module")
+def whole_stage(default_model: Path) -> Iterator[Hosted[StageNode]]:
+    with hosted(lambda: stage(default_model, None)) as node:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def head_stage(default_model: Path) -> Iterator[Hosted[StageNode]]:
+    with hosted(lambda: stage(default_model, (0, 10))) as node:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def middle_stage(default_model: Path) -> Iterator[Hosted[StageNode]]:
+    with hosted(lambda: stage(default_model, (10, 20))) as node:
+        yield node
+
+
+@pytest.fixture
+async def whole(whole_stage: Hosted[StageNode]) -> Shared:
+    return await Shared(whole_stage).idle()
+
+
+@pytest.fixture
+async def head(head_stage: Hosted[StageNode]) -> Shared:
+    return await Shared(head_stage).idle()
+
+
+@pytest.fixture
+async def middle(middle_stage: Hosted[StageNode]) -> Shared:
+    return await Shared(middle_stage).idle()
 
 
 async def drain(stream: Stream) -> None:
@@ -194,59 +253,59 @@ async def test_prompt_longer_than_the_session_budget_is_refused_naming_the_limit
         assert node.service.metric_values()["sessions"] == 0.0
 
 
-async def test_stale_epoch_is_refused(default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, None) as node:
-        _, first = await open_session(asker, node, "s", epoch=3)
-        assert isinstance(first, Opened)
-        _, reply = await open_session(asker, node, "s", epoch=2)
-        assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.EPOCH_STALE
+async def test_stale_epoch_is_refused(whole: Shared, asker: Asker) -> None:
+    node = whole.node
+    _, first = await open_session(asker, node, "s", epoch=3)
+    assert isinstance(first, Opened)
+    _, reply = await open_session(asker, node, "s", epoch=2)
+    assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.EPOCH_STALE
 
 
-async def test_other_model_digest_is_refused(default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, None) as node:
-        _, reply = await open_session(asker, node, "s", digest="f" * 64)
-        assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.MODEL_MISMATCH
+async def test_other_model_digest_is_refused(whole: Shared, asker: Asker) -> None:
+    node = whole.node
+    _, reply = await open_session(asker, node, "s", digest="f" * 64)
+    assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.MODEL_MISMATCH
 
 
 async def test_opened_says_what_the_stage_serves_and_its_next_hop_is_dialled_already(
-        default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, (0, 10)) as node:
-        assert node.peers.link_to(asker.peers.node_id) is None
-        _, reply = await open_session(asker, node, "s")
-        assert isinstance(reply, Opened)
-        assert (reply.info.layer_begin, reply.info.layer_end, reply.info.n_layer) == (0, 10, 30)
-        assert reply.info.node_id == node.peers.node_id and reply.info.model_digest == node.service.digest
-        # before any prompt, the head holds its link to the next stage
-        assert node.peers.link_to(asker.peers.node_id) is not None
+        head: Shared, asker: Asker) -> None:
+    node = head.node
+    assert node.peers.link_to(asker.peers.node_id) is None
+    _, reply = await open_session(asker, node, "s")
+    assert isinstance(reply, Opened)
+    assert (reply.info.layer_begin, reply.info.layer_end, reply.info.n_layer) == (0, 10, 30)
+    assert reply.info.node_id == node.peers.node_id and reply.info.model_digest == node.service.digest
+    # before any prompt, the head holds its link to the next stage
+    assert node.peers.link_to(asker.peers.node_id) is not None
 
 
-async def test_unreachable_next_stage_fails_the_open(default_model: Path, asker: Asker, refusing_address: str) -> None:
-    async with stage(default_model, (0, 10)) as node:
-        s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
-        await s.send_message(Open(session="s", epoch=0, next=PeerRef(address=refusing_address)))
-        err = await typed_error(s, timeout=10)
-        assert err.code == ErrorCode.UNREACHABLE and f"next stage {refusing_address} is unreachable" in err.message
-        assert node.service.metric_values()["sessions"] == 0.0
+async def test_unreachable_next_stage_fails_the_open(head: Shared, asker: Asker, refusing_address: str) -> None:
+    node = head.node
+    s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
+    await s.send_message(Open(session="s", epoch=0, next=PeerRef(address=refusing_address)))
+    err = await typed_error(s, timeout=10)
+    assert err.code == ErrorCode.UNREACHABLE and f"next stage {refusing_address} is unreachable" in err.message
+    assert await head.sessions() == 0.0
 
 
 async def test_open_without_the_next_hop_says_what_the_stage_serves_but_takes_no_prompt(
-        default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, (0, 10)) as node:
-        s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
-        await s.send_message(Open(session="s", epoch=0))
-        reply = await s.receive_message()
-        assert isinstance(reply, Opened) and (reply.info.layer_begin, reply.info.layer_end) == (0, 10)
-        await s.send_message(Prompt(session="s", epoch=0, text="hello"))
-        err = await typed_error(s, timeout=10)
-        assert err.code == ErrorCode.BAD_REQUEST and "needs the next stage's address" in err.message
+        head: Shared, asker: Asker) -> None:
+    node = head.node
+    s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
+    await s.send_message(Open(session="s", epoch=0))
+    reply = await s.receive_message()
+    assert isinstance(reply, Opened) and (reply.info.layer_begin, reply.info.layer_end) == (0, 10)
+    await s.send_message(Prompt(session="s", epoch=0, text="hello"))
+    err = await typed_error(s, timeout=10)
+    assert err.code == ErrorCode.BAD_REQUEST and "needs the next stage's address" in err.message
 
 
-async def test_hop_for_unknown_session_is_not_found(default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, (10, 20)) as node:
-        s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
-        await s.send_message(Hop(session="nobody", epoch=0, prompt_tokens=3))
-        err = await typed_error(s, timeout=10)
-        assert err.code == ErrorCode.NOT_FOUND
+async def test_hop_for_unknown_session_is_not_found(middle: Shared, asker: Asker) -> None:
+    node = middle.node
+    s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
+    await s.send_message(Hop(session="nobody", epoch=0, prompt_tokens=3))
+    err = await typed_error(s, timeout=10)
+    assert err.code == ErrorCode.NOT_FOUND
 
 
 async def middle_session(asker: Asker, node: StageNode, **extra: Any) -> tuple[Stream, Stream]:
@@ -263,24 +322,24 @@ def activation(pos: int, rows: int, width: int = 576, **tensor: Any) -> Activati
                       tensors=[TensorEntry.from_array("hidden_states", hidden, **tensor)])
 
 
-async def test_position_gap_is_a_cache_miss(default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, (10, 20)) as node:
-        control, hop = await middle_session(asker, node)
-        await hop.send_message(activation(pos=3, rows=2))
-        err = await typed_error(control, timeout=10)
-        assert err.code == ErrorCode.CACHE_MISS and "position 3" in err.message
-        assert node.service.metric_values()["sessions"] == 0.0
+async def test_position_gap_is_a_cache_miss(middle: Shared, asker: Asker) -> None:
+    node = middle.node
+    control, hop = await middle_session(asker, node)
+    await hop.send_message(activation(pos=3, rows=2))
+    err = await typed_error(control, timeout=10)
+    assert err.code == ErrorCode.CACHE_MISS and "position 3" in err.message
+    assert await middle.sessions() == 0.0
 
 
-async def test_residual_of_wrong_width_is_refused_and_stage_keeps_serving(default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, (10, 20)) as node:
-        control, hop = await middle_session(asker, node)
-        await hop.send_message(activation(pos=0, rows=2, width=100))
-        err = await typed_error(control, timeout=10)
-        assert err.code == ErrorCode.BAD_REQUEST and "(2, 576)" in err.message
-        # the stage takes the next session as if nothing happened
-        _, reply = await open_session(asker, node, "next")
-        assert isinstance(reply, Opened)
+async def test_residual_of_wrong_width_is_refused_and_stage_keeps_serving(middle: Shared, asker: Asker) -> None:
+    node = middle.node
+    control, hop = await middle_session(asker, node)
+    await hop.send_message(activation(pos=0, rows=2, width=100))
+    err = await typed_error(control, timeout=10)
+    assert err.code == ErrorCode.BAD_REQUEST and "(2, 576)" in err.message
+    # the stage takes the next session as if nothing happened
+    _, reply = await open_session(asker, node, "next")
+    assert isinstance(reply, Opened)
 
 
 @pytest.mark.parametrize(("negotiated", "sent"), [
@@ -289,12 +348,12 @@ async def test_residual_of_wrong_width_is_refused_and_stage_keeps_serving(defaul
     ({"wire_codec": "zstd"}, {}),
 ])
 async def test_hidden_states_not_as_negotiated_at_open_are_refused(
-        default_model: Path, asker: Asker, negotiated: dict[str, str], sent: dict[str, str]) -> None:
-    async with stage(default_model, (10, 20)) as node:
-        control, hop = await middle_session(asker, node, **negotiated)
-        await hop.send_message(activation(pos=0, rows=2, **sent))
-        err = await typed_error(control, timeout=10)
-        assert err.code == ErrorCode.BAD_REQUEST and "this session travels as" in err.message
+        middle: Shared, asker: Asker, negotiated: dict[str, str], sent: dict[str, str]) -> None:
+    node = middle.node
+    control, hop = await middle_session(asker, node, **negotiated)
+    await hop.send_message(activation(pos=0, rows=2, **sent))
+    err = await typed_error(control, timeout=10)
+    assert err.code == ErrorCode.BAD_REQUEST and "this session travels as" in err.message
 
 
 async def test_rows_beyond_the_session_budget_are_refused_before_decoding(default_model: Path, asker: Asker) -> None:
@@ -305,14 +364,14 @@ async def test_rows_beyond_the_session_budget_are_refused_before_decoding(defaul
         assert err.code == ErrorCode.OVERLOADED and "session budget is 64" in err.message
 
 
-async def test_unknown_first_message_resets_only_that_stream(default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, None) as node:
-        s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
-        await s.send_message(Cancel(session="x", epoch=0))
-        err = await typed_error(s, timeout=10)
-        assert err.code == ErrorCode.BAD_REQUEST
-        _, reply = await open_session(asker, node, "after")
-        assert isinstance(reply, Opened)
+async def test_unknown_first_message_resets_only_that_stream(whole: Shared, asker: Asker) -> None:
+    node = whole.node
+    s = await asker.peers.open_stream(node.address, STAGE_PROTOCOL)
+    await s.send_message(Cancel(session="x", epoch=0))
+    err = await typed_error(s, timeout=10)
+    assert err.code == ErrorCode.BAD_REQUEST
+    _, reply = await open_session(asker, node, "after")
+    assert isinstance(reply, Opened)
 
 
 def fake_info(begin: int, end: int, digest: str = "d" * 64, n_layer: int = 30) -> StageInfo:
@@ -354,7 +413,7 @@ def test_a_planned_route_is_opened_with_what_it_expects_and_a_stage_serving_othe
 
 async def test_a_route_that_does_not_cover_the_model_is_refused_after_opening_and_released(
         default_model: Path, asker: Asker) -> None:
-    async with stage(default_model, (0, 10)) as head, stage(default_model, (20, 30)) as tail:
+    async with together([stage(default_model, (0, 10)), stage(default_model, (20, 30))]) as (head, tail):
         with pytest.raises(RouteError, match=r"leaves layers \[10, 20\) uncovered"), trio.fail_after(ASK_DEADLINE):
             await run_session(asker.peers, [Stage(head.address), Stage(tail.address)],
                               AskRequest(text="The sky is", max_tokens=4), AskResult())

@@ -20,8 +20,19 @@ from pathlib import Path
 import pytest
 import trio
 from attackers import attacker
-from localmesh import Served, mesh_status, run_meshd, start_join, start_meshd, stop_all
-from test_attacks import PROMPT, SESSIONS, TOKENS, Mesh, converged, honest_ask, honest_mesh, honest_route, placed_liar
+from localmesh import Launched, Served, launch_meshd, mesh_status, run_meshd, start_join, stop_all, stop_process
+from test_attacks import (
+    ELECTION,
+    PROMPT,
+    SESSIONS,
+    TOKENS,
+    Mesh,
+    converged,
+    honest_ask,
+    honest_mesh,
+    honest_route,
+    placed_liar,
+)
 
 from meshd.mesh.routing import TRAFFIC_RATIO
 from meshd.net.peers import Peers, PeersConfig, open_peers
@@ -70,12 +81,18 @@ class SlowBeside:
 async def slow_beside_honest(tmp_path: Path, path: Path, role: str) -> AsyncIterator[SlowBeside]:
     """`role`: tools/slow_worker.py's, "daemon" (its receipts sign the time it took) or "liar" (0 µs)."""
     nodes: list[Served] = []
+    launched: list[Launched] = []
     try:
-        nodes.append(seed := start_join("--no-model", "--state-dir", str(tmp_path / "seed"), *SESSIONS))
-        volunteer = ["--seed", seed.address, "--model", str(path), "--memory", "1M", *SESSIONS]
-        nodes.append(honest := start_join(*volunteer, "--state-dir", str(tmp_path / "honest")))
-        nodes.append(slow := start_meshd("join", *volunteer, "--state-dir", str(tmp_path / "slow"),
-                                         program=[sys.executable, str(SLOW_WORKER), role, str(SLEEP)]))
+        # (the honest daemons' elections as test_attacks' mesh times them: a fresh mesh settles sooner)
+        nodes.append(seed := start_join("--no-model", "--state-dir", str(tmp_path / "seed"), *SESSIONS, *ELECTION))
+        volunteer = ["--seed", seed.address, "--model", str(path), "--memory", "1M", *SESSIONS, *ELECTION]
+        # the two volunteers start side by side
+        launched = [launch_meshd("join", *volunteer, "--state-dir", str(tmp_path / "honest")),
+                    launch_meshd("join", *volunteer, "--state-dir", str(tmp_path / "slow"),
+                                 program=[sys.executable, str(SLOW_WORKER), role, str(SLEEP)])]
+        for one in launched:
+            nodes.append(one.ready())
+        honest, slow = nodes[1:]
         digest = model_manifest(path, tmp_path / "honest").model_id
         mesh = Mesh(seed, [honest, slow], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
         async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
@@ -96,8 +113,9 @@ async def slow_beside_honest(tmp_path: Path, path: Path, role: str) -> AsyncIter
                 assert rate is not None, asked.stderr
                 waited.append(1.0 / float(rate.group(1)))
             # two honest replicas join, one a range, and the tracker times them
-            for name in ("r1", "r2"):
-                nodes.append(replica := start_join(*volunteer, "--state-dir", str(tmp_path / name)))
+            launched = [launch_meshd("join", *volunteer, "--state-dir", str(tmp_path / name)) for name in ("r1", "r2")]
+            for one in launched:
+                nodes.append(replica := one.ready())
                 mesh.volunteers.append(replica)
             await probed_all(peers, mesh, lambda status: any(c.replicas >= 2 for c in status.coverage))
             # no route goes through it, asked at any member, and the answer is the whole model's
@@ -107,7 +125,13 @@ async def slow_beside_honest(tmp_path: Path, path: Path, role: str) -> AsyncIter
             yield SlowBeside(peers, mesh, honest, slow, probed, await speeds(peers, seed, mesh.model.digest), waited,
                              tracker_state)
     finally:
-        stop_all(nodes)
+        try:
+            stop_all(nodes)
+        finally:
+            held = {n.proc for n in nodes}
+            for one in launched:
+                if one.proc not in held:  # started, never ready
+                    stop_process(one.proc)
 
 
 async def probed_all(peers: Peers, mesh: Mesh, covered: Callable[[StatusReply], bool]) -> dict[str, StageSpeed]:
@@ -171,7 +195,7 @@ async def test_a_slow_stage_that_signs_its_spans_as_taking_no_time_still_loses_t
 
 async def test_a_placed_member_reporting_an_honest_stage_slow_again_and_again_moves_no_route(
         tmp_path: Path, tiny_models: dict[str, Path]) -> None:
-    with honest_mesh(tmp_path, tiny_models["llama-gqa-untied"]) as mesh:
+    with honest_mesh(tmp_path, tiny_models["llama-gqa-untied"], flags=ELECTION) as mesh:
         async with open_peers(NodeIdentity.generate(), PeersConfig()) as peers:
             view = await converged(peers, mesh)
             tracker = next(n for n in mesh.nodes if n.node_id == view.tracker)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import random
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
+from hosted import together
 
 import meshd.stage.batching as batching_module
 from meshd.client.ask import AskRequest, AskResult
@@ -138,10 +139,10 @@ def route_finder(pool: Sequence[StageNode]) -> Callable[[list[str]], Any]:
 async def stage_nodes(model: Path, ranges: dict[str, tuple[int, int]]) -> AsyncIterator[dict[str, StageNode]]:
     """A stage of ``model`` for each named range, in this process, each with an engine worker of one thread."""
     limits = StageLimits(max_sessions=6, max_session_tokens=256)
-    async with AsyncExitStack() as stack:
-        yield {name: await stack.enter_async_context(stage_node(
-            model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5), threads=1))
-            for name, layers in ranges.items()}
+    # started side by side, and stopped so
+    async with together([stage_node(model, layers, limits, NodeIdentity.generate(), PeersConfig(drain_timeout=0.5),
+                                    threads=1) for layers in ranges.values()]) as nodes:
+        yield dict(zip(ranges, nodes, strict=True))
 
 
 async def test_lying_stages_are_caught_blamed_and_routed_around(tiny_models: dict[str, Path]) -> None:

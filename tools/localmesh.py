@@ -144,15 +144,23 @@ def stop_all(items: Iterable[Stoppable]) -> None:
 
 @contextlib.contextmanager
 def serving(ranges: Iterable[str], sessions: int, session_tokens: int) -> Iterator[list[Served]]:
-    """`meshd serve` of each layer range of the default model (one thread each), stopped at the end."""
+    """`meshd serve` of each layer range of the default model (one thread each), stopped at the end; the
+    stages start side by side (each loads its range meanwhile), not one after another."""
+    launched: list[Launched] = []
     served: list[Served] = []
     try:
         for r in ranges:
-            served.append(start_serve("--layers", r, "--threads", "1", "--max-sessions", str(sessions),
-                                      "--session-tokens", str(session_tokens)))
+            launched.append(launch_meshd("serve", "--layers", r, "--threads", "1", "--max-sessions", str(sessions),
+                                         "--session-tokens", str(session_tokens)))
+        for one in launched:
+            served.append(one.ready())
         yield served
     finally:
-        stop_all(served)
+        try:
+            stop_all(served)
+        finally:
+            for one in launched[len(served):]:
+                stop_process(one.proc)
 
 
 def meshd_command(*args: str) -> list[str]:
@@ -174,26 +182,44 @@ def start_meshd(command: str, *args: str, timeout: float = 60.0, program: list[s
     info level unless $MESHD_LOG says: tracker changes, placements, asks and fetches are what a
     failure's log must show (warnings alone left a placement stall unexplained). `program`: what runs in
     place of `meshd` (an attacker's wrapper of it, say), taking the same arguments."""
+    return launch_meshd(command, *args, timeout=timeout, program=program).ready()
+
+
+@dataclass
+class Launched:
+    """A `meshd` process started, not yet ready: `ready()` waits for its ready line (several started
+    first, then waited for, start side by side)."""
+
+    command: str
+    proc: subprocess.Popen[str]
+    log: Path
+    deadline: float
+
+    def ready(self) -> Served:
+        lines: list[str] = []
+        while time.monotonic() < self.deadline and self.proc.poll() is None:
+            lines = self.log.read_text().splitlines()
+            for line in lines:
+                m = READY.match(line)
+                if m:
+                    worker = m.group(3)
+                    return (Served(self.proc, m.group(1), int(worker), lines, log=self.log) if worker.isdigit()
+                            else Served(self.proc, m.group(1), 0, lines, node_id=worker, log=self.log))
+            time.sleep(0.05)
+        stop_process(self.proc)
+        lines = self.log.read_text().splitlines()
+        raise RuntimeError(f"meshd {self.command} did not become ready:\n" + "\n".join(lines))
+
+
+def launch_meshd(command: str, *args: str, timeout: float = 60.0, program: list[str] | None = None) -> Launched:
+    """`start_meshd`'s process, started; its `ready()` is `start_meshd`'s answer."""
     env = os.environ | {"PYTHONUNBUFFERED": "1", "MESHD_LOG": os.environ.get("MESHD_LOG", "info")}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"meshd-{command}-", suffix=".log", delete=False)
     argv = [*program, command, "--listen", "127.0.0.1:0", *args] if program is not None \
         else meshd_command(command, "--listen", "127.0.0.1:0", *args)
     proc = spawn(argv, stdout=log,
                  stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + timeout
-    lines: list[str] = []
-    while time.monotonic() < deadline and proc.poll() is None:
-        lines = Path(log.name).read_text().splitlines()
-        for line in lines:
-            m = READY.match(line)
-            if m:
-                worker = m.group(3)
-                return (Served(proc, m.group(1), int(worker), lines, log=Path(log.name)) if worker.isdigit()
-                        else Served(proc, m.group(1), 0, lines, node_id=worker, log=Path(log.name)))
-        time.sleep(0.05)
-    stop_process(proc)
-    lines = Path(log.name).read_text().splitlines()
-    raise RuntimeError(f"meshd {command} did not become ready:\n" + "\n".join(lines))
+    return Launched(command, proc, Path(log.name), time.monotonic() + timeout)
 
 
 def run_meshd(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:

@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     # periods a test mesh shortens so it waits seconds, not a minute, and the cap it lowers so a few asks earn a
     # cap's worth (hidden: an operator has no use for them)
     j.add_argument("--ledger-interval", type=number(0, 86400, above_low=True), default=30.0, help=argparse.SUPPRESS)
+    # (None: the product's, which `join` imports when it runs, so no other command's start pays for them)
+    j.add_argument("--standing-every", type=number(0, 86400, above_low=True), help=argparse.SUPPRESS)
     j.add_argument("--credit-votes-every", type=number(0, 86400, above_low=True), default=60.0, help=argparse.SUPPRESS)
     j.add_argument("--asker-window-cap", type=number(0, 1e12, above_low=True), default=ASKER_WINDOW_CAP,
                    help=argparse.SUPPRESS)
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--api-stall-timeout", type=number(0, 3600, above_low=True), default=None, help=argparse.SUPPRESS)
     j.add_argument("--punch-retry", type=number(0, PunchLimits.retry_cap, above_low=True),
                    default=PunchLimits.retry_after, help=argparse.SUPPRESS)
+    j.add_argument("--tenure", type=number(0, 3600, above_low=True), help=argparse.SUPPRESS)
     add_logging(j)
 
     r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")

@@ -22,6 +22,7 @@ from meshd.cli.gpu import AUTO, gpu_layers_text, offload_text, resolve_gpu
 from meshd.cli.hub import hub_whole, resolve_hub
 from meshd.cli.pull import hub_range
 from meshd.cli.text import mib
+from meshd.client.ledger import STANDING_EVERY
 from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.daemon import MeshDaemon
@@ -277,7 +278,8 @@ async def join(args: argparse.Namespace) -> int:
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                              max_total_tokens=args.max_sessions * args.session_tokens,
                              peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens,
-                             cache_tokens=args.cache_tokens)
+                             cache_tokens=args.cache_tokens,
+                             **({} if args.tenure is None else {"tenure": args.tenure}))
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
                             gpu_memory_bytes=args.gpu_memory, gpu_layers=args.gpu_layers,
                             threads=args.threads, limits=limits, advertise=args.advertise,
@@ -285,6 +287,7 @@ async def join(args: argparse.Namespace) -> int:
                             model_id=args.model_id, hub=hub_model, disk_bytes=args.disk,
                             progress=sys.stderr.isatty(), punch_limits=PunchLimits(retry_after=args.punch_retry),
                             ledger_interval=args.ledger_interval, credit_votes_every=args.credit_votes_every,
+                            standing_every=STANDING_EVERY if args.standing_every is None else args.standing_every,
                             asker_window_cap=args.asker_window_cap,
                             election=ElectionConfig(election_timeout=args.election_timeout))
         what = (f"volunteering {shown_name(model)}" if model else

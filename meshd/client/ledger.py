@@ -71,6 +71,8 @@ class LedgerKeeper:
     ledger: Ledger = field(default_factory=Ledger)
     interval: float = 30.0
     timeout: float = 5.0
+    # how often the credit is worked out again from the ledger (a test mesh's: seconds)
+    standing_every: float = STANDING_EVERY
     # bytes this node's pulls moved (requests and answers, as encoded): a figure for /metrics and the sim
     pulled_bytes: int = 0
     # what each of the front door's API keys spent of this member's credit (meshd.mesh.credit.key_share)
@@ -148,7 +150,7 @@ class LedgerKeeper:
 
     async def run(self, members: Callable[[], list[tuple[str, str | None]]]) -> None:
         """Every `interval`, pulls from one of `members` ((node id, address) it heard from first-hand);
-        every `STANDING_EVERY`, works the credit out again (off the event loop)."""
+        every `standing_every`, works the credit out again (off the event loop)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._reckon)
             await self._gossip(members)
@@ -156,7 +158,7 @@ class LedgerKeeper:
     async def _reckon(self) -> None:
         while True:
             await self.reckon()
-            await trio.sleep(STANDING_EVERY)
+            await trio.sleep(self.standing_every)
 
     async def reckon(self) -> None:
         """Works every member's credit out again from the ledger as it is now, in a thread: 0.68 s at

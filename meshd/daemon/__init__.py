@@ -120,7 +120,7 @@ class MeshDaemon(Answers, ModelFetch):
             nursery.start_soon(self.driver.run)
             self.credit = LedgerKeeper(self.identity, peers, mesh_rpc, self.placed_members,
                                        ledger=Ledger(cap=cfg.asker_window_cap), interval=cfg.ledger_interval,
-                                       timeout=cfg.rpc_timeout)
+                                       timeout=cfg.rpc_timeout, standing_every=cfg.standing_every)
             nursery.start_soon(self.credit.run, self._ledger_peers)
             nursery.start_soon(self._weigh_by_credit)
             nursery.start_soon(self._publish_load)

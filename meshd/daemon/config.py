@@ -7,6 +7,7 @@ from pathlib import Path
 
 import trio
 
+from meshd.client.ledger import STANDING_EVERY
 from meshd.fetch.hub import HubModel
 from meshd.fetch.source import SourceConfig
 from meshd.mesh.credit import ASKER_WINDOW_CAP
@@ -82,6 +83,8 @@ class NodeConfig:
     upload: SourceConfig = field(default_factory=SourceConfig)
     # how often the credit ledger pulls what it lacks from one member (meshd.client.ledger)
     ledger_interval: float = 30.0
+    # how often it works every member's credit out again (a test mesh's: seconds, not STANDING_EVERY's 10)
+    standing_every: float = STANDING_EVERY
     # how often the election's votes are weighed again by the credit ledger: rarely, as ledgers agree a
     # round or two late (a test mesh sets it to seconds, so as not to wait a minute for the first weighing)
     credit_votes_every: float = 60.0
