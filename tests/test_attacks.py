@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import trio
 from attackers import LAST_TERM, AttackerDaemon, attacker, every_layer, fake_model, planted_sync
-from localmesh import Launched, Served, launch_meshd, mesh_status, run_meshd, start_join, stop_all, stop_process
+from localmesh import Launched, Served, launch_meshd, mesh_status, run_meshd, start_join, stop_started
 from test_hostile_stage import typed_error
 
 from meshd.client.ask import AskRequest, AskResult
@@ -102,11 +102,7 @@ def honest_mesh(base: Path, path: Path, memory: str = "1M", flags: Sequence[str]
         digest = model_manifest(path, base / "v0").model_id
         yield Mesh(nodes[0], nodes[1:], describe_model(path, digest), greedy_reference(path, [PROMPT], TOKENS)[PROMPT])
     finally:
-        try:
-            stop_all(nodes)
-        finally:
-            for one in launched[len(nodes) - 1:]:
-                stop_process(one.proc)
+        stop_started(nodes, launched)
 
 
 @pytest.fixture(scope="module")

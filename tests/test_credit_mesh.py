@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from localmesh import Launched, Served, launch_meshd, meshd_command, run_meshd, spawn, start_join, stop_all, stop_process
+from localmesh import Launched, Served, launch_meshd, meshd_command, run_meshd, spawn, start_join, stop_all, stop_started
 
 from meshd.client.ledger import STANDING_EVERY
 from meshd.net.control import control_request
@@ -188,10 +188,4 @@ def test_a_server_with_credit_takes_a_one_slot_stage_from_one_without_and_forger
         # the server was let in at once: the newcomer's session gave up the slot to it
         assert "an asker with more credit" in err, err
     finally:
-        try:
-            stop_all(nodes)
-        finally:
-            held = {n.proc for n in nodes}
-            for one in launched:
-                if one.proc not in held:  # started, never ready
-                    stop_process(one.proc)
+        stop_started(nodes, launched)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import trio
 from attackers import attacker
-from localmesh import Launched, Served, launch_meshd, mesh_status, run_meshd, start_join, stop_all, stop_process
+from localmesh import Launched, Served, launch_meshd, mesh_status, run_meshd, start_join, stop_started
 from test_attacks import (
     ELECTION,
     PROMPT,
@@ -125,13 +125,7 @@ async def slow_beside_honest(tmp_path: Path, path: Path, role: str) -> AsyncIter
             yield SlowBeside(peers, mesh, honest, slow, probed, await speeds(peers, seed, mesh.model.digest), waited,
                              tracker_state)
     finally:
-        try:
-            stop_all(nodes)
-        finally:
-            held = {n.proc for n in nodes}
-            for one in launched:
-                if one.proc not in held:  # started, never ready
-                    stop_process(one.proc)
+        stop_started(nodes, launched)
 
 
 async def probed_all(peers: Peers, mesh: Mesh, covered: Callable[[StatusReply], bool]) -> dict[str, StageSpeed]:

@@ -156,10 +156,18 @@ def serving(ranges: Iterable[str], sessions: int, session_tokens: int) -> Iterat
             served.append(one.ready())
         yield served
     finally:
-        try:
-            stop_all(served)
-        finally:
-            for one in launched[len(served):]:
+        stop_started(served, launched)
+
+
+def stop_started(nodes: Iterable[Served], launched: Iterable[Launched]) -> None:
+    """Stops `nodes` (those that became ready), then each of `launched` that never did."""
+    nodes = list(nodes)
+    try:
+        stop_all(nodes)
+    finally:
+        held = {n.proc for n in nodes}
+        for one in launched:
+            if one.proc not in held:
                 stop_process(one.proc)
 
 
