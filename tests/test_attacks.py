@@ -317,7 +317,7 @@ async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the
     async with attacker(mesh.seed.address) as bad:
         await joined(peers, mesh, bad)
         others = [n for n in mesh.nodes if n.node_id != before.tracker]
-        samples: list[str] = []
+        samples: dict[str, list[str]] = {node.node_id: [] for node in others}
 
         def version() -> int:
             # the tracker's record as the attacker holds it: each refutation re-signs it one version up
@@ -333,19 +333,27 @@ async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the
             while trio.current_time() < until:
                 for node in others:
                     view = await mesh_status(peers, node)
-                    samples += [m.state for m in view.members if m.node_id == before.tracker]
+                    samples[node.node_id] += [m.state for m in view.members if m.node_id == before.tracker]
                     assert view.tracker == before.tracker and view.term == before.term
                 await trio.sleep(0.05)
-        assert len(samples) >= 20 and "dead" not in samples, samples
+        every = [state for states in samples.values() for state in states]
+        assert len(every) >= 20 and "dead" not in every, samples
         # 80 accusations to each node: the tracker re-signed its record at most once a refute interval
         # (SwimConfig.refute_interval, and once more at its end; a few versions more leave room for
-        # news of its own; 22 versions before accusations were counted), and each other node
-        # believed the attacker once and then once each 4 s (SwimConfig.accusations), so it was seldom
-        # suspect (4 samples in 5 before)
+        # news of its own; 22 versions before accusations were counted)
         await trio.sleep(1.0)
         refuted = version() - first
         assert 0 < refuted <= spam / SwimConfig().refute_interval + 4, refuted
-        assert samples.count("suspect") <= len(samples) // 10, samples
+        # and each other node believed the attacker once and then once each 4 s (SwimConfig.accusations):
+        # at most two suspicions in the 4 s, each until a refutation arrived. Counted, not timed: how
+        # long a refutation takes to travel depends on the box's load (16 samples in 114 suspect on a
+        # loaded CI run, 1 in 10 on a quiet one), while a node that believed every accusation stayed
+        # suspect from the first to the end, but for 50 ms gaps (4 samples in 5 before)
+        for states in samples.values():
+            suspicions = sum(1 for i, state in enumerate(states)
+                             if state == "suspect" and (i == 0 or states[i - 1] != "suspect"))
+            assert suspicions <= 2, samples
+        assert every.count("suspect") <= len(every) // 3, samples
         await honest_ask(peers, mesh)
     await converged(peers, mesh)
 
