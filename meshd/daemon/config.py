@@ -7,7 +7,7 @@ from pathlib import Path
 
 import trio
 
-from meshd.client.ledger import STANDING_EVERY
+from meshd.client.ledger import STANDING_EVERY, LedgerKeeper
 from meshd.fetch.hub import HubModel
 from meshd.fetch.source import SourceConfig
 from meshd.mesh.credit import ASKER_WINDOW_CAP
@@ -82,7 +82,7 @@ class NodeConfig:
     # What serving chunks to other members may cost this node: streams, upload budgets, timeouts.
     upload: SourceConfig = field(default_factory=SourceConfig)
     # how often the credit ledger pulls what it lacks from one member (meshd.client.ledger)
-    ledger_interval: float = 30.0
+    ledger_interval: float = LedgerKeeper.interval
     # how often it works every member's credit out again (a test mesh's: seconds, not STANDING_EVERY's 10)
     standing_every: float = STANDING_EVERY
     # how often the election's votes are weighed again by the credit ledger: rarely, as ledgers agree a
