@@ -318,8 +318,11 @@ def test_the_api_stall_bound_is_the_asks_unless_a_soak_shortens_it() -> None:
 def test_the_hidden_periods_left_out_are_the_products_own() -> None:
     """A test mesh's hidden join flags, left out, configure what a daemon built without them gets."""
     args = build_parser().parse_args(["join", "--no-model"])
-    assert args.tenure == StageLimits().tenure
-    assert (args.ledger_interval, args.standing_every) == (NodeConfig().ledger_interval, NodeConfig().standing_every)
+    node = NodeConfig()
+    assert args.tenure == StageLimits().tenure and args.election_timeout == node.election.election_timeout
+    assert (args.ledger_interval, args.standing_every, args.credit_votes_every, args.asker_window_cap) == (
+        node.ledger_interval, node.standing_every, node.credit_votes_every, node.asker_window_cap)
+    assert args.punch_retry == node.punch_limits.retry_after
 
 
 @pytest.mark.parametrize("content", [bytes(range(32)).hex().encode() + b"\n", bytes(range(32)), b"open sesame\n"],

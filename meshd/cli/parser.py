@@ -34,7 +34,8 @@ from meshd.client.ask import STALL_TIMEOUT
 from meshd.client.ledger import LedgerKeeper
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.logs import DEFAULT_LEVEL, LEVELS
-from meshd.mesh.credit import ASKER_WINDOW_CAP
+from meshd.mesh.credit import ASKER_WINDOW_CAP, VOTES_EVERY
+from meshd.mesh.election import ElectionConfig
 from meshd.stage.books import StageLimits
 from relay.punch import PunchLimits
 from wire.types import MAX_LAYERS
@@ -191,10 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)
     j.add_argument("--standing-every", type=number(0, 86400, above_low=True), default=LedgerKeeper.standing_every,
                    help=argparse.SUPPRESS)
-    j.add_argument("--credit-votes-every", type=number(0, 86400, above_low=True), default=60.0, help=argparse.SUPPRESS)
+    j.add_argument("--credit-votes-every", type=number(0, 86400, above_low=True), default=VOTES_EVERY,
+                   help=argparse.SUPPRESS)
     j.add_argument("--asker-window-cap", type=number(0, 1e12, above_low=True), default=ASKER_WINDOW_CAP,
                    help=argparse.SUPPRESS)
-    j.add_argument("--election-timeout", type=number(0, 3600, above_low=True), default=3.0, help=argparse.SUPPRESS)
+    j.add_argument("--election-timeout", type=number(0, 3600, above_low=True), default=ElectionConfig.election_timeout,
+                   help=argparse.SUPPRESS)
     # the seconds a stage of an HTTP API ask may stay silent before the ask fails over (`meshd ask --timeout`'s
     # default): a soak that stops stages shortens it as it shortens its `meshd ask --timeout`
     j.add_argument("--api-stall-timeout", type=number(0, 3600, above_low=True), default=STALL_TIMEOUT,
