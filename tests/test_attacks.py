@@ -325,7 +325,7 @@ async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the
             assert record is not None
             return record.version
 
-        first = version()
+        first, since = version(), trio.current_time()
         spam = 4.0
         async with trio.open_nursery() as nursery:
             until = trio.current_time() + spam
@@ -340,10 +340,12 @@ async def test_a_member_spamming_dead_tracker_every_50_ms_never_kills_it_and_the
         assert len(every) >= 20 and "dead" not in every, samples
         # 80 accusations to each node: the tracker re-signed its record at most once a refute interval
         # (SwimConfig.refute_interval, and once more at its end; a few versions more leave room for
-        # news of its own; 22 versions before accusations were counted)
+        # news of its own; 22 versions before accusations were counted). The intervals are counted over
+        # the time that passed between the two readings, not the 4 s of spam: on a loaded box the
+        # sampling loop overruns its 4 s by a status round or more, and the refutations go on meanwhile
         await trio.sleep(1.0)
-        refuted = version() - first
-        assert 0 < refuted <= spam / SwimConfig().refute_interval + 4, refuted
+        refuted, passed = version() - first, trio.current_time() - since
+        assert 0 < refuted <= passed / SwimConfig().refute_interval + 3, (refuted, passed)
         # and each other node believed the attacker once and then once each 4 s (SwimConfig.accusations):
         # at most two suspicions in the 4 s, each until a refutation arrived. Counted, not timed: how
         # long a refutation takes to travel depends on the box's load (16 samples in 114 suspect on a

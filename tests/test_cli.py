@@ -31,9 +31,11 @@ from meshd.cli.main import main
 from meshd.cli.parser import build_parser
 from meshd.cli.serve import api_config
 from meshd.cli.status import fetch_line, print_status
-from meshd.client.ask import AskResult
+from meshd.client.ask import STALL_TIMEOUT, AskResult
+from meshd.daemon.config import NodeConfig
 from meshd.engine import Model
 from meshd.net.identity_store import load_mesh_key
+from meshd.stage.books import StageLimits
 from tests.conftest import greedy_chat_reference
 from wire.errors import ErrorCode, ProtocolError
 from wire.meshrpc import FetchStatus, ModelCoverage, RouteReply, StatusReply
@@ -308,8 +310,19 @@ def test_the_api_stall_bound_is_the_asks_unless_a_soak_shortens_it() -> None:
     parser = build_parser()
     default = api_config(parser.parse_args(["join", "--no-model", "--api", "127.0.0.1:0"]))
     short = api_config(parser.parse_args(["join", "--no-model", "--api", "127.0.0.1:0", "--api-stall-timeout", "8"]))
-    assert default is not None and default.stall_timeout is None  # meshd.front.mesh's STALL_TIMEOUT
+    assert default is not None and default.stall_timeout == STALL_TIMEOUT == build_parser().parse_args(
+        ["ask", "x"]).timeout
     assert short is not None and short.stall_timeout == 8.0
+
+
+def test_the_hidden_periods_left_out_are_the_products_own() -> None:
+    """A test mesh's hidden join flags, left out, configure what a daemon built without them gets."""
+    args = build_parser().parse_args(["join", "--no-model"])
+    node = NodeConfig()
+    assert args.tenure == StageLimits().tenure and args.election_timeout == node.election.election_timeout
+    assert (args.ledger_interval, args.standing_every, args.credit_votes_every, args.asker_window_cap) == (
+        node.ledger_interval, node.standing_every, node.credit_votes_every, node.asker_window_cap)
+    assert args.punch_retry == node.punch_limits.retry_after
 
 
 @pytest.mark.parametrize("content", [bytes(range(32)).hex().encode() + b"\n", bytes(range(32)), b"open sesame\n"],

@@ -144,8 +144,10 @@ async def test_the_daemon_budgets_what_one_peer_may_take(model: tuple[Path, Mani
         (got,) = await greedy(at, manifest, identities=1, seconds=seconds)
     largest = max(c.size for c in manifest.chunks)
     assert got <= upload.upload_burst + upload.upload_rate * seconds + largest, got
-    # and the budget is not a stall: it gets about what it may
-    assert got >= upload.upload_rate * seconds / 2, got
+    # and the budget is not a stall: once the burst is spent the bucket refills and the peer is sent more than
+    # a chunk beyond it. Not "about what it may" (half the rate's 1.5 s): how much of its 1.5 s a pull spends
+    # moving bytes depends on the box's load, while a bucket that never refilled stops at the burst and a chunk
+    assert got > upload.upload_burst + largest, got
 
 
 async def test_sybils_share_the_total_upload_budget(model: tuple[Path, Manifest]) -> None:

@@ -51,7 +51,8 @@ async def test_a_name_two_models_share_is_one_error_listing_both_ids_and_an_id_r
     second = fake_model(real).model_copy(update={"name": NAME, "digest": "b" * 64})
     # a third member names its model with the first one's id
     squatter = fake_model(real).model_copy(update={"name": first.digest, "digest": "c" * 64})
-    with trio.fail_after(20):
+    # a bound on waiting for four daemons, their gossip and two joins (seconds on a quiet box), not a speed claim
+    with trio.fail_after(60):
         async with seed_node() as seed, attacker(seed.address) as a, attacker(seed.address) as b, \
                 attacker(seed.address) as c:
             for member, model in ((a, first), (b, second), (c, squatter)):

@@ -158,15 +158,17 @@ async def test_a_stage_fast_for_probes_and_slow_for_users_loses_the_route_and_it
         # the honest stage on the same slow route is charged its own time alone, none of the slow one's wait (the
         # route's time alone, without the stages' signed times, charged it that wait: 155 ms a token here).
         # Its figure stays its probe's, or where it is the tracker (which counts itself at its own word, an
-        # engine's time without a hop's) its time on real steps, a fraction of a millisecond a token
-        assert figures[honest].source in ("probe", "own") or charged(figures[honest]) < SLEEP / 50, figures[honest]
+        # engine's time without a hop's) its time on real steps, a fraction of a millisecond a token on a quiet
+        # box: bounded at a tenth of the slow stage's sleep (20 ms), which a loaded box's steps stay under and
+        # the slow one's wait (155 ms) does not
+        assert figures[honest].source in ("probe", "own") or charged(figures[honest]) < SLEEP / 10, figures[honest]
         # the stages the asks then took are charged their own time alone, nothing of the slow one's
         asked = await trio.to_thread.run_sync(lambda: run_meshd(
             "ask", "--state-dir", str(seen.tracker_state), "--max-tokens", str(TOKENS), PROMPT))
         assert asked.returncode == 0, asked.stderr
         figures = await speeds(seen.peers, seen.mesh.seed, seen.mesh.model.digest)
         for node_id in [*await route_nodes(seen.peers, seen.mesh), honest]:
-            assert figures[node_id].source in ("probe", "own") or charged(figures[node_id]) < SLEEP / 50, \
+            assert figures[node_id].source in ("probe", "own") or charged(figures[node_id]) < SLEEP / 10, \
                 figures[node_id]
         # `meshd status` says where the figure came from
         shown = await trio.to_thread.run_sync(run_meshd, "status", "--seed", seen.mesh.seed.address)

@@ -30,9 +30,13 @@ from meshd.cli.flags import (
     size,
 )
 from meshd.cli.gpu import or_auto
+from meshd.client.ask import STALL_TIMEOUT
+from meshd.client.ledger import LedgerKeeper
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.logs import DEFAULT_LEVEL, LEVELS
-from meshd.mesh.credit import ASKER_WINDOW_CAP
+from meshd.mesh.credit import ASKER_WINDOW_CAP, VOTES_EVERY
+from meshd.mesh.election import ElectionConfig
+from meshd.stage.books import StageLimits
 from relay.punch import PunchLimits
 from wire.types import MAX_LAYERS
 
@@ -182,20 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="API keys, one a line, that requests must carry (Authorization: Bearer or x-api-key); "
                         "required to bind --api beyond loopback (default: none, anyone on loopback may ask)")
     # periods a test mesh shortens so it waits seconds, not a minute, and the cap it lowers so a few asks earn a
-    # cap's worth (hidden: an operator has no use for them)
-    j.add_argument("--ledger-interval", type=number(0, 86400, above_low=True), default=30.0, help=argparse.SUPPRESS)
-    # (None: the product's, which `join` imports when it runs, so no other command's start pays for them)
-    j.add_argument("--standing-every", type=number(0, 86400, above_low=True), help=argparse.SUPPRESS)
-    j.add_argument("--credit-votes-every", type=number(0, 86400, above_low=True), default=60.0, help=argparse.SUPPRESS)
+    # cap's worth (hidden: an operator has no use for them). Each default is the product's own, named where the
+    # product keeps it, so that a flag left out configures exactly what a daemon built without it would.
+    j.add_argument("--ledger-interval", type=number(0, 86400, above_low=True), default=LedgerKeeper.interval,
+                   help=argparse.SUPPRESS)
+    j.add_argument("--standing-every", type=number(0, 86400, above_low=True), default=LedgerKeeper.standing_every,
+                   help=argparse.SUPPRESS)
+    j.add_argument("--credit-votes-every", type=number(0, 86400, above_low=True), default=VOTES_EVERY,
+                   help=argparse.SUPPRESS)
     j.add_argument("--asker-window-cap", type=number(0, 1e12, above_low=True), default=ASKER_WINDOW_CAP,
                    help=argparse.SUPPRESS)
-    j.add_argument("--election-timeout", type=number(0, 3600, above_low=True), default=3.0, help=argparse.SUPPRESS)
-    # the seconds a stage of an HTTP API ask may stay silent before the ask fails over (default: meshd.front.mesh's,
-    # `meshd ask --timeout`'s): a soak that stops stages shortens it as it shortens its `meshd ask --timeout`
-    j.add_argument("--api-stall-timeout", type=number(0, 3600, above_low=True), default=None, help=argparse.SUPPRESS)
+    j.add_argument("--election-timeout", type=number(0, 3600, above_low=True), default=ElectionConfig.election_timeout,
+                   help=argparse.SUPPRESS)
+    # the seconds a stage of an HTTP API ask may stay silent before the ask fails over (`meshd ask --timeout`'s
+    # default): a soak that stops stages shortens it as it shortens its `meshd ask --timeout`
+    j.add_argument("--api-stall-timeout", type=number(0, 3600, above_low=True), default=STALL_TIMEOUT,
+                   help=argparse.SUPPRESS)
     j.add_argument("--punch-retry", type=number(0, PunchLimits.retry_cap, above_low=True),
                    default=PunchLimits.retry_after, help=argparse.SUPPRESS)
-    j.add_argument("--tenure", type=number(0, 3600, above_low=True), help=argparse.SUPPRESS)
+    j.add_argument("--tenure", type=number(0, 3600, above_low=True), default=StageLimits.tenure, help=argparse.SUPPRESS)
     add_logging(j)
 
     r = sub.add_parser("relay", help="relay for members behind NAT (run on a public host)")
@@ -286,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-fast", action="store_true",
                    help="keep every row on the daemons' path; by default an ask over direct hops sends its "
                         "rows from engine worker to engine worker, verified or not")
-    a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=30.0,
+    a.add_argument("--timeout", type=number(0, 3600, above_low=True), default=STALL_TIMEOUT,
                    help="seconds to wait for a stage before giving up (default: %(default)s)")
     a.add_argument("--wait", type=number(0, 86400), default=0.0,
                    help="seconds to wait for the mesh to cover the model, asking again each second, with "

@@ -22,7 +22,7 @@ from meshd.cli.gpu import AUTO, gpu_layers_text, offload_text, resolve_gpu
 from meshd.cli.hub import hub_whole, resolve_hub
 from meshd.cli.pull import hub_range
 from meshd.cli.text import mib
-from meshd.client.ledger import STANDING_EVERY
+from meshd.client.ask import STALL_TIMEOUT
 from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
 from meshd.daemon import MeshDaemon
@@ -147,8 +147,8 @@ class ApiConfig:
     require_verified: bool = False
     # --verify N: 1 in N steps run again on a replica (0: off, and then the prefix cache serves the asks)
     verify_every: int = DEFAULT_VERIFY
-    # --api-stall-timeout (hidden); None: meshd.front.mesh's STALL_TIMEOUT
-    stall_timeout: float | None = None
+    # --api-stall-timeout (hidden): how long a stage of an ask may stay silent before the ask fails over
+    stall_timeout: float = STALL_TIMEOUT
 
 
 def api_config(args: argparse.Namespace) -> ApiConfig | None:
@@ -185,13 +185,12 @@ async def serve_api(daemon: MeshDaemon, api: ApiConfig, mesh_key: bytes | None, 
     # Imported here: Starlette and Hypercorn cost every other command a second of start-up on a busy machine.
     from meshd.front.app import build_app
     from meshd.front.door import FrontDoor
-    from meshd.front.mesh import STALL_TIMEOUT, DaemonMesh
+    from meshd.front.mesh import DaemonMesh
     from meshd.front.server import serve_front
 
     async with open_peers(NodeIdentity.generate(), PeersConfig(mesh_key=mesh_key)) as peers:
         enable_circuits(peers)
-        stall = STALL_TIMEOUT if api.stall_timeout is None else api.stall_timeout
-        front = FrontDoor(DaemonMesh(daemon, peers, stall, require_verified=api.require_verified,
+        front = FrontDoor(DaemonMesh(daemon, peers, api.stall_timeout, require_verified=api.require_verified,
                                      verify_every=api.verify_every, keys=len(api.keys or ())), api.keys)
         await serve_front(build_app(front), api.host, api.port, front.connections, task_status=task_status)
 
@@ -278,8 +277,7 @@ async def join(args: argparse.Namespace) -> int:
         limits = StageLimits(max_sessions=args.max_sessions, max_session_tokens=args.session_tokens,
                              max_total_tokens=args.max_sessions * args.session_tokens,
                              peer_sessions=args.peer_sessions, peer_tokens=args.peer_tokens,
-                             cache_tokens=args.cache_tokens,
-                             **({} if args.tenure is None else {"tenure": args.tenure}))
+                             cache_tokens=args.cache_tokens, tenure=args.tenure)
         config = NodeConfig(listen=args.listen, seeds=tuple(args.seed), model=model, memory_bytes=args.memory,
                             gpu_memory_bytes=args.gpu_memory, gpu_layers=args.gpu_layers,
                             threads=args.threads, limits=limits, advertise=args.advertise,
@@ -287,7 +285,7 @@ async def join(args: argparse.Namespace) -> int:
                             model_id=args.model_id, hub=hub_model, disk_bytes=args.disk,
                             progress=sys.stderr.isatty(), punch_limits=PunchLimits(retry_after=args.punch_retry),
                             ledger_interval=args.ledger_interval, credit_votes_every=args.credit_votes_every,
-                            standing_every=STANDING_EVERY if args.standing_every is None else args.standing_every,
+                            standing_every=args.standing_every,
                             asker_window_cap=args.asker_window_cap,
                             election=ElectionConfig(election_timeout=args.election_timeout))
         what = (f"volunteering {shown_name(model)}" if model else

@@ -21,6 +21,10 @@ from wire.credit import Voucher
 from wire.errors import ErrorCode, ProtocolError
 from wire.stage import Sampling, StageInfo
 
+# Seconds a stage may stay silent before the asker gives up on it and fails over: `meshd ask --timeout`'s
+# default, and the HTTP API's (join --api-stall-timeout)
+STALL_TIMEOUT = 30.0
+
 
 class RouteError(Exception):
     """The route cannot serve the model: a gap, an overlap, or stages of different models."""

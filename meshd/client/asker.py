@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, deliver
+from meshd.client.ask import STALL_TIMEOUT, AskRequest, AskResult, OnToken, RouteError, deliver
 from meshd.client.failover import ask_with_failover
 from meshd.client.route import RouteFinder, RouteSources, Stage, route_from_reply
 from meshd.client.served import Served
@@ -69,7 +69,7 @@ class Asker:
     report_proof: Callable[[Proof], Awaitable[None]]
     verify_every: int = DEFAULT_VERIFY
     require_verified: bool = False
-    stall_timeout: float = 30.0
+    stall_timeout: float = STALL_TIMEOUT
     # hands what each stage served to the member this ask is made for, which countersigns it (wire.credit)
     report_work: Callable[[list[Served]], Awaitable[None]] | None = None
     # hands what the ask saw of its route's speed to that member, for the tracker (meshd.client.traffic)
@@ -190,7 +190,7 @@ def member_routes(peers: Peers, member: Member, model: str | None, timeout: floa
 
 
 def member_asker(peers: Peers, member: Member, model: str | None, *, verify_every: int = DEFAULT_VERIFY,
-                 require_verified: bool = False, stall_timeout: float = 30.0) -> Asker:
+                 require_verified: bool = False, stall_timeout: float = STALL_TIMEOUT) -> Asker:
     """The asker of ``model`` through ``member``, on whose credit it asks and to whom it hands what it found."""
     find_route, other_route = member_routes(peers, member, model, stall_timeout)
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 import trio
 
 from meshd.client.ask import (
+    STALL_TIMEOUT,
     AskRequest,
     AskResult,
     CacheDoubted,
@@ -52,7 +53,7 @@ PROBE_TIMEOUT = 1.5
 
 async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskRequest,
                             on_token: OnToken | None = None, attempts: int = FAILOVER_ATTEMPTS,
-                            stall_timeout: float = 30.0, result: AskResult | None = None,
+                            stall_timeout: float = STALL_TIMEOUT, result: AskResult | None = None,
                             budget_seconds: float = FAILOVER_SECONDS,
                             verifier: Verifier | None = None) -> AskResult:
     """Runs a session; when stages fail it, routes around every one found dead or lying and

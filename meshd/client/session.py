@@ -11,7 +11,16 @@ from typing import Protocol
 
 import trio
 
-from meshd.client.ask import AskRequest, AskResult, OnToken, RouteError, StageError, first_error, hand_over
+from meshd.client.ask import (
+    STALL_TIMEOUT,
+    AskRequest,
+    AskResult,
+    OnToken,
+    RouteError,
+    StageError,
+    first_error,
+    hand_over,
+)
 from meshd.client.chat import render
 from meshd.client.prefix import look_up
 from meshd.client.route import Stage, check_opened, check_route
@@ -101,7 +110,7 @@ class Verifier(Protocol):
 
 async def run_session(peers: Peers, route: Sequence[Stage], request: AskRequest, result: AskResult,
                       on_token: OnToken | None = None, session_id: str | None = None, epoch: int = 0,
-                      stall_timeout: float = 30.0, verifier: Verifier | None = None) -> AskResult:
+                      stall_timeout: float = STALL_TIMEOUT, verifier: Verifier | None = None) -> AskResult:
     """Runs one epoch of a session; raises ProtocolError if any stage fails it.
 
     With tokens already in ``result`` (a retry), the head re-prefills prompt and

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import trio
 
-from meshd.client.ledger import STANDING_EVERY
+from meshd.client.ledger import STANDING_EVERY, LedgerKeeper
 from meshd.fetch.hub import HubModel
 from meshd.fetch.source import SourceConfig
-from meshd.mesh.credit import ASKER_WINDOW_CAP
+from meshd.mesh.credit import ASKER_WINDOW_CAP, VOTES_EVERY
 from meshd.mesh.election import ElectionConfig
 from meshd.mesh.probes import ProbeConfig
 from meshd.net.peers import PeersConfig
@@ -82,12 +82,11 @@ class NodeConfig:
     # What serving chunks to other members may cost this node: streams, upload budgets, timeouts.
     upload: SourceConfig = field(default_factory=SourceConfig)
     # how often the credit ledger pulls what it lacks from one member (meshd.client.ledger)
-    ledger_interval: float = 30.0
+    ledger_interval: float = LedgerKeeper.interval
     # how often it works every member's credit out again (a test mesh's: seconds, not STANDING_EVERY's 10)
     standing_every: float = STANDING_EVERY
-    # how often the election's votes are weighed again by the credit ledger: rarely, as ledgers agree a
-    # round or two late (a test mesh sets it to seconds, so as not to wait a minute for the first weighing)
-    credit_votes_every: float = 60.0
+    # how often the election's votes are weighed again by the credit ledger (meshd.mesh.credit.VOTES_EVERY)
+    credit_votes_every: float = VOTES_EVERY
     # the work one asker credits one stage an hour (meshd.mesh.credit.ASKER_WINDOW_CAP), the same on every
     # member of a mesh (a test mesh's is smaller, so a few asks earn a cap's worth)
     asker_window_cap: float = ASKER_WINDOW_CAP

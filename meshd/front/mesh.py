@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from meshd.client.ask import AskRequest, AskResult, OnToken
+from meshd.client.ask import STALL_TIMEOUT, AskRequest, AskResult, OnToken
 from meshd.client.asker import member_asker
 from meshd.client.served import Served
 from meshd.client.verify import DEFAULT_VERIFY
@@ -15,9 +15,6 @@ from meshd.net.peers import Peers
 from wire.credit import Voucher
 from wire.meshrpc import RouteReply, StatusReply, TrafficReport, TrafficTaken
 from wire.receipt import Proof, ProofAccepted
-
-# Seconds a stage may stay silent before the asker gives up on it and fails over, as `meshd ask`'s default.
-STALL_TIMEOUT = 30.0
 
 
 class Daemon(Protocol):

@@ -402,6 +402,9 @@ def credit_standing(windows: Windows, now: float, placed: Collection[str], folde
 # one for a window cap's worth (one asker's most in an hour), one more per doubling, at most MAX_EXTRA_VOTES.
 # Coarse on purpose: members' ledgers differ for a gossip round or two, and a vote's weight should not.
 MAX_EXTRA_VOTES = 4
+# how often a member gives its election each member's extra votes again (meshd.daemon.credit): rarely, as
+# ledgers agree a round or two late (a test mesh sets seconds, not to wait a minute for the first weighing)
+VOTES_EVERY = 60.0
 
 
 def extra_votes(earned: float, cap: float = ASKER_WINDOW_CAP) -> int:
