@@ -224,9 +224,9 @@ void ensure_init() {
         // ggml-cpu takes K- and IQ-quant matmuls of 8 or more rows (also per MoE expert) to a
         // tiled kernel that sums in another order than the vec_dot of fewer rows: a Q6_K model's
         // logits moved by up to 0.26 with the batch, gemma3-270m Q4_K_M's by 2.5. With
-        // native/patches/0016's switch Q4_K and Q6_K take the tiled sums at every row count (few
-        // rows through row kernels that sum the same way) and every other type vec_dot at every
-        // row count: batch-invariant at the tiled kernel's prefill speed (tools/bench_kquant.py, a
+        // native/patches/0016's switch the K-quants (Q2_K to Q6_K) take the tiled sums at every row
+        // count (few rows through row kernels that sum the same way) and every other type vec_dot
+        // at every row count: batch-invariant at the tiled kernel's prefill speed (tools/bench_kquant.py, a
         // 3B-wide Q4_K_M on one thread: vec_dot for every row count, the way before, prefilled at
         // 0.6-0.8 of stock llama.cpp, this at 0.97; a decode step costs about a tenth more CPU than
         // vec_dot's). Both are pinned: a volunteer must not compute other bytes than its

@@ -6,7 +6,7 @@ gave. ggml-cpu picks kernels by row count (llamafile's sgemm from two rows, flas
 attention's tiled kernel from 64 query rows, its split-KV kernel for one row over 512
 cells, repacked Q4_K weights' gemm for groups of 4 rows, the tiled K- and IQ-quant matmul
 from 8 rows), and each sums in its own order; the build, the model's buffers
-and the engine's start turn those off, or (Q4_K and Q6_K, native/patches/0016) send every row
+and the engine's start turn those off, or (Q2_K to Q6_K, native/patches/0016) send every row
 count to the tiled matmul.
 """
 
@@ -85,7 +85,7 @@ def random_quant_copy(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) ->
 QUANTIZED = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 RANDOM_BLOCKS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xs", "iq3_xxs", "iq4_nl", "iq4_xs", "mxfp4"]
 # the types that take ggml-cpu's tiled matmul at every row count (native/patches/0016)
-WIDE = ["q4_k", "q6_k"]
+WIDE = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 @pytest.fixture(scope="module")

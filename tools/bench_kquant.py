@@ -3,7 +3,8 @@
 
 The models: tools/make_big_gguf.py's random-weight llama at Llama 3.2 3B's width (3072 wide, a
 feed-forward of 8192, the default model's 49,152-token vocabulary and head), --layers blocks, as
-Q4_K_M (Q4_K matrices; Q6_K attn_v, ffn_down and head) and as Q6_K (every matrix).
+Q4_K_M and Q5_K_M (Q4_K or Q5_K matrices; Q6_K attn_v, ffn_down and head) and as Q6_K, Q3_K and Q2_K
+(every matrix that type).
 
 Each model at each --threads count, in interleaved rounds (the median kept, so drift on a shared
 machine hits every column alike):

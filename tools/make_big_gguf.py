@@ -15,7 +15,8 @@ activations stay finite, and whose answers are nonsense but deterministic
 package's split writer (``split_max_tensors``), so the whole model is never in
 memory.
 
-With --mix Q6_K every matrix is Q6_K instead (tools/bench_kquant.py times both).
+With --mix Q5_K_M the matrices are Q5_K in the same layout; with --mix Q6_K, Q3_K or Q2_K every
+matrix is that type instead (tools/bench_kquant.py times each).
 
 Usage: .venv/bin/python tools/make_big_gguf.py OUT_DIR [--parts 3] [--layers 28] [--seed 0] [--mix Q4_K_M]
        writes OUT_DIR/llama3b-rand-Q4_K_M-0000i-of-0000N.gguf (one part: OUT_DIR/llama3b-rand-Q4_K_M.gguf)
@@ -51,49 +52,59 @@ class Dims:
 # The same layout at a few MB: a benchmark's smoke run.
 SMALL = Dims(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_layers=3)
 NAME = "llama3b-rand-Q4_K_M"
-# the quantization mixes written: llama-quantize's Q4_K_M layout, or Q6_K for every matrix
-MIXES = ("Q4_K_M", "Q6_K")
-# K-quant super-blocks: 256 weights each; Q4_K 144 bytes (d, dmin, 12 scale bytes, 128 of nibbles),
-# Q6_K 210 (128 low bits, 64 high bits, 16 int8 scales, d).
+Q = gguf.GGMLQuantizationType
+# The quantization mixes written, by the type of their matrices. The "_M" ones lay the model out as
+# llama-quantize's Q4_K_M and Q5_K_M do: attn_v, ffn_down and the tied head Q6_K (llama.cpp gives them
+# more bits); the others make every matrix that one type (tools/bench_kquant.py times each K-quant).
+MIX_TYPES = {"Q4_K_M": Q.Q4_K, "Q6_K": Q.Q6_K, "Q5_K_M": Q.Q5_K, "Q3_K": Q.Q3_K, "Q2_K": Q.Q2_K}
+MIXES = tuple(MIX_TYPES)
+FILE_TYPES = {"Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+              "Q5_K_M": gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_S,
+              "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K}
 QK = 256
-Q4_K_BYTES, Q6_K_BYTES = 144, 210
-# Block scales: a 6-bit sub-scale of up to 63 times a 4-bit (or 6-bit signed) quant, times d, keeps
-# each weight within about +-0.1.
-Q4_D, Q6_D = 1.0 / 4096, 1.0 / 8192
+# K-quant super-blocks of 256 weights (ggml-common.h's layouts): the bytes of one, and where its f16
+# scale(s) sit with the value written there. A sub-scale (6 bits; Q2_K's 4) times a quant (Q3_K's and
+# Q6_K's signed) times d keeps each weight within about +-0.1 to 0.25, and the mins small.
+BLOCKS: dict[gguf.GGMLQuantizationType, tuple[int, dict[int, float]]] = {
+    Q.Q2_K: (84, {80: 1.0 / 512, 82: 1.0 / 1024}),          # 16 scale/min bytes, 64 of 2-bit quants, d, dmin
+    Q.Q3_K: (110, {108: 1.0 / 1024}),                        # 32 high bits, 64 low bits, 12 scale bytes, d
+    Q.Q4_K: (144, {0: 1.0 / 4096, 2: 1.0 / 8192}),           # d, dmin, 12 scale bytes, 128 of nibbles
+    Q.Q5_K: (176, {0: 1.0 / 8192, 2: 1.0 / 16384}),          # d, dmin, 12 scale bytes, 32 high bits, nibbles
+    Q.Q6_K: (210, {208: 1.0 / 8192}),                        # 128 low bits, 64 high bits, 16 int8 scales, d
+}
 
 
 def quant_blocks(rng: np.random.Generator, rows: int, cols: int, kind: gguf.GGMLQuantizationType) -> np.ndarray:
     """Random K-quant blocks of a rows x cols matrix, scales set small: uint8 of shape (rows, bytes a row)."""
     blocks = rows * cols // QK
-    if kind == gguf.GGMLQuantizationType.Q4_K:
-        data = rng.integers(0, 256, (blocks, Q4_K_BYTES), dtype=np.uint8)
-        data[:, 0:4] = np.array([Q4_D, Q4_D / 2], dtype=np.float16).view(np.uint8)
-    else:
-        data = rng.integers(0, 256, (blocks, Q6_K_BYTES), dtype=np.uint8)
+    size, scales = BLOCKS[kind]
+    data = rng.integers(0, 256, (blocks, size), dtype=np.uint8)
+    if kind == Q.Q6_K:  # its sub-scales are int8: positive ones, as the others' are
         data[:, 192:208] = rng.integers(1, 32, (blocks, 16), dtype=np.int8).view(np.uint8)
-        data[:, 208:210] = np.array([Q6_D], dtype=np.float16).view(np.uint8)
+    for at, d in scales.items():
+        data[:, at:at + 2] = np.array([d], dtype=np.float16).view(np.uint8)
     return data.reshape(rows, -1)
 
 
 def plan(dims: Dims, n_vocab: int, mix: str = "Q4_K_M") -> list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]]:
     """Every tensor: name, shape (rows, cols) as ggml counts it (cols fastest), type."""
-    q6, f32 = gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.F32
-    q4 = gguf.GGMLQuantizationType.Q4_K if mix == "Q4_K_M" else q6
+    f32, main = Q.F32, MIX_TYPES[mix]
+    side = Q.Q6_K if mix.endswith("_M") else main
     e, q, kv, ff = dims.n_embd, dims.n_head * dims.head_dim, dims.n_head_kv * dims.head_dim, dims.n_ff
     out: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]] = [
-        ("token_embd.weight", (n_vocab, e), q6), ("output_norm.weight", (e,), f32)]
+        ("token_embd.weight", (n_vocab, e), side), ("output_norm.weight", (e,), f32)]
     for i in range(dims.n_layers):
         b = f"blk.{i}"
-        out += [(f"{b}.attn_norm.weight", (e,), f32), (f"{b}.attn_q.weight", (q, e), q4),
-                (f"{b}.attn_k.weight", (kv, e), q4), (f"{b}.attn_v.weight", (kv, e), q6),
-                (f"{b}.attn_output.weight", (e, q), q4), (f"{b}.ffn_norm.weight", (e,), f32),
-                (f"{b}.ffn_gate.weight", (ff, e), q4), (f"{b}.ffn_up.weight", (ff, e), q4),
-                (f"{b}.ffn_down.weight", (e, ff), q6)]
+        out += [(f"{b}.attn_norm.weight", (e,), f32), (f"{b}.attn_q.weight", (q, e), main),
+                (f"{b}.attn_k.weight", (kv, e), main), (f"{b}.attn_v.weight", (kv, e), side),
+                (f"{b}.attn_output.weight", (e, q), main), (f"{b}.ffn_norm.weight", (e,), f32),
+                (f"{b}.ffn_gate.weight", (ff, e), main), (f"{b}.ffn_up.weight", (ff, e), main),
+                (f"{b}.ffn_down.weight", (e, ff), side)]
     return out
 
 
 def tensor_data(rng: np.random.Generator, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> np.ndarray:
-    if kind == gguf.GGMLQuantizationType.F32:
+    if kind == Q.F32:
         return (1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
     return quant_blocks(rng, shape[0], shape[1], kind)
 
@@ -121,7 +132,7 @@ def write(out_dir: Path, parts: int = 3, dims: Dims = Dims(), seed: int = 0, qui
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(500000.0)
     w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if mix == "Q4_K_M" else gguf.LlamaFileType.MOSTLY_Q6_K)
+    w.add_file_type(FILE_TYPES[mix])
     add_vocab_of(w, tokenizer)
     for name, shape, kind in tensors:
         block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
