@@ -63,10 +63,12 @@ def test_a_range_loaded_cold_from_a_sparse_copy_reads_its_tensors_and_no_hole_be
     evict(path)
     assert resident(path, 0, size) == 0, "the copy stayed cached: nothing here would be read"
     with Model(path, RANGE) as model:
-        # the load read the range's tensors ahead, all of them, before anything touched them
-        assert sum(resident(path, a, b) for a, b in tensors) == owned
+        # The load asks the kernel to read the range's tensors ahead (POSIX_MADV_WILLNEED, in big reads), but
+        # that is a hint it may cut short: a loaded CI-like box had 2,272 of 5,412 pages in when the load
+        # returned, a quiet one all. So only what the forward pass leaves is checked, not when it came.
         with Context(model, n_ctx=64, n_threads=1) as ctx:
             ctx.forward([0] * 4, range(4), hidden=np.ones((4, model.report.stage_width), dtype=np.float32))
+        assert sum(resident(path, a, b) for a, b in tensors) == owned
         # the forward pass touched every tensor: a fault that read around or ahead would have read holes
         assert [resident(path, a, b) for a, b in beside] == [0] * len(beside), (tensors, beside)
 
