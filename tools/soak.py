@@ -156,8 +156,9 @@ class Slot:
 
 
 class Soak:
-    def __init__(self, prof: Profile, seed: int, base: Path, model: Path) -> None:
+    def __init__(self, prof: Profile, seed: int, base: Path, model: Path, log_level: str = "info") -> None:
         self.prof = prof
+        self.log_env = {"MESHD_LOG": log_level}  # the daemons' (the asks' commands log as a user's do)
         self.rng = random.Random(seed)
         self.seed = seed
         self.base = base
@@ -208,14 +209,14 @@ class Soak:
     def start_core(self) -> None:
         home = self.bridge.machines["pub"].home
         self.core["seed"] = self.track("seed", "seed", self.bridge.start("seed", "pub", meshd_command(
-            ["join", "--no-model", "--listen", SEED_ADDR, "--state-dir", str(home / "seed")]), env=LOG))
+            ["join", "--no-model", "--listen", SEED_ADDR, "--state-dir", str(home / "seed")]), env=self.log_env))
         # the others start side by side (main() waits for their ready lines with the volunteers')
         self.core["relay"] = self.track("relay", "relay", self.bridge.launch("relay", "pub", meshd_command(
             ["relay", "--listen", RELAY_ADDR, "--seed", SEED_ADDR, "--state-dir", str(home / "relay")]),
-            env=LOG))
+            env=self.log_env))
         self.core["api"] = self.track("api", "api", self.bridge.launch("api", "pub", meshd_command(
             ["join", "--seed", SEED_ADDR, "--no-model", "--listen", API_MEMBER, "--api", "127.0.0.1:8080",
-             "--api-stall-timeout", str(ASK_STALL), "--state-dir", str(home / "api")]), env=LOG))
+             "--api-stall-timeout", str(ASK_STALL), "--state-dir", str(home / "api")]), env=self.log_env))
         slow = next(s for s in self.slots if s.kind == "slow")
         machine = self.bridge.machines[slow.role]
         # the slow volunteer listens on its loopback; every connection to it crosses a 15 ms (+0-10 ms) link
@@ -245,7 +246,7 @@ class Soak:
                            "--state-dir", str(machine.home / f"state{slot.identity}"), *VOLUNTEER])
         # back with its identity: no longer departed (its row may show it alive before its ready line)
         self.departed.pop(self.identities.get((slot.role, slot.identity), ""), None)
-        daemon = self.track(name, "volunteer", self.bridge.launch(name, slot.role, argv, env=LOG))
+        daemon = self.track(name, "volunteer", self.bridge.launch(name, slot.role, argv, env=self.log_env))
         daemon.slot = slot
         slot.daemon = daemon
         return daemon
@@ -642,9 +643,6 @@ class Soak:
         }
 
 
-LOG = {"MESHD_LOG": "INFO"}
-
-
 class SoakError(Exception):
     pass
 
@@ -703,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="seed of every random choice (default: 1)")
     ap.add_argument("--json", type=Path, default=None, help="write the whole report here")
     ap.add_argument("--smoke", action="store_true", help="the CI profile: each kind of disturbance once, about a minute")
+    ap.add_argument("--log-level", choices=["debug", "info"], default="info",
+                    help="the daemons' log level (default: info; debug to read a failing run's stages)")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and homes here (default: a new temporary dir)")
     args = ap.parse_args(argv)
     if args.minutes is not None and not 0 < args.minutes <= 24 * 60:
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     model = default_model_path()
     base = args.workdir or Path(tempfile.mkdtemp(prefix="meshd-soak-"))
     base.mkdir(parents=True, exist_ok=True)
-    soak = Soak(prof, args.seed, base, model)
+    soak = Soak(prof, args.seed, base, model, args.log_level)
     soak.checkpoint = args.json
     print(f"soak: {prof}, seed {args.seed}, logs in {base}", flush=True)
     signal.signal(signal.SIGTERM, interrupted)
