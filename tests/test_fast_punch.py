@@ -192,3 +192,21 @@ async def test_a_punch_given_up_on_after_a_failed_round_is_remembered_and_the_ne
         # the link's next sessions are refused the fast path at their open (RELAYED_HOP: the asker goes on on
         # the daemons' path), rather than each stalling in the same rounds
         assert not fast_reaches(address, link)
+
+
+async def test_a_round_whose_syn_was_refused_and_whose_peer_came_from_elsewhere_ends_at_once() -> None:
+    """Behind such a proxy a round cannot meet: our SYN is refused and the peer's lands on our listener from
+    a host the link does not name. Each round ends there, not at its connect timeout, so the rounds end (and
+    the asker is told to go without) within an asker's stall bound rather than past it."""
+    async with linked() as (_, b, _door, link):
+        address = behind_a_relay(b.node_id)
+        link.address = link.address.replace("127.0.0.1", "127.0.0.2")
+        # connect timeouts no hang guard below outlasts: the rounds end on what they saw, not on these
+        with trio.fail_after(30), pytest.raises(ProtocolError) as raised:
+            await connect_fast(address, link, secrets.token_bytes(TOKEN_BYTES), 600.0,
+                               PunchLimits(connect_timeout=600.0))
+        assert raised.value.code is ErrorCode.BAD_REQUEST and raised.value.message.startswith(RELAYED_HOP)
+        message = raised.value.message
+        assert "Connection refused" in message and "refused 127.0.0.1:" in message and "not the peer" in message
+        assert "within" not in message, message
+        assert not fast_reaches(address, link)

@@ -18,6 +18,7 @@ answering side, each within the link's step and connect timeouts.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import weakref
@@ -188,13 +189,18 @@ async def _meet(sock: trio.socket.SocketType, listener: trio.socket.SocketType, 
     won: list[trio.socket.SocketType] = []
     failures: list[str] = []
     strangers = 0
+    refused = False
 
     async def dial(scope: trio.CancelScope) -> None:
+        nonlocal refused
         try:
             await sock.connect(target)
         except OSError as exc:
             # EADDRNOTAVAIL: their SYN landed on our listener first, which took the connection
             failures.append(exc.strerror or str(exc))
+            refused = exc.errno == errno.ECONNREFUSED
+            if refused and strangers:
+                scope.cancel()  # the round is over: see accept
             return
         won.append(sock.dup())
         scope.cancel()
@@ -207,12 +213,16 @@ async def _meet(sock: trio.socket.SocketType, listener: trio.socket.SocketType, 
                 won.append(conn)
                 scope.cancel()
                 return
-            # anyone else who found the port gets nothing; counted (and the first named), as it may be the
-            # peer's own SYN from where the link does not say it is (a proxy in front of this node)
+            # Anyone else who found the port gets nothing. Counted (and the first named): it may be the peer's
+            # own SYN from where the link does not say it is (a proxy in front of this node, a NAT that gave
+            # the peer another port). Once our SYN was refused too, nothing more comes this round: it ends
+            # now rather than at the connect timeout, and the rounds end well within an asker's stall bound.
             if not strangers:
                 failures.append(f"refused {peer[0]}:{peer[1]}, not the peer")
             strangers += 1
             conn.close()
+            if refused:
+                scope.cancel()
 
     with trio.move_on_after(timeout):
         async with trio.open_nursery() as nursery:
