@@ -671,6 +671,30 @@ def enter_namespace(namespace: str) -> None:
         os.close(fd)
 
 
+# a log line at info or worse: "<time> <LEVEL> <logger>: <message>"
+_TOLD = re.compile(r"^\S+T(\S+)Z (INFO|WARNING|ERROR|CRITICAL) (\S+): (.*)$")
+
+
+def last_words(daemons: list[Daemon], api_lines: int = 10, lines: int = 3, width: int = 200) -> str:
+    """Each daemon's last few log lines at info or worse (the API member's failovers, which name the routes that
+    failed, and warnings), short, for a run that went wrong: its workdir may be gone by the time anyone reads
+    why."""
+    out = ["what each daemon logged last (info and worse):"]
+    # the API member's last, nearest the summary (a test shows the output's tail)
+    for d in sorted(daemons, key=lambda d: d.role == "api"):
+        told = []
+        for line in d.process.text().splitlines():
+            m = _TOLD.match(line)
+            # the API member's failovers and warnings (its spot checks' notes would crowd them out)
+            if m and (d.role != "api" or m.group(3) == "meshd.client.failover" or m.group(2) != "INFO"):
+                when, level, logger, message = m.groups()
+                told.append(f"    {when} {level[0]} {logger.removeprefix('meshd.')}: {message}"[:width])
+        keep = told[-(api_lines if d.role == "api" else lines):]
+        if keep:
+            out += [f"  {d.name}:", *keep]
+    return "\n".join(out)
+
+
 def summary(rep: dict[str, Any]) -> str:
     a = rep["asks"]
     lines = [f"asks {a['total']}: done {a['done']}, cancelled {a['cancelled']}, failed {a['failed']} "
@@ -769,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
     rep["ok"] = ok
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1))
+    if not ok:
+        # what the daemons said last, where the next failure explains itself (CI keeps no workdir)
+        print(last_words(soak.daemons), flush=True)
     print(summary(rep))
     return code or (0 if ok else 1)
 
