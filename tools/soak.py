@@ -269,16 +269,23 @@ class Soak:
         return await mesh_rpc(peers, address, StatusRequest(), timeout=5.0)
 
     async def covered(self, peers: Any, timeout: float) -> float:
+        def reachable(view: Any) -> bool:
+            return all(m.reachability != "unknown" and (m.reachability != "nat" or m.relay_addresses)
+                       for m in view.members if m.models and m.state == "alive")
+
         began = time.monotonic()
         with trio.move_on_after(timeout):
             while True:
                 try:
                     view = await self.status(peers, SEED_ADDR)
-                    # and a member behind NAT is reachable: it has a relay's circuit to publish
+                    # and every volunteer can be dialled, as the seed (the tracker, whose routes name where to
+                    # dial each stage) and the API member see it: its reachability known (a member still
+                    # "unknown" is dialled at its own address, which behind a NAT reaches nobody: a first ask
+                    # then routed around it and found no route) and, behind a NAT, a relay's circuit published
                     if view.coverage and all(c.covered_layers == c.n_layers for c in view.coverage) and \
-                            all(m.relay_addresses for m in view.members if m.reachability == "nat"):
+                            reachable(view) and reachable(await self.status(peers, API_MEMBER)):
                         return time.monotonic() - began
-                except Exception:  # the seed not answering yet: asked again
+                except Exception:  # the seed or the API member not answering yet: asked again
                     pass
                 await trio.sleep(1.0)
         raise SoakError(f"the model was not covered within {timeout:.0f} s")
