@@ -19,6 +19,7 @@ from meshd.net.fastconn import accepted
 from meshd.net.fastpunch import RELAYED_HOP, FastPunchAnswer, connect_fast, fast_reaches
 from meshd.net.link import Link, LinkTimings
 from meshd.net.peers import Peers, PeersConfig, open_peers
+from meshd.net.stream import Stream
 from meshd.stage.fast import FastDoor
 from relay.protocol import circuit_address
 from relay.punch import FAST_PUNCH_PROTOCOL, FastPunch, FastPunchLimits, PunchLimits
@@ -136,8 +137,6 @@ async def test_a_flood_of_fast_punches_gets_at_most_the_per_peer_rounds_at_once(
 async def test_an_answer_that_is_no_fast_punch_fails_the_rounds_with_the_asker_told_to_go_without() -> None:
     async with linked() as (_, b, _door, link):
         async def wrong(stream: object) -> None:
-            from meshd.net.stream import Stream
-
             assert isinstance(stream, Stream)
             await stream.receive_message()
             await stream.send_message(ErrorMessage(code=ErrorCode.BAD_REQUEST, message="no"))
@@ -151,3 +150,64 @@ async def test_an_answer_that_is_no_fast_punch_fails_the_rounds_with_the_asker_t
         assert not fast_reaches(address, link)
         assert raised.value.code is ErrorCode.BAD_REQUEST and raised.value.message.startswith(RELAYED_HOP)
         assert "no fast punch answered" in raised.value.message
+
+
+
+async def test_a_punch_given_up_on_after_a_failed_round_is_remembered_and_the_next_session_goes_without() -> None:
+    """Rounds that each wait out their connect timeout (here the peer names a port and never dials: a NAT that
+    drops every SYN) can outlast an asker's stall bound (the soak's is 8 s; three rounds took 9). The session,
+    and its rounds, were then cancelled before they ran out, so nothing remembered the failure: each later
+    session stalled the same way, its asker routing around healthy stages until no route was left."""
+    async with linked() as (_, b, _door, link):
+        address = behind_a_relay(b.node_id)
+        limits = PunchLimits(connect_timeout=0.5)
+        token = secrets.token_bytes(TOKEN_BYTES)
+        closed = trio.socket.socket()
+        await closed.bind(("127.0.0.1", 0))
+        nobody = closed.getsockname()[1]
+        closed.close()
+        rounds: list[Stream] = []
+        second = trio.Event()
+
+        async def never_dials(stream: Stream) -> None:
+            rounds.append(stream)
+            if len(rounds) == 2:  # the first round failed: another began
+                second.set()
+            await stream.receive_message()
+            await stream.send_message(FastPunch(port=nobody))
+
+        b.handle(FAST_PUNCH_PROTOCOL, never_dials)
+        # given up on before any round ended: no evidence, and the next session punches afresh
+        with trio.move_on_after(0):
+            await connect_fast(address, link, token, 30.0, limits)
+        assert fast_reaches(address, link)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                async def give_up() -> None:
+                    await second.wait()
+                    nursery.cancel_scope.cancel()  # the asker's stall bound: the session ends, its rounds too
+
+                nursery.start_soon(give_up)
+                await connect_fast(address, link, token, 30.0, limits)
+        assert second.is_set()
+        # the link's next sessions are refused the fast path at their open (RELAYED_HOP: the asker goes on on
+        # the daemons' path), rather than each stalling in the same rounds
+        assert not fast_reaches(address, link)
+
+
+async def test_a_round_whose_syn_was_refused_and_whose_peer_came_from_elsewhere_ends_at_once() -> None:
+    """Behind such a proxy a round cannot meet: our SYN is refused and the peer's lands on our listener from
+    a host the link does not name. Each round ends there, not at its connect timeout, so the rounds end (and
+    the asker is told to go without) within an asker's stall bound rather than past it."""
+    async with linked() as (_, b, _door, link):
+        address = behind_a_relay(b.node_id)
+        link.address = link.address.replace("127.0.0.1", "127.0.0.2")
+        # connect timeouts no hang guard below outlasts: the rounds end on what they saw, not on these
+        with trio.fail_after(30), pytest.raises(ProtocolError) as raised:
+            await connect_fast(address, link, secrets.token_bytes(TOKEN_BYTES), 600.0,
+                               PunchLimits(connect_timeout=600.0))
+        assert raised.value.code is ErrorCode.BAD_REQUEST and raised.value.message.startswith(RELAYED_HOP)
+        message = raised.value.message
+        assert "Connection refused" in message and "refused 127.0.0.1:" in message and "not the peer" in message
+        assert "within" not in message, message
+        assert not fast_reaches(address, link)

@@ -27,7 +27,7 @@ def test_the_smoke_soak_gives_no_wrong_answer_no_unexplained_failure_and_no_ghos
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--smoke", "--seed", "3", "--json", str(out),
                           "--workdir", str(tmp_path / "soak")], capture_output=True, text=True, timeout=600)
-    tail = f"{run.stdout[-6000:]}\n{run.stderr[-3000:]}"
+    tail = f"{run.stdout[-12000:]}\n{run.stderr[-3000:]}"
     print(run.stdout[-3000:])
     assert out.exists(), tail
     rep = json.loads(out.read_text())

@@ -156,8 +156,9 @@ class Slot:
 
 
 class Soak:
-    def __init__(self, prof: Profile, seed: int, base: Path, model: Path) -> None:
+    def __init__(self, prof: Profile, seed: int, base: Path, model: Path, log_level: str = "info") -> None:
         self.prof = prof
+        self.log_env = {"MESHD_LOG": log_level}  # the daemons' (the asks' commands log as a user's do)
         self.rng = random.Random(seed)
         self.seed = seed
         self.base = base
@@ -208,14 +209,14 @@ class Soak:
     def start_core(self) -> None:
         home = self.bridge.machines["pub"].home
         self.core["seed"] = self.track("seed", "seed", self.bridge.start("seed", "pub", meshd_command(
-            ["join", "--no-model", "--listen", SEED_ADDR, "--state-dir", str(home / "seed")]), env=LOG))
+            ["join", "--no-model", "--listen", SEED_ADDR, "--state-dir", str(home / "seed")]), env=self.log_env))
         # the others start side by side (main() waits for their ready lines with the volunteers')
         self.core["relay"] = self.track("relay", "relay", self.bridge.launch("relay", "pub", meshd_command(
             ["relay", "--listen", RELAY_ADDR, "--seed", SEED_ADDR, "--state-dir", str(home / "relay")]),
-            env=LOG))
+            env=self.log_env))
         self.core["api"] = self.track("api", "api", self.bridge.launch("api", "pub", meshd_command(
             ["join", "--seed", SEED_ADDR, "--no-model", "--listen", API_MEMBER, "--api", "127.0.0.1:8080",
-             "--api-stall-timeout", str(ASK_STALL), "--state-dir", str(home / "api")]), env=LOG))
+             "--api-stall-timeout", str(ASK_STALL), "--state-dir", str(home / "api")]), env=self.log_env))
         slow = next(s for s in self.slots if s.kind == "slow")
         machine = self.bridge.machines[slow.role]
         # the slow volunteer listens on its loopback; every connection to it crosses a 15 ms (+0-10 ms) link
@@ -245,7 +246,7 @@ class Soak:
                            "--state-dir", str(machine.home / f"state{slot.identity}"), *VOLUNTEER])
         # back with its identity: no longer departed (its row may show it alive before its ready line)
         self.departed.pop(self.identities.get((slot.role, slot.identity), ""), None)
-        daemon = self.track(name, "volunteer", self.bridge.launch(name, slot.role, argv, env=LOG))
+        daemon = self.track(name, "volunteer", self.bridge.launch(name, slot.role, argv, env=self.log_env))
         daemon.slot = slot
         slot.daemon = daemon
         return daemon
@@ -268,16 +269,23 @@ class Soak:
         return await mesh_rpc(peers, address, StatusRequest(), timeout=5.0)
 
     async def covered(self, peers: Any, timeout: float) -> float:
+        def reachable(view: Any) -> bool:
+            return all(m.reachability != "unknown" and (m.reachability != "nat" or m.relay_addresses)
+                       for m in view.members if m.models and m.state == "alive")
+
         began = time.monotonic()
         with trio.move_on_after(timeout):
             while True:
                 try:
                     view = await self.status(peers, SEED_ADDR)
-                    # and a member behind NAT is reachable: it has a relay's circuit to publish
+                    # and every volunteer can be dialled, as the seed (the tracker, whose routes name where to
+                    # dial each stage) and the API member see it: its reachability known (a member still
+                    # "unknown" is dialled at its own address, which behind a NAT reaches nobody: a first ask
+                    # then routed around it and found no route) and, behind a NAT, a relay's circuit published
                     if view.coverage and all(c.covered_layers == c.n_layers for c in view.coverage) and \
-                            all(m.relay_addresses for m in view.members if m.reachability == "nat"):
+                            reachable(view) and reachable(await self.status(peers, API_MEMBER)):
                         return time.monotonic() - began
-                except Exception:  # the seed not answering yet: asked again
+                except Exception:  # the seed or the API member not answering yet: asked again
                     pass
                 await trio.sleep(1.0)
         raise SoakError(f"the model was not covered within {timeout:.0f} s")
@@ -642,9 +650,6 @@ class Soak:
         }
 
 
-LOG = {"MESHD_LOG": "INFO"}
-
-
 class SoakError(Exception):
     pass
 
@@ -671,6 +676,30 @@ def enter_namespace(namespace: str) -> None:
             raise SoakError(f"cannot enter {namespace}: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)
+
+
+# a log line at info or worse: "<time> <LEVEL> <logger>: <message>"
+_TOLD = re.compile(r"^\S+T(\S+)Z (INFO|WARNING|ERROR|CRITICAL) (\S+): (.*)$")
+
+
+def last_words(daemons: list[Daemon], api_lines: int = 10, lines: int = 3, width: int = 200) -> str:
+    """Each daemon's last few log lines at info or worse (the API member's failovers, which name the routes that
+    failed, and warnings), short, for a run that went wrong: its workdir may be gone by the time anyone reads
+    why."""
+    out = ["what each daemon logged last (info and worse):"]
+    # the API member's last, nearest the summary (a test shows the output's tail)
+    for d in sorted(daemons, key=lambda d: d.role == "api"):
+        told = []
+        for line in d.process.text().splitlines():
+            m = _TOLD.match(line)
+            # the API member's failovers and warnings (its spot checks' notes would crowd them out)
+            if m and (d.role != "api" or m.group(3) == "meshd.client.failover" or m.group(2) != "INFO"):
+                when, level, logger, message = m.groups()
+                told.append(f"    {when} {level[0]} {logger.removeprefix('meshd.')}: {message}"[:width])
+        keep = told[-(api_lines if d.role == "api" else lines):]
+        if keep:
+            out += [f"  {d.name}:", *keep]
+    return "\n".join(out)
 
 
 def summary(rep: dict[str, Any]) -> str:
@@ -703,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="seed of every random choice (default: 1)")
     ap.add_argument("--json", type=Path, default=None, help="write the whole report here")
     ap.add_argument("--smoke", action="store_true", help="the CI profile: each kind of disturbance once, about a minute")
+    ap.add_argument("--log-level", choices=["debug", "info"], default="info",
+                    help="the daemons' log level (default: info; debug to read a failing run's stages)")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and homes here (default: a new temporary dir)")
     args = ap.parse_args(argv)
     if args.minutes is not None and not 0 < args.minutes <= 24 * 60:
@@ -724,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     model = default_model_path()
     base = args.workdir or Path(tempfile.mkdtemp(prefix="meshd-soak-"))
     base.mkdir(parents=True, exist_ok=True)
-    soak = Soak(prof, args.seed, base, model)
+    soak = Soak(prof, args.seed, base, model, args.log_level)
     soak.checkpoint = args.json
     print(f"soak: {prof}, seed {args.seed}, logs in {base}", flush=True)
     signal.signal(signal.SIGTERM, interrupted)
@@ -769,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
     rep["ok"] = ok
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1))
+    if not ok:
+        # what the daemons said last, where the next failure explains itself (CI keeps no workdir)
+        print(last_words(soak.daemons), flush=True)
     print(summary(rep))
     return code or (0 if ok else 1)
 

@@ -97,8 +97,7 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             await withdraw_past_end(result, on_token)
             return result
         route = await find_route(list(result.excluded))
-        log.debug("epoch %d of session %s: route %s", epoch, session[:12],
-                  " ".join(f"{s.node_id or s.address}{list(s.layers or ())}" for s in route))
+        log.debug("epoch %d of session %s: route %s", epoch, session[:12], route_text(route, None))
         carried, before = len(result.tokens), result.numerics
         try:
             await run_session(peers, route, request, result, on_progress, session, epoch, stall_timeout,
@@ -167,7 +166,9 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
                     request = replace(request, fast=False)
                     continue
                 raise
-            log.info("epoch %d failed (%s); routing around %s", epoch, exc, ", ".join(c[:12] for c in culprits))
+            # the route with the failure: a stall's reporter is often not who stalled (the stages' logs say which)
+            log.info("epoch %d failed on route %s (%s); routing around %s", epoch, route_text(route), exc,
+                     ", ".join(c[:12] for c in culprits))
             result.excluded.extend(culprits)
             result.failovers += 1
             if isinstance(exc, StageError) and exc.untrusted_from is not None:
@@ -185,6 +186,11 @@ async def ask_with_failover(peers: Peers, find_route: RouteFinder, request: AskR
             await withdraw_past_end(result, on_token)
             return result
     raise AssertionError("unreachable")
+
+
+def route_text(route: Sequence[Stage], id_chars: int | None = 12) -> str:
+    """A route as its logs name it: each stage's node id (or address) and its layers."""
+    return " ".join(f"{(s.node_id or s.address)[:id_chars]}{list(s.layers or ())}" for s in route)
 
 
 def _crossed(result: AskResult, before: frozenset[str], carried: int) -> None:

@@ -18,6 +18,7 @@ answering side, each within the link's step and connect timeouts.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import weakref
@@ -76,29 +77,40 @@ async def connect_fast(address: str, link: StreamLink, token: bytes, timeout: fl
     node = link.remote_node_id[:16]
     if link.path == "relayed":
         raise _not_punched(f"only a relay's circuit reaches {node}")
-    failure = "no round ran"
-    with trio.move_on_after(timeout):
-        for _ in range(rounds.tries):
-            try:
-                connection = await _round(link, limits)
-            except _RoundFailed as exc:
-                failure = str(exc)
-                continue
-            try:
-                await connection.send_all(preamble(token))
-            except (OSError, trio.BrokenResourceError) as exc:
-                await trio.aclose_forcefully(connection)
-                failure = f"the punched connection went: {exc}"
-                continue
-            # the node's log says once per link that its fast path goes there (a session each after that)
-            if link not in _told:
-                _told.add(link)
-                log.info("fast path to %s: punched a connection over the %s link", node, link.path)
-            return connection
-        _unpunchable.add(link)
-        raise _not_punched(f"no fast-path connection punched to {node}: {failure}")
-    _unpunchable.add(link)
-    raise _not_punched(f"no fast-path connection punched to {node} within {timeout:g} s: {failure}")
+    failure = ""
+    punched = False
+    try:
+        with trio.move_on_after(timeout):
+            for attempt in range(1, rounds.tries + 1):
+                try:
+                    connection = await _round(link, limits)
+                except _RoundFailed as exc:
+                    failure = str(exc)
+                    log.debug("fast punch to %s: round %d of %d failed: %s", node, attempt, rounds.tries, failure)
+                    continue
+                try:
+                    await connection.send_all(preamble(token))
+                except (OSError, trio.BrokenResourceError) as exc:
+                    await trio.aclose_forcefully(connection)
+                    failure = f"the punched connection went: {exc}"
+                    continue
+                punched = True
+                # the node's log says once per link that its fast path goes there (a session each after that)
+                if link not in _told:
+                    _told.add(link)
+                    log.info("fast path to %s: punched a connection over the %s link", node, link.path)
+                return connection
+            raise _not_punched(f"no fast-path connection punched to {node}: {failure}")
+        failure = failure or "no round ended"
+        raise _not_punched(f"no fast-path connection punched to {node} within {timeout:g} s: {failure}")
+    finally:
+        # Remembered also where whoever waited gave up first (an asker's stall bound shorter than the
+        # rounds: the session is cancelled): else each of the link's sessions ran the same rounds and
+        # stalled the same way, its asker routing around healthy stages until no route was left.
+        if not punched and failure and link not in _unpunchable:
+            _unpunchable.add(link)
+            log.info("no fast-path connection punched to %s over the %s link: %s; its sessions take the "
+                     "daemons' path", node, link.path, failure)
 
 
 def _not_punched(why: str) -> ProtocolError:
@@ -176,33 +188,49 @@ async def _meet(sock: trio.socket.SocketType, listener: trio.socket.SocketType, 
     """The one connection with ``target``: our SYN crossing theirs, or theirs landing on our listener."""
     won: list[trio.socket.SocketType] = []
     failures: list[str] = []
+    strangers = 0
+    refused = False
 
     async def dial(scope: trio.CancelScope) -> None:
+        nonlocal refused
         try:
             await sock.connect(target)
         except OSError as exc:
             # EADDRNOTAVAIL: their SYN landed on our listener first, which took the connection
             failures.append(exc.strerror or str(exc))
+            refused = exc.errno == errno.ECONNREFUSED
+            if refused and strangers:
+                scope.cancel()  # the round is over: see accept
             return
         won.append(sock.dup())
         scope.cancel()
 
     async def accept(scope: trio.CancelScope) -> None:
+        nonlocal strangers
         while True:
             conn, peer = await listener.accept()
             if (peer[0], peer[1]) == target:
                 won.append(conn)
                 scope.cancel()
                 return
-            # anyone else who found the port gets nothing
+            # Anyone else who found the port gets nothing. Counted (and the first named): it may be the peer's
+            # own SYN from where the link does not say it is (a proxy in front of this node, a NAT that gave
+            # the peer another port). Once our SYN was refused too, nothing more comes this round: it ends
+            # now rather than at the connect timeout, and the rounds end well within an asker's stall bound.
+            if not strangers:
+                failures.append(f"refused {peer[0]}:{peer[1]}, not the peer")
+            strangers += 1
             conn.close()
+            if refused:
+                scope.cancel()
 
     with trio.move_on_after(timeout):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(dial, nursery.cancel_scope)
             nursery.start_soon(accept, nursery.cancel_scope)
     if not won:
-        raise _RoundFailed(f"no TCP connection with {target[0]}:{target[1]}: {', '.join(failures) or 'timed out'}")
+        more = f" and {strangers - 1} more" if strangers > 1 else ""
+        raise _RoundFailed(f"no TCP connection with {target[0]}:{target[1]}: {', '.join(failures) or 'timed out'}{more}")
     for extra in won[1:]:
         extra.close()
     return trio.SocketStream(won[0])
