@@ -90,15 +90,26 @@ def test_batch_rows_equal_decode_steps_with_no_layer_offloaded(models: dict[str,
 
 
 # With every layer offloaded, ggml-vulkan took matrix-vector kernels for up to 8 rows and the tiled
-# matmul above, f16 accumulators for f16 weights in the latter: every row of all 8 cases below
-# differed from its decode step on lavapipe (f16 by up to 0.02, Q6_K's random weights by 222).
-# Patch 0015 makes every row count take one matmul kernel, and the engine turns ggml-vulkan's fusions
-# off (with them an IQ4_NL batch's rows 9-15 still differed). 16 rows take the matmul where 1 took the
-# matrix-vector kernel; the f16 case's 70 rows reach the larger matmul tiles too.
-@pytest.mark.parametrize(("kind", "rows"), [("f16", BATCH), ("f32", 16), ("q4_1", 16), ("q4_k", 16), ("q6_k", 16),
-                                            ("iq4_nl", 16), ("iq4_xs", 16)])
+# matmul above, f16 accumulators for f16 weights in the latter: every row of all 7 cases below differed
+# from its decode step on lavapipe with ggml's choice (MESHD_STOCK_KERNELS=1: f16 by up to 0.02, Q6_K's
+# random weights by 134). Patch 0015 sends every row of a product by the weights through the one-row
+# matrix-vector kernel, and the engine turns ggml-vulkan's fusions off (with them an IQ4_NL batch's
+# rows 9-15 still differed). Rows not a multiple of 8 (13, 11, 70) too: ggml's kernels take 8 at a time.
+@pytest.mark.parametrize(("kind", "rows"), [("f16", BATCH), ("f32", 16), ("q4_1", 16), ("q4_k", 13), ("q6_k", 16),
+                                            ("iq4_nl", 16), ("iq4_xs", 11)])
 def test_batch_rows_equal_decode_steps_on_the_gpu(models: dict[str, Path], kind: str, rows: int) -> None:  # noqa: F811
     assert_identical(*batched_and_single(models[kind], rows, gpu_layers=-1))
+
+
+# The experts' product (MUL_MAT_ID) took its matrix-vector kernel for up to 8 tokens and the tiled one
+# above; patch 0015 gives every token count the former, one dispatch a token (with ggml's choice every
+# row of 11 differed: qwen3moe by up to 0.022, gpt-oss by 0.51).
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_moe_batch_rows_equal_decode_steps_on_the_gpu(tmp_path: Path, name: str) -> None:
+    from gguf_moe import MOE_SPECS, write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / f"{name}.gguf", MOE_SPECS[name])
+    assert_identical(*batched_and_single(path, 11, gpu_layers=-1))
 
 
 def test_batch_rows_equal_decode_steps_past_512_cells_on_the_gpu(models: dict[str, Path]) -> None:  # noqa: F811
