@@ -99,7 +99,9 @@ def test_so_peercred_refuses_another_user(tmp_path: Path) -> None:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
                 client.settimeout(30)
                 client.connect(name)
-                client.sendall(encode(StatusRequest()))
+                # the daemon refuses at once and closes: on a busy machine before the request is out
+                with suppress(BrokenPipeError):
+                    client.sendall(encode(StatusRequest()))
                 # the whole reply, to the daemon's close (a reset, as it leaves the request unread): one recv
                 # may hold only a part of it
                 reply = b""

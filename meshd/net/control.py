@@ -32,7 +32,7 @@ import stat
 import struct
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,7 +304,10 @@ async def control_request(state_dir: Path, request: Message, *, timeout: float,
             if not peer_allowed(daemon, os.geteuid()):
                 raise ControlError(f"{path} is served by uid {daemon.uid} (pid {daemon.pid}), not by you or root; "
                                    "not trusting it")
-            await stream.send_all(encode(request))
+            with suppress(trio.BrokenResourceError):
+                # a daemon that refuses this uid answers at once and closes, the request unread: on a busy
+                # machine it has before the request is out (a broken pipe), and its answer waits to be read
+                await stream.send_all(encode(request))
             try:
                 reply = await _receive(stream, limits.reply)
             except ProtocolError as exc:
