@@ -7,6 +7,8 @@ import os
 import socket
 import stat
 import struct
+import tempfile
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from meshd.net import control
 from meshd.net.control import (
     LOCK_NAME,
     ControlError,
@@ -32,7 +35,7 @@ from wire.decode import decode
 from wire.errors import ErrorCode, ProtocolError
 from wire.limits import Limits
 from wire.meshrpc import RouteRequest, StatusReply, StatusRequest
-from wire.message import ErrorMessage, Message, encode
+from wire.message import ErrorMessage, Message, encode, error_message
 
 NOBODY = 65534
 # what the child writes to the pipe, before its exception, where it got no reply
@@ -132,6 +135,43 @@ def test_so_peercred_refuses_another_user(tmp_path: Path) -> None:
     reply = decode(got)
     assert isinstance(reply, ErrorMessage) and reply.code is ErrorCode.UNAUTHORIZED, reply
     assert f"uid {NOBODY}" in reply.message
+
+
+async def test_a_refusal_sent_before_the_request_is_out_still_reaches_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon refuses another uid at once and closes, the request unread. A client whose request goes out after
+    that close (a broken pipe: what a busy machine's scheduling made of it in CI) still reads the refusal, the
+    daemon's one clear line, instead of saying it hung up."""
+    refusal = encode(error_message(ProtocolError(ErrorCode.UNAUTHORIZED, "uid 4242 may not use this control socket")))
+    closed = threading.Event()
+    # a short folder: the socket's path must fit sun_path for the fake daemon's bind
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="meshd-ctl-") as state:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(socket_path(Path(state))))
+        listener.listen(1)
+
+        def refuse() -> None:  # the fake daemon: answers before reading, and closes
+            conn, _ = listener.accept()
+            conn.sendall(refusal)
+            conn.close()
+            closed.set()
+
+        thread = threading.Thread(target=refuse, daemon=True)
+        thread.start()
+        checked = control.peer_credentials
+
+        def once_it_closed(sock: socket.socket) -> Credentials:
+            # the client checks who serves the socket between its connect and its send: the close comes first here
+            assert closed.wait(10), "the fake daemon never answered"
+            return checked(sock)
+
+        monkeypatch.setattr(control, "peer_credentials", once_it_closed)
+        try:
+            with pytest.raises(ProtocolError) as caught:
+                await control_request(Path(state), StatusRequest(), timeout=10)
+        finally:
+            thread.join(10)
+            listener.close()
+    assert caught.value.code is ErrorCode.UNAUTHORIZED and "uid 4242" in caught.value.message
 
 
 async def test_a_socket_whose_daemon_is_gone_is_stale_and_removed(tmp_path: Path) -> None:
