@@ -7,7 +7,7 @@ from pathlib import Path
 
 import trio
 
-from meshd.client.ledger import STANDING_EVERY, LedgerKeeper
+from meshd.client.ledger import LedgerKeeper
 from meshd.fetch.hub import HubModel
 from meshd.fetch.source import SourceConfig
 from meshd.mesh.credit import ASKER_WINDOW_CAP, VOTES_EVERY
@@ -83,8 +83,8 @@ class NodeConfig:
     upload: SourceConfig = field(default_factory=SourceConfig)
     # how often the credit ledger pulls what it lacks from one member (meshd.client.ledger)
     ledger_interval: float = LedgerKeeper.interval
-    # how often it works every member's credit out again (a test mesh's: seconds, not STANDING_EVERY's 10)
-    standing_every: float = STANDING_EVERY
+    # how often it works every member's credit out again (a test mesh's: seconds, not the product's 10)
+    standing_every: float = LedgerKeeper.standing_every
     # how often the election's votes are weighed again by the credit ledger (meshd.mesh.credit.VOTES_EVERY)
     credit_votes_every: float = VOTES_EVERY
     # the work one asker credits one stage an hour (meshd.mesh.credit.ASKER_WINDOW_CAP), the same on every

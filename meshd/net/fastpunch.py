@@ -78,7 +78,6 @@ async def connect_fast(address: str, link: StreamLink, token: bytes, timeout: fl
     if link.path == "relayed":
         raise _not_punched(f"only a relay's circuit reaches {node}")
     failure = ""
-    punched = False
     try:
         with trio.move_on_after(timeout):
             for attempt in range(1, rounds.tries + 1):
@@ -94,7 +93,6 @@ async def connect_fast(address: str, link: StreamLink, token: bytes, timeout: fl
                     await trio.aclose_forcefully(connection)
                     failure = f"the punched connection went: {exc}"
                     continue
-                punched = True
                 # the node's log says once per link that its fast path goes there (a session each after that)
                 if link not in _told:
                     _told.add(link)
@@ -103,14 +101,15 @@ async def connect_fast(address: str, link: StreamLink, token: bytes, timeout: fl
             raise _not_punched(f"no fast-path connection punched to {node}: {failure}")
         failure = failure or "no round ended"
         raise _not_punched(f"no fast-path connection punched to {node} within {timeout:g} s: {failure}")
-    finally:
+    except BaseException:
         # Remembered also where whoever waited gave up first (an asker's stall bound shorter than the
         # rounds: the session is cancelled): else each of the link's sessions ran the same rounds and
         # stalled the same way, its asker routing around healthy stages until no route was left.
-        if not punched and failure and link not in _unpunchable:
+        if failure and link not in _unpunchable:
             _unpunchable.add(link)
             log.info("no fast-path connection punched to %s over the %s link: %s; its sessions take the "
                      "daemons' path", node, link.path, failure)
+        raise
 
 
 def _not_punched(why: str) -> ProtocolError:
