@@ -77,6 +77,13 @@ _FIRST_HEADER_READ = 64 << 10
 MAX_HEADER_BYTES = 256 << 20
 # Of an error's body, what is read for its message (the hub's are a line of JSON).
 _ERROR_BODY = 64 << 10
+# Bytes the library's HTTP/1.1 connection asks of its socket a read (httpcore2's READ_NUM_BYTES, 64 KiB, which
+# it gives no setting for). Each read is a piece that goes through its parser and generators (one copy of it
+# three times over, with the interpreter lock held) and ours (hashed, written): with three volunteers fetching
+# their ranges of tools/bench_hub.py's model from the fake hub here at once, 256 KiB took 1.94-2.22 ns of the
+# volunteers' CPU a byte where 64 KiB took 2.11-2.35 (four runs side by side, load 5-7). Not 1 MiB: as slow
+# as 64 KiB (2.19-2.21; its copies no longer fit a core's cache). A connection's buffer is this much at most.
+_READ_BYTES = 256 << 10
 
 
 class HubError(Exception):
@@ -297,6 +304,16 @@ def _pick(spec: HubSpec, files: Sequence[str], where: str) -> list[str]:
 # ----- reading bytes
 
 
+def _session() -> httpx2.Client:
+    """The library's HTTP session, its connections reading _READ_BYTES at a time."""
+    import httpcore2
+    from huggingface_hub import get_session
+
+    httpcore2.HTTP11Connection.READ_NUM_BYTES = _READ_BYTES
+    session: httpx2.Client = get_session()
+    return session
+
+
 def _response_total(content_range: str | None) -> tuple[int, int, int] | None:
     found = re.match(r"^bytes (\d+)-(\d+)/(\d+)$", content_range or "")
     return (int(found[1]), int(found[2]), int(found[3])) if found else None
@@ -360,13 +377,13 @@ class HubReader:
         """The body of a request for bytes [start, end) of file ``part``, its status, range and commit checked
         (HubError otherwise), to be read as it comes (``RangeBody``); the caller closes it."""
         import httpx2
-        from huggingface_hub import get_session, hf_raise_for_status
+        from huggingface_hub import hf_raise_for_status
 
         f = self.model.files[part]
         if not 0 <= start < end <= f.size:
             raise ValueError(f"bytes {start}-{end} are not within {f.path}")
         try:
-            session = get_session()
+            session = _session()
             request = session.build_request("GET", self.model.url(part), headers=self._headers(start, end),
                                             timeout=self.timeout)
             response = session.send(request, stream=True, follow_redirects=True)
