@@ -12,6 +12,7 @@ headers (the server's counters say which bytes each token read).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import subprocess
 import threading
 import tracemalloc
@@ -344,6 +345,54 @@ async def test_a_fetch_reads_a_run_of_chunks_in_one_request_and_a_mirror_sending
     assert peak < 4 << 20, peak
     assert not sparse.has(manifest.chunks[-1].index)
     sparse.close()
+
+
+async def test_a_hub_fetch_journals_what_it_verified_as_it_goes(hub: FakeHub, tmp_path: Path,
+                                                              files: dict[str, Path]) -> None:
+    model = resolve(parse_spec(f"hf:{REPO}:Q8_0"))
+    manifest = manifest_for(files["tiny-Q8_0.gguf"], chunk_size=4 << 10)
+    data = files["tiny-Q8_0.gguf"].read_bytes()
+    path = tmp_path / "going.gguf"
+    sparse = SparseFile.open(path, manifest)
+    # a chunk held between two runs: the fetch (one request at a time) reads the first run, then asks for the
+    # second, whose body the hub holds back: the fetch is still going while the test looks
+    held = manifest.chunks[len(manifest.chunks) // 2]
+    sparse.write(held, data[held.offset:held.offset + held.size])
+    first = manifest.chunks[:held.index]
+
+    def progress(_: object) -> None:
+        hub.stall = 60.0
+
+    returned = False
+
+    async def fetch() -> None:
+        nonlocal returned
+        await fetch_from_hub(HubReader(model), sparse, list(manifest.chunks), progress=progress, concurrency=1,
+                             flush_interval=0.05)
+        returned = True
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fetch)
+        # what a crash now would leave (the files and journal copied while the fetch waits on the second run):
+        # every chunk of the first run, journalled
+        crash = tmp_path / "crash"
+        with trio.fail_after(30):
+            while True:
+                await trio.sleep(0.05)
+                shutil.rmtree(crash, ignore_errors=True)
+                crash.mkdir()
+                for f in tmp_path.glob("going.gguf*"):
+                    shutil.copy(f, crash / f.name)
+                copy = SparseFile.open(crash / "going.gguf", manifest)
+                kept = [c for c in first if copy.has(c.index)]
+                copy.close()
+                if len(kept) == len(first):
+                    break
+        assert not returned
+        nursery.cancel_scope.cancel()
+    sparse.close()
+    assert (crash / "going.gguf").read_bytes()[:first[-1].offset + first[-1].size] == \
+        data[:first[-1].offset + first[-1].size]
 
 
 def test_a_mirror_sending_more_than_a_range_asked_costs_the_range_and_is_one_line(hub: FakeHub) -> None:
