@@ -77,12 +77,15 @@ _FIRST_HEADER_READ = 64 << 10
 MAX_HEADER_BYTES = 256 << 20
 # Of an error's body, what is read for its message (the hub's are a line of JSON).
 _ERROR_BODY = 64 << 10
-# Bytes the library's HTTP/1.1 connection asks of its socket a read (httpcore2's READ_NUM_BYTES, 64 KiB, which
-# it gives no setting for). Each read is a piece that goes through its parser and generators (one copy of it
-# three times over, with the interpreter lock held) and ours (hashed, written): with three volunteers fetching
-# their ranges of tools/bench_hub.py's model from the fake hub here at once, 256 KiB took 1.94-2.22 ns of the
-# volunteers' CPU a byte where 64 KiB took 2.11-2.35 (four runs side by side, load 5-7). Not 1 MiB: as slow
-# as 64 KiB (2.19-2.21; its copies no longer fit a core's cache). A connection's buffer is this much at most.
+# Bytes the library's HTTP/1.1 connection asks of its socket a read (httpcore2's READ_NUM_BYTES, 64 KiB, for
+# which it has no setting). Each read is a piece that its parser copies four times with the interpreter lock
+# held and that goes through its generators and ours (hashed, written) at a cost of its own: with three
+# volunteers fetching their ranges of tools/bench_hub.py's model from the fake hub here at once, 256 KiB took
+# 1.94-2.22 ns of their CPU a byte where 64 KiB took 2.11-2.35 (four runs side by side, load 5-7); 1 MiB took
+# 2.19-2.21 (its copies no longer fit a core's cache). bench_hub's three ranges together (this and the journal
+# flushed as a fetch goes, hub_chunks) went from 548-577 MB/s to 695-718 (two runs each, side by side, load
+# 1.7-3.1; its raw reader, the same client, from 845-857 to 995-1074). A read's buffer, per connection, is this
+# much at most.
 _READ_BYTES = 256 << 10
 
 
