@@ -83,9 +83,9 @@ _ERROR_BODY = 64 << 10
 # volunteers fetching their ranges of tools/bench_hub.py's model from the fake hub here at once, 256 KiB took
 # 1.94-2.22 ns of their CPU a byte where 64 KiB took 2.11-2.35 (four runs side by side, load 5-7); 1 MiB took
 # 2.19-2.21 (its copies no longer fit a core's cache). bench_hub's three ranges together (this and the journal
-# flushed as a fetch goes, hub_chunks) went from 548-577 MB/s to 695-718 (two runs each, side by side, load
-# 1.7-3.1; its raw reader, the same client, from 845-857 to 995-1074). A read's buffer, per connection, is this
-# much at most.
+# flushed as a fetch goes, hub_chunks) went from 468-577 MB/s to 629-718 (four runs each, side by side, load
+# 1.7-5.8; its raw reader on four connections, the same client, from 717-877 to 933-1074). A read's buffer, per
+# connection, is this much at most.
 _READ_BYTES = 256 << 10
 
 
