@@ -114,3 +114,12 @@ def test_moe_batch_rows_equal_decode_steps_on_the_gpu(tmp_path: Path, name: str)
 
 def test_batch_rows_equal_decode_steps_past_512_cells_on_the_gpu(models: dict[str, Path]) -> None:  # noqa: F811
     assert_identical(*batched_and_single(models["f16"], 16, prefix=600, gpu_layers=-1))
+
+
+# Attention's V*KQ sums over n_kv cells, which the KV cache pads to a multiple of 256 (or the whole cache,
+# 1024 here): a batch across a boundary sums over more cells than its first rows' decode steps did (the
+# extra ones the mask's zeros), and past 768 over the whole cache, whose V view is contiguous (ggml gives
+# that no matrix-vector kernel; patch 0015 gives both mul_mat_vec_nc, which sums those cells after the rest).
+@pytest.mark.parametrize("prefix", [250, 760])
+def test_batch_rows_equal_decode_steps_across_kv_padding_on_the_gpu(models: dict[str, Path], prefix: int) -> None:  # noqa: F811
+    assert_identical(*batched_and_single(models["f16"], 16, prefix=prefix, gpu_layers=-1))
