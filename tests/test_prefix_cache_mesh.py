@@ -31,8 +31,11 @@ from wire.stage import PREFIX_BLOCK, STAGE_PROTOCOL, Metrics, MetricsRequest, Sa
 
 pytestmark = pytest.mark.slow  # four daemons, three engine workers
 
-# Memory for a third of the model and 3 sessions of 2,304 tokens each: the model takes three volunteers.
-VOLUNTEER = ["--memory", "120M", "--threads", "1", "--max-sessions", "3", "--session-tokens", "2304",
+# Memory for a third of the model and 4 sessions of 2,304 tokens each: the model takes three volunteers.
+# Four, not three: the tracker's probe of a stage (every 30 s) takes the least recently used entry's
+# sequence as any session does, and the liar's test needs an entry older than the ones it counts on
+# beside the one its own next ask takes.
+VOLUNTEER = ["--memory", "120M", "--threads", "1", "--max-sessions", "4", "--session-tokens", "2304",
              "--cache-tokens", "4608"]
 NEW_TOKENS = 24
 # every ask ends within this, however the pipeline breaks (a bound against hangs, not a speed claim)
