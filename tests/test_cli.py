@@ -267,6 +267,30 @@ def test_a_model_file_that_is_no_gguf_is_one_line(bad_models: dict[str, Path], k
         result.stderr
 
 
+@pytest.mark.parametrize("args", [["join"], ["join", "--model-id", "ab" * 32, "--seed", "127.0.0.1:9"],
+                                  ["serve", "--layers", "0:4"]], ids=lambda a: "-".join(a[:2]))
+def test_a_node_that_would_run_layers_on_an_engine_that_cannot_load_is_one_line(args: list[str],
+                                                                              tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # the checkout's library beside a header of another ABI: the engine refuses to load it (a volunteer
+    # started so was placed, then warned every few seconds that it could not serve, for as long as it ran)
+    from meshd.engine import native
+
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / native.LIB_NAME).symlink_to(native.checkout_dir() / native.LIB_NAME)
+    header = (native.checkout_dir() / "meshengine.h").read_text()
+    (engine / "meshengine.h").write_text(header.replace("#define ME_ABI_VERSION ", "#define ME_ABI_VERSION 9"))
+    state = ["--state-dir", str(tmp_path / "state")] if args[0] == "join" else []
+    result = run_env(*args, "--listen", "127.0.0.1:0", *state, MESHD_ENGINE_DIR=str(engine))
+    no_traceback(result)
+    assert "this node cannot run layers: libmeshengine.so speaks ABI " in one_line_error(result, 1)
+    # a member without a model runs no layers: it starts as before (it is stopped at once)
+    if args[0] == "join":
+        monkeypatch.setenv("MESHD_ENGINE_DIR", str(engine))
+        stop_process(start_join("--no-model", "--state-dir", str(tmp_path / "bare")).proc)
+
+
 def test_a_bad_log_level_is_one_line() -> None:
     result = run_env("status", MESHD_LOG="chatty")
     no_traceback(result)

@@ -25,11 +25,13 @@ def or_auto(convert: Callable[[str], int]) -> Callable[[str], int | str]:
     return either
 
 
-def resolve_gpu(args: argparse.Namespace, sizes_layers: bool = False) -> Device | None:
+def resolve_gpu(args: argparse.Namespace, sizes_layers: bool = False, runs_layers: bool = True) -> Device | None:
     """Fills --gpu-memory auto from the first GPU the engine finds (the one a load offloads to), and
     --gpu-layers auto unless the caller sizes them to its range (``sizes_layers``: serve's; join's
     tracker places ranges that fit), and says in one line what it found; a GPU build that finds none
-    says so. The GPU, where auto asked for one and one was found."""
+    says so. The GPU, where auto asked for one and one was found. A node that will run layers
+    (``runs_layers``) and whose engine cannot load is one line: a volunteer started so was placed,
+    then warned every few seconds that it could not serve, for as long as it ran."""
     from meshd.engine.devices import gpus, no_gpu_note
     from meshd.engine.native import EngineUnavailable
 
@@ -40,7 +42,9 @@ def resolve_gpu(args: argparse.Namespace, sizes_layers: bool = False) -> Device 
     except EngineUnavailable as exc:
         if asked:
             raise CommandError(f"--gpu-layers/--gpu-memory auto: {exc}") from None
-        return None  # the engine's own start names what is missing
+        if runs_layers:
+            raise CommandError(f"this node cannot run layers: {exc}") from None
+        return None
     if note:
         print(f"meshd: {note}", file=sys.stderr, flush=True)
     if not asked:

@@ -259,7 +259,7 @@ def seeds_text(seeds: Sequence[str]) -> str:
 
 async def join(args: argparse.Namespace) -> int:
     api = api_config(args)
-    resolve_gpu(args)
+    resolve_gpu(args, runs_layers=not args.no_model)
     if args.gpu_layers and not args.gpu_memory:
         raise UsageError("--gpu-layers needs --gpu-memory: how much GPU memory this node offers the layers")
     if args.model_id is not None and not args.seed:
