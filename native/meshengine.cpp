@@ -171,16 +171,19 @@ void show_cpu_vulkan_device() {
     }
 }
 
-// ggml-vulkan picks a matrix product's kernel by its row count (patch 0015): one kernel for every
-// row count, as on the CPU, unless MESHD_STOCK_KERNELS=1 asks for ggml's own choice (what
-// tools/bench_vulkan.py compares against). Its fused kernels are formed by shape too: with the
-// matmuls fixed, an IQ4_NL model's batch of 16 still had rows 9-15 differ from their decode steps on
-// lavapipe until fusion was off as well.
+// ggml-vulkan and ggml-cuda pick a matrix product's kernel by its row count (patches 0015 and 0018):
+// one kernel for every row count, as on the CPU, unless MESHD_STOCK_KERNELS=1 asks for ggml's own
+// choice (what tools/bench_vulkan.py compares against). Their fused kernels are formed by shape too:
+// with the matmuls fixed, an IQ4_NL model's batch of 16 still had rows 9-15 differ from their decode
+// steps on lavapipe until fusion was off as well; ggml-cuda fuses its matrix-vector kernels for one
+// row only. The CUDA switches are compile-checked only, not yet run on a GPU.
 void batch_invariant_gpu_kernels() {
     const char * stock = getenv("MESHD_STOCK_KERNELS");
     if (!(stock && strcmp(stock, "1") == 0)) {
         setenv("GGML_VK_BATCH_INVARIANT", "1", 1);
         setenv("GGML_VK_DISABLE_FUSION", "1", 1);
+        setenv("GGML_CUDA_BATCH_INVARIANT", "1", 1);
+        setenv("GGML_CUDA_DISABLE_FUSION", "1", 1);
     }
 }
 

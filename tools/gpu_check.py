@@ -24,7 +24,7 @@ MESHD_ENGINE_DIR at it. Then, for each tiny model in priority order (a dense lla
 MoE families first), in a worker process that is restarted past a crash:
 
   * the whole model with every layer offloaded (gpu layers -1) greedily decodes
-    --steps tokens after each of three prompts (1, 9 and 40 random token ids);
+    --steps tokens after each of three prompts (1, 10 and 43 random token ids);
   * each chain of layer ranges, every stage fully offloaded and chained as meshd
     chains them (f32 residual rows from one stage's context to the next), is fed
     the whole model's tokens: its own greedy picks must be the same tokens and its
@@ -32,7 +32,10 @@ MoE families first), in a worker process that is restarted past a crash:
     how many steps were bit-identical);
   * batch invariance: the whole model, offloaded, takes each prompt and its answer as one
     batch, and every row's logits must be its decode step's bit for bit (a prefix cache, a
-    speculative step and a failover's re-prefill take in a batch rows a decode took one by one);
+    speculative step and a failover's re-prefill take in a batch rows a decode took one by one):
+    native/patches/0018's kernels (GGML_CUDA_BATCH_INVARIANT, which the engine sets unless
+    MESHD_STOCK_KERNELS=1; compile-checked only until such a run) make every row count take one
+    kernel, and each model's line and the verdict say which kernels ran;
   * failover: each chain, fresh, takes over each answer at half its steps as a failover's
     new route does (the prompt and the answer so far prefilled as one batch, then decoding
     on), and must give the undisturbed chain's tokens and logits;
@@ -55,6 +58,7 @@ On the device tool: carry [".gpu"] and run
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import json
 import os
@@ -93,7 +97,14 @@ CUDA_OPTIONS = [
     "-DGGML_CUDA_COMPRESSION_MODE=none",
 ]
 
-PROMPT_LENGTHS = (1, 9, 40)
+# What the engine sets for ggml-cuda unless MESHD_STOCK_KERNELS=1 (native/meshengine.cpp, patch 0018)
+INVARIANT_SWITCH = "GGML_CUDA_BATCH_INVARIANT"
+
+# With the default 24 steps the batch check's batches are 25, 34 and 67 rows and the failover's
+# re-prefills 13, 22 and 55: every remainder of patch 0018's groups of 4 columns (mmvq on sm_90) comes
+# up, and six of its groups of 8 (mmvf), beside full groups (prompts of 1, 9 and 40 never made a launch of
+# 2 or 3 columns).
+PROMPT_LENGTHS = (1, 10, 43)
 N_CTX = 128
 N_THREADS = 1
 # the models every run must cover, first: a dense llama (f32 and f16) and MoE families
@@ -637,7 +648,8 @@ def _result_line(r: dict[str, Any], expect_gpu: bool = True) -> str:
         line += f", {len(failed)} split(s) FAILED ({failed[0]['error']})"
     b = r.get("batch")
     if b:
-        line += f" | batch rows vs decode steps: bit-identical {b['bit_identical']}/{b['compared']}"
+        line += (f" | batch rows vs decode steps ({r.get('kernels', '?')} kernels): "
+                 f"bit-identical {b['bit_identical']}/{b['compared']}")
     over = [c["failover"] for c in done if c.get("failover")]
     if over:
         line += (f" | failover: tokens {'identical' if all(f['tokens_identical'] for f in over) else 'DIFFER'}, "
@@ -722,6 +734,9 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     if library:
         say(f"library: {library}")
+        say("kernels: " + ("stock, ggml's own choice by row count (MESHD_STOCK_KERNELS=1)"
+                           if os.environ.get("MESHD_STOCK_KERNELS") == "1" else
+                           f"batch-invariant (the engine sets {INVARIANT_SWITCH}, patch 0018)"))
         limit = min(args.parity_limit, args.deadline - (time.monotonic() - t0) - 5)
         say(f"parity: whole model vs chains of ranges, every layer offloaded (gpu layers -1), "
             f"prompts of {'/'.join(map(str, PROMPT_LENGTHS))} tokens then {args.steps} greedy steps each; "
@@ -747,11 +762,13 @@ def run(args: argparse.Namespace) -> int:
     failover_words = ("tokens NOT all identical" if not resumed else
                       "tokens identical, logits " + ("bit for bit" if resumed_exact else "NOT all bit for bit"))
     on_gpu = args.cpu or bool(loaded) and all(r.get("n_bytes_gpu") for r in loaded)
+    modes = sorted({str(r.get("kernels")) for r in loaded})
     say(f"verdict: {'build ok' if built or args.lib else 'BUILD NOT DONE'}; "
         f"{'FALLBACK library; ' if library.startswith('FALLBACK') else ''}{len(results)} models, {len(chains)} splits; "
         f"split tokens {'all identical' if ok else 'NOT all identical (or errors)'}; "
         f"split logits {'bit-identical everywhere' if exact else 'NOT bit-identical everywhere'}; "
-        f"batch rows {'= decode steps bit for bit in every model' if invariant else 'NOT all = decode steps'}; "
+        f"batch rows {'= decode steps bit for bit in every model' if invariant else 'NOT all = decode steps'} "
+        f"({' and '.join(modes) or 'no'} kernels); "
         f"failover {failover_words}; "
         f"{'CPU build' if args.cpu else 'every model had weights on the GPU' if on_gpu else 'SOME MODEL NOT ON THE GPU'}; "
         f"{time.monotonic() - t0:.0f} s in all")
@@ -771,6 +788,14 @@ def worker(args: argparse.Namespace) -> int:
     from meshd.engine import native as nat
 
     engine_dir = Path(os.environ["MESHD_ENGINE_DIR"])
+
+    def kernel_mode() -> str:
+        """Which kernels ggml-cuda was told to take, read from this process's environment as the engine
+        left it once loaded (a variable the engine sets is not in os.environ)."""
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype = ctypes.c_char_p
+        return "batch-invariant" if libc.getenv(INVARIANT_SWITCH.encode()) else "stock"
+
     got = nat._library_dir()
     if got.resolve() != engine_dir.resolve():
         raise SystemExit(f"gpu_check: the engine would load {got}, not {engine_dir}")
@@ -923,6 +948,7 @@ def worker(args: argparse.Namespace) -> int:
         try:
             with Model(path, None) as probe:
                 n_vocab = probe.report.n_vocab
+            result["kernels"] = kernel_mode()
             rng = np.random.default_rng(e["seed"])
             prompts = [rng.integers(0, n_vocab, size=n).tolist() for n in PROMPT_LENGTHS]
             batch: dict[str, Any] = {}
