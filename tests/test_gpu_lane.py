@@ -92,9 +92,10 @@ def test_batch_rows_equal_decode_steps_with_no_layer_offloaded(models: dict[str,
 # With every layer offloaded, ggml-vulkan took matrix-vector kernels for up to 8 rows and the tiled
 # matmul above, f16 accumulators for f16 weights in the latter: every row of all 7 cases below differed
 # from its decode step on lavapipe with ggml's choice (MESHD_STOCK_KERNELS=1: f16 by up to 0.02, Q6_K's
-# random weights by 134). Patch 0015 sends every row of a product by the weights through the one-row
-# matrix-vector kernel, and the engine turns ggml-vulkan's fusions off (with them an IQ4_NL batch's
-# rows 9-15 still differed). Rows not a multiple of 8 (13, 11, 70) too: ggml's kernels take 8 at a time.
+# random weights by 134). Patch 0015 sends every row of a product by the weights through ggml's
+# matrix-vector shaders, full groups of 8 through the 8-column pipeline and the rest through the one-column
+# one a decode step runs, which sum a column alike; the engine turns ggml-vulkan's fusions off (with them
+# an IQ4_NL batch's rows 9-15 still differed). Rows not a multiple of 8 (13, 11, 70) take both pipelines.
 @pytest.mark.parametrize(("kind", "rows"), [("f16", BATCH), ("f32", 16), ("q4_1", 16), ("q4_k", 13), ("q6_k", 16),
                                             ("iq4_nl", 16), ("iq4_xs", 11)])
 def test_batch_rows_equal_decode_steps_on_the_gpu(models: dict[str, Path], kind: str, rows: int) -> None:  # noqa: F811
