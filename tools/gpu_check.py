@@ -734,9 +734,6 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     if library:
         say(f"library: {library}")
-        say("kernels: " + ("stock, ggml's own choice by row count (MESHD_STOCK_KERNELS=1)"
-                           if os.environ.get("MESHD_STOCK_KERNELS") == "1" else
-                           f"batch-invariant (the engine sets {INVARIANT_SWITCH}, patch 0018)"))
         limit = min(args.parity_limit, args.deadline - (time.monotonic() - t0) - 5)
         say(f"parity: whole model vs chains of ranges, every layer offloaded (gpu layers -1), "
             f"prompts of {'/'.join(map(str, PROMPT_LENGTHS))} tokens then {args.steps} greedy steps each; "
