@@ -542,8 +542,10 @@ class Election:
             self._vacant_since = None
             self._deadline = None
             if backed is None and self._newcomers and 2 * self._votes(tracker) <= self._electorate():
-                # carried thanks to newcomers yet to vote: look again when the oldest one's grace ends (with
-                # none left there is no grace to wait out: an attacker's run of CI raised StopIteration here)
+                # carried thanks to newcomers yet to vote: look again when the oldest one's grace ends. With
+                # none left there is no grace to wait out: following a tracker newly carried weighs every
+                # member again (`_follow`), which can leave it half the new weights with no newcomer among
+                # them (an attacker's run of CI raised StopIteration here)
                 self._wait(next(iter(self._newcomers.values())) + self._config.election_timeout)
         elif self._vacant_since is None:
             self._vacant_since = now
