@@ -24,7 +24,8 @@ MESHD_ENGINE_DIR at it. Then, for each tiny model in priority order (a dense lla
 MoE families first), in a worker process that is restarted past a crash:
 
   * the whole model with every layer offloaded (gpu layers -1) greedily decodes
-    --steps tokens after each of three prompts (1, 10 and 43 random token ids);
+    --steps tokens after each of three prompts (1, 10 and 43 random token ids), and the
+    first seven models after a fourth of 250, whose answer crosses 256 KV cells;
   * each chain of layer ranges, every stage fully offloaded and chained as meshd
     chains them (f32 residual rows from one stage's context to the next), is fed
     the whole model's tokens: its own greedy picks must be the same tokens and its
@@ -105,10 +106,16 @@ INVARIANT_SWITCH = "GGML_CUDA_BATCH_INVARIANT"
 # up, and six of its groups of 8 (mmvf), beside full groups (prompts of 1, 9 and 40 never made a launch of
 # 2 or 3 columns).
 PROMPT_LENGTHS = (1, 10, 43)
-N_CTX = 128
-N_THREADS = 1
 # the models every run must cover, first: a dense llama (f32 and f16) and MoE families
 FIRST = ["llama-gqa-untied", "llama-gqa-tied", "qwen3moe", "mixtral", "deepseek2-mla", "gpt-oss", "qwen2moe-shexp"]
+# These also answer a prompt of 250 tokens, whose answer crosses 256 cells: llama_kv_cache pads the
+# attention's n_kv to a multiple of 256, so a batch of the whole answer attends over 512 cells where
+# the decode steps before the crossing attend over 256, and a kernel that splits its sum by length
+# (cuBLAS picks its split-k by shape) would sum a row of the batch unlike its decode step. A context of
+# 512 cells lets n_kv be 256 at all (with 128, every step attended over the whole cache).
+LONG_PROMPT = 250
+N_CTX = 512
+N_THREADS = 1
 
 Chain = list[tuple[int, int]]
 
@@ -736,7 +743,8 @@ def run(args: argparse.Namespace) -> int:
         say(f"library: {library}")
         limit = min(args.parity_limit, args.deadline - (time.monotonic() - t0) - 5)
         say(f"parity: whole model vs chains of ranges, every layer offloaded (gpu layers -1), "
-            f"prompts of {'/'.join(map(str, PROMPT_LENGTHS))} tokens then {args.steps} greedy steps each; "
+            f"prompts of {'/'.join(map(str, PROMPT_LENGTHS))} tokens ({LONG_PROMPT} too for the first "
+            f"{len(FIRST)} models) then {args.steps} greedy steps each; "
             f"{limit:.0f} s at most")
         results = parity(lib_dir, args.steps, limit, args.models or None, say, not args.cpu)
         crashed = bool(results) and all("error" in r for r in results)
@@ -947,7 +955,8 @@ def worker(args: argparse.Namespace) -> int:
                 n_vocab = probe.report.n_vocab
             result["kernels"] = kernel_mode()
             rng = np.random.default_rng(e["seed"])
-            prompts = [rng.integers(0, n_vocab, size=n).tolist() for n in PROMPT_LENGTHS]
+            lengths = (*PROMPT_LENGTHS, LONG_PROMPT) if name in FIRST else PROMPT_LENGTHS
+            prompts = [rng.integers(0, n_vocab, size=n).tolist() for n in lengths]
             batch: dict[str, Any] = {}
             whole_tokens, whole_logits, report = runs(path, None, gpu, prompts, None, batch_check(batch))
             whole = (whole_tokens, whole_logits)
@@ -1007,6 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("names", nargs="+")
     w.set_defaults(func=worker)
     args = parser.parse_args(argv)
+    if getattr(args, "steps", 0) >= N_CTX - LONG_PROMPT:
+        parser.error(f"--steps: at most {N_CTX - LONG_PROMPT - 1} (the {LONG_PROMPT}-token prompt and its answer "
+                     f"fill a context of {N_CTX})")
     result: int = args.func(args)
     return result
 
