@@ -230,6 +230,33 @@ def test_a_placed_member_gone_and_back_re_placed_elsewhere_keeps_its_weight_for_
     assert election._electorate() == 4
 
 
+def test_a_successor_whose_own_placements_weigh_once_it_is_followed_is_looked_at_again_by_the_new_weights() -> None:
+    # test_attacks_authority's crash in CI: following a newly carried tracker weighs every member again,
+    # and the members it placed itself, yet to vote for it, left it half the weight with no newcomer
+    # whose grace to wait out: the election took the oldest one's from an empty dict (StopIteration)
+    successor, later = HONEST[0], range(5, 9)
+    election = placed_mesh_election()
+    by_successor = {i: Placement.create(identity(successor), 2, record(i).node_id, MODEL.digest, 4, 8) for i in later}
+    for i in later:
+        election.observe(0.0, record(i, placement=by_successor[i]), live=True)
+    # news past every newcomer's grace: the followed tracker's count forgets them all
+    moved = Placement.create(identity(TRACKER), 1, record(4).node_id, MODEL.digest, 4, 8)
+    election.observe(2 * TIMEOUT, record(4, 2, placement=moved, **voting_for(TRACKER, 1)), live=True)
+    election.observe(3 * TIMEOUT, record(TRACKER, version=2), live=False)
+    carried = Tracker(2, record(successor).node_id)
+    seen = []
+    for i in HONEST:
+        fields = placed(i, **voting_for(successor, 2), **({"tracker_term": 2} if i == successor else {}))
+        election.observe(3 * TIMEOUT, record(i, 3, **fields), live=True)
+        seen.append((election.tracker, election._electorate()))
+    # carried by three of the four that weighed, then four of eight once its own placements weigh
+    assert seen == [(None, 4), (carried, 8), (None, 8)]
+    for i in later:
+        election.observe(3 * TIMEOUT + 1.0, record(i, 2, placement=by_successor[i], **voting_for(successor, 2)),
+                         live=True)
+    assert election.tracker == carried
+
+
 # ----- proofs
 
 
