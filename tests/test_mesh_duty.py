@@ -145,6 +145,31 @@ def test_a_dead_volunteer_is_replaced_and_the_others_move_only_if_needed() -> No
         assert served(d) == ([after[d.node_id]] if d.node_id in after else served(d))
 
 
+def test_a_new_tracker_moves_only_the_layers_the_dead_one_served_and_routes_over_the_rest_meanwhile() -> None:
+    # the volunteers ask the new tracker for their ranges before it has placed, and are told none: each
+    # dropped the placement that put it where it is, and with no member placed to start from the new
+    # tracker cut the model afresh (three members moved here, and no route was left until they loaded)
+    duties = [duty(i) for i in range(6)]
+    mesh = Mesh(*duties)
+    mesh.run_until(10.0)
+    old = mesh.tracker
+    assert old.serving is not None
+    mesh.finish_loads = False
+    mesh.net.down.add(old.node_id)
+    rest = [d for d in duties if d is not old]
+    for _ in range(300):
+        mesh.run_until(mesh.net.now + 0.1)
+        new = next((d for d in rest if d.is_tracker and MODEL.digest in d.assignments), None)
+        if new is not None:
+            break
+    assert new is not None, "no tracker placed the model within 30 s"
+    placed = new.assignments[MODEL.digest].ranges()
+    moved = [d for d in rest if d.node_id in placed and d.serving != placed[d.node_id]]
+    assert len(moved) == 1 and all(d.node.record.placement is not None for d in rest)
+    route = new.route(MODEL.digest, (), lambda r: "10.0.0.1:7400")
+    assert tiles([(s.start, s.end) for s in route.stages], MODEL.n_layers) and moved[0].loading is not None
+
+
 def test_a_failed_ask_is_retried_after_a_doubling_backoff() -> None:
     duties = [duty(i) for i in range(2)]
     mesh = Mesh(*duties)

@@ -649,6 +649,12 @@ class MeshDuty:
     def _take(self, now: float, reply: AssignmentReply) -> None:
         """Loads the range `reply` places this node on, if it can, and carries the tracker's signed
         placement of it in this node's record (none where it holds no range the tracker placed)."""
+        if reply.model is None:
+            # no range for this node (yet): it keeps serving what it serves, and the placement that put it
+            # there. A tracker just elected answers so until it has placed, and a placement dropped here
+            # would leave it no member placed to start from (`_placed_serving`): it cut the model afresh,
+            # swapping ranges between members and routing over none of the old ones until they loaded
+            return
         placement = reply.placement if self._load(reply) else None
         tracker = self.node.tracker
         if placement is not None and (tracker is None or (
