@@ -648,7 +648,8 @@ class MeshDuty:
 
     def _take(self, now: float, reply: AssignmentReply) -> None:
         """Loads the range `reply` places this node on, if it can, and carries the tracker's signed
-        placement of it in this node's record (none where it holds no range the tracker placed)."""
+        placement of it in this node's record (none where it refuses the range or the placement is not
+        the tracker's; the one it has where the tracker has no range for it)."""
         if reply.model is None:
             # no range for this node (yet): it keeps serving what it serves, and the placement that put it
             # there. A tracker just elected answers so until it has placed, and a placement dropped here
