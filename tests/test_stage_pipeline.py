@@ -99,7 +99,7 @@ async def test_concurrent_sessions_match_solo_runs_and_share_engine_calls(
     for b, a in zip(before, after, strict=False):
         # calls were shared, but by how many sessions is the run's timing: a stage takes what is ready when
         # its engine frees (no gather window), and 8 sessions through 3 stages settle into waves of about
-        # three (CI at a3c573e, under load: one stage's largest call held 3)
+        # three (CI at a3c573e: one stage's largest call held 3)
         assert a["multi_session_calls"] > b["multi_session_calls"]
         assert a["sessions"] == 0 and a["kv_tokens"] == 0
 
